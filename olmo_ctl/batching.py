@@ -1,0 +1,144 @@
+"""Global-batch planning: per-device micro-batch x gradient accumulation x data-parallel devices.
+
+The recipe's global batch is held exactly on any slice. Every JAX device holds a disjoint part of
+the batch (FSDP and hybrid FSDP x DP both shard the batch over all devices), so the data-parallel
+size is the device count. The micro-batch is the largest divisor of the per-device share that fits
+the per-device memory estimate below (and the recipe cap); the rest becomes accumulation steps.
+
+Memory estimate per device (bytes), documented so a plan can be checked by hand:
+  state       = params x (4 master + 4 + 4 Adam moments + 4 gradients) / devices      (FSDP shards all)
+  per instance:
+    logits    = seq x padded_vocab x 4 bytes x 3  (fp32 logits, softmax and its gradient)
+    residuals = n_layers x seq x d_model x act_bytes x k_remat
+                k_remat: full = 1 (only each block's input is kept), save_proj = 1 + (q,k,v,o,
+                w1,w3 outputs) / d_model, none = every intermediate of the block (~ 16 + 3 x mlp/d)
+    working   = seq x (10 x d_model + 3 x mlp_hidden) x act_bytes   (one block being recomputed)
+  usable      = HBM x 0.85 (XLA's own buffers and fragmentation)
+The compiled truth is `olmo-ctl preflight`; this estimate only chooses accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from olmo_ctl.devices import Device
+from olmo_ctl.errors import BadInput
+from olmo_ctl.recipe import ModelConfig, Recipe
+
+USABLE_HBM_FRACTION = 0.85
+STATE_BYTES_PER_PARAM = 16  # fp32 master + two fp32 Adam moments + fp32 gradient
+
+
+def param_count(m: ModelConfig) -> int:
+    """Trainable parameters at the padded vocab: embeddings + LM head + blocks + final norm."""
+    q = m.n_heads * m.head_dim
+    kv = m.n_kv_heads * m.head_dim
+    attn = m.d_model * q + 2 * m.d_model * kv + q * m.d_model + q + kv  # wq wk wv wo + q/k norms
+    mlp = 3 * m.d_model * m.mlp_hidden
+    norms = 2 * m.d_model  # post-attention and post-MLP norms
+    block = attn + mlp + norms
+    return 2 * m.padded_vocab_size * m.d_model + m.n_layers * block + m.d_model
+
+
+def _act_bytes(m: ModelConfig) -> int:
+    return 2 if m.compute_dtype == "bfloat16" else 4
+
+
+def activation_bytes_per_instance(m: ModelConfig, seq_len: int, remat: str | None = None) -> int:
+    remat = remat or m.remat
+    a = _act_bytes(m)
+    if remat == "full":
+        k = 1.0
+    elif remat == "save_proj":
+        q = m.n_heads * m.head_dim
+        kv = m.n_kv_heads * m.head_dim
+        k = 1.0 + (2 * q + 2 * kv + 2 * m.mlp_hidden) / m.d_model
+    else:
+        k = 16.0 + 3.0 * m.mlp_hidden / m.d_model
+    logits = seq_len * m.padded_vocab_size * 4 * 3
+    residuals = m.n_layers * seq_len * m.d_model * a * k
+    working = seq_len * (10 * m.d_model + 3 * m.mlp_hidden) * a
+    return int(logits + residuals + working)
+
+
+def state_bytes_per_device(m: ModelConfig, devices: int) -> int:
+    return param_count(m) * STATE_BYTES_PER_PARAM // devices
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: str
+    device: str
+    devices: int
+    data_parallel: int  # devices sharing each global batch
+    global_batch: int
+    per_device_batch: int  # instances per device per micro-step
+    grad_accum: int
+    seq_len: int
+    tokens_per_step: int
+    max_steps: int
+    remat: str
+    state_bytes_per_device: int
+    activation_bytes_per_instance: int
+    estimated_bytes_per_device: int
+    hbm_bytes_per_device: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _divisors_desc(n: int) -> list[int]:
+    return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
+
+
+def make_plan(recipe: Recipe, device: Device) -> Plan:
+    t, m = recipe.train, recipe.model
+    devices = device.devices
+    if t.mesh == "hybrid" and devices % t.data_parallel:
+        raise BadInput(
+            f"train.data_parallel ({t.data_parallel}) does not divide the {devices} devices of {device.name}",
+            "choose a data_parallel that divides the device count",
+        )
+    if t.global_batch % devices:
+        hint = (
+            f"use a slice with at most {t.global_batch} devices"
+            if devices > t.global_batch
+            else f"use a device count that divides {t.global_batch}"
+        )
+        raise BadInput(
+            f"global batch {t.global_batch} cannot be split exactly over the {devices} devices of {device.name}"
+            f" (per-device batch would be {t.global_batch / devices:g})",
+            f"{hint}, or change train.global_batch (the recipe's batch is never changed silently)",
+        )
+    share = t.global_batch // devices
+    state = state_bytes_per_device(m, devices)
+    per_instance = activation_bytes_per_instance(m, t.seq_len)
+    usable = int(device.hbm_bytes_per_device * USABLE_HBM_FRACTION)
+    by_memory = (usable - state) // per_instance if per_instance else share
+    cap = share if t.max_per_device_batch == 0 else min(share, t.max_per_device_batch)
+    cap = min(cap, by_memory)
+    if cap < 1:
+        gib = 1024**3
+        raise BadInput(
+            f"{recipe.name} does not fit on {device.name}: the estimate needs {state / gib:.1f} GiB of state"
+            f" + {per_instance / gib:.1f} GiB per instance per device, {usable / gib:.1f} GiB usable",
+            "use a larger slice or a stronger remat policy (model.remat=full)",
+        )
+    micro = next(d for d in _divisors_desc(share) if d <= cap)
+    return Plan(
+        recipe=recipe.name,
+        device=device.name,
+        devices=devices,
+        data_parallel=devices,
+        global_batch=t.global_batch,
+        per_device_batch=micro,
+        grad_accum=share // micro,
+        seq_len=t.seq_len,
+        tokens_per_step=t.global_batch * t.seq_len,
+        max_steps=t.max_steps,
+        remat=m.remat,
+        state_bytes_per_device=state,
+        activation_bytes_per_instance=per_instance,
+        estimated_bytes_per_device=state + micro * per_instance,
+        hbm_bytes_per_device=device.hbm_bytes_per_device,
+    )

@@ -1,0 +1,52 @@
+"""`olmo-ctl` entry point: registers the command modules and maps errors to exit codes.
+
+Exit codes: 0 success, 1 run failed, 2 bad input, 3 unreachable, 4 gave up, 124 timed out,
+130 interrupted. A user mistake prints one line (`error: ...`) and never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+try:  # typer >= 0.26 vendors click
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exc
+
+from olmo_ctl.cli.app import app
+from olmo_ctl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, OlmoCtlError
+
+# Command modules register themselves on `app` when imported (keep these imports light).
+from olmo_ctl.cli import foundation  # noqa: E402,F401
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        rv = app(args=args, prog_name="olmo-ctl", standalone_mode=False)
+    except OlmoCtlError as e:
+        sys.stderr.write(f"error: {e.one_line()}\n")
+        return e.exit_code
+    except click_exc.NoArgsIsHelpError as e:
+        return 0  # the help text is already printed
+    except click_exc.UsageError as e:
+        cmd = e.ctx.command_path if e.ctx else "olmo-ctl"
+        msg = " ".join(e.format_message().split())
+        sys.stderr.write(f"error: {msg}; see `{cmd} --help`\n")
+        return EXIT_BAD_INPUT
+    except click_exc.Abort:
+        sys.stderr.write("aborted\n")
+        return EXIT_INTERRUPTED
+    except click_exc.Exit as e:
+        return e.exit_code
+    except click_exc.ClickException as e:
+        sys.stderr.write(f"error: {' '.join(e.format_message().split())}\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return EXIT_INTERRUPTED
+    return rv if isinstance(rv, int) else 0
+
+
+def entry() -> None:
+    sys.exit(main())

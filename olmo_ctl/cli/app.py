@@ -1,0 +1,59 @@
+"""The Typer application object and the helpers every command module shares.
+
+Command modules (`olmo_ctl/cli/*.py`) register on `app`; `olmo_ctl/cli/__init__.py` imports them.
+Commands parse, call one operation, print, and map errors to exit codes; no logic lives here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(
+    name="olmo-ctl",
+    help="Run OLMo 3 7B stage 1/2 on TPU slices (GKE, JobSet, Kueue) or on this machine.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Run OLMo 3 7B stage 1/2 on TPU slices (GKE, JobSet, Kueue) or on this machine."""
+
+
+class Output(str, Enum):
+    table = "table"
+    json = "json"
+
+
+class ManifestOutput(str, Enum):
+    yaml = "yaml"
+    json = "json"
+
+
+# Options shared by every command that takes a recipe.
+StageOpt = Annotated[int | None, typer.Option("--stage", help="OLMo 3 stage: 1 (pre-training) or 2 (mid-training).")]
+RecipeOpt = Annotated[str | None, typer.Option("--recipe", help="Recipe file or name from recipes/ (e.g. smoke).")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a recipe value: --set key.sub=value (repeatable)."),
+]
+DeviceOpt = Annotated[str, typer.Option("--device", help="Device type, e.g. tpu7x-128, v5p-256, cpu-4.")]
+OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="table or json.")]
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def console():
+    from rich.console import Console
+
+    return Console()

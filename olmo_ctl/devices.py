@@ -1,0 +1,151 @@
+"""TPU and local device catalog, derived from each generation's rules rather than typed row by row.
+
+A device name is `{generation}-{N}`. For TPUs N counts TensorCores (chips x 2): the topology
+follows from the chip count by doubling the axes in the order z, y, x starting from 2x2x1 (the
+single-host slice), hosts have 4 chips. Ironwood exposes both TensorCores of a chip as JAX devices;
+v5p runs them as one megacore device. Local devices (`cpu-N`, `gpu-N`) are the local backend's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from olmo_ctl.errors import BadInput
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Generation:
+    name: str
+    accelerator_label: str  # cloud.google.com/gke-tpu-accelerator
+    machine_type: str
+    devices_per_chip: int
+    peak_tflops_per_chip: float  # dense bf16
+    hbm_gib_per_chip: float
+    chips_per_vm: int = 4
+
+
+GENERATIONS: dict[str, Generation] = {
+    "tpu7x": Generation("tpu7x", "tpu7x", "tpu7x-standard-4t", 2, 2307.0, 192.0),
+    "v5p": Generation("v5p", "tpu-v5p-slice", "ct5p-hightpu-4t", 1, 459.0, 95.0),
+}
+
+# Smallest and largest slice (in TensorCores) the catalog lists.
+MIN_TPU_CORES = 8
+MAX_TPU_CORES = 8192
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    generation: str  # tpu7x | v5p | cpu | gpu
+    topology: str | None
+    chips: int
+    vms: int
+    chips_per_vm: int
+    devices: int  # JAX devices in the slice
+    peak_tflops_per_device: float
+    hbm_gib_per_device: float
+    accelerator_label: str | None = None
+    machine_type: str | None = None
+    platform: str = "tpu"  # tpu | cpu | gpu
+
+    @property
+    def is_tpu(self) -> bool:
+        return self.platform == "tpu"
+
+    @property
+    def hbm_bytes_per_device(self) -> int:
+        return int(self.hbm_gib_per_device * GIB)
+
+    @property
+    def topology_name(self) -> str:
+        """The name `jax.experimental.topologies.get_topology_desc` takes (e.g. `v5p:4x4x8`)."""
+        return f"{self.generation}:{self.topology}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def tpu_topology(chips: int) -> str:
+    """2x2x1 for 4 chips; each doubling grows the smallest axis, z first (2x2x2, 2x2x4, 2x4x4, 4x4x4, ...)."""
+    if chips < 4 or chips & (chips - 1):
+        raise ValueError(f"no TPU topology for {chips} chips")
+    dims = [2, 2, 1]
+    while dims[0] * dims[1] * dims[2] < chips:
+        # Grow the smallest axis; ties go to the last axis so the order is x<=y<=z.
+        i = max(range(3), key=lambda k: (-dims[k], k))
+        dims[i] *= 2
+    return "x".join(str(d) for d in dims)
+
+
+def _tpu_device(gen: Generation, cores: int) -> Device:
+    chips = cores // 2
+    devices = chips * gen.devices_per_chip
+    return Device(
+        name=f"{gen.name}-{cores}",
+        generation=gen.name,
+        topology=tpu_topology(chips),
+        chips=chips,
+        vms=max(1, chips // gen.chips_per_vm),
+        chips_per_vm=min(chips, gen.chips_per_vm),
+        devices=devices,
+        peak_tflops_per_device=gen.peak_tflops_per_chip / gen.devices_per_chip,
+        hbm_gib_per_device=gen.hbm_gib_per_chip / gen.devices_per_chip,
+        accelerator_label=gen.accelerator_label,
+        machine_type=gen.machine_type,
+        platform="tpu",
+    )
+
+
+def tpu_catalog(generation: str | None = None) -> list[Device]:
+    gens = [GENERATIONS[generation]] if generation else list(GENERATIONS.values())
+    out = []
+    for gen in gens:
+        cores = MIN_TPU_CORES
+        while cores <= MAX_TPU_CORES:
+            out.append(_tpu_device(gen, cores))
+            cores *= 2
+    return out
+
+
+# Local devices: peak numbers are nominal (used only to print an MFU on the local backend).
+CPU_PEAK_TFLOPS = 0.1
+CPU_MEM_GIB = 8.0
+GPU_PEAK_TFLOPS = 989.5  # H100/H200 dense bf16
+GPU_HBM_GIB = 80.0
+MAX_LOCAL = 64
+
+
+def _local_device(kind: str, n: int) -> Device:
+    if kind == "cpu":
+        return Device(f"cpu-{n}", "cpu", None, 0, 1, 0, n, CPU_PEAK_TFLOPS, CPU_MEM_GIB, platform="cpu")
+    return Device(f"gpu-{n}", "gpu", None, 0, 1, 0, n, GPU_PEAK_TFLOPS, GPU_HBM_GIB, platform="gpu")
+
+
+def local_catalog() -> list[Device]:
+    return [_local_device("cpu", n) for n in (1, 2, 4, 8)] + [_local_device("gpu", n) for n in (1, 8)]
+
+
+def get_device(name: str) -> Device:
+    """Parse and validate a device name; unknown names raise BadInput with a hint."""
+    hint = "try `olmo-ctl devices` for the list"
+    if not isinstance(name, str) or "-" not in name:
+        raise BadInput(f"`{name}` is not a device type", hint)
+    gen, _, count = name.rpartition("-")
+    if not count.isdigit() or count.startswith("0"):
+        raise BadInput(f"`{name}` is not a device type", hint)
+    n = int(count)
+    if gen in ("cpu", "gpu"):
+        if not 1 <= n <= MAX_LOCAL:
+            raise BadInput(f"`{name}` is not a device type: {gen}-N takes 1 <= N <= {MAX_LOCAL}", hint)
+        return _local_device(gen, n)
+    if gen not in GENERATIONS:
+        raise BadInput(f"`{name}` is not a device type: unknown generation `{gen}` (tpu7x, v5p, cpu, gpu)", hint)
+    if n < MIN_TPU_CORES or n > MAX_TPU_CORES or n & (n - 1):
+        raise BadInput(
+            f"`{name}` is not a device type: {gen} sizes are powers of two from -{MIN_TPU_CORES} to -{MAX_TPU_CORES}",
+            hint,
+        )
+    return _tpu_device(GENERATIONS[gen], n)

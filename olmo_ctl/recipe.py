@@ -1,0 +1,385 @@
+"""Recipes: YAML files validated into typed, frozen objects.
+
+Unknown keys, wrong types and impossible values are errors that name the key and the file.
+`--set key.sub=value` overrides are applied to the raw mapping before validation, so they are
+checked exactly like values from the file. Nothing here imports jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from olmo_ctl.errors import BadInput
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+STAGE_RECIPES = {1: "olmo3-7b-stage1", 2: "olmo3-7b-stage2"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "olmo3-7b"
+    n_layers: int = 32
+    d_model: int = 4096
+    n_heads: int = 32
+    n_kv_heads: int = 32
+    head_dim: int = 128
+    mlp_hidden: int = 11008
+    vocab_size: int = 100278  # real tokens
+    padded_vocab_size: int = 100352  # embedding rows used in training
+    sliding_window: int = 4096  # a token sees itself plus window-1 before it
+    full_attention_every: int = 4  # layer i is full attention where (i+1) % full_attention_every == 0
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-6
+    init_std: float = 0.02
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    # Rematerialisation: none | full (recompute the whole block) | save_proj (keep attention/MLP projections)
+    remat: Literal["none", "full", "save_proj"] = "full"
+    # Attention implementation: auto picks the blocked kernel on TPU/GPU and the reference path on CPU.
+    attention: Literal["auto", "reference", "blocked"] = "auto"
+    eos_token_id: int = 100257
+    pad_token_id: int = 100277
+
+    def layer_is_full(self, i: int) -> bool:
+        return (i + 1) % self.full_attention_every == 0
+
+
+@dataclass(frozen=True)
+class SkipStepConfig:
+    enabled: bool = True
+    window: int = 128
+    min_history: int = 64
+    sigma: float = 6.0
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    z_loss: float = 1e-5
+    skip_step: SkipStepConfig = field(default_factory=SkipStepConfig)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    kind: Literal["cosine", "linear"] = "cosine"
+    warmup_steps: int = 2000
+    alpha: float = 0.1  # final LR = alpha * peak (cosine); linear decays to 0 when alpha = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # Token files (raw uint32). `{root}` in a path is replaced by `root`. Globs are allowed.
+    root: str = ""
+    train: tuple[str, ...] = ()
+    eval: tuple[str, ...] = ()
+    seed: int = 34521
+    ngram_filter: bool = False
+    prefetch_workers: int = 0
+    prefetch_buffer: int = 2
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int = 2000
+    keep: int = 3  # committed checkpoints to keep (0 keeps all)
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    interval: int = 1000
+    batches: int = 8
+    batch_size: int = 0  # 0 = the training global batch
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    metrics_every: int = 10  # fetch on-device metrics to the host every N steps
+    upload_every_s: float = 60.0  # event-file segment upload to gs://
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seq_len: int = 8192
+    global_batch: int = 512
+    max_steps: int = 1413814  # final step: checkpoint `max_steps` ends the run
+    seed: int = 34521  # parameter init and other RNG
+    max_per_device_batch: int = 0  # recipe cap on the micro-batch per device (0 = from the memory estimate)
+    mesh: Literal["fsdp", "hybrid"] = "fsdp"
+    data_parallel: int = 1  # replicas along the data axis when mesh = hybrid
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    stage: int = 0  # 1, 2, or 0 for other runs
+    description: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    source: str = field(default="", compare=False)  # file it came from (not part of the recipe)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch * self.train.seq_len
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source", None)
+        return _plain(d)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def fingerprint(self) -> str:
+        """Stable hash of the resolved recipe (its content, not where it came from)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def data_paths(self, split: str = "train") -> list[str]:
+        paths = self.data.train if split == "train" else self.data.eval
+        return [p.replace("{root}", self.data.root.rstrip("/")) for p in paths]
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    return x
+
+
+# ---------------------------------------------------------------- loading and validation
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (tuple,):
+        return "list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
+    """Check `value` against the annotation `tp`; return it converted (lists -> tuples, ints -> floats)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise BadInput(f"{src}: `{key}` must be a mapping, got {type(value).__name__}")
+        return _build(tp, value, key, src)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise BadInput(f"{src}: `{key}` must be one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        for arg in typing.get_args(tp):
+            if arg is type(None) and value is None:
+                return None
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, src)
+            except BadInput:
+                continue
+        raise BadInput(f"{src}: `{key}` has the wrong type ({value!r})")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise BadInput(f"{src}: `{key}` must be a list, got {type(value).__name__}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{key}[{i}]", src) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise BadInput(f"{src}: `{key}` must have {len(args)} items, got {len(value)}")
+        return tuple(_coerce(v, a, f"{key}[{i}]", src) for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise BadInput(f"{src}: `{key}` must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadInput(f"{src}: `{key}` must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise BadInput(f"{src}: `{key}` must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise BadInput(f"{src}: `{key}` must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} for {key}")
+
+
+def _build(cls: type, raw: dict, prefix: str, src: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls) if f.name != "source"}
+    kwargs = {}
+    for k, v in raw.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            raise BadInput(f"{src}: unknown key `{key}`", f"known keys here: {', '.join(sorted(names))}")
+        kwargs[k] = _coerce(v, hints[k], key, src)
+    return cls(**kwargs)
+
+
+def _parse_value(text: str) -> Any:
+    """A `--set` value is read as YAML (numbers, booleans, lists) so `1e-4`, `true`, `[a, b]` work."""
+    try:
+        v = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(v, str):
+        # YAML reads 3e-4 (no dot) as a string; accept it as a number.
+        try:
+            return float(v) if any(c in v for c in "eE.") else v
+        except ValueError:
+            return v
+    return v
+
+
+def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...], src: str) -> dict:
+    raw = json.loads(json.dumps(raw))  # deep copy of plain data
+    for item in overrides or ():
+        if "=" not in item:
+            raise BadInput(f"--set `{item}` is not key.sub=value", "for example --set train.max_steps=100")
+        key, _, text = item.partition("=")
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise BadInput(f"--set `{item}` has an empty key", "for example --set train.max_steps=100")
+        node = raw
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise BadInput(f"{src}: --set `{key}`: `{p}` is not a section")
+            node = nxt
+        node[parts[-1]] = _parse_value(text)
+    return raw
+
+
+def validate(r: Recipe, src: str) -> None:
+    """Impossible values; each message names the key and the file."""
+    m, t, o, s = r.model, r.train, r.optimizer, r.schedule
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise BadInput(f"{src}: `{key}` {why}")
+
+    need(r.stage in (0, 1, 2), "stage", f"must be 0, 1 or 2, got {r.stage}")
+    for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "vocab_size",
+              "padded_vocab_size", "sliding_window", "full_attention_every"):
+        need(getattr(m, k) > 0, f"model.{k}", f"must be positive, got {getattr(m, k)}")
+    need(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads ({m.n_heads})")
+    need(m.padded_vocab_size >= m.vocab_size, "model.padded_vocab_size",
+         f"must be >= model.vocab_size ({m.vocab_size})")
+    need(m.rope_theta > 0, "model.rope_theta", "must be positive")
+    need(m.rms_norm_eps > 0, "model.rms_norm_eps", "must be positive")
+    need(m.init_std > 0, "model.init_std", "must be positive")
+    need(m.sliding_window <= t.seq_len, "model.sliding_window",
+         f"({m.sliding_window}) must not exceed train.seq_len ({t.seq_len})")
+    need(0 <= m.eos_token_id < m.vocab_size, "model.eos_token_id", "must be a token id below model.vocab_size")
+    need(0 <= m.pad_token_id < m.vocab_size, "model.pad_token_id", "must be a token id below model.vocab_size")
+    need(t.seq_len > 1, "train.seq_len", f"must be > 1, got {t.seq_len}")
+    need(t.global_batch > 0, "train.global_batch", f"must be positive, got {t.global_batch}")
+    need(t.max_steps > 0, "train.max_steps", f"must be positive, got {t.max_steps}")
+    need(t.max_per_device_batch >= 0, "train.max_per_device_batch", "must be >= 0")
+    need(t.data_parallel >= 1, "train.data_parallel", "must be >= 1")
+    if t.mesh == "hybrid":
+        need(t.global_batch % t.data_parallel == 0, "train.global_batch",
+             f"({t.global_batch}) must be a multiple of train.data_parallel ({t.data_parallel})")
+    need(o.lr > 0, "optimizer.lr", f"must be positive, got {o.lr}")
+    need(all(0 <= b < 1 for b in o.betas), "optimizer.betas", "must be in [0, 1)")
+    need(o.eps > 0, "optimizer.eps", "must be positive")
+    need(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
+    need(o.grad_clip > 0, "optimizer.grad_clip", "must be positive")
+    need(o.z_loss >= 0, "optimizer.z_loss", "must be >= 0")
+    ss = o.skip_step
+    need(ss.window >= 2, "optimizer.skip_step.window", "must be >= 2")
+    need(2 <= ss.min_history <= ss.window, "optimizer.skip_step.min_history",
+         "must be between 2 and optimizer.skip_step.window")
+    need(ss.sigma > 0, "optimizer.skip_step.sigma", "must be positive")
+    need(s.warmup_steps >= 0, "schedule.warmup_steps", "must be >= 0")
+    need(s.warmup_steps < t.max_steps, "schedule.warmup_steps", "must be below train.max_steps")
+    need(0 <= s.alpha <= 1, "schedule.alpha", "must be in [0, 1]")
+    need(r.checkpoint.interval > 0, "checkpoint.interval", "must be positive")
+    need(r.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0")
+    need(r.eval.interval > 0, "eval.interval", "must be positive")
+    need(r.eval.batches >= 0, "eval.batches", "must be >= 0")
+    need(r.eval.batch_size >= 0, "eval.batch_size", "must be >= 0")
+    need(r.logging.metrics_every > 0, "logging.metrics_every", "must be positive")
+    need(r.data.prefetch_workers >= 0, "data.prefetch_workers", "must be >= 0")
+    need(len(r.data.train) > 0, "data.train", "must list at least one token file or glob")
+
+
+def resolve_recipe_path(recipe: str | None = None, stage: int | None = None) -> Path:
+    """`--stage 1|2` or `--recipe FILE|NAME` -> a file path. Exactly one of them must be given."""
+    if recipe is not None and stage is not None:
+        raise BadInput("--stage and --recipe are exclusive", "give one of them")
+    if recipe is None and stage is None:
+        raise BadInput("no recipe given", "pass --stage 1|2 or --recipe FILE|NAME")
+    if stage is not None:
+        if stage not in STAGE_RECIPES:
+            raise BadInput(f"--stage {stage} is not a stage", "OLMo 3 stages here are 1 and 2")
+        return RECIPES_DIR / f"{STAGE_RECIPES[stage]}.yaml"
+    p = Path(recipe)
+    if p.suffix in (".yaml", ".yml") or p.exists() or "/" in recipe:
+        if not p.exists():
+            raise BadInput(f"recipe file `{recipe}` does not exist", "pass a YAML file or a name from recipes/")
+        return p
+    named = RECIPES_DIR / f"{recipe}.yaml"
+    if not named.exists():
+        names = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.yaml")))
+        raise BadInput(f"`{recipe}` is not a recipe", f"known recipes: {names}")
+    return named
+
+
+def load_raw(path: Path) -> dict:
+    src = str(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise BadInput(f"cannot read recipe `{src}`: {e.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        first = str(e).splitlines()[0] if str(e) else "syntax error"
+        raise BadInput(f"{src}: not valid YAML ({first})") from None
+    if not isinstance(raw, dict):
+        raise BadInput(f"{src}: a recipe is a YAML mapping")
+    return raw
+
+
+def recipe_from_dict(raw: dict, src: str = "<recipe>", overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    raw = apply_overrides(raw, overrides, src)
+    if "name" not in raw:
+        raise BadInput(f"{src}: missing key `name`")
+    r = _build(Recipe, raw, "", src)
+    r = dataclasses.replace(r, source=src)
+    validate(r, src)
+    return r
+
+
+def load_recipe(
+    recipe: str | None = None, stage: int | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Recipe:
+    path = resolve_recipe_path(recipe, stage)
+    return recipe_from_dict(load_raw(path), str(path), overrides)

@@ -1,0 +1,260 @@
+"""One storage interface for run directories on gs:// or a local path.
+
+Everything the CLI and the trainer persist goes through `Store`: whole-object reads and writes
+(GCS has no append), ranged reads (tailing event files), listings with a delimiter (checkpoint
+discovery in one or two calls), and writes conditioned on the object's generation (the lease's
+compare-and-swap). The GCS client is imported only when a gs:// path is used. With
+`STORAGE_EMULATOR_HOST` set, the client talks to that emulator with anonymous credentials.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import posixpath
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from olmo_ctl.errors import BadInput, OlmoCtlError, Unreachable
+
+
+class PreconditionFailed(OlmoCtlError):
+    """A conditional write lost the race: the object's generation was not the expected one."""
+
+    def __init__(self, path: str):
+        super().__init__(f"`{path}` changed under us (generation mismatch)", exit_code=2)
+
+
+class NotFound(OlmoCtlError):
+    def __init__(self, path: str):
+        super().__init__(f"`{path}` does not exist", exit_code=2)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    path: str  # full path or URL
+    size: int
+    generation: int
+
+
+def is_gcs(path: str) -> bool:
+    return str(path).startswith("gs://")
+
+
+def join(base: str, *parts: str) -> str:
+    base = str(base)
+    if is_gcs(base):
+        return posixpath.join(base.rstrip("/") if base != "gs://" else base, *parts)
+    return os.path.join(base, *parts)
+
+
+class Store:
+    """Interface; `store_for(path)` returns the implementation for a path."""
+
+    def read_bytes(self, path: str) -> bytes: ...
+    def read_range(self, path: str, start: int, end: int | None = None) -> bytes: ...
+    def write_bytes(self, path: str, data: bytes, if_generation_match: int | None = None) -> int: ...
+    def stat(self, path: str) -> ObjectInfo | None: ...
+    def list(self, prefix: str, recursive: bool = False) -> tuple[list[ObjectInfo], list[str]]: ...
+    def delete(self, path: str) -> None: ...
+
+    def exists(self, path: str) -> bool:
+        return self.stat(path) is not None
+
+    def read_text(self, path: str) -> str:
+        return self.read_bytes(path).decode()
+
+    def write_text(self, path: str, text: str, if_generation_match: int | None = None) -> int:
+        return self.write_bytes(path, text.encode(), if_generation_match)
+
+
+class LocalStore(Store):
+    """Local files. Generations are nanosecond mtimes; conditional writes hold an flock."""
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except FileNotFoundError:
+            raise NotFound(path) from None
+
+    def read_range(self, path: str, start: int, end: int | None = None) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read() if end is None else f.read(max(0, end - start))
+        except FileNotFoundError:
+            raise NotFound(path) from None
+
+    def _gen(self, path: str) -> int:
+        try:
+            return os.stat(path).st_mtime_ns
+        except FileNotFoundError:
+            return 0
+
+    def write_bytes(self, path: str, data: bytes, if_generation_match: int | None = None) -> int:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(str(p) + ".lock", "a+") if if_generation_match is not None else None
+        try:
+            if lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if self._gen(path) != if_generation_match:
+                    raise PreconditionFailed(path)
+            fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, p)
+            gen = self._gen(path)
+            if lock and gen == if_generation_match:  # same-ns rewrite: make the generation move
+                os.utime(p, ns=(gen + 1, gen + 1))
+                gen += 1
+            return gen
+        finally:
+            if lock:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+                lock.close()
+
+    def stat(self, path: str) -> ObjectInfo | None:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(str(path), st.st_size, st.st_mtime_ns)
+
+    def list(self, prefix: str, recursive: bool = False) -> tuple[list[ObjectInfo], list[str]]:
+        """Objects directly under directory `prefix` and its sub-directories (with a trailing /)."""
+        root = Path(prefix)
+        files: list[ObjectInfo] = []
+        dirs: list[str] = []
+        if not root.is_dir():
+            return files, dirs
+        if recursive:
+            for dp, _, fns in os.walk(root):
+                for fn in fns:
+                    full = os.path.join(dp, fn)
+                    st = os.stat(full)
+                    files.append(ObjectInfo(full, st.st_size, st.st_mtime_ns))
+            return sorted(files, key=lambda o: o.path), dirs
+        with os.scandir(root) as it:
+            for e in it:
+                if e.is_dir():
+                    dirs.append(os.path.join(str(root), e.name) + "/")
+                else:
+                    st = e.stat()
+                    files.append(ObjectInfo(os.path.join(str(root), e.name), st.st_size, st.st_mtime_ns))
+        return sorted(files, key=lambda o: o.path), sorted(dirs)
+
+    def delete(self, path: str) -> None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def split_gcs(url: str) -> tuple[str, str]:
+    rest = url[len("gs://"):]
+    bucket, _, name = rest.partition("/")
+    if not bucket:
+        raise BadInput(f"`{url}` has no bucket", "write gs://BUCKET/path")
+    return bucket, name
+
+
+class GCSStore(Store):
+    """google-cloud-storage, honouring STORAGE_EMULATOR_HOST for the local emulator."""
+
+    def __init__(self):
+        from google.api_core import exceptions as gexc
+        from google.cloud import storage
+
+        self._exc = gexc
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            from google.auth.credentials import AnonymousCredentials
+
+            self._client = storage.Client(project="local", credentials=AnonymousCredentials())
+        else:
+            self._client = storage.Client()
+
+    def _blob(self, url: str):
+        bucket, name = split_gcs(url)
+        return self._client.bucket(bucket).blob(name)
+
+    def _call(self, url: str, fn):
+        exc = self._exc
+        try:
+            return fn()
+        except exc.NotFound:
+            raise NotFound(url) from None
+        except exc.PreconditionFailed:
+            raise PreconditionFailed(url) from None
+        except (exc.ServiceUnavailable, exc.InternalServerError, exc.GatewayTimeout, exc.TooManyRequests) as e:
+            raise Unreachable(f"storage unreachable for `{url}`: {e}") from None
+        except exc.Forbidden as e:
+            raise OlmoCtlError(f"no permission for `{url}`: {e.message}", "check the service account", 2) from None
+        except OSError as e:  # connection refused etc.
+            raise Unreachable(f"storage unreachable for `{url}`: {e}") from None
+        except Exception as e:  # requests' ConnectionError and friends
+            if "Connection" in type(e).__name__ or "Timeout" in type(e).__name__:
+                raise Unreachable(f"storage unreachable for `{url}`: {e}") from None
+            raise
+
+    def read_bytes(self, path: str) -> bytes:
+        return self._call(path, lambda: self._blob(path).download_as_bytes())
+
+    def read_range(self, path: str, start: int, end: int | None = None) -> bytes:
+        if end is not None and end <= start:
+            return b""
+        # download_as_bytes' `end` is inclusive.
+        return self._call(
+            path, lambda: self._blob(path).download_as_bytes(start=start, end=None if end is None else end - 1)
+        )
+
+    def write_bytes(self, path: str, data: bytes, if_generation_match: int | None = None) -> int:
+        blob = self._blob(path)
+
+        def up():
+            blob.upload_from_string(data, if_generation_match=if_generation_match)
+            return int(blob.generation or 0)
+
+        return self._call(path, up)
+
+    def stat(self, path: str) -> ObjectInfo | None:
+        bucket, name = split_gcs(path)
+
+        def get():
+            b = self._client.bucket(bucket).get_blob(name)
+            return None if b is None else ObjectInfo(path, int(b.size or 0), int(b.generation or 0))
+
+        return self._call(path, get)
+
+    def list(self, prefix: str, recursive: bool = False) -> tuple[list[ObjectInfo], list[str]]:
+        bucket, name = split_gcs(prefix)
+        if name and not name.endswith("/"):
+            name += "/"
+
+        def ls():
+            it = self._client.list_blobs(bucket, prefix=name, delimiter=None if recursive else "/")
+            files = [ObjectInfo(f"gs://{bucket}/{b.name}", int(b.size or 0), int(b.generation or 0)) for b in it]
+            dirs = sorted(f"gs://{bucket}/{p}" for p in it.prefixes)
+            return files, dirs
+
+        return self._call(prefix, ls)
+
+    def delete(self, path: str) -> None:
+        try:
+            self._call(path, lambda: self._blob(path).delete())
+        except NotFound:
+            pass
+
+
+_gcs: GCSStore | None = None
+_local = LocalStore()
+
+
+def store_for(path: str) -> Store:
+    global _gcs
+    if is_gcs(path):
+        if _gcs is None:
+            _gcs = GCSStore()
+        return _gcs
+    return _local
