@@ -1,0 +1,1 @@
+"""Backends: where an attempt runs. `local` (processes on this machine) and `gke` (JobSet + Kueue)."""
