@@ -1,0 +1,129 @@
+"""Orbax checkpoints of a run: `<run-dir>/checkpoints/<step>/` on a local path or gs://.
+
+Step semantics: checkpoint `<N>` holds the state after N completed steps (parameters, Adam moments
+and count, skip-step window, step counter) plus a JSON `meta` item (data-loader state, dataset
+fingerprint, seed). The next step to run after restoring `<N>` is step N+1.
+
+Each checkpoint is an Orbax `Composite(state=StandardSave, meta=JsonSave)` written by a
+`CheckpointManager`; only committed steps count (Orbax finalises a step by renaming its tmp
+directory locally, and by a commit marker on gs://), so a kill during a write never yields a step
+that a restart would restore. Saves may be asynchronous: `wait()` before the process exits.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from olmo_ctl.storage import is_gcs, join
+
+
+def checkpoints_dir(run_dir: str) -> str:
+    return join(run_dir, "checkpoints")
+
+
+def _path(p: str) -> str:
+    return p if is_gcs(p) else os.path.abspath(p)
+
+
+def _ocp():
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+class Checkpointer:
+    """The run's CheckpointManager with the two items every checkpoint holds."""
+
+    def __init__(self, directory: str, keep: int = 0, async_save: bool = True, read_only: bool = False):
+        ocp = _ocp()
+        self.directory = _path(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep or None,
+            enable_async_checkpointing=async_save,
+            create=not read_only,
+            read_only=read_only,
+        )
+        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self.last_save_s = 0.0
+
+    @classmethod
+    def for_run(cls, run_dir: str, keep: int = 0, async_save: bool = True) -> Checkpointer:
+        return cls(checkpoints_dir(run_dir), keep, async_save)
+
+    def committed_steps(self) -> list[int]:
+        self._mngr.reload()
+        return sorted(self._mngr.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: Any, meta: dict) -> float:
+        """Start saving `state` (after `step` completed steps); returns the blocking seconds spent."""
+        ocp = _ocp()
+        t0 = time.monotonic()
+        self._mngr.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
+        self.last_save_s = time.monotonic() - t0
+        return self.last_save_s
+
+    def wait(self) -> None:
+        self._mngr.wait_until_finished()
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """Restore into the shapes, dtypes and shardings of `abstract_state` (ShapeDtypeStructs)."""
+        ocp = _ocp()
+        out = self._mngr.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
+        )
+        return out["state"], dict(out["meta"] or {})
+
+    def restore_host(self, step: int) -> tuple[Any, dict]:
+        """Restore onto the first local device without knowing the model (surgery, souping, tests)."""
+        import jax
+
+        meta_tree = self._mngr.item_metadata(step)["state"]
+        tree = meta_tree.tree if hasattr(meta_tree, "tree") else meta_tree
+        dev = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+        abstract = _tree_map_meta(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=dev), tree)
+        return self.restore(step, abstract)
+
+    def close(self) -> None:
+        self._mngr.wait_until_finished()
+        self._mngr.close()
+
+
+def _tree_map_meta(fn, tree):
+    if isinstance(tree, dict):
+        return {k: _tree_map_meta(fn, v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_tree_map_meta(fn, v) for v in tree)
+    return fn(tree)
+
+
+def split_step_dir(path: str) -> tuple[str, int]:
+    """`<...>/checkpoints/<N>` -> (`<...>/checkpoints`, N); a BadInput if it is not a step directory."""
+    from olmo_ctl.errors import BadInput
+
+    p = path.rstrip("/")
+    parent, _, name = p.rpartition("/")
+    if not name.isdigit() or not parent:
+        raise BadInput(f"`{path}` is not a checkpoint step directory", "pass <run-dir>/checkpoints/<step>")
+    return parent, int(name)
+
+
+def open_step(path: str) -> tuple[Checkpointer, int]:
+    """A read-only manager on the checkpoint step directory `path`, checked to be committed."""
+    from olmo_ctl.errors import BadInput
+
+    parent, step = split_step_dir(path)
+    ckpt = Checkpointer(parent, read_only=True, async_save=False)
+    if step not in ckpt.committed_steps():
+        raise BadInput(f"`{path}` is not a committed checkpoint", f"committed steps: {ckpt.committed_steps()}")
+    return ckpt, step

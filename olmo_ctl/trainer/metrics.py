@@ -1,0 +1,99 @@
+"""TensorBoard events as immutable segments, safe on gs:// (which has no append).
+
+Scalars are classic `simple_value` summaries in TFRecord event files. Each attempt writes a series of
+complete event files under `<run-dir>/tensorboard/`:
+
+    events.out.tfevents.<unix start time, 10 digits>.<host>.a<attempt 4 digits>.s<segment 5 digits>
+
+each starting with a `file_version` record and holding only records not in earlier segments, so a
+metric never appears in two segments of one attempt. A segment is built in memory and written as
+one whole object (local paths get the same names, written atomically). Names sort by start time,
+so readers see attempts in order; after a kill, steps past the last checkpoint that an attempt
+logged are logged again by the next attempt, and a reader keeps the later value (EventAccumulator
+purges the orphaned steps itself).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import socket
+import time
+
+from olmo_ctl.storage import join, store_for
+
+# The OLMo-core tag names plus the TPU case study's parity tags (docs/CONTRACTS.md).
+TAGS = (
+    "train/CE loss", "train/PPL", "train/Z loss", "optim/total grad norm", "optim/LR (group 0)",
+    "optim/LR (group 1)", "optim/step skipped", "optim/step_skipped", "throughput/total tokens",
+    "perf/total_tokens", "throughput/device/TPS", "throughput/device/TPS (actual avg)",
+    "throughput/device/MFU", "throughput/device/MFU (actual avg)", "throughput/device/data loading (s)",
+    "perf/step_time_s", "checkpoint/save_duration_s", "eval/lm_loss",
+)
+
+
+def segment_name(start_time: int, host: str, attempt: int, segment: int) -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", host) or "host"
+    return f"events.out.tfevents.{start_time:010d}.{host}.a{attempt:04d}.s{segment:05d}"
+
+
+def _event_bytes(events) -> bytes:
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    buf = io.BytesIO()
+    w = RecordWriter(buf)
+    for e in events:
+        w.write(e.SerializeToString())
+    return buf.getvalue()
+
+
+class EventLog:
+    """Buffers scalars and uploads them as a new immutable segment on `upload()`."""
+
+    def __init__(self, run_dir: str, attempt: int = 0, host: str | None = None, start_time: int | None = None):
+        self.dir = join(run_dir, "tensorboard")
+        self.attempt = attempt
+        self.host = host or socket.gethostname().split(".")[0]
+        self.start_time = int(time.time()) if start_time is None else start_time
+        self.segment = 0
+        self._pending: list = []
+        self._last_upload = time.monotonic()
+
+    def scalars(self, step: int, values: dict[str, float], wall_time: float | None = None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        wt = time.time() if wall_time is None else wall_time
+        summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
+        self._pending.append(Event(wall_time=wt, step=int(step), summary=summary))
+
+    def due(self, every_s: float) -> bool:
+        return bool(self._pending) and time.monotonic() - self._last_upload >= every_s
+
+    def upload(self) -> str | None:
+        """Write pending records as the next segment; on a storage error they stay pending."""
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        if not self._pending:
+            return None
+        header = Event(wall_time=self._pending[0].wall_time, file_version="brain.Event:2")
+        data = _event_bytes([header, *self._pending])
+        path = join(self.dir, segment_name(self.start_time, self.host, self.attempt, self.segment))
+        store_for(path).write_bytes(path, data)  # raises -> records stay pending, same name next time
+        self.segment += 1
+        self._pending = []
+        self._last_upload = time.monotonic()
+        return path
+
+
+def read_scalars(run_dir_or_tb: str) -> dict[str, dict[int, float]]:
+    """Every scalar of a run as {tag: {step: value}} via TensorBoard's EventAccumulator (tests, tools)."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, TENSORS, EventAccumulator
+
+    path = run_dir_or_tb if run_dir_or_tb.rstrip("/").endswith("tensorboard") else join(run_dir_or_tb, "tensorboard")
+    acc = EventAccumulator(path, size_guidance={SCALARS: 0, TENSORS: 0})
+    acc.Reload()
+    out: dict[str, dict[int, float]] = {}
+    for tag in acc.Tags()["scalars"]:
+        out[tag] = {e.step: e.value for e in acc.Scalars(tag)}
+    return out
