@@ -1,39 +1,232 @@
-"""Foundation commands: devices, plan, config, submit --dry-run."""
+"""Foundation commands: devices, plan, config show (submit lives in `cli/submit.py`)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.app import DeviceOpt, Output, OutputOpt, RecipeOpt, SetOpt, StageOpt, app, print_json
+
+# Site settings as flags (each wins over OLMO_CTL_<NAME> and the config file); shared with submit.
+KubeContextOpt = Annotated[str | None, typer.Option("--kube-context", help="kubeconfig context.")]
+NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Kubernetes namespace.")]
+QueueOpt = Annotated[str | None, typer.Option("--queue", help="Kueue LocalQueue name.")]
+PriorityClassOpt = Annotated[str | None, typer.Option("--priority-class", help="Kueue WorkloadPriorityClass.")]
+ImageOpt = Annotated[str | None, typer.Option("--image", help="Container image with olmo-ctl.")]
+RunRootOpt = Annotated[str | None, typer.Option("--run-root", help="Where run directories live (gs://...).")]
+ServiceAccountOpt = Annotated[
+    str | None, typer.Option("--service-account", help="Kubernetes service account (Workload Identity).")
+]
+PlacementPolicyOpt = Annotated[
+    str | None,
+    typer.Option("--placement-policy", help="Placement policy of multi-host Ironwood node pools ({topology} ok)."),
+]
+BackendOpt = Annotated[str | None, typer.Option("--backend", help="gke or local.")]
+
+
+def note(text: str) -> None:
+    """A remark for the person at the terminal; stderr, so stdout stays machine-readable."""
+    sys.stderr.write(f"note: {text}\n")
+
+
+# ---------------------------------------------------------------- devices
+
+
+def _fmt_num(x: float) -> str:
+    return f"{x:g}"
 
 
 @app.command()
 def devices(
-    generation: Annotated[str | None, typer.Option("--generation", help="tpu7x or v5p.")] = None,
+    generation: Annotated[str | None, typer.Option("--generation", help="tpu7x, v5p, cpu or gpu.")] = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """List TPU slice types (and the local backend's cpu-N / gpu-N)."""
     from olmo_ctl import devices as dev
     from olmo_ctl.errors import BadInput
 
-    if generation is not None and generation not in dev.GENERATIONS:
-        raise BadInput(f"--generation `{generation}` is not a TPU generation", "use tpu7x or v5p")
-    rows = dev.tpu_catalog(generation) + ([] if generation else dev.local_catalog())
+    local = dev.local_catalog()
+    if generation is None:
+        rows = dev.tpu_catalog() + local
+    elif generation in dev.GENERATIONS:
+        rows = dev.tpu_catalog(generation)
+    elif generation in ("cpu", "gpu"):
+        rows = [d for d in local if d.generation == generation]
+    else:
+        raise BadInput(f"--generation `{generation}` is not a device generation", "use tpu7x, v5p, cpu or gpu")
     if output == Output.json:
         print_json([d.to_dict() for d in rows])
         return
-    from rich.table import Table
-
-    from olmo_ctl.cli.app import console
-
-    t = Table(show_edge=False)
-    for col in ("name", "topology", "chips", "VMs", "chips/VM", "devices", "TFLOP/s/dev", "HBM GiB/dev", "label",
-                "machine type"):
-        t.add_column(col)
+    # Fits an 80-column terminal; the GKE label and machine type go in each generation's heading.
+    cols = ("NAME", "TOPOLOGY", "CHIPS", "VMS", "CHIPS/VM", "DEVICES", "TFLOP/S/DEV", "HBM GIB/DEV")
+    widths = (10, 8, 5, 4, 8, 7, 11, 11)
+    line = "  ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths))
+    out = []
+    heading = None
     for d in rows:
-        t.add_row(d.name, d.topology or "-", str(d.chips), str(d.vms), str(d.chips_per_vm), str(d.devices),
-                  f"{d.peak_tflops_per_device:g}", f"{d.hbm_gib_per_device:g}", d.accelerator_label or "-",
-                  d.machine_type or "-")
-    console().print(t)
+        if d.generation != heading:
+            heading = d.generation
+            if out:
+                out.append("")
+            if d.is_tpu:
+                out.append(f"{d.generation}: GKE accelerator {d.accelerator_label}, machine type {d.machine_type}")
+            else:
+                out.append(f"{d.generation}: local backend, nominal peak (for MFU only)")
+            out.append(line.format(*cols).rstrip())
+        out.append(line.format(d.name, d.topology or "-", d.chips or "-", d.vms, d.chips_per_vm or "-",
+                               d.devices, _fmt_num(d.peak_tflops_per_device),
+                               _fmt_num(d.hbm_gib_per_device)).rstrip())
+    sys.stdout.write("\n".join(out) + "\n")
+
+
+# ---------------------------------------------------------------- plan
+
+
+def plan_report(recipe, device, mfu: float) -> dict:
+    """The plan plus a compute estimate (both FLOPs formulas, named) at an assumed MFU."""
+    from olmo_ctl import flops
+    from olmo_ctl.batching import make_plan, param_count
+
+    plan = make_plan(recipe, device)
+    d = plan.to_dict()
+    tokens = plan.tokens_per_step * plan.max_steps
+    fpt = {f: flops.flops_per_token(recipe.model, plan.seq_len, f) for f in flops.FORMULAS}
+    sustained = device.peak_tflops_per_device * 1e12 * mfu * plan.devices  # FLOP/s over the slice
+    estimate = {}
+    for f, per_token in fpt.items():
+        step_s = per_token * plan.tokens_per_step / sustained
+        wall_s = step_s * plan.max_steps
+        estimate[f] = {
+            "step_time_s": step_s,
+            "wall_clock_s": wall_s,
+            "wall_clock_days": wall_s / 86400,
+            "device_hours": wall_s * plan.devices / 3600,
+            "chip_hours": wall_s * device.chips / 3600 if device.chips else None,
+            "tokens_per_s_per_device": plan.tokens_per_step / step_s / plan.devices,
+        }
+    d.update({
+        "chips": device.chips,
+        "vms": device.vms,
+        "params": param_count(recipe.model),
+        "flops_per_token": fpt,
+        "steps": plan.max_steps,
+        "tokens": tokens,
+        "mfu": mfu,
+        "peak_tflops_per_device": device.peak_tflops_per_device,
+        "estimate": estimate,
+    })
+    return d
+
+
+def _duration(s: float) -> str:
+    if s < 120:
+        return f"{s:.2f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    h = s / 3600
+    return f"{h:,.0f} h ({h / 24:,.1f} days)" if h >= 48 else f"{h:,.2f} h"
+
+
+def _print_plan(r: dict) -> None:
+    gib = 1024**3
+    lines = [
+        f"{r['recipe']} on {r['device']}: {r['chips']} chips, {r['vms']} VM{'s' if r['vms'] != 1 else ''},"
+        f" {r['devices']} devices",
+        f"  global batch      {r['global_batch']} x {r['seq_len']} tokens = {r['tokens_per_step']:,} tokens/step",
+        f"  per device        batch {r['per_device_batch']} x {r['grad_accum']} accumulation step(s)"
+        f" = {r['global_batch'] // r['devices']} instances per step",
+        f"  memory estimate   {r['estimated_bytes_per_device'] / gib:.1f} GiB of {r['hbm_bytes_per_device'] / gib:.0f}"
+        f" GiB HBM per device (remat {r['remat']})",
+        f"  steps             {r['steps']:,} ({r['tokens']:,} tokens)",
+        f"  parameters        {r['params']:,}",
+        "",
+        f"compute estimate at {r['mfu'] * 100:g}% MFU ({r['peak_tflops_per_device']:g} TFLOP/s peak per device)",
+        f"  {'':16}{'OLMo-core formula':>26}{'MaxText formula':>26}",
+    ]
+    e, f = r["estimate"], r["flops_per_token"]
+
+    def row(label: str, a: str, b: str) -> str:
+        return f"  {label:16}{a:>26}{b:>26}"
+
+    lines.append(row("FLOPs per token", f"{f['olmo_core']:.3e}", f"{f['maxtext']:.3e}"))
+    lines.append(row("step time", _duration(e["olmo_core"]["step_time_s"]), _duration(e["maxtext"]["step_time_s"])))
+    lines.append(row("wall-clock", _duration(e["olmo_core"]["wall_clock_s"]),
+                     _duration(e["maxtext"]["wall_clock_s"])))
+    if r["chips"]:
+        lines.append(row("chip-hours", f"{e['olmo_core']['chip_hours']:,.0f}", f"{e['maxtext']['chip_hours']:,.0f}"))
+    else:
+        lines.append(row("device-hours", f"{e['olmo_core']['device_hours']:.3g}",
+                         f"{e['maxtext']['device_hours']:.3g}"))
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+@app.command()
+def plan(
+    device: DeviceOpt,
+    stage: StageOpt = None,
+    recipe: RecipeOpt = None,
+    set_: SetOpt = None,
+    mfu: Annotated[float, typer.Option("--mfu", help="Assumed MFU as a fraction (0.4 = 40%).")] = 0.4,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Split the recipe's global batch over a device and estimate the compute it needs."""
+    from olmo_ctl.devices import get_device
+    from olmo_ctl.errors import BadInput
+    from olmo_ctl.recipe import load_recipe
+
+    if not 0 < mfu <= 1:
+        raise BadInput(f"--mfu {mfu:g} is not a fraction in (0, 1]", "for 40% pass --mfu 0.4")
+    r = load_recipe(recipe, stage, set_ or ())
+    report = plan_report(r, get_device(device), mfu)
+    if output == Output.json:
+        print_json(report)
+    else:
+        _print_plan(report)
+
+
+# ---------------------------------------------------------------- config
+
+config_app = typer.Typer(help="Site settings: flags > OLMO_CTL_* environment > config file.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+def config_show(
+    kube_context: KubeContextOpt = None,
+    namespace: NamespaceOpt = None,
+    queue: QueueOpt = None,
+    priority_class: PriorityClassOpt = None,
+    image: ImageOpt = None,
+    run_root: RunRootOpt = None,
+    service_account: ServiceAccountOpt = None,
+    placement_policy: PlacementPolicyOpt = None,
+    backend: BackendOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Show the resolved site settings and where each value came from."""
+    from olmo_ctl.config import DESCRIPTIONS, config_path, resolve_settings, setting_names
+
+    s = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
+                         priority_class=priority_class, image=image, run_root=run_root,
+                         service_account=service_account, placement_policy=placement_policy, backend=backend)
+    path = config_path()
+    if output == Output.json:
+        print_json({
+            "config_file": str(path),
+            "config_file_exists": path.exists(),
+            "settings": s.to_dict(),
+            "sources": dict(s.sources),
+            "descriptions": DESCRIPTIONS,
+            "placeholders": s.placeholders(),
+        })
+        return
+    lines = [f"config file: {path}{'' if path.exists() else ' (not present)'}", ""]
+    for name in setting_names():
+        value = getattr(s, name)
+        lines.append(f"{name:16}  {'-' if value is None else value}  ({s.sources[name]})")
+    sys.stdout.write("\n".join(lines) + "\n")
+    for name in s.placeholders():
+        note(f"`{name}` is a placeholder: set --{name.replace('_', '-')}, OLMO_CTL_{name.upper()} or "
+             f"`{name}:` in {path} before submitting")

@@ -1,0 +1,181 @@
+"""Site settings (cluster, queue, image, run root, ...): flags > OLMO_CTL_* env > config file > defaults.
+
+The config file is `$XDG_CONFIG_HOME/olmo-ctl/config.yaml` (`~/.config/olmo-ctl/config.yaml` when
+XDG_CONFIG_HOME is unset): a YAML mapping of the keys below. Every command resolves its settings
+through `resolve_settings(**flag_values)`, and `olmo-ctl config show` prints the result with the
+source of each value. Unknown keys and malformed values are errors, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from olmo_ctl.errors import BadInput
+
+ENV_PREFIX = "OLMO_CTL_"
+
+# Placeholders shown (and used by --dry-run) until a real value is configured.
+PLACEHOLDER_RUN_ROOT = "gs://YOUR-BUCKET/runs"
+PLACEHOLDER_IMAGE = "us-docker.pkg.dev/YOUR-PROJECT/olmo-ctl/olmo-ctl:latest"
+
+BACKENDS = ("gke", "local")
+
+# What each setting is, for `config show` and the docs.
+DESCRIPTIONS = {
+    "kube_context": "kubeconfig context (empty: the current context)",
+    "namespace": "Kubernetes namespace of the JobSets",
+    "queue": "Kueue LocalQueue (label kueue.x-k8s.io/queue-name)",
+    "priority_class": "Kueue WorkloadPriorityClass (empty: none)",
+    "image": "container image with olmo-ctl and its trainer",
+    "run_root": "where run directories live (gs://bucket/prefix; local path: local backend)",
+    "service_account": "Kubernetes service account with Workload Identity",
+    "placement_policy": "placement policy of multi-host Ironwood node pools ({topology} ok)",
+    "backend": "gke or local",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    kube_context: str | None = None
+    namespace: str = "default"
+    queue: str = "multislice-queue"  # the LocalQueue XPK creates
+    priority_class: str | None = None
+    image: str = PLACEHOLDER_IMAGE
+    run_root: str = PLACEHOLDER_RUN_ROOT
+    service_account: str = "olmo-ctl"
+    placement_policy: str | None = None
+    backend: str = "gke"
+    # Where each value came from: "flag", "env OLMO_CTL_X", "file <path>" or "default".
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in setting_names()}
+
+    def placeholders(self) -> list[str]:
+        """Settings still holding a placeholder value (rendering works; applying would not)."""
+        out = []
+        if self.run_root == PLACEHOLDER_RUN_ROOT:
+            out.append("run_root")
+        if self.image == PLACEHOLDER_IMAGE:
+            out.append("image")
+        return out
+
+
+def setting_names() -> list[str]:
+    return [f.name for f in fields(Settings) if f.name != "sources"]
+
+
+def config_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "olmo-ctl" / "config.yaml"
+
+
+# ---------------------------------------------------------------- validation
+
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+_PLACEHOLDERS = ("device", "topology", "generation")
+
+
+def _check(name: str, value: str, src: str) -> None:
+    where = f"setting `{name}` ({src})"
+    if name == "namespace":
+        if len(value) > 63 or not _DNS1123_LABEL.match(value):
+            raise BadInput(f"{where}: `{value}` is not a valid namespace name",
+                           "use lowercase letters, digits and '-', at most 63 characters")
+    elif name in ("queue", "priority_class", "service_account"):
+        if len(value) > 253 or not _DNS1123_SUBDOMAIN.match(value):
+            raise BadInput(f"{where}: `{value}` is not a valid Kubernetes object name",
+                           "use lowercase letters, digits, '-' and '.'")
+        if name != "service_account" and len(value) > 63:
+            raise BadInput(f"{where}: `{value}` is longer than 63 characters", "it is used as a label value")
+    elif name == "placement_policy":
+        try:
+            sample = value.format(device="tpu7x-128", topology="4x4x4", generation="tpu7x")
+        except (KeyError, IndexError, ValueError):
+            raise BadInput(f"{where}: `{value}` has an unknown placeholder",
+                           f"allowed: {', '.join('{' + p + '}' for p in _PLACEHOLDERS)}") from None
+        if len(sample) > 63 or not _LABEL_VALUE.match(sample):
+            raise BadInput(f"{where}: `{value}` does not make a valid label value",
+                           "use letters, digits, '-', '_' and '.', at most 63 characters")
+    elif name == "backend":
+        if value not in BACKENDS:
+            raise BadInput(f"{where}: `{value}` is not a backend", "use gke or local")
+    elif name == "image":
+        if not value or any(c.isspace() for c in value):
+            raise BadInput(f"{where}: `{value}` is not an image reference", "e.g. us-docker.pkg.dev/p/r/olmo-ctl:0.1.0")
+    elif name == "run_root":
+        if not value.strip():
+            raise BadInput(f"{where}: the run root is empty", "e.g. gs://my-bucket/runs")
+        if "://" in value and not value.startswith("gs://"):
+            raise BadInput(f"{where}: `{value}` is not a gs:// URL or a local path", "e.g. gs://my-bucket/runs")
+    elif name == "kube_context":
+        if not value.strip():
+            raise BadInput(f"{where}: the kube context is empty", "leave it unset to use the current context")
+
+
+def _load_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise BadInput(f"cannot read config file `{path}`: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        first = str(e).splitlines()[0] if str(e) else "syntax error"
+        raise BadInput(f"config file `{path}` is not valid YAML ({first})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise BadInput(f"config file `{path}` must be a YAML mapping of settings",
+                       f"keys: {', '.join(setting_names())}")
+    names = setting_names()
+    for k, v in raw.items():
+        if k not in names:
+            raise BadInput(f"config file `{path}`: unknown setting `{k}`", f"known settings: {', '.join(names)}")
+        if v is not None and not isinstance(v, str):
+            raise BadInput(f"config file `{path}`: setting `{k}` must be a string, got {v!r}")
+    return raw
+
+
+def resolve_settings(**flag_values: str | None) -> Settings:
+    """Settings from flags (non-None values win), then OLMO_CTL_<NAME> env, then the config file.
+
+    An empty string (from any source) clears an optional setting (kube_context, priority_class,
+    placement_policy) and is an error for the others.
+    """
+    names = setting_names()
+    unknown = set(flag_values) - set(names)
+    if unknown:
+        raise TypeError(f"unknown settings {sorted(unknown)}")  # a programming error, not a user one
+    path = config_path()
+    from_file = _load_file(path)
+    optional = {"kube_context", "priority_class", "placement_policy"}
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name in names:
+        env_name = ENV_PREFIX + name.upper()
+        if flag_values.get(name) is not None:
+            value, src = flag_values[name], "flag --" + name.replace("_", "-")
+        elif env_name in os.environ:
+            value, src = os.environ[env_name], f"env {env_name}"
+        elif from_file.get(name) is not None:
+            value, src = from_file[name], f"file {path}"
+        else:
+            sources[name] = "default"
+            continue
+        value = value.strip()
+        if value == "" and name in optional:
+            values[name] = None
+        else:
+            _check(name, value, src)
+            values[name] = value
+        sources[name] = src
+    return Settings(**values, sources=sources)

@@ -1,0 +1,252 @@
+"""JobSet rendering: one attempt of a run on one TPU slice, from `launch_templates/`. Pure.
+
+`launch_templates/common.yaml` holds the JobSet's shape and its tunable `vars`; the generation's
+file (`tpu7x.yaml`, `v5p.yaml`) is merged over it. Placeholders (`${name}`) are filled on the parsed
+tree, never in YAML text, so a value cannot change the manifest's structure. The result is a plain
+dict: what `submit --dry-run` prints and exactly what the GKE backend applies.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from olmo_ctl.batching import Plan
+from olmo_ctl.config import Settings
+from olmo_ctl.devices import Device
+from olmo_ctl.errors import BadInput
+from olmo_ctl.recipe import Recipe
+
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "launch_templates"
+
+# Labels and annotations the GKE backend and `monitor` look attempts up by.
+LABEL_QUEUE = "kueue.x-k8s.io/queue-name"
+LABEL_PRIORITY = "kueue.x-k8s.io/priority-class"
+LABEL_RUN = "olmo-ctl/run"
+LABEL_ATTEMPT = "olmo-ctl/attempt"
+LABEL_DEVICE = "olmo-ctl/device"
+ANNOTATION_RUN_DIR = "olmo-ctl/run-dir"
+ANNOTATION_RECIPE = "olmo-ctl/recipe"
+ANNOTATION_RECIPE_FINGERPRINT = "olmo-ctl/recipe-fingerprint"
+ANNOTATION_PLAN = "olmo-ctl/plan"
+REPLICATED_JOB = "slice"
+CONTAINER = "trainer"
+
+MAX_RUN_NAME = 63  # a label value and a DNS-1035 label
+MAX_JOBSET_NAME = 40  # pod names grow `-slice-<i>-<j>-<hash>`; XPK caps at 40 too
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
+_DROP = object()
+
+
+# ---------------------------------------------------------------- names
+
+
+def validate_run_name(run: str) -> str:
+    """A run name is a DNS-1035 label (it names the JobSet and labels every pod)."""
+    hint = "use lowercase letters, digits and '-', starting with a letter, e.g. olmo3-7b-s1"
+    if not isinstance(run, str) or not run:
+        raise BadInput("the run name is empty", hint)
+    if len(run) > MAX_RUN_NAME:
+        raise BadInput(f"run name `{run[:20]}...` has {len(run)} characters, more than {MAX_RUN_NAME}", hint)
+    if not _DNS1035.match(run):
+        raise BadInput(f"`{run}` is not a valid run name", hint)
+    return run
+
+
+def default_run_name(recipe: Recipe) -> str:
+    """The recipe's name made into a run name (`olmo3-7b-stage1`)."""
+    name = re.sub(r"[^a-z0-9-]+", "-", recipe.name.lower()).strip("-")
+    name = re.sub(r"-{2,}", "-", name)
+    if not name or not name[0].isalpha():
+        name = f"run-{name}".rstrip("-")
+    return name[:MAX_RUN_NAME].rstrip("-")
+
+
+def jobset_name(run: str, attempt: int) -> str:
+    """`<run>-a<attempt>`, a DNS-1035 label of at most 40 characters.
+
+    A longer name keeps the start of the run name and ends with a hash of the whole run name,
+    so attempts of one run still sort together and two long runs never collide.
+    """
+    validate_run_name(run)
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
+        raise BadInput(f"attempt `{attempt}` is not a non-negative integer")
+    name = f"{run}-a{attempt}"
+    if len(name) <= MAX_JOBSET_NAME:
+        return name
+    suffix = f"-{hashlib.sha256(run.encode()).hexdigest()[:6]}-a{attempt}"
+    return run[: MAX_JOBSET_NAME - len(suffix)].rstrip("-") + suffix
+
+
+# ---------------------------------------------------------------- templates
+
+
+def _merge(base: Any, over: Any) -> Any:
+    """Mappings merge key by key; anything else in `over` replaces `base`."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = _merge(base[k], v) if k in base else v
+        return out
+    return over
+
+
+@functools.lru_cache(maxsize=8)
+def _load_template(generation: str) -> dict:
+    import yaml
+
+    common = yaml.safe_load((TEMPLATES_DIR / "common.yaml").read_text())
+    path = TEMPLATES_DIR / f"{generation}.yaml"
+    if not path.exists():
+        raise BadInput(f"no launch template for TPU generation `{generation}`", f"expected {path}")
+    specific = yaml.safe_load(path.read_text()) or {}
+    unknown = set(specific.get("vars", {})) - set(common["vars"])
+    if unknown:
+        raise ValueError(f"{path}: unknown vars {sorted(unknown)} (known: {sorted(common['vars'])})")
+    return _merge(common, specific)
+
+
+def launch_template(generation: str) -> dict:
+    """The merged template `{vars: ..., jobset: ...}` for a TPU generation (a fresh copy)."""
+    return copy.deepcopy(_load_template(generation))
+
+
+def _fill(node: Any, values: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            v = _fill(v, values)
+            if v is not _DROP:
+                out[k] = v
+        return out
+    if isinstance(node, list):
+        return [x for x in (_fill(v, values) for v in node) if x is not _DROP]
+    if isinstance(node, str):
+        whole = _PLACEHOLDER.fullmatch(node)
+        if whole:
+            value = values[whole.group(1)]
+            return _DROP if value is None else copy.deepcopy(value)
+
+        def text(m: re.Match) -> str:
+            value = values[m.group(1)]
+            if value is None or isinstance(value, dict | list):
+                raise ValueError(f"`{m.group(1)}` cannot be part of the string {node!r}")
+            return str(value)
+
+        return _PLACEHOLDER.sub(text, node)
+    return node
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def trainer_command(run_dir: str, device: str, attempt: int) -> list[str]:
+    """What every pod runs; the trainer reads the resolved recipe from `<run_dir>/run.yaml`."""
+    return ["python", "-m", "olmo_ctl.trainer", "--run-dir", run_dir, "--device", device, "--attempt", str(attempt)]
+
+
+def placement_policy_for(device: Device, settings: Settings) -> str | None:
+    """The placement policy a slice's pods select, or None where its node pools carry none."""
+    if not settings.placement_policy or not device.is_tpu or device.vms < 2:
+        return None
+    if launch_template(device.generation)["vars"]["placement_policy"] != "multi-host":
+        return None
+    return settings.placement_policy.format(device=device.name, topology=device.topology,
+                                            generation=device.generation)
+
+
+def _env(template_env: dict[str, Any], name: str, slices: int) -> list[dict]:
+    env = [{"name": str(k), "value": str(v)} for k, v in template_env.items()]
+    if slices > 1:
+        # Multislice: DCN rendezvous at worker 0 of slice 0; each slice learns its index from JobSet.
+        env += [
+            {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": f"{name}-{REPLICATED_JOB}-0-0.{name}"},
+            {"name": "MEGASCALE_NUM_SLICES", "value": str(slices)},
+            {"name": "MEGASCALE_SLICE_ID", "valueFrom": {"fieldRef": {
+                "fieldPath": "metadata.annotations['jobset.sigs.k8s.io/job-index']"}}},
+        ]
+    return env
+
+
+def render_jobset(
+    recipe: Recipe,
+    plan: Plan,
+    device: Device,
+    settings: Settings,
+    run_name: str,
+    attempt: int,
+    run_dir: str,
+    slices: int = 1,
+) -> dict:
+    """The JobSet for one attempt: a plain dict, ready for YAML/JSON or the Kubernetes API."""
+    if not device.is_tpu:
+        raise BadInput(f"`{device.name}` is a local device; the GKE backend runs on TPU slices",
+                       "use --backend local, or a TPU device such as tpu7x-128")
+    if plan.device != device.name or plan.devices != device.devices * slices:
+        raise ValueError(f"plan for {plan.device} ({plan.devices} devices) does not match "
+                         f"{slices} x {device.name}")
+    if plan.recipe != recipe.name:
+        raise ValueError(f"plan for recipe {plan.recipe} does not match recipe {recipe.name}")
+    if not isinstance(slices, int) or slices < 1:
+        raise BadInput(f"slices must be a positive integer, got {slices!r}")
+    if not run_dir.startswith("gs://"):
+        raise BadInput(f"run directory `{run_dir}` is not on GCS; TPU pods cannot see this machine's files",
+                       "set the run root to gs://BUCKET/PREFIX (--run-root, OLMO_CTL_RUN_ROOT or run_root "
+                       "in the config file)")
+    name = jobset_name(run_name, attempt)
+    template = launch_template(device.generation)
+    v = template["vars"]
+    values = {
+        "name": name,
+        "namespace": settings.namespace,
+        "run": run_name,
+        "attempt": str(attempt),
+        "device": device.name,
+        "run_dir": run_dir,
+        "queue": settings.queue,
+        "priority_class": settings.priority_class,
+        "accelerator": device.accelerator_label,
+        "topology": device.topology,
+        "placement_policy": placement_policy_for(device, settings),
+        "slices": slices,
+        "vms": device.vms,
+        "chips_per_vm": device.chips_per_vm,
+        "image": settings.image,
+        "service_account": settings.service_account,
+        "env": _env(v["env"], name, slices),
+        "trainer_command": trainer_command(run_dir, device.name, attempt),
+        "shm_size": v["shm_size"],
+        "termination_grace_period_s": v["termination_grace_period_s"],
+        "max_restarts": v["max_restarts"],
+        "user_error_exit_codes": v["user_error_exit_codes"],
+    }
+    jobset = _fill(template["jobset"], values)
+    jobset["metadata"]["annotations"].update({
+        ANNOTATION_RECIPE: recipe.name,
+        ANNOTATION_RECIPE_FINGERPRINT: recipe.fingerprint(),
+        ANNOTATION_PLAN: f"global_batch={plan.global_batch} per_device_batch={plan.per_device_batch} "
+                         f"grad_accum={plan.grad_accum} devices={plan.devices}",
+    })
+    leftover = _PLACEHOLDER.search(json.dumps(jobset))
+    if leftover:
+        raise ValueError(f"unfilled placeholder {leftover.group(0)} in the launch template")
+    return jobset
+
+
+# ---------------------------------------------------------------- output
+
+
+def dump_yaml(obj: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, width=120)
+
+
+def dump_json(obj: Any) -> str:
+    return json.dumps(obj, indent=2) + "\n"
