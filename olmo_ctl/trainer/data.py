@@ -1,0 +1,359 @@
+"""The training data pipeline: OLMo-core's fixed-sequence-length ("FSL") numpy dataset semantics.
+
+- `TokenDataset`: each token file is cut on its own into non-overlapping `seq_len` instances; each
+  file's remainder is dropped. Instance `i` counts through the files in order. Labels are the
+  inputs shifted left by one with the last position ignored (-100).
+- `epoch_order`: the global order of epoch `e` (epochs start at 1) is
+  `numpy.random.Generator(numpy.random.PCG64(seed + e)).permutation(n_instances)`, trimmed to whole
+  global batches (the same permutation as OLMo-core's `shuffle(arange(n))` with that generator).
+- `BatchLoader`: THE one place that shards data. Global batch `b` of epoch `e` is
+  `order[b*G:(b+1)*G]`; process `p` of `P` reads only `order[b*G + p*G/P : b*G + (p+1)*G/P]`.
+  Nothing downstream re-shards (re-striding an already sharded stream is the double-sharding bug).
+  Its state is "the next batch to be read": `{epoch, batch_in_epoch, batches_seen, tokens_seen,
+  fingerprint}`, global (the same on every process, independent of the process count), so a
+  checkpoint written after step N resumes at global batch N+1 on any slice.
+- Background prefetch: worker threads build the next batches ahead of time; the state is the
+  consumer's (what `next()` handed out), never the prefetcher's, so restore is exact.
+- Optional n-gram repetition filter: an instance holding a period-1..13 pattern repeated >= 32
+  times back to back gets every label set to -100 (its tokens still count in the loss denominator
+  as OLMo-core does: the trainer sees them as ignored positions).
+
+numpy only: no jax import here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from olmo_ctl import storage
+from olmo_ctl.errors import BadInput
+from olmo_ctl.trainer.datafiles import (
+    TOKEN_BYTES,
+    TOKEN_DTYPE,
+    TokenFile,
+    check_fingerprint,
+    dataset_fingerprint,
+    resolve_files,
+)
+
+IGNORE_INDEX = -100
+NGRAM_MIN_PERIOD = 1
+NGRAM_MAX_PERIOD = 13
+NGRAM_MIN_REPEATS = 32
+STATE_KEYS = ("epoch", "batch_in_epoch", "batches_seen", "tokens_seen", "fingerprint")
+
+
+# ---------------------------------------------------------------- order
+
+
+def epoch_order(n_instances: int, seed: int, epoch: int, global_batch: int) -> np.ndarray:
+    """Instance indices of epoch `epoch` (>= 1) in order, trimmed to whole global batches.
+
+    Exactly `numpy.random.Generator(numpy.random.PCG64(seed + epoch)).permutation(n_instances)`
+    with the tail beyond the last whole global batch cut off. (`Generator.permutation(n)` is
+    `shuffle(arange(n))`; the shuffle is done on a uint32 arange when it fits, which draws the same
+    random numbers and gives the same permutation with half the memory.)
+    """
+    if epoch < 1:
+        raise ValueError(f"epochs start at 1, got {epoch}")
+    if global_batch < 1:
+        raise ValueError(f"global_batch must be positive, got {global_batch}")
+    rng = np.random.Generator(np.random.PCG64(seed + epoch))
+    if n_instances < 2**32:
+        order = np.arange(n_instances, dtype=np.uint32)
+        rng.shuffle(order)
+    else:
+        order = rng.permutation(n_instances)
+    return order[: n_instances // global_batch * global_batch]
+
+
+# ---------------------------------------------------------------- n-gram repetition filter
+
+
+def _longest_true_run(mask: np.ndarray) -> int:
+    if not mask.any():
+        return 0
+    d = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
+    return int((np.flatnonzero(d == -1) - np.flatnonzero(d == 1)).max())
+
+
+def has_repetition(tokens: np.ndarray, min_period: int = NGRAM_MIN_PERIOD, max_period: int = NGRAM_MAX_PERIOD,
+                   min_repeats: int = NGRAM_MIN_REPEATS) -> bool:
+    """Whether some `p`-token pattern (min_period <= p <= max_period) occurs `min_repeats` times back to back.
+
+    A window of `p * min_repeats` tokens is p-periodic exactly when `x[i] == x[i+p]` holds on a run
+    of `p * (min_repeats - 1)` consecutive positions.
+    """
+    x = np.asarray(tokens)
+    for p in range(min_period, max_period + 1):
+        if len(x) < p * min_repeats:
+            break
+        if _longest_true_run(x[p:] == x[:-p]) >= p * (min_repeats - 1):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------- dataset
+
+
+class TokenDataset:
+    """Fixed-length instances over raw uint32 token files (local: memory-mapped; gs://: ranged reads)."""
+
+    def __init__(self, files: list[TokenFile | str], seq_len: int, ngram_filter: bool = False,
+                 vocab_size: int | None = None):
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+        self.files = [f if isinstance(f, TokenFile) else _stat_file(f) for f in files]
+        self.seq_len = int(seq_len)
+        self.ngram_filter = bool(ngram_filter)
+        self.vocab_size = vocab_size
+        self.instances_per_file = np.array([f.tokens // self.seq_len for f in self.files], dtype=np.int64)
+        self._ends = np.cumsum(self.instances_per_file)
+        self._maps: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def __repr__(self) -> str:
+        return f"TokenDataset({len(self.files)} files, seq_len={self.seq_len}, instances={len(self)})"
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        return len(self) * self.seq_len
+
+    def fingerprint(self, seed: int) -> str:
+        return dataset_fingerprint(self.files, self.seq_len, seed)
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(file index, token offset) of instance `i`."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"instance {i} out of range [0, {len(self)})")
+        fi = int(np.searchsorted(self._ends, i, side="right"))
+        first = int(self._ends[fi - 1]) if fi else 0
+        return fi, (i - first) * self.seq_len
+
+    def _local_map(self, fi: int) -> np.ndarray:
+        m = self._maps.get(fi)
+        if m is None:
+            with self._lock:
+                m = self._maps.get(fi)
+                if m is None:
+                    m = np.memmap(self.files[fi].path, dtype=TOKEN_DTYPE, mode="r",
+                                  shape=(self.files[fi].tokens,))
+                    self._maps[fi] = m
+        return m
+
+    def tokens(self, i: int) -> np.ndarray:
+        """The `seq_len` raw tokens of instance `i` (uint32)."""
+        fi, off = self.locate(int(i))
+        f = self.files[fi]
+        if storage.is_gcs(f.path):
+            raw = storage.store_for(f.path).read_range(f.path, off * TOKEN_BYTES, (off + self.seq_len) * TOKEN_BYTES)
+            out = np.frombuffer(raw, dtype=TOKEN_DTYPE)
+            if len(out) != self.seq_len:
+                raise BadInput(f"`{f.path}` is shorter than when the dataset was listed", "token files must not change")
+            return out
+        return np.array(self._local_map(fi)[off:off + self.seq_len])
+
+    def instance(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32[seq_len], labels int32[seq_len]): labels shifted left by one, last -100."""
+        toks = self.tokens(i)
+        if self.vocab_size is not None and len(toks) and int(toks.max()) >= self.vocab_size:
+            raise BadInput(f"instance {i} holds token id {int(toks.max())}, outside the model's vocab "
+                           f"({self.vocab_size})", "the data was made with another tokenizer than the recipe's model")
+        input_ids = toks.astype(np.int32)
+        labels = np.empty_like(input_ids)
+        labels[:-1] = input_ids[1:]
+        labels[-1] = IGNORE_INDEX
+        if self.ngram_filter and has_repetition(toks):
+            labels[:] = IGNORE_INDEX
+        return input_ids, labels
+
+    def batch(self, indices) -> dict[str, np.ndarray]:
+        idx = np.asarray(indices, dtype=np.int64)
+        inputs = np.empty((len(idx), self.seq_len), dtype=np.int32)
+        labels = np.empty((len(idx), self.seq_len), dtype=np.int32)
+        for r, i in enumerate(idx):
+            inputs[r], labels[r] = self.instance(int(i))
+        return {"input_ids": inputs, "labels": labels, "instance_ids": idx}
+
+
+def _stat_file(path: str) -> TokenFile:
+    info = storage.store_for(path).stat(path)
+    if info is None:
+        raise BadInput(f"token file `{path}` does not exist")
+    if info.size % TOKEN_BYTES:
+        raise BadInput(f"`{path}` is {info.size} bytes, not a whole number of uint32 tokens")
+    return TokenFile(path, path, info.size)
+
+
+# ---------------------------------------------------------------- loader
+
+
+class BatchLoader:
+    """This process's disjoint slice of each global batch, in the documented global order.
+
+    `next()` returns `{"input_ids": int32[local_B, T], "labels": int32[local_B, T],
+    "instance_ids": int64[local_B]}` with `local_B = global_batch / process_count`; process `p`
+    gets rows `p*local_B ... (p+1)*local_B - 1` of the global batch. After the last whole global
+    batch of an epoch the next epoch starts (the remainder of the shuffled order is not used).
+    """
+
+    def __init__(self, dataset: TokenDataset, global_batch: int, seed: int, process_index: int = 0,
+                 process_count: int = 1, *, prefetch_workers: int = 0, prefetch_buffer: int = 2,
+                 fingerprint: str | None = None):
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise ValueError(f"bad process {process_index} of {process_count}")
+        if global_batch < 1 or global_batch % process_count:
+            raise BadInput(f"global batch {global_batch} is not a multiple of the {process_count} data-loading processes")
+        self.dataset = dataset
+        self.global_batch = int(global_batch)
+        self.seed = int(seed)
+        self.process_index = int(process_index)
+        self.process_count = int(process_count)
+        self.local_batch = self.global_batch // self.process_count
+        self.batches_per_epoch = len(dataset) // self.global_batch
+        if self.batches_per_epoch == 0:
+            raise BadInput(f"the training data holds {len(dataset)} instances of {dataset.seq_len} tokens, "
+                           f"fewer than one global batch ({global_batch})", "add data or lower train.global_batch")
+        self.fingerprint = fingerprint or dataset.fingerprint(self.seed)
+        self.prefetch_workers = int(prefetch_workers)
+        self.prefetch_buffer = max(1, int(prefetch_buffer))
+        self._epoch = 1
+        self._batch = 0  # next batch to hand out, within the epoch
+        self._seen = 0
+        self._orders: dict[int, np.ndarray] = {}
+        self._pool = ThreadPoolExecutor(self.prefetch_workers, thread_name_prefix="data") if self.prefetch_workers else None
+        self._pending: deque[tuple[tuple[int, int], Future]] = deque()
+
+    # -- order and positions (main thread only)
+
+    def order(self, epoch: int) -> np.ndarray:
+        o = self._orders.get(epoch)
+        if o is None:
+            o = epoch_order(len(self.dataset), self.seed, epoch, self.global_batch)
+            self._orders = {e: v for e, v in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = o
+        return o
+
+    def global_batch_indices(self, epoch: int, batch_in_epoch: int) -> np.ndarray:
+        start = batch_in_epoch * self.global_batch
+        return self.order(epoch)[start:start + self.global_batch].astype(np.int64)
+
+    def local_indices(self, epoch: int, batch_in_epoch: int) -> np.ndarray:
+        g = self.global_batch_indices(epoch, batch_in_epoch)
+        lo = self.process_index * self.local_batch
+        return g[lo:lo + self.local_batch]
+
+    def _after(self, pos: tuple[int, int]) -> tuple[int, int]:
+        e, b = pos
+        return (e, b + 1) if b + 1 < self.batches_per_epoch else (e + 1, 0)
+
+    # -- iteration
+
+    def next(self) -> dict[str, np.ndarray]:
+        pos = (self._epoch, self._batch)
+        if self._pool is None:
+            out = self.dataset.batch(self.local_indices(*pos))
+        else:
+            nxt = self._pending[-1][0] if self._pending else pos
+            if self._pending:
+                nxt = self._after(nxt)
+            while len(self._pending) < self.prefetch_buffer + 1:
+                self._pending.append((nxt, self._pool.submit(self.dataset.batch, self.local_indices(*nxt))))
+                nxt = self._after(nxt)
+            got, fut = self._pending.popleft()
+            assert got == pos, (got, pos)
+            out = fut.result()
+        self._epoch, self._batch = self._after(pos)
+        self._seen += 1
+        return out
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return self.next()
+
+    # -- state
+
+    def state(self) -> dict:
+        """The next batch to be read (JSON-serialisable; identical on every process)."""
+        return {
+            "epoch": self._epoch,
+            "batch_in_epoch": self._batch,
+            "batches_seen": self._seen,
+            "tokens_seen": self._seen * self.global_batch * self.dataset.seq_len,
+            "fingerprint": self.fingerprint,
+        }
+
+    def restore(self, state: dict, allow_data_change: bool = False) -> str | None:
+        """Continue from `state` (from `state()`). Returns a message when a data change was allowed."""
+        missing = [k for k in STATE_KEYS if k not in state]
+        if missing:
+            raise BadInput(f"data loader state lacks {', '.join(missing)}", "the checkpoint was not written by this trainer")
+        msg = check_fingerprint(state["fingerprint"], self.fingerprint, allow_data_change)
+        epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])
+        if epoch < 1 or batch < 0:
+            raise BadInput(f"data loader state has epoch {epoch}, batch {batch}")
+        if batch >= self.batches_per_epoch:  # only possible when the data changed
+            epoch, batch = epoch + 1, 0
+        self._drop_pending()
+        self._epoch, self._batch = epoch, batch
+        self._seen = int(state["batches_seen"])
+        return msg
+
+    def _drop_pending(self) -> None:
+        while self._pending:
+            self._pending.popleft()[1].cancel()
+
+    def close(self) -> None:
+        self._drop_pending()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------- recipe helpers
+
+
+def make_train_loader(recipe, process_index: int = 0, process_count: int = 1) -> BatchLoader:
+    """The recipe's training loader: its files, seq_len, data seed, n-gram switch and prefetch settings."""
+    files = resolve_files(recipe, "train")
+    ds = TokenDataset(files, recipe.train.seq_len, ngram_filter=recipe.data.ngram_filter,
+                      vocab_size=recipe.model.vocab_size)
+    return BatchLoader(ds, recipe.train.global_batch, recipe.data.seed, process_index, process_count,
+                       prefetch_workers=recipe.data.prefetch_workers, prefetch_buffer=recipe.data.prefetch_buffer)
+
+
+def eval_indices(n_instances: int, n_batches: int, batch_size: int) -> np.ndarray:
+    """`n_batches * batch_size` distinct held-out instances spread evenly over the files (no randomness)."""
+    total = n_batches * batch_size
+    if n_instances < total:
+        raise BadInput(f"the held-out data holds {n_instances} instances, fewer than eval.batches x batch size "
+                       f"({n_batches} x {batch_size})", "lower eval.batches or eval.batch_size, or add held-out data")
+    return np.arange(total, dtype=np.int64) * n_instances // total
+
+
+def eval_batches(recipe, n: int, batch_size: int = 0, process_index: int = 0, process_count: int = 1,
+                 dataset: TokenDataset | None = None) -> list[dict[str, np.ndarray]]:
+    """The same `n` held-out batches every time: this process's slice of each (batch_size 0 = global batch)."""
+    bs = batch_size or recipe.train.global_batch
+    if bs % process_count:
+        raise BadInput(f"eval batch size {bs} is not a multiple of the {process_count} data-loading processes")
+    ds = dataset or TokenDataset(resolve_files(recipe, "eval"), recipe.train.seq_len, vocab_size=recipe.model.vocab_size)
+    idx = eval_indices(len(ds), n, bs).reshape(n, bs)
+    local = bs // process_count
+    lo = process_index * local
+    return [ds.batch(row[lo:lo + local]) for row in idx]

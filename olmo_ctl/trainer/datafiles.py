@@ -1,0 +1,443 @@
+"""Which token files a recipe trains on, what they are called, and whether they changed.
+
+A recipe names its data as paths and globs (`{root}/**/*.npy`) on a local disk or gs://. This
+module turns them into an ordered list of `TokenFile`s (path, logical name, size), computes the
+dataset fingerprint that the checkpointed loader state carries, and writes token files: the
+`olmo-ctl data prepare` conversion (byte-level tokenizer) and the built-in smoke dataset
+(`builtin://smoke`), which is made on first use from source files that ship with Python itself.
+
+Token files use OLMo-core's layout: raw little-endian uint32 tokens, no header, documents already
+separated by EOS, usually named `*.npy`. numpy only: no jax here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from olmo_ctl import storage
+from olmo_ctl.errors import BadInput
+
+TOKEN_DTYPE = np.dtype("<u4")
+TOKEN_BYTES = 4
+NUMPY_MAGIC = b"\x93NUMPY"
+
+# Byte-level tokenizer: token = byte value, then EOS after each document; 257 is padding.
+BYTE_EOS = 256
+BYTE_PAD = 257
+BYTE_VOCAB = 258
+
+SMOKE_ROOT = "builtin://smoke"
+SMOKE_VERSION = "v1"
+# Fixed, ordered stdlib modules: text every Python install has (content fixed for a Python version).
+SMOKE_TRAIN_MODULES = ("argparse", "dataclasses", "enum", "functools", "heapq", "statistics", "fractions",
+                       "csv", "string", "threading")
+SMOKE_EVAL_MODULES = ("textwrap", "calendar")
+SMOKE_TRAIN_PARTS = 4
+SMOKE_MIN_TRAIN_TOKENS = 300 * 8 * 128  # ~300 global batches of the smoke recipe in one epoch
+
+DEFAULT_PART_TOKENS = 1 << 26  # 256 MiB per output file
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    path: str  # where to read it (local path or gs:// URL)
+    name: str  # logical name for the fingerprint: the path relative to `data.root` when under it
+    size: int  # bytes
+
+    @property
+    def tokens(self) -> int:
+        return self.size // TOKEN_BYTES
+
+
+# ---------------------------------------------------------------- resolving a recipe's files
+
+
+def _has_glob(p: str) -> bool:
+    return any(c in p for c in "*?[")
+
+
+def glob_to_regex(pattern: str) -> re.Pattern:
+    """Shell-style glob: `*`/`?`/`[..]` stay within one path segment, `**/` matches zero or more directories."""
+    i, out = 0, []
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**/", i):
+            out.append("(?:[^/]*/)*")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif c == "*":
+            out.append("[^/]*")
+            i += 1
+        elif c == "?":
+            out.append("[^/]")
+            i += 1
+        elif c == "[":
+            j = pattern.find("]", i + 1)
+            if j < 0:
+                out.append(re.escape(c))
+                i += 1
+            else:
+                body = pattern[i + 1:j]
+                if body.startswith("!"):
+                    body = "^" + body[1:]
+                out.append(f"[{body}]")
+                i = j + 1
+        else:
+            out.append(re.escape(c))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def _expand(pattern: str) -> list[storage.ObjectInfo]:
+    """Files matching `pattern` (sorted by path), or the one file it names."""
+    store = storage.store_for(pattern)
+    if not _has_glob(pattern):
+        info = store.stat(pattern)
+        return [] if info is None or (not storage.is_gcs(pattern) and os.path.isdir(pattern)) else [info]
+    # List recursively under the longest directory prefix without glob characters.
+    head = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
+    base = head[: head.rfind("/") + 1] if "/" in head else ""
+    if not base:
+        base = "./" if not storage.is_gcs(pattern) else base
+        pattern = base + pattern if not storage.is_gcs(pattern) else pattern
+    rx = glob_to_regex(pattern)
+    files, _ = store.list(base, recursive=True)
+    if storage.is_gcs(pattern):
+        return sorted((f for f in files if rx.match(f.path)), key=lambda f: f.path)
+    # Local listings return os.path.join'ed paths; normalise separators and skip hidden temp files.
+    hits = [f for f in files if rx.match(f.path.replace(os.sep, "/")) and not os.path.basename(f.path).startswith(".")]
+    return sorted(hits, key=lambda f: f.path)
+
+
+def _logical_name(path: str, root: str) -> str:
+    root = root.rstrip("/")
+    if root and path.startswith(root + "/"):
+        return path[len(root) + 1:]
+    return path
+
+
+def resolve_paths(patterns: list[str] | tuple[str, ...], root: str = "", what: str = "data") -> list[TokenFile]:
+    """Expand `{root}` and globs; keep the recipe's order (each glob sorted), drop repeats, check sizes."""
+    root = root.rstrip("/")
+    physical_root = root
+    if root == SMOKE_ROOT or root.startswith(SMOKE_ROOT + "/"):
+        physical_root = str(ensure_smoke_data()) + root[len(SMOKE_ROOT):]
+    out: list[TokenFile] = []
+    seen: set[str] = set()
+    for raw in patterns:
+        pattern = raw.replace("{root}", physical_root)
+        if pattern.startswith(SMOKE_ROOT):
+            pattern = str(ensure_smoke_data()) + pattern[len(SMOKE_ROOT):]
+        hits = _expand(pattern)
+        if not hits:
+            hint = "check data.root and the path; `olmo-ctl data prepare` makes token files from text"
+            raise BadInput(f"{what}: `{raw}` matches no file (looked for `{pattern}`)", hint)
+        for h in hits:
+            if h.path in seen:
+                continue
+            seen.add(h.path)
+            if h.size % TOKEN_BYTES:
+                raise BadInput(f"{what}: `{h.path}` is {h.size} bytes, not a whole number of uint32 tokens",
+                               "token files are raw little-endian uint32 (OLMo-core layout)")
+            out.append(TokenFile(h.path, _logical_name(h.path, physical_root), h.size))
+    # One cheap header check: a NumPy-format .npy (with a header) is not the raw layout.
+    if out and out[0].size >= len(NUMPY_MAGIC):
+        head = storage.store_for(out[0].path).read_range(out[0].path, 0, len(NUMPY_MAGIC))
+        if head == NUMPY_MAGIC:
+            raise BadInput(f"{what}: `{out[0].path}` is a NumPy .npy file with a header, not raw uint32 tokens",
+                           "convert it with `olmo-ctl data prepare FILE --out DIR`")
+    return out
+
+
+def resolve_files(recipe, split: str = "train") -> list[TokenFile]:
+    """The token files of a recipe's `train` or `eval` split, in order."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be train or eval, not {split!r}")
+    patterns = recipe.data.train if split == "train" else recipe.data.eval
+    if not patterns:
+        raise BadInput(f"recipe `{recipe.name}` lists no data.{split} files", f"add data.{split} paths to the recipe")
+    return resolve_paths(patterns, recipe.data.root, what=f"data.{split}")
+
+
+# ---------------------------------------------------------------- fingerprint
+
+
+def dataset_fingerprint(files_with_sizes, seq_len: int, seed: int) -> str:
+    """A self-describing fingerprint: `v1:seq=<T>:seed=<S>:files=<F>:tokens=<N>:<sha256 prefix>`.
+
+    `files_with_sizes` is a list of `TokenFile`s or `(name, size)` pairs; the hash covers the
+    ordered logical names and byte sizes, `seq_len` and `seed` (what defines the data order).
+    The readable fields let `check_fingerprint` say what changed.
+    """
+    items = []
+    for f in files_with_sizes:
+        if isinstance(f, TokenFile):
+            items.append((f.name, int(f.size)))
+        else:
+            name, size = f
+            items.append((str(name), int(size)))
+    blob = json.dumps({"files": items, "seq_len": int(seq_len), "seed": int(seed)}, separators=(",", ":"))
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    tokens = sum(s for _, s in items) // TOKEN_BYTES
+    return f"v1:seq={int(seq_len)}:seed={int(seed)}:files={len(items)}:tokens={tokens}:{digest}"
+
+
+def _fields(fp: str) -> dict[str, str]:
+    parts = str(fp).split(":")
+    out = {}
+    for p in parts[1:-1]:
+        k, _, v = p.partition("=")
+        out[k] = v
+    return out
+
+
+def describe_fingerprint_change(saved: str, current: str) -> str:
+    a, b = _fields(saved), _fields(current)
+    labels = {"seq": "train.seq_len", "seed": "data.seed", "files": "number of token files", "tokens": "total tokens"}
+    changed = [f"{labels[k]} {a[k]} -> {b[k]}" for k in labels if k in a and k in b and a[k] != b[k]]
+    if not changed:
+        if a and b:
+            changed = ["same file count and total size, but file names, order or sizes differ"]
+        else:
+            changed = [f"fingerprint {saved} -> {current}"]
+    return "; ".join(changed)
+
+
+def check_fingerprint(saved: str | None, current: str, allow_change: bool = False) -> str | None:
+    """None when the data is the one the checkpoint was trained on; raise BadInput when it changed.
+
+    With `allow_change` the change is accepted and the returned message says what changed (log it).
+    """
+    if not saved or saved == current:
+        return None
+    what = describe_fingerprint_change(saved, current)
+    msg = f"the training data changed since the checkpoint was written ({what})"
+    if allow_change:
+        return msg + "; continuing because of --allow-data-change (the data order is not the original one)"
+    raise BadInput(msg, "restore the original files and settings, or pass --allow-data-change to continue with this data")
+
+
+# ---------------------------------------------------------------- writing token files
+
+
+def byte_tokens(text: bytes) -> np.ndarray:
+    """Byte-level tokenizer: one token per byte (0-255) and EOS (256) after the document."""
+    arr = np.empty(len(text) + 1, dtype=TOKEN_DTYPE)
+    arr[:-1] = np.frombuffer(text, dtype=np.uint8)
+    arr[-1] = BYTE_EOS
+    return arr
+
+
+def held_out_indices(n: int, fraction: float) -> list[int]:
+    """Which of `n` units (documents or files) are held out: round(n*fraction), at least 1, evenly spaced."""
+    if fraction <= 0 or n < 2:
+        return []
+    k = min(n - 1, max(1, round(n * fraction)))
+    return sorted({int((j + 0.5) * n / k) for j in range(k)})
+
+
+def _read_input(path: str) -> bytes:
+    return storage.store_for(path).read_bytes(path)
+
+
+def _raw_tokens_from_npy(path: str, data: bytes) -> bytes:
+    """A token file's bytes as raw uint32: raw files as they are, NumPy-format .npy converted."""
+    if not data.startswith(NUMPY_MAGIC):
+        if len(data) % TOKEN_BYTES:
+            raise BadInput(f"`{path}` is {len(data)} bytes, not a whole number of uint32 tokens",
+                           "pass raw uint32 token files (OLMo-core layout) or text files")
+        return data
+    import io
+
+    arr = np.load(io.BytesIO(data), allow_pickle=False)
+    if arr.dtype.kind not in "iu":
+        raise BadInput(f"`{path}` holds {arr.dtype} values, not token ids")
+    if arr.size and (arr.min() < 0 or int(arr.max()) >= 2**32):
+        raise BadInput(f"`{path}` holds values outside uint32")
+    return np.ascontiguousarray(arr.reshape(-1), dtype=TOKEN_DTYPE).tobytes()
+
+
+def _split_dir_is_empty(out: str, split: str) -> bool:
+    store = storage.store_for(out)
+    files, dirs = store.list(storage.join(out, split), recursive=True)
+    return not files and not dirs
+
+
+def _write(path: str, data: bytes) -> None:
+    storage.store_for(path).write_bytes(path, data)
+    if not storage.is_gcs(path):  # the store writes private temp files; data files are for everyone to read
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(path, 0o666 & ~umask)
+
+
+def _write_stream(out: str, split: str, stream: np.ndarray, part_tokens: int) -> list[dict]:
+    entries = []
+    for i, start in enumerate(range(0, len(stream), part_tokens)):
+        part = stream[start:start + part_tokens]
+        rel = f"{split}/part-{i:05d}.npy"
+        _write(storage.join(out, rel), part.astype(TOKEN_DTYPE, copy=False).tobytes())
+        entries.append({"path": rel, "tokens": int(len(part))})
+    return entries
+
+
+def prepare(
+    inputs: list[str],
+    out: str,
+    held_out_fraction: float = 0.05,
+    seq_len: int = 0,
+    part_tokens: int = DEFAULT_PART_TOKENS,
+    held_out: list[str] | None = None,
+) -> dict:
+    """Make token files from text (byte tokenizer) or copy raw uint32 token files; returns the manifest.
+
+    Text inputs: each file is one document (bytes, then EOS); whole documents are held out,
+    evenly spaced (a single document is split by tokens instead); the rest are concatenated into
+    `train/part-NNNNN.npy` of at most `part_tokens` tokens (a multiple of `seq_len` when given, so
+    only the last part has a remainder). `.npy` inputs are token files and are copied as they are
+    (NumPy-format ones converted to raw uint32), whole files held out. `held_out` names inputs to
+    hold out explicitly instead of `held_out_fraction`. Writes `manifest.json` last.
+    """
+    if not inputs:
+        raise BadInput("no input files given", "pass text files or .npy token files")
+    if not 0 <= held_out_fraction < 1:
+        raise BadInput(f"--held-out-fraction must be in [0, 1), got {held_out_fraction}")
+    if seq_len < 0:
+        raise BadInput(f"--seq-len must be >= 0, got {seq_len}")
+    if seq_len > 1:
+        part_tokens = max(seq_len, part_tokens // seq_len * seq_len)
+    npy = [p for p in inputs if p.endswith(".npy")]
+    text = [p for p in inputs if not p.endswith(".npy")]
+    if npy and text:
+        raise BadInput("both text files and .npy token files given",
+                       "their vocabularies differ (bytes vs the files' tokenizer); prepare them separately")
+    for split in ("train", "eval"):
+        if not _split_dir_is_empty(out, split):
+            raise BadInput(f"`{storage.join(out, split)}` already holds files",
+                           "choose an empty --out directory (old part files would be mixed in)")
+    if held_out is not None:
+        missing = [h for h in held_out if h not in inputs]
+        if missing:
+            raise ValueError(f"held_out names files that are not inputs: {missing}")
+        eval_idx = [i for i, p in enumerate(inputs) if p in held_out]
+    else:
+        eval_idx = held_out_indices(len(inputs), held_out_fraction)
+    manifest: dict = {
+        "format": "raw little-endian uint32 tokens, no header (OLMo-core numpy layout)",
+        "held_out_fraction": held_out_fraction,
+        "seq_len": seq_len,
+        "sources": {"train": [], "eval": []},
+    }
+    if text:
+        manifest.update({"tokenizer": "bytes", "vocab_size": BYTE_VOCAB, "eos_token_id": BYTE_EOS,
+                         "pad_token_id": BYTE_PAD})
+        docs = [byte_tokens(_read_input(p)) for p in inputs]
+        if len(docs) == 1 and held_out_fraction > 0 and held_out is None:
+            # One document: hold out its tail by tokens.
+            n_eval = max(1, round(len(docs[0]) * held_out_fraction))
+            train_stream, eval_stream = docs[0][:-n_eval], docs[0][-n_eval:]
+            manifest["sources"] = {"train": list(inputs), "eval": list(inputs)}
+        else:
+            train_docs = [d for i, d in enumerate(docs) if i not in eval_idx]
+            eval_docs = [docs[i] for i in eval_idx]
+            empty = np.zeros(0, TOKEN_DTYPE)
+            train_stream = np.concatenate(train_docs) if train_docs else empty
+            eval_stream = np.concatenate(eval_docs) if eval_docs else empty
+            manifest["sources"] = {"train": [p for i, p in enumerate(inputs) if i not in eval_idx],
+                                   "eval": [inputs[i] for i in eval_idx]}
+        if seq_len > 1:
+            for split, s in (("train", train_stream), ("eval", eval_stream)):
+                if len(s) and len(s) < seq_len:
+                    raise BadInput(f"the {split} split has {len(s)} tokens, fewer than one instance of {seq_len}",
+                                   "give more text, a smaller --seq-len or another --held-out-fraction")
+        manifest["train"] = _write_stream(out, "train", train_stream, part_tokens)
+        manifest["eval"] = _write_stream(out, "eval", eval_stream, part_tokens)
+    else:
+        manifest["tokenizer"] = "as given (pre-tokenized files copied as they are)"
+        manifest["train"], manifest["eval"] = [], []
+        counters = {"train": 0, "eval": 0}
+        for i, p in enumerate(inputs):
+            split = "eval" if i in eval_idx else "train"
+            data = _raw_tokens_from_npy(p, _read_input(p))
+            rel = f"{split}/part-{counters[split]:05d}.npy"
+            counters[split] += 1
+            _write(storage.join(out, rel), data)
+            manifest[split].append({"path": rel, "tokens": len(data) // TOKEN_BYTES})
+            manifest["sources"][split].append(p)
+    for split in ("train", "eval"):
+        manifest[f"{split}_tokens"] = sum(e["tokens"] for e in manifest[split])
+        if seq_len > 1:
+            manifest[f"{split}_instances"] = sum(e["tokens"] // seq_len for e in manifest[split])
+    _write(storage.join(out, "manifest.json"), (json.dumps(manifest, indent=2) + "\n").encode())
+    return manifest
+
+
+# ---------------------------------------------------------------- the built-in smoke dataset
+
+
+def smoke_cache_dir() -> Path:
+    """`$OLMO_CTL_CACHE/smoke-data/<version>` or `~/.cache/olmo-ctl/smoke-data/<version>`.
+
+    The version names the Python minor version too: the text is that Python's own stdlib.
+    """
+    base = os.environ.get("OLMO_CTL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "olmo-ctl")
+    v = f"{SMOKE_VERSION}-py{sys.version_info.major}.{sys.version_info.minor}"
+    return Path(base) / "smoke-data" / v
+
+
+def smoke_source_files() -> tuple[list[str], list[str]]:
+    """The stdlib files the smoke dataset is made of: (train, eval), in a fixed order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+
+    def find(mod: str) -> str | None:
+        for cand in (stdlib / f"{mod}.py", stdlib / mod / "__init__.py"):
+            if cand.is_file():
+                return str(cand)
+        return None
+
+    train = [p for p in (find(m) for m in SMOKE_TRAIN_MODULES) if p]
+    evals = [p for p in (find(m) for m in SMOKE_EVAL_MODULES) if p]
+    return train, evals
+
+
+def ensure_smoke_data() -> Path:
+    """Make the smoke dataset once (atomically: build in a temp dir, rename into place)."""
+    final = smoke_cache_dir()
+    if (final / "manifest.json").is_file():
+        return final
+    train, evals = smoke_source_files()
+    if not evals:
+        raise BadInput("cannot make the smoke dataset: this Python has none of its held-out stdlib files",
+                       f"expected {', '.join(m + '.py' for m in SMOKE_EVAL_MODULES)} in {sysconfig.get_paths()['stdlib']}")
+    total = sum(os.path.getsize(p) for p in train)
+    if total < SMOKE_MIN_TRAIN_TOKENS:
+        raise BadInput(f"cannot make the smoke dataset: only {total} bytes of stdlib text found",
+                       f"this Python's stdlib ({sysconfig.get_paths()['stdlib']}) looks stripped")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-")
+    try:
+        os.chmod(tmp, 0o755)
+        part_tokens = -(-(total + len(train)) // SMOKE_TRAIN_PARTS)
+        prepare(train + evals, tmp, held_out=evals, part_tokens=part_tokens)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "manifest.json").is_file():  # not another process's finished copy
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
