@@ -1,0 +1,211 @@
+"""OLMo 3 in JAX: pure functions over a nested-dict pytree of parameters.
+
+One block ("reordered norm", no pre-norm):
+    h   = x + RMSNorm(attn(x))           attn: q = RMSNorm(x Wq), k = RMSNorm(x Wk) over the FULL
+    out = h + RMSNorm(W2(silu(W1 h) * W3 h))   projections, then head split, RoPE, softmax attention
+Layer i uses full causal attention where (i+1) % full_attention_every == 0 and a sliding window
+otherwise (query i sees keys j with i - window < j <= i). Untied input embedding and LM head, no
+biases, no embedding scaling, a final RMSNorm before the LM head.
+
+Parameters (cfg.param_dtype; L = n_layers, d = d_model, q = n_heads*head_dim, kv = n_kv_heads*head_dim):
+    embed [V, d]   lm_head [d, V]   final_norm [d]        (V = padded_vocab_size)
+    blocks/attn/{wq [L,d,q], wk [L,d,kv], wv [L,d,kv], wo [L,q,d], q_norm [L,q], k_norm [L,kv]}
+    blocks/attn_norm [L,d] (post-attention), blocks/mlp_norm [L,d] (post-feedforward)
+    blocks/mlp/{w1 [L,d,h] (gate), w3 [L,d,h] (up), w2 [L,h,d] (down)}
+Layers are stacked on a leading axis and run with `lax.scan` over groups of `full_attention_every`
+layers (3 sliding + 1 full), so compile time does not grow with depth. Norms, softmax, RoPE and the
+logits are fp32; matmuls run in cfg.compute_dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from olmo_ctl.recipe import ModelConfig
+from olmo_ctl.trainer import attention as attn_lib
+
+# Names given to projection outputs, saved by remat="save_proj".
+PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "w1_proj", "w3_proj")
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def dtype_of(name: str):
+    return _DTYPES[name]
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Shapes of every parameter, in the pytree layout of `init_params`."""
+    L, d, h, V = cfg.n_layers, cfg.d_model, cfg.mlp_hidden, cfg.padded_vocab_size
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return {
+        "embed": (V, d),
+        "blocks": {
+            "attn": {"wq": (L, d, q), "wk": (L, d, kv), "wv": (L, d, kv), "wo": (L, q, d),
+                     "q_norm": (L, q), "k_norm": (L, kv)},
+            "attn_norm": (L, d),
+            "mlp_norm": (L, d),
+            "mlp": {"w1": (L, d, h), "w3": (L, d, h), "w2": (L, h, d)},
+        },
+        "final_norm": (d,),
+        "lm_head": (d, V),
+    }
+
+
+def _is_norm(path) -> bool:
+    return "norm" in jax.tree_util.keystr(path)
+
+
+def init_params(cfg: ModelConfig, key) -> dict:
+    """Truncated normal (std cfg.init_std, cut at +-3 sigma) for embeddings and every linear; norms = 1."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(leaves))
+    dtype = dtype_of(cfg.param_dtype)
+    out = []
+    for (path, shape), k in zip(leaves, keys, strict=True):
+        if _is_norm(path):
+            out.append(jnp.ones(shape, dtype))
+        else:
+            w = jax.random.truncated_normal(k, -3.0, 3.0, shape, jnp.float32) * cfg.init_std
+            out.append(w.astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def count_params(params) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params))
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm in fp32 (like the reference), returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float):
+    """cos/sin [T, head_dim] in fp32 for rotate-half RoPE (the frequency table repeated twice)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, T, H, D] -> same dtype; rotation done in fp32."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos[None, :, None, :] + rotated * sin[None, :, None, :]).astype(x.dtype)
+
+
+def _matmul(x, w, dtype):
+    return jnp.einsum("btd,df->btf", x, w.astype(dtype))
+
+
+def attention_block(p, x, cos, sin, cfg: ModelConfig, window: int | None, attention: str):
+    """x [B, T, d] -> [B, T, d] (before the post-attention norm)."""
+    B, T, _ = x.shape
+    dt = x.dtype
+    q = checkpoint_name(_matmul(x, p["wq"], dt), "q_proj")  # [B, T, H*D]
+    k = checkpoint_name(_matmul(x, p["wk"], dt), "k_proj")  # [B, T, KV*D]
+    v = checkpoint_name(_matmul(x, p["wv"], dt), "v_proj")
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)  # QK-norm over the full projection
+    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q.reshape(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
+    k = apply_rope(k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)
+    v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    o = attn_lib.attend(q, k, v, window=window, impl=attention)  # [B, T, H, D]
+    return checkpoint_name(_matmul(o.reshape(B, T, -1), p["wo"], dt), "o_proj")
+
+
+def mlp_block(p, x):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    dt = x.dtype
+    gate = checkpoint_name(_matmul(x, p["w1"], dt), "w1_proj")
+    up = checkpoint_name(_matmul(x, p["w3"], dt), "w3_proj")
+    return _matmul(jax.nn.silu(gate) * up, p["w2"], dt)
+
+
+def block(p, x, cos, sin, cfg: ModelConfig, window: int | None, attention: str):
+    """One reordered-norm OLMo 3 block; p holds one layer's weights (no layer axis)."""
+    h = x + rms_norm(attention_block(p["attn"], x, cos, sin, cfg, window, attention), p["attn_norm"],
+                     cfg.rms_norm_eps)
+    h = _constrain_batch(h)
+    out = h + rms_norm(mlp_block(p["mlp"], h), p["mlp_norm"], cfg.rms_norm_eps)
+    return _constrain_batch(out)
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    if policy == "full":
+        return jax.checkpoint(fn)
+    if policy == "save_proj":
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*PROJ_NAMES))
+    raise ValueError(f"unknown remat policy {policy!r}")
+
+
+def _constrain_batch(x):
+    """Keep activations batch-sharded over ("data", "fsdp") when a mesh with those axes is set."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not {"data", "fsdp"} <= set(mesh.axis_names):
+        return x
+    n = mesh.shape["data"] * mesh.shape["fsdp"]
+    if x.shape[0] % n:
+        return x
+    spec = jax.sharding.PartitionSpec(("data", "fsdp"), *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def layer_window(cfg: ModelConfig, i: int) -> int | None:
+    """None for full attention, else the sliding window (token itself + window-1 before it)."""
+    return None if cfg.layer_is_full(i) else cfg.sliding_window
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def forward(params, tokens, cfg: ModelConfig, *, attention: str | None = None):
+    """tokens int32 [B, T] -> logits float32 [B, T, padded_vocab_size]."""
+    impl = attn_lib.resolve(attention or cfg.attention)
+    dt = dtype_of(cfg.compute_dtype)
+    B, T = tokens.shape
+    cos, sin = rope_tables(T, cfg.head_dim, cfg.rope_theta)
+
+    x = _constrain_batch(jnp.take(params["embed"], tokens, axis=0).astype(dt))  # [B, T, d]
+
+    P = cfg.full_attention_every
+    L = cfg.n_layers
+    n_groups, n_tail = divmod(L, P)
+    blocks = params["blocks"]
+
+    # A group is P consecutive layers: P-1 sliding then one full (positions fixed by (i+1) % P == 0).
+    layer_fns = [_remat(partial(block, cfg=cfg, window=layer_window(cfg, j), attention=impl), cfg.remat)
+                 for j in range(P)]
+
+    def group_step(h, group_params):
+        for j in range(P):
+            h = layer_fns[j](jax.tree.map(lambda w, j=j: w[j], group_params), h, cos, sin)
+        return h, None
+
+    if n_groups:
+        grouped = jax.tree.map(lambda w: w[: n_groups * P].reshape(n_groups, P, *w.shape[1:]), blocks)
+        x, _ = jax.lax.scan(group_step, x, grouped)
+    if n_tail:  # leftover layers (n_layers not a multiple of P) are all sliding
+        tail = jax.tree.map(lambda w: w[n_groups * P:], blocks)
+        x, _ = jax.lax.scan(lambda h, p: (layer_fns[0](p, h, cos, sin), None), x, tail)
+
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
