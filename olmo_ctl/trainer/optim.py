@@ -78,7 +78,7 @@ def weight_decay_mask(params) -> Any:
     """True where weight decay applies: everything but the top-level input embedding."""
     if not isinstance(params, dict) or EMBED_KEY not in params:
         raise ValueError(f"params must be a dict with a top-level `{EMBED_KEY}` (the input embedding)")
-    return {k: jax.tree.map(lambda _: k != EMBED_KEY, v) for k, v in params.items()}
+    return {k: jax.tree.map(lambda _, on=k != EMBED_KEY: on, v) for k, v in params.items()}
 
 
 def init_adam(params) -> AdamState:

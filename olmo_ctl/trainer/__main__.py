@@ -1,0 +1,72 @@
+"""`python -m olmo_ctl.trainer`: the bundled trainer's entry point (see docs/CONTRACTS.md).
+
+Parses arguments without importing jax, so that `--device cpu-N` can set XLA_FLAGS first.
+Exit codes: 0 reached the final step (or --stop-at-step) with it committed; 143 stopped by SIGTERM
+after checkpointing; 1 deterministic training error; 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m olmo_ctl.trainer", description="OLMo 3 trainer (JAX).")
+    p.add_argument("--recipe", help="recipe file, name from recipes/, or gs:// URL (default: <run-dir>/run.yaml)")
+    p.add_argument("--run-dir", required=True, help="run directory (local path or gs://)")
+    p.add_argument("--device", help="device type, e.g. v5p-256, tpu7x-128, cpu-4")
+    p.add_argument("--attempt", type=int, default=0, help="attempt number (names the event segments)")
+    p.add_argument("--stop-at-step", type=int, default=None, help="stop after step N with checkpoint N committed")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe value (repeatable)")
+    p.add_argument("--allow-data-change", action="store_true", help="resume although the data fingerprint changed")
+    p.add_argument("--init-from", help="initialise parameters from this converted checkpoint when the run has none")
+    return p.parse_args(argv)
+
+
+def _prepare_env(device: str | None) -> None:
+    """`cpu-N`: N host devices (unless the launcher set XLA_FLAGS) and the CPU platform only."""
+    if not device or not device.startswith("cpu-"):
+        return
+    n = device.partition("-")[2]
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n.isdigit() and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _maybe_distributed(device: str | None) -> None:
+    """Multi-host TPU slices: one process per VM, joined before any other jax call."""
+    if not device or device.startswith(("cpu-", "gpu-")):
+        return
+    from olmo_ctl.devices import get_device
+
+    dev = get_device(device)
+    if dev.is_tpu and dev.vms > 1:
+        import jax
+
+        jax.distributed.initialize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse(sys.argv[1:] if argv is None else argv)
+    from olmo_ctl.errors import OlmoCtlError
+
+    try:
+        _prepare_env(ns.device)
+        _maybe_distributed(ns.device)
+    except OlmoCtlError as e:
+        sys.stderr.write(f"error: {e.one_line()}\n")
+        return 2
+    from olmo_ctl.trainer.train import TrainArgs, main_run
+
+    return main_run(TrainArgs(
+        run_dir=ns.run_dir, recipe=ns.recipe, device=ns.device, attempt=ns.attempt, stop_at_step=ns.stop_at_step,
+        overrides=list(ns.overrides), allow_data_change=ns.allow_data_change, init_from=ns.init_from,
+    ))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
