@@ -161,7 +161,14 @@ class TokenDataset:
         return np.array(self._local_map(fi)[off:off + self.seq_len])
 
     def instance(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """(input_ids int32[seq_len], labels int32[seq_len]): labels shifted left by one, last -100."""
+        """(input_ids int32[seq_len], labels int32[seq_len]): labels shifted left by one, last -100.
+
+        With the n-gram filter on, a repetitive instance has every label -100 (see `instance_kept`).
+        """
+        input_ids, labels, _ = self._instance(i)
+        return input_ids, labels
+
+    def _instance(self, i: int) -> tuple[np.ndarray, np.ndarray, bool]:
         toks = self.tokens(i)
         if self.vocab_size is not None and len(toks) and int(toks.max()) >= self.vocab_size:
             raise BadInput(f"instance {i} holds token id {int(toks.max())}, outside the model's vocab "
@@ -170,17 +177,25 @@ class TokenDataset:
         labels = np.empty_like(input_ids)
         labels[:-1] = input_ids[1:]
         labels[-1] = IGNORE_INDEX
-        if self.ngram_filter and has_repetition(toks):
+        kept = not (self.ngram_filter and has_repetition(toks))
+        if not kept:
             labels[:] = IGNORE_INDEX
-        return input_ids, labels
+        return input_ids, labels, kept
 
     def batch(self, indices) -> dict[str, np.ndarray]:
+        """Rows for `indices`: input_ids, labels, instance_ids, and instance_mask (False: filtered out).
+
+        A filtered instance's labels are all -100, but its `seq_len - 1` label positions still
+        belong in the loss denominator (OLMo-core's instance filter): the trainer divides by
+        `(labels != -100).sum() + (seq_len - 1) * (~instance_mask).sum()`.
+        """
         idx = np.asarray(indices, dtype=np.int64)
         inputs = np.empty((len(idx), self.seq_len), dtype=np.int32)
         labels = np.empty((len(idx), self.seq_len), dtype=np.int32)
+        kept = np.ones(len(idx), dtype=bool)
         for r, i in enumerate(idx):
-            inputs[r], labels[r] = self.instance(int(i))
-        return {"input_ids": inputs, "labels": labels, "instance_ids": idx}
+            inputs[r], labels[r], kept[r] = self._instance(int(i))
+        return {"input_ids": inputs, "labels": labels, "instance_ids": idx, "instance_mask": kept}
 
 
 def _stat_file(path: str) -> TokenFile:
@@ -199,7 +214,7 @@ class BatchLoader:
     """This process's disjoint slice of each global batch, in the documented global order.
 
     `next()` returns `{"input_ids": int32[local_B, T], "labels": int32[local_B, T],
-    "instance_ids": int64[local_B]}` with `local_B = global_batch / process_count`; process `p`
+    "instance_ids": int64[local_B], "instance_mask": bool[local_B]}` with `local_B = global_batch / process_count`; process `p`
     gets rows `p*local_B ... (p+1)*local_B - 1` of the global batch. After the last whole global
     batch of an epoch the next epoch starts (the remainder of the shuffled order is not used).
     """

@@ -241,16 +241,21 @@ def byte_tokens(text: bytes) -> np.ndarray:
     return arr
 
 
-def held_out_indices(n: int, fraction: float) -> list[int]:
-    """Which of `n` units (documents or files) are held out: round(n*fraction), at least 1, evenly spaced."""
+def held_out_indices(n: int, fraction: float, at_least_one: bool = False) -> list[int]:
+    """Which of `n` units (documents or files) are held out: round(n*fraction), evenly spaced, never all."""
     if fraction <= 0 or n < 2:
         return []
-    k = min(n - 1, max(1, round(n * fraction)))
-    return sorted({int((j + 0.5) * n / k) for j in range(k)})
+    k = min(n - 1, round(n * fraction))
+    if at_least_one:
+        k = max(1, k)
+    return sorted({int((j + 0.5) * n / k) for j in range(k)}) if k else []
 
 
 def _read_input(path: str) -> bytes:
-    return storage.store_for(path).read_bytes(path)
+    try:
+        return storage.store_for(path).read_bytes(path)
+    except (IsADirectoryError, PermissionError) as e:
+        raise BadInput(f"cannot read `{path}`: {e.strerror}", "pass files, not directories") from None
 
 
 def _raw_tokens_from_npy(path: str, data: bytes) -> bytes:
@@ -305,10 +310,11 @@ def prepare(
     """Make token files from text (byte tokenizer) or copy raw uint32 token files; returns the manifest.
 
     Text inputs: each file is one document (bytes, then EOS); whole documents are held out,
-    evenly spaced (a single document is split by tokens instead); the rest are concatenated into
+    evenly spaced (with too few documents for that, the tail of the token stream is held out
+    instead, a multiple of `seq_len` when given); the rest are concatenated into
     `train/part-NNNNN.npy` of at most `part_tokens` tokens (a multiple of `seq_len` when given, so
     only the last part has a remainder). `.npy` inputs are token files and are copied as they are
-    (NumPy-format ones converted to raw uint32), whole files held out. `held_out` names inputs to
+    (NumPy-format ones converted to raw uint32), whole files held out (at least one). `held_out` names inputs to
     hold out explicitly instead of `held_out_fraction`. Writes `manifest.json` last.
     """
     if not inputs:
@@ -334,7 +340,10 @@ def prepare(
             raise ValueError(f"held_out names files that are not inputs: {missing}")
         eval_idx = [i for i, p in enumerate(inputs) if p in held_out]
     else:
-        eval_idx = held_out_indices(len(inputs), held_out_fraction)
+        eval_idx = held_out_indices(len(inputs), held_out_fraction, at_least_one=bool(npy))
+        if npy and held_out_fraction > 0 and not eval_idx:
+            raise BadInput("one .npy token file cannot be split into train and held-out files",
+                           "pass more files, or --held-out-fraction 0")
     manifest: dict = {
         "format": "raw little-endian uint32 tokens, no header (OLMo-core numpy layout)",
         "held_out_fraction": held_out_fraction,
@@ -345,11 +354,20 @@ def prepare(
         manifest.update({"tokenizer": "bytes", "vocab_size": BYTE_VOCAB, "eos_token_id": BYTE_EOS,
                          "pad_token_id": BYTE_PAD})
         docs = [byte_tokens(_read_input(p)) for p in inputs]
-        if len(docs) == 1 and held_out_fraction > 0 and held_out is None:
-            # One document: hold out its tail by tokens.
-            n_eval = max(1, round(len(docs[0]) * held_out_fraction))
-            train_stream, eval_stream = docs[0][:-n_eval], docs[0][-n_eval:]
-            manifest["sources"] = {"train": list(inputs), "eval": list(inputs)}
+        if not eval_idx and held_out_fraction > 0:
+            # Too few documents to hold out whole ones: hold out the tail of the token stream.
+            stream = np.concatenate(docs)
+            n_eval = max(1, round(len(stream) * held_out_fraction))
+            if seq_len > 1:
+                n_eval = -(-n_eval // seq_len) * seq_len
+            if n_eval >= len(stream):
+                raise BadInput(f"{len(stream)} tokens are too few for a held-out split",
+                               "give more text, a smaller --seq-len or --held-out-fraction 0")
+            train_stream, eval_stream = stream[:-n_eval], stream[-n_eval:]
+            ends = np.cumsum([len(d) for d in docs])
+            first_eval = int(np.searchsorted(ends, len(stream) - n_eval, side="right"))
+            manifest["sources"] = {"train": list(inputs[:first_eval + 1]), "eval": list(inputs[first_eval:])}
+            manifest["held_out"] = f"the last {n_eval} tokens"
         else:
             train_docs = [d for i, d in enumerate(docs) if i not in eval_idx]
             eval_docs = [docs[i] for i in eval_idx]

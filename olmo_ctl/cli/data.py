@@ -1,0 +1,40 @@
+"""`olmo-ctl data prepare`: token files (OLMo-core raw uint32 layout) from text, with a held-out split."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+
+data_app = typer.Typer(help="Make and inspect training data (token files).", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+def prepare(
+    files: Annotated[list[str], typer.Argument(help="Text files (byte-tokenized, one document each) or .npy token files.")],
+    out: Annotated[str, typer.Option("--out", help="Output directory, local or gs://; must not hold train/ or eval/ files.")],
+    held_out_fraction: Annotated[float, typer.Option("--held-out-fraction", help="Share of the inputs held out for eval/.")] = 0.05,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Check each split holds whole instances of this length; parts are cut at multiples of it.")] = 0,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Write OUT/train/part-NNNNN.npy, OUT/eval/part-NNNNN.npy (raw uint32 tokens) and OUT/manifest.json.
+
+    Text is tokenized byte by byte (tokens 0-255, EOS 256 after each file; vocab 258 as in the
+    smoke recipe). Pre-tokenized .npy files (e.g. dolma2) are copied as they are.
+    """
+    from olmo_ctl.trainer.datafiles import prepare as do_prepare
+
+    manifest = do_prepare(list(files), out, held_out_fraction=held_out_fraction, seq_len=seq_len)
+    if output == Output.json:
+        print_json(manifest)
+        return
+    for split in ("train", "eval"):
+        n = len(manifest[split])
+        line = f"{split}: {manifest[f'{split}_tokens']:,} tokens in {n} file{'s' if n != 1 else ''}"
+        if seq_len > 1:
+            line += f" ({manifest[f'{split}_instances']:,} instances of {seq_len})"
+        typer.echo(line)
+    typer.echo(f"tokenizer: {manifest['tokenizer']}; manifest: {out.rstrip('/')}/manifest.json")
