@@ -1,0 +1,458 @@
+"""Hugging Face `Olmo3ForCausalLM` <-> our Orbax parameters.
+
+HF side: `config.json` + `model.safetensors` (or shards listed in `model.safetensors.index.json`).
+Safetensors are read and written here directly (8-byte header length, JSON header, raw little-endian
+bytes) with numpy + ml_dtypes, so conversion needs neither torch nor transformers and bf16 tensors
+round-trip bit for bit.
+
+Orbax side (ORBAX_DIR): an Orbax StandardSave checkpoint of `{"params": params}` (the pytree of
+`model.init_params`) plus `olmo_model.json` = {"model": ModelConfig fields, "hf_config": the original
+config.json, "hf_dtype": the original tensor dtype}, so the model can be rebuilt and converted back
+to exactly the tensors it came from.
+
+Mapping (HF Linear weights are [out, in]; ours are [in, out]):
+    model.embed_tokens.weight [V_hf, d]            -> embed [V, d]      (rows padded with zeros)
+    lm_head.weight [V_hf, d]                       -> lm_head [d, V]    (transposed, padded with zeros)
+    model.norm.weight                              -> final_norm
+    model.layers.i.self_attn.{q,k,v,o}_proj.weight -> blocks/attn/w{q,k,v,o}[i] (transposed)
+    model.layers.i.self_attn.{q,k}_norm.weight     -> blocks/attn/{q,k}_norm[i]
+    model.layers.i.post_attention_layernorm.weight -> blocks/attn_norm[i]
+    model.layers.i.post_feedforward_layernorm.weight -> blocks/mlp_norm[i]
+    model.layers.i.mlp.{gate,up,down}_proj.weight  -> blocks/mlp/w{1,3,2}[i] (transposed)
+Converting out truncates the vocab back to `vocab_size` rows.
+
+gs:// paths are staged through a local temporary directory with `olmo_ctl.storage`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from olmo_ctl.errors import BadInput
+from olmo_ctl.recipe import ModelConfig
+from olmo_ctl.storage import is_gcs, join, store_for
+
+META_FILE = "olmo_model.json"
+VOCAB_MULTIPLE = 128
+SHARD_BYTES = 5 * 1024**3
+
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+              "I32": "int32"}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+# (HF name inside model.layers.{i}., our path under blocks, transpose)
+LAYER_MAP = (
+    ("self_attn.q_proj.weight", ("attn", "wq"), True),
+    ("self_attn.k_proj.weight", ("attn", "wk"), True),
+    ("self_attn.v_proj.weight", ("attn", "wv"), True),
+    ("self_attn.o_proj.weight", ("attn", "wo"), True),
+    ("self_attn.q_norm.weight", ("attn", "q_norm"), False),
+    ("self_attn.k_norm.weight", ("attn", "k_norm"), False),
+    ("post_attention_layernorm.weight", ("attn_norm",), False),
+    ("post_feedforward_layernorm.weight", ("mlp_norm",), False),
+    ("mlp.gate_proj.weight", ("mlp", "w1"), True),
+    ("mlp.up_proj.weight", ("mlp", "w3"), True),
+    ("mlp.down_proj.weight", ("mlp", "w2"), True),
+)
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        base = 8 + n
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise BadInput(f"{path}: tensor `{name}` has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        buf = raw[base + start: base + end]
+        out[name] = np.frombuffer(buf, dtype=_np_dtype(_ST_DTYPES[info["dtype"]])).reshape(info["shape"])
+    return out
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.size * t.dtype.itemsize
+        header[name] = {"dtype": _ST_NAMES[str(t.dtype)], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for t in tensors.values():
+            f.write(np.ascontiguousarray(t).tobytes())
+
+
+# ----------------------------------------------------------------------------- staging gs:// paths
+
+
+@contextlib.contextmanager
+def local_copy(path: str):
+    """A local directory holding the files under `path` (downloaded when it is on gs://)."""
+    if not is_gcs(path):
+        if not os.path.isdir(path):
+            raise BadInput(f"`{path}` is not a directory")
+        yield path
+        return
+    store = store_for(path)
+    files, _ = store.list(path, recursive=True)
+    if not files:
+        raise BadInput(f"`{path}` is empty or does not exist")
+    prefix = path.rstrip("/") + "/"
+    with tempfile.TemporaryDirectory(prefix="olmo-ctl-") as tmp:
+        for f in files:
+            rel = f.path[len(prefix):]
+            dst = Path(tmp, rel)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(store.read_bytes(f.path))
+        yield tmp
+
+
+@contextlib.contextmanager
+def output_dir(path: str, overwrite: bool = False):
+    """A local directory to write into; on exit it is uploaded when `path` is on gs://."""
+    store = store_for(path)
+    if is_gcs(path):
+        files, _ = store.list(path, recursive=True)
+        if files and not overwrite:
+            raise BadInput(f"`{path}` already holds files", "choose a new path or pass --overwrite")
+        with tempfile.TemporaryDirectory(prefix="olmo-ctl-") as tmp:
+            out = os.path.join(tmp, "out")
+            yield out
+            for dp, _, fns in os.walk(out):
+                for fn in fns:
+                    full = os.path.join(dp, fn)
+                    store.write_bytes(join(path, os.path.relpath(full, out)), Path(full).read_bytes())
+        return
+    if os.path.exists(path) and os.listdir(path):
+        if not overwrite:
+            raise BadInput(f"`{path}` already exists and is not empty", "choose a new path or pass --overwrite")
+        shutil.rmtree(path)
+    yield os.path.abspath(path)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def _full_every(layer_types: list[str]) -> int:
+    """The P with layer i full iff (i+1) % P == 0; BadInput when the pattern is not of that form."""
+    n = len(layer_types)
+    for p in range(1, n + 2):
+        if all((t == "full_attention") == ((i + 1) % p == 0) for i, t in enumerate(layer_types)):
+            return p
+    raise BadInput(f"layer_types {layer_types} is not a `full every P-th layer` pattern",
+                   "OLMo 3 uses 3 sliding : 1 full (full where (i+1) % 4 == 0)")
+
+
+def _rope_theta(hf: dict) -> float:
+    rp = hf.get("rope_parameters") or {}
+    if rp and all(isinstance(v, dict) for v in rp.values()):  # per layer type
+        thetas = {v.get("rope_theta") for v in rp.values()}
+        types = {v.get("rope_type", "default") for v in rp.values()}
+    else:
+        thetas = {rp.get("rope_theta", hf.get("rope_theta", 500000.0))}
+        types = {rp.get("rope_type", "default")}
+        if hf.get("rope_scaling"):
+            types.add(hf["rope_scaling"].get("rope_type", hf["rope_scaling"].get("type")))
+    if types - {"default", None} or len(thetas) != 1:
+        raise BadInput(f"RoPE settings {rp or hf.get('rope_scaling')} are not plain RoPE with one theta",
+                       "stage 1-2 OLMo 3 uses default RoPE, theta 500000 on every layer")
+    return float(thetas.pop() or 500000.0)
+
+
+def model_config_from_hf(hf: dict, vocab_size: int | None = None, padded_vocab_size: int | None = None,
+                         param_dtype: str = "float32", name: str = "olmo3-hf") -> ModelConfig:
+    if hf.get("model_type") not in (None, "olmo3"):
+        raise BadInput(f"config.json is a `{hf.get('model_type')}` model, not olmo3")
+    if hf.get("attention_bias"):
+        raise BadInput("attention_bias=true is not OLMo 3 (no biases anywhere)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise BadInput(f"hidden_act {hf['hidden_act']!r} is not SwiGLU (silu)")
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    n_layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)]
+    every = _full_every(layer_types)
+    window = hf.get("sliding_window")
+    if window is None:
+        if every != 1:
+            raise BadInput("sliding layers without a sliding_window in config.json")
+        window = hf.get("max_position_embeddings", 8192)
+    v_hf = hf["vocab_size"]
+    vocab = vocab_size or v_hf
+    padded = padded_vocab_size or -(-max(vocab, v_hf) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if vocab > v_hf or padded < max(vocab, v_hf):
+        raise BadInput(f"vocab sizes do not fit: HF has {v_hf} rows, vocab_size {vocab}, padded {padded}",
+                       "need vocab_size <= HF rows <= padded_vocab_size")
+
+    def token(key: str, default: int) -> int:
+        t = hf.get(key)
+        t = t[0] if isinstance(t, list) else t
+        return t if isinstance(t, int) and 0 <= t < vocab else default
+
+    return ModelConfig(
+        name=name, n_layers=n_layers, d_model=d, n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or d // heads, mlp_hidden=hf["intermediate_size"],
+        vocab_size=vocab, padded_vocab_size=padded, sliding_window=int(window), full_attention_every=every,
+        rope_theta=_rope_theta(hf), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        init_std=float(hf.get("initializer_range", 0.02)), param_dtype=param_dtype,
+        compute_dtype="float32", remat="none", eos_token_id=token("eos_token_id", min(vocab - 1, 100257)),
+        pad_token_id=token("pad_token_id", min(vocab - 1, 100277)),
+    )
+
+
+def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
+    """config.json for `cfg`; fields of `base` (the original config.json) not derived from cfg are kept."""
+    hf = dict(base or {})
+    hf.update({
+        "architectures": ["Olmo3ForCausalLM"],
+        "model_type": "olmo3",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.mlp_hidden,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": ["full_attention" if cfg.layer_is_full(i) else "sliding_attention"
+                        for i in range(cfg.n_layers)],
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    })
+    if cfg.head_dim != cfg.d_model // cfg.n_heads or "head_dim" in hf:
+        hf["head_dim"] = cfg.head_dim
+    if not base:
+        hf.update({
+            "rope_parameters": {t: {"rope_type": "default", "rope_theta": cfg.rope_theta}
+                                for t in ("full_attention", "sliding_attention")},
+            "max_position_embeddings": 65536,
+            "initializer_range": cfg.init_std,
+            "eos_token_id": cfg.eos_token_id,
+            "pad_token_id": cfg.pad_token_id,
+            "bos_token_id": None,
+            "dtype": dtype,
+        })
+    return hf
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def hf_state_to_params(state: dict[str, np.ndarray], cfg: ModelConfig, dtype: str | None = None) -> dict:
+    """HF tensors -> our parameter pytree (numpy, in `dtype` or cfg.param_dtype)."""
+    dt = _np_dtype(dtype or cfg.param_dtype)
+    V = cfg.padded_vocab_size
+
+    def take(name: str) -> np.ndarray:
+        if name not in state:
+            raise BadInput(f"HF checkpoint has no tensor `{name}`")
+        return state[name]
+
+    def pad_rows(x: np.ndarray) -> np.ndarray:
+        out = np.zeros((V, x.shape[1]), dt)
+        out[: x.shape[0]] = x.astype(dt)
+        return out
+
+    embed = take("model.embed_tokens.weight")
+    head = state.get("lm_head.weight", embed)  # tied checkpoints: the head is the embedding
+    blocks: dict = {"attn": {}, "mlp": {}}
+    for hf_name, path, transpose in LAYER_MAP:
+        layers = [take(f"model.layers.{i}.{hf_name}") for i in range(cfg.n_layers)]
+        arr = np.stack([w.T if transpose else w for w in layers]).astype(dt)
+        node = blocks
+        for p in path[:-1]:
+            node = node[p]
+        node[path[-1]] = arr
+    params = {
+        "embed": pad_rows(embed),
+        "blocks": blocks,
+        "final_norm": take("model.norm.weight").astype(dt),
+        "lm_head": pad_rows(head).T.copy(),
+    }
+    _check_shapes(params, cfg)
+    return params
+
+
+def params_to_hf_state(params, cfg: ModelConfig, dtype: str) -> dict[str, np.ndarray]:
+    """Our parameters -> HF tensors (vocab truncated to cfg.vocab_size), in `dtype`."""
+    dt = _np_dtype(dtype)
+    p = _to_numpy(params)
+    V = cfg.vocab_size
+
+    def c(x):
+        return np.ascontiguousarray(np.asarray(x).astype(dt))
+
+    out = {"model.embed_tokens.weight": c(p["embed"][:V])}
+    for i in range(cfg.n_layers):
+        for hf_name, path, transpose in LAYER_MAP:
+            node = p["blocks"]
+            for k in path:
+                node = node[k]
+            w = node[i]
+            out[f"model.layers.{i}.{hf_name}"] = c(w.T if transpose else w)
+    out["model.norm.weight"] = c(p["final_norm"])
+    out["lm_head.weight"] = c(p["lm_head"][:, :V].T)
+    return out
+
+
+def _to_numpy(tree):
+    import jax
+
+    return jax.tree.map(lambda x: np.asarray(x), tree)
+
+
+def _check_shapes(params, cfg: ModelConfig) -> None:
+    from olmo_ctl.trainer.model import param_shapes
+
+    want = param_shapes(cfg)
+    import jax
+
+    got = jax.tree.map(lambda x: tuple(x.shape), params)
+    flat_w = jax.tree_util.tree_flatten_with_path(want, is_leaf=lambda x: isinstance(x, tuple))[0]
+    flat_g = dict(jax.tree_util.tree_flatten_with_path(got, is_leaf=lambda x: isinstance(x, tuple))[0])
+    for path, shape in flat_w:
+        if flat_g.get(path) != shape:
+            raise BadInput(f"tensor {jax.tree_util.keystr(path)} has shape {flat_g.get(path)}, the config says {shape}")
+
+
+# ----------------------------------------------------------------------------- directories
+
+
+def load_hf_dir(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json, tensors) of a local HF model directory."""
+    cfg_path = Path(hf_dir, "config.json")
+    if not cfg_path.exists():
+        raise BadInput(f"`{hf_dir}` has no config.json", "pass a Hugging Face model directory")
+    hf = json.loads(cfg_path.read_text())
+    index = Path(hf_dir, "model.safetensors.index.json")
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif Path(hf_dir, "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise BadInput(f"`{hf_dir}` has no model.safetensors", "save the model with safe_serialization=True")
+    state: dict[str, np.ndarray] = {}
+    for f in files:
+        state.update(read_safetensors(Path(hf_dir, f)))
+    return hf, state
+
+
+def _hf_dtype(state: dict[str, np.ndarray]) -> str:
+    return str(state["model.embed_tokens.weight"].dtype)
+
+
+def save_hf_dir(out: str, cfg: ModelConfig, hf_config: dict, state: dict[str, np.ndarray], dtype: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    Path(out, "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, t in state.items():
+        if size and size + t.nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    if len(shards) == 1:
+        write_safetensors(Path(out, "model.safetensors"), shards[0])
+        return
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(Path(out, fn), shard)
+        weight_map.update(dict.fromkeys(shard, fn))
+    total = sum(t.nbytes for t in state.values())
+    Path(out, "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+def save_orbax(out: str, params, cfg: ModelConfig, hf_config: dict | None = None, hf_dtype: str | None = None):
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(out, {"params": params}, force=True)
+    ckpt.wait_until_finished()
+    meta = {"model": dataclasses.asdict(cfg), "hf_config": hf_config or {}, "hf_dtype": hf_dtype}
+    Path(out, META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def read_meta(orbax_dir: str) -> dict:
+    store = store_for(orbax_dir)
+    path = join(orbax_dir, META_FILE)
+    if not store.exists(path):
+        raise BadInput(f"`{orbax_dir}` has no {META_FILE}", "convert a model with `olmo-ctl convert hf-to-orbax`")
+    return json.loads(store.read_text(path))
+
+
+def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None):
+    """(params as numpy on the host, ModelConfig, meta) from ORBAX_DIR (local or gs://)."""
+    import orbax.checkpoint as ocp
+
+    with local_copy(orbax_dir) as d:
+        meta = json.loads(Path(d, META_FILE).read_text()) if Path(d, META_FILE).exists() else None
+        if meta is None:
+            raise BadInput(f"`{orbax_dir}` has no {META_FILE}",
+                           "convert a model with `olmo-ctl convert hf-to-orbax`")
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields}, **(cfg_overrides or {}))
+        restored = ocp.StandardCheckpointer().restore(os.path.abspath(d))
+        params = _to_numpy(restored["params"])
+    _check_shapes(params, cfg)
+    return params, cfg, meta
+
+
+# ----------------------------------------------------------------------------- the two commands
+
+
+def hf_to_orbax(hf_dir: str, orbax_dir: str, *, vocab_size: int | None = None,
+                padded_vocab_size: int | None = None, param_dtype: str = "float32",
+                overwrite: bool = False) -> ModelConfig:
+    with local_copy(hf_dir) as src:
+        hf, state = load_hf_dir(src)
+        name = os.path.basename(hf_dir.rstrip("/")) or "olmo3-hf"
+        cfg = model_config_from_hf(hf, vocab_size, padded_vocab_size, param_dtype, name=name)
+        hf_dtype = _hf_dtype(state)
+        params = hf_state_to_params(state, cfg)
+    with output_dir(orbax_dir, overwrite) as out:
+        save_orbax(out, params, cfg, hf, hf_dtype)
+    return cfg
+
+
+def orbax_to_hf(orbax_dir: str, hf_dir: str, *, dtype: str | None = None, overwrite: bool = False) -> ModelConfig:
+    params, cfg, meta = load_orbax(orbax_dir)
+    dtype = dtype or meta.get("hf_dtype") or "float32"
+    hf_config = hf_config_from_model(cfg, meta.get("hf_config"), dtype)
+    state = params_to_hf_state(params, cfg, dtype)
+    with output_dir(hf_dir, overwrite) as out:
+        save_hf_dir(out, cfg, hf_config, state, dtype)
+    return cfg
