@@ -1,0 +1,188 @@
+"""Kubernetes API access: client construction and the one retry policy every call goes through.
+
+Retried (tenacity): connection errors (refused, reset, timed out, TLS), 429 (waiting at least the
+server's Retry-After) and 5xx, with capped exponential backoff, full jitter and a total time budget.
+Never retried: other 4xx (a 404, 409 or 422 is an answer, not a hiccup). When the budget is spent
+the call raises `Unreachable` (exit 3) and nothing else is attempted: a running job is left alone.
+
+The `kubernetes` package is imported only inside functions, so importing this module is cheap.
+urllib3's own retries are switched off so that this policy is the only one and its budget is honest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from olmo_ctl.errors import BadInput, Unreachable
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How Kubernetes calls are retried. Waits are `min(max_s, base_s * 2**n)` with full jitter,
+    never shorter than a 429's Retry-After; the call gives up once `budget_s` would be exceeded."""
+
+    base_s: float = 0.5
+    max_s: float = 30.0
+    budget_s: float = 300.0
+    max_attempts: int = 50
+    jitter: bool = True
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+
+    @property
+    def request_timeout(self) -> tuple[float, float]:
+        return (self.connect_timeout_s, self.read_timeout_s)
+
+    def backoff_s(self, attempt: int) -> float:
+        """Wait after the `attempt`-th failure (1-based), before Retry-After is considered."""
+        cap = min(self.max_s, self.base_s * (2 ** (attempt - 1)))
+        return random.uniform(cap / 2, cap) if self.jitter else cap
+
+
+DEFAULT_POLICY = RetryPolicy()
+
+
+def api_status(exc: BaseException) -> int | None:
+    """The HTTP status of a kubernetes ApiException (0 for client-side transport errors), else None."""
+    try:
+        from kubernetes.client.exceptions import ApiException
+    except ImportError:  # pragma: no cover
+        return None
+    return int(exc.status or 0) if isinstance(exc, ApiException) else None
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    import urllib3
+
+    if isinstance(exc, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError):
+        return True
+    if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError | PermissionError):
+        return True
+    return api_status(exc) == 0  # the client wraps TLS errors as status 0
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Connection errors, 429 and 5xx: yes. Any other 4xx, or a bug: no."""
+    status = api_status(exc)
+    if status is not None and status != 0:
+        return status == 429 or status >= 500
+    return is_connection_error(exc)
+
+
+def retry_after_s(exc: BaseException) -> float | None:
+    headers = getattr(exc, "headers", None)
+    if not headers:
+        return None
+    value = headers.get("Retry-After") if hasattr(headers, "get") else None
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:  # an HTTP date: rare from kube-apiserver; fall back to our own backoff
+        return None
+
+
+def describe_error(exc: BaseException) -> str:
+    status = api_status(exc)
+    if status:
+        msg = status_message(exc)
+        return f"HTTP {status}" + (f" {msg}" if msg else "")
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def status_message(exc: BaseException) -> str:
+    """The `message` of the Status object an API server error carries (or its reason)."""
+    body = getattr(exc, "body", None)
+    if body:
+        try:
+            data = json.loads(body)
+            if isinstance(data, dict) and data.get("message"):
+                return str(data["message"])
+        except (ValueError, TypeError):
+            pass
+    return str(getattr(exc, "reason", "") or "")
+
+
+def call(fn: Callable[..., T], *args: Any, policy: RetryPolicy = DEFAULT_POLICY, what: str = "Kubernetes call",
+         host: str = "", **kwargs: Any) -> T:
+    """Run `fn(*args, **kwargs)` under `policy`. Non-retryable errors propagate unchanged;
+    a retryable one that outlives the budget becomes `Unreachable`."""
+    import tenacity
+
+    start = time.monotonic()
+
+    def wait(rs: tenacity.RetryCallState) -> float:
+        exc = rs.outcome.exception() if rs.outcome else None
+        w = policy.backoff_s(rs.attempt_number)
+        ra = retry_after_s(exc) if exc is not None else None
+        if ra is not None:
+            w = max(w, ra)
+        return w
+
+    def stop(rs: tenacity.RetryCallState) -> bool:
+        if rs.attempt_number >= policy.max_attempts:
+            return True
+        return (time.monotonic() - start) + rs.upcoming_sleep > policy.budget_s
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(is_retryable),
+        wait=wait,
+        stop=stop,
+        reraise=True,
+    )
+    try:
+        return retrying(fn, *args, **kwargs)
+    except Exception as exc:
+        if not is_retryable(exc):
+            raise
+        elapsed = time.monotonic() - start
+        attempts = retrying.statistics.get("attempt_number", 1)
+        where = f" at {host}" if host else ""
+        raise Unreachable(
+            f"{what}: the Kubernetes API{where} did not answer after {attempts} attempts over {elapsed:.0f} s "
+            f"(last: {describe_error(exc)})",
+            "nothing was changed on the cluster; check `kubectl cluster-info` and retry (a running job keeps running)",
+        ) from exc
+
+
+def make_api_client(host: str | None = None, context: str | None = None, kubeconfig: str | None = None,
+                    token: str | None = None, verify_ssl: bool | None = None):
+    """A `kubernetes.client.ApiClient`: an explicit `host` (tests, proxies; no auth unless `token`),
+    else the kubeconfig (`kubeconfig` or $KUBECONFIG or ~/.kube/config, `context` or its current one),
+    else the in-cluster service account."""
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    if host:
+        cfg = client.Configuration()
+        cfg.host = host.rstrip("/")
+        if token:
+            cfg.api_key = {"authorization": f"Bearer {token}"}
+        if verify_ssl is not None:
+            cfg.verify_ssl = verify_ssl
+    else:
+        cfg = client.Configuration()
+        path = kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or os.path.expanduser(
+            "~/.kube/config")
+        try:
+            if os.path.exists(path):
+                config.load_kube_config(config_file=path, context=context, client_configuration=cfg)
+            elif os.environ.get("KUBERNETES_SERVICE_HOST") and not context:
+                config.load_incluster_config(client_configuration=cfg)
+            else:
+                raise BadInput(f"no kubeconfig at `{path}` and not running inside a cluster",
+                               "run `gcloud container clusters get-credentials CLUSTER --region REGION`")
+        except ConfigException as e:
+            raise BadInput(f"cannot load Kubernetes credentials: {' '.join(str(e).split())}",
+                           "check `kubectl config get-contexts`") from e
+    cfg.retries = False  # our policy retries; urllib3 must not multiply it
+    return client.ApiClient(cfg)

@@ -1,0 +1,315 @@
+"""Classification of a GKE attempt: JobSet + Kueue Workload + pods + events -> one `AttemptStatus`.
+
+Pure: takes the objects as the API server returns them (plain dicts, camelCase) and returns a value.
+The backend reads; this module decides. Every reason is copied from its source (a condition's
+reason and message, a container's exit code and termination message, an event's message) so a user
+can search for it.
+
+Precedence, first match wins:
+ 1. no JobSet                                            -> MISSING
+ 2. JobSet condition Completed=True                      -> SUCCEEDED ("jobset completed successfully")
+ 3. JobSet condition Failed=True                         -> decided by the pods (the earliest failed
+    container is the cause; the others were usually killed because of it):
+      exit 1 or 2 (a deterministic Python error, bad input)  -> FAILED_USER, with its last lines
+      143 (SIGTERM), 137 with a DisruptionTarget, node loss,
+      pod evicted by the kubelet                              -> PREEMPTED
+      137 OOMKilled, any other code                           -> FAILED_INFRA
+      no pod left to tell                                     -> FAILED_INFRA with the JobSet's reason
+ 4. Workload condition Finished=True (JobSet not yet marked) -> SUCCEEDED / FAILED_INFRA by its reason
+ 5. Workload deactivated (spec.active=false, or Evicted reason Deactivated*) -> FAILED_INFRA (Kueue gave up)
+ 6. Workload condition Evicted=True                      -> PREEMPTED for Preempted, NodeFailures,
+    ClusterQueueStopped, LocalQueueStopped, WorkloadSliceReplaced (reason + the Preempted
+    condition's reason, e.g. "Preempted (InClusterQueue)"); FAILED_INFRA for PodsReadyTimeout,
+    AdmissionCheck and anything else
+ 7. Workload without QuotaReserved=True, or reserved but not yet Admitted (admission checks),
+    or the JobSet suspended                               -> QUEUED with Kueue's own message:
+    waiting for capacity is never a failure
+ 8. Admitted and not finished: the pods decide
+      a container waiting on ErrImagePull / ImagePullBackOff / InvalidImageName -> FAILED_INFRA
+      a pod Unschedulable (PodScheduled=False or a FailedScheduling event)       -> ADMITTED, with the
+        scheduler's message and details["unschedulable"] = True (the supervisor decides how long)
+      every expected pod Running                                                -> RUNNING
+      otherwise                                                                 -> ADMITTED ("k/n pods running")
+    A pod that already failed while the JobSet has not (it may still restart the slice) is named
+    in the reason; the state stays live.
+
+`last_log_lines` comes from the container's termination message (with
+`terminationMessagePolicy: FallbackToLogsOnError` that is the log tail) or from `logs`, a
+{pod name: [lines]} map the backend fills for the pod named in `details["pod"]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from olmo_ctl.backends.base import AttemptStatus, State
+
+USER_EXIT_CODES = frozenset({1, 2})  # the trainer's contract: 1 deterministic error, 2 bad input
+SIGTERM_EXIT = 143
+SIGKILL_EXIT = 137
+IMAGE_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+# Kueue `Evicted` reasons after which the workload is simply requeued: no blame.
+NO_BLAME_EVICTIONS = frozenset(
+    {"Preempted", "NodeFailures", "ClusterQueueStopped", "LocalQueueStopped", "WorkloadSliceReplaced"}
+)
+# Pod-level signals that the node or the scheduler took the pod away.
+NODE_LOSS_POD_REASONS = frozenset({"NodeLost", "Evicted", "Shutdown", "Terminated", "NodeShutdown", "UnexpectedAdmissionError"})
+NODE_LOSS_EVENT_REASONS = frozenset(
+    {"NodeNotReady", "NodeLost", "TaintManagerEviction", "Preempted", "Preempting", "Evicted", "NodeShutdown"}
+)
+
+
+def condition(obj: Mapping | None, ctype: str) -> dict | None:
+    """The status condition of type `ctype`, or None."""
+    if not obj:
+        return None
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == ctype:
+            return c
+    return None
+
+
+def is_true(obj: Mapping | None, ctype: str) -> bool:
+    c = condition(obj, ctype)
+    return bool(c) and c.get("status") == "True"
+
+
+def _cond_text(c: Mapping) -> str:
+    reason, msg = c.get("reason") or "", (c.get("message") or "").strip()
+    return f"{reason}: {msg}" if reason and msg else (reason or msg)
+
+
+@dataclass(frozen=True)
+class ContainerExit:
+    pod: str
+    container: str
+    exit_code: int
+    reason: str  # the container's terminated.reason (Error, OOMKilled, Completed, ...)
+    message: str  # terminated.message: the log tail with FallbackToLogsOnError
+    finished_at: str
+    disrupted: str  # the pod's DisruptionTarget reason, or a node-loss pod reason, or ""
+
+    @property
+    def verdict(self) -> State:
+        if self.exit_code in USER_EXIT_CODES and not self.disrupted:
+            return State.FAILED_USER
+        if self.exit_code == SIGTERM_EXIT or self.disrupted:
+            return State.PREEMPTED
+        if self.exit_code == SIGKILL_EXIT and self.reason != "OOMKilled":
+            return State.PREEMPTED
+        return State.FAILED_INFRA
+
+    def describe(self) -> str:
+        text = f"pod {self.pod} container {self.container} exited {self.exit_code}"
+        if self.exit_code == SIGTERM_EXIT:
+            text += " (SIGTERM)"
+        elif self.exit_code == SIGKILL_EXIT:
+            text += " (SIGKILL)"
+        if self.reason and self.reason not in ("Error", "Completed"):
+            text += f" [{self.reason}]"
+        if self.disrupted:
+            text += f" after {self.disrupted}"
+        last = _last_line(self.message)
+        if last:
+            text += f": {last}"
+        return text
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def pod_disruption(pod: Mapping, events: list[Mapping] = ()) -> str:
+    """Why the node or the control plane took this pod away ("" if nothing says so)."""
+    st = pod.get("status") or {}
+    for c in st.get("conditions") or []:
+        if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
+            return f"DisruptionTarget {c.get('reason') or ''}".strip()
+    if st.get("reason") in NODE_LOSS_POD_REASONS:
+        return f"pod {st['reason']}" + (f" ({st['message']})" if st.get("message") else "")
+    name = (pod.get("metadata") or {}).get("name")
+    for ev in events:
+        io = ev.get("involvedObject") or {}
+        if io.get("kind") == "Pod" and io.get("name") == name and ev.get("reason") in NODE_LOSS_EVENT_REASONS:
+            return f"event {ev['reason']}"
+    return ""
+
+
+def container_exits(pods: list[Mapping], events: list[Mapping] = ()) -> list[ContainerExit]:
+    """Every non-zero container exit, earliest first (ties: disruption before user before other)."""
+    out = []
+    for pod in pods:
+        name = (pod.get("metadata") or {}).get("name", "?")
+        st = pod.get("status") or {}
+        disrupted = pod_disruption(pod, events)
+        for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+            for key in ("state", "lastState"):
+                term = (cs.get(key) or {}).get("terminated")
+                if term and int(term.get("exitCode") or 0) != 0:
+                    out.append(ContainerExit(name, cs.get("name", "?"), int(term["exitCode"]), term.get("reason") or "",
+                                             term.get("message") or "", term.get("finishedAt") or "", disrupted))
+                    break
+    rank = {State.PREEMPTED: 0, State.FAILED_USER: 1, State.FAILED_INFRA: 2}
+    # An unknown finish time sorts last: it cannot be shown to be the first failure.
+    return sorted(out, key=lambda e: (e.finished_at or "~", rank[e.verdict], e.pod))
+
+
+def expected_pods(jobset: Mapping) -> int:
+    n = 0
+    for rj in (jobset.get("spec") or {}).get("replicatedJobs") or []:
+        spec = (rj.get("template") or {}).get("spec") or {}
+        par = spec.get("parallelism", 1)
+        comp = spec.get("completions")
+        n += int(rj.get("replicas", 1)) * int(min(par, comp) if comp is not None else par)
+    return n
+
+
+def _events_about(events: list[Mapping], kind: str, name: str) -> list[Mapping]:
+    def when(ev):
+        return ev.get("lastTimestamp") or ev.get("eventTime") or ev.get("firstTimestamp") or ""
+
+    return sorted(
+        (e for e in events if (e.get("involvedObject") or {}).get("kind") == kind
+         and (e.get("involvedObject") or {}).get("name") == name),
+        key=when,
+    )
+
+
+def _exit_status(ex: ContainerExit, source_prefix: str, logs: Mapping[str, list[str]] | None,
+                 extra: dict) -> AttemptStatus:
+    lines = tuple((logs or {}).get(ex.pod) or [ln for ln in ex.message.splitlines() if ln.strip()])
+    reason = ex.describe()
+    if not _last_line(ex.message) and lines:
+        reason += f": {lines[-1].strip()}"
+    return AttemptStatus(ex.verdict, reason, f"{source_prefix}pod {ex.pod} container {ex.container}",
+                         exit_code=ex.exit_code, last_log_lines=lines[-50:],
+                         details={"pod": ex.pod, "container": ex.container, **extra})
+
+
+def classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mapping] = (),
+             events: list[Mapping] = (), logs: Mapping[str, list[str]] | None = None) -> AttemptStatus:
+    """Normalise one attempt's objects into an `AttemptStatus` (precedence in the module docstring)."""
+    pods, events = list(pods or []), list(events or [])
+    if not jobset:
+        return AttemptStatus(State.MISSING, "the JobSet does not exist", "JobSet")
+    js_name = (jobset.get("metadata") or {}).get("name", "")
+    js_status = jobset.get("status") or {}
+    details: dict = {"jobset": js_name, "restarts": int(js_status.get("restarts") or 0)}
+    if workload:
+        details["workload"] = (workload.get("metadata") or {}).get("name")
+
+    # 2. success
+    if is_true(jobset, "Completed"):
+        c = condition(jobset, "Completed")
+        return AttemptStatus(State.SUCCEEDED, _cond_text(c) or "jobset completed successfully",
+                             "JobSet condition Completed", exit_code=0, details=details)
+
+    # 3. JobSet failure: the pods say why
+    if is_true(jobset, "Failed"):
+        c = condition(jobset, "Failed")
+        details["jobset_reason"] = _cond_text(c)
+        exits = container_exits(pods, events)
+        if exits:
+            return _exit_status(exits[0], "JobSet Failed; ", logs, details)
+        # No container evidence: the JobSet reason is all there is.
+        for pod in pods:
+            d = pod_disruption(pod, events)
+            if d:
+                return AttemptStatus(State.PREEMPTED, f"JobSet failed ({_cond_text(c)}); {d}",
+                                     "JobSet condition Failed", details=details)
+        return AttemptStatus(State.FAILED_INFRA, f"JobSet failed ({_cond_text(c)}); no pod left to tell why",
+                             "JobSet condition Failed", details=details)
+
+    if workload:
+        # 4. Kueue saw it finish before the JobSet status did
+        fin = condition(workload, "Finished")
+        if fin and fin.get("status") == "True":
+            ok = fin.get("reason") == "Succeeded"
+            return AttemptStatus(State.SUCCEEDED if ok else State.FAILED_INFRA, _cond_text(fin),
+                                 "Workload condition Finished", exit_code=0 if ok else None, details=details)
+        ev = condition(workload, "Evicted")
+        evicted = bool(ev) and ev.get("status") == "True"
+        # 5. deactivated: Kueue will not run it again
+        active = (workload.get("spec") or {}).get("active", True)
+        if active is False or (evicted and (ev.get("reason") or "").startswith("Deactivated")):
+            text = _cond_text(ev) if evicted else "the Workload was deactivated (spec.active=false)"
+            return AttemptStatus(State.FAILED_INFRA, text, "Workload condition Evicted" if evicted else "Workload spec",
+                                 details=details)
+        # 6. eviction
+        if evicted:
+            reason = ev.get("reason") or ""
+            pre = condition(workload, "Preempted")
+            text = reason
+            if pre and pre.get("status") == "True" and pre.get("reason"):
+                text += f" ({pre['reason']})"
+            if ev.get("message"):
+                text += f": {ev['message']}"
+            details["eviction_reason"] = reason
+            details["requeued"] = is_true(workload, "Requeued")
+            state = State.PREEMPTED if reason in NO_BLAME_EVICTIONS else State.FAILED_INFRA
+            return AttemptStatus(state, text, "Workload condition Evicted", details=details)
+        # 7. waiting for capacity
+        qr = condition(workload, "QuotaReserved")
+        if not (qr and qr.get("status") == "True"):
+            msg = _cond_text(qr) if qr else "waiting for Kueue to reserve quota"
+            return AttemptStatus(State.QUEUED, msg, "Workload condition QuotaReserved", details=details)
+        adm = condition(workload, "Admitted")
+        if not (adm and adm.get("status") == "True"):
+            checks = [f"{a.get('name')}: {a.get('state')}" + (f" ({a['message']})" if a.get("message") else "")
+                      for a in (workload.get("status") or {}).get("admissionChecks") or []]
+            msg = "quota reserved, waiting for admission checks" + (": " + "; ".join(checks) if checks else "")
+            return AttemptStatus(State.QUEUED, msg, "Workload condition Admitted", details=details)
+        details["cluster_queue"] = ((workload.get("status") or {}).get("admission") or {}).get("clusterQueue")
+    if (jobset.get("spec") or {}).get("suspend"):
+        sus = condition(jobset, "Suspended")
+        msg = "the JobSet is suspended" + (f" ({_cond_text(sus)})" if sus else "")
+        if not workload:
+            msg += "; no Kueue Workload owns it yet"
+        return AttemptStatus(State.QUEUED, msg, "JobSet spec.suspend", details=details)
+
+    # 8. admitted: the pods decide
+    return _classify_pods(jobset, pods, events, logs, details)
+
+
+def _classify_pods(jobset: Mapping, pods: list[Mapping], events: list[Mapping],
+                   logs: Mapping[str, list[str]] | None, details: dict) -> AttemptStatus:
+    want = expected_pods(jobset)
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    running = sum(1 for p in live if (p.get("status") or {}).get("phase") == "Running")
+    details.update(pods_expected=want, pods_running=running, pods_seen=len(live))
+    for pod in live:
+        name = pod["metadata"]["name"]
+        for cs in ((pod.get("status") or {}).get("initContainerStatuses") or []) + (
+                (pod.get("status") or {}).get("containerStatuses") or []):
+            w = (cs.get("state") or {}).get("waiting") or {}
+            if w.get("reason") in IMAGE_ERRORS:
+                details.update(pod=name, container=cs.get("name"))
+                text = f"pod {name} container {cs.get('name')}: {w['reason']}"
+                if w.get("message"):
+                    text += f": {w['message']}"
+                return AttemptStatus(State.FAILED_INFRA, text, f"pod {name} container status", details=details)
+    for pod in live:
+        name = pod["metadata"]["name"]
+        st = pod.get("status") or {}
+        if st.get("phase") not in (None, "Pending"):
+            continue
+        sched = next((c for c in st.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
+        fs = [e for e in _events_about(events, "Pod", name) if e.get("reason") == "FailedScheduling"]
+        if (sched and sched.get("status") == "False" and sched.get("reason") == "Unschedulable") or fs:
+            msg = (fs[-1].get("message") if fs else None) or (sched or {}).get("message") or ""
+            details.update(unschedulable=True, pod=name)
+            return AttemptStatus(State.ADMITTED, f"Unschedulable: pod {name}: {msg}".rstrip(": "),
+                                 "pod events FailedScheduling" if fs else f"pod {name} condition PodScheduled",
+                                 details=details)
+    exits = container_exits(live, events)
+    note = ""
+    if exits:
+        note = f"; {exits[0].describe()} (the JobSet has not failed: it may restart)"
+        details.update(pod=exits[0].pod, failed_exit_code=exits[0].exit_code)
+    if details["restarts"]:
+        note += f"; JobSet restarts: {details['restarts']}"
+    if want and running >= want:
+        return AttemptStatus(State.RUNNING, f"{running}/{want} pods running{note}", "pods", details=details)
+    return AttemptStatus(State.ADMITTED, f"{running}/{want} pods running{note}", "pods", details=details)
