@@ -1,0 +1,202 @@
+"""`olmo-ctl monitor` and `olmo-ctl compare`.
+
+Start-up stays light: no jax, no tensorboard; numpy and the event reader load inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Annotated
+
+import typer
+
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+
+
+def _fmt_s(s) -> str:
+    if s is None:
+        return "-"
+    s = float(s)
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 120:
+        return f"{s:.2f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} d"
+
+
+def _fmt_n(x, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    x = float(x)
+    for div, suf in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.2f}{suf}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+def _g(x, fmt: str = ".4g") -> str:
+    return "-" if x is None else format(float(x), fmt)
+
+
+def render(rep: dict):
+    """A rich renderable of a monitor report (the table view and the --watch layout)."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    from olmo_ctl.monitor import timeline_summary
+
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    step, final = rep.get("step"), rep.get("final_step")
+    if step is None:
+        prog = "no steps logged yet"
+    elif final:
+        prog = f"{step:,} / {final:,} ({rep['progress_pct']:.2f}%)"
+    else:
+        prog = f"{step:,}"
+    t.add_row("step", prog)
+    lo = rep["loss"]
+    t.add_row("train CE (smoothed / last)", f"{_g(lo['train_ce_smoothed'])} / {_g(lo['train_ce'])}")
+    t.add_row("eval lm_loss", "-" if lo["eval_lm_loss"] is None else f"{lo['eval_lm_loss']:.4g} @ step {lo['eval_step']:,}")
+    tok = rep["tokens"]
+    t.add_row("tokens seen", _fmt_n(tok["seen"]))
+    t.add_row("tokens/s (now / run avg)", f"{_fmt_n(tok['per_s'])} / {_fmt_n(tok['per_s_run_avg'])}")
+    th = rep["throughput"]
+    dev = f" on {th['device']} ({th['devices']} devices)" if th.get("device") else ""
+    t.add_row("TFLOP/s per device", f"{_g(th['tflops_per_device'], '.1f')} / {_g(th['tflops_per_device_run_avg'], '.1f')} avg{dev}")
+    mfu = "-" if th["mfu"] is None else f"{th['mfu'] * 100:.1f}%"
+    mfu_avg = "-" if th["mfu_run_avg"] is None else f"{th['mfu_run_avg'] * 100:.1f}%"
+    t.add_row("MFU (now / run avg)", f"{mfu} / {mfu_avg}" + (f"  [{th['flops_formula']} FLOPs]" if th.get("flops_formula") else ""))
+    t.add_row("step time (now / median)", f"{_fmt_s(th['step_time_s'])} / {_fmt_s(th['step_time_median_s'])}")
+    t.add_row("ETA", "-" if rep["eta_s"] is None else f"{_fmt_s(rep['eta_s'])} ({rep['eta']})")
+    sk = rep["skipped_steps"]
+    t.add_row("skipped steps", "-" if sk["total"] is None else f"{sk['total']} total, {sk['last_1000']} in the last 1000")
+    ck = rep["checkpoint"]
+    t.add_row("last checkpoint", "none committed yet" if ck["committed_step"] is None else f"step {ck['committed_step']:,}")
+    if ck["steps_at_risk"] is not None:
+        t.add_row("steps at risk", f"{ck['steps_at_risk']:,}")
+    at = rep["attempt"]
+    if at.get("attempt") is not None:
+        t.add_row("attempt", f"#{at['attempt']} {at.get('device') or ''}: {at.get('state') or '?'}"
+                  + (f" — {at['reason']}" if at.get("reason") else "") + (f"  [{at['source']}]" if at.get("source") else ""))
+    else:
+        t.add_row("attempt", at.get("source") or "-")
+    gp = rep["goodput"]
+    if gp["fraction"] is not None:
+        lost = ", ".join(f"{k} {_fmt_s(v)}" for k, v in gp["lost_s"].items() if v)
+        t.add_row("goodput", f"{gp['fraction'] * 100:.1f}% of {_fmt_s(gp['wall_s'])}" + (f" (lost: {lost})" if lost else ""))
+    if rep["replays"]["steps"]:
+        t.add_row("replayed steps", f"{rep['replays']['steps']} (mismatching values: {rep['replays']['mismatch_count']})")
+    parts = [t]
+    tl = timeline_summary(rep["timeline"])
+    if tl:
+        parts.append(Text("\n".join(tl[-8:])))
+    if rep["warnings"]:
+        parts.append(Text("\n".join(f"! {w}" for w in rep["warnings"]), style="yellow"))
+    return Panel(Group(*parts), title=f"{rep['run']}  ({rep['path']})", subtitle=rep.get("generated_at"))
+
+
+@app.command()
+def monitor(
+    run: Annotated[str, typer.Argument(help="Run directory, local or gs:// (or one holding only tensorboard/).")],
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh a live view until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes with --watch.")] = 10.0,
+    plot: Annotated[str | None, typer.Option("--plot", help="Write a PNG: loss, LR, throughput/MFU, resumes.")] = None,
+    stall_after: Annotated[float | None, typer.Option("--stall-after", help="Seconds without a step before a running attempt is called stalled (default: max(300, 20 step times)).")] = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Progress, loss, throughput/MFU, checkpoints, attempts and goodput of a run.
+
+    Exit codes: 0 ok, 2 not a run directory, 3 storage unreachable.
+    """
+    from olmo_ctl.errors import BadInput
+    from olmo_ctl.monitor import build_report, load
+
+    if interval <= 0:
+        raise BadInput(f"--interval {interval} must be positive")
+    src = load(run)
+    rep = build_report(src, stall_after_s=stall_after)
+    if plot:
+        from olmo_ctl.plot import write_plot
+
+        write_plot(src, rep, plot)
+    if not watch:
+        if output == Output.json:
+            print_json(rep)
+        else:
+            from olmo_ctl.cli.app import console
+
+            console().print(render(rep))
+            if plot:
+                sys.stderr.write(f"wrote {plot}\n")
+        return
+    try:
+        if output == Output.json:
+            while True:
+                sys.stdout.write(json.dumps(rep, default=str) + "\n")
+                sys.stdout.flush()
+                time.sleep(interval)
+                src.refresh()
+                rep = build_report(src, stall_after_s=stall_after)
+        from rich.live import Live
+
+        with Live(render(rep), refresh_per_second=2, screen=False) as live:
+            while True:
+                time.sleep(interval)
+                src.refresh()
+                rep = build_report(src, stall_after_s=stall_after)
+                if plot:
+                    write_plot(src, rep, plot)
+                live.update(render(rep))
+    except KeyboardInterrupt:
+        return  # leaving the view never touches the run
+
+
+@app.command()
+def compare(
+    a: Annotated[str, typer.Argument(help="Run directory (local or gs://) or a CSV/TSV curve of step,value.")],
+    b: Annotated[str, typer.Argument(help="Run directory or curve file compared against A (deltas are B - A).")],
+    tags: Annotated[list[str] | None, typer.Option("--tags", help="Tag to compare (repeatable); default train/CE loss.")] = None,
+    bin_steps: Annotated[int, typer.Option("--bin", help="Steps per bin for binned means.")] = 2000,
+    threshold: Annotated[float | None, typer.Option("--threshold", help="|Δ| above which two curves diverge (default 0 for two runs, 0.05 against a curve file).")] = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Step-aligned deltas between two runs (or a run and a reference curve): max |Δ|, binned means,
+    the first step where |Δ| passes the threshold, and a one-line verdict.
+
+    Exit codes: 0 compared (whatever the verdict), 2 bad input, 3 storage unreachable.
+    """
+    from olmo_ctl.compare import compare as do_compare
+
+    res = do_compare(a, b, tags, bin_steps=bin_steps, threshold=threshold)
+    if output == Output.json:
+        print_json(res)
+        return
+    from rich.table import Table
+
+    from olmo_ctl.cli.app import console
+
+    con = console()
+    for tag, r in res["tags"].items():
+        con.print(f"[bold]{tag}[/bold]: {r['verdict']}")
+        if not r.get("bins"):
+            continue
+        t = Table(show_edge=False)
+        for col in ("steps", "points", "mean A", "mean B", "mean Δ", "max |Δ|"):
+            t.add_column(col, justify="right")
+        bins = r["bins"]
+        shown = bins if len(bins) <= 40 else bins[:: max(1, len(bins) // 40)]
+        for x in shown:
+            t.add_row(f"{x['start']}-{x['end']}", str(x["points"]), _g(x["mean_a"], ".5g"), _g(x["mean_b"], ".5g"),
+                      _g(x["mean_delta"], ".3g"), _g(x["max_abs_delta"], ".3g"))
+        con.print(t)
+    con.print(f"verdict: {res['verdict']}")

@@ -1,0 +1,189 @@
+"""Step-aligned comparison of two loss curves: run directories or reference curve files.
+
+A side is a run directory (local or gs://, its TensorBoard scalars de-duplicated as the monitor reads
+them) or a CSV/TSV file of `step,value` rows (a header row is allowed), e.g. a published reference
+curve. Only steps present on both sides are compared: deltas are `B - A`. The first step where |delta|
+exceeds the threshold names where two runs part ways: comparing a resumed run with its uninterrupted
+twin, an exact resume gives max |delta| = 0 on `train/CE loss`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from olmo_ctl import storage
+from olmo_ctl.errors import BadInput
+
+CURVE_SUFFIXES = (".csv", ".tsv", ".txt")
+DEFAULT_TAGS = ("train/CE loss",)
+
+
+def is_curve_file(src: str) -> bool:
+    return str(src).lower().endswith(CURVE_SUFFIXES)
+
+
+def read_curve(src: str) -> tuple[np.ndarray, np.ndarray]:
+    """`step,value` rows (comma, tab or spaces); a non-numeric first row is a header."""
+    try:
+        text = storage.store_for(src).read_text(src)
+    except storage.NotFound:
+        raise BadInput(f"curve file `{src}` does not exist") from None
+    steps, vals = [], []
+    for i, line in enumerate(text.splitlines()):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = [p for p in line.replace("\t", ",").replace(" ", ",").split(",") if p]
+        try:
+            if len(parts) < 2:
+                raise ValueError
+            steps.append(int(float(parts[0])))
+            vals.append(float(parts[1]))
+        except ValueError:
+            if i == 0 or not steps:
+                continue  # header
+            raise BadInput(f"`{src}` line {i + 1} is not `step,value`: {line[:60]!r}") from None
+    if not steps:
+        raise BadInput(f"`{src}` holds no `step,value` rows")
+    s = np.array(steps, dtype=np.int64)
+    v = np.array(vals, dtype=np.float64)
+    order = np.argsort(s, kind="stable")
+    s, v = s[order], v[order]
+    last = np.ones(len(s), dtype=bool)
+    last[:-1] = s[1:] != s[:-1]  # a repeated step: the later row wins
+    return s[last], v[last]
+
+
+class Side:
+    def __init__(self, src: str):
+        self.src = src
+        self.curve = None
+        self.reader = None
+        if is_curve_file(src):
+            self.curve = read_curve(src)
+        else:
+            from olmo_ctl.monitor import load
+
+            self.reader = load(src).reader
+
+    def tags(self) -> list[str]:
+        return [] if self.reader is None else self.reader.tags()
+
+    def get(self, tag: str) -> tuple[np.ndarray, np.ndarray] | None:
+        if self.curve is not None:
+            return self.curve
+        s = self.reader.series(tag)
+        return None if s is None or not len(s) else (s.steps, s.values)
+
+
+def _f(x) -> float | None:
+    return None if x is None or not math.isfinite(float(x)) else float(x)
+
+
+def compare_series(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], *, bin_steps: int = 2000,
+                   threshold: float = 0.0) -> dict:
+    sa, va = a
+    sb, vb = b
+    common, ia, ib = np.intersect1d(sa, sb, assume_unique=True, return_indices=True)
+    out = {"common_steps": int(len(common)), "only_a": int(len(sa) - len(common)),
+           "only_b": int(len(sb) - len(common)),
+           "first_step": int(common[0]) if len(common) else None,
+           "last_step": int(common[-1]) if len(common) else None,
+           "max_abs_delta": None, "max_abs_delta_step": None, "mean_abs_delta": None, "mean_delta": None,
+           "first_exceed_step": None, "first_exceed_delta": None, "threshold": threshold, "bins": []}
+    if not len(common):
+        out["verdict"] = "no common steps to compare"
+        return out
+    xa, xb = va[ia], vb[ib]
+    d = xb - xa
+    both_nan = np.isnan(xa) & np.isnan(xb)
+    absd = np.where(both_nan, 0.0, np.abs(d))
+    absd = np.where(np.isnan(absd), np.inf, absd)  # NaN on one side only: maximally different
+    k = int(np.argmax(absd))
+    out["max_abs_delta"] = float(absd[k]) if math.isfinite(absd[k]) else None
+    out["max_abs_delta_step"] = int(common[k])
+    fin = np.isfinite(d)
+    out["mean_abs_delta"] = _f(np.abs(d[fin]).mean()) if fin.any() else None
+    out["mean_delta"] = _f(d[fin].mean()) if fin.any() else None
+    over = np.flatnonzero(absd > threshold)
+    if over.size:
+        out["first_exceed_step"] = int(common[over[0]])
+        out["first_exceed_delta"] = _f(d[over[0]])
+    bin_steps = max(1, int(bin_steps))
+    b_idx = (common - 1) // bin_steps if common[0] >= 1 else common // bin_steps
+    uniq, inv, cnt = np.unique(b_idx, return_inverse=True, return_counts=True)
+    okf = np.isfinite(xa) & np.isfinite(xb)
+    sum_a = np.bincount(inv, weights=np.where(okf, xa, 0.0))
+    sum_b = np.bincount(inv, weights=np.where(okf, xb, 0.0))
+    n_ok = np.bincount(inv, weights=okf.astype(float))
+    max_b = np.zeros(len(uniq))
+    np.maximum.at(max_b, inv, absd)
+    for j, u in enumerate(uniq):
+        lo = int(u) * bin_steps + (1 if common[0] >= 1 else 0)
+        n = n_ok[j]
+        out["bins"].append({"start": lo, "end": lo + bin_steps - 1, "points": int(cnt[j]),
+                            "mean_a": _f(sum_a[j] / n) if n else None, "mean_b": _f(sum_b[j] / n) if n else None,
+                            "mean_delta": _f((sum_b[j] - sum_a[j]) / n) if n else None,
+                            "max_abs_delta": _f(max_b[j])})
+    out["verdict"] = _verdict(out)
+    return out
+
+
+def _g(x) -> str:
+    return "non-finite" if x is None else f"{x:.4g}"
+
+
+def _verdict(o: dict) -> str:
+    n = o["common_steps"]
+    span = f"steps {o['first_step']}..{o['last_step']}"
+    mx = o["max_abs_delta"]
+    if mx == 0.0:
+        return f"identical: max |Δ| = 0 on {n} common steps ({span})"
+    mxs = _g(mx)
+    if o["first_exceed_step"] is None:
+        return f"within {o['threshold']:g}: max |Δ| = {mxs} at step {o['max_abs_delta_step']} on {n} common steps"
+    return (f"diverge at step {o['first_exceed_step']} (Δ = {_g(o['first_exceed_delta'])}, threshold "
+            f"{o['threshold']:g}); max |Δ| = {mxs} at step {o['max_abs_delta_step']} ({n} common steps, {span})")
+
+
+def compare(a: str, b: str, tags: list[str] | None = None, *, bin_steps: int = 2000,
+            threshold: float | None = None) -> dict:
+    if bin_steps < 1:
+        raise BadInput(f"--bin {bin_steps} must be at least 1")
+    for src in (a, b):
+        if is_curve_file(src) and not storage.is_gcs(src) and not os.path.exists(src):
+            raise BadInput(f"curve file `{src}` does not exist")
+    side_a, side_b = Side(a), Side(b)
+    if threshold is None:
+        threshold = 0.05 if (side_a.curve is not None or side_b.curve is not None) else 0.0
+    if tags:
+        want = list(tags)
+    elif side_a.curve is not None or side_b.curve is not None:
+        want = list(DEFAULT_TAGS)
+    else:
+        common = sorted(set(side_a.tags()) & set(side_b.tags()))
+        want = list(DEFAULT_TAGS) if set(DEFAULT_TAGS) & set(common) else common[:1]
+    results = {}
+    for tag in want:
+        ca, cb = side_a.get(tag), side_b.get(tag)
+        if ca is None or cb is None:
+            missing = a if ca is None else b
+            results[tag] = {"common_steps": 0, "verdict": f"`{tag}` not found in {missing}"}
+            continue
+        results[tag] = compare_series(ca, cb, bin_steps=bin_steps, threshold=threshold)
+    if not results:
+        raise BadInput("no tag to compare", "pass --tags 'train/CE loss'")
+    # one line over all tags: the earliest divergence wins
+    diverged = [(r["first_exceed_step"], t) for t, r in results.items() if r.get("first_exceed_step") is not None]
+    missing = [t for t, r in results.items() if r.get("common_steps", 0) == 0]
+    if diverged:
+        step, tag = min(diverged)
+        verdict = f"{tag}: {results[tag]['verdict']}"
+    elif missing and len(missing) == len(results):
+        verdict = "; ".join(results[t]["verdict"] for t in missing)
+    else:
+        verdict = "; ".join(f"{t}: {r['verdict']}" for t, r in results.items())
+    return {"a": a, "b": b, "bin": bin_steps, "threshold": threshold, "tags": results, "verdict": verdict}

@@ -1,0 +1,558 @@
+"""The monitor report: one dict built from a run directory (events, journal, checkpoints, run.yaml)
+plus, when it can be asked, the backend's status of the live attempt.
+
+The dict's shape is the stable JSON schema `docs/monitor-schema.json` (`olmo-ctl monitor -o json`);
+the table view and the plot are drawn from it. Everything is derived from data the run directory
+keeps, so two people monitoring the same run see the same numbers:
+
+* progress, tokens, losses: the de-duplicated TensorBoard scalars (`olmo_ctl.events`);
+* step time, tokens/s, TFLOP/s, MFU: wall times of `train/CE loss` points within one attempt
+  (a gap between attempts is never counted as a slow step) and `olmo_ctl.flops` for the model;
+* goodput: time on steps that count / wall time, and where the rest went (queueing and start-up from
+  the journal, steps recomputed after a resume, checkpoint saves from `checkpoint/save_duration_s`).
+
+Step semantics: a metric logged at step N describes the N-th step; checkpoint N holds the state after
+N steps, so the steps at risk are `step - committed_step`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from olmo_ctl import storage
+from olmo_ctl.errors import BadInput, OlmoCtlError
+from olmo_ctl.events import EventReader, Series
+
+SCHEMA_ID = "olmo-ctl/monitor/v1"
+LOSS_TAG = "train/CE loss"
+EVAL_TAG = "eval/lm_loss"
+LR_TAGS = ("optim/LR (group 0)",)
+TOKENS_TAGS = ("throughput/total tokens", "perf/total_tokens")
+SKIPPED_TAGS = ("optim/step skipped", "optim/step_skipped")
+CKPT_TAG = "checkpoint/save_duration_s"
+EMA_ALPHA = 0.02  # smoothing of the train loss: an EMA over ~50 logged points
+RECENT_POINTS = 50  # "instantaneous" rates: over the last this-many logged intervals of the live attempt
+SLOW_FRACTION = 0.85  # warn when recent throughput is below this fraction of the run's median
+
+# journal event -> the state it leaves an attempt in (used when no backend can be asked)
+_EVENT_STATE = {
+    "submitted": "queued", "queued": "queued", "admitted": "admitted", "running": "running",
+    "reattached": "running", "preempted": "preempted", "failed": "failed", "succeeded": "succeeded",
+    "stalled": "running", "stopped": "preempted",
+}
+
+
+@dataclass
+class Sources:
+    """What a monitor report is built from; `load` reads it, `refresh` re-reads only what changed."""
+
+    path: str
+    reader: EventReader
+    tb_dir: str
+    run_doc: dict | None = None
+    journal: list | None = None
+    committed: list | None = None
+
+    def refresh(self) -> None:
+        self.reader.refresh()
+        self.journal = _journal(self.path)
+        self.committed = _committed(self.path)
+
+
+def _run_dir_obj(path: str):
+    try:
+        from olmo_ctl.rundir import RunDir
+    except ImportError:  # pragma: no cover - rundir ships with the package
+        return None
+    return RunDir(path)
+
+
+def _journal(path: str) -> list | None:
+    rd = _run_dir_obj(path)
+    if rd is not None:
+        j = rd.journal()
+        return j if j or rd.store.exists(rd.p("journal.jsonl")) else None
+    return None
+
+
+def _committed(path: str) -> list[int] | None:
+    rd = _run_dir_obj(path)
+    if rd is None:
+        return None
+    return rd.committed_steps()
+
+
+def load(path: str) -> Sources:
+    """Open a run directory (local or gs://), or a directory that holds only `tensorboard/`, or an
+    event directory itself. BadInput (exit 2) when it is none of these; Unreachable (exit 3) when the
+    storage cannot be reached."""
+    path = str(path).rstrip("/") if str(path) not in ("/", "gs://") else str(path)
+    if not path:
+        raise BadInput("no run directory given")
+    if storage.is_gcs(path):
+        storage.split_gcs(path)
+    st = storage.store_for(path)
+    files, dirs = st.list(path)
+    names = {f.path.rsplit("/", 1)[-1] for f in files}
+    dnames = {d.rstrip("/").rsplit("/", 1)[-1] for d in dirs}
+    is_run = "run.yaml" in names or "journal.jsonl" in names or "tensorboard" in dnames or "checkpoints" in dnames
+    if is_run:
+        tb = storage.join(path, "tensorboard")
+    elif any("tfevents" in n for n in names):
+        tb = path
+    else:
+        if not files and not dirs and not storage.is_gcs(path) and not st.stat(path):
+            import os
+
+            if not os.path.exists(path):
+                raise BadInput(f"`{path}` does not exist", "give a run directory (local or gs://)")
+        raise BadInput(f"`{path}` is not a run directory (no run.yaml, journal.jsonl, tensorboard/ or checkpoints/)",
+                       "give the run's directory, e.g. gs://BUCKET/runs/NAME")
+    run_doc = None
+    if "run.yaml" in names:
+        import yaml
+
+        try:
+            run_doc = yaml.safe_load(st.read_text(storage.join(path, "run.yaml")))
+        except Exception as e:  # a damaged run.yaml should not hide the events
+            if isinstance(e, OlmoCtlError) and e.exit_code == 3:
+                raise
+            run_doc = None
+    src = Sources(path, EventReader(tb), tb, run_doc)
+    src.refresh()
+    return src
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _first(reader: EventReader, tags) -> Series | None:
+    for t in tags:
+        s = reader.series(t)
+        if s is not None and len(s):
+            return s
+    return None
+
+
+def _f(x) -> float | None:
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _ema(values: np.ndarray, alpha: float = EMA_ALPHA) -> float | None:
+    if not len(values):
+        return None
+    v = values[-min(len(values), 2000):]
+    v = v[np.isfinite(v)]
+    if not len(v):
+        return None
+    w = (1 - alpha) ** np.arange(len(v) - 1, -1, -1)
+    return float((w * v).sum() / w.sum())
+
+
+def _intervals(s: Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-step seconds between consecutive logged points of one attempt: (steps, dt per step, end wall)."""
+    if len(s) < 2:
+        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
+    same = (s.attempts[1:] == s.attempts[:-1]) & (s.steps[1:] > s.steps[:-1])
+    dstep = (s.steps[1:] - s.steps[:-1])[same]
+    dwall = (s.wall_times[1:] - s.wall_times[:-1])[same]
+    ok = dwall > 0
+    return dstep[ok], dwall[ok] / dstep[ok], s.wall_times[1:][same][ok]
+
+
+def _parse_time(x) -> float | None:
+    if not x:
+        return None
+    try:
+        from olmo_ctl.rundir import parse_iso
+
+        return parse_iso(x)
+    except Exception:
+        import datetime as dt
+
+        try:
+            return dt.datetime.fromisoformat(str(x).replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+
+
+def _iso(t: float | None) -> str | None:
+    if t is None:
+        return None
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _recipe(run_doc: dict | None):
+    if not run_doc or not isinstance(run_doc.get("recipe"), dict):
+        return None
+    try:
+        from olmo_ctl.recipe import recipe_from_dict
+
+        return recipe_from_dict(run_doc["recipe"], "run.yaml")
+    except Exception:
+        return None
+
+
+def _device(name: str | None):
+    if not name:
+        return None
+    try:
+        from olmo_ctl.devices import get_device
+
+        return get_device(name)
+    except Exception:
+        return None
+
+
+# ------------------------------------------------------------------------------------------------
+# the live attempt
+
+
+def _live_attempt(path: str, journal: list | None, ask_backend: bool) -> dict:
+    out = {"attempt": None, "state": None, "reason": "", "source": "", "device": None, "backend": None}
+    if not journal:
+        out["source"] = "no journal (the run was not started by olmo-ctl, or has not started)"
+        return out
+    attempts = [r for r in journal if r.get("attempt") is not None]
+    if not attempts:
+        return out
+    n = max(int(r["attempt"]) for r in attempts)
+    mine = [r for r in attempts if int(r["attempt"]) == n]
+    out["attempt"] = n
+    out["device"] = next((r.get("device") for r in reversed(mine) if r.get("device")), None)
+    last_state = next((r for r in reversed(mine) if r.get("event") in _EVENT_STATE), None)
+    if last_state is not None:
+        out["state"] = _EVENT_STATE[last_state["event"]]
+        out["reason"] = last_state.get("reason") or ""
+        out["source"] = f"journal ({last_state.get('time', '?')})"
+    handle = next((r.get("handle") for r in reversed(mine) if isinstance(r.get("handle"), dict)), None)
+    if handle and ask_backend:
+        out["backend"] = handle.get("backend")
+        try:
+            st = _backend_status(path, handle)
+        except OlmoCtlError as e:
+            out["source"] += f"; backend status unavailable: {e.one_line()}"
+            st = None
+        except Exception as e:  # a backend bug must not hide the rest of the report
+            out["source"] += f"; backend status failed: {type(e).__name__}: {e}"
+            st = None
+        if st is not None:
+            out["state"] = st.state.value
+            out["reason"] = st.reason or out["reason"]
+            out["source"] = f"{handle.get('backend')} backend" + (f": {st.source}" if st.source else "")
+    return out
+
+
+def _backend_status(path: str, handle: dict):
+    from olmo_ctl.backends.base import Handle
+
+    h = Handle.from_dict(handle)
+    if h.backend == "local":
+        from olmo_ctl.backends.local import LocalBackend
+
+        root = path.rstrip("/").rsplit("/", 1)[0]
+        return LocalBackend(root).status(h)
+    try:
+        import importlib
+
+        mod = importlib.import_module(f"olmo_ctl.backends.{h.backend}")
+    except ImportError:
+        return None
+    factory = getattr(mod, "backend_for_status", None)
+    return factory(path, h).status(h) if factory else None
+
+
+def _timeline(journal: list | None) -> list[dict]:
+    if not journal:
+        return []
+    keep = ("time", "event", "attempt", "device", "reason", "committed_step")
+    return [{k: r.get(k) for k in keep} for r in journal]
+
+
+def timeline_summary(timeline: list[dict]) -> list[str]:
+    """One line per attempt: `#2 cpu-4: queued → admitted → running → preempted (exit 143)`."""
+    per: dict[int, list] = {}
+    for r in timeline:
+        if r.get("attempt") is None or r.get("event") not in _EVENT_STATE and r.get("event") != "resized":
+            continue
+        per.setdefault(int(r["attempt"]), []).append(r)
+    lines = []
+    for n, recs in sorted(per.items()):
+        dev = next((r.get("device") for r in recs if r.get("device")), "?")
+        parts = []
+        for r in recs:
+            ev = r["event"]
+            if parts and parts[-1].split(" ")[0] == ev:
+                continue
+            why = r.get("reason") or ""
+            parts.append(f"{ev} ({why})" if why and ev in ("preempted", "failed", "stalled", "resized") else ev)
+        lines.append(f"#{n} {dev}: " + " → ".join(parts))
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# the report
+
+
+def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = True,
+                 stall_after_s: float | None = None) -> dict:
+    now = time.time() if now is None else now
+    r = src.reader
+    recipe = _recipe(src.run_doc)
+    journal = src.journal
+    warnings: list[str] = []
+
+    loss = r.series(LOSS_TAG)
+    step = r.max_step()
+    final_step = recipe.train.max_steps if recipe else None
+    live = _live_attempt(src.path, journal, ask_backend)
+    device_name = live.get("device") or (src.run_doc or {}).get("device")
+    dev = _device(device_name)
+
+    # tokens
+    tokens_per_step = recipe.tokens_per_step if recipe else None
+    tok_series = _first(r, TOKENS_TAGS)
+    tokens_seen = None
+    if tok_series is not None:
+        tokens_seen = int(tok_series.values[-1])
+    elif tokens_per_step and step is not None:
+        tokens_seen = int(step * tokens_per_step)
+
+    # step time and throughput (from the loss points' wall times, within attempts)
+    step_time_last = step_time_median = None
+    tps_recent = tps_avg = None
+    stepping_s = 0.0
+    per_attempt: dict[int, dict] = {}
+    if loss is not None and len(loss):
+        for a in np.unique(loss.attempts):
+            m = loss.attempts == a
+            w = loss.wall_times[m]
+            per_attempt[int(a)] = {"first_wall": float(w.min()), "last_wall": float(w.max()),
+                                   "first_step": int(loss.steps[m][0]), "last_step": int(loss.steps[m][-1]),
+                                   "points": int(m.sum())}
+        dsteps, per_step_s, _ends = _intervals(loss)
+        if len(per_step_s):
+            step_time_median = float(np.median(per_step_s))
+            live_att = int(loss.attempts[-1])
+            same = loss.attempts == live_att
+            recent_s = per_step_s[-RECENT_POINTS:] if same.sum() > 1 else per_step_s[-0:0]
+            if len(recent_s):
+                step_time_last = float(np.median(recent_s))
+            for info in per_attempt.values():
+                info["span_s"] = info["last_wall"] - info["first_wall"] + step_time_median
+                stepping_s += info["span_s"]
+            if tokens_per_step:
+                if step_time_last:
+                    tps_recent = tokens_per_step / step_time_last
+                done_steps = sum(i["last_step"] - i["first_step"] + 1 for i in per_attempt.values())
+                tps_avg = tokens_per_step * done_steps / stepping_s if stepping_s > 0 else None
+            # slow host: recent throughput well below the run's median
+            if step_time_last and len(per_step_s) >= 2 * RECENT_POINTS:
+                if step_time_median / step_time_last < SLOW_FRACTION:
+                    warnings.append(
+                        f"throughput below the run's median: {step_time_last:.3g} s/step recently vs "
+                        f"{step_time_median:.3g} s/step median ({step_time_median / step_time_last:.0%}); "
+                        "a slow host or a throttled device?")
+
+    # FLOPs and MFU
+    flops_tok = None
+    tflops_recent = tflops_avg = mfu_recent = mfu_avg = None
+    n_devices = dev.devices if dev else None
+    if recipe:
+        try:
+            from olmo_ctl.flops import flops_per_token_olmo_core
+
+            flops_tok = flops_per_token_olmo_core(recipe.model, recipe.train.seq_len)
+        except Exception:
+            flops_tok = None
+    if flops_tok and n_devices:
+        if tps_recent:
+            tflops_recent = tps_recent / n_devices * flops_tok / 1e12
+        if tps_avg:
+            tflops_avg = tps_avg / n_devices * flops_tok / 1e12
+        peak = dev.peak_tflops_per_device
+        if peak:
+            mfu_recent = tflops_recent / peak if tflops_recent else None
+            mfu_avg = tflops_avg / peak if tflops_avg else None
+    if mfu_recent is None:  # fall back to what the trainer logged
+        s = r.series("throughput/device/MFU")
+        mfu_recent = float(s.values[-1]) if s is not None and len(s) else None
+        s = r.series("throughput/device/MFU (actual avg)")
+        mfu_avg = mfu_avg if mfu_avg is not None else (float(s.values[-1]) if s is not None and len(s) else None)
+
+    # losses
+    ce_smoothed = _ema(loss.values) if loss is not None else None
+    ev = r.series(EVAL_TAG)
+
+    # skipped steps
+    sk = _first(r, SKIPPED_TAGS)
+    skipped_total = int(np.nansum(sk.values)) if sk is not None else None
+    skipped_recent = None
+    if sk is not None and len(sk):
+        window = 1000
+        recent = sk.steps > (sk.steps[-1] - window)
+        skipped_recent = int(np.nansum(sk.values[recent]))
+        earlier = ~recent
+        if skipped_recent >= 3 and earlier.any():
+            span_before = max(1, int(sk.steps[earlier][-1] - sk.steps[0] + 1))
+            rate_before = float(np.nansum(sk.values[earlier])) / span_before
+            if skipped_recent / window > 3 * rate_before:
+                warnings.append(f"skipped steps rising: {skipped_recent} in the last {window} steps "
+                                f"(earlier rate {rate_before * window:.2f} per {window})")
+
+    # loss spike: the last raw loss far above the recent level
+    if loss is not None and len(loss) >= 64:
+        recent = loss.values[-200:-1]
+        recent = recent[np.isfinite(recent)]
+        last_v = loss.values[-1]
+        if len(recent) >= 32:
+            med = float(np.median(recent))
+            spread = float(np.median(np.abs(recent - med))) * 1.4826 or float(np.std(recent)) or 1e-9
+            if not math.isfinite(last_v) or last_v > med + 6 * spread and last_v > med * 1.05:
+                warnings.append(f"loss spike at step {int(loss.steps[-1])}: {last_v:.4g} vs recent median {med:.4g}")
+
+    # checkpoints
+    committed = src.committed or []
+    committed_step = committed[-1] if committed else None
+    at_risk = None
+    if step is not None:
+        at_risk = step - (committed_step or 0)
+
+    # stall
+    last_wall = float(loss.wall_times.max()) if loss is not None and len(loss) else None
+    if live.get("state") == "running" and last_wall is not None:
+        limit = stall_after_s or max(300.0, 20 * (step_time_median or 0))
+        if now - last_wall > limit:
+            warnings.append(f"stalled: no new step for {now - last_wall:.0f} s while the attempt is running "
+                            f"(limit {limit:.0f} s)")
+
+    # ETA
+    eta_s = None
+    pct = None
+    if final_step and step is not None:
+        pct = 100.0 * step / final_step
+        if step_time_last and step < final_step:
+            eta_s = (final_step - step) * step_time_last
+        elif step >= final_step:
+            eta_s = 0.0
+
+    # replays and mismatches
+    replayed = r.replays(LOSS_TAG)
+    mism = r.mismatches()
+    if mism:
+        m0 = mism[0]
+        warnings.append(f"{len(mism)} replayed value(s) differ after a resume; first: {m0.tag} step {m0.step}: "
+                        f"{m0.earlier!r} (attempt {m0.earlier_attempt}) vs {m0.later!r} (attempt {m0.later_attempt})")
+
+    goodput = _goodput(journal, per_attempt, step_time_median, replayed, loss, r, now, live)
+    problems = r.problems()
+    for p in problems:
+        warnings.append(p)
+
+    last = r.last()
+    files = r.files.values()
+    report = {
+        "schema": SCHEMA_ID,
+        "run": (src.run_doc or {}).get("run") or src.path.rstrip("/").rsplit("/", 1)[-1],
+        "path": src.path,
+        "generated_at": _iso(now),
+        "step": step,
+        "final_step": final_step,
+        "progress_pct": _f(pct),
+        "last": {k: _f(v) for k, v in last.items()},
+        "loss": {
+            "train_ce": _f(loss.values[-1]) if loss is not None and len(loss) else None,
+            "train_ce_smoothed": _f(ce_smoothed),
+            "eval_lm_loss": _f(ev.values[-1]) if ev is not None and len(ev) else None,
+            "eval_step": int(ev.steps[-1]) if ev is not None and len(ev) else None,
+        },
+        "tokens": {"seen": tokens_seen, "per_step": tokens_per_step,
+                   "per_s": _f(tps_recent), "per_s_run_avg": _f(tps_avg)},
+        "throughput": {
+            "device": device_name,
+            "devices": n_devices,
+            "step_time_s": _f(step_time_last),
+            "step_time_median_s": _f(step_time_median),
+            "tflops_per_device": _f(tflops_recent),
+            "tflops_per_device_run_avg": _f(tflops_avg),
+            "mfu": _f(mfu_recent),
+            "mfu_run_avg": _f(mfu_avg),
+            "flops_formula": "olmo_core" if flops_tok else None,
+            "flops_per_token": _f(flops_tok),
+        },
+        "eta_s": _f(eta_s),
+        "eta": _iso(now + eta_s) if eta_s is not None else None,
+        "skipped_steps": {"total": skipped_total, "last_1000": skipped_recent},
+        "checkpoint": {"committed_step": committed_step, "steps_at_risk": at_risk,
+                       "committed": committed[-5:]},
+        "attempt": live,
+        "timeline": _timeline(journal),
+        "goodput": goodput,
+        "replays": {"steps": replayed, "mismatch_count": len(mism),
+                    "mismatches": [m.__dict__ for m in mism[:20]]},
+        "warnings": warnings,
+        "reader": {"files": len(r.files), "records": sum(f.records for f in files),
+                   "bytes": sum(f.offset for f in files), "problems": problems},
+    }
+    return report
+
+
+def _goodput(journal, per_attempt: dict, step_s: float | None, replayed: int, loss: Series | None,
+             reader: EventReader, now: float, live: dict) -> dict:
+    out = {"fraction": None, "wall_s": None, "productive_s": None,
+           "lost_s": {"queueing": None, "startup": None, "recomputed": None, "checkpoint": None, "other": None}}
+    if not per_attempt or step_s is None:
+        return out
+    # logged interval (metrics_every): replayed points stand for that many steps each
+    every = 1
+    if loss is not None and len(loss) > 1:
+        every = max(1, int(np.median(np.diff(loss.steps))))
+    recomputed_s = replayed * every * step_s
+    ck = reader.series(CKPT_TAG)
+    ckpt_s = float(np.nansum(ck.values)) if ck is not None and len(ck) else 0.0
+    stepping = sum(i.get("span_s", 0.0) for i in per_attempt.values())
+    first_wall = min(i["first_wall"] for i in per_attempt.values())
+    last_wall = max(i["last_wall"] for i in per_attempt.values())
+    start = first_wall - step_s
+    end = last_wall
+    queue_s = startup_s = 0.0
+    if journal:
+        times = [t for t in (_parse_time(r.get("time")) for r in journal) if t is not None]
+        if times:
+            start = min(start, min(times))
+            end = max(end, max(times))
+        for n, info in per_attempt.items():
+            recs = [r for r in journal if r.get("attempt") == n]
+            t = {ev: _parse_time(next((r.get("time") for r in recs if r.get("event") == ev), None))
+                 for ev in ("submitted", "queued", "admitted", "running")}
+            t_sub = t["submitted"] or t["queued"]
+            t_adm = t["admitted"] or t["running"]
+            if t_sub and t_adm and t_adm > t_sub:
+                queue_s += t_adm - t_sub
+            t_start = t["running"] or t["admitted"] or t_sub
+            if t_start:
+                startup_s += max(0.0, info["first_wall"] - step_s - t_start)
+    if live.get("state") in ("running", "queued", "admitted"):
+        end = max(end, now)
+    wall = max(end - start, 1e-9)
+    productive = max(0.0, stepping - recomputed_s - ckpt_s)
+    other = max(0.0, wall - productive - recomputed_s - ckpt_s - queue_s - startup_s)
+    out.update(fraction=productive / wall, wall_s=wall, productive_s=productive)
+    out["lost_s"] = {"queueing": queue_s, "startup": startup_s, "recomputed": recomputed_s,
+                     "checkpoint": ckpt_s, "other": other}
+    return out
+
+
+def monitor(path: str, **kw) -> dict:
+    """Read a run directory once and build its report."""
+    return build_report(load(path), **kw)
