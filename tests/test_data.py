@@ -355,3 +355,36 @@ def test_smoke_recipe_data_is_big_enough_and_eval_is_fixed(tmp_path, monkeypatch
     halves = [eval_batches(r, 2, 8, p, 2) for p in range(2)]
     for i in range(2):
         assert (np.concatenate([halves[0][i]["input_ids"], halves[1][i]["input_ids"]]) == e1[i]["input_ids"]).all()
+
+
+def test_resume_with_another_global_batch_continues_at_the_same_instance(tmp_path):
+    ds = TokenDataset(_corpus(tmp_path, lengths=(35, 16, 47, 200, 161, 1000)), T)
+    ld = BatchLoader(ds, 4, 9)
+    for _ in range(3):
+        ld.next()
+    saved = ld.state()
+    assert saved["global_batch"] == 4
+    cont = ld.next()["instance_ids"].tolist()
+    half = BatchLoader(ds, 2, 9)
+    assert half.restore(saved) is None and half.state()["batch_in_epoch"] == 6
+    assert half.next()["instance_ids"].tolist() + half.next()["instance_ids"].tolist() == cont
+    double = BatchLoader(ds, 8, 9)
+    with pytest.raises(BadInput, match="global batch changed from 4 to 8 at instance 12"):
+        double.restore(saved)
+    double.restore(saved, allow_data_change=True)
+    assert double.state()["batch_in_epoch"] == 2  # skips ahead, never repeats
+
+
+def test_many_files_with_few_open_maps(tmp_path, monkeypatch):
+    from olmo_ctl.trainer import data
+
+    monkeypatch.setattr(data, "MAX_OPEN_MAPS", 3)
+    lengths = tuple(32 + f for f in range(12))
+    ds = TokenDataset(_corpus(tmp_path, lengths=lengths), T)
+    with BatchLoader(ds, 4, 0, prefetch_workers=3) as ld:
+        for _ in range(ld.batches_per_epoch):
+            b = ld.next()
+            for i, row in zip(b["instance_ids"], b["input_ids"], strict=True):
+                f, j = divmod(int(i), 2)
+                assert (row == f * 10000 + np.arange(j * T, (j + 1) * T)).all()
+    assert len(ds._maps) <= 3

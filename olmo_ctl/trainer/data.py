@@ -24,7 +24,7 @@ numpy only: no jax import here.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -45,6 +45,7 @@ NGRAM_MIN_PERIOD = 1
 NGRAM_MAX_PERIOD = 13
 NGRAM_MIN_REPEATS = 32
 STATE_KEYS = ("epoch", "batch_in_epoch", "batches_seen", "tokens_seen", "fingerprint")
+MAX_OPEN_MAPS = 256  # each memory map holds a file descriptor; corpora have thousands of files
 
 
 # ---------------------------------------------------------------- order
@@ -113,7 +114,7 @@ class TokenDataset:
         self.vocab_size = vocab_size
         self.instances_per_file = np.array([f.tokens // self.seq_len for f in self.files], dtype=np.int64)
         self._ends = np.cumsum(self.instances_per_file)
-        self._maps: dict[int, np.ndarray] = {}
+        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -138,14 +139,16 @@ class TokenDataset:
         return fi, (i - first) * self.seq_len
 
     def _local_map(self, fi: int) -> np.ndarray:
-        m = self._maps.get(fi)
-        if m is None:
-            with self._lock:
-                m = self._maps.get(fi)
-                if m is None:
-                    m = np.memmap(self.files[fi].path, dtype=TOKEN_DTYPE, mode="r",
-                                  shape=(self.files[fi].tokens,))
-                    self._maps[fi] = m
+        with self._lock:
+            m = self._maps.get(fi)
+            if m is not None:
+                self._maps.move_to_end(fi)
+                return m
+        m = np.memmap(self.files[fi].path, dtype=TOKEN_DTYPE, mode="r", shape=(self.files[fi].tokens,))
+        with self._lock:
+            self._maps[fi] = m
+            while len(self._maps) > MAX_OPEN_MAPS:  # a reader still holding an evicted map keeps it alive
+                self._maps.popitem(last=False)
         return m
 
     def tokens(self, i: int) -> np.ndarray:
@@ -242,6 +245,7 @@ class BatchLoader:
         self._epoch = 1
         self._batch = 0  # next batch to hand out, within the epoch
         self._seen = 0
+        self._tokens = 0
         self._orders: dict[int, np.ndarray] = {}
         self._pool = ThreadPoolExecutor(self.prefetch_workers, thread_name_prefix="data") if self.prefetch_workers else None
         self._pending: deque[tuple[tuple[int, int], Future]] = deque()
@@ -287,6 +291,7 @@ class BatchLoader:
             out = fut.result()
         self._epoch, self._batch = self._after(pos)
         self._seen += 1
+        self._tokens += self.global_batch * self.dataset.seq_len
         return out
 
     def __iter__(self):
@@ -298,13 +303,18 @@ class BatchLoader:
     # -- state
 
     def state(self) -> dict:
-        """The next batch to be read (JSON-serialisable; identical on every process)."""
+        """The next batch to be read (JSON-serialisable; identical on every process).
+
+        `global_batch` is kept so that a resume with another global batch continues at the same
+        place of the epoch's order instead of reading `batch_in_epoch` in other units.
+        """
         return {
             "epoch": self._epoch,
             "batch_in_epoch": self._batch,
             "batches_seen": self._seen,
-            "tokens_seen": self._seen * self.global_batch * self.dataset.seq_len,
+            "tokens_seen": self._tokens,
             "fingerprint": self.fingerprint,
+            "global_batch": self.global_batch,
         }
 
     def restore(self, state: dict, allow_data_change: bool = False) -> str | None:
@@ -316,11 +326,21 @@ class BatchLoader:
         epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])
         if epoch < 1 or batch < 0:
             raise BadInput(f"data loader state has epoch {epoch}, batch {batch}")
-        if batch >= self.batches_per_epoch:  # only possible when the data changed
+        saved_gb = int(state.get("global_batch") or self.global_batch)
+        if saved_gb != self.global_batch:
+            # Same order, same place in it: instance offset batch * saved_gb of this epoch.
+            offset = batch * saved_gb
+            if offset % self.global_batch and not allow_data_change:
+                raise BadInput(f"the global batch changed from {saved_gb} to {self.global_batch} at instance "
+                               f"{offset} of epoch {epoch}, which is not a whole number of new global batches",
+                               "keep train.global_batch, or pass --allow-data-change to skip to the next whole batch")
+            batch = -(-offset // self.global_batch)
+        if batch >= self.batches_per_epoch:  # the epoch got shorter (other data or global batch)
             epoch, batch = epoch + 1, 0
         self._drop_pending()
         self._epoch, self._batch = epoch, batch
         self._seen = int(state["batches_seen"])
+        self._tokens = int(state["tokens_seen"])
         return msg
 
     def _drop_pending(self) -> None:
