@@ -1,0 +1,102 @@
+"""Model commands: `convert hf-to-orbax`, `convert orbax-to-hf`, `parity`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+
+convert_app = typer.Typer(
+    help="Convert between a Hugging Face Olmo3ForCausalLM directory and Orbax parameters.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(convert_app, name="convert")
+
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing, non-empty destination.")]
+
+
+def _need(*modules: str, extra: str) -> None:
+    import importlib.util
+
+    from olmo_ctl.errors import BadInput
+
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            raise BadInput(f"`{m}` is not installed", f"pip install 'olmo-ctl[{extra}]'")
+
+
+@convert_app.command("hf-to-orbax")
+def hf_to_orbax(
+    hf_dir: Annotated[str, typer.Argument(help="Hugging Face model directory (config.json + safetensors), local or gs://.")],
+    orbax_dir: Annotated[str, typer.Argument(help="Destination Orbax directory, local or gs://.")],
+    vocab_size: Annotated[int | None, typer.Option(
+        "--vocab-size", help="Real vocabulary size when config.json's vocab_size is already padded.")] = None,
+    padded_vocab_size: Annotated[int | None, typer.Option(
+        "--padded-vocab-size", help="Embedding rows to train with (default: rounded up to a multiple of 128).")] = None,
+    param_dtype: Annotated[str, typer.Option("--param-dtype", help="float32 or bfloat16.")] = "float32",
+    overwrite: OverwriteOpt = False,
+) -> None:
+    """Convert a Hugging Face Olmo3ForCausalLM checkpoint into Orbax parameters (+ olmo_model.json)."""
+    from olmo_ctl.errors import BadInput
+
+    _need("jax", "orbax.checkpoint", extra="trainer")
+    if param_dtype not in ("float32", "bfloat16"):
+        raise BadInput(f"--param-dtype {param_dtype} is not float32 or bfloat16")
+    from olmo_ctl.trainer.convert import hf_to_orbax as run
+
+    cfg = run(hf_dir, orbax_dir, vocab_size=vocab_size, padded_vocab_size=padded_vocab_size,
+              param_dtype=param_dtype, overwrite=overwrite)
+    typer.echo(f"wrote {orbax_dir}: {cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size} "
+               f"(padded to {cfg.padded_vocab_size}), params {param_dtype}")
+
+
+@convert_app.command("orbax-to-hf")
+def orbax_to_hf(
+    orbax_dir: Annotated[str, typer.Argument(help="Orbax directory written by `convert hf-to-orbax`, local or gs://.")],
+    hf_dir: Annotated[str, typer.Argument(help="Destination Hugging Face directory, local or gs://.")],
+    dtype: Annotated[str | None, typer.Option(
+        "--dtype", help="float32 or bfloat16 (default: the dtype the model was converted from).")] = None,
+    overwrite: OverwriteOpt = False,
+) -> None:
+    """Convert Orbax parameters back to a Hugging Face Olmo3ForCausalLM directory (vocab truncated)."""
+    from olmo_ctl.errors import BadInput
+
+    _need("jax", "orbax.checkpoint", extra="trainer")
+    if dtype not in (None, "float32", "bfloat16"):
+        raise BadInput(f"--dtype {dtype} is not float32 or bfloat16")
+    from olmo_ctl.trainer.convert import orbax_to_hf as run
+
+    cfg = run(orbax_dir, hf_dir, dtype=dtype, overwrite=overwrite)
+    typer.echo(f"wrote {hf_dir}: Olmo3ForCausalLM, {cfg.n_layers} layers, vocab {cfg.vocab_size}")
+
+
+@app.command()
+def parity(
+    hf_dir: Annotated[str, typer.Argument(help="Hugging Face Olmo3ForCausalLM directory, local or gs://.")],
+    orbax_dir: Annotated[str, typer.Argument(help="Orbax directory with olmo_model.json, local or gs://.")],
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 256,
+    batch: Annotated[int, typer.Option("--batch", help="Sequences.")] = 2,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32 or bf16.")] = "fp32",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random tokens.")] = 0,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Run both models on the same random tokens; report KL(HF || ours), top-1 and top-10 agreement."""
+    from olmo_ctl.errors import BadInput
+
+    if dtype not in ("fp32", "bf16"):
+        raise BadInput(f"--dtype {dtype} is not fp32 or bf16")
+    _need("jax", "orbax.checkpoint", extra="trainer")
+    _need("torch", "transformers", extra="parity")
+    from olmo_ctl.parity import run_parity
+
+    res = run_parity(hf_dir, orbax_dir, seq_len=seq_len, batch=batch, dtype=dtype, seed=seed)
+    if output == Output.json:
+        print_json(res)
+        return
+    typer.echo(f"parity {dtype}, {res['tokens']} tokens (seq {seq_len})")
+    typer.echo(f"  KL(HF || ours)  mean {res['kl_mean']:.3e}  max {res['kl_max']:.3e}")
+    typer.echo(f"  top-1 agreement {res['top1_agreement']:.4f}")
+    typer.echo(f"  top-10 overlap  {res['top10_overlap']:.4f}")
