@@ -107,7 +107,8 @@ def test_mistakes_exit_2_with_one_line(tmp_path):
     cases = [
         ([*docs, str(tok)], "both text files and .npy token files"),
         ([str(tmp_path / "missing.txt")], "does not exist"),
-        ([str(tok)], "one .npy token file cannot be split"),
+        ([str(tok)], "1 token file cannot be split 95% / 5% by whole files"),
+        ([str(tok), str(tok), str(tok)], "hold out one whole file with --held-out-fraction 0.33"),
         ([*docs, "--held-out-fraction", "1.5"], "--held-out-fraction must be in [0, 1)"),
     ]
     for args, msg in cases:

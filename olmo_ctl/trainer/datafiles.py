@@ -241,13 +241,11 @@ def byte_tokens(text: bytes) -> np.ndarray:
     return arr
 
 
-def held_out_indices(n: int, fraction: float, at_least_one: bool = False) -> list[int]:
+def held_out_indices(n: int, fraction: float) -> list[int]:
     """Which of `n` units (documents or files) are held out: round(n*fraction), evenly spaced, never all."""
     if fraction <= 0 or n < 2:
         return []
     k = min(n - 1, round(n * fraction))
-    if at_least_one:
-        k = max(1, k)
     return sorted({int((j + 0.5) * n / k) for j in range(k)}) if k else []
 
 
@@ -314,7 +312,7 @@ def prepare(
     instead, a multiple of `seq_len` when given); the rest are concatenated into
     `train/part-NNNNN.npy` of at most `part_tokens` tokens (a multiple of `seq_len` when given, so
     only the last part has a remainder). `.npy` inputs are token files and are copied as they are
-    (NumPy-format ones converted to raw uint32), whole files held out (at least one). `held_out` names inputs to
+    (NumPy-format ones converted to raw uint32), whole files held out. `held_out` names inputs to
     hold out explicitly instead of `held_out_fraction`. Writes `manifest.json` last.
     """
     if not inputs:
@@ -340,10 +338,13 @@ def prepare(
             raise ValueError(f"held_out names files that are not inputs: {missing}")
         eval_idx = [i for i, p in enumerate(inputs) if p in held_out]
     else:
-        eval_idx = held_out_indices(len(inputs), held_out_fraction, at_least_one=bool(npy))
+        eval_idx = held_out_indices(len(inputs), held_out_fraction)
         if npy and held_out_fraction > 0 and not eval_idx:
-            raise BadInput("one .npy token file cannot be split into train and held-out files",
-                           "pass more files, or --held-out-fraction 0")
+            n = len(inputs)
+            hint = (f"hold out one whole file with --held-out-fraction {1 / n:.2f}, or none with 0" if n > 1
+                    else "pass more files, or --held-out-fraction 0")
+            raise BadInput(f"{n} token file{'s' if n > 1 else ''} cannot be split {1 - held_out_fraction:.0%} / "
+                           f"{held_out_fraction:.0%} by whole files (token files are copied as they are)", hint)
     manifest: dict = {
         "format": "raw little-endian uint32 tokens, no header (OLMo-core numpy layout)",
         "held_out_fraction": held_out_fraction,
