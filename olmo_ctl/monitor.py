@@ -499,7 +499,7 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
         "timeline": _timeline(journal),
         "goodput": goodput,
         "replays": {"steps": replayed, "mismatch_count": len(mism),
-                    "mismatches": [m.__dict__ for m in mism[:20]]},
+                    "mismatches": [{**m.__dict__, "earlier": _f(m.earlier), "later": _f(m.later)} for m in mism[:20]]},
         "warnings": warnings,
         "reader": {"files": len(r.files), "records": sum(f.records for f in files),
                    "bytes": sum(f.offset for f in files), "problems": problems},
