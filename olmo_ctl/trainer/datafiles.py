@@ -445,8 +445,12 @@ def ensure_smoke_data() -> Path:
     if total < SMOKE_MIN_TRAIN_TOKENS:
         raise BadInput(f"cannot make the smoke dataset: only {total} bytes of stdlib text found",
                        f"this Python's stdlib ({sysconfig.get_paths()['stdlib']}) looks stripped")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-")
+    except OSError as e:
+        raise BadInput(f"cannot make the smoke dataset in `{final.parent}`: {e.strerror}",
+                       "set OLMO_CTL_CACHE to a writable directory") from None
     try:
         os.chmod(tmp, 0o755)
         part_tokens = -(-(total + len(train)) // SMOKE_TRAIN_PARTS)
