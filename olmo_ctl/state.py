@@ -138,7 +138,7 @@ def pod_disruption(pod: Mapping, events: list[Mapping] = ()) -> str:
 
 
 def container_exits(pods: list[Mapping], events: list[Mapping] = ()) -> list[ContainerExit]:
-    """Every non-zero container exit, earliest first (ties: disruption before user before other)."""
+    """Every non-zero container exit, the likeliest cause first."""
     out = []
     for pod in pods:
         name = (pod.get("metadata") or {}).get("name", "?")
@@ -151,9 +151,20 @@ def container_exits(pods: list[Mapping], events: list[Mapping] = ()) -> list[Con
                     out.append(ContainerExit(name, cs.get("name", "?"), int(term["exitCode"]), term.get("reason") or "",
                                              term.get("message") or "", term.get("finishedAt") or "", disrupted))
                     break
-    rank = {State.PREEMPTED: 0, State.FAILED_USER: 1, State.FAILED_INFRA: 2}
+    # Timestamps have 1 s resolution, and the JobSet kills the other pods within the same second as
+    # the first failure, so ties are broken by evidence: a disruption the control plane recorded,
+    # then a deterministic user exit, then a bare SIGTERM/SIGKILL (usually the JobSet's own kill).
+    def evidence(e: ContainerExit) -> int:
+        if e.disrupted:
+            return 0
+        if e.verdict == State.FAILED_USER:
+            return 1
+        if e.exit_code in (SIGTERM_EXIT, SIGKILL_EXIT):
+            return 2
+        return 3
+
     # An unknown finish time sorts last: it cannot be shown to be the first failure.
-    return sorted(out, key=lambda e: (e.finished_at or "~", rank[e.verdict], e.pod))
+    return sorted(out, key=lambda e: (e.finished_at or "~", evidence(e), e.pod))
 
 
 def expected_pods(jobset: Mapping) -> int:

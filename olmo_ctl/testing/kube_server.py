@@ -15,7 +15,7 @@ with `labelSelector` =, ==, !=, in, notin, exists, !exists and `fieldSelector` o
 metadata.namespace, status.phase, involvedObject.*), PUT (replace, resourceVersion checked), PATCH
 (application/merge-patch+json, strategic merge treated as merge, json-patch), DELETE
 (`propagationPolicy` Foreground/Background cascades through ownerReferences, Orphan strips them;
-`preconditions.uid` honoured). Errors are `Status` objects: 400 BadRequest, 404 NotFound,
+`preconditions.uid` honoured; a collection DELETE takes a labelSelector). Errors are `Status` objects: 400 BadRequest, 404 NotFound,
 409 AlreadyExists/Conflict, 415, 422 Invalid. Like a real API server, `fieldValidation=Strict`
 turns unknown fields into 400 "strict decoding error: unknown field ..." and the default (Warn)
 drops them with a `Warning` header; schema violations are 422 with the field path.
@@ -26,6 +26,7 @@ drops them with a `Warning` header; schema violations are 422 with the field pat
         srv.fail_next(3, status=429, retry_after_s=1)   # next 3 requests answer 429 + Retry-After
         srv.fail_next(2, status=500, match="GET ")      # only requests whose "METHOD PATH" contains match
         srv.fail_next(1, status="drop")                 # close the connection without an answer
+        srv.fail_next(1, status="lost", match="POST ")  # do the request, then close without an answer
         srv.go_down(); srv.come_back()                  # refuse connections, then listen again (same port)
         srv.requests                   # [(method, path, query dict, content type)] in arrival order
 
@@ -427,9 +428,11 @@ class _Handler(BaseHTTPRequestHandler):
                 except OSError:
                     pass
                 return
-            if fault.delay_s:
+            if fault.status == "lost":
+                pass
+            elif fault.delay_s:
                 time.sleep(fault.delay_s)
-            if isinstance(fault.status, int):
+            if isinstance(fault.status, int) and fault.status:
                 err = ApiError(fault.status, "TooManyRequests" if fault.status == 429 else "InternalError",
                                "the server has received too many requests and has asked us to try again later"
                                if fault.status == 429 else "an error on the server (\"injected\") has prevented "
@@ -440,11 +443,17 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             code, payload, headers, text = srv.api.dispatch(method, parts.path, query, body, ctype)
         except ApiError as e:
-            self._send(e.code, e.status(), e.headers)
-            return
+            code, payload, headers, text = e.code, e.status(), e.headers, False
         except Exception as e:  # a bug in the test server: say so loudly
             self._send(500, ApiError(500, "InternalError", f"test server bug: {type(e).__name__}: {e}").status())
             raise
+        if fault is not None and fault.status == "lost":  # done, but the answer never arrives
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
         self._send(code, payload, headers, text)
 
     def do_GET(self) -> None:
@@ -465,7 +474,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 @dataclass
 class Fault:
-    status: int | str  # an HTTP status, or "drop" (close the connection unanswered)
+    status: int | str  # an HTTP status, "drop" (close unanswered) or "lost" (carry out, close unanswered)
     remaining: int
     retry_after_s: int | None = None
     match: str | None = None
@@ -511,6 +520,8 @@ class Api:
             if method == "POST" and name is None:
                 obj, warnings = self.create(res, version, ns, self._json(body), query)
                 return 201, self.out(res, version, obj), self._warn(warnings), False
+            if method == "DELETE" and name is None:
+                return 200, self.delete_collection(res, version, ns, query, body), {}, False
             if name is None:
                 raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on a collection here")
             if method == "GET" and sub == "log":
@@ -711,6 +722,13 @@ class Api:
         if policy == "Foreground":
             out["metadata"]["finalizers"] = ["foregroundDeletion"]
         return out
+
+    def delete_collection(self, res: Resource, version: str, ns: str, query: dict, body: bytes) -> dict:
+        gone = self.list(res, version, ns, query)
+        for o in gone["items"]:
+            self.delete(res, version, ns, o["metadata"]["name"], {k: v for k, v in query.items()
+                                                                   if k == "propagationPolicy"}, body)
+        return gone
 
     def pod_log(self, ns: str, name: str, query: dict) -> str:
         pod = self.store.get(RESOURCES[("", "pods")], ns, name)
@@ -1200,7 +1218,8 @@ class KubeServer:
     def fail_next(self, count: int, status: int | str = 500, retry_after_s: int | None = None,
                   match: str | None = None, delay_s: float = 0.0) -> None:
         """The next `count` requests (whose "METHOD /path" contains `match`, if given) answer `status`
-        (an HTTP code, or "drop": the connection closes unanswered), after `delay_s`."""
+        (an HTTP code; "drop": the connection closes unanswered; "lost": the request is carried out,
+        then the connection closes unanswered), after `delay_s`."""
         with self._fault_lock:
             self._faults.append(Fault(status, count, retry_after_s, match, delay_s))
 
@@ -1223,3 +1242,29 @@ class KubeServer:
     def count(self, method: str, contains: str = "") -> int:
         """How many requests with this method (and path containing `contains`) arrived."""
         return sum(1 for m, p, _, _ in list(self.requests) if m == method and contains in p)
+
+
+def tiny_jobset(name: str, run: str = "test-run", attempt: int = 1, namespace: str = "default",
+                queue: str | None = "user-queue", workers: int = 2, image: str = "python:3.12-slim",
+                script: str = "print('step 1/1 loss 1.0')") -> dict:
+    """A small JobSet shaped like olmo-ctl's (labels, one `slice` replicated job, a `trainer`
+    container) that any cluster can run: `workers` CPU pods running `python -c script`."""
+    labels = {"olmo-ctl/run": run, "olmo-ctl/attempt": str(attempt)}
+    if queue:
+        labels[QUEUE_LABEL] = queue
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "failurePolicy": {"maxRestarts": 0},
+            "replicatedJobs": [{"name": "slice", "replicas": 1, "template": {"spec": {
+                "parallelism": workers, "completions": workers, "completionMode": "Indexed", "backoffLimit": 0,
+                "template": {"metadata": {"labels": {"olmo-ctl/run": run, "olmo-ctl/attempt": str(attempt)}},
+                             "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 5,
+                                      "containers": [{
+                                          "name": "trainer", "image": image, "command": ["python", "-c", script],
+                                          "terminationMessagePolicy": "FallbackToLogsOnError",
+                                          "resources": {"requests": {"cpu": "100m", "memory": "64Mi"},
+                                                        "limits": {"cpu": "500m", "memory": "256Mi"}}}]}}}}}],
+        },
+    }

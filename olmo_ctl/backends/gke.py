@@ -1,0 +1,387 @@
+"""The GKE backend: an attempt is one JobSet, queued by Kueue, on a TPU slice.
+
+`render` is pure (the JobSet from `olmo_ctl.manifest.render_jobset`, what --dry-run prints).
+`submit` creates it with strict field validation; a 409 on the same name means an earlier try of
+this very submit went through (a lost response, a restarted supervisor), so the JobSet is adopted
+when its labels say it is this attempt, and refused otherwise. `status` reads the JobSet, the Kueue
+Workload it owns (found by ownerReference uid, never by name), its pods and their events, and hands
+them to `olmo_ctl.state.classify`; for a failure it adds the failed pod's last log lines. `stop`
+deletes with propagationPolicy Foreground and a uid precondition, so only this attempt's object
+goes. Every call goes through `kube.call` (retries on connection errors, 429 and 5xx; never on
+other 4xx; `Unreachable` after the budget: nothing is deleted or created on the way out).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from typing import Any
+
+from olmo_ctl.backends.base import Attempt, AttemptStatus, Handle, State
+from olmo_ctl.backends.kube import (
+    DEFAULT_POLICY,
+    RetryPolicy,
+    api_status,
+    call,
+    make_api_client,
+    status_message,
+)
+from olmo_ctl.errors import BadInput, OlmoCtlError
+
+JOBSET_GROUP, JOBSET_VERSION, JOBSETS = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+KUEUE_GROUP, WORKLOADS = "kueue.x-k8s.io", "workloads"
+KUEUE_VERSIONS = ("v1beta2", "v1beta1")  # newest first; Kueue < 0.15 serves only v1beta1
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+RUN_LABEL = "olmo-ctl/run"
+ATTEMPT_LABEL = "olmo-ctl/attempt"
+LOG_TAIL = 50
+MAX_POD_EVENT_READS = 4  # per status: the events of at most this many problem pods
+
+
+def _labels(obj: dict) -> dict:
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
+def _json(resp: Any) -> Any:
+    return json.loads(resp.data or b"null")
+
+
+class GKEBackend:
+    """Backend over the Kubernetes API. Tests pass `host` (the test server's URL) and `namespace`;
+    otherwise the kubeconfig's `context` (or its current one) or the in-cluster account is used."""
+
+    name = "gke"
+
+    def __init__(self, namespace: str | None = None, host: str | None = None, context: str | None = None,
+                 settings: Any = None, retry: RetryPolicy | None = None, api_client: Any = None,
+                 recipe: Any = None, kubeconfig: str | None = None):
+        self.settings = settings
+        self.namespace = namespace or (getattr(settings, "namespace", None) if settings else None) or "default"
+        self.host = host
+        self.context = context or (getattr(settings, "kube_context", None) if settings else None)
+        self.kubeconfig = kubeconfig
+        self.retry = retry or DEFAULT_POLICY
+        self.recipe = recipe
+        self._api_client = api_client
+        self._kueue_version: str | None = None  # resolved on first use; "" = no Kueue API
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def api_client(self):
+        if self._api_client is None:
+            self._api_client = make_api_client(host=self.host, context=self.context, kubeconfig=self.kubeconfig)
+        return self._api_client
+
+    @property
+    def _custom(self):
+        from kubernetes import client
+
+        return client.CustomObjectsApi(self.api_client)
+
+    @property
+    def _core(self):
+        from kubernetes import client
+
+        return client.CoreV1Api(self.api_client)
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        kwargs.setdefault("_request_timeout", self.retry.request_timeout)
+        where = self.host or (self.api_client.configuration.host if self._api_client is not None else "")
+        return call(fn, *args, policy=self.retry, what=what, host=where, **kwargs)
+
+    def _get_jobset(self, name: str, ns: str) -> dict | None:
+        try:
+            return _json(self._call(f"read JobSet {name}", self._custom.get_namespaced_custom_object,
+                                    JOBSET_GROUP, JOBSET_VERSION, ns, JOBSETS, name, _preload_content=False))
+        except Exception as e:
+            if api_status(e) == 404:
+                return None
+            raise self._api_error(e, f"read JobSet {name}") from e
+
+    def _api_error(self, e: Exception, what: str) -> Exception:
+        """Turn a non-retryable API answer into a one-line error; anything else propagates as is."""
+        status = api_status(e)
+        if not status:
+            return e
+        msg = status_message(e)
+        if status == 401:
+            return BadInput(f"{what}: the Kubernetes API refused our credentials ({msg})",
+                            "refresh them: gcloud container clusters get-credentials CLUSTER --region REGION")
+        if status == 403:
+            return BadInput(f"{what}: forbidden: {msg}",
+                            f"the account needs access to jobsets, workloads, pods and events in `{self.namespace}`")
+        return BadInput(f"{what}: HTTP {status}: {msg}")
+
+    # ------------------------------------------------------------------ render
+    def render(self, attempt: Attempt) -> dict:
+        """The JobSet for this attempt (pure apart from reading the recipe)."""
+        from olmo_ctl.batching import make_plan
+        from olmo_ctl.devices import get_device
+        from olmo_ctl.manifest import render_jobset
+
+        if self.settings is None:
+            raise BadInput("the GKE backend needs site settings to render a JobSet",
+                           "see `olmo-ctl config show`")
+        recipe = self.recipe or self._load_recipe(attempt)
+        device = get_device(attempt.device)
+        plan = make_plan(recipe, device)
+        jobset = render_jobset(recipe, plan, device, self.settings, attempt.run, attempt.attempt, attempt.run_dir)
+        if attempt.extra_args:
+            jobset = copy.deepcopy(jobset)
+            for rj in jobset["spec"]["replicatedJobs"]:
+                for c in rj["template"]["spec"]["template"]["spec"]["containers"]:
+                    if c.get("name") == "trainer":
+                        c["command"] = list(c.get("command") or []) + list(attempt.extra_args)
+        return jobset
+
+    @staticmethod
+    def _load_recipe(attempt: Attempt):
+        from olmo_ctl.recipe import load_recipe, recipe_from_dict
+
+        if attempt.recipe_path:
+            return load_recipe(attempt.recipe_path)
+        from olmo_ctl.rundir import RunDir
+
+        doc = RunDir(attempt.run_dir).read_run()
+        return recipe_from_dict(doc["recipe"], f"{attempt.run_dir}/run.yaml")
+
+    # ------------------------------------------------------------------ submit
+    def submit(self, request: dict) -> Handle:
+        md = request.get("metadata") or {}
+        name = md.get("name")
+        if not name:
+            raise BadInput("the JobSet has no metadata.name")
+        ns = md.get("namespace") or self.namespace
+        what = f"create JobSet {name} in {ns}"
+        try:
+            obj = _json(self._call(what, self._custom.create_namespaced_custom_object, JOBSET_GROUP,
+                                   JOBSET_VERSION, ns, JOBSETS, request, field_validation="Strict",
+                                   _preload_content=False))
+        except Exception as e:
+            status = api_status(e)
+            if status == 409:
+                obj = self._adopt(request, ns)
+            elif status in (400, 422):
+                raise BadInput(f"the cluster rejected JobSet {name}: {status_message(e)}",
+                               "is JobSet v0.10.1 or later installed? `kubectl get crd jobsets.jobset.x-k8s.io`; "
+                               "`submit --dry-run` shows the manifest") from None
+            elif status == 404:
+                raise BadInput(f"{what}: {status_message(e) or 'not found'}",
+                               "check the namespace exists and JobSet is installed "
+                               "(`kubectl api-resources | grep jobset`)") from None
+            else:
+                raise self._api_error(e, what) from e
+        return self._handle(obj)
+
+    def _adopt(self, request: dict, ns: str) -> dict:
+        """A JobSet with this name exists: adopt it when it is this attempt, refuse otherwise."""
+        name = request["metadata"]["name"]
+        existing = self._get_jobset(name, ns)
+        if existing is None:  # deleted in between: create again, once
+            return _json(self._call(f"create JobSet {name}", self._custom.create_namespaced_custom_object,
+                                    JOBSET_GROUP, JOBSET_VERSION, ns, JOBSETS, request, field_validation="Strict",
+                                    _preload_content=False))
+        want = _labels(request)
+        have = _labels(existing)
+        mismatch = {k: (v, have.get(k)) for k, v in want.items()
+                    if k in (RUN_LABEL, ATTEMPT_LABEL) or not k.startswith("kueue.x-k8s.io/")
+                    if have.get(k) != v}
+        if mismatch:
+            raise BadInput(f"a JobSet named `{name}` already exists in `{ns}` and is not this attempt "
+                           f"(labels differ: {', '.join(f'{k}={b!r}, want {a!r}' for k, (a, b) in mismatch.items())})",
+                           f"delete it (`kubectl delete jobset {name} -n {ns}`) or use another --run name")
+        if (existing.get("metadata") or {}).get("deletionTimestamp"):
+            raise OlmoCtlError(f"JobSet `{name}` in `{ns}` is being deleted; it cannot be adopted",
+                               "wait until it is gone, then submit again", exit_code=1)
+        return existing
+
+    def _handle(self, obj: dict) -> Handle:
+        md = obj["metadata"]
+        labels = md.get("labels") or {}
+        try:
+            attempt = int(labels.get(ATTEMPT_LABEL, 0))
+        except ValueError:
+            attempt = 0
+        return Handle(self.name, md["name"], attempt,
+                      {"namespace": md.get("namespace") or self.namespace, "uid": md.get("uid"),
+                       "run": labels.get(RUN_LABEL)})
+
+    # ------------------------------------------------------------------ status
+    def _ns(self, handle: Handle) -> str:
+        return handle.data.get("namespace") or self.namespace
+
+    def read_objects(self, handle: Handle) -> tuple[dict | None, dict | None, list[dict], list[dict]]:
+        """JobSet, its Workload, its pods and the relevant events, as the API returns them."""
+        ns = self._ns(handle)
+        js = self._get_jobset(handle.name, ns)
+        if js is None:
+            return None, None, [], []
+        uid = js["metadata"].get("uid")
+        if handle.data.get("uid") and uid != handle.data["uid"]:
+            return None, None, [], []  # the name now belongs to another object: ours is gone
+        wl = self._find_workload(ns, uid)
+        pods = self._list_pods(ns, handle.name)
+        events = self._events(ns, js, wl, pods)
+        return js, wl, pods, events
+
+    def status(self, handle: Handle) -> AttemptStatus:
+        from olmo_ctl.state import classify
+
+        js, wl, pods, events = self.read_objects(handle)
+        st = classify(js, wl, pods, events)
+        if st.state in (State.FAILED_USER, State.FAILED_INFRA, State.PREEMPTED) and st.details.get("pod") \
+                and st.exit_code is not None:
+            lines = self._pod_log(self._ns(handle), st.details["pod"], st.details.get("container"), LOG_TAIL)
+            if lines:
+                st = classify(js, wl, pods, events, logs={st.details["pod"]: lines})
+        return st
+
+    def _find_workload(self, ns: str, uid: str) -> dict | None:
+        """The Workload whose controller ownerReference is this JobSet's uid."""
+        if self._kueue_version == "":
+            return None
+        versions = (self._kueue_version,) if self._kueue_version else KUEUE_VERSIONS
+        for version in versions:
+            for selector in (f"{KUEUE_JOB_UID_LABEL}={uid}", None):
+                try:
+                    data = _json(self._call("list Kueue Workloads", self._custom.list_namespaced_custom_object,
+                                            KUEUE_GROUP, version, ns, WORKLOADS, label_selector=selector,
+                                            _preload_content=False))
+                except Exception as e:
+                    if api_status(e) == 404:
+                        break  # this version is not served: try the next one
+                    raise self._api_error(e, "list Kueue Workloads") from e
+                self._kueue_version = version
+                owned = [w for w in data.get("items") or []
+                         if any(r.get("uid") == uid and r.get("controller")
+                                for r in (w.get("metadata") or {}).get("ownerReferences") or [])]
+                if owned:
+                    return max(owned, key=lambda w: w["metadata"].get("creationTimestamp") or "")
+                # Kueue versions before the job-uid label: look through the namespace once more.
+            if self._kueue_version:
+                return None
+        self._kueue_version = ""  # no Kueue API on this cluster
+        return None
+
+    def _list_pods(self, ns: str, name: str) -> list[dict]:
+        try:
+            data = _json(self._call(f"list pods of {name}", self._core.list_namespaced_pod, ns,
+                                    label_selector=f"{JOBSET_NAME_LABEL}={name}", _preload_content=False))
+        except Exception as e:
+            raise self._api_error(e, f"list pods of {name}") from e
+        return data.get("items") or []
+
+    def _events(self, ns: str, js: dict, wl: dict | None, pods: list[dict]) -> list[dict]:
+        targets = [js["metadata"]["name"]] + ([wl["metadata"]["name"]] if wl else [])
+        problem = [p for p in pods if (p.get("status") or {}).get("phase") in ("Pending", "Failed", "Unknown")]
+        targets += [p["metadata"]["name"] for p in problem[:MAX_POD_EVENT_READS]]
+        out: list[dict] = []
+        for target in targets:
+            try:
+                data = _json(self._call(f"list events of {target}", self._core.list_namespaced_event, ns,
+                                        field_selector=f"involvedObject.name={target}", _preload_content=False))
+            except Exception as e:
+                if api_status(e) in (403, 404):  # events are a nicety: their absence must not hide the state
+                    continue
+                raise self._api_error(e, f"list events of {target}") from e
+            out += data.get("items") or []
+        return out
+
+    def _pod_log(self, ns: str, pod: str, container: str | None, tail: int) -> list[str]:
+        try:
+            resp = self._call(f"read the log of pod {pod}", self._core.read_namespaced_pod_log, pod, ns,
+                              container=container, tail_lines=tail, _preload_content=False)
+        except Exception as e:
+            if api_status(e) in (400, 404):  # not started yet, or gone
+                return []
+            raise self._api_error(e, f"read the log of pod {pod}") from e
+        text = (resp.data or b"").decode("utf-8", "replace")
+        return text.splitlines()[-tail:] if tail else []
+
+    # ------------------------------------------------------------------ stop / logs / find_live
+    def stop(self, handle: Handle, graceful: bool = True) -> None:
+        """Delete the JobSet (Foreground: its Workload and pods go first). Pods get SIGTERM and their
+        grace period to checkpoint; `graceful=False` also deletes the pods at once (grace 0)."""
+        ns = self._ns(handle)
+        body: dict = {"propagationPolicy": "Foreground"}
+        if handle.data.get("uid"):
+            body["preconditions"] = {"uid": handle.data["uid"]}
+        try:
+            self._call(f"delete JobSet {handle.name}", self._custom.delete_namespaced_custom_object, JOBSET_GROUP,
+                       JOBSET_VERSION, ns, JOBSETS, handle.name, propagation_policy="Foreground", body=body,
+                       _preload_content=False)
+        except Exception as e:
+            status = api_status(e)
+            if status == 404:
+                pass  # already gone
+            elif status == 409:
+                return  # the uid precondition failed: that name is another object now; leave it
+            else:
+                raise self._api_error(e, f"delete JobSet {handle.name}") from e
+        if not graceful:
+            try:
+                self._call(f"delete pods of {handle.name}", self._core.delete_collection_namespaced_pod, ns,
+                           label_selector=f"{JOBSET_NAME_LABEL}={handle.name}", grace_period_seconds=0,
+                           _preload_content=False)
+            except Exception as e:
+                if api_status(e) != 404:
+                    raise self._api_error(e, f"delete pods of {handle.name}") from e
+
+    def wait_deleted(self, handle: Handle, timeout_s: float = 600.0, poll_s: float = 2.0) -> bool:
+        """Poll until the JobSet is gone; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            js = self._get_jobset(handle.name, self._ns(handle))
+            if js is None or (handle.data.get("uid") and js["metadata"].get("uid") != handle.data["uid"]):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+
+    def logs(self, handle: Handle, tail: int = LOG_TAIL) -> list[str]:
+        """The last lines of the failed pod if one failed, else of worker 0 of slice 0."""
+        ns = self._ns(handle)
+        pods = self._list_pods(ns, handle.name)
+        if not pods:
+            return []
+        from olmo_ctl.state import container_exits
+
+        exits = container_exits(pods)
+        if exits:
+            return self._pod_log(ns, exits[0].pod, exits[0].container, tail)
+
+        def order(p):
+            lab = _labels(p)
+            return (int(lab.get(JOB_INDEX_LABEL, 0) or 0), int(lab.get(COMPLETION_INDEX_LABEL, 0) or 0))
+
+        first = min(pods, key=order)
+        containers = [c["name"] for c in (first.get("spec") or {}).get("containers") or []]
+        container = "trainer" if "trainer" in containers else (containers[0] if containers else None)
+        return self._pod_log(ns, first["metadata"]["name"], container, tail)
+
+    def find_live(self, run: str) -> Handle | None:
+        """The newest attempt of `run` that is still live (queued, admitted or running), if any."""
+        try:
+            data = _json(self._call(f"list JobSets of run {run}", self._custom.list_namespaced_custom_object,
+                                    JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSETS,
+                                    label_selector=f"{RUN_LABEL}={run}", _preload_content=False))
+        except Exception as e:
+            raise self._api_error(e, f"list JobSets of run {run}") from e
+        candidates = [j for j in data.get("items") or [] if not j["metadata"].get("deletionTimestamp")]
+
+        def attempt_no(j):
+            try:
+                return int(_labels(j).get(ATTEMPT_LABEL, -1))
+            except ValueError:
+                return -1
+
+        for js in sorted(candidates, key=lambda j: (attempt_no(j), j["metadata"].get("creationTimestamp") or ""),
+                         reverse=True):
+            handle = self._handle(js)
+            if self.status(handle).state.live:
+                return handle
+        return None

@@ -1,0 +1,354 @@
+"""GKE backend against the Kubernetes API test server (and, opt-in, a real cluster).
+
+The `env` fixture runs each lifecycle test twice: against `KubeServer` (the scripted cluster plays
+Kueue, JobSet and the kubelet) and against the cluster of $OLMO_CTL_TEST_KUBECONFIG (JobSet and
+Kueue installed; real controllers play their own part, the scripted steps are no-ops there).
+Fault-injection tests run against the test server only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+from olmo_ctl.backends.base import Attempt, Handle, State
+from olmo_ctl.backends.gke import GKEBackend
+from olmo_ctl.backends.kube import RetryPolicy
+from olmo_ctl.errors import EXIT_UNREACHABLE, BadInput, Unreachable
+from olmo_ctl.testing.kube_server import KubeServer, tiny_jobset
+
+FAST = RetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+REAL_KUBECONFIG = os.environ.get("OLMO_CTL_TEST_KUBECONFIG")
+
+
+class Env:
+    """One place to run a backend test: the test server, or a real cluster."""
+
+    def __init__(self, backend: GKEBackend, server: KubeServer | None, queue: str | None, timeout_s: float):
+        self.backend, self.server, self.queue, self.timeout_s = backend, server, queue, timeout_s
+        self.namespace = backend.namespace
+
+    @property
+    def real(self) -> bool:
+        return self.server is None
+
+    def play(self, step) -> None:
+        """A cluster step (admit, evict, a pod exits): scripted on the test server, real controllers elsewhere."""
+        if self.server is not None:
+            step(self.server.cluster)
+
+    def jobset(self, run: str, attempt: int = 1, **kw) -> dict:
+        name = f"{run}-a{attempt}"
+        return tiny_jobset(name, run=run, attempt=attempt, namespace=self.namespace, queue=self.queue, **kw)
+
+    def wait_for(self, handle: Handle, states: set[State]):
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            st = self.backend.status(handle)
+            if st.state in states or time.monotonic() > deadline:
+                return st
+            time.sleep(0.05 if self.server else 2.0)
+
+
+def _run_name() -> str:
+    return "t" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture(params=["server", pytest.param("real", marks=pytest.mark.kube)])
+def env(request):
+    if request.param == "server":
+        with KubeServer() as srv:
+            yield Env(GKEBackend(namespace="default", host=srv.url, retry=FAST), srv, "user-queue", 5.0)
+        return
+    if not REAL_KUBECONFIG:
+        pytest.skip("OLMO_CTL_TEST_KUBECONFIG is not set: no real cluster with JobSet and Kueue to run against")
+    backend = GKEBackend(namespace=os.environ.get("OLMO_CTL_TEST_NAMESPACE", "default"),
+                         kubeconfig=REAL_KUBECONFIG, context=os.environ.get("OLMO_CTL_TEST_CONTEXT"))
+    e = Env(backend, None, os.environ.get("OLMO_CTL_TEST_QUEUE") or None, 600.0)
+    made: list[Handle] = []
+    e.made = made
+    yield e
+    for h in made:
+        backend.stop(h, graceful=False)
+
+
+@pytest.fixture
+def srv():
+    with KubeServer() as s:
+        yield s
+
+
+def _backend(srv: KubeServer, **kw) -> GKEBackend:
+    return GKEBackend(namespace="default", host=srv.url, retry=kw.pop("retry", FAST), **kw)
+
+
+def _submit(env: Env, js: dict) -> Handle:
+    h = env.backend.submit(js)
+    if env.real:
+        env.made.append(h)
+    return h
+
+
+# ---------------------------------------------------------------- lifecycle (server + real cluster)
+
+
+def test_success_lifecycle(env):
+    run = _run_name()
+    h = _submit(env, env.jobset(run))
+    assert (h.backend, h.name, h.attempt) == ("gke", f"{run}-a1", 1)
+    assert h.data["uid"] and h.data["namespace"] == env.namespace
+    if not env.real:
+        st = env.backend.status(h)
+        assert st.state == State.QUEUED, st
+        assert st.source.startswith("Workload")
+    env.play(lambda c: (c.admit(h.name), c.run_pods(h.name), c.log(h.name, 0, ["step 1/1 loss 1.0"])))
+    if not env.real:
+        st = env.backend.status(h)
+        assert st.state == State.RUNNING and st.reason.startswith("2/2 pods running"), st
+        assert env.backend.logs(h) == ["step 1/1 loss 1.0"]
+    env.play(lambda c: c.complete(h.name))
+    st = env.wait_for(h, {State.SUCCEEDED, State.FAILED_INFRA, State.FAILED_USER})
+    assert st.state == State.SUCCEEDED, st
+    assert st.reason == "AllJobsCompleted: jobset completed successfully"
+    assert st.exit_code == 0
+
+
+def test_user_failure_has_the_pods_last_lines(env):
+    run = _run_name()
+    script = ("import sys; print('step 1/10 loss 11.2'); print('Traceback (most recent call last):'); "
+              "print('ValueError: global_batch 512 does not divide over 3 devices'); sys.exit(1)")
+    h = _submit(env, env.jobset(run, script=script, workers=1))
+    lines = ["step 1/10 loss 11.2", "Traceback (most recent call last):",
+             "ValueError: global_batch 512 does not divide over 3 devices"]
+
+    def cluster(c):
+        c.admit(h.name)
+        c.run_pods(h.name)
+        c.pod_exit(h.name, 0, 1, lines)
+        c.fail(h.name, "FailedJobs")
+
+    env.play(cluster)
+    st = env.wait_for(h, {State.FAILED_USER, State.FAILED_INFRA, State.SUCCEEDED, State.PREEMPTED})
+    assert st.state == State.FAILED_USER, st
+    assert st.exit_code == 1
+    assert st.last_log_lines[-1] == "ValueError: global_batch 512 does not divide over 3 devices"
+    assert "exited 1" in st.reason and st.reason.endswith("does not divide over 3 devices")
+    assert env.backend.logs(h, tail=1) == ["ValueError: global_batch 512 does not divide over 3 devices"]
+
+
+def test_submit_is_idempotent_and_refuses_a_stranger(env):
+    run = _run_name()
+    js = env.jobset(run)
+    h1 = _submit(env, js)
+    h2 = env.backend.submit(js)  # a supervisor restarted mid-submit: the same JobSet is adopted
+    assert h2 == h1
+    stranger = env.jobset(run)
+    stranger["metadata"]["labels"]["olmo-ctl/run"] = "someone-else"
+    with pytest.raises(BadInput, match="already exists .* not this attempt"):
+        env.backend.submit(stranger)
+
+
+def test_stop_deletes_everything_and_status_becomes_missing(env):
+    run = _run_name()
+    h = _submit(env, env.jobset(run))
+    env.play(lambda c: (c.admit(h.name), c.run_pods(h.name)))
+    env.backend.stop(h)
+    assert env.backend.wait_deleted(h, timeout_s=env.timeout_s, poll_s=0.05 if not env.real else 2.0)
+    st = env.backend.status(h)
+    assert st.state == State.MISSING
+    env.backend.stop(h)  # stopping what is gone is fine
+    if not env.real:
+        assert env.server.cluster.deleted == [("JobSet", h.name, "Foreground")]
+        assert env.server.cluster.pods(h.name) == [] and env.server.cluster.workload(h.name) is None
+
+
+def test_find_live_returns_the_newest_live_attempt(env):
+    run = _run_name()
+    assert env.backend.find_live(run) is None
+    h1 = _submit(env, env.jobset(run, attempt=1, script="import sys; sys.exit(1)", workers=1))
+    env.play(lambda c: (c.admit(h1.name), c.run_pods(h1.name), c.pod_exit(h1.name, 0, 1), c.fail(h1.name)))
+    env.wait_for(h1, {State.FAILED_USER, State.FAILED_INFRA})
+    h2 = _submit(env, env.jobset(run, attempt=2))
+    found = env.backend.find_live(run)
+    assert found is not None and found.name == h2.name and found.attempt == 2 and found.data["uid"] == h2.data["uid"]
+    env.backend.stop(h2)
+    env.backend.wait_deleted(h2, timeout_s=env.timeout_s, poll_s=0.05 if not env.real else 2.0)
+    assert env.backend.find_live(run) is None
+
+
+# ---------------------------------------------------------------- states (test server)
+
+
+def test_a_long_queue_wait_stays_queued_with_kueues_message(srv):
+    b = _backend(srv)
+    h = b.submit(tiny_jobset("q1-a1", run="q1"))
+    msg = "couldn't assign flavors to pod set slice: insufficient unused quota for google.com/tpu in flavor " \
+          "tpu7x-4x4x4, 64 more needed"
+    srv.cluster.keep_pending(h.name, msg)
+    for _ in range(30):
+        st = b.status(h)
+        assert st.state == State.QUEUED and not st.state.terminal
+        assert st.reason == f"Pending: {msg}"
+    assert srv.count("DELETE") == 0 and srv.count("POST") == 1
+
+
+def test_eviction_by_preemption_is_preempted_with_kueues_reason(srv):
+    b = _backend(srv)
+    h = b.submit(tiny_jobset("p1-a1", run="p1"))
+    srv.cluster.admit(h.name)
+    srv.cluster.run_pods(h.name)
+    srv.cluster.evict(h.name, "Preempted", "InClusterQueue")
+    st = b.status(h)
+    assert st.state == State.PREEMPTED
+    assert st.reason.startswith("Preempted (InClusterQueue): Preempted to accommodate a workload")
+    assert st.source == "Workload condition Evicted"
+    assert st.details["requeued"] is True
+
+
+def test_node_loss_then_jobset_failure_is_preemption(srv):
+    b = _backend(srv)
+    h = b.submit(tiny_jobset("n1-a1", run="n1", workers=4))
+    srv.cluster.admit(h.name)
+    srv.cluster.run_pods(h.name)
+    lost = srv.cluster.node_lost(h.name, 2)
+    srv.cluster.fail(h.name, "ReachedMaxRestarts")
+    st = b.status(h)
+    assert st.state == State.PREEMPTED, st
+    assert st.details["pod"] == lost and st.exit_code == 143
+    assert "DisruptionTarget DeletionByTaintManager" in st.reason
+
+
+def test_oom_kill_is_an_infrastructure_failure(srv):
+    b = _backend(srv)
+    h = b.submit(tiny_jobset("o1-a1", run="o1", workers=1))
+    srv.cluster.admit(h.name)
+    srv.cluster.run_pods(h.name)
+    srv.cluster.pod_exit(h.name, 0, 137, reason="OOMKilled")
+    srv.cluster.fail(h.name)
+    st = b.status(h)
+    assert (st.state, st.exit_code) == (State.FAILED_INFRA, 137)
+    assert "[OOMKilled]" in st.reason
+
+
+def test_image_pull_error_is_an_infrastructure_failure(srv):
+    b = _backend(srv)
+    h = b.submit(tiny_jobset("i1-a1", run="i1"))
+    srv.cluster.admit(h.name)
+    srv.cluster.image_pull_error(h.name, 0, "ImagePullBackOff", 'Back-off pulling image "olmo:missing"')
+    st = b.status(h)
+    assert st.state == State.FAILED_INFRA
+    assert st.reason.endswith('ImagePullBackOff: Back-off pulling image "olmo:missing"')
+    assert b.logs(h) == []  # the container never started: no log, no error
+
+
+def test_unschedulable_while_admitted_keeps_the_state_and_says_why(srv):
+    b = _backend(srv)
+    h = b.submit(tiny_jobset("u1-a1", run="u1"))
+    srv.cluster.admit(h.name)
+    srv.cluster.unschedulable(h.name, "0/8 nodes are available: 8 node(s) didn't match Pod's node affinity/selector.")
+    st = b.status(h)
+    assert st.state == State.ADMITTED and st.details["unschedulable"] is True
+    assert "Unschedulable" in st.reason and "didn't match Pod's node affinity" in st.reason
+
+
+def test_status_of_a_jobset_replaced_under_the_same_name_is_missing(srv):
+    b = _backend(srv)
+    h = b.submit(tiny_jobset("r1-a1", run="r1"))
+    b.stop(h)
+    b.submit(tiny_jobset("r1-a1", run="r1"))  # someone recreated it
+    assert b.status(h).state == State.MISSING
+    b.stop(h)  # the uid precondition protects the newcomer
+    assert srv.cluster.jobset("r1-a1") is not None
+
+
+def test_unknown_field_is_refused_as_bad_input(srv):
+    b = _backend(srv)
+    js = tiny_jobset("f1-a1", run="f1")
+    js["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicyy"] = {}
+    with pytest.raises(BadInput, match='unknown field "spec.replicatedJobs\\[0\\].template.spec.podFailurePolicyy"'):
+        b.submit(js)
+    assert srv.cluster.jobset_names() == []
+
+
+# ---------------------------------------------------------------- retries (test server)
+
+
+def test_bursts_of_429_and_500_are_retried_then_succeed(srv):
+    b = _backend(srv)
+    srv.fail_next(3, status=500)
+    h = b.submit(tiny_jobset("b1-a1", run="b1"))
+    assert srv.count("POST") == 4 and srv.cluster.jobset_names() == ["b1-a1"]
+    srv.fail_next(4, status=429, retry_after_s=0)
+    srv.fail_next(2, status=503)
+    assert b.status(h).state == State.QUEUED
+
+
+def test_retry_after_is_honoured(srv):
+    b = _backend(srv)
+    srv.fail_next(1, status=429, retry_after_s=1)
+    t0 = time.monotonic()
+    assert b.find_live("nothing") is None
+    assert time.monotonic() - t0 >= 1.0
+
+
+def test_a_lost_create_response_adopts_the_created_jobset(srv):
+    b = _backend(srv)
+    srv.fail_next(1, status="lost", match="POST ")
+    h = b.submit(tiny_jobset("l1-a1", run="l1"))
+    assert srv.count("POST") == 2 and srv.cluster.jobset_names() == ["l1-a1"]
+    assert h.data["uid"] == srv.cluster.jobset("l1-a1")["metadata"]["uid"]
+
+
+def test_other_4xx_are_never_retried(srv):
+    b = _backend(srv)
+    srv.fail_next(1, status=403)
+    with pytest.raises(BadInput, match="forbidden"):
+        b.submit(tiny_jobset("x1-a1", run="x1"))
+    assert srv.count("POST") == 1 and srv.cluster.jobset_names() == []
+
+
+def test_unreachable_past_the_budget_is_exit_3_and_leaves_the_job_alone(srv):
+    b = _backend(srv, retry=RetryPolicy(base_s=0.05, max_s=0.2, budget_s=1.0, connect_timeout_s=0.5))
+    h = b.submit(tiny_jobset("d1-a1", run="d1"))
+    srv.cluster.admit(h.name)
+    srv.cluster.run_pods(h.name)
+    srv.go_down()
+    t0 = time.monotonic()
+    with pytest.raises(Unreachable) as ei:
+        b.status(h)
+    assert ei.value.exit_code == EXIT_UNREACHABLE
+    assert time.monotonic() - t0 < 3.0
+    assert "did not answer" in ei.value.message and "Connection refused" in ei.value.message, ei.value.message
+    srv.come_back()
+    assert srv.count("DELETE") == 0
+    assert b.status(h).state == State.RUNNING
+
+
+def test_server_errors_past_the_budget_are_unreachable(srv):
+    b = _backend(srv, retry=RetryPolicy(base_s=0.02, max_s=0.05, budget_s=0.5))
+    srv.fail_next(10_000, status=500)
+    with pytest.raises(Unreachable, match="HTTP 500"):
+        b.find_live("r")
+
+
+# ---------------------------------------------------------------- render
+
+
+def test_rendered_attempt_is_accepted_by_the_crd_schema(srv):
+    from olmo_ctl.config import Settings
+
+    settings = Settings(image="us-docker.pkg.dev/p/r/olmo-ctl:1", run_root="gs://bucket/runs", queue="tpu-queue")
+    b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
+    att = Attempt(run="olmo3-7b-s1", run_dir="gs://bucket/runs/olmo3-7b-s1", attempt=3, device="tpu7x-128",
+                  recipe_path="olmo3-7b-stage1", extra_args=("--stop-at-step", "100"))
+    js = b.render(att)
+    assert js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["command"][-2:] \
+        == ["--stop-at-step", "100"]
+    h = b.submit(js)
+    assert (h.name, h.attempt, h.data["run"]) == ("olmo3-7b-s1-a3", 3, "olmo3-7b-s1")
+    wl = srv.cluster.workload(h.name)
+    assert wl["spec"]["queueName"] == "tpu-queue" and wl["spec"]["podSets"][0]["count"] == 16
+    assert b.status(h).state == State.QUEUED
