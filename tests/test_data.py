@@ -288,6 +288,8 @@ def test_globs_and_root_substitution(tmp_path):
     assert [f.name for f in got] == ["top.npy", "a/x-0.npy", "a/x-1.npy"]
     with pytest.raises(BadInput, match="matches no file"):
         resolve_paths(["{root}/nothing/*.npy"], str(root))
+    os.symlink(root / "b", root / "linked")  # symlinked data directories are followed
+    assert [f.name for f in resolve_paths(["{root}/linked/**/*.npy"], str(root))] == ["linked/c/y-0.npy"]
     _write_tokens(root / "bad" / "odd.npy", np.arange(3))
     with open(root / "bad" / "odd.npy", "ab") as f:
         f.write(b"\x00")

@@ -103,22 +103,30 @@ def glob_to_regex(pattern: str) -> re.Pattern:
 
 def _expand(pattern: str) -> list[storage.ObjectInfo]:
     """Files matching `pattern` (sorted by path), or the one file it names."""
-    store = storage.store_for(pattern)
+    gcs = storage.is_gcs(pattern)
     if not _has_glob(pattern):
-        info = store.stat(pattern)
-        return [] if info is None or (not storage.is_gcs(pattern) and os.path.isdir(pattern)) else [info]
-    # List recursively under the longest directory prefix without glob characters.
+        if not gcs:
+            return [storage.ObjectInfo(pattern, os.path.getsize(pattern), 0)] if os.path.isfile(pattern) else []
+        info = storage.store_for(pattern).stat(pattern)
+        return [] if info is None else [info]
+    # List under the longest directory prefix without glob characters; recursively only when the
+    # glob spans directories.
     head = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
-    base = head[: head.rfind("/") + 1] if "/" in head else ""
-    if not base:
-        base = "./" if not storage.is_gcs(pattern) else base
-        pattern = base + pattern if not storage.is_gcs(pattern) else pattern
+    base = head[: head.rfind("/") + 1]
+    if not base and not gcs:
+        base, pattern = "./", "./" + pattern
+    recursive = "/" in pattern[len(base):]
     rx = glob_to_regex(pattern)
-    files, _ = store.list(base, recursive=True)
-    if storage.is_gcs(pattern):
+    if gcs:
+        files, _ = storage.store_for(pattern).list(base, recursive=recursive)
         return sorted((f for f in files if rx.match(f.path)), key=lambda f: f.path)
-    # Local listings return os.path.join'ed paths; normalise separators and skip hidden temp files.
-    hits = [f for f in files if rx.match(f.path.replace(os.sep, "/")) and not os.path.basename(f.path).startswith(".")]
+    hits = []
+    for dp, dirs, fns in os.walk(base, followlinks=True):  # data directories are often symlinked
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".")) if recursive else []
+        for fn in fns:
+            full = os.path.join(dp, fn)
+            if not fn.startswith(".") and rx.match(full.replace(os.sep, "/")):  # hidden: temp files
+                hits.append(storage.ObjectInfo(full, os.path.getsize(full), 0))
     return sorted(hits, key=lambda f: f.path)
 
 
