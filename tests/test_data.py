@@ -390,3 +390,18 @@ def test_many_files_with_few_open_maps(tmp_path, monkeypatch):
                 f, j = divmod(int(i), 2)
                 assert (row == f * 10000 + np.arange(j * T, (j + 1) * T)).all()
     assert len(ds._maps) <= 3
+
+
+def test_a_failed_read_can_be_retried_from_the_same_batch(tmp_path):
+    paths = _corpus(tmp_path)
+    ds = TokenDataset(paths, T, vocab_size=10)  # every instance holds ids >= 10: reads fail
+    with BatchLoader(ds, 4, 3, prefetch_workers=2) as ld:
+        with pytest.raises(BadInput, match="outside the model's vocab"):
+            while True:
+                ld.next()
+        before = ld.state()
+        ds.vocab_size = None
+        b = ld.next()
+        ref = BatchLoader(TokenDataset(paths, T), 4, 3)
+        ref.restore(before)
+        assert (ref.next()["input_ids"] == b["input_ids"]).all()

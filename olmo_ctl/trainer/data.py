@@ -288,7 +288,11 @@ class BatchLoader:
                 nxt = self._after(nxt)
             got, fut = self._pending.popleft()
             assert got == pos, (got, pos)
-            out = fut.result()
+            try:
+                out = fut.result()
+            except BaseException:
+                self._drop_pending()  # a retry rebuilds from the consumer's position
+                raise
         self._epoch, self._batch = self._after(pos)
         self._seen += 1
         self._tokens += self.global_batch * self.dataset.seq_len
