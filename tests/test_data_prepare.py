@@ -150,3 +150,18 @@ def test_gs_out_is_trainable(tmp_path, monkeypatch):
             assert loader2.fingerprint == loader.fingerprint
             assert (loader2.next()["input_ids"] == b["input_ids"]).all()
     monkeypatch.setattr(storage, "_gcs", None)
+
+
+def test_data_info_reports_what_the_trainer_will_read(tmp_path, capsys):
+    docs = _texts(tmp_path, n=20, size=4000)
+    out = tmp_path / "out"
+    assert main(["data", "prepare", *docs, "--out", str(out), "--seq-len", "128"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    capsys.readouterr()
+    assert main(["data", "info", "--recipe", "smoke", "--set", f"data.root={out}", "-o", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["train_instances"] == m["train_instances"] and d["eval_instances"] == m["eval_instances"]
+    assert d["batches_per_epoch"] == m["train_instances"] // 8
+    with make_train_loader(load_recipe("smoke", overrides=[f"data.root={out}"])) as loader:
+        assert d["fingerprint"] == loader.fingerprint and d["batches_per_epoch"] == loader.batches_per_epoch
+    assert main(["data", "info", "--recipe", "smoke", "--set", f"data.root={tmp_path / 'nothing'}"]) == 2

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.app import Output, OutputOpt, RecipeOpt, SetOpt, StageOpt, app, print_json
 
 data_app = typer.Typer(help="Make and inspect training data (token files).", no_args_is_help=True)
 app.add_typer(data_app, name="data")
@@ -38,3 +38,50 @@ def prepare(
             line += f" ({manifest[f'{split}_instances']:,} instances of {seq_len})"
         typer.echo(line)
     typer.echo(f"tokenizer: {manifest['tokenizer']}; manifest: {out.rstrip('/')}/manifest.json")
+
+
+def data_report(recipe) -> dict:
+    """What a recipe's data resolves to: files, tokens, instances, epoch length and fingerprint."""
+    from olmo_ctl.trainer.datafiles import dataset_fingerprint, resolve_files
+
+    t = recipe.train
+    files = resolve_files(recipe, "train")
+    instances = sum(f.tokens // t.seq_len for f in files)
+    batches = instances // t.global_batch
+    d = {
+        "recipe": recipe.name,
+        "train_files": len(files),
+        "train_tokens": sum(f.tokens for f in files),
+        "train_instances": instances,
+        "seq_len": t.seq_len,
+        "global_batch": t.global_batch,
+        "batches_per_epoch": batches,
+        "max_steps": t.max_steps,
+        "epochs_for_max_steps": t.max_steps / batches if batches else None,
+        "data_seed": recipe.data.seed,
+        "fingerprint": dataset_fingerprint(files, t.seq_len, recipe.data.seed),
+        "first_file": files[0].path,
+        "last_file": files[-1].path,
+    }
+    if recipe.data.eval:
+        ev = resolve_files(recipe, "eval")
+        d.update({"eval_files": len(ev), "eval_instances": sum(f.tokens // t.seq_len for f in ev)})
+    return d
+
+
+@data_app.command("info")
+def info(
+    stage: StageOpt = None,
+    recipe: RecipeOpt = None,
+    set_: SetOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Resolve a recipe's data: files, tokens, instances, batches per epoch, and the dataset fingerprint."""
+    from olmo_ctl.recipe import load_recipe
+
+    d = data_report(load_recipe(recipe, stage, set_ or []))
+    if output == Output.json:
+        print_json(d)
+        return
+    for k, v in d.items():
+        typer.echo(f"{k}: {f'{v:,}' if isinstance(v, int) and not isinstance(v, bool) and k != 'data_seed' else v}")

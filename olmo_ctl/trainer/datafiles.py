@@ -130,6 +130,16 @@ def _expand(pattern: str) -> list[storage.ObjectInfo]:
     return sorted(hits, key=lambda f: f.path)
 
 
+def _expand_checked(pattern: str) -> list[storage.ObjectInfo]:
+    try:
+        return _expand(pattern)
+    except Exception as e:
+        if type(e).__name__ == "DefaultCredentialsError":  # google.auth: no credentials on this machine
+            raise BadInput(f"no Google Cloud credentials to list `{pattern}`",
+                           "run `gcloud auth application-default login`, or set STORAGE_EMULATOR_HOST for an emulator") from None
+        raise
+
+
 def _logical_name(path: str, root: str) -> str:
     root = root.rstrip("/")
     if root and path.startswith(root + "/"):
@@ -149,7 +159,7 @@ def resolve_paths(patterns: list[str] | tuple[str, ...], root: str = "", what: s
         pattern = raw.replace("{root}", physical_root)
         if pattern.startswith(SMOKE_ROOT):
             pattern = str(ensure_smoke_data()) + pattern[len(SMOKE_ROOT):]
-        hits = _expand(pattern)
+        hits = _expand_checked(pattern)
         if not hits:
             hint = "check data.root and the path; `olmo-ctl data prepare` makes token files from text"
             raise BadInput(f"{what}: `{raw}` matches no file (looked for `{pattern}`)", hint)
