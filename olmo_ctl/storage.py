@@ -173,7 +173,15 @@ class GCSStore(Store):
 
             self._client = storage.Client(project="local", credentials=AnonymousCredentials())
         else:
-            self._client = storage.Client()
+            from google.auth.exceptions import DefaultCredentialsError
+
+            try:
+                self._client = storage.Client()
+            except DefaultCredentialsError:
+                raise OlmoCtlError(
+                    "no Google Cloud credentials for gs:// paths",
+                    "run `gcloud auth application-default login`, use Workload Identity, or set STORAGE_EMULATOR_HOST",
+                ) from None
 
     def _blob(self, url: str):
         bucket, name = split_gcs(url)

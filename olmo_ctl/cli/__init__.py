@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+import typer
 try:  # typer >= 0.26 vendors click
     from typer._click import exceptions as click_exc
 except ImportError:  # pragma: no cover
@@ -38,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         msg = " ".join(e.format_message().split())
         sys.stderr.write(f"error: {msg}; see `{cmd} --help`\n")
         return EXIT_BAD_INPUT
-    except click_exc.Abort:
+    except typer.Abort:
         sys.stderr.write("aborted\n")
         return EXIT_INTERRUPTED
-    except click_exc.Exit as e:
+    except typer.Exit as e:
         return e.exit_code
     except click_exc.ClickException as e:
         sys.stderr.write(f"error: {' '.join(e.format_message().split())}\n")
