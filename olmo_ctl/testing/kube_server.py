@@ -980,7 +980,7 @@ class Cluster:
                                                           "controller": False}]},
                         "spec": tmpl.get("spec") or {},
                         "status": {"phase": "Pending", "conditions": [], "containerStatuses": [
-                            {"name": c["name"], "image": c.get("image", ""), "ready": False, "restartCount": 0,
+                            {"name": c["name"], "image": c.get("image", ""), "imageID": "", "ready": False, "restartCount": 0,
                              "started": False, "state": {"waiting": {"reason": "ContainerCreating"}}}
                             for c in (tmpl.get("spec") or {}).get("containers") or []]},
                     }
