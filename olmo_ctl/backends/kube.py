@@ -147,10 +147,12 @@ def call(fn: Callable[..., T], *args: Any, policy: RetryPolicy = DEFAULT_POLICY,
         elapsed = time.monotonic() - start
         attempts = retrying.statistics.get("attempt_number", 1)
         where = f" at {host}" if host else ""
+        tries = f"{attempts} attempt" + ("s" if attempts != 1 else "")
         raise Unreachable(
-            f"{what}: the Kubernetes API{where} did not answer after {attempts} attempts over {elapsed:.0f} s "
+            f"{what}: no usable answer from the Kubernetes API{where} after {tries} over {elapsed:.1f} s "
             f"(last: {describe_error(exc)})",
-            "nothing was changed on the cluster; check `kubectl cluster-info` and retry (a running job keeps running)",
+            "jobs on the cluster were left as they are; check `kubectl cluster-info`, then run the command again "
+            "(it finds the attempt it submitted)",
         ) from exc
 
 
