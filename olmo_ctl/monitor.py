@@ -58,9 +58,12 @@ class Sources:
     committed: list | None = None
 
     def refresh(self) -> None:
-        self.reader.refresh()
-        self.journal = _journal(self.path)
-        self.committed = _committed(self.path)
+        def go():
+            self.reader.refresh()
+            self.journal = _journal(self.path)
+            self.committed = _committed(self.path)
+
+        storage_guard(self.path, go)
 
 
 def _run_dir_obj(path: str):
@@ -72,21 +75,64 @@ def _run_dir_obj(path: str):
 
 
 def _journal(path: str) -> list | None:
+    """The journal's records, oldest first; None when the run has no journal."""
     rd = _run_dir_obj(path)
     if rd is not None:
         j = rd.journal()
         return j if j or rd.store.exists(rd.p("journal.jsonl")) else None
-    return None
+    import json
 
-
-def _committed(path: str) -> list[int] | None:
-    rd = _run_dir_obj(path)
-    if rd is None:
+    try:
+        text = storage.store_for(path).read_text(storage.join(path, "journal.jsonl"))
+    except storage.NotFound:
         return None
-    return rd.committed_steps()
+    out = []
+    for ln in text.splitlines():
+        try:
+            out.append(json.loads(ln))
+        except json.JSONDecodeError:
+            continue  # a torn last line
+    return out
+
+
+def _committed(path: str) -> list[int]:
+    """Committed checkpoint steps (a step counts only with Orbax's commit marker)."""
+    rd = _run_dir_obj(path)
+    if rd is not None:
+        return rd.committed_steps()
+    st = storage.store_for(path)
+    _files, dirs = st.list(storage.join(path, "checkpoints"))
+    steps = []
+    for d in dirs:
+        name = d.rstrip("/").rsplit("/", 1)[-1]
+        if name.isdigit() and st.exists(storage.join(d.rstrip("/"), "commit_success.txt")):
+            steps.append(int(name))
+    return sorted(steps)
+
+
+def storage_guard(path: str, fn):
+    """Run `fn`; a storage client error that the storage layer did not classify (e.g. the client's own
+    retry deadline passing) becomes Unreachable (exit 3) with one line, never a traceback."""
+    try:
+        return fn()
+    except OlmoCtlError:
+        raise
+    except Exception as e:
+        mod = type(e).__module__ or ""
+        if mod.startswith(("google.", "requests", "urllib3", "http.")) or isinstance(e, OSError):
+            from olmo_ctl.errors import Unreachable
+
+            detail = " ".join(str(e).split())[:200]
+            raise Unreachable(f"storage unreachable for `{path}`: {type(e).__name__}: {detail}",
+                              "check the bucket name, credentials and network") from None
+        raise
 
 
 def load(path: str) -> Sources:
+    return storage_guard(str(path), lambda: _load(path))
+
+
+def _load(path: str) -> Sources:
     """Open a run directory (local or gs://), or a directory that holds only `tensorboard/`, or an
     event directory itself. BadInput (exit 2) when it is none of these; Unreachable (exit 3) when the
     storage cannot be reached."""
@@ -262,6 +308,10 @@ def _backend_status(path: str, handle: dict):
 
         root = path.rstrip("/").rsplit("/", 1)[0]
         return LocalBackend(root).status(h)
+    if h.backend == "gke":
+        from olmo_ctl.backends.gke import GKEBackend
+
+        return GKEBackend(namespace=h.data.get("namespace")).status(h)
     try:
         import importlib
 
@@ -545,7 +595,8 @@ def _goodput(journal, per_attempt: dict, step_s: float | None, replayed: int, lo
     if live.get("state") in ("running", "queued", "admitted"):
         end = max(end, now)
     wall = max(end - start, 1e-9)
-    productive = max(0.0, stepping - recomputed_s - ckpt_s)
+    # spans come from the de-duplicated points: replayed occurrences are not in them, only in recomputed_s
+    productive = max(0.0, stepping - ckpt_s)
     other = max(0.0, wall - productive - recomputed_s - ckpt_s - queue_s - startup_s)
     out.update(fraction=productive / wall, wall_s=wall, productive_s=productive)
     out["lost_s"] = {"queueing": queue_s, "startup": startup_s, "recomputed": recomputed_s,

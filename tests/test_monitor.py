@@ -1,0 +1,257 @@
+"""`olmo-ctl monitor`: run directories built with TensorBoard's writer, a journal and committed checkpoints."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from test_events import T0, TAGS, value, write_segment
+
+from olmo_ctl.monitor import build_report, load
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = json.loads((ROOT / "docs" / "monitor-schema.json").read_text())
+TOKENS_PER_STEP = 8 * 128  # smoke recipe: global batch 8 x seq 128
+
+
+def iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def cli(*args, env=None, timeout=120):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True, timeout=timeout,
+                          env=e, cwd=ROOT)
+
+
+def values(tag, step, desync=None):
+    if tag == "throughput/total tokens":
+        return float(step * TOKENS_PER_STEP)
+    return value(tag, step, desync=desync)
+
+
+def write_run_yaml(run: Path, max_steps: int = 200, device: str = "cpu-2") -> None:
+    from olmo_ctl.recipe import load_recipe
+
+    r = load_recipe("smoke", overrides=[f"train.max_steps={max_steps}"])
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "run.yaml").write_text(yaml.safe_dump({
+        "run": run.name, "created": iso(T0 - 30), "recipe": r.to_dict(), "recipe_fingerprint": r.fingerprint(),
+        "data_fingerprint": "x", "device": device}, sort_keys=False))
+
+
+def journal(run: Path, recs: list[tuple]) -> None:
+    with open(run / "journal.jsonl", "w") as f:
+        for t, event, attempt, reason, committed in recs:
+            f.write(json.dumps({"time": iso(t), "event": event, "attempt": attempt, "device": "cpu-2", "reason": reason,
+                                "committed_step": committed}) + "\n")
+
+
+def commit(run: Path, *steps: int, uncommitted: tuple[int, ...] = ()) -> None:
+    for s in steps:
+        (run / "checkpoints" / str(s)).mkdir(parents=True)
+        (run / "checkpoints" / str(s) / "commit_success.txt").write_text("ok")
+    for s in uncommitted:
+        (run / "checkpoints" / f"{s}.orbax-checkpoint-tmp-123").mkdir(parents=True)
+
+
+def make_resumed_run(run: Path, desync: int | None = None) -> None:
+    """Attempt 1 runs steps 1..60 and is preempted (checkpoint 50); attempt 2 resumes at 51 and is at 120."""
+    write_run_yaml(run)
+    tb = run / "tensorboard"
+    write_segment(tb, range(1, 61), attempt=1, values=values)
+    write_segment(tb, range(51, 121), attempt=2, start_time=1767225700, wall0=T0 + 30,
+                  values=lambda tag, s: values(tag, s, desync))
+    commit(run, 50, 100, uncommitted=(110,))
+    journal(run, [
+        (T0 - 20, "submitted", 1, "", None), (T0 - 20, "queued", 1, "", None), (T0 - 10, "admitted", 1, "", None),
+        (T0 - 8, "running", 1, "", None), (T0 + 62, "preempted", 1, "exit 143 (SIGTERM)", 50),
+        (T0 + 70, "submitted", 2, "", 50), (T0 + 75, "admitted", 2, "", None), (T0 + 76, "running", 2, "", None),
+    ])
+
+
+def test_report_of_a_resumed_run(tmp_path):
+    run = tmp_path / "r1"
+    make_resumed_run(run)
+    rep = build_report(load(str(run)), now=T0 + 150, ask_backend=False)
+    import jsonschema
+
+    jsonschema.validate(rep, SCHEMA)
+    assert rep["step"] == 120 and rep["final_step"] == 200 and rep["progress_pct"] == pytest.approx(60.0)
+    assert set(rep["last"]) == set(TAGS)
+    assert rep["last"]["train/CE loss"] == value("train/CE loss", 120)
+    assert rep["tokens"]["seen"] == 120 * TOKENS_PER_STEP
+    assert rep["tokens"]["per_s"] == pytest.approx(TOKENS_PER_STEP)  # one step per second
+    assert rep["throughput"]["step_time_s"] == pytest.approx(1.0)
+    assert rep["throughput"]["devices"] == 2
+    from olmo_ctl.devices import get_device
+    from olmo_ctl.flops import flops_per_token_olmo_core
+    from olmo_ctl.recipe import load_recipe
+
+    ftok = flops_per_token_olmo_core(load_recipe("smoke").model, 128)
+    assert rep["throughput"]["tflops_per_device"] == pytest.approx(TOKENS_PER_STEP / 2 * ftok / 1e12)
+    assert rep["throughput"]["mfu"] == pytest.approx(rep["throughput"]["tflops_per_device"]
+                                                     / get_device("cpu-2").peak_tflops_per_device)
+    assert rep["eta_s"] == pytest.approx(80.0)
+    assert rep["checkpoint"] == {"committed_step": 100, "steps_at_risk": 20, "committed": [50, 100]}
+    assert rep["attempt"]["attempt"] == 2 and rep["attempt"]["state"] == "running"
+    assert [r["event"] for r in rep["timeline"]][:5] == ["submitted", "queued", "admitted", "running", "preempted"]
+    assert rep["replays"] == {"steps": 10, "mismatch_count": 0, "mismatches": []}
+    gp = rep["goodput"]
+    # wall: first journal record (T0-20) to now (T0+150); stepping 60 + 70 s, of which 10 recomputed
+    assert gp["wall_s"] == pytest.approx(170.0)
+    assert gp["productive_s"] == pytest.approx(120.0)
+    assert gp["lost_s"]["queueing"] == pytest.approx(10 + 5)
+    assert gp["lost_s"]["startup"] == pytest.approx(8 + 4)
+    assert gp["lost_s"]["recomputed"] == pytest.approx(10.0)
+    assert gp["fraction"] == pytest.approx(120 / 170)
+    assert rep["warnings"] == []
+    from olmo_ctl.monitor import timeline_summary
+
+    assert timeline_summary(rep["timeline"])[0] == (
+        "#1 cpu-2: submitted → queued → admitted → running → preempted (exit 143 (SIGTERM))")
+
+
+def test_cli_json_validates_and_table_renders(tmp_path):
+    run = tmp_path / "r1"
+    make_resumed_run(run, desync=55)
+    p = cli("monitor", str(run), "-o", "json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    import jsonschema
+
+    jsonschema.validate(rep, SCHEMA)
+    assert rep["step"] == 120 and rep["replays"]["mismatch_count"] >= 6
+    assert any("differ after a resume" in w and "step 55" in w for w in rep["warnings"])
+    t = cli("monitor", str(run))
+    assert t.returncode == 0, t.stderr
+    assert "120 / 200 (60.00%)" in t.stdout and "step 100" in t.stdout and "steps at risk" in t.stdout
+
+
+def test_tensorboard_only_directory_and_event_dir(tmp_path):
+    tb = tmp_path / "only" / "tensorboard"
+    write_segment(tb, range(1, 21))
+    for path in (tmp_path / "only", tb):
+        p = cli("monitor", str(path), "-o", "json")
+        assert p.returncode == 0, p.stderr
+        rep = json.loads(p.stdout)
+        assert rep["step"] == 20 and rep["last"]["train/PPL"] == value("train/PPL", 20)
+        assert rep["attempt"]["state"] is None and "no journal" in rep["attempt"]["source"]
+
+
+def test_empty_run_and_no_checkpoint_yet(tmp_path):
+    run = tmp_path / "empty"
+    write_run_yaml(run)
+    p = cli("monitor", str(run), "-o", "json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert rep["step"] is None and rep["last"] == {} and rep["checkpoint"]["committed_step"] is None
+    t = cli("monitor", str(run))
+    assert t.returncode == 0 and "no steps logged yet" in t.stdout and "none committed yet" in t.stdout
+    write_segment(run / "tensorboard", range(1, 11))
+    rep = json.loads(cli("monitor", str(run), "-o", "json").stdout)
+    assert rep["step"] == 10 and rep["checkpoint"] == {"committed_step": None, "steps_at_risk": 10, "committed": []}
+
+
+def test_truncated_last_record_is_a_warning_not_a_traceback(tmp_path):
+    run = tmp_path / "r"
+    write_run_yaml(run)
+    p = write_segment(run / "tensorboard", range(1, 31))
+    data = open(p, "rb").read()
+    open(p, "wb").write(data[:-5])
+    r = cli("monitor", str(run), "-o", "json")
+    assert r.returncode == 0 and "Traceback" not in r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["step"] == 30 and any("last record incomplete" in w for w in rep["warnings"])
+
+
+def test_bad_paths_exit_2_with_one_line(tmp_path):
+    r = cli("monitor", str(tmp_path / "nope"))
+    assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+    (tmp_path / "notrun").mkdir()
+    (tmp_path / "notrun" / "x.txt").write_text("hi")
+    r = cli("monitor", str(tmp_path / "notrun"))
+    assert r.returncode == 2 and "not a run directory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_warnings_stall_slow_host_loss_spike(tmp_path):
+    run = tmp_path / "w"
+    write_run_yaml(run, max_steps=1000)
+    tb = run / "tensorboard"
+    spike = lambda tag, s: 50.0 if (tag == "train/CE loss" and s == 300) else values(tag, s)  # noqa: E731
+    write_segment(tb, range(1, 201), attempt=1, segment=0, values=spike)
+    write_segment(tb, range(201, 301), attempt=1, segment=1, wall0=T0 - 200, step_s=2.0, values=spike)
+    journal(run, [(T0 - 5, "submitted", 1, "", None), (T0 - 1, "running", 1, "", None)])
+    rep = build_report(load(str(run)), now=T0 + 400 + 3600, ask_backend=False)
+    w = "\n".join(rep["warnings"])
+    assert "throughput below the run's median" in w
+    assert "loss spike at step 300" in w
+    assert "stalled: no new step for 3600 s" in w
+    assert rep["throughput"]["step_time_s"] == pytest.approx(2.0)
+
+
+def test_plot_png(tmp_path):
+    run = tmp_path / "r1"
+    make_resumed_run(run)
+    out = tmp_path / "m.png"
+    r = cli("monitor", str(run), "--plot", str(out))
+    assert r.returncode == 0, r.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(str(out))
+    assert img.shape[0] > 500 and img.shape[1] > 500 and float(np.std(img)) > 0.01  # not a blank canvas
+
+
+def test_watch_json_picks_up_new_steps(tmp_path):
+    run = tmp_path / "live"
+    write_run_yaml(run)
+    write_segment(run / "tensorboard", range(1, 11), segment=0)
+    p = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "monitor", str(run), "--watch", "-o", "json",
+                          "--interval", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        first = json.loads(p.stdout.readline())
+        assert first["step"] == 10
+        write_segment(run / "tensorboard", range(11, 21), segment=1)
+        for _ in range(50):
+            rep = json.loads(p.stdout.readline())
+            if rep["step"] == 20:
+                break
+        assert rep["step"] == 20 and rep["reader"]["files"] == 2
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+@pytest.mark.gcs
+def test_gcs_run_dir_and_missing_bucket(tmp_path):
+    from gcs_emulator import gcs_emulator
+
+    from olmo_ctl import storage
+
+    local = tmp_path / "r1"
+    make_resumed_run(local)
+    with gcs_emulator() as (_url, bucket):
+        st = storage.store_for(f"gs://{bucket}")
+        base = f"gs://{bucket}/runs/r1"
+        for dp, _d, fns in os.walk(local):
+            for fn in fns:
+                full = os.path.join(dp, fn)
+                st.write_bytes(base + "/" + os.path.relpath(full, local), open(full, "rb").read())
+        r = cli("monitor", base, "-o", "json")
+        assert r.returncode == 0, r.stderr
+        rep = json.loads(r.stdout)
+        assert rep["step"] == 120 and rep["checkpoint"]["committed_step"] == 100
+        assert rep["replays"]["steps"] == 10 and rep["attempt"]["attempt"] == 2
+        r = cli("monitor", "gs://no-such-bucket-here/runs/r1")
+        assert r.returncode in (2, 3) and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
