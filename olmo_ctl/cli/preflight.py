@@ -1,0 +1,121 @@
+"""`olmo-ctl preflight`: compile the real train step for a TPU slice here and check that it fits in HBM."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from olmo_ctl.cli.app import DeviceOpt, Output, OutputOpt, RecipeOpt, SetOpt, StageOpt, app, print_json
+from olmo_ctl.errors import EXIT_RUN_FAILED, OlmoCtlError
+
+GIB = 1024**3
+
+
+class DoesNotFit(OlmoCtlError):
+    """The compiled step needs more HBM than the device has. Exit 1."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message, hint, exit_code=EXIT_RUN_FAILED)
+
+
+def _row(r) -> dict:
+    keys = ("device", "topology", "devices", "per_device_batch", "grad_accum", "remat", "head_dim",
+            "n_layers", "hbm_bytes_per_device", "peak_bytes_per_device", "fits", "shortfall_bytes_per_device",
+            "argument_bytes_per_device", "temp_bytes_per_device", "xla_flops_per_step", "formula_flops_per_step",
+            "xla_vs_formula", "xla_dense_flops_per_step", "formula_dense_flops_per_step", "dense_xla_vs_formula",
+            "xla_attention_flops_per_step", "formula_attention_flops_per_step", "xla_recompute_flops_per_step",
+            "formula_olmo_core_flops_per_step", "compile_s", "cached", "param_count", "recipe",
+            "recipe_fingerprint", "trainer_version", "error", "notes")
+    d = r.to_dict()
+    return {k: d[k] for k in keys}
+
+
+def _tflop(x) -> str:
+    return "-" if x is None else f"{x / 1e12:,.0f}"
+
+
+def _print_table(results, recommended=None) -> None:
+    from rich.table import Table
+
+    from olmo_ctl.cli.app import console
+
+    t = Table(show_edge=False)
+    for col in ("remat", "batch x accum", "args GiB", "temps GiB", "peak GiB", "HBM GiB", "fits",
+                "XLA TFLOP/step", "formula TFLOP/step", "dense XLA/formula", "compile s"):
+        t.add_column(col)
+    for r in results:
+        fits = "yes" if r.fits else f"no ({r.shortfall_gib:.2f} GiB over)"
+        dense = "-" if r.dense_xla_vs_formula is None else f"{r.dense_xla_vs_formula:.4f}"
+        t.add_row(r.remat, f"{r.per_device_batch} x {r.grad_accum}", f"{r.argument_bytes_per_device / GIB:.2f}",
+                  f"{r.temp_bytes_per_device / GIB:.2f}", f"{r.peak_gib:.2f}", f"{r.hbm_bytes_per_device / GIB:.2f}",
+                  fits, _tflop(r.xla_flops_per_step), _tflop(r.formula_flops_per_step), dense,
+                  f"{r.compile_s:.1f}" + (" (cached)" if r.cached else ""))
+    c = console()
+    first = results[0]
+    c.print(f"{first.recipe} on {first.device} ({first.topology}, {first.devices} devices), "
+            f"{first.n_layers} layers, head dim {first.head_dim}")
+    c.print(t)
+    for r in results:
+        for note in r.notes:
+            c.print(f"note ({r.remat}): {note}")
+    if recommended is not None:
+        c.print(f"recommended: --remat {recommended.remat} (the cheapest recompute that fits)")
+
+
+@app.command()
+def preflight(
+    stage: StageOpt = None,
+    recipe: RecipeOpt = None,
+    device: DeviceOpt = "tpu7x-128",
+    remat: Annotated[str | None, typer.Option("--remat", help="none | save_proj | full (default: the recipe's).")] = None,
+    head_dim: Annotated[int | None, typer.Option("--head-dim", help="128 or 256 (same parameters, fewer wider heads).")] = None,
+    search: Annotated[bool, typer.Option("--search", help="Try none, save_proj, full; recommend the first that fits.")] = False,
+    per_device_batch: Annotated[int | None, typer.Option("--per-device-batch", help="Force the micro-batch per device (default: the plan's).")] = None,
+    layers: Annotated[int | None, typer.Option("--layers", help="Compile a shallower model (quick checks; memory and FLOPs scale with depth).")] = None,
+    hbm_gib: Annotated[float | None, typer.Option("--hbm-gib", help="Judge the fit against this HBM per device instead of the device's.")] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompile even when a cached result exists.")] = False,
+    overrides: SetOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Compile the real train step for a TPU slice on this machine: per-device memory vs HBM, FLOPs, compile time.
+
+    Exit 0 when it fits, 1 when it does not (by how many GiB), 2 on bad input.
+    """
+    from olmo_ctl import preflight as pf
+    from olmo_ctl.devices import get_device
+    from olmo_ctl.errors import BadInput
+    from olmo_ctl.recipe import load_recipe
+
+    if stage is None and recipe is None:
+        stage = 1
+    r = load_recipe(recipe, stage, overrides or [])
+    dev = get_device(device)
+    if not dev.is_tpu:
+        raise BadInput(f"preflight compiles for TPU slices; `{dev.name}` is a local device",
+                       "pass a TPU device such as tpu7x-128 or v5p-256")
+    if search and remat is not None:
+        raise BadInput("--search and --remat are exclusive", "--search tries every remat policy")
+    if hbm_gib is not None and hbm_gib <= 0:
+        raise BadInput("--hbm-gib must be positive")
+    kw = dict(head_dim=head_dim, n_layers=layers, per_device_batch=per_device_batch,
+              hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB), use_cache=not no_cache)
+    if search:
+        tried, best = pf.search(r, dev, **kw)
+        if output == Output.json:
+            print_json({"results": [_row(x) for x in tried], "recommended_remat": best.remat if best else None})
+        else:
+            _print_table(tried, best)
+        if best is None:
+            last = tried[-1]
+            raise DoesNotFit(f"no remat policy fits {last.recipe} on {dev.name}: even remat=full needs "
+                             f"{last.peak_gib:.2f} GiB per device, {last.shortfall_gib:.2f} GiB over",
+                             "use a larger slice or a smaller per-device batch (--per-device-batch)")
+        return
+    res = pf.run_preflight(r, dev, remat=remat, **kw)
+    if output == Output.json:
+        print_json(_row(res))
+    else:
+        _print_table([res])
+    if not res.fits:
+        raise DoesNotFit(res.verdict(), "try `--search` for a remat policy that fits, or a larger slice")

@@ -1,0 +1,681 @@
+"""Preflight: compile the real train step for a TPU slice on this machine and check that it fits.
+
+The step is the trainer's own (`olmo_ctl.trainer.train.make_train_step`: model, loss, gradient
+accumulation, AdamW with skip-step), jitted with the trainer's state shardings, donation and
+micro-batch layout, and lowered with abstract inputs (`jax.ShapeDtypeStruct`, nothing allocated) for
+the slice's topology from libtpu (`jax.experimental.topologies`). No TPU is needed: the real TPU
+compiler runs on the CPU, the way MaxText checks a config before queueing for a slice.
+
+What comes back, per device:
+* memory: XLA's `memory_analysis()` of the compiled step. Peak = arguments + outputs - aliased
+  (the donated state) + temporaries + generated code. `fits` compares it with the device's HBM.
+  When the TPU compiler itself refuses the program for lack of HBM, its "used X of Y" is parsed.
+* FLOPs: XLA's `cost_analysis()` counts the body of every while loop once (the grad-accumulation
+  scan, the layer-group scan and the blocked attention's loops), so preflight walks the compiled
+  HLO, infers each loop's trip count from its condition (`i < N`) and adds the matmul FLOPs
+  (dot/convolution, counted as XLA counts them) of every repeated iteration. A conditional counts
+  its most expensive branch, as XLA does: the blocked attention's skipped tiles are counted as
+  executed, so XLA's number is an upper bound on the attention part. Element-wise FLOPs inside
+  loops are counted once (well under 1% of a transformer step).
+* the same numbers from our formulas (`olmo_ctl.flops`, MaxText and OLMo-core), and compile time.
+
+Results are cached as JSON per (recipe fingerprint, device, remat, batch, trainer version) under
+`~/.cache/olmo-ctl/preflight/` ($OLMO_CTL_CACHE_DIR overrides the root); the trainer version is
+the package version plus a hash of the trainer sources, so any change to the step recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from olmo_ctl import flops as flops_lib
+from olmo_ctl.batching import Plan, make_plan, param_count
+from olmo_ctl.devices import GIB, Device
+from olmo_ctl.errors import BadInput
+from olmo_ctl.recipe import Recipe
+
+# Cheapest recompute first: `--search` takes the first one that fits.
+REMAT_POLICIES = ("none", "save_proj", "full")
+HEAD_DIMS = (128, 256)
+TRAINER_SOURCES = ("model.py", "attention.py", "sharding.py", "optim.py", "train.py")
+CACHE_SCHEMA = 1
+
+
+@dataclass
+class PreflightResult:
+    recipe: str
+    recipe_fingerprint: str
+    device: str
+    topology: str
+    devices: int
+    per_device_batch: int
+    grad_accum: int
+    seq_len: int
+    remat: str
+    head_dim: int
+    n_heads: int
+    n_layers: int
+    attention: str
+    param_count: int
+    hbm_bytes_per_device: int
+    argument_bytes_per_device: int
+    output_bytes_per_device: int
+    alias_bytes_per_device: int
+    temp_bytes_per_device: int
+    generated_code_bytes_per_device: int
+    peak_bytes_per_device: int
+    fits: bool
+    shortfall_bytes_per_device: int  # 0 when it fits
+    xla_flops_per_step: float | None
+    xla_flops_per_device_body_once: float | None  # cost_analysis() as XLA reports it
+    formula_flops_per_step: float  # MaxText formula (the case study's 1565 TFLOP/device/step)
+    formula_olmo_core_flops_per_step: float
+    xla_vs_formula: float | None  # xla_flops_per_step / formula_flops_per_step
+    # The matmul part split three ways (per step, whole slice), next to the MaxText formula's terms:
+    xla_dense_flops_per_step: float | None  # weight matmuls, forward + backward
+    xla_attention_flops_per_step: float | None  # attention einsums as compiled (skipped tiles included)
+    xla_recompute_flops_per_step: float | None  # forward ops run again by rematerialisation
+    formula_dense_flops_per_step: float
+    formula_attention_flops_per_step: float
+    dense_xla_vs_formula: float | None
+    compile_s: float
+    compiled_by_xla: bool  # False when the compiler refused the program for lack of HBM
+    trainer_version: str
+    error: str | None = None
+    cached: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes_per_device / GIB
+
+    @property
+    def shortfall_gib(self) -> float:
+        return self.shortfall_bytes_per_device / GIB
+
+    def verdict(self) -> str:
+        hbm = self.hbm_bytes_per_device / GIB
+        if self.fits:
+            return (f"{self.recipe} fits on {self.device} with remat={self.remat}: {self.peak_gib:.2f} GiB of "
+                    f"{hbm:.2f} GiB HBM per device ({hbm - self.peak_gib:.2f} GiB free)")
+        return (f"{self.recipe} does not fit on {self.device} with remat={self.remat}, per-device batch "
+                f"{self.per_device_batch}: needs {self.peak_gib:.2f} GiB of {hbm:.2f} GiB HBM per device, "
+                f"{self.shortfall_gib:.2f} GiB over")
+
+
+# ----------------------------------------------------------------------------- recipe variants
+
+
+def preflight_recipe(recipe: Recipe, *, remat: str | None = None, head_dim: int | None = None,
+                     n_layers: int | None = None) -> Recipe:
+    """The recipe as preflight compiles it: remat / head-dim / depth overrides applied.
+
+    `head_dim=256` keeps d_model and the parameter count: heads = n_heads * head_dim / 256 (the
+    case study's 16 x 256 layout for OLMo 3 7B, which fills a 256x256 MXU).
+    """
+    m = recipe.model
+    changes: dict = {}
+    if remat is not None:
+        if remat not in REMAT_POLICIES:
+            raise BadInput(f"--remat `{remat}` is not a policy", f"use one of {', '.join(REMAT_POLICIES)}")
+        changes["remat"] = remat
+    if head_dim is not None and head_dim != m.head_dim:
+        if head_dim not in HEAD_DIMS:
+            raise BadInput(f"--head-dim {head_dim} is not supported", "use 128 or 256")
+        q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+        if q % head_dim or kv % head_dim:
+            raise BadInput(f"--head-dim {head_dim} does not divide the attention width {q}",
+                           "choose a head dim that divides n_heads * head_dim")
+        changes.update(head_dim=head_dim, n_heads=q // head_dim, n_kv_heads=kv // head_dim)
+    if n_layers is not None:
+        if n_layers < 1:
+            raise BadInput("--layers must be >= 1")
+        changes["n_layers"] = n_layers
+    if not changes:
+        return recipe
+    return dataclasses.replace(recipe, model=dataclasses.replace(m, **changes))
+
+
+def plan_for(recipe: Recipe, device: Device, per_device_batch: int | None = None) -> Plan:
+    """The trainer's plan; `per_device_batch` forces the micro-batch (accumulation makes up the rest)."""
+    t = recipe.train
+    if per_device_batch is None:
+        return make_plan(recipe, device)
+    if t.global_batch % device.devices:
+        make_plan(recipe, device)  # raises the plan's own message
+    share = t.global_batch // device.devices
+    if per_device_batch < 1 or share % per_device_batch:
+        raise BadInput(
+            f"--per-device-batch {per_device_batch} does not divide the per-device share of the global batch"
+            f" ({t.global_batch} / {device.devices} devices = {share})",
+            "choose a divisor of the share, or change train.global_batch",
+        )
+    relaxed = dataclasses.replace(recipe, train=dataclasses.replace(t, max_per_device_batch=per_device_batch))
+    try:
+        base = make_plan(relaxed, device)
+    except BadInput:  # the estimate says nothing fits: the compile is the judge here
+        base = make_plan(dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, n_layers=1)), device)
+    return dataclasses.replace(base, per_device_batch=per_device_batch, grad_accum=share // per_device_batch,
+                               remat=recipe.model.remat)
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def trainer_version() -> str:
+    from olmo_ctl import __version__
+
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent / "trainer"
+    for name in TRAINER_SOURCES:
+        p = root / name
+        h.update(name.encode())
+        h.update(p.read_bytes() if p.exists() else b"")
+    return f"{__version__}+{h.hexdigest()[:12]}"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("OLMO_CTL_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "olmo-ctl"
+    return base / "preflight"
+
+
+def cache_key(recipe: Recipe, device: Device, per_device_batch: int, version: str) -> str:
+    blob = json.dumps({"schema": CACHE_SCHEMA, "recipe": recipe.fingerprint(), "device": device.name,
+                       "remat": recipe.model.remat, "batch": per_device_batch, "trainer": version},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _cache_path(key: str) -> Path:
+    return cache_dir() / f"{key}.json"
+
+
+def load_cached(key: str) -> dict | None:
+    try:
+        return json.loads(_cache_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def store_cached(key: str, result: PreflightResult) -> None:
+    path = _cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(result.to_dict(), indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a cache that cannot be written only costs a recompile
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+def topology_devices(device: Device):
+    """The slice's JAX devices from libtpu's topology description (no TPU attached)."""
+    if not device.is_tpu:
+        raise BadInput(f"preflight compiles for TPU slices; `{device.name}` is a local device",
+                       "pass a TPU device such as tpu7x-128 or v5p-256")
+    try:
+        from jax.experimental import topologies
+    except ImportError:  # pragma: no cover
+        raise BadInput("preflight needs jax", "pip install 'olmo-ctl[trainer,tpu]'") from None
+    if not libtpu_available():
+        raise BadInput("preflight needs libtpu to compile for TPU", "pip install 'olmo-ctl[tpu]'")
+    # libtpu takes a machine-wide lock file unless told otherwise; a compile-only process needs no
+    # exclusive access to a TPU, and two preflights (or a test run) may compile at the same time.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=device.topology_name)
+    devs = list(topo.devices)
+    if len(devs) != device.devices:
+        raise RuntimeError(f"libtpu topology {device.topology_name} has {len(devs)} devices, the catalog"
+                           f" says {device.devices}")
+    return devs
+
+
+def libtpu_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def abstract_inputs(recipe: Recipe, mesh, grad_accum: int):
+    """The trainer's state and batch as sharded `ShapeDtypeStruct`s (mirrors `train.run`)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from olmo_ctl.trainer import model, sharding
+    from olmo_ctl.trainer.train import init_state
+
+    cfg, t = recipe.model, recipe.train
+    key = jax.random.PRNGKey(t.seed)
+    abstract_params = jax.eval_shape(lambda k: model.init_params(cfg, k), key)
+    p_shard = sharding.param_shardings(abstract_params, mesh)
+    rep = sharding.replicated(mesh)
+    abstract_state = jax.eval_shape(lambda p: init_state(recipe, p), abstract_params)
+    state_shard = {
+        "step": rep, "params": p_shard, "opt": {"mu": p_shard, "nu": p_shard, "count": rep},
+        "skip": jax.tree.map(lambda _: rep, abstract_state["skip"]),
+    }
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         abstract_state, state_shard)
+    micro_shard = NamedSharding(mesh, PartitionSpec(None, *sharding.batch_sharding(mesh).spec))
+    shape = (grad_accum, t.global_batch // grad_accum, t.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=micro_shard) for k in ("input_ids", "labels")}
+    return state, state_shard, batch
+
+
+_HBM_USED = re.compile(r"Used\s+([0-9.]+)([KMGT]?)\s+of\s+([0-9.]+)([KMGT]?)\s+hbm", re.I)
+_HBM_TEMPS = re.compile(r"HLO temporaries \(([0-9.]+)([KMGT]?)\) exceeds available HBM \(([0-9.]+)([KMGT]?)\)", re.I)
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def parse_hbm_oom(message: str) -> tuple[int, int, bool] | None:
+    """From the TPU compiler's refusal: (bytes, capacity, temporaries_only).
+
+    libtpu says either "Used X of Y hbm" (everything) or "the total memory required for HLO
+    temporaries (X) exceeds available HBM (Y)" (temporaries only: add the arguments).
+    """
+    for rx, temps_only in ((_HBM_USED, False), (_HBM_TEMPS, True)):
+        m = rx.search(message)
+        if m:
+            used = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+            cap = int(float(m.group(3)) * _UNITS[m.group(4).upper()])
+            return used, cap, temps_only
+    return None
+
+
+def argument_bytes(tree) -> int:
+    """Bytes per device of sharded `ShapeDtypeStruct` inputs (one shard of each)."""
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * leaf.dtype.itemsize
+    return total
+
+
+def compile_step(recipe: Recipe, device: Device, plan: Plan):
+    """Lower and compile the trainer's step for the slice.
+
+    Returns (compiled or None, compile_s, error message or None, argument bytes per device).
+    """
+    import jax
+
+    from olmo_ctl.trainer import sharding
+    from olmo_ctl.trainer.train import make_train_step
+
+    devs = topology_devices(device)
+    t = recipe.train
+    mesh = sharding.make_mesh(devs, t.mesh, t.data_parallel)
+    state, state_shard, batch = abstract_inputs(recipe, mesh, plan.grad_accum)
+    step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
+    t0 = time.monotonic()
+    try:
+        compiled = step.lower(state, batch).compile()
+    except Exception as e:  # noqa: BLE001 - JaxRuntimeError's module moves between jax versions
+        msg = str(e)
+        if "RESOURCE_EXHAUSTED" in msg or parse_hbm_oom(msg):
+            return None, time.monotonic() - t0, msg, argument_bytes((state, batch))
+        raise
+    return compiled, time.monotonic() - t0, None, argument_bytes((state, batch))
+
+
+# ----------------------------------------------------------------------------- FLOPs from HLO
+
+_COMP_HEAD = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
+_ARRAY = re.compile(r"^\(?([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+@dataclass
+class _Instr:
+    name: str
+    shape: tuple[int, ...] | None
+    op: str
+    operands: list[str]
+    attrs: str
+    args: str  # the raw text between the parentheses (a constant's value)
+
+
+def _split_operands(rest: str) -> tuple[str, str]:
+    depth = 1
+    for i, ch in enumerate(rest):
+        if ch in "({":
+            depth += 1
+        elif ch in ")}":
+            depth -= 1
+            if depth == 0:
+                return rest[:i], rest[i + 1:]
+    return rest, ""
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[_Instr]], str | None]:
+    comps: dict[str, list[_Instr]] = {}
+    entry = None
+    cur: list[_Instr] | None = None
+    for line in text.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{"):
+            m = _COMP_HEAD.match(line.strip())
+            if m:
+                cur = comps.setdefault(m.group(1), [])
+                if line.startswith("ENTRY"):
+                    entry = m.group(1)
+            continue
+        if cur is None:
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape_txt, op, rest = m.groups()
+        ops_txt, attrs = _split_operands(rest)
+        a = _ARRAY.match(shape_txt)
+        shape = tuple(int(x) for x in a.group(2).split(",") if x) if a and not shape_txt.startswith("(") else None
+        cur.append(_Instr(name, shape, op, re.findall(r"%([\w.\-]+)", ops_txt), attrs, ops_txt))
+    return comps, entry
+
+
+def _attr(attrs: str, key: str) -> str | None:
+    m = re.search(rf"\b{key}=(\{{[^}}]*\}}|[^,\s]+)", attrs)
+    return m.group(1) if m else None
+
+
+def _dims(txt: str | None) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", txt or "")]
+
+
+def _valid_taps(out: int, size: int, stride: int, pad_lo: int, in_size: int, lhs_dil: int, rhs_dil: int) -> int:
+    """Sum over output positions of the kernel taps that land on a real input element."""
+    import numpy as np
+
+    o = np.arange(out, dtype=np.int64)[:, None]
+    k = np.arange(size, dtype=np.int64)[None, :]
+    p = o * stride + k * rhs_dil - pad_lo
+    dilated = (in_size - 1) * lhs_dil + 1
+    ok = (p >= 0) & (p < dilated) & (p % lhs_dil == 0)
+    return int(ok.sum())
+
+
+def _conv_flops(ins: _Instr, shapes: dict[str, tuple[int, ...] | None]) -> float:
+    labels = _attr(ins.attrs, "dim_labels")
+    if not labels or ins.shape is None or len(ins.operands) < 2:
+        return 0.0
+    lhs_l, rest = labels.split("_", 1)
+    rhs_l, out_l = rest.split("->")
+    lhs, rhs, out = shapes.get(ins.operands[0]), shapes.get(ins.operands[1]), ins.shape
+    if lhs is None or rhs is None:
+        return 0.0
+    in_feat = rhs[rhs_l.index("i")]
+    spatial = sorted(c for c in out_l if c.isdigit())
+    win = _attr(ins.attrs, "window") or ""
+
+    def per_dim(key: str, default: int) -> list[int]:
+        m = re.search(rf"\b{key}=([0-9_x]+)", win)
+        if not m:
+            return [default] * len(spatial)
+        return [int(v.split("_")[0]) for v in m.group(1).split("x")]
+
+    sizes = per_dim("size", 1)
+    strides = per_dim("stride", 1)
+    lhs_d = per_dim("lhs_dilate", 1)
+    rhs_d = per_dim("rhs_dilate", 1)
+    pm = re.search(r"\bpad=([0-9_x\-]+)", win)
+    pads = [int(v.split("_")[0]) for v in pm.group(1).split("x")] if pm else [0] * len(spatial)
+    taps = 1
+    for i, c in enumerate(spatial):
+        taps *= _valid_taps(out[out_l.index(c)], sizes[i], strides[i], pads[i], lhs[lhs_l.index(c)],
+                            lhs_d[i], rhs_d[i])
+    non_spatial = out[out_l.index("b")] * out[out_l.index("f")]
+    return 2.0 * non_spatial * in_feat * taps
+
+
+def _dot_flops(ins: _Instr, shapes: dict[str, tuple[int, ...] | None]) -> float:
+    lhs = shapes.get(ins.operands[0]) if ins.operands else None
+    if lhs is None or ins.shape is None:
+        return 0.0
+    contracted = math.prod(lhs[d] for d in _dims(_attr(ins.attrs, "lhs_contracting_dims")))
+    return 2.0 * math.prod(ins.shape) * contracted
+
+
+def _trip_count(ins: _Instr, comps: dict[str, list[_Instr]]) -> int | None:
+    known = re.search(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)', ins.attrs)
+    if known:
+        return int(known.group(1))
+    cond = comps.get((_attr(ins.attrs, "condition") or "").lstrip("%"))
+    if not cond:
+        return None
+    # JAX loops (scan, map, fori_loop) count an s32 index up from 0 while `index < N`.
+    consts = {c.name: int(c.args) for c in cond if c.op == "constant" and re.fullmatch(r"-?\d+", c.args.strip())}
+    root = cond[-1]
+    if root.op != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
+        return None
+    return consts.get(root.operands[1])
+
+
+_SPEC = re.compile(r"([a-z]+),([a-z]+)->([a-z]+)")
+
+
+def matmul_kind(ins: _Instr) -> str:
+    """`recompute` (a rematerialised forward op), `attention` (scores or values), or `dense`.
+
+    Read from the op name JAX writes into the HLO metadata: recomputed ops sit under
+    `rematted_computation`; the attention einsums are the ones whose spec has both a query (q) and
+    a key (k) axis (`bhqd,bhkd->bhqk`, `bhqk,bhkd->bhqd`, ...), while every weight matmul is
+    `btd,df->btf`-like (see trainer/model.py and trainer/attention.py).
+    """
+    m = re.search(r'op_name="([^"]*)"', ins.attrs)
+    name = m.group(1) if m else ""
+    if "rematted_computation" in name:
+        return "recompute"
+    for spec in _SPEC.findall(name):
+        if "q" in "".join(spec) and "k" in "".join(spec):
+            return "attention"
+    return "dense"
+
+
+_KINDS = ("dense", "attention", "recompute")
+
+
+@dataclass
+class HloFlops:
+    """Matmul FLOPs of one device's compiled program."""
+
+    with_trip_counts: float  # loop bodies times their trip counts
+    body_once: float  # every loop body counted once (how cost_analysis() counts)
+    dense: float  # with trip counts: weight matmuls (forward and backward, LM head included)
+    attention: float  # with trip counts: attention scores/values (forward and backward)
+    recompute: float  # with trip counts: the forward ops rematerialisation runs again
+    loops: int
+    unresolved_loops: int
+
+
+def hlo_flops(text: str) -> HloFlops:
+    """Matmul FLOPs of a compiled HLO module, with and without loop trip counts (see module doc)."""
+    comps, entry = parse_hlo(text)
+    shapes = {i.name: i.shape for instrs in comps.values() for i in instrs}
+    memo: dict[tuple[str, bool], tuple[float, float, float]] = {}
+    stats = {"loops": 0, "unresolved": 0}
+    seen_loops: set[str] = set()
+
+    def add(a, b, k=1.0):
+        return tuple(x + k * y for x, y in zip(a, b, strict=True))
+
+    def comp(name: str, trips: bool) -> tuple[float, float, float]:
+        key = (name, trips)
+        if key in memo:
+            return memo[key]
+        memo[key] = (0.0, 0.0, 0.0)  # guards against cycles
+        total = (0.0, 0.0, 0.0)
+        for ins in comps.get(name, []):
+            if ins.op in ("convolution", "dot"):
+                f = _conv_flops(ins, shapes) if ins.op == "convolution" else _dot_flops(ins, shapes)
+                one = [0.0, 0.0, 0.0]
+                one[_KINDS.index(matmul_kind(ins))] = f
+                total = add(total, one)
+            elif ins.op == "while":
+                body = (_attr(ins.attrs, "body") or "").lstrip("%")
+                n = 1
+                if trips:
+                    tc = _trip_count(ins, comps)
+                    if ins.name not in seen_loops:
+                        seen_loops.add(ins.name)
+                        stats["loops"] += 1
+                        stats["unresolved"] += tc is None
+                    n = 1 if tc is None else tc
+                total = add(total, comp(body, trips), n)
+            elif ins.op == "conditional":
+                branches = re.findall(r"%([\w.\-]+)", _attr(ins.attrs, "branch_computations") or "")
+                for k in ("true_computation", "false_computation"):
+                    v = _attr(ins.attrs, k)
+                    if v:
+                        branches.append(v.lstrip("%"))
+                costs = [comp(b, trips) for b in branches]
+                if costs:
+                    total = add(total, max(costs, key=sum))
+            else:
+                for k in ("calls", "to_apply"):
+                    v = _attr(ins.attrs, k)
+                    if v and (k == "calls" or ins.op == "call"):
+                        for c in re.findall(r"%?([\w.\-]+)", v):
+                            total = add(total, comp(c, trips))
+        memo[key] = total
+        return total
+
+    if entry is None:
+        return HloFlops(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+    dense, attention, recompute = comp(entry, True)
+    once = sum(comp(entry, False))
+    return HloFlops(dense + attention + recompute, once, dense, attention, recompute,
+                    stats["loops"], stats["unresolved"])
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+def formula_flops_per_step(recipe: Recipe) -> dict[str, float]:
+    """Training FLOPs for one optimizer step of the whole slice: MaxText (total, dense, attention), OLMo-core."""
+    m, t = recipe.model, recipe.train
+    tokens = recipe.tokens_per_step
+    maxtext = flops_lib.flops_per_token_maxtext(m, t.seq_len) * tokens
+    attention = m.n_layers * 6 * t.seq_len * m.n_heads * m.head_dim * tokens  # MaxText's causal-halved term
+    return {"maxtext": maxtext, "dense": maxtext - attention, "attention": float(attention),
+            "olmo_core": flops_lib.flops_per_token_olmo_core(m, t.seq_len) * tokens}
+
+
+def _tpu_attention(recipe: Recipe) -> Recipe:
+    """`attention: auto` resolves by the backend at trace time; on a TPU slice that is `blocked`."""
+    if recipe.model.attention != "auto":
+        return recipe
+    return dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, attention="blocked"))
+
+
+def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, head_dim: int | None = None,
+                  n_layers: int | None = None, per_device_batch: int | None = None,
+                  hbm_bytes: int | None = None, use_cache: bool = True) -> PreflightResult:
+    """Compile the train step of `recipe` for `device` and report memory, FLOPs and compile time.
+
+    `hbm_bytes` overrides the device's HBM per device for the verdict only (the compile always
+    targets the real chip). Does not raise when the step does not fit: look at `fits`.
+    """
+    recipe = _tpu_attention(preflight_recipe(recipe, remat=remat, head_dim=head_dim, n_layers=n_layers))
+    plan = plan_for(recipe, device, per_device_batch)
+    hbm = int(hbm_bytes) if hbm_bytes is not None else device.hbm_bytes_per_device
+    version = trainer_version()
+    key = cache_key(recipe, device, plan.per_device_batch, version)
+    if use_cache:
+        hit = load_cached(key)
+        if hit is not None:
+            hit["cached"] = True
+            return _with_hbm(PreflightResult(**hit), hbm)
+
+    m = recipe.model
+    formula = formula_flops_per_step(recipe)
+    compiled, compile_s, error, arg_estimate = compile_step(recipe, device, plan)
+    notes: list[str] = []
+    xla_step = xla_once = ratio = dense = attention = recompute = dense_ratio = None
+    if compiled is not None:
+        mem = compiled.memory_analysis()
+        arg, out, alias = mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes
+        temp, code = mem.temp_size_in_bytes, mem.generated_code_size_in_bytes
+        peak = arg + out - alias + temp + code
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list | tuple) else cost
+        xla_once = float(cost.get("flops", 0.0))
+        counted = hlo_flops(compiled.as_text())
+        if counted.unresolved_loops:
+            notes.append(f"{counted.unresolved_loops} of {counted.loops} loops had no inferable trip count"
+                         " (counted once)")
+        # XLA's own count, plus the matmul FLOPs of every repeated loop iteration.
+        per_device = xla_once + (counted.with_trip_counts - counted.body_once)
+        n = device.devices
+        xla_step = per_device * n
+        dense, attention, recompute = counted.dense * n, counted.attention * n, counted.recompute * n
+        ratio = xla_step / formula["maxtext"]
+        dense_ratio = dense / formula["dense"]
+    else:
+        used = parse_hbm_oom(error or "")
+        arg, out, alias, temp, code = arg_estimate, 0, 0, 0, 0
+        peak = 0
+        if used:
+            need, cap, temps_only = used
+            if temps_only:
+                temp, peak = need, need + arg_estimate
+                what = "temporaries"
+            else:
+                peak, what = need, "in all"
+            notes.append(f"the TPU compiler refused the program: it needs {need / GIB:.2f} GiB ({what}) of"
+                         f" {cap / GIB:.2f} GiB HBM per device")
+    result = PreflightResult(
+        recipe=recipe.name, recipe_fingerprint=recipe.fingerprint(), device=device.name,
+        topology=device.topology_name, devices=device.devices, per_device_batch=plan.per_device_batch,
+        grad_accum=plan.grad_accum, seq_len=recipe.train.seq_len, remat=m.remat, head_dim=m.head_dim,
+        n_heads=m.n_heads, n_layers=m.n_layers, attention=m.attention, param_count=param_count(m),
+        hbm_bytes_per_device=device.hbm_bytes_per_device, argument_bytes_per_device=arg,
+        output_bytes_per_device=out, alias_bytes_per_device=alias, temp_bytes_per_device=temp,
+        generated_code_bytes_per_device=code, peak_bytes_per_device=peak, fits=compiled is not None,
+        shortfall_bytes_per_device=0, xla_flops_per_step=xla_step, xla_flops_per_device_body_once=xla_once,
+        formula_flops_per_step=formula["maxtext"], formula_olmo_core_flops_per_step=formula["olmo_core"],
+        xla_vs_formula=ratio, xla_dense_flops_per_step=dense, xla_attention_flops_per_step=attention,
+        xla_recompute_flops_per_step=recompute, formula_dense_flops_per_step=formula["dense"],
+        formula_attention_flops_per_step=formula["attention"], dense_xla_vs_formula=dense_ratio,
+        compile_s=round(compile_s, 2), compiled_by_xla=compiled is not None, trainer_version=version,
+        error=None if compiled is not None else (error or "").strip().splitlines()[0][:500], notes=notes,
+    )
+    store_cached(key, result)
+    return _with_hbm(result, hbm)
+
+
+def _with_hbm(result: PreflightResult, hbm: int) -> PreflightResult:
+    """Set the verdict against `hbm` bytes per device."""
+    result.hbm_bytes_per_device = hbm
+    if result.compiled_by_xla:
+        result.fits = result.peak_bytes_per_device <= hbm
+    else:
+        result.fits = False
+    result.shortfall_bytes_per_device = max(0, result.peak_bytes_per_device - hbm)
+    return result
+
+
+def search(recipe: Recipe, device: Device, **kw) -> tuple[list[PreflightResult], PreflightResult | None]:
+    """Try the remat policies from the cheapest recompute up; stop at the first that fits."""
+    tried = []
+    for policy in REMAT_POLICIES:
+        r = run_preflight(recipe, device, remat=policy, **kw)
+        tried.append(r)
+        if r.fits:
+            return tried, r
+    return tried, None
