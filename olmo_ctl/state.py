@@ -41,7 +41,7 @@ Precedence, first match wins:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from olmo_ctl.backends.base import AttemptStatus, State
 
@@ -201,7 +201,17 @@ def _exit_status(ex: ContainerExit, source_prefix: str, logs: Mapping[str, list[
 
 def classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mapping] = (),
              events: list[Mapping] = (), logs: Mapping[str, list[str]] | None = None) -> AttemptStatus:
-    """Normalise one attempt's objects into an `AttemptStatus` (precedence in the module docstring)."""
+    """Normalise one attempt's objects into an `AttemptStatus` (precedence in the module docstring).
+    A JobSet being deleted keeps its state (its pods may still be writing a checkpoint); the
+    reason says so and `details["deleting"]` is set."""
+    st = _classify(jobset, workload, pods, events, logs)
+    if jobset and (jobset.get("metadata") or {}).get("deletionTimestamp"):
+        st = replace(st, reason=f"being deleted; {st.reason}", details={**st.details, "deleting": True})
+    return st
+
+
+def _classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mapping],
+              events: list[Mapping], logs: Mapping[str, list[str]] | None) -> AttemptStatus:
     pods, events = list(pods or []), list(events or [])
     if not jobset:
         return AttemptStatus(State.MISSING, "the JobSet does not exist", "JobSet")
@@ -287,7 +297,10 @@ def classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mappin
 def _classify_pods(jobset: Mapping, pods: list[Mapping], events: list[Mapping],
                    logs: Mapping[str, list[str]] | None, details: dict) -> AttemptStatus:
     want = expected_pods(jobset)
-    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    # Terminating pods of a JobSet that lives on are being replaced (a restart): they do not count.
+    # While the JobSet itself is deleted they are all there is, still running their grace period.
+    deleting = bool((jobset.get("metadata") or {}).get("deletionTimestamp"))
+    live = [p for p in pods if deleting or not (p.get("metadata") or {}).get("deletionTimestamp")]
     running = sum(1 for p in live if (p.get("status") or {}).get("phase") == "Running")
     details.update(pods_expected=want, pods_running=running, pods_seen=len(live))
     for pod in live:

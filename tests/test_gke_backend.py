@@ -16,11 +16,11 @@ import pytest
 
 from olmo_ctl.backends.base import Attempt, Handle, State
 from olmo_ctl.backends.gke import GKEBackend
-from olmo_ctl.backends.kube import RetryPolicy
+from olmo_ctl.backends.kube import KubeRetryPolicy
 from olmo_ctl.errors import EXIT_UNREACHABLE, BadInput, Unreachable
 from olmo_ctl.testing.kube_server import KubeServer, tiny_jobset
 
-FAST = RetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+FAST = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
 REAL_KUBECONFIG = os.environ.get("OLMO_CTL_TEST_KUBECONFIG")
 
 
@@ -311,7 +311,7 @@ def test_other_4xx_are_never_retried(srv):
 
 
 def test_unreachable_past_the_budget_is_exit_3_and_leaves_the_job_alone(srv):
-    b = _backend(srv, retry=RetryPolicy(base_s=0.05, max_s=0.2, budget_s=1.0, connect_timeout_s=0.5))
+    b = _backend(srv, retry=KubeRetryPolicy(base_s=0.05, max_s=0.2, budget_s=1.0, connect_timeout_s=0.5))
     h = b.submit(tiny_jobset("d1-a1", run="d1"))
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)
@@ -328,7 +328,7 @@ def test_unreachable_past_the_budget_is_exit_3_and_leaves_the_job_alone(srv):
 
 
 def test_server_errors_past_the_budget_are_unreachable(srv):
-    b = _backend(srv, retry=RetryPolicy(base_s=0.02, max_s=0.05, budget_s=0.5))
+    b = _backend(srv, retry=KubeRetryPolicy(base_s=0.02, max_s=0.05, budget_s=0.5))
     srv.fail_next(10_000, status=500)
     with pytest.raises(Unreachable, match="HTTP 500"):
         b.find_live("r")
@@ -362,10 +362,27 @@ def test_retry_policy_backoff_is_capped_and_jittered():
 
     from olmo_ctl.backends.kube import is_retryable
 
-    p = RetryPolicy(base_s=0.5, max_s=30.0, jitter=False)
+    p = KubeRetryPolicy(base_s=0.5, max_s=30.0, jitter=False)
     assert [p.backoff_s(n) for n in (1, 2, 3, 7, 8, 20)] == [0.5, 1.0, 2.0, 30.0, 30.0, 30.0]
-    waits = [RetryPolicy(base_s=4.0, max_s=30.0).backoff_s(2) for _ in range(200)]
+    waits = [KubeRetryPolicy(base_s=4.0, max_s=30.0).backoff_s(2) for _ in range(200)]
     assert 4.0 <= min(waits) < max(waits) <= 8.0
     assert [is_retryable(ApiException(status=s)) for s in (429, 500, 502, 503, 504, 400, 401, 403, 404, 409, 422)] \
         == [True] * 5 + [False] * 6
     assert is_retryable(ConnectionRefusedError()) and not is_retryable(ValueError("bug"))
+
+
+def test_a_jobset_being_deleted_keeps_its_state_and_is_not_live_for_reattach(srv):
+    b = _backend(srv)
+    h = b.submit(tiny_jobset("h1-a1", run="h1"))
+    srv.cluster.admit(h.name)
+    srv.cluster.run_pods(h.name)
+    srv.cluster.hold_deletions = True  # pods are using their grace period to checkpoint
+    b.stop(h)
+    st = b.status(h)
+    assert st.state == State.RUNNING and st.details["deleting"] is True
+    assert st.reason.startswith("being deleted; ")
+    assert b.find_live("h1") is None
+    assert not b.wait_deleted(h, timeout_s=0.1, poll_s=0.02)
+    assert srv.cluster.finish_deletions() == ["h1-a1"]
+    assert b.wait_deleted(h, timeout_s=1.0, poll_s=0.02)
+    assert b.status(h).state == State.MISSING and srv.cluster.pods(h.name) == []

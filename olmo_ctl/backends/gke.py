@@ -21,7 +21,7 @@ from typing import Any
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Handle, State
 from olmo_ctl.backends.kube import (
     DEFAULT_POLICY,
-    RetryPolicy,
+    KubeRetryPolicy,
     api_status,
     call,
     make_api_client,
@@ -36,6 +36,7 @@ JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 RUN_LABEL = "olmo-ctl/run"
 ATTEMPT_LABEL = "olmo-ctl/attempt"
 LOG_TAIL = 50
@@ -57,7 +58,7 @@ class GKEBackend:
     name = "gke"
 
     def __init__(self, namespace: str | None = None, host: str | None = None, context: str | None = None,
-                 settings: Any = None, retry: RetryPolicy | None = None, api_client: Any = None,
+                 settings: Any = None, retry: KubeRetryPolicy | None = None, api_client: Any = None,
                  recipe: Any = None, kubeconfig: str | None = None):
         self.settings = settings
         self.namespace = namespace or (getattr(settings, "namespace", None) if settings else None) or "default"
@@ -223,7 +224,7 @@ class GKEBackend:
         uid = js["metadata"].get("uid")
         if handle.data.get("uid") and uid != handle.data["uid"]:
             return None, None, [], []  # the name now belongs to another object: ours is gone
-        wl = self._find_workload(ns, uid)
+        wl = self._find_workload(ns, uid, queued=QUEUE_LABEL in _labels(js))
         pods = self._list_pods(ns, handle.name)
         events = self._events(ns, js, wl, pods)
         return js, wl, pods, events
@@ -240,13 +241,16 @@ class GKEBackend:
                 st = classify(js, wl, pods, events, logs={st.details["pod"]: lines})
         return st
 
-    def _find_workload(self, ns: str, uid: str) -> dict | None:
-        """The Workload whose controller ownerReference is this JobSet's uid."""
+    def _find_workload(self, ns: str, uid: str, queued: bool = True) -> dict | None:
+        """The Workload whose controller ownerReference is this JobSet's uid. Kueue labels it with
+        the job's uid; only for a queued JobSet is the whole namespace searched when that finds none
+        (Workloads written by Kueue versions without the label)."""
         if self._kueue_version == "":
             return None
         versions = (self._kueue_version,) if self._kueue_version else KUEUE_VERSIONS
+        selectors = (f"{KUEUE_JOB_UID_LABEL}={uid}", None) if queued else (f"{KUEUE_JOB_UID_LABEL}={uid}",)
         for version in versions:
-            for selector in (f"{KUEUE_JOB_UID_LABEL}={uid}", None):
+            for selector in selectors:
                 try:
                     data = _json(self._call("list Kueue Workloads", self._custom.list_namespaced_custom_object,
                                             KUEUE_GROUP, version, ns, WORKLOADS, label_selector=selector,

@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
+class KubeRetryPolicy:
     """How Kubernetes calls are retried. Waits are `min(max_s, base_s * 2**n)` with full jitter,
     never shorter than a 429's Retry-After; the call gives up once `budget_s` would be exceeded."""
 
@@ -47,7 +47,7 @@ class RetryPolicy:
         return random.uniform(cap / 2, cap) if self.jitter else cap
 
 
-DEFAULT_POLICY = RetryPolicy()
+DEFAULT_POLICY = KubeRetryPolicy()
 
 
 def api_status(exc: BaseException) -> int | None:
@@ -112,7 +112,7 @@ def status_message(exc: BaseException) -> str:
     return str(getattr(exc, "reason", "") or "")
 
 
-def call(fn: Callable[..., T], *args: Any, policy: RetryPolicy = DEFAULT_POLICY, what: str = "Kubernetes call",
+def call(fn: Callable[..., T], *args: Any, policy: KubeRetryPolicy = DEFAULT_POLICY, what: str = "Kubernetes call",
          host: str = "", **kwargs: Any) -> T:
     """Run `fn(*args, **kwargs)` under `policy`. Non-retryable errors propagate unchanged;
     a retryable one that outlives the budget becomes `Unreachable`."""

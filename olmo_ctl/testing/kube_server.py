@@ -51,6 +51,8 @@ Objects it writes validate against the CRD schemas.
     c.fail(name, reason="FailedJobs", message=None)
                                            JobSet Failed; still-running pods killed (143); Finished(Failed)
     c.on_create(callback)                  callback(name) after each JobSet create (script a cluster)
+    c.hold_deletions = True; c.finish_deletions()
+                                           deleted JobSets linger with a deletionTimestamp until finished
     c.jobset(name), c.workload(name), c.pods(name), c.events(), c.jobset_names()
 """
 
@@ -715,8 +717,20 @@ class Api:
             raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {res.qualified} "{name}": '
                            f"Precondition failed: UID in precondition: {want_uid}, UID in object meta: "
                            f"{cur['metadata']['uid']}")
-        obj = self.store.remove(res, ns, name, policy)
         self.cluster.deleted.append((res.kind, name, policy))
+        if self.cluster.hold_deletions and res.plural == "jobsets":
+            # Like a real foreground deletion while pods use their grace period: the object stays,
+            # marked, until `cluster.finish_deletions()`.
+            md = cur["metadata"]
+            md.setdefault("deletionTimestamp", now_iso())
+            if policy == "Foreground":
+                md["finalizers"] = sorted(set(md.get("finalizers") or []) | {"foregroundDeletion"})
+            self.cluster._pending_deletions[(ns, name)] = policy
+            for pod in self.cluster._pods(name, ns):
+                pod["metadata"].setdefault("deletionTimestamp", now_iso())
+            self.store.put(res, cur)
+            return self.out(res, version, cur)
+        obj = self.store.remove(res, ns, name, policy)
         out = self.out(res, version, obj)
         out["metadata"]["deletionTimestamp"] = now_iso()
         if policy == "Foreground":
@@ -766,6 +780,8 @@ class Cluster:
         self.cluster_queue = cluster_queue
         self.flavor = flavor
         self.deleted: list[tuple[str, str, str]] = []  # (kind, name, propagationPolicy) of API deletions
+        self.hold_deletions = False  # True: a deleted JobSet lingers (deletionTimestamp) until finish_deletions()
+        self._pending_deletions: dict[tuple[str, str], str] = {}
         self._callbacks: list[Callable[[str], None]] = []
 
     # -- lookups
@@ -814,6 +830,16 @@ class Cluster:
     def events(self, ns: str | None = None) -> list[dict]:
         with self.store.lock:
             return copy.deepcopy(self.store.items(self._res("Event"), ns or self.namespace))
+
+    def finish_deletions(self) -> list[str]:
+        """Complete the deletions held by `hold_deletions` (dependents first); returns the JobSet names."""
+        with self.store.lock:
+            done = []
+            for (ns, name), policy in list(self._pending_deletions.items()):
+                self.store.remove(self._res("JobSet"), ns, name, policy)
+                done.append(name)
+            self._pending_deletions.clear()
+            return done
 
     def on_create(self, callback: Callable[[str], None]) -> None:
         self._callbacks.append(callback)
