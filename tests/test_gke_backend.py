@@ -386,3 +386,24 @@ def test_a_jobset_being_deleted_keeps_its_state_and_is_not_live_for_reattach(srv
     assert srv.cluster.finish_deletions() == ["h1-a1"]
     assert b.wait_deleted(h, timeout_s=1.0, poll_s=0.02)
     assert b.status(h).state == State.MISSING and srv.cluster.pods(h.name) == []
+
+
+@pytest.mark.gcs
+def test_render_reads_the_recipe_from_run_yaml_on_gcs(srv):
+    from gcs_emulator import gcs_emulator
+
+    from olmo_ctl.config import Settings
+    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.rundir import RunDir
+
+    recipe = load_recipe("olmo3-7b-stage2")
+    with gcs_emulator() as (_, bucket):
+        run_dir = f"gs://{bucket}/runs/s2"
+        RunDir(run_dir).create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "v5p-256")
+        settings = Settings(image="img:1", run_root=f"gs://{bucket}/runs")
+        b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
+        js = b.render(Attempt(run="s2", run_dir=run_dir, attempt=2, device="v5p-256"))
+    assert js["metadata"]["annotations"]["olmo-ctl/recipe-fingerprint"] == recipe.fingerprint()
+    assert js["metadata"]["annotations"]["olmo-ctl/recipe"] == recipe.name
+    h = b.submit(js)
+    assert srv.cluster.workload(h.name)["spec"]["podSets"][0]["count"] == 32
