@@ -407,3 +407,15 @@ def test_render_reads_the_recipe_from_run_yaml_on_gcs(srv):
     assert js["metadata"]["annotations"]["olmo-ctl/recipe"] == recipe.name
     h = b.submit(js)
     assert srv.cluster.workload(h.name)["spec"]["podSets"][0]["count"] == 32
+
+
+def test_a_same_named_attempt_of_another_run_directory_is_not_adopted(srv):
+    b = _backend(srv)
+    js = tiny_jobset("s1-a1", run="s1")
+    js["metadata"]["annotations"] = {"olmo-ctl/run-dir": "gs://team-a/runs/s1"}
+    b.submit(js)
+    other = tiny_jobset("s1-a1", run="s1")
+    other["metadata"]["annotations"] = {"olmo-ctl/run-dir": "gs://team-b/runs/s1"}
+    with pytest.raises(BadInput, match="gs://team-a/runs/s1"):
+        b.submit(other)
+    assert srv.count("DELETE") == 0

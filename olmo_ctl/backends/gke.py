@@ -27,7 +27,7 @@ from olmo_ctl.backends.kube import (
     make_api_client,
     status_message,
 )
-from olmo_ctl.errors import BadInput, OlmoCtlError
+from olmo_ctl.errors import BadInput
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSETS = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 KUEUE_GROUP, WORKLOADS = "kueue.x-k8s.io", "workloads"
@@ -39,12 +39,17 @@ KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 RUN_LABEL = "olmo-ctl/run"
 ATTEMPT_LABEL = "olmo-ctl/attempt"
+RUN_DIR_ANNOTATION = "olmo-ctl/run-dir"
 LOG_TAIL = 50
 MAX_POD_EVENT_READS = 4  # per status: the events of at most this many problem pods
 
 
 def _labels(obj: dict) -> dict:
     return (obj.get("metadata") or {}).get("labels") or {}
+
+
+def _annotations(obj: dict) -> dict:
+    return (obj.get("metadata") or {}).get("annotations") or {}
 
 
 def _json(resp: Any) -> Any:
@@ -186,18 +191,20 @@ class GKEBackend:
             return _json(self._call(f"create JobSet {name}", self._custom.create_namespaced_custom_object,
                                     JOBSET_GROUP, JOBSET_VERSION, ns, JOBSETS, request, field_validation="Strict",
                                     _preload_content=False))
-        want = _labels(request)
-        have = _labels(existing)
-        mismatch = {k: (v, have.get(k)) for k, v in want.items()
-                    if k in (RUN_LABEL, ATTEMPT_LABEL) or not k.startswith("kueue.x-k8s.io/")
-                    if have.get(k) != v}
+        # Same labels (run, attempt, device, ...) and the same run directory: the same attempt.
+        # Two run roots may hold runs of the same name; the run directory tells them apart.
+        want = {**_labels(request), **{f"annotation {k}": v for k, v in _annotations(request).items()
+                                       if k == RUN_DIR_ANNOTATION}}
+        have = {**_labels(existing), **{f"annotation {k}": v for k, v in _annotations(existing).items()
+                                        if k == RUN_DIR_ANNOTATION}}
+        mismatch = {k: (v, have.get(k)) for k, v in want.items() if have.get(k) != v}
         if mismatch:
-            raise BadInput(f"a JobSet named `{name}` already exists in `{ns}` and is not this attempt "
-                           f"(labels differ: {', '.join(f'{k}={b!r}, want {a!r}' for k, (a, b) in mismatch.items())})",
+            diff = ", ".join(f"{k}={b!r}, want {a!r}" for k, (a, b) in mismatch.items())
+            raise BadInput(f"a JobSet named `{name}` already exists in `{ns}` and is not this attempt ({diff})",
                            f"delete it (`kubectl delete jobset {name} -n {ns}`) or use another --run name")
         if (existing.get("metadata") or {}).get("deletionTimestamp"):
-            raise OlmoCtlError(f"JobSet `{name}` in `{ns}` is being deleted; it cannot be adopted",
-                               "wait until it is gone, then submit again", exit_code=1)
+            raise BadInput(f"JobSet `{name}` in `{ns}` is being deleted; it cannot be adopted",
+                           "wait until it is gone (`kubectl get jobset -n NS`), then submit again")
         return existing
 
     def _handle(self, obj: dict) -> Handle:
