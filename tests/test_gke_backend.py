@@ -419,3 +419,14 @@ def test_a_same_named_attempt_of_another_run_directory_is_not_adopted(srv):
     with pytest.raises(BadInput, match="gs://team-a/runs/s1"):
         b.submit(other)
     assert srv.count("DELETE") == 0
+
+
+def test_no_access_to_workloads_falls_back_to_the_jobset(srv):
+    b = _backend(srv)
+    h = b.submit(tiny_jobset("k1-a1", run="k1"))
+    srv.fail_next(5, status=403, match="/workloads")
+    st = b.status(h)
+    assert st.state == State.QUEUED and st.source == "JobSet spec.suspend"
+    assert b.status(h).source == "JobSet spec.suspend"
+    srv.clear_faults()
+    assert b.status(h).source == "Workload condition QuotaReserved"

@@ -265,6 +265,8 @@ class GKEBackend:
                 except Exception as e:
                     if api_status(e) == 404:
                         break  # this version is not served: try the next one
+                    if api_status(e) == 403:
+                        return None  # no read access to Workloads: the JobSet's own status must do
                     raise self._api_error(e, "list Kueue Workloads") from e
                 self._kueue_version = version
                 owned = [w for w in data.get("items") or []
