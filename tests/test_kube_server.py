@@ -112,7 +112,7 @@ def test_unknown_fields_strict_is_400_default_warns_and_drops(srv, apis):
                                                       '"spec.replicatedJobs[0].replicaz"')
     code, obj, headers = _raw(srv, "POST", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets", js)
     assert code == 201 and "replicaz" not in obj["spec"]["replicatedJobs"][0]
-    assert headers["Warning"] == '299 - "unknown field "spec.replicatedJobs[0].replicaz""'
+    assert headers["Warning"] == r'299 - "unknown field \"spec.replicatedJobs[0].replicaz\""'
 
 
 def test_workload_is_owned_and_served_in_both_kueue_versions(srv, apis):

@@ -545,7 +545,10 @@ class Api:
 
     @staticmethod
     def _warn(warnings: list[str]) -> dict:
-        return {"Warning": ", ".join(f'299 - "{w}"' for w in warnings)} if warnings else {}
+        def quoted(w: str) -> str:
+            return '"' + w.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+        return {"Warning": ", ".join(f"299 - {quoted(w)}" for w in warnings)} if warnings else {}
 
     @staticmethod
     def _json(body: bytes) -> Any:
