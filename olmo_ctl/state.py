@@ -275,6 +275,8 @@ def _classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mappi
         qr = condition(workload, "QuotaReserved")
         if not (qr and qr.get("status") == "True"):
             msg = _cond_text(qr) if qr else "waiting for Kueue to reserve quota"
+            # "Inadmissible" (e.g. "LocalQueue x doesn't exist") waits forever unless someone acts.
+            details["queue_reason"] = (qr or {}).get("reason") or ""
             return AttemptStatus(State.QUEUED, msg, "Workload condition QuotaReserved", details=details)
         adm = condition(workload, "Admitted")
         if not (adm and adm.get("status") == "True"):

@@ -229,6 +229,12 @@ def test_logs_from_the_api_replace_the_termination_message():
     assert st.reason.endswith("exited 1: RuntimeError: checkpoint 7 is corrupt")
 
 
+def test_an_inadmissible_workload_is_queued_and_flagged():
+    msg = "LocalQueue tpu-queue doesn't exist"
+    st = classify(jobset(suspend=True), workload([cond("QuotaReserved", "False", "Inadmissible", msg)]))
+    assert (st.state, st.reason, st.details["queue_reason"]) == (State.QUEUED, f"Inadmissible: {msg}", "Inadmissible")
+
+
 def test_states_live_and_terminal():
     assert {s for s in State if s.live} == {State.QUEUED, State.ADMITTED, State.RUNNING}
 

@@ -50,7 +50,9 @@ Objects it writes validate against the CRD schemas.
     c.complete(name)                       pods exit 0; JobSet Completed; Workload Finished(Succeeded)
     c.fail(name, reason="FailedJobs", message=None)
                                            JobSet Failed; still-running pods killed (143); Finished(Failed)
-    c.on_create(callback)                  callback(name) after each JobSet create (script a cluster)
+    c.on_create(callback)                  callback(name) after each JobSet create (script a cluster);
+                                           it runs inside the create request: keep it quick, use a
+                                           threading.Timer for anything later
     c.hold_deletions = True; c.finish_deletions()
                                            deleted JobSets linger with a deletionTimestamp until finished
     c.jobset(name), c.workload(name), c.pods(name), c.events(), c.jobset_names()
