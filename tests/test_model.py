@@ -1,0 +1,149 @@
+"""The OLMo 3 model: parameter layout and count, init, layer pattern, sliding window, remat, dtypes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from olmo_ctl.batching import param_count
+from olmo_ctl.recipe import ModelConfig, load_recipe
+from olmo_ctl.trainer import model as M
+
+SMOKE = load_recipe("smoke").model
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(n_layers=8, d_model=32, n_heads=4, n_kv_heads=4, head_dim=8, mlp_hidden=64, vocab_size=100,
+                padded_vocab_size=128, sliding_window=8, compute_dtype="float32", remat="none",
+                eos_token_id=0, pad_token_id=1, name="tiny")
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.mark.parametrize("cfg", [SMOKE, ModelConfig(), ModelConfig(n_heads=16, n_kv_heads=16, head_dim=256)],
+                         ids=["smoke", "olmo3-7b", "olmo3-7b-hd256"])
+def test_param_count_matches_batching(cfg):
+    shapes = jax.eval_shape(lambda: M.init_params(cfg, jax.random.PRNGKey(0)))
+    assert M.count_params(shapes) == param_count(cfg)
+    assert {"embed", "lm_head", "final_norm", "blocks"} == set(shapes)
+    assert shapes["blocks"]["attn"]["wq"].shape[0] == cfg.n_layers
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(shapes))
+    if cfg == ModelConfig():
+        assert M.count_params(shapes) == 7_298_617_344
+
+
+def test_init_truncated_normal_and_ones():
+    cfg = tiny(d_model=128, mlp_hidden=256)
+    p = M.init_params(cfg, jax.random.PRNGKey(0))
+    w = np.asarray(p["blocks"]["mlp"]["w1"]).ravel()
+    assert abs(w.std() - 0.02 * 0.9866) < 0.0002  # std of a normal truncated at +-3 sigma
+    assert np.abs(w).max() <= 3 * 0.02 + 1e-7
+    assert np.abs(w).max() > 2.5 * 0.02
+    for norm in (p["final_norm"], p["blocks"]["attn_norm"], p["blocks"]["mlp_norm"], p["blocks"]["attn"]["q_norm"]):
+        assert np.all(np.asarray(norm) == 1.0)
+    assert not np.array_equal(np.asarray(p["embed"][:, :32]), np.asarray(p["lm_head"][:, :128].T))  # untied
+    p16 = M.init_params(dataclasses.replace(cfg, param_dtype="bfloat16"), jax.random.PRNGKey(0))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16))
+
+
+def test_full_attention_layers_sit_at_i_plus_1_mod_4():
+    cfg = ModelConfig()
+    assert [i for i in range(32) if M.layer_window(cfg, i) is None] == [3, 7, 11, 15, 19, 23, 27, 31]
+    assert M.layer_window(cfg, 0) == 4096
+
+
+def _naive_forward(params, tokens, cfg, windows):
+    """Layer by layer in Python, each layer's window given explicitly."""
+    T = tokens.shape[1]
+    cos, sin = M.rope_tables(T, cfg.head_dim, cfg.rope_theta)
+    x = params["embed"][tokens]
+    for i, w in enumerate(windows):
+        p = jax.tree.map(lambda a, i=i: a[i], params["blocks"])
+        x = M.block(p, x, cos, sin, cfg, w, "reference")
+    x = M.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return x @ params["lm_head"]
+
+
+def test_scan_matches_layer_by_layer_with_full_layers_at_3_and_7():
+    cfg = tiny(n_layers=10)  # two groups of four, then two sliding tail layers
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 24), 0, cfg.vocab_size)
+    got = jax.jit(lambda p, t: M.forward(p, t, cfg))(params, tokens)
+    right = [None if i in (3, 7) else 8 for i in range(10)]
+    want = _naive_forward(params, tokens, cfg, right)
+    scale = float(jnp.max(jnp.abs(want)))
+    right_diff = float(jnp.max(jnp.abs(got - want)))
+    assert right_diff < 1e-5 * scale
+    wrong = [None if i in (2, 6) else 8 for i in range(10)]
+    assert float(jnp.max(jnp.abs(got - _naive_forward(params, tokens, cfg, wrong)))) > 1e-2 * scale
+
+
+def test_tokens_beyond_the_window_change_only_through_full_layers():
+    """Sliding layers: position t sees t-W+1..t, so 3 sliding layers reach back 3(W-1) tokens.
+    Changing token 0 leaves positions > 3(W-1) untouched until the full layer (index 3) runs."""
+    W, T = 6, 32
+    reach = 3 * (W - 1)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, T), 2, 100)
+    tokens2 = tokens.at[0, 0].set(tokens[0, 0] + 1 if tokens[0, 0] < 99 else 2)
+
+    def changed(n_layers):
+        cfg = tiny(n_layers=n_layers, sliding_window=W)
+        params = M.init_params(cfg, jax.random.PRNGKey(0))
+        f = jax.jit(lambda t: M.forward(params, t, cfg))
+        a, b = f(tokens), f(tokens2)
+        return np.asarray(jnp.any(jnp.abs(a - b) > 0, axis=-1))[0]
+
+    sliding_only = changed(3)  # layers 0-2: all sliding
+    assert sliding_only[: reach + 1].all() and not sliding_only[reach + 1:].any()
+    with_full = changed(4)  # layer 3 is full attention
+    assert with_full.all()
+
+
+def test_remat_policies_give_the_same_gradients():
+    cfg = tiny(n_layers=4)
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, cfg.vocab_size)
+    grads = {}
+    for remat in ("none", "full", "save_proj"):
+        c = dataclasses.replace(cfg, remat=remat)
+        grads[remat] = jax.jit(jax.grad(lambda p, c=c: jnp.mean(M.forward(p, tokens, c) ** 2)))(params)
+    for remat in ("full", "save_proj"):
+        for a, b in zip(jax.tree.leaves(grads["none"]), jax.tree.leaves(grads[remat]), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+
+
+def test_bf16_compute_with_fp32_params_returns_fp32_logits():
+    cfg = tiny(compute_dtype="bfloat16")
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, cfg.vocab_size)
+    logits = jax.jit(lambda p: M.forward(p, tokens, cfg))(params)
+    assert logits.dtype == jnp.float32 and logits.shape == (2, 16, 128)
+    c32 = dataclasses.replace(cfg, compute_dtype="float32")
+    ref = jax.jit(lambda p: M.forward(p, tokens, c32))(params)
+    assert 0 < float(jnp.max(jnp.abs(logits - ref))) < 0.05
+    g = jax.jit(jax.grad(lambda p: jnp.mean(M.forward(p, tokens, cfg) ** 2)))(params)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g))
+
+
+def test_blocked_attention_path_matches_reference_in_the_model():
+    cfg = tiny(n_layers=4)
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, cfg.vocab_size)
+    a = jax.jit(lambda p: M.forward(p, tokens, cfg, attention="reference"))(params)
+    b = jax.jit(lambda p: M.forward(p, tokens, cfg, attention="blocked"))(params)
+    assert float(jnp.max(jnp.abs(a - b))) < 1e-5
+
+
+def test_program_size_does_not_grow_with_depth():
+    tokens = jnp.zeros((1, 8), jnp.int32)
+
+    def n_eqns(n_layers):
+        cfg = tiny(n_layers=n_layers)
+        shapes = jax.eval_shape(lambda: M.init_params(cfg, jax.random.PRNGKey(0)))
+        return len(jax.make_jaxpr(lambda p: M.forward(p, tokens, cfg))(shapes).jaxpr.eqns)
+
+    assert n_eqns(4) == n_eqns(32)
