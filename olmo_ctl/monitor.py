@@ -203,15 +203,27 @@ def _ema(values: np.ndarray, alpha: float = EMA_ALPHA) -> float | None:
     return float((w * v).sum() / w.sum())
 
 
+def _fetch_ends(s: Series) -> np.ndarray:
+    """Indices of the last point of each host fetch: a trainer that fetches metrics every k steps writes
+    k points with one wall time, so only the last of each group marks when its step finished."""
+    if not len(s):
+        return np.zeros(0, np.int64)
+    end = np.ones(len(s), dtype=bool)
+    end[:-1] = (s.wall_times[1:] != s.wall_times[:-1]) | (s.attempts[1:] != s.attempts[:-1])
+    return np.flatnonzero(end)
+
+
 def _intervals(s: Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-step seconds between consecutive logged points of one attempt: (steps, dt per step, end wall)."""
-    if len(s) < 2:
+    """Seconds per step between consecutive fetches of one attempt: (steps covered, s/step, end wall)."""
+    idx = _fetch_ends(s)
+    if len(idx) < 2:
         return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
-    same = (s.attempts[1:] == s.attempts[:-1]) & (s.steps[1:] > s.steps[:-1])
-    dstep = (s.steps[1:] - s.steps[:-1])[same]
-    dwall = (s.wall_times[1:] - s.wall_times[:-1])[same]
+    st, wt, at = s.steps[idx], s.wall_times[idx], s.attempts[idx]
+    same = (at[1:] == at[:-1]) & (st[1:] > st[:-1])
+    dstep = (st[1:] - st[:-1])[same]
+    dwall = (wt[1:] - wt[:-1])[same]
     ok = dwall > 0
-    return dstep[ok], dwall[ok] / dstep[ok], s.wall_times[1:][same][ok]
+    return dstep[ok], dwall[ok] / dstep[ok], wt[1:][same][ok]
 
 
 def _parse_time(x) -> float | None:
@@ -372,6 +384,13 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
     # tokens
     tokens_per_step = recipe.tokens_per_step if recipe else None
     tok_series = _first(r, TOKENS_TAGS)
+    if tokens_per_step is None and tok_series is not None and len(tok_series) > 1:
+        # no run.yaml: the logged token counter gives the batch size
+        ds = np.diff(tok_series.steps)
+        dv = np.diff(tok_series.values)
+        ok = ds > 0
+        if ok.any():
+            tokens_per_step = int(round(float(np.median(dv[ok] / ds[ok])))) or None
     tokens_seen = None
     if tok_series is not None:
         tokens_seen = int(tok_series.values[-1])
@@ -387,19 +406,23 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
         for a in np.unique(loss.attempts):
             m = loss.attempts == a
             w = loss.wall_times[m]
+            st_a = loss.steps[m]
+            first_fetch = st_a[w == w[0]]
             per_attempt[int(a)] = {"first_wall": float(w.min()), "last_wall": float(w.max()),
-                                   "first_step": int(loss.steps[m][0]), "last_step": int(loss.steps[m][-1]),
+                                   "first_step": int(st_a[0]), "last_step": int(st_a[-1]),
+                                   "first_fetch_steps": int(first_fetch[-1] - st_a[0] + 1),
                                    "points": int(m.sum())}
         dsteps, per_step_s, _ends = _intervals(loss)
         if len(per_step_s):
             step_time_median = float(np.median(per_step_s))
-            live_att = int(loss.attempts[-1])
-            same = loss.attempts == live_att
-            recent_s = per_step_s[-RECENT_POINTS:] if same.sum() > 1 else per_step_s[-0:0]
+            live_mask = loss.attempts == loss.attempts[-1]  # the attempt that wrote the latest step
+            live_series = Series(loss.tag, loss.steps[live_mask], loss.wall_times[live_mask], loss.values[live_mask],
+                                 loss.attempts[live_mask])
+            recent_s = _intervals(live_series)[1][-RECENT_POINTS:]
             if len(recent_s):
                 step_time_last = float(np.median(recent_s))
             for info in per_attempt.values():
-                info["span_s"] = info["last_wall"] - info["first_wall"] + step_time_median
+                info["span_s"] = info["last_wall"] - info["first_wall"] + info["first_fetch_steps"] * step_time_median
                 stepping_s += info["span_s"]
             if tokens_per_step:
                 if step_time_last:
@@ -571,9 +594,8 @@ def _goodput(journal, per_attempt: dict, step_s: float | None, replayed: int, lo
     ck = reader.series(CKPT_TAG)
     ckpt_s = float(np.nansum(ck.values)) if ck is not None and len(ck) else 0.0
     stepping = sum(i.get("span_s", 0.0) for i in per_attempt.values())
-    first_wall = min(i["first_wall"] for i in per_attempt.values())
     last_wall = max(i["last_wall"] for i in per_attempt.values())
-    start = first_wall - step_s
+    start = min(i["first_wall"] - i.get("first_fetch_steps", 1) * step_s for i in per_attempt.values())
     end = last_wall
     queue_s = startup_s = 0.0
     if journal:
@@ -591,7 +613,7 @@ def _goodput(journal, per_attempt: dict, step_s: float | None, replayed: int, lo
                 queue_s += t_adm - t_sub
             t_start = t["running"] or t["admitted"] or t_sub
             if t_start:
-                startup_s += max(0.0, info["first_wall"] - step_s - t_start)
+                startup_s += max(0.0, info["first_wall"] - info.get("first_fetch_steps", 1) * step_s - t_start)
     if live.get("state") in ("running", "queued", "admitted"):
         end = max(end, now)
     wall = max(end - start, 1e-9)

@@ -255,3 +255,22 @@ def test_gcs_run_dir_and_missing_bucket(tmp_path):
         r = cli("monitor", "gs://no-such-bucket-here/runs/r1")
         assert r.returncode in (2, 3) and r.stderr.startswith("error:") and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_metrics_fetched_every_k_steps_share_a_wall_time(tmp_path):
+    """The trainer fetches metrics every k steps: k points with one wall time. One step still takes 1 s."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    run = tmp_path / "k"
+    write_run_yaml(run, max_steps=100)
+    w = EventFileWriter(str(run / "tensorboard"))
+    for step in range(1, 51):
+        wall = T0 + 5 * ((step + 4) // 5)  # steps 1..5 at T0+5, 6..10 at T0+10, ...
+        w.add_event(event_pb2.Event(wall_time=wall, step=step, summary=summary_pb2.Summary(
+            value=[summary_pb2.Summary.Value(tag="train/CE loss", simple_value=value("train/CE loss", step))])))
+    w.close()
+    rep = build_report(load(str(run)), now=T0 + 50, ask_backend=False)
+    assert rep["throughput"]["step_time_s"] == pytest.approx(1.0)
+    assert rep["eta_s"] == pytest.approx(50.0)
+    assert rep["goodput"]["productive_s"] == pytest.approx(50.0)
