@@ -430,3 +430,13 @@ def test_no_access_to_workloads_falls_back_to_the_jobset(srv):
     assert b.status(h).source == "JobSet spec.suspend"
     srv.clear_faults()
     assert b.status(h).source == "Workload condition QuotaReserved"
+
+
+def test_a_hung_answer_times_out_and_is_retried(srv):
+    b = _backend(srv, retry=KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, read_timeout_s=0.2))
+    h = b.submit(tiny_jobset("t1-a1", run="t1"))
+    srv.fail_next(1, status=0, delay_s=0.6, match="GET ")
+    t0 = time.monotonic()
+    assert b.status(h).state == State.QUEUED
+    assert time.monotonic() - t0 >= 0.2
+    assert srv.count("GET", "/jobsets/t1-a1") == 2  # the hung read, then its retry

@@ -27,6 +27,7 @@ drops them with a `Warning` header; schema violations are 422 with the field pat
         srv.fail_next(2, status=500, match="GET ")      # only requests whose "METHOD PATH" contains match
         srv.fail_next(1, status="drop")                 # close the connection without an answer
         srv.fail_next(1, status="lost", match="POST ")  # do the request, then close without an answer
+        srv.fail_next(1, status=0, delay_s=2.0)         # a correct answer, 2 s late (client read timeouts)
         srv.go_down(); srv.come_back()                  # refuse connections, then listen again (same port)
         srv.requests                   # [(method, path, query dict, content type)] in arrival order
 
@@ -408,13 +409,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, code: int, payload: Any, headers: dict | None = None, text: bool = False) -> None:
         data = payload.encode() if text else json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "text/plain" if text else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain" if text else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client gave up waiting (its read timeout)
 
     def _handle(self, method: str) -> None:
         srv: KubeServer = self.server.kube  # type: ignore[attr-defined]
