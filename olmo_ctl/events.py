@@ -751,12 +751,15 @@ class EventReader:
                 fs.corrupt = fr.corrupt
                 break
             if fr.need:
-                fs.pending_bytes = fs.size - fs.offset
-                if fs.offset + fs.pending_bytes + fr.need > fs.size:
-                    break  # incomplete record at the end: wait for more bytes
-                want = max(self.chunk_bytes, fs.pending_bytes + fr.need)
+                if end >= fs.size:  # an incomplete record at the end: wait for the writer (or it is truncated)
+                    fs.pending_bytes = fs.size - fs.offset
+                    break
+                # a record crosses the chunk boundary: the next read starts at it and holds all of it
+                want = max(self.chunk_bytes, (len(buf) - fr.end) + fr.need)
             elif fr.end == 0:
                 break
+            else:
+                want = self.chunk_bytes
 
     # -- results --------------------------------------------------------------------------------
 

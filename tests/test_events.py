@@ -255,3 +255,17 @@ def test_reads_and_tails_gcs(tmp_path):
         np.testing.assert_array_equal(r.series("train/CE loss").steps, np.arange(1, 121))
         ref = read_scalars(str(local))
         np.testing.assert_array_equal(r.series("train/PPL").values, ref.series("train/PPL").values)
+
+
+@pytest.mark.parametrize("chunk", [100, 997, 4096])
+def test_records_crossing_read_chunks(tmp_path, chunk):
+    """Large files are read in chunks: records that straddle a chunk boundary are read whole."""
+    tb = tmp_path / "tb"
+    write_segment(tb, range(1, 301))
+    small = EventReader(str(tb), chunk_bytes=chunk)
+    small.refresh()
+    whole = read_scalars(str(tb))
+    assert small.problems() == []
+    for tag in TAGS:
+        np.testing.assert_array_equal(small.series(tag).steps, np.arange(1, 301))
+        np.testing.assert_array_equal(small.series(tag).values, whole.series(tag).values)
