@@ -440,3 +440,20 @@ def test_a_hung_answer_times_out_and_is_retried(srv):
     assert b.status(h).state == State.QUEUED
     assert time.monotonic() - t0 >= 0.2
     assert srv.count("GET", "/jobsets/t1-a1") == 2  # the hung read, then its retry
+
+
+def test_a_jobset_restarting_itself_stays_live(srv):
+    b = _backend(srv)
+    h = b.submit(tiny_jobset("j1-a1", run="j1"))
+    srv.cluster.admit(h.name)
+    srv.cluster.run_pods(h.name)
+    srv.cluster.pod_exit(h.name, 1, 139)
+    st = b.status(h)
+    assert st.state == State.ADMITTED  # 1/2 running: the slice is not whole
+    assert "exited 139" in st.reason and "it may restart" in st.reason
+    srv.cluster.restart(h.name)
+    st = b.status(h)
+    assert (st.state, st.details["restarts"]) == (State.ADMITTED, 1)
+    assert st.reason == "0/2 pods running; JobSet restarts: 1"
+    srv.cluster.run_pods(h.name)
+    assert b.status(h).state == State.RUNNING

@@ -48,6 +48,7 @@ Objects it writes validate against the CRD schemas.
     c.evict(name, reason="Preempted", preempted_reason="InClusterQueue", message=None)
                                            Kueue eviction: Evicted(+Preempted), JobSet suspended, pods gone,
                                            workload requeued (QuotaReserved=False, Requeued=True)
+    c.restart(name)                        the JobSet restarts itself (failurePolicy): new pods, restarts + 1
     c.complete(name)                       pods exit 0; JobSet Completed; Workload Finished(Succeeded)
     c.fail(name, reason="FailedJobs", message=None)
                                            JobSet Failed; still-running pods killed (143); Finished(Failed)
@@ -1165,6 +1166,20 @@ class Cluster:
                 self._set_cond(wl, "Finished", "True", "Succeeded", "jobset completed successfully")
                 wl["metadata"].pop("finalizers", None)
                 self._save("Workload", wl)
+
+    def restart(self, name: str) -> None:
+        """The JobSet controller restarts the whole JobSet (failurePolicy): pods recreated, restarts + 1."""
+        with self.store.lock:
+            js = self._js(name)
+            for pod in self._pods(name):
+                self.store.remove(self._res("Pod"), pod["metadata"]["namespace"], pod["metadata"]["name"],
+                                  "Background")
+            js["status"]["restarts"] = int(js["status"].get("restarts") or 0) + 1
+            js["status"]["restartsCountTowardsMax"] = int(js["status"].get("restartsCountTowardsMax") or 0) + 1
+            self._init_jobset_status(js)
+            self._check_schema("JobSet", js)
+            self._save("JobSet", js)
+            self._create_pods(js)
 
     FAIL_MESSAGES = {
         "FailedJobs": "jobset failed due to one or more job failures",
