@@ -214,9 +214,11 @@ class GKEBackend:
             attempt = int(labels.get(ATTEMPT_LABEL, 0))
         except ValueError:
             attempt = 0
-        return Handle(self.name, md["name"], attempt,
-                      {"namespace": md.get("namespace") or self.namespace, "uid": md.get("uid"),
-                       "run": labels.get(RUN_LABEL)})
+        data = {"namespace": md.get("namespace") or self.namespace, "uid": md.get("uid"),
+                "run": labels.get(RUN_LABEL)}
+        if self.context:  # so that `monitor` asks the same cluster: GKEBackend(context=data["context"])
+            data["context"] = self.context
+        return Handle(self.name, md["name"], attempt, data)
 
     # ------------------------------------------------------------------ status
     def _ns(self, handle: Handle) -> str:
