@@ -171,7 +171,7 @@ def test_find_live_returns_the_newest_live_attempt(env):
     h1 = _submit(env, env.jobset(run, attempt=1, script="import sys; sys.exit(1)", workers=1))
     env.play(lambda c: (c.admit(h1.name), c.run_pods(h1.name), c.pod_exit(h1.name, 0, 1), c.fail(h1.name)))
     env.wait_for(h1, {State.FAILED_USER, State.FAILED_INFRA})
-    h2 = _submit(env, env.jobset(run, attempt=2))
+    h2 = _submit(env, env.jobset(run, attempt=2, script="import time; time.sleep(600)"))
     found = env.backend.find_live(run)
     assert found is not None and found.name == h2.name and found.attempt == 2 and found.data["uid"] == h2.data["uid"]
     env.backend.stop(h2)
