@@ -284,8 +284,11 @@ def _decode_event(b, start: int, end: int) -> _Decoded:
 
 @dataclass
 class _Frame:
-    offs: np.ndarray  # record start offsets within the buffer (of the length field)
-    lens: np.ndarray  # data lengths
+    """Records found in a buffer, in file order: `seq` segments (offsets and data lengths) and `blk`
+    segments (a run of `reps` repetitions of a fixed pattern of record lengths starting at `pos`)."""
+
+    segments: list  # ("seq", offs, lens) | ("blk", pos, reps, pat)
+    records: int
     end: int  # first byte not consumed (start of an incomplete or bad record, or len(buf))
     need: int  # bytes needed past `end` to complete the record there (0: nothing pending)
     corrupt: str | None  # a record whose length CRC is wrong: reading this file stops there
@@ -304,14 +307,21 @@ def _len_crc(n: int) -> int:
 
 def _frame(buf: bytes, arr: np.ndarray) -> _Frame:
     total = len(buf)
-    offs_parts: list[np.ndarray] = []
-    lens_parts: list[np.ndarray] = []
+    segments: list = []
+    records = 0
     seq_offs: list[int] = []
     seq_lens: list[int] = []
     pos = 0
     need = 0
     corrupt = None
     since_spec = 0
+
+    def flush_seq():
+        nonlocal seq_offs, seq_lens
+        if seq_offs:
+            segments.append(("seq", np.array(seq_offs, dtype=np.int64), np.array(seq_lens, dtype=np.int64)))
+            seq_offs, seq_lens = [], []
+
     while True:
         # Plain loop: a few records (or until the end).
         if pos + 12 > total:
@@ -326,41 +336,38 @@ def _frame(buf: bytes, arr: np.ndarray) -> _Frame:
             break
         seq_offs.append(pos)
         seq_lens.append(n)
+        records += 1
         pos += 16 + n
         since_spec += 1
         if since_spec < 48:
             continue
         since_spec = 0
-        # Speculate: the sizes of the last records repeat with a short period.
+        # Speculate: the sizes of the last records repeat with a short period. Verify a whole block of
+        # repetitions at once on a 2-D view (each header is 12 known bytes: the length and its CRC).
         sizes = seq_lens[-48:]
         period = next((p for p in range(1, 25) if sizes[-p:] == sizes[-2 * p : -p] == sizes[-3 * p : -2 * p]), 0)
         if not period:
             continue
         pat = np.array(sizes[-period:], dtype=np.int64)
         step_bytes = int(pat.sum()) + 16 * period
-        reps = min((total - pos) // step_bytes, (1 << 22) // period)
+        reps = (total - pos) // step_bytes
         if reps < 4:
             continue
-        pat_lens = np.tile(pat, reps)
-        sz = pat_lens + 16
-        offs = pos + np.concatenate(([0], np.cumsum(sz[:-1])))
-        hdr = arr[offs[:, None] + np.arange(12)]
-        got_len = hdr[:, :8].copy().view("<u8")[:, 0]
-        got_crc = hdr[:, 8:12].copy().view("<u4")[:, 0]
-        want_crc = np.array([_len_crc(int(x)) for x in pat], dtype=np.uint32)
-        ok = (got_len == pat_lens.astype(np.uint64)) & (got_crc == np.tile(want_crc, reps))
-        bad = np.flatnonzero(~ok)
-        m = int(bad[0]) if bad.size else len(ok)
+        blk = arr[pos : pos + reps * step_bytes].reshape(reps, step_bytes)
+        ok = np.ones(reps, dtype=bool)
+        c = 0
+        for L in pat.tolist():
+            hdr = np.frombuffer(struct.pack("<QI", L, _len_crc(L)), dtype=np.uint8)
+            ok &= (blk[:, c : c + 12] == hdr).all(axis=1)
+            c += L + 16
+        m = int(np.argmin(ok)) if not ok.all() else reps  # whole repetitions that check out
         if m:
-            offs_parts.append(np.array(seq_offs, dtype=np.int64))
-            lens_parts.append(np.array(seq_lens, dtype=np.int64))
-            seq_offs, seq_lens = [], []
-            offs_parts.append(offs[:m])
-            lens_parts.append(pat_lens[:m])
-            pos = int(offs[m - 1] + sz[m - 1])
-    offs_parts.append(np.array(seq_offs, dtype=np.int64))
-    lens_parts.append(np.array(seq_lens, dtype=np.int64))
-    return _Frame(np.concatenate(offs_parts), np.concatenate(lens_parts), pos, need, corrupt)
+            flush_seq()
+            segments.append(("blk", pos, m, pat))
+            records += m * period
+            pos += m * step_bytes
+    flush_seq()
+    return _Frame(segments, records, pos, need, corrupt)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,111 +383,120 @@ class _Batch:
     records: int = 0
 
 
-def _decode_records(buf: bytes, arr: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> _Batch:
-    out = _Batch(records=len(offs))
+class _Unusable(Exception):
+    """The template record cannot serve as a template (corrupt, or not fixed-layout)."""
+
+    def __init__(self, corrupt: bool, dec=None):
+        self.corrupt = corrupt
+        self.dec = dec
+
+
+def _template(rec: bytes, stored_crc: int) -> _Decoded | None:
+    """Parse a record as a template. None: a valid record with no scalars (file_version, graphs...)."""
+    if masked_crc(rec) != stored_crc:
+        raise _Unusable(True)
+    try:
+        dec = _decode_event(rec, 0, len(rec))
+    except _ProtoError:
+        raise _Unusable(True) from None
+    if not dec.values:
+        return None
+    if any(kind not in ("f4", "f8") for _t, _v, kind, _o in dec.values):
+        raise _Unusable(False, dec)
+    return dec
+
+
+def _apply_template(dec: _Decoded, rec: bytes, col, stored_crc: np.ndarray):
+    """Check every record against the template's layout by CRC; decode the ones that match.
+    `col(j)` gives byte j of every record. Returns (ok mask, steps, walls, [(tag, values)]) for ok rows."""
+    L = len(rec)
+    var: list[int] = []
+    if dec.wall_off is not None:
+        var += range(dec.wall_off, dec.wall_off + 8)
+    if dec.step_off is not None:
+        var += range(dec.step_off, dec.step_off + dec.step_len)
+    for _t, _v, kind, o in dec.values:
+        var += range(o, o + (4 if kind == "f4" else 8))
+    tpl = np.frombuffer(rec, dtype=np.uint8)
+    ptab = _position_tables(L)
+    crc = np.full(len(stored_crc), _crc32c_py(rec), dtype=np.uint32)
+    cols = {}
+    for j in var:
+        c = col(j)
+        cols[j] = c
+        crc ^= ptab[j][c ^ tpl[j]]
+    ok = _mask_np(crc) == stored_crc
+    if dec.step_off is not None:
+        last = dec.step_off + dec.step_len - 1
+        for j in range(dec.step_off, last):
+            ok &= (cols[j] & 0x80) != 0
+        ok &= (cols[last] & 0x80) == 0
+    n_ok = int(ok.sum())
+    all_ok = n_ok == len(ok)
+
+    def take(j):
+        return cols[j] if all_ok else cols[j][ok]
+
+    def gather(o, n):
+        m = np.empty((n_ok, n), dtype=np.uint8)
+        for k in range(n):
+            m[:, k] = take(o + k)
+        return m
+
+    w = gather(dec.wall_off, 8).view("<f8")[:, 0] if dec.wall_off is not None else np.zeros(n_ok)
+    s = np.zeros(n_ok, dtype=np.int64)
+    if dec.step_off is not None:
+        for k in range(dec.step_len):
+            s |= (take(dec.step_off + k).astype(np.int64) & 0x7F) << (7 * k)
+    vals = []
+    for tag, _v, kind, o in dec.values:
+        n = 4 if kind == "f4" else 8
+        vals.append((tag, gather(o, n).view("<f4" if n == 4 else "<f8")[:, 0].astype(np.float64)))
+    return ok, s, w, vals
+
+
+def _decode(buf: bytes, arr: np.ndarray, fr: _Frame) -> _Batch:
+    out = _Batch(records=fr.records)
     pieces: dict[str, list] = {}  # tag -> [(order, step, wall, value)]
+    left_offs: list[np.ndarray] = []
+    left_lens: list[np.ndarray] = []
 
-    def emit(tag, order, step, wall, val):
-        pieces.setdefault(tag, []).append((order, step, wall, val))
+    def emit(order, s, w, vals):
+        for tag, v in vals:
+            pieces.setdefault(tag, []).append((order, s, w, v))
 
-    slow_idx: list[int] = []
-    data_offs = offs + 12
-    stored_crc_all = None
-    if len(offs):
-        crc_pos = data_offs + lens
-        stored_crc_all = arr[crc_pos[:, None] + np.arange(4)].copy().view("<u4")[:, 0]
-    order = np.argsort(lens, kind="stable")
-    sorted_lens = lens[order]
-    bounds = np.flatnonzero(np.diff(sorted_lens)) + 1
-    for grp in np.split(order, bounds):
-        if not grp.size:
+    for seg in fr.segments:
+        if seg[0] == "seq":
+            left_offs.append(seg[1])
+            left_lens.append(seg[2])
             continue
-        L = int(lens[grp[0]])
-        remaining = grp
-        tries = 0
-        while remaining.size:
-            if L > _MAX_TEMPLATE_LEN or L == 0 or tries >= _MAX_TEMPLATES_PER_LENGTH:
-                slow_idx.extend(remaining.tolist())
-                break
-            tries += 1
-            first = int(remaining[0])
-            d0 = int(data_offs[first])
-            rec = buf[d0 : d0 + L]
-            if masked_crc(rec) != int(stored_crc_all[first]):
-                out.bad_records += 1
-                remaining = remaining[1:]
-                continue
+        _k, pos, reps, pat = seg
+        step_bytes = int(pat.sum()) + 16 * len(pat)
+        blk = arr[pos : pos + reps * step_bytes].reshape(reps, step_bytes)
+        rows = np.arange(reps, dtype=np.int64) * step_bytes + pos
+        c = 0
+        for L in pat.tolist():
+            d = c + 12
+            stored = np.ascontiguousarray(blk[:, d + L : d + L + 4]).view("<u4")[:, 0]
+            rec = buf[pos + d : pos + d + L]
             try:
-                dec = _decode_event(rec, 0, L)
-            except _ProtoError:
-                out.bad_records += 1
-                remaining = remaining[1:]
-                continue
-            if not dec.values:  # file_version, graphs, images...: nothing to read
-                # other records of this exact content would also be value-less; drop them cheaply
-                remaining = remaining[1:]
-                continue
-            if any(kind not in ("f4", "f8") for _t, _v, kind, _o in dec.values):
-                slow_idx.append(first)
-                remaining = remaining[1:]
-                continue
-            var: list[int] = []
-            if dec.wall_off is not None:
-                var += range(dec.wall_off, dec.wall_off + 8)
-            if dec.step_off is not None:
-                var += range(dec.step_off, dec.step_off + dec.step_len)
-            for _t, _v, kind, o in dec.values:
-                var += range(o, o + (4 if kind == "f4" else 8))
-            tpl = np.frombuffer(rec, dtype=np.uint8)
-            ptab = _position_tables(L)
-            base = data_offs[remaining]
-            crc = np.full(remaining.size, _crc32c_py(rec), dtype=np.uint32)
-            cols = {}
-            for j in var:
-                col = arr[base + j]
-                cols[j] = col
-                crc ^= ptab[j][col ^ tpl[j]]
-            ok = _mask_np(crc) == stored_crc_all[remaining]
-            if dec.step_off is not None and dec.step_len > 1:
-                for j in range(dec.step_off, dec.step_off + dec.step_len - 1):
-                    ok &= (cols[j] & 0x80) != 0
-            if dec.step_off is not None:
-                ok &= (cols[dec.step_off + dec.step_len - 1] & 0x80) == 0
-            hit = remaining[ok]
-            if hit.size:
-                sel = {j: c[ok] for j, c in cols.items()}
-                if dec.wall_off is not None:
-                    w = np.stack([sel[dec.wall_off + k] for k in range(8)], axis=1).view("<f8")[:, 0]
-                else:
-                    w = np.zeros(hit.size)
-                if dec.step_off is not None:
-                    s = np.zeros(hit.size, dtype=np.int64)
-                    for k in range(dec.step_len):
-                        s |= (sel[dec.step_off + k].astype(np.int64) & 0x7F) << (7 * k)
-                    if dec.step_len == 10:  # negative int64 steps: the 64th bit
-                        s = s.view(np.int64)
-                else:
-                    s = np.zeros(hit.size, dtype=np.int64)
-                for tag, _v, kind, o in dec.values:
-                    n = 4 if kind == "f4" else 8
-                    v = np.stack([sel[o + k] for k in range(n)], axis=1).view("<f4" if n == 4 else "<f8")[:, 0]
-                    emit(tag, hit, s, w, v.astype(np.float64))
-            remaining = remaining[~ok]
-    for i in slow_idx:
-        d0 = int(data_offs[i])
-        L = int(lens[i])
-        rec = buf[d0 : d0 + L]
-        if masked_crc(rec) != int(stored_crc_all[i]):
-            out.bad_records += 1
-            continue
-        try:
-            dec = _decode_event(rec, 0, L)
-        except _ProtoError:
-            out.bad_records += 1
-            continue
-        one = np.array([i])
-        for tag, val, _k, _o in dec.values:
-            emit(tag, one, np.array([dec.step], dtype=np.int64), np.array([dec.wall_time]), np.array([val]))
+                dec = _template(rec, int(stored[0])) if 0 < L <= _MAX_TEMPLATE_LEN else False
+            except _Unusable:
+                dec = False
+            if dec is None:
+                pass  # value-less records (file_version...): nothing to read
+            elif dec is False:
+                left_offs.append(rows + c)
+                left_lens.append(np.full(reps, L, dtype=np.int64))
+            else:
+                ok, s, w, vals = _apply_template(dec, rec, lambda j, d=d, blk=blk: blk[:, d + j], stored)
+                emit(rows[ok] + c if not ok.all() else rows + c, s, w, vals)
+                if not ok.all():
+                    left_offs.append(rows[~ok] + c)
+                    left_lens.append(np.full(int((~ok).sum()), L, dtype=np.int64))
+            c += L + 16
+    if left_offs:
+        _decode_scattered(buf, arr, np.concatenate(left_offs), np.concatenate(left_lens), out, emit)
     for tag, parts in pieces.items():
         if len(parts) == 1:
             o, s, w, v = parts[0]
@@ -489,10 +505,66 @@ def _decode_records(buf: bytes, arr: np.ndarray, offs: np.ndarray, lens: np.ndar
             s = np.concatenate([p[1] for p in parts])
             w = np.concatenate([p[2] for p in parts])
             v = np.concatenate([p[3] for p in parts])
-            srt = np.argsort(o, kind="stable")  # timsort: merging a few sorted runs is linear
-            s, w, v = s[srt], w[srt], v[srt]
+            if len(o) > 1 and not (o[1:] > o[:-1]).all():
+                srt = np.argsort(o, kind="stable")  # timsort: merging a few sorted runs is linear
+                s, w, v = s[srt], w[srt], v[srt]
         out.tags[tag] = (s, w, v)
     return out
+
+
+def _decode_scattered(buf: bytes, arr: np.ndarray, offs: np.ndarray, lens: np.ndarray, out: _Batch, emit) -> None:
+    """Records at arbitrary offsets: grouped by length, each group decoded by templates."""
+    data_offs = offs + 12
+    crc_pos = data_offs + lens
+    stored_all = arr[crc_pos[:, None] + np.arange(4)].copy().view("<u4")[:, 0]
+    slow: list[int] = []
+    order = np.argsort(lens, kind="stable")
+    bounds = np.flatnonzero(np.diff(lens[order])) + 1
+    for grp in np.split(order, bounds):
+        if not grp.size:
+            continue
+        L = int(lens[grp[0]])
+        remaining = grp
+        tries = 0
+        while remaining.size:
+            if L > _MAX_TEMPLATE_LEN or L == 0 or tries >= _MAX_TEMPLATES_PER_LENGTH:
+                slow.extend(remaining.tolist())
+                break
+            tries += 1
+            first = int(remaining[0])
+            d0 = int(data_offs[first])
+            rec = buf[d0 : d0 + L]
+            try:
+                dec = _template(rec, int(stored_all[first]))
+            except _Unusable as e:
+                if e.corrupt:
+                    out.bad_records += 1
+                else:
+                    slow.append(first)
+                remaining = remaining[1:]
+                continue
+            if dec is None:
+                remaining = remaining[1:]
+                continue
+            base = data_offs[remaining]
+            ok, s, w, vals = _apply_template(dec, rec, lambda j, base=base: arr[base + j], stored_all[remaining])
+            emit(offs[remaining[ok]], s, w, vals)
+            remaining = remaining[~ok]
+    for i in slow:
+        d0 = int(data_offs[i])
+        L = int(lens[i])
+        rec = buf[d0 : d0 + L]
+        if masked_crc(rec) != int(stored_all[i]):
+            out.bad_records += 1
+            continue
+        try:
+            dec = _decode_event(rec, 0, L)
+        except _ProtoError:
+            out.bad_records += 1
+            continue
+        one = np.array([offs[i]])
+        emit(one, np.array([dec.step], dtype=np.int64), np.array([dec.wall_time]),
+             [(tag, np.array([val])) for tag, val, _k, _o in dec.values])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -735,8 +807,8 @@ class EventReader:
                 break
             arr = np.frombuffer(buf, dtype=np.uint8)
             fr = _frame(buf, arr)
-            if len(fr.offs):
-                batch = _decode_records(buf, arr, fr.offs, fr.lens)
+            if fr.records:
+                batch = _decode(buf, arr, fr)
                 fs.records += batch.records
                 fs.bad_records += batch.bad_records
                 st.records += batch.records
