@@ -92,6 +92,9 @@ class PreflightResult:
     error: str | None = None
     cached: bool = False
     notes: list[str] = field(default_factory=list)
+    hlo_flops_per_device_body_once: float | None = None  # the HLO walk's matmuls, loops once: checks the walk
+    hlo_loops: int | None = None
+    hlo_unresolved_loops: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -598,15 +601,19 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
     key = cache_key(recipe, device, plan.per_device_batch, version)
     if use_cache:
         hit = load_cached(key)
-        if hit is not None:
+        names = {f.name for f in dataclasses.fields(PreflightResult)}
+        if hit is not None and set(hit) <= names:
             hit["cached"] = True
-            return _with_hbm(PreflightResult(**hit), hbm)
+            try:
+                return _with_hbm(PreflightResult(**hit), hbm)
+            except TypeError:  # an entry from an older layout: compile again
+                pass
 
     m = recipe.model
     formula = formula_flops_per_step(recipe)
     compiled, compile_s, error, arg_estimate = compile_step(recipe, device, plan)
     notes: list[str] = []
-    xla_step = xla_once = ratio = dense = attention = recompute = dense_ratio = None
+    xla_step = xla_once = ratio = dense = attention = recompute = dense_ratio = counted = None
     if compiled is not None:
         mem = compiled.memory_analysis()
         arg, out, alias = mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes
@@ -652,6 +659,9 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
         xla_vs_formula=ratio, xla_dense_flops_per_step=dense, xla_attention_flops_per_step=attention,
         xla_recompute_flops_per_step=recompute, formula_dense_flops_per_step=formula["dense"],
         formula_attention_flops_per_step=formula["attention"], dense_xla_vs_formula=dense_ratio,
+        hlo_flops_per_device_body_once=counted.body_once if counted else None,
+        hlo_loops=counted.loops if counted else None,
+        hlo_unresolved_loops=counted.unresolved_loops if counted else None,
         compile_s=round(compile_s, 2), compiled_by_xla=compiled is not None, trainer_version=version,
         error=None if compiled is not None else (error or "").strip().splitlines()[0][:500], notes=notes,
     )

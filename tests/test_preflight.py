@@ -1,0 +1,159 @@
+"""Preflight: the trainer's real step compiled for a v5p-8 topology with libtpu, on this CPU machine.
+
+A reduced OLMo 3 (8 layers = two scanned groups of 3 sliding + 1 full, narrow width, seq 1024 so the
+blocked attention runs its loops) with grad accumulation 2, so every loop preflight has to count
+(accumulation scan, layer-group scan, attention loops) really iterates. Compiles are shared through
+one cache directory per module; each takes ~30-80 s of CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from olmo_ctl import preflight as pf
+from olmo_ctl.batching import param_count
+from olmo_ctl.devices import GIB, get_device
+from olmo_ctl.recipe import load_recipe
+
+pytestmark = [
+    pytest.mark.tpu_compile,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not pf.libtpu_available(), reason="needs libtpu (pip install 'olmo-ctl[tpu]')"),
+]
+
+SETS = [
+    "model.n_layers=8", "model.d_model=256", "model.n_heads=2", "model.n_kv_heads=2", "model.head_dim=128",
+    "model.mlp_hidden=704", "model.vocab_size=1000", "model.padded_vocab_size=1024", "model.sliding_window=256",
+    "model.eos_token_id=1", "model.pad_token_id=2", "train.seq_len=1024", "train.global_batch=16",
+]
+DEVICE = "v5p-8"  # 4 devices: global batch 16 = 4 per device = micro-batch 2 x accumulation 2
+BATCH = 2
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("OLMO_CTL_CACHE_DIR")
+    os.environ["OLMO_CTL_CACHE_DIR"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("OLMO_CTL_CACHE_DIR", None)
+    else:
+        os.environ["OLMO_CTL_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_recipe(stage=1, overrides=SETS)
+
+
+@pytest.fixture(scope="module")
+def base(cache, recipe):
+    """remat=none, head dim 128: compiled once for the module."""
+    return pf.run_preflight(recipe, get_device(DEVICE), remat="none", per_device_batch=BATCH)
+
+
+def test_compiles_and_reports_memory_and_plan(base, recipe):
+    assert base.compiled_by_xla and not base.cached
+    assert (base.topology, base.devices) == ("v5p:2x2x1", 4)
+    assert (base.per_device_batch, base.grad_accum) == (2, 2)
+    assert base.param_count == param_count(recipe.model)
+    # Arguments = fp32 params + two fp32 Adam moments (sharded 4 ways) + the int32 batch shard.
+    state = 3 * 4 * base.param_count / 4
+    batch = 2 * 2 * BATCH * recipe.train.seq_len * 4
+    assert state <= base.argument_bytes_per_device <= 1.05 * (state + batch) + 1e5
+    assert base.alias_bytes_per_device >= 0.99 * state  # the donated state is updated in place
+    assert base.peak_bytes_per_device == (base.argument_bytes_per_device + base.output_bytes_per_device
+                                          - base.alias_bytes_per_device + base.temp_bytes_per_device
+                                          + base.generated_code_bytes_per_device)
+    assert base.fits and base.hbm_bytes_per_device == get_device(DEVICE).hbm_bytes_per_device
+    assert base.compile_s > 0
+
+
+def test_xla_flops_count_every_loop_iteration_and_match_the_formula(base, recipe):
+    # Dense (weight) matmuls: XLA's compiled program vs MaxText's 6 x weights x tokens, with the
+    # accumulation scan (2) and the layer-group scan (2) multiplied in: without them it would be ~1/4.
+    assert base.dense_xla_vs_formula == pytest.approx(1.0, abs=0.01)
+    assert base.xla_recompute_flops_per_step == 0  # remat=none recomputes nothing
+    # The attention kernel's loops are counted tile by tile (skipped tiles included): above MaxText's
+    # causal-halved term, below 4x of it.
+    assert 1.0 < base.xla_attention_flops_per_step / base.formula_attention_flops_per_step < 4.0
+    # The loop correction only adds iterations to what cost_analysis() counted once.
+    assert base.xla_flops_per_step > 3 * base.xla_flops_per_device_body_once * base.devices / 4
+    assert base.xla_flops_per_step >= base.xla_dense_flops_per_step + base.xla_attention_flops_per_step
+    assert base.xla_vs_formula == pytest.approx(base.xla_flops_per_step / base.formula_flops_per_step)
+
+
+def test_hlo_walk_matches_xla_cost_analysis(base):
+    """With every loop body counted once, the HLO walk reproduces cost_analysis() (matmuls dominate)."""
+    assert base.hlo_loops >= 4 and base.hlo_unresolved_loops == 0
+    assert base.hlo_flops_per_device_body_once == pytest.approx(base.xla_flops_per_device_body_once, rel=0.03)
+
+
+def test_tiny_hbm_does_not_fit_and_says_by_how_much(base, recipe):
+    hbm = base.peak_bytes_per_device - GIB // 4
+    r = pf.run_preflight(recipe, get_device(DEVICE), remat="none", per_device_batch=BATCH, hbm_bytes=hbm)
+    assert r.cached  # the verdict changes, the compile is reused
+    assert not r.fits
+    assert r.shortfall_bytes_per_device == GIB // 4
+    assert "does not fit" in r.verdict() and "0.25 GiB over" in r.verdict()
+
+
+def test_head_dim_256_same_parameters_and_flops(base, recipe):
+    wide = pf.run_preflight(recipe, get_device(DEVICE), remat="none", per_device_batch=BATCH, head_dim=256)
+    assert (wide.head_dim, wide.n_heads) == (256, 1)
+    assert wide.param_count == base.param_count
+    assert wide.xla_flops_per_step == pytest.approx(base.xla_flops_per_step, rel=0.01)
+    assert wide.formula_flops_per_step == base.formula_flops_per_step
+
+
+def test_search_recommends_the_cheapest_policy_that_fits(base, recipe):
+    # HBM just below what remat=none needs: the search must move on to save_proj (less memory).
+    hbm = base.peak_bytes_per_device - 1
+    tried, best = pf.search(recipe, get_device(DEVICE), per_device_batch=BATCH, hbm_bytes=hbm)
+    assert [t.remat for t in tried][:2] == ["none", "save_proj"]
+    assert not tried[0].fits
+    assert best is not None and best.fits and best.remat == tried[-1].remat
+    assert best.peak_bytes_per_device < base.peak_bytes_per_device
+    assert best.xla_recompute_flops_per_step > 0
+
+
+def _cli(*args, cache_dir):
+    env = dict(os.environ, OLMO_CTL_CACHE_DIR=str(cache_dir))
+    cmd = [sys.executable, "-c", "from olmo_ctl.cli import entry; entry()"]
+    sets = [x for s in SETS for x in ("--set", s)]
+    return subprocess.run([*cmd, "preflight", "--stage", "1", "--device", DEVICE, "--remat", "none",
+                           "--per-device-batch", str(BATCH), *sets, *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_cli_json_and_exit_codes(base, cache):
+    p = _cli("-o", "json", cache_dir=cache)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    for k in ("device", "topology", "devices", "per_device_batch", "grad_accum", "remat", "hbm_bytes_per_device",
+              "peak_bytes_per_device", "fits", "xla_flops_per_step", "formula_flops_per_step", "compile_s"):
+        assert k in d
+    assert d["cached"] and d["fits"] and d["peak_bytes_per_device"] == base.peak_bytes_per_device
+    small = (base.peak_bytes_per_device - GIB // 2) / GIB
+    p = _cli("--hbm-gib", str(small), cache_dir=cache)
+    assert p.returncode == 1
+    assert "does not fit on v5p-8" in p.stderr and "0.50 GiB over" in p.stderr
+    assert "Traceback" not in p.stderr
+    p = _cli("--head-dim", "96", cache_dir=cache)
+    assert p.returncode == 2 and "--head-dim 96" in p.stderr
+
+
+def test_parse_compiler_refusal():
+    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+           "(505.08G) exceeds available HBM (95.74G).")
+    used, cap, temps_only = pf.parse_hbm_oom(msg)
+    assert temps_only and used == int(505.08 * GIB) and cap == int(95.74 * GIB)
+    assert pf.parse_hbm_oom("Used 120.5G of 95.74G hbm. Exceeded hbm capacity by 24.76G.")[:2] == (
+        int(120.5 * GIB), int(95.74 * GIB))
+    assert pf.parse_hbm_oom("INTERNAL: something else") is None
