@@ -84,6 +84,8 @@ _PLACEHOLDERS = ("device", "topology", "generation")
 
 def _check(name: str, value: str, src: str) -> None:
     where = f"setting `{name}` ({src})"
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise BadInput(f"{where}: the value contains control characters (a newline?)")
     if name == "namespace":
         if len(value) > 63 or not _DNS1123_LABEL.match(value):
             raise BadInput(f"{where}: `{value}` is not a valid namespace name",
@@ -125,7 +127,7 @@ def _load_file(path: Path) -> dict[str, Any]:
     import yaml
 
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except OSError as e:
         raise BadInput(f"cannot read config file `{path}`: {e.strerror}") from None
     except yaml.YAMLError as e:

@@ -101,11 +101,12 @@ def _merge(base: Any, over: Any) -> Any:
 def _load_template(generation: str) -> dict:
     import yaml
 
-    common = yaml.safe_load((TEMPLATES_DIR / "common.yaml").read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: start-up time
+    common = yaml.load((TEMPLATES_DIR / "common.yaml").read_text(), Loader=loader)
     path = TEMPLATES_DIR / f"{generation}.yaml"
     if not path.exists():
         raise BadInput(f"no launch template for TPU generation `{generation}`", f"expected {path}")
-    specific = yaml.safe_load(path.read_text()) or {}
+    specific = yaml.load(path.read_text(), Loader=loader) or {}
     unknown = set(specific.get("vars", {})) - set(common["vars"])
     if unknown:
         raise ValueError(f"{path}: unknown vars {sorted(unknown)} (known: {sorted(common['vars'])})")

@@ -359,7 +359,7 @@ def load_raw(path: Path) -> dict:
     except OSError as e:
         raise BadInput(f"cannot read recipe `{src}`: {e.strerror}") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: start-up time
     except yaml.YAMLError as e:
         first = str(e).splitlines()[0] if str(e) else "syntax error"
         raise BadInput(f"{src}: not valid YAML ({first})") from None

@@ -1,0 +1,44 @@
+# olmo-ctl: set-up, tests and the artefacts reviewed in diffs.
+#   make install   .venv with every extra (trainer, tpu, parity, dev)
+#   make test      the test suite (what CI runs)
+#   make demo      set up, then show what a run submits
+#   make goldens   regenerate tests/goldens/*.yaml (review the diff)
+#   make lint      ruff
+#   make image     docker build of launch_templates/Dockerfile
+#   make bench     CLI start-up latency
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+IMAGE  ?= olmo-ctl:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+
+.PHONY: install test lint goldens demo image bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -e '.[trainer,tpu,parity,dev]'
+	touch $(STAMP)
+
+# pytest exits 5 when it collects no test: said out loud, not a failure of the build.
+test:
+	@$(BIN)/pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests were collected"; exit 0; fi; exit $$rc
+
+lint:
+	$(BIN)/ruff check .
+
+goldens:
+	$(BIN)/python tests/test_manifest.py
+
+demo: $(STAMP)
+	$(BIN)/olmo-ctl plan --stage 1 --device tpu7x-128
+	$(BIN)/olmo-ctl submit --stage 1 --device tpu7x-128 --dry-run
+
+image:
+	docker build -f launch_templates/Dockerfile -t $(IMAGE) .
+
+bench:
+	$(BIN)/python benchmarks/cli_latency.py

@@ -1,0 +1,86 @@
+"""Every user mistake: exit 2, one line on stderr starting with `error:`, nothing on stdout, no traceback.
+
+Each invocation runs the real command line (`python -m olmo_ctl`) as its own process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DRY = ["submit", "--stage", "1", "--device", "tpu7x-128", "--dry-run"]
+
+CASES = {
+    "unknown device": (["plan", "--stage", "1", "--device", "v5p-9"], "not a device type"),
+    "unknown generation": (["plan", "--stage", "1", "--device", "v6e-8"], "unknown generation"),
+    "devices --generation": (["devices", "--generation", "v6e"], "not a device generation"),
+    "no recipe": (["plan", "--device", "v5p-8"], "no recipe given"),
+    "stage 3": (["plan", "--stage", "3", "--device", "v5p-8"], "not a stage"),
+    "stage and recipe": (["plan", "--stage", "1", "--recipe", "smoke", "--device", "v5p-8"], "exclusive"),
+    "batch cannot split": (["plan", "--stage", "1", "--device", "tpu7x-1024"], "cannot be split"),
+    "bad recipe key": (["plan", "--stage", "1", "--device", "v5p-8", "--set", "train.bogus=1"], "unknown key"),
+    "bad recipe type": (["plan", "--stage", "1", "--device", "v5p-8", "--set", "train.global_batch=abc"],
+                        "must be an integer"),
+    "bad --set syntax": (["plan", "--stage", "1", "--device", "v5p-8", "--set", "global_batch"], "key.sub=value"),
+    "missing recipe file": (["plan", "--recipe", "/nonexistent/r.yaml", "--device", "v5p-8"], "does not exist"),
+    "unknown recipe name": (["plan", "--recipe", "olmo4", "--device", "v5p-8"], "not a recipe"),
+    "mfu as percent": (["plan", "--stage", "1", "--device", "v5p-8", "--mfu", "40"], "not a fraction"),
+    "does not fit": (["plan", "--stage", "1", "--device", "cpu-4"], "does not fit"),
+    "uppercase run name": ([*DRY, "--run", "OLMo-7b"], "not a valid run name"),
+    "underscore run name": ([*DRY, "--run", "olmo_7b"], "not a valid run name"),
+    "leading digit run name": ([*DRY, "--run", "7b-olmo"], "not a valid run name"),
+    "run name too long": ([*DRY, "--run", "a" * 64], "more than 63"),
+    "local device on gke": (["submit", "--recipe", "smoke", "--device", "cpu-4", "--dry-run"], "local device"),
+    "bad namespace": ([*DRY, "--namespace", "Bad_NS"], "not a valid namespace"),
+    "bad backend": ([*DRY, "--backend", "k8s"], "not a backend"),
+    "local run root for gke": ([*DRY, "--run-root", "/tmp/runs"], "not on GCS"),
+    "manifest dir missing": ([*DRY, "--output-manifest", "/nonexistent/dir/m.yaml"], "does not exist"),
+    "bad output format": ([*DRY, "-o", "table"], "--output"),
+    "negative attempt": ([*DRY, "--attempt", "-1"], "--attempt"),
+    "missing --device": (["submit", "--stage", "1", "--dry-run"], "--device"),
+    "unknown option": (["plan", "--stage", "1", "--device", "v5p-8", "--fast"], "--fast"),
+    "unknown command": (["launch"], "launch"),
+    "submit with placeholders": (["submit", "--stage", "1", "--device", "v5p-8"], "placeholders"),
+}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
+    e["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("xdg"))
+    return e
+
+
+def _assert_user_error(p: subprocess.CompletedProcess, expect: str) -> None:
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "Traceback" not in p.stderr
+    assert p.stdout == ""
+    errors = [line for line in p.stderr.splitlines() if not line.startswith("note: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: "), p.stderr
+    assert expect in errors[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_wrong_invocation(case, env):
+    args, expect = CASES[case]
+    p = subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=60)
+    _assert_user_error(p, expect)
+
+
+def test_bad_files(env, tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("name: [unclosed\n")
+    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "plan", "--recipe", str(bad_yaml), "--device", "v5p-8"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    _assert_user_error(p, "not valid YAML")
+    cfg = tmp_path / "xdg" / "olmo-ctl" / "config.yaml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text("namespace: ok\nzone: us-central1\n")
+    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "config", "show"], capture_output=True, text=True,
+                       env={**env, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}, cwd=ROOT, timeout=60)
+    _assert_user_error(p, "unknown setting `zone`")

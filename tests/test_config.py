@@ -1,0 +1,99 @@
+"""Site settings: flags > OLMO_CTL_* environment > config file > defaults, shown by `olmo-ctl config show`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from olmo_ctl.config import PLACEHOLDER_RUN_ROOT, resolve_settings
+from olmo_ctl.errors import BadInput
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def xdg(tmp_path, monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("OLMO_CTL_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    (tmp_path / "olmo-ctl").mkdir()
+    return tmp_path / "olmo-ctl" / "config.yaml"
+
+
+def test_defaults_without_a_file(xdg):
+    s = resolve_settings()
+    assert s.run_root == PLACEHOLDER_RUN_ROOT and s.backend == "gke" and s.priority_class is None
+    assert set(s.sources.values()) == {"default"}
+    assert s.placeholders() == ["run_root", "image"]
+
+
+def test_precedence_flag_over_env_over_file(xdg, monkeypatch):
+    xdg.write_text(yaml.safe_dump({"namespace": "from-file", "queue": "file-q", "run_root": "gs://file/runs",
+                                   "priority_class": "file-prio"}))
+    monkeypatch.setenv("OLMO_CTL_QUEUE", "env-q")
+    monkeypatch.setenv("OLMO_CTL_NAMESPACE", "from-env")
+    monkeypatch.setenv("OLMO_CTL_PRIORITY_CLASS", "")  # empty clears an optional setting
+    s = resolve_settings(namespace="from-flag")
+    assert (s.namespace, s.queue, s.run_root, s.priority_class) == ("from-flag", "env-q", "gs://file/runs", None)
+    assert s.sources["namespace"] == "flag --namespace"
+    assert s.sources["queue"] == "env OLMO_CTL_QUEUE"
+    assert s.sources["run_root"] == f"file {xdg}"
+    assert s.sources["image"] == "default"
+    assert s.placeholders() == ["image"]
+
+
+@pytest.mark.parametrize("content,match", [
+    ("namespce: x\n", "unknown setting `namespce`"),
+    ("namespace: [a, b]\n", "must be a string"),
+    ("- just\n- a list\n", "YAML mapping"),
+    ("namespace: 'unclosed\n", "not valid YAML"),
+    ("namespace: Bad_NS\n", "not a valid namespace"),
+    ("backend: k8s\n", "not a backend"),
+    ("run_root: s3://b/runs\n", "gs://"),
+    ("placement_policy: 'pp-{zone}'\n", "unknown placeholder"),
+    ("queue: ''\n", "not a valid Kubernetes object name"),
+])
+def test_bad_config_files(xdg, content, match):
+    xdg.write_text(content)
+    with pytest.raises(BadInput, match=match):
+        resolve_settings()
+
+
+def test_bad_env_value_names_its_source(xdg, monkeypatch):
+    monkeypatch.setenv("OLMO_CTL_SERVICE_ACCOUNT", "Not A Name")
+    with pytest.raises(BadInput) as e:
+        resolve_settings()
+    assert "OLMO_CTL_SERVICE_ACCOUNT" in e.value.message
+
+
+def test_config_show_and_dry_run_use_the_file(xdg):
+    xdg.write_text(yaml.safe_dump({"namespace": "research", "run_root": "gs://bkt/olmo", "image": "img:7"}))
+    env = dict(os.environ)
+    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "config", "show", "-o", "json"], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    shown = json.loads(p.stdout)
+    assert shown["config_file"] == str(xdg) and shown["config_file_exists"]
+    assert shown["settings"]["namespace"] == "research"
+    assert shown["sources"]["namespace"] == f"file {xdg}"
+    assert shown["placeholders"] == []
+    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "config", "show"], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=60)
+    assert "research" in p.stdout and str(xdg) in p.stdout
+    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "submit", "--stage", "1", "--device", "v5p-256",
+                        "--dry-run", "--namespace", "override", "-o", "json"], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    js = json.loads(p.stdout)
+    assert js["metadata"]["namespace"] == "override"
+    pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == "img:7"
+    assert "gs://bkt/olmo/olmo3-7b-stage1" in pod["containers"][0]["command"]
+    assert "placeholder" not in p.stderr

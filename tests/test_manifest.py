@@ -1,0 +1,365 @@
+"""JobSet rendering: golden manifests (regenerate with `make goldens`), validation against the real
+JobSet v0.10.1 CRD schema with unknown fields as errors, names, and the shape of every field."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from olmo_ctl.batching import make_plan
+from olmo_ctl.config import Settings
+from olmo_ctl.devices import get_device
+from olmo_ctl.errors import BadInput
+from olmo_ctl.manifest import jobset_name, render_jobset, validate_run_name
+from olmo_ctl.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDENS = Path(__file__).resolve().parent / "goldens"
+SCHEMA = ROOT.parent / "shared" / "schemas" / "jobset.x-k8s.io_jobsets.v0.10.1.yaml"
+
+# Site settings of the goldens, passed as flags so the goldens are exactly what the CLI prints.
+SITE = ["--namespace", "olmo", "--queue", "tpu-queue", "--image",
+        "us-docker.pkg.dev/example-project/olmo-ctl/olmo-ctl:0.1.0", "--run-root", "gs://example-bucket/runs",
+        "--service-account", "olmo-trainer", "--placement-policy", "olmo-{topology}"]
+DEVICES = ("tpu7x-128", "tpu7x-512", "v5p-256", "v5p-8")
+
+
+def golden_cases() -> dict[str, list[str]]:
+    cases = {}
+    for dev in DEVICES:
+        devices = get_device(dev).devices
+        cases[f"{dev}-stage1"] = ["--stage", "1", "--device", dev, "--priority-class", "high"]
+        stage2 = ["--stage", "2", "--device", dev, "--run", "olmo3-7b-s2", "--attempt", "4"]
+        if devices > 256:
+            # Stage 2's global batch (256) cannot split over 512 devices (that is refused, see
+            # test_plan.py); the way to run it there is an explicit batch of 512 over half the steps.
+            cases[f"{dev}-stage2-gb512"] = [*stage2, "--set", "train.global_batch=512",
+                                           "--set", "train.max_steps=23842"]
+        else:
+            cases[f"{dev}-stage2"] = stage2
+        # The smoke model on a slice: one instance per device where its global batch of 8 cannot split.
+        smoke = ["--recipe", "smoke", "--device", dev, "--run", f"smoke-{dev}"]
+        cases[f"{dev}-smoke"] = smoke + (["--set", f"train.global_batch={devices}"] if devices > 8 else [])
+    return cases
+
+
+def clean_env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
+    env["XDG_CONFIG_HOME"] = str(tmp)  # no user config file
+    return env
+
+
+def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=60)
+
+
+def render_golden(args: list[str], env: dict[str, str]) -> str:
+    p = cli(["submit", *args, *SITE, "--dry-run"], env)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+@functools.lru_cache(maxsize=1)
+def strict_schema() -> dict:
+    """The JobSet schema with `additionalProperties: false` wherever it lists properties."""
+    crd = yaml.load(SCHEMA.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2")
+    schema = version["schema"]["openAPIV3Schema"]
+
+    def strict(node):
+        if isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            for v in node.values():
+                strict(v)
+        elif isinstance(node, list):
+            for v in node:
+                strict(v)
+
+    strict(schema)
+    return schema
+
+
+def schema_errors(obj: dict) -> list[str]:
+    schema = strict_schema()
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+
+
+# Kubernetes rules the CRD schema leaves to the API server (metadata is untyped there).
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def metadata_errors(js: dict) -> list[str]:
+    errs = []
+    name = js["metadata"]["name"]
+    if len(name) > 40 or not _DNS1035.match(name):
+        errs.append(f"name {name!r} is not a DNS-1035 label of <= 40 characters")
+    pod_meta = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]
+    pod_spec = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    for where, labels in (("jobset", js["metadata"]["labels"]), ("pod", pod_meta["labels"]),
+                          ("nodeSelector", pod_spec["nodeSelector"])):
+        for k, v in labels.items():
+            if not isinstance(v, str) or len(v) > 63 or not _LABEL_VALUE.match(v):
+                errs.append(f"{where} label {k}={v!r} is not a valid label value")
+            if not _LABEL_KEY.match(k):
+                errs.append(f"{where} label key {k!r} is not valid")
+    return errs
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    return clean_env(tmp_path_factory.mktemp("xdg"))
+
+
+def _pod(js: dict) -> dict:
+    return js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+
+
+def _job(js: dict) -> dict:
+    return js["spec"]["replicatedJobs"][0]["template"]["spec"]
+
+
+# ---------------------------------------------------------------- goldens
+
+
+@pytest.mark.parametrize("case", sorted(golden_cases()))
+def test_golden_matches_cli_and_validates(case, env):
+    args = golden_cases()[case]
+    text = render_golden(args, env)
+    path = GOLDENS / f"{case}.yaml"
+    assert path.exists(), f"missing golden {path.name}: run `make goldens`"
+    assert text == path.read_text(), f"{path.name} differs from the rendered manifest: run `make goldens`, review"
+    js = yaml.safe_load(text)
+    assert schema_errors(js) == []
+    assert metadata_errors(js) == []
+    dev = get_device(args[args.index("--device") + 1])
+    job, pod = _job(js), _pod(js)
+    assert job["parallelism"] == job["completions"] == dev.vms
+    assert pod["containers"][0]["resources"]["limits"]["google.com/tpu"] == dev.chips_per_vm
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == dev.topology
+    # The placement policy is selected only on multi-host Ironwood slices.
+    has_policy = "cloud.google.com/placement-policy-name" in pod["nodeSelector"]
+    assert has_policy == (dev.generation == "tpu7x" and dev.vms > 1)
+    if has_policy:
+        assert pod["nodeSelector"]["cloud.google.com/placement-policy-name"] == f"olmo-{dev.topology}"
+    assert ("kueue.x-k8s.io/priority-class" in js["metadata"]["labels"]) == ("--priority-class" in args)
+
+
+def test_goldens_are_all_listed():
+    on_disk = {p.stem for p in GOLDENS.glob("*.yaml")}
+    assert on_disk == set(golden_cases()), "stale or missing goldens: run `make goldens`"
+
+
+def test_schema_check_catches_unknown_and_mistyped_fields(env):
+    js = yaml.safe_load((GOLDENS / "tpu7x-128-stage1.yaml").read_text())
+    bad = copy.deepcopy(js)
+    _pod(bad)["containers"][0]["privilegd"] = False
+    assert any("privilegd" in e for e in schema_errors(bad))
+    bad = copy.deepcopy(js)
+    _job(bad)["completions"] = "16"
+    assert any("completions" in e for e in schema_errors(bad))
+    bad = copy.deepcopy(js)
+    bad["spec"]["failurePolicy"]["rules"][0]["action"] = "Retry"
+    assert schema_errors(bad)
+
+
+# ---------------------------------------------------------------- what the manifest says
+
+
+def _render(stage=1, device="tpu7x-128", settings=None, run="olmo3-7b-s1", attempt=1, run_dir=None,
+            slices=1, overrides=()):
+    recipe = load_recipe(stage=stage, overrides=overrides)
+    dev = get_device(device)
+    plan = make_plan(recipe, dev)
+    settings = settings or Settings(run_root="gs://b/runs")
+    return render_jobset(recipe, plan, dev, settings, run, attempt, run_dir or f"gs://b/runs/{run}", slices)
+
+
+def test_pod_shape_and_failure_policy():
+    js = _render(settings=Settings(namespace="ml", queue="q1", image="img:1", service_account="trainer-sa",
+                                   run_root="gs://b/runs"), attempt=7)
+    md = js["metadata"]
+    assert md["name"] == "olmo3-7b-s1-a7"
+    assert md["namespace"] == "ml"
+    assert md["labels"] == {"kueue.x-k8s.io/queue-name": "q1", "olmo-ctl/run": "olmo3-7b-s1",
+                            "olmo-ctl/attempt": "7", "olmo-ctl/device": "tpu7x-128"}
+    assert md["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
+    assert md["annotations"]["olmo-ctl/run-dir"] == "gs://b/runs/olmo3-7b-s1"
+    assert "suspend" not in js["spec"]  # Kueue suspends and admits
+    assert js["spec"]["network"] == {"enableDNSHostnames": True}
+    rj = js["spec"]["replicatedJobs"]
+    assert [r["name"] for r in rj] == ["slice"] and rj[0]["replicas"] == 1
+    job, pod = _job(js), _pod(js)
+    assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
+    assert job["parallelism"] == job["completions"] == 16
+    assert pod["restartPolicy"] == "Never"
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pod["serviceAccountName"] == "trainer-sa"
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu7x",
+                                   "cloud.google.com/gke-tpu-topology": "4x4x4"}
+    assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    (c,) = pod["containers"]
+    assert c["image"] == "img:1"
+    assert c["command"] == ["python", "-m", "olmo_ctl.trainer", "--run-dir", "gs://b/runs/olmo3-7b-s1",
+                            "--device", "tpu7x-128", "--attempt", "7"]
+    assert c["resources"] == {"requests": {"google.com/tpu": 4}, "limits": {"google.com/tpu": 4}}
+    assert c["securityContext"]["privileged"] is False
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["JAX_PLATFORMS"] == "tpu"
+    assert not any(k.startswith("MEGASCALE_") for k in env)
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    # User errors (trainer exit 1/2) fail at once; disruptions are not counted; the rest restarts.
+    rules = job["podFailurePolicy"]["rules"]
+    assert rules[0] == {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In",
+                                                             "values": [1, 2]}}
+    assert rules[1] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    fp = js["spec"]["failurePolicy"]
+    assert fp["maxRestarts"] >= 1
+    assert fp["rules"] == [{"name": "FailOnUserError", "action": "FailJobSet",
+                            "onJobFailureReasons": ["PodFailurePolicy"]}]
+    assert schema_errors(js) == [] and metadata_errors(js) == []
+
+
+def test_optional_priority_and_placement():
+    s = Settings(run_root="gs://b/r", priority_class="low", placement_policy="pp-{generation}-{topology}")
+    js = _render(device="tpu7x-512", settings=s)
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "low"
+    assert _pod(js)["nodeSelector"]["cloud.google.com/placement-policy-name"] == "pp-tpu7x-4x8x8"
+    js = _render(device="v5p-256", settings=s)  # v5p node pools carry no placement policy
+    assert "cloud.google.com/placement-policy-name" not in _pod(js)["nodeSelector"]
+    js = _render(device="tpu7x-8", settings=s, overrides=["train.global_batch=8", "model.n_layers=2"])
+    assert "cloud.google.com/placement-policy-name" not in _pod(js)["nodeSelector"]  # single host
+
+
+def test_multislice_env_only_with_several_slices():
+    recipe = load_recipe(stage=1)
+    dev = get_device("v5p-256")
+    plan = make_plan(recipe, get_device("v5p-512"))  # 2 x 128 devices hold the same batch as 256
+    plan = plan.__class__(**{**plan.to_dict(), "device": dev.name})
+    js = render_jobset(recipe, plan, dev, Settings(run_root="gs://b/r"), "ms", 1, "gs://b/r/ms", slices=2)
+    assert js["spec"]["replicatedJobs"][0]["replicas"] == 2
+    env = {e["name"]: e for e in _pod(js)["containers"][0]["env"]}
+    assert env["MEGASCALE_COORDINATOR_ADDRESS"]["value"] == "ms-a1-slice-0-0.ms-a1"
+    assert env["MEGASCALE_NUM_SLICES"]["value"] == "2"
+    assert "jobset.sigs.k8s.io/job-index" in env["MEGASCALE_SLICE_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert schema_errors(js) == []
+
+
+def test_values_never_break_the_manifest(env):
+    # Characters that would break a string-formatted YAML template land verbatim in the right field.
+    root = "gs://b/we'ird: {x} #not-a-comment\" - injected: [true]"
+    p = cli(["submit", "--stage", "2", "--device", "v5p-256", "--dry-run", "--run-root", root,
+             "--image", "img:tag@sha256:abc", "-o", "json"], env)
+    assert p.returncode == 0, p.stderr
+    js = json.loads(p.stdout)
+    cmd = _pod(js)["containers"][0]["command"]
+    assert cmd[cmd.index("--run-dir") + 1] == root + "/olmo3-7b-stage2"
+    p = cli(["submit", "--stage", "2", "--device", "v5p-256", "--dry-run", "--run-root", root,
+             "--image", "img:tag@sha256:abc"], env)
+    assert yaml.safe_load(p.stdout) == js  # YAML and JSON carry the same object
+
+
+def test_output_manifest_file_and_placeholder_notes(env, tmp_path):
+    out = tmp_path / "jobset.yaml"
+    p = cli(["submit", "--stage", "1", "--device", "tpu7x-128", "--dry-run", "--output-manifest", str(out)], env)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == ""
+    js = yaml.safe_load(out.read_text())
+    assert schema_errors(js) == []
+    cmd = _pod(js)["containers"][0]["command"]
+    assert cmd[cmd.index("--run-dir") + 1] == "gs://YOUR-BUCKET/runs/olmo3-7b-stage1"
+    assert "placeholder" in p.stderr and "run_root" in p.stderr
+
+
+def test_local_device_and_local_run_root_are_refused():
+    smoke, cpu = load_recipe("smoke"), get_device("cpu-4")
+    with pytest.raises(BadInput, match="local device"):
+        render_jobset(smoke, make_plan(smoke, cpu), cpu, Settings(), "smoke", 1, "gs://b/r/smoke")
+    with pytest.raises(BadInput, match="not on GCS"):
+        _render(run_dir="/tmp/runs/x")
+
+
+# ---------------------------------------------------------------- names
+
+
+def test_jobset_name_short_and_long():
+    assert jobset_name("olmo3-7b-s1", 3) == "olmo3-7b-s1-a3"
+    long_a = "olmo3-7b-stage1-ironwood-tpu7x-512-resume-from-step-1000000"
+    long_b = long_a.replace("1000000", "2000000")
+    for run in (long_a, long_b, "a" * 63):
+        for attempt in (1, 12, 12345):
+            name = jobset_name(run, attempt)
+            assert len(name) <= 40 and _DNS1035.match(name), name
+            assert name.endswith(f"-a{attempt}")
+    assert jobset_name(long_a, 1) != jobset_name(long_b, 1)  # same 30-character start, different runs
+    assert jobset_name(long_a, 1)[:-3] == jobset_name(long_a, 2)[:-3]  # attempts of a run sort together
+    assert len(jobset_name("r" * 35, 1)) == 38  # fits: not shortened
+    assert jobset_name("r" * 35, 1) == "r" * 35 + "-a1"
+
+
+@pytest.mark.parametrize("run", ["Olmo", "olmo_7b", "7b-olmo", "olmo-", "", "a" * 64, "olmo.7b", "olmo 7b"])
+def test_invalid_run_names(run):
+    with pytest.raises(BadInput):
+        validate_run_name(run)
+    with pytest.raises(BadInput):
+        jobset_name(run, 1)
+
+
+# ---------------------------------------------------------------- start-up cost
+
+
+def test_dry_run_imports_nothing_heavy(tmp_path):
+    code = (
+        "import sys\n"
+        "from olmo_ctl.cli import main\n"
+        "rc = main(['submit', '--stage', '1', '--device', 'tpu7x-128', '--dry-run', '--output-manifest', "
+        f"{str(tmp_path / 'm.yaml')!r}])\n"
+        "heavy = [m for m in ('jax', 'kubernetes', 'google.cloud.storage', 'tensorboard', 'torch', 'jsonschema')"
+        " if m in sys.modules]\n"
+        "print(rc, heavy)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env=clean_env(tmp_path), timeout=60)
+    assert p.stdout.strip() == "0 []", p.stdout + p.stderr
+
+
+# ---------------------------------------------------------------- `make goldens`
+
+
+def regenerate() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = clean_env(Path(tmp))
+        GOLDENS.mkdir(exist_ok=True)
+        cases = golden_cases()
+        for stale in GOLDENS.glob("*.yaml"):
+            if stale.stem not in cases:
+                stale.unlink()
+        for case, args in sorted(cases.items()):
+            text = render_golden(args, env)
+            errs = schema_errors(yaml.safe_load(text)) + metadata_errors(yaml.safe_load(text))
+            if errs:
+                raise SystemExit(f"{case}: {len(errs)} schema errors, first: {errs[0]}")
+            (GOLDENS / f"{case}.yaml").write_text(text)
+            print(f"wrote tests/goldens/{case}.yaml (0 schema errors)")
+
+
+if __name__ == "__main__":
+    regenerate()

@@ -1,0 +1,96 @@
+"""Global-batch planning and `olmo-ctl plan`: per-device batch, accumulation, refusals, and the compute
+estimate checked against the published OLMo 3 TPU case study (shared/reference/olmo3-recipe.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from olmo_ctl.batching import make_plan
+from olmo_ctl.devices import get_device
+from olmo_ctl.errors import BadInput
+from olmo_ctl.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
+    return subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=60)
+
+
+@pytest.mark.parametrize("stage,device,per_device", [(1, "tpu7x-128", 4), (1, "tpu7x-512", 1), (1, "v5p-256", 4),
+                                                     (2, "v5p-256", 2)])
+def test_per_device_batch(stage, device, per_device):
+    p = make_plan(load_recipe(stage=stage), get_device(device))
+    assert (p.per_device_batch, p.grad_accum) == (per_device, 1)
+    assert p.per_device_batch * p.grad_accum * p.devices == p.global_batch
+
+
+def test_too_many_devices_is_a_clear_refusal():
+    with pytest.raises(BadInput) as e:
+        make_plan(load_recipe(stage=1), get_device("tpu7x-1024"))
+    msg = e.value.one_line()
+    assert "512" in msg and "1024 devices" in msg and "never changed silently" in msg
+    with pytest.raises(BadInput, match="256 cannot be split"):
+        make_plan(load_recipe(stage=2), get_device("tpu7x-512"))
+
+
+def test_small_slice_accumulates_to_the_exact_global_batch():
+    p = make_plan(load_recipe(stage=1), get_device("v5p-8"))
+    assert p.devices == 4 and p.grad_accum > 1
+    assert p.per_device_batch * p.grad_accum * p.devices == 512
+    assert p.estimated_bytes_per_device <= p.hbm_bytes_per_device
+
+
+def test_plan_json_contract():
+    p = _cli("plan", "--stage", "1", "--device", "tpu7x-128", "-o", "json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    for key in ("global_batch", "devices", "per_device_batch", "grad_accum", "seq_len", "tokens_per_step", "params",
+                "flops_per_token"):
+        assert key in r
+    assert (r["global_batch"], r["devices"], r["per_device_batch"], r["grad_accum"]) == (512, 128, 4, 1)
+    assert r["params"] == 7_298_617_344
+    assert set(r["flops_per_token"]) == {"olmo_core", "maxtext"}
+    assert r["flops_per_token"]["olmo_core"] == pytest.approx(4.94e10, rel=0.01)
+    assert r["flops_per_token"]["maxtext"] == pytest.approx(4.78e10, rel=0.01)
+    assert r["tokens"] == 5_929_965_715_456 and r["steps"] == 1413814
+    assert r["mfu"] == 0.4
+    for est in r["estimate"].values():
+        assert est["wall_clock_s"] == pytest.approx(est["step_time_s"] * r["steps"])
+        assert est["chip_hours"] == pytest.approx(est["wall_clock_s"] * 64 / 3600)
+
+
+def test_estimate_reproduces_the_case_study():
+    # Ironwood: 3.05 s per step on 128 devices at 44.5% MFU (MaxText formula); stage 1 ~ 77k chip-hours.
+    r = json.loads(_cli("plan", "--stage", "1", "--device", "tpu7x-128", "--mfu", "0.445", "-o", "json").stdout)
+    assert r["estimate"]["maxtext"]["step_time_s"] == pytest.approx(3.05, rel=0.01)
+    assert r["estimate"]["maxtext"]["chip_hours"] == pytest.approx(77_000, rel=0.01)
+    # v5p-256 at 57.4% MFU: stage 2 in ~39 h, ~5k chip-hours.
+    r = json.loads(_cli("plan", "--stage", "2", "--device", "v5p-256", "--mfu", "0.574", "-o", "json").stdout)
+    assert r["estimate"]["maxtext"]["wall_clock_s"] / 3600 == pytest.approx(39, rel=0.02)
+    assert r["estimate"]["maxtext"]["chip_hours"] == pytest.approx(5_000, rel=0.02)
+
+
+def test_plan_table_names_both_formulas_and_accumulation():
+    p = _cli("plan", "--stage", "1", "--device", "v5p-8")
+    assert p.returncode == 0, p.stderr
+    assert "OLMo-core formula" in p.stdout and "MaxText formula" in p.stdout
+    assert "batch 4 x 32 accumulation" in p.stdout
+    assert "7,298,617,344" in p.stdout and "40% MFU" in p.stdout
+    assert max(len(line) for line in p.stdout.splitlines()) <= 80
+
+
+def test_plan_refusals_exit_2():
+    p = _cli("plan", "--stage", "1", "--device", "tpu7x-1024")
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.startswith("error: global batch 512 cannot be split") and p.stderr.count("\n") == 1
+    p = _cli("plan", "--stage", "1", "--device", "v5p-8", "--mfu", "40")
+    assert p.returncode == 2 and "--mfu 0.4" in p.stderr

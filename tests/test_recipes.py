@@ -1,0 +1,72 @@
+"""Recipes: the OLMo 3 stage values, the parameter count, and validation that names the key and file."""
+
+from __future__ import annotations
+
+import pytest
+
+from olmo_ctl.batching import param_count
+from olmo_ctl.errors import BadInput
+from olmo_ctl.recipe import load_recipe
+
+
+def test_stage1_recipe_values():
+    r = load_recipe(stage=1)
+    assert (r.name, r.stage) == ("olmo3-7b-stage1", 1)
+    t = r.train
+    assert (t.seq_len, t.global_batch, t.max_steps) == (8192, 512, 1413814)
+    assert r.tokens_per_step == 4_194_304
+    assert r.tokens_per_step * t.max_steps == 5_929_965_715_456  # end of epoch 1
+    assert r.optimizer.lr == 3e-4 and r.optimizer.betas == (0.9, 0.95)
+    assert (r.schedule.kind, r.schedule.warmup_steps, r.schedule.alpha) == ("cosine", 2000, 0.1)
+
+
+def test_stage2_recipe_values():
+    r = load_recipe(stage=2)
+    assert (r.train.global_batch, r.train.max_steps) == (256, 47684)
+    assert (r.schedule.kind, r.schedule.warmup_steps, r.schedule.alpha) == ("linear", 0, 0.0)
+
+
+def test_olmo3_7b_parameter_count():
+    m = load_recipe(stage=1).model
+    assert m.padded_vocab_size == 100352
+    assert param_count(m) == 7_298_617_344
+
+
+def test_overrides_are_validated_like_the_file():
+    r = load_recipe(stage=1, overrides=["train.max_steps=100", "optimizer.lr=1e-4", "schedule.warmup_steps=10"])
+    assert (r.train.max_steps, r.optimizer.lr) == (100, 1e-4)
+    assert r.fingerprint() != load_recipe(stage=1).fingerprint()
+    assert load_recipe(stage=1).fingerprint() == load_recipe(stage=1).fingerprint()
+    with pytest.raises(BadInput, match="unknown key `train.bogus`"):
+        load_recipe(stage=1, overrides=["train.bogus=1"])
+    with pytest.raises(BadInput, match="train.global_batch"):
+        load_recipe(stage=1, overrides=["train.global_batch=abc"])
+    with pytest.raises(BadInput, match="key.sub=value"):
+        load_recipe(stage=1, overrides=["train.global_batch"])
+    with pytest.raises(BadInput, match="schedule.warmup_steps"):
+        load_recipe(stage=1, overrides=["train.max_steps=100"])  # warmup 2000 >= 100 steps
+
+
+def test_bad_recipe_files(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("name: x\ntrain: {seq_len: 128, global_batch: 8}\nmodle: {}\n")
+    with pytest.raises(BadInput) as e:
+        load_recipe(str(f))
+    assert "unknown key `modle`" in e.value.message and str(f) in e.value.message
+    f.write_text("name: [unclosed\n")
+    with pytest.raises(BadInput, match="not valid YAML"):
+        load_recipe(str(f))
+    with pytest.raises(BadInput, match="does not exist"):
+        load_recipe(str(tmp_path / "missing.yaml"))
+    with pytest.raises(BadInput, match="not a recipe"):
+        load_recipe("no-such-recipe")
+    with pytest.raises(BadInput, match="exclusive"):
+        load_recipe("smoke", stage=1)
+    with pytest.raises(BadInput, match="not a stage"):
+        load_recipe(stage=3)
+
+
+def test_smoke_recipe_is_olmo3_shaped():
+    m = load_recipe("smoke").model
+    assert m.sliding_window < load_recipe("smoke").train.seq_len
+    assert [m.layer_is_full(i) for i in range(m.n_layers)] == [False, False, False, True]
