@@ -23,6 +23,7 @@ from olmo_ctl.cli import monitor  # noqa: E402,F401
 from olmo_ctl.cli import model  # noqa: E402,F401
 from olmo_ctl.cli import data  # noqa: E402,F401
 from olmo_ctl.cli import submit  # noqa: E402,F401
+from olmo_ctl.cli import resize  # noqa: E402,F401
 from olmo_ctl.cli import preflight  # noqa: E402,F401
 
 

@@ -1,0 +1,122 @@
+"""`olmo-ctl smoke`: the smoke recipe run for real on the local backend (trainer processes, Orbax
+checkpoints, TensorBoard files), its JUnit XML, its exit codes, and faults it must catch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from olmo_ctl.smoke import CHECKS, CheckResult, SmokeReport, junit_xml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _smoke(tmp_path: Path, *args: str, fault: str | None = None, timeout: int = 400):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "config")  # no site config file leaks in
+    if fault:
+        env["OLMO_CTL_SMOKE_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "olmo_ctl", "smoke", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=timeout)
+
+
+def _cases(path: Path) -> dict[str, ET.Element]:
+    suite = ET.parse(path).getroot()
+    assert suite.tag == "testsuite"
+    cases = {c.get("name"): c for c in suite.findall("testcase")}
+    assert list(cases) == list(CHECKS)
+    assert int(suite.get("tests")) == len(CHECKS)
+    return cases
+
+
+def _failed(case: ET.Element) -> bool:
+    return case.find("failure") is not None or case.find("error") is not None
+
+
+def test_smoke_local_passes_and_writes_one_junit_case_per_check(tmp_path):
+    junit = tmp_path / "smoke.xml"
+    root = tmp_path / "runs"
+    p = _smoke(tmp_path, "--backend", "local", "--device", "cpu-1", "--junit", str(junit), "--json",
+               "--run-root", str(root))
+    assert p.returncode == 0, p.stderr[-3000:]
+    cases = _cases(junit)
+    assert not [n for n, c in cases.items() if _failed(c)]
+    report = json.loads(p.stdout)
+    facts = report["facts"]
+    assert report["exit_code"] == 0 and report["failed"] == []
+    assert facts["global_batch"] == 8 and facts["tokens_per_step"] == 8 * 128
+    n, f = facts["stopped_at_step"], facts["final_step"]
+    assert 5 <= n < f == n + 6
+    for line in ("PASS loss_fell", "PASS checkpoint_committed", "PASS forced_stop", "PASS resume_exact",
+                 "PASS events_readable", "all 5 checks passed"):
+        assert line in p.stderr
+    # The run directories hold what the report claims: the forced-stop and final checkpoints, and a
+    # journal whose attempt 1 was preempted and attempt 2 succeeded.
+    main = Path(report["run_dirs"][0])
+    steps = sorted(int(d.name) for d in (main / "checkpoints").iterdir() if d.name.isdigit())
+    assert steps == [n, f]
+    journal = [json.loads(ln) for ln in (main / "journal.jsonl").read_text().splitlines()]
+    ends = [(r["event"], r["attempt"]) for r in journal if r["event"] in ("preempted", "succeeded", "failed")]
+    assert ends == [("preempted", 1), ("succeeded", 2)]
+
+
+@pytest.mark.chaos
+def test_broken_trainer_and_inexact_resume_fail_the_named_checks(tmp_path):
+    """A learning rate of 1e-9 (the loss cannot fall) and a resume one batch off: exit 1 naming both."""
+    junit = tmp_path / "smoke.xml"
+    p = _smoke(tmp_path, "--backend", "local", "--device", "cpu-1", "--junit", str(junit), fault="lr,data-shift")
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "FAIL loss_fell" in p.stderr and "FAIL resume_exact" in p.stderr
+    assert "FAILED loss_fell, resume_exact" in p.stderr
+    cases = _cases(junit)
+    assert {n for n, c in cases.items() if _failed(c)} == {"loss_fell", "resume_exact"}
+    assert "fell less than 5%" in cases["loss_fell"].find("failure").get("message")
+    assert "first difference after the resume" in cases["resume_exact"].find("failure").get("message")
+
+
+def test_timeout_exits_124_and_leaves_no_trainer_running(tmp_path):
+    junit = tmp_path / "smoke.xml"
+    root = tmp_path / "runs"
+    p = _smoke(tmp_path, "--backend", "local", "--device", "cpu-1", "--timeout", "3", "--junit", str(junit),
+               "--run-root", str(root), timeout=120)
+    assert p.returncode == 124, p.stderr[-3000:]
+    assert "TIMED OUT" in p.stderr
+    cases = _cases(junit)
+    assert all(c.find("error") is not None for c in cases.values())
+    attempt_files = list(root.glob("*/attempts/*.json"))
+    assert attempt_files
+    for af in attempt_files:
+        pid = json.loads(af.read_text())["pid"]
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
+
+
+@pytest.mark.parametrize("args, text", [
+    (("--backend", "local", "--device", "cpu-3"), "cannot be split exactly over the 3 devices"),
+    (("--backend", "local", "--device", "v5p-8"), "is a TPU slice"),
+    (("--backend", "gke", "--device", "cpu-1"), "is a local device"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, args, text):
+    p = _smoke(tmp_path, *args, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert text in p.stderr and "Traceback" not in p.stderr
+    assert p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_junit_marks_failures_and_timeouts():
+    rep = SmokeReport("cpu-1", "local", ["/r"], [CheckResult(c, c != "resume_exact", f"msg {c}") for c in CHECKS])
+    suite = ET.fromstring(junit_xml(rep).split("\n", 1)[1])
+    assert suite.get("failures") == "1" and suite.get("errors") == "0"
+    bad = [c for c in suite.findall("testcase") if c.find("failure") is not None]
+    assert [c.get("name") for c in bad] == ["resume_exact"]
+    assert bad[0].find("failure").get("message") == "msg resume_exact"
+    rep = SmokeReport("cpu-1", "local", ["/r"], [CheckResult(c, False, "timed out after 3 s") for c in CHECKS],
+                      timed_out=True)
+    suite = ET.fromstring(junit_xml(rep).split("\n", 1)[1])
+    assert suite.get("errors") == str(len(CHECKS)) and suite.get("failures") == "0"
+    assert rep.exit_code == 124
