@@ -57,6 +57,8 @@ class Settings:
 
     def placeholders(self) -> list[str]:
         """Settings still holding a placeholder value (rendering works; applying would not)."""
+        if self.backend == "local":
+            return []  # the local backend uses neither the image nor a gs:// run root
         out = []
         if self.run_root == PLACEHOLDER_RUN_ROOT:
             out.append("run_root")
@@ -162,7 +164,7 @@ def resolve_settings(**flag_values: str | None) -> Settings:
     optional = {"kube_context", "priority_class", "placement_policy"}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for name in names:
+    for name in ["backend"] + [n for n in names if n != "backend"]:  # run_root's default depends on it
         env_name = ENV_PREFIX + name.upper()
         if flag_values.get(name) is not None:
             value, src = flag_values[name], "flag --" + name.replace("_", "-")
@@ -170,6 +172,10 @@ def resolve_settings(**flag_values: str | None) -> Settings:
             value, src = os.environ[env_name], f"env {env_name}"
         elif from_file.get(name) is not None:
             value, src = from_file[name], f"file {path}"
+        elif name == "run_root" and values.get("backend") == "local":
+            # The local backend's runs default to ./runs (absolute, so every process agrees).
+            values[name], sources[name] = os.path.abspath("runs"), "default for the local backend"
+            continue
         else:
             sources[name] = "default"
             continue
@@ -180,4 +186,4 @@ def resolve_settings(**flag_values: str | None) -> Settings:
             _check(name, value, src)
             values[name] = value
         sources[name] = src
-    return Settings(**values, sources=sources)
+    return Settings(**values, sources={n: sources[n] for n in names})

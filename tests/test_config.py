@@ -97,3 +97,19 @@ def test_config_show_and_dry_run_use_the_file(xdg):
     assert pod["containers"][0]["image"] == "img:7"
     assert "gs://bkt/olmo/olmo3-7b-stage1" in pod["containers"][0]["command"]
     assert "placeholder" not in p.stderr
+
+
+def test_local_backend_defaults_and_dry_run(xdg, tmp_path):
+    s = resolve_settings(backend="local")
+    assert s.run_root == os.path.abspath("runs") and s.sources["run_root"] == "default for the local backend"
+    assert s.placeholders() == []
+    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "submit", "--recipe", "smoke", "--device", "cpu-2",
+                        "--backend", "local", "--run-root", str(tmp_path / "runs"), "--dry-run", "-o", "json"],
+                       capture_output=True, text=True, env=dict(os.environ), cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    req = json.loads(p.stdout)
+    argv = req["argv"]
+    assert argv[1:] == ["-m", "olmo_ctl.trainer", "--run-dir", str(tmp_path / "runs" / "smoke"), "--device",
+                        "cpu-2", "--attempt", "1"]
+    assert req["env"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    assert p.stderr == ""

@@ -53,7 +53,9 @@ def submit(
     ] = None,
     backend: BackendOpt = None,
     run_root: RunRootOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the manifest; submit nothing.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the JobSet (local: the command line); submit nothing.")
+    ] = False,
     output: Annotated[ManifestOutput, typer.Option("--output", "-o", help="yaml or json.")] = ManifestOutput.yaml,
     output_manifest: Annotated[
         Path | None, typer.Option("--output-manifest", help="Write the manifest to FILE instead of stdout.")
@@ -110,16 +112,21 @@ def submit(
                        attempt=attempt, output_manifest=output_manifest)
         return
 
-    if settings.backend != "gke":
-        raise BadInput(f"--dry-run renders the GKE JobSet; the `{settings.backend}` backend has no manifest",
-                       "use --backend gke")
     attempt = 1 if attempt is None else attempt
-    jobset = render_jobset(r, plan, dev, settings, run_name, attempt, run_dir)
-    text = dump_yaml(jobset) if output == ManifestOutput.yaml else dump_json(jobset)
-    for name in settings.placeholders():
+    if settings.backend == "local":
+        # The local backend's request: the trainer's command line and environment on this machine.
+        from olmo_ctl.backends.base import Attempt
+        from olmo_ctl.backends.local import LocalBackend
+
+        request = LocalBackend(settings.run_root).render(
+            Attempt(run=run_name, run_dir=run_dir, attempt=attempt, device=dev.name)).to_dict()
+    else:
+        request = render_jobset(r, plan, dev, settings, run_name, attempt, run_dir)
+    text = dump_yaml(request) if output == ManifestOutput.yaml else dump_json(request)
+    for name in settings.placeholders() if settings.backend == "gke" else ():
         note(f"`{name}` is the placeholder `{getattr(settings, name)}`; set --{name.replace('_', '-')}, "
              f"OLMO_CTL_{name.upper()} or `{name}:` in the config file (see `olmo-ctl config show`)")
-    if settings.placement_policy and placement_policy_for(dev, settings) is None:
+    if settings.backend == "gke" and settings.placement_policy and placement_policy_for(dev, settings) is None:
         note(f"placement policy `{settings.placement_policy}` is not used: {dev.name} node pools carry none")
     if output_manifest is not None:
         _write_manifest(output_manifest, text)
