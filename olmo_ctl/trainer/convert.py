@@ -21,7 +21,8 @@ Mapping (HF Linear weights are [out, in]; ours are [in, out]):
     model.layers.i.mlp.{gate,up,down}_proj.weight  -> blocks/mlp/w{1,3,2}[i] (transposed)
 Converting out truncates the vocab back to `vocab_size` rows.
 
-gs:// paths are staged through a local temporary directory with `olmo_ctl.storage`.
+Orbax reads and writes gs:// itself; the HF side of a gs:// path is staged through a local temporary
+directory with `olmo_ctl.storage`.
 """
 
 from __future__ import annotations
@@ -396,14 +397,24 @@ def save_hf_dir(out: str, cfg: ModelConfig, hf_config: dict, state: dict[str, np
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 
 
-def save_orbax(out: str, params, cfg: ModelConfig, hf_config: dict | None = None, hf_dtype: str | None = None):
+def save_orbax(out: str, params, cfg: ModelConfig, hf_config: dict | None = None, hf_dtype: str | None = None,
+               overwrite: bool = False) -> None:
+    """Orbax writes local and gs:// paths itself (its own commit protocol); the metadata goes through Store."""
     import orbax.checkpoint as ocp
 
+    store = store_for(out)
+    if is_gcs(out):
+        if store.list(out, recursive=True)[0] and not overwrite:
+            raise BadInput(f"`{out}` already holds files", "choose a new path or pass --overwrite")
+    else:
+        out = os.path.abspath(out)
+        if os.path.exists(out) and os.listdir(out) and not overwrite:
+            raise BadInput(f"`{out}` already exists and is not empty", "choose a new path or pass --overwrite")
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(out, {"params": params}, force=True)
     ckpt.wait_until_finished()
     meta = {"model": dataclasses.asdict(cfg), "hf_config": hf_config or {}, "hf_dtype": hf_dtype}
-    Path(out, META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    store.write_text(join(out, META_FILE), json.dumps(meta, indent=2) + "\n")
 
 
 def read_meta(orbax_dir: str) -> dict:
@@ -418,15 +429,11 @@ def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None):
     """(params as numpy on the host, ModelConfig, meta) from ORBAX_DIR (local or gs://)."""
     import orbax.checkpoint as ocp
 
-    with local_copy(orbax_dir) as d:
-        meta = json.loads(Path(d, META_FILE).read_text()) if Path(d, META_FILE).exists() else None
-        if meta is None:
-            raise BadInput(f"`{orbax_dir}` has no {META_FILE}",
-                           "convert a model with `olmo-ctl convert hf-to-orbax`")
-        fields = {f.name for f in dataclasses.fields(ModelConfig)}
-        cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields}, **(cfg_overrides or {}))
-        restored = ocp.StandardCheckpointer().restore(os.path.abspath(d))
-        params = _to_numpy(restored["params"])
+    meta = read_meta(orbax_dir)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields}, **(cfg_overrides or {}))
+    path = orbax_dir if is_gcs(orbax_dir) else os.path.abspath(orbax_dir)
+    params = _to_numpy(ocp.StandardCheckpointer().restore(path)["params"])
     _check_shapes(params, cfg)
     return params, cfg, meta
 
@@ -443,8 +450,7 @@ def hf_to_orbax(hf_dir: str, orbax_dir: str, *, vocab_size: int | None = None,
         cfg = model_config_from_hf(hf, vocab_size, padded_vocab_size, param_dtype, name=name)
         hf_dtype = _hf_dtype(state)
         params = hf_state_to_params(state, cfg)
-    with output_dir(orbax_dir, overwrite) as out:
-        save_orbax(out, params, cfg, hf, hf_dtype)
+    save_orbax(orbax_dir, params, cfg, hf, hf_dtype, overwrite)
     return cfg
 
 
