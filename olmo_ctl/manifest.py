@@ -32,7 +32,6 @@ LABEL_ATTEMPT = "olmo-ctl/attempt"
 LABEL_DEVICE = "olmo-ctl/device"
 ANNOTATION_RUN_DIR = "olmo-ctl/run-dir"
 ANNOTATION_RECIPE = "olmo-ctl/recipe"
-ANNOTATION_RECIPE_FINGERPRINT = "olmo-ctl/recipe-fingerprint"
 ANNOTATION_PLAN = "olmo-ctl/plan"
 REPLICATED_JOB = "slice"
 CONTAINER = "trainer"
@@ -230,7 +229,6 @@ def render_jobset(
     jobset = _fill(template["jobset"], values)
     jobset["metadata"]["annotations"].update({
         ANNOTATION_RECIPE: recipe.name,
-        ANNOTATION_RECIPE_FINGERPRINT: recipe.fingerprint(),
         ANNOTATION_PLAN: f"global_batch={plan.global_batch} per_device_batch={plan.per_device_batch} "
                          f"grad_accum={plan.grad_accum} devices={plan.devices}",
     })
