@@ -107,3 +107,64 @@ def smoke(
     elif report.exit_code != 0 or keep:
         note(f"run directories kept: {', '.join(report.run_dirs)}")
     raise typer.Exit(report.exit_code)
+
+
+# ---------------------------------------------------------------- resize
+
+
+@app.command()
+def resize(
+    run: Annotated[str, typer.Argument(help="The run to resize (its name under the run root).")],
+    device: DeviceOpt,
+    at_next_checkpoint: Annotated[bool, typer.Option(
+        "--at-next-checkpoint", help="Wait for the next scheduled checkpoint to commit, then stop.")] = False,
+    now: Annotated[bool, typer.Option(
+        "--now", help="Stop at once: the trainer checkpoints its last completed step (the default).")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    timeout: TimeoutOpt = 3600.0,
+    backend: BackendOpt = None,
+    run_root: RunRootOpt = None,
+    kube_context: KubeContextOpt = None,
+    namespace: NamespaceOpt = None,
+    queue: QueueOpt = None,
+    image: ImageOpt = None,
+) -> None:
+    """Continue RUN on DEVICE at the same global batch: commit the latest state, stop the attempt,
+    submit the next one on DEVICE. With a live supervisor, the request is recorded for it to carry out."""
+    from olmo_ctl.config import resolve_settings
+    from olmo_ctl.errors import BadInput
+    from olmo_ctl.resize import prepare, resize_run, supervisor_alive
+    from olmo_ctl.rundir import RunDir
+
+    if at_next_checkpoint and now:
+        raise BadInput("--at-next-checkpoint and --now are exclusive", "give one of them")
+    mode = "at-next-checkpoint" if at_next_checkpoint else "now"
+    settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue, image=image,
+                                run_root=run_root, backend=backend)
+    rundir = RunDir.of(settings.run_root, run)
+    be = _make_backend(settings, settings.run_root, device)
+    plan = prepare(rundir, be, device)
+    lines = [f"resize run `{run}`: attempt {plan.from_attempt} on {plan.old.device} -> attempt {plan.to_attempt} "
+             f"on {plan.new.device} ({mode})"] + ["  " + ln for ln in plan.plan_lines()]
+    typer.echo("\n".join(lines))
+    diff = plan.manifest_diff()
+    if diff:
+        typer.echo(diff)
+    if supervisor_alive(rundir):
+        typer.echo("a live supervisor drives this run: the resize is recorded for it to carry out")
+    if not yes:
+        if not sys.stdin.isatty():
+            raise BadInput("resize needs a confirmation and there is no terminal to ask on", "pass -y to confirm")
+        if not typer.confirm(f"Resize `{run}` to {plan.new.device}?", default=False):
+            _echo("not resized; nothing changed")
+            raise typer.Exit(130)
+    res = resize_run(rundir, be, plan, mode, timeout, log=_echo)
+    for n in res.notes:
+        _echo(n)
+    if res.action == "requested":
+        typer.echo(f"resize request {res.request['id']} recorded for the supervisor of `{run}`")
+    else:
+        typer.echo(f"resized `{run}`: attempt {res.attempt} on {plan.new.device} from committed step "
+                   f"{res.committed_step} (global batch {plan.new.global_batch}, per-device batch "
+                   f"{plan.old.per_device_batch} -> {plan.new.per_device_batch}, accumulation "
+                   f"{plan.old.grad_accum} -> {plan.new.grad_accum})")

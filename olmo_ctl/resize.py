@@ -1,0 +1,352 @@
+"""Resize: continue a run on another device at the same global batch.
+
+A resize is "commit the latest state, stop the attempt, submit the next attempt on the new device".
+The global batch, sequence length and so tokens per step never change: `batching.make_plan` recomputes
+only the per-device batch and the accumulation for the new device count, and a device that cannot
+hold the global batch exactly is refused before anything is touched. The trainer restores the
+checkpoint into the new mesh's shardings (Orbax reshards on restore), and the data loader's state
+is global, so the next attempt continues at step N+1 with batch N+1.
+
+Who acts: the run's lease decides. When a live supervisor holds it, `resize` only records the
+request (`<run>/resize.json`, journal `resize_requested`) and the supervisor carries it out between
+two of its own polls, so the two never both submit. Otherwise `resize` takes the lease itself for
+the duration, so a supervisor started meanwhile waits instead of racing it.
+
+Modes: `now` stops the attempt at once (SIGTERM / JobSet deletion: the trainer finishes the step in
+flight, checkpoints it and exits 143); `at-next-checkpoint` first waits for the next scheduled
+checkpoint to commit, so no progress rests on the stop's grace period.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from olmo_ctl.batching import Plan, make_plan
+from olmo_ctl.errors import EXIT_TIMEOUT, BadInput, OlmoCtlError
+
+MODES = ("now", "at-next-checkpoint")
+PLAN_FIELDS = ("device", "devices", "global_batch", "per_device_batch", "grad_accum", "seq_len", "tokens_per_step",
+               "estimated_bytes_per_device")
+LEASE_TTL_S = 600.0  # resize may block in a graceful stop (the trainer writing its checkpoint)
+
+
+class ResizeTimeout(OlmoCtlError):
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message, hint, EXIT_TIMEOUT)
+
+
+# ---------------------------------------------------------------- planning (pure)
+
+
+@dataclass(frozen=True)
+class ResizePlan:
+    run: str
+    from_attempt: int
+    to_attempt: int
+    old: Plan
+    new: Plan
+    old_request: Any = None  # the rendered requests (JobSet dicts, or local command lines)
+    new_request: Any = None
+
+    def plan_lines(self) -> list[str]:
+        """`field  old -> new` for every plan field; the invariant ones say so."""
+        out = []
+        for f in PLAN_FIELDS:
+            a, b = getattr(self.old, f), getattr(self.new, f)
+            if f == "estimated_bytes_per_device":
+                f, a, b = "estimated GiB/device", f"{a / 2**30:.1f}", f"{b / 2**30:.1f}"
+            same = " (unchanged)" if a == b and f in ("global_batch", "seq_len", "tokens_per_step") else ""
+            out.append(f"{f:<22}{a} -> {b}{same}")
+        return out
+
+    def manifest_diff(self) -> str:
+        return request_diff(self.old_request, self.new_request,
+                            f"attempt {self.from_attempt} ({self.old.device})",
+                            f"attempt {self.to_attempt} ({self.new.device})")
+
+    def to_dict(self) -> dict:
+        return {"run": self.run, "from_attempt": self.from_attempt, "to_attempt": self.to_attempt,
+                "old": {f: getattr(self.old, f) for f in PLAN_FIELDS},
+                "new": {f: getattr(self.new, f) for f in PLAN_FIELDS}}
+
+
+def plan_resize(recipe, old_device, new_device, run: str, from_attempt: int, to_attempt: int) -> ResizePlan:
+    """The old and new plans of a resize; BadInput when the new device cannot hold the global batch."""
+    if old_device.name == new_device.name:
+        raise BadInput(f"run `{run}` already runs on {new_device.name}", "name another device")
+    if old_device.is_tpu != new_device.is_tpu:
+        raise BadInput(f"cannot resize `{run}` from {old_device.name} to {new_device.name}: one is a TPU slice, "
+                       "the other a local device", "a resize stays on the run's backend (TPU <-> TPU, local <-> local)")
+    old = make_plan(recipe, old_device)
+    new = make_plan(recipe, new_device)
+    # make_plan holds these by construction; a resize that changed them would silently change the run.
+    for f in ("global_batch", "seq_len", "tokens_per_step", "max_steps"):
+        if getattr(old, f) != getattr(new, f):
+            raise AssertionError(f"resize would change {f}: {getattr(old, f)} -> {getattr(new, f)}")
+    return ResizePlan(run, from_attempt, to_attempt, old, new)
+
+
+def _request_text(request: Any) -> str:
+    if request is None:
+        return ""
+    if hasattr(request, "to_dict"):
+        request = request.to_dict()
+    from olmo_ctl.manifest import dump_yaml
+
+    return dump_yaml(request)
+
+
+def request_diff(old: Any, new: Any, old_name: str, new_name: str) -> str:
+    """A unified diff of two rendered requests (a JobSet's YAML, or a local command line and env)."""
+    a, b = _request_text(old).splitlines(), _request_text(new).splitlines()
+    return "\n".join(difflib.unified_diff(a, b, fromfile=old_name, tofile=new_name, lineterm="", n=2))
+
+
+# ---------------------------------------------------------------- the run's current attempt
+
+
+def current_attempt(rundir) -> tuple[int, str, Any]:
+    """(attempt number, device, handle or None) of the run's newest submitted attempt."""
+    from olmo_ctl.backends.base import Handle
+
+    last = rundir.last_attempt()
+    if last is None:
+        doc = rundir.read_run()
+        return 0, doc.get("device"), None
+    h = last.get("handle")
+    handle = Handle.from_dict(h) if isinstance(h, dict) else None
+    return int(last.get("attempt") or 0), last.get("device"), handle
+
+
+def _run_recipe(rundir):
+    from olmo_ctl.recipe import recipe_from_dict
+
+    doc = rundir.read_run()
+    return recipe_from_dict(doc["recipe"], rundir.p("run.yaml"))
+
+
+def prepare(rundir, backend, to_device: str) -> ResizePlan:
+    """Plan the resize of the run in `rundir` to `to_device`, with both attempts rendered (no side effect)."""
+    from olmo_ctl.backends.base import Attempt
+    from olmo_ctl.devices import get_device
+
+    recipe = _run_recipe(rundir)
+    attempt, device, _ = current_attempt(rundir)
+    if not device:
+        raise BadInput(f"run `{rundir.name}` records no device", "submit it first")
+    nxt = max(attempt, rundir.next_attempt_number() - 1) + 1
+    rp = plan_resize(recipe, get_device(device), get_device(to_device), rundir.name, attempt, nxt)
+    old_req = backend.render(Attempt(rundir.name, rundir.path, max(attempt, 1), device)) if attempt else None
+    new_req = backend.render(Attempt(rundir.name, rundir.path, nxt, to_device))
+    return ResizePlan(rp.run, rp.from_attempt, rp.to_attempt, rp.old, rp.new, old_req, new_req)
+
+
+# ---------------------------------------------------------------- requests for a supervisor
+
+
+def supervisor_alive(rundir, now: float | None = None) -> dict | None:
+    """The lease document when a live supervisor holds the run, else None."""
+    from olmo_ctl.rundir import _holder_process_dead
+
+    lease = rundir.read_lease()
+    if not lease or not lease.get("holder") or lease.get("released"):
+        return None
+    now = time.time() if now is None else now
+    if now - float(lease.get("heartbeat_unix", 0)) > float(lease.get("ttl_s", 0)):
+        return None
+    if _holder_process_dead(lease):
+        return None
+    return lease
+
+
+def record_request(rundir, device: str, mode: str, plan: ResizePlan | None = None) -> dict:
+    """Write `<run>/resize.json` for the supervisor and journal `resize_requested`."""
+    from olmo_ctl.rundir import utc_now_iso
+
+    if mode not in MODES:
+        raise BadInput(f"resize mode `{mode}` is not one of {', '.join(MODES)}")
+    doc = {"device": device, "mode": mode, "reason": f"resize to {device} ({mode})", "time": utc_now_iso(),
+           "id": uuid.uuid4().hex[:8]}
+    rundir.store.write_text(rundir.p("resize.json"), json.dumps(doc))
+    rundir.append("resize_requested", device=device, reason=doc["reason"], request=doc["id"], mode=mode,
+                  plan=plan.to_dict() if plan else None)
+    return doc
+
+
+def wait_for_request(rundir, request_id: str, timeout_s: float, poll_s: float = 1.0) -> dict:
+    """Wait until the supervisor journals `resized` (or a refusal) for `request_id`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for rec in reversed(rundir.journal()):
+            if rec.get("request") == request_id and rec.get("event") in ("resized", "resize_refused"):
+                return rec
+        if time.monotonic() >= deadline:
+            raise ResizeTimeout(f"the supervisor has not carried out resize request {request_id} within "
+                                f"{timeout_s:g} s; it stays recorded in {rundir.p('resize.json')}",
+                                "watch `olmo-ctl monitor`; the supervisor carries it out at its next poll")
+        time.sleep(poll_s)
+
+
+# ---------------------------------------------------------------- carrying a resize out
+
+
+@dataclass
+class ResizeResult:
+    run: str
+    action: str  # resized | requested | resubmitted
+    from_device: str
+    to_device: str
+    committed_step: int | None = None
+    attempt: int | None = None
+    handle: Any = None
+    request: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _wait_gone(backend, handle, deadline: float, heartbeat: Callable[[], None]) -> None:
+    """Block until the stopped attempt can no longer write to the run directory."""
+    wait_deleted = getattr(backend, "wait_deleted", None)
+    while True:
+        if wait_deleted is not None:
+            if wait_deleted(handle, timeout_s=min(30.0, max(0.0, deadline - time.monotonic())), poll_s=1.0):
+                return
+        elif not backend.status(handle).state.live:
+            return
+        heartbeat()
+        if time.monotonic() >= deadline:
+            raise ResizeTimeout(f"attempt {handle.attempt} ({handle.name}) did not stop in time",
+                                "it is still terminating; run the same resize again to continue once it is gone")
+        if wait_deleted is None:
+            time.sleep(0.5)
+
+
+def stop_for_resize(rundir, backend, handle, mode: str, deadline: float,
+                    heartbeat: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda s: None,
+                    poll_s: float = 2.0) -> tuple[int, str]:
+    """Make sure the latest state is committed and the attempt `handle` has stopped.
+
+    Returns (committed step after the stop, how the attempt ended). `at-next-checkpoint` waits for a
+    committed step newer than the one at the call (or the attempt's end) before stopping.
+    """
+    before = rundir.committed_step()
+    status = backend.status(handle)
+    if status.state.live and mode == "at-next-checkpoint":
+        log(f"waiting for the next checkpoint after step {before} of attempt {handle.attempt}")
+        while status.state.live and rundir.committed_step() <= before:
+            if time.monotonic() >= deadline:
+                raise ResizeTimeout(f"no new checkpoint after step {before} before the time limit; nothing was stopped",
+                                    "use --now (the trainer checkpoints on SIGTERM) or a longer --timeout")
+            heartbeat()
+            time.sleep(poll_s)
+            status = backend.status(handle)
+    if status.state.live:
+        log(f"stopping attempt {handle.attempt} ({handle.name}): it checkpoints its last completed step")
+        backend.stop(handle, graceful=True)
+    _wait_gone(backend, handle, deadline, heartbeat)
+    end = backend.status(handle)
+    after = rundir.committed_step()
+    if after < before:  # a listing that went backwards would restart the run from an older state
+        raise OlmoCtlError(f"committed step went back from {before} to {after} while stopping", exit_code=1)
+    how = end.state.value + (f", exit {end.exit_code}" if end.exit_code is not None else "")
+    return after, how
+
+
+def submit_next(rundir, backend, plan: ResizePlan, committed_step: int, mode: str, request_id: str | None = None,
+                extra_args: tuple[str, ...] = ()):
+    """Submit attempt `plan.to_attempt` on the new device and journal `resized` and `submitted`."""
+    from olmo_ctl.backends.base import Attempt
+
+    request = backend.render(Attempt(rundir.name, rundir.path, plan.to_attempt, plan.new.device,
+                                     extra_args=extra_args))
+    handle = backend.submit(request)
+    rundir.append("resized", attempt=plan.to_attempt, device=plan.new.device, committed_step=committed_step,
+                  reason=f"{plan.old.device} -> {plan.new.device} ({mode})", from_device=plan.old.device,
+                  from_attempt=plan.from_attempt, request=request_id, mode=mode,
+                  global_batch=plan.new.global_batch, tokens_per_step=plan.new.tokens_per_step,
+                  old_plan=plan.to_dict()["old"], new_plan=plan.to_dict()["new"])
+    rundir.append("submitted", attempt=plan.to_attempt, device=plan.new.device, committed_step=committed_step,
+                  reason=f"resize from {plan.old.device}", handle=handle.to_dict(), backend=backend.name)
+    return handle
+
+
+def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: float = 3600.0,
+               log: Callable[[str], None] = lambda s: None, wait: bool = True) -> ResizeResult:
+    """Carry out a confirmed resize: hand it to the run's supervisor, or do it under the run's lease."""
+    from olmo_ctl.rundir import LeaseHeld
+
+    if mode not in MODES:
+        raise BadInput(f"resize mode `{mode}` is not one of {', '.join(MODES)}")
+    deadline = time.monotonic() + timeout_s
+    res = ResizeResult(rundir.name, "", plan.old.device, plan.new.device)
+    lease = None
+    if supervisor_alive(rundir) is None:
+        try:
+            lease = rundir.acquire_lease(ttl_s=LEASE_TTL_S)
+        except LeaseHeld:
+            lease = None  # a supervisor took it just now: hand the resize to it
+    if lease is None:
+        res.action = "requested"
+        res.request = record_request(rundir, plan.new.device, mode, plan)
+        log(f"run `{rundir.name}` has a live supervisor: resize request {res.request['id']} recorded")
+        if wait:
+            rec = wait_for_request(rundir, res.request["id"], max(0.0, deadline - time.monotonic()))
+            if rec.get("event") != "resized":
+                raise OlmoCtlError(f"the supervisor refused the resize: {rec.get('reason')}", exit_code=1)
+            res.action, res.attempt, res.committed_step = "resized", rec.get("attempt"), rec.get("committed_step")
+        return res
+    try:
+        def beat():
+            rundir.heartbeat(lease)
+
+        _, _, handle = current_attempt(rundir)
+        live = handle if handle is not None and backend.status(handle).state.live else None
+        if live is None:
+            live = backend.find_live(rundir.name)
+        if live is not None:
+            res.committed_step, how = stop_for_resize(rundir, backend, live, mode, deadline, beat, log)
+            res.notes.append(f"attempt {live.attempt} ended: {how}")
+            if how.startswith("succeeded"):
+                res.notes.append("the attempt finished before it was stopped")
+        else:
+            if handle is not None:  # never submit while the last attempt may still be writing
+                _wait_gone(backend, handle, deadline, beat)
+            res.committed_step = rundir.committed_step()
+            res.notes.append("no live attempt: the next one starts from the last committed checkpoint")
+        res.handle = submit_next(rundir, backend, plan, res.committed_step, mode)
+        res.attempt, res.action = plan.to_attempt, "resized"
+        log(f"attempt {plan.to_attempt} submitted on {plan.new.device} from checkpoint {res.committed_step}")
+        return res
+    finally:
+        rundir.release_lease(lease)
+
+
+# ---------------------------------------------------------------- the supervisor's side
+
+
+def carry_out_request(rundir, backend, handle, request: dict, deadline_s: float = 3600.0,
+                      heartbeat: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda s: None):
+    """For a supervisor holding the lease: stop `handle` for the recorded `request`, submit the next
+    attempt on the requested device and clear the request. Returns the new handle, or None when the
+    request was refused (journalled `resize_refused`; the supervisor carries on with the old device)."""
+    mode = request.get("mode") or "now"
+    try:
+        plan = prepare(rundir, backend, request["device"])
+    except OlmoCtlError as e:
+        rundir.append("resize_refused", device=request.get("device"), reason=e.one_line(), request=request.get("id"))
+        rundir.clear_resize()
+        log(f"resize request {request.get('id')} refused: {e.one_line()}")
+        return None
+    deadline = time.monotonic() + deadline_s
+    committed = rundir.committed_step()
+    if handle is not None:
+        committed, how = stop_for_resize(rundir, backend, handle, mode, deadline, heartbeat, log)
+        log(f"attempt {handle.attempt} ended for the resize: {how}; committed step {committed}")
+    new = submit_next(rundir, backend, plan, committed, mode, request_id=request.get("id"))
+    rundir.clear_resize()
+    return new

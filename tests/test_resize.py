@@ -1,0 +1,210 @@
+"""`olmo-ctl resize`: planning at a constant global batch, the GKE path against the Kubernetes API
+test server (run directory on the GCS emulator), and a local run resized cpu-4 -> cpu-2 -> cpu-4
+mid-flight compared with its un-resized twin (real trainer processes and Orbax checkpoints)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from olmo_ctl.devices import get_device
+from olmo_ctl.errors import BadInput
+from olmo_ctl.recipe import load_recipe
+from olmo_ctl.resize import plan_resize
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- planning
+
+
+@pytest.mark.parametrize("old, new, micro", [
+    ("tpu7x-512", "tpu7x-128", (1, 4)),
+    ("tpu7x-128", "tpu7x-512", (4, 1)),
+    ("tpu7x-512", "v5p-256", (1, 4)),
+])
+def test_plan_keeps_the_global_batch_and_recomputes_the_per_device_batch(old, new, micro):
+    r = load_recipe("olmo3-7b-stage1")
+    p = plan_resize(r, get_device(old), get_device(new), "s1", 3, 4)
+    assert (p.old.per_device_batch, p.new.per_device_batch) == micro
+    assert p.old.global_batch == p.new.global_batch == r.train.global_batch
+    assert p.old.tokens_per_step == p.new.tokens_per_step == r.train.global_batch * r.train.seq_len
+    for dev, plan in ((old, p.old), (new, p.new)):
+        assert plan.per_device_batch * plan.grad_accum * get_device(dev).devices == r.train.global_batch
+    lines = "\n".join(p.plan_lines())
+    assert f"per_device_batch      {micro[0]} -> {micro[1]}" in lines
+    assert f"global_batch          {r.train.global_batch} -> {r.train.global_batch} (unchanged)" in lines
+
+
+def test_plan_refuses_what_would_change_the_run():
+    smoke = load_recipe("smoke")  # global batch 8
+    with pytest.raises(BadInput, match="cannot be split exactly over the 3 devices"):
+        plan_resize(smoke, get_device("cpu-4"), get_device("cpu-3"), "r", 1, 2)
+    with pytest.raises(BadInput, match="already runs on cpu-4"):
+        plan_resize(smoke, get_device("cpu-4"), get_device("cpu-4"), "r", 1, 2)
+    with pytest.raises(BadInput, match="one is a TPU slice"):
+        plan_resize(smoke, get_device("cpu-4"), get_device("v5p-8"), "r", 1, 2)
+
+
+# ---------------------------------------------------------------- GKE against the test server
+
+
+def _kubeconfig(path: Path, url: str) -> str:
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "test",
+        "clusters": [{"name": "test", "cluster": {"server": url}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "u", "namespace": "default"}}],
+    }))
+    return str(path)
+
+
+def _commit(run_dir: str, step: int) -> None:
+    """A committed checkpoint as the run directory sees it on gs:// (the Orbax commit marker)."""
+    from olmo_ctl.storage import store_for
+
+    store_for(run_dir).write_text(f"{run_dir}/checkpoints/{step}/commit_success.txt", "ok")
+
+
+@pytest.fixture
+def gke(tmp_path, monkeypatch):
+    """A stage-1 run on the GCS emulator, attempt 1 running on tpu7x-512 in the test cluster."""
+    from gcs_emulator import gcs_emulator
+
+    from olmo_ctl.backends.base import Attempt
+    from olmo_ctl.backends.gke import GKEBackend
+    from olmo_ctl.config import Settings
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.testing.kube_server import KubeServer
+
+    with KubeServer() as srv, gcs_emulator() as (_, bucket):
+        for k in [k for k in __import__("os").environ if k.startswith("OLMO_CTL_")]:
+            monkeypatch.delenv(k)
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+        monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path / "kubeconfig", srv.url))
+        root = f"gs://{bucket}/runs"
+        recipe = load_recipe("olmo3-7b-stage1")
+        rd = RunDir.of(root, "s1")
+        rd.create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "tpu7x-512")
+        settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
+        be = GKEBackend(host=srv.url, settings=settings)
+        h = be.submit(be.render(Attempt("s1", rd.path, 1, "tpu7x-512")))
+        rd.append("submitted", attempt=1, device="tpu7x-512", handle=h.to_dict(), backend="gke")
+        srv.cluster.admit(h.name)
+        srv.cluster.run_pods(h.name)
+        _commit(rd.path, 100)
+        args = ["--backend", "gke", "--run-root", root, "--image", "img:1", "--queue", "tpu-queue"]
+        yield srv, rd, be, args
+
+
+def _cli(*argv: str) -> int:
+    from olmo_ctl.cli import main
+
+    return main(list(argv))
+
+
+def _diff_lines(out: str, text: str) -> list[str]:
+    """The changed lines of the printed manifest diff that mention `text`, indentation squeezed."""
+    return [f"{ln[0]} {ln[1:].strip()}" for ln in out.splitlines()
+            if ln[:1] in "+-" and not ln.startswith(("+++", "---")) and text in ln]
+
+
+def _plan_annotation(js: dict) -> dict:
+    text = js["metadata"]["annotations"]["olmo-ctl/plan"]
+    return {k: int(v) for k, v in (kv.split("=") for kv in text.split())}
+
+
+@pytest.mark.gcs
+def test_gke_resize_renders_the_new_per_device_batch_and_then_the_v5p_manifest(gke, capsys):
+    srv, rd, _, args = gke
+    assert _cli("resize", "s1", "--device", "tpu7x-128", "-y", "--now", *args) == 0
+    out = capsys.readouterr().out
+    assert "per_device_batch      1 -> 4" in out and "global_batch          512 -> 512 (unchanged)" in out
+    assert _diff_lines(out, "olmo-ctl/device:") == ["- olmo-ctl/device: tpu7x-512", "+ olmo-ctl/device: tpu7x-128"]
+    assert "- olmo-ctl/plan: global_batch=512 per_device_batch=1 grad_accum=1 devices=512" in _diff_lines(out, "plan")
+    assert srv.cluster.jobset_names() == ["s1-a2"]  # attempt 1 deleted (its pods got SIGTERM), then 2
+    js = srv.cluster.jobset("s1-a2")
+    assert _plan_annotation(js) == {"global_batch": 512, "per_device_batch": 4, "grad_accum": 1, "devices": 128}
+    node_sel = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["nodeSelector"]
+    assert node_sel["cloud.google.com/gke-tpu-topology"] == "4x4x4"
+    resized = [r for r in rd.journal() if r["event"] == "resized"]
+    assert len(resized) == 1 and resized[0]["committed_step"] == 100
+    assert resized[0]["old_plan"]["per_device_batch"] == 1 and resized[0]["new_plan"]["per_device_batch"] == 4
+    assert resized[0]["old_plan"]["tokens_per_step"] == resized[0]["new_plan"]["tokens_per_step"] == 512 * 8192
+    assert rd.read_lease()["released"] is True  # resize held the run while it acted, then let go
+
+    # A generation change is the same operation.
+    srv.cluster.admit("s1-a2")
+    srv.cluster.run_pods("s1-a2")
+    assert _cli("resize", "s1", "--device", "v5p-256", "-y", *args) == 0
+    out = capsys.readouterr().out
+    assert _diff_lines(out, "gke-tpu-accelerator") == ["- cloud.google.com/gke-tpu-accelerator: tpu7x",
+                                                        "+ cloud.google.com/gke-tpu-accelerator: tpu-v5p-slice"]
+    assert srv.cluster.jobset_names() == ["s1-a3"]
+    js = srv.cluster.jobset("s1-a3")
+    pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v5p-slice"
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "4x4x8"
+    assert js["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 32
+    assert _plan_annotation(js) == {"global_batch": 512, "per_device_batch": 4, "grad_accum": 1, "devices": 128}
+    assert [(r["attempt"], r["device"]) for r in rd.journal() if r["event"] == "submitted"] == [
+        (1, "tpu7x-512"), (2, "tpu7x-128"), (3, "v5p-256")]
+
+
+@pytest.mark.gcs
+def test_gke_resize_without_a_terminal_or_to_a_bad_device_changes_nothing(gke, capsys):
+    srv, rd, _, args = gke
+    assert _cli("resize", "s1", "--device", "tpu7x-128", *args) == 2  # stdin is no TTY, no -y
+    assert "no terminal to ask on" in capsys.readouterr().err
+    assert _cli("resize", "s1", "--device", "tpu7x-1024", "-y", *args) == 2  # 512 over 1024 devices
+    assert "cannot be split exactly over the 1024 devices" in capsys.readouterr().err
+    assert srv.cluster.jobset_names() == ["s1-a1"]
+    assert [r["event"] for r in rd.journal()] == ["submitted"]
+
+
+@pytest.mark.gcs
+def test_gke_resize_at_next_checkpoint_waits_for_it_and_for_the_old_pods(gke, capsys):
+    """The stop comes only after a newer checkpoint commits, and the next attempt only once the old
+    JobSet is gone (its pods may still be writing): never two attempts at once."""
+    srv, rd, be, args = gke
+    srv.cluster.hold_deletions = True
+    events: list[str] = []
+
+    def cluster_script():
+        time.sleep(1.5)
+        assert srv.cluster.jobset_names() == ["s1-a1"]  # still running: not stopped before the checkpoint
+        events.append("checkpoint 140")
+        _commit(rd.path, 140)
+        for _ in range(100):  # the stop arrives: the JobSet lingers while its pods terminate
+            if srv.cluster.jobset("s1-a1")["metadata"].get("deletionTimestamp"):
+                break
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert srv.cluster.jobset_names() == ["s1-a1"]  # no second attempt while the first lingers
+        events.append("deleted")
+        srv.cluster.finish_deletions()
+
+    t = threading.Thread(target=cluster_script)
+    t.start()
+    rc = _cli("resize", "s1", "--device", "tpu7x-128", "-y", "--at-next-checkpoint", *args)
+    t.join()
+    assert rc == 0 and events == ["checkpoint 140", "deleted"]
+    assert srv.cluster.jobset_names() == ["s1-a2"]
+    assert [r["committed_step"] for r in rd.journal() if r["event"] == "resized"] == [140]
+
+
+@pytest.mark.gcs
+def test_gke_resize_with_a_live_supervisor_only_records_the_request(gke, capsys):
+    srv, rd, _, args = gke
+    lease = rd.acquire_lease(ttl_s=60)  # this process plays a live supervisor
+    rc = _cli("resize", "s1", "--device", "tpu7x-128", "-y", "--timeout", "1", *args)
+    assert rc == 124  # nobody carried it out within the timeout; the request stays
+    req = rd.pending_resize()
+    assert req["device"] == "tpu7x-128" and req["mode"] == "now"
+    assert srv.cluster.jobset_names() == ["s1-a1"]  # resize itself touched nothing
+    assert [r["event"] for r in rd.journal()] == ["submitted", "resize_requested"]
+    rd.release_lease(lease)
