@@ -689,3 +689,29 @@ def search(recipe: Recipe, device: Device, **kw) -> tuple[list[PreflightResult],
         if r.fits:
             return tried, r
     return tried, None
+
+
+# ----------------------------------------------------------------------------- submit's gate
+
+
+def submit_check(recipe: Recipe, device: Device, plan: Plan, *, log=print) -> PreflightResult | None:
+    """The preflight `submit` runs before queueing for a slice (skip it with `--no-preflight`).
+
+    Runs only for TPU slices and only where libtpu is installed (else returns None): it compiles
+    the step with the plan's micro-batch, or answers from the cache (same recipe, device, remat,
+    batch and trainer version) at once. Raises BadInput when the step does not fit, so nothing is
+    submitted that would die of an out-of-memory error after waiting in the queue.
+    """
+    if not device.is_tpu or not libtpu_available():
+        return None
+    r = _tpu_attention(recipe)
+    key = cache_key(r, device, plan.per_device_batch, trainer_version())
+    if load_cached(key) is None:
+        log(f"preflight: compiling the train step for {device.name} ({device.topology_name}) on this machine;"
+            " this takes a few minutes once per recipe, device and trainer version (--no-preflight skips it)")
+    result = run_preflight(recipe, device, per_device_batch=plan.per_device_batch)
+    if not result.fits:
+        raise BadInput(result.verdict(), f"nothing was submitted; try `olmo-ctl preflight --device {device.name}"
+                       " --search` for a remat policy that fits, a larger slice, or --no-preflight")
+    log(f"preflight: {result.verdict()}" + (" (cached)" if result.cached else f" (compiled in {result.compile_s:.0f} s)"))
+    return result

@@ -30,6 +30,7 @@ SETS = [
     "model.n_layers=8", "model.d_model=256", "model.n_heads=2", "model.n_kv_heads=2", "model.head_dim=128",
     "model.mlp_hidden=704", "model.vocab_size=1000", "model.padded_vocab_size=1024", "model.sliding_window=256",
     "model.eos_token_id=1", "model.pad_token_id=2", "train.seq_len=1024", "train.global_batch=16",
+    "train.max_per_device_batch=2", "model.remat=none",
 ]
 DEVICE = "v5p-8"  # 4 devices: global batch 16 = 4 per device = micro-batch 2 x accumulation 2
 BATCH = 2
@@ -147,6 +148,19 @@ def test_cli_json_and_exit_codes(base, cache):
     assert "Traceback" not in p.stderr
     p = _cli("--head-dim", "96", cache_dir=cache)
     assert p.returncode == 2 and "--head-dim 96" in p.stderr
+
+
+def test_submit_check_uses_the_plan_and_the_cache(base, recipe):
+    from olmo_ctl.batching import make_plan
+
+    dev = get_device(DEVICE)
+    plan = make_plan(recipe, dev)
+    assert plan.per_device_batch == BATCH
+    lines = []
+    r = pf.submit_check(recipe, dev, plan, log=lines.append)
+    assert r is not None and r.cached and r.fits
+    assert len(lines) == 1 and "fits on v5p-8" in lines[0] and "(cached)" in lines[0]
+    assert pf.submit_check(recipe, get_device("cpu-4"), plan, log=lines.append) is None
 
 
 def test_parse_compiler_refusal():
