@@ -116,7 +116,13 @@ def submit(
     if settings.backend == "local":
         # The local backend's request: the trainer's command line and environment on this machine.
         from olmo_ctl.backends.base import Attempt
-        from olmo_ctl.backends.local import LocalBackend
+
+        try:
+            from olmo_ctl.backends.local import LocalBackend
+        except ModuleNotFoundError as e:
+            if e.name != "olmo_ctl.backends.local":
+                raise
+            raise BadInput("this installation has no local backend", "use --backend gke") from None
 
         request = LocalBackend(settings.run_root).render(
             Attempt(run=run_name, run_dir=run_dir, attempt=attempt, device=dev.name)).to_dict()
