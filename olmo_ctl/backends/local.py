@@ -1,0 +1,255 @@
+"""The local backend: an attempt is the trainer as a child process group on this machine.
+
+`render` builds the command line and environment (pure, what `--dry-run` prints); `submit` starts
+it in a new session (its own process group, so Ctrl-C in the supervisor's terminal does not reach
+it and `stop` can signal the whole group) with stdout/stderr appended to `logs/attempt-<N>.log`.
+
+Each attempt leaves `attempts/<N>.json` (pid, pgid, process start time, command line). A
+supervisor restarted after a crash finds a live attempt again from that file: the pid must be alive
+AND be our trainer (same start time, `olmo_ctl.trainer` with this run directory on its command line),
+so a recycled pid is never mistaken for it. When the process exits while we are its parent, the exit
+code is written into the same file, so a later supervisor can still classify it.
+
+Exit codes: 0 SUCCEEDED; 143/137 (SIGTERM/SIGKILL) PREEMPTED; 1/2 FAILED_USER; others FAILED_INFRA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from olmo_ctl import storage
+from olmo_ctl.backends.base import Attempt, AttemptStatus, Handle, State
+
+TRAINER_MODULE = "olmo_ctl.trainer"
+
+
+@dataclass(frozen=True)
+class LocalRequest:
+    attempt: Attempt
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment
+    log_path: str = ""
+    state_dir: str = ""
+
+    def to_dict(self) -> dict:
+        return {"argv": list(self.argv), "env": dict(self.env), "log": self.log_path,
+                "attempt_file": os.path.join(self.state_dir, "attempts", f"{self.attempt.attempt}.json")}
+
+
+def classify_exit(code: int | None) -> tuple[State, str]:
+    if code is None:
+        return State.RUNNING, "running"
+    if code == 0:
+        return State.SUCCEEDED, "exit 0"
+    if code in (143, -15):
+        return State.PREEMPTED, f"exit {code} (SIGTERM)"
+    if code in (137, -9):
+        return State.PREEMPTED, f"exit {code} (SIGKILL)"
+    if code in (1, 2):
+        return State.FAILED_USER, f"exit {code}"
+    if code < 0:
+        try:
+            return State.FAILED_INFRA, f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return State.FAILED_INFRA, f"exit {code}"
+
+
+def proc_start_time(pid: int) -> str | None:
+    """Start time in clock ticks since boot (/proc/PID/stat field 22); None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rest = data[data.rfind(")") + 2:].split()
+    if not rest or rest[0] in ("Z", "X"):
+        return None
+    return rest[19] if len(rest) > 19 else None
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self, run_root: str, python: str | None = None, state_root: str | None = None,
+                 stop_grace_s: float = 120.0):
+        self.run_root = str(run_root)
+        self.python = python or sys.executable
+        self.state_root = state_root
+        self.stop_grace_s = stop_grace_s
+        self._procs: dict[int, subprocess.Popen] = {}
+
+    # Local run dirs keep attempt files and logs inside; a gs:// run dir keeps them on this machine.
+    def state_dir(self, run: str, run_dir: str | None = None) -> str:
+        rd = run_dir or storage.join(self.run_root, run)
+        if not storage.is_gcs(rd):
+            return rd
+        base = self.state_root or os.path.join(
+            os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state"), "olmo-ctl", "local")
+        return os.path.join(base, run)
+
+    def render(self, attempt: Attempt) -> LocalRequest:
+        argv = [self.python, "-m", TRAINER_MODULE, "--run-dir", attempt.run_dir, "--device", attempt.device,
+                "--attempt", str(attempt.attempt)]
+        if attempt.recipe_path:
+            argv += ["--recipe", attempt.recipe_path]
+        argv += list(attempt.extra_args)
+        env = {"PYTHONUNBUFFERED": "1"}
+        kind, _, n = attempt.device.rpartition("-")
+        if kind == "cpu":
+            env["JAX_PLATFORMS"] = "cpu"
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(n)}"
+        sd = self.state_dir(attempt.run, attempt.run_dir)
+        return LocalRequest(attempt, tuple(argv), env, os.path.join(sd, "logs", f"attempt-{attempt.attempt}.log"), sd)
+
+    def _attempt_file(self, state_dir: str, n: int) -> str:
+        return os.path.join(state_dir, "attempts", f"{n}.json")
+
+    def submit(self, request: LocalRequest) -> Handle:
+        a = request.attempt
+        os.makedirs(os.path.dirname(request.log_path), exist_ok=True)
+        os.makedirs(os.path.join(request.state_dir, "attempts"), exist_ok=True)
+        env = dict(os.environ)
+        env.update(request.env)
+        if "XLA_FLAGS" in request.env and os.environ.get("XLA_FLAGS"):
+            other = [f for f in os.environ["XLA_FLAGS"].split() if "xla_force_host_platform_device_count" not in f]
+            env["XLA_FLAGS"] = " ".join(other + [request.env["XLA_FLAGS"]])
+        with open(request.log_path, "ab") as log:
+            log.write(f"=== attempt {a.attempt} on {a.device} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+                      f": {' '.join(request.argv)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(list(request.argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True, close_fds=True)
+        self._procs[proc.pid] = proc
+        info = {"pid": proc.pid, "pgid": proc.pid, "start_time": proc_start_time(proc.pid), "host": socket.gethostname(),
+                "argv": list(request.argv), "log": request.log_path, "run_dir": a.run_dir, "started": time.time(),
+                "exit_code": None}
+        self._write_json(self._attempt_file(request.state_dir, a.attempt), info)
+        return Handle("local", str(proc.pid), a.attempt,
+                      {"pid": proc.pid, "start_time": info["start_time"], "state_dir": request.state_dir,
+                       "log": request.log_path, "run_dir": a.run_dir})
+
+    @staticmethod
+    def _write_json(path: str, d: dict) -> None:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(d, f)
+        os.replace(tmp, path)
+
+    def _info(self, handle: Handle) -> dict:
+        try:
+            with open(self._attempt_file(handle.data["state_dir"], handle.attempt)) as f:
+                return json.load(f)
+        except (OSError, ValueError, KeyError):
+            return {}
+
+    def _is_ours(self, info: dict) -> bool:
+        pid = info.get("pid")
+        if not pid or info.get("host") not in (None, socket.gethostname()):
+            return False
+        st = proc_start_time(int(pid))
+        if st is None or (info.get("start_time") is not None and st != info["start_time"]):
+            return False
+        cmd = _cmdline(int(pid))
+        return TRAINER_MODULE in cmd and info.get("run_dir") in cmd
+
+    def status(self, handle: Handle) -> AttemptStatus:
+        pid = int(handle.data.get("pid") or handle.name)
+        proc = self._procs.get(pid)
+        info = self._info(handle)
+        if proc is not None:
+            code = proc.poll()
+            if code is not None and info and info.get("exit_code") is None:
+                info["exit_code"] = code
+                info["ended"] = time.time()
+                self._write_json(self._attempt_file(handle.data["state_dir"], handle.attempt), info)
+        else:
+            code = info.get("exit_code")
+            if code is None:
+                if self._is_ours(info):
+                    return AttemptStatus(State.RUNNING, f"pid {pid} running", "process")
+                if not info:
+                    return AttemptStatus(State.MISSING, "no attempt file", "local")
+                return AttemptStatus(State.FAILED_INFRA, f"pid {pid} exited while no supervisor watched it "
+                                     "(exit code unknown)", "process", None, tuple(self.logs(handle, 20)))
+        state, reason = classify_exit(code)
+        if state == State.RUNNING:
+            return AttemptStatus(State.RUNNING, f"pid {pid} running", "process")
+        return AttemptStatus(state, reason, "process exit code", code, tuple(self.logs(handle, 20)))
+
+    def stop(self, handle: Handle, graceful: bool = True) -> None:
+        """SIGTERM to the process group (the trainer checkpoints and exits 143), SIGKILL after the grace."""
+        pid = int(handle.data.get("pid") or handle.name)
+        proc = self._procs.get(pid)
+        if proc is None and not self._is_ours(self._info(handle)):
+            return
+        try:
+            os.killpg(pid, signal.SIGTERM if graceful else signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + (self.stop_grace_s if graceful else 10)
+        while time.time() < deadline:
+            if proc is not None:
+                if proc.poll() is not None:
+                    break
+            elif proc_start_time(pid) is None:
+                break
+            time.sleep(0.1)
+        else:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if proc is not None:
+                proc.wait(10)
+        self.status(handle)  # records the exit code
+
+    def logs(self, handle: Handle, tail: int = 50) -> list[str]:
+        path = handle.data.get("log")
+        if not path:
+            return []
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 64 * 1024))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return []
+        return lines[-tail:] if tail else lines
+
+    def find_live(self, run: str) -> Handle | None:
+        sd = self.state_dir(run)
+        d = os.path.join(sd, "attempts")
+        try:
+            names = sorted((int(n[:-5]) for n in os.listdir(d) if n.endswith(".json") and n[:-5].isdigit()),
+                           reverse=True)
+        except FileNotFoundError:
+            return None
+        for n in names:
+            try:
+                with open(os.path.join(d, f"{n}.json")) as f:
+                    info = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if info.get("exit_code") is None and self._is_ours(info):
+                return Handle("local", str(info["pid"]), n, {"pid": info["pid"], "start_time": info.get("start_time"),
+                                                             "state_dir": sd, "log": info.get("log"),
+                                                             "run_dir": info.get("run_dir")})
+        return None

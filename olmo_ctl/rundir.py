@@ -1,0 +1,361 @@
+"""The run directory: the single source of truth of a run, on gs:// or a local path.
+
+    <run>/run.yaml           resolved recipe + fingerprints, written once (create-only write)
+    <run>/journal.jsonl      one JSON line per event; see `append`
+    <run>/lease.json         which supervisor drives the run (generation-match compare-and-swap)
+    <run>/resize.json        a pending resize request (written by `resize`, consumed by the supervisor)
+    <run>/checkpoints/<N>/   Orbax steps; only committed ones count (see `committed_steps`)
+
+Everything goes through `olmo_ctl.storage`, so the same code serves both kinds of path. GCS has no
+append: the journal is rewritten whole with a generation match (read, add a line, write if nobody
+wrote in between, retry otherwise); locally a line is appended with O_APPEND under an flock. Both
+leave one `journal.jsonl` that holds the whole history.
+
+Step semantics: checkpoint `<N>` holds the state after N completed steps (docs/CONTRACTS.md).
+Storage errors are never read as "no checkpoint": they propagate (exit 3), so a supervisor cannot
+restart a run from step 0 because a listing failed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import json
+import os
+import re
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from olmo_ctl import storage
+from olmo_ctl.errors import BadInput, OlmoCtlError
+from olmo_ctl.storage import NotFound, PreconditionFailed
+
+COMMIT_MARKER = "commit_success.txt"  # Orbax's commit file (atomicity_types.COMMIT_SUCCESS_FILE)
+_STEP_DIR = re.compile(r"^(\d+)$")
+JOURNAL_EVENTS = (
+    "submitted", "queued", "admitted", "running", "preempted", "failed", "succeeded", "resized", "stalled",
+    "resize_requested", "supervisor_started", "supervisor_detached", "supervisor_stopped", "reattached",
+    "backoff", "gave_up", "done", "stopped", "lease_lost",
+)
+
+
+def utc_now_iso(t: float | None = None) -> str:
+    t = time.time() if t is None else t
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_iso(s: str) -> float:
+    return dt.datetime.strptime(s, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC).timestamp()
+
+
+class LeaseHeld(OlmoCtlError):
+    """Another live supervisor holds the run. Exit 2, naming the holder."""
+
+    def __init__(self, run: str, holder: dict):
+        who = holder.get("holder", "?")
+        since = holder.get("acquired", "?")
+        beat = holder.get("heartbeat", "?")
+        super().__init__(
+            f"run `{run}` is supervised by {who} (since {since}, last heartbeat {beat})",
+            "stop that supervisor first, or wait for its lease to expire "
+            f"({int(holder.get('ttl_s', 0))} s after its last heartbeat)",
+            2,
+        )
+        self.holder = holder
+
+
+class LeaseLost(OlmoCtlError):
+    def __init__(self, run: str, detail: str):
+        super().__init__(f"lost the lease on run `{run}`: {detail}", "another supervisor took over; this one stops", 2)
+
+
+@dataclass
+class Lease:
+    """A held lease: renew it with `RunDir.heartbeat` before `ttl_s` passes."""
+
+    holder: str
+    generation: int
+    ttl_s: float
+    acquired: str
+
+
+def _this_holder() -> tuple[str, dict]:
+    host = socket.gethostname()
+    pid = os.getpid()
+    return f"{os.environ.get('USER', 'user')}@{host} pid {pid}", {
+        "host": host, "pid": pid, "pid_start": _proc_start_time(pid), "token": uuid.uuid4().hex[:12],
+    }
+
+
+def _proc_start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rest = data[data.rfind(")") + 2:].split()
+    if rest and rest[0] == "Z":  # a zombie has exited
+        return None
+    return rest[19] if len(rest) > 19 else None
+
+
+def _holder_process_dead(lease: dict) -> bool:
+    """True when the lease's holder ran on this host and that process is gone (no need to wait for the TTL)."""
+    info = lease.get("process") or {}
+    if info.get("host") != socket.gethostname() or not info.get("pid"):
+        return False
+    start = _proc_start_time(int(info["pid"]))
+    return start is None or (info.get("pid_start") is not None and start != info.get("pid_start"))
+
+
+class RunDir:
+    def __init__(self, path: str, name: str | None = None):
+        self.path = str(path).rstrip("/") if str(path) != "/" else str(path)
+        self.name = name or self.path.rstrip("/").rsplit("/", 1)[-1]
+        self.store = storage.store_for(self.path)
+
+    @classmethod
+    def of(cls, run_root: str, run: str) -> RunDir:
+        if not re.match(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$", run):
+            raise BadInput(f"run name `{run}` is not valid",
+                           "use lowercase letters, digits and '-', at most 40 characters (it names the JobSet)")
+        return cls(storage.join(run_root, run), run)
+
+    @property
+    def is_gcs(self) -> bool:
+        return storage.is_gcs(self.path)
+
+    def p(self, *parts: str) -> str:
+        return storage.join(self.path, *parts)
+
+    # ------------------------------------------------------------------ run.yaml
+
+    def exists(self) -> bool:
+        return self.store.exists(self.p("run.yaml"))
+
+    def read_run(self) -> dict:
+        try:
+            text = self.store.read_text(self.p("run.yaml"))
+        except NotFound:
+            raise BadInput(f"run `{self.name}` does not exist at {self.path}",
+                           "create it with `olmo-ctl submit` or `resume-until-done --recipe ...`") from None
+        d = yaml.safe_load(text)
+        if not isinstance(d, dict) or "recipe" not in d:
+            raise BadInput(f"`{self.p('run.yaml')}` is not a run description")
+        return d
+
+    def create_run(self, recipe_dict: dict, recipe_fingerprint: str, data_fingerprint: str, device: str) -> dict:
+        """Write run.yaml once (a create-only conditional write: two racing creators cannot both win)."""
+        doc = {
+            "run": self.name, "created": utc_now_iso(), "recipe": recipe_dict,
+            "recipe_fingerprint": recipe_fingerprint, "data_fingerprint": data_fingerprint, "device": device,
+        }
+        try:
+            self.store.write_text(self.p("run.yaml"), yaml.safe_dump(doc, sort_keys=False), if_generation_match=0)
+        except PreconditionFailed:
+            raise BadInput(f"run `{self.name}` was created concurrently", "run the command again to continue it") from None
+        return doc
+
+    def check_matches(self, recipe_fingerprint: str, data_fingerprint: str | None) -> None:
+        """A later attempt must train the same recipe on the same data as run.yaml."""
+        d = self.read_run()
+        if d.get("recipe_fingerprint") != recipe_fingerprint:
+            raise BadInput(
+                f"run `{self.name}` was created with another recipe (fingerprint {d.get('recipe_fingerprint')}, "
+                f"this one {recipe_fingerprint})",
+                "continue it without --recipe/--set (it uses its run.yaml), or start a new run with --run NAME",
+            )
+        if data_fingerprint is not None and d.get("data_fingerprint") not in (None, "", data_fingerprint):
+            raise BadInput(
+                f"run `{self.name}`: the training data changed (fingerprint {d.get('data_fingerprint')}, "
+                f"now {data_fingerprint})",
+                "restore the original data, or start a new run",
+            )
+
+    # ------------------------------------------------------------------ journal
+
+    def append(self, event: str, *, attempt: int | None = None, device: str | None = None, reason: str = "",
+               committed_step: int | None = None, t: float | None = None, **extra: Any) -> dict:
+        rec = {"time": utc_now_iso(t), "event": event, "attempt": attempt, "device": device, "reason": reason,
+               "committed_step": committed_step}
+        rec.update({k: v for k, v in extra.items() if v is not None})
+        line = json.dumps(rec, default=str) + "\n"
+        path = self.p("journal.jsonl")
+        if self.is_gcs:
+            for _ in range(20):
+                info = self.store.stat(path)
+                gen = info.generation if info else 0
+                old = self.store.read_bytes(path) if info else b""
+                try:
+                    self.store.write_bytes(path, old + line.encode(), if_generation_match=gen)
+                    return rec
+                except PreconditionFailed:
+                    time.sleep(0.05)
+            raise OlmoCtlError(f"could not append to `{path}`: it kept changing under us", exit_code=3)
+        os.makedirs(self.path, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return rec
+
+    def journal(self) -> list[dict]:
+        try:
+            text = self.store.read_text(self.p("journal.jsonl"))
+        except NotFound:
+            return []
+        out = []
+        for ln in text.splitlines():
+            ln = ln.strip()
+            if not ln:
+                continue
+            try:
+                out.append(json.loads(ln))
+            except json.JSONDecodeError:
+                continue  # a torn last line from a crash mid-write: every complete line still counts
+        return out
+
+    def last_attempt(self) -> dict | None:
+        """The newest `submitted` record (it carries the attempt number, device and backend handle)."""
+        subs = [r for r in self.journal() if r.get("event") == "submitted"]
+        return subs[-1] if subs else None
+
+    def next_attempt_number(self) -> int:
+        nums = [int(r["attempt"]) for r in self.journal() if r.get("event") == "submitted" and r.get("attempt")]
+        return max(nums, default=0) + 1
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def committed_steps(self) -> list[int]:
+        """Committed Orbax steps, ascending, in at most two list calls.
+
+        Local: one directory listing; a step counts when its directory has its final name `<N>` (Orbax
+        renames `<N>.orbax-checkpoint-tmp-*` atomically) and holds the commit marker.
+        gs://: one object listing of `checkpoints/*/commit_success.txt` (a glob match, so a checkpoint's
+        thousands of array shards are not listed); a step directory without its marker is being written
+        or was abandoned and never counts.
+        """
+        ckpt = self.p("checkpoints")
+        if self.is_gcs:
+            return self._gcs_committed(ckpt)
+        try:
+            entries = list(os.scandir(ckpt))
+        except FileNotFoundError:
+            return []
+        steps = []
+        for e in entries:
+            m = _STEP_DIR.match(e.name)
+            if m and e.is_dir() and os.path.exists(os.path.join(e.path, COMMIT_MARKER)):
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def _gcs_committed(self, ckpt: str) -> list[int]:
+        st = self.store
+        bucket, name = storage.split_gcs(ckpt.rstrip("/") + "/")
+
+        def ls():
+            it = st._client.list_blobs(bucket, prefix=name, match_glob=f"{name}*/{COMMIT_MARKER}")
+            return [b.name for b in it]
+
+        names = st._call(ckpt, ls)
+        steps = set()
+        for n in names:
+            parts = n[len(name):].split("/")
+            if len(parts) == 2 and parts[1] == COMMIT_MARKER and _STEP_DIR.match(parts[0]):
+                steps.add(int(parts[0]))
+        return sorted(steps)
+
+    def committed_step(self) -> int:
+        steps = self.committed_steps()
+        return steps[-1] if steps else 0
+
+    def progress_signature(self) -> tuple:
+        """Something that changes whenever the trainer writes: TensorBoard objects and their sizes."""
+        files, dirs = self.store.list(self.p("tensorboard"), recursive=True)
+        return tuple((f.path, f.size) for f in files)
+
+    # ------------------------------------------------------------------ lease
+
+    def acquire_lease(self, ttl_s: float = 120.0, now: float | None = None) -> Lease:
+        """Take the run's lease, or raise LeaseHeld naming the live holder.
+
+        A lease is free when absent, released, past its TTL since the last heartbeat, or held by a
+        process on this host that no longer exists (a killed supervisor need not wait for the TTL).
+        Every write is conditioned on the generation just read, so of two racing supervisors one wins.
+        """
+        path = self.p("lease.json")
+        now = time.time() if now is None else now
+        info = self.store.stat(path)
+        gen = info.generation if info else 0
+        if info is not None:
+            cur = json.loads(self.store.read_text(path) or "{}")
+            held = cur.get("holder") and not cur.get("released")
+            expired = now - float(cur.get("heartbeat_unix", 0)) > float(cur.get("ttl_s", ttl_s))
+            if held and not expired and not _holder_process_dead(cur):
+                raise LeaseHeld(self.name, cur)
+        holder, proc = _this_holder()
+        t = utc_now_iso(now)
+        doc = {"holder": holder, "process": proc, "acquired": t, "heartbeat": t, "heartbeat_unix": now,
+               "ttl_s": ttl_s, "released": False}
+        try:
+            new_gen = self.store.write_text(path, json.dumps(doc, indent=1), if_generation_match=gen)
+        except PreconditionFailed:
+            cur = json.loads(self.store.read_text(path) or "{}")
+            raise LeaseHeld(self.name, cur) from None
+        return Lease(holder=holder + " " + proc["token"], generation=new_gen, ttl_s=ttl_s, acquired=t)
+
+    def _lease_write(self, lease: Lease, now: float, released: bool) -> None:
+        path = self.p("lease.json")
+        try:
+            cur = json.loads(self.store.read_text(path))
+        except NotFound:
+            raise LeaseLost(self.name, "lease.json was deleted") from None
+        cur.update(heartbeat=utc_now_iso(now), heartbeat_unix=now, released=released)
+        try:
+            lease.generation = self.store.write_text(path, json.dumps(cur, indent=1),
+                                                     if_generation_match=lease.generation)
+        except PreconditionFailed:
+            raise LeaseLost(self.name, f"now held by {cur.get('holder', '?')}") from None
+
+    def heartbeat(self, lease: Lease, now: float | None = None) -> None:
+        """Renew the lease; LeaseLost if anyone else wrote it since our last write."""
+        self._lease_write(lease, time.time() if now is None else now, released=False)
+
+    def release_lease(self, lease: Lease, now: float | None = None) -> None:
+        try:
+            self._lease_write(lease, time.time() if now is None else now, released=True)
+        except LeaseLost:
+            pass
+
+    def read_lease(self) -> dict | None:
+        try:
+            return json.loads(self.store.read_text(self.p("lease.json")))
+        except NotFound:
+            return None
+
+    # ------------------------------------------------------------------ resize requests
+
+    def request_resize(self, device: str, reason: str = "") -> dict:
+        """Ask the run's supervisor to checkpoint, stop and continue on `device` (same global batch)."""
+        doc = {"device": device, "reason": reason, "time": utc_now_iso(), "id": uuid.uuid4().hex[:8]}
+        self.store.write_text(self.p("resize.json"), json.dumps(doc))
+        self.append("resize_requested", device=device, reason=reason or f"resize to {device}", request=doc["id"])
+        return doc
+
+    def pending_resize(self) -> dict | None:
+        try:
+            return json.loads(self.store.read_text(self.p("resize.json")))
+        except NotFound:
+            return None
+
+    def clear_resize(self) -> None:
+        self.store.delete(self.p("resize.json"))

