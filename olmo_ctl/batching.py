@@ -142,3 +142,45 @@ def make_plan(recipe: Recipe, device: Device) -> Plan:
         estimated_bytes_per_device=state + micro * per_instance,
         hbm_bytes_per_device=device.hbm_bytes_per_device,
     )
+
+
+DEFAULT_MFU = 0.4
+
+
+def plan_report(recipe: Recipe, device: Device, mfu: float = DEFAULT_MFU) -> dict:
+    """The plan plus a compute estimate at an assumed MFU, by both FLOPs formulas (named).
+
+    step time = FLOPs/token x tokens/step / (devices x peak per device x MFU); wall-clock = step
+    time x steps; chip-hours = wall-clock x chips. What `olmo-ctl plan` prints.
+    """
+    from olmo_ctl import flops
+
+    if not 0 < mfu <= 1:
+        raise BadInput(f"MFU {mfu:g} is not a fraction in (0, 1]", "for 40% pass 0.4")
+    plan = make_plan(recipe, device)
+    fpt = {f: flops.flops_per_token(recipe.model, plan.seq_len, f) for f in flops.FORMULAS}
+    sustained = device.peak_tflops_per_device * 1e12 * mfu * plan.devices  # FLOP/s over the slice
+    estimate = {}
+    for f, per_token in fpt.items():
+        step_s = per_token * plan.tokens_per_step / sustained
+        wall_s = step_s * plan.max_steps
+        estimate[f] = {
+            "step_time_s": step_s,
+            "wall_clock_s": wall_s,
+            "wall_clock_days": wall_s / 86400,
+            "device_hours": wall_s * plan.devices / 3600,
+            "chip_hours": wall_s * device.chips / 3600 if device.chips else None,
+            "tokens_per_s_per_device": plan.tokens_per_step / step_s / plan.devices,
+        }
+    return {
+        **plan.to_dict(),
+        "chips": device.chips,
+        "vms": device.vms,
+        "params": param_count(recipe.model),
+        "flops_per_token": fpt,
+        "steps": plan.max_steps,
+        "tokens": plan.tokens_per_step * plan.max_steps,
+        "mfu": mfu,
+        "peak_tflops_per_device": device.peak_tflops_per_device,
+        "estimate": estimate,
+    }

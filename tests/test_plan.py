@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from olmo_ctl.batching import make_plan
+from olmo_ctl.batching import make_plan, plan_report
 from olmo_ctl.devices import get_device
 from olmo_ctl.errors import BadInput
 from olmo_ctl.recipe import load_recipe
@@ -94,3 +94,14 @@ def test_plan_refusals_exit_2():
     assert p.stderr.startswith("error: global batch 512 cannot be split") and p.stderr.count("\n") == 1
     p = _cli("plan", "--stage", "1", "--device", "v5p-8", "--mfu", "40")
     assert p.returncode == 2 and "--mfu 0.4" in p.stderr
+
+
+def test_plan_report_is_pure_and_checks_mfu():
+    r = plan_report(load_recipe(stage=2), get_device("v5p-256"), 0.5)
+    assert (r["per_device_batch"], r["tokens"]) == (2, 47684 * 256 * 8192)
+    e = r["estimate"]["olmo_core"]
+    assert e["step_time_s"] == pytest.approx(r["flops_per_token"]["olmo_core"] * r["tokens_per_step"]
+                                             / (128 * 459e12 * 0.5))
+    for bad in (0, -0.1, 1.5):
+        with pytest.raises(BadInput, match="not a fraction"):
+            plan_report(load_recipe(stage=2), get_device("v5p-256"), bad)

@@ -84,42 +84,6 @@ def devices(
 # ---------------------------------------------------------------- plan
 
 
-def plan_report(recipe, device, mfu: float) -> dict:
-    """The plan plus a compute estimate (both FLOPs formulas, named) at an assumed MFU."""
-    from olmo_ctl import flops
-    from olmo_ctl.batching import make_plan, param_count
-
-    plan = make_plan(recipe, device)
-    d = plan.to_dict()
-    tokens = plan.tokens_per_step * plan.max_steps
-    fpt = {f: flops.flops_per_token(recipe.model, plan.seq_len, f) for f in flops.FORMULAS}
-    sustained = device.peak_tflops_per_device * 1e12 * mfu * plan.devices  # FLOP/s over the slice
-    estimate = {}
-    for f, per_token in fpt.items():
-        step_s = per_token * plan.tokens_per_step / sustained
-        wall_s = step_s * plan.max_steps
-        estimate[f] = {
-            "step_time_s": step_s,
-            "wall_clock_s": wall_s,
-            "wall_clock_days": wall_s / 86400,
-            "device_hours": wall_s * plan.devices / 3600,
-            "chip_hours": wall_s * device.chips / 3600 if device.chips else None,
-            "tokens_per_s_per_device": plan.tokens_per_step / step_s / plan.devices,
-        }
-    d.update({
-        "chips": device.chips,
-        "vms": device.vms,
-        "params": param_count(recipe.model),
-        "flops_per_token": fpt,
-        "steps": plan.max_steps,
-        "tokens": tokens,
-        "mfu": mfu,
-        "peak_tflops_per_device": device.peak_tflops_per_device,
-        "estimate": estimate,
-    })
-    return d
-
-
 def _duration(s: float) -> str:
     if s < 120:
         return f"{s:.2f} s"
@@ -172,6 +136,7 @@ def plan(
     output: OutputOpt = Output.table,
 ) -> None:
     """Split the recipe's global batch over a device and estimate the compute it needs."""
+    from olmo_ctl.batching import plan_report
     from olmo_ctl.devices import get_device
     from olmo_ctl.errors import BadInput
     from olmo_ctl.recipe import load_recipe
