@@ -6,6 +6,7 @@
 #   make lint      ruff
 #   make image     docker build of launch_templates/Dockerfile
 #   make bench     CLI start-up latency
+#   make readme    README.md from docs/readme/*.md (in name order)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -13,7 +14,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 IMAGE  ?= olmo-ctl:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: install test lint goldens demo image bench
+.PHONY: install test lint goldens demo image bench readme
 
 install: $(STAMP)
 
@@ -42,3 +43,6 @@ image:
 
 bench:
 	$(BIN)/python benchmarks/cli_latency.py
+
+readme:
+	cat $(sort $(wildcard docs/readme/*.md)) > README.md

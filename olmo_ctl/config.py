@@ -184,6 +184,8 @@ def resolve_settings(**flag_values: str | None) -> Settings:
             values[name] = None
         else:
             _check(name, value, src)
+            if name == "run_root" and not value.startswith("gs://"):
+                value = os.path.abspath(os.path.expanduser(value))  # every process sees the same directory
             values[name] = value
         sources[name] = src
     return Settings(**values, sources={n: sources[n] for n in names})

@@ -103,6 +103,7 @@ def test_local_backend_defaults_and_dry_run(xdg, tmp_path):
     s = resolve_settings(backend="local")
     assert s.run_root == os.path.abspath("runs") and s.sources["run_root"] == "default for the local backend"
     assert s.placeholders() == []
+    assert resolve_settings(backend="local", run_root="my-runs/").run_root == os.path.abspath("my-runs")
     pytest.importorskip("olmo_ctl.backends.local")
     p = subprocess.run([sys.executable, "-m", "olmo_ctl", "submit", "--recipe", "smoke", "--device", "cpu-2",
                         "--backend", "local", "--run-root", str(tmp_path / "runs"), "--dry-run", "-o", "json"],

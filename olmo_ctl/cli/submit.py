@@ -129,7 +129,7 @@ def submit(
     else:
         request = render_jobset(r, plan, dev, settings, run_name, attempt, run_dir)
     text = dump_yaml(request) if output == ManifestOutput.yaml else dump_json(request)
-    for name in settings.placeholders() if settings.backend == "gke" else ():
+    for name in settings.placeholders():
         note(f"`{name}` is the placeholder `{getattr(settings, name)}`; set --{name.replace('_', '-')}, "
              f"OLMO_CTL_{name.upper()} or `{name}:` in the config file (see `olmo-ctl config show`)")
     if settings.backend == "gke" and settings.placement_policy and placement_policy_for(dev, settings) is None:
