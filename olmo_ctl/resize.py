@@ -253,7 +253,10 @@ def stop_for_resize(rundir, backend, handle, mode: str, deadline: float,
     after = rundir.committed_step()
     if after < before:  # a listing that went backwards would restart the run from an older state
         raise OlmoCtlError(f"committed step went back from {before} to {after} while stopping", exit_code=1)
-    how = end.state.value + (f", exit {end.exit_code}" if end.exit_code is not None else "")
+    how = f"{end.state.value} ({end.reason})" if end.reason else end.state.value
+    if end.state.value not in ("preempted", "succeeded") and f"committed step {after}" in backend.logs(handle, 5):
+        # The local backend cannot see the exit code of a trainer another process started; its log can.
+        how = f"the trainer committed step {after} and exited"
     return after, how
 
 
