@@ -45,4 +45,4 @@ bench:
 	$(BIN)/python benchmarks/cli_latency.py
 
 readme:
-	cat $(sort $(wildcard docs/readme/*.md)) > README.md
+	for f in $(sort $(wildcard docs/readme/*.md)); do cat $$f; echo; done > README.md
