@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent("""
     want_loss, want_grad = jax.jit(jax.value_and_grad(loss))(params, tokens)
     out = {}
     for kind, dp in (("fsdp", 1), ("hybrid", 2)):
-        mesh = S.make_mesh(kind=kind, data_parallel=dp)
+        mesh = S.make_mesh(kind=kind, data_parallel=dp, activate=False)
         p = jax.device_put(params, S.param_shardings(params, mesh))
         t = jax.device_put(tokens, S.batch_sharding(mesh))
         with jax.set_mesh(mesh):
@@ -66,6 +66,19 @@ SCRIPT = textwrap.dedent("""
             "w1_shard_shape": list(p["blocks"]["mlp"]["w1"].addressable_shards[0].data.shape),
             "tokens_shard_shape": list(t.addressable_shards[0].data.shape),
         }
+    # make_mesh activates its mesh: the compiled FSDP step gathers weights and never all-reduces
+    # whole activations (which is what XLA picks for the same program without an activation mesh).
+    import re
+    mesh = S.make_mesh()
+    p = jax.device_put(params, S.param_shardings(params, mesh))
+    t = jax.device_put(tokens, S.batch_sharding(mesh))
+    hlo = jax.jit(jax.grad(loss)).lower(p, t).compile().as_text()
+    act = f"[{tokens.shape[0]},{tokens.shape[1]},{cfg.d_model}]"
+    out["activation_all_reduces"] = len(re.findall(r"\\S+" + re.escape(act) + r"\\S* all-reduce\\(", hlo))
+    out["all_gathers"] = len(re.findall(r" all-gather\\(", hlo))
+    S._active = None
+    hlo = jax.jit(jax.grad(loss)).lower(p, t).compile().as_text()
+    out["activation_all_reduces_without_mesh"] = len(re.findall(r"\\S+" + re.escape(act) + r"\\S* all-reduce\\(", hlo))
     print("RESULT " + json.dumps(out))
 """)
 
@@ -81,6 +94,8 @@ def test_fsdp_and_hybrid_match_single_device():
         assert res["loss_diff"] < 1e-6 and res["grad_diff"] < 1e-6
         assert res["tokens_shard_shape"] == [2, 64]  # the batch is split over every device
     assert fsdp["embed_shards"] == 4 and fsdp["w1_shard_shape"] == [4, 64, 44]  # smoke: mlp_hidden 176 / 4
+    assert out["activation_all_reduces"] == 0 and out["all_gathers"] > 0
+    assert out["activation_all_reduces_without_mesh"] > 0  # the check can tell the difference
     assert hybrid["embed_shards"] == 2 and hybrid["w1_shard_shape"] == [4, 64, 88]  # replicated over data
 
 

@@ -14,7 +14,9 @@ Parameters (cfg.param_dtype; L = n_layers, d = d_model, q = n_heads*head_dim, kv
     blocks/mlp/{w1 [L,d,h] (gate), w3 [L,d,h] (up), w2 [L,h,d] (down)}
 Layers are stacked on a leading axis and run with `lax.scan` over groups of `full_attention_every`
 layers (3 sliding + 1 full), so compile time does not grow with depth. Norms, softmax, RoPE and the
-logits are fp32; matmuls run in cfg.compute_dtype.
+logits are fp32; matmuls run in cfg.compute_dtype. On a ("data", "fsdp") mesh (the one
+`sharding.make_mesh` made, or the current `jax.set_mesh`), activations are constrained to batch
+sharding after every block.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from olmo_ctl.recipe import ModelConfig
 from olmo_ctl.trainer import attention as attn_lib
+from olmo_ctl.trainer import sharding
 
 # Names given to projection outputs, saved by remat="save_proj".
 PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "w1_proj", "w3_proj")
@@ -158,14 +161,16 @@ def _remat(fn, policy: str):
 
 
 def _constrain_batch(x):
-    """Keep activations batch-sharded over ("data", "fsdp") when a mesh with those axes is set."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not {"data", "fsdp"} <= set(mesh.axis_names):
+    """Keep activations batch-sharded over ("data", "fsdp") on the activation mesh, if there is one."""
+    mesh = sharding.activation_mesh()
+    if mesh is None:
         return x
     n = mesh.shape["data"] * mesh.shape["fsdp"]
-    if x.shape[0] % n:
+    if n == 1 or x.shape[0] % n:
         return x
-    spec = jax.sharding.PartitionSpec(("data", "fsdp"), *([None] * (x.ndim - 1)))
+    spec = jax.sharding.PartitionSpec(sharding.AXES, *([None] * (x.ndim - 1)))
+    if isinstance(mesh, jax.sharding.Mesh):
+        spec = jax.sharding.NamedSharding(mesh, spec)
     return jax.lax.with_sharding_constraint(x, spec)
 
 

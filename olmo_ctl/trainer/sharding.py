@@ -19,7 +19,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 AXES = ("data", "fsdp")
 
 
-def make_mesh(devices=None, kind: str = "fsdp", data_parallel: int = 1) -> Mesh:
+_active: Mesh | None = None
+
+
+def make_mesh(devices=None, kind: str = "fsdp", data_parallel: int = 1, activate: bool = True) -> Mesh:
+    """The ("data", "fsdp") mesh. With `activate` the model traced afterwards pins its activations to
+    batch sharding on this mesh (see `activation_mesh`); without that XLA may keep weights sharded and
+    all-reduce activations every layer instead of gathering weights (FSDP)."""
+    global _active
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     if kind == "fsdp":
@@ -30,7 +37,19 @@ def make_mesh(devices=None, kind: str = "fsdp", data_parallel: int = 1) -> Mesh:
             raise ValueError(f"data_parallel={dp} does not divide the {n} devices")
     else:
         raise ValueError(f"unknown mesh kind {kind!r} (fsdp or hybrid)")
-    return Mesh(np.asarray(devices).reshape(dp, n // dp), AXES)
+    mesh = Mesh(np.asarray(devices).reshape(dp, n // dp), AXES)
+    if activate:
+        _active = mesh
+    return mesh
+
+
+def activation_mesh():
+    """The mesh activations are constrained to: the current `jax.set_mesh` mesh when it has our axes
+    (as an abstract mesh), else the last mesh `make_mesh` activated, else None."""
+    ambient = jax.sharding.get_abstract_mesh()
+    if not ambient.empty and set(AXES) <= set(ambient.axis_names):
+        return ambient
+    return _active
 
 
 def _spec_for(path, shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
