@@ -140,6 +140,10 @@ def prepare(rundir, backend, to_device: str) -> ResizePlan:
     attempt, device, _ = current_attempt(rundir)
     if not device:
         raise BadInput(f"run `{rundir.name}` records no device", "submit it first")
+    done = rundir.committed_step()
+    if done >= recipe.train.max_steps:
+        raise BadInput(f"run `{rundir.name}` is complete (checkpoint {done} of {recipe.train.max_steps} committed)",
+                       "there is nothing left to run on another device")
     nxt = max(attempt, rundir.next_attempt_number() - 1) + 1
     rp = plan_resize(recipe, get_device(device), get_device(to_device), rundir.name, attempt, nxt)
     old_req = backend.render(Attempt(rundir.name, rundir.path, max(attempt, 1), device)) if attempt else None
@@ -234,9 +238,12 @@ def stop_for_resize(rundir, backend, handle, mode: str, deadline: float,
     Returns (committed step after the stop, how the attempt ended). `at-next-checkpoint` waits for a
     committed step newer than the one at the call (or the attempt's end) before stopping.
     """
+    from olmo_ctl.backends.base import State
+
     before = rundir.committed_step()
     status = backend.status(handle)
-    if status.state.live and mode == "at-next-checkpoint":
+    # Only a running trainer has progress to wait for; a queued or starting attempt is stopped at once.
+    if status.state == State.RUNNING and mode == "at-next-checkpoint":
         log(f"waiting for the next checkpoint after step {before} of attempt {handle.attempt}")
         while status.state.live and rundir.committed_step() <= before:
             if time.monotonic() >= deadline:

@@ -164,6 +164,11 @@ def test_gke_resize_without_a_terminal_or_to_a_bad_device_changes_nothing(gke, c
     assert "cannot be split exactly over the 1024 devices" in capsys.readouterr().err
     assert srv.cluster.jobset_names() == ["s1-a1"]
     assert [r["event"] for r in rd.journal()] == ["submitted"]
+    final = load_recipe("olmo3-7b-stage1").train.max_steps
+    _commit(rd.path, final)
+    assert _cli("resize", "s1", "--device", "tpu7x-128", "-y", *args) == 2
+    assert f"is complete (checkpoint {final} of {final} committed)" in capsys.readouterr().err
+    assert srv.cluster.jobset_names() == ["s1-a1"]
 
 
 @pytest.mark.gcs
