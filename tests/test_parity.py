@@ -91,6 +91,15 @@ def test_parity_fp32_gqa_head_dim_and_pattern(pair_b):
     assert res["kl_mean"] < 1e-6 and res["top1_agreement"] == 1.0
 
 
+def test_parity_long_sequence_uses_blocked_attention(pair_a):
+    from olmo_ctl import parity
+
+    seq = parity.LONG_SEQ + 256  # above the threshold: our side runs the blocked kernel
+    res = run_parity(*pair_a, seq_len=seq, batch=1, dtype="fp32")
+    print("config A fp32, blocked attention", res)
+    assert res["kl_mean"] < 1e-6 and res["top1_agreement"] == 1.0 and res["tokens"] == seq
+
+
 @pytest.mark.parametrize("pair", ["pair_a", "pair_b"])
 def test_parity_bf16_is_reported(pair, request):
     res = run_parity(*request.getfixturevalue(pair), seq_len=SEQ, batch=2, dtype="bf16")
