@@ -122,9 +122,9 @@ class RunDir:
 
     @classmethod
     def of(cls, run_root: str, run: str) -> RunDir:
-        if not re.match(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$", run):
-            raise BadInput(f"run name `{run}` is not valid",
-                           "use lowercase letters, digits and '-', at most 40 characters (it names the JobSet)")
+        from olmo_ctl.manifest import validate_run_name
+
+        validate_run_name(run)
         return cls(storage.join(run_root, run), run)
 
     @property

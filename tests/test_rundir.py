@@ -197,5 +197,5 @@ def test_resize_request_round_trip(rd):
 
 
 def test_run_name_is_checked(tmp_path):
-    with pytest.raises(BadInput, match="not valid"):
+    with pytest.raises(BadInput, match="not a valid run name"):
         RunDir.of(str(tmp_path), "Bad_Name")

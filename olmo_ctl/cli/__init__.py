@@ -25,6 +25,7 @@ from olmo_ctl.cli import data  # noqa: E402,F401
 from olmo_ctl.cli import submit  # noqa: E402,F401
 from olmo_ctl.cli import resize  # noqa: E402,F401
 from olmo_ctl.cli import preflight  # noqa: E402,F401
+from olmo_ctl.cli import run  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,116 @@
+"""`olmo-ctl resume-until-done`: supervise a run until its final step is committed."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from olmo_ctl.cli.app import RecipeOpt, SetOpt, StageOpt, app
+from olmo_ctl.cli.foundation import (
+    BackendOpt,
+    ImageOpt,
+    KubeContextOpt,
+    NamespaceOpt,
+    PlacementPolicyOpt,
+    PriorityClassOpt,
+    QueueOpt,
+    RunRootOpt,
+    ServiceAccountOpt,
+)
+
+
+@app.command("resume-until-done")
+def resume_until_done(
+    run_name: Annotated[str | None, typer.Argument(metavar="RUN", help="Run name (or --run).")] = None,
+    run: Annotated[str | None, typer.Option("--run", help="Run name (default: from the recipe name).")] = None,
+    stage: StageOpt = None,
+    recipe: RecipeOpt = None,
+    set_: SetOpt = None,
+    device: Annotated[str | None, typer.Option("--device", help="Device of a new run (e.g. cpu-1, tpu7x-128).")] = None,
+    backend: BackendOpt = None,
+    run_root: RunRootOpt = None,
+    retry_backoff: Annotated[float | None, typer.Option(
+        "--retry-backoff", help="Base backoff before a resubmission, seconds [env RETRY_BACKOFF_SECONDS, 300]; "
+        "doubles per attempt without progress, with jitter, up to a cap.")] = None,
+    max_retries: Annotated[int | None, typer.Option(
+        "--max-retries", help="Attempts in a row without a new committed step before giving up "
+        "[env MAX_RETRIES, 5]; progress refills it.")] = None,
+    retry_user_errors: Annotated[bool, typer.Option(
+        "--retry-user-errors", help="Retry deterministic training failures (exit 1/2) too.")] = False,
+    stop_on_exit: Annotated[bool, typer.Option(
+        "--stop-on-exit", help="On Ctrl-C stop the attempt instead of leaving it running.")] = False,
+    poll: Annotated[float, typer.Option("--poll", help="Seconds between status checks.")] = 10.0,
+    stall_factor: Annotated[float, typer.Option(
+        "--stall-factor", help="Stalled after this many median step intervals without progress.")] = 20.0,
+    stall_min: Annotated[float, typer.Option("--stall-min", help="Never stalled sooner than this (s).")] = 300.0,
+    startup_timeout: Annotated[float, typer.Option(
+        "--startup-timeout", help="Longest start-up/compile before the first step (s).")] = 1800.0,
+    kube_context: KubeContextOpt = None,
+    namespace: NamespaceOpt = None,
+    queue: QueueOpt = None,
+    priority_class: PriorityClassOpt = None,
+    image: ImageOpt = None,
+    service_account: ServiceAccountOpt = None,
+    placement_policy: PlacementPolicyOpt = None,
+) -> int:
+    """Submit attempts of a run until its final step is committed: reattaches to a live attempt, waits
+    while queued, resubmits after preemption with backoff, stops on a user error (1) or a crash loop (4).
+    Ctrl-C detaches (130) and leaves the attempt running."""
+    import signal
+
+    from olmo_ctl.config import resolve_settings
+    from olmo_ctl.errors import BadInput
+    from olmo_ctl.manifest import default_run_name, validate_run_name
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.policy import RetryPolicy
+    from olmo_ctl.supervise.submit import ensure_run, make_backend
+    from olmo_ctl.supervise.supervisor import Supervisor
+
+    if run_name and run and run_name != run:
+        raise BadInput(f"two run names: `{run_name}` and --run `{run}`", "give one")
+    settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
+                                priority_class=priority_class, image=image, run_root=run_root,
+                                service_account=service_account, placement_policy=placement_policy,
+                                backend=backend)
+    if "run_root" in settings.placeholders():
+        raise BadInput("no run root configured", "pass --run-root DIR (or gs://...), or set OLMO_CTL_RUN_ROOT")
+    if settings.backend == "gke" and "image" in settings.placeholders():
+        raise BadInput("no image configured for the GKE backend", "pass --image or set OLMO_CTL_IMAGE")
+    r = None
+    if recipe is not None or stage is not None:
+        from olmo_ctl.recipe import load_recipe
+
+        r = load_recipe(recipe, stage, set_ or ())
+    elif set_:
+        raise BadInput("--set needs --recipe or --stage", "an existing run keeps its recipe (run.yaml)")
+    name = run_name or run or (default_run_name(r) if r is not None else None)
+    if name is None:
+        raise BadInput("which run?", "pass RUN, or --recipe/--stage with --device to create one")
+    validate_run_name(name)
+    if device is not None:
+        from olmo_ctl.devices import get_device
+
+        dev = get_device(device)
+        if settings.backend == "gke" and not dev.is_tpu:
+            raise BadInput(f"`{dev.name}` is a local device; the GKE backend runs on TPU slices",
+                           "use --backend local, or a TPU device such as tpu7x-128")
+    policy = RetryPolicy.from_env(retry_backoff, max_retries, retry_user_errors=retry_user_errors,
+                                  stall_factor=stall_factor, stall_min_s=stall_min, startup_limit_s=startup_timeout)
+    if poll <= 0:
+        raise BadInput(f"--poll {poll} must be positive")
+    rundir = RunDir.of(settings.run_root, name)
+    ensure_run(rundir, r, device)
+    be = make_backend(settings)
+    hint = f"olmo-ctl resume-until-done {name} --run-root {settings.run_root} --backend {settings.backend}"
+    sup = Supervisor(rundir, be, policy, device=device, poll_s=poll, stop_on_exit=stop_on_exit, reattach_hint=hint)
+    sup.out.line(f"run directory: {rundir.path}")
+
+    def on_term(signum, frame):  # a terminating supervisor detaches like Ctrl-C
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return sup.run()
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -1,0 +1,314 @@
+"""`resume-until-done`: keep a run going, attempt after attempt, until its final step is committed.
+
+A small explicit state machine; every transition prints one timestamped line and is journaled
+with its reason:
+
+    start ──► (committed >= final) ─────────────────────────────────────────► done (exit 0)
+      │ lease held for the whole loop (a second supervisor exits 2, naming the holder)
+      ▼
+    find a live attempt (journal's last handle, then the backend) ──► watch   (reattach: never a
+      │ none                                                            ▲      second submission)
+      ▼                                                                 │
+    backoff (only after a failed attempt) ──► submit ───────────────────┘
+    watch: queued (waits, spends nothing) → admitted → running; stall check; resize requests
+      ├─ succeeded and final step committed ──────────────────────────────► done (exit 0)
+      ├─ failed-user ─────────────────────────────► failed (exit 1, last log lines) unless retried
+      ├─ preempted / failed-infra / missing / stalled ─► retry budget: progress refills it;
+      │                                                  N in a row without progress ─► gave up (exit 4)
+      └─ Ctrl-C ──► detach (exit 130, the attempt keeps running) or stop it (--stop-on-exit)
+
+Storage or cluster unreachable past the backends' own retries raises `Unreachable` (exit 3): the
+attempt is left untouched. The clock and sleep are injectable, so tests drive it with a fake clock.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from olmo_ctl.backends.base import AttemptStatus, Handle, State
+from olmo_ctl.errors import EXIT_GAVE_UP, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUN_FAILED
+from olmo_ctl.rundir import LeaseLost, RunDir
+from olmo_ctl.supervise.policy import RetryBudget, RetryPolicy, StallWatch
+from olmo_ctl.supervise.submit import live_attempt, run_device, submit_next
+
+_STEP_LINE = re.compile(r"\bstep (\d+)/(\d+)\b")
+
+
+class Printer:
+    """One timestamped line per state change; on a TTY a progress bar with step and ETA."""
+
+    def __init__(self, run: str, stream=None, clock: Callable[[], float] = time.time):
+        self.run = run
+        self.stream = stream or sys.stdout
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.clock = clock
+        self._bar = False
+
+    def line(self, text: str) -> None:
+        if self._bar:
+            self.stream.write("\r\033[K")
+            self._bar = False
+        ts = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.clock()))
+        self.stream.write(f"{ts} {self.run}: {text}\n")
+        self.stream.flush()
+
+    def progress(self, step: int, final: int, eta_s: float | None) -> None:
+        if not self.tty or final <= 0:
+            return
+        width = 30
+        done = int(width * min(step, final) / final)
+        eta = "?" if eta_s is None else _fmt_s(eta_s)
+        self.stream.write(f"\r\033[K[{'#' * done}{'.' * (width - done)}] step {step}/{final} ETA {eta}")
+        self.stream.flush()
+        self._bar = True
+
+
+def _fmt_s(s: float) -> str:
+    s = int(max(0, s))
+    h, m = divmod(s, 3600)
+    m, sec = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
+
+
+@dataclass
+class Outcome:
+    """How a watched attempt ended (or why the watch stopped)."""
+
+    status: AttemptStatus
+    stalled: str | None = None
+
+
+class Supervisor:
+    def __init__(self, rundir: RunDir, backend, policy: RetryPolicy, *, device: str | None = None,
+                 poll_s: float = 10.0, lease_ttl_s: float | None = None, stop_on_exit: bool = False,
+                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                 printer: Printer | None = None, rng: random.Random | None = None, reattach_hint: str = ""):
+        self.rd = rundir
+        self.backend = backend
+        self.policy = policy
+        self.device = device
+        self.poll_s = poll_s
+        self.lease_ttl_s = lease_ttl_s or max(120.0, 6 * poll_s)
+        self.stop_on_exit = stop_on_exit
+        self.clock = clock
+        self.sleep = sleep
+        self.out = printer or Printer(rundir.name, clock=clock)
+        self.rng = rng or random.Random()
+        self.reattach_hint = reattach_hint or f"olmo-ctl resume-until-done {rundir.name}"
+        self.lease = None
+        self.handle: Handle | None = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _journal(self, event: str, reason: str, **kw) -> None:
+        kw.setdefault("attempt", self.handle.attempt if self.handle else None)
+        kw.setdefault("device", self.device)
+        self.rd.append(event, reason=reason, t=self.clock(), **kw)
+
+    def _say(self, event: str, reason: str, **kw) -> None:
+        """A decision: journaled and printed as one line."""
+        self._journal(event, reason, **kw)
+        a = kw.get("attempt", self.handle.attempt if self.handle else None)
+        self.out.line(f"{event}" + (f" (attempt {a})" if a else "") + (f": {reason}" if reason else ""))
+
+    def _beat(self) -> None:
+        if self.lease is not None:
+            self.rd.heartbeat(self.lease, now=self.clock())
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep, renewing the lease at least every poll."""
+        end = self.clock() + seconds
+        while True:
+            left = end - self.clock()
+            if left <= 0:
+                return
+            self.sleep(min(left, self.poll_s))
+            self._beat()
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        self.lease = self.rd.acquire_lease(ttl_s=self.lease_ttl_s, now=self.clock())
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            return self._interrupted()
+        except LeaseLost as e:
+            self.lease = None
+            self.out.line(f"stopping: {e.message}")
+            raise
+        finally:
+            if self.lease is not None:
+                self.rd.release_lease(self.lease, now=self.clock())
+
+    def _run(self) -> int:
+        doc = self.rd.read_run()
+        self.final = int(doc["recipe"]["train"]["max_steps"])
+        self.device = run_device(self.rd, self.device)
+        committed = self.rd.committed_step()
+        budget = RetryBudget(self.policy.max_retries, best_step=committed)
+        self._say("supervisor_started", f"committed step {committed}/{self.final}; holder {self.lease.holder}",
+                  committed_step=committed, attempt=None)
+        self.handle, st = live_attempt(self.rd, self.backend)
+        if self.handle is not None:
+            self._say("reattached", f"attempt {self.handle.attempt} is {st.state.value} ({self.handle.name})",
+                      committed_step=committed)
+        last_failure: str | None = None
+        while True:
+            committed = self.rd.committed_step()
+            if self.handle is None:
+                if committed >= self.final:
+                    return self._done(committed)
+                if last_failure is not None:
+                    delay = self.policy.backoff_s(budget.failures_in_row, self.rng)
+                    self._say("backoff", f"waiting {delay:.0f} s before the next attempt after {last_failure}",
+                              committed_step=committed, delay_s=round(delay, 3), attempt=None)
+                    self._wait(delay)
+                    committed = self.rd.committed_step()
+                reason = "first attempt" if self.rd.last_attempt() is None else (
+                    f"resume from step {committed}" + (f" after {last_failure}" if last_failure else ""))
+                self.handle = submit_next(self.rd, self.backend, self.device, reason)
+                self.out.line(f"submitted attempt {self.handle.attempt} on {self.device} ({self.handle.name}): {reason}")
+            outcome = self._watch(self.handle)
+            st = outcome.status
+            committed = self.rd.committed_step()
+            if st.state == State.SUCCEEDED and committed >= self.final:
+                self._say("succeeded", st.reason or "attempt finished", committed_step=committed)
+                return self._done(committed)
+            if outcome.stalled:
+                what, reason = "stalled", outcome.stalled
+            elif st.state == State.SUCCEEDED:
+                what, reason = "failed", f"exited cleanly at committed step {committed} < final {self.final}"
+            elif st.state == State.PREEMPTED:
+                what, reason = "preempted", st.reason
+            else:
+                what, reason = "failed", f"{st.state.value}: {st.reason}"
+            if st.state == State.FAILED_USER and not self.policy.retry_user_errors and not outcome.stalled:
+                self._say("failed", reason, committed_step=committed, state=st.state.value, exit_code=st.exit_code,
+                          last_log_lines=list(st.last_log_lines[-20:]))
+                self._show_logs(st)
+                self.out.line("stopped: a deterministic failure of the training program is not retried "
+                              "(fix it, or pass --retry-user-errors)")
+                self.handle = None
+                return EXIT_RUN_FAILED
+            if not outcome.stalled:
+                self._say(what, reason, committed_step=committed, state=st.state.value, exit_code=st.exit_code)
+            ok = budget.record(committed)
+            if not ok:
+                diag = (f"{budget.failures_in_row} attempts in a row ended without a new committed step "
+                        f"(still {committed}/{self.final}); last: {reason}")
+                self._say("gave_up", f"crash loop: {diag}", committed_step=committed,
+                          last_log_lines=list(st.last_log_lines[-20:]))
+                self._show_logs(st)
+                self.handle = None
+                return EXIT_GAVE_UP
+            last_failure = f"{what} ({reason})"
+            self.handle = None
+
+    def _done(self, committed: int) -> int:
+        loss = self._last_loss()
+        self._say("done", f"final step {committed}/{self.final} committed" + (f", loss {loss}" if loss else ""),
+                  committed_step=committed, attempt=None, loss=loss)
+        return EXIT_OK
+
+    def _last_loss(self) -> str | None:
+        if self.handle is None:
+            return None
+        for ln in reversed(self.backend.logs(self.handle, 50) if self.backend.name == "local" else []):
+            m = re.search(r"\bloss ([0-9.eE+-]+)", ln)
+            if m:
+                return m.group(1)
+        return None
+
+    def _show_logs(self, st: AttemptStatus) -> None:
+        lines = list(st.last_log_lines) or (self.backend.logs(self.handle, 20) if self.handle else [])
+        if lines:
+            self.out.line("last log lines:")
+            for ln in lines[-20:]:
+                self.out.stream.write(f"    {ln}\n")
+            self.out.stream.flush()
+
+    def _interrupted(self) -> int:
+        h = self.handle
+        if h is not None and self.stop_on_exit:
+            self.out.line(f"interrupted: stopping attempt {h.attempt} (--stop-on-exit)")
+            self.backend.stop(h, graceful=True)
+            self._journal("stopped", "interrupted with --stop-on-exit", committed_step=self.rd.committed_step())
+        else:
+            self._journal("supervisor_detached", "interrupted; the attempt keeps running" if h else "interrupted",
+                          committed_step=self.rd.committed_step())
+            if h is not None:
+                self.out.line(f"detached: attempt {h.attempt} keeps running ({h.name}); reattach with: "
+                              f"{self.reattach_hint}")
+            else:
+                self.out.line(f"interrupted; continue with: {self.reattach_hint}")
+        return EXIT_INTERRUPTED
+
+    # ------------------------------------------------------------------ watching one attempt
+
+    def _watch(self, h: Handle) -> Outcome:
+        last_state: State | None = None
+        stall: StallWatch | None = None
+        sig = None
+        t0_step, t0 = self.rd.committed_step(), self.clock()
+        while True:
+            self._beat()
+            req = self.rd.pending_resize()
+            if req is not None:
+                h = self._resize(h, req)
+                self.handle = h
+                last_state, stall, sig = None, None, None
+            st = self.backend.status(h)
+            now = self.clock()
+            if st.state != last_state:
+                if st.state.live:
+                    self._say(st.state.value, st.reason or st.state.value, committed_step=self.rd.committed_step())
+                last_state = st.state
+                if st.state == State.RUNNING and stall is None:
+                    p = self.policy
+                    stall = StallWatch(p.stall_factor, p.stall_min_s, p.startup_limit_s, started_at=now)
+            if st.state.terminal:
+                return Outcome(st)
+            if st.state == State.RUNNING and stall is not None:
+                committed = self.rd.committed_step()
+                new_sig = (committed, self.rd.progress_signature(), self._log_step(h))
+                if sig is not None and new_sig != sig:
+                    stall.progress(now)
+                sig = new_sig
+                step = max(committed, new_sig[2] or 0)
+                eta = None
+                if step > t0_step and now > t0:
+                    eta = (self.final - step) * (now - t0) / (step - t0_step)
+                self.out.progress(step, self.final, eta)
+                why = stall.stalled(now)
+                if why:
+                    self._say("stalled", why, committed_step=committed)
+                    self.backend.stop(h, graceful=True)
+                    end = self.backend.status(h)
+                    return Outcome(end, stalled=why)
+            self.sleep(self.poll_s)
+
+    def _log_step(self, h: Handle) -> int | None:
+        if self.backend.name != "local":
+            return None
+        for ln in reversed(self.backend.logs(h, 5)):
+            m = _STEP_LINE.search(ln)
+            if m:
+                return int(m.group(1))
+        return None
+
+    def _resize(self, h: Handle, req: dict) -> Handle:
+        from olmo_ctl import resize
+
+        self.out.line(f"resize request {req.get('id')}: to {req.get('device')}")
+        new = resize.carry_out_request(self.rd, self.backend, h, req, heartbeat=self._beat, log=self.out.line)
+        if new is None:
+            return h
+        self.device = req.get("device") or self.device
+        self.out.line(f"resized: attempt {new.attempt} on {self.device}")
+        return new
