@@ -73,14 +73,14 @@ def our_logits(params, cfg, tokens: np.ndarray, dtype: str = "fp32", attention: 
 
 
 def run_parity(hf_dir: str, orbax_dir: str, *, seq_len: int = 256, batch: int = 2, dtype: str = "fp32",
-               seed: int = 0, attention: str = "auto") -> dict:
+               seed: int = 0, attention: str = "auto", recipe: str | None = None) -> dict:
     from olmo_ctl.trainer.convert import load_orbax
 
     if dtype not in DTYPES:
         raise BadInput(f"--dtype {dtype} is not fp32 or bf16")
     if seq_len < 1 or batch < 1:
         raise BadInput("--seq-len and --batch must be positive")
-    params, cfg, _ = load_orbax(orbax_dir)
+    params, cfg, _ = load_orbax(orbax_dir, recipe=recipe)
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq_len), dtype=np.int64)
     ref = hf_logits(hf_dir, tokens, dtype)

@@ -173,3 +173,20 @@ def test_gcs_round_trip(tmp_path, pair_a):
         _assert_same_dirs(pair_a[0], str(tmp_path / "back"))
         res = run_parity(f"gs://{bucket}/conv/hf", f"gs://{bucket}/conv/orbax", seq_len=32, batch=1)
         assert res["kl_mean"] < 1e-6 and res["top1_agreement"] == 1.0
+
+
+def test_a_training_checkpoint_exports_to_hf_and_matches(tmp_path):
+    """Train the smoke model 2 steps, export `<run>/checkpoints/2` to HF, compare logits."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir",
+                        str(tmp_path / "run"), "--stop-at-step", "2", "--device", "cpu-1"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    step_dir = str(tmp_path / "run" / "checkpoints" / "2")
+    r = cli("convert", "orbax-to-hf", step_dir, str(tmp_path / "hf"))
+    assert r.returncode == 2 and "--recipe" in r.stderr  # no run.yaml: the model must be named
+    r = cli("convert", "orbax-to-hf", step_dir, str(tmp_path / "hf"), "--recipe", "smoke")
+    assert r.returncode == 0, r.stderr
+    res = run_parity(str(tmp_path / "hf"), step_dir, seq_len=128, batch=2, recipe="smoke")
+    print("trained smoke checkpoint", res)
+    assert res["kl_mean"] < 1e-6 and res["top1_agreement"] == 1.0

@@ -16,6 +16,8 @@ convert_app = typer.Typer(
 app.add_typer(convert_app, name="convert")
 
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing, non-empty destination.")]
+CkptRecipeOpt = Annotated[str | None, typer.Option(
+    "--recipe", help="For a training checkpoint (<run-dir>/checkpoints/<N>) without run.yaml: the recipe of its model.")]
 
 
 def _need(*modules: str, extra: str) -> None:
@@ -55,10 +57,12 @@ def hf_to_orbax(
 
 @convert_app.command("orbax-to-hf")
 def orbax_to_hf(
-    orbax_dir: Annotated[str, typer.Argument(help="Orbax directory written by `convert hf-to-orbax`, local or gs://.")],
+    orbax_dir: Annotated[str, typer.Argument(
+        help="Orbax directory written by `convert hf-to-orbax`, or <run-dir>/checkpoints/<N>; local or gs://.")],
     hf_dir: Annotated[str, typer.Argument(help="Destination Hugging Face directory, local or gs://.")],
     dtype: Annotated[str | None, typer.Option(
         "--dtype", help="float32 or bfloat16 (default: the dtype the model was converted from).")] = None,
+    recipe: CkptRecipeOpt = None,
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Convert Orbax parameters back to a Hugging Face Olmo3ForCausalLM directory (vocab truncated)."""
@@ -69,18 +73,20 @@ def orbax_to_hf(
         raise BadInput(f"--dtype {dtype} is not float32 or bfloat16")
     from olmo_ctl.trainer.convert import orbax_to_hf as run
 
-    cfg = run(orbax_dir, hf_dir, dtype=dtype, overwrite=overwrite)
+    cfg = run(orbax_dir, hf_dir, dtype=dtype, overwrite=overwrite, recipe=recipe)
     typer.echo(f"wrote {hf_dir}: Olmo3ForCausalLM, {cfg.n_layers} layers, vocab {cfg.vocab_size}")
 
 
 @app.command()
 def parity(
     hf_dir: Annotated[str, typer.Argument(help="Hugging Face Olmo3ForCausalLM directory, local or gs://.")],
-    orbax_dir: Annotated[str, typer.Argument(help="Orbax directory with olmo_model.json, local or gs://.")],
+    orbax_dir: Annotated[str, typer.Argument(
+        help="Orbax directory with olmo_model.json, or <run-dir>/checkpoints/<N>; local or gs://.")],
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 256,
     batch: Annotated[int, typer.Option("--batch", help="Sequences.")] = 2,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32 or bf16.")] = "fp32",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random tokens.")] = 0,
+    recipe: CkptRecipeOpt = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """Run both models on the same random tokens; report KL(HF || ours), top-1 and top-10 agreement."""
@@ -92,7 +98,7 @@ def parity(
     _need("torch", "transformers", extra="parity")
     from olmo_ctl.parity import run_parity
 
-    res = run_parity(hf_dir, orbax_dir, seq_len=seq_len, batch=batch, dtype=dtype, seed=seed)
+    res = run_parity(hf_dir, orbax_dir, seq_len=seq_len, batch=batch, dtype=dtype, seed=seed, recipe=recipe)
     if output == Output.json:
         print_json(res)
         return

@@ -425,10 +425,15 @@ def read_meta(orbax_dir: str) -> dict:
     return json.loads(store.read_text(path))
 
 
-def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None):
-    """(params as numpy on the host, ModelConfig, meta) from ORBAX_DIR (local or gs://)."""
+def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None, recipe: str | None = None):
+    """(params as numpy on the host, ModelConfig, meta) from ORBAX_DIR (local or gs://): a directory
+    written by `hf_to_orbax`, or a training checkpoint `<run-dir>/checkpoints/<N>` (its model comes
+    from `recipe` or else `<run-dir>/run.yaml`)."""
     import orbax.checkpoint as ocp
 
+    if not store_for(orbax_dir).exists(join(orbax_dir, META_FILE)) and \
+            orbax_dir.rstrip("/").rpartition("/")[2].isdigit():
+        return _load_run_checkpoint(orbax_dir, cfg_overrides, recipe)
     meta = read_meta(orbax_dir)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields}, **(cfg_overrides or {}))
@@ -436,6 +441,49 @@ def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None):
     params = _to_numpy(ocp.StandardCheckpointer().restore(path)["params"])
     _check_shapes(params, cfg)
     return params, cfg, meta
+
+
+def _load_run_checkpoint(step_dir: str, cfg_overrides: dict | None = None, recipe: str | None = None):
+    import yaml
+
+    from olmo_ctl.recipe import load_recipe, recipe_from_dict
+    from olmo_ctl.trainer.checkpoint import open_step
+
+    if recipe is not None:
+        model = load_recipe(recipe).model
+    else:
+        run_yaml = join(step_dir.rstrip("/").rsplit("/", 2)[0], "run.yaml")
+        store = store_for(run_yaml)
+        if not store.exists(run_yaml):
+            raise BadInput(f"`{step_dir}` has no {META_FILE} and `{run_yaml}` does not exist",
+                           "pass --recipe with the run's model, or a directory written by `convert hf-to-orbax`")
+        model = recipe_from_dict(yaml.safe_load(store.read_text(run_yaml))["recipe"], run_yaml).model
+    cfg = dataclasses.replace(model, **(cfg_overrides or {}))
+    open_step(step_dir)[0].close()  # BadInput unless it is a committed step
+    params = _restore_state_params(join(step_dir, "state"))
+    _check_shapes(params, cfg)
+    return params, cfg, {"model": dataclasses.asdict(cfg), "hf_config": {}, "hf_dtype": None}
+
+
+def _restore_state_params(state_dir: str):
+    """Only the `params` subtree of a training checkpoint's `state` item, onto the host CPU
+    (the optimizer moments, twice the size of the parameters, stay on disk)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = state_dir if is_gcs(state_dir) else os.path.abspath(state_dir)
+    meta = ocp.StandardCheckpointer().metadata(path)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    if not isinstance(tree, dict) or "params" not in tree:
+        raise BadInput(f"`{state_dir}` holds no `params`", "pass a checkpoint written by the trainer")
+    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    target = {k: (jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=cpu), v)
+                  if k == "params" else jax.tree.map(lambda _: ocp.PLACEHOLDER, v))
+              for k, v in tree.items()}
+    restored = ocp.PyTreeCheckpointer().restore(
+        path, args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+    return _to_numpy(restored["params"])
 
 
 # ----------------------------------------------------------------------------- the two commands
@@ -454,8 +502,9 @@ def hf_to_orbax(hf_dir: str, orbax_dir: str, *, vocab_size: int | None = None,
     return cfg
 
 
-def orbax_to_hf(orbax_dir: str, hf_dir: str, *, dtype: str | None = None, overwrite: bool = False) -> ModelConfig:
-    params, cfg, meta = load_orbax(orbax_dir)
+def orbax_to_hf(orbax_dir: str, hf_dir: str, *, dtype: str | None = None, overwrite: bool = False,
+                recipe: str | None = None) -> ModelConfig:
+    params, cfg, meta = load_orbax(orbax_dir, recipe=recipe)
     dtype = dtype or meta.get("hf_dtype") or "float32"
     hf_config = hf_config_from_model(cfg, meta.get("hf_config"), dtype)
     state = params_to_hf_state(params, cfg, dtype)
