@@ -177,8 +177,9 @@ class Supervisor:
             outcome = self._watch(self.handle)
             st = outcome.status
             committed = self.rd.committed_step()
-            if st.state == State.SUCCEEDED and committed >= self.final:
-                self._say("succeeded", st.reason or "attempt finished", committed_step=committed)
+            if committed >= self.final:  # whatever the exit looked like, the run is complete
+                self._say("succeeded", st.reason if st.state == State.SUCCEEDED else
+                          f"final step committed ({st.state.value}: {st.reason})", committed_step=committed)
                 return self._done(committed)
             if outcome.stalled:
                 what, reason = "stalled", outcome.stalled

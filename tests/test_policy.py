@@ -1,0 +1,72 @@
+"""Retry policy: backoff, retry budget with reset on progress, stall detection (pure, fake clock)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from olmo_ctl.errors import BadInput
+from olmo_ctl.supervise.policy import DEFAULT_BACKOFF_S, RetryBudget, RetryPolicy, StallWatch
+
+
+def test_backoff_is_exponential_with_jitter_and_capped():
+    p = RetryPolicy(backoff_base_s=10, backoff_cap_s=100, jitter=0.25)
+    rng = random.Random(0)
+    for n, full in [(0, 10), (1, 10), (2, 20), (3, 40), (4, 80), (5, 100), (12, 100)]:
+        draws = [p.backoff_s(n, rng) for _ in range(200)]
+        assert max(draws) <= full + 1e-9
+        assert min(draws) >= full * 0.75 - 1e-9
+        assert max(draws) - min(draws) > full * 0.1  # jitter really spreads the delays
+    assert RetryPolicy(backoff_base_s=0).backoff_s(5) == 0
+
+
+def test_budget_counts_only_attempts_without_progress_and_resets():
+    b = RetryBudget(max_retries=3, best_step=100)
+    assert b.record(100) and b.failures_in_row == 1
+    assert b.record(100) and b.failures_in_row == 2
+    assert b.record(140) and b.failures_in_row == 0  # progress refills the budget
+    assert b.record(140)
+    assert b.record(140)
+    assert not b.record(140)  # 3 in a row without progress: a crash loop
+    assert b.failures_in_row == 3
+
+
+def test_flags_win_over_env_which_win_over_defaults(monkeypatch):
+    monkeypatch.delenv("RETRY_BACKOFF_SECONDS", raising=False)
+    monkeypatch.delenv("MAX_RETRIES", raising=False)
+    p = RetryPolicy.from_env()
+    assert p.backoff_base_s == DEFAULT_BACKOFF_S == 300
+    monkeypatch.setenv("RETRY_BACKOFF_SECONDS", "7")
+    monkeypatch.setenv("MAX_RETRIES", "2")
+    p = RetryPolicy.from_env()
+    assert (p.backoff_base_s, p.max_retries) == (7, 2)
+    p = RetryPolicy.from_env(retry_backoff_s=1.5, max_retries=9)
+    assert (p.backoff_base_s, p.max_retries) == (1.5, 9)
+    monkeypatch.setenv("MAX_RETRIES", "many")
+    with pytest.raises(BadInput, match="MAX_RETRIES"):
+        RetryPolicy.from_env()
+    with pytest.raises(BadInput, match="max-retries"):
+        RetryPolicy.from_env(max_retries=0)
+
+
+def test_stall_after_k_median_intervals():
+    w = StallWatch(factor=5, min_s=10, startup_limit_s=100, started_at=0.0)
+    assert w.stalled(99) is None
+    w.progress(50)  # first step after 50 s of compile
+    for t in (52, 54, 56, 58, 60):
+        w.progress(t)
+    assert w.median_interval_s() == 2
+    assert w.limit_s() == 10  # 5 x 2 s = 10 s, the floor
+    assert w.stalled(69) is None
+    assert "no new step" in w.stalled(71)
+    for t in (80, 100, 120, 140, 160, 180, 200):  # slower steps raise the limit
+        w.progress(t)
+    assert w.median_interval_s() == 20 and w.limit_s() == 100
+    assert w.stalled(290) is None and w.stalled(301) is not None
+
+
+def test_startup_longer_than_the_limit_is_a_stall():
+    w = StallWatch(factor=5, min_s=10, startup_limit_s=100, started_at=1000.0)
+    assert w.stalled(1099) is None
+    assert "start-up/compile" in w.stalled(1101)

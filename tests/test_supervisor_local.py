@@ -1,0 +1,274 @@
+"""resume-until-done with the local backend: real trainer processes, real kills, real checkpoints."""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from olmo_ctl.backends.local import LocalBackend, proc_start_time
+from olmo_ctl.recipe import load_recipe
+from olmo_ctl.rundir import RunDir
+from olmo_ctl.supervise.policy import RetryPolicy
+from olmo_ctl.supervise.supervisor import Printer, Supervisor
+
+SMOKE = ["--set", "checkpoint.interval=5", "--set", "eval.interval=1000"]
+
+
+def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.Popen([sys.executable, "-m", "olmo_ctl", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=e, **kw)
+
+
+def journal(run_dir: str) -> list[dict]:
+    return RunDir(run_dir).journal()
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.05):
+    end = time.time() + timeout
+    while time.time() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def attempt_info(run_dir: str, n: int) -> dict | None:
+    try:
+        with open(os.path.join(run_dir, "attempts", f"{n}.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def log_has_steps(run_dir: str, n: int) -> bool:
+    try:
+        return "step " in Path(run_dir, "logs", f"attempt-{n}.log").read_text()
+    except OSError:
+        return False
+
+
+def fake_python(tmp_path: Path, body: str) -> str:
+    """An interpreter stand-in for trainers that misbehave in ways the real one must not be made to."""
+    p = tmp_path / "python-fake"
+    p.write_text("#!/bin/sh\n" + body + "\n")
+    p.chmod(0o755)
+    return str(p)
+
+
+def new_run(tmp_path: Path, name: str, steps: int = 20) -> RunDir:
+    rd = RunDir.of(str(tmp_path), name)
+    r = load_recipe("smoke", overrides=[f"train.max_steps={steps}"])
+    rd.create_run(r.to_dict(), r.fingerprint(), "fp", "cpu-1")
+    return rd
+
+
+def supervise(rd: RunDir, backend, policy: RetryPolicy, **kw) -> tuple[int, str]:
+    buf = io.StringIO()
+    sup = Supervisor(rd, backend, policy, device="cpu-1", poll_s=0.05, printer=Printer(rd.name, stream=buf), **kw)
+    return sup.run(), buf.getvalue()
+
+
+# ---------------------------------------------------------------- failures and policy (fast)
+
+
+def test_crash_loop_stops_after_max_retries_with_backoff_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAX_RETRIES", "3")
+    monkeypatch.setenv("RETRY_BACKOFF_SECONDS", "0.2")
+    rd = new_run(tmp_path, "crash")
+    be = LocalBackend(str(tmp_path), python=fake_python(tmp_path, 'echo "Fatal Python error: Segmentation fault"\n'
+                                                                    "kill -SEGV $$"))
+    rc, out = supervise(rd, be, RetryPolicy.from_env())
+    assert rc == 4
+    j = rd.journal()
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1, 2, 3]
+    fails = [r for r in j if r["event"] == "failed"]
+    assert len(fails) == 3 and all("SIGSEGV" in r["reason"] for r in fails)
+    delays = [r["delay_s"] for r in j if r["event"] == "backoff"]
+    assert len(delays) == 2 and 0.15 <= delays[0] <= 0.2 and 0.3 <= delays[1] <= 0.4  # base, then doubled
+    gave_up = [r for r in j if r["event"] == "gave_up"]
+    assert len(gave_up) == 1 and "crash loop: 3 attempts in a row" in gave_up[0]["reason"]
+    assert "Segmentation fault" in out and "gave_up" in out
+
+
+def test_user_failure_stops_at_once_with_last_log_lines(tmp_path):
+    rd = new_run(tmp_path, "userfail")
+    be = LocalBackend(str(tmp_path), python=fake_python(
+        tmp_path, 'echo "step 1/10 loss 5.0"\necho "ValueError: loss is NaN at step 2"\nexit 1'))
+    rc, out = supervise(rd, be, RetryPolicy(backoff_base_s=0, max_retries=5))
+    assert rc == 1
+    assert "ValueError: loss is NaN at step 2" in out
+    j = rd.journal()
+    assert len([r for r in j if r["event"] == "submitted"]) == 1
+    failed = [r for r in j if r["event"] == "failed"][0]
+    assert failed["exit_code"] == 1 and "ValueError: loss is NaN at step 2" in failed["last_log_lines"]
+    # --retry-user-errors retries it (here until the budget runs out)
+    rc, _ = supervise(rd, be, RetryPolicy(backoff_base_s=0, max_retries=2, retry_user_errors=True))
+    assert rc == 4
+
+
+def test_stalled_attempt_is_stopped_journaled_and_resubmitted(tmp_path):
+    rd = new_run(tmp_path, "stall")
+    be = LocalBackend(str(tmp_path), python=fake_python(tmp_path, "while true; do sleep 0.2; done"), stop_grace_s=5)
+    rc, out = supervise(rd, be, RetryPolicy(backoff_base_s=0, max_retries=2, startup_limit_s=0.5))
+    assert rc == 4
+    j = rd.journal()
+    stalled = [r for r in j if r["event"] == "stalled"]
+    assert [r["attempt"] for r in stalled] == [1, 2] and "start-up/compile" in stalled[0]["reason"]
+    for n in (1, 2):  # both stopped: nothing left running
+        info = attempt_info(rd.path, n)
+        assert info["exit_code"] is not None and proc_start_time(info["pid"]) is None
+
+
+# ---------------------------------------------------------------- the real trainer
+
+
+def test_reattach_after_supervisor_kill_and_second_supervisor_refused(tmp_path):
+    root = str(tmp_path / "runs")
+    rdir = os.path.join(root, "reattach")
+    args = ["resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--run",
+            "reattach", "--run-root", root, "--poll", "0.2", "--set", "train.max_steps=60", *SMOKE]
+    a = cli(*args)
+    wait_for(lambda: log_has_steps(rdir, 1), 120, "attempt 1 training")
+    b = cli("resume-until-done", "reattach", "--run-root", root, "--backend", "local")
+    _, err = b.communicate(timeout=60)
+    assert b.returncode == 2 and "supervised by" in err and f"pid {a.pid}" in err
+    a.kill()  # the supervisor dies; its trainer (another session) must not
+    a.wait()
+    pid = attempt_info(rdir, 1)["pid"]
+    assert proc_start_time(pid) is not None
+    c = cli("resume-until-done", "reattach", "--run-root", root, "--backend", "local", "--poll", "0.2")
+    out, err = c.communicate(timeout=240)
+    assert c.returncode == 0, out + err
+    j = journal(rdir)
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]  # never a second submission
+    assert any(r["event"] == "reattached" and r["attempt"] == 1 for r in j)
+    assert j[-1]["event"] == "done" and j[-1]["committed_step"] == 60
+    assert "done" in out and "60/60" in out
+
+
+def test_ctrl_c_detaches_then_stop_on_exit_stops(tmp_path):
+    root = str(tmp_path / "runs")
+    rdir = os.path.join(root, "detach")
+    a = cli("resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--run", "detach",
+            "--run-root", root, "--poll", "0.2", "--set", "train.max_steps=500", *SMOKE)
+    wait_for(lambda: log_has_steps(rdir, 1), 120, "attempt 1 training")
+    a.send_signal(signal.SIGINT)
+    out, _ = a.communicate(timeout=60)
+    assert a.returncode == 130 and "detached" in out and "resume-until-done detach" in out
+    pid = attempt_info(rdir, 1)["pid"]
+    assert proc_start_time(pid) is not None  # the attempt keeps running
+    b = cli("resume-until-done", "detach", "--run-root", root, "--backend", "local", "--poll", "0.2", "--stop-on-exit")
+    wait_for(lambda: any(r["event"] == "reattached" for r in journal(rdir)), 60, "reattach")
+    b.send_signal(signal.SIGINT)
+    out, _ = b.communicate(timeout=120)
+    assert b.returncode == 130 and "stopping attempt 1" in out
+    assert proc_start_time(pid) is None
+    j = journal(rdir)
+    assert [r["event"] for r in j].count("submitted") == 1
+    assert j[-1]["event"] == "stopped"
+
+
+# ---------------------------------------------------------------- chaos
+
+
+def read_losses(logdir: str) -> dict[int, list[int]]:
+    """Every `train/CE loss` record of every event file: step -> float32 bit patterns, in file order."""
+    from tensorboard.compat.proto import event_pb2
+
+    out: dict[int, list[int]] = {}
+    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+        data = Path(path).read_bytes()
+        i = 0
+        while i + 12 <= len(data):
+            (n,) = struct.unpack_from("<Q", data, i)
+            if i + 12 + n + 4 > len(data):
+                break
+            ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            for v in ev.summary.value:
+                if v.tag == "train/CE loss":
+                    out.setdefault(ev.step, []).append(struct.unpack("<I", struct.pack("<f", v.simple_value))[0])
+    return out
+
+
+@pytest.mark.chaos
+def test_chaos_kills_and_bitwise_identical_losses(tmp_path):
+    steps = 70
+    sets = ["--set", f"train.max_steps={steps}", *SMOKE]
+    root = str(tmp_path / "runs")
+    # The reference: one uninterrupted trainer.
+    ref_dir = os.path.join(root, "reference")
+    subprocess.run([sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", ref_dir,
+                    "--device", "cpu-1", "--attempt", "1", *sets], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    ref = read_losses(os.path.join(ref_dir, "tensorboard"))
+    assert sorted(ref) == list(range(1, steps + 1))
+
+    rdir = os.path.join(root, "chaos")
+    sup = cli("resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--run", "chaos",
+              "--run-root", root, "--poll", "0.1", *sets,
+              env={"RETRY_BACKOFF_SECONDS": "0.2", "MAX_RETRIES": "30"})
+    rng = random.Random(20261130)
+    plan = ["checkpoint" if i % 3 == 0 else "random" for i in range(10)] + ["term"]
+    rng.shuffle(plan)
+    kills: list[tuple[int, str]] = []  # (attempt, how)
+    ckpt_dir = os.path.join(rdir, "checkpoints")
+    for how in plan:
+        n = len(kills) + 1
+        info = wait_for(lambda: attempt_info(rdir, n), 120, f"attempt {n}")  # noqa: B023
+        if how == "checkpoint":  # while Orbax writes a step: a tmp directory exists
+            def writing():
+                return glob.glob(os.path.join(ckpt_dir, "*.orbax-checkpoint-tmp-*")) or None
+            try:
+                wait_for(writing, 60, "a checkpoint write", every=0.005)
+            except AssertionError:
+                break
+        elif how == "random":
+            time.sleep(rng.uniform(0.5, 7.0))
+        else:
+            wait_for(lambda: log_has_steps(rdir, n), 60, "steps")  # noqa: B023
+        if sup.poll() is not None or proc_start_time(info["pid"]) != info["start_time"]:
+            break  # the run finished (or the attempt ended) before this kill
+        os.kill(info["pid"], signal.SIGTERM if how == "term" else signal.SIGKILL)
+        kills.append((n, how))
+    out, err = sup.communicate(timeout=300)
+    assert sup.returncode == 0, out[-3000:] + err[-3000:]
+    assert len(kills) == 11, f"the run finished after only {kills}"
+    assert sum(h == "checkpoint" for _, h in kills) >= 3
+
+    j = journal(rdir)
+    ended = {r["attempt"]: r for r in j if r["event"] in ("preempted", "failed")}
+    for n, how in kills:  # the journal lists each kill
+        assert n in ended, (n, how)
+        assert ("SIGTERM" if how == "term" else "SIGKILL") in ended[n]["reason"]
+    assert j[-1]["event"] == "done" and j[-1]["committed_step"] == steps
+
+    # No attempt started from a partial checkpoint: every restore names a committed step.
+    committed = set(RunDir(rdir).committed_steps())
+    for log in glob.glob(os.path.join(rdir, "logs", "attempt-*.log")):
+        for line in Path(log).read_text().splitlines():
+            if line.startswith("restored checkpoint "):
+                step = int(line.split()[2])
+                assert step in committed, (log, line)
+    assert not glob.glob(os.path.join(ckpt_dir, "*.orbax-checkpoint-tmp-*")) or committed
+
+    # Per-step loss equals the uninterrupted run's, bit for bit, including steps replayed after a kill.
+    got = read_losses(os.path.join(rdir, "tensorboard"))
+    assert sorted(got) == list(range(1, steps + 1))
+    for step, vals in got.items():
+        assert set(vals) == {ref[step][0]}, (step, vals, ref[step])
+    assert any(len(v) > 1 for v in got.values())  # some steps really were replayed
