@@ -213,17 +213,18 @@ def _fetch_ends(s: Series) -> np.ndarray:
     return np.flatnonzero(end)
 
 
-def _intervals(s: Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Seconds per step between consecutive fetches of one attempt: (steps covered, s/step, end wall)."""
+def _intervals(s: Series) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Seconds per step between consecutive fetches of one attempt:
+    (steps covered, s/step, wall time at the end, step at the end)."""
     idx = _fetch_ends(s)
     if len(idx) < 2:
-        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
+        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0, np.int64)
     st, wt, at = s.steps[idx], s.wall_times[idx], s.attempts[idx]
     same = (at[1:] == at[:-1]) & (st[1:] > st[:-1])
     dstep = (st[1:] - st[:-1])[same]
     dwall = (wt[1:] - wt[:-1])[same]
     ok = dwall > 0
-    return dstep[ok], dwall[ok] / dstep[ok], wt[1:][same][ok]
+    return dstep[ok], dwall[ok] / dstep[ok], wt[1:][same][ok], st[1:][same][ok]
 
 
 def _parse_time(x) -> float | None:
@@ -412,7 +413,7 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
                                    "first_step": int(st_a[0]), "last_step": int(st_a[-1]),
                                    "first_fetch_steps": int(first_fetch[-1] - st_a[0] + 1),
                                    "points": int(m.sum())}
-        dsteps, per_step_s, _ends = _intervals(loss)
+        dsteps, per_step_s, _ends, _end_steps = _intervals(loss)
         if len(per_step_s):
             step_time_median = float(np.median(per_step_s))
             live_mask = loss.attempts == loss.attempts[-1]  # the attempt that wrote the latest step

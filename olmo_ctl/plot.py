@@ -48,7 +48,7 @@ def write_plot(src: Sources, report: dict, out_path: str) -> str:
     if loss is not None and len(loss):
         stride = max(1, len(loss) // 20000)  # a 1.4M-point line is slow to draw and no sharper
         ax_loss.plot(loss.steps[::stride], loss.values[::stride], lw=0.6, alpha=0.45, label="train CE")
-        k = min(len(loss), 50)
+        k = max(2, min(50, len(loss) // 20))  # a running mean that still shows the start of a short run
         if len(loss) > k:
             sm = np.convolve(loss.values, np.ones(k) / k, mode="valid")
             ax_loss.plot(loss.steps[k - 1:][::stride], sm[::stride], lw=1.4, label=f"train CE ({k}-pt mean)")
@@ -70,21 +70,17 @@ def write_plot(src: Sources, report: dict, out_path: str) -> str:
 
     tps = report.get("tokens", {}).get("per_step")
     if loss is not None and len(loss) > 1:
-        _d, per_step_s, _e = _intervals(loss)
-        same = (loss.attempts[1:] == loss.attempts[:-1]) & (loss.steps[1:] > loss.steps[:-1])
-        steps_i = loss.steps[1:][same]
-        dw = (loss.wall_times[1:] - loss.wall_times[:-1])[same]
-        steps_i = steps_i[dw > 0]
+        _d, per_step_s, _e, steps_i = _intervals(loss)
         if len(per_step_s):
             y = (tps / per_step_s) if tps else (1.0 / per_step_s)
             ax_tp.plot(steps_i, y, lw=0.6, label="tokens/s" if tps else "steps/s")
             ax_tp.set_ylabel("tokens/s" if tps else "steps/s")
-            ftok = report.get("throughput", {}).get("flops_per_token")
-            dev = report.get("throughput", {})
-            if tps and ftok and dev.get("devices") and report["throughput"].get("mfu") is not None:
-                peak = report["throughput"]["tflops_per_device"] / report["throughput"]["mfu"]
+            th = report.get("throughput", {})
+            ftok, ndev = th.get("flops_per_token"), th.get("devices")
+            if tps and ftok and ndev and th.get("mfu") and th.get("tflops_per_device"):
+                peak = th["tflops_per_device"] / th["mfu"]
                 ax2 = ax_tp.twinx()
-                ax2.plot(steps_i, y / dev["devices"] * ftok / 1e12 / peak * 100, lw=0.6, color="tab:red", alpha=0.5)
+                ax2.plot(steps_i, y / ndev * ftok / 1e12 / peak * 100, lw=0.6, color="tab:red", alpha=0.5)
                 ax2.set_ylabel("MFU %", color="tab:red")
     ax_tp.set_xlabel("step")
 

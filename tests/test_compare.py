@@ -82,3 +82,32 @@ def test_bad_inputs(tmp_path):
     a, _ = twin_runs(tmp_path)
     p = cli("compare", str(a), str(bad))
     assert p.returncode == 2 and "line 3" in p.stderr
+
+
+def _train(run_dir, stop, attempt, *extra):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(run_dir),
+                        "--device", "cpu-2", "--stop-at-step", str(stop), "--attempt", str(attempt), *extra],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+@pytest.mark.chaos
+def test_real_trainer_resume_matches_twin_and_desync_is_named(tmp_path):
+    """The bundled trainer: stop at 20 and resume to 30 equals 30 straight steps (max |Δ| = 0); a resume
+    that restarts the data order elsewhere is named at its first step."""
+    twin, resumed, desync = tmp_path / "twin", tmp_path / "resumed", tmp_path / "desync"
+    _train(twin, 30, 1)
+    for run in (resumed, desync):
+        _train(run, 20, 1)
+    _train(resumed, 30, 2)
+    _train(desync, 30, 2, "--set", "data.seed=999", "--allow-data-change")
+    same = compare(str(twin), str(resumed), ["train/CE loss", "optim/total grad norm"])
+    for tag in ("train/CE loss", "optim/total grad norm"):
+        assert same["tags"][tag]["common_steps"] == 30 and same["tags"][tag]["max_abs_delta"] == 0.0, same["verdict"]
+    off = compare(str(twin), str(desync))
+    r = off["tags"]["train/CE loss"]
+    assert r["first_exceed_step"] == 21 and r["bins"][0]["max_abs_delta"] > 0
+    assert "diverge at step 21" in off["verdict"]
