@@ -572,6 +572,11 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
         "attempt": live,
         "timeline": _timeline(journal),
         "goodput": goodput,
+        "attempts_in_events": [
+            {"attempt": a, "first_step": i["first_step"], "last_step": i["last_step"],
+             "first_time": _iso(i["first_wall"]), "last_time": _iso(i["last_wall"]),
+             "replayed_steps": r.replayed_by_attempt(LOSS_TAG).get(a, 0)}
+            for a, i in sorted(per_attempt.items())],
         "replays": {"steps": replayed, "mismatch_count": len(mism),
                     "mismatches": [{**m.__dict__, "earlier": _f(m.earlier), "later": _f(m.later)} for m in mism[:20]]},
         "warnings": warnings,

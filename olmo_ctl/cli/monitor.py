@@ -98,6 +98,10 @@ def render(rep: dict):
         t.add_row("replayed steps", f"{rep['replays']['steps']} (mismatching values: {rep['replays']['mismatch_count']})")
     parts = [t]
     tl = timeline_summary(rep["timeline"])
+    if not tl and len(rep.get("attempts_in_events") or []) > 1:  # no journal: the event files still tell
+        tl = [f"#{a['attempt']}: steps {a['first_step']:,}..{a['last_step']:,}"
+              + (f" ({a['replayed_steps']} replayed by a later attempt)" if a["replayed_steps"] else "")
+              for a in rep["attempts_in_events"]]
     if tl:
         parts.append(Text("\n".join(tl[-8:])))
     if rep["warnings"]:
