@@ -318,3 +318,135 @@ def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_continues_like_its_twin(tmp_pa
           f"(mean {sum(after) / len(after):.3g}); one step off would be at least {min(shifted):.3g}")
     assert max(after) < 1e-3
     assert min(shifted) > 20 * max(after)
+
+
+# ---------------------------------------------------------------- a running supervisor carries it out
+
+
+@pytest.fixture
+def supervised(tmp_path, monkeypatch):
+    """A 200-step stage-1 run on the GCS emulator whose `resume-until-done` supervisor runs in a
+    thread against the test cluster; every JobSet created is admitted and runs, and each creation
+    records whether another attempt of the run still existed (a double attempt)."""
+    import io
+    import os
+
+    from gcs_emulator import gcs_emulator
+
+    from olmo_ctl.backends.gke import GKEBackend
+    from olmo_ctl.backends.kube import KubeRetryPolicy
+    from olmo_ctl.config import Settings
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.policy import RetryPolicy
+    from olmo_ctl.supervise.supervisor import Printer, Supervisor
+    from olmo_ctl.testing.kube_server import KubeServer
+
+    with KubeServer() as srv, gcs_emulator() as (_, bucket):
+        for k in [k for k in os.environ if k.startswith("OLMO_CTL_")]:
+            monkeypatch.delenv(k)
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+        monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path / "kubeconfig", srv.url))
+        root = f"gs://{bucket}/runs"
+        recipe = load_recipe("olmo3-7b-stage1", overrides=["train.max_steps=200", "schedule.warmup_steps=10"])
+        rd = RunDir.of(root, "s1")
+        rd.create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "tpu7x-512")
+        srv.cluster.hold_deletions = True  # a deleted JobSet lingers while its pods "checkpoint"
+        overlaps: list[tuple[str, list[str]]] = []
+
+        def on_create(name: str) -> None:
+            others = [n for n in srv.cluster.jobset_names() if n != name]
+            if others:
+                overlaps.append((name, others))
+            threading.Timer(0.2, lambda: (srv.cluster.admit(name), srv.cluster.run_pods(name))).start()
+
+        srv.cluster.on_create(on_create)
+
+        def finish_deletions_soon() -> None:  # each deleted JobSet lingers 1.5 s, as pods would
+            seen: dict[str, float] = {}
+            while not stop.is_set():
+                time.sleep(0.1)
+                for n in srv.cluster.jobset_names():
+                    js = srv.cluster.jobset(n)
+                    if js and js["metadata"].get("deletionTimestamp"):
+                        seen.setdefault(n, time.monotonic())
+                if seen and time.monotonic() - min(seen.values()) > 1.5:
+                    srv.cluster.finish_deletions()
+                    seen.clear()
+
+        stop = threading.Event()
+        threading.Thread(target=finish_deletions_soon, daemon=True).start()
+        settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
+        fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+        be = GKEBackend(host=srv.url, settings=settings, retry=fast)
+        out = io.StringIO()
+        sup = Supervisor(rd, be, RetryPolicy(backoff_base_s=0.1, backoff_cap_s=0.2), poll_s=0.1,
+                         printer=Printer(rd.name, stream=out))
+        result: dict = {}
+        args = ["-y", "--backend", "gke", "--run-root", root, "--image", "img:1", "--queue", "tpu-queue",
+                "--timeout", "60"]
+        yield srv, rd, sup, result, overlaps, args, out
+        stop.set()
+
+
+def _start(sup, result):
+    t = threading.Thread(target=lambda: result.update(rc=sup.run()), daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.gcs
+def test_running_supervisor_adopts_the_new_device_with_no_double_attempt(supervised, capsys):
+    srv, rd, sup, result, overlaps, args, out = supervised
+    t = _start(sup, result)
+    _wait(lambda: any(r["event"] == "running" and r["attempt"] == 1 for r in rd.journal()), "attempt 1 running", 30)
+    _commit(rd.path, 60)
+    assert _cli("resize", "s1", "--device", "tpu7x-128", *args) == 0  # recorded, then carried out by the supervisor
+    printed = capsys.readouterr().out
+    assert "a live supervisor drives this run" in printed and "per_device_batch      1 -> 4" in printed
+    assert rd.pending_resize() is None
+    js = srv.cluster.jobset("s1-a2")
+    assert _plan_annotation(js) == {"global_batch": 512, "per_device_batch": 4, "grad_accum": 1, "devices": 128}
+
+    # A generation change through the supervisor: the same operation.
+    _wait(lambda: any(r["event"] == "running" and r["attempt"] == 2 for r in rd.journal()), "attempt 2 running", 30)
+    threading.Timer(1.0, _commit, (rd.path, 80)).start()  # the next scheduled checkpoint, a second later
+    assert _cli("resize", "s1", "--device", "v5p-256", "--at-next-checkpoint", *args) == 0
+    _wait(lambda: any(r["event"] == "running" and r["attempt"] == 3 for r in rd.journal()), "attempt 3 running", 30)
+    _commit(rd.path, 200)
+    srv.cluster.complete("s1-a3")
+    t.join(30)
+    assert result.get("rc") == 0, out.getvalue()
+
+    assert overlaps == []  # every attempt was created only once the previous JobSet was gone
+    j = rd.journal()
+    assert [(r["attempt"], r["device"]) for r in j if r["event"] == "submitted"] == [
+        (1, "tpu7x-512"), (2, "tpu7x-128"), (3, "v5p-256")]
+    resized = [r for r in j if r["event"] == "resized"]
+    requests = [r["request"] for r in j if r["event"] == "resize_requested"]
+    assert [r["request"] for r in resized] == requests and len(requests) == 2
+    assert [(r["from_device"], r["device"], r["committed_step"], r["mode"]) for r in resized] == [
+        ("tpu7x-512", "tpu7x-128", 60, "now"), ("tpu7x-128", "v5p-256", 80, "at-next-checkpoint")]
+    assert {r["tokens_per_step"] for r in resized} == {512 * 8192}
+    assert [r["event"] for r in j if r["event"] in ("preempted", "failed", "backoff", "gave_up")] == []
+    assert j[-1]["event"] == "done"
+
+
+@pytest.mark.gcs
+def test_a_request_recorded_between_attempts_moves_the_next_attempt(supervised):
+    """No live attempt (the supervisor starts, or waits out a backoff): the next attempt is the resized
+    one, and nothing is submitted on the old device."""
+    from olmo_ctl.resize import record_request
+
+    srv, rd, sup, result, overlaps, args, out = supervised
+    record_request(rd, "tpu7x-128", "now")
+    t = _start(sup, result)
+    _wait(lambda: any(r["event"] == "running" for r in rd.journal()), "the first attempt running", 30)
+    _commit(rd.path, 200)
+    srv.cluster.complete("s1-a1")
+    t.join(30)
+    assert result.get("rc") == 0, out.getvalue()
+    j = rd.journal()
+    assert [(r["attempt"], r["device"]) for r in j if r["event"] == "submitted"] == [(1, "tpu7x-128")]
+    assert [(r["event"], r.get("from_device")) for r in j if r["event"] == "resized"] == [("resized", "tpu7x-512")]
+    assert srv.cluster.jobset("s1-a1")["metadata"]["labels"]["olmo-ctl/device"] == "tpu7x-128"
+    assert overlaps == []

@@ -172,8 +172,13 @@ class Supervisor:
                     committed = self.rd.committed_step()
                 reason = "first attempt" if self.rd.last_attempt() is None else (
                     f"resume from step {committed}" + (f" after {last_failure}" if last_failure else ""))
-                self.handle = submit_next(self.rd, self.backend, self.device, reason)
-                self.out.line(f"submitted attempt {self.handle.attempt} on {self.device} ({self.handle.name}): {reason}")
+                req = self.rd.pending_resize()
+                if req is not None:  # recorded while no attempt ran: the next attempt goes to its device
+                    self.handle = self._resize(None, req)
+                if self.handle is None:
+                    self.handle = submit_next(self.rd, self.backend, self.device, reason)
+                    self.out.line(f"submitted attempt {self.handle.attempt} on {self.device} ({self.handle.name}): "
+                                  f"{reason}")
             outcome = self._watch(self.handle)
             st = outcome.status
             committed = self.rd.committed_step()
