@@ -22,7 +22,8 @@ Tailing: `EventReader.refresh()` lists the directory and reads only the bytes pa
 offset; a truncated last record is left for the next refresh. Files are ordered by attempt and
 segment (`events.out.tfevents.<time>.<host>.a<attempt>.s<segment>`, see docs/CONTRACTS.md), then by
 start time; when a step appears again (replayed after a resume) the later record wins and, if its value
-differs, the pair is kept in `mismatches`.
+differs, the pair is kept in `mismatches` (except for tags that measure time or speed, which a replay
+legitimately changes: `VOLATILE_TAG_PREFIXES`).
 """
 
 from __future__ import annotations
@@ -642,9 +643,18 @@ def _dedup_last(s, w, v, a):
     return keep, dropped, repl
 
 
+# Tags that measure time or speed: a replayed step legitimately logs another value for them.
+VOLATILE_TAG_PREFIXES = ("throughput/device/", "perf/step_time", "checkpoint/", "timing/", "time/", "system/")
+
+
+def is_volatile(tag: str) -> bool:
+    return tag.startswith(VOLATILE_TAG_PREFIXES)
+
+
 class _TagSeries:
     def __init__(self, tag: str):
         self.tag = tag
+        self.volatile = is_volatile(tag)
         self.s = _Grow(np.int64)
         self.w = _Grow(np.float64)
         self.v = _Grow(np.float64)
@@ -657,6 +667,8 @@ class _TagSeries:
         self.replays += len(steps)
         for att, cnt in zip(*np.unique(old_a, return_counts=True), strict=True):
             self.replayed_by_attempt[int(att)] = self.replayed_by_attempt.get(int(att), 0) + int(cnt)
+        if self.volatile:
+            return
         diff = np.flatnonzero(~_same(old_v, new_v))
         for i in diff[: 1000 - len(self.mismatches)]:
             self.mismatches.append(

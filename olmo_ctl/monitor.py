@@ -295,7 +295,9 @@ def _live_attempt(path: str, journal: list | None, ask_backend: bool) -> dict:
         out["reason"] = last_state.get("reason") or ""
         out["source"] = f"journal ({last_state.get('time', '?')})"
     handle = next((r.get("handle") for r in reversed(mine) if isinstance(r.get("handle"), dict)), None)
-    if handle and ask_backend:
+    # A terminal journal record (written by the supervisor, which saw the outcome) is final; the backend
+    # is asked only while the journal says the attempt may still be live.
+    if handle and ask_backend and out["state"] in (None, "queued", "admitted", "running"):
         out["backend"] = handle.get("backend")
         try:
             st = _backend_status(path, handle)

@@ -72,12 +72,15 @@ def render(rep: dict):
     t.add_row("tokens/s (now / run avg)", f"{_fmt_n(tok['per_s'])} / {_fmt_n(tok['per_s_run_avg'])}")
     th = rep["throughput"]
     dev = f" on {th['device']} ({th['devices']} devices)" if th.get("device") else ""
-    t.add_row("TFLOP/s per device", f"{_g(th['tflops_per_device'], '.1f')} / {_g(th['tflops_per_device_run_avg'], '.1f')} avg{dev}")
+    t.add_row("TFLOP/s per device", f"{_g(th['tflops_per_device'], '.4g')} / {_g(th['tflops_per_device_run_avg'], '.4g')} avg{dev}")
     mfu = "-" if th["mfu"] is None else f"{th['mfu'] * 100:.1f}%"
     mfu_avg = "-" if th["mfu_run_avg"] is None else f"{th['mfu_run_avg'] * 100:.1f}%"
     t.add_row("MFU (now / run avg)", f"{mfu} / {mfu_avg}" + (f"  [{th['flops_formula']} FLOPs]" if th.get("flops_formula") else ""))
     t.add_row("step time (now / median)", f"{_fmt_s(th['step_time_s'])} / {_fmt_s(th['step_time_median_s'])}")
-    t.add_row("ETA", "-" if rep["eta_s"] is None else f"{_fmt_s(rep['eta_s'])} ({rep['eta']})")
+    if rep["eta_s"] == 0 and final and step is not None and step >= final:
+        t.add_row("ETA", "done: final step reached")
+    else:
+        t.add_row("ETA", "-" if rep["eta_s"] is None else f"{_fmt_s(rep['eta_s'])} ({rep['eta']})")
     sk = rep["skipped_steps"]
     t.add_row("skipped steps", "-" if sk["total"] is None else f"{sk['total']} total, {sk['last_1000']} in the last 1000")
     ck = rep["checkpoint"]
