@@ -325,8 +325,11 @@ def _backend_status(path: str, handle: dict):
         return LocalBackend(root).status(h)
     if h.backend == "gke":
         from olmo_ctl.backends.gke import GKEBackend
+        from olmo_ctl.backends.kube import KubeRetryPolicy
 
-        return GKEBackend(namespace=h.data.get("namespace")).status(h)
+        # a monitor refresh must not hang on an unreachable cluster: a short retry budget, then the journal
+        quick = KubeRetryPolicy(budget_s=20.0, max_attempts=4, connect_timeout_s=5.0, read_timeout_s=15.0)
+        return GKEBackend(namespace=h.data.get("namespace"), context=h.data.get("context"), retry=quick).status(h)
     try:
         import importlib
 

@@ -119,6 +119,7 @@ def monitor(
     interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes with --watch.")] = 10.0,
     plot: Annotated[str | None, typer.Option("--plot", help="Write a PNG: loss, LR, throughput/MFU, resumes.")] = None,
     stall_after: Annotated[float | None, typer.Option("--stall-after", help="Seconds without a step before a running attempt is called stalled (default: max(300, 20 step times)).")] = None,
+    backend: Annotated[bool, typer.Option("--backend/--no-backend", help="Ask the backend (local processes, GKE) for the live attempt's state; --no-backend uses the journal only.")] = True,
     output: OutputOpt = Output.table,
 ) -> None:
     """Progress, loss, throughput/MFU, checkpoints, attempts and goodput of a run.
@@ -131,7 +132,7 @@ def monitor(
     if interval <= 0:
         raise BadInput(f"--interval {interval} must be positive")
     src = load(run)
-    rep = build_report(src, stall_after_s=stall_after)
+    rep = build_report(src, stall_after_s=stall_after, ask_backend=backend)
     if plot:
         from olmo_ctl.plot import write_plot
 
@@ -153,14 +154,14 @@ def monitor(
                 sys.stdout.flush()
                 time.sleep(interval)
                 src.refresh()
-                rep = build_report(src, stall_after_s=stall_after)
+                rep = build_report(src, stall_after_s=stall_after, ask_backend=backend)
         from rich.live import Live
 
         with Live(render(rep), refresh_per_second=2, screen=False) as live:
             while True:
                 time.sleep(interval)
                 src.refresh()
-                rep = build_report(src, stall_after_s=stall_after)
+                rep = build_report(src, stall_after_s=stall_after, ask_backend=backend)
                 if plot:
                     write_plot(src, rep, plot)
                 live.update(render(rep))
