@@ -253,13 +253,16 @@ def _series(run_dir: str, tag: str) -> dict[int, float]:
 
 
 @pytest.mark.chaos
-def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_continues_like_its_twin(tmp_path, monkeypatch, capsys):
+def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_finishes_like_its_twin(tmp_path, monkeypatch, capsys):
+    import io
     import os
 
     from olmo_ctl.backends.base import Attempt
     from olmo_ctl.backends.local import LocalBackend
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.smoke import _create_run
+    from olmo_ctl.supervise.policy import RetryPolicy
+    from olmo_ctl.supervise.supervisor import Printer, Supervisor
 
     for k in [k for k in os.environ if k.startswith("OLMO_CTL_")]:
         monkeypatch.delenv(k)
@@ -283,13 +286,25 @@ def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_continues_like_its_twin(tmp_pa
     assert 4 <= n1 < FINAL and _logged(be, h1) == n1
     assert _log_text(be, h1).rstrip().endswith(f"committed step {n1}")
     h2 = _submitted(main)[2]
+
+    # Now `resume-until-done` takes the run over (it reattaches to attempt 2); the second resize is
+    # recorded for it and it carries it out, then drives the run to its final step.
+    sup = Supervisor(main, LocalBackend(root), RetryPolicy(backoff_base_s=0.1), poll_s=0.1,
+                     printer=Printer("rs", stream=io.StringIO()))
+    result: dict = {}
+    t = _start(sup, result)
     _wait(lambda: _logged(be, h2) >= n1 + 4, "attempt 2 to log 4 steps")
+    _wait(lambda: any(r["event"] == "reattached" for r in main.journal()), "the supervisor to reattach")
     assert _cli("resize", "rs", "--device", "cpu-4", "--now", *local) == 0
-    n2 = main.committed_step()
+    n2 = [r["committed_step"] for r in main.journal() if r["event"] == "resized"][-1]
     assert n1 + 4 <= n2 < FINAL and _logged(be, h2) == n2
     assert _log_text(be, h2).rstrip().endswith(f"committed step {n2}")
     h3 = _submitted(main)[3]
-    _wait(lambda: main.committed_step() == FINAL and "committed step 24" in _log_text(be, h3), "attempt 3 to finish")
+    t.join(240)
+    assert result.get("rc") == 0, sup.out.stream.getvalue()
+    assert main.committed_step() == FINAL and "committed step 24" in _log_text(be, h3)
+    assert [r["event"] for r in main.journal() if r["event"] in ("resize_requested", "resized", "done")] == [
+        "resized", "resize_requested", "resized", "done"]
     _wait(lambda: be.status(ht).state.terminal, "the twin to finish")
     assert be.status(ht).state.value == "succeeded" and twin.committed_step() == FINAL
 
