@@ -326,3 +326,57 @@ def test_watch_a_live_trainer_through_a_kill_and_a_resume(tmp_path):
 
     s = read_scalars(str(run / "tensorboard")).series("train/CE loss")
     np.testing.assert_array_equal(s.steps, np.arange(1, 61))
+
+
+@pytest.mark.chaos
+def test_watch_while_resume_until_done_survives_a_kill(tmp_path):
+    """The whole loop: `resume-until-done` (local backend) runs the smoke recipe, the trainer is killed
+    with SIGKILL, the supervisor resumes it; `monitor --watch` shows the kill and the resume in the
+    journal timeline, and no replayed step changed value."""
+    import signal
+    import time
+
+    root = tmp_path / "runs"
+    sup = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "resume-until-done", "--recipe", "smoke", "--set",
+                            "train.max_steps=300", "--run", "live", "--run-root", str(root), "--backend", "local",
+                            "--device", "cpu-2", "--retry-backoff", "1", "--poll", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    run = root / "live"
+    deadline = time.time() + 400
+    w = None
+    try:
+        while not (run / "journal.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.5)
+        w = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "monitor", str(run), "--watch", "-o", "json",
+                              "--interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        while time.time() < deadline:
+            rep = json.loads(w.stdout.readline())
+            if (rep["step"] or 0) >= 30 and rep["attempt"]["state"] == "running":
+                break
+        pid = json.loads((run / "attempts" / "1.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        while time.time() < deadline:
+            rep = json.loads(w.stdout.readline())
+            if rep["step"] == 300 and rep["attempt"]["state"] == "succeeded":
+                break
+        assert rep["step"] == 300 and rep["attempt"]["attempt"] == 2, rep["attempt"]
+        events = [(r["attempt"], r["event"]) for r in rep["timeline"]]
+        assert (1, "running") in events and (1, "preempted") in events and (2, "running") in events
+        assert events.index((1, "preempted")) < events.index((2, "running"))
+        from olmo_ctl.monitor import timeline_summary
+
+        lines = timeline_summary(rep["timeline"])
+        assert lines[0].startswith("#1 cpu-2: submitted → running → preempted (exit -9 (SIGKILL))"), lines
+        assert rep["replays"]["mismatch_count"] == 0, rep["replays"]
+        assert rep["goodput"]["fraction"] is not None and 0 < rep["goodput"]["fraction"] <= 1
+        assert sup.wait(120) == 0
+    finally:
+        for p in (sup, w):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(30)
+        for f in (run / "attempts").glob("*.json") if (run / "attempts").exists() else ():
+            try:  # never leave a trainer behind when the test fails midway
+                os.kill(json.loads(f.read_text())["pid"], signal.SIGKILL)
+            except (ProcessLookupError, KeyError, ValueError):
+                pass
