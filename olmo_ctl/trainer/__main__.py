@@ -27,7 +27,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _prepare_env(device: str | None) -> None:
-    """`cpu-N`: N host devices (unless the launcher set XLA_FLAGS) and the CPU platform only."""
+    """`cpu-N`: N host devices (unless the launcher set XLA_FLAGS) and the CPU platform only.
+
+    With a GCS emulator (STORAGE_EMULATOR_HOST), point every client at it: tensorstore (Orbax arrays)
+    would otherwise retry real GCS, and gcsfs (Orbax metadata) would probe for cloud credentials.
+    """
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if emulator:
+        for k, v in (("TENSORSTORE_GCS_HTTP_URL", emulator), ("FSSPEC_GCS_TOKEN", "anon"), ("NO_GCE_CHECK", "true"),
+                     ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false"), ("GOOGLE_AUTH_TOKEN_FOR_TESTING", "dummy")):
+            os.environ.setdefault(k, v)
     if not device or not device.startswith("cpu-"):
         return
     n = device.partition("-")[2]
