@@ -142,7 +142,12 @@ def _load(path: str) -> Sources:
     if storage.is_gcs(path):
         storage.split_gcs(path)
     st = storage.store_for(path)
-    files, dirs = st.list(path)
+    try:
+        files, dirs = st.list(path)
+    except storage.NotFound:
+        bucket = storage.split_gcs(path)[0] if storage.is_gcs(path) else path
+        raise BadInput(f"bucket `{bucket}` does not exist (reading {path})",
+                       "check the bucket name and the project of your credentials") from None
     names = {f.path.rsplit("/", 1)[-1] for f in files}
     dnames = {d.rstrip("/").rsplit("/", 1)[-1] for d in dirs}
     is_run = "run.yaml" in names or "journal.jsonl" in names or "tensorboard" in dnames or "checkpoints" in dnames
