@@ -45,7 +45,10 @@ class Checkpointer:
             create=not read_only,
             read_only=read_only,
         )
-        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._mngr = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        )
         self.last_save_s = 0.0
 
     @classmethod
