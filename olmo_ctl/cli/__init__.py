@@ -19,6 +19,7 @@ from olmo_ctl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, OlmoCtlError
 
 # Command modules register themselves on `app` when imported (keep these imports light).
 from olmo_ctl.cli import foundation  # noqa: E402,F401
+from olmo_ctl.cli import surgery  # noqa: E402,F401
 from olmo_ctl.cli import monitor  # noqa: E402,F401
 from olmo_ctl.cli import model  # noqa: E402,F401
 from olmo_ctl.cli import data  # noqa: E402,F401
