@@ -339,24 +339,46 @@ def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: 
 # ---------------------------------------------------------------- the supervisor's side
 
 
-def carry_out_request(rundir, backend, handle, request: dict, deadline_s: float = 3600.0,
+def carry_out_request(rundir, backend, handle, request: dict, deadline_s: float | None = None,
                       heartbeat: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda s: None):
     """For a supervisor holding the lease: stop `handle` for the recorded `request`, submit the next
-    attempt on the requested device and clear the request. Returns the new handle, or None when the
-    request was refused (journalled `resize_refused`; the supervisor carries on with the old device)."""
+    attempt on the requested device and clear the request. Returns the new handle, or None when
+    nothing changed (the request was refused and journalled `resize_refused`, or was already carried
+    out): the supervisor carries on with `handle`.
+
+    A request already carried out (a supervisor that died between submitting and clearing it) is
+    only cleared. Waiting for the next checkpoint is bounded (6 h by default); when it runs out the
+    request is refused and nothing was stopped."""
+    rid = request.get("id")
     mode = request.get("mode") or "now"
+
+    def refuse(why: str):
+        rundir.append("resize_refused", device=request.get("device"), reason=why, request=rid)
+        rundir.clear_resize()
+        log(f"resize request {rid} refused: {why}")
+        return None
+
+    if rid and any(r.get("event") == "resized" and r.get("request") == rid for r in rundir.journal()):
+        rundir.clear_resize()
+        return None
     try:
         plan = prepare(rundir, backend, request["device"])
     except OlmoCtlError as e:
-        rundir.append("resize_refused", device=request.get("device"), reason=e.one_line(), request=request.get("id"))
-        rundir.clear_resize()
-        log(f"resize request {request.get('id')} refused: {e.one_line()}")
-        return None
+        return refuse(e.one_line())
+    if mode not in MODES:
+        return refuse(f"unknown resize mode `{mode}`")
+    if deadline_s is None:
+        deadline_s = 6 * 3600.0 if mode == "at-next-checkpoint" else 3600.0
     deadline = time.monotonic() + deadline_s
     committed = rundir.committed_step()
     if handle is not None:
-        committed, how = stop_for_resize(rundir, backend, handle, mode, deadline, heartbeat, log)
+        try:
+            committed, how = stop_for_resize(rundir, backend, handle, mode, deadline, heartbeat, log)
+        except ResizeTimeout as e:
+            if backend.status(handle).state.live and "nothing was stopped" in e.message:
+                return refuse(e.one_line())
+            raise
         log(f"attempt {handle.attempt} ended for the resize: {how}; committed step {committed}")
-    new = submit_next(rundir, backend, plan, committed, mode, request_id=request.get("id"))
+    new = submit_next(rundir, backend, plan, committed, mode, request_id=rid)
     rundir.clear_resize()
     return new

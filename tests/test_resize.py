@@ -295,7 +295,8 @@ def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_finishes_like_its_twin(tmp_pat
     t = _start(sup, result)
     _wait(lambda: _logged(be, h2) >= n1 + 4, "attempt 2 to log 4 steps")
     _wait(lambda: any(r["event"] == "reattached" for r in main.journal()), "the supervisor to reattach")
-    assert _cli("resize", "rs", "--device", "cpu-4", "--now", *local) == 0
+    # No --backend: the run's journal says it runs on the local backend.
+    assert _cli("resize", "rs", "--device", "cpu-4", "--now", "-y", "--run-root", root) == 0
     n2 = [r["committed_step"] for r in main.journal() if r["event"] == "resized"][-1]
     assert n1 + 4 <= n2 < FINAL and _logged(be, h2) == n2
     assert _log_text(be, h2).rstrip().endswith(f"committed step {n2}")
@@ -465,3 +466,23 @@ def test_a_request_recorded_between_attempts_moves_the_next_attempt(supervised):
     assert [(r["event"], r.get("from_device")) for r in j if r["event"] == "resized"] == [("resized", "tpu7x-512")]
     assert srv.cluster.jobset("s1-a1")["metadata"]["labels"]["olmo-ctl/device"] == "tpu7x-128"
     assert overlaps == []
+
+
+@pytest.mark.gcs
+def test_supervisor_refuses_an_impossible_request_and_keeps_its_attempt(supervised):
+    from olmo_ctl.resize import record_request, wait_for_request
+
+    srv, rd, sup, result, overlaps, args, out = supervised
+    t = _start(sup, result)
+    _wait(lambda: any(r["event"] == "running" for r in rd.journal()), "attempt 1 running", 30)
+    req = record_request(rd, "tpu7x-1024", "now")  # 512 sequences cannot split over 1024 devices
+    rec = wait_for_request(rd, req["id"], 30, poll_s=0.1)
+    assert rec["event"] == "resize_refused" and "cannot be split exactly over the 1024 devices" in rec["reason"]
+    assert rd.pending_resize() is None
+    assert srv.cluster.jobset_names() == ["s1-a1"]
+    assert not srv.cluster.jobset("s1-a1")["metadata"].get("deletionTimestamp")  # never stopped
+    _commit(rd.path, 200)
+    srv.cluster.complete("s1-a1")
+    t.join(30)
+    assert result.get("rc") == 0, out.getvalue()
+    assert [r["device"] for r in rd.journal() if r["event"] == "submitted"] == ["tpu7x-512"]

@@ -142,6 +142,12 @@ def resize(
     settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue, image=image,
                                 run_root=run_root, backend=backend)
     rundir = RunDir.of(settings.run_root, run)
+    if settings.sources.get("backend", "default") == "default":  # not chosen: the run's own backend
+        last = rundir.last_attempt() or {}
+        if last.get("backend") in ("gke", "local"):
+            import dataclasses
+
+            settings = dataclasses.replace(settings, backend=last["backend"])
     be = _make_backend(settings, settings.run_root, device)
     plan = prepare(rundir, be, device)
     lines = [f"resize run `{run}`: attempt {plan.from_attempt} on {plan.old.device} -> attempt {plan.to_attempt} "
