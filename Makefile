@@ -1,7 +1,7 @@
 # olmo-ctl: set-up, tests and the artefacts reviewed in diffs.
 #   make install   .venv with every extra (trainer, tpu, parity, dev)
 #   make test      the test suite (what CI runs)
-#   make demo      set up, then show what a run submits
+#   make demo      set up, then train the smoke model locally under resume-until-done
 #   make goldens   regenerate tests/goldens/*.yaml (review the diff)
 #   make lint      ruff
 #   make image     docker build of launch_templates/Dockerfile
@@ -34,9 +34,12 @@ lint:
 goldens:
 	$(BIN)/python tests/test_manifest.py
 
+# A local smoke run (tiny OLMo-3-shaped model, built-in data) supervised to its final step.
+DEMO_ROOT ?= $(or $(TMPDIR),/tmp)/olmo-ctl-demo
 demo: $(STAMP)
-	$(BIN)/olmo-ctl plan --stage 1 --device tpu7x-128
-	$(BIN)/olmo-ctl submit --stage 1 --device tpu7x-128 --dry-run
+	rm -rf $(DEMO_ROOT)/smoke-demo
+	$(BIN)/olmo-ctl resume-until-done --recipe smoke --device cpu-1 --backend local \
+		--run smoke-demo --run-root $(DEMO_ROOT) --poll 2
 
 image:
 	docker build -f launch_templates/Dockerfile -t $(IMAGE) .
