@@ -316,6 +316,7 @@ def _frame(buf: bytes, arr: np.ndarray) -> _Frame:
     need = 0
     corrupt = None
     since_spec = 0
+    spec_reps = 256
 
     def flush_seq():
         nonlocal seq_offs, seq_lens
@@ -340,18 +341,21 @@ def _frame(buf: bytes, arr: np.ndarray) -> _Frame:
         records += 1
         pos += 16 + n
         since_spec += 1
-        if since_spec < 48:
+        if since_spec < 8:
             continue
         since_spec = 0
-        # Speculate: the sizes of the last records repeat with a short period. Verify a whole block of
+        # Speculate: the sizes of the last records repeat with a short period. Verify a block of
         # repetitions at once on a 2-D view (each header is 12 known bytes: the length and its CRC).
         sizes = seq_lens[-48:]
-        period = next((p for p in range(1, 25) if sizes[-p:] == sizes[-2 * p : -p] == sizes[-3 * p : -2 * p]), 0)
+        period = next((p for p in range(1, min(24, len(sizes) // 3) + 1)
+                       if sizes[-p:] == sizes[-2 * p : -p] == sizes[-3 * p : -2 * p]), 0)
         if not period:
             continue
         pat = np.array(sizes[-period:], dtype=np.int64)
         step_bytes = int(pat.sum()) + 16 * period
-        reps = (total - pos) // step_bytes
+        # grow the block while the pattern holds, so an early break (an eval record every N steps)
+        # never costs a pass over the rest of the buffer
+        reps = min((total - pos) // step_bytes, spec_reps)
         if reps < 4:
             continue
         blk = arr[pos : pos + reps * step_bytes].reshape(reps, step_bytes)
@@ -362,6 +366,7 @@ def _frame(buf: bytes, arr: np.ndarray) -> _Frame:
             ok &= (blk[:, c : c + 12] == hdr).all(axis=1)
             c += L + 16
         m = int(np.argmin(ok)) if not ok.all() else reps  # whole repetitions that check out
+        spec_reps = spec_reps * 4 if m == reps else 256
         if m:
             flush_seq()
             segments.append(("blk", pos, m, pat))
