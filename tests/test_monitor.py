@@ -380,3 +380,20 @@ def test_watch_while_resume_until_done_survives_a_kill(tmp_path):
                 os.kill(json.loads(f.read_text())["pid"], signal.SIGKILL)
             except (ProcessLookupError, KeyError, ValueError):
                 pass
+
+
+def test_storage_client_errors_become_exit_3():
+    """The GCS client's own retry deadline (RetryError) or a refused connection is 'unreachable' (exit 3), one line."""
+    from google.api_core.exceptions import RetryError
+
+    from olmo_ctl.errors import Unreachable
+    from olmo_ctl.monitor import storage_guard
+
+    def give_up():
+        raise RetryError("Timeout of 120.0s exceeded, last exception: connection refused", ConnectionRefusedError())
+
+    with pytest.raises(Unreachable) as e:
+        storage_guard("gs://b/runs/x", give_up)
+    assert e.value.exit_code == 3 and "storage unreachable for `gs://b/runs/x`" in e.value.one_line()
+    with pytest.raises(ZeroDivisionError):  # a bug stays a bug
+        storage_guard("gs://b/runs/x", lambda: 1 / 0)
