@@ -148,7 +148,7 @@ def skip_decision(window: SkipWindow, loss, grad_norm, min_history: int, sigma: 
 
 
 def global_norm(grads) -> jax.Array:
-    return optax.global_norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+    return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
 
 
 def adamw_update(params, grads, adam: AdamState, lr, opt: OptimizerConfig, skip=None):
@@ -159,7 +159,7 @@ def adamw_update(params, grads, adam: AdamState, lr, opt: OptimizerConfig, skip=
     """
     b1, b2 = opt.betas
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-    norm = optax.global_norm(grads)
+    norm = optax.tree.norm(grads)
     scale = jnp.minimum(1.0, opt.grad_clip / (norm + 1e-6))  # torch's clip_grad_norm_ (same eps)
     grads = jax.tree.map(lambda g: g * scale, grads)
     count = adam.count + 1
