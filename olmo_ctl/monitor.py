@@ -462,12 +462,23 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
     if flops_tok and n_devices:
         if tps_recent:
             tflops_recent = tps_recent / n_devices * flops_tok / 1e12
+        peak = dev.peak_tflops_per_device
         if tps_avg:
             tflops_avg = tps_avg / n_devices * flops_tok / 1e12
-        peak = dev.peak_tflops_per_device
+            mfu_avg = tflops_avg / peak if peak else None
+            # across a resize the device count changes: weight each attempt by its device-seconds
+            att_dev = {int(x["attempt"]): _device(x.get("device")) for x in journal or []
+                       if x.get("attempt") is not None and x.get("device")}
+            if len(per_attempt) > 1 and all(att_dev.get(a) for a in per_attempt):
+                flops = sum((i["last_step"] - i["first_step"] + 1) for i in per_attempt.values()) \
+                    * tokens_per_step * flops_tok
+                dev_s = sum(i["span_s"] * att_dev[a].devices for a, i in per_attempt.items())
+                peak_s = sum(i["span_s"] * att_dev[a].devices * att_dev[a].peak_tflops_per_device
+                             for a, i in per_attempt.items())
+                tflops_avg = flops / dev_s / 1e12 if dev_s > 0 else None
+                mfu_avg = flops / 1e12 / peak_s if peak_s > 0 else None
         if peak:
             mfu_recent = tflops_recent / peak if tflops_recent else None
-            mfu_avg = tflops_avg / peak if tflops_avg else None
     if mfu_recent is None:  # fall back to what the trainer logged
         s = r.series("throughput/device/MFU")
         mfu_recent = float(s.values[-1]) if s is not None and len(s) else None

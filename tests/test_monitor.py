@@ -397,3 +397,32 @@ def test_storage_client_errors_become_exit_3():
     assert e.value.exit_code == 3 and "storage unreachable for `gs://b/runs/x`" in e.value.one_line()
     with pytest.raises(ZeroDivisionError):  # a bug stays a bug
         storage_guard("gs://b/runs/x", lambda: 1 / 0)
+
+
+def test_run_average_mfu_across_a_resize(tmp_path):
+    """cpu-2 for steps 1..50, then resized to cpu-4 for 51..100 at the same global batch and step time:
+    the run-average TFLOP/s per device weights each attempt by its device-seconds; the plot marks the resize."""
+    run = tmp_path / "rs"
+    write_run_yaml(run)
+    tb = run / "tensorboard"
+    write_segment(tb, range(1, 51), attempt=1, values=values)
+    write_segment(tb, range(51, 101), attempt=2, start_time=1767225700, wall0=T0 + 10, values=values)
+    with open(run / "journal.jsonl", "w") as f:
+        for t, ev, a, dev in [(T0 - 2, "submitted", 1, "cpu-2"), (T0 - 1, "running", 1, "cpu-2"),
+                              (T0 + 52, "resized", 1, "cpu-2"), (T0 + 55, "submitted", 2, "cpu-4"),
+                              (T0 + 59, "running", 2, "cpu-4")]:
+            f.write(json.dumps({"time": iso(t), "event": ev, "attempt": a, "device": dev, "reason": "",
+                                "committed_step": None}) + "\n")
+    src = load(str(run))
+    rep = build_report(src, now=T0 + 111, ask_backend=False)
+    from olmo_ctl.flops import flops_per_token_olmo_core
+    from olmo_ctl.recipe import load_recipe
+
+    ftok = flops_per_token_olmo_core(load_recipe("smoke").model, 128)
+    total_flops = 100 * TOKENS_PER_STEP * ftok
+    assert rep["throughput"]["devices"] == 4
+    assert rep["throughput"]["tflops_per_device_run_avg"] == pytest.approx(total_flops / (50 * 2 + 50 * 4) / 1e12)
+    assert rep["throughput"]["tflops_per_device"] == pytest.approx(TOKENS_PER_STEP / 4 * ftok / 1e12)
+    from olmo_ctl.plot import _resume_marks
+
+    assert _resume_marks(src) == ([], [(51, "cpu-2→cpu-4")])
