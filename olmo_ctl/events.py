@@ -755,6 +755,7 @@ class FileState:
     pending_bytes: int = 0  # an incomplete record at the end (still being written, or truncated)
     corrupt: str | None = None
     attempt: int = 0
+    generation: int = 0
 
 
 @dataclass
@@ -796,8 +797,12 @@ class EventReader:
         st = RefreshStats()
         infos = self._list()
         new = [i for i in infos if i.path not in self.files]
-        if new and self._max_key is not None and min(file_order_key(i.path) for i in new) < self._max_key:
-            self._reset()  # a file that sorts before ones already read: rebuild to keep "later wins"
+        replaced = any(self._replaced(self.files[i.path], i) for i in infos if i.path in self.files)
+        if replaced or (new and self._max_key is not None
+                        and min(file_order_key(i.path) for i in new) < self._max_key):
+            # a file that sorts before ones already read, or one rewritten under its name: rebuild, so
+            # that "the later record wins" and what we hold still matches the files
+            self._reset()
             new = infos
         st.files = len(infos)
         st.new_files = len(new)
@@ -808,11 +813,20 @@ class EventReader:
                 key = file_order_key(info.path)
                 self._max_key = key if self._max_key is None or key > self._max_key else self._max_key
             fs.size = info.size
+            fs.generation = info.generation
             if fs.corrupt or info.size <= fs.offset:
                 continue
             self._read_file(fs, st)
         st.seconds = time.perf_counter() - t0
         return st
+
+    @staticmethod
+    def _replaced(fs: FileState, info) -> bool:
+        if info.size < fs.offset:
+            return True  # shrank: not the file we read
+        # GCS objects are immutable: a new generation is new content (local generations are mtimes,
+        # which an append changes too)
+        return storage.is_gcs(info.path) and fs.generation != 0 and info.generation != fs.generation
 
     def _read_file(self, fs: FileState, st: RefreshStats) -> None:
         want = self.chunk_bytes

@@ -140,6 +140,18 @@ def test_truncated_last_record_then_tailing_completes_it(tmp_path):
     assert r.problems() == []
 
 
+def test_a_file_rewritten_smaller_is_read_again(tmp_path):
+    p = write_segment(tmp_path / "tb", range(1, 41))
+    r = EventReader(str(tmp_path / "tb"))
+    r.refresh()
+    shorter = write_segment(tmp_path / "src", range(1, 11), values=lambda tag, s: value(tag, s) + 1)
+    os.replace(shorter, p)
+    r.refresh()
+    s = r.series("train/CE loss")
+    np.testing.assert_array_equal(s.steps, np.arange(1, 11))
+    assert s.values[0] == value("train/CE loss", 1) + 1
+
+
 def test_many_segments_tail_reads_only_new_bytes(tmp_path):
     tb = tmp_path / "tb"
     for seg in range(6):
@@ -256,6 +268,14 @@ def test_reads_and_tails_gcs(tmp_path):
         np.testing.assert_array_equal(r.series("train/CE loss").steps, np.arange(1, 121))
         ref = read_scalars(str(local))
         np.testing.assert_array_equal(r.series("train/PPL").values, ref.series("train/PPL").values)
+        # an object rewritten under the same name (a new generation) is read again, not appended to
+        other = write_segment(tmp_path / "other", range(81, 121), segment=2,
+                              values=lambda tag, s: value(tag, s, desync=100))
+        st.write_bytes(f"{prefix}/{os.path.basename(paths[2])}", open(other, "rb").read())
+        r.refresh()
+        s = r.series("train/CE loss")
+        np.testing.assert_array_equal(s.steps, np.arange(1, 121))
+        assert s.values[-1] == value("train/CE loss", 120, desync=100) and r.mismatches() == []
 
 
 @pytest.mark.parametrize("chunk", [100, 997, 4096])
