@@ -199,6 +199,9 @@ class LocalBackend:
         proc = self._procs.get(pid)
         if proc is None and not self._is_ours(self._info(handle)):
             return
+        if proc is not None and proc.poll() is not None:
+            self.status(handle)
+            return
         try:
             os.killpg(pid, signal.SIGTERM if graceful else signal.SIGKILL)
         except ProcessLookupError:

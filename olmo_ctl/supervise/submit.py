@@ -75,14 +75,14 @@ def live_attempt(rundir: RunDir, backend) -> tuple[Handle | None, Any]:
 
 
 def submit_next(rundir: RunDir, backend, device: str, reason: str, extra_args: tuple[str, ...] = (),
-                attempt: int | None = None) -> Handle:
+                attempt: int | None = None, t: float | None = None) -> Handle:
     """Render and submit the run's next attempt and journal `submitted` (the caller checked liveness)."""
     n = attempt if attempt is not None else rundir.next_attempt_number()
     committed = rundir.committed_step()
     request = backend.render(Attempt(rundir.name, rundir.path, n, device, None, tuple(extra_args)))
     handle = backend.submit(request)
     rundir.append("submitted", attempt=n, device=device, committed_step=committed, reason=reason,
-                  handle=handle.to_dict(), backend=backend.name)
+                  handle=handle.to_dict(), backend=backend.name, t=t)
     return handle
 
 

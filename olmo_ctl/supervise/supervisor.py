@@ -31,7 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from olmo_ctl.backends.base import AttemptStatus, Handle, State
-from olmo_ctl.errors import EXIT_GAVE_UP, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUN_FAILED
+from olmo_ctl.errors import (
+    EXIT_GAVE_UP,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_RUN_FAILED,
+    EXIT_UNREACHABLE,
+    OlmoCtlError,
+)
 from olmo_ctl.rundir import LeaseLost, RunDir
 from olmo_ctl.supervise.policy import RetryBudget, RetryPolicy, StallWatch
 from olmo_ctl.supervise.submit import live_attempt, run_device, submit_next
@@ -142,6 +149,14 @@ class Supervisor:
             self.lease = None
             self.out.line(f"stopping: {e.message}")
             raise
+        except OlmoCtlError as e:
+            if e.exit_code == EXIT_UNREACHABLE:  # the attempt is left as it is
+                self.out.line(f"stopping, the attempt left untouched: {e.one_line()}")
+                try:
+                    self._journal("supervisor_stopped", f"unreachable: {e.one_line()}")
+                except OlmoCtlError:
+                    pass
+            raise
         finally:
             if self.lease is not None:
                 self.rd.release_lease(self.lease, now=self.clock())
@@ -176,7 +191,7 @@ class Supervisor:
                 if req is not None:  # recorded while no attempt ran: the next attempt goes to its device
                     self.handle = self._resize(None, req)
                 if self.handle is None:
-                    self.handle = submit_next(self.rd, self.backend, self.device, reason)
+                    self.handle = submit_next(self.rd, self.backend, self.device, reason, t=self.clock())
                     self.out.line(f"submitted attempt {self.handle.attempt} on {self.device} ({self.handle.name}): "
                                   f"{reason}")
             outcome = self._watch(self.handle)
@@ -214,7 +229,22 @@ class Supervisor:
                 self.handle = None
                 return EXIT_GAVE_UP
             last_failure = f"{what} ({reason})"
+            self._retire(self.handle)
             self.handle = None
+
+    def _retire(self, h: Handle) -> None:
+        """Make sure an ended attempt is gone before the next one is submitted: an evicted JobSet is
+        requeued by Kueue and would otherwise come back next to its successor."""
+        self.backend.stop(h, graceful=False)
+        wait = getattr(self.backend, "wait_deleted", None)
+        if wait is None:
+            return
+        for _ in range(60):
+            if wait(h, timeout_s=min(30.0, 3 * self.poll_s), poll_s=min(2.0, self.poll_s)):
+                return
+            self._beat()
+        raise OlmoCtlError(f"attempt {h.attempt} ({h.name}) is still being deleted",
+                           f"check it, then run `{self.reattach_hint}` again", EXIT_UNREACHABLE)
 
     def _done(self, committed: int) -> int:
         loss = self._last_loss()

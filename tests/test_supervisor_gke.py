@@ -1,0 +1,176 @@
+"""resume-until-done with the GKE backend against the Kubernetes API test server, on a fake clock.
+
+The scripted cluster plays Kueue, JobSet and the pods; the test plays the trainer by committing
+checkpoints into the run directory. Every supervisor sleep advances the fake clock and lets the
+script act, so hours of queueing take milliseconds.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from olmo_ctl import storage
+from olmo_ctl.backends.gke import GKEBackend
+from olmo_ctl.backends.kube import KubeRetryPolicy
+from olmo_ctl.config import Settings
+from olmo_ctl.errors import OlmoCtlError
+from olmo_ctl.recipe import load_recipe
+from olmo_ctl.rundir import COMMIT_MARKER, RunDir, parse_iso
+from olmo_ctl.supervise.policy import RetryPolicy
+from olmo_ctl.supervise.supervisor import Printer, Supervisor
+from olmo_ctl.testing.kube_server import KubeServer
+
+FAST = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=3.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+T0 = 1_800_000_000.0
+
+
+class Script:
+    """A fake clock whose sleeps run the cluster's script: {attempt: [(seconds after submit, action)]}."""
+
+    def __init__(self, srv: KubeServer, rd: RunDir, plan: dict):
+        self.srv, self.rd, self.plan = srv, rd, plan
+        self.t = T0
+        self.seen: dict[int, float] = {}
+        self.done: set = set()
+        self.names_at_submit: dict[int, list[str]] = {}
+
+    def time(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+        last = self.rd.last_attempt()
+        if last is None:
+            return
+        n, name = last["attempt"], last["handle"]["name"]
+        if n not in self.seen:
+            self.seen[n] = self.t
+            self.names_at_submit[n] = self.srv.cluster.jobset_names()
+        for i, (after, action) in enumerate(self.plan.get(n, [])):
+            if (n, i) not in self.done and self.t - self.seen[n] >= after:
+                self.done.add((n, i))
+                action(self, name)
+
+    def commit(self, step: int) -> None:
+        self.rd.store.write_bytes(self.rd.p("checkpoints", str(step), "state", "x"), b"x")
+        self.rd.store.write_bytes(self.rd.p("checkpoints", str(step), COMMIT_MARKER), b"ok")
+
+
+def admit_run(s: Script, name: str) -> None:
+    s.srv.cluster.admit(name)
+    s.srv.cluster.run_pods(name)
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    from gcs_emulator import gcs_emulator
+
+    with gcs_emulator("olmo-sup") as (url, bucket):
+        storage._gcs = None  # a client made for another emulator must not be reused
+        yield bucket
+    storage._gcs = None
+
+
+@pytest.fixture
+def srv():
+    with KubeServer() as server:
+        yield server
+
+
+def setup(tmp_path, srv, bucket, steps=20):
+    rd = RunDir.of(f"gs://{bucket}/{tmp_path.name}", "gk")
+    r = load_recipe("smoke", overrides=[f"train.max_steps={steps}"])
+    rd.create_run(r.to_dict(), r.fingerprint(), "fp", "tpu7x-8")
+    settings = Settings(image="registry.example.com/olmo-ctl:test", run_root=f"gs://{bucket}", queue="user-queue")
+    return rd, GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
+
+
+def supervise(rd, be, script, **policy):
+    buf = io.StringIO()
+    sup = Supervisor(rd, be, RetryPolicy(**policy), poll_s=30, clock=script.time, sleep=script.sleep,
+                     printer=Printer(rd.name, stream=buf, clock=script.time))
+    rc = sup.run()
+    return rc, buf.getvalue()
+
+
+def events(rd, attempt=None):
+    return [r for r in rd.journal() if attempt is None or r.get("attempt") == attempt]
+
+
+def test_long_queue_spends_nothing_and_preemption_resubmits_after_backoff(tmp_path, srv, gcs):
+    rd, be = setup(tmp_path, srv, gcs)
+    script = Script(srv, rd, {
+        1: [(3 * 3600, admit_run), (3 * 3600 + 300, lambda s, n: s.commit(10)),
+            (3 * 3600 + 600, lambda s, n: s.srv.cluster.evict(n, reason="Preempted"))],
+        2: [(120, admit_run), (400, lambda s, n: s.commit(20)), (500, lambda s, n: s.srv.cluster.complete(n))],
+    })
+    # max_retries=1: a queue wait that spent a retry, or a preemption after progress that did, would give up.
+    rc, out = supervise(rd, be, script, backoff_base_s=600, max_retries=1)
+    assert rc == 0, out
+    j = rd.journal()
+    a1 = [r["event"] for r in events(rd, 1)]
+    assert a1[:2] == ["submitted", "queued"] and "running" in a1 and a1[-1] == "preempted"
+    queued = next(r for r in j if r["event"] == "queued")
+    running = next(r for r in j if r["event"] == "running" and r["attempt"] == 1)
+    assert parse_iso(running["time"]) - parse_iso(queued["time"]) >= 3 * 3600  # three hours queued: waiting
+    pre = next(r for r in j if r["event"] == "preempted")
+    assert "Preempted" in pre["reason"] and pre["committed_step"] == 10
+    backoff = next(r for r in j if r["event"] == "backoff")
+    assert 450 <= backoff["delay_s"] <= 600
+    sub2 = [r for r in j if r["event"] == "submitted" and r["attempt"] == 2][0]
+    assert parse_iso(sub2["time"]) - parse_iso(pre["time"]) >= backoff["delay_s"] - 1e-3
+    # The evicted JobSet (which Kueue would requeue) was deleted before its successor was created.
+    assert script.names_at_submit[2] == [sub2["handle"]["name"]]
+    assert j[-1]["event"] == "done" and j[-1]["committed_step"] == 20
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1, 2]
+
+
+def test_deterministic_failure_exits_1_with_the_pods_last_lines(tmp_path, srv, gcs):
+    rd, be = setup(tmp_path, srv, gcs)
+
+    def crash(s, n):
+        s.srv.cluster.pod_exit(n, 0, 1, log_lines=["step 3/20 loss 5.1", "FloatingPointError: loss is NaN"])
+        s.srv.cluster.fail(n, reason="FailedJobs", message="jobset failed: pod failure policy FailJob")
+
+    script = Script(srv, rd, {1: [(60, admit_run), (200, crash)]})
+    rc, out = supervise(rd, be, script, backoff_base_s=1, max_retries=5)
+    assert rc == 1, out
+    assert "FloatingPointError: loss is NaN" in out
+    failed = [r for r in rd.journal() if r["event"] == "failed"]
+    assert len(failed) == 1 and "FloatingPointError: loss is NaN" in failed[0]["last_log_lines"]
+    assert [r["attempt"] for r in rd.journal() if r["event"] == "submitted"] == [1]
+
+
+def test_api_error_bursts_are_retried_and_a_lost_create_is_not_doubled(tmp_path, srv, gcs):
+    rd, be = setup(tmp_path, srv, gcs)
+
+    def burst(status):
+        def act(s, n):
+            s.srv.fail_next(3, status=status, retry_after_s=0) if status == 429 else s.srv.fail_next(3, status=status)
+        return act
+
+    srv.fail_next(1, status="lost", match="POST ")  # the create goes through, its answer is lost
+    script = Script(srv, rd, {1: [(30, burst(429)), (60, admit_run), (90, burst(500)),
+                                  (120, lambda s, n: s.commit(20)), (150, lambda s, n: s.srv.cluster.complete(n))]})
+    rc, out = supervise(rd, be, script, backoff_base_s=1, max_retries=1)
+    assert rc == 0, out
+    assert [r["attempt"] for r in rd.journal() if r["event"] == "submitted"] == [1]
+    assert len(srv.cluster.jobset_names()) == 1
+
+
+def test_api_unreachable_past_the_budget_exits_3_and_leaves_the_job(tmp_path, srv, gcs):
+    rd, be = setup(tmp_path, srv, gcs)
+    script = Script(srv, rd, {1: [(60, admit_run), (120, lambda s, n: s.srv.go_down())]})
+    with pytest.raises(OlmoCtlError) as ei:
+        supervise(rd, be, script, backoff_base_s=1, max_retries=5)
+    assert ei.value.exit_code == 3
+    srv.come_back()
+    name = rd.last_attempt()["handle"]["name"]
+    assert srv.cluster.jobset_names() == [name]  # untouched
+    assert srv.cluster.jobset(name)["metadata"].get("deletionTimestamp") is None
+    j = rd.journal()
+    assert j[-1]["event"] == "supervisor_stopped" and "unreachable" in j[-1]["reason"]
+    assert not [r for r in j if r["event"] in ("failed", "preempted")]
+    assert rd.read_lease()["released"] is True
