@@ -429,7 +429,8 @@ def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
             raise _Abort()
         ok = (o1.state in ("preempted", "missing") and o1.exit_code in (None, 143) and n == logged1
               and n >= cfg.stop_after_step)
-        how = f"exit {o1.exit_code}" if o1.exit_code is not None else o1.reason
+        how = (f"exit {o1.exit_code}" if o1.exit_code is not None else
+               "attempt deleted, its pods signalled" if o1.state == "missing" else o1.reason)
         results["forced_stop"] = CheckResult(
             "forced_stop", ok,
             f"stopped after step {seen} was logged: {how}, checkpoint {n} = last logged step {logged1}" if ok else

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -120,3 +123,87 @@ def test_junit_marks_failures_and_timeouts():
     suite = ET.fromstring(junit_xml(rep).split("\n", 1)[1])
     assert suite.get("errors") == str(len(CHECKS)) and suite.get("failures") == "0"
     assert rep.exit_code == 124
+
+
+# ---------------------------------------------------------------- the GKE path, end to end
+
+
+class _Kubelet:
+    """Plays the node for the test cluster: each admitted JobSet's pod runs its container command (the
+    real trainer, on CPU devices standing in for the slice's chips), its output becomes the pod log,
+    its exit ends the pod; deleting the JobSet sends SIGTERM and lets the deletion finish on exit."""
+
+    def __init__(self, srv, chips: int):
+        self.srv, self.chips = srv, chips
+        self.procs: dict = {}
+        self.stop = threading.Event()
+        srv.cluster.hold_deletions = True
+        srv.cluster.on_create(lambda name: threading.Thread(target=self._run, args=(name,), daemon=True).start())
+        threading.Thread(target=self._watch_deletions, daemon=True).start()
+
+    def _run(self, name: str) -> None:
+        c = self.srv.cluster
+        c.admit(name)
+        c.run_pods(name)
+        pod = c.jobset(name)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        cmd = [sys.executable if a == "python" else a for a in pod["containers"][0]["command"]]
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={self.chips}")
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        self.procs[name] = p
+        for line in p.stdout:
+            c.log(name, 0, [line.rstrip("\n")])
+        code = p.wait()
+        if c.jobset(name) and c.jobset(name)["metadata"].get("deletionTimestamp"):
+            c.finish_deletions()  # the pods have used their grace period: the JobSet goes
+        elif code == 0:
+            c.complete(name)
+        else:
+            c.pod_exit(name, 0, code)
+
+    def _watch_deletions(self) -> None:
+        signalled = set()
+        while not self.stop.is_set():
+            for name, p in list(self.procs.items()):
+                js = self.srv.cluster.jobset(name)
+                if name not in signalled and js and js["metadata"].get("deletionTimestamp") and p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+                    signalled.add(name)
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.stop.set()
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.chaos
+@pytest.mark.gcs
+def test_gke_smoke_on_v5p_8_against_the_test_cluster_and_gcs(tmp_path):
+    """The GKE path as the TPU workflow runs it: JobSets through the Kubernetes API, progress from the pod
+    log, the stop by JobSet deletion (the trainer gets SIGTERM), checkpoints and events on gs://."""
+    from gcs_emulator import gcs_emulator
+
+    from olmo_ctl.backends.gke import GKEBackend
+    from olmo_ctl.backends.kube import KubeRetryPolicy
+    from olmo_ctl.config import Settings
+    from olmo_ctl.smoke import SmokeConfig, run_smoke
+    from olmo_ctl.testing.kube_server import KubeServer
+
+    with KubeServer() as srv, gcs_emulator() as (_, bucket):
+        kubelet = _Kubelet(srv, chips=4)
+        try:
+            root = f"gs://{bucket}/smoke"
+            settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
+            fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+            be = GKEBackend(host=srv.url, settings=settings, retry=fast)
+            report = run_smoke(be, root, SmokeConfig("v5p-8", poll_s=0.2), timeout_s=400, log=print)
+        finally:
+            kubelet.close()
+    print("\n".join(report.summary_lines()))
+    assert report.exit_code == 0, report.summary_lines()
+    assert report.facts["per_device_batch"] == 2 and report.facts["global_batch"] == 8
+    assert [(n, p) for k, n, p in srv.cluster.deleted if k == "JobSet"] == [
+        (report.run_dirs[0].rsplit("/", 1)[1] + "-a1", "Foreground")]  # only the forced stop deleted

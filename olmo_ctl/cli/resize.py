@@ -114,7 +114,7 @@ def smoke(
 
 @app.command()
 def resize(
-    run: Annotated[str, typer.Argument(help="The run to resize (its name under the run root).")],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="The run to resize (its name under the run root).")],
     device: DeviceOpt,
     at_next_checkpoint: Annotated[bool, typer.Option(
         "--at-next-checkpoint", help="Wait for the next scheduled checkpoint to commit, then stop.")] = False,
