@@ -182,6 +182,27 @@ def test_ctrl_c_detaches_then_stop_on_exit_stops(tmp_path):
     assert j[-1]["event"] == "stopped"
 
 
+def test_submit_returns_once_submitted_and_never_doubles_a_live_attempt(tmp_path):
+    root = str(tmp_path / "runs")
+    rdir = os.path.join(root, "sub")
+    args = ["submit", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--run", "sub",
+            "--run-root", root, "--set", "train.max_steps=20", *SMOKE]
+    out, err = cli(*args).communicate(timeout=60)
+    assert f"run directory: {rdir}" in out and f"resume-until-done sub --run-root {root}" in out, out + err
+    again = cli(*args)
+    _, err = again.communicate(timeout=60)
+    assert again.returncode == 2 and "attempt 1 of run `sub` is still running" in err
+    other = cli(*[a if a != "train.max_steps=20" else "train.max_steps=30" for a in args])
+    _, err = other.communicate(timeout=60)
+    assert other.returncode == 2 and "another recipe" in err
+    sup = cli("resume-until-done", "sub", "--run-root", root, "--backend", "local", "--poll", "0.2")
+    out, err = sup.communicate(timeout=240)
+    assert sup.returncode == 0, out + err
+    j = journal(rdir)
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
+    assert j[-1]["event"] == "done" and j[-1]["committed_step"] == 20
+
+
 # ---------------------------------------------------------------- chaos
 
 

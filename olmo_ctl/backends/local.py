@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -186,12 +187,29 @@ class LocalBackend:
                     return AttemptStatus(State.RUNNING, f"pid {pid} running", "process")
                 if not info:
                     return AttemptStatus(State.MISSING, "no attempt file", "local")
-                return AttemptStatus(State.FAILED_INFRA, f"pid {pid} exited while no supervisor watched it "
-                                     "(exit code unknown)", "process", None, tuple(self.logs(handle, 20)))
+                return self._ended_unwatched(handle, pid)
         state, reason = classify_exit(code)
         if state == State.RUNNING:
             return AttemptStatus(State.RUNNING, f"pid {pid} running", "process")
         return AttemptStatus(state, reason, "process exit code", code, tuple(self.logs(handle, 20)))
+
+    def _ended_unwatched(self, handle: Handle, pid: int) -> AttemptStatus:
+        """A trainer that exited while no process of ours was its parent: no exit code to read, so its
+        last log lines say how it ended (`committed step N` is its last line on exit 0 and on 143)."""
+        lines = self.logs(handle, 50)
+        final = None
+        for ln in lines:
+            m = re.search(r"\bstep \d+/(\d+)\b", ln)
+            if m:
+                final = int(m.group(1))
+        last = lines[-1].strip() if lines else ""
+        m = re.fullmatch(r"committed step (\d+)", last)
+        why = f"pid {pid} exited while no supervisor watched it"
+        if m and final is not None and int(m.group(1)) >= final:
+            return AttemptStatus(State.SUCCEEDED, f"{why}; its log ends with `{last}`", "log", None, tuple(lines[-20:]))
+        if m:
+            return AttemptStatus(State.PREEMPTED, f"{why}; its log ends with `{last}`", "log", None, tuple(lines[-20:]))
+        return AttemptStatus(State.FAILED_INFRA, f"{why} (exit code unknown)", "process", None, tuple(lines[-20:]))
 
     def stop(self, handle: Handle, graceful: bool = True) -> None:
         """SIGTERM to the process group (the trainer checkpoints and exits 143), SIGKILL after the grace."""
