@@ -35,7 +35,7 @@ goldens:
 	$(BIN)/python tests/test_manifest.py
 
 # A local smoke run (tiny OLMo-3-shaped model, built-in data) supervised to its final step.
-DEMO_ROOT ?= $(or $(TMPDIR),/tmp)/olmo-ctl-demo
+DEMO_ROOT ?= runs
 demo: $(STAMP)
 	rm -rf $(DEMO_ROOT)/smoke-demo
 	$(BIN)/olmo-ctl resume-until-done --recipe smoke --device cpu-1 --backend local \
