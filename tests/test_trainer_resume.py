@@ -1,0 +1,132 @@
+"""Exact resume of the real trainer (subprocesses, real Orbax checkpoints, real event files).
+
+A: the smoke recipe trained 40 steps without a stop. B: trained to 20, stopped, resumed to 40.
+The logged `train/CE loss` and `optim/total grad norm` of steps 21-40 must be bitwise equal; a resume
+deliberately one batch early or late (fault injection) must fail that same comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TAGS = ("train/CE loss", "optim/total grad norm")
+
+
+def train(run_dir: Path, *extra: str, device: str = "cpu-1", env: dict | None = None,
+          expect: int | None = 0) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # --device decides the device count
+    base["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(run_dir),
+           "--device", device, *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**base, **(env or {})}, timeout=900)
+    if expect is not None:
+        assert p.returncode == expect, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p
+
+
+def scalars(run_dir: Path) -> dict[str, dict[int, np.float32]]:
+    """{tag: {step: value}}, asserting that no step of a tag was written twice."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={SCALARS: 0})
+    acc.Reload()
+    out = {}
+    for tag in acc.Tags()["scalars"]:
+        events = acc.Scalars(tag)
+        steps = [e.step for e in events]
+        assert len(steps) == len(set(steps)), f"{tag}: duplicate steps"
+        out[tag] = {e.step: np.float32(e.value) for e in events}
+    return out
+
+
+def resume_copy(src: Path, step: int, dst: Path) -> Path:
+    """A new run directory holding only checkpoint `step` of `src` (as if the run had stopped there)."""
+    shutil.copytree(src / "checkpoints" / str(step), dst / "checkpoints" / str(step))
+    return dst
+
+
+def same_steps(a: dict, b: dict, steps) -> list[str]:
+    bad = []
+    for tag in TAGS:
+        for s in steps:
+            if a[tag][s].tobytes() != b[tag][s].tobytes():
+                bad.append(f"{tag} step {s}: {a[tag][s]!r} != {b[tag][s]!r}")
+    return bad
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    a, b = root / "a", root / "b"
+    train(a, "--stop-at-step", "40")
+    first = train(b, "--stop-at-step", "20")
+    second = train(b, "--stop-at-step", "40")
+    return {"root": root, "a": a, "b": b, "first": first, "second": second, "A": scalars(a), "B": scalars(b)}
+
+
+def test_resumed_run_is_bitwise_equal_to_uninterrupted(runs):
+    assert "committed step 20" in runs["first"].stdout
+    assert "restored checkpoint 20" in runs["second"].stdout
+    assert sorted(int(p.name) for p in (runs["b"] / "checkpoints").iterdir()) == [20, 40]
+    A, B = runs["A"], runs["B"]
+    assert same_steps(A, B, range(21, 41)) == []
+    for tag in TAGS:  # one value per step, no gap, no duplicate (checked in scalars())
+        assert sorted(B[tag]) == list(range(1, 41))
+
+
+def test_smoke_recipe_learns_and_logs_eval(runs):
+    A = runs["A"]
+    ce = A["train/CE loss"]
+    assert ce[40] <= 0.7 * ce[1], (ce[1], ce[40])
+    assert sorted(A["eval/lm_loss"]) == [20, 40]
+    assert A["eval/lm_loss"][40] < A["eval/lm_loss"][20]
+    for tag in ("train/PPL", "train/Z loss", "optim/LR (group 0)", "optim/LR (group 1)", "optim/step skipped",
+                "optim/step_skipped", "throughput/total tokens", "perf/total_tokens", "throughput/device/TPS",
+                "throughput/device/TPS (actual avg)", "throughput/device/MFU", "throughput/device/MFU (actual avg)",
+                "throughput/device/data loading (s)", "perf/step_time_s"):
+        assert sorted(A[tag]) == list(range(1, 41)), tag
+    assert A["perf/total_tokens"][40] == 40 * 8 * 128
+    assert sorted(A["checkpoint/save_duration_s"]) == [20, 40]
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_off_by_one_data_resume_is_detected(runs, shift):
+    run = resume_copy(runs["b"], 20, runs["root"] / f"shift{shift}")
+    p = train(run, "--stop-at-step", "22", env={"OLMO_CTL_TEST_DATA_SHIFT": str(shift)})
+    assert "FAULT INJECTION" in p.stdout
+    bad = same_steps(runs["A"], scalars(run), range(21, 23))
+    assert any("train/CE loss step 21" in b for b in bad), bad
+
+
+def test_resume_with_background_prefetch_workers(runs):
+    run = resume_copy(runs["a"], 20, runs["root"] / "prefetch")
+    train(run, "--stop-at-step", "30", "--set", "data.prefetch_workers=2")
+    assert same_steps(runs["A"], scalars(run), range(21, 31)) == []
+
+
+def test_resume_on_4_host_devices_fsdp(runs):
+    c = runs["root"] / "c4"
+    train(c, "--stop-at-step", "30", device="cpu-4")
+    run = resume_copy(c, 20, runs["root"] / "c4-resumed")
+    p = train(run, "--stop-at-step", "30", "--set", "data.prefetch_workers=2", device="cpu-4")
+    assert "on cpu-4" in p.stdout
+    assert same_steps(scalars(c), scalars(run), range(21, 31)) == []
+
+
+def test_data_fingerprint_guard(runs):
+    run = resume_copy(runs["a"], 20, runs["root"] / "fp")
+    p = train(run, "--stop-at-step", "21", "--set", "train.seq_len=64", expect=2)
+    assert "train.seq_len 128 -> 64" in p.stderr and "--allow-data-change" in p.stderr
+    fewer = '--set=data.train=["{root}/train/part-00000.npy", "{root}/train/part-00001.npy", "{root}/train/part-00002.npy"]'
+    p = train(run, "--stop-at-step", "21", fewer, expect=2)
+    assert "number of token files 4 -> 3" in p.stderr
+    assert "Traceback" not in p.stderr
+    p = train(run, "--stop-at-step", "21", fewer, "--allow-data-change")
+    assert "committed step 21" in p.stdout and "data changed" in p.stdout
