@@ -1,0 +1,51 @@
+"""SIGTERM mid-run: the trainer finishes the step, checkpoints it, exits 143; the next attempt resumes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from test_trainer_resume import scalars, train
+
+
+def test_sigterm_checkpoints_the_completed_step_and_next_attempt_resumes(tmp_path):
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(run), "--device", "cpu-1",
+           "--attempt", "1", "--set", "checkpoint.interval=1000", "--set", "logging.metrics_every=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    deadline = time.monotonic() + 300
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 7/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+            assert time.monotonic() < deadline, "".join(lines)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines) + rest
+    assert proc.returncode == 143, out[-3000:]
+    m = re.search(r"committed step (\d+)", out)
+    assert m, out[-3000:]
+    n = int(m.group(1))
+    assert 7 <= n < 100
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [n]  # committed, no tmp left
+    steps = sorted(scalars(run)["train/CE loss"])
+    assert steps == list(range(1, n + 1))  # every completed step was logged before the exit
+
+    p = train(run, "--attempt", "2", "--stop-at-step", str(n + 3))
+    assert f"restored checkpoint {n}" in p.stdout
+    assert f"committed step {n + 3}" in p.stdout
+    assert sorted(scalars(run)["train/CE loss"]) == list(range(1, n + 4))
+    names = sorted(os.listdir(run / "tensorboard"))
+    assert all(re.fullmatch(r"events\.out\.tfevents\.\d{10}\.[A-Za-z0-9_-]+\.a000[12]\.s\d{5}", x) for x in names), names
+    assert {x.split(".")[-2] for x in names} == {"a0001", "a0002"}
