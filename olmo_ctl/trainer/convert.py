@@ -257,6 +257,8 @@ def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, dtype: str 
         hf.update({
             "rope_parameters": {t: {"rope_type": "default", "rope_theta": cfg.rope_theta}
                                 for t in ("full_attention", "sliding_attention")},
+            "rope_theta": cfg.rope_theta,  # what transformers 4.57-4.x reads
+            "rope_scaling": None,
             "max_position_embeddings": 65536,
             "initializer_range": cfg.init_std,
             "eos_token_id": cfg.eos_token_id,
