@@ -278,10 +278,27 @@ class RunDir:
         steps = self.committed_steps()
         return steps[-1] if steps else 0
 
-    def progress_signature(self) -> tuple:
-        """Something that changes whenever the trainer writes: TensorBoard objects and their sizes."""
-        files, dirs = self.store.list(self.p("tensorboard"), recursive=True)
-        return tuple((f.path, f.size) for f in files)
+    def progress_signature(self, since_unix: float = 0.0) -> tuple:
+        """Something that changes whenever the trainer writes: its TensorBoard files and their sizes.
+
+        Segment names start with the writer's start time (docs/CONTRACTS.md), so on gs:// only the
+        names from `since_unix` on are listed: one short listing however long the run has been going.
+        """
+        tb = self.p("tensorboard")
+        first = f"events.out.tfevents.{max(0, int(since_unix)):010d}"
+        if not self.is_gcs:
+            try:
+                return tuple(sorted((e.name, e.stat().st_size) for e in os.scandir(tb) if e.name >= first))
+            except FileNotFoundError:
+                return ()
+        st = self.store
+        bucket, name = storage.split_gcs(tb.rstrip("/") + "/")
+
+        def ls():
+            return tuple((b.name, int(b.size or 0)) for b in
+                         st._client.list_blobs(bucket, prefix=name, start_offset=name + first))
+
+        return st._call(tb, ls)
 
     # ------------------------------------------------------------------ lease
 

@@ -187,6 +187,19 @@ def test_racing_acquirers_one_wins(rd):
     assert len(wins) == 1, results
 
 
+def test_progress_signature_lists_only_newer_segments(rd):
+    assert rd.progress_signature() == ()
+    old = "events.out.tfevents.1700000000.host.a0001.s00000"
+    new = "events.out.tfevents.1800000000.host.a0002.s00000"
+    _write(rd, f"tensorboard/{old}", b"x" * 10)
+    _write(rd, f"tensorboard/{new}", b"x" * 20)
+    assert [n.rsplit("/", 1)[-1] for n, _ in rd.progress_signature(since_unix=1750000000)] == [new]
+    before = rd.progress_signature(since_unix=1750000000)
+    _write(rd, f"tensorboard/{new}", b"x" * 30)
+    assert rd.progress_signature(since_unix=1750000000) != before
+    assert len(rd.progress_signature()) == 2
+
+
 def test_resize_request_round_trip(rd):
     assert rd.pending_resize() is None
     doc = rd.request_resize("cpu-2", "more devices")

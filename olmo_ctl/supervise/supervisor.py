@@ -39,7 +39,7 @@ from olmo_ctl.errors import (
     EXIT_UNREACHABLE,
     OlmoCtlError,
 )
-from olmo_ctl.rundir import LeaseLost, RunDir
+from olmo_ctl.rundir import LeaseLost, RunDir, parse_iso
 from olmo_ctl.supervise.policy import RetryBudget, RetryPolicy, StallWatch
 from olmo_ctl.supervise.submit import live_attempt, run_device, submit_next
 
@@ -100,7 +100,7 @@ class Supervisor:
         self.policy = policy
         self.device = device
         self.poll_s = poll_s
-        self.lease_ttl_s = lease_ttl_s or max(120.0, 6 * poll_s)
+        self.lease_ttl_s = lease_ttl_s or max(300.0, 6 * poll_s)
         self.stop_on_exit = stop_on_exit
         self.clock = clock
         self.sleep = sleep
@@ -170,6 +170,11 @@ class Supervisor:
         self._say("supervisor_started", f"committed step {committed}/{self.final}; holder {self.lease.holder}",
                   committed_step=committed, attempt=None)
         self.handle, st = live_attempt(self.rd, self.backend)
+        last = self.rd.last_attempt()
+        ended: Handle | None = None  # the previous attempt, over: deleted before a successor is submitted
+        if self.handle is None and last and isinstance(last.get("handle"), dict) \
+                and last["handle"].get("backend") == self.backend.name:
+            ended = Handle.from_dict(last["handle"])
         if self.handle is not None:
             self._say("reattached", f"attempt {self.handle.attempt} is {st.state.value} ({self.handle.name})",
                       committed_step=committed)
@@ -191,6 +196,10 @@ class Supervisor:
                 if req is not None:  # recorded while no attempt ran: the next attempt goes to its device
                     self.handle = self._resize(None, req)
                 if self.handle is None:
+                    if ended is not None:
+                        self._retire(ended)
+                        ended = None
+                    self._beat()  # a supervisor that lost its lease must not submit
                     self.handle = submit_next(self.rd, self.backend, self.device, reason, t=self.clock())
                     self.out.line(f"submitted attempt {self.handle.attempt} on {self.device} ({self.handle.name}): "
                                   f"{reason}")
@@ -292,6 +301,9 @@ class Supervisor:
         stall: StallWatch | None = None
         sig = None
         t0_step, t0 = self.rd.committed_step(), self.clock()
+        last = self.rd.last_attempt() or {}
+        # Event segments are named by their writer's start time: this attempt's are newer than its submission.
+        since = parse_iso(last["time"]) - 300 if last.get("attempt") == h.attempt and last.get("time") else 0.0
         while True:
             self._beat()
             req = self.rd.pending_resize()
@@ -312,7 +324,7 @@ class Supervisor:
                 return Outcome(st)
             if st.state == State.RUNNING and stall is not None:
                 committed = self.rd.committed_step()
-                new_sig = (committed, self.rd.progress_signature(), self._log_step(h))
+                new_sig = (committed, self.rd.progress_signature(since_unix=since), self._log_step(h))
                 if sig is not None and new_sig != sig:
                     stall.progress(now)
                 sig = new_sig
