@@ -14,15 +14,25 @@ import json
 import sys
 
 from olmo_ctl.devices import GIB, get_device
-from olmo_ctl.preflight import REMAT_POLICIES, run_preflight
+from olmo_ctl.preflight import run_preflight
 from olmo_ctl.recipe import load_recipe
 
 CASES = (
-    # (device, remat, head_dim, per-device batch or None for the plan's, global batch override)
-    *[("tpu7x-128", r, 128, 4, None) for r in REMAT_POLICIES],
-    *[("v5p-256", r, 128, 4, None) for r in REMAT_POLICIES],
+    # (device, remat, head_dim, per-device micro-batch, global batch override)
+    ("tpu7x-128", "full", 128, 4, None),
+    ("v5p-256", "full", 128, 4, None),
+    ("tpu7x-128", "save_proj", 128, 4, None),
+    ("v5p-256", "save_proj", 128, 4, None),
     ("tpu7x-128", "full", 256, 4, None),
+    ("tpu7x-128", "none", 128, 4, None),
+    ("v5p-256", "none", 128, 4, None),
     ("tpu7x-128", "none", 128, 16, 2048),  # a large per-device batch without remat: must not fit
+    # Smaller micro-batches; the rest of the per-device share (4) becomes accumulation steps.
+    ("tpu7x-128", "full", 128, 2, None),
+    ("tpu7x-128", "full", 256, 2, None),
+    ("v5p-256", "full", 128, 2, None),
+    ("tpu7x-128", "save_proj", 128, 1, None),
+    ("tpu7x-128", "full", 128, 1, None),
 )
 
 

@@ -67,6 +67,9 @@ def submit(
     image: ImageOpt = None,
     service_account: ServiceAccountOpt = None,
     placement_policy: PlacementPolicyOpt = None,
+    no_preflight: Annotated[
+        bool, typer.Option("--no-preflight", help="Skip compiling the step for the slice before submitting.")
+    ] = False,
 ) -> None:
     """Submit one attempt of a run (a JobSet queued by Kueue); --dry-run prints exactly what is applied."""
     from olmo_ctl.batching import make_plan
@@ -108,6 +111,10 @@ def submit(
                 raise
             raise BadInput("submit without --dry-run needs the supervisor (olmo_ctl.supervise), which is missing",
                            "use --dry-run to render the manifest") from None
+        if not no_preflight:  # TPU slices only, when libtpu is installed; cached per recipe/device/trainer
+            from olmo_ctl.preflight import submit_check
+
+            submit_check(r, dev, plan, log=note)
         submit_attempt(recipe=r, device=dev, plan=plan, settings=settings, run=run_name, run_dir=run_dir,
                        attempt=attempt, output_manifest=output_manifest)
         return
