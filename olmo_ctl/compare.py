@@ -84,7 +84,7 @@ def _f(x) -> float | None:
 
 
 def compare_series(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], *, bin_steps: int = 2000,
-                   threshold: float = 0.0) -> dict:
+                   threshold: float = 0.0, per_step: bool = False) -> dict:
     sa, va = a
     sb, vb = b
     common, ia, ib = np.intersect1d(sa, sb, assume_unique=True, return_indices=True)
@@ -128,6 +128,8 @@ def compare_series(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.nda
                             "mean_a": _f(sum_a[j] / n) if n else None, "mean_b": _f(sum_b[j] / n) if n else None,
                             "mean_delta": _f((sum_b[j] - sum_a[j]) / n) if n else None,
                             "max_abs_delta": _f(max_b[j])})
+    if per_step:
+        out["steps"] = [[int(st), _f(x), _f(y), _f(y - x)] for st, x, y in zip(common, xa, xb, strict=True)]
     out["verdict"] = _verdict(out)
     return out
 
@@ -150,7 +152,7 @@ def _verdict(o: dict) -> str:
 
 
 def compare(a: str, b: str, tags: list[str] | None = None, *, bin_steps: int = 2000,
-            threshold: float | None = None) -> dict:
+            threshold: float | None = None, per_step: bool = False) -> dict:
     if bin_steps < 1:
         raise BadInput(f"--bin {bin_steps} must be at least 1")
     for src in (a, b):
@@ -173,7 +175,7 @@ def compare(a: str, b: str, tags: list[str] | None = None, *, bin_steps: int = 2
             missing = a if ca is None else b
             results[tag] = {"common_steps": 0, "verdict": f"`{tag}` not found in {missing}"}
             continue
-        results[tag] = compare_series(ca, cb, bin_steps=bin_steps, threshold=threshold)
+        results[tag] = compare_series(ca, cb, bin_steps=bin_steps, threshold=threshold, per_step=per_step)
     if not results:
         raise BadInput("no tag to compare", "pass --tags 'train/CE loss'")
     # one line over all tags: the earliest divergence wins

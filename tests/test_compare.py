@@ -35,7 +35,7 @@ def test_resumed_run_matches_its_twin_exactly(tmp_path):
 
 def test_desynchronised_run_names_the_first_diverging_step(tmp_path):
     a, b = twin_runs(tmp_path, desync=77)
-    p = cli("compare", str(a), str(b), "--bin", "40", "-o", "json")
+    p = cli("compare", str(a), str(b), "--bin", "40", "--per-step", "-o", "json")
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     r = res["tags"]["train/CE loss"]
@@ -43,6 +43,9 @@ def test_desynchronised_run_names_the_first_diverging_step(tmp_path):
     assert r["max_abs_delta"] == pytest.approx(0.01, rel=1e-4)
     assert r["bins"][0]["max_abs_delta"] == 0.0 and r["bins"][1]["max_abs_delta"] > 0
     assert "diverge at step 77" in res["verdict"]
+    rows = r["steps"]
+    assert len(rows) == 120 and rows[75][3] == 0.0 and rows[76][0] == 77
+    assert rows[76][3] == pytest.approx(value("train/CE loss", 77, desync=77) - value("train/CE loss", 77))
     t = cli("compare", str(a), str(b))
     assert t.returncode == 0 and "diverge at step 77" in t.stdout
 

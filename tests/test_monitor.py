@@ -376,3 +376,20 @@ def test_run_average_mfu_across_a_resize(tmp_path):
     from olmo_ctl.plot import _resume_marks
 
     assert _resume_marks(src) == ([], [(51, "cpu-2→cpu-4")])
+
+
+def test_rising_skipped_steps_warning(tmp_path):
+    run = tmp_path / "sk"
+    write_run_yaml(run, max_steps=5000)
+    skipped = {500, 2600, 2700, 2800, 2900}
+    write_segment(run / "tensorboard", range(1, 3001), tags=["train/CE loss", "optim/step skipped"],
+                  values=lambda tag, s: float(s in skipped) if tag == "optim/step skipped" else value(tag, s))
+    rep = build_report(load(str(run)), now=T0 + 3001, ask_backend=False)
+    assert rep["skipped_steps"] == {"total": 5, "last_1000": 4}
+    assert any(w.startswith("skipped steps rising: 4 in the last 1000 steps") for w in rep["warnings"])
+    calm = tmp_path / "calm"
+    write_run_yaml(calm, max_steps=5000)
+    write_segment(calm / "tensorboard", range(1, 3001), tags=["train/CE loss", "optim/step skipped"],
+                  values=lambda tag, s: float(s in {500, 1500, 2900}) if tag == "optim/step skipped" else value(tag, s))
+    rep = build_report(load(str(calm)), now=T0 + 3001, ask_backend=False)
+    assert rep["skipped_steps"]["total"] == 3 and not any("skipped steps rising" in w for w in rep["warnings"])

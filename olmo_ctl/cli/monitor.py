@@ -176,6 +176,7 @@ def compare(
     tags: Annotated[list[str] | None, typer.Option("--tags", help="Tag to compare (repeatable); default train/CE loss.")] = None,
     bin_steps: Annotated[int, typer.Option("--bin", help="Steps per bin for binned means.")] = 2000,
     threshold: Annotated[float | None, typer.Option("--threshold", help="|Δ| above which two curves diverge (default 0 for two runs, 0.05 against a curve file).")] = None,
+    per_step: Annotated[bool, typer.Option("--per-step", help="With -o json: every common step as [step, A, B, B-A].")] = False,
     output: OutputOpt = Output.table,
 ) -> None:
     """Step-aligned deltas between two runs (or a run and a reference curve): max |Δ|, binned means,
@@ -185,7 +186,7 @@ def compare(
     """
     from olmo_ctl.compare import compare as do_compare
 
-    res = do_compare(a, b, tags, bin_steps=bin_steps, threshold=threshold)
+    res = do_compare(a, b, tags, bin_steps=bin_steps, threshold=threshold, per_step=per_step)
     if output == Output.json:
         print_json(res)
         return
