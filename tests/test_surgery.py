@@ -1,0 +1,86 @@
+"""Checkpoint surgery: warm-Adam stage-2 init (params + moments kept, step 0, fresh data) and souping."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from test_trainer_resume import scalars, train
+
+from olmo_ctl.trainer.checkpoint import open_step
+
+
+def olmo_ctl(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-c", "from olmo_ctl.cli import entry; entry()", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == expect, p.stdout + p.stderr
+    return p
+
+
+def load(path) -> tuple[dict, dict]:
+    ck, step = open_step(str(path))
+    return ck.restore_host(step)
+
+
+def leaves_equal(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb, strict=True))
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    run = tmp_path_factory.mktemp("surgery") / "stage1"
+    train(run, "--stop-at-step", "6", "--set", "checkpoint.interval=3")
+    return run
+
+
+def test_warm_adam_keeps_params_and_moments_and_resumes_as_stage2_at_step_0(src, tmp_path):
+    dst = tmp_path / "stage2"
+    out = olmo_ctl("surgery", "warm-adam", str(src / "checkpoints" / "6"), str(dst))
+    assert "step 0" in out.stdout
+    s_state, _ = load(src / "checkpoints" / "6")
+    d_state, d_meta = load(dst / "checkpoints" / "0")
+    assert leaves_equal(d_state["params"], s_state["params"])
+    assert leaves_equal(d_state["opt"]["mu"], s_state["opt"]["mu"])
+    assert leaves_equal(d_state["opt"]["nu"], s_state["opt"]["nu"])
+    assert int(d_state["opt"]["count"]) == int(s_state["opt"]["count"]) == 6
+    assert int(d_state["step"]) == 0 and int(d_state["skip"]["recorded"]) == 0
+    assert d_meta["data"] is None
+
+    # Stage 2: linear decay from the peak, no warmup, fresh data order from the first batch.
+    p = train(dst, "--stop-at-step", "2", "--set", "schedule.kind=linear", "--set", "schedule.warmup_steps=0",
+              "--set", "schedule.alpha=0", "--set", "data.seed=1337")
+    assert "restored checkpoint 0" in p.stdout
+    ev = scalars(dst)
+    assert sorted(ev["train/CE loss"]) == [1, 2]
+    assert ev["optim/LR (group 0)"][1] == pytest.approx(3e-3 * (1 - 1 / 100), rel=1e-6)
+    assert ev["train/CE loss"][1] < scalars(src)["train/CE loss"][1] - 0.3  # trained weights, not a fresh init
+    after, meta = load(dst / "checkpoints" / "2")
+    assert int(after["opt"]["count"]) == 8  # the source's moments were updated on, not re-initialised
+    assert meta["data"]["batches_seen"] == 2
+
+
+def test_warm_adam_refuses_a_run_that_has_checkpoints(src):
+    p = olmo_ctl("surgery", "warm-adam", str(src / "checkpoints" / "6"), str(src), expect=2)
+    assert "already holds checkpoints" in p.stderr
+
+
+def test_soup_of_identical_checkpoints_is_the_checkpoint_and_of_two_is_the_mean(src, tmp_path):
+    ck6 = str(src / "checkpoints" / "6")
+    olmo_ctl("surgery", "soup", ck6, ck6, "--out", str(tmp_path / "same"))
+    soup, _ = load(tmp_path / "same" / "checkpoints" / "0")
+    s6, _ = load(ck6)
+    assert leaves_equal(soup["params"], s6["params"])
+
+    olmo_ctl("surgery", "soup", str(src / "checkpoints" / "3"), ck6, "--out", str(tmp_path / "mean"))
+    mean, _ = load(tmp_path / "mean" / "checkpoints" / "0")
+    s3, _ = load(src / "checkpoints" / "3")
+    for m, a, b in zip(jax.tree.leaves(mean["params"]), jax.tree.leaves(s3["params"]), jax.tree.leaves(s6["params"]),
+                       strict=True):
+        np.testing.assert_allclose(np.asarray(m), (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2,
+                                   rtol=1e-6, atol=1e-7)
