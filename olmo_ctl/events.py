@@ -489,8 +489,11 @@ def _decode(buf: bytes, arr: np.ndarray, fr: _Frame) -> _Batch:
                 dec = _template(rec, int(stored[0])) if 0 < L <= _MAX_TEMPLATE_LEN else False
             except _Unusable:
                 dec = False
-            if dec is None:
-                pass  # value-less records (file_version...): nothing to read
+            if dec is None:  # value-less (file_version...): rows with another CRC get a closer look
+                other = stored != stored[0]
+                if other.any():
+                    left_offs.append(rows[other] + c)
+                    left_lens.append(np.full(int(other.sum()), L, dtype=np.int64))
             elif dec is False:
                 left_offs.append(rows + c)
                 left_lens.append(np.full(reps, L, dtype=np.int64))

@@ -290,3 +290,26 @@ def test_records_crossing_read_chunks(tmp_path, chunk):
     for tag in TAGS:
         np.testing.assert_array_equal(small.series(tag).steps, np.arange(1, 301))
         np.testing.assert_array_equal(small.series(tag).values, whole.series(tag).values)
+
+
+def test_non_scalar_events_are_skipped(tmp_path):
+    """Histograms, images and log messages interleaved with scalars: only the scalars are read."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.compat.proto.summary_pb2 import HistogramProto
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    w = EventFileWriter(str(tmp_path / "tb"))
+    for step in range(1, 301):
+        w.add_event(event_pb2.Event(wall_time=T0 + step, step=step, summary=summary_pb2.Summary(value=[
+            summary_pb2.Summary.Value(tag="w/hist", histo=HistogramProto(min=0, max=step, num=3, sum=step))])))
+        w.add_event(event_pb2.Event(wall_time=T0 + step, step=step, summary=summary_pb2.Summary(value=[
+            summary_pb2.Summary.Value(tag="train/CE loss", simple_value=value("train/CE loss", step))])))
+        if step % 50 == 0:
+            w.add_event(event_pb2.Event(wall_time=T0 + step, step=step, summary=summary_pb2.Summary(value=[
+                summary_pb2.Summary.Value(tag="img", image=summary_pb2.Summary.Image(
+                    height=1, width=1, colorspace=1, encoded_image_string=b"x" * step))])))
+    w.close()
+    r = read_scalars(str(tmp_path / "tb"))
+    assert r.tags() == ["train/CE loss"] and r.problems() == []
+    np.testing.assert_array_equal(r.series("train/CE loss").steps, np.arange(1, 301))
+    np.testing.assert_array_equal(r.series("train/CE loss").values, [value("train/CE loss", s) for s in range(1, 301)])
