@@ -268,6 +268,15 @@ def test_reads_and_tails_gcs(tmp_path):
         np.testing.assert_array_equal(r.series("train/CE loss").steps, np.arange(1, 121))
         ref = read_scalars(str(local))
         np.testing.assert_array_equal(r.series("train/PPL").values, ref.series("train/PPL").values)
+        # a long run's many small segments: fetched in parallel, decoded in order
+        many = f"gs://{bucket}/runs/r2/tensorboard"
+        for seg in range(80):
+            p = write_segment(tmp_path / "many", range(seg * 5 + 1, seg * 5 + 6), segment=seg)
+            st.write_bytes(f"{many}/{os.path.basename(p)}", open(p, "rb").read())
+        r2 = EventReader(many)
+        assert r2.refresh().files == 80
+        np.testing.assert_array_equal(r2.series("train/CE loss").steps, np.arange(1, 401))
+        assert r2.problems() == []
         # an object rewritten under the same name (a new generation) is read again, not appended to
         other = write_segment(tmp_path / "other", range(81, 121), segment=2,
                               values=lambda tag, s: value(tag, s, desync=100))
