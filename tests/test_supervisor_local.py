@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from olmo_ctl.backends.local import LocalBackend, proc_start_time
+from olmo_ctl.backends.base import Handle, State
+from olmo_ctl.backends.local import LocalBackend, classify_exit, proc_start_time
 from olmo_ctl.recipe import load_recipe
 from olmo_ctl.rundir import RunDir
 from olmo_ctl.supervise.policy import RetryPolicy
@@ -131,6 +133,23 @@ def test_stalled_attempt_is_stopped_journaled_and_resubmitted(tmp_path):
     for n in (1, 2):  # both stopped: nothing left running
         info = attempt_info(rd.path, n)
         assert info["exit_code"] is not None and proc_start_time(info["pid"]) is None
+
+
+def test_local_backend_never_mistakes_another_process_for_its_trainer(tmp_path):
+    sd = str(tmp_path / "r")
+    os.makedirs(os.path.join(sd, "attempts"))
+    me = os.getpid()  # alive, but not a trainer of this run (as a recycled pid would be)
+    with open(os.path.join(sd, "attempts", "1.json"), "w") as f:
+        json.dump({"pid": me, "start_time": proc_start_time(me), "host": socket.gethostname(), "run_dir": sd,
+                   "exit_code": None, "log": os.path.join(sd, "logs", "attempt-1.log")}, f)
+    be = LocalBackend(str(tmp_path))
+    assert be.find_live("r") is None
+    h = Handle("local", str(me), 1, {"pid": me, "state_dir": sd, "run_dir": sd})
+    assert be.status(h).state == State.FAILED_INFRA
+    be.stop(h)  # must not signal us
+    assert [classify_exit(c)[0] for c in (0, 143, -15, 137, -9, 1, 2, 3, -11)] == [
+        State.SUCCEEDED, State.PREEMPTED, State.PREEMPTED, State.PREEMPTED, State.PREEMPTED,
+        State.FAILED_USER, State.FAILED_USER, State.FAILED_INFRA, State.FAILED_INFRA]
 
 
 # ---------------------------------------------------------------- the real trainer
@@ -278,6 +297,8 @@ def test_chaos_kills_and_bitwise_identical_losses(tmp_path):
         assert n in ended, (n, how)
         assert ("SIGTERM" if how == "term" else "SIGKILL") in ended[n]["reason"]
     assert j[-1]["event"] == "done" and j[-1]["committed_step"] == steps
+    delays = [r["delay_s"] for r in j if r["event"] == "backoff"]
+    assert len(delays) == len(kills) and 0.15 <= delays[0] <= 0.2  # RETRY_BACKOFF_SECONDS through the CLI
 
     # No attempt started from a partial checkpoint: every restore names a committed step.
     committed = set(RunDir(rdir).committed_steps())
