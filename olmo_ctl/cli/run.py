@@ -75,8 +75,6 @@ def resume_until_done(
                                 backend=backend)
     if "run_root" in settings.placeholders():
         raise BadInput("no run root configured", "pass --run-root DIR (or gs://...), or set OLMO_CTL_RUN_ROOT")
-    if settings.backend == "gke" and "image" in settings.placeholders():
-        raise BadInput("no image configured for the GKE backend", "pass --image or set OLMO_CTL_IMAGE")
     r = None
     if recipe is not None or stage is not None:
         from olmo_ctl.recipe import load_recipe
@@ -100,6 +98,14 @@ def resume_until_done(
     if poll <= 0:
         raise BadInput(f"--poll {poll} must be positive")
     rundir = RunDir.of(settings.run_root, name)
+    if settings.sources.get("backend", "default") == "default" and rundir.exists():
+        last = rundir.last_attempt() or {}
+        if last.get("backend") in ("gke", "local") and last["backend"] != settings.backend:
+            import dataclasses
+
+            settings = dataclasses.replace(settings, backend=last["backend"])  # the run's own backend
+    if settings.backend == "gke" and "image" in settings.placeholders():
+        raise BadInput("no image configured for the GKE backend", "pass --image or set OLMO_CTL_IMAGE")
     ensure_run(rundir, r, device)
     be = make_backend(settings)
     hint = f"olmo-ctl resume-until-done {name} --run-root {settings.run_root} --backend {settings.backend}"
