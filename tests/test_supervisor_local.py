@@ -152,6 +152,24 @@ def test_local_backend_never_mistakes_another_process_for_its_trainer(tmp_path):
         State.FAILED_USER, State.FAILED_USER, State.FAILED_INFRA, State.FAILED_INFRA]
 
 
+def test_output_is_one_timestamped_line_per_change_and_a_bar_only_on_a_tty():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        p = Printer("r1", stream=stream, clock=lambda: 1_800_000_000.0)
+        p.line("running (attempt 1): pid 7")
+        p.progress(40, 100, 125.0)
+        p.line("preempted (attempt 1): exit -9 (SIGKILL)")
+    assert pipe.getvalue() == ("2027-01-15T08:00:00Z r1: running (attempt 1): pid 7\n"
+                               "2027-01-15T08:00:00Z r1: preempted (attempt 1): exit -9 (SIGKILL)\n")
+    bar = tty.getvalue().split("\n")[1]
+    assert "step 40/100 ETA 2m05s" in bar and bar.startswith("\r\x1b[K[############")
+    assert bar.endswith("\r\x1b[K2027-01-15T08:00:00Z r1: preempted (attempt 1): exit -9 (SIGKILL)")
+
+
 # ---------------------------------------------------------------- the real trainer
 
 
