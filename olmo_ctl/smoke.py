@@ -6,7 +6,7 @@ Three attempts over two run directories, through the same backend interface real
                     preemption or `resize --now` stops it (backend.stop: SIGTERM / JobSet deletion), so the
                     trainer checkpoints its last completed step N and exits 143.
   main   attempt 2  restores checkpoint N and trains to F = N + resume_steps (exit 0, F committed).
-  twin   attempt 1  the same recipe trained from scratch to F without interruption.
+  twin   attempt 1  the same recipe trained from scratch to F without interruption (alongside attempt 2).
 
 Checks (each one JUnit test case, in this order):
   loss_fell             the CE loss of the last steps is clearly below that of the first steps;
@@ -440,11 +440,13 @@ def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
             fail_rest(f"no checkpoint after the stop: {o1.describe()}")
             raise _Abort()
 
-        # Attempt 2: resume from checkpoint n, train to f.
+        # Attempt 2 resumes from checkpoint n and trains to f; the twin trains 1..f without a stop.
+        # They share nothing (two run directories), so they run side by side.
         c_t = time.monotonic()
         f = n + cfg.resume_steps
         env = {"OLMO_CTL_TEST_DATA_SHIFT": "1"} if "data-shift" in faults else None
         h2 = driver.start(main, 2, device.name, extra + ("--stop-at-step", str(f)), env)
+        ht = driver.start(twin, 1, device.name, extra + ("--stop-at-step", str(f)))
         o2 = driver.wait_end(h2, main)
         steps = main.committed_steps()
         ok = o2.state == "succeeded" and n in steps and f in steps
@@ -455,14 +457,11 @@ def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
         if o2.state != "succeeded":
             fail_rest(f"the resumed attempt 2 did not finish: {o2.describe()}")
             raise _Abort()
-
-        # The twin: the same steps without interruption.
-        c_t = time.monotonic()
-        ht = driver.start(twin, 1, device.name, extra + ("--stop-at-step", str(f)))
-        ot = driver.wait_end(ht, twin)
         reader = read_scalars(join(main.path, "tensorboard"))
         results["loss_fell"] = _check_loss_fell(reader.series(LOSS_TAG))
         results["events_readable"] = _check_events(reader, f, plan.tokens_per_step)
+
+        ot = driver.wait_end(ht, twin)
         if ot.state != "succeeded":
             fail_rest(f"the uninterrupted twin did not finish: {ot.describe()}")
             raise _Abort()
