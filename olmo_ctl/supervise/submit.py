@@ -104,6 +104,10 @@ def submit_attempt(recipe=None, device=None, plan=None, settings=None, run: str 
             raise BadInput(f"attempt {h.attempt} of run `{rundir.name}` is still {st.state.value} ({h.name})",
                            f"supervise it with `olmo-ctl resume-until-done {rundir.name}`; "
                            "a second attempt would write the same checkpoints")
+        last = rundir.last_attempt()
+        if last and isinstance(last.get("handle"), dict) and last["handle"].get("backend") == backend.name:
+            # An ended attempt is deleted first: Kueue would requeue an evicted JobSet next to its successor.
+            backend.stop(Handle.from_dict(last["handle"]), graceful=False)
         if output_manifest is not None and backend.name == "gke":
             from olmo_ctl.manifest import dump_yaml
 
