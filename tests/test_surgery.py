@@ -84,3 +84,22 @@ def test_soup_of_identical_checkpoints_is_the_checkpoint_and_of_two_is_the_mean(
                        strict=True):
         np.testing.assert_allclose(np.asarray(m), (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2,
                                    rtol=1e-6, atol=1e-7)
+
+
+def test_init_from_a_converted_checkpoint(src, tmp_path):
+    """`--init-from` starts a run (fresh optimizer, step 0) from parameters written by the converter."""
+    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.trainer import convert
+
+    s6, _ = load(src / "checkpoints" / "6")
+    convert.save_orbax(str(tmp_path / "converted"), s6["params"], load_recipe("smoke").model)
+    run = tmp_path / "run"
+    p = train(run, "--stop-at-step", "1", "--init-from", str(tmp_path / "converted"))
+    assert "initialised parameters from" in p.stdout
+    ev = scalars(run)
+    assert ev["train/CE loss"][1] < scalars(src)["train/CE loss"][1] - 0.3
+    after, _ = load(run / "checkpoints" / "1")
+    assert int(after["opt"]["count"]) == 1
+    p = train(tmp_path / "bad", "--stop-at-step", "1", "--init-from", str(tmp_path / "converted"),
+              "--set", "model.d_model=32", expect=2)
+    assert "does not hold parameters of this recipe's model" in p.stderr

@@ -479,6 +479,7 @@ def _load_init_params(path: str, abstract_params, p_shard):
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
     if isinstance(tree, dict) and "params" in tree:
+        _check_same_tree(tree["params"], abstract_params, path)
         full = {"params": target}
         out = ocp.StandardCheckpointer().restore(p, _partial_target(tree, full))
         return out["params"]
