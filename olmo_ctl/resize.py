@@ -254,7 +254,9 @@ def stop_for_resize(rundir, backend, handle, mode: str, deadline: float,
             status = backend.status(handle)
     if status.state.live:
         log(f"stopping attempt {handle.attempt} ({handle.name}): it checkpoints its last completed step")
-        backend.stop(handle, graceful=True)
+    # An ended attempt is removed too: an evicted JobSet is only suspended, and Kueue would admit it
+    # again next to its successor.
+    backend.stop(handle, graceful=True)
     _wait_gone(backend, handle, deadline, heartbeat)
     end = backend.status(handle)
     after = rundir.committed_step()
@@ -324,7 +326,8 @@ def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: 
             if how.startswith("succeeded"):
                 res.notes.append("the attempt finished before it was stopped")
         else:
-            if handle is not None:  # never submit while the last attempt may still be writing
+            if handle is not None:  # never submit while the last attempt exists (suspended, terminating)
+                backend.stop(handle, graceful=True)
                 _wait_gone(backend, handle, deadline, beat)
             res.committed_step = rundir.committed_step()
             res.notes.append("no live attempt: the next one starts from the last committed checkpoint")

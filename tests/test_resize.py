@@ -486,3 +486,18 @@ def test_supervisor_refuses_an_impossible_request_and_keeps_its_attempt(supervis
     t.join(30)
     assert result.get("rc") == 0, out.getvalue()
     assert [r["device"] for r in rd.journal() if r["event"] == "submitted"] == ["tpu7x-512"]
+
+
+@pytest.mark.gcs
+def test_gke_resize_after_an_eviction_removes_the_suspended_attempt_first(gke, capsys):
+    """An evicted JobSet is suspended and requeued by Kueue, not gone: left alone it would be admitted
+    again next to the resized attempt."""
+    srv, rd, be, args = gke
+    srv.cluster.evict("s1-a1")
+    assert srv.cluster.jobset("s1-a1")["spec"]["suspend"] is True
+    t0 = time.monotonic()
+    assert _cli("resize", "s1", "--device", "tpu7x-128", "-y", "--timeout", "30", *args) == 0
+    assert time.monotonic() - t0 < 20
+    assert srv.cluster.jobset_names() == ["s1-a2"]
+    assert ("JobSet", "s1-a1", "Foreground") in srv.cluster.deleted
+    assert [r["committed_step"] for r in rd.journal() if r["event"] == "resized"] == [100]
