@@ -145,6 +145,9 @@ def test_tensorboard_only_directory_and_event_dir(tmp_path):
         p = cli("monitor", str(path), "-o", "json")
         assert p.returncode == 0, p.stderr
         rep = json.loads(p.stdout)
+        import jsonschema
+
+        jsonschema.validate(rep, SCHEMA)
         assert rep["step"] == 20 and rep["last"]["train/PPL"] == value("train/PPL", 20)
         assert rep["attempt"]["state"] is None and "no journal" in rep["attempt"]["source"]
 
@@ -155,6 +158,9 @@ def test_empty_run_and_no_checkpoint_yet(tmp_path):
     p = cli("monitor", str(run), "-o", "json")
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
+    import jsonschema
+
+    jsonschema.validate(rep, SCHEMA)
     assert rep["step"] is None and rep["last"] == {} and rep["checkpoint"]["committed_step"] is None
     t = cli("monitor", str(run))
     assert t.returncode == 0 and "no steps logged yet" in t.stdout and "none committed yet" in t.stdout
