@@ -84,7 +84,12 @@ def test_report_of_a_resumed_run(tmp_path):
     rep = build_report(load(str(run)), now=T0 + 150, ask_backend=False)
     import jsonschema
 
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
     jsonschema.validate(rep, SCHEMA)
+    bad = json.loads(json.dumps(rep))
+    bad["checkpoint"]["committed_step"] = "100"
+    with pytest.raises(jsonschema.ValidationError):  # the schema does constrain the report
+        jsonschema.validate(bad, SCHEMA)
     assert rep["step"] == 120 and rep["final_step"] == 200 and rep["progress_pct"] == pytest.approx(60.0)
     assert set(rep["last"]) == set(TAGS)
     assert rep["last"]["train/CE loss"] == value("train/CE loss", 120)
