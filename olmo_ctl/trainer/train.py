@@ -350,8 +350,13 @@ def run(args: TrainArgs) -> int:
         pending.clear()
 
     def upload_events() -> None:
-        if proc == 0:
+        """A storage hiccup must not end a week-long run: the records stay pending for the next upload."""
+        if proc != 0:
+            return
+        try:
             events.upload()
+        except Exception as e:  # noqa: BLE001 - storage errors come in many types (requests, api_core, OSError)
+            print(f"warning: event upload to {events.dir} failed ({e}); retrying at the next upload", flush=True)
 
     def save(final: bool) -> None:
         flush_metrics()  # a non-finite loss stops here, before it is checkpointed
