@@ -501,3 +501,37 @@ def test_gke_resize_after_an_eviction_removes_the_suspended_attempt_first(gke, c
     assert srv.cluster.jobset_names() == ["s1-a2"]
     assert ("JobSet", "s1-a1", "Foreground") in srv.cluster.deleted
     assert [r["committed_step"] for r in rd.journal() if r["event"] == "resized"] == [100]
+
+
+def test_resize_asks_on_a_terminal_and_a_no_changes_nothing(tmp_path):
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from olmo_ctl.rundir import RunDir
+
+    root = str(tmp_path / "runs")
+    rd = RunDir.of(root, "rq")
+    r = load_recipe("smoke")
+    rd.create_run(r.to_dict(), r.fingerprint(), "fp", "cpu-4")
+    rd.append("submitted", attempt=1, device="cpu-4", backend="local",
+              handle={"backend": "local", "name": "999999", "attempt": 1,
+                      "data": {"pid": 999999, "state_dir": rd.path, "run_dir": rd.path}})
+    before = rd.journal()
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+    p = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "resize", "rq", "--device", "cpu-2", "--backend", "local",
+                          "--run-root", root], stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, cwd=REPO)
+    os.close(slave)
+    os.write(master, b"n\n")
+    out, err = p.communicate(timeout=60)
+    os.close(master)
+    assert p.returncode == 130, err
+    assert "per_device_batch      2 -> 4" in out
+    assert _diff_lines(out, "XLA_FLAGS") == ["- XLA_FLAGS: --xla_force_host_platform_device_count=4",
+                                             "+ XLA_FLAGS: --xla_force_host_platform_device_count=2"]
+    assert "not resized; nothing changed" in err
+    assert rd.journal() == before and rd.read_lease() is None
