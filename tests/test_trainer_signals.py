@@ -49,3 +49,13 @@ def test_sigterm_checkpoints_the_completed_step_and_next_attempt_resumes(tmp_pat
     names = sorted(os.listdir(run / "tensorboard"))
     assert all(re.fullmatch(r"events\.out\.tfevents\.\d{10}\.[A-Za-z0-9_-]+\.a000[12]\.s\d{5}", x) for x in names), names
     assert {x.split(".")[-2] for x in names} == {"a0001", "a0002"}
+
+
+def test_non_finite_loss_exits_1_and_never_checkpoints_it(tmp_path):
+    run = tmp_path / "run"
+    p = train(run, "--stop-at-step", "30", "--set", "optimizer.lr=1e6", "--set", "schedule.warmup_steps=0",
+              "--set", "checkpoint.interval=2", expect=1)
+    assert "loss is not finite at step" in p.stderr and "Traceback" not in p.stderr
+    assert not list((run / "checkpoints").glob("[0-9]*"))
+    ce = scalars(run)["train/CE loss"]  # the finite steps before it were logged, once
+    assert sorted(ce) == list(range(1, len(ce) + 1)) and len(ce) >= 1

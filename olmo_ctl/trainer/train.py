@@ -316,13 +316,15 @@ def run(args: TrainArgs) -> int:
         nonlocal t_last
         if not pending:
             return
-        host = jax.device_get([m for _, m, _ in pending])
+        items = list(pending)
+        pending.clear()  # a step is logged once, even when a non-finite loss stops us below
+        host = jax.device_get([m for _, m, _ in items])
         now = time.monotonic()
-        step_time = (now - t_last) / len(pending)
+        step_time = (now - t_last) / len(items)
         t_last = now
         elapsed = now - t_start
         wall = time.time()
-        for (s, _, load_s), m in zip(pending, host, strict=True):
+        for (s, _, load_s), m in zip(items, host, strict=True):
             ce = float(m["ce"])
             if not math.isfinite(ce) or not math.isfinite(float(m["grad_norm"])):
                 raise TrainingFailed(f"loss is not finite at step {s} (CE {ce}, grad norm {float(m['grad_norm'])})",
@@ -347,7 +349,6 @@ def run(args: TrainArgs) -> int:
             skipped = " skipped" if m["skipped"] else ""
             print(f"step {s}/{t.max_steps} loss {ce:.4f} grad_norm {float(m['grad_norm']):.4f} lr {lr:.3e}"
                   f" tps/device {tps:.0f} mfu {100 * mfu:.2f}%{skipped}", flush=True)
-        pending.clear()
 
     def upload_events() -> None:
         """A storage hiccup must not end a week-long run: the records stay pending for the next upload."""
