@@ -163,3 +163,29 @@ def test_moments_stay_fp32_with_bf16_params_and_compute(recipe):
         optim.check_fp32_state(state["params"], demoted, "bfloat16")
     with pytest.raises(optim.OptimizerDtypeError, match="configured float32"):
         optim.check_fp32_state(state["params"], optim.AdamState(**state["opt"]), "float32")
+
+
+def test_gradient_accumulation_is_exact(recipe):
+    """One step over 8 instances at once equals 4 accumulated micro-batches of 2 (up to fp32 rounding),
+    with ignored labels spread unevenly so a per-micro-batch mean would differ."""
+    from olmo_ctl.trainer.model import init_params
+    from olmo_ctl.trainer.train import IGNORE_INDEX, init_state, make_train_step
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 256, (8, 128)).astype(np.int32)
+    labels = np.roll(ids, -1, axis=1)
+    labels[:2, 16:] = IGNORE_INDEX  # the first micro-batch has far fewer target tokens
+    step = jax.jit(make_train_step(recipe))
+    params = init_params(recipe.model, jax.random.PRNGKey(0))
+    out = {}
+    for accum in (1, 4):
+        batch = {"input_ids": jnp.asarray(ids.reshape(accum, 8 // accum, 128)),
+                 "labels": jnp.asarray(labels.reshape(accum, 8 // accum, 128))}
+        state, m = step(init_state(recipe, params), batch)
+        out[accum] = (m, state["params"])
+    (m1, p1), (m4, p4) = out[1], out[4]
+    for k in ("ce", "z", "grad_norm"):
+        np.testing.assert_allclose(float(m4[k]), float(m1[k]), rtol=2e-5)
+    assert float(m1["tokens"]) == float(m4["tokens"]) == 6 * 128 + 2 * 16
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)  # Adam step ~3e-4
