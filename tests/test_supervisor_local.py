@@ -177,7 +177,7 @@ def test_reattach_after_supervisor_kill_and_second_supervisor_refused(tmp_path):
     root = str(tmp_path / "runs")
     rdir = os.path.join(root, "reattach")
     args = ["resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--run",
-            "reattach", "--run-root", root, "--poll", "0.2", "--set", "train.max_steps=60", *SMOKE]
+            "reattach", "--run-root", root, "--poll", "0.2", "--set", "train.max_steps=80", *SMOKE]
     a = cli(*args)
     wait_for(lambda: log_has_steps(rdir, 1), 120, "attempt 1 training")
     b = cli("resume-until-done", "reattach", "--run-root", root, "--backend", "local")
@@ -193,8 +193,8 @@ def test_reattach_after_supervisor_kill_and_second_supervisor_refused(tmp_path):
     j = journal(rdir)
     assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]  # never a second submission
     assert any(r["event"] == "reattached" and r["attempt"] == 1 for r in j)
-    assert j[-1]["event"] == "done" and j[-1]["committed_step"] == 60
-    assert "done" in out and "60/60" in out
+    assert j[-1]["event"] == "done" and j[-1]["committed_step"] == 80
+    assert "done" in out and "80/80" in out
 
 
 def test_ctrl_c_detaches_then_stop_on_exit_stops(tmp_path):
