@@ -262,13 +262,19 @@ class Supervisor:
         return EXIT_OK
 
     def _last_loss(self) -> str | None:
-        if self.handle is None:
-            return None
-        for ln in reversed(self.backend.logs(self.handle, 50) if self.backend.name == "local" else []):
-            m = re.search(r"\bloss ([0-9.eE+-]+)", ln)
-            if m:
-                return m.group(1)
-        return None
+        """The final `train/CE loss`: from the trainer's last step line, else from the run's events."""
+        if self.handle is not None and self.backend.name == "local":
+            for ln in reversed(self.backend.logs(self.handle, 50)):
+                m = re.search(r"\bloss ([0-9.eE+-]+)", ln)
+                if m:
+                    return m.group(1)
+        try:
+            from olmo_ctl.events import read_scalars
+
+            s = read_scalars(self.rd.p("tensorboard")).series("train/CE loss")
+            return f"{float(s.values[-1]):.4f}" if s is not None and len(s) else None
+        except (OlmoCtlError, OSError, ValueError):
+            return None  # the loss is a courtesy; the run is done either way
 
     def _show_logs(self, st: AttemptStatus) -> None:
         lines = list(st.last_log_lines) or (self.backend.logs(self.handle, 20) if self.handle else [])
