@@ -112,6 +112,22 @@ def render(rep: dict):
     return Panel(Group(*parts), title=f"{rep['run']}  ({rep['path']})", subtitle=rep.get("generated_at"))
 
 
+def _refreshed(src, last: dict, stall_after, backend: bool) -> dict:
+    """The next report; when storage is briefly unreachable, the last one with a warning (a watch that
+    runs for days must ride out a transient outage; the next refresh tries again)."""
+    from olmo_ctl.errors import OlmoCtlError
+    from olmo_ctl.monitor import build_report
+
+    try:
+        src.refresh()
+    except OlmoCtlError as e:
+        if e.exit_code != 3:
+            raise
+        return {**last, "warnings": [f"refresh failed, showing the previous report: {e.one_line()}",
+                                     *[w for w in last["warnings"] if not w.startswith("refresh failed")]]}
+    return build_report(src, stall_after_s=stall_after, ask_backend=backend)
+
+
 @app.command()
 def monitor(
     run: Annotated[str, typer.Argument(help="Run directory, local or gs:// (or one holding only tensorboard/).")],
@@ -153,15 +169,13 @@ def monitor(
                 sys.stdout.write(json.dumps(rep, default=str) + "\n")
                 sys.stdout.flush()
                 time.sleep(interval)
-                src.refresh()
-                rep = build_report(src, stall_after_s=stall_after, ask_backend=backend)
+                rep = _refreshed(src, rep, stall_after, backend)
         from rich.live import Live
 
         with Live(render(rep), refresh_per_second=2, screen=False) as live:
             while True:
                 time.sleep(interval)
-                src.refresh()
-                rep = build_report(src, stall_after_s=stall_after, ask_backend=backend)
+                rep = _refreshed(src, rep, stall_after, backend)
                 if plot:
                     write_plot(src, rep, plot)
                 live.update(render(rep))
