@@ -5,10 +5,11 @@ stage-1 run logs ~1.4M steps x 8-18 tags. This reader:
 
 * walks the TFRecord framing (`u64 length, u32 masked crc32c(length), data, u32 masked crc32c(data)`)
   speculatively: a trainer writes the same tags in the same order every step, so record sizes repeat
-  with a short period; whole blocks of predicted offsets are verified at once with numpy and the plain
-  loop only runs where the pattern changes;
-* decodes by *template*: records of one length that share every byte except the wall time, the step
-  varint and the scalar value(s) have one layout. The first record of a group is parsed by a small
+  with a short period; a block of repetitions is verified at once on a 2-D numpy view of the buffer
+  (each header is 12 known bytes) and the plain loop only runs where the pattern changes;
+* decodes by *template*: records that share every byte except the wall time, the step varint and the
+  scalar value(s) have one layout (one column of a block; else records grouped by length). The
+  first record is parsed by a small
   hand-written proto decoder that notes where those fields lie; every record of the group is then
   CRC-checked *against that layout* at once (CRC32C is affine in the message bytes, so a record's
   CRC is the template's CRC xor table lookups for the bytes that differ). A record whose CRC matches
@@ -19,11 +20,15 @@ Both scalar forms are read: classic `simple_value` and tensor scalars (`tensorbo
 `float_val`, `double_val`, `tensor_content`, integer and half types).
 
 Tailing: `EventReader.refresh()` lists the directory and reads only the bytes past each file's
-offset; a truncated last record is left for the next refresh. Files are ordered by attempt and
-segment (`events.out.tfevents.<time>.<host>.a<attempt>.s<segment>`, see docs/CONTRACTS.md), then by
-start time; when a step appears again (replayed after a resume) the later record wins and, if its value
+offset; a truncated last record is left for the next refresh. Files are ordered by attempt, start
+time and segment (`events.out.tfevents.<time>.<host>.a<attempt>.s<segment>`, see docs/CONTRACTS.md;
+other names by their start time); when a step appears again (replayed after a resume) the later record wins and, if its value
 differs, the pair is kept in `mismatches` (except for tags that measure time or speed, which a replay
 legitimately changes: `VOLATILE_TAG_PREFIXES`).
+
+Measured (benchmarks/monitor_read.py, 1,413,814 steps x 8 tags, 643 MB, a loaded 2-core machine):
+`olmo-ctl monitor -o json` 4-7 s end to end against 266-342 s for EventAccumulator; a refresh after
+1,000 new steps ~5 ms.
 """
 
 from __future__ import annotations
