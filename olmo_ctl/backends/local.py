@@ -204,12 +204,12 @@ class LocalBackend:
                 final = int(m.group(1))
         last = lines[-1].strip() if lines else ""
         m = re.fullmatch(r"committed step (\d+)", last)
-        why = f"pid {pid} exited while no supervisor watched it"
+        why = f"pid {pid} exited (started by another process: exit code unknown)"
         if m and final is not None and int(m.group(1)) >= final:
             return AttemptStatus(State.SUCCEEDED, f"{why}; its log ends with `{last}`", "log", None, tuple(lines[-20:]))
         if m:
             return AttemptStatus(State.PREEMPTED, f"{why}; its log ends with `{last}`", "log", None, tuple(lines[-20:]))
-        return AttemptStatus(State.FAILED_INFRA, f"{why} (exit code unknown)", "process", None, tuple(lines[-20:]))
+        return AttemptStatus(State.FAILED_INFRA, why, "process", None, tuple(lines[-20:]))
 
     def stop(self, handle: Handle, graceful: bool = True) -> None:
         """SIGTERM to the process group (the trainer checkpoints and exits 143), SIGKILL after the grace."""
