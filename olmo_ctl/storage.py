@@ -195,7 +195,8 @@ class GCSStore(Store):
             raise NotFound(url) from None
         except exc.PreconditionFailed:
             raise PreconditionFailed(url) from None
-        except (exc.ServiceUnavailable, exc.InternalServerError, exc.GatewayTimeout, exc.TooManyRequests) as e:
+        except (exc.ServiceUnavailable, exc.InternalServerError, exc.GatewayTimeout, exc.TooManyRequests,
+                exc.RetryError) as e:
             raise Unreachable(f"storage unreachable for `{url}`: {e}") from None
         except exc.Forbidden as e:
             raise OlmoCtlError(f"no permission for `{url}`: {e.message}", "check the service account", 2) from None
