@@ -32,11 +32,9 @@ def _prepare_env(device: str | None) -> None:
     With a GCS emulator (STORAGE_EMULATOR_HOST), point every client at it: tensorstore (Orbax arrays)
     would otherwise retry real GCS, and gcsfs (Orbax metadata) would probe for cloud credentials.
     """
-    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
-    if emulator:
-        for k, v in (("TENSORSTORE_GCS_HTTP_URL", emulator), ("FSSPEC_GCS_TOKEN", "anon"), ("NO_GCE_CHECK", "true"),
-                     ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false"), ("GOOGLE_AUTH_TOKEN_FOR_TESTING", "dummy")):
-            os.environ.setdefault(k, v)
+    from olmo_ctl.trainer.checkpoint import emulator_env_defaults
+
+    emulator_env_defaults()
     if not device or not device.startswith("cpu-"):
         return
     n = device.partition("-")[2]

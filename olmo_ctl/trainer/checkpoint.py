@@ -19,6 +19,18 @@ from typing import Any
 from olmo_ctl.storage import is_gcs, join
 
 
+def emulator_env_defaults() -> None:
+    """With a GCS emulator (STORAGE_EMULATOR_HOST), point every client Orbax uses at it: tensorstore
+    (arrays) would otherwise retry real GCS, and gcsfs (metadata) would probe for cloud credentials,
+    which stalls off Google Cloud. Call before orbax/fsspec are imported (fsspec reads env at import)."""
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if not emulator:
+        return
+    for k, v in (("TENSORSTORE_GCS_HTTP_URL", emulator), ("FSSPEC_GCS_TOKEN", "anon"), ("NO_GCE_CHECK", "true"),
+                 ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false"), ("GOOGLE_AUTH_TOKEN_FOR_TESTING", "dummy")):
+        os.environ.setdefault(k, v)
+
+
 def checkpoints_dir(run_dir: str) -> str:
     return join(run_dir, "checkpoints")
 

@@ -24,6 +24,10 @@ from olmo_ctl.errors import BadInput
 def _quiet_orbax() -> None:
     import logging
 
+    from olmo_ctl.trainer.checkpoint import emulator_env_defaults
+
+    emulator_env_defaults()
+
     logging.getLogger("absl").setLevel(logging.ERROR)  # read-only manager notices are not news here
 
 
