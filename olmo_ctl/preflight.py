@@ -95,6 +95,7 @@ class PreflightResult:
     hlo_flops_per_device_body_once: float | None = None  # the HLO walk's matmuls, loops once: checks the walk
     hlo_loops: int | None = None
     hlo_unresolved_loops: int | None = None
+    largest_buffers: list[str] = field(default_factory=list)  # XLA's biggest allocations per device
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -312,10 +313,11 @@ def argument_bytes(tree) -> int:
     return total
 
 
-def compile_step(recipe: Recipe, device: Device, plan: Plan):
+def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | None = None):
     """Lower and compile the trainer's step for the slice.
 
     Returns (compiled or None, compile_s, error message or None, argument bytes per device).
+    With `dump_dir`, XLA writes its buffer assignment there (see `largest_buffers`).
     """
     import jax
 
@@ -327,15 +329,40 @@ def compile_step(recipe: Recipe, device: Device, plan: Plan):
     mesh = sharding.make_mesh(devs, t.mesh, t.data_parallel)
     state, state_shard, batch = abstract_inputs(recipe, mesh, plan.grad_accum)
     step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
+    options = {"xla_dump_to": dump_dir, "xla_dump_hlo_module_re": "jit_step"} if dump_dir else None
     t0 = time.monotonic()
     try:
-        compiled = step.lower(state, batch).compile()
+        compiled = step.lower(state, batch).compile(compiler_options=options)
     except Exception as e:  # noqa: BLE001 - JaxRuntimeError's module moves between jax versions
         msg = str(e)
         if "RESOURCE_EXHAUSTED" in msg or parse_hbm_oom(msg):
             return None, time.monotonic() - t0, msg, argument_bytes((state, batch))
         raise
     return compiled, time.monotonic() - t0, None, argument_bytes((state, batch))
+
+
+_REPORT_ROW = re.compile(r"^\s*[0-9.]+\w+\(\s*\d+%\);\s*([0-9.]+\w+);\s*\d+;\s*\d+;\s*(.*)$")
+
+
+def largest_buffers(dump_dir: str, n: int = 6) -> list[str]:
+    """The `n` largest HBM allocations from XLA's memory-usage report, e.g. `32.00GiB 5xf32[16,16,...]`.
+
+    Each is one allocation that XLA shares between the values listed (they are never live at once).
+    """
+    reports = sorted(Path(dump_dir).glob("*jit_step*memory-usage-report.txt"))
+    if not reports:
+        return []
+    rows = []
+    for line in reports[-1].read_text().splitlines():
+        if line.startswith("Memory Space:") and rows:
+            break  # only the default (HBM) space
+        m = _REPORT_ROW.match(line)
+        if m:
+            shapes = m.group(2).replace("\u00d7", "x")
+            rows.append(f"{m.group(1)} {shapes[:160]}")
+        if len(rows) >= n:
+            break
+    return rows
 
 
 # ----------------------------------------------------------------------------- FLOPs from HLO
@@ -611,7 +638,11 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
 
     m = recipe.model
     formula = formula_flops_per_step(recipe)
-    compiled, compile_s, error, arg_estimate = compile_step(recipe, device, plan)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="olmo-ctl-preflight-") as dump:
+        compiled, compile_s, error, arg_estimate = compile_step(recipe, device, plan, dump_dir=dump)
+        buffers = largest_buffers(dump)
     notes: list[str] = []
     xla_step = xla_once = ratio = dense = attention = recompute = dense_ratio = counted = None
     if compiled is not None:
@@ -661,7 +692,7 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
         formula_attention_flops_per_step=formula["attention"], dense_xla_vs_formula=dense_ratio,
         hlo_flops_per_device_body_once=counted.body_once if counted else None,
         hlo_loops=counted.loops if counted else None,
-        hlo_unresolved_loops=counted.unresolved_loops if counted else None,
+        hlo_unresolved_loops=counted.unresolved_loops if counted else None, largest_buffers=buffers,
         compile_s=round(compile_s, 2), compiled_by_xla=compiled is not None, trainer_version=version,
         error=None if compiled is not None else (error or "").strip().splitlines()[0][:500], notes=notes,
     )

@@ -26,7 +26,7 @@ def _row(r) -> dict:
             "xla_vs_formula", "xla_dense_flops_per_step", "formula_dense_flops_per_step", "dense_xla_vs_formula",
             "xla_attention_flops_per_step", "formula_attention_flops_per_step", "xla_recompute_flops_per_step",
             "formula_olmo_core_flops_per_step", "compile_s", "cached", "param_count", "recipe",
-            "recipe_fingerprint", "trainer_version", "error", "notes")
+            "recipe_fingerprint", "trainer_version", "error", "notes", "largest_buffers")
     d = r.to_dict()
     return {k: d[k] for k in keys}
 
@@ -59,6 +59,10 @@ def _print_table(results, recommended=None) -> None:
     for r in results:
         for note in r.notes:
             c.print(f"note ({r.remat}): {note}")
+        if r.largest_buffers and (not r.fits or len(results) == 1):
+            c.print(f"largest allocations per device (remat={r.remat}):", highlight=False)
+            for b in r.largest_buffers:
+                c.print(f"  {b}", highlight=False, markup=False)
     if recommended is not None:
         c.print(f"recommended: --remat {recommended.remat} (the cheapest recompute that fits)")
 
