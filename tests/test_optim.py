@@ -189,3 +189,10 @@ def test_gradient_accumulation_is_exact(recipe):
     assert float(m1["tokens"]) == float(m4["tokens"]) == 6 * 128 + 2 * 16
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)  # Adam step ~3e-4
+
+
+def test_linear_schedule_with_warmup(recipe):
+    s = dataclasses.replace(recipe.schedule, kind="linear", warmup_steps=10, alpha=0.0)
+    lr = lambda n: float(optim.learning_rate(s, 1.0, 110, n))  # noqa: E731
+    assert lr(5) == pytest.approx(0.5) and lr(10) == pytest.approx(1.0)
+    assert lr(60) == pytest.approx(0.5) and lr(110) == pytest.approx(0.0)

@@ -17,7 +17,7 @@ before it, so a restored run replays bit for bit.
   window, and the LR schedule, which follows the global step, still advances).
 * Schedules are functions of the 1-based step number n (the n-th step, which produces checkpoint n):
   stage 1 = linear warmup from 0 then one cosine to alpha * peak at `max_steps`; stage 2 = linear
-  decay from the peak to alpha * peak (0) at `max_steps`, no warmup.
+  decay from the peak to alpha * peak (0) at `max_steps` (after the recipe's warmup, 0 for OLMo 3).
 """
 
 from __future__ import annotations
@@ -57,18 +57,15 @@ def learning_rate(sched: ScheduleConfig, peak: float, max_steps: int, n):
     n = jnp.asarray(n, jnp.float32)
     peak = jnp.float32(peak)
     floor = jnp.float32(sched.alpha) * peak
-    if sched.kind == "linear":
-        # Stage 2 anneal: from the peak to alpha*peak (alpha 0 => to 0) over max_steps, no warmup.
-        frac = jnp.clip(n / jnp.float32(max_steps), 0.0, 1.0)
-        return peak - (peak - floor) * frac
     warm = jnp.float32(sched.warmup_steps)
-    if sched.warmup_steps > 0:
-        warm_lr = peak * jnp.minimum(n, warm) / warm
-    else:
-        warm_lr = peak
+    warm_lr = peak * jnp.minimum(n, warm) / warm if sched.warmup_steps > 0 else peak
     t = jnp.clip((n - warm) / jnp.float32(max(1, max_steps - sched.warmup_steps)), 0.0, 1.0)
-    cos_lr = floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * t))
-    return jnp.where(n < warm, warm_lr, cos_lr)
+    if sched.kind == "linear":
+        # Stage 2 anneal: from the peak to alpha*peak (alpha 0 => to 0) at max_steps (OLMo 3: no warmup).
+        decay_lr = peak - (peak - floor) * t
+    else:
+        decay_lr = floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * t))
+    return jnp.where(n < warm, warm_lr, decay_lr)
 
 
 # ---------------------------------------------------------------- state
