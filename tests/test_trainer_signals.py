@@ -59,3 +59,42 @@ def test_non_finite_loss_exits_1_and_never_checkpoints_it(tmp_path):
     assert not list((run / "checkpoints").glob("[0-9]*"))
     ce = scalars(run)["train/CE loss"]  # the finite steps before it were logged, once
     assert sorted(ce) == list(range(1, len(ce) + 1)) and len(ce) >= 1
+
+
+def test_sigkill_replays_from_the_last_checkpoint_and_readers_see_each_step_once(tmp_path):
+    """A SIGKILL after steps past the last checkpoint were logged: the next attempt replays them (same
+    values, bit for bit) and TensorBoard's reader keeps one value per step, the replayed one."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    run = tmp_path / "run"
+    sets = ["--set", "checkpoint.interval=1000", "--set", "logging.metrics_every=1", "--set", "logging.upload_every_s=0"]
+    train(run, "--attempt", "1", "--stop-at-step", "5", *sets)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(run), "--device", "cpu-1",
+           "--attempt", "2", *sets]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 8/"):
+                time.sleep(0.5)  # let the upload of step 8 land
+                proc.kill()
+                break
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [5]
+    first = scalars(run)["train/CE loss"]
+    last = max(first)
+    assert last >= 8  # steps past checkpoint 5 were logged before the kill
+
+    p = train(run, "--attempt", "3", "--stop-at-step", str(last + 2), *sets)
+    assert "restored checkpoint 5" in p.stdout
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={SCALARS: 0})
+    acc.Reload()
+    events = acc.Scalars("train/CE loss")
+    assert [e.step for e in events] == list(range(1, last + 3))
+    replayed = {e.step: e.value for e in events}
+    for s in range(6, last + 1):
+        assert replayed[s] == first[s]  # the replay is the same computation

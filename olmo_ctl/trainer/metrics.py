@@ -8,9 +8,10 @@ complete event files under `<run-dir>/tensorboard/`:
 each starting with a `file_version` record and holding only records not in earlier segments, so a
 metric never appears in two segments of one attempt. A segment is built in memory and written as
 one whole object (local paths get the same names, written atomically). Names sort by start time,
-so readers see attempts in order; after a kill, steps past the last checkpoint that an attempt
-logged are logged again by the next attempt, and a reader keeps the later value (EventAccumulator
-purges the orphaned steps itself).
+so readers see attempts in order. After a kill, steps past the last checkpoint that an attempt
+logged are logged again by the next attempt; each attempt starts with a `SessionLog.START` record at
+its first step, on which TensorBoard's EventAccumulator purges the earlier attempt's records from
+that step on (the classic restart protocol), so a reader sees each step once, with the replayed value.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ class EventLog:
         wt = time.time() if wall_time is None else wall_time
         summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
         self._pending.append(Event(wall_time=wt, step=int(step), summary=summary))
+
+    def session_start(self, step: int) -> None:
+        """Mark a (re)start at `step`, the first step this attempt will log: TensorBoard readers then
+        drop every record at or after `step` from earlier attempts (steps a killed attempt logged past
+        its last checkpoint, which this attempt replays)."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        self._pending.append(Event(wall_time=time.time(), step=int(step), session_log=SessionLog(status=SessionLog.START)))
 
     def due(self, every_s: float) -> bool:
         return bool(self._pending) and time.monotonic() - self._last_upload >= every_s

@@ -303,6 +303,8 @@ def run(args: TrainArgs) -> int:
     eval_step = jax.jit(make_eval_step(recipe))
     eval_sets = _eval_batches(recipe, data_lib, mesh, proc, n_proc)
 
+    if proc == 0:
+        events.session_start(step + 1)  # readers drop what an earlier attempt logged from here on
     tokens_per_step = recipe.tokens_per_step
     fpt = flops.flops_per_token_olmo_core(cfg, t.seq_len)
     pending: list[tuple[int, dict, float]] = []  # (step, device metrics, data loading s)
