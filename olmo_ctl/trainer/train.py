@@ -522,10 +522,37 @@ def replace_args(args: TrainArgs, **kw) -> TrainArgs:
     return dataclasses.replace(args, **kw)
 
 
+def _is_transient_io_error(e: BaseException) -> bool:
+    """Storage or network trouble (retrying the attempt may succeed), as opposed to a bug."""
+    from olmo_ctl.errors import Unreachable
+
+    for exc in (e, e.__cause__, e.__context__):
+        if exc is None:
+            continue
+        if isinstance(exc, Unreachable | ConnectionError | TimeoutError):
+            return True
+        name = type(exc).__name__
+        if any(w in name for w in ("Connection", "Timeout", "ServiceUnavailable", "TooManyRequests",
+                                    "InternalServerError", "GatewayTimeout", "DeadlineExceeded")):
+            return True
+    return False
+
+
 def main_run(args: TrainArgs) -> int:
-    """Run and map errors to the contract's exit codes (0, 143, 1, 2)."""
+    """Run and map errors to exit codes: 0, 143 (SIGTERM), 1 deterministic failure, 2 bad input,
+    3 storage unreachable (transient: the supervisor retries the attempt; exit 1 it would not)."""
     try:
         return run(args)
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")
+        if e.exit_code == 3:
+            return 3
         return e.exit_code if e.exit_code in (1, 2) else 1
+    except Exception as e:
+        if not _is_transient_io_error(e):
+            raise  # a bug: traceback and exit 1
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.write(f"error: storage or network unreachable ({type(e).__name__}: {e}); the attempt can be retried\n")
+        return 3
