@@ -532,7 +532,7 @@ def _is_transient_io_error(e: BaseException) -> bool:
         if isinstance(exc, Unreachable | ConnectionError | TimeoutError):
             return True
         name = type(exc).__name__
-        if any(w in name for w in ("Connection", "Timeout", "ServiceUnavailable", "TooManyRequests",
+        if any(w in name for w in ("Connect", "Timeout", "ServiceUnavailable", "TooManyRequests",
                                     "InternalServerError", "GatewayTimeout", "DeadlineExceeded")):
             return True
     return False
