@@ -47,6 +47,10 @@ REMAT_POLICIES = ("none", "save_proj", "full")
 HEAD_DIMS = (128, 256)
 TRAINER_SOURCES = ("model.py", "attention.py", "sharding.py", "optim.py", "train.py")
 CACHE_SCHEMA = 1
+# HBM the TPU compiler lets one program use per device (libtpu 0.0.42.1, from its "exceeds available
+# HBM (X)" refusals): a little below the chip's HBM on Ironwood. The verdict uses the smaller of this
+# and the device catalog's HBM, so a step judged to fit is not refused on the slice.
+COMPILER_HBM_BYTES = {"tpu7x": int(94.75 * GIB), "v5p": int(95.74 * GIB)}
 
 
 @dataclass
@@ -623,7 +627,7 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
     """
     recipe = _tpu_attention(preflight_recipe(recipe, remat=remat, head_dim=head_dim, n_layers=n_layers))
     plan = plan_for(recipe, device, per_device_batch)
-    hbm = int(hbm_bytes) if hbm_bytes is not None else device.hbm_bytes_per_device
+    hbm = int(hbm_bytes) if hbm_bytes is not None else usable_hbm_bytes(device)
     version = trainer_version()
     key = cache_key(recipe, device, plan.per_device_batch, version)
     if use_cache:
@@ -698,6 +702,10 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
     )
     store_cached(key, result)
     return _with_hbm(result, hbm)
+
+
+def usable_hbm_bytes(device: Device) -> int:
+    return min(device.hbm_bytes_per_device, COMPILER_HBM_BYTES.get(device.generation, device.hbm_bytes_per_device))
 
 
 def _with_hbm(result: PreflightResult, hbm: int) -> PreflightResult:
