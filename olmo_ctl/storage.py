@@ -19,6 +19,10 @@ from pathlib import Path
 from olmo_ctl.errors import BadInput, OlmoCtlError, Unreachable
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 class PreconditionFailed(OlmoCtlError):
     """A conditional write lost the race: the object's generation was not the expected one."""
 
@@ -104,6 +108,7 @@ class LocalStore(Store):
             fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+            os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file ordinary permissions
             os.replace(tmp, p)
             gen = self._gen(path)
             if lock and gen == if_generation_match:  # same-ns rewrite: make the generation move
