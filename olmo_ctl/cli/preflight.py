@@ -41,21 +41,22 @@ def _print_table(results, recommended=None) -> None:
     from olmo_ctl.cli.app import console
 
     t = Table(show_edge=False)
-    for col in ("remat", "batch x accum", "args GiB", "temps GiB", "peak GiB", "HBM GiB", "fits",
-                "XLA TFLOP/step", "formula TFLOP/step", "dense XLA/formula", "compile s"):
-        t.add_column(col)
+    for col in ("remat", "batch", "peak GiB", "HBM GiB", "fits", "TFLOP/step", "compile s"):
+        t.add_column(col, no_wrap=True)
     for r in results:
-        fits = "yes" if r.fits else f"no ({r.shortfall_gib:.2f} GiB over)"
-        dense = "-" if r.dense_xla_vs_formula is None else f"{r.dense_xla_vs_formula:.4f}"
-        t.add_row(r.remat, f"{r.per_device_batch} x {r.grad_accum}", f"{r.argument_bytes_per_device / GIB:.2f}",
-                  f"{r.temp_bytes_per_device / GIB:.2f}", f"{r.peak_gib:.2f}", f"{r.hbm_bytes_per_device / GIB:.2f}",
-                  fits, _tflop(r.xla_flops_per_step), _tflop(r.formula_flops_per_step), dense,
-                  f"{r.compile_s:.1f}" + (" (cached)" if r.cached else ""))
+        fits = "yes" if r.fits else f"no, {r.shortfall_gib:.2f} over"
+        flops = "-" if r.xla_flops_per_step is None else f"{_tflop(r.xla_flops_per_step)} / {_tflop(r.formula_flops_per_step)}"
+        t.add_row(r.remat, f"{r.per_device_batch}x{r.grad_accum}", f"{r.peak_gib:.2f}",
+                  f"{r.hbm_bytes_per_device / GIB:.2f}", fits, flops,
+                  f"{r.compile_s:.0f}" + ("*" if r.cached else ""))
     c = console()
     first = results[0]
     c.print(f"{first.recipe} on {first.device} ({first.topology}, {first.devices} devices), "
-            f"{first.n_layers} layers, head dim {first.head_dim}")
+            f"{first.n_layers} layers, head dim {first.head_dim}", highlight=False)
     c.print(t)
+    c.print("batch = micro-batch per device x accumulation; TFLOP/step = XLA (loops counted) / MaxText formula;"
+            " peak = arguments + temporaries + outputs - donated" + ("; * from the cache" if any(r.cached for r in results)
+                                                                  else ""), highlight=False)
     for r in results:
         for note in r.notes:
             c.print(f"note ({r.remat}): {note}")
