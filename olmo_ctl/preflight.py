@@ -39,7 +39,7 @@ from pathlib import Path
 from olmo_ctl import flops as flops_lib
 from olmo_ctl.batching import Plan, make_plan, param_count
 from olmo_ctl.devices import GIB, Device
-from olmo_ctl.errors import BadInput
+from olmo_ctl.errors import EXIT_RUN_FAILED, BadInput, OlmoCtlError
 from olmo_ctl.recipe import Recipe
 
 # Cheapest recompute first: `--search` takes the first one that fits.
@@ -748,7 +748,15 @@ def submit_check(recipe: Recipe, device: Device, plan: Plan, *, log=print) -> Pr
     if load_cached(key) is None:
         log(f"preflight: compiling the train step for {device.name} ({device.topology_name}) on this machine;"
             " this takes a few minutes once per recipe, device and trainer version (--no-preflight skips it)")
-    result = run_preflight(recipe, device, per_device_batch=plan.per_device_batch)
+    try:
+        result = run_preflight(recipe, device, per_device_batch=plan.per_device_batch)
+    except OlmoCtlError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a step that does not compile would fail on the slice too
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise OlmoCtlError(f"the train step does not compile for {device.name}: {first}",
+                           "nothing was submitted; `olmo-ctl preflight` shows the details,"
+                           " --no-preflight skips the check", exit_code=EXIT_RUN_FAILED) from None
     if not result.fits:
         raise BadInput(result.verdict(), f"nothing was submitted; try `olmo-ctl preflight --device {device.name}"
                        " --search` for a remat policy that fits, a larger slice, or --no-preflight")
