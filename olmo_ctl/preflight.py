@@ -759,6 +759,8 @@ def submit_check(recipe: Recipe, device: Device, plan: Plan, *, log=print) -> Pr
                            " --no-preflight skips the check", exit_code=EXIT_RUN_FAILED) from None
     if not result.fits:
         raise BadInput(result.verdict(), f"nothing was submitted; try `olmo-ctl preflight --device {device.name}"
-                       " --search` for a remat policy that fits, a larger slice, or --no-preflight")
+                       " --search` for a remat policy that fits, a smaller micro-batch (--set"
+                       f" train.max_per_device_batch={max(1, plan.per_device_batch // 2)}: the rest becomes"
+                       " accumulation), a larger slice, or --no-preflight")
     log(f"preflight: {result.verdict()}" + (" (cached)" if result.cached else f" (compiled in {result.compile_s:.0f} s)"))
     return result

@@ -115,7 +115,8 @@ def preflight(
             last = tried[-1]
             raise DoesNotFit(f"no remat policy fits {last.recipe} on {dev.name}: even remat=full needs "
                              f"{last.peak_gib:.2f} GiB per device, {last.shortfall_gib:.2f} GiB over",
-                             "use a larger slice or a smaller per-device batch (--per-device-batch)")
+                             f"use a smaller micro-batch (--per-device-batch {max(1, last.per_device_batch // 2)};"
+                             " in the recipe train.max_per_device_batch) or a larger slice")
         return
     res = pf.run_preflight(r, dev, remat=remat, **kw)
     if output == Output.json:
@@ -123,4 +124,6 @@ def preflight(
     else:
         _print_table([res])
     if not res.fits:
-        raise DoesNotFit(res.verdict(), "try `--search` for a remat policy that fits, or a larger slice")
+        raise DoesNotFit(res.verdict(), "try `--search` for a remat policy that fits, a smaller micro-batch"
+                         f" (--per-device-batch {max(1, res.per_device_batch // 2)}; in the recipe"
+                         " train.max_per_device_batch), or a larger slice")
