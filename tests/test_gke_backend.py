@@ -403,8 +403,11 @@ def test_render_reads_the_recipe_from_run_yaml_on_gcs(srv):
         settings = Settings(image="img:1", run_root=f"gs://{bucket}/runs")
         b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
         js = b.render(Attempt(run="s2", run_dir=run_dir, attempt=2, device="v5p-256"))
-    assert js["metadata"]["annotations"]["olmo-ctl/recipe-fingerprint"] == recipe.fingerprint()
+    from olmo_ctl.manifest import ANNOTATION_PLAN
+
+    # The recipe comes from run.yaml: stage 2's global batch 256 over v5p-256's 128 devices.
     assert js["metadata"]["annotations"]["olmo-ctl/recipe"] == recipe.name
+    assert "global_batch=256 per_device_batch=2 grad_accum=1" in js["metadata"]["annotations"][ANNOTATION_PLAN]
     h = b.submit(js)
     assert srv.cluster.workload(h.name)["spec"]["podSets"][0]["count"] == 32
 
