@@ -105,16 +105,33 @@ def _scores(qi, kj, i, j, window, blk, scale):
     return s, causal_mask(q_pos, k_pos, window)[None, None]
 
 
+def _loop(lower: int, upper: int, body, init):
+    """`fori_loop` as a while loop. A fori_loop with static bounds becomes a `scan`, and an enclosing
+    `lax.scan` under `grad` (the layer stack) then keeps every tile of these loops as a stacked
+    residual: a full [T, T] score matrix per head again (found by compiling for a TPU slice). A while
+    loop cannot be differentiated, which guarantees only the hand-written backward pass runs."""
+
+    def cond(c):
+        return c[0] < upper
+
+    def step(c):
+        i, x = c
+        return i + 1, body(i, x)
+
+    return jax.lax.while_loop(cond, step, (jnp.int32(lower), init))[1]
+
+
 def _forward(q, k, v, window, blk):
     B, H, Tp, D = q.shape
     n = Tp // blk
     span = _span(n, window, blk)
     scale = 1.0 / math.sqrt(D)
 
-    def q_block(i):
+    def q_block(i, out):
+        o_all, lse_all = out
         qi = _tile(q, i, blk)
 
-        def kv_step(carry, t):
+        def kv_step(t, carry):
             j = i - (span - 1) + t  # oldest reachable block first; the diagonal block comes last
 
             def visit(c):
@@ -128,17 +145,17 @@ def _forward(q, k, v, window, blk):
                 pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
                 return m_new, denom, acc * corr[..., None] + pv
 
-            return jax.lax.cond(j >= 0, visit, lambda c: c, carry), None
+            return jax.lax.cond(j >= 0, visit, lambda c: c, carry)
 
         init = (jnp.full((B, H, blk), _NEG, jnp.float32), jnp.zeros((B, H, blk), jnp.float32),
                 jnp.zeros((B, H, blk, D), jnp.float32))
-        (m, denom, acc), _ = jax.lax.scan(kv_step, init, jnp.arange(span))
-        return (acc / denom[..., None]).astype(q.dtype), m + jnp.log(denom)
+        m, denom, acc = _loop(0, span, kv_step, init)
+        o_i = (acc / denom[..., None]).astype(q.dtype)
+        return (jax.lax.dynamic_update_slice_in_dim(o_all, o_i, i * blk, axis=2),
+                jax.lax.dynamic_update_slice_in_dim(lse_all, m + jnp.log(denom), i * blk, axis=2))
 
-    o, lse = jax.lax.map(q_block, jnp.arange(n))  # [n, B, H, blk, D], [n, B, H, blk]
-    o = o.transpose(1, 2, 0, 3, 4).reshape(B, H, Tp, D)
-    lse = lse.transpose(1, 2, 0, 3).reshape(B, H, Tp)
-    return o, lse
+    out = (jnp.zeros((B, H, Tp, D), q.dtype), jnp.zeros((B, H, Tp), jnp.float32))
+    return _loop(0, n, q_block, out)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -163,10 +180,10 @@ def _flash_bwd(window, blk, res, do):
         s, mask = _scores(qi, kj, i, j, window, blk, scale)
         return jnp.where(mask, jnp.exp(s - _tile(lse, i, blk)[..., None]), 0.0)
 
-    def dq_block(i):
+    def dq_block(i, dq_all):
         qi, doi, di = _tile(q, i, blk), _tile(do, i, blk), _tile(delta, i, blk)
 
-        def step(dq, t):
+        def step(t, dq):
             j = i - (span - 1) + t
 
             def visit(dq):
@@ -177,15 +194,16 @@ def _flash_bwd(window, blk, res, do):
                 return dq + jnp.einsum("bhqk,bhkd->bhqd", ds.astype(k.dtype), kj,
                                        preferred_element_type=jnp.float32) * scale
 
-            return jax.lax.cond(j >= 0, visit, lambda x: x, dq), None
+            return jax.lax.cond(j >= 0, visit, lambda x: x, dq)
 
-        dq, _ = jax.lax.scan(step, jnp.zeros((B, H, blk, D), jnp.float32), jnp.arange(span))
-        return dq.astype(q.dtype)
+        dq = _loop(0, span, step, jnp.zeros((B, H, blk, D), jnp.float32))
+        return jax.lax.dynamic_update_slice_in_dim(dq_all, dq.astype(q.dtype), i * blk, axis=2)
 
-    def dkv_block(j):
+    def dkv_block(j, dkv_all):
+        dk_all, dv_all = dkv_all
         kj, vj = _tile(k, j, blk), _tile(v, j, blk)
 
-        def step(c, t):
+        def step(t, c):
             i = j + t  # query blocks that can see key block j
 
             def visit(c):
@@ -199,18 +217,16 @@ def _flash_bwd(window, blk, res, do):
                                      preferred_element_type=jnp.float32) * scale
                 return dk, dv
 
-            return jax.lax.cond(i < n, visit, lambda x: x, c), None
+            return jax.lax.cond(i < n, visit, lambda x: x, c)
 
         zeros = jnp.zeros((B, H, blk, D), jnp.float32)
-        (dk, dv), _ = jax.lax.scan(step, (zeros, zeros), jnp.arange(span))
-        return dk.astype(k.dtype), dv.astype(v.dtype)
+        dk, dv = _loop(0, span, step, (zeros, zeros))
+        return (jax.lax.dynamic_update_slice_in_dim(dk_all, dk.astype(k.dtype), j * blk, axis=2),
+                jax.lax.dynamic_update_slice_in_dim(dv_all, dv.astype(v.dtype), j * blk, axis=2))
 
-    def unblock(x):
-        return x.transpose(1, 2, 0, 3, 4).reshape(B, H, Tp, D)
-
-    dq = unblock(jax.lax.map(dq_block, jnp.arange(n)))
-    dk, dv = jax.lax.map(dkv_block, jnp.arange(n))
-    return dq, unblock(dk), unblock(dv)
+    dq = _loop(0, n, dq_block, jnp.zeros_like(q))
+    dk, dv = _loop(0, n, dkv_block, (jnp.zeros_like(k), jnp.zeros_like(v)))
+    return dq, dk, dv
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
