@@ -114,3 +114,26 @@ def test_blocked_at_8192_tokens_needs_far_less_than_one_score_matrix(window):
     print(f"temp bytes at T=8192: blocked {blocked / 2**20:.1f} MiB, one score matrix {one_matrix / 2**20:.0f} MiB")
     assert blocked < one_matrix / 8
     assert temp_bytes("reference") > one_matrix  # the check can tell the two apart
+
+
+def test_blocked_inside_a_layer_scan_keeps_no_stacked_tiles():
+    """The model scans its layers; under `grad`, an enclosing `lax.scan` must not turn the kernel's
+    per-tile intermediates into stacked residuals (that rebuilds a full score matrix per head)."""
+    T = 2048
+    sd = jax.ShapeDtypeStruct((1, T, 2, 16), jnp.float32)
+    one_matrix = 2 * T * T * 4  # both heads
+
+    def temp_bytes(impl):
+        def loss(q, k, v):
+            def layer(x, _):
+                return A.attend(x, k, v, window=None, impl=impl, block=256), None
+
+            return jnp.sum(jax.lax.scan(layer, q, None, length=2)[0])
+
+        f = jax.jit(jax.grad(loss, (0, 1, 2)))
+        return f.lower(sd, sd, sd).compile().memory_analysis().temp_size_in_bytes
+
+    blocked = temp_bytes("blocked")
+    print(f"temp bytes, 2 scanned layers at T={T}: blocked {blocked / 2**20:.1f} MiB")
+    assert blocked < one_matrix / 4
+    assert temp_bytes("reference") > one_matrix
