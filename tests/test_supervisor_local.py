@@ -63,6 +63,16 @@ def log_has_steps(run_dir: str, n: int) -> bool:
         return False
 
 
+def latest_logged_step(run_dir: str, n: int) -> int:
+    """The last `step N/M` line attempt n printed (0 before its first step)."""
+    try:
+        lines = Path(run_dir, "logs", f"attempt-{n}.log").read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [int(ln.split()[1].split("/")[0]) for ln in lines if ln.startswith("step ") and "/" in ln.split()[1]]
+    return max(steps, default=0)
+
+
 def fake_python(tmp_path: Path, body: str) -> str:
     """An interpreter stand-in for trainers that misbehave in ways the real one must not be made to."""
     p = tmp_path / "python-fake"
@@ -329,7 +339,11 @@ def test_chaos_kills_and_bitwise_identical_losses(tmp_path):
             except AssertionError:
                 break
         elif how == "random":
-            time.sleep(rng.uniform(0.5, 7.0))
+            # A random moment, but never so late that this attempt could finish the run (a fast
+            # machine trains the smoke model to the end within seconds).
+            deadline = time.time() + rng.uniform(0.5, 7.0)
+            while time.time() < deadline and latest_logged_step(rdir, n) < steps - 15:
+                time.sleep(0.02)
         else:
             wait_for(lambda: log_has_steps(rdir, n), 60, "steps")  # noqa: B023
         if sup.poll() is not None or proc_start_time(info["pid"]) != info["start_time"]:
