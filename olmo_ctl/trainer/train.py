@@ -114,7 +114,13 @@ def make_train_step(recipe: Recipe):
     def step(state, batch):
         params = state["params"]
         # One denominator for the whole global batch, so accumulation over micro-batches is exact.
-        n_tokens = jnp.maximum(jnp.sum(batch["labels"] != IGNORE_INDEX).astype(jnp.float32), 1.0)
+        n_tokens = jnp.sum(batch["labels"] != IGNORE_INDEX).astype(jnp.float32)
+        if "instance_mask" in batch:
+            # Instances the n-gram repetition filter masked still count in the denominator (as in
+            # OLMo-core): each would have contributed seq_len - 1 labelled tokens.
+            filtered = jnp.sum(1 - batch["instance_mask"]).astype(jnp.float32)
+            n_tokens = n_tokens + filtered * (batch["labels"].shape[-1] - 1)
+        n_tokens = jnp.maximum(n_tokens, 1.0)
 
         def micro_loss(p, ids, labels):
             ce, z, _ = token_losses(p, ids, labels, cfg)
@@ -129,7 +135,8 @@ def make_train_step(recipe: Recipe):
             return (g_acc, ce_acc + ce, z_acc + z), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (grads, ce_sum, z_sum), _ = jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0)), batch)
+        micro = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+        (grads, ce_sum, z_sum), _ = jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0)), micro)
         ce_loss, z_loss = ce_sum / n_tokens, z_sum / n_tokens
         adam = optim.AdamState(**state["opt"])
         window = optim.SkipWindow(**state["skip"])
@@ -380,9 +387,12 @@ def run(args: TrainArgs) -> int:
             batch = loader.next()
             local = {k: _micro_layout(np.asarray(batch[k], np.int32), local_devices, plan.grad_accum)
                      for k in ("input_ids", "labels")}
-            global_shape = (plan.grad_accum, t.global_batch // plan.grad_accum, t.seq_len)
-            dev_batch = {k: jax.make_array_from_process_local_data(micro_shard, v, global_shape)
-                         for k, v in local.items()}
+            if recipe.data.ngram_filter:
+                local["instance_mask"] = _micro_layout(
+                    np.asarray(batch["instance_mask"], np.int32)[:, None], local_devices, plan.grad_accum)
+            dev_batch = {k: jax.make_array_from_process_local_data(
+                micro_shard, v, (plan.grad_accum, t.global_batch // plan.grad_accum, v.shape[-1]))
+                for k, v in local.items()}
             load_s = time.monotonic() - t0
             state, m = train_step(state, dev_batch)
             step += 1
