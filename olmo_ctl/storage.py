@@ -18,7 +18,6 @@ from pathlib import Path
 
 from olmo_ctl.errors import BadInput, OlmoCtlError, Unreachable
 
-
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 

@@ -9,24 +9,26 @@ from __future__ import annotations
 import sys
 
 import typer
+
 try:  # typer >= 0.26 vendors click
     from typer._click import exceptions as click_exc
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exc
 
+# Command modules register themselves on `app` when imported (keep these imports light).
+from olmo_ctl.cli import (
+    data,  # noqa: E402,F401
+    foundation,  # noqa: E402,F401
+    model,  # noqa: E402,F401
+    monitor,  # noqa: E402,F401
+    preflight,  # noqa: E402,F401
+    resize,  # noqa: E402,F401
+    run,  # noqa: E402,F401
+    submit,  # noqa: E402,F401
+    surgery,  # noqa: E402,F401
+)
 from olmo_ctl.cli.app import app
 from olmo_ctl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, OlmoCtlError
-
-# Command modules register themselves on `app` when imported (keep these imports light).
-from olmo_ctl.cli import foundation  # noqa: E402,F401
-from olmo_ctl.cli import surgery  # noqa: E402,F401
-from olmo_ctl.cli import monitor  # noqa: E402,F401
-from olmo_ctl.cli import model  # noqa: E402,F401
-from olmo_ctl.cli import data  # noqa: E402,F401
-from olmo_ctl.cli import submit  # noqa: E402,F401
-from olmo_ctl.cli import resize  # noqa: E402,F401
-from olmo_ctl.cli import preflight  # noqa: E402,F401
-from olmo_ctl.cli import run  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")
         return e.exit_code
-    except click_exc.NoArgsIsHelpError as e:
+    except click_exc.NoArgsIsHelpError:
         return 0  # the help text is already printed
     except click_exc.UsageError as e:
         cmd = e.ctx.command_path if e.ctx else "olmo-ctl"
