@@ -12,8 +12,21 @@ from enum import Enum
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
+
+# `--help` lists commands in the order a user meets them, not alphabetically.
+COMMAND_ORDER = ("devices", "plan", "config", "submit", "resume-until-done", "monitor", "compare", "resize",
+                 "smoke", "preflight", "data", "convert", "parity", "surgery")
+
+
+class _OrderedGroup(TyperGroup):
+    def list_commands(self, ctx):
+        rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
+        return sorted(super().list_commands(ctx), key=lambda n: (rank.get(n, len(rank)), n))
+
 
 app = typer.Typer(
+    cls=_OrderedGroup,
     name="olmo-ctl",
     help="Run OLMo 3 7B stage 1/2 on TPU slices (GKE, JobSet, Kueue) or on this machine.",
     no_args_is_help=True,
