@@ -6,7 +6,6 @@
 #   make lint      ruff
 #   make image     docker build of launch_templates/Dockerfile
 #   make bench     CLI start-up latency
-#   make readme    README.md from docs/readme/*.md (in name order)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -14,7 +13,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 IMAGE  ?= olmo-ctl:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: install test lint goldens demo image bench readme
+.PHONY: install test lint goldens demo image bench
 
 install: $(STAMP)
 
@@ -47,5 +46,3 @@ image:
 bench:
 	$(BIN)/python benchmarks/cli_latency.py
 
-readme:
-	for f in $(sort $(wildcard docs/readme/*.md)); do cat $$f; echo; done > README.md
