@@ -38,3 +38,16 @@ def test_filtered_instances_count_in_the_denominator():
     assert float(m_filtered["tokens"]) == 4 * 31
     np.testing.assert_allclose(float(m_plain["ce"]), float(ce_sum) / (3 * 31), rtol=1e-6)
     np.testing.assert_allclose(float(m_filtered["ce"]), float(ce_sum) / (4 * 31), rtol=1e-6)
+
+
+def test_a_lost_peer_is_retryable_and_a_bug_is_not():
+    """Exit 3 (restart) when another host or the coordination service went away; a bug stays exit 1."""
+    from olmo_ctl.trainer.train import _is_transient_io_error
+
+    class XlaRuntimeError(RuntimeError):
+        pass
+
+    assert _is_transient_io_error(XlaRuntimeError("UNAVAILABLE: task /job:jax_worker/replica:0/task:3 heartbeat timeout"))
+    assert _is_transient_io_error(XlaRuntimeError("DEADLINE_EXCEEDED: Barrier timed out. Barrier_id: sync_global"))
+    assert not _is_transient_io_error(XlaRuntimeError("INVALID_ARGUMENT: Incompatible shapes [4,8] and [4,9]"))
+    assert not _is_transient_io_error(ValueError("UNAVAILABLE"))  # not a runtime error: a bug in our code

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -545,7 +546,16 @@ def _is_transient_io_error(e: BaseException) -> bool:
         if any(w in name for w in ("Connect", "Timeout", "ServiceUnavailable", "TooManyRequests",
                                     "InternalServerError", "GatewayTimeout", "DeadlineExceeded")):
             return True
+        if "RuntimeError" in name and _PEER_LOST.search(str(exc)):
+            return True
     return False
+
+
+# A multi-host runtime error that means another host (or the coordination service) went away: a
+# preempted or failed peer, not a bug here. Exit 1 would fail the JobSet at once; exit 3 restarts it.
+_PEER_LOST = re.compile(r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED)\b|coordination service|heartbeat|"
+                        r"barrier timed out|connection reset|socket closed|task .* (?:failed|disconnected)",
+                        re.IGNORECASE)
 
 
 def main_run(args: TrainArgs) -> int:
