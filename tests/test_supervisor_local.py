@@ -377,3 +377,30 @@ def test_chaos_kills_and_bitwise_identical_losses(tmp_path):
     assert sorted(got) == list(range(1, steps + 1))
     for step, vals in got.items():
         assert set(vals) == {ref[step][0]}, (step, vals, ref[step])
+
+
+def test_a_trainer_started_without_its_attempt_file_is_found_and_adopted(tmp_path):
+    """A supervisor killed between starting a trainer and recording it: the next one finds the
+    trainer by its command line instead of starting a second one."""
+    from olmo_ctl.backends.base import Attempt
+
+    root = str(tmp_path / "runs")
+    backend = LocalBackend(root)
+    run_dir = os.path.join(root, "orphan")
+    req = backend.render(Attempt(run="orphan", run_dir=run_dir, attempt=3, device="cpu-1", recipe_path="smoke"))
+    os.makedirs(os.path.dirname(req.log_path), exist_ok=True)
+    with open(req.log_path, "ab") as log:  # what submit does, minus the attempt file
+        proc = subprocess.Popen(list(req.argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **req.env})
+    try:
+        wait_for(lambda: "olmo_ctl.trainer" in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(), 30, "exec")
+        h = backend.find_live("orphan")
+        assert h is not None and h.attempt == 3 and int(h.data["pid"]) == proc.pid
+        assert attempt_info(run_dir, 3)["adopted"] is True
+        assert backend.status(h).state == State.RUNNING
+        backend.stop(h, graceful=False)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert backend.find_live("orphan") is None

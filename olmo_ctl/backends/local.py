@@ -262,7 +262,7 @@ class LocalBackend:
             names = sorted((int(n[:-5]) for n in os.listdir(d) if n.endswith(".json") and n[:-5].isdigit()),
                            reverse=True)
         except FileNotFoundError:
-            return None
+            names = []
         for n in names:
             try:
                 with open(os.path.join(d, f"{n}.json")) as f:
@@ -273,4 +273,31 @@ class LocalBackend:
                 return Handle("local", str(info["pid"]), n, {"pid": info["pid"], "start_time": info.get("start_time"),
                                                              "state_dir": sd, "log": info.get("log"),
                                                              "run_dir": info.get("run_dir")})
+        return self._find_unrecorded(run, sd)
+
+    def _find_unrecorded(self, run: str, sd: str) -> Handle | None:
+        """A trainer of this run with no attempt file: a supervisor died between starting it and
+        writing the file. Found by its command line, so it is adopted instead of started twice."""
+        run_dir = storage.join(self.run_root, run)
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            cmd = _cmdline(int(entry))
+            if TRAINER_MODULE not in cmd or "--run-dir" not in cmd or "--attempt" not in cmd:
+                continue
+            i, k = cmd.index("--run-dir"), cmd.index("--attempt")
+            if i + 1 >= len(cmd) or cmd[i + 1] != run_dir or k + 1 >= len(cmd) or not cmd[k + 1].isdigit():
+                continue
+            pid, n = int(entry), int(cmd[k + 1])
+            start = proc_start_time(pid)
+            if start is None:
+                continue
+            log = os.path.join(sd, "logs", f"attempt-{n}.log")  # where submit sent its output
+            info = {"pid": pid, "pgid": os.getpgid(pid), "start_time": start, "host": socket.gethostname(),
+                    "argv": cmd, "log": log, "run_dir": run_dir, "started": time.time(), "exit_code": None,
+                    "adopted": True}
+            os.makedirs(os.path.join(sd, "attempts"), exist_ok=True)
+            self._write_json(self._attempt_file(sd, n), info)
+            return Handle("local", str(pid), n, {"pid": pid, "start_time": start, "state_dir": sd, "log": log,
+                                                 "run_dir": run_dir})
         return None
