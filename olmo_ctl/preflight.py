@@ -263,24 +263,12 @@ def abstract_inputs(recipe: Recipe, mesh, grad_accum: int):
     """The trainer's state and batch as sharded `ShapeDtypeStruct`s (mirrors `train.run`)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from olmo_ctl.trainer import model, sharding
-    from olmo_ctl.trainer.train import init_state
+    from olmo_ctl.trainer.train import abstract_train_state, micro_batch_sharding
 
-    cfg, t = recipe.model, recipe.train
-    key = jax.random.PRNGKey(t.seed)
-    abstract_params = jax.eval_shape(lambda k: model.init_params(cfg, k), key)
-    p_shard = sharding.param_shardings(abstract_params, mesh)
-    rep = sharding.replicated(mesh)
-    abstract_state = jax.eval_shape(lambda p: init_state(recipe, p), abstract_params)
-    state_shard = {
-        "step": rep, "params": p_shard, "opt": {"mu": p_shard, "nu": p_shard, "count": rep},
-        "skip": jax.tree.map(lambda _: rep, abstract_state["skip"]),
-    }
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         abstract_state, state_shard)
-    micro_shard = NamedSharding(mesh, PartitionSpec(None, *sharding.batch_sharding(mesh).spec))
+    t = recipe.train
+    state, state_shard = abstract_train_state(recipe, mesh)
+    micro_shard = micro_batch_sharding(mesh)
     shape = (grad_accum, t.global_batch // grad_accum, t.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=micro_shard) for k in ("input_ids", "labels")}
     return state, state_shard, batch

@@ -88,19 +88,20 @@ def _this_holder() -> tuple[str, dict]:
     host = socket.gethostname()
     pid = os.getpid()
     return f"{os.environ.get('USER', 'user')}@{host} pid {pid}", {
-        "host": host, "pid": pid, "pid_start": _proc_start_time(pid), "token": uuid.uuid4().hex[:12],
+        "host": host, "pid": pid, "pid_start": proc_start_time(pid), "token": uuid.uuid4().hex[:12],
     }
 
 
-def _proc_start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); None if gone."""
+def proc_start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); None if gone
+    or a zombie. With the pid it names one process: pids are reused, start times are not."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             data = f.read()
     except OSError:
         return None
     rest = data[data.rfind(")") + 2:].split()
-    if rest and rest[0] == "Z":  # a zombie has exited
+    if not rest or rest[0] in ("Z", "X"):
         return None
     return rest[19] if len(rest) > 19 else None
 
@@ -110,7 +111,7 @@ def _holder_process_dead(lease: dict) -> bool:
     info = lease.get("process") or {}
     if info.get("host") != socket.gethostname() or not info.get("pid"):
         return False
-    start = _proc_start_time(int(info["pid"]))
+    start = proc_start_time(int(info["pid"]))
     return start is None or (info.get("pid_start") is not None and start != info.get("pid_start"))
 
 

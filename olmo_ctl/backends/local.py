@@ -28,6 +28,7 @@ from pathlib import Path
 
 from olmo_ctl import storage
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Handle, State
+from olmo_ctl.rundir import proc_start_time  # noqa: F401 - also what callers import from here
 
 TRAINER_MODULE = "olmo_ctl.trainer"
 
@@ -62,19 +63,6 @@ def classify_exit(code: int | None) -> tuple[State, str]:
         except ValueError:
             pass
     return State.FAILED_INFRA, f"exit {code}"
-
-
-def proc_start_time(pid: int) -> str | None:
-    """Start time in clock ticks since boot (/proc/PID/stat field 22); None if gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-    except OSError:
-        return None
-    rest = data[data.rfind(")") + 2:].split()
-    if not rest or rest[0] in ("Z", "X"):
-        return None
-    return rest[19] if len(rest) > 19 else None
 
 
 def _cmdline(pid: int) -> list[str]:

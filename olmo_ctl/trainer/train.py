@@ -159,6 +159,35 @@ def make_eval_step(recipe: Recipe):
     return step
 
 
+def abstract_train_state(recipe: Recipe, mesh):
+    """The train state as sharded `ShapeDtypeStruct`s, and its shardings: FSDP-sharded params and
+    Adam moments, everything else replicated. Nothing is allocated (the trainer restores or
+    initialises into these; preflight compiles against them)."""
+    import jax
+
+    from olmo_ctl.trainer import model, sharding
+
+    abstract_params = jax.eval_shape(lambda k: model.init_params(recipe.model, k), jax.random.PRNGKey(recipe.train.seed))
+    p_shard = sharding.param_shardings(abstract_params, mesh)
+    rep = sharding.replicated(mesh)
+    abstract_state = jax.eval_shape(lambda p: init_state(recipe, p), abstract_params)
+    state_shard = {
+        "step": rep, "params": p_shard, "opt": {"mu": p_shard, "nu": p_shard, "count": rep},
+        "skip": jax.tree.map(lambda _: rep, abstract_state["skip"]),
+    }
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_state, state_shard)
+    return state, state_shard
+
+
+def micro_batch_sharding(mesh):
+    """[accum, micro-batch, ...]: the accumulation axis replicated, the batch over every device."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from olmo_ctl.trainer import sharding
+
+    return NamedSharding(mesh, PartitionSpec(None, *sharding.batch_sharding(mesh).spec))
+
+
 def init_state(recipe: Recipe, params):
     import jax.numpy as jnp
 
@@ -227,7 +256,6 @@ def _micro_layout(x: np.ndarray, local_devices: int, accum: int) -> np.ndarray:
 
 def run(args: TrainArgs) -> int:
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from olmo_ctl import batching, flops
     from olmo_ctl.trainer import data as data_lib
@@ -254,17 +282,8 @@ def run(args: TrainArgs) -> int:
     fingerprint = loader.fingerprint
 
     # ---- state: abstract shapes and shardings first, so nothing is ever materialised unsharded
-    key = jax.random.PRNGKey(t.seed)
-    abstract_params = jax.eval_shape(lambda k: model.init_params(cfg, k), key)
-    p_shard = sharding.param_shardings(abstract_params, mesh)
-    rep = sharding.replicated(mesh)
-    abstract_state = jax.eval_shape(lambda p: init_state(recipe, p), abstract_params)
-    state_shard = {
-        "step": rep, "params": p_shard, "opt": {"mu": p_shard, "nu": p_shard, "count": rep},
-        "skip": jax.tree.map(lambda _: rep, abstract_state["skip"]),
-    }
-    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                  abstract_state, state_shard)
+    abstract_state, state_shard = abstract_train_state(recipe, mesh)
+    p_shard = state_shard["params"]
 
     ckpt = Checkpointer.for_run(args.run_dir, keep=recipe.checkpoint.keep, async_save=recipe.checkpoint.async_save)
     events = EventLog(args.run_dir, attempt=args.attempt)
@@ -281,10 +300,10 @@ def run(args: TrainArgs) -> int:
         print(f"restored checkpoint {latest} from {ckpt.directory}", flush=True)
     else:
         if args.init_from:
-            params = _load_init_params(args.init_from, abstract_params, p_shard)
+            params = _load_init_params(args.init_from, abstract_state["params"], p_shard)
             print(f"initialised parameters from {args.init_from}", flush=True)
         else:
-            params = jax.jit(lambda k: model.init_params(cfg, k), out_shardings=p_shard)(key)
+            params = jax.jit(lambda k: model.init_params(cfg, k), out_shardings=p_shard)(jax.random.PRNGKey(t.seed))
         state = jax.jit(lambda p: init_state(recipe, p), out_shardings=state_shard)(params)
         print(f"initialised from seed {t.seed}" if not args.init_from else "fresh optimizer state", flush=True)
     try:
@@ -305,8 +324,7 @@ def run(args: TrainArgs) -> int:
         return 0
 
     # ---- compiled steps
-    micro_spec = PartitionSpec(None, *sharding.batch_sharding(mesh).spec)
-    micro_shard = NamedSharding(mesh, micro_spec)
+    micro_shard = micro_batch_sharding(mesh)
     train_step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
     eval_step = jax.jit(make_eval_step(recipe))
     eval_sets = _eval_batches(recipe, data_lib, mesh, proc, n_proc)
