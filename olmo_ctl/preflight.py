@@ -318,13 +318,17 @@ def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | Non
 
     devs = topology_devices(device)
     t = recipe.train
-    mesh = sharding.make_mesh(devs, t.mesh, t.data_parallel)
+    # The topology's mesh is made current only while tracing (not activated for the process): a
+    # later trace in this process (the trainer, a test) must not pin activations to abstract TPU devices.
+    mesh = sharding.make_mesh(devs, t.mesh, t.data_parallel, activate=False)
     state, state_shard, batch = abstract_inputs(recipe, mesh, plan.grad_accum)
     step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
     options = {"xla_dump_to": dump_dir, "xla_dump_hlo_module_re": "jit_step"} if dump_dir else None
     t0 = time.monotonic()
     try:
-        compiled = step.lower(state, batch).compile(compiler_options=options)
+        with jax.set_mesh(mesh):
+            lowered = step.lower(state, batch)
+        compiled = lowered.compile(compiler_options=options)
     except Exception as e:  # noqa: BLE001 - JaxRuntimeError's module moves between jax versions
         msg = str(e)
         if "RESOURCE_EXHAUSTED" in msg or parse_hbm_oom(msg):
