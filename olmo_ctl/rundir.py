@@ -260,19 +260,12 @@ class RunDir:
         return sorted(steps)
 
     def _gcs_committed(self, ckpt: str) -> list[int]:
-        st = self.store
-        bucket, name = storage.split_gcs(ckpt.rstrip("/") + "/")
-
-        def ls():
-            it = st._client.list_blobs(bucket, prefix=name, match_glob=f"{name}*/{COMMIT_MARKER}")
-            return [b.name for b in it]
-
-        names = st._call(ckpt, ls)
+        base = ckpt.rstrip("/") + "/"
         steps = set()
-        for n in names:
-            parts = n[len(name):].split("/")
-            if len(parts) == 2 and parts[1] == COMMIT_MARKER and _STEP_DIR.match(parts[0]):
-                steps.add(int(parts[0]))
+        for o in self.store.find(ckpt, match_glob=f"*/{COMMIT_MARKER}"):
+            step_dir = o.path[len(base):].split("/")[0]
+            if _STEP_DIR.match(step_dir):
+                steps.add(int(step_dir))
         return sorted(steps)
 
     def committed_step(self) -> int:
@@ -292,14 +285,7 @@ class RunDir:
                 return tuple(sorted((e.name, e.stat().st_size) for e in os.scandir(tb) if e.name >= first))
             except FileNotFoundError:
                 return ()
-        st = self.store
-        bucket, name = storage.split_gcs(tb.rstrip("/") + "/")
-
-        def ls():
-            return tuple((b.name, int(b.size or 0)) for b in
-                         st._client.list_blobs(bucket, prefix=name, start_offset=name + first))
-
-        return st._call(tb, ls)
+        return tuple((o.path.rpartition("/")[2], o.size) for o in self.store.find(tb, start_offset=first))
 
     # ------------------------------------------------------------------ lease
 

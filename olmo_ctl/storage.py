@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import posixpath
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,16 @@ class Store:
     def list(self, prefix: str, recursive: bool = False) -> tuple[list[ObjectInfo], list[str]]: ...
     def delete(self, path: str) -> None: ...
 
+    def find(self, prefix: str, match_glob: str | None = None, start_offset: str = "") -> list[ObjectInfo]:
+        """Every object below directory `prefix` whose name relative to it matches `match_glob`
+        (`*` stops at `/`, `**` does not) and sorts at or after `start_offset`. On GCS both
+        filters are applied by the server (one listing, however many other objects there are)."""
+        files, _ = self.list(prefix, recursive=True)
+        base = str(prefix).rstrip("/") + "/"
+        pattern = _glob_regex(match_glob) if match_glob else None
+        return [o for o in files if o.path[len(base):] >= start_offset
+                and (pattern is None or pattern.fullmatch(o.path[len(base):]))]
+
     def exists(self, path: str) -> bool:
         return self.stat(path) is not None
 
@@ -70,6 +81,12 @@ class Store:
 
     def write_text(self, path: str, text: str, if_generation_match: int | None = None) -> int:
         return self.write_bytes(path, text.encode(), if_generation_match)
+
+
+def _glob_regex(glob: str) -> re.Pattern:
+    """GCS `matchGlob` semantics for the filters we use: `**` any characters, `*` and `?` not `/`."""
+    out = re.escape(glob).replace(r"\*\*", "\0").replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+    return re.compile(out.replace("\0", ".*"))
 
 
 class LocalStore(Store):
@@ -252,6 +269,25 @@ class GCSStore(Store):
             return files, dirs
 
         return self._call(prefix, ls)
+
+    def find(self, prefix: str, match_glob: str | None = None, start_offset: str = "") -> list[ObjectInfo]:
+        bucket, name = split_gcs(prefix)
+        if name and not name.endswith("/"):
+            name += "/"
+
+        def ls():
+            kw = {"match_glob": name + match_glob} if match_glob else {}
+            if start_offset:
+                kw["start_offset"] = name + start_offset
+            return [ObjectInfo(f"gs://{bucket}/{b.name}", int(b.size or 0), int(b.generation or 0))
+                    for b in self._client.list_blobs(bucket, prefix=name, **kw)]
+
+        found = self._call(prefix, ls)
+        # Applied here as well: an emulator may ignore matchGlob.
+        pattern = _glob_regex(match_glob) if match_glob else None
+        base = f"gs://{bucket}/{name}"
+        return [o for o in found if o.path[len(base):] >= start_offset
+                and (pattern is None or pattern.fullmatch(o.path[len(base):]))]
 
     def delete(self, path: str) -> None:
         try:
