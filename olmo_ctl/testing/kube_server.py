@@ -431,11 +431,7 @@ class _Handler(BaseHTTPRequestHandler):
         fault = srv._take_fault(f"{method} {parts.path}")
         if fault is not None:
             if fault.status == "drop":
-                self.close_connection = True
-                try:
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                self._hang_up()
                 return
             if fault.status == "lost":
                 pass
@@ -457,13 +453,17 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(500, ApiError(500, "InternalError", f"test server bug: {type(e).__name__}: {e}").status())
             raise
         if fault is not None and fault.status == "lost":  # done, but the answer never arrives
-            self.close_connection = True
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._hang_up()
             return
         self._send(code, payload, headers, text)
+
+    def _hang_up(self) -> None:
+        """Close the connection without an answer (a dropped request or a lost response)."""
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def do_GET(self) -> None:
         self._handle("GET")
