@@ -1,6 +1,6 @@
 """Compile the full 32-layer OLMo 3 7B stage-1 step for tpu7x-128 and v5p-256 and print the table.
 
-Each compile takes one to a few minutes of CPU; results are cached (see `olmo_ctl.preflight`), so a
+Each compile takes one to a few minutes of CPU; results are cached (see `olmo_ctl.preflight.compile`), so a
 second run prints the table at once. `--no-cache` recompiles everything.
 
     python benchmarks/preflight_7b.py [--no-cache] [--json out.json]
@@ -13,9 +13,9 @@ import dataclasses
 import json
 import sys
 
-from olmo_ctl.devices import GIB, get_device
-from olmo_ctl.preflight import run_preflight
-from olmo_ctl.recipe import load_recipe
+from olmo_ctl.core.devices import GIB, get_device
+from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.preflight.compile import run_preflight
 
 CASES = (
     # (device, remat, head_dim, per-device micro-batch, global batch override); the per-device share

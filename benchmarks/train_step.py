@@ -94,7 +94,7 @@ def reference(recipe, tokens, steps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
-    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.core.recipe import load_recipe
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="smoke")

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from olmo_ctl import storage
-from olmo_ctl.errors import BadInput, OlmoCtlError
+from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.storage import NotFound, PreconditionFailed
 
 COMMIT_MARKER = "commit_success.txt"  # Orbax's commit file (atomicity_types.COMMIT_SUCCESS_FILE)
@@ -123,7 +123,7 @@ class RunDir:
 
     @classmethod
     def of(cls, run_root: str, run: str) -> RunDir:
-        from olmo_ctl.manifest import validate_run_name
+        from olmo_ctl.backends.jobset import validate_run_name
 
         validate_run_name(run)
         return cls(storage.join(run_root, run), run)

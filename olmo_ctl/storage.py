@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from olmo_ctl.errors import BadInput, OlmoCtlError, Unreachable
+from olmo_ctl.core.errors import BadInput, OlmoCtlError, Unreachable
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)

@@ -9,7 +9,7 @@ import pytest
 from test_events import value, write_segment
 from test_monitor import cli
 
-from olmo_ctl.compare import compare, compare_series, read_curve
+from olmo_ctl.observe.compare import compare, compare_series, read_curve
 
 
 def twin_runs(tmp_path, desync=None):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from olmo_ctl.config import PLACEHOLDER_RUN_ROOT, resolve_settings
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.config import PLACEHOLDER_RUN_ROOT, resolve_settings
+from olmo_ctl.core.errors import BadInput
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from olmo_ctl import storage
-from olmo_ctl.errors import BadInput
-from olmo_ctl.recipe import load_recipe
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.data.files import check_fingerprint, dataset_fingerprint, resolve_paths
 from olmo_ctl.trainer import datafiles
 from olmo_ctl.trainer.data import (
     IGNORE_INDEX,
@@ -23,7 +24,6 @@ from olmo_ctl.trainer.data import (
     has_repetition,
     make_train_loader,
 )
-from olmo_ctl.trainer.datafiles import check_fingerprint, dataset_fingerprint, resolve_paths
 
 T = 16
 

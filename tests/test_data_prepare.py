@@ -12,9 +12,9 @@ import pytest
 
 from olmo_ctl import storage
 from olmo_ctl.cli import main
-from olmo_ctl.recipe import load_recipe
+from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.data.files import BYTE_EOS, resolve_files
 from olmo_ctl.trainer.data import make_train_loader
-from olmo_ctl.trainer.datafiles import BYTE_EOS, resolve_files
 
 
 def _texts(tmp_path, n=10, size=3000):
@@ -56,7 +56,7 @@ def test_text_becomes_byte_tokens_with_whole_documents_held_out(tmp_path, capsys
 
 
 def test_parts_are_cut_at_multiples_of_seq_len(tmp_path):
-    from olmo_ctl.trainer.datafiles import prepare
+    from olmo_ctl.data.files import prepare
 
     docs = _texts(tmp_path, n=3, size=5000)
     m = prepare(docs, str(tmp_path / "out"), held_out_fraction=0, seq_len=100, part_tokens=1050)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from olmo_ctl.devices import get_device, local_catalog, tpu_catalog
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.devices import get_device, local_catalog, tpu_catalog
+from olmo_ctl.core.errors import BadInput
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from olmo_ctl.events import EventReader, masked_crc, read_scalars
+from olmo_ctl.observe.events import EventReader, masked_crc, read_scalars
 
 TAGS = ["train/CE loss", "train/PPL", "optim/LR (group 0)", "optim/LR (group 1)", "optim/step skipped",
         "throughput/total tokens", "throughput/device/TPS", "perf/step_time_s"]
@@ -248,9 +248,8 @@ def test_masked_crc_matches_tensorboard():
 
 @pytest.mark.gcs
 def test_reads_and_tails_gcs(tmp_path):
-    from gcs_emulator import gcs_emulator
-
     from olmo_ctl import storage
+    from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
     local = tmp_path / "tb"
     paths = [write_segment(local, range(s * 40 + 1, s * 40 + 41), segment=s) for s in range(3)]

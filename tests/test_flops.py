@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from olmo_ctl import flops
-from olmo_ctl.devices import get_device
-from olmo_ctl.recipe import ModelConfig
+from olmo_ctl.core import flops
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.recipe import ModelConfig
 
 
 def test_olmo3_7b_olmo_core_formula_at_8192():
@@ -48,7 +48,7 @@ def test_head_dim_variant_has_identical_flops():
 
 
 def test_olmo_core_params_term_matches_param_count():
-    from olmo_ctl.batching import param_count
+    from olmo_ctl.core.batching import param_count
 
     m = ModelConfig()
     attn_only = flops.flops_per_token_olmo_core(m, 8192) - sum(
@@ -59,7 +59,7 @@ def test_olmo_core_params_term_matches_param_count():
 def test_module_is_pure():
     import subprocess
 
-    code = "import olmo_ctl.flops, sys; print('jax' in sys.modules)"
+    code = "import olmo_ctl.core.flops, sys; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -17,7 +17,7 @@ import pytest
 from olmo_ctl.backends.base import Attempt, Handle, State
 from olmo_ctl.backends.gke import GKEBackend
 from olmo_ctl.backends.kube import KubeRetryPolicy
-from olmo_ctl.errors import EXIT_UNREACHABLE, BadInput, Unreachable
+from olmo_ctl.core.errors import EXIT_UNREACHABLE, BadInput, Unreachable
 from olmo_ctl.testing.kube_server import KubeServer, tiny_jobset
 
 FAST = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
@@ -338,7 +338,7 @@ def test_server_errors_past_the_budget_are_unreachable(srv):
 
 
 def test_rendered_attempt_is_accepted_by_the_crd_schema(srv):
-    from olmo_ctl.config import Settings
+    from olmo_ctl.core.config import Settings
 
     settings = Settings(image="us-docker.pkg.dev/p/r/olmo-ctl:1", run_root="gs://bucket/runs", queue="tpu-queue")
     b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
@@ -390,11 +390,10 @@ def test_a_jobset_being_deleted_keeps_its_state_and_is_not_live_for_reattach(srv
 
 @pytest.mark.gcs
 def test_render_reads_the_recipe_from_run_yaml_on_gcs(srv):
-    from gcs_emulator import gcs_emulator
-
-    from olmo_ctl.config import Settings
-    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.core.config import Settings
+    from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.rundir import RunDir
+    from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
     recipe = load_recipe("olmo3-7b-stage2")
     with gcs_emulator() as (_, bucket):
@@ -403,7 +402,7 @@ def test_render_reads_the_recipe_from_run_yaml_on_gcs(srv):
         settings = Settings(image="img:1", run_root=f"gs://{bucket}/runs")
         b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
         js = b.render(Attempt(run="s2", run_dir=run_dir, attempt=2, device="v5p-256"))
-    from olmo_ctl.manifest import ANNOTATION_PLAN
+    from olmo_ctl.backends.jobset import ANNOTATION_PLAN
 
     # The recipe comes from run.yaml: stage 2's global batch 256 over v5p-256's 128 devices.
     assert js["metadata"]["annotations"]["olmo-ctl/recipe"] == recipe.name

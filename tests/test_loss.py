@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from olmo_ctl.recipe import load_recipe
+from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.trainer import model
 from olmo_ctl.trainer.train import IGNORE_INDEX, init_state, make_train_step, token_losses
 

@@ -16,12 +16,12 @@ import jsonschema
 import pytest
 import yaml
 
-from olmo_ctl.batching import make_plan
-from olmo_ctl.config import Settings
-from olmo_ctl.devices import get_device
-from olmo_ctl.errors import BadInput
-from olmo_ctl.manifest import jobset_name, render_jobset, validate_run_name
-from olmo_ctl.recipe import load_recipe
+from olmo_ctl.backends.jobset import jobset_name, render_jobset, validate_run_name
+from olmo_ctl.core.batching import make_plan
+from olmo_ctl.core.config import Settings
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDENS = Path(__file__).resolve().parent / "goldens"

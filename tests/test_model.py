@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo_ctl.batching import param_count
-from olmo_ctl.recipe import ModelConfig, load_recipe
+from olmo_ctl.core.batching import param_count
+from olmo_ctl.core.recipe import ModelConfig, load_recipe
 from olmo_ctl.trainer import model as M
 
 SMOKE = load_recipe("smoke").model

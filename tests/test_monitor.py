@@ -14,7 +14,7 @@ import pytest
 import yaml
 from test_events import T0, TAGS, value, write_segment
 
-from olmo_ctl.monitor import build_report, load
+from olmo_ctl.observe.monitor import build_report, load
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "docs" / "monitor-schema.json").read_text())
@@ -39,7 +39,7 @@ def values(tag, step, desync=None):
 
 
 def write_run_yaml(run: Path, max_steps: int = 200, device: str = "cpu-2") -> None:
-    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.core.recipe import load_recipe
 
     r = load_recipe("smoke", overrides=[f"train.max_steps={max_steps}"])
     run.mkdir(parents=True, exist_ok=True)
@@ -97,9 +97,9 @@ def test_report_of_a_resumed_run(tmp_path):
     assert rep["tokens"]["per_s"] == pytest.approx(TOKENS_PER_STEP)  # one step per second
     assert rep["throughput"]["step_time_s"] == pytest.approx(1.0)
     assert rep["throughput"]["devices"] == 2
-    from olmo_ctl.devices import get_device
-    from olmo_ctl.flops import flops_per_token_olmo_core
-    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.flops import flops_per_token_olmo_core
+    from olmo_ctl.core.recipe import load_recipe
 
     ftok = flops_per_token_olmo_core(load_recipe("smoke").model, 128)
     assert rep["throughput"]["tflops_per_device"] == pytest.approx(TOKENS_PER_STEP / 2 * ftok / 1e12)
@@ -121,7 +121,7 @@ def test_report_of_a_resumed_run(tmp_path):
     assert gp["lost_s"]["recomputed"] == pytest.approx(10.0)
     assert gp["fraction"] == pytest.approx(120 / 170)
     assert rep["warnings"] == []
-    from olmo_ctl.monitor import timeline_summary
+    from olmo_ctl.observe.monitor import timeline_summary
 
     assert timeline_summary(rep["timeline"])[0] == (
         "#1 cpu-2: submitted → queued → admitted → running → preempted (exit 143 (SIGTERM))")
@@ -247,9 +247,8 @@ def test_watch_json_picks_up_new_steps(tmp_path):
 
 @pytest.mark.gcs
 def test_gcs_run_dir_and_missing_bucket(tmp_path):
-    from gcs_emulator import gcs_emulator
-
     from olmo_ctl import storage
+    from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
     local = tmp_path / "r1"
     make_resumed_run(local)
@@ -324,7 +323,7 @@ def test_watch_while_resume_until_done_survives_a_kill(tmp_path):
         events = [(r["attempt"], r["event"]) for r in rep["timeline"]]
         assert (1, "running") in events and (1, "preempted") in events and (2, "running") in events
         assert events.index((1, "preempted")) < events.index((2, "running"))
-        from olmo_ctl.monitor import timeline_summary
+        from olmo_ctl.observe.monitor import timeline_summary
 
         lines = timeline_summary(rep["timeline"])
         assert lines[0].startswith("#1 cpu-2: submitted → running → preempted (exit -9 (SIGKILL))"), lines
@@ -347,8 +346,8 @@ def test_storage_client_errors_become_exit_3():
     """The GCS client's own retry deadline (RetryError) or a refused connection is 'unreachable' (exit 3), one line."""
     from google.api_core.exceptions import RetryError
 
-    from olmo_ctl.errors import Unreachable
-    from olmo_ctl.monitor import storage_guard
+    from olmo_ctl.core.errors import Unreachable
+    from olmo_ctl.observe.monitor import storage_guard
 
     def give_up():
         raise RetryError("Timeout of 120.0s exceeded, last exception: connection refused", ConnectionRefusedError())
@@ -376,15 +375,15 @@ def test_run_average_mfu_across_a_resize(tmp_path):
                                 "committed_step": None}) + "\n")
     src = load(str(run))
     rep = build_report(src, now=T0 + 111, ask_backend=False)
-    from olmo_ctl.flops import flops_per_token_olmo_core
-    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.core.flops import flops_per_token_olmo_core
+    from olmo_ctl.core.recipe import load_recipe
 
     ftok = flops_per_token_olmo_core(load_recipe("smoke").model, 128)
     total_flops = 100 * TOKENS_PER_STEP * ftok
     assert rep["throughput"]["devices"] == 4
     assert rep["throughput"]["tflops_per_device_run_avg"] == pytest.approx(total_flops / (50 * 2 + 50 * 4) / 1e12)
     assert rep["throughput"]["tflops_per_device"] == pytest.approx(TOKENS_PER_STEP / 4 * ftok / 1e12)
-    from olmo_ctl.plot import _resume_marks
+    from olmo_ctl.observe.plot import _resume_marks
 
     assert _resume_marks(src) == ([], [(51, "cpu-2→cpu-4")])
 

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from olmo_ctl.recipe import load_recipe
+from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.trainer import optim
 
 

@@ -10,14 +10,14 @@ import sys
 import numpy as np
 import pytest
 
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 
 pytestmark = pytest.mark.parity
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from olmo_ctl.parity import run_parity  # noqa: E402
 from olmo_ctl.trainer import convert  # noqa: E402
+from olmo_ctl.trainer.parity import run_parity  # noqa: E402
 
 # A: window 16 < the 64-token test sequence, vocab 300 padded to 384, full layers at 3 and 7.
 CONFIG_A = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=8, num_attention_heads=4,
@@ -92,7 +92,7 @@ def test_parity_fp32_gqa_head_dim_and_pattern(pair_b):
 
 
 def test_parity_long_sequence_uses_blocked_attention(pair_a):
-    from olmo_ctl import parity
+    from olmo_ctl.trainer import parity
 
     seq = parity.LONG_SEQ + 256  # above the threshold: our side runs the blocked kernel
     res = run_parity(*pair_a, seq_len=seq, batch=1, dtype="fp32")
@@ -167,7 +167,7 @@ def test_refuses_to_overwrite_and_bad_layer_pattern(tmp_path, pair_a):
 @pytest.mark.gcs
 def test_gcs_round_trip(tmp_path, pair_a):
     sys.path.insert(0, os.path.dirname(__file__))
-    from gcs_emulator import gcs_emulator
+    from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
     with gcs_emulator() as (_, bucket):
         convert.hf_to_orbax(pair_a[0], f"gs://{bucket}/conv/orbax")

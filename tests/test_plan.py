@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from olmo_ctl.batching import make_plan, plan_report
-from olmo_ctl.devices import get_device
-from olmo_ctl.errors import BadInput
-from olmo_ctl.recipe import load_recipe
+from olmo_ctl.core.batching import make_plan, plan_report
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 from olmo_ctl.supervise.policy import DEFAULT_BACKOFF_S, RetryBudget, RetryPolicy, StallWatch
 
 

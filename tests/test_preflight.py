@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from olmo_ctl import preflight as pf
-from olmo_ctl.batching import param_count
-from olmo_ctl.devices import GIB, get_device
-from olmo_ctl.recipe import load_recipe
+from olmo_ctl.core.batching import param_count
+from olmo_ctl.core.devices import GIB, get_device
+from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.preflight import compile as pf
 
 pytestmark = [
     pytest.mark.tpu_compile,
@@ -152,7 +152,7 @@ def test_cli_json_and_exit_codes(base, cache):
 
 
 def test_submit_check_uses_the_plan_and_the_cache(base, recipe):
-    from olmo_ctl.batching import make_plan
+    from olmo_ctl.core.batching import make_plan
 
     dev = get_device(DEVICE)
     plan = make_plan(recipe, dev)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from olmo_ctl.batching import param_count
-from olmo_ctl.errors import BadInput
-from olmo_ctl.recipe import load_recipe
+from olmo_ctl.core.batching import param_count
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import load_recipe
 
 
 def test_stage1_recipe_values():

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from olmo_ctl.devices import get_device
-from olmo_ctl.errors import BadInput
-from olmo_ctl.recipe import load_recipe
-from olmo_ctl.resize import plan_resize
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.supervise.resize import plan_resize
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -73,12 +73,11 @@ def _commit(run_dir: str, step: int) -> None:
 @pytest.fixture
 def gke(tmp_path, monkeypatch):
     """A stage-1 run on the GCS emulator, attempt 1 running on tpu7x-512 in the test cluster."""
-    from gcs_emulator import gcs_emulator
-
     from olmo_ctl.backends.base import Attempt
     from olmo_ctl.backends.gke import GKEBackend
-    from olmo_ctl.config import Settings
+    from olmo_ctl.core.config import Settings
     from olmo_ctl.rundir import RunDir
+    from olmo_ctl.testing.gcs_emulator import gcs_emulator
     from olmo_ctl.testing.kube_server import KubeServer
 
     with KubeServer() as srv, gcs_emulator() as (_, bucket):
@@ -234,7 +233,7 @@ def _wait(pred, what: str, timeout_s: float = 240.0):
 
 
 def _logged(be, handle) -> int:
-    from olmo_ctl.smoke import last_logged_step
+    from olmo_ctl.supervise.smoke import last_logged_step
 
     return last_logged_step(be.logs(handle, 400)) or 0
 
@@ -244,7 +243,7 @@ def _log_text(be, handle) -> str:
 
 
 def _series(run_dir: str, tag: str) -> dict[int, float]:
-    from olmo_ctl.events import read_scalars
+    from olmo_ctl.observe.events import read_scalars
 
     r = read_scalars(f"{run_dir}/tensorboard")
     assert not r.problems() and r.replays(tag) == 0
@@ -260,8 +259,8 @@ def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_finishes_like_its_twin(tmp_pat
     from olmo_ctl.backends.base import Attempt
     from olmo_ctl.backends.local import LocalBackend
     from olmo_ctl.rundir import RunDir
-    from olmo_ctl.smoke import _create_run
     from olmo_ctl.supervise.policy import RetryPolicy
+    from olmo_ctl.supervise.smoke import _create_run
     from olmo_ctl.supervise.supervisor import Printer, Supervisor
 
     for k in [k for k in os.environ if k.startswith("OLMO_CTL_")]:
@@ -347,14 +346,13 @@ def supervised(tmp_path, monkeypatch):
     import io
     import os
 
-    from gcs_emulator import gcs_emulator
-
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.backends.kube import KubeRetryPolicy
-    from olmo_ctl.config import Settings
+    from olmo_ctl.core.config import Settings
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.supervise.policy import RetryPolicy
     from olmo_ctl.supervise.supervisor import Printer, Supervisor
+    from olmo_ctl.testing.gcs_emulator import gcs_emulator
     from olmo_ctl.testing.kube_server import KubeServer
 
     with KubeServer() as srv, gcs_emulator() as (_, bucket):
@@ -451,7 +449,7 @@ def test_running_supervisor_adopts_the_new_device_with_no_double_attempt(supervi
 def test_a_request_recorded_between_attempts_moves_the_next_attempt(supervised):
     """No live attempt (the supervisor starts, or waits out a backoff): the next attempt is the resized
     one, and nothing is submitted on the old device."""
-    from olmo_ctl.resize import record_request
+    from olmo_ctl.supervise.resize import record_request
 
     srv, rd, sup, result, overlaps, args, out = supervised
     record_request(rd, "tpu7x-128", "now")
@@ -470,7 +468,7 @@ def test_a_request_recorded_between_attempts_moves_the_next_attempt(supervised):
 
 @pytest.mark.gcs
 def test_supervisor_refuses_an_impossible_request_and_keeps_its_attempt(supervised):
-    from olmo_ctl.resize import record_request, wait_for_request
+    from olmo_ctl.supervise.resize import record_request, wait_for_request
 
     srv, rd, sup, result, overlaps, args, out = supervised
     t = _start(sup, result)

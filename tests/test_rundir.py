@@ -11,13 +11,13 @@ import threading
 import pytest
 
 from olmo_ctl import storage
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 from olmo_ctl.rundir import COMMIT_MARKER, LeaseHeld, LeaseLost, RunDir
 
 
 @pytest.fixture(scope="module")
 def gcs():
-    from gcs_emulator import gcs_emulator
+    from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
     with gcs_emulator("olmo-runs") as (url, bucket):
         storage._gcs = None  # a client made for another emulator must not be reused

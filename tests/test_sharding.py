@@ -11,7 +11,7 @@ import textwrap
 import jax
 from jax.sharding import PartitionSpec as P
 
-from olmo_ctl.recipe import ModelConfig
+from olmo_ctl.core.recipe import ModelConfig
 from olmo_ctl.trainer import model as M
 from olmo_ctl.trainer import sharding as S
 
@@ -42,7 +42,7 @@ def test_7b_specs_shard_the_largest_divisible_axis_never_the_layer_axis():
 SCRIPT = textwrap.dedent("""
     import json, dataclasses
     import jax, jax.numpy as jnp
-    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.trainer import model as M, sharding as S
     assert jax.device_count() == 4
     cfg = load_recipe("smoke").model

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from olmo_ctl.smoke import CHECKS, CheckResult, SmokeReport, junit_xml
+from olmo_ctl.supervise.smoke import CHECKS, CheckResult, SmokeReport, junit_xml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,12 +184,11 @@ class _Kubelet:
 def test_gke_smoke_on_v5p_8_against_the_test_cluster_and_gcs(tmp_path):
     """The GKE path as the TPU workflow runs it: JobSets through the Kubernetes API, progress from the pod
     log, the stop by JobSet deletion (the trainer gets SIGTERM), checkpoints and events on gs://."""
-    from gcs_emulator import gcs_emulator
-
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.backends.kube import KubeRetryPolicy
-    from olmo_ctl.config import Settings
-    from olmo_ctl.smoke import SmokeConfig, run_smoke
+    from olmo_ctl.core.config import Settings
+    from olmo_ctl.supervise.smoke import SmokeConfig, run_smoke
+    from olmo_ctl.testing.gcs_emulator import gcs_emulator
     from olmo_ctl.testing.kube_server import KubeServer
 
     with KubeServer() as srv, gcs_emulator() as (_, bucket):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from gcs_emulator import gcs_emulator
 
 from olmo_ctl import storage
+from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
 
 @contextlib.contextmanager

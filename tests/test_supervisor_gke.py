@@ -14,9 +14,9 @@ import pytest
 from olmo_ctl import storage
 from olmo_ctl.backends.gke import GKEBackend
 from olmo_ctl.backends.kube import KubeRetryPolicy
-from olmo_ctl.config import Settings
-from olmo_ctl.errors import OlmoCtlError
-from olmo_ctl.recipe import load_recipe
+from olmo_ctl.core.config import Settings
+from olmo_ctl.core.errors import OlmoCtlError
+from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.rundir import COMMIT_MARKER, RunDir, parse_iso
 from olmo_ctl.supervise.policy import RetryPolicy
 from olmo_ctl.supervise.supervisor import Printer, Supervisor
@@ -65,7 +65,7 @@ def admit_run(s: Script, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def gcs():
-    from gcs_emulator import gcs_emulator
+    from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
     with gcs_emulator("olmo-sup") as (url, bucket):
         storage._gcs = None  # a client made for another emulator must not be reused

@@ -19,7 +19,7 @@ import pytest
 
 from olmo_ctl.backends.base import Handle, State
 from olmo_ctl.backends.local import LocalBackend, classify_exit, proc_start_time
-from olmo_ctl.recipe import load_recipe
+from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.rundir import RunDir
 from olmo_ctl.supervise.policy import RetryPolicy
 from olmo_ctl.supervise.supervisor import Printer, Supervisor
@@ -252,9 +252,8 @@ def test_submit_returns_once_submitted_and_never_doubles_a_live_attempt(tmp_path
 
 @pytest.mark.gcs
 def test_gs_run_dir_resumes_from_orbax_commit_markers(tmp_path):
-    from gcs_emulator import gcs_emulator
-
     from olmo_ctl import storage
+    from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
     with gcs_emulator("olmo-e2e") as (_, bucket):
         storage._gcs = None

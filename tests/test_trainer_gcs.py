@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from gcs_emulator import gcs_emulator
 from test_trainer_resume import train
+
+from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
 pytestmark = pytest.mark.gcs
 

@@ -102,7 +102,7 @@ def test_sigkill_replays_from_the_last_checkpoint_and_readers_see_each_step_once
 
 def test_storage_trouble_is_retryable_and_bugs_are_not():
     """Exit 3 (the supervisor retries) for storage/network errors, a traceback and exit 1 for bugs."""
-    from olmo_ctl.errors import Unreachable
+    from olmo_ctl.core.errors import Unreachable
     from olmo_ctl.trainer.train import _is_transient_io_error
 
     class ClientConnectorError(OSError):  # aiohttp's name, as gcsfs raises it

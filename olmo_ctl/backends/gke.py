@@ -1,11 +1,11 @@
 """The GKE backend: an attempt is one JobSet, queued by Kueue, on a TPU slice.
 
-`render` is pure (the JobSet from `olmo_ctl.manifest.render_jobset`, what --dry-run prints).
+`render` is pure (the JobSet from `olmo_ctl.backends.jobset.render_jobset`, what --dry-run prints).
 `submit` creates it with strict field validation; a 409 on the same name means an earlier try of
 this very submit went through (a lost response, a restarted supervisor), so the JobSet is adopted
 when its labels say it is this attempt, and refused otherwise. `status` reads the JobSet, the Kueue
 Workload it owns (found by ownerReference uid, never by name), its pods and their events, and hands
-them to `olmo_ctl.state.classify`; for a failure it adds the failed pod's last log lines. `stop`
+them to `olmo_ctl.backends.gke_status.classify`; for a failure it adds the failed pod's last log lines. `stop`
 deletes with propagationPolicy Foreground and a uid precondition, so only this attempt's object
 goes. Every call goes through `kube.call` (retries on connection errors, 429 and 5xx; never on
 other 4xx; `Unreachable` after the budget: nothing is deleted or created on the way out).
@@ -27,7 +27,7 @@ from olmo_ctl.backends.kube import (
     make_api_client,
     status_message,
 )
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSETS = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 KUEUE_GROUP, WORKLOADS = "kueue.x-k8s.io", "workloads"
@@ -125,9 +125,9 @@ class GKEBackend:
     # ------------------------------------------------------------------ render
     def render(self, attempt: Attempt) -> dict:
         """The JobSet for this attempt (pure apart from reading the recipe)."""
-        from olmo_ctl.batching import make_plan
-        from olmo_ctl.devices import get_device
-        from olmo_ctl.manifest import render_jobset
+        from olmo_ctl.backends.jobset import render_jobset
+        from olmo_ctl.core.batching import make_plan
+        from olmo_ctl.core.devices import get_device
 
         if self.settings is None:
             raise BadInput("the GKE backend needs site settings to render a JobSet",
@@ -146,7 +146,7 @@ class GKEBackend:
 
     @staticmethod
     def _load_recipe(attempt: Attempt):
-        from olmo_ctl.recipe import load_recipe, recipe_from_dict
+        from olmo_ctl.core.recipe import load_recipe, recipe_from_dict
 
         if attempt.recipe_path:
             return load_recipe(attempt.recipe_path)
@@ -239,7 +239,7 @@ class GKEBackend:
         return js, wl, pods, events
 
     def status(self, handle: Handle) -> AttemptStatus:
-        from olmo_ctl.state import classify
+        from olmo_ctl.backends.gke_status import classify
 
         js, wl, pods, events = self.read_objects(handle)
         st = classify(js, wl, pods, events)
@@ -363,7 +363,7 @@ class GKEBackend:
         pods = self._list_pods(ns, handle.name)
         if not pods:
             return []
-        from olmo_ctl.state import container_exits
+        from olmo_ctl.backends.gke_status import container_exits
 
         exits = container_exits(pods)
         if exits:

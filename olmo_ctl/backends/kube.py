@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from olmo_ctl.errors import BadInput, Unreachable
+from olmo_ctl.core.errors import BadInput, Unreachable
 
 T = TypeVar("T")
 

@@ -28,7 +28,7 @@ from olmo_ctl.cli import (
     surgery,  # noqa: E402,F401
 )
 from olmo_ctl.cli.app import app
-from olmo_ctl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, OlmoCtlError
+from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, OlmoCtlError
 
 
 def main(argv: list[str] | None = None) -> int:

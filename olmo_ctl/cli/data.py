@@ -25,7 +25,7 @@ def prepare(
     Text is tokenized byte by byte (tokens 0-255, EOS 256 after each file; vocab 258 as in the
     smoke recipe). Pre-tokenized .npy files (e.g. dolma2) are copied as they are.
     """
-    from olmo_ctl.trainer.datafiles import prepare as do_prepare
+    from olmo_ctl.data.files import prepare as do_prepare
 
     manifest = do_prepare(list(files), out, held_out_fraction=held_out_fraction, seq_len=seq_len)
     if output == Output.json:
@@ -42,7 +42,7 @@ def prepare(
 
 def data_report(recipe) -> dict:
     """What a recipe's data resolves to: files, tokens, instances, epoch length and fingerprint."""
-    from olmo_ctl.trainer.datafiles import dataset_fingerprint, resolve_files
+    from olmo_ctl.data.files import dataset_fingerprint, resolve_files
 
     t = recipe.train
     files = resolve_files(recipe, "train")
@@ -77,7 +77,7 @@ def info(
     output: OutputOpt = Output.table,
 ) -> None:
     """Resolve a recipe's data: files, tokens, instances, batches per epoch, and the dataset fingerprint."""
-    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.core.recipe import load_recipe
 
     d = data_report(load_recipe(recipe, stage, set_ or []))
     if output == Output.json:

@@ -44,8 +44,8 @@ def devices(
     output: OutputOpt = Output.table,
 ) -> None:
     """List TPU slice types (and the local backend's cpu-N / gpu-N)."""
-    from olmo_ctl import devices as dev
-    from olmo_ctl.errors import BadInput
+    from olmo_ctl.core import devices as dev
+    from olmo_ctl.core.errors import BadInput
 
     local = dev.local_catalog()
     if generation is None:
@@ -136,10 +136,10 @@ def plan(
     output: OutputOpt = Output.table,
 ) -> None:
     """Split the recipe's global batch over a device and estimate the compute it needs."""
-    from olmo_ctl.batching import plan_report
-    from olmo_ctl.devices import get_device
-    from olmo_ctl.errors import BadInput
-    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.core.batching import plan_report
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.errors import BadInput
+    from olmo_ctl.core.recipe import load_recipe
 
     if not 0 < mfu <= 1:
         raise BadInput(f"--mfu {mfu:g} is not a fraction in (0, 1]", "for 40% pass --mfu 0.4")
@@ -171,7 +171,7 @@ def config_show(
     output: OutputOpt = Output.table,
 ) -> None:
     """Show the resolved site settings and where each value came from."""
-    from olmo_ctl.config import DESCRIPTIONS, config_path, resolve_settings, setting_names
+    from olmo_ctl.core.config import DESCRIPTIONS, config_path, resolve_settings, setting_names
 
     s = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
                          priority_class=priority_class, image=image, run_root=run_root,

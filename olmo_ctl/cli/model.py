@@ -23,7 +23,7 @@ CkptRecipeOpt = Annotated[str | None, typer.Option(
 def _need(*modules: str, extra: str) -> None:
     import importlib.util
 
-    from olmo_ctl.errors import BadInput
+    from olmo_ctl.core.errors import BadInput
 
     for m in modules:
         if importlib.util.find_spec(m) is None:
@@ -42,7 +42,7 @@ def hf_to_orbax(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Convert a Hugging Face Olmo3ForCausalLM checkpoint into Orbax parameters (+ olmo_model.json)."""
-    from olmo_ctl.errors import BadInput
+    from olmo_ctl.core.errors import BadInput
 
     _need("jax", "orbax.checkpoint", extra="trainer")
     if param_dtype not in ("float32", "bfloat16"):
@@ -66,7 +66,7 @@ def orbax_to_hf(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Convert Orbax parameters back to a Hugging Face Olmo3ForCausalLM directory (vocab truncated)."""
-    from olmo_ctl.errors import BadInput
+    from olmo_ctl.core.errors import BadInput
 
     _need("jax", "orbax.checkpoint", extra="trainer")
     if dtype not in (None, "float32", "bfloat16"):
@@ -90,13 +90,13 @@ def parity(
     output: OutputOpt = Output.table,
 ) -> None:
     """Run both models on the same random tokens; report KL(HF || ours), top-1 and top-10 agreement."""
-    from olmo_ctl.errors import BadInput
+    from olmo_ctl.core.errors import BadInput
 
     if dtype not in ("fp32", "bf16"):
         raise BadInput(f"--dtype {dtype} is not fp32 or bf16")
     _need("jax", "orbax.checkpoint", extra="trainer")
     _need("torch", "transformers", extra="parity")
-    from olmo_ctl.parity import run_parity
+    from olmo_ctl.trainer.parity import run_parity
 
     res = run_parity(hf_dir, orbax_dir, seq_len=seq_len, batch=batch, dtype=dtype, seed=seed, recipe=recipe)
     if output == Output.json:

@@ -51,7 +51,7 @@ def render(rep: dict):
     from rich.table import Table
     from rich.text import Text
 
-    from olmo_ctl.monitor import timeline_summary
+    from olmo_ctl.observe.monitor import timeline_summary
 
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
@@ -115,8 +115,8 @@ def render(rep: dict):
 def _refreshed(src, last: dict, stall_after, backend: bool) -> dict:
     """The next report; when storage is briefly unreachable, the last one with a warning (a watch that
     runs for days must ride out a transient outage; the next refresh tries again)."""
-    from olmo_ctl.errors import OlmoCtlError
-    from olmo_ctl.monitor import build_report
+    from olmo_ctl.core.errors import OlmoCtlError
+    from olmo_ctl.observe.monitor import build_report
 
     try:
         src.refresh()
@@ -142,15 +142,15 @@ def monitor(
 
     Exit codes: 0 ok, 2 not a run directory, 3 storage unreachable.
     """
-    from olmo_ctl.errors import BadInput
-    from olmo_ctl.monitor import build_report, load
+    from olmo_ctl.core.errors import BadInput
+    from olmo_ctl.observe.monitor import build_report, load
 
     if interval <= 0:
         raise BadInput(f"--interval {interval} must be positive")
     src = load(run)
     rep = build_report(src, stall_after_s=stall_after, ask_backend=backend)
     if plot:
-        from olmo_ctl.plot import write_plot
+        from olmo_ctl.observe.plot import write_plot
 
         write_plot(src, rep, plot)
     if not watch:
@@ -198,7 +198,7 @@ def compare(
 
     Exit codes: 0 compared (whatever the verdict), 2 bad input, 3 storage unreachable.
     """
-    from olmo_ctl.compare import compare as do_compare
+    from olmo_ctl.observe.compare import compare as do_compare
 
     res = do_compare(a, b, tags, bin_steps=bin_steps, threshold=threshold, per_step=per_step)
     if output == Output.json:

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import DeviceOpt, Output, OutputOpt, RecipeOpt, SetOpt, StageOpt, app, print_json
-from olmo_ctl.errors import EXIT_RUN_FAILED, OlmoCtlError
+from olmo_ctl.core.errors import EXIT_RUN_FAILED, OlmoCtlError
 
 GIB = 1024**3
 
@@ -87,10 +87,10 @@ def preflight(
 
     Exit 0 when it fits, 1 when it does not (by how many GiB), 2 on bad input.
     """
-    from olmo_ctl import preflight as pf
-    from olmo_ctl.devices import get_device
-    from olmo_ctl.errors import BadInput
-    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.errors import BadInput
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.preflight import compile as pf
 
     if stage is None and recipe is None:
         stage = 1

@@ -28,8 +28,8 @@ def _echo(text: str) -> None:
 
 
 def _make_backend(settings, run_root: str, device: str):
-    from olmo_ctl.devices import get_device
-    from olmo_ctl.errors import BadInput
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.errors import BadInput
 
     dev = get_device(device)
     if settings.backend == "gke":
@@ -72,9 +72,9 @@ def smoke(
     import shutil
     import tempfile
 
-    from olmo_ctl.config import resolve_settings
-    from olmo_ctl.errors import BadInput
-    from olmo_ctl.smoke import FAULT_ENV, SmokeConfig, junit_xml, run_smoke
+    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.core.errors import BadInput
+    from olmo_ctl.supervise.smoke import FAULT_ENV, SmokeConfig, junit_xml, run_smoke
 
     settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue, image=image,
                                 run_root=run_root, backend=backend)
@@ -131,10 +131,10 @@ def resize(
 ) -> None:
     """Continue RUN on DEVICE at the same global batch: commit the latest state, stop the attempt,
     submit the next one on DEVICE. With a live supervisor, the request is recorded for it to carry out."""
-    from olmo_ctl.config import resolve_settings
-    from olmo_ctl.errors import BadInput
-    from olmo_ctl.resize import prepare, resize_run, supervisor_alive
+    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.core.errors import BadInput
     from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.resize import prepare, resize_run, supervisor_alive
 
     if at_next_checkpoint and now:
         raise BadInput("--at-next-checkpoint and --now are exclusive", "give one of them")

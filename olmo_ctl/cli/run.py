@@ -59,12 +59,12 @@ def resume_until_done(
     Ctrl-C detaches (130) and leaves the attempt running."""
     import signal
 
-    from olmo_ctl.config import resolve_settings
-    from olmo_ctl.errors import BadInput
-    from olmo_ctl.manifest import default_run_name, validate_run_name
+    from olmo_ctl.backends.jobset import default_run_name, validate_run_name
+    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.core.errors import BadInput
     from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.attempts import ensure_run, make_backend
     from olmo_ctl.supervise.policy import RetryPolicy
-    from olmo_ctl.supervise.submit import ensure_run, make_backend
     from olmo_ctl.supervise.supervisor import Supervisor
 
     if run_name and run and run_name != run:
@@ -77,7 +77,7 @@ def resume_until_done(
         raise BadInput("no run root configured", "pass --run-root DIR (or gs://...), or set OLMO_CTL_RUN_ROOT")
     r = None
     if recipe is not None or stage is not None:
-        from olmo_ctl.recipe import load_recipe
+        from olmo_ctl.core.recipe import load_recipe
 
         r = load_recipe(recipe, stage, set_ or ())
     elif set_:
@@ -87,7 +87,7 @@ def resume_until_done(
         raise BadInput("which run?", "pass RUN, or --recipe/--stage with --device to create one")
     validate_run_name(name)
     if device is not None:
-        from olmo_ctl.devices import get_device
+        from olmo_ctl.core.devices import get_device
 
         dev = get_device(device)
         if settings.backend == "gke" and not dev.is_tpu:

@@ -28,7 +28,7 @@ def run_dir_for(run_root: str, run: str) -> str:
 
 
 def _write_manifest(path: Path, text: str) -> None:
-    from olmo_ctl.errors import BadInput
+    from olmo_ctl.core.errors import BadInput
 
     if path.is_dir():
         raise BadInput(f"--output-manifest `{path}` is a directory", "give a file name, e.g. jobset.yaml")
@@ -72,11 +72,7 @@ def submit(
     ] = False,
 ) -> None:
     """Submit one attempt of a run (a JobSet queued by Kueue); --dry-run prints exactly what is applied."""
-    from olmo_ctl.batching import make_plan
-    from olmo_ctl.config import resolve_settings
-    from olmo_ctl.devices import get_device
-    from olmo_ctl.errors import BadInput
-    from olmo_ctl.manifest import (
+    from olmo_ctl.backends.jobset import (
         default_run_name,
         dump_json,
         dump_yaml,
@@ -84,7 +80,11 @@ def submit(
         render_jobset,
         validate_run_name,
     )
-    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.core.batching import make_plan
+    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.errors import BadInput
+    from olmo_ctl.core.recipe import load_recipe
 
     settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
                                 priority_class=priority_class, image=image, run_root=run_root,
@@ -105,14 +105,14 @@ def submit(
             raise BadInput(f"site settings still hold placeholders ({names})",
                            "see `olmo-ctl config show`; --dry-run works without them")
         try:
-            from olmo_ctl.supervise.submit import submit_attempt
+            from olmo_ctl.supervise.attempts import submit_attempt
         except ModuleNotFoundError as e:
-            if e.name not in ("olmo_ctl.supervise", "olmo_ctl.supervise.submit"):
+            if e.name not in ("olmo_ctl.supervise", "olmo_ctl.supervise.attempts"):
                 raise
             raise BadInput("submit without --dry-run needs the supervisor (olmo_ctl.supervise), which is missing",
                            "use --dry-run to render the manifest") from None
         if not no_preflight:  # TPU slices only, when libtpu is installed; cached per recipe/device/trainer
-            from olmo_ctl.preflight import submit_check
+            from olmo_ctl.preflight.compile import submit_check
 
             submit_check(r, dev, plan, log=note)
         submit_attempt(recipe=r, device=dev, plan=plan, settings=settings, run=run_name, run_dir=run_dir,

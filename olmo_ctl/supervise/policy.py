@@ -15,7 +15,7 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 
 DEFAULT_BACKOFF_S = 300.0
 DEFAULT_MAX_RETRIES = 5

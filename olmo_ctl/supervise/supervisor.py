@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from olmo_ctl.backends.base import AttemptStatus, Handle, State
-from olmo_ctl.errors import (
+from olmo_ctl.core.errors import (
     EXIT_GAVE_UP,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -40,8 +40,8 @@ from olmo_ctl.errors import (
     OlmoCtlError,
 )
 from olmo_ctl.rundir import LeaseLost, RunDir, parse_iso
+from olmo_ctl.supervise.attempts import live_attempt, run_device, submit_next
 from olmo_ctl.supervise.policy import RetryBudget, RetryPolicy, StallWatch
-from olmo_ctl.supervise.submit import live_attempt, run_device, submit_next
 
 _STEP_LINE = re.compile(r"\bstep (\d+)/(\d+)\b")
 
@@ -269,7 +269,7 @@ class Supervisor:
                 if m:
                     return m.group(1)
         try:
-            from olmo_ctl.events import read_scalars
+            from olmo_ctl.observe.events import read_scalars
 
             s = read_scalars(self.rd.p("tensorboard")).series("train/CE loss")
             return f"{float(s.values[-1]):.4f}" if s is not None and len(s) else None
@@ -357,7 +357,7 @@ class Supervisor:
         return None
 
     def _resize(self, h: Handle, req: dict) -> Handle:
-        from olmo_ctl import resize
+        from olmo_ctl.supervise import resize
 
         self.out.line(f"resize request {req.get('id')}: to {req.get('device')}")
         new = resize.carry_out_request(self.rd, self.backend, h, req, heartbeat=self._beat, log=self.out.line)

@@ -48,7 +48,7 @@ def _maybe_distributed(device: str | None) -> None:
     """Multi-host TPU slices: one process per VM, joined before any other jax call."""
     if not device or device.startswith(("cpu-", "gpu-")):
         return
-    from olmo_ctl.devices import get_device
+    from olmo_ctl.core.devices import get_device
 
     dev = get_device(device)
     if dev.is_tpu and dev.vms > 1:
@@ -59,7 +59,7 @@ def _maybe_distributed(device: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse(sys.argv[1:] if argv is None else argv)
-    from olmo_ctl.errors import OlmoCtlError
+    from olmo_ctl.core.errors import OlmoCtlError
 
     try:
         _prepare_env(ns.device)

@@ -124,7 +124,7 @@ def _tree_map_meta(fn, tree):
 
 def split_step_dir(path: str) -> tuple[str, int]:
     """`<...>/checkpoints/<N>` -> (`<...>/checkpoints`, N); a BadInput if it is not a step directory."""
-    from olmo_ctl.errors import BadInput
+    from olmo_ctl.core.errors import BadInput
 
     p = path.rstrip("/")
     parent, _, name = p.rpartition("/")
@@ -135,7 +135,7 @@ def split_step_dir(path: str) -> tuple[str, int]:
 
 def open_step(path: str) -> tuple[Checkpointer, int]:
     """A read-only manager on the checkpoint step directory `path`, checked to be committed."""
-    from olmo_ctl.errors import BadInput
+    from olmo_ctl.core.errors import BadInput
 
     parent, step = split_step_dir(path)
     ckpt = Checkpointer(parent, read_only=True, async_save=False)

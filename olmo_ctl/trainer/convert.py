@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from olmo_ctl.errors import BadInput
-from olmo_ctl.recipe import ModelConfig
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import ModelConfig
 from olmo_ctl.storage import is_gcs, join, store_for
 
 META_FILE = "olmo_model.json"
@@ -448,7 +448,7 @@ def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None, recipe: str | 
 def _load_run_checkpoint(step_dir: str, cfg_overrides: dict | None = None, recipe: str | None = None):
     import yaml
 
-    from olmo_ctl.recipe import load_recipe, recipe_from_dict
+    from olmo_ctl.core.recipe import load_recipe, recipe_from_dict
     from olmo_ctl.trainer.checkpoint import open_step
 
     if recipe is not None:

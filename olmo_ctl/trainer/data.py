@@ -30,8 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from olmo_ctl import storage
-from olmo_ctl.errors import BadInput
-from olmo_ctl.trainer.datafiles import (
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.data.files import (
     TOKEN_BYTES,
     TOKEN_DTYPE,
     TokenFile,

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from olmo_ctl.recipe import ModelConfig
+from olmo_ctl.core.recipe import ModelConfig
 from olmo_ctl.trainer import attention as attn_lib
 from olmo_ctl.trainer import sharding
 

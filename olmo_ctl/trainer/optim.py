@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from olmo_ctl.recipe import OptimizerConfig, Recipe, ScheduleConfig
+from olmo_ctl.core.recipe import OptimizerConfig, Recipe, ScheduleConfig
 
 EMBED_KEY = "embed"  # the input embedding: the only parameter without weight decay
 

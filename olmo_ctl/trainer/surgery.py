@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 
 
 def _quiet_orbax() -> None:

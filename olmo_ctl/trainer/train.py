@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from olmo_ctl.errors import BadInput, OlmoCtlError
-from olmo_ctl.recipe import Recipe
+from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.core.recipe import Recipe
 
 EXIT_SIGTERM = 143
 IGNORE_INDEX = -100
@@ -65,7 +65,7 @@ def load_run_recipe(args: TrainArgs) -> Recipe:
     """`--recipe` (file, name or gs:// URL) or the `recipe:` section of `<run-dir>/run.yaml`."""
     import yaml
 
-    from olmo_ctl.recipe import load_recipe, recipe_from_dict
+    from olmo_ctl.core.recipe import load_recipe, recipe_from_dict
     from olmo_ctl.storage import NotFound, is_gcs, join, store_for
 
     if args.recipe and is_gcs(args.recipe):
@@ -223,7 +223,7 @@ class _Stop:
 def _device_for(args: TrainArgs):
     import jax
 
-    from olmo_ctl.devices import get_device
+    from olmo_ctl.core.devices import get_device
 
     if args.device:
         dev = get_device(args.device)
@@ -257,7 +257,7 @@ def _micro_layout(x: np.ndarray, local_devices: int, accum: int) -> np.ndarray:
 def run(args: TrainArgs) -> int:
     import jax
 
-    from olmo_ctl import batching, flops
+    from olmo_ctl.core import batching, flops
     from olmo_ctl.trainer import data as data_lib
     from olmo_ctl.trainer import model, optim, sharding
     from olmo_ctl.trainer.checkpoint import Checkpointer
@@ -553,7 +553,7 @@ def replace_args(args: TrainArgs, **kw) -> TrainArgs:
 
 def _is_transient_io_error(e: BaseException) -> bool:
     """Storage or network trouble (retrying the attempt may succeed), as opposed to a bug."""
-    from olmo_ctl.errors import Unreachable
+    from olmo_ctl.core.errors import Unreachable
 
     for exc in (e, e.__cause__, e.__context__):
         if exc is None:

@@ -5,9 +5,9 @@ The dict's shape is the stable JSON schema `docs/monitor-schema.json` (`olmo-ctl
 the table view and the plot are drawn from it. Everything is derived from data the run directory
 keeps, so two people monitoring the same run see the same numbers:
 
-* progress, tokens, losses: the de-duplicated TensorBoard scalars (`olmo_ctl.events`);
+* progress, tokens, losses: the de-duplicated TensorBoard scalars (`olmo_ctl.observe.events`);
 * step time, tokens/s, TFLOP/s, MFU: wall times of `train/CE loss` points within one attempt
-  (a gap between attempts is never counted as a slow step) and `olmo_ctl.flops` for the model;
+  (a gap between attempts is never counted as a slow step) and `olmo_ctl.core.flops` for the model;
 * goodput: time on steps that count / wall time, and where the rest went (queueing and start-up from
   the journal, steps recomputed after a resume, checkpoint saves from `checkpoint/save_duration_s`).
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from olmo_ctl import storage
-from olmo_ctl.errors import BadInput, OlmoCtlError
-from olmo_ctl.events import EventReader, Series
+from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.observe.events import EventReader, Series
 
 SCHEMA_ID = "olmo-ctl/monitor/v1"
 LOSS_TAG = "train/CE loss"
@@ -120,7 +120,7 @@ def storage_guard(path: str, fn):
     except Exception as e:
         mod = type(e).__module__ or ""
         if mod.startswith(("google.", "requests", "urllib3", "http.")) or isinstance(e, OSError):
-            from olmo_ctl.errors import Unreachable
+            from olmo_ctl.core.errors import Unreachable
 
             detail = " ".join(str(e).split())[:200]
             raise Unreachable(f"storage unreachable for `{path}`: {type(e).__name__}: {detail}",
@@ -260,7 +260,7 @@ def _recipe(run_doc: dict | None):
     if not run_doc or not isinstance(run_doc.get("recipe"), dict):
         return None
     try:
-        from olmo_ctl.recipe import recipe_from_dict
+        from olmo_ctl.core.recipe import recipe_from_dict
 
         return recipe_from_dict(run_doc["recipe"], "run.yaml")
     except Exception:
@@ -271,7 +271,7 @@ def _device(name: str | None):
     if not name:
         return None
     try:
-        from olmo_ctl.devices import get_device
+        from olmo_ctl.core.devices import get_device
 
         return get_device(name)
     except Exception:
@@ -454,7 +454,7 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
     n_devices = dev.devices if dev else None
     if recipe:
         try:
-            from olmo_ctl.flops import flops_per_token_olmo_core
+            from olmo_ctl.core.flops import flops_per_token_olmo_core
 
             flops_tok = flops_per_token_olmo_core(recipe.model, recipe.train.seq_len)
         except Exception:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from olmo_ctl.errors import BadInput
-from olmo_ctl.monitor import EVAL_TAG, LOSS_TAG, LR_TAGS, Sources, _intervals
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.observe.monitor import EVAL_TAG, LOSS_TAG, LR_TAGS, Sources, _intervals
 
 
 def _resume_marks(src: Sources) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from olmo_ctl.backends.base import Attempt, Handle
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 from olmo_ctl.rundir import RunDir
 
 
@@ -29,7 +29,7 @@ def make_backend(settings: Any, run_root: str | None = None):
 
 def data_fingerprint(recipe) -> str:
     """The fingerprint the trainer's loader checks (file names and sizes, seq_len, data seed)."""
-    from olmo_ctl.trainer.datafiles import dataset_fingerprint, resolve_files
+    from olmo_ctl.data.files import dataset_fingerprint, resolve_files
 
     return dataset_fingerprint(resolve_files(recipe, "train"), recipe.train.seq_len, recipe.data.seed)
 
@@ -109,7 +109,7 @@ def submit_attempt(recipe=None, device=None, plan=None, settings=None, run: str 
             # An ended attempt is deleted first: Kueue would requeue an evicted JobSet next to its successor.
             backend.stop(Handle.from_dict(last["handle"]), graceful=False)
         if output_manifest is not None and backend.name == "gke":
-            from olmo_ctl.manifest import dump_yaml
+            from olmo_ctl.backends.jobset import dump_yaml
 
             n = attempt if attempt is not None else rundir.next_attempt_number()
             output_manifest.write_text(dump_yaml(backend.render(Attempt(rundir.name, rundir.path, n, dev_name))))

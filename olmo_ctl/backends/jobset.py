@@ -16,13 +16,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from olmo_ctl.batching import Plan
-from olmo_ctl.config import Settings
-from olmo_ctl.devices import Device
-from olmo_ctl.errors import BadInput
-from olmo_ctl.recipe import Recipe
+from olmo_ctl.core.batching import Plan
+from olmo_ctl.core.config import Settings
+from olmo_ctl.core.devices import Device
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import Recipe
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "launch_templates"
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "launch_templates"
 
 # Labels and annotations the GKE backend and `monitor` look attempts up by.
 LABEL_QUEUE = "kueue.x-k8s.io/queue-name"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 
 ENV_PREFIX = "OLMO_CTL_"
 

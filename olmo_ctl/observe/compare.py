@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from olmo_ctl import storage
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 
 CURVE_SUFFIXES = (".csv", ".tsv", ".txt")
 DEFAULT_TAGS = ("train/CE loss",)
@@ -65,7 +65,7 @@ class Side:
         if is_curve_file(src):
             self.curve = read_curve(src)
         else:
-            from olmo_ctl.monitor import load
+            from olmo_ctl.observe.monitor import load
 
             self.reader = load(src).reader
 

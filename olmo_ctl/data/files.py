@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from olmo_ctl import storage
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 
 TOKEN_DTYPE = np.dtype("<u4")
 TOKEN_BYTES = 4

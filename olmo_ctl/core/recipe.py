@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 import yaml
 
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 STAGE_RECIPES = {1: "olmo3-7b-stage1", 2: "olmo3-7b-stage2"}
 
 

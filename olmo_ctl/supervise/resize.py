@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from olmo_ctl.batching import Plan, make_plan
-from olmo_ctl.errors import EXIT_TIMEOUT, BadInput, OlmoCtlError
+from olmo_ctl.core.batching import Plan, make_plan
+from olmo_ctl.core.errors import EXIT_TIMEOUT, BadInput, OlmoCtlError
 
 MODES = ("now", "at-next-checkpoint")
 PLAN_FIELDS = ("device", "devices", "global_batch", "per_device_batch", "grad_accum", "seq_len", "tokens_per_step",
@@ -97,7 +97,7 @@ def _request_text(request: Any) -> str:
         return ""
     if hasattr(request, "to_dict"):
         request = request.to_dict()
-    from olmo_ctl.manifest import dump_yaml
+    from olmo_ctl.backends.jobset import dump_yaml
 
     return dump_yaml(request)
 
@@ -125,7 +125,7 @@ def current_attempt(rundir) -> tuple[int, str, Any]:
 
 
 def _run_recipe(rundir):
-    from olmo_ctl.recipe import recipe_from_dict
+    from olmo_ctl.core.recipe import recipe_from_dict
 
     doc = rundir.read_run()
     return recipe_from_dict(doc["recipe"], rundir.p("run.yaml"))
@@ -134,7 +134,7 @@ def _run_recipe(rundir):
 def prepare(rundir, backend, to_device: str) -> ResizePlan:
     """Plan the resize of the run in `rundir` to `to_device`, with both attempts rendered (no side effect)."""
     from olmo_ctl.backends.base import Attempt
-    from olmo_ctl.devices import get_device
+    from olmo_ctl.core.devices import get_device
 
     recipe = _run_recipe(rundir)
     attempt, device, _ = current_attempt(rundir)

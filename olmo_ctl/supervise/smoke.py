@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from olmo_ctl.errors import EXIT_OK, EXIT_RUN_FAILED, EXIT_TIMEOUT, BadInput
+from olmo_ctl.core.errors import EXIT_OK, EXIT_RUN_FAILED, EXIT_TIMEOUT, BadInput
 
 CHECKS = ("loss_fell", "checkpoint_committed", "forced_stop", "resume_exact", "events_readable")
 FAULT_ENV = "OLMO_CTL_SMOKE_FAULT"
@@ -360,7 +360,7 @@ def _create_run(rundir, recipe, device: str, local: bool = True) -> None:
     stdlib, so its fingerprint is only known here when this machine trains (local backend)."""
     fp = ""
     if local:
-        from olmo_ctl.trainer.datafiles import dataset_fingerprint, resolve_files
+        from olmo_ctl.data.files import dataset_fingerprint, resolve_files
 
         fp = dataset_fingerprint(resolve_files(recipe, "train"), recipe.train.seq_len, recipe.data.seed)
     rundir.create_run(recipe.to_dict(), recipe.fingerprint(), fp, device)
@@ -373,10 +373,10 @@ def new_run_name(device: str) -> str:
 def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
               log: Callable[[str], None] = lambda s: None, run_name: str | None = None) -> SmokeReport:
     """Run the smoke attempts on `backend` under `run_root` and return the checked report."""
-    from olmo_ctl.batching import make_plan
-    from olmo_ctl.devices import get_device
-    from olmo_ctl.events import read_scalars
-    from olmo_ctl.recipe import load_recipe
+    from olmo_ctl.core.batching import make_plan
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.observe.events import read_scalars
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.storage import join
 

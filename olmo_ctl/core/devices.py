@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 
 GIB = 1024**3
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from olmo_ctl import storage
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 
 CHUNK_BYTES = 64 << 20  # read files in chunks this large (bounded memory on multi-GB logs)
 _MAX_TEMPLATE_LEN = 4096  # records longer than this (graphs, hparams) take the slow path

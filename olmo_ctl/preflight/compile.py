@@ -17,7 +17,7 @@ What comes back, per device:
   its most expensive branch, as XLA does: the blocked attention's skipped tiles are counted as
   executed, so XLA's number is an upper bound on the attention part. Element-wise FLOPs inside
   loops are counted once (well under 1% of a transformer step).
-* the same numbers from our formulas (`olmo_ctl.flops`, MaxText and OLMo-core), and compile time.
+* the same numbers from our formulas (`olmo_ctl.core.flops`, MaxText and OLMo-core), and compile time.
 
 Results are cached as JSON per (recipe fingerprint, device, remat, batch, trainer version) under
 `~/.cache/olmo-ctl/preflight/` ($OLMO_CTL_CACHE_DIR overrides the root); the trainer version is
@@ -36,11 +36,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from olmo_ctl import flops as flops_lib
-from olmo_ctl.batching import Plan, make_plan, param_count
-from olmo_ctl.devices import GIB, Device
-from olmo_ctl.errors import EXIT_RUN_FAILED, BadInput, OlmoCtlError
-from olmo_ctl.recipe import Recipe
+from olmo_ctl.core import flops as flops_lib
+from olmo_ctl.core.batching import Plan, make_plan, param_count
+from olmo_ctl.core.devices import GIB, Device
+from olmo_ctl.core.errors import EXIT_RUN_FAILED, BadInput, OlmoCtlError
+from olmo_ctl.core.recipe import Recipe
 
 # Cheapest recompute first: `--search` takes the first one that fits.
 REMAT_POLICIES = ("none", "save_proj", "full")
@@ -185,7 +185,7 @@ def trainer_version() -> str:
     from olmo_ctl import __version__
 
     h = hashlib.sha256()
-    root = Path(__file__).resolve().parent / "trainer"
+    root = Path(__file__).resolve().parents[1] / "trainer"
     for name in TRAINER_SOURCES:
         p = root / name
         h.update(name.encode())

@@ -15,8 +15,8 @@ multiply by 100. Pure Python: no jax, so `olmo-ctl plan` stays instant.
 
 from __future__ import annotations
 
-from olmo_ctl.devices import Device, get_device
-from olmo_ctl.recipe import ModelConfig
+from olmo_ctl.core.devices import Device, get_device
+from olmo_ctl.core.recipe import ModelConfig
 
 FORMULAS = ("olmo_core", "maxtext")
 

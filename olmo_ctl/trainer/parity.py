@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from olmo_ctl.errors import BadInput
+from olmo_ctl.core.errors import BadInput
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 LONG_SEQ = 2048  # above this our side uses the blocked attention (tested equal to the reference)
