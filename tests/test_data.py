@@ -13,8 +13,8 @@ import pytest
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.data import files as datafiles
 from olmo_ctl.data.files import check_fingerprint, dataset_fingerprint, resolve_paths
-from olmo_ctl.trainer import datafiles
 from olmo_ctl.trainer.data import (
     IGNORE_INDEX,
     BatchLoader,
@@ -324,7 +324,7 @@ def test_gcs_files_read_like_local_ones(gcs, tmp_path):
 
 
 def test_smoke_data_made_once_concurrently_and_deterministic(tmp_path):
-    code = ("from olmo_ctl.trainer import datafiles as d; import hashlib, pathlib; p = d.ensure_smoke_data(); "
+    code = ("from olmo_ctl.data import files as d; import hashlib, pathlib; p = d.ensure_smoke_data(); "
             "print(hashlib.sha256(b''.join(f.read_bytes() for f in sorted(p.rglob('*.npy')))).hexdigest())")
     digests = []
     for cache in ("c1", "c2"):

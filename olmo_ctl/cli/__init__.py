@@ -16,16 +16,21 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_exc
 
 # Command modules register themselves on `app` when imported (keep these imports light).
-from olmo_ctl.cli import (
-    data,  # noqa: E402,F401
-    foundation,  # noqa: E402,F401
-    model,  # noqa: E402,F401
-    monitor,  # noqa: E402,F401
-    preflight,  # noqa: E402,F401
-    resize,  # noqa: E402,F401
-    run,  # noqa: E402,F401
-    submit,  # noqa: E402,F401
-    surgery,  # noqa: E402,F401
+from olmo_ctl.cli import (  # noqa: F401
+    compare,
+    config,
+    convert,
+    data,
+    devices,
+    monitor,
+    parity,
+    plan,
+    preflight,
+    resize,
+    resume,
+    smoke,
+    submit,
+    surgery,
 )
 from olmo_ctl.cli.app import app
 from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, OlmoCtlError

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import DeviceOpt, ManifestOutput, RecipeOpt, SetOpt, StageOpt, app
-from olmo_ctl.cli.foundation import (
+from olmo_ctl.cli.options import (
     BackendOpt,
     ImageOpt,
     KubeContextOpt,

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import RecipeOpt, SetOpt, StageOpt, app
-from olmo_ctl.cli.foundation import (
+from olmo_ctl.cli.options import (
     BackendOpt,
     ImageOpt,
     KubeContextOpt,

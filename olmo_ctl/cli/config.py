@@ -1,0 +1,64 @@
+"""`olmo-ctl config show`: the resolved site settings and where each came from."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.options import (
+    BackendOpt,
+    ImageOpt,
+    KubeContextOpt,
+    NamespaceOpt,
+    PlacementPolicyOpt,
+    PriorityClassOpt,
+    QueueOpt,
+    RunRootOpt,
+    ServiceAccountOpt,
+    note,
+)
+
+config_app = typer.Typer(help="Site settings: flags > OLMO_CTL_* environment > config file.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+def config_show(
+    kube_context: KubeContextOpt = None,
+    namespace: NamespaceOpt = None,
+    queue: QueueOpt = None,
+    priority_class: PriorityClassOpt = None,
+    image: ImageOpt = None,
+    run_root: RunRootOpt = None,
+    service_account: ServiceAccountOpt = None,
+    placement_policy: PlacementPolicyOpt = None,
+    backend: BackendOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Show the resolved site settings and where each value came from."""
+    from olmo_ctl.core.config import DESCRIPTIONS, config_path, resolve_settings, setting_names
+
+    s = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
+                         priority_class=priority_class, image=image, run_root=run_root,
+                         service_account=service_account, placement_policy=placement_policy, backend=backend)
+    path = config_path()
+    if output == Output.json:
+        print_json({
+            "config_file": str(path),
+            "config_file_exists": path.exists(),
+            "settings": s.to_dict(),
+            "sources": dict(s.sources),
+            "descriptions": DESCRIPTIONS,
+            "placeholders": s.placeholders(),
+        })
+        return
+    lines = [f"config file: {path}{'' if path.exists() else ' (not present)'}", ""]
+    for name in setting_names():
+        value = getattr(s, name)
+        lines.append(f"{name:16}  {'-' if value is None else value}  ({s.sources[name]})")
+    sys.stdout.write("\n".join(lines) + "\n")
+    for name in s.placeholders():
+        note(f"`{name}` is a placeholder: set --{name.replace('_', '-')}, OLMO_CTL_{name.upper()} or "
+             f"`{name}:` in {path} before submitting")

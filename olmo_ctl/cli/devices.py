@@ -1,0 +1,57 @@
+"""`olmo-ctl devices`: the TPU slice catalog and the local backend's devices."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+
+
+def _fmt_num(x: float) -> str:
+    return f"{x:g}"
+
+
+@app.command()
+def devices(
+    generation: Annotated[str | None, typer.Option("--generation", help="tpu7x, v5p, cpu or gpu.")] = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """List TPU slice types (and the local backend's cpu-N / gpu-N)."""
+    from olmo_ctl.core import devices as dev
+    from olmo_ctl.core.errors import BadInput
+
+    local = dev.local_catalog()
+    if generation is None:
+        rows = dev.tpu_catalog() + local
+    elif generation in dev.GENERATIONS:
+        rows = dev.tpu_catalog(generation)
+    elif generation in ("cpu", "gpu"):
+        rows = [d for d in local if d.generation == generation]
+    else:
+        raise BadInput(f"--generation `{generation}` is not a device generation", "use tpu7x, v5p, cpu or gpu")
+    if output == Output.json:
+        print_json([d.to_dict() for d in rows])
+        return
+    # Fits an 80-column terminal; the GKE label and machine type go in each generation's heading.
+    cols = ("NAME", "TOPOLOGY", "CHIPS", "VMS", "CHIPS/VM", "DEVICES", "TFLOP/S/DEV", "HBM GIB/DEV")
+    widths = (10, 8, 5, 4, 8, 7, 11, 11)
+    line = "  ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths))
+    out = []
+    heading = None
+    for d in rows:
+        if d.generation != heading:
+            heading = d.generation
+            if out:
+                out.append("")
+            if d.is_tpu:
+                out.append(f"{d.generation}: GKE accelerator {d.accelerator_label}, machine type {d.machine_type}")
+            else:
+                out.append(f"{d.generation}: local backend, nominal peak (for MFU only)")
+            out.append(line.format(*cols).rstrip())
+        out.append(line.format(d.name, d.topology or "-", d.chips or "-", d.vms, d.chips_per_vm or "-",
+                               d.devices, _fmt_num(d.peak_tflops_per_device),
+                               _fmt_num(d.hbm_gib_per_device)).rstrip())
+    sys.stdout.write("\n".join(out) + "\n")

@@ -1,0 +1,58 @@
+"""Options and helpers shared by several commands: the site settings as flags, `note`."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+# Site settings as flags (each wins over OLMO_CTL_<NAME> and the config file); shared with submit.
+KubeContextOpt = Annotated[str | None, typer.Option("--kube-context", help="kubeconfig context.")]
+NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Kubernetes namespace.")]
+QueueOpt = Annotated[str | None, typer.Option("--queue", help="Kueue LocalQueue name.")]
+PriorityClassOpt = Annotated[str | None, typer.Option("--priority-class", help="Kueue WorkloadPriorityClass.")]
+ImageOpt = Annotated[str | None, typer.Option("--image", help="Container image with olmo-ctl.")]
+RunRootOpt = Annotated[str | None, typer.Option("--run-root", help="Where run directories live (gs://...).")]
+ServiceAccountOpt = Annotated[
+    str | None, typer.Option("--service-account", help="Kubernetes service account (Workload Identity).")
+]
+PlacementPolicyOpt = Annotated[
+    str | None,
+    typer.Option("--placement-policy", help="Placement policy of multi-host Ironwood node pools ({topology} ok)."),
+]
+BackendOpt = Annotated[str | None, typer.Option("--backend", help="gke or local.")]
+
+
+def note(text: str) -> None:
+    """A remark for the person at the terminal; stderr, so stdout stays machine-readable."""
+    sys.stderr.write(f"note: {text}\n")
+
+TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Give up (exit 124) after this many seconds.")]
+
+
+def _echo(text: str) -> None:
+    sys.stderr.write(text + "\n")
+
+
+def _make_backend(settings, run_root: str, device: str):
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.errors import BadInput
+
+    dev = get_device(device)
+    if settings.backend == "gke":
+        if not dev.is_tpu:
+            raise BadInput(f"`{dev.name}` is a local device; the GKE backend runs on TPU slices",
+                           "use --backend local, or a TPU device such as v5p-8")
+        if settings.placeholders():
+            raise BadInput(f"site settings still hold placeholders ({', '.join(settings.placeholders())})",
+                           "see `olmo-ctl config show`")
+        from olmo_ctl.backends.gke import GKEBackend
+
+        return GKEBackend(settings=settings)
+    if dev.is_tpu:
+        raise BadInput(f"`{dev.name}` is a TPU slice; the local backend runs cpu-N or gpu-N",
+                       "use --backend gke, or a local device such as cpu-4")
+    from olmo_ctl.backends.local import LocalBackend
+
+    return LocalBackend(run_root)

@@ -1,0 +1,41 @@
+"""`olmo-ctl parity`: run our model and the Hugging Face model on the same tokens and compare logits."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.convert import CkptRecipeOpt, _need
+
+
+@app.command()
+def parity(
+    hf_dir: Annotated[str, typer.Argument(help="Hugging Face Olmo3ForCausalLM directory, local or gs://.")],
+    orbax_dir: Annotated[str, typer.Argument(
+        help="Orbax directory with olmo_model.json, or <run-dir>/checkpoints/<N>; local or gs://.")],
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 256,
+    batch: Annotated[int, typer.Option("--batch", help="Sequences.")] = 2,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32 or bf16.")] = "fp32",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random tokens.")] = 0,
+    recipe: CkptRecipeOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Run both models on the same random tokens; report KL(HF || ours), top-1 and top-10 agreement."""
+    from olmo_ctl.core.errors import BadInput
+
+    if dtype not in ("fp32", "bf16"):
+        raise BadInput(f"--dtype {dtype} is not fp32 or bf16")
+    _need("jax", "orbax.checkpoint", extra="trainer")
+    _need("torch", "transformers", extra="parity")
+    from olmo_ctl.trainer.parity import run_parity
+
+    res = run_parity(hf_dir, orbax_dir, seq_len=seq_len, batch=batch, dtype=dtype, seed=seed, recipe=recipe)
+    if output == Output.json:
+        print_json(res)
+        return
+    typer.echo(f"parity {dtype}, {res['tokens']} tokens (seq {seq_len})")
+    typer.echo(f"  KL(HF || ours)  mean {res['kl_mean']:.3e}  max {res['kl_max']:.3e}")
+    typer.echo(f"  top-1 agreement {res['top1_agreement']:.4f}")
+    typer.echo(f"  top-10 overlap  {res['top10_overlap']:.4f}")
