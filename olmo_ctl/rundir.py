@@ -32,7 +32,10 @@ from typing import Any
 import yaml
 
 from olmo_ctl import storage
+from olmo_ctl.core.contracts import segment_names_from
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.core.names import validate_run_name
+from olmo_ctl.core.recipe import recipe_from_dict
 from olmo_ctl.storage import NotFound, PreconditionFailed
 
 COMMIT_MARKER = "commit_success.txt"  # Orbax's commit file (atomicity_types.COMMIT_SUCCESS_FILE)
@@ -115,6 +118,13 @@ def _holder_process_dead(lease: dict) -> bool:
     return start is None or (info.get("pid_start") is not None and start != info.get("pid_start"))
 
 
+def run_recipe(doc: dict, source: str, overrides: list[str] | tuple[str, ...] = ()):
+    """The Recipe of a run description (run.yaml's `recipe:` section)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("recipe"), dict):
+        raise BadInput(f"`{source}` has no `recipe:` section", "pass --recipe FILE|NAME")
+    return recipe_from_dict(doc["recipe"], source, overrides)
+
+
 class RunDir:
     def __init__(self, path: str, name: str | None = None):
         self.path = str(path).rstrip("/") if str(path) != "/" else str(path)
@@ -123,8 +133,6 @@ class RunDir:
 
     @classmethod
     def of(cls, run_root: str, run: str) -> RunDir:
-        from olmo_ctl.backends.jobset import validate_run_name
-
         validate_run_name(run)
         return cls(storage.join(run_root, run), run)
 
@@ -146,10 +154,20 @@ class RunDir:
         except NotFound:
             raise BadInput(f"run `{self.name}` does not exist at {self.path}",
                            "create it with `olmo-ctl submit` or `resume-until-done --recipe ...`") from None
-        d = yaml.safe_load(text)
-        if not isinstance(d, dict) or "recipe" not in d:
-            raise BadInput(f"`{self.p('run.yaml')}` is not a run description")
+        except UnicodeDecodeError:
+            text = None
+        try:
+            d = yaml.safe_load(text) if text is not None else None
+        except yaml.YAMLError:
+            d = None
+        if not isinstance(d, dict) or not isinstance(d.get("recipe"), dict):
+            raise BadInput(f"`{self.p('run.yaml')}` is not a run description (no `recipe:` section)",
+                           "restore it from a copy, or start a new run with --run NAME")
         return d
+
+    def recipe(self, overrides: list[str] | tuple[str, ...] = ()):
+        """The run's resolved recipe, from run.yaml (the one place run.yaml becomes a Recipe)."""
+        return run_recipe(self.read_run(), self.p("run.yaml"), overrides)
 
     def create_run(self, recipe_dict: dict, recipe_fingerprint: str, data_fingerprint: str, device: str) -> dict:
         """Write run.yaml once (a create-only conditional write: two racing creators cannot both win)."""
@@ -279,7 +297,7 @@ class RunDir:
         names from `since_unix` on are listed: one short listing however long the run has been going.
         """
         tb = self.p("tensorboard")
-        first = f"events.out.tfevents.{max(0, int(since_unix)):010d}"
+        first = segment_names_from(since_unix)
         if not self.is_gcs:
             try:
                 return tuple(sorted((e.name, e.stat().st_size) for e in os.scandir(tb) if e.name >= first))

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from olmo_ctl.backends.base import Attempt, Handle, State
+from olmo_ctl.backends.base import Handle, State
 from olmo_ctl.backends.gke import GKEBackend
 from olmo_ctl.backends.kube import KubeRetryPolicy
 from olmo_ctl.core.errors import EXIT_UNREACHABLE, BadInput, Unreachable
@@ -86,7 +86,7 @@ def _backend(srv: KubeServer, **kw) -> GKEBackend:
 
 
 def _submit(env: Env, js: dict) -> Handle:
-    h = env.backend.submit(js)
+    h = env.backend.send(js)
     if env.real:
         env.made.append(h)
     return h
@@ -143,12 +143,12 @@ def test_submit_is_idempotent_and_refuses_a_stranger(env):
     run = _run_name()
     js = env.jobset(run)
     h1 = _submit(env, js)
-    h2 = env.backend.submit(js)  # a supervisor restarted mid-submit: the same JobSet is adopted
+    h2 = env.backend.send(js)  # a supervisor restarted mid-submit: the same JobSet is adopted
     assert h2 == h1
     stranger = env.jobset(run)
     stranger["metadata"]["labels"]["olmo-ctl/run"] = "someone-else"
     with pytest.raises(BadInput, match="already exists .* not this attempt"):
-        env.backend.submit(stranger)
+        env.backend.send(stranger)
 
 
 def test_stop_deletes_everything_and_status_becomes_missing(env):
@@ -156,7 +156,7 @@ def test_stop_deletes_everything_and_status_becomes_missing(env):
     h = _submit(env, env.jobset(run))
     env.play(lambda c: (c.admit(h.name), c.run_pods(h.name)))
     env.backend.stop(h)
-    assert env.backend.wait_deleted(h, timeout_s=env.timeout_s, poll_s=0.05 if not env.real else 2.0)
+    assert env.backend.wait_gone(h, timeout_s=env.timeout_s, poll_s=0.05 if not env.real else 2.0)
     st = env.backend.status(h)
     assert st.state == State.MISSING
     env.backend.stop(h)  # stopping what is gone is fine
@@ -175,7 +175,7 @@ def test_find_live_returns_the_newest_live_attempt(env):
     found = env.backend.find_live(run)
     assert found is not None and found.name == h2.name and found.attempt == 2 and found.data["uid"] == h2.data["uid"]
     env.backend.stop(h2)
-    env.backend.wait_deleted(h2, timeout_s=env.timeout_s, poll_s=0.05 if not env.real else 2.0)
+    env.backend.wait_gone(h2, timeout_s=env.timeout_s, poll_s=0.05 if not env.real else 2.0)
     assert env.backend.find_live(run) is None
 
 
@@ -184,7 +184,7 @@ def test_find_live_returns_the_newest_live_attempt(env):
 
 def test_a_long_queue_wait_stays_queued_with_kueues_message(srv):
     b = _backend(srv)
-    h = b.submit(tiny_jobset("q1-a1", run="q1"))
+    h = b.send(tiny_jobset("q1-a1", run="q1"))
     msg = "couldn't assign flavors to pod set slice: insufficient unused quota for google.com/tpu in flavor " \
           "tpu7x-4x4x4, 64 more needed"
     srv.cluster.keep_pending(h.name, msg)
@@ -197,7 +197,7 @@ def test_a_long_queue_wait_stays_queued_with_kueues_message(srv):
 
 def test_eviction_by_preemption_is_preempted_with_kueues_reason(srv):
     b = _backend(srv)
-    h = b.submit(tiny_jobset("p1-a1", run="p1"))
+    h = b.send(tiny_jobset("p1-a1", run="p1"))
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)
     srv.cluster.evict(h.name, "Preempted", "InClusterQueue")
@@ -210,7 +210,7 @@ def test_eviction_by_preemption_is_preempted_with_kueues_reason(srv):
 
 def test_node_loss_then_jobset_failure_is_preemption(srv):
     b = _backend(srv)
-    h = b.submit(tiny_jobset("n1-a1", run="n1", workers=4))
+    h = b.send(tiny_jobset("n1-a1", run="n1", workers=4))
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)
     lost = srv.cluster.node_lost(h.name, 2)
@@ -223,7 +223,7 @@ def test_node_loss_then_jobset_failure_is_preemption(srv):
 
 def test_oom_kill_is_an_infrastructure_failure(srv):
     b = _backend(srv)
-    h = b.submit(tiny_jobset("o1-a1", run="o1", workers=1))
+    h = b.send(tiny_jobset("o1-a1", run="o1", workers=1))
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)
     srv.cluster.pod_exit(h.name, 0, 137, reason="OOMKilled")
@@ -235,7 +235,7 @@ def test_oom_kill_is_an_infrastructure_failure(srv):
 
 def test_image_pull_error_is_an_infrastructure_failure(srv):
     b = _backend(srv)
-    h = b.submit(tiny_jobset("i1-a1", run="i1"))
+    h = b.send(tiny_jobset("i1-a1", run="i1"))
     srv.cluster.admit(h.name)
     srv.cluster.image_pull_error(h.name, 0, "ImagePullBackOff", 'Back-off pulling image "olmo:missing"')
     st = b.status(h)
@@ -246,7 +246,7 @@ def test_image_pull_error_is_an_infrastructure_failure(srv):
 
 def test_unschedulable_while_admitted_keeps_the_state_and_says_why(srv):
     b = _backend(srv)
-    h = b.submit(tiny_jobset("u1-a1", run="u1"))
+    h = b.send(tiny_jobset("u1-a1", run="u1"))
     srv.cluster.admit(h.name)
     srv.cluster.unschedulable(h.name, "0/8 nodes are available: 8 node(s) didn't match Pod's node affinity/selector.")
     st = b.status(h)
@@ -256,9 +256,9 @@ def test_unschedulable_while_admitted_keeps_the_state_and_says_why(srv):
 
 def test_status_of_a_jobset_replaced_under_the_same_name_is_missing(srv):
     b = _backend(srv)
-    h = b.submit(tiny_jobset("r1-a1", run="r1"))
+    h = b.send(tiny_jobset("r1-a1", run="r1"))
     b.stop(h)
-    b.submit(tiny_jobset("r1-a1", run="r1"))  # someone recreated it
+    b.send(tiny_jobset("r1-a1", run="r1"))  # someone recreated it
     assert b.status(h).state == State.MISSING
     b.stop(h)  # the uid precondition protects the newcomer
     assert srv.cluster.jobset("r1-a1") is not None
@@ -269,7 +269,7 @@ def test_unknown_field_is_refused_as_bad_input(srv):
     js = tiny_jobset("f1-a1", run="f1")
     js["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicyy"] = {}
     with pytest.raises(BadInput, match='unknown field "spec.replicatedJobs\\[0\\].template.spec.podFailurePolicyy"'):
-        b.submit(js)
+        b.send(js)
     assert srv.cluster.jobset_names() == []
 
 
@@ -279,7 +279,7 @@ def test_unknown_field_is_refused_as_bad_input(srv):
 def test_bursts_of_429_and_500_are_retried_then_succeed(srv):
     b = _backend(srv)
     srv.fail_next(3, status=500)
-    h = b.submit(tiny_jobset("b1-a1", run="b1"))
+    h = b.send(tiny_jobset("b1-a1", run="b1"))
     assert srv.count("POST") == 4 and srv.cluster.jobset_names() == ["b1-a1"]
     srv.fail_next(4, status=429, retry_after_s=0)
     srv.fail_next(2, status=503)
@@ -297,7 +297,7 @@ def test_retry_after_is_honoured(srv):
 def test_a_lost_create_response_adopts_the_created_jobset(srv):
     b = _backend(srv)
     srv.fail_next(1, status="lost", match="POST ")
-    h = b.submit(tiny_jobset("l1-a1", run="l1"))
+    h = b.send(tiny_jobset("l1-a1", run="l1"))
     assert srv.count("POST") == 2 and srv.cluster.jobset_names() == ["l1-a1"]
     assert h.data["uid"] == srv.cluster.jobset("l1-a1")["metadata"]["uid"]
 
@@ -306,13 +306,13 @@ def test_other_4xx_are_never_retried(srv):
     b = _backend(srv)
     srv.fail_next(1, status=403)
     with pytest.raises(BadInput, match="forbidden"):
-        b.submit(tiny_jobset("x1-a1", run="x1"))
+        b.send(tiny_jobset("x1-a1", run="x1"))
     assert srv.count("POST") == 1 and srv.cluster.jobset_names() == []
 
 
 def test_unreachable_past_the_budget_is_exit_3_and_leaves_the_job_alone(srv):
     b = _backend(srv, retry=KubeRetryPolicy(base_s=0.05, max_s=0.2, budget_s=1.0, connect_timeout_s=0.5))
-    h = b.submit(tiny_jobset("d1-a1", run="d1"))
+    h = b.send(tiny_jobset("d1-a1", run="d1"))
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)
     srv.go_down()
@@ -342,12 +342,15 @@ def test_rendered_attempt_is_accepted_by_the_crd_schema(srv):
 
     settings = Settings(image="us-docker.pkg.dev/p/r/olmo-ctl:1", run_root="gs://bucket/runs", queue="tpu-queue")
     b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
-    att = Attempt(run="olmo3-7b-s1", run_dir="gs://bucket/runs/olmo3-7b-s1", attempt=3, device="tpu7x-128",
-                  recipe_path="olmo3-7b-stage1", extra_args=("--stop-at-step", "100"))
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.supervise.attempts import new_request
+
+    att = new_request("olmo3-7b-s1", "gs://bucket/runs/olmo3-7b-s1", 3, "tpu7x-128", load_recipe("olmo3-7b-stage1"),
+                      extra_args=("--stop-at-step", "100"))
     js = b.render(att)
     assert js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["command"][-2:] \
         == ["--stop-at-step", "100"]
-    h = b.submit(js)
+    h = b.send(js)
     assert (h.name, h.attempt, h.data["run"]) == ("olmo3-7b-s1-a3", 3, "olmo3-7b-s1")
     wl = srv.cluster.workload(h.name)
     assert wl["spec"]["queueName"] == "tpu-queue" and wl["spec"]["podSets"][0]["count"] == 16
@@ -373,7 +376,7 @@ def test_retry_policy_backoff_is_capped_and_jittered():
 
 def test_a_jobset_being_deleted_keeps_its_state_and_is_not_live_for_reattach(srv):
     b = _backend(srv)
-    h = b.submit(tiny_jobset("h1-a1", run="h1"))
+    h = b.send(tiny_jobset("h1-a1", run="h1"))
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)
     srv.cluster.hold_deletions = True  # pods are using their grace period to checkpoint
@@ -382,17 +385,18 @@ def test_a_jobset_being_deleted_keeps_its_state_and_is_not_live_for_reattach(srv
     assert st.state == State.RUNNING and st.details["deleting"] is True
     assert st.reason.startswith("being deleted; ")
     assert b.find_live("h1") is None
-    assert not b.wait_deleted(h, timeout_s=0.1, poll_s=0.02)
+    assert not b.wait_gone(h, timeout_s=0.1, poll_s=0.02)
     assert srv.cluster.finish_deletions() == ["h1-a1"]
-    assert b.wait_deleted(h, timeout_s=1.0, poll_s=0.02)
+    assert b.wait_gone(h, timeout_s=1.0, poll_s=0.02)
     assert b.status(h).state == State.MISSING and srv.cluster.pods(h.name) == []
 
 
 @pytest.mark.gcs
-def test_render_reads_the_recipe_from_run_yaml_on_gcs(srv):
+def test_the_attempt_request_reads_the_recipe_from_run_yaml_on_gcs(srv):
     from olmo_ctl.core.config import Settings
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.attempts import attempt_request
     from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
     recipe = load_recipe("olmo3-7b-stage2")
@@ -401,13 +405,13 @@ def test_render_reads_the_recipe_from_run_yaml_on_gcs(srv):
         RunDir(run_dir).create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "v5p-256")
         settings = Settings(image="img:1", run_root=f"gs://{bucket}/runs")
         b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
-        js = b.render(Attempt(run="s2", run_dir=run_dir, attempt=2, device="v5p-256"))
+        js = b.render(attempt_request(RunDir(run_dir), 2, "v5p-256"))
     from olmo_ctl.backends.jobset import ANNOTATION_PLAN
 
     # The recipe comes from run.yaml: stage 2's global batch 256 over v5p-256's 128 devices.
     assert js["metadata"]["annotations"]["olmo-ctl/recipe"] == recipe.name
     assert "global_batch=256 per_device_batch=2 grad_accum=1" in js["metadata"]["annotations"][ANNOTATION_PLAN]
-    h = b.submit(js)
+    h = b.send(js)
     assert srv.cluster.workload(h.name)["spec"]["podSets"][0]["count"] == 32
 
 
@@ -415,17 +419,17 @@ def test_a_same_named_attempt_of_another_run_directory_is_not_adopted(srv):
     b = _backend(srv)
     js = tiny_jobset("s1-a1", run="s1")
     js["metadata"]["annotations"] = {"olmo-ctl/run-dir": "gs://team-a/runs/s1"}
-    b.submit(js)
+    b.send(js)
     other = tiny_jobset("s1-a1", run="s1")
     other["metadata"]["annotations"] = {"olmo-ctl/run-dir": "gs://team-b/runs/s1"}
     with pytest.raises(BadInput, match="gs://team-a/runs/s1"):
-        b.submit(other)
+        b.send(other)
     assert srv.count("DELETE") == 0
 
 
 def test_no_access_to_workloads_falls_back_to_the_jobset(srv):
     b = _backend(srv)
-    h = b.submit(tiny_jobset("k1-a1", run="k1"))
+    h = b.send(tiny_jobset("k1-a1", run="k1"))
     srv.fail_next(5, status=403, match="/workloads")
     st = b.status(h)
     assert st.state == State.QUEUED and st.source == "JobSet spec.suspend"
@@ -436,7 +440,7 @@ def test_no_access_to_workloads_falls_back_to_the_jobset(srv):
 
 def test_a_hung_answer_times_out_and_is_retried(srv):
     b = _backend(srv, retry=KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, read_timeout_s=0.2))
-    h = b.submit(tiny_jobset("t1-a1", run="t1"))
+    h = b.send(tiny_jobset("t1-a1", run="t1"))
     srv.fail_next(1, status=0, delay_s=0.6, match="GET ")
     t0 = time.monotonic()
     assert b.status(h).state == State.QUEUED
@@ -446,7 +450,7 @@ def test_a_hung_answer_times_out_and_is_retried(srv):
 
 def test_a_jobset_restarting_itself_stays_live(srv):
     b = _backend(srv)
-    h = b.submit(tiny_jobset("j1-a1", run="j1"))
+    h = b.send(tiny_jobset("j1-a1", run="j1"))
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)
     srv.cluster.pod_exit(h.name, 1, 139)

@@ -16,16 +16,17 @@ import jsonschema
 import pytest
 import yaml
 
-from olmo_ctl.backends.jobset import jobset_name, render_jobset, validate_run_name
+from olmo_ctl.backends.jobset import jobset_name, render_jobset
 from olmo_ctl.core.batching import make_plan
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.names import default_run_name, validate_run_name
 from olmo_ctl.core.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDENS = Path(__file__).resolve().parent / "goldens"
-SCHEMA = ROOT.parent / "shared" / "schemas" / "jobset.x-k8s.io_jobsets.v0.10.1.yaml"
+SCHEMA = ROOT / "olmo_ctl" / "testing" / "crds" / "jobset.x-k8s.io_jobsets.v0.10.1.yaml"
 
 # Site settings of the goldens, passed as flags so the goldens are exactly what the CLI prints.
 SITE = ["--namespace", "olmo", "--queue", "tpu-queue", "--image",
@@ -157,6 +158,71 @@ def test_golden_matches_cli_and_validates(case, env):
     if has_policy:
         assert pod["nodeSelector"]["cloud.google.com/placement-policy-name"] == f"olmo-{dev.topology}"
     assert ("kueue.x-k8s.io/priority-class" in js["metadata"]["labels"]) == ("--priority-class" in args)
+
+
+def _golden_attempt(args: list[str]):
+    """The recipe, device, run name and attempt number a golden's command line asks for."""
+    def opt(name, default=None):
+        return args[args.index(name) + 1] if name in args else default
+
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    recipe = load_recipe(opt("--recipe"), int(opt("--stage")) if opt("--stage") else None, sets)
+    return recipe, get_device(opt("--device")), opt("--run", default_run_name(recipe)), int(opt("--attempt", 1))
+
+
+def _site_settings(args: list[str]) -> Settings:
+    flags = [*SITE, *args]
+    kw = {flags[i][2:].replace("-", "_"): flags[i + 1] for i, f in enumerate(flags)
+          if f in ("--namespace", "--queue", "--image", "--run-root", "--service-account", "--placement-policy",
+                   "--priority-class")}
+    return Settings(**kw)
+
+
+@pytest.fixture(scope="module")
+def example_bucket():
+    from olmo_ctl import storage
+    from olmo_ctl.testing.gcs_emulator import gcs_emulator
+
+    with gcs_emulator("example-bucket") as (_url, bucket):
+        storage._gcs = None  # a client made for another emulator must not be reused
+        yield bucket
+    storage._gcs = None
+
+
+@pytest.mark.gcs
+def test_dry_run_is_what_a_real_submit_sends(example_bucket):
+    """For every golden, a real `submit` of the same attempt (run.yaml on GCS, the Kubernetes test
+    server as the cluster) sends the very object `--dry-run` printed."""
+    from olmo_ctl.backends.gke import GKEBackend
+    from olmo_ctl.backends.kube import KubeRetryPolicy
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.attempts import submit_attempt
+    from olmo_ctl.testing.kube_server import KubeServer
+
+    fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+    for case, args in sorted(golden_cases().items()):
+        recipe, dev, run, attempt = _golden_attempt(args)
+        settings = _site_settings(args)
+        rd = RunDir.of(settings.run_root, run)
+        for name in ("run.yaml", "journal.jsonl", "lease.json"):  # the previous case's run of the same name
+            if rd.store.exists(rd.p(name)):
+                rd.store.delete(rd.p(name))
+        rd.create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", dev.name)
+        with KubeServer(namespace=settings.namespace) as srv:
+            received: list[dict] = []
+            dispatch = srv.api.dispatch
+
+            def spy(method, path, query, body, ctype, dispatch=dispatch, received=received):
+                if method == "POST" and path.endswith("/jobsets"):
+                    received.append(json.loads(body))
+                return dispatch(method, path, query, body, ctype)
+
+            srv.api.dispatch = spy
+            backend = GKEBackend(namespace=settings.namespace, host=srv.url, retry=fast, settings=settings)
+            handle = submit_attempt(device=dev, settings=settings, run=run, run_dir=rd.path, attempt=attempt,
+                                    backend=backend, out=lambda line: None)
+        assert handle.attempt == attempt
+        assert received == [yaml.safe_load((GOLDENS / f"{case}.yaml").read_text())], case
 
 
 def test_goldens_are_all_listed():

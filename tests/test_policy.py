@@ -70,3 +70,60 @@ def test_startup_longer_than_the_limit_is_a_stall():
     w = StallWatch(factor=5, min_s=10, startup_limit_s=100, started_at=1000.0)
     assert w.stalled(1099) is None
     assert "start-up/compile" in w.stalled(1101)
+
+
+# ---------------------------------------------------------------- the outcome -> action table, row by row
+
+from olmo_ctl.core.contracts import State  # noqa: E402
+from olmo_ctl.supervise.policy import DONE, GIVE_UP, RETRY, STOP, History, Outcome  # noqa: E402
+
+
+def _decide(state, committed=10, final=20, stalled=None, history=History(best_step=5), reason="why", **policy):
+    return RetryPolicy(max_retries=3, **policy).decide(Outcome(state, reason, committed, final, stalled), history)
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_final_step_committed_is_done_whatever_the_exit(state):
+    a = _decide(state, committed=20)
+    assert (a.kind, a.event, a.exit_code) == (DONE, "succeeded", 0)
+    assert a.reason == ("why" if state == State.SUCCEEDED else f"final step committed ({state.value}: why)")
+
+
+def test_user_failure_stops_with_exit_1_and_spends_nothing():
+    h = History(failures_in_row=1, best_step=5)
+    a = _decide(State.FAILED_USER, history=h)
+    assert (a.kind, a.event, a.reason, a.exit_code, a.history) == (STOP, "failed", "failed-user: why", 1, h)
+
+
+def test_user_failure_is_retried_when_asked():
+    a = _decide(State.FAILED_USER, retry_user_errors=True)
+    assert (a.kind, a.event, a.reason, a.journal) == (RETRY, "failed", "failed-user: why", True)
+
+
+def test_a_stalled_user_failure_is_a_stall_not_a_stop():
+    a = _decide(State.FAILED_USER, stalled="no progress")
+    assert (a.kind, a.event, a.reason, a.journal) == (RETRY, "stalled", "no progress", False)
+
+
+@pytest.mark.parametrize("state,event,reason", [
+    (State.PREEMPTED, "preempted", "why"),
+    (State.FAILED_INFRA, "failed", "failed-infra: why"),
+    (State.MISSING, "failed", "missing: why"),
+    (State.SUCCEEDED, "failed", "exited cleanly at committed step 10 < final 20"),
+])
+def test_retry_rows(state, event, reason):
+    a = _decide(state)
+    assert (a.kind, a.event, a.reason, a.journal, a.exit_code) == (RETRY, event, reason, True, None)
+    assert a.failure == f"{event} ({reason})"
+    assert a.history == History(0, 10)  # progress (5 -> 10) refills the budget
+
+
+def test_the_third_attempt_in_a_row_without_progress_gives_up():
+    h = History(failures_in_row=2, best_step=10)
+    a = _decide(State.PREEMPTED, committed=10, history=h)
+    assert (a.kind, a.event, a.exit_code) == (GIVE_UP, "preempted", 4)
+    assert a.history == History(3, 10)
+    assert a.gave_up == ("crash loop: 3 attempts in a row ended without a new committed step (still 10/20); "
+                         "last: why")
+    assert _decide(State.PREEMPTED, committed=11, history=h).kind == RETRY  # one more step: not a loop
+    assert _decide(State.PREEMPTED, committed=10, history=History(1, 10)).kind == RETRY

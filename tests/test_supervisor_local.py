@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from olmo_ctl.backends.base import Handle, State
-from olmo_ctl.backends.local import LocalBackend, classify_exit, proc_start_time
+from olmo_ctl.backends.local import LocalBackend, proc_start_time
+from olmo_ctl.core.contracts import exit_state
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.rundir import RunDir
 from olmo_ctl.supervise.policy import RetryPolicy
@@ -157,7 +158,7 @@ def test_local_backend_never_mistakes_another_process_for_its_trainer(tmp_path):
     h = Handle("local", str(me), 1, {"pid": me, "state_dir": sd, "run_dir": sd})
     assert be.status(h).state == State.FAILED_INFRA
     be.stop(h)  # must not signal us
-    assert [classify_exit(c)[0] for c in (0, 143, -15, 137, -9, 1, 2, 3, -11)] == [
+    assert [exit_state(c)[0] for c in (0, 143, -15, 137, -9, 1, 2, 3, -11)] == [
         State.SUCCEEDED, State.PREEMPTED, State.PREEMPTED, State.PREEMPTED, State.PREEMPTED,
         State.FAILED_USER, State.FAILED_USER, State.FAILED_INFRA, State.FAILED_INFRA]
 

@@ -1,7 +1,7 @@
 """The GKE backend: an attempt is one JobSet, queued by Kueue, on a TPU slice.
 
 `render` is pure (the JobSet from `olmo_ctl.backends.jobset.render_jobset`, what --dry-run prints).
-`submit` creates it with strict field validation; a 409 on the same name means an earlier try of
+`send` creates it with strict field validation; a 409 on the same name means an earlier try of
 this very submit went through (a lost response, a restarted supervisor), so the JobSet is adopted
 when its labels say it is this attempt, and refused otherwise. `status` reads the JobSet, the Kueue
 Workload it owns (found by ownerReference uid, never by name), its pods and their events, and hands
@@ -18,7 +18,9 @@ import json
 import time
 from typing import Any
 
-from olmo_ctl.backends.base import Attempt, AttemptStatus, Handle, State
+from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State
+from olmo_ctl.backends.gke_status import classify, container_exits
+from olmo_ctl.backends.jobset import render_jobset
 from olmo_ctl.backends.kube import (
     DEFAULT_POLICY,
     KubeRetryPolicy,
@@ -27,6 +29,7 @@ from olmo_ctl.backends.kube import (
     make_api_client,
     status_message,
 )
+from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSETS = "jobset.x-k8s.io", "v1alpha2", "jobsets"
@@ -56,7 +59,7 @@ def _json(resp: Any) -> Any:
     return json.loads(resp.data or b"null")
 
 
-class GKEBackend:
+class GKEBackend(Backend):
     """Backend over the Kubernetes API. Tests pass `host` (the test server's URL) and `namespace`;
     otherwise the kubeconfig's `context` (or its current one) or the in-cluster account is used."""
 
@@ -64,14 +67,13 @@ class GKEBackend:
 
     def __init__(self, namespace: str | None = None, host: str | None = None, context: str | None = None,
                  settings: Any = None, retry: KubeRetryPolicy | None = None, api_client: Any = None,
-                 recipe: Any = None, kubeconfig: str | None = None):
+                 kubeconfig: str | None = None):
         self.settings = settings
         self.namespace = namespace or (getattr(settings, "namespace", None) if settings else None) or "default"
         self.host = host
         self.context = context or (getattr(settings, "kube_context", None) if settings else None)
         self.kubeconfig = kubeconfig
         self.retry = retry or DEFAULT_POLICY
-        self.recipe = recipe
         self._api_client = api_client
         self._kueue_version: str | None = None  # resolved on first use; "" = no Kueue API
 
@@ -124,39 +126,27 @@ class GKEBackend:
 
     # ------------------------------------------------------------------ render
     def render(self, attempt: Attempt) -> dict:
-        """The JobSet for this attempt (pure apart from reading the recipe)."""
-        from olmo_ctl.backends.jobset import render_jobset
-        from olmo_ctl.core.batching import make_plan
-        from olmo_ctl.core.devices import get_device
-
-        if self.settings is None:
+        """The JobSet for this attempt: pure, from the resolved recipe and plan the attempt carries."""
+        settings = attempt.settings or self.settings
+        if settings is None:
             raise BadInput("the GKE backend needs site settings to render a JobSet",
                            "see `olmo-ctl config show`")
-        recipe = self.recipe or self._load_recipe(attempt)
-        device = get_device(attempt.device)
-        plan = make_plan(recipe, device)
-        jobset = render_jobset(recipe, plan, device, self.settings, attempt.run, attempt.attempt, attempt.run_dir)
-        if attempt.extra_args:
+        if attempt.recipe is None or attempt.plan is None:
+            raise ValueError("a GKE attempt carries its resolved recipe and plan (supervise.attempts.request)")
+        jobset = render_jobset(attempt.recipe, attempt.plan, get_device(attempt.device), settings, attempt.run,
+                               attempt.attempt, attempt.run_dir)
+        if attempt.extra_args or attempt.env:
             jobset = copy.deepcopy(jobset)
             for rj in jobset["spec"]["replicatedJobs"]:
                 for c in rj["template"]["spec"]["template"]["spec"]["containers"]:
                     if c.get("name") == "trainer":
                         c["command"] = list(c.get("command") or []) + list(attempt.extra_args)
+                        if attempt.env:
+                            c.setdefault("env", []).extend({"name": k, "value": v} for k, v in attempt.env)
         return jobset
 
-    @staticmethod
-    def _load_recipe(attempt: Attempt):
-        from olmo_ctl.core.recipe import load_recipe, recipe_from_dict
-
-        if attempt.recipe_path:
-            return load_recipe(attempt.recipe_path)
-        from olmo_ctl.rundir import RunDir
-
-        doc = RunDir(attempt.run_dir).read_run()
-        return recipe_from_dict(doc["recipe"], f"{attempt.run_dir}/run.yaml")
-
     # ------------------------------------------------------------------ submit
-    def submit(self, request: dict) -> Handle:
+    def send(self, request: dict) -> Handle:
         md = request.get("metadata") or {}
         name = md.get("name")
         if not name:
@@ -239,8 +229,6 @@ class GKEBackend:
         return js, wl, pods, events
 
     def status(self, handle: Handle) -> AttemptStatus:
-        from olmo_ctl.backends.gke_status import classify
-
         js, wl, pods, events = self.read_objects(handle)
         st = classify(js, wl, pods, events)
         if st.state in (State.FAILED_USER, State.FAILED_INFRA, State.PREEMPTED) and st.details.get("pod") \
@@ -346,7 +334,7 @@ class GKEBackend:
                 if api_status(e) != 404:
                     raise self._api_error(e, f"delete pods of {handle.name}") from e
 
-    def wait_deleted(self, handle: Handle, timeout_s: float = 600.0, poll_s: float = 2.0) -> bool:
+    def wait_gone(self, handle: Handle, timeout_s: float = 600.0, poll_s: float = 2.0) -> bool:
         """Poll until the JobSet is gone; False on timeout."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -363,8 +351,6 @@ class GKEBackend:
         pods = self._list_pods(ns, handle.name)
         if not pods:
             return []
-        from olmo_ctl.backends.gke_status import container_exits
-
         exits = container_exits(pods)
         if exits:
             return self._pod_log(ns, exits[0].pod, exits[0].container, tail)

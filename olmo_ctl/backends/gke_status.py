@@ -44,10 +44,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from olmo_ctl.backends.base import AttemptStatus, State
+from olmo_ctl.core.contracts import EXIT_SIGKILL, EXIT_SIGTERM, exit_state
 
-USER_EXIT_CODES = frozenset({1, 2})  # the trainer's contract: 1 deterministic error, 2 bad input
-SIGTERM_EXIT = 143
-SIGKILL_EXIT = 137
 IMAGE_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
 # Kueue `Evicted` reasons after which the workload is simply requeued: no blame.
 NO_BLAME_EVICTIONS = frozenset(
@@ -92,19 +90,20 @@ class ContainerExit:
 
     @property
     def verdict(self) -> State:
-        if self.exit_code in USER_EXIT_CODES and not self.disrupted:
-            return State.FAILED_USER
-        if self.exit_code == SIGTERM_EXIT or self.disrupted:
+        """The trainer's exit code decides (`contracts.exit_state`), except that a pod the node or the
+        control plane took away is preempted whatever it exited with, and an OOM-kill is infrastructure."""
+        if self.disrupted:
             return State.PREEMPTED
-        if self.exit_code == SIGKILL_EXIT and self.reason != "OOMKilled":
-            return State.PREEMPTED
-        return State.FAILED_INFRA
+        if self.exit_code == EXIT_SIGKILL and self.reason == "OOMKilled":
+            return State.FAILED_INFRA
+        state = exit_state(self.exit_code)[0]
+        return State.FAILED_INFRA if state == State.SUCCEEDED else state
 
     def describe(self) -> str:
         text = f"pod {self.pod} container {self.container} exited {self.exit_code}"
-        if self.exit_code == SIGTERM_EXIT:
+        if self.exit_code == EXIT_SIGTERM:
             text += " (SIGTERM)"
-        elif self.exit_code == SIGKILL_EXIT:
+        elif self.exit_code == EXIT_SIGKILL:
             text += " (SIGKILL)"
         if self.reason and self.reason not in ("Error", "Completed"):
             text += f" [{self.reason}]"
@@ -159,7 +158,7 @@ def container_exits(pods: list[Mapping], events: list[Mapping] = ()) -> list[Con
             return 0
         if e.verdict == State.FAILED_USER:
             return 1
-        if e.exit_code in (SIGTERM_EXIT, SIGKILL_EXIT):
+        if e.exit_code in (EXIT_SIGTERM, EXIT_SIGKILL):
             return 2
         return 3
 

@@ -20,6 +20,7 @@ from olmo_ctl.core.batching import Plan
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.names import validate_run_name
 from olmo_ctl.core.recipe import Recipe
 
 TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "launch_templates"
@@ -36,35 +37,12 @@ ANNOTATION_PLAN = "olmo-ctl/plan"
 REPLICATED_JOB = "slice"
 CONTAINER = "trainer"
 
-MAX_RUN_NAME = 63  # a label value and a DNS-1035 label
 MAX_JOBSET_NAME = 40  # pod names grow `-slice-<i>-<j>-<hash>`; XPK caps at 40 too
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _PLACEHOLDER = re.compile(r"\$\{(\w+)\}")
 _DROP = object()
 
 
 # ---------------------------------------------------------------- names
-
-
-def validate_run_name(run: str) -> str:
-    """A run name is a DNS-1035 label (it names the JobSet and labels every pod)."""
-    hint = "use lowercase letters, digits and '-', starting with a letter, e.g. olmo3-7b-s1"
-    if not isinstance(run, str) or not run:
-        raise BadInput("the run name is empty", hint)
-    if len(run) > MAX_RUN_NAME:
-        raise BadInput(f"run name `{run[:20]}...` has {len(run)} characters, more than {MAX_RUN_NAME}", hint)
-    if not _DNS1035.match(run):
-        raise BadInput(f"`{run}` is not a valid run name", hint)
-    return run
-
-
-def default_run_name(recipe: Recipe) -> str:
-    """The recipe's name made into a run name (`olmo3-7b-stage1`)."""
-    name = re.sub(r"[^a-z0-9-]+", "-", recipe.name.lower()).strip("-")
-    name = re.sub(r"-{2,}", "-", name)
-    if not name or not name[0].isalpha():
-        name = f"run-{name}".rstrip("-")
-    return name[:MAX_RUN_NAME].rstrip("-")
 
 
 def jobset_name(run: str, attempt: int) -> str:

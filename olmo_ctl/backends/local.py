@@ -10,14 +10,14 @@ AND be our trainer (same start time, `olmo_ctl.trainer` with this run directory 
 so a recycled pid is never mistaken for it. When the process exits while we are its parent, the exit
 code is written into the same file, so a later supervisor can still classify it.
 
-Exit codes: 0 SUCCEEDED; 143/137 (SIGTERM/SIGKILL) PREEMPTED; 1/2 FAILED_USER; others FAILED_INFRA.
+Exit codes mean what `olmo_ctl.core.contracts.exit_state` says: 0 SUCCEEDED; 143/137 (SIGTERM/SIGKILL)
+PREEMPTED; 1/2 FAILED_USER; others FAILED_INFRA.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from olmo_ctl import storage
-from olmo_ctl.backends.base import Attempt, AttemptStatus, Handle, State
+from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State
+from olmo_ctl.core.contracts import LogProgress, exit_state, log_progress
 from olmo_ctl.rundir import proc_start_time  # noqa: F401 - also what callers import from here
 
 TRAINER_MODULE = "olmo_ctl.trainer"
@@ -46,25 +47,6 @@ class LocalRequest:
                 "attempt_file": os.path.join(self.state_dir, "attempts", f"{self.attempt.attempt}.json")}
 
 
-def classify_exit(code: int | None) -> tuple[State, str]:
-    if code is None:
-        return State.RUNNING, "running"
-    if code == 0:
-        return State.SUCCEEDED, "exit 0"
-    if code in (143, -15):
-        return State.PREEMPTED, f"exit {code} (SIGTERM)"
-    if code in (137, -9):
-        return State.PREEMPTED, f"exit {code} (SIGKILL)"
-    if code in (1, 2):
-        return State.FAILED_USER, f"exit {code}"
-    if code < 0:
-        try:
-            return State.FAILED_INFRA, f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            pass
-    return State.FAILED_INFRA, f"exit {code}"
-
-
 def _cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -73,8 +55,9 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     name = "local"
+    trains_here = True
 
     def __init__(self, run_root: str, python: str | None = None, state_root: str | None = None,
                  stop_grace_s: float = 120.0):
@@ -104,13 +87,14 @@ class LocalBackend:
         if kind == "cpu":
             env["JAX_PLATFORMS"] = "cpu"
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(n)}"
+        env.update(dict(attempt.env))
         sd = self.state_dir(attempt.run, attempt.run_dir)
         return LocalRequest(attempt, tuple(argv), env, os.path.join(sd, "logs", f"attempt-{attempt.attempt}.log"), sd)
 
     def _attempt_file(self, state_dir: str, n: int) -> str:
         return os.path.join(state_dir, "attempts", f"{n}.json")
 
-    def submit(self, request: LocalRequest) -> Handle:
+    def send(self, request: LocalRequest) -> Handle:
         a = request.attempt
         os.makedirs(os.path.dirname(request.log_path), exist_ok=True)
         os.makedirs(os.path.join(request.state_dir, "attempts"), exist_ok=True)
@@ -176,7 +160,7 @@ class LocalBackend:
                 if not info:
                     return AttemptStatus(State.MISSING, "no attempt file", "local")
                 return self._ended_unwatched(handle, pid)
-        state, reason = classify_exit(code)
+        state, reason = exit_state(code)
         if state == State.RUNNING:
             return AttemptStatus(State.RUNNING, f"pid {pid} running", "process")
         return AttemptStatus(state, reason, "process exit code", code, tuple(self.logs(handle, 20)))
@@ -185,17 +169,12 @@ class LocalBackend:
         """A trainer that exited while no process of ours was its parent: no exit code to read, so its
         last log lines say how it ended (`committed step N` is its last line on exit 0 and on 143)."""
         lines = self.logs(handle, 50)
-        final = None
-        for ln in lines:
-            m = re.search(r"\bstep \d+/(\d+)\b", ln)
-            if m:
-                final = int(m.group(1))
+        seen = log_progress(lines)
         last = lines[-1].strip() if lines else ""
-        m = re.fullmatch(r"committed step (\d+)", last)
         why = f"pid {pid} exited (started by another process: exit code unknown)"
-        if m and final is not None and int(m.group(1)) >= final:
+        if seen.committed is not None and seen.final is not None and seen.committed >= seen.final:
             return AttemptStatus(State.SUCCEEDED, f"{why}; its log ends with `{last}`", "log", None, tuple(lines[-20:]))
-        if m:
+        if seen.committed is not None:
             return AttemptStatus(State.PREEMPTED, f"{why}; its log ends with `{last}`", "log", None, tuple(lines[-20:]))
         return AttemptStatus(State.FAILED_INFRA, why, "process", None, tuple(lines[-20:]))
 
@@ -242,6 +221,10 @@ class LocalBackend:
         except OSError:
             return []
         return lines[-tail:] if tail else lines
+
+    def progress(self, handle: Handle) -> LogProgress:
+        """The trainer's step and committed lines, from the tail of its log file."""
+        return log_progress(self.logs(handle, 50))
 
     def find_live(self, run: str) -> Handle | None:
         sd = self.state_dir(run)

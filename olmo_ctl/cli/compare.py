@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.app import Output, OutputOpt, app, console, print_json
 from olmo_ctl.cli.monitor import _g
 
 
@@ -32,8 +32,6 @@ def compare(
         print_json(res)
         return
     from rich.table import Table
-
-    from olmo_ctl.cli.app import console
 
     con = console()
     for tag, r in res["tags"].items():

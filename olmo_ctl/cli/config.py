@@ -19,6 +19,7 @@ from olmo_ctl.cli.options import (
     ServiceAccountOpt,
     note,
 )
+from olmo_ctl.core.config import DESCRIPTIONS, config_path, resolve_settings, setting_names
 
 config_app = typer.Typer(help="Site settings: flags > OLMO_CTL_* environment > config file.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
@@ -38,8 +39,6 @@ def config_show(
     output: OutputOpt = Output.table,
 ) -> None:
     """Show the resolved site settings and where each value came from."""
-    from olmo_ctl.core.config import DESCRIPTIONS, config_path, resolve_settings, setting_names
-
     s = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
                          priority_class=priority_class, image=image, run_root=run_root,
                          service_account=service_account, placement_policy=placement_policy, backend=backend)

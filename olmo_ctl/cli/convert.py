@@ -6,6 +6,7 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import app
+from olmo_ctl.core.errors import BadInput
 
 convert_app = typer.Typer(
     help="Convert between a Hugging Face Olmo3ForCausalLM directory and Orbax parameters.",
@@ -21,8 +22,6 @@ CkptRecipeOpt = Annotated[str | None, typer.Option(
 
 def _need(*modules: str, extra: str) -> None:
     import importlib.util
-
-    from olmo_ctl.core.errors import BadInput
 
     for m in modules:
         if importlib.util.find_spec(m) is None:
@@ -41,8 +40,6 @@ def hf_to_orbax(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Convert a Hugging Face Olmo3ForCausalLM checkpoint into Orbax parameters (+ olmo_model.json)."""
-    from olmo_ctl.core.errors import BadInput
-
     _need("jax", "orbax.checkpoint", extra="trainer")
     if param_dtype not in ("float32", "bfloat16"):
         raise BadInput(f"--param-dtype {param_dtype} is not float32 or bfloat16")
@@ -65,8 +62,6 @@ def orbax_to_hf(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Convert Orbax parameters back to a Hugging Face Olmo3ForCausalLM directory (vocab truncated)."""
-    from olmo_ctl.core.errors import BadInput
-
     _need("jax", "orbax.checkpoint", extra="trainer")
     if dtype not in (None, "float32", "bfloat16"):
         raise BadInput(f"--dtype {dtype} is not float32 or bfloat16")

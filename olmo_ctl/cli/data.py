@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import Output, OutputOpt, RecipeOpt, SetOpt, StageOpt, app, print_json
+from olmo_ctl.core.recipe import load_recipe
 
 data_app = typer.Typer(help="Make and inspect training data (token files).", no_args_is_help=True)
 app.add_typer(data_app, name="data")
@@ -77,8 +78,6 @@ def info(
     output: OutputOpt = Output.table,
 ) -> None:
     """Resolve a recipe's data: files, tokens, instances, batches per epoch, and the dataset fingerprint."""
-    from olmo_ctl.core.recipe import load_recipe
-
     d = data_report(load_recipe(recipe, stage, set_ or []))
     if output == Output.json:
         print_json(d)

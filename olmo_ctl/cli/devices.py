@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.core import devices as dev
+from olmo_ctl.core.errors import BadInput
 
 
 def _fmt_num(x: float) -> str:
@@ -20,9 +22,6 @@ def devices(
     output: OutputOpt = Output.table,
 ) -> None:
     """List TPU slice types (and the local backend's cpu-N / gpu-N)."""
-    from olmo_ctl.core import devices as dev
-    from olmo_ctl.core.errors import BadInput
-
     local = dev.local_catalog()
     if generation is None:
         rows = dev.tpu_catalog() + local

@@ -1,4 +1,5 @@
-"""`olmo-ctl monitor` and `olmo-ctl compare`.
+"""`olmo-ctl monitor`: the run's report; the live attempt's state comes from its backend through
+`supervise.attempts.handle_status`.
 
 Start-up stays light: no jax, no tensorboard; numpy and the event reader load inside the commands.
 """
@@ -12,7 +13,9 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.app import Output, OutputOpt, app, console, print_json
+from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.supervise.attempts import handle_status
 
 
 def _fmt_s(s) -> str:
@@ -115,7 +118,6 @@ def render(rep: dict):
 def _refreshed(src, last: dict, stall_after, backend: bool) -> dict:
     """The next report; when storage is briefly unreachable, the last one with a warning (a watch that
     runs for days must ride out a transient outage; the next refresh tries again)."""
-    from olmo_ctl.core.errors import OlmoCtlError
     from olmo_ctl.observe.monitor import build_report
 
     try:
@@ -125,7 +127,7 @@ def _refreshed(src, last: dict, stall_after, backend: bool) -> dict:
             raise
         return {**last, "warnings": [f"refresh failed, showing the previous report: {e.one_line()}",
                                      *[w for w in last["warnings"] if not w.startswith("refresh failed")]]}
-    return build_report(src, stall_after_s=stall_after, ask_backend=backend)
+    return build_report(src, stall_after_s=stall_after, ask_backend=backend, status_of=handle_status)
 
 
 @app.command()
@@ -142,13 +144,12 @@ def monitor(
 
     Exit codes: 0 ok, 2 not a run directory, 3 storage unreachable.
     """
-    from olmo_ctl.core.errors import BadInput
     from olmo_ctl.observe.monitor import build_report, load
 
     if interval <= 0:
         raise BadInput(f"--interval {interval} must be positive")
     src = load(run)
-    rep = build_report(src, stall_after_s=stall_after, ask_backend=backend)
+    rep = build_report(src, stall_after_s=stall_after, ask_backend=backend, status_of=handle_status)
     if plot:
         from olmo_ctl.observe.plot import write_plot
 
@@ -157,8 +158,6 @@ def monitor(
         if output == Output.json:
             print_json(rep)
         else:
-            from olmo_ctl.cli.app import console
-
             console().print(render(rep))
             if plot:
                 sys.stderr.write(f"wrote {plot}\n")

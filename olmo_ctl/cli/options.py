@@ -1,4 +1,4 @@
-"""Options and helpers shared by several commands: the site settings as flags, `note`."""
+"""Options and helpers shared by several commands: the site settings as flags, `note`, `_echo`."""
 
 from __future__ import annotations
 
@@ -33,26 +33,3 @@ TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Give up (ex
 
 def _echo(text: str) -> None:
     sys.stderr.write(text + "\n")
-
-
-def _make_backend(settings, run_root: str, device: str):
-    from olmo_ctl.core.devices import get_device
-    from olmo_ctl.core.errors import BadInput
-
-    dev = get_device(device)
-    if settings.backend == "gke":
-        if not dev.is_tpu:
-            raise BadInput(f"`{dev.name}` is a local device; the GKE backend runs on TPU slices",
-                           "use --backend local, or a TPU device such as v5p-8")
-        if settings.placeholders():
-            raise BadInput(f"site settings still hold placeholders ({', '.join(settings.placeholders())})",
-                           "see `olmo-ctl config show`")
-        from olmo_ctl.backends.gke import GKEBackend
-
-        return GKEBackend(settings=settings)
-    if dev.is_tpu:
-        raise BadInput(f"`{dev.name}` is a TPU slice; the local backend runs cpu-N or gpu-N",
-                       "use --backend gke, or a local device such as cpu-4")
-    from olmo_ctl.backends.local import LocalBackend
-
-    return LocalBackend(run_root)

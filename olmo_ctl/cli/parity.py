@@ -8,6 +8,7 @@ import typer
 
 from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
 from olmo_ctl.cli.convert import CkptRecipeOpt, _need
+from olmo_ctl.core.errors import BadInput
 
 
 @app.command()
@@ -23,8 +24,6 @@ def parity(
     output: OutputOpt = Output.table,
 ) -> None:
     """Run both models on the same random tokens; report KL(HF || ours), top-1 and top-10 agreement."""
-    from olmo_ctl.core.errors import BadInput
-
     if dtype not in ("fp32", "bf16"):
         raise BadInput(f"--dtype {dtype} is not fp32 or bf16")
     _need("jax", "orbax.checkpoint", extra="trainer")

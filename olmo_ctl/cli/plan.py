@@ -8,6 +8,10 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import DeviceOpt, Output, OutputOpt, RecipeOpt, SetOpt, StageOpt, app, print_json
+from olmo_ctl.core.batching import plan_report
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import load_recipe
 
 
 def _duration(s: float) -> str:
@@ -62,11 +66,6 @@ def plan(
     output: OutputOpt = Output.table,
 ) -> None:
     """Split the recipe's global batch over a device and estimate the compute it needs."""
-    from olmo_ctl.core.batching import plan_report
-    from olmo_ctl.core.devices import get_device
-    from olmo_ctl.core.errors import BadInput
-    from olmo_ctl.core.recipe import load_recipe
-
     if not 0 < mfu <= 1:
         raise BadInput(f"--mfu {mfu:g} is not a fraction in (0, 1]", "for 40% pass --mfu 0.4")
     r = load_recipe(recipe, stage, set_ or ())

@@ -17,8 +17,12 @@ from olmo_ctl.cli.options import (
     RunRootOpt,
     TimeoutOpt,
     _echo,
-    _make_backend,
 )
+from olmo_ctl.core.config import resolve_settings
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.rundir import RunDir
+from olmo_ctl.supervise.attempts import make_backend, run_settings
+from olmo_ctl.supervise.resize import prepare, resize_run, supervisor_alive
 
 
 @app.command()
@@ -40,24 +44,14 @@ def resize(
 ) -> None:
     """Continue RUN on DEVICE at the same global batch: commit the latest state, stop the attempt,
     submit the next one on DEVICE. With a live supervisor, the request is recorded for it to carry out."""
-    from olmo_ctl.core.config import resolve_settings
-    from olmo_ctl.core.errors import BadInput
-    from olmo_ctl.rundir import RunDir
-    from olmo_ctl.supervise.resize import prepare, resize_run, supervisor_alive
-
     if at_next_checkpoint and now:
         raise BadInput("--at-next-checkpoint and --now are exclusive", "give one of them")
     mode = "at-next-checkpoint" if at_next_checkpoint else "now"
     settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue, image=image,
                                 run_root=run_root, backend=backend)
     rundir = RunDir.of(settings.run_root, run)
-    if settings.sources.get("backend", "default") == "default":  # not chosen: the run's own backend
-        last = rundir.last_attempt() or {}
-        if last.get("backend") in ("gke", "local"):
-            import dataclasses
-
-            settings = dataclasses.replace(settings, backend=last["backend"])
-    be = _make_backend(settings, settings.run_root, device)
+    settings = run_settings(settings, rundir)  # not chosen: the run's own backend
+    be = make_backend(settings, device)
     plan = prepare(rundir, be, device)
     lines = [f"resize run `{run}`: attempt {plan.from_attempt} on {plan.old.device} -> attempt {plan.to_attempt} "
              f"on {plan.new.device} ({mode})"] + ["  " + ln for ln in plan.plan_lines()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Annotated
 
 import typer
@@ -18,6 +19,14 @@ from olmo_ctl.cli.options import (
     RunRootOpt,
     ServiceAccountOpt,
 )
+from olmo_ctl.core.config import resolve_settings
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.names import default_run_name, validate_run_name
+from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.rundir import RunDir
+from olmo_ctl.supervise.attempts import check_device, ensure_run, make_backend, run_settings
+from olmo_ctl.supervise.policy import RetryPolicy
 
 
 @app.command("resume-until-done")
@@ -57,16 +66,6 @@ def resume_until_done(
     """Submit attempts of a run until its final step is committed: reattaches to a live attempt, waits
     while queued, resubmits after preemption with backoff, stops on a user error (1) or a crash loop (4).
     Ctrl-C detaches (130) and leaves the attempt running."""
-    import signal
-
-    from olmo_ctl.backends.jobset import default_run_name, validate_run_name
-    from olmo_ctl.core.config import resolve_settings
-    from olmo_ctl.core.errors import BadInput
-    from olmo_ctl.rundir import RunDir
-    from olmo_ctl.supervise.attempts import ensure_run, make_backend
-    from olmo_ctl.supervise.policy import RetryPolicy
-    from olmo_ctl.supervise.supervisor import Supervisor
-
     if run_name and run and run_name != run:
         raise BadInput(f"two run names: `{run_name}` and --run `{run}`", "give one")
     settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
@@ -77,8 +76,6 @@ def resume_until_done(
         raise BadInput("no run root configured", "pass --run-root DIR (or gs://...), or set OLMO_CTL_RUN_ROOT")
     r = None
     if recipe is not None or stage is not None:
-        from olmo_ctl.core.recipe import load_recipe
-
         r = load_recipe(recipe, stage, set_ or ())
     elif set_:
         raise BadInput("--set needs --recipe or --stage", "an existing run keeps its recipe (run.yaml)")
@@ -86,29 +83,21 @@ def resume_until_done(
     if name is None:
         raise BadInput("which run?", "pass RUN, or --recipe/--stage with --device to create one")
     validate_run_name(name)
-    if device is not None:
-        from olmo_ctl.core.devices import get_device
-
-        dev = get_device(device)
-        if settings.backend == "gke" and not dev.is_tpu:
-            raise BadInput(f"`{dev.name}` is a local device; the GKE backend runs on TPU slices",
-                           "use --backend local, or a TPU device such as tpu7x-128")
+    if device is not None and settings.backend == "gke":
+        check_device(settings.backend, get_device(device))
     policy = RetryPolicy.from_env(retry_backoff, max_retries, retry_user_errors=retry_user_errors,
                                   stall_factor=stall_factor, stall_min_s=stall_min, startup_limit_s=startup_timeout)
     if poll <= 0:
         raise BadInput(f"--poll {poll} must be positive")
     rundir = RunDir.of(settings.run_root, name)
-    if settings.sources.get("backend", "default") == "default" and rundir.exists():
-        last = rundir.last_attempt() or {}
-        if last.get("backend") in ("gke", "local") and last["backend"] != settings.backend:
-            import dataclasses
-
-            settings = dataclasses.replace(settings, backend=last["backend"])  # the run's own backend
+    settings = run_settings(settings, rundir)
     if settings.backend == "gke" and "image" in settings.placeholders():
         raise BadInput("no image configured for the GKE backend", "pass --image or set OLMO_CTL_IMAGE")
     ensure_run(rundir, r, device)
     be = make_backend(settings)
     hint = f"olmo-ctl resume-until-done {name} --run-root {settings.run_root} --backend {settings.backend}"
+    from olmo_ctl.supervise.supervisor import Supervisor  # the event reader (numpy) loads here
+
     sup = Supervisor(rundir, be, policy, device=device, poll_s=poll, stop_on_exit=stop_on_exit, reattach_hint=hint)
     sup.out.line(f"run directory: {rundir.path}")
 

@@ -18,9 +18,11 @@ from olmo_ctl.cli.options import (
     RunRootOpt,
     TimeoutOpt,
     _echo,
-    _make_backend,
     note,
 )
+from olmo_ctl.core.config import resolve_settings
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.supervise.attempts import make_backend
 
 
 @app.command()
@@ -42,9 +44,7 @@ def smoke(
     import shutil
     import tempfile
 
-    from olmo_ctl.core.config import resolve_settings
-    from olmo_ctl.core.errors import BadInput
-    from olmo_ctl.supervise.smoke import FAULT_ENV, SmokeConfig, junit_xml, run_smoke
+    from olmo_ctl.supervise.smoke import FAULT_ENV, SmokeConfig, junit_xml, run_smoke  # numpy: here
 
     settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue, image=image,
                                 run_root=run_root, backend=backend)
@@ -56,10 +56,7 @@ def smoke(
         root = temp_root
     else:
         root = settings.run_root
-        if settings.backend == "gke" and not root.startswith("gs://"):
-            raise BadInput(f"run root `{root}` is not on GCS; TPU pods cannot see this machine's files",
-                           "set --run-root gs://BUCKET/PREFIX")
-    be = _make_backend(settings, root, device)
+    be = make_backend(settings, device, root)
     if settings.backend == "gke":
         cfg = SmokeConfig(device, max_steps=2000, poll_s=2.0, fault=os.environ.get(FAULT_ENV) or None)
     else:

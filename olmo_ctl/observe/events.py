@@ -33,13 +33,13 @@ Measured (benchmarks/monitor_read.py, 1,413,814 steps x 8 tags, 643 MB, a loaded
 
 from __future__ import annotations
 
-import re
 import struct
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from olmo_ctl import storage
+from olmo_ctl.core.contracts import is_event_file, parse_segment_name
 from olmo_ctl.core.errors import BadInput
 
 CHUNK_BYTES = 64 << 20  # read files in chunks this large (bounded memory on multi-GB logs)
@@ -736,17 +736,14 @@ class _TagSeries:
 # ---------------------------------------------------------------------------------------------
 # Files and the reader
 
-_NAME_RE = re.compile(r"tfevents\.(\d+)\.(.*?)(?:\.a(\d+)\.s(\d+))?$")
-
-
 def file_order_key(path: str) -> tuple:
     """Attempt, segment, start time: later attempts win when steps repeat."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
-    m = _NAME_RE.search(name)
-    if not m:
+    parsed = parse_segment_name(name)
+    if parsed is None:
         return (0, 0, 0, name)
-    ts, _host, att, seg = m.groups()
-    return (int(att) if att else 0, int(ts), int(seg) if seg else 0, name)
+    ts, _host, att, seg = parsed
+    return (att or 0, ts, seg or 0, name)
 
 
 def attempt_of(path: str) -> int:
@@ -796,7 +793,7 @@ class EventReader:
 
     def _list(self) -> list:
         infos, _dirs = self.store.list(self.logdir, recursive=True)
-        return sorted((i for i in infos if "tfevents" in i.path.rsplit("/", 1)[-1]), key=lambda i: file_order_key(i.path))
+        return sorted((i for i in infos if is_event_file(i.path.rsplit("/", 1)[-1])), key=lambda i: file_order_key(i.path))
 
     def refresh(self) -> RefreshStats:
         import time

@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.observe.events import EventReader, Series
+from olmo_ctl.rundir import run_recipe
+
+# (run directory, a journal `handle`) -> the backend's AttemptStatus of that attempt, or None
+StatusOf = Callable[[str, dict], Any]
 
 SCHEMA_ID = "olmo-ctl/monitor/v1"
 LOSS_TAG = "train/CE loss"
@@ -260,9 +266,7 @@ def _recipe(run_doc: dict | None):
     if not run_doc or not isinstance(run_doc.get("recipe"), dict):
         return None
     try:
-        from olmo_ctl.core.recipe import recipe_from_dict
-
-        return recipe_from_dict(run_doc["recipe"], "run.yaml")
+        return run_recipe(run_doc, "run.yaml")
     except Exception:
         return None
 
@@ -282,7 +286,7 @@ def _device(name: str | None):
 # the live attempt
 
 
-def _live_attempt(path: str, journal: list | None, ask_backend: bool) -> dict:
+def _live_attempt(path: str, journal: list | None, status_of: StatusOf | None) -> dict:
     out = {"attempt": None, "state": None, "reason": "", "source": "", "device": None, "backend": None}
     if not journal:
         out["source"] = "no journal (the run was not started by olmo-ctl, or has not started)"
@@ -302,10 +306,10 @@ def _live_attempt(path: str, journal: list | None, ask_backend: bool) -> dict:
     handle = next((r.get("handle") for r in reversed(mine) if isinstance(r.get("handle"), dict)), None)
     # A terminal journal record (written by the supervisor, which saw the outcome) is final; the backend
     # is asked only while the journal says the attempt may still be live.
-    if handle and ask_backend and out["state"] in (None, "queued", "admitted", "running"):
+    if handle and status_of is not None and out["state"] in (None, "queued", "admitted", "running"):
         out["backend"] = handle.get("backend")
         try:
-            st = _backend_status(path, handle)
+            st = status_of(path, handle)
         except OlmoCtlError as e:
             out["source"] += f"; backend status unavailable: {e.one_line()}"
             st = None
@@ -317,32 +321,6 @@ def _live_attempt(path: str, journal: list | None, ask_backend: bool) -> dict:
             out["reason"] = st.reason or out["reason"]
             out["source"] = f"{handle.get('backend')} backend" + (f": {st.source}" if st.source else "")
     return out
-
-
-def _backend_status(path: str, handle: dict):
-    from olmo_ctl.backends.base import Handle
-
-    h = Handle.from_dict(handle)
-    if h.backend == "local":
-        from olmo_ctl.backends.local import LocalBackend
-
-        root = path.rstrip("/").rsplit("/", 1)[0]
-        return LocalBackend(root).status(h)
-    if h.backend == "gke":
-        from olmo_ctl.backends.gke import GKEBackend
-        from olmo_ctl.backends.kube import KubeRetryPolicy
-
-        # a monitor refresh must not hang on an unreachable cluster: a short retry budget, then the journal
-        quick = KubeRetryPolicy(budget_s=20.0, max_attempts=4, connect_timeout_s=5.0, read_timeout_s=15.0)
-        return GKEBackend(namespace=h.data.get("namespace"), context=h.data.get("context"), retry=quick).status(h)
-    try:
-        import importlib
-
-        mod = importlib.import_module(f"olmo_ctl.backends.{h.backend}")
-    except ImportError:
-        return None
-    factory = getattr(mod, "backend_for_status", None)
-    return factory(path, h).status(h) if factory else None
 
 
 def _timeline(journal: list | None) -> list[dict]:
@@ -378,7 +356,9 @@ def timeline_summary(timeline: list[dict]) -> list[str]:
 
 
 def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = True,
-                 stall_after_s: float | None = None) -> dict:
+                 stall_after_s: float | None = None, status_of: StatusOf | None = None) -> dict:
+    """The report. With `ask_backend` and `status_of` (the CLI passes `supervise.attempts.handle_status`),
+    the live attempt's state comes from its backend; otherwise from the journal."""
     now = time.time() if now is None else now
     r = src.reader
     recipe = _recipe(src.run_doc)
@@ -388,7 +368,7 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
     loss = r.series(LOSS_TAG)
     step = r.max_step()
     final_step = recipe.train.max_steps if recipe else None
-    live = _live_attempt(src.path, journal, ask_backend)
+    live = _live_attempt(src.path, journal, status_of if ask_backend else None)
     device_name = live.get("device") or (src.run_doc or {}).get("device")
     dev = _device(device_name)
 

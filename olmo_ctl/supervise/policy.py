@@ -1,6 +1,8 @@
 """Retry and stall policy as data: pure functions of what happened, no clock or I/O of their own.
 
-The supervisor asks three questions, each answered once here:
+The supervisor asks four questions, each answered once here:
+  - `RetryPolicy.decide`: an attempt ended; what now (done, stop, give up, or retry)? The whole
+    outcome -> action table;
   - `backoff_s`: how long to wait before the next attempt (exponential with jitter, capped);
   - `RetryBudget.record`: does the run still have retries (only attempts that made no progress spend
     one; a committed step that advances refills the budget; a run still queued spends nothing);
@@ -15,7 +17,8 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.contracts import State
+from olmo_ctl.core.errors import EXIT_GAVE_UP, EXIT_OK, EXIT_RUN_FAILED, BadInput
 
 DEFAULT_BACKOFF_S = 300.0
 DEFAULT_MAX_RETRIES = 5
@@ -58,6 +61,41 @@ class RetryPolicy:
         cap = max(kw.pop("backoff_cap_s", 3600.0), base)
         return cls(backoff_base_s=float(base), max_retries=int(n), backoff_cap_s=cap, **kw)
 
+    def decide(self, outcome: Outcome, history: History) -> Action:
+        """The outcome -> action table of `resume-until-done`, row by row (first match wins):
+
+        | outcome                                            | event     | action  | exit |
+        | final step committed (whatever the exit)           | succeeded | DONE    | 0    |
+        | failed-user, not stalled, user errors not retried  | failed    | STOP    | 1    |
+        | stalled (journaled when it was stopped)            | stalled   | RETRY   |      |
+        | succeeded before the final step                    | failed    | RETRY   |      |
+        | preempted                                          | preempted | RETRY   |      |
+        | failed-infra, missing, failed-user (retried)       | failed    | RETRY   |      |
+        and a RETRY that is the `max_retries`-th attempt in a row without a new committed step
+        (progress refills the budget) becomes GIVE_UP (exit 4, `gave_up`: a crash loop).
+        """
+        st = outcome.state
+        if outcome.committed >= outcome.final:
+            reason = outcome.reason if st == State.SUCCEEDED else f"final step committed ({st.value}: {outcome.reason})"
+            return Action(DONE, "succeeded", reason, history, exit_code=EXIT_OK)
+        if outcome.stalled:
+            what, reason = "stalled", outcome.stalled
+        elif st == State.SUCCEEDED:
+            what, reason = "failed", f"exited cleanly at committed step {outcome.committed} < final {outcome.final}"
+        elif st == State.PREEMPTED:
+            what, reason = "preempted", outcome.reason
+        else:
+            what, reason = "failed", f"{st.value}: {outcome.reason}"
+        if st == State.FAILED_USER and not self.retry_user_errors and not outcome.stalled:
+            return Action(STOP, what, reason, history, exit_code=EXIT_RUN_FAILED)
+        after = history.after(outcome.committed)
+        if after.failures_in_row >= self.max_retries:
+            diag = (f"{after.failures_in_row} attempts in a row ended without a new committed step "
+                    f"(still {outcome.committed}/{outcome.final}); last: {reason}")
+            return Action(GIVE_UP, what, reason, after, journal=not outcome.stalled, exit_code=EXIT_GAVE_UP,
+                          gave_up=f"crash loop: {diag}")
+        return Action(RETRY, what, reason, after, journal=not outcome.stalled)
+
     def backoff_s(self, failures_in_row: int, rng: random.Random | None = None) -> float:
         """Delay before the next attempt after `failures_in_row` consecutive attempts without progress.
 
@@ -67,6 +105,54 @@ class RetryPolicy:
         d = min(self.backoff_cap_s, self.backoff_base_s * (2 ** max(0, failures_in_row - 1)))
         r = (rng or random).random()
         return d * (1.0 - self.jitter * r)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a watched attempt ended (or why the watch stopped it), and where the run stands."""
+
+    state: State
+    reason: str = ""
+    committed: int = 0  # the committed step after the attempt
+    final: int = 0  # the run's final step
+    stalled: str | None = None  # why the watch stopped a stalled attempt
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class History:
+    """Attempts in a row that ended without advancing the committed step, and the best step so far."""
+
+    failures_in_row: int = 0
+    best_step: int = 0
+
+    def after(self, committed_step: int) -> History:
+        if committed_step > self.best_step:
+            return History(0, committed_step)
+        return History(self.failures_in_row + 1, self.best_step)
+
+
+# What the supervisor does next.
+DONE = "done"  # the final step is committed: exit 0
+STOP = "stop"  # a deterministic failure of the program: exit 1, not retried
+GIVE_UP = "give-up"  # a crash loop: exit 4
+RETRY = "retry"  # back off, then submit the next attempt
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # DONE | STOP | GIVE_UP | RETRY
+    event: str  # the journal event of how the attempt ended (succeeded, failed, preempted, stalled)
+    reason: str
+    history: History  # the history after this attempt
+    journal: bool = True  # False: the event is already journaled (a stall, when it was stopped)
+    exit_code: int | None = None  # for DONE, STOP and GIVE_UP
+    gave_up: str = ""  # for GIVE_UP: the `gave_up` record's reason
+
+    @property
+    def failure(self) -> str:
+        """What the next backoff line names."""
+        return f"{self.event} ({self.reason})"
 
 
 @dataclass

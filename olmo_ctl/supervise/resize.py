@@ -27,8 +27,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from olmo_ctl.backends.base import Backend, State
+from olmo_ctl.backends.jobset import dump_yaml
 from olmo_ctl.core.batching import Plan, make_plan
+from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import EXIT_TIMEOUT, BadInput, OlmoCtlError
+from olmo_ctl.rundir import LeaseHeld, _holder_process_dead, utc_now_iso
+from olmo_ctl.supervise.attempts import attempt_request, last_handle, stop_and_wait, submit_next
 
 MODES = ("now", "at-next-checkpoint")
 PLAN_FIELDS = ("device", "devices", "global_batch", "per_device_batch", "grad_accum", "seq_len", "tokens_per_step",
@@ -95,11 +100,7 @@ def plan_resize(recipe, old_device, new_device, run: str, from_attempt: int, to_
 def _request_text(request: Any) -> str:
     if request is None:
         return ""
-    if hasattr(request, "to_dict"):
-        request = request.to_dict()
-    from olmo_ctl.backends.jobset import dump_yaml
-
-    return dump_yaml(request)
+    return dump_yaml(Backend.printable(request))
 
 
 def request_diff(old: Any, new: Any, old_name: str, new_name: str) -> str:
@@ -113,30 +114,16 @@ def request_diff(old: Any, new: Any, old_name: str, new_name: str) -> str:
 
 def current_attempt(rundir) -> tuple[int, str, Any]:
     """(attempt number, device, handle or None) of the run's newest submitted attempt."""
-    from olmo_ctl.backends.base import Handle
-
     last = rundir.last_attempt()
     if last is None:
         doc = rundir.read_run()
         return 0, doc.get("device"), None
-    h = last.get("handle")
-    handle = Handle.from_dict(h) if isinstance(h, dict) else None
-    return int(last.get("attempt") or 0), last.get("device"), handle
-
-
-def _run_recipe(rundir):
-    from olmo_ctl.core.recipe import recipe_from_dict
-
-    doc = rundir.read_run()
-    return recipe_from_dict(doc["recipe"], rundir.p("run.yaml"))
+    return int(last.get("attempt") or 0), last.get("device"), last_handle(rundir)
 
 
 def prepare(rundir, backend, to_device: str) -> ResizePlan:
     """Plan the resize of the run in `rundir` to `to_device`, with both attempts rendered (no side effect)."""
-    from olmo_ctl.backends.base import Attempt
-    from olmo_ctl.core.devices import get_device
-
-    recipe = _run_recipe(rundir)
+    recipe = rundir.recipe()
     attempt, device, _ = current_attempt(rundir)
     if not device:
         raise BadInput(f"run `{rundir.name}` records no device", "submit it first")
@@ -146,8 +133,8 @@ def prepare(rundir, backend, to_device: str) -> ResizePlan:
                        "there is nothing left to run on another device")
     nxt = max(attempt, rundir.next_attempt_number() - 1) + 1
     rp = plan_resize(recipe, get_device(device), get_device(to_device), rundir.name, attempt, nxt)
-    old_req = backend.render(Attempt(rundir.name, rundir.path, max(attempt, 1), device)) if attempt else None
-    new_req = backend.render(Attempt(rundir.name, rundir.path, nxt, to_device))
+    old_req = backend.render(attempt_request(rundir, max(attempt, 1), device, recipe)) if attempt else None
+    new_req = backend.render(attempt_request(rundir, nxt, to_device, recipe))
     return ResizePlan(rp.run, rp.from_attempt, rp.to_attempt, rp.old, rp.new, old_req, new_req)
 
 
@@ -156,8 +143,6 @@ def prepare(rundir, backend, to_device: str) -> ResizePlan:
 
 def supervisor_alive(rundir, now: float | None = None) -> dict | None:
     """The lease document when a live supervisor holds the run, else None."""
-    from olmo_ctl.rundir import _holder_process_dead
-
     lease = rundir.read_lease()
     if not lease or not lease.get("holder") or lease.get("released"):
         return None
@@ -171,8 +156,6 @@ def supervisor_alive(rundir, now: float | None = None) -> dict | None:
 
 def record_request(rundir, device: str, mode: str, plan: ResizePlan | None = None) -> dict:
     """Write `<run>/resize.json` for the supervisor and journal `resize_requested`."""
-    from olmo_ctl.rundir import utc_now_iso
-
     if mode not in MODES:
         raise BadInput(f"resize mode `{mode}` is not one of {', '.join(MODES)}")
     doc = {"device": device, "mode": mode, "reason": f"resize to {device} ({mode})", "time": utc_now_iso(),
@@ -213,21 +196,12 @@ class ResizeResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _wait_gone(backend, handle, deadline: float, heartbeat: Callable[[], None]) -> None:
-    """Block until the stopped attempt can no longer write to the run directory."""
-    wait_deleted = getattr(backend, "wait_deleted", None)
-    while True:
-        if wait_deleted is not None:
-            if wait_deleted(handle, timeout_s=min(30.0, max(0.0, deadline - time.monotonic())), poll_s=1.0):
-                return
-        elif not backend.status(handle).state.live:
-            return
-        heartbeat()
-        if time.monotonic() >= deadline:
-            raise ResizeTimeout(f"attempt {handle.attempt} ({handle.name}) did not stop in time",
-                                "it is still terminating; run the same resize again to continue once it is gone")
-        if wait_deleted is None:
-            time.sleep(0.5)
+def _stop_and_wait(backend, handle, deadline: float, heartbeat: Callable[[], None]) -> None:
+    """Stop the attempt and block until it can no longer write to the run directory."""
+    if not stop_and_wait(backend, handle, graceful=True, timeout_s=max(0.0, deadline - time.monotonic()), poll_s=1.0,
+                         heartbeat=heartbeat):
+        raise ResizeTimeout(f"attempt {handle.attempt} ({handle.name}) did not stop in time",
+                            "it is still terminating; run the same resize again to continue once it is gone")
 
 
 def stop_for_resize(rundir, backend, handle, mode: str, deadline: float,
@@ -238,8 +212,6 @@ def stop_for_resize(rundir, backend, handle, mode: str, deadline: float,
     Returns (committed step after the stop, how the attempt ended). `at-next-checkpoint` waits for a
     committed step newer than the one at the call (or the attempt's end) before stopping.
     """
-    from olmo_ctl.backends.base import State
-
     before = rundir.committed_step()
     status = backend.status(handle)
     # Only a running trainer has progress to wait for; a queued or starting attempt is stopped at once.
@@ -256,42 +228,33 @@ def stop_for_resize(rundir, backend, handle, mode: str, deadline: float,
         log(f"stopping attempt {handle.attempt} ({handle.name}): it checkpoints its last completed step")
     # An ended attempt is removed too: an evicted JobSet is only suspended, and Kueue would admit it
     # again next to its successor.
-    backend.stop(handle, graceful=True)
-    _wait_gone(backend, handle, deadline, heartbeat)
+    _stop_and_wait(backend, handle, deadline, heartbeat)
     end = backend.status(handle)
     after = rundir.committed_step()
     if after < before:  # a listing that went backwards would restart the run from an older state
         raise OlmoCtlError(f"committed step went back from {before} to {after} while stopping", exit_code=1)
     how = f"{end.state.value} ({end.reason})" if end.reason else end.state.value
-    if end.state.value not in ("preempted", "succeeded") and f"committed step {after}" in backend.logs(handle, 5):
-        # The local backend cannot see the exit code of a trainer another process started; its log can.
+    if end.state not in (State.PREEMPTED, State.SUCCEEDED) and backend.progress(handle).committed == after:
+        # A backend that cannot see the exit code (a trainer another process started) may see its log.
         how = f"the trainer committed step {after} and exited"
     return after, how
 
 
-def submit_next(rundir, backend, plan: ResizePlan, committed_step: int, mode: str, request_id: str | None = None,
-                extra_args: tuple[str, ...] = ()):
+def submit_resized(rundir, backend, plan: ResizePlan, committed_step: int, mode: str,
+                   request_id: str | None = None):
     """Submit attempt `plan.to_attempt` on the new device and journal `resized` and `submitted`."""
-    from olmo_ctl.backends.base import Attempt
-
-    request = backend.render(Attempt(rundir.name, rundir.path, plan.to_attempt, plan.new.device,
-                                     extra_args=extra_args))
-    handle = backend.submit(request)
-    rundir.append("resized", attempt=plan.to_attempt, device=plan.new.device, committed_step=committed_step,
-                  reason=f"{plan.old.device} -> {plan.new.device} ({mode})", from_device=plan.old.device,
-                  from_attempt=plan.from_attempt, request=request_id, mode=mode,
-                  global_batch=plan.new.global_batch, tokens_per_step=plan.new.tokens_per_step,
-                  old_plan=plan.to_dict()["old"], new_plan=plan.to_dict()["new"])
-    rundir.append("submitted", attempt=plan.to_attempt, device=plan.new.device, committed_step=committed_step,
-                  reason=f"resize from {plan.old.device}", handle=handle.to_dict(), backend=backend.name)
-    return handle
+    resized = dict(attempt=plan.to_attempt, device=plan.new.device, committed_step=committed_step,
+                   reason=f"{plan.old.device} -> {plan.new.device} ({mode})", from_device=plan.old.device,
+                   from_attempt=plan.from_attempt, request=request_id, mode=mode,
+                   global_batch=plan.new.global_batch, tokens_per_step=plan.new.tokens_per_step,
+                   old_plan=plan.to_dict()["old"], new_plan=plan.to_dict()["new"])
+    return submit_next(rundir, backend, plan.new.device, f"resize from {plan.old.device}", attempt=plan.to_attempt,
+                       committed_step=committed_step, first=("resized", resized))
 
 
 def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: float = 3600.0,
                log: Callable[[str], None] = lambda s: None, wait: bool = True) -> ResizeResult:
     """Carry out a confirmed resize: hand it to the run's supervisor, or do it under the run's lease."""
-    from olmo_ctl.rundir import LeaseHeld
-
     if mode not in MODES:
         raise BadInput(f"resize mode `{mode}` is not one of {', '.join(MODES)}")
     deadline = time.monotonic() + timeout_s
@@ -327,11 +290,10 @@ def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: 
                 res.notes.append("the attempt finished before it was stopped")
         else:
             if handle is not None:  # never submit while the last attempt exists (suspended, terminating)
-                backend.stop(handle, graceful=True)
-                _wait_gone(backend, handle, deadline, beat)
+                _stop_and_wait(backend, handle, deadline, beat)
             res.committed_step = rundir.committed_step()
             res.notes.append("no live attempt: the next one starts from the last committed checkpoint")
-        res.handle = submit_next(rundir, backend, plan, res.committed_step, mode)
+        res.handle = submit_resized(rundir, backend, plan, res.committed_step, mode)
         res.attempt, res.action = plan.to_attempt, "resized"
         log(f"attempt {plan.to_attempt} submitted on {plan.new.device} from checkpoint {res.committed_step}")
         return res
@@ -382,6 +344,6 @@ def carry_out_request(rundir, backend, handle, request: dict, deadline_s: float 
                 return refuse(e.one_line())
             raise
         log(f"attempt {handle.attempt} ended for the resize: {how}; committed step {committed}")
-    new = submit_next(rundir, backend, plan, committed, mode, request_id=rid)
+    new = submit_resized(rundir, backend, plan, committed, mode, request_id=rid)
     rundir.clear_resize()
     return new

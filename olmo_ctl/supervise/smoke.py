@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import secrets
 import time
 import xml.etree.ElementTree as ET
@@ -37,7 +36,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from olmo_ctl.backends.base import State
+from olmo_ctl.core.batching import make_plan
+from olmo_ctl.core.contracts import log_progress
+from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import EXIT_OK, EXIT_RUN_FAILED, EXIT_TIMEOUT, BadInput
+from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.observe.events import read_scalars
+from olmo_ctl.rundir import RunDir
+from olmo_ctl.storage import join
+from olmo_ctl.supervise.attempts import data_fingerprint, stop_and_wait, submit_next
 
 CHECKS = ("loss_fell", "checkpoint_committed", "forced_stop", "resume_exact", "events_readable")
 FAULT_ENV = "OLMO_CTL_SMOKE_FAULT"
@@ -54,7 +62,6 @@ EXACT_TAGS = ("train/CE loss", "train/Z loss", "optim/total grad norm", "optim/L
 LOSS_TAG = "train/CE loss"
 LOSS_WINDOW = 3  # steps averaged at each end for `loss_fell`
 MIN_LOSS_DROP = 0.05  # relative: the last steps' mean CE must be below 95% of the first steps'
-_STEP_LINE = re.compile(r"^step (\d+)/(\d+) loss ")
 
 
 class SmokeTimeout(Exception):
@@ -180,8 +187,7 @@ class _Outcome:
 
 
 def last_logged_step(lines: list[str]) -> int | None:
-    steps = [int(m.group(1)) for m in (_STEP_LINE.match(ln.strip()) for ln in lines) if m]
-    return max(steps) if steps else None
+    return log_progress(lines).max_step
 
 
 class _Driver:
@@ -204,16 +210,8 @@ class _Driver:
 
     def start(self, rundir, attempt: int, device: str, extra_args: tuple[str, ...] = (),
               env: dict[str, str] | None = None):
-        from olmo_ctl.backends.base import Attempt
-
-        a = Attempt(run=rundir.name, run_dir=rundir.path, attempt=attempt, device=device, extra_args=extra_args)
-        request = self.backend.render(a)
-        if env:
-            request = _with_env(request, env)
-        handle = self.backend.submit(request)
+        handle = submit_next(rundir, self.backend, device, "smoke", extra_args=extra_args, env=env, attempt=attempt)
         self.live.append(handle)
-        rundir.append("submitted", attempt=attempt, device=device, reason="smoke", handle=handle.to_dict(),
-                      backend=self.backend.name)
         self.log(f"{rundir.name}: attempt {attempt} on {device} submitted ({handle.name})")
         return handle
 
@@ -228,15 +226,12 @@ class _Driver:
             self._tick()
 
     def stop(self, handle) -> None:
-        self.backend.stop(handle, graceful=True)
-        wait_deleted = getattr(self.backend, "wait_deleted", None)
-        if wait_deleted is not None:  # GKE: the JobSet is gone once its pods have checkpointed and exited
-            if not wait_deleted(handle, timeout_s=max(1.0, self.remaining()), poll_s=max(self.poll_s, 1.0)):
-                raise SmokeTimeout()
+        # GKE: the JobSet is gone once its pods have checkpointed and exited.
+        if not stop_and_wait(self.backend, handle, graceful=True, timeout_s=max(1.0, self.remaining()),
+                             poll_s=max(self.poll_s, 1.0)):
+            raise SmokeTimeout()
 
     def wait_end(self, handle, rundir) -> _Outcome:
-        from olmo_ctl.backends.base import State
-
         while True:
             st = self.backend.status(handle)
             if st.state.terminal:
@@ -260,19 +255,6 @@ class _Driver:
             except Exception as e:  # best effort on the way out: the run dirs say what happened
                 self.log(f"could not stop {h.name}: {e}")
         self.live.clear()
-
-
-def _with_env(request: Any, env: dict[str, str]) -> Any:
-    """The same request with extra environment variables for the trainer (fault injection)."""
-    if hasattr(request, "env") and dataclasses.is_dataclass(request):
-        return dataclasses.replace(request, env={**request.env, **env})
-    import copy
-
-    request = copy.deepcopy(request)
-    for rj in request["spec"]["replicatedJobs"]:
-        for c in rj["template"]["spec"]["template"]["spec"]["containers"]:
-            c.setdefault("env", []).extend({"name": k, "value": v} for k, v in env.items())
-    return request
 
 
 # ---------------------------------------------------------------- checks
@@ -358,11 +340,7 @@ def _check_events(reader, final_step: int, tokens_per_step: int) -> CheckResult:
 def _create_run(rundir, recipe, device: str, local: bool = True) -> None:
     """run.yaml for a smoke run. The builtin smoke data is made from the training machine's Python
     stdlib, so its fingerprint is only known here when this machine trains (local backend)."""
-    fp = ""
-    if local:
-        from olmo_ctl.data.files import dataset_fingerprint, resolve_files
-
-        fp = dataset_fingerprint(resolve_files(recipe, "train"), recipe.train.seq_len, recipe.data.seed)
+    fp = data_fingerprint(recipe) if local else ""
     rundir.create_run(recipe.to_dict(), recipe.fingerprint(), fp, device)
 
 
@@ -373,13 +351,6 @@ def new_run_name(device: str) -> str:
 def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
               log: Callable[[str], None] = lambda s: None, run_name: str | None = None) -> SmokeReport:
     """Run the smoke attempts on `backend` under `run_root` and return the checked report."""
-    from olmo_ctl.core.batching import make_plan
-    from olmo_ctl.core.devices import get_device
-    from olmo_ctl.core.recipe import load_recipe
-    from olmo_ctl.observe.events import read_scalars
-    from olmo_ctl.rundir import RunDir
-    from olmo_ctl.storage import join
-
     faults = cfg.faults()
     if faults - set(FAULTS):
         raise BadInput(f"{FAULT_ENV}={cfg.fault!r} names no smoke fault", f"known: {', '.join(FAULTS)}")
@@ -410,7 +381,7 @@ def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
 
     try:
         for rd in (main, twin):
-            _create_run(rd, recipe, device.name, local=backend.name == "local")
+            _create_run(rd, recipe, device.name, local=backend.trains_here)
 
         # Attempt 1: stopped mid-run the way a preemption or `resize --now` stops it.
         c_t = time.monotonic()

@@ -24,26 +24,18 @@ attempt is left untouched. The clock and sleep are injectable, so tests drive it
 from __future__ import annotations
 
 import random
-import re
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from olmo_ctl.backends.base import AttemptStatus, Handle, State
-from olmo_ctl.core.errors import (
-    EXIT_GAVE_UP,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_RUN_FAILED,
-    EXIT_UNREACHABLE,
-    OlmoCtlError,
-)
+from olmo_ctl.core.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, OlmoCtlError
+from olmo_ctl.observe.events import read_scalars
 from olmo_ctl.rundir import LeaseLost, RunDir, parse_iso
-from olmo_ctl.supervise.attempts import live_attempt, run_device, submit_next
-from olmo_ctl.supervise.policy import RetryBudget, RetryPolicy, StallWatch
-
-_STEP_LINE = re.compile(r"\bstep (\d+)/(\d+)\b")
+from olmo_ctl.supervise import resize
+from olmo_ctl.supervise.attempts import last_handle, live_attempt, run_device, stop_and_wait, submit_next
+from olmo_ctl.supervise.policy import DONE, GIVE_UP, STOP, History, Outcome, RetryPolicy, StallWatch
 
 
 class Printer:
@@ -83,8 +75,8 @@ def _fmt_s(s: float) -> str:
 
 
 @dataclass
-class Outcome:
-    """How a watched attempt ended (or why the watch stopped)."""
+class Watched:
+    """How a watched attempt ended (or why the watch stopped it)."""
 
     status: AttemptStatus
     stalled: str | None = None
@@ -162,19 +154,16 @@ class Supervisor:
                 self.rd.release_lease(self.lease, now=self.clock())
 
     def _run(self) -> int:
-        doc = self.rd.read_run()
-        self.final = int(doc["recipe"]["train"]["max_steps"])
+        self.recipe = self.rd.recipe()  # read once: every attempt of this supervisor renders from it
+        self.final = int(self.recipe.train.max_steps)
         self.device = run_device(self.rd, self.device)
         committed = self.rd.committed_step()
-        budget = RetryBudget(self.policy.max_retries, best_step=committed)
+        history = History(best_step=committed)
         self._say("supervisor_started", f"committed step {committed}/{self.final}; holder {self.lease.holder}",
                   committed_step=committed, attempt=None)
         self.handle, st = live_attempt(self.rd, self.backend)
-        last = self.rd.last_attempt()
-        ended: Handle | None = None  # the previous attempt, over: deleted before a successor is submitted
-        if self.handle is None and last and isinstance(last.get("handle"), dict) \
-                and last["handle"].get("backend") == self.backend.name:
-            ended = Handle.from_dict(last["handle"])
+        # The previous attempt, over: deleted before a successor is submitted.
+        ended = last_handle(self.rd, self.backend.name) if self.handle is None else None
         if self.handle is not None:
             self._say("reattached", f"attempt {self.handle.attempt} is {st.state.value} ({self.handle.name})",
                       committed_step=committed)
@@ -185,7 +174,7 @@ class Supervisor:
                 if committed >= self.final:
                     return self._done(committed)
                 if last_failure is not None:
-                    delay = self.policy.backoff_s(budget.failures_in_row, self.rng)
+                    delay = self.policy.backoff_s(history.failures_in_row, self.rng)
                     self._say("backoff", f"waiting {delay:.0f} s before the next attempt after {last_failure}",
                               committed_step=committed, delay_s=round(delay, 3), attempt=None)
                     self._wait(delay)
@@ -200,60 +189,47 @@ class Supervisor:
                         self._retire(ended)
                         ended = None
                     self._beat()  # a supervisor that lost its lease must not submit
-                    self.handle = submit_next(self.rd, self.backend, self.device, reason, t=self.clock())
+                    self.handle = submit_next(self.rd, self.backend, self.device, reason, recipe=self.recipe,
+                                              committed_step=committed, t=self.clock())
                     self.out.line(f"submitted attempt {self.handle.attempt} on {self.device} ({self.handle.name}): "
                                   f"{reason}")
-            outcome = self._watch(self.handle)
-            st = outcome.status
+            watched = self._watch(self.handle)
+            st = watched.status
             committed = self.rd.committed_step()
-            if committed >= self.final:  # whatever the exit looked like, the run is complete
-                self._say("succeeded", st.reason if st.state == State.SUCCEEDED else
-                          f"final step committed ({st.state.value}: {st.reason})", committed_step=committed)
+            action = self.policy.decide(Outcome(st.state, st.reason, committed, self.final, watched.stalled,
+                                                st.exit_code), history)
+            history = action.history
+            if action.kind == DONE:
+                self._say(action.event, action.reason, committed_step=committed)
                 return self._done(committed)
-            if outcome.stalled:
-                what, reason = "stalled", outcome.stalled
-            elif st.state == State.SUCCEEDED:
-                what, reason = "failed", f"exited cleanly at committed step {committed} < final {self.final}"
-            elif st.state == State.PREEMPTED:
-                what, reason = "preempted", st.reason
-            else:
-                what, reason = "failed", f"{st.state.value}: {st.reason}"
-            if st.state == State.FAILED_USER and not self.policy.retry_user_errors and not outcome.stalled:
-                self._say("failed", reason, committed_step=committed, state=st.state.value, exit_code=st.exit_code,
-                          last_log_lines=list(st.last_log_lines[-20:]))
+            if action.kind == STOP:
+                self._say(action.event, action.reason, committed_step=committed, state=st.state.value,
+                          exit_code=st.exit_code, last_log_lines=list(st.last_log_lines[-20:]))
                 self._show_logs(st)
                 self.out.line("stopped: a deterministic failure of the training program is not retried "
                               "(fix it, or pass --retry-user-errors)")
                 self.handle = None
-                return EXIT_RUN_FAILED
-            if not outcome.stalled:
-                self._say(what, reason, committed_step=committed, state=st.state.value, exit_code=st.exit_code)
-            ok = budget.record(committed)
-            if not ok:
-                diag = (f"{budget.failures_in_row} attempts in a row ended without a new committed step "
-                        f"(still {committed}/{self.final}); last: {reason}")
-                self._say("gave_up", f"crash loop: {diag}", committed_step=committed,
+                return action.exit_code
+            if action.journal:
+                self._say(action.event, action.reason, committed_step=committed, state=st.state.value,
+                          exit_code=st.exit_code)
+            if action.kind == GIVE_UP:
+                self._say("gave_up", action.gave_up, committed_step=committed,
                           last_log_lines=list(st.last_log_lines[-20:]))
                 self._show_logs(st)
                 self.handle = None
-                return EXIT_GAVE_UP
-            last_failure = f"{what} ({reason})"
+                return action.exit_code
+            last_failure = action.failure
             self._retire(self.handle)
             self.handle = None
 
     def _retire(self, h: Handle) -> None:
         """Make sure an ended attempt is gone before the next one is submitted: an evicted JobSet is
         requeued by Kueue and would otherwise come back next to its successor."""
-        self.backend.stop(h, graceful=False)
-        wait = getattr(self.backend, "wait_deleted", None)
-        if wait is None:
-            return
-        for _ in range(60):
-            if wait(h, timeout_s=min(30.0, 3 * self.poll_s), poll_s=min(2.0, self.poll_s)):
-                return
-            self._beat()
-        raise OlmoCtlError(f"attempt {h.attempt} ({h.name}) is still being deleted",
-                           f"check it, then run `{self.reattach_hint}` again", EXIT_UNREACHABLE)
+        if not stop_and_wait(self.backend, h, graceful=False, timeout_s=60 * min(30.0, 3 * self.poll_s),
+                             poll_s=min(2.0, self.poll_s), heartbeat=self._beat):
+            raise OlmoCtlError(f"attempt {h.attempt} ({h.name}) is still being deleted",
+                               f"check it, then run `{self.reattach_hint}` again", EXIT_UNREACHABLE)
 
     def _done(self, committed: int) -> int:
         loss = self._last_loss()
@@ -263,14 +239,11 @@ class Supervisor:
 
     def _last_loss(self) -> str | None:
         """The final `train/CE loss`: from the trainer's last step line, else from the run's events."""
-        if self.handle is not None and self.backend.name == "local":
-            for ln in reversed(self.backend.logs(self.handle, 50)):
-                m = re.search(r"\bloss ([0-9.eE+-]+)", ln)
-                if m:
-                    return m.group(1)
+        if self.handle is not None:
+            seen = self.backend.progress(self.handle)
+            if seen.loss is not None:
+                return seen.loss
         try:
-            from olmo_ctl.observe.events import read_scalars
-
             s = read_scalars(self.rd.p("tensorboard")).series("train/CE loss")
             return f"{float(s.values[-1]):.4f}" if s is not None and len(s) else None
         except (OlmoCtlError, OSError, ValueError):
@@ -302,7 +275,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ watching one attempt
 
-    def _watch(self, h: Handle) -> Outcome:
+    def _watch(self, h: Handle) -> Watched:
         last_state: State | None = None
         stall: StallWatch | None = None
         sig = None
@@ -327,7 +300,7 @@ class Supervisor:
                     p = self.policy
                     stall = StallWatch(p.stall_factor, p.stall_min_s, p.startup_limit_s, started_at=now)
             if st.state.terminal:
-                return Outcome(st)
+                return Watched(st)
             if st.state == State.RUNNING and stall is not None:
                 committed = self.rd.committed_step()
                 new_sig = (committed, self.rd.progress_signature(since_unix=since), self._log_step(h))
@@ -344,21 +317,13 @@ class Supervisor:
                     self._say("stalled", why, committed_step=committed)
                     self.backend.stop(h, graceful=True)
                     end = self.backend.status(h)
-                    return Outcome(end, stalled=why)
+                    return Watched(end, stalled=why)
             self.sleep(self.poll_s)
 
     def _log_step(self, h: Handle) -> int | None:
-        if self.backend.name != "local":
-            return None
-        for ln in reversed(self.backend.logs(h, 5)):
-            m = _STEP_LINE.search(ln)
-            if m:
-                return int(m.group(1))
-        return None
+        return self.backend.progress(h).step
 
     def _resize(self, h: Handle, req: dict) -> Handle:
-        from olmo_ctl.supervise import resize
-
         self.out.line(f"resize request {req.get('id')}: to {req.get('device')}")
         new = resize.carry_out_request(self.rd, self.backend, h, req, heartbeat=self._beat, log=self.out.line)
         if new is None:

@@ -448,7 +448,8 @@ def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None, recipe: str | 
 def _load_run_checkpoint(step_dir: str, cfg_overrides: dict | None = None, recipe: str | None = None):
     import yaml
 
-    from olmo_ctl.core.recipe import load_recipe, recipe_from_dict
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.rundir import run_recipe
     from olmo_ctl.trainer.checkpoint import open_step
 
     if recipe is not None:
@@ -459,7 +460,7 @@ def _load_run_checkpoint(step_dir: str, cfg_overrides: dict | None = None, recip
         if not store.exists(run_yaml):
             raise BadInput(f"`{step_dir}` has no {META_FILE} and `{run_yaml}` does not exist",
                            "pass --recipe with the run's model, or a directory written by `convert hf-to-orbax`")
-        model = recipe_from_dict(yaml.safe_load(store.read_text(run_yaml))["recipe"], run_yaml).model
+        model = run_recipe(yaml.safe_load(store.read_text(run_yaml)), run_yaml).model
     cfg = dataclasses.replace(model, **(cfg_overrides or {}))
     open_step(step_dir)[0].close()  # BadInput unless it is a committed step
     params = _restore_state_params(join(step_dir, "state"))

@@ -17,10 +17,10 @@ that step on (the classic restart protocol), so a reader sees each step once, wi
 from __future__ import annotations
 
 import io
-import re
 import socket
 import time
 
+from olmo_ctl.core.contracts import segment_name
 from olmo_ctl.storage import join, store_for
 
 # The OLMo-core tag names plus the TPU case study's parity tags (docs/CONTRACTS.md).
@@ -31,11 +31,6 @@ TAGS = (
     "throughput/device/MFU", "throughput/device/MFU (actual avg)", "throughput/device/data loading (s)",
     "perf/step_time_s", "checkpoint/save_duration_s", "eval/lm_loss",
 )
-
-
-def segment_name(start_time: int, host: str, attempt: int, segment: int) -> str:
-    host = re.sub(r"[^A-Za-z0-9_-]", "-", host) or "host"
-    return f"events.out.tfevents.{start_time:010d}.{host}.a{attempt:04d}.s{segment:05d}"
 
 
 def _event_bytes(events) -> bytes:
@@ -94,15 +89,3 @@ class EventLog:
         self._last_upload = time.monotonic()
         return path
 
-
-def read_scalars(run_dir_or_tb: str) -> dict[str, dict[int, float]]:
-    """Every scalar of a run as {tag: {step: value}} via TensorBoard's EventAccumulator (tests, tools)."""
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, TENSORS, EventAccumulator
-
-    path = run_dir_or_tb if run_dir_or_tb.rstrip("/").endswith("tensorboard") else join(run_dir_or_tb, "tensorboard")
-    acc = EventAccumulator(path, size_guidance={SCALARS: 0, TENSORS: 0})
-    acc.Reload()
-    out: dict[str, dict[int, float]] = {}
-    for tag in acc.Tags()["scalars"]:
-        out[tag] = {e.step: e.value for e in acc.Scalars(tag)}
-    return out

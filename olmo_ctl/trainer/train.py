@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from olmo_ctl.core.contracts import EXIT_SIGTERM, committed_line, step_line
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.recipe import Recipe
 
-EXIT_SIGTERM = 143
 IGNORE_INDEX = -100
 # Fault injection for tests only: shift the restored data position by +-N batches to prove that the
 # resume A/B check detects a data/parameter off-by-one. Never set it in a real run.
@@ -66,6 +66,7 @@ def load_run_recipe(args: TrainArgs) -> Recipe:
     import yaml
 
     from olmo_ctl.core.recipe import load_recipe, recipe_from_dict
+    from olmo_ctl.rundir import run_recipe
     from olmo_ctl.storage import NotFound, is_gcs, join, store_for
 
     if args.recipe and is_gcs(args.recipe):
@@ -79,9 +80,7 @@ def load_run_recipe(args: TrainArgs) -> Recipe:
     except NotFound:
         raise BadInput(f"no --recipe given and `{path}` does not exist",
                        "pass --recipe FILE|NAME or submit the run first") from None
-    if not isinstance(run, dict) or not isinstance(run.get("recipe"), dict):
-        raise BadInput(f"`{path}` has no `recipe:` section", "pass --recipe FILE|NAME")
-    return recipe_from_dict(run["recipe"], path, args.overrides)
+    return run_recipe(run, path, args.overrides)
 
 
 # ---------------------------------------------------------------- the step (pure, jitted)
@@ -319,7 +318,7 @@ def run(args: TrainArgs) -> int:
                 "recipe": recipe.name, "recipe_fingerprint": recipe.fingerprint(), "step": step}
 
     if step >= final_step:
-        print(f"committed step {step}", flush=True)
+        print(committed_line(step), flush=True)
         ckpt.close()
         return 0
 
@@ -374,9 +373,7 @@ def run(args: TrainArgs) -> int:
             }
             if proc == 0:
                 events.scalars(s, values, wall)
-            skipped = " skipped" if m["skipped"] else ""
-            print(f"step {s}/{t.max_steps} loss {ce:.4f} grad_norm {float(m['grad_norm']):.4f} lr {lr:.3e}"
-                  f" tps/device {tps:.0f} mfu {100 * mfu:.2f}%{skipped}", flush=True)
+            print(step_line(s, t.max_steps, ce, float(m["grad_norm"]), lr, tps, mfu, bool(m["skipped"])), flush=True)
 
     def upload_events() -> None:
         """A storage hiccup must not end a week-long run: the records stay pending for the next upload."""
@@ -448,7 +445,7 @@ def run(args: TrainArgs) -> int:
             finally:
                 upload_events()
                 _close_loader(loader)
-    print(f"committed step {step}", flush=True)
+    print(committed_line(step), flush=True)
     return exit_code
 
 

@@ -1,0 +1,159 @@
+"""What the trainer writes and everyone else reads (docs/CONTRACTS.md), in one place.
+
+- its log lines: `step N/M loss X ...` per logged step and `committed step N` after a checkpoint
+  commits (one formatter and one parser each);
+- its event file names: `events.out.tfevents.<start, 10 digits>.<host>.a<attempt>.s<segment>`;
+- its exit codes, and the attempt state each one means (`exit_state`), which every backend reports.
+
+Pure and light: the trainer, the backends, the supervisor and the monitor all import it.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import signal
+from dataclasses import dataclass
+
+
+class State(str, enum.Enum):
+    """The normalised state of an attempt (`monitor -o json` reports its value)."""
+
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FAILED_INFRA = "failed-infra"
+    FAILED_USER = "failed-user"
+    SUCCEEDED = "succeeded"
+    MISSING = "missing"
+
+    @property
+    def live(self) -> bool:
+        """The attempt may still make progress (a supervisor must not submit another)."""
+        return self in (State.QUEUED, State.ADMITTED, State.RUNNING)
+
+    @property
+    def terminal(self) -> bool:
+        return not self.live
+
+
+# ---------------------------------------------------------------- exit codes
+
+EXIT_DONE = 0  # the final step (or --stop-at-step) reached, its checkpoint committed
+EXIT_FAILED = 1  # a deterministic error in training (a bug, a NaN loss)
+EXIT_BAD_INPUT = 2  # bad recipe, data fingerprint mismatch
+EXIT_RESTART = 3  # storage, network or a peer lost: restartable, like an infrastructure failure
+EXIT_SIGTERM = 143  # stopped by SIGTERM after checkpointing its last completed step
+EXIT_SIGKILL = 137
+USER_EXIT_CODES = frozenset({EXIT_FAILED, EXIT_BAD_INPUT})  # the only user failures: never retried blindly
+
+
+def exit_state(code: int | None) -> tuple[State, str]:
+    """The state an attempt is in when its trainer exited with `code` (None: still running), and why.
+
+    0 SUCCEEDED; 143/137 (SIGTERM/SIGKILL, or the negative codes of a killed child) PREEMPTED;
+    1/2 FAILED_USER; anything else FAILED_INFRA."""
+    if code is None:
+        return State.RUNNING, "running"
+    if code == EXIT_DONE:
+        return State.SUCCEEDED, "exit 0"
+    if code in (EXIT_SIGTERM, -signal.SIGTERM):
+        return State.PREEMPTED, f"exit {code} (SIGTERM)"
+    if code in (EXIT_SIGKILL, -signal.SIGKILL):
+        return State.PREEMPTED, f"exit {code} (SIGKILL)"
+    if code in USER_EXIT_CODES:
+        return State.FAILED_USER, f"exit {code}"
+    if code < 0:
+        try:
+            return State.FAILED_INFRA, f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return State.FAILED_INFRA, f"exit {code}"
+
+
+# ---------------------------------------------------------------- log lines
+
+_STEP_LINE = re.compile(r"(?:^|\s)step (\d+)/(\d+) loss (\S+)")
+_COMMITTED_LINE = re.compile(r"committed step (\d+)")
+
+
+def step_line(step: int, final: int, loss: float, grad_norm: float, lr: float, tps: float, mfu: float,
+              skipped: bool = False) -> str:
+    """The line the trainer prints for a logged step."""
+    return (f"step {step}/{final} loss {loss:.4f} grad_norm {grad_norm:.4f} lr {lr:.3e}"
+            f" tps/device {tps:.0f} mfu {100 * mfu:.2f}%" + (" skipped" if skipped else ""))
+
+
+def committed_line(step: int) -> str:
+    """The line the trainer prints once checkpoint `step` is committed (its last line on exit 0 and 143)."""
+    return f"committed step {step}"
+
+
+@dataclass(frozen=True)
+class StepLine:
+    step: int
+    final: int
+    loss: str  # as printed
+
+
+def parse_step_line(line: str) -> StepLine | None:
+    m = _STEP_LINE.search(line)
+    return StepLine(int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+def parse_committed_line(line: str) -> int | None:
+    m = _COMMITTED_LINE.fullmatch(line.strip())
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class LogProgress:
+    """What a trainer's log tail says: the newest step line, and the committed step if the log ends
+    with one (None for each where the tail holds none)."""
+
+    step: int | None = None
+    final: int | None = None
+    loss: str | None = None
+    committed: int | None = None
+    max_step: int | None = None  # the largest step logged in the tail
+
+
+def log_progress(lines: list[str]) -> LogProgress:
+    steps = [s for s in map(parse_step_line, lines) if s is not None]
+    last = next((ln for ln in reversed(lines) if ln.strip()), "")
+    newest = steps[-1] if steps else None
+    return LogProgress(newest.step if newest else None, newest.final if newest else None,
+                       newest.loss if newest else None, parse_committed_line(last),
+                       max(s.step for s in steps) if steps else None)
+
+
+# ---------------------------------------------------------------- event file names
+
+EVENT_FILE_PREFIX = "events.out.tfevents."
+_SEGMENT_NAME = re.compile(r"tfevents\.(\d+)\.(.*?)(?:\.a(\d+)\.s(\d+))?$")
+
+
+def segment_name(start_time: int, host: str, attempt: int, segment: int) -> str:
+    """The name of one immutable event segment; names sort by the writer's start time."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", host) or "host"
+    return f"{EVENT_FILE_PREFIX}{start_time:010d}.{host}.a{attempt:04d}.s{segment:05d}"
+
+
+def segment_names_from(start_unix: float) -> str:
+    """The smallest segment name written by a trainer started at or after `start_unix`."""
+    return f"{EVENT_FILE_PREFIX}{max(0, int(start_unix)):010d}"
+
+
+def is_event_file(name: str) -> bool:
+    return "tfevents" in name
+
+
+def parse_segment_name(name: str) -> tuple[int, str, int | None, int | None] | None:
+    """(start time, host, attempt, segment) of an event file name; attempt and segment are None for a
+    file another writer named (TensorBoard's own `events.out.tfevents.<time>.<host>`)."""
+    m = _SEGMENT_NAME.search(name)
+    if not m:
+        return None
+    ts, host, att, seg = m.groups()
+    return int(ts), host, int(att) if att else None, int(seg) if seg else None
