@@ -132,7 +132,7 @@ class GKEBackend(Backend):
             raise BadInput("the GKE backend needs site settings to render a JobSet",
                            "see `olmo-ctl config show`")
         if attempt.recipe is None or attempt.plan is None:
-            raise ValueError("a GKE attempt carries its resolved recipe and plan (supervise.attempts.request)")
+            raise ValueError("a GKE attempt carries its resolved recipe and plan (supervise.attempts.attempt_request)")
         jobset = render_jobset(attempt.recipe, attempt.plan, get_device(attempt.device), settings, attempt.run,
                                attempt.attempt, attempt.run_dir)
         if attempt.extra_args or attempt.env:
