@@ -9,7 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from olmo_ctl.observe.events import EventReader, masked_crc, read_scalars
+from olmo_ctl.observe.crc import masked_crc
+from olmo_ctl.observe.reader import EventReader, read_scalars
 
 TAGS = ["train/CE loss", "train/PPL", "optim/LR (group 0)", "optim/LR (group 1)", "optim/step skipped",
         "throughput/total tokens", "throughput/device/TPS", "perf/step_time_s"]

@@ -243,7 +243,7 @@ def _log_text(be, handle) -> str:
 
 
 def _series(run_dir: str, tag: str) -> dict[int, float]:
-    from olmo_ctl.observe.events import read_scalars
+    from olmo_ctl.observe.reader import read_scalars
 
     r = read_scalars(f"{run_dir}/tensorboard")
     assert not r.problems() and r.replays(tag) == 0

@@ -5,7 +5,7 @@ The dict's shape is the stable JSON schema `docs/monitor-schema.json` (`olmo-ctl
 the table view and the plot are drawn from it. Everything is derived from data the run directory
 keeps, so two people monitoring the same run see the same numbers:
 
-* progress, tokens, losses: the de-duplicated TensorBoard scalars (`olmo_ctl.observe.events`);
+* progress, tokens, losses: the de-duplicated TensorBoard scalars (`olmo_ctl.observe.reader`);
 * step time, tokens/s, TFLOP/s, MFU: wall times of `train/CE loss` points within one attempt
   (a gap between attempts is never counted as a slow step) and `olmo_ctl.core.flops` for the model;
 * goodput: time on steps that count / wall time, and where the rest went (queueing and start-up from
@@ -25,7 +25,8 @@ import numpy as np
 
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
-from olmo_ctl.observe.events import EventReader, Series
+from olmo_ctl.observe.reader import EventReader
+from olmo_ctl.observe.series import Series
 
 SCHEMA_ID = "olmo-ctl/monitor/v1"
 LOSS_TAG = "train/CE loss"

@@ -376,7 +376,7 @@ def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
     from olmo_ctl.core.batching import make_plan
     from olmo_ctl.core.devices import get_device
     from olmo_ctl.core.recipe import load_recipe
-    from olmo_ctl.observe.events import read_scalars
+    from olmo_ctl.observe.reader import read_scalars
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.storage import join
 

@@ -269,7 +269,7 @@ class Supervisor:
                 if m:
                     return m.group(1)
         try:
-            from olmo_ctl.observe.events import read_scalars
+            from olmo_ctl.observe.reader import read_scalars
 
             s = read_scalars(self.rd.p("tensorboard")).series("train/CE loss")
             return f"{float(s.values[-1]):.4f}" if s is not None and len(s) else None
