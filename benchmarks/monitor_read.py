@@ -101,7 +101,7 @@ def time_accumulator(tb_dir: Path) -> tuple[float, int]:
 
 def time_incremental(run_dir: Path, steps: int) -> tuple[float, float, int]:
     """Read everything with a reader, land a new 1,000-step segment, time the refresh that picks it up."""
-    from olmo_ctl.observe.events import EventReader
+    from olmo_ctl.observe.reader import EventReader
 
     work = run_dir.parent / (run_dir.name + "-tail")
     shutil.rmtree(work, ignore_errors=True)

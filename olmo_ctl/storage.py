@@ -307,3 +307,10 @@ def store_for(path: str) -> Store:
             _gcs = GCSStore()
         return _gcs
     return _local
+
+
+def reset_clients() -> None:
+    """Drop the cached GCS client: the next `store_for` builds one from the environment as it is then
+    (after STORAGE_EMULATOR_HOST is pointed at another emulator, or unset)."""
+    global _gcs
+    _gcs = None

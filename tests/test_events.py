@@ -9,7 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from olmo_ctl.observe.events import EventReader, masked_crc, read_scalars
+from olmo_ctl.observe.crc import masked_crc
+from olmo_ctl.observe.reader import EventReader, read_scalars
 
 TAGS = ["train/CE loss", "train/PPL", "optim/LR (group 0)", "optim/LR (group 1)", "optim/step skipped",
         "throughput/total tokens", "throughput/device/TPS", "perf/step_time_s"]
@@ -247,43 +248,42 @@ def test_masked_crc_matches_tensorboard():
 
 
 @pytest.mark.gcs
-def test_reads_and_tails_gcs(tmp_path):
+def test_reads_and_tails_gcs(tmp_path, gcs):
     from olmo_ctl import storage
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
     local = tmp_path / "tb"
     paths = [write_segment(local, range(s * 40 + 1, s * 40 + 41), segment=s) for s in range(3)]
-    with gcs_emulator() as (_url, bucket):
-        st = storage.store_for(f"gs://{bucket}")
-        prefix = f"gs://{bucket}/runs/r1/tensorboard"
-        for p in paths[:2]:
-            st.write_bytes(f"{prefix}/{os.path.basename(p)}", open(p, "rb").read())
-        r = EventReader(prefix)
-        r.refresh()
-        np.testing.assert_array_equal(r.series("train/CE loss").steps, np.arange(1, 81))
-        st.write_bytes(f"{prefix}/{os.path.basename(paths[2])}", open(paths[2], "rb").read())
-        stats = r.refresh()
-        assert stats.new_files == 1 and stats.bytes_read == os.path.getsize(paths[2])
-        np.testing.assert_array_equal(r.series("train/CE loss").steps, np.arange(1, 121))
-        ref = read_scalars(str(local))
-        np.testing.assert_array_equal(r.series("train/PPL").values, ref.series("train/PPL").values)
-        # a long run's many small segments: fetched in parallel, decoded in order
-        many = f"gs://{bucket}/runs/r2/tensorboard"
-        for seg in range(80):
-            p = write_segment(tmp_path / "many", range(seg * 5 + 1, seg * 5 + 6), segment=seg)
-            st.write_bytes(f"{many}/{os.path.basename(p)}", open(p, "rb").read())
-        r2 = EventReader(many)
-        assert r2.refresh().files == 80
-        np.testing.assert_array_equal(r2.series("train/CE loss").steps, np.arange(1, 401))
-        assert r2.problems() == []
-        # an object rewritten under the same name (a new generation) is read again, not appended to
-        other = write_segment(tmp_path / "other", range(81, 121), segment=2,
-                              values=lambda tag, s: value(tag, s, desync=100))
-        st.write_bytes(f"{prefix}/{os.path.basename(paths[2])}", open(other, "rb").read())
-        r.refresh()
-        s = r.series("train/CE loss")
-        np.testing.assert_array_equal(s.steps, np.arange(1, 121))
-        assert s.values[-1] == value("train/CE loss", 120, desync=100) and r.mismatches() == []
+    bucket = gcs.bucket
+    st = storage.store_for(f"gs://{bucket}")
+    prefix = f"gs://{bucket}/runs/r1/tensorboard"
+    for p in paths[:2]:
+        st.write_bytes(f"{prefix}/{os.path.basename(p)}", open(p, "rb").read())
+    r = EventReader(prefix)
+    r.refresh()
+    np.testing.assert_array_equal(r.series("train/CE loss").steps, np.arange(1, 81))
+    st.write_bytes(f"{prefix}/{os.path.basename(paths[2])}", open(paths[2], "rb").read())
+    stats = r.refresh()
+    assert stats.new_files == 1 and stats.bytes_read == os.path.getsize(paths[2])
+    np.testing.assert_array_equal(r.series("train/CE loss").steps, np.arange(1, 121))
+    ref = read_scalars(str(local))
+    np.testing.assert_array_equal(r.series("train/PPL").values, ref.series("train/PPL").values)
+    # a long run's many small segments: fetched in parallel, decoded in order
+    many = f"gs://{bucket}/runs/r2/tensorboard"
+    for seg in range(80):
+        p = write_segment(tmp_path / "many", range(seg * 5 + 1, seg * 5 + 6), segment=seg)
+        st.write_bytes(f"{many}/{os.path.basename(p)}", open(p, "rb").read())
+    r2 = EventReader(many)
+    assert r2.refresh().files == 80
+    np.testing.assert_array_equal(r2.series("train/CE loss").steps, np.arange(1, 401))
+    assert r2.problems() == []
+    # an object rewritten under the same name (a new generation) is read again, not appended to
+    other = write_segment(tmp_path / "other", range(81, 121), segment=2,
+                          values=lambda tag, s: value(tag, s, desync=100))
+    st.write_bytes(f"{prefix}/{os.path.basename(paths[2])}", open(other, "rb").read())
+    r.refresh()
+    s = r.series("train/CE loss")
+    np.testing.assert_array_equal(s.steps, np.arange(1, 121))
+    assert s.values[-1] == value("train/CE loss", 120, desync=100) and r.mismatches() == []
 
 
 @pytest.mark.parametrize("chunk", [100, 997, 4096])

@@ -60,8 +60,8 @@ def _run_name() -> str:
 @pytest.fixture(params=["server", pytest.param("real", marks=pytest.mark.kube)])
 def env(request):
     if request.param == "server":
-        with KubeServer() as srv:
-            yield Env(GKEBackend(namespace="default", host=srv.url, retry=FAST), srv, "user-queue", 5.0)
+        srv = request.getfixturevalue("kube_server")
+        yield Env(GKEBackend(namespace="default", host=srv.url, retry=FAST), srv, "user-queue", 5.0)
         return
     if not REAL_KUBECONFIG:
         pytest.skip("OLMO_CTL_TEST_KUBECONFIG is not set: no real cluster with JobSet and Kueue to run against")
@@ -73,12 +73,6 @@ def env(request):
     yield e
     for h in made:
         backend.stop(h, graceful=False)
-
-
-@pytest.fixture
-def srv():
-    with KubeServer() as s:
-        yield s
 
 
 def _backend(srv: KubeServer, **kw) -> GKEBackend:
@@ -392,20 +386,19 @@ def test_a_jobset_being_deleted_keeps_its_state_and_is_not_live_for_reattach(srv
 
 
 @pytest.mark.gcs
-def test_the_attempt_request_reads_the_recipe_from_run_yaml_on_gcs(srv):
+def test_the_attempt_request_reads_the_recipe_from_run_yaml_on_gcs(srv, gcs):
     from olmo_ctl.core.config import Settings
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.supervise.attempts import attempt_request
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
     recipe = load_recipe("olmo3-7b-stage2")
-    with gcs_emulator() as (_, bucket):
-        run_dir = f"gs://{bucket}/runs/s2"
-        RunDir(run_dir).create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "v5p-256")
-        settings = Settings(image="img:1", run_root=f"gs://{bucket}/runs")
-        b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
-        js = b.render(attempt_request(RunDir(run_dir), 2, "v5p-256"))
+    bucket = gcs.bucket
+    run_dir = f"gs://{bucket}/runs/s2"
+    RunDir(run_dir).create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "v5p-256")
+    settings = Settings(image="img:1", run_root=f"gs://{bucket}/runs")
+    b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
+    js = b.render(attempt_request(RunDir(run_dir), 2, "v5p-256"))
     from olmo_ctl.backends.jobset import ANNOTATION_PLAN
 
     # The recipe comes from run.yaml: stage 2's global batch 256 over v5p-256's 128 devices.

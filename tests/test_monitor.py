@@ -246,27 +246,26 @@ def test_watch_json_picks_up_new_steps(tmp_path):
 
 
 @pytest.mark.gcs
-def test_gcs_run_dir_and_missing_bucket(tmp_path):
+def test_gcs_run_dir_and_missing_bucket(tmp_path, gcs):
     from olmo_ctl import storage
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
     local = tmp_path / "r1"
     make_resumed_run(local)
-    with gcs_emulator() as (_url, bucket):
-        st = storage.store_for(f"gs://{bucket}")
-        base = f"gs://{bucket}/runs/r1"
-        for dp, _d, fns in os.walk(local):
-            for fn in fns:
-                full = os.path.join(dp, fn)
-                st.write_bytes(base + "/" + os.path.relpath(full, local), open(full, "rb").read())
-        r = cli("monitor", base, "-o", "json")
-        assert r.returncode == 0, r.stderr
-        rep = json.loads(r.stdout)
-        assert rep["step"] == 120 and rep["checkpoint"]["committed_step"] == 100
-        assert rep["replays"]["steps"] == 10 and rep["attempt"]["attempt"] == 2
-        r = cli("monitor", "gs://no-such-bucket-here/runs/r1")
-        assert r.returncode == 2 and r.stderr.startswith("error: bucket `no-such-bucket-here` does not exist")
-        assert len(r.stderr.strip().splitlines()) == 1
+    bucket = gcs.bucket
+    st = storage.store_for(f"gs://{bucket}")
+    base = f"gs://{bucket}/runs/r1"
+    for dp, _d, fns in os.walk(local):
+        for fn in fns:
+            full = os.path.join(dp, fn)
+            st.write_bytes(base + "/" + os.path.relpath(full, local), open(full, "rb").read())
+    r = cli("monitor", base, "-o", "json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["step"] == 120 and rep["checkpoint"]["committed_step"] == 100
+    assert rep["replays"]["steps"] == 10 and rep["attempt"]["attempt"] == 2
+    r = cli("monitor", "gs://no-such-bucket-here/runs/r1")
+    assert r.returncode == 2 and r.stderr.startswith("error: bucket `no-such-bucket-here` does not exist")
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_metrics_fetched_every_k_steps_share_a_wall_time(tmp_path):

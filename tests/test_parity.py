@@ -165,17 +165,16 @@ def test_refuses_to_overwrite_and_bad_layer_pattern(tmp_path, pair_a):
 
 
 @pytest.mark.gcs
-def test_gcs_round_trip(tmp_path, pair_a):
+def test_gcs_round_trip(tmp_path, pair_a, gcs):
     sys.path.insert(0, os.path.dirname(__file__))
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
 
-    with gcs_emulator() as (_, bucket):
-        convert.hf_to_orbax(pair_a[0], f"gs://{bucket}/conv/orbax")
-        convert.orbax_to_hf(f"gs://{bucket}/conv/orbax", f"gs://{bucket}/conv/hf")
-        convert.orbax_to_hf(f"gs://{bucket}/conv/orbax", str(tmp_path / "back"))
-        _assert_same_dirs(pair_a[0], str(tmp_path / "back"))
-        res = run_parity(f"gs://{bucket}/conv/hf", f"gs://{bucket}/conv/orbax", seq_len=32, batch=1)
-        assert res["kl_mean"] < 1e-6 and res["top1_agreement"] == 1.0
+    bucket = gcs.bucket
+    convert.hf_to_orbax(pair_a[0], f"gs://{bucket}/conv/orbax")
+    convert.orbax_to_hf(f"gs://{bucket}/conv/orbax", f"gs://{bucket}/conv/hf")
+    convert.orbax_to_hf(f"gs://{bucket}/conv/orbax", str(tmp_path / "back"))
+    _assert_same_dirs(pair_a[0], str(tmp_path / "back"))
+    res = run_parity(f"gs://{bucket}/conv/hf", f"gs://{bucket}/conv/orbax", seq_len=32, batch=1)
+    assert res["kl_mean"] < 1e-6 and res["top1_agreement"] == 1.0
 
 
 def test_a_training_checkpoint_exports_to_hf_and_matches(tmp_path):

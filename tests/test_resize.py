@@ -71,33 +71,31 @@ def _commit(run_dir: str, step: int) -> None:
 
 
 @pytest.fixture
-def gke(tmp_path, monkeypatch):
+def gke(tmp_path, monkeypatch, srv, gcs):
     """A stage-1 run on the GCS emulator, attempt 1 running on tpu7x-512 in the test cluster."""
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.core.config import Settings
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.supervise.attempts import attempt_request
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
-    from olmo_ctl.testing.kube_server import KubeServer
 
-    with KubeServer() as srv, gcs_emulator() as (_, bucket):
-        for k in [k for k in __import__("os").environ if k.startswith("OLMO_CTL_")]:
-            monkeypatch.delenv(k)
-        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-        monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path / "kubeconfig", srv.url))
-        root = f"gs://{bucket}/runs"
-        recipe = load_recipe("olmo3-7b-stage1")
-        rd = RunDir.of(root, "s1")
-        rd.create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "tpu7x-512")
-        settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
-        be = GKEBackend(host=srv.url, settings=settings)
-        h = be.send(be.render(attempt_request(rd, 1, "tpu7x-512")))
-        rd.append("submitted", attempt=1, device="tpu7x-512", handle=h.to_dict(), backend="gke")
-        srv.cluster.admit(h.name)
-        srv.cluster.run_pods(h.name)
-        _commit(rd.path, 100)
-        args = ["--backend", "gke", "--run-root", root, "--image", "img:1", "--queue", "tpu-queue"]
-        yield srv, rd, be, args
+    bucket = gcs.bucket
+    for k in [k for k in __import__("os").environ if k.startswith("OLMO_CTL_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path / "kubeconfig", srv.url))
+    root = f"gs://{bucket}/runs"
+    recipe = load_recipe("olmo3-7b-stage1")
+    rd = RunDir.of(root, "s1")
+    rd.create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "tpu7x-512")
+    settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
+    be = GKEBackend(host=srv.url, settings=settings)
+    h = be.send(be.render(attempt_request(rd, 1, "tpu7x-512")))
+    rd.append("submitted", attempt=1, device="tpu7x-512", handle=h.to_dict(), backend="gke")
+    srv.cluster.admit(h.name)
+    srv.cluster.run_pods(h.name)
+    _commit(rd.path, 100)
+    args = ["--backend", "gke", "--run-root", root, "--image", "img:1", "--queue", "tpu-queue"]
+    yield srv, rd, be, args
 
 
 def _cli(*argv: str) -> int:
@@ -243,7 +241,7 @@ def _log_text(be, handle) -> str:
 
 
 def _series(run_dir: str, tag: str) -> dict[int, float]:
-    from olmo_ctl.observe.events import read_scalars
+    from olmo_ctl.observe.reader import read_scalars
 
     r = read_scalars(f"{run_dir}/tensorboard")
     assert not r.problems() and r.replays(tag) == 0
@@ -339,7 +337,7 @@ def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_finishes_like_its_twin(tmp_pat
 
 
 @pytest.fixture
-def supervised(tmp_path, monkeypatch):
+def supervised(tmp_path, monkeypatch, srv, gcs):
     """A 200-step stage-1 run on the GCS emulator whose `resume-until-done` supervisor runs in a
     thread against the test cluster; every JobSet created is admitted and runs, and each creation
     records whether another attempt of the run still existed (a double attempt)."""
@@ -352,54 +350,52 @@ def supervised(tmp_path, monkeypatch):
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.supervise.policy import RetryPolicy
     from olmo_ctl.supervise.supervisor import Printer, Supervisor
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
-    from olmo_ctl.testing.kube_server import KubeServer
 
-    with KubeServer() as srv, gcs_emulator() as (_, bucket):
-        for k in [k for k in os.environ if k.startswith("OLMO_CTL_")]:
-            monkeypatch.delenv(k)
-        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-        monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path / "kubeconfig", srv.url))
-        root = f"gs://{bucket}/runs"
-        recipe = load_recipe("olmo3-7b-stage1", overrides=["train.max_steps=200", "schedule.warmup_steps=10"])
-        rd = RunDir.of(root, "s1")
-        rd.create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "tpu7x-512")
-        srv.cluster.hold_deletions = True  # a deleted JobSet lingers while its pods "checkpoint"
-        overlaps: list[tuple[str, list[str]]] = []
+    bucket = gcs.bucket
+    for k in [k for k in os.environ if k.startswith("OLMO_CTL_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path / "kubeconfig", srv.url))
+    root = f"gs://{bucket}/runs"
+    recipe = load_recipe("olmo3-7b-stage1", overrides=["train.max_steps=200", "schedule.warmup_steps=10"])
+    rd = RunDir.of(root, "s1")
+    rd.create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "tpu7x-512")
+    srv.cluster.hold_deletions = True  # a deleted JobSet lingers while its pods "checkpoint"
+    overlaps: list[tuple[str, list[str]]] = []
 
-        def on_create(name: str) -> None:
-            others = [n for n in srv.cluster.jobset_names() if n != name]
-            if others:
-                overlaps.append((name, others))
-            threading.Timer(0.2, lambda: (srv.cluster.admit(name), srv.cluster.run_pods(name))).start()
+    def on_create(name: str) -> None:
+        others = [n for n in srv.cluster.jobset_names() if n != name]
+        if others:
+            overlaps.append((name, others))
+        threading.Timer(0.2, lambda: (srv.cluster.admit(name), srv.cluster.run_pods(name))).start()
 
-        srv.cluster.on_create(on_create)
+    srv.cluster.on_create(on_create)
 
-        def finish_deletions_soon() -> None:  # each deleted JobSet lingers 1.5 s, as pods would
-            seen: dict[str, float] = {}
-            while not stop.is_set():
-                time.sleep(0.1)
-                for n in srv.cluster.jobset_names():
-                    js = srv.cluster.jobset(n)
-                    if js and js["metadata"].get("deletionTimestamp"):
-                        seen.setdefault(n, time.monotonic())
-                if seen and time.monotonic() - min(seen.values()) > 1.5:
-                    srv.cluster.finish_deletions()
-                    seen.clear()
+    def finish_deletions_soon() -> None:  # each deleted JobSet lingers 1.5 s, as pods would
+        seen: dict[str, float] = {}
+        while not stop.is_set():
+            time.sleep(0.1)
+            for n in srv.cluster.jobset_names():
+                js = srv.cluster.jobset(n)
+                if js and js["metadata"].get("deletionTimestamp"):
+                    seen.setdefault(n, time.monotonic())
+            if seen and time.monotonic() - min(seen.values()) > 1.5:
+                srv.cluster.finish_deletions()
+                seen.clear()
 
-        stop = threading.Event()
-        threading.Thread(target=finish_deletions_soon, daemon=True).start()
-        settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
-        fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
-        be = GKEBackend(host=srv.url, settings=settings, retry=fast)
-        out = io.StringIO()
-        sup = Supervisor(rd, be, RetryPolicy(backoff_base_s=0.1, backoff_cap_s=0.2), poll_s=0.1,
-                         printer=Printer(rd.name, stream=out))
-        result: dict = {}
-        args = ["-y", "--backend", "gke", "--run-root", root, "--image", "img:1", "--queue", "tpu-queue",
-                "--timeout", "60"]
-        yield srv, rd, sup, result, overlaps, args, out
-        stop.set()
+    stop = threading.Event()
+    threading.Thread(target=finish_deletions_soon, daemon=True).start()
+    settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
+    fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+    be = GKEBackend(host=srv.url, settings=settings, retry=fast)
+    out = io.StringIO()
+    sup = Supervisor(rd, be, RetryPolicy(backoff_base_s=0.1, backoff_cap_s=0.2), poll_s=0.1,
+                     printer=Printer(rd.name, stream=out))
+    result: dict = {}
+    args = ["-y", "--backend", "gke", "--run-root", root, "--image", "img:1", "--queue", "tpu-queue",
+            "--timeout", "60"]
+    yield srv, rd, sup, result, overlaps, args, out
+    stop.set()
 
 
 def _start(sup, result):

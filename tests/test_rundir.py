@@ -10,26 +10,15 @@ import threading
 
 import pytest
 
-from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.rundir import COMMIT_MARKER, LeaseHeld, LeaseLost, RunDir
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
-
-    with gcs_emulator("olmo-runs") as (url, bucket):
-        storage._gcs = None  # a client made for another emulator must not be reused
-        yield url
-    storage._gcs = None
 
 
 @pytest.fixture(params=["local", pytest.param("gcs", marks=pytest.mark.gcs)])
 def rd(request, tmp_path):
     if request.param == "local":
         return RunDir.of(str(tmp_path / "runs"), "r1")
-    request.getfixturevalue("gcs")
+    request.getfixturevalue("gcs").new_bucket("olmo-runs")
     return RunDir.of(f"gs://olmo-runs/{tmp_path.name}", "r1")
 
 
@@ -95,6 +84,7 @@ def test_gcs_discovery_of_hundreds_in_one_list_call(gcs, tmp_path):
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage as gcs_lib
 
+    gcs.new_bucket("olmo-runs")
     rd = RunDir.of(f"gs://olmo-runs/{tmp_path.name}", "many")
     client = gcs_lib.Client(project="local", credentials=AnonymousCredentials())
     bucket = client.bucket("olmo-runs")

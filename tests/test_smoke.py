@@ -181,26 +181,24 @@ class _Kubelet:
 
 @pytest.mark.chaos
 @pytest.mark.gcs
-def test_gke_smoke_on_v5p_8_against_the_test_cluster_and_gcs(tmp_path):
+def test_gke_smoke_on_v5p_8_against_the_test_cluster_and_gcs(tmp_path, srv, gcs):
     """The GKE path as the TPU workflow runs it: JobSets through the Kubernetes API, progress from the pod
     log, the stop by JobSet deletion (the trainer gets SIGTERM), checkpoints and events on gs://."""
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.backends.kube import KubeRetryPolicy
     from olmo_ctl.core.config import Settings
     from olmo_ctl.supervise.smoke import SmokeConfig, run_smoke
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
-    from olmo_ctl.testing.kube_server import KubeServer
 
-    with KubeServer() as srv, gcs_emulator() as (_, bucket):
-        kubelet = _Kubelet(srv, chips=4)
-        try:
-            root = f"gs://{bucket}/smoke"
-            settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
-            fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
-            be = GKEBackend(host=srv.url, settings=settings, retry=fast)
-            report = run_smoke(be, root, SmokeConfig("v5p-8", poll_s=0.2), timeout_s=400, log=print)
-        finally:
-            kubelet.close()
+    bucket = gcs.bucket
+    kubelet = _Kubelet(srv, chips=4)
+    try:
+        root = f"gs://{bucket}/smoke"
+        settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
+        fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+        be = GKEBackend(host=srv.url, settings=settings, retry=fast)
+        report = run_smoke(be, root, SmokeConfig("v5p-8", poll_s=0.2), timeout_s=400, log=print)
+    finally:
+        kubelet.close()
     print("\n".join(report.summary_lines()))
     assert report.exit_code == 0, report.summary_lines()
     assert report.facts["per_device_batch"] == 2 and report.facts["global_batch"] == 8

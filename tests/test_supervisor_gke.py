@@ -11,7 +11,6 @@ import io
 
 import pytest
 
-from olmo_ctl import storage
 from olmo_ctl.backends.gke import GKEBackend
 from olmo_ctl.backends.kube import KubeRetryPolicy
 from olmo_ctl.core.config import Settings
@@ -63,22 +62,6 @@ def admit_run(s: Script, name: str) -> None:
     s.srv.cluster.run_pods(name)
 
 
-@pytest.fixture(scope="module")
-def gcs():
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
-
-    with gcs_emulator("olmo-sup") as (url, bucket):
-        storage._gcs = None  # a client made for another emulator must not be reused
-        yield bucket
-    storage._gcs = None
-
-
-@pytest.fixture
-def srv():
-    with KubeServer() as server:
-        yield server
-
-
 def setup(tmp_path, srv, bucket, steps=20):
     rd = RunDir.of(f"gs://{bucket}/{tmp_path.name}", "gk")
     r = load_recipe("smoke", overrides=[f"train.max_steps={steps}"])
@@ -100,7 +83,7 @@ def events(rd, attempt=None):
 
 
 def test_long_queue_spends_nothing_and_preemption_resubmits_after_backoff(tmp_path, srv, gcs):
-    rd, be = setup(tmp_path, srv, gcs)
+    rd, be = setup(tmp_path, srv, gcs.bucket)
     script = Script(srv, rd, {
         1: [(3 * 3600, admit_run), (3 * 3600 + 300, lambda s, n: s.commit(10)),
             (3 * 3600 + 600, lambda s, n: s.srv.cluster.evict(n, reason="Preempted"))],
@@ -128,7 +111,7 @@ def test_long_queue_spends_nothing_and_preemption_resubmits_after_backoff(tmp_pa
 
 
 def test_deterministic_failure_exits_1_with_the_pods_last_lines(tmp_path, srv, gcs):
-    rd, be = setup(tmp_path, srv, gcs)
+    rd, be = setup(tmp_path, srv, gcs.bucket)
 
     def crash(s, n):
         s.srv.cluster.pod_exit(n, 0, 1, log_lines=["step 3/20 loss 5.1", "FloatingPointError: loss is NaN"])
@@ -144,7 +127,7 @@ def test_deterministic_failure_exits_1_with_the_pods_last_lines(tmp_path, srv, g
 
 
 def test_api_error_bursts_are_retried_and_a_lost_create_is_not_doubled(tmp_path, srv, gcs):
-    rd, be = setup(tmp_path, srv, gcs)
+    rd, be = setup(tmp_path, srv, gcs.bucket)
 
     def burst(status):
         def act(s, n):
@@ -161,7 +144,7 @@ def test_api_error_bursts_are_retried_and_a_lost_create_is_not_doubled(tmp_path,
 
 
 def test_api_unreachable_past_the_budget_exits_3_and_leaves_the_job(tmp_path, srv, gcs):
-    rd, be = setup(tmp_path, srv, gcs)
+    rd, be = setup(tmp_path, srv, gcs.bucket)
     script = Script(srv, rd, {1: [(60, admit_run), (120, lambda s, n: s.srv.go_down())]})
     with pytest.raises(OlmoCtlError) as ei:
         supervise(rd, be, script, backoff_base_s=1, max_retries=5)

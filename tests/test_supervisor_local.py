@@ -252,34 +252,27 @@ def test_submit_returns_once_submitted_and_never_doubles_a_live_attempt(tmp_path
 
 
 @pytest.mark.gcs
-def test_gs_run_dir_resumes_from_orbax_commit_markers(tmp_path):
-    from olmo_ctl import storage
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
-
-    with gcs_emulator("olmo-e2e") as (_, bucket):
-        storage._gcs = None
-        try:
-            root = f"gs://{bucket}/runs"
-            env = {"XDG_STATE_HOME": str(tmp_path / "state")}
-            sup = cli("resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--run",
-                      "g1", "--run-root", root, "--poll", "0.2", "--set", "train.max_steps=24", *SMOKE,
-                      env={**env, "RETRY_BACKOFF_SECONDS": "0"})
-            rd = RunDir(f"{root}/g1")
-            state = str(tmp_path / "state" / "olmo-ctl" / "local" / "g1")
-            wait_for(lambda: rd.committed_step() >= 5, 180, "a committed checkpoint on gs://", every=0.2)
-            info = attempt_info(state, 1)
-            os.kill(info["pid"], signal.SIGKILL)
-            out, err = sup.communicate(timeout=240)
-            assert sup.returncode == 0, out + err
-            assert rd.committed_steps() == [5, 10, 15, 20, 24]
-            restored = Path(state, "logs", "attempt-2.log").read_text()
-            first = int(restored.split("restored checkpoint ")[1].split()[0])
-            assert first >= 5 and first % 5 == 0
-            j = rd.journal()
-            assert [r["event"] for r in j if r.get("attempt") == 1][-1] == "preempted"
-            assert j[-1]["event"] == "done" and j[-1]["committed_step"] == 24
-        finally:
-            storage._gcs = None
+def test_gs_run_dir_resumes_from_orbax_commit_markers(tmp_path, gcs):
+    bucket = gcs.bucket
+    root = f"gs://{bucket}/runs"
+    env = {"XDG_STATE_HOME": str(tmp_path / "state")}
+    sup = cli("resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--run",
+              "g1", "--run-root", root, "--poll", "0.2", "--set", "train.max_steps=24", *SMOKE,
+              env={**env, "RETRY_BACKOFF_SECONDS": "0"})
+    rd = RunDir(f"{root}/g1")
+    state = str(tmp_path / "state" / "olmo-ctl" / "local" / "g1")
+    wait_for(lambda: rd.committed_step() >= 5, 180, "a committed checkpoint on gs://", every=0.2)
+    info = attempt_info(state, 1)
+    os.kill(info["pid"], signal.SIGKILL)
+    out, err = sup.communicate(timeout=240)
+    assert sup.returncode == 0, out + err
+    assert rd.committed_steps() == [5, 10, 15, 20, 24]
+    restored = Path(state, "logs", "attempt-2.log").read_text()
+    first = int(restored.split("restored checkpoint ")[1].split()[0])
+    assert first >= 5 and first % 5 == 0
+    j = rd.journal()
+    assert [r["event"] for r in j if r.get("attempt") == 1][-1] == "preempted"
+    assert j[-1]["event"] == "done" and j[-1]["committed_step"] == 24
 
 
 # ---------------------------------------------------------------- chaos

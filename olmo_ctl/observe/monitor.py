@@ -5,7 +5,7 @@ The dict's shape is the stable JSON schema `docs/monitor-schema.json` (`olmo-ctl
 the table view and the plot are drawn from it. Everything is derived from data the run directory
 keeps, so two people monitoring the same run see the same numbers:
 
-* progress, tokens, losses: the de-duplicated TensorBoard scalars (`olmo_ctl.observe.events`);
+* progress, tokens, losses: the de-duplicated TensorBoard scalars (`olmo_ctl.observe.reader`);
 * step time, tokens/s, TFLOP/s, MFU: wall times of `train/CE loss` points within one attempt
   (a gap between attempts is never counted as a slow step) and `olmo_ctl.core.flops` for the model;
 * goodput: time on steps that count / wall time, and where the rest went (queueing and start-up from
@@ -20,14 +20,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
-from olmo_ctl.observe.events import EventReader, Series
+from olmo_ctl.observe.reader import EventReader
+from olmo_ctl.observe.series import Series
 from olmo_ctl.rundir import run_recipe
 
 # (run directory, a journal `handle`) -> the backend's AttemptStatus of that attempt, or None
@@ -357,22 +358,61 @@ def timeline_summary(timeline: list[dict]) -> list[str]:
 
 def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = True,
                  stall_after_s: float | None = None, status_of: StatusOf | None = None) -> dict:
-    """The report. With `ask_backend` and `status_of` (the CLI passes `supervise.attempts.handle_status`),
-    the live attempt's state comes from its backend; otherwise from the journal."""
+    """The report dict (schema `docs/monitor-schema.json`); each section comes from one function below.
+    With `ask_backend` and `status_of` (the CLI passes `supervise.attempts.handle_status`), the live
+    attempt's state comes from its backend; otherwise from the journal."""
     now = time.time() if now is None else now
     r = src.reader
     recipe = _recipe(src.run_doc)
     journal = src.journal
-    warnings: list[str] = []
-
     loss = r.series(LOSS_TAG)
     step = r.max_step()
     final_step = recipe.train.max_steps if recipe else None
     live = _live_attempt(src.path, journal, status_of if ask_backend else None)
     device_name = live.get("device") or (src.run_doc or {}).get("device")
-    dev = _device(device_name)
 
-    # tokens
+    tokens_per_step, tokens_seen = _tokens(r, recipe, step)
+    times = _step_times(loss, tokens_per_step)
+    throughput = _throughput(r, recipe, device_name, journal, times, tokens_per_step)
+    skipped, skipped_warnings = _skipped_steps(r)
+    pct, eta_s = _eta(step, final_step, times.last)
+    replayed = r.replays(LOSS_TAG)
+    mism = r.mismatches()
+    problems = r.problems()
+    warnings = [*times.warnings, *skipped_warnings, *_loss_spike_warning(loss),
+                *_stall_warning(live, loss, times.median, now, stall_after_s), *_mismatch_warning(mism), *problems]
+    files = r.files.values()
+    return {
+        "schema": SCHEMA_ID,
+        "run": (src.run_doc or {}).get("run") or src.path.rstrip("/").rsplit("/", 1)[-1],
+        "path": src.path,
+        "generated_at": _iso(now),
+        "step": step,
+        "final_step": final_step,
+        "progress_pct": _f(pct),
+        "last": {k: _f(v) for k, v in r.last().items()},
+        "loss": _loss_section(r, loss),
+        "tokens": {"seen": tokens_seen, "per_step": tokens_per_step,
+                   "per_s": _f(times.tps_recent), "per_s_run_avg": _f(times.tps_avg)},
+        "throughput": throughput,
+        "eta_s": _f(eta_s),
+        "eta": _iso(now + eta_s) if eta_s is not None else None,
+        "skipped_steps": skipped,
+        "checkpoint": _checkpoint_section(src.committed or [], step),
+        "attempt": live,
+        "timeline": _timeline(journal),
+        "goodput": _goodput(journal, times.per_attempt, times.median, replayed, loss, r, now, live),
+        "attempts_in_events": _attempts_in_events(r, times.per_attempt),
+        "replays": {"steps": replayed, "mismatch_count": len(mism),
+                    "mismatches": [{**m.__dict__, "earlier": _f(m.earlier), "later": _f(m.later)} for m in mism[:20]]},
+        "warnings": warnings,
+        "reader": {"files": len(r.files), "records": sum(f.records for f in files),
+                   "bytes": sum(f.offset for f in files), "problems": problems},
+    }
+
+
+def _tokens(r: EventReader, recipe, step: int | None) -> tuple[int | None, int | None]:
+    """(tokens per step, tokens seen): from the recipe, else from the logged token counter."""
     tokens_per_step = recipe.tokens_per_step if recipe else None
     tok_series = _first(r, TOKENS_TAGS)
     if tokens_per_step is None and tok_series is not None and len(tok_series) > 1:
@@ -387,94 +427,153 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
         tokens_seen = int(tok_series.values[-1])
     elif tokens_per_step and step is not None:
         tokens_seen = int(step * tokens_per_step)
+    return tokens_per_step, tokens_seen
 
-    # step time and throughput (from the loss points' wall times, within attempts)
-    step_time_last = step_time_median = None
-    tps_recent = tps_avg = None
+
+@dataclass
+class _StepTimes:
+    """Step time and throughput from the loss points' wall times, within attempts."""
+
+    per_attempt: dict[int, dict] = field(default_factory=dict)
+    last: float | None = None  # recent s/step of the live attempt
+    median: float | None = None  # s/step over the run
+    tps_recent: float | None = None
+    tps_avg: float | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def _per_attempt(loss: Series) -> dict[int, dict]:
+    """First and last step and wall time of each attempt's loss points."""
+    out = {}
+    for a in np.unique(loss.attempts):
+        m = loss.attempts == a
+        w = loss.wall_times[m]
+        st_a = loss.steps[m]
+        first_fetch = st_a[w == w[0]]
+        out[int(a)] = {"first_wall": float(w.min()), "last_wall": float(w.max()),
+                       "first_step": int(st_a[0]), "last_step": int(st_a[-1]),
+                       "first_fetch_steps": int(first_fetch[-1] - st_a[0] + 1),
+                       "points": int(m.sum())}
+    return out
+
+
+def _step_times(loss: Series | None, tokens_per_step: int | None) -> _StepTimes:
+    out = _StepTimes()
+    if loss is None or not len(loss):
+        return out
+    out.per_attempt = per_attempt = _per_attempt(loss)
+    per_step_s = _intervals(loss)[1]
+    if not len(per_step_s):
+        return out
+    out.median = float(np.median(per_step_s))
+    live_mask = loss.attempts == loss.attempts[-1]  # the attempt that wrote the latest step
+    live_series = Series(loss.tag, loss.steps[live_mask], loss.wall_times[live_mask], loss.values[live_mask],
+                         loss.attempts[live_mask])
+    recent_s = _intervals(live_series)[1][-RECENT_POINTS:]
+    if len(recent_s):
+        out.last = float(np.median(recent_s))
     stepping_s = 0.0
-    per_attempt: dict[int, dict] = {}
-    if loss is not None and len(loss):
-        for a in np.unique(loss.attempts):
-            m = loss.attempts == a
-            w = loss.wall_times[m]
-            st_a = loss.steps[m]
-            first_fetch = st_a[w == w[0]]
-            per_attempt[int(a)] = {"first_wall": float(w.min()), "last_wall": float(w.max()),
-                                   "first_step": int(st_a[0]), "last_step": int(st_a[-1]),
-                                   "first_fetch_steps": int(first_fetch[-1] - st_a[0] + 1),
-                                   "points": int(m.sum())}
-        dsteps, per_step_s, _ends, _end_steps = _intervals(loss)
-        if len(per_step_s):
-            step_time_median = float(np.median(per_step_s))
-            live_mask = loss.attempts == loss.attempts[-1]  # the attempt that wrote the latest step
-            live_series = Series(loss.tag, loss.steps[live_mask], loss.wall_times[live_mask], loss.values[live_mask],
-                                 loss.attempts[live_mask])
-            recent_s = _intervals(live_series)[1][-RECENT_POINTS:]
-            if len(recent_s):
-                step_time_last = float(np.median(recent_s))
-            for info in per_attempt.values():
-                info["span_s"] = info["last_wall"] - info["first_wall"] + info["first_fetch_steps"] * step_time_median
-                stepping_s += info["span_s"]
-            if tokens_per_step:
-                if step_time_last:
-                    tps_recent = tokens_per_step / step_time_last
-                done_steps = sum(i["last_step"] - i["first_step"] + 1 for i in per_attempt.values())
-                tps_avg = tokens_per_step * done_steps / stepping_s if stepping_s > 0 else None
-            # slow host: recent throughput well below the run's median
-            if step_time_last and len(per_step_s) >= 2 * RECENT_POINTS:
-                if step_time_median / step_time_last < SLOW_FRACTION:
-                    warnings.append(
-                        f"throughput below the run's median: {step_time_last:.3g} s/step recently vs "
-                        f"{step_time_median:.3g} s/step median ({step_time_median / step_time_last:.0%}); "
-                        "a slow host or a throttled device?")
+    for info in per_attempt.values():
+        info["span_s"] = info["last_wall"] - info["first_wall"] + info["first_fetch_steps"] * out.median
+        stepping_s += info["span_s"]
+    if tokens_per_step:
+        if out.last:
+            out.tps_recent = tokens_per_step / out.last
+        done_steps = sum(i["last_step"] - i["first_step"] + 1 for i in per_attempt.values())
+        out.tps_avg = tokens_per_step * done_steps / stepping_s if stepping_s > 0 else None
+    # slow host: recent throughput well below the run's median
+    if out.last and len(per_step_s) >= 2 * RECENT_POINTS and out.median / out.last < SLOW_FRACTION:
+        out.warnings.append(
+            f"throughput below the run's median: {out.last:.3g} s/step recently vs "
+            f"{out.median:.3g} s/step median ({out.median / out.last:.0%}); "
+            "a slow host or a throttled device?")
+    return out
 
-    # FLOPs and MFU
-    flops_tok = None
+
+def _flops_per_token(recipe) -> float | None:
+    if not recipe:
+        return None
+    try:
+        from olmo_ctl.core.flops import flops_per_token_olmo_core
+
+        return flops_per_token_olmo_core(recipe.model, recipe.train.seq_len)
+    except Exception:
+        return None
+
+
+def _run_avg_across_attempts(journal: list | None, per_attempt: dict, tokens_per_step: int,
+                             flops_tok: float) -> tuple[float | None, float | None] | None:
+    """(TFLOP/s per device, MFU) over the run when its attempts ran on different devices (a resize):
+    each attempt weighted by its device-seconds. None when the run has one attempt or an unknown device."""
+    att_dev = {int(x["attempt"]): _device(x.get("device")) for x in journal or []
+               if x.get("attempt") is not None and x.get("device")}
+    if len(per_attempt) <= 1 or not all(att_dev.get(a) for a in per_attempt):
+        return None
+    flops = sum((i["last_step"] - i["first_step"] + 1) for i in per_attempt.values()) * tokens_per_step * flops_tok
+    dev_s = sum(i["span_s"] * att_dev[a].devices for a, i in per_attempt.items())
+    peak_s = sum(i["span_s"] * att_dev[a].devices * att_dev[a].peak_tflops_per_device
+                 for a, i in per_attempt.items())
+    return (flops / dev_s / 1e12 if dev_s > 0 else None), (flops / 1e12 / peak_s if peak_s > 0 else None)
+
+
+def _throughput(r: EventReader, recipe, device_name: str | None, journal: list | None, times: _StepTimes,
+                tokens_per_step: int | None) -> dict:
+    """The `throughput` section: step times, TFLOP/s and MFU (computed, else what the trainer logged)."""
+    dev = _device(device_name)
+    flops_tok = _flops_per_token(recipe)
     tflops_recent = tflops_avg = mfu_recent = mfu_avg = None
     n_devices = dev.devices if dev else None
-    if recipe:
-        try:
-            from olmo_ctl.core.flops import flops_per_token_olmo_core
-
-            flops_tok = flops_per_token_olmo_core(recipe.model, recipe.train.seq_len)
-        except Exception:
-            flops_tok = None
     if flops_tok and n_devices:
-        if tps_recent:
-            tflops_recent = tps_recent / n_devices * flops_tok / 1e12
+        if times.tps_recent:
+            tflops_recent = times.tps_recent / n_devices * flops_tok / 1e12
         peak = dev.peak_tflops_per_device
-        if tps_avg:
-            tflops_avg = tps_avg / n_devices * flops_tok / 1e12
+        if times.tps_avg:
+            tflops_avg = times.tps_avg / n_devices * flops_tok / 1e12
             mfu_avg = tflops_avg / peak if peak else None
-            # across a resize the device count changes: weight each attempt by its device-seconds
-            att_dev = {int(x["attempt"]): _device(x.get("device")) for x in journal or []
-                       if x.get("attempt") is not None and x.get("device")}
-            if len(per_attempt) > 1 and all(att_dev.get(a) for a in per_attempt):
-                flops = sum((i["last_step"] - i["first_step"] + 1) for i in per_attempt.values()) \
-                    * tokens_per_step * flops_tok
-                dev_s = sum(i["span_s"] * att_dev[a].devices for a, i in per_attempt.items())
-                peak_s = sum(i["span_s"] * att_dev[a].devices * att_dev[a].peak_tflops_per_device
-                             for a, i in per_attempt.items())
-                tflops_avg = flops / dev_s / 1e12 if dev_s > 0 else None
-                mfu_avg = flops / 1e12 / peak_s if peak_s > 0 else None
+            across = _run_avg_across_attempts(journal, times.per_attempt, tokens_per_step, flops_tok)
+            if across is not None:
+                tflops_avg, mfu_avg = across
         if peak:
             mfu_recent = tflops_recent / peak if tflops_recent else None
     if mfu_recent is None:  # fall back to what the trainer logged
-        s = r.series("throughput/device/MFU")
-        mfu_recent = float(s.values[-1]) if s is not None and len(s) else None
-        s = r.series("throughput/device/MFU (actual avg)")
-        mfu_avg = mfu_avg if mfu_avg is not None else (float(s.values[-1]) if s is not None and len(s) else None)
+        mfu_recent = _last_value(r, "throughput/device/MFU")
+        mfu_avg = mfu_avg if mfu_avg is not None else _last_value(r, "throughput/device/MFU (actual avg)")
+    return {
+        "device": device_name,
+        "devices": n_devices,
+        "step_time_s": _f(times.last),
+        "step_time_median_s": _f(times.median),
+        "tflops_per_device": _f(tflops_recent),
+        "tflops_per_device_run_avg": _f(tflops_avg),
+        "mfu": _f(mfu_recent),
+        "mfu_run_avg": _f(mfu_avg),
+        "flops_formula": "olmo_core" if flops_tok else None,
+        "flops_per_token": _f(flops_tok),
+    }
 
-    # losses
-    ce_smoothed = _ema(loss.values) if loss is not None else None
+
+def _last_value(r: EventReader, tag: str) -> float | None:
+    s = r.series(tag)
+    return float(s.values[-1]) if s is not None and len(s) else None
+
+
+def _loss_section(r: EventReader, loss: Series | None) -> dict:
     ev = r.series(EVAL_TAG)
+    return {
+        "train_ce": _f(loss.values[-1]) if loss is not None and len(loss) else None,
+        "train_ce_smoothed": _f(_ema(loss.values) if loss is not None else None),
+        "eval_lm_loss": _f(ev.values[-1]) if ev is not None and len(ev) else None,
+        "eval_step": int(ev.steps[-1]) if ev is not None and len(ev) else None,
+    }
 
-    # skipped steps
+
+def _skipped_steps(r: EventReader, window: int = 1000) -> tuple[dict, list[str]]:
+    """The `skipped_steps` section, and a warning when skips in the last `window` steps are rising."""
     sk = _first(r, SKIPPED_TAGS)
     skipped_total = int(np.nansum(sk.values)) if sk is not None else None
     skipped_recent = None
+    warnings = []
     if sk is not None and len(sk):
-        window = 1000
         recent = sk.steps > (sk.steps[-1] - window)
         skipped_recent = int(np.nansum(sk.values[recent]))
         earlier = ~recent
@@ -484,34 +583,48 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
             if skipped_recent / window > 3 * rate_before:
                 warnings.append(f"skipped steps rising: {skipped_recent} in the last {window} steps "
                                 f"(earlier rate {rate_before * window:.2f} per {window})")
+    return {"total": skipped_total, "last_1000": skipped_recent}, warnings
 
-    # loss spike: the last raw loss far above the recent level
-    if loss is not None and len(loss) >= 64:
-        recent = loss.values[-200:-1]
-        recent = recent[np.isfinite(recent)]
-        last_v = loss.values[-1]
-        if len(recent) >= 32:
-            med = float(np.median(recent))
-            spread = float(np.median(np.abs(recent - med))) * 1.4826 or float(np.std(recent)) or 1e-9
-            if not math.isfinite(last_v) or last_v > med + 6 * spread and last_v > med * 1.05:
-                warnings.append(f"loss spike at step {int(loss.steps[-1])}: {last_v:.4g} vs recent median {med:.4g}")
 
-    # checkpoints
-    committed = src.committed or []
-    committed_step = committed[-1] if committed else None
-    at_risk = None
-    if step is not None:
-        at_risk = step - (committed_step or 0)
+def _loss_spike_warning(loss: Series | None) -> list[str]:
+    """A warning when the last raw loss is far above the recent level."""
+    if loss is None or len(loss) < 64:
+        return []
+    recent = loss.values[-200:-1]
+    recent = recent[np.isfinite(recent)]
+    last_v = loss.values[-1]
+    if len(recent) < 32:
+        return []
+    med = float(np.median(recent))
+    spread = float(np.median(np.abs(recent - med))) * 1.4826 or float(np.std(recent)) or 1e-9
+    if not math.isfinite(last_v) or last_v > med + 6 * spread and last_v > med * 1.05:
+        return [f"loss spike at step {int(loss.steps[-1])}: {last_v:.4g} vs recent median {med:.4g}"]
+    return []
 
-    # stall
+
+def _stall_warning(live: dict, loss: Series | None, step_time_median: float | None, now: float,
+                   stall_after_s: float | None) -> list[str]:
+    """A warning when the attempt is running but no new step was logged for a while."""
     last_wall = float(loss.wall_times.max()) if loss is not None and len(loss) else None
-    if live.get("state") == "running" and last_wall is not None:
-        limit = stall_after_s or max(300.0, 20 * (step_time_median or 0))
-        if now - last_wall > limit:
-            warnings.append(f"stalled: no new step for {now - last_wall:.0f} s while the attempt is running "
-                            f"(limit {limit:.0f} s)")
+    if live.get("state") != "running" or last_wall is None:
+        return []
+    limit = stall_after_s or max(300.0, 20 * (step_time_median or 0))
+    if now - last_wall > limit:
+        return [f"stalled: no new step for {now - last_wall:.0f} s while the attempt is running "
+                f"(limit {limit:.0f} s)"]
+    return []
 
-    # ETA
+
+def _mismatch_warning(mism: list) -> list[str]:
+    if not mism:
+        return []
+    m0 = mism[0]
+    return [f"{len(mism)} replayed value(s) differ after a resume; first: {m0.tag} step {m0.step}: "
+            f"{m0.earlier!r} (attempt {m0.earlier_attempt}) vs {m0.later!r} (attempt {m0.later_attempt})"]
+
+
+def _eta(step: int | None, final_step: int | None, step_time_last: float | None) -> tuple:
+    """(progress %, seconds to the final step); None where unknown."""
     eta_s = None
     pct = None
     if final_step and step is not None:
@@ -520,71 +633,21 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
             eta_s = (final_step - step) * step_time_last
         elif step >= final_step:
             eta_s = 0.0
+    return pct, eta_s
 
-    # replays and mismatches
-    replayed = r.replays(LOSS_TAG)
-    mism = r.mismatches()
-    if mism:
-        m0 = mism[0]
-        warnings.append(f"{len(mism)} replayed value(s) differ after a resume; first: {m0.tag} step {m0.step}: "
-                        f"{m0.earlier!r} (attempt {m0.earlier_attempt}) vs {m0.later!r} (attempt {m0.later_attempt})")
 
-    goodput = _goodput(journal, per_attempt, step_time_median, replayed, loss, r, now, live)
-    problems = r.problems()
-    for p in problems:
-        warnings.append(p)
+def _checkpoint_section(committed: list[int], step: int | None) -> dict:
+    committed_step = committed[-1] if committed else None
+    at_risk = step - (committed_step or 0) if step is not None else None
+    return {"committed_step": committed_step, "steps_at_risk": at_risk, "committed": committed[-5:]}
 
-    last = r.last()
-    files = r.files.values()
-    report = {
-        "schema": SCHEMA_ID,
-        "run": (src.run_doc or {}).get("run") or src.path.rstrip("/").rsplit("/", 1)[-1],
-        "path": src.path,
-        "generated_at": _iso(now),
-        "step": step,
-        "final_step": final_step,
-        "progress_pct": _f(pct),
-        "last": {k: _f(v) for k, v in last.items()},
-        "loss": {
-            "train_ce": _f(loss.values[-1]) if loss is not None and len(loss) else None,
-            "train_ce_smoothed": _f(ce_smoothed),
-            "eval_lm_loss": _f(ev.values[-1]) if ev is not None and len(ev) else None,
-            "eval_step": int(ev.steps[-1]) if ev is not None and len(ev) else None,
-        },
-        "tokens": {"seen": tokens_seen, "per_step": tokens_per_step,
-                   "per_s": _f(tps_recent), "per_s_run_avg": _f(tps_avg)},
-        "throughput": {
-            "device": device_name,
-            "devices": n_devices,
-            "step_time_s": _f(step_time_last),
-            "step_time_median_s": _f(step_time_median),
-            "tflops_per_device": _f(tflops_recent),
-            "tflops_per_device_run_avg": _f(tflops_avg),
-            "mfu": _f(mfu_recent),
-            "mfu_run_avg": _f(mfu_avg),
-            "flops_formula": "olmo_core" if flops_tok else None,
-            "flops_per_token": _f(flops_tok),
-        },
-        "eta_s": _f(eta_s),
-        "eta": _iso(now + eta_s) if eta_s is not None else None,
-        "skipped_steps": {"total": skipped_total, "last_1000": skipped_recent},
-        "checkpoint": {"committed_step": committed_step, "steps_at_risk": at_risk,
-                       "committed": committed[-5:]},
-        "attempt": live,
-        "timeline": _timeline(journal),
-        "goodput": goodput,
-        "attempts_in_events": [
-            {"attempt": a, "first_step": i["first_step"], "last_step": i["last_step"],
+
+def _attempts_in_events(r: EventReader, per_attempt: dict) -> list[dict]:
+    replayed = r.replayed_by_attempt(LOSS_TAG)
+    return [{"attempt": a, "first_step": i["first_step"], "last_step": i["last_step"],
              "first_time": _iso(i["first_wall"]), "last_time": _iso(i["last_wall"]),
-             "replayed_steps": r.replayed_by_attempt(LOSS_TAG).get(a, 0)}
-            for a, i in sorted(per_attempt.items())],
-        "replays": {"steps": replayed, "mismatch_count": len(mism),
-                    "mismatches": [{**m.__dict__, "earlier": _f(m.earlier), "later": _f(m.later)} for m in mism[:20]]},
-        "warnings": warnings,
-        "reader": {"files": len(r.files), "records": sum(f.records for f in files),
-                   "bytes": sum(f.offset for f in files), "problems": problems},
-    }
-    return report
+             "replayed_steps": replayed.get(a, 0)}
+            for a, i in sorted(per_attempt.items())]
 
 
 def _goodput(journal, per_attempt: dict, step_s: float | None, replayed: int, loss: Series | None,

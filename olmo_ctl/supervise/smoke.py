@@ -42,7 +42,7 @@ from olmo_ctl.core.contracts import log_progress
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import EXIT_OK, EXIT_RUN_FAILED, EXIT_TIMEOUT, BadInput
 from olmo_ctl.core.recipe import load_recipe
-from olmo_ctl.observe.events import read_scalars
+from olmo_ctl.observe.reader import read_scalars
 from olmo_ctl.rundir import RunDir
 from olmo_ctl.storage import join
 from olmo_ctl.supervise.attempts import data_fingerprint, stop_and_wait, submit_next

