@@ -132,7 +132,10 @@ def test_deterministic_failure_exits_1_with_the_pods_last_lines(tmp_path, srv, g
 
     def crash(s, n):
         s.srv.cluster.pod_exit(n, 0, 1, log_lines=["step 3/20 loss 5.1", "FloatingPointError: loss is NaN"])
-        s.srv.cluster.fail(n, reason="FailedJobs", message="jobset failed: pod failure policy FailJob")
+        # Upstream: exit 1 matches the Job's FailJob rule (reason PodFailurePolicy), which the JobSet's
+        # FailOnUserError rule turns into FailJobSet; FailedJobs is only for JobSets without a failurePolicy.
+        s.srv.cluster.fail(n, reason="FailJobSetFailurePolicyAction",
+                           message=f"applying FailJobSet failure policy action (first failed job: {n}-slice-0)")
 
     script = Script(srv, rd, {1: [(60, admit_run), (200, crash)]})
     rc, out = supervise(rd, be, script, backoff_base_s=1, max_retries=5)
