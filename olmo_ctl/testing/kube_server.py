@@ -245,7 +245,7 @@ class Cluster:
                 wl["spec"]["active"] = False
                 self.world.save("Workload", wl)
             else:
-                if reason == "PodsReadyTimeout":
+                if reason in ("PodsReadyTimeout", "AdmissionCheck"):
                     kueue.update_requeue_state(self.world, wl)
                 kueue.evict(self.world, wl, reason, message or {
                     "PodsReadyTimeout": f"Exceeded the PodsReady timeout {wl['metadata']['namespace']}/"
