@@ -164,8 +164,6 @@ def test_restart_deletes_jobs_and_waits_for_pods_through_their_grace_period(srv)
     """jobset_controller.go reconcile: previous-attempt Jobs deleted with Foreground propagation and
     (constructJobsFromTemplate/shouldCreateJob) recreated only once gone; pods get SIGTERM and run
     out their grace period."""
-    clock = [1_800_000_000.0]
-    srv.store.clock = lambda: clock[0]
     n = running(srv, max_restarts=2, grace=300)
     srv.cluster.hold_deletions = True  # containers take their whole grace period (a checkpoint)
     srv.cluster.pod_exit(n, 0, 3)
@@ -173,11 +171,9 @@ def test_restart_deletes_jobs_and_waits_for_pods_through_their_grace_period(srv)
     assert old["metadata"].get("deletionTimestamp") and "foregroundDeletion" in old["metadata"]["finalizers"]
     terminating = [p for p in srv.cluster.pods(n) if p["metadata"].get("deletionTimestamp")]
     assert len(terminating) == 1 and terminating[0]["metadata"]["deletionGracePeriodSeconds"] == 300
-    clock[0] += 299
-    srv.world.reconcile()
+    srv.world.advance(290)
     assert len(jobs(srv, n)) == 1 and jobs(srv, n)[0]["metadata"]["uid"] == old["metadata"]["uid"]
-    clock[0] += 2  # the grace period ends: SIGKILL
-    srv.world.reconcile()
+    srv.world.advance(15)  # the grace period ends: SIGKILL
     (new,) = jobs(srv, n)
     assert new["metadata"]["uid"] != old["metadata"]["uid"]
     assert new["metadata"]["labels"]["jobset.sigs.k8s.io/restart-attempt"] == "1"
@@ -306,6 +302,26 @@ def test_deactivation_evicts_without_requeue(srv):
     srv.cluster.evict(n, reason="Deactivated", preempted_reason=None)
     wl = srv.cluster.workload(n)
     assert cond(wl, "Evicted")[:2] == ("True", "Deactivated") and cond(wl, "Requeued")[:2] == ("False", "Deactivated")
+
+
+def test_pods_ready_timeout_evicts_with_a_backoff_then_requeues(srv):
+    """workload_controller.go (waitForPodsReady): admitted pods not ready within the timeout →
+    Evict(PodsReadyTimeout) + UpdateRequeueState (60 s · 2^(n-1)); reconciler.go: Requeued=False;
+    once requeueAt passes, Requeued=True BackoffFinished and the workload queues again."""
+    srv.world.pods_ready_timeout_s = 600
+    n = make(srv)
+    srv.cluster.admit(n)  # pods created, never scheduled
+    srv.world.advance(601)
+    wl = srv.cluster.workload(n)
+    assert cond(wl, "Evicted") == ("True", "PodsReadyTimeout", f"Exceeded the PodsReady timeout default/"
+                                   f"{wl['metadata']['name']}")
+    assert cond(wl, "Requeued")[:2] == ("False", "PodsReadyTimeout") and wl["status"]["requeueState"]["count"] == 1
+    assert srv.cluster.jobset(n)["spec"]["suspend"] is True
+    srv.world.advance(61)
+    wl = srv.cluster.workload(n)
+    assert cond(wl, "Requeued") == ("True", "BackoffFinished", "The workload backoff was finished")
+    assert "requeueAt" not in wl["status"]["requeueState"]
+    assert is_true(wl, "QuotaReserved")  # the quota it had is free again: readmitted
 
 
 # ---------------------------------------------------------------- what the faithful cluster exposes

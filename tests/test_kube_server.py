@@ -275,3 +275,33 @@ def test_on_create_callback_scripts_the_cluster(srv, apis):
     assert {c["type"]: c["status"] for c in wl["status"]["conditions"]} == {"QuotaReserved": "True",
                                                                            "Admitted": "True"}
     assert co.get_namespaced_custom_object(G, V, "default", P, "cb-a1")["spec"]["suspend"] is False
+
+
+def test_discovery_cluster_scoped_resources_and_watch(srv, apis):
+    co, core = apis
+    _, groups, _ = _raw(srv, "GET", "/apis")
+    assert {g["name"] for g in groups["groups"]} >= {"jobset.x-k8s.io", "kueue.x-k8s.io", "batch"}
+    _, rl, _ = _raw(srv, "GET", "/apis/kueue.x-k8s.io/v1beta1")
+    scope = {r["name"]: r["namespaced"] for r in rl["resources"]}
+    assert scope["workloads"] is True and scope["clusterqueues"] is False and "workloads/status" in scope
+    # Cluster-scoped Kueue objects through the client; the schema applies to them too.
+    co.create_cluster_custom_object("kueue.x-k8s.io", "v1beta1", "workloadpriorityclasses",
+                                    {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "WorkloadPriorityClass",
+                                     "metadata": {"name": "high"}, "value": 1000})
+    got = co.get_cluster_custom_object("kueue.x-k8s.io", "v1beta1", "workloadpriorityclasses", "high")
+    assert got["value"] == 1000 and "namespace" not in got["metadata"]
+    code, _, _ = _err(co.create_cluster_custom_object, "kueue.x-k8s.io", "v1beta1", "workloadpriorityclasses",
+                      {"metadata": {"name": "bad"}, "value": "not a number"})
+    assert code == 422
+    cqs = co.list_cluster_custom_object("kueue.x-k8s.io", "v1beta1", "clusterqueues")["items"]
+    assert [c["metadata"]["name"] for c in cqs] == ["cluster-queue"]
+    # A watch from a resourceVersion sees what happened after it, then ends at timeoutSeconds.
+    from kubernetes import watch
+
+    rv = core.list_namespaced_pod("default").metadata.resource_version
+    co.create_namespaced_custom_object(G, V, "default", P, tiny_jobset("wa-a1", run="wa"))
+    srv.cluster.admit("wa-a1")
+    seen = [(e["type"], e["object"].metadata.name) for e in watch.Watch().stream(
+        core.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1)]
+    names = {p["metadata"]["name"] for p in srv.cluster.pods("wa-a1")}
+    assert {n for t, n in seen if t == "ADDED"} == names

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import secrets
-import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -56,6 +55,9 @@ class World(Hooks):
         self.held = False  # True: the controllers do not react until `settle()`
         self._sigterm: dict[str, float] = {}  # pod uid -> when its container got SIGTERM
         self._exit_s: dict[str, float | None] = {}  # pod uid -> its own sigterm_exit_s
+        self._offset = 0.0
+        base = store.clock
+        store.clock = lambda: base() + self._offset
         store.pod_stopped = self._pod_stopped
 
     # -- store access
@@ -168,8 +170,11 @@ class World(Hooks):
         self.reconcile()
 
     def advance(self, seconds: float) -> None:
-        """For a fake clock the caller moves: reconcile after time passed (grace periods, backoffs)."""
-        self.reconcile()
+        """Move the world's clock on by `seconds` and let what was due happen (grace periods end,
+        requeue backoffs finish, waitForPodsReady times out)."""
+        with self.store.lock:
+            self._offset += seconds
+            self.reconcile()
 
     # -- the kubelet
     def _pod_stopped(self, pod: dict) -> bool:
@@ -229,12 +234,11 @@ class World(Hooks):
             self.add_disruption(pod, *disruption)
         self.save("Pod", pod)
 
-    @staticmethod
-    def add_disruption(pod: dict, reason: str, message: str) -> None:
+    def add_disruption(self, pod: dict, reason: str, message: str) -> None:
         conds = pod["status"].setdefault("conditions", [])
         if not any(c["type"] == "DisruptionTarget" for c in conds):
             conds.append({"type": "DisruptionTarget", "status": "True", "reason": reason, "message": message,
-                          "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                          "lastTransitionTime": self.now()})
 
     def start_pod(self, pod: dict, node: str) -> None:
         """The scheduler binds the pod to `node`; the kubelet starts its containers."""
