@@ -169,7 +169,16 @@ def reconcile(w: World, job: dict) -> bool:
             mine = [p for p in pods if labels(p).get(COMPLETION_INDEX) == str(i) and not pod_terminal(p)]
             if any(not deleting(p) or wait_terminal for p in mine):
                 continue
-            w.save("Pod", new_pod(w, job, i), new=True)
+            pod = new_pod(w, job, i)
+            refused = w.refuse_pod(pod)
+            if refused:  # the pod's admission said no: job_controller.go records FailedCreate and retries
+                key = (job["metadata"]["uid"], i, refused)
+                if key not in w.failed_creates:
+                    w.failed_creates.add(key)
+                    w.event(job, "FailedCreate", f"Error creating: pods \"{job['metadata']['name']}-{i}-\" is "
+                            f"forbidden: {refused}", "Warning", source="job-controller")
+                continue
+            w.save("Pod", pod, new=True)
             changed = True
     pods = [p for p in w.items("Pod", job["metadata"]["namespace"]) if controlled_by(p, job)]
     counts = {

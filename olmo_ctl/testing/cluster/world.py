@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import secrets
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,6 +33,24 @@ from olmo_ctl.testing.cluster.objects import (
 from olmo_ctl.testing.kube_api import KIND_TO_RESOURCE, Hooks, Store, schema_errors
 
 SIGTERM_EXIT, SIGKILL_EXIT = 143, 137
+
+
+def pod_security_baseline(pod: dict) -> str | None:
+    """The Pod Security Standards' baseline checks that a training pod can trip (host namespaces,
+    privileged containers, hostPath volumes), worded as the admission plugin words them."""
+    spec = pod.get("spec") or {}
+    out = []
+    host = [f"{k}=true" for k in ("hostNetwork", "hostPID", "hostIPC") if spec.get(k)]
+    if host:
+        out.append(f"host namespaces ({', '.join(host)})")
+    priv = [c["name"] for c in spec.get("containers") or [] if (c.get("securityContext") or {}).get("privileged")]
+    if priv:
+        out.append(f"privileged ({', '.join(f'container {n!r}' for n in priv)} must not set "
+                   "securityContext.privileged=true)".replace("'", '"'))
+    paths = [v["name"] for v in spec.get("volumes") or [] if "hostPath" in v]
+    if paths:
+        out.append(f"hostPath volumes (volumes {', '.join(repr(n) for n in paths)})".replace("'", '"'))
+    return "; ".join(out) or None
 
 
 def _parse(ts: str) -> float:
@@ -55,6 +74,10 @@ class World(Hooks):
         self.held = False  # True: the controllers do not react until `settle()`
         self._sigterm: dict[str, float] = {}  # pod uid -> when its container got SIGTERM
         self._exit_s: dict[str, float | None] = {}  # pod uid -> its own sigterm_exit_s
+        # Admission of new pods: callables returning why a pod is refused (None: admitted), after Pod
+        # Security (the namespace's pod-security.kubernetes.io/enforce label).
+        self.pod_admission: list[Callable[[dict], str | None]] = []
+        self.failed_creates: set[tuple] = set()
         self._offset = 0.0
         base = store.clock
         store.clock = lambda: base() + self._offset
@@ -175,6 +198,22 @@ class World(Hooks):
         with self.store.lock:
             self._offset += seconds
             self.reconcile()
+
+    # -- pod admission
+    def refuse_pod(self, pod: dict) -> str | None:
+        """Why the API server would refuse to create `pod` (Pod Security admission, then any
+        scripted refusal such as an exceeded ResourceQuota), or None."""
+        ns = self.get("Namespace", "", pod["metadata"]["namespace"])
+        level = labels(ns or {"metadata": {}}).get("pod-security.kubernetes.io/enforce", "privileged")
+        if level in ("baseline", "restricted"):
+            why = pod_security_baseline(pod)
+            if why:
+                return f'violates PodSecurity "{level}:latest": {why}'
+        for check in self.pod_admission:
+            why = check(pod)
+            if why:
+                return why
+        return None
 
     # -- the kubelet
     def _pod_stopped(self, pod: dict) -> bool:
