@@ -235,6 +235,33 @@ def test_missing_local_queue_is_inadmissible(srv):
         "False", "Inadmissible", "LocalQueue multislice-queue-nope doesn't exist")
 
 
+def test_a_missing_resource_flavor_makes_the_cluster_queue_inactive(srv):
+    """clusterqueue.go inactiveReason (FlavorNotFound) and workload_controller.go: the workload is
+    Inadmissible "ClusterQueue X is inactive" until the flavor exists."""
+    with srv.store.lock:
+        srv.world.ensure_queue("other-queue", "other-cq", "missing-flavor", {"cpu": 8, "memory": "1Gi"})
+        srv.store.delete(srv.store.resources[("kueue.x-k8s.io", "resourceflavors")],
+                         srv.world.get("ResourceFlavor", "", "missing-flavor"))
+        srv.world.reconcile()
+    assert cond(srv.world.get("ClusterQueue", "", "other-cq"), "Active") == (
+        "False", "FlavorNotFound", "Can't admit new workloads: references missing ResourceFlavor(s): missing-flavor.")
+    n = make(srv, queue="other-queue")
+    assert cond(srv.cluster.workload(n), "QuotaReserved") == ("False", "Inadmissible", "ClusterQueue other-cq is inactive")
+    with srv.store.lock:
+        srv.world.save("ResourceFlavor", {"metadata": {"name": "missing-flavor"}, "spec": {}}, new=True)
+        srv.world.reconcile()
+    assert is_true(srv.cluster.workload(n), "Admitted")  # the quota suffices: it fits
+
+
+def test_a_resource_the_cluster_queue_does_not_cover(srv):
+    """flavorassigner.go: "resource R unavailable in ClusterQueue"."""
+    with srv.store.lock:
+        srv.world.ensure_queue("cpu-queue", "cpu-cq", "cpu-flavor", {"cpu": 8})
+    n = make(srv, queue="cpu-queue")
+    assert cond(srv.cluster.workload(n), "QuotaReserved") == (
+        "False", "Pending", "couldn't assign flavors to pod set slice: resource memory unavailable in ClusterQueue")
+
+
 def test_insufficient_quota_is_pending_with_the_flavor_assigners_message(srv):
     """flavorassigner.go: "insufficient unused quota for R in flavor F, N more needed"; event Pending."""
     n = make(srv)

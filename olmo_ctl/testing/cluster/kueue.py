@@ -308,6 +308,34 @@ def cluster_queue_for(w: World, wl: dict) -> tuple[dict | None, dict | None]:
     return lq, cq
 
 
+def inactive_reason(w: World, cq: dict) -> tuple[str, str] | None:
+    """cache/scheduler/clusterqueue.go inactiveReason: (reason, message) of an inactive
+    ClusterQueue (stopped, or a ResourceFlavor it names does not exist), None when active."""
+    reasons, messages = [], []
+    if (cq.get("spec") or {}).get("stopPolicy", "None") != "None":
+        reasons.append("Stopped")
+        messages.append("is stopped")
+    missing = sorted({f["name"] for g in (cq.get("spec") or {}).get("resourceGroups") or []
+                      for f in g.get("flavors") or [] if w.get("ResourceFlavor", "", f["name"]) is None})
+    if missing:
+        reasons.append("FlavorNotFound")
+        messages.append(f"references missing ResourceFlavor(s): {','.join(missing)}")
+    if not reasons:
+        return None
+    return reasons[0], f"Can't admit new workloads: {', '.join(messages)}."
+
+
+def reconcile_cluster_queue(w: World, cq: dict) -> bool:
+    """clusterqueue_controller.go: the Active condition from the cache's view of the queue."""
+    before = w.snapshot(cq)
+    why = inactive_reason(w, cq)
+    if why is None:
+        set_status_condition(cq, "Active", "True", "Ready", "Can admit new workloads", w.now())
+    else:
+        set_status_condition(cq, "Active", "False", why[0], why[1], w.now())
+    return w.commit("ClusterQueue", cq, before)
+
+
 def reconcile_workload(w: World, wl: dict) -> bool:
     """workload_controller.go Reconcile for one Workload; returns whether anything changed."""
     if is_finished(wl) or deleting(wl):
@@ -337,6 +365,8 @@ def reconcile_workload(w: World, wl: dict) -> bool:
         elif cq is None:
             unset_quota_reservation(w, wl, "Inadmissible", f"ClusterQueue {lq['spec'].get('clusterQueue')} doesn't "
                                     "exist")
+        elif inactive_reason(w, cq) is not None:
+            unset_quota_reservation(w, wl, "Inadmissible", f"ClusterQueue {cq['metadata']['name']} is inactive")
     return w.commit("Workload", wl, before)
 
 
@@ -432,7 +462,7 @@ def schedule(w: World) -> bool:
         if rq and rq["status"] == "False" and rq["reason"] in NO_REQUEUE_BACKOFF + ("Deactivated",):
             continue  # waiting for its backoff (or deactivated)
         lq, cq = cluster_queue_for(w, wl)
-        if lq is None or cq is None:
+        if lq is None or cq is None or inactive_reason(w, cq) is not None:
             continue
         pending.append((wl, cq))
     pending.sort(key=lambda p: (-priority(p[0]), p[0]["metadata"]["creationTimestamp"], p[0]["metadata"]["name"]))

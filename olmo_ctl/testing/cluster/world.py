@@ -171,6 +171,8 @@ class World(Hooks):
             for _ in range(200):
                 changed = self._kubelet()
                 if not self.held:
+                    for cq in self.items("ClusterQueue", None):
+                        changed |= kueue.reconcile_cluster_queue(self, cq)
                     for js in self.items("JobSet", None):
                         changed |= kueue.reconcile_job(self, js)
                     for wl in self.items("Workload", None):
