@@ -305,3 +305,12 @@ def test_discovery_cluster_scoped_resources_and_watch(srv, apis):
         core.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1)]
     names = {p["metadata"]["name"] for p in srv.cluster.pods("wa-a1")}
     assert {n for t, n in seen if t == "ADDED"} == names
+
+
+def test_the_body_a_client_sent_is_kept_as_sent(srv, apis):
+    co, _ = apis
+    js = tiny_jobset("rb-a1", run="rb")
+    co.create_namespaced_custom_object(G, V, "default", P, js)
+    (method, path, body), = [r for r in srv.received if r[1].endswith("/jobsets")]
+    assert (method, body) == ("POST", js)  # the stored object differs (suspended by Kueue's webhook)
+    assert srv.cluster.jobset("rb-a1")["spec"]["suspend"] is True and "suspend" not in js["spec"]

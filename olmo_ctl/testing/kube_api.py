@@ -40,6 +40,7 @@ create (an admission webhook), learn of every write, and say when a deleting pod
         srv.fail_next(1, status=0, delay_s=2.0)         # a correct answer, 2 s late (client read timeouts)
         srv.go_down(); srv.come_back()                  # refuse connections, then listen again (same port)
         srv.requests                   # [(method, path, query dict, content type)] in arrival order
+        srv.received                   # [(method, path, JSON body)] of each POST/PUT/PATCH, as the client sent it
 """
 
 from __future__ import annotations
@@ -535,7 +536,7 @@ class _Handler(BaseHTTPRequestHandler):
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
         body = self._body()
         ctype = self.headers.get("Content-Type", "")
-        srv._record(method, parts.path, query, ctype)
+        srv._record(method, parts.path, query, ctype, body)
         fault = srv._take_fault(f"{method} {parts.path}")
         if fault is not None:
             if fault.status == "drop":
@@ -1040,6 +1041,7 @@ class ApiServer:
         self._faults: list[Fault] = []
         self._fault_lock = threading.Lock()
         self.requests: list[tuple[str, str, dict, str]] = []
+        self.received: list[tuple[str, str, Any]] = []  # (method, path, JSON body) of each write, as sent
         with self.store.lock:
             for ns in dict.fromkeys((namespace, "default", "kube-system")):
                 self.store.put(RESOURCES[("", "namespaces")], {
@@ -1108,9 +1110,14 @@ class ApiServer:
                     return f
             return None
 
-    def _record(self, method: str, path: str, query: dict, ctype: str) -> None:
+    def _record(self, method: str, path: str, query: dict, ctype: str, body: bytes = b"") -> None:
         with self._fault_lock:
             self.requests.append((method, path, query, ctype))
+            if body and method in ("POST", "PUT", "PATCH"):
+                try:
+                    self.received.append((method, path, json.loads(body)))
+                except ValueError:
+                    self.received.append((method, path, body))
 
     def count(self, method: str, contains: str = "") -> int:
         """How many requests with this method (and path containing `contains`) arrived."""
