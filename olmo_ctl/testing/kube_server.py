@@ -33,7 +33,9 @@ its namespace, backed by ClusterQueue `cluster-queue` whose flavor `tpu-flavor` 
         c.hold_deletions = True        containers use their whole grace period on SIGTERM ...
         c.finish_deletions()           ... until they exit now; returns the JobSets that went
         c.jobset(name), c.workload(name), c.pods(name), c.events(), c.jobset_names(), c.deleted
-        c.world                        the World (more causes: add_quota, arrive, settle, ...)
+        c.world                        the World (more causes: add_quota, arrive, advance, held/settle,
+                                       pod_admission, pods_ready_timeout_s; Pod Security from the
+                                       namespace's pod-security.kubernetes.io/enforce label)
 """
 
 from __future__ import annotations
