@@ -105,6 +105,22 @@ def test_pod_failure_policy_ignore_on_disruption_target_recreates_the_pod(srv):
     assert not is_true(srv.cluster.jobset(n), "Failed") and srv.cluster.jobset(n)["status"]["restarts"] == 0
 
 
+@pytest.mark.parametrize("rendered,restarts", [(True, 0), (False, 1)])
+def test_node_maintenance_is_ignored_only_with_the_disruption_rule(srv, rendered, restarts):
+    """pod_failure_policy.go: a pod ended by graceful node shutdown (DisruptionTarget
+    TerminationByKubelet, exit 143) matches Ignore and is replaced; without the rule it counts,
+    the Job fails and the JobSet restarts (RestartJobSet)."""
+    n = running(srv, rendered=rendered, max_restarts=3)
+    gone = srv.cluster.node_maintenance(n, 0)
+    js = srv.cluster.jobset(n)
+    assert js["status"]["restarts"] == restarts and not is_true(js, "Failed")
+    if rendered:
+        pods = srv.cluster.pods(n)
+        assert len(pods) == 3 and [p["metadata"]["name"] for p in pods].count(gone) == 1  # kept, and replaced
+        (job,) = jobs(srv, n)
+        assert job["status"]["failed"] == 0
+
+
 def test_backoff_limit_exceeded_then_restart_jobset_counts_towards_max(srv):
     """job_controller.go: failed > backoffLimit → Failed BackoffLimitExceeded; jobset
     failure_policy.go restartJobSetActionApplier (no matching rule → default RestartJobSet):

@@ -21,6 +21,7 @@ its namespace, backed by ClusterQueue `cluster-queue` whose flavor `tpu-flavor` 
         c.unschedulable(name, message) no node fits: PodScheduled=False + FailedScheduling events
         c.image_pull_error(name, index=0, reason="ErrImagePull", message=...)
         c.node_lost(name, index)       the pod's node goes away: DisruptionTarget, deleted, Failed
+        c.node_maintenance(name, index) graceful node shutdown: DisruptionTarget, SIGTERM, exit 143
         c.evict(name, reason="Preempted", preempted_reason="InClusterQueue")
                                        Preempted: a higher-priority workload arrives in the same
                                        ClusterQueue; other reasons: Kueue evicts with that reason
@@ -322,6 +323,20 @@ class Cluster:
                     c.update(status="False", reason="PodFailed")
             self.world.save("Pod", pod)
             self.world.delete("Pod", pod, grace_s=0)
+            self.world.reconcile()
+            return pod["metadata"]["name"]
+
+    def node_maintenance(self, name: str, index: int) -> str:
+        """The node under pod `index` shuts down for maintenance: the kubelet's graceful node
+        shutdown marks the pod (DisruptionTarget TerminationByKubelet), its container gets SIGTERM
+        and exits 143, and the pod ends Failed with reason Terminated. Returns its name."""
+        with self.store.lock:
+            pod = self.world.jobset_pods(name)[index]
+            self.world.add_disruption(pod, "TerminationByKubelet", DISRUPTION_MESSAGES["TerminationByKubelet"])
+            self.world.container_exit(pod, self.world.sigterm_exit_code)
+            pod["status"].update(reason="Terminated", message="Pod was terminated in response to imminent node "
+                                                             "shutdown.")
+            self.world.save("Pod", pod)
             self.world.reconcile()
             return pod["metadata"]["name"]
 
