@@ -130,7 +130,10 @@ def test_cluster_objects_follow_the_schemas_through_a_lifecycle(srv):
     c = srv.cluster
     srv.api.create(srv.api.route("/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets")[0], "v1alpha2",
                    "default", tiny_jobset("c-a1", run="c"), {})
-    steps = [lambda: c.keep_pending("c-a1", "no quota"), lambda: c.admit("c-a1"), lambda: c.run_pods("c-a1"),
+    # Kueue's own message: tiny_jobset asks for 2 x 100m CPU and the ClusterQueue has none yet.
+    pending = "couldn't assign flavors to pod set slice: insufficient unused quota for cpu in flavor tpu-flavor, " \
+              "200m more needed"
+    steps = [lambda: c.keep_pending("c-a1", pending), lambda: c.admit("c-a1"), lambda: c.run_pods("c-a1"),
              lambda: c.evict("c-a1"), lambda: c.admit("c-a1"), lambda: c.run_pods("c-a1"),
              lambda: c.pod_exit("c-a1", 0, 1, ["boom"]), lambda: c.fail("c-a1")]
     for step in steps:
@@ -142,7 +145,10 @@ def test_cluster_objects_follow_the_schemas_through_a_lifecycle(srv):
     assert conds["Evicted"] == ("False", "QuotaReserved")  # readmitted after the eviction
     assert conds["Finished"] == ("True", "Failed")
     exits = sorted(p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] for p in c.pods("c-a1"))
-    assert exits == [1, 143]  # the Job controller killed the other pod
+    # The Job controller deleted the other pod: it got SIGTERM, exited 143 and is gone; the failed one stays.
+    assert exits == [1]
+    # SIGTERM: both pods on the eviction, the surviving one on the failure.
+    assert [e["reason"] for e in c.events() if e["involvedObject"]["kind"] == "Pod"].count("Killing") == 3
 
 
 def test_delete_propagation_and_preconditions(srv, apis):
@@ -158,12 +164,20 @@ def test_delete_propagation_and_preconditions(srv, apis):
     assert out["metadata"]["finalizers"] == ["foregroundDeletion"] and out["metadata"]["deletionTimestamp"]
     assert srv.cluster.jobset("f-a1") is None and srv.cluster.pods("f-a1") == []
     co.delete_namespaced_custom_object(G, V, "default", P, "o-a1", propagation_policy="Orphan")
+    # The JobSet's dependents (its Job and Workload) lose their reference; the pods stay the Job's.
+    jobs = co.list_namespaced_custom_object("batch", "v1", "default", "jobs",
+                                            label_selector="jobset.sigs.k8s.io/jobset-name=o-a1")["items"]
+    assert len(jobs) == 1 and jobs[0]["metadata"]["ownerReferences"] == []
     orphans = srv.cluster.pods("o-a1")
-    assert len(orphans) == 2 and all(p["metadata"]["ownerReferences"] == [] for p in orphans)
+    assert len(orphans) == 2 and all(p["metadata"]["ownerReferences"][0]["kind"] == "Job" for p in orphans)
     wls = co.list_namespaced_custom_object("kueue.x-k8s.io", "v1beta1", "default", "workloads")["items"]
     assert [w["metadata"]["ownerReferences"] for w in wls] == [[]]
     core.delete_collection_namespaced_pod("default", label_selector="jobset.sigs.k8s.io/jobset-name=o-a1")
     assert srv.cluster.pods("o-a1") == []
+    # The orphaned Job counted its deleted pods as failures (backoffLimit 0): it failed, nothing replaces them.
+    job = co.get_namespaced_custom_object("batch", "v1", "default", "jobs", jobs[0]["metadata"]["name"])
+    assert [(c["type"], c["reason"]) for c in job["status"]["conditions"] if c["type"] == "Failed"] == [
+        ("Failed", "BackoffLimitExceeded")]
     assert srv.cluster.deleted[:2] == [("JobSet", "f-a1", "Foreground"), ("JobSet", "o-a1", "Orphan")]
 
 
@@ -255,3 +269,42 @@ def test_on_create_callback_scripts_the_cluster(srv, apis):
     assert {c["type"]: c["status"] for c in wl["status"]["conditions"]} == {"QuotaReserved": "True",
                                                                            "Admitted": "True"}
     assert co.get_namespaced_custom_object(G, V, "default", P, "cb-a1")["spec"]["suspend"] is False
+
+
+def test_discovery_cluster_scoped_resources_and_watch(srv, apis):
+    co, core = apis
+    _, groups, _ = _raw(srv, "GET", "/apis")
+    assert {g["name"] for g in groups["groups"]} >= {"jobset.x-k8s.io", "kueue.x-k8s.io", "batch"}
+    _, rl, _ = _raw(srv, "GET", "/apis/kueue.x-k8s.io/v1beta1")
+    scope = {r["name"]: r["namespaced"] for r in rl["resources"]}
+    assert scope["workloads"] is True and scope["clusterqueues"] is False and "workloads/status" in scope
+    # Cluster-scoped Kueue objects through the client; the schema applies to them too.
+    co.create_cluster_custom_object("kueue.x-k8s.io", "v1beta1", "workloadpriorityclasses",
+                                    {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "WorkloadPriorityClass",
+                                     "metadata": {"name": "high"}, "value": 1000})
+    got = co.get_cluster_custom_object("kueue.x-k8s.io", "v1beta1", "workloadpriorityclasses", "high")
+    assert got["value"] == 1000 and "namespace" not in got["metadata"]
+    code, _, _ = _err(co.create_cluster_custom_object, "kueue.x-k8s.io", "v1beta1", "workloadpriorityclasses",
+                      {"metadata": {"name": "bad"}, "value": "not a number"})
+    assert code == 422
+    cqs = co.list_cluster_custom_object("kueue.x-k8s.io", "v1beta1", "clusterqueues")["items"]
+    assert [c["metadata"]["name"] for c in cqs] == ["cluster-queue"]
+    # A watch from a resourceVersion sees what happened after it, then ends at timeoutSeconds.
+    from kubernetes import watch
+
+    rv = core.list_namespaced_pod("default").metadata.resource_version
+    co.create_namespaced_custom_object(G, V, "default", P, tiny_jobset("wa-a1", run="wa"))
+    srv.cluster.admit("wa-a1")
+    seen = [(e["type"], e["object"].metadata.name) for e in watch.Watch().stream(
+        core.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1)]
+    names = {p["metadata"]["name"] for p in srv.cluster.pods("wa-a1")}
+    assert {n for t, n in seen if t == "ADDED"} == names
+
+
+def test_the_body_a_client_sent_is_kept_as_sent(srv, apis):
+    co, _ = apis
+    js = tiny_jobset("rb-a1", run="rb")
+    co.create_namespaced_custom_object(G, V, "default", P, js)
+    (method, path, body), = [r for r in srv.received if r[1].endswith("/jobsets")]
+    assert (method, body) == ("POST", js)  # the stored object differs (suspended by Kueue's webhook)
+    assert srv.cluster.jobset("rb-a1")["spec"]["suspend"] is True and "suspend" not in js["spec"]

@@ -1,0 +1,537 @@
+"""Kueue's rules for JobSets (kubernetes-sigs/kueue v0.17.1).
+
+- `reconcile_job` mirrors pkg/controller/jobframework/reconciler.go ReconcileGenericJob (creating
+  the Workload, finishing it, stopping the job on eviction and requeueing it once its pods are gone,
+  starting it when admitted);
+- `reconcile_workload` mirrors pkg/controller/core/workload_controller.go Reconcile (LocalQueue /
+  ClusterQueue lookups, deactivation, the requeue backoff, the Admitted condition);
+- `schedule` mirrors pkg/scheduler (flavorassigner messages, quota reservation, preemption within
+  the ClusterQueue by priority, pkg/scheduler/preemption/preemption.go IssuePreemptions);
+- condition helpers mirror pkg/workload/workload.go and admissionchecks.go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from typing import TYPE_CHECKING
+
+from olmo_ctl.testing.cluster.objects import (
+    JOB_UID_LABEL,
+    JOBSET_API,
+    KUEUE_API,
+    PODSET_LABEL,
+    PRIORITY_LABEL,
+    QUEUE_LABEL,
+    RESOURCE_IN_USE_FINALIZER,
+    controlled_by,
+    deleting,
+    find_cond,
+    format_quantity,
+    is_true,
+    labels,
+    owner_ref,
+    pod_requests,
+    quantity,
+    set_status_condition,
+)
+
+if TYPE_CHECKING:
+    from olmo_ctl.testing.cluster.world import World
+
+NO_REQUEUE_BACKOFF = ("PodsReadyTimeout", "AdmissionCheck")
+HUMAN_PREEMPTION_REASONS = {"InClusterQueue": "prioritization in the ClusterQueue",
+                            "InCohortReclamation": "reclamation within the cohort"}
+
+
+# ---------------------------------------------------------------- pkg/workload/workload.go
+def has_quota_reservation(wl: dict) -> bool:
+    return is_true(wl, "QuotaReserved")
+
+
+def is_admitted(wl: dict) -> bool:
+    return is_true(wl, "Admitted")
+
+
+def is_finished(wl: dict) -> bool:
+    return is_true(wl, "Finished")
+
+
+def is_evicted(wl: dict) -> bool:
+    return is_true(wl, "Evicted")
+
+
+def sync_admitted_condition(w: World, wl: dict) -> bool:
+    """admissionchecks.go SyncAdmittedCondition (no admission checks here)."""
+    want = has_quota_reservation(wl)
+    if is_admitted(wl) == want:
+        return False
+    if want:
+        return set_status_condition(wl, "Admitted", "True", "Admitted", "The workload is admitted", w.now())
+    return set_status_condition(wl, "Admitted", "False", "NoReservation", "The workload has no reservation", w.now())
+
+
+def unset_quota_reservation(w: World, wl: dict, reason: str, message: str) -> bool:
+    """workload.go UnsetQuotaReservationWithCondition."""
+    changed = set_status_condition(wl, "QuotaReserved", "False", reason, message, w.now())
+    if wl["status"].pop("admission", None) is not None:
+        changed = True
+    return sync_admitted_condition(w, wl) or changed
+
+
+def set_requeued(w: World, wl: dict, reason: str, message: str, status: bool) -> bool:
+    """workload.go SetRequeuedCondition."""
+    return set_status_condition(wl, "Requeued", "True" if status else "False", reason, message, w.now())
+
+
+def reset_active_condition(w: World, wl: dict, ctype: str, reason: str) -> None:
+    """workload.go resetActiveCondition: a True condition becomes False, "Previously: ..."."""
+    c = find_cond(wl, ctype)
+    if c and c["status"] == "True":
+        set_status_condition(wl, ctype, "False", reason, "Previously: " + (c.get("message") or ""), w.now())
+
+
+def set_quota_reservation(w: World, wl: dict, admission: dict) -> None:
+    """workload.go SetQuotaReservation."""
+    wl.setdefault("status", {})["admission"] = admission
+    set_status_condition(wl, "QuotaReserved", "True", "QuotaReserved",
+                         f"Quota reserved in ClusterQueue {admission['clusterQueue']}", w.now())
+    reset_active_condition(w, wl, "Evicted", "QuotaReserved")
+    reset_active_condition(w, wl, "Preempted", "QuotaReserved")
+
+
+def evict(w: World, wl: dict, reason: str, message: str, underlying_cause: str = "") -> None:
+    """workload.go Evict + prepareForEviction + reportEvictedWorkload: Evicted=True and the event
+    `EvictedDueTo<reason>` (Deactivated with a cause: `EvictedDueToDeactivatedDueTo<cause>`)."""
+    ev_reason = reason if not (reason == "Deactivated" and underlying_cause) else f"{reason}DueTo{underlying_cause}"
+    set_status_condition(wl, "Evicted", "True", ev_reason, message, w.now())
+    counts = wl["status"].setdefault("schedulingStats", {}).setdefault("evictions", [])
+    row = next((r for r in counts if r["reason"] == reason and r.get("underlyingCause", "") == underlying_cause), None)
+    if row is None:
+        counts.append({"reason": reason, "underlyingCause": underlying_cause, "count": 1})
+    else:
+        row["count"] += 1
+    if wl["status"].get("admission"):
+        event = f"EvictedDueTo{reason}" + (f"DueTo{underlying_cause}" if reason == "Deactivated" and underlying_cause
+                                          else "")
+        w.event(wl, event, message, source="kueue-admission")
+    w.save("Workload", wl)
+
+
+def update_requeue_state(w: World, wl: dict, base_s: float = 60, max_s: float = 3600) -> None:
+    """workload.go UpdateRequeueState: requeueAt = now + base * 2^(count-1), at most max."""
+    rs = wl["status"].setdefault("requeueState", {})
+    rs["count"] = int(rs.get("count") or 0) + 1
+    rs["requeueAt"] = w.now(min(base_s * 2 ** (rs["count"] - 1), max_s))
+
+
+def priority(wl: dict) -> int:
+    return int(wl["spec"].get("priority") or 0)
+
+
+# ---------------------------------------------------------------- jobframework/reconciler.go
+def workload_name(js: dict) -> str:
+    """GetWorkloadNameForOwnerWithGVK: jobset-<name>-<5 hex of a hash of name, uid and kind>."""
+    h = hashlib.sha256(f"{js['metadata']['name']}{js['metadata']['uid']}JobSet.jobset.x-k8s.io".encode())
+    return f"jobset-{js['metadata']['name']}"[:57] + "-" + h.hexdigest()[:5]
+
+
+def extract_priority(w: World, js: dict) -> tuple[dict, int]:
+    """reconciler.go ExtractPriority: the WorkloadPriorityClass named by the label, else a pod
+    priorityClassName's PriorityClass, else the global default PriorityClass, else 0. A missing
+    class is an error (the reconcile fails and retries; no Workload is created)."""
+    name = labels(js).get(PRIORITY_LABEL)
+    if name:
+        wpc = w.get("WorkloadPriorityClass", "", name)
+        if wpc is None:
+            raise LookupError(f'workloadpriorityclasses.kueue.x-k8s.io "{name}" not found')
+        return {"priorityClassName": name, "priorityClassSource": "kueue.x-k8s.io/workloadpriorityclass"}, \
+            int(wpc.get("value") or 0)
+    pcs = [rj["template"]["spec"]["template"].get("spec", {}).get("priorityClassName")
+           for rj in js["spec"]["replicatedJobs"]]
+    pc_name = next((p for p in pcs if p), None)
+    if pc_name:
+        pc = w.get("PriorityClass", "", pc_name)
+        if pc is None:
+            raise LookupError(f'priorityclasses.scheduling.k8s.io "{pc_name}" not found')
+        return {"priorityClassName": pc_name, "priorityClassSource": "scheduling.k8s.io/priorityclass"}, \
+            int(pc.get("value") or 0)
+    defaults = [pc for pc in w.items("PriorityClass", "") if pc.get("globalDefault")]
+    if defaults:
+        pc = min(defaults, key=lambda p: int(p.get("value") or 0))
+        return {"priorityClassName": pc["metadata"]["name"],
+                "priorityClassSource": "scheduling.k8s.io/priorityclass"}, int(pc.get("value") or 0)
+    return {}, 0
+
+
+def construct_workload(w: World, js: dict) -> dict:
+    """reconciler.go ConstructWorkload + the JobSet integration's PodSets + prepareWorkload."""
+    ref, prio = extract_priority(w, js)
+    pod_sets = [{"name": rj["name"],
+                 "count": int(rj.get("replicas", 1)) * int(rj["template"]["spec"].get("parallelism", 1)),
+                 "template": w.copy(rj["template"]["spec"]["template"])}
+                for rj in js["spec"]["replicatedJobs"]]
+    return {
+        "apiVersion": KUEUE_API, "kind": "Workload",
+        "metadata": {"name": workload_name(js), "namespace": js["metadata"]["namespace"], "uid": str(uuid.uuid4()),
+                     "generation": 1, "creationTimestamp": w.now(), "labels": {JOB_UID_LABEL: js["metadata"]["uid"]},
+                     "ownerReferences": [owner_ref(js, JOBSET_API, "JobSet")]},
+        "spec": {"queueName": labels(js)[QUEUE_LABEL], "podSets": pod_sets, "priority": prio, "active": True, **ref},
+    }
+
+
+def job_active(js: dict) -> bool:
+    """The JobSet integration's IsActive: some replicated job has active Jobs."""
+    return any(int(r.get("active", 0)) > 0 for r in (js.get("status") or {}).get("replicatedJobsStatus") or [])
+
+
+def finished_message(js: dict) -> tuple[str, bool, bool]:
+    """The JobSet integration's Finished: (message, success, finished)."""
+    for t, ok in (("Completed", True), ("Failed", False)):
+        c = find_cond(js, t)
+        if c and c["status"] == "True":
+            return c.get("message") or "", ok, True
+    return "", False, False
+
+
+def stop_job(w: World, js: dict, wl: dict | None, message: str) -> bool:
+    """reconciler.go stopJob: suspend and restore the pod sets' info; event Stopped."""
+    if js["spec"].get("suspend"):
+        return False
+    js["spec"]["suspend"] = True
+    if wl is not None:  # RestorePodSetsInfo
+        by_name = {ps["name"]: ps for ps in wl["spec"]["podSets"]}
+        for rj in js["spec"]["replicatedJobs"]:
+            ps = by_name.get(rj["name"])
+            if ps:
+                tmpl = rj["template"]["spec"]["template"]
+                tmpl.setdefault("spec", {})["nodeSelector"] = dict((ps["template"].get("spec") or {}).get(
+                    "nodeSelector") or {})
+                if not tmpl["spec"]["nodeSelector"]:
+                    tmpl["spec"].pop("nodeSelector")
+                lab = (tmpl.get("metadata") or {}).get("labels") or {}
+                lab.pop(PODSET_LABEL, None)
+    w.save("JobSet", js)
+    w.event(js, "Stopped", message, source="jobset-kueue-controller")
+    return True
+
+
+def start_job(w: World, js: dict, wl: dict) -> None:
+    """reconciler.go startJob + RunWithPodSetsInfo: the flavors' node labels and the pod-set label
+    go into the templates; unsuspended; event Started."""
+    adm = wl["status"]["admission"]
+    for rj, psa in zip(js["spec"]["replicatedJobs"], adm["podSetAssignments"], strict=False):
+        tmpl = rj["template"]["spec"]["template"]
+        node_labels: dict = {}
+        for flavor in (psa.get("flavors") or {}).values():
+            rf = w.get("ResourceFlavor", "", flavor)
+            node_labels.update(((rf or {}).get("spec") or {}).get("nodeLabels") or {})
+        if node_labels:
+            tmpl.setdefault("spec", {})["nodeSelector"] = {**(tmpl["spec"].get("nodeSelector") or {}), **node_labels}
+        tmpl.setdefault("metadata", {}).setdefault("labels", {})[PODSET_LABEL] = psa["name"]
+    js["spec"]["suspend"] = False
+    w.save("JobSet", js)
+    w.event(js, "Started", f"Admitted by clusterQueue {adm['clusterQueue']}", source="jobset-kueue-controller")
+
+
+def reconcile_job(w: World, js: dict) -> bool:
+    """reconciler.go ReconcileGenericJob for one JobSet with a queue label."""
+    if QUEUE_LABEL not in labels(js):
+        return False
+    ns = js["metadata"]["namespace"]
+    wls = [x for x in w.items("Workload", ns) if controlled_by(x, js)]
+    if deleting(js):  # dropFinalizers
+        changed = False
+        for x in wls:
+            if RESOURCE_IN_USE_FINALIZER in (x["metadata"].get("finalizers") or []):
+                x["metadata"]["finalizers"] = [f for f in x["metadata"]["finalizers"] if f != RESOURCE_IN_USE_FINALIZER]
+                w.save("Workload", x)
+                changed = True
+        return changed
+    wl = next((x for x in wls if not is_finished(x)), wls[0] if wls else None)
+    if wl is not None and is_finished(wl):
+        if RESOURCE_IN_USE_FINALIZER in (wl["metadata"].get("finalizers") or []):
+            wl["metadata"]["finalizers"] = [f for f in wl["metadata"]["finalizers"] if f != RESOURCE_IN_USE_FINALIZER]
+            w.save("Workload", wl)
+            return True
+        return False
+    message, success, done = finished_message(js)
+    if done:
+        if wl is not None:
+            set_status_condition(wl, "Finished", "True", "Succeeded" if success else "Failed", message, w.now())
+            w.save("Workload", wl)
+            w.event(js, "FinishedWorkload", f"Workload '{ns}/{wl['metadata']['name']}' is declared finished",
+                    source="jobset-kueue-controller")
+            return True
+        return False
+    if wl is None:  # handleJobWithNoWorkload
+        if job_active(js):
+            return False
+        try:
+            wl = construct_workload(w, js)
+        except LookupError as e:
+            w.reconcile_errors[js["metadata"]["uid"]] = str(e)
+            return False
+        w.reconcile_errors.pop(js["metadata"]["uid"], None)
+        w.save("Workload", wl, new=True)
+        w.event(js, "CreatedWorkload", f"Created Workload: {ns}/{wl['metadata']['name']}",
+                source="jobset-kueue-controller")
+        return True
+    ev = find_cond(wl, "Evicted")
+    if ev and ev["status"] == "True":  # 6. handle eviction
+        changed = stop_job(w, js, wl, ev.get("message") or "")
+        if has_quota_reservation(wl) and not job_active(js):
+            reason = ev["reason"]
+            set_requeued(w, wl, reason, ev.get("message") or "", reason in ("Preempted", "NodeFailures"))
+            unset_quota_reservation(w, wl, "Pending", ev.get("message") or "")
+            w.save("Workload", wl)
+            changed = True
+        return changed
+    if js["spec"].get("suspend"):  # 7. suspended: start once admitted
+        if is_admitted(wl):
+            start_job(w, js, wl)
+            return True
+        if wl["spec"].get("queueName") != labels(js)[QUEUE_LABEL]:
+            wl["spec"]["queueName"] = labels(js)[QUEUE_LABEL]
+            w.save("Workload", wl)
+            return True
+        return False
+    if not is_admitted(wl):  # 8. running but not admitted
+        return stop_job(w, js, wl, "Not admitted by cluster queue")
+    return False
+
+
+# ---------------------------------------------------------------- core/workload_controller.go
+def cluster_queue_for(w: World, wl: dict) -> tuple[dict | None, dict | None]:
+    lq = w.get("LocalQueue", wl["metadata"]["namespace"], wl["spec"].get("queueName") or "")
+    cq = w.get("ClusterQueue", "", (lq.get("spec") or {}).get("clusterQueue", "")) if lq else None
+    return lq, cq
+
+
+def inactive_reason(w: World, cq: dict) -> tuple[str, str] | None:
+    """cache/scheduler/clusterqueue.go inactiveReason: (reason, message) of an inactive
+    ClusterQueue (stopped, or a ResourceFlavor it names does not exist), None when active."""
+    reasons, messages = [], []
+    if (cq.get("spec") or {}).get("stopPolicy", "None") != "None":
+        reasons.append("Stopped")
+        messages.append("is stopped")
+    missing = sorted({f["name"] for g in (cq.get("spec") or {}).get("resourceGroups") or []
+                      for f in g.get("flavors") or [] if w.get("ResourceFlavor", "", f["name"]) is None})
+    if missing:
+        reasons.append("FlavorNotFound")
+        messages.append(f"references missing ResourceFlavor(s): {','.join(missing)}")
+    if not reasons:
+        return None
+    return reasons[0], f"Can't admit new workloads: {', '.join(messages)}."
+
+
+def reconcile_cluster_queue(w: World, cq: dict) -> bool:
+    """clusterqueue_controller.go: the Active condition from the cache's view of the queue."""
+    before = w.snapshot(cq)
+    why = inactive_reason(w, cq)
+    if why is None:
+        set_status_condition(cq, "Active", "True", "Ready", "Can admit new workloads", w.now())
+    else:
+        set_status_condition(cq, "Active", "False", why[0], why[1], w.now())
+    return w.commit("ClusterQueue", cq, before)
+
+
+def reconcile_workload(w: World, wl: dict) -> bool:
+    """workload_controller.go Reconcile for one Workload; returns whether anything changed."""
+    if is_finished(wl) or deleting(wl):
+        return False
+    before = w.snapshot(wl)
+    if wl["spec"].get("active") is False:
+        if not is_evicted(wl):
+            evict(w, wl, "Deactivated", "The workload is deactivated")
+        return w.commit("Workload", wl, before)
+    rq = find_cond(wl, "Requeued")
+    if rq and rq["status"] == "False" and rq["reason"] in NO_REQUEUE_BACKOFF:
+        at = (wl["status"].get("requeueState") or {}).get("requeueAt")
+        if at is None or at <= w.now():
+            wl["status"].get("requeueState", {}).pop("requeueAt", None)
+            set_requeued(w, wl, "BackoffFinished", "The workload backoff was finished", True)
+    if not is_admitted(wl) and sync_admitted_condition(w, wl) and is_admitted(wl):
+        w.event(wl, "Admitted", f"Admitted by ClusterQueue {wl['status']['admission']['clusterQueue']}, "
+                "wait time since reservation was 0s", source="kueue-admission")
+    if is_admitted(wl) and w.pods_ready_timeout_s is not None:
+        check_pods_ready(w, wl)
+    if not has_quota_reservation(wl):
+        lq, cq = cluster_queue_for(w, wl)
+        if lq is None:
+            unset_quota_reservation(w, wl, "Inadmissible", f"LocalQueue {wl['spec'].get('queueName')} doesn't exist")
+        elif lq.get("spec", {}).get("stopPolicy", "None") != "None":
+            unset_quota_reservation(w, wl, "Inadmissible", f"LocalQueue {wl['spec'].get('queueName')} is inactive")
+        elif cq is None:
+            unset_quota_reservation(w, wl, "Inadmissible", f"ClusterQueue {lq['spec'].get('clusterQueue')} doesn't "
+                                    "exist")
+        elif inactive_reason(w, cq) is not None:
+            unset_quota_reservation(w, wl, "Inadmissible", f"ClusterQueue {cq['metadata']['name']} is inactive")
+    return w.commit("Workload", wl, before)
+
+
+def check_pods_ready(w: World, wl: dict) -> None:
+    """waitForPodsReady: PodsReady from the JobSet's ready replicas (the integration's PodsReady);
+    past the timeout the workload is evicted with PodsReadyTimeout and a requeue backoff."""
+    js = w.owner_jobset(wl)
+    ready = js is not None and sum(int(r.get("ready", 0)) + int(r.get("succeeded", 0)) for r in
+                                   (js.get("status") or {}).get("replicatedJobsStatus") or []) == \
+        sum(int(rj.get("replicas", 1)) for rj in js["spec"]["replicatedJobs"])
+    if ready:
+        set_status_condition(wl, "PodsReady", "True", "PodsReady", "All pods reached readiness and the workload is "
+                             "running", w.now())
+        return
+    set_status_condition(wl, "PodsReady", "False", "WaitForStart", "Not all pods are ready or succeeded", w.now())
+    adm = find_cond(wl, "Admitted")
+    if adm and not is_evicted(wl) and w.seconds_since(adm["lastTransitionTime"]) >= w.pods_ready_timeout_s:
+        update_requeue_state(w, wl)
+        evict(w, wl, "PodsReadyTimeout", f"Exceeded the PodsReady timeout {wl['metadata']['namespace']}/"
+              f"{wl['metadata']['name']}")
+
+
+# ---------------------------------------------------------------- pkg/scheduler
+def usage(w: World, cq_name: str, skip: set[str] | frozenset = frozenset()) -> dict[tuple[str, str], float]:
+    """(flavor, resource) -> quantity reserved by the workloads holding quota in this ClusterQueue."""
+    out: dict[tuple[str, str], float] = {}
+    for wl in w.items("Workload", None):
+        adm = (wl.get("status") or {}).get("admission")
+        if not adm or adm.get("clusterQueue") != cq_name or wl["metadata"]["uid"] in skip or is_finished(wl):
+            continue
+        for psa in adm["podSetAssignments"]:
+            for res, flavor in (psa.get("flavors") or {}).items():
+                q = (psa.get("resourceUsage") or {}).get(res, 0)
+                out[(flavor, res)] = out.get((flavor, res), 0.0) + quantity(q)
+    return out
+
+
+def assign_flavors(w: World, wl: dict, cq: dict, used: dict) -> tuple[dict | None, str]:
+    """flavorassigner: for each pod set, the first flavor of the resource group covering each
+    resource whose node labels agree with the pods' nodeSelector and whose unused quota suffices.
+    Returns (admission, "") or (None, "couldn't assign flavors to pod set X: ...")."""
+    cq_name = cq["metadata"]["name"]
+    groups = (cq.get("spec") or {}).get("resourceGroups") or []
+    assignments = []
+    taken = dict(used)
+    for ps in wl["spec"]["podSets"]:
+        per_pod = pod_requests(ps["template"])
+        selector = (ps["template"].get("spec") or {}).get("nodeSelector") or {}
+        flavors: dict[str, str] = {}
+        usage_out: dict[str, str] = {}
+        for res, q in sorted(per_pod.items()):
+            need = q * int(ps["count"])
+            group = next((g for g in groups if res in (g.get("coveredResources") or [])), None)
+            if group is None:
+                if need:
+                    return None, f"couldn't assign flavors to pod set {ps['name']}: resource {res} unavailable in " \
+                                 "ClusterQueue"
+                continue
+            reasons = []
+            for fq in group.get("flavors") or []:
+                fname = fq["name"]
+                rf = w.get("ResourceFlavor", "", fname)
+                node_labels = ((rf or {}).get("spec") or {}).get("nodeLabels") or {}
+                if any(k in selector and selector[k] != v for k, v in node_labels.items()):
+                    reasons.append(f"flavor {fname} doesn't match node affinity")
+                    continue
+                nominal = next((quantity(r.get("nominalQuota", 0)) for r in fq.get("resources") or []
+                                if r["name"] == res), 0.0)
+                free = nominal - taken.get((fname, res), 0.0)
+                if need <= free + 1e-9:
+                    flavors[res] = fname
+                    usage_out[res] = format_quantity(res, need)
+                    taken[(fname, res)] = taken.get((fname, res), 0.0) + need
+                    break
+                reasons.append(f"insufficient unused quota for {res} in flavor {fname}, "
+                               f"{format_quantity(res, need - max(free, 0.0))} more needed")
+            else:
+                return None, f"couldn't assign flavors to pod set {ps['name']}: " + ", ".join(reasons)
+        assignments.append({"name": ps["name"], "flavors": flavors, "resourceUsage": usage_out, "count": ps["count"]})
+    return {"clusterQueue": cq_name, "podSetAssignments": assignments}, ""
+
+
+def schedule(w: World) -> bool:
+    """One scheduling cycle over the pending workloads, highest priority first, then oldest
+    (BestEffortFIFO): reserve quota, or preempt lower-priority workloads in the same ClusterQueue
+    (withinClusterQueue LowerPriority), or leave it Pending with the flavor assigner's message."""
+    changed = False
+    pending = []
+    for wl in w.items("Workload", None):
+        if is_finished(wl) or deleting(wl) or wl["spec"].get("active") is False or has_quota_reservation(wl):
+            continue
+        rq = find_cond(wl, "Requeued")
+        if rq and rq["status"] == "False" and rq["reason"] in NO_REQUEUE_BACKOFF + ("Deactivated",):
+            continue  # waiting for its backoff (or deactivated)
+        lq, cq = cluster_queue_for(w, wl)
+        if lq is None or cq is None or inactive_reason(w, cq) is not None:
+            continue
+        pending.append((wl, cq))
+    pending.sort(key=lambda p: (-priority(p[0]), p[0]["metadata"]["creationTimestamp"], p[0]["metadata"]["name"]))
+    for wl, cq in pending:
+        before = w.snapshot(wl)
+        cq_name = cq["metadata"]["name"]
+        admission, msg = assign_flavors(w, wl, cq, usage(w, cq_name))
+        if admission is not None:
+            set_quota_reservation(w, wl, admission)
+            fins = wl["metadata"].setdefault("finalizers", [])
+            if RESOURCE_IN_USE_FINALIZER not in fins:
+                fins.append(RESOURCE_IN_USE_FINALIZER)
+            w.save("Workload", wl)
+            w.event(wl, "QuotaReserved", f"Quota reserved in ClusterQueue {cq_name}, wait time since queued was "
+                    f"{max(0, round(w.seconds_since(wl['metadata']['creationTimestamp'])))}s", source="kueue-admission")
+            changed = True
+            continue
+        if preempt_for(w, wl, cq):
+            changed = True
+        old = find_cond(wl, "QuotaReserved")
+        if set_status_condition(wl, "QuotaReserved", "False", "Pending", msg, w.now()):
+            if not old or old.get("message") != msg:
+                w.event(wl, "Pending", msg, "Warning", source="kueue-admission")
+        sync_admitted_condition(w, wl)
+        changed = w.commit("Workload", wl, before) or changed
+    return changed
+
+
+def preempt_for(w: World, preemptor: dict, cq: dict) -> bool:
+    """preemption.go: the lowest-priority (then most recently admitted) workloads of the same
+    ClusterQueue with a lower priority, as few as make the preemptor fit; IssuePreemptions evicts
+    them (Evicted=Preempted, Preempted=InClusterQueue) with upstream's message and events."""
+    policy = ((cq.get("spec") or {}).get("preemption") or {}).get("withinClusterQueue", "Never")
+    if policy not in ("LowerPriority", "LowerOrNewerEqualPriority"):
+        return False
+    cq_name = cq["metadata"]["name"]
+    candidates = [x for x in w.items("Workload", None) if has_quota_reservation(x) and not is_finished(x)
+                  and (x["status"].get("admission") or {}).get("clusterQueue") == cq_name
+                  and priority(x) < priority(preemptor)]
+    candidates.sort(key=lambda x: (priority(x), "" if not find_cond(x, "QuotaReserved") else
+                                   _neg(find_cond(x, "QuotaReserved")["lastTransitionTime"])))
+    chosen: list[dict] = []
+    for cand in candidates:
+        chosen.append(cand)
+        skip = {c["metadata"]["uid"] for c in chosen}
+        if assign_flavors(w, preemptor, cq, usage(w, cq_name, skip))[0] is not None:
+            break
+    else:
+        return False
+    changed = False
+    path = f"/{cq_name}"
+    for target in chosen:
+        if is_evicted(target):
+            continue  # preemption ongoing
+        jl = labels(preemptor).get(JOB_UID_LABEL) or "UNKNOWN"
+        message = (f"Preempted to accommodate a workload (UID: {preemptor['metadata']['uid']}, JobUID: {jl}) due to "
+                   f"{HUMAN_PREEMPTION_REASONS['InClusterQueue']}; preemptor path: {path}; preemptee path: {path}")
+        set_status_condition(target, "Preempted", "True", "InClusterQueue", message, w.now(), observed_generation=False)
+        evict(w, target, "Preempted", message)
+        prio = (f"; preemptor effective priority: {priority(preemptor)} (base: {priority(preemptor)}, boost: 0); "
+                f"preemptee effective priority: {priority(target)} (base: {priority(target)}, boost: 0)")
+        w.event(target, "Preempted", message + prio, source="kueue-admission")
+        w.event(preemptor, "PreemptedWorkload", f"Preempted workload {target['metadata']['namespace']}/"
+                f"{target['metadata']['name']} (UID: {target['metadata']['uid']}) in ClusterQueue {cq_name}{prio}",
+                source="kueue-admission")
+        changed = True
+    return changed
+
+
+def _neg(ts: str) -> str:
+    """Sort key: a later timestamp first."""
+    return "".join(chr(0x10FFFF - ord(ch)) for ch in ts)

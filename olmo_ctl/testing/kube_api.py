@@ -1,0 +1,1124 @@
+"""A generic Kubernetes API server for tests: the REST protocol, nothing of any controller.
+
+No kube-apiserver can run here, so this threaded `http.server` speaks the REST paths the
+`kubernetes` client and `kubectl` use, with the real CRD schemas (`crds/`: JobSet v0.10.1, Kueue
+v0.17.1) deciding what a valid custom object is:
+
+  /apis/GROUP/VERSION[/namespaces/NS]/PLURAL[/NAME[/status]]   custom and batch resources
+  /api/v1[/namespaces/NS]/PLURAL[/NAME[/status|/log]]          core resources
+  /api, /apis, /api/v1, /apis/GROUP/VERSION                     discovery
+  /version, /healthz, /readyz, /livez
+
+Verbs: POST (create; no Content-Type required, as `CustomObjectsApi` sends none; `generateName`),
+GET (read; list with `labelSelector` =, ==, !=, in, notin, exists, !exists and `fieldSelector` on
+any dotted path such as metadata.name, status.phase, involvedObject.name; `watch=true` streams
+ADDED/MODIFIED/DELETED from `resourceVersion` until `timeoutSeconds`), PUT (replace,
+resourceVersion checked), PATCH (application/merge-patch+json, strategic merge treated as merge
+for built-in kinds, json-patch), DELETE.
+
+Object semantics as kube-apiserver and the garbage collector give them: `uid`, `generation` (bumped
+on a spec change, never on a status write), a global `resourceVersion`, the `status` subresource
+(ignored on create and on main-resource writes of custom resources), `preconditions.uid` and
+`preconditions.resourceVersion` on delete, `finalizers` (an object with finalizers only gets a
+`deletionTimestamp`), `propagationPolicy` Foreground (the owner waits with the `foregroundDeletion`
+finalizer until its dependents are gone), Background (dependents collected after) and Orphan
+(ownerReferences stripped), a pod deletion's grace period (the pod lingers, terminating, until
+whatever plays the kubelet says its containers stopped). Errors are `Status` objects: 400
+BadRequest, 404 NotFound, 409 AlreadyExists/Conflict, 415, 422 Invalid. `fieldValidation=Strict`
+turns unknown fields into 400 "strict decoding error: unknown field ..." and the default (Warn)
+drops them with a `Warning` header; schema violations are 422 with the field path.
+
+Controllers plug in through `ApiServer(hooks=...)` (see `Hooks`): they may mutate an object on
+create (an admission webhook), learn of every write, and say when a deleting pod is done.
+
+    with ApiServer() as srv:           # starts on 127.0.0.1:<free port>
+        srv.url                        # "http://127.0.0.1:PORT": Configuration().host for the client
+        srv.fail_next(3, status=429, retry_after_s=1)   # next 3 requests answer 429 + Retry-After
+        srv.fail_next(2, status=500, match="GET ")      # only requests whose "METHOD PATH" contains match
+        srv.fail_next(1, status="drop")                 # close the connection without an answer
+        srv.fail_next(1, status="lost", match="POST ")  # do the request, then close without an answer
+        srv.fail_next(1, status=0, delay_s=2.0)         # a correct answer, 2 s late (client read timeouts)
+        srv.go_down(); srv.come_back()                  # refuse connections, then listen again (same port)
+        srv.requests                   # [(method, path, query dict, content type)] in arrival order
+        srv.received                   # [(method, path, JSON body)] of each POST/PUT/PATCH, as the client sent it
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import re
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+CRD_DIR = Path(__file__).resolve().parent / "crds"
+JOBSET_CRD = "jobset.x-k8s.io_jobsets.v0.10.1.yaml"
+WORKLOAD_CRD = "kueue.x-k8s.io_workloads.v0.17.1.yaml"
+LOCALQUEUE_CRD = "kueue.x-k8s.io_localqueues.v0.17.1.yaml"
+CLUSTERQUEUE_CRD = "kueue.x-k8s.io_clusterqueues.v0.17.1.yaml"
+RESOURCEFLAVOR_CRD = "kueue.x-k8s.io_resourceflavors.v0.17.1.yaml"
+WPC_CRD = "kueue.x-k8s.io_workloadpriorityclasses.v0.17.1.yaml"
+
+OBJECT_META_FIELDS = frozenset({
+    "name", "generateName", "namespace", "labels", "annotations", "ownerReferences", "finalizers", "uid",
+    "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds",
+    "managedFields", "selfLink",
+})
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_SUB = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+
+
+def now_iso(offset_s: float = 0.0) -> str:
+    return datetime.fromtimestamp(time.time() + offset_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ---------------------------------------------------------------- schemas
+
+
+@functools.cache
+def crd_versions(filename: str) -> dict[str, dict]:
+    """{version: openAPIV3Schema} of the served versions of one CRD file."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    with open(CRD_DIR / filename) as f:
+        crd = yaml.load(f, Loader=loader)
+    return {v["name"]: v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v.get("served")}
+
+
+@functools.cache
+def _validator(filename: str, version: str):
+    import jsonschema
+
+    schema = copy.deepcopy(crd_versions(filename)[version])
+    # ObjectMeta is validated by the server itself, as kube-apiserver does.
+    schema.get("properties", {}).pop("metadata", None)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+    return cls(schema)
+
+
+def unknown_fields(obj: Any, schema: dict, path: str = "") -> list[str]:
+    """Paths of fields the structural schema does not declare (what pruning would drop)."""
+    out: list[str] = []
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return out
+    if isinstance(obj, dict):
+        props = schema.get("properties")
+        addl = schema.get("additionalProperties")
+        for k, v in obj.items():
+            sub = f"{path}.{k}" if path else k
+            if props is not None and k in props:
+                out += unknown_fields(v, props[k], sub)
+            elif isinstance(addl, dict):
+                out += unknown_fields(v, addl, sub)
+            elif props is not None or addl is False:
+                out.append(sub)
+    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(obj):
+            out += unknown_fields(v, schema["items"], f"{path}[{i}]")
+    return out
+
+
+def _drop_paths(obj: dict, paths: list[str]) -> None:
+    for p in paths:
+        parts = re.findall(r"[^.\[\]]+|\[\d+\]", p)
+        node: Any = obj
+        for part in parts[:-1]:
+            node = node[int(part[1:-1])] if part.startswith("[") else node[part]
+        last = parts[-1]
+        if isinstance(node, dict):
+            node.pop(last, None)
+
+
+def schema_errors(obj: dict, filename: str, version: str) -> list[str]:
+    v = _validator(filename, version)
+    out = []
+    for e in sorted(v.iter_errors({k: x for k, x in obj.items() if k != "metadata"}), key=lambda e: list(e.path)):
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.path).lstrip(".")
+        out.append(f"{path or '<root>'}: Invalid value: {e.message}")
+    return out
+
+
+# ---------------------------------------------------------------- resources
+
+
+@dataclass(frozen=True)
+class Resource:
+    group: str  # "" for core
+    versions: tuple[str, ...]
+    plural: str
+    kind: str
+    crd: str | None = None  # schema file
+    has_status: bool = True
+    namespaced: bool = True
+    short_names: tuple[str, ...] = ()
+
+    def api_version(self, version: str | None = None) -> str:
+        version = version or self.versions[0]
+        return f"{self.group}/{version}" if self.group else version
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.plural}.{self.group}" if self.group else self.plural
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.group, self.plural)
+
+
+KUEUE = "kueue.x-k8s.io"
+KUEUE_VERSIONS = ("v1beta1", "v1beta2")
+BUILTIN = (
+    Resource("jobset.x-k8s.io", ("v1alpha2",), "jobsets", "JobSet", JOBSET_CRD, short_names=("js",)),
+    Resource(KUEUE, KUEUE_VERSIONS, "workloads", "Workload", WORKLOAD_CRD, short_names=("wl",)),
+    Resource(KUEUE, KUEUE_VERSIONS, "localqueues", "LocalQueue", LOCALQUEUE_CRD, short_names=("lq", "queue")),
+    Resource(KUEUE, KUEUE_VERSIONS, "clusterqueues", "ClusterQueue", CLUSTERQUEUE_CRD, namespaced=False,
+             short_names=("cq",)),
+    Resource(KUEUE, KUEUE_VERSIONS, "resourceflavors", "ResourceFlavor", RESOURCEFLAVOR_CRD, namespaced=False,
+             short_names=("rf", "flavor")),
+    Resource(KUEUE, KUEUE_VERSIONS, "workloadpriorityclasses", "WorkloadPriorityClass", WPC_CRD, has_status=False,
+             namespaced=False),
+    Resource("batch", ("v1",), "jobs", "Job"),
+    Resource("scheduling.k8s.io", ("v1",), "priorityclasses", "PriorityClass", has_status=False, namespaced=False,
+             short_names=("pc",)),
+    Resource("", ("v1",), "pods", "Pod", short_names=("po",)),
+    Resource("", ("v1",), "events", "Event", has_status=False, short_names=("ev",)),
+    Resource("", ("v1",), "namespaces", "Namespace", namespaced=False, short_names=("ns",)),
+    Resource("", ("v1",), "nodes", "Node", namespaced=False, short_names=("no",)),
+)
+RESOURCES = {r.key: r for r in BUILTIN}
+KIND_TO_RESOURCE = {r.kind: r for r in BUILTIN}
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str, details: dict | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.code, self.reason, self.message, self.details = code, reason, message, details or {}
+        self.headers = headers or {}
+
+    def status(self) -> dict:
+        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": self.message,
+                "reason": self.reason, "details": self.details, "code": self.code}
+
+
+def not_found(res: Resource, name: str) -> ApiError:
+    return ApiError(404, "NotFound", f'{res.qualified} "{name}" not found',
+                    {"name": name, "group": res.group, "kind": res.plural})
+
+
+# ---------------------------------------------------------------- selectors
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        parts.append(cur)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_label_selector(sel: str) -> Callable[[dict], bool]:
+    """A predicate over a labels dict; raises ApiError(400) on a malformed selector."""
+    reqs = []
+    for term in _split_top(sel or ""):
+        m = re.fullmatch(r"([^\s!=]+)\s+(in|notin)\s+\(([^)]*)\)", term)
+        if m:
+            vals = {v.strip() for v in m.group(3).split(",") if v.strip()}
+            key, op = m.group(1), m.group(2)
+            reqs.append(lambda lab, k=key, o=op, vs=vals: (lab.get(k) in vs) if o == "in" else (lab.get(k) not in vs))
+            continue
+        m = re.fullmatch(r"([^\s!=]+)\s*(==|=|!=)\s*([^\s,]*)", term)
+        if m:
+            key, op, val = m.groups()
+            if op == "!=":
+                reqs.append(lambda lab, k=key, v=val: lab.get(k) != v)
+            else:
+                reqs.append(lambda lab, k=key, v=val: k in lab and lab[k] == v)
+            continue
+        m = re.fullmatch(r"(!?)([^\s!=()]+)", term)
+        if m:
+            neg, key = m.groups()
+            reqs.append(lambda lab, k=key, n=bool(neg): (k in lab) != n)
+            continue
+        raise ApiError(400, "BadRequest", f"unable to parse requirement: invalid label selector: {term!r}")
+    return lambda labels: all(r(labels or {}) for r in reqs)
+
+
+def _field(obj: dict, path: str) -> Any:
+    node: Any = obj
+    for part in path.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+def parse_field_selector(sel: str) -> Callable[[dict], bool]:
+    reqs = []
+    for term in _split_top(sel or ""):
+        m = re.fullmatch(r"([\w.]+)\s*(==|=|!=)\s*(.*)", term)
+        if not m:
+            raise ApiError(400, "BadRequest", f"invalid field selector: {term!r}")
+        path, op, val = m.groups()
+        if op == "!=":
+            reqs.append(lambda o, p=path, v=val: str(_field(o, p) or "") != v)
+        else:
+            reqs.append(lambda o, p=path, v=val: str(_field(o, p) or "") == v)
+    return lambda obj: all(r(obj) for r in reqs)
+
+
+# ---------------------------------------------------------------- patches
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
+def json_patch(target: Any, ops: list[dict]) -> Any:
+    """RFC 6902 (add, remove, replace, test)."""
+    doc = copy.deepcopy(target)
+
+    def walk(path: str):
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in path.lstrip("/").split("/")]
+        node = doc
+        for p in parts[:-1]:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        return node, parts[-1]
+
+    for op in ops:
+        try:
+            parent, key = walk(op["path"])
+            if isinstance(parent, list):
+                idx = len(parent) if key == "-" else int(key)
+            kind = op["op"]
+            if kind == "add":
+                if isinstance(parent, list):
+                    parent.insert(idx, op["value"])
+                else:
+                    parent[key] = op["value"]
+            elif kind == "remove":
+                del parent[idx if isinstance(parent, list) else key]
+            elif kind == "replace":
+                if isinstance(parent, list):
+                    parent[idx] = op["value"]
+                else:
+                    if key not in parent:
+                        raise KeyError(key)
+                    parent[key] = op["value"]
+            elif kind == "test":
+                cur = parent[idx] if isinstance(parent, list) else parent[key]
+                if cur != op["value"]:
+                    raise ApiError(422, "Invalid", f"the test operation at {op['path']} failed")
+            else:
+                raise ApiError(422, "Invalid", f"unsupported json-patch op {kind!r}")
+        except (KeyError, IndexError, ValueError, TypeError) as e:
+            raise ApiError(422, "Invalid", f"json-patch {op!r} cannot be applied: {e}") from None
+    return doc
+
+
+# ---------------------------------------------------------------- store and garbage collector
+
+
+FOREGROUND = "foregroundDeletion"
+HISTORY = 5000  # watch events kept for `resourceVersion` resumption
+
+
+class Store:
+    """Objects by (resource key, namespace, name); one lock; a global resourceVersion counter; the
+    deletion rules (finalizers, propagation, grace periods) and the garbage collector."""
+
+    def __init__(self, resources: dict[tuple[str, str], Resource] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.resources = dict(resources or RESOURCES)
+        self.objects: dict[tuple[tuple[str, str], str, str], dict] = {}
+        self.logs: dict[tuple[str, str], list[str]] = {}
+        self.history: list[tuple[int, str, tuple[str, str], dict]] = []
+        self.clock = clock
+        self._rv = 1000
+        # Whether a deleting pod's containers have stopped (the kubelet's part); without a kubelet
+        # a deleted pod goes at once.
+        self.pod_stopped: Callable[[dict], bool] = lambda pod: True
+
+    def now_iso(self, offset_s: float = 0.0) -> str:
+        return datetime.fromtimestamp(self.clock() + offset_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    @property
+    def rv(self) -> str:
+        return str(self._rv)
+
+    def next_rv(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    @staticmethod
+    def key(res: Resource, ns: str, name: str):
+        return (res.key, ns if res.namespaced else "", name)
+
+    def resource_of(self, obj: dict) -> Resource:
+        return next(r for r in self.resources.values() if r.kind == obj.get("kind")
+                    and r.group == (obj.get("apiVersion") or "").rpartition("/")[0])
+
+    def get(self, res: Resource, ns: str, name: str) -> dict | None:
+        return self.objects.get(self.key(res, ns, name))
+
+    def _record(self, kind: str, res: Resource, obj: dict) -> None:
+        self.history.append((self._rv, kind, res.key, copy.deepcopy(obj)))
+        del self.history[:-HISTORY]
+        with self.changed:
+            self.changed.notify_all()
+
+    def put(self, res: Resource, obj: dict) -> dict:
+        md = obj["metadata"]
+        key = self.key(res, md.get("namespace", ""), md["name"])
+        kind = "MODIFIED" if key in self.objects else "ADDED"
+        md["resourceVersion"] = self.next_rv()
+        self.objects[key] = obj
+        self._record(kind, res, obj)
+        return obj
+
+    def items(self, res: Resource, ns: str | None = None) -> list[dict]:
+        return [o for (rk, ons, _), o in sorted(self.objects.items(), key=lambda kv: kv[0])
+                if rk == res.key and (ns is None or not res.namespaced or ons == ns)]
+
+    def all(self) -> Iterable[tuple[Resource, dict]]:
+        for (rk, _, _), o in sorted(self.objects.items(), key=lambda kv: kv[0]):
+            yield self.resources[rk], o
+
+    def dependents(self, obj: dict) -> list[tuple[Resource, dict]]:
+        uid, ns = obj["metadata"].get("uid"), obj["metadata"].get("namespace", "")
+        return [(r, o) for r, o in self.all() if o is not obj
+                and any(ref.get("uid") == uid for ref in o["metadata"].get("ownerReferences") or [])
+                and (not r.namespaced or o["metadata"].get("namespace", "") == ns or not ns)]
+
+    # -- deletion, as kube-apiserver and the garbage collector do it
+    def delete(self, res: Resource, obj: dict, policy: str = "Background", grace_s: int | None = None,
+               collect: bool = True) -> None:
+        """Ask for `obj` to go: it gets a deletionTimestamp; it is removed once its finalizers are
+        gone (and, for a pod, once its containers stopped). Foreground: the owner keeps the
+        `foregroundDeletion` finalizer until its dependents are gone; Orphan: they lose the reference."""
+        md = obj["metadata"]
+        if res.plural == "pods":
+            if grace_s is None:
+                grace_s = int((obj.get("spec") or {}).get("terminationGracePeriodSeconds", 30))
+            if md.get("deletionTimestamp") is None or grace_s < int(md.get("deletionGracePeriodSeconds") or 0):
+                md["deletionGracePeriodSeconds"] = grace_s
+                md["deletionTimestamp"] = self.now_iso(grace_s)
+                self.put(res, obj)
+            if collect:
+                self.collect()
+            return
+        if md.get("deletionTimestamp") is None:
+            md["deletionTimestamp"] = self.now_iso()
+            md["deletionGracePeriodSeconds"] = 0
+            if policy == "Orphan":
+                for dres, dep in self.dependents(obj):
+                    dep["metadata"]["ownerReferences"] = [r for r in dep["metadata"]["ownerReferences"]
+                                                          if r.get("uid") != md.get("uid")]
+                    self.put(dres, dep)
+            elif policy == "Foreground" and self.dependents(obj):
+                md["finalizers"] = list(md.get("finalizers") or []) + [FOREGROUND]
+            self.put(res, obj)
+        if collect:
+            self.collect()
+
+    def _remove(self, res: Resource, obj: dict) -> None:
+        md = obj["metadata"]
+        self.objects.pop(self.key(res, md.get("namespace", ""), md["name"]), None)
+        if res.plural == "pods":
+            self.logs.pop((md.get("namespace", ""), md["name"]), None)
+        self.next_rv()
+        self._record("DELETED", res, obj)
+
+    def collect(self) -> None:
+        """The garbage collector, to a fixed point: foreground owners wait for their dependents,
+        dependents whose owners are all gone are deleted, finalizer-free deleting objects go."""
+        for _ in range(1000):
+            changed = False
+            uids = {o["metadata"].get("uid") for _, o in self.all()}
+            for res, obj in list(self.all()):
+                md = obj["metadata"]
+                if self.objects.get(self.key(res, md.get("namespace", ""), md["name"])) is not obj:
+                    continue  # removed on the way
+                refs = md.get("ownerReferences") or []
+                if md.get("deletionTimestamp") is None:
+                    if refs and not any(r.get("uid") in uids for r in refs):
+                        self.delete(res, obj, "Background", collect=False)
+                        changed = True
+                    continue
+                fins = list(md.get("finalizers") or [])
+                if FOREGROUND in fins:
+                    deps = self.dependents(obj)
+                    for dres, dep in deps:
+                        if dep["metadata"].get("deletionTimestamp") is None:
+                            self.delete(dres, dep, "Foreground", collect=False)
+                            changed = True
+                    if not deps:
+                        md["finalizers"] = [f for f in fins if f != FOREGROUND]
+                        self.put(res, obj)
+                        changed = True
+                    continue
+                if fins:
+                    continue
+                if res.plural == "pods" and not (int(md.get("deletionGracePeriodSeconds") or 0) == 0
+                                                 or self.pod_stopped(obj)):
+                    continue
+                self._remove(res, obj)
+                changed = True
+            if not changed:
+                return
+        raise RuntimeError("the garbage collector does not converge")
+
+
+# ---------------------------------------------------------------- the HTTP side
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "olmo-ctl-kube-test/1"
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def _body(self) -> bytes:
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _send(self, code: int, payload: Any, headers: dict | None = None, text: bool = False) -> None:
+        data = payload.encode() if text else json.dumps(payload).encode()
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain" if text else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client gave up waiting (its read timeout)
+
+    def _handle(self, method: str) -> None:
+        srv: ApiServer = self.server.kube  # type: ignore[attr-defined]
+        parts = urlsplit(self.path)
+        query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+        body = self._body()
+        ctype = self.headers.get("Content-Type", "")
+        srv._record(method, parts.path, query, ctype, body)
+        fault = srv._take_fault(f"{method} {parts.path}")
+        if fault is not None:
+            if fault.status == "drop":
+                self._hang_up()
+                return
+            if fault.status == "lost":
+                pass
+            elif fault.delay_s:
+                time.sleep(fault.delay_s)
+            if isinstance(fault.status, int) and fault.status:
+                err = ApiError(fault.status, "TooManyRequests" if fault.status == 429 else "InternalError",
+                               "the server has received too many requests and has asked us to try again later"
+                               if fault.status == 429 else "an error on the server (\"injected\") has prevented "
+                               "the request from succeeding")
+                headers = {"Retry-After": str(fault.retry_after_s)} if fault.retry_after_s is not None else {}
+                self._send(fault.status, err.status(), headers)
+                return
+        try:
+            code, payload, headers, text = srv.api.dispatch(method, parts.path, query, body, ctype)
+        except ApiError as e:
+            code, payload, headers, text = e.code, e.status(), e.headers, False
+        except Exception as e:  # a bug in the test server: say so loudly
+            self._send(500, ApiError(500, "InternalError", f"test server bug: {type(e).__name__}: {e}").status())
+            raise
+        if fault is not None and fault.status == "lost":  # done, but the answer never arrives
+            self._hang_up()
+            return
+        if text == "watch":
+            self._stream(payload)
+            return
+        self._send(code, payload, headers, text)
+
+    def _stream(self, lines) -> None:
+        """A watch: JSON lines until the stream ends, then the connection closes (HTTP/1.0)."""
+        self.close_connection = True
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.flush()
+            for chunk in lines:
+                self.wfile.write(chunk)
+                self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _hang_up(self) -> None:
+        """Close the connection without an answer (a dropped request or a lost response)."""
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def do_PUT(self) -> None:
+        self._handle("PUT")
+
+    def do_PATCH(self) -> None:
+        self._handle("PATCH")
+
+    def do_DELETE(self) -> None:
+        self._handle("DELETE")
+
+
+@dataclass
+class Fault:
+    status: int | str  # an HTTP status, "drop" (close unanswered) or "lost" (carry out, close unanswered)
+    remaining: int
+    retry_after_s: int | None = None
+    match: str | None = None
+    delay_s: float = 0.0
+
+
+class Hooks:
+    """What controllers plug into the API server; every method is optional to override."""
+
+    def tick(self) -> None:
+        """Before each request: let time-driven work (grace periods, backoffs) happen."""
+
+    def admit(self, res: Resource, obj: dict) -> None:
+        """A mutating admission webhook on create: change `obj`, or raise ApiError to refuse it."""
+
+    def written(self) -> None:
+        """After each write request: the controllers react."""
+
+
+class Api:
+    """The REST semantics over a Store."""
+
+    def __init__(self, store: Store, hooks: Hooks | None = None):
+        self.store, self.hooks = store, hooks or Hooks()
+        self.deleted: list[tuple[str, str, str]] = []  # (kind, name, propagationPolicy) of API deletions
+
+    # -- routing and discovery
+    def resource(self, group: str, plural: str, version: str) -> Resource:
+        res = self.store.resources.get((group, plural))
+        if res is None or version not in res.versions:
+            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+        return res
+
+    def route(self, path: str) -> tuple[Resource, str, str | None, str | None, str | None]:
+        m = re.fullmatch(r"/api/v1(?:/namespaces/([^/]+))?/([^/]+)(?:/([^/]+))?(?:/([^/]+))?", path)
+        group, version = "", "v1"
+        if not m:
+            m2 = re.fullmatch(r"/apis/([^/]+)/([^/]+)(?:/namespaces/([^/]+))?/([^/]+)(?:/([^/]+))?(?:/([^/]+))?",
+                              path)
+            if not m2:
+                raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            group, version = m2.group(1), m2.group(2)
+            ns, plural, name, sub = m2.group(3), m2.group(4), m2.group(5), m2.group(6)
+        else:
+            ns, plural, name, sub = m.groups()
+        res = self.resource(group, plural, version)
+        if sub not in (None, "status", "log") or (sub == "log" and plural != "pods") or \
+                (sub == "status" and not res.has_status):
+            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+        if not res.namespaced:
+            if ns is not None:
+                raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            ns = ""
+        return res, version, ns, name, sub
+
+    def discovery(self, path: str) -> dict | None:
+        path = path.rstrip("/")
+        by_gv: dict[tuple[str, str], list[Resource]] = {}
+        for r in self.store.resources.values():
+            for v in r.versions:
+                by_gv.setdefault((r.group, v), []).append(r)
+        if path == "/api":
+            return {"kind": "APIVersions", "versions": ["v1"],
+                    "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}
+        if path == "/apis":
+            groups: dict[str, list[str]] = {}
+            for g, v in by_gv:
+                if g:
+                    groups.setdefault(g, []).append(v)
+            return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+                {"name": g, "versions": [{"groupVersion": f"{g}/{v}", "version": v} for v in vs],
+                 "preferredVersion": {"groupVersion": f"{g}/{vs[0]}", "version": vs[0]}}
+                for g, vs in sorted(groups.items())]}
+        m = re.fullmatch(r"/api/(v1)|/apis/([^/]+)/([^/]+)", path)
+        if not m:
+            return None
+        gv = ("", "v1") if m.group(1) else (m.group(2), m.group(3))
+        if gv not in by_gv:
+            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+        verbs = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
+        out = []
+        for r in by_gv[gv]:
+            out.append({"name": r.plural, "singularName": r.kind.lower(), "namespaced": r.namespaced,
+                        "kind": r.kind, "verbs": verbs, "shortNames": list(r.short_names)})
+            if r.has_status:
+                out.append({"name": f"{r.plural}/status", "singularName": "", "namespaced": r.namespaced,
+                            "kind": r.kind, "verbs": ["get", "patch", "update"]})
+            if r.plural == "pods":
+                out.append({"name": "pods/log", "singularName": "", "namespaced": True, "kind": "Pod",
+                            "verbs": ["get"]})
+        return {"kind": "APIResourceList", "apiVersion": "v1",
+                "groupVersion": f"{gv[0]}/{gv[1]}" if gv[0] else "v1", "resources": out}
+
+    def dispatch(self, method: str, path: str, query: dict, body: bytes, ctype: str):
+        if path in ("/version", "/version/"):
+            return 200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0-olmo-ctl-test",
+                         "platform": "linux/amd64"}, {}, False
+        if path in ("/healthz", "/readyz", "/livez"):
+            return 200, "ok", {}, True
+        with self.store.lock:
+            self.hooks.tick()
+            if method == "GET":
+                disc = self.discovery(path)
+                if disc is not None:
+                    return 200, disc, {}, False
+            res, version, ns, name, sub = self.route(path)
+            if method == "GET" and name is None and query.get("watch") in ("true", "1"):
+                return 200, self.watch(res, version, ns, query), {}, "watch"
+            if method == "GET" and name is None:
+                return 200, self.list(res, version, ns, query), {}, False
+            if ns is None:
+                raise ApiError(405, "MethodNotAllowed", "namespaced resource needs a namespace")
+            if method == "GET" and sub == "log":
+                return 200, self.pod_log(ns, name, query), {}, True
+            if method == "GET":
+                obj = self.store.get(res, ns, name)
+                if obj is None:
+                    raise not_found(res, name)
+                return 200, self.out(res, version, obj), {}, False
+            try:
+                if method == "POST" and name is None:
+                    obj, warnings = self.create(res, version, ns, self._json(body), query)
+                    return 201, self.out(res, version, obj), self._warn(warnings), False
+                if method == "DELETE" and name is None:
+                    return 200, self.delete_collection(res, version, ns, query, body), {}, False
+                if name is None:
+                    raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on a collection here")
+                if method == "DELETE":
+                    return 200, self.delete(res, version, ns, name, query, body), {}, False
+                if method == "PATCH":
+                    obj = self.patch(res, version, ns, name, sub, body, ctype)
+                    return 200, self.out(res, version, obj), {}, False
+                if method == "PUT":
+                    obj, warnings = self.replace(res, version, ns, name, sub, self._json(body), query)
+                    return 200, self.out(res, version, obj), self._warn(warnings), False
+            finally:
+                self.hooks.written()
+        raise ApiError(405, "MethodNotAllowed", f"{method} {path} is not supported")
+
+    @staticmethod
+    def _warn(warnings: list[str]) -> dict:
+        def quoted(w: str) -> str:
+            return '"' + w.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+        return {"Warning": ", ".join(f"299 - {quoted(w)}" for w in warnings)} if warnings else {}
+
+    @staticmethod
+    def _json(body: bytes) -> Any:
+        try:
+            return json.loads(body or b"null")
+        except ValueError as e:
+            raise ApiError(400, "BadRequest", f"the request body is not valid JSON: {e}") from None
+
+    @staticmethod
+    def out(res: Resource, version: str, obj: dict) -> dict:
+        o = copy.deepcopy(obj)
+        o["apiVersion"] = res.api_version(version)
+        o["kind"] = res.kind
+        return o
+
+    def _selected(self, query: dict) -> Callable[[dict], bool]:
+        lsel = parse_label_selector(query.get("labelSelector", ""))
+        fsel = parse_field_selector(query.get("fieldSelector", ""))
+        return lambda o: lsel(o["metadata"].get("labels") or {}) and fsel(o)
+
+    def list(self, res: Resource, version: str, ns: str | None, query: dict) -> dict:
+        sel = self._selected(query)
+        items = [self.out(res, version, o) for o in self.store.items(res, ns) if sel(o)]
+        return {"apiVersion": res.api_version(version), "kind": f"{res.kind}List",
+                "metadata": {"resourceVersion": self.store.rv}, "items": items}
+
+    def watch(self, res: Resource, version: str, ns: str | None, query: dict):
+        """A generator of watch lines: ADDED/MODIFIED/DELETED after `resourceVersion` (all objects as
+        ADDED first when none is given or it is "0"), until `timeoutSeconds` (at most 300)."""
+        sel = self._selected(query)
+        rv = query.get("resourceVersion") or "0"
+        first: list[dict] = []
+        if rv == "0":
+            first = [self.out(res, version, o) for o in self.store.items(res, ns) if sel(o)]
+            last = self.store._rv
+        else:
+            last = int(rv)
+            if self.store.history and last < self.store.history[0][0] - 1:
+                raise ApiError(410, "Expired", f"too old resource version: {rv} ({self.store.history[0][0]})")
+        deadline = time.monotonic() + min(float(query.get("timeoutSeconds") or 300), 300)
+
+        def line(kind: str, obj: dict) -> bytes:
+            return (json.dumps({"type": kind, "object": obj}) + "\n").encode()
+
+        def stream():
+            nonlocal last
+            for o in first:
+                yield line("ADDED", o)
+            while True:
+                with self.store.changed:
+                    evs = [h for h in self.store.history if h[0] > last and h[2] == res.key]
+                    if not evs:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            return
+                        self.store.changed.wait(min(remaining, 0.25))
+                        continue
+                    last = evs[-1][0]
+                    out = [(k, self.out(res, version, o)) for _, k, _, o in evs
+                           if (ns is None or not res.namespaced or o["metadata"].get("namespace") == ns) and sel(o)]
+                for k, o in out:
+                    yield line(k, o)
+
+        return stream()
+
+    # -- validation
+    def validate(self, res: Resource, version: str, obj: Any, query: dict, name_hint: str = "") -> list[str]:
+        if not isinstance(obj, dict):
+            raise ApiError(400, "BadRequest", "the request body is not a JSON object")
+        md = obj.get("metadata")
+        if not isinstance(md, dict):
+            raise ApiError(422, "Invalid", f'{res.kind}.{res.group} "{name_hint}" is invalid: metadata: Required value')
+        name = md.get("name") or name_hint
+        errors: list[str] = []
+        warnings: list[str] = []
+        mode = query.get("fieldValidation", "Warn")
+        unknown = [f"metadata.{k}" for k in md if k not in OBJECT_META_FIELDS]
+        if res.crd:
+            schema = crd_versions(res.crd)[version]
+            body_schema = dict(schema)
+            body_schema["properties"] = {k: v for k, v in schema.get("properties", {}).items() if k != "metadata"}
+            unknown += [p for p in unknown_fields({k: v for k, v in obj.items() if k != "metadata"}, body_schema)]
+        if unknown:
+            if mode == "Strict":
+                raise ApiError(400, "BadRequest", f'{res.kind} in version "{version}" cannot be handled as a '
+                               f'{res.kind}: strict decoding error: '
+                               + ", ".join(f'unknown field "{u}"' for u in unknown))
+            if mode != "Ignore":
+                warnings += [f'unknown field "{u}"' for u in unknown]
+            _drop_paths(obj, unknown)
+        if not isinstance(name, str) or not name:
+            errors.append("metadata.name: Required value: name or generateName is required")
+        elif res.plural == "jobsets":
+            if not _DNS1035.match(name) or len(name) > 63:
+                errors.append(f'metadata.name: Invalid value: "{name}": a lowercase RFC 1035 label must consist of '
+                              "lower case alphanumeric characters or '-', start with an alphabetic character, "
+                              "and end with an alphanumeric character (at most 63 characters)")
+        elif not _DNS1123_SUB.match(name) or len(name) > 253:
+            errors.append(f'metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain is required')
+        for k, v in (md.get("labels") or {}).items():
+            key_name = k.rsplit("/", 1)[-1]
+            if not _LABEL_NAME.match(key_name) or len(key_name) > 63:
+                errors.append(f'metadata.labels: Invalid value: "{k}": name part must be a valid label key')
+            if not isinstance(v, str) or not _LABEL_VALUE.match(v) or len(v) > 63:
+                errors.append(f'metadata.labels: Invalid value: "{v}": a valid label must be an empty string or '
+                              "consist of alphanumeric characters, '-', '_' or '.', at most 63 characters")
+        for k, v in (md.get("annotations") or {}).items():
+            if not isinstance(v, str):
+                errors.append(f"metadata.annotations.{k}: Invalid value: must be a string")
+        if res.crd:
+            errors += schema_errors(obj, res.crd, version)
+            if obj.get("apiVersion") not in (None, res.api_version(version)) or obj.get("kind") not in (None, res.kind):
+                errors.append(f"apiVersion/kind: Invalid value: expected {res.api_version(version)} {res.kind}")
+        if errors:
+            raise ApiError(422, "Invalid", f'{res.kind}.{res.group or "core"} "{name}" is invalid: ' + "; ".join(errors),
+                           {"name": name, "group": res.group, "kind": res.kind,
+                            "causes": [{"message": e} for e in errors]})
+        return warnings
+
+    # -- verbs
+    def create(self, res: Resource, version: str, ns: str, obj: Any, query: dict) -> tuple[dict, list[str]]:
+        obj = copy.deepcopy(obj)
+        if isinstance(obj, dict) and isinstance(obj.get("metadata"), dict):
+            md = obj["metadata"]
+            if res.namespaced and md.get("namespace") not in (None, ns):
+                raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the "
+                                                  "namespace sent on the request")
+            if not md.get("name") and md.get("generateName"):
+                md["name"] = md["generateName"] + secrets.token_hex(3)[:5]
+        warnings = self.validate(res, version, obj, query)
+        md = obj["metadata"]
+        if self.store.get(res, ns, md["name"]) is not None:
+            raise ApiError(409, "AlreadyExists", f'{res.qualified} "{md["name"]}" already exists',
+                           {"name": md["name"], "group": res.group, "kind": res.plural})
+        md.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=self.store.now_iso())
+        if res.namespaced:
+            md["namespace"] = ns
+        else:
+            md.pop("namespace", None)
+        for k in ("deletionTimestamp", "resourceVersion", "deletionGracePeriodSeconds"):
+            md.pop(k, None)
+        if res.has_status and res.crd:
+            obj.pop("status", None)  # the status subresource: ignored on create
+        obj["apiVersion"], obj["kind"] = res.api_version(version), res.kind
+        self.hooks.admit(res, obj)
+        self.store.put(res, obj)
+        return obj, warnings
+
+    def replace(self, res: Resource, version: str, ns: str, name: str, sub: str | None, new: Any,
+                query: dict) -> tuple[dict, list[str]]:
+        cur = self.store.get(res, ns, name)
+        if cur is None:
+            raise not_found(res, name)
+        new = copy.deepcopy(new)
+        warnings = self.validate(res, version, new, query, name)
+        rv = new["metadata"].get("resourceVersion")
+        if rv and rv != cur["metadata"]["resourceVersion"]:
+            raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {res.qualified} "{name}": the object '
+                           "has been modified; please apply your changes to the latest version and try again")
+        return self._commit(res, cur, new, sub), warnings
+
+    def patch(self, res: Resource, version: str, ns: str, name: str, sub: str | None, body: bytes,
+              ctype: str) -> dict:
+        cur = self.store.get(res, ns, name)
+        if cur is None:
+            raise not_found(res, name)
+        ct = ctype.split(";")[0].strip()
+        doc = self._json(body)
+        if ct in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
+            if ct.startswith("application/strategic") and res.crd:
+                raise ApiError(415, "UnsupportedMediaType", "strategic merge patch is not supported for "
+                                                            "custom resources; use merge-patch")
+            new = merge_patch(cur, doc)
+        elif ct == "application/json-patch+json":
+            new = json_patch(cur, doc)
+        else:
+            raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - "
+                                                        f"accepted media types include: application/json-patch+json, "
+                                                        f"application/merge-patch+json (got {ct!r})")
+        new["metadata"]["name"] = name
+        if res.namespaced:
+            new["metadata"]["namespace"] = ns
+        self.validate(res, version, new, {"fieldValidation": "Ignore"}, name)
+        return self._commit(res, cur, new, sub)
+
+    def _commit(self, res: Resource, cur: dict, new: dict, sub: str | None) -> dict:
+        md = cur["metadata"]
+        if sub == "status":
+            merged = copy.deepcopy(cur)
+            merged["status"] = new.get("status")
+        else:
+            merged = copy.deepcopy(new)
+            if res.has_status and res.crd:
+                merged["status"] = copy.deepcopy(cur.get("status"))
+            for k in ("uid", "creationTimestamp", "generation", "namespace", "name"):
+                merged["metadata"][k] = md.get(k)
+            if {k: v for k, v in merged.items() if k not in ("metadata", "status")} != \
+                    {k: v for k, v in cur.items() if k not in ("metadata", "status")}:
+                merged["metadata"]["generation"] = int(md.get("generation") or 1) + 1
+        if merged.get("status") is None:
+            merged.pop("status", None)
+        for k in ("deletionTimestamp", "deletionGracePeriodSeconds"):  # only a deletion sets these
+            if md.get(k) is None:
+                merged["metadata"].pop(k, None)
+            else:
+                merged["metadata"][k] = md[k]
+        out = self.store.put(res, merged)
+        if md.get("deletionTimestamp"):
+            self.store.collect()  # a finalizer removed: the object may go now
+        return out
+
+    def delete(self, res: Resource, version: str, ns: str, name: str, query: dict, body: bytes) -> dict:
+        opts = self._json(body) if body else {}
+        opts = opts if isinstance(opts, dict) else {}
+        policy = query.get("propagationPolicy") or opts.get("propagationPolicy") or "Background"
+        if policy not in ("Foreground", "Background", "Orphan"):
+            raise ApiError(400, "BadRequest", f"propagationPolicy {policy!r} is not one of Foreground, "
+                                              "Background, Orphan")
+        grace = query.get("gracePeriodSeconds", opts.get("gracePeriodSeconds"))
+        cur = self.store.get(res, ns, name)
+        if cur is None:
+            raise not_found(res, name)
+        pre = opts.get("preconditions") or {}
+        for field in ("uid", "resourceVersion"):
+            want = pre.get(field)
+            if want and want != cur["metadata"].get(field):
+                what = "UID" if field == "uid" else "ResourceVersion"
+                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {res.qualified} "{name}": '
+                               f"Precondition failed: {what} in precondition: {want}, {what} in object meta: "
+                               f"{cur['metadata'].get(field)}")
+        self.deleted.append((res.kind, name, policy))
+        self.store.delete(res, cur, policy, None if grace is None else int(grace))
+        out = self.out(res, version, cur)
+        if self.store.get(res, ns, name) is None:
+            out["metadata"].setdefault("deletionTimestamp", self.store.now_iso())
+        return out
+
+    def delete_collection(self, res: Resource, version: str, ns: str, query: dict, body: bytes) -> dict:
+        gone = self.list(res, version, ns, query)
+        for o in gone["items"]:
+            self.delete(res, version, ns, o["metadata"]["name"], {k: v for k, v in query.items()
+                                                                   if k in ("propagationPolicy", "gracePeriodSeconds")}, body)
+        return gone
+
+    def pod_log(self, ns: str, name: str, query: dict) -> str:
+        pod = self.store.get(RESOURCES[("", "pods")], ns, name)
+        if pod is None:
+            raise not_found(RESOURCES[("", "pods")], name)
+        containers = [c["name"] for c in (pod.get("spec") or {}).get("containers") or []]
+        cname = query.get("container") or (containers[0] if len(containers) == 1 else None)
+        if cname is None:
+            raise ApiError(400, "BadRequest", f"a container name must be specified for pod {name}, choose one of: "
+                                              f"{containers}")
+        if cname not in containers:
+            raise ApiError(400, "BadRequest", f"container {cname} is not valid for pod {name}")
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            w = (cs.get("state") or {}).get("waiting")
+            if cs.get("name") == cname and w:
+                raise ApiError(400, "BadRequest", f'container "{cname}" in pod "{name}" is waiting to start: '
+                                                  f"{w.get('reason', 'ContainerCreating')}")
+        lines = list(self.store.logs.get((ns, name), []))
+        if "tailLines" in query:
+            n = int(query["tailLines"])
+            lines = lines[-n:] if n > 0 else []
+        return "".join(line + "\n" for line in lines)
+
+
+
+
+# ---------------------------------------------------------------- the server object
+
+
+class ApiServer:
+    """`with ApiServer() as srv:` a Kubernetes API on 127.0.0.1, with `hooks` for controllers."""
+
+    def __init__(self, namespace: str = "default", port: int = 0, hooks: Hooks | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.store = Store(clock=clock)
+        self.api = Api(self.store, hooks)
+        self.namespace = namespace
+        self._port = port
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._faults: list[Fault] = []
+        self._fault_lock = threading.Lock()
+        self.requests: list[tuple[str, str, dict, str]] = []
+        self.received: list[tuple[str, str, Any]] = []  # (method, path, JSON body) of each write, as sent
+        with self.store.lock:
+            for ns in dict.fromkeys((namespace, "default", "kube-system")):
+                self.store.put(RESOURCES[("", "namespaces")], {
+                    "apiVersion": "v1", "kind": "Namespace",
+                    "metadata": {"name": ns, "uid": str(uuid.uuid4()), "creationTimestamp": self.store.now_iso(),
+                                 "labels": {"kubernetes.io/metadata.name": ns}},
+                    "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}})
+
+    # -- lifecycle
+    def start(self) -> ApiServer:
+        httpd = ThreadingHTTPServer(("127.0.0.1", self._port), _Handler)
+        httpd.daemon_threads = True
+        httpd.kube = self  # type: ignore[attr-defined]
+        self._port = httpd.server_address[1]
+        self._httpd = httpd
+        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+        return self
+
+    def go_down(self) -> None:
+        """Stop listening: connections are refused until `come_back()` (the objects are kept)."""
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def come_back(self) -> None:
+        if self._httpd is None:
+            self.start()
+
+    def stop(self) -> None:
+        self.go_down()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    # -- faults
+    def fail_next(self, count: int, status: int | str = 500, retry_after_s: int | None = None,
+                  match: str | None = None, delay_s: float = 0.0) -> None:
+        """The next `count` requests (whose "METHOD /path" contains `match`, if given) answer `status`
+        (an HTTP code; "drop": the connection closes unanswered; "lost": the request is carried out,
+        then the connection closes unanswered), after `delay_s`."""
+        with self._fault_lock:
+            self._faults.append(Fault(status, count, retry_after_s, match, delay_s))
+
+    def clear_faults(self) -> None:
+        with self._fault_lock:
+            self._faults.clear()
+
+    def _take_fault(self, what: str) -> Fault | None:
+        with self._fault_lock:
+            for f in self._faults:
+                if f.remaining > 0 and (f.match is None or f.match in what):
+                    f.remaining -= 1
+                    return f
+            return None
+
+    def _record(self, method: str, path: str, query: dict, ctype: str, body: bytes = b"") -> None:
+        with self._fault_lock:
+            self.requests.append((method, path, query, ctype))
+            if body and method in ("POST", "PUT", "PATCH"):
+                try:
+                    self.received.append((method, path, json.loads(body)))
+                except ValueError:
+                    self.received.append((method, path, body))
+
+    def count(self, method: str, contains: str = "") -> int:
+        """How many requests with this method (and path containing `contains`) arrived."""
+        return sum(1 for m, p, _, _ in list(self.requests) if m == method and contains in p)
