@@ -105,3 +105,28 @@ def test_a_mix_needs_a_root_and_a_glob_remains_possible(tmp_path):
     (tmp_path / "x.npy").write_bytes(b"\0" * 64)
     r = load_recipe(stage=1, overrides=["data.mix=''", f"data.root={tmp_path}", "data.train=['{root}/*.npy']"])
     assert [f.name for f in resolve_files(r)] == ["x.npy"]
+
+
+@pytest.mark.gcs
+def test_a_mix_on_gcs_resolves_with_one_listing(tmp_path):
+    from olmo_ctl import storage
+    from olmo_ctl.testing.gcs_emulator import gcs_emulator
+
+    with gcs_emulator() as (_, bucket):
+        storage._gcs = None
+        try:
+            root = f"gs://{bucket}/olmo-data"
+            paths = mix_paths("OLMo-longmino-mix-0625", root)
+            store = storage.store_for(root)
+            for i, p in enumerate(paths[:-1]):
+                store.write_bytes(p, b"\x02\x00\x00\x00" * (i % 3 + 1))
+            store.write_bytes(f"{root}/preprocessed/dolma3_longmino_0625/stray.npy", b"\0" * 8)
+            with pytest.raises(BadInput, match=r"000997\.npy` does not exist"):
+                resolve_mix("OLMo-longmino-mix-0625", root)
+            store.write_bytes(paths[-1], b"\x02\x00\x00\x00")
+            got = resolve_mix("OLMo-longmino-mix-0625", root + "/")
+            assert [f.path for f in got] == paths
+            assert [f.name for f in got] == [e.path for e in load_mix("OLMo-longmino-mix-0625")]
+            assert [f.size for f in got[:4]] == [4, 8, 12, 4]
+        finally:
+            storage._gcs = None
