@@ -19,7 +19,7 @@ CASES = {
     "unknown generation": (["plan", "--stage", "1", "--device", "v6e-8"], "unknown generation"),
     "devices --generation": (["devices", "--generation", "v6e"], "not a device generation"),
     "no recipe": (["plan", "--device", "v5p-8"], "no recipe given"),
-    "stage 3": (["plan", "--stage", "3", "--device", "v5p-8"], "not a stage"),
+    "stage 4": (["plan", "--stage", "4", "--device", "v5p-8"], "not a stage"),
     "stage and recipe": (["plan", "--stage", "1", "--recipe", "smoke", "--device", "v5p-8"], "exclusive"),
     "batch cannot split": (["plan", "--stage", "1", "--device", "tpu7x-1024"], "cannot be split"),
     "bad recipe key": (["plan", "--stage", "1", "--device", "v5p-8", "--set", "train.bogus=1"], "unknown key"),

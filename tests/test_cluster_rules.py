@@ -425,7 +425,7 @@ def test_a_missing_workload_priority_class_is_named_by_the_backend():
         b = GKEBackend(namespace="default", host=srv.url, retry=fast)
         js = tiny_jobset("w-a1", run="w")
         js["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] = "high"
-        h = b.submit(js)
+        h = b.send(js)
         assert srv.cluster.workload(h.name) is None  # upstream: no Workload without its priority class
         st = b.status(h)
         assert st.state.terminal or "high" in st.reason, st
@@ -442,7 +442,7 @@ def test_pods_refused_at_creation_are_reported_with_the_cause():
     with KubeServer() as srv:
         enforce_baseline(srv)
         b = GKEBackend(namespace="default", host=srv.url, retry=fast)
-        h = b.submit(golden("p-a1"))
+        h = b.send(golden("p-a1"))
         srv.cluster.admit(h.name)
         st = b.status(h)
         assert "hostNetwork" in st.reason or "FailedCreate" in st.reason, st

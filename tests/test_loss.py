@@ -1,4 +1,4 @@
-"""The training loss: token-mean CE + z-loss over the real vocab, one denominator per global batch,
+"""The training loss: token-mean CE + z-loss over the padded vocab (OLMo-core), one denominator per global batch,
 and instances masked by the n-gram repetition filter still counted in that denominator."""
 
 from __future__ import annotations
@@ -51,3 +51,32 @@ def test_a_lost_peer_is_retryable_and_a_bug_is_not():
     assert _is_transient_io_error(XlaRuntimeError("DEADLINE_EXCEEDED: Barrier timed out. Barrier_id: sync_global"))
     assert not _is_transient_io_error(XlaRuntimeError("INVALID_ARGUMENT: Incompatible shapes [4,8] and [4,9]"))
     assert not _is_transient_io_error(ValueError("UNAVAILABLE"))  # not a runtime error: a bug in our code
+
+
+def test_loss_is_over_the_padded_vocabulary_like_olmo_core():
+    """The padded LM-head rows (never a label) take part in the softmax and the z-loss, as in
+    OLMo-core (its LM head outputs all padded_vocab_size logits)."""
+    recipe = load_recipe("smoke", overrides=["train.seq_len=32", "model.sliding_window=16"])
+    cfg = recipe.model
+    assert cfg.padded_vocab_size > cfg.vocab_size
+    params = model.init_params(cfg, jax.random.key(0))
+    ids, labels = _batch(recipe, 2)
+    ce, z, n = token_losses(params, jnp.asarray(ids), jnp.asarray(labels), cfg)
+
+    logits = np.asarray(model.forward(params, jnp.asarray(ids), cfg), np.float64)
+    assert logits.shape[-1] == cfg.padded_vocab_size
+    mask = labels != IGNORE_INDEX
+    target = np.take_along_axis(logits, np.where(mask, labels, 0)[..., None], axis=-1)[..., 0]
+
+    def lse(x):
+        m = x.max(-1, keepdims=True)
+        return (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))[..., 0]
+
+    full, real = lse(logits), lse(logits[..., : cfg.vocab_size])
+    np.testing.assert_allclose(float(ce), np.sum((full - target)[mask]), rtol=1e-5)
+    np.testing.assert_allclose(float(z), np.sum((full**2)[mask]), rtol=1e-5)
+    assert float(n) == mask.sum()
+    # Not the real-vocabulary loss: the padded rows carry probability mass here.
+    # Not the real-vocabulary loss: the padded rows carry probability mass (near-uniform logits at
+    # init: about ln(384 / 258) = 0.40 per token).
+    assert np.mean((full - real)[mask]) > 0.3

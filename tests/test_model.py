@@ -68,18 +68,35 @@ def _naive_forward(params, tokens, cfg, windows):
     return x @ params["lm_head"]
 
 
-def test_scan_matches_layer_by_layer_with_full_layers_at_3_and_7():
-    cfg = tiny(n_layers=10)  # two groups of four, then two sliding tail layers
+@pytest.mark.parametrize("n_layers,full", [(10, (3, 7, 9)), (11, (3, 7, 10)), (9, (3, 7, 8))])
+def test_scan_matches_layer_by_layer_with_full_layers_at_3_7_and_the_last(n_layers, full):
+    """Two groups of four, then tail layers: sliding, except the last layer, which OLMo-core forces
+    to full attention (force_full_attention_on_last_layer) when n_layers is not a multiple of 4."""
+    cfg = tiny(n_layers=n_layers)
+    assert tuple(i for i in range(n_layers) if cfg.layer_is_full(i)) == full
     params = M.init_params(cfg, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 24), 0, cfg.vocab_size)
     got = jax.jit(lambda p, t: M.forward(p, t, cfg))(params, tokens)
-    right = [None if i in (3, 7) else 8 for i in range(10)]
+    right = [None if i in full else 8 for i in range(n_layers)]
     want = _naive_forward(params, tokens, cfg, right)
     scale = float(jnp.max(jnp.abs(want)))
     right_diff = float(jnp.max(jnp.abs(got - want)))
     assert right_diff < 1e-5 * scale
-    wrong = [None if i in (2, 6) else 8 for i in range(10)]
+    old_rule = [None if i in (3, 7) else 8 for i in range(n_layers)]  # every tail layer sliding
+    assert float(jnp.max(jnp.abs(got - _naive_forward(params, tokens, cfg, old_rule)))) > 1e-2 * scale
+    wrong = [None if i in (2, 6) else 8 for i in range(n_layers)]
     assert float(jnp.max(jnp.abs(got - _naive_forward(params, tokens, cfg, wrong)))) > 1e-2 * scale
+
+
+def test_last_layer_rule_leaves_olmo3_7b_and_hf_export_consistent():
+    from olmo_ctl.trainer.convert import hf_config_from_model, model_config_from_hf
+
+    assert [i for i in range(32) if ModelConfig().layer_is_full(i)] == [3, 7, 11, 15, 19, 23, 27, 31]
+    cfg = tiny(n_layers=6)
+    hf = hf_config_from_model(cfg)
+    assert hf["layer_types"] == ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
+    back = model_config_from_hf(hf)
+    assert [back.layer_is_full(i) for i in range(6)] == [cfg.layer_is_full(i) for i in range(6)]
 
 
 def test_tokens_beyond_the_window_change_only_through_full_layers():
@@ -90,16 +107,18 @@ def test_tokens_beyond_the_window_change_only_through_full_layers():
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, T), 2, 100)
     tokens2 = tokens.at[0, 0].set(tokens[0, 0] + 1 if tokens[0, 0] < 99 else 2)
 
-    def changed(n_layers):
-        cfg = tiny(n_layers=n_layers, sliding_window=W)
-        params = M.init_params(cfg, jax.random.PRNGKey(0))
-        f = jax.jit(lambda t: M.forward(params, t, cfg))
+    cfg = tiny(n_layers=4, sliding_window=W)
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+
+    def changed(f):
         a, b = f(tokens), f(tokens2)
         return np.asarray(jnp.any(jnp.abs(a - b) > 0, axis=-1))[0]
 
-    sliding_only = changed(3)  # layers 0-2: all sliding
+    # Layers 0-2 alone, all sliding (a 3-layer model would make its last layer full).
+    first3 = jax.tree.map(lambda w: w[:3], params["blocks"])
+    sliding_only = changed(jax.jit(lambda t: _naive_forward({**params, "blocks": first3}, t, cfg, [W] * 3)))
     assert sliding_only[: reach + 1].all() and not sliding_only[reach + 1:].any()
-    with_full = changed(4)  # layer 3 is full attention
+    with_full = changed(jax.jit(lambda t: M.forward(params, t, cfg)))  # layer 3 is full attention
     assert with_full.all()
 
 

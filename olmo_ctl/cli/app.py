@@ -52,7 +52,7 @@ class ManifestOutput(str, Enum):
 
 
 # Options shared by every command that takes a recipe.
-StageOpt = Annotated[int | None, typer.Option("--stage", help="OLMo 3 stage: 1 (pre-training) or 2 (mid-training).")]
+StageOpt = Annotated[int | None, typer.Option("--stage", help="OLMo 3 stage: 1 (pre-training), 2 (mid-training) or 3 (long context).")]
 RecipeOpt = Annotated[str | None, typer.Option("--recipe", help="Recipe file or name from recipes/ (e.g. smoke).")]
 SetOpt = Annotated[
     list[str] | None,

@@ -51,6 +51,7 @@ def data_report(recipe) -> dict:
     batches = instances // t.global_batch
     d = {
         "recipe": recipe.name,
+        "mix": recipe.data.mix or None,
         "train_files": len(files),
         "train_tokens": sum(f.tokens for f in files),
         "train_instances": instances,
@@ -67,6 +68,7 @@ def data_report(recipe) -> dict:
     if recipe.data.eval:
         ev = resolve_files(recipe, "eval")
         d.update({"eval_files": len(ev), "eval_instances": sum(f.tokens // t.seq_len for f in ev)})
+    d["files"] = [f.path for f in files]  # the ordered training files, as resolved
     return d
 
 
@@ -83,4 +85,6 @@ def info(
         print_json(d)
         return
     for k, v in d.items():
+        if k == "files" or v is None:
+            continue  # the whole list is in -o json; first_file and last_file stand for it here
         typer.echo(f"{k}: {f'{v:,}' if isinstance(v, int) and not isinstance(v, bool) and k != 'data_seed' else v}")

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import DeviceOpt, Output, OutputOpt, RecipeOpt, SetOpt, StageOpt, app, print_json
+from olmo_ctl.core import schedule
 from olmo_ctl.core.batching import plan_report
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
@@ -63,14 +64,65 @@ def plan(
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
     mfu: Annotated[float, typer.Option("--mfu", help="Assumed MFU as a fraction (0.4 = 40%).")] = 0.4,
+    lr_at: Annotated[str | None, typer.Option(
+        "--lr-at", help="Comma-separated 1-based steps: print the learning rate each trains with.")] = None,
+    plot_lr: Annotated[str | None, typer.Option(
+        "--plot-lr", help="Write the learning-rate curve over the whole run to this .png file.")] = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """Split the recipe's global batch over a device and estimate the compute it needs."""
     if not 0 < mfu <= 1:
         raise BadInput(f"--mfu {mfu:g} is not a fraction in (0, 1]", "for 40% pass --mfu 0.4")
+    steps = None
+    if lr_at is not None:
+        try:
+            steps = schedule.parse_steps(lr_at)
+        except ValueError as e:
+            raise BadInput(f"--lr-at: {e}", "for example --lr-at 1,2000,596048") from None
+    if plot_lr is not None and not plot_lr.lower().endswith(".png"):
+        raise BadInput(f"--plot-lr `{plot_lr}` must name a .png file")
     r = load_recipe(recipe, stage, set_ or ())
     report = plan_report(r, get_device(device), mfu)
+    if steps is not None:
+        report["lr_at"] = {str(s): schedule.lr_at(r, s) for s in steps}
+    if plot_lr is not None:
+        _plot_lr(r, plot_lr)
     if output == Output.json:
         print_json(report)
     else:
         _print_plan(report)
+        if steps is not None:
+            sys.stdout.write("\nlearning rate (step: LR)\n")
+            sys.stdout.write("".join(f"  {int(s):>10,}  {lr:.10g}\n" for s, lr in report["lr_at"].items()))
+        if plot_lr is not None:
+            sys.stdout.write(f"\nlearning-rate curve written to {plot_lr}\n")
+
+
+def _plot_lr(recipe, path: str) -> None:
+    """The LR over steps 1..max_steps (part boundaries sampled exactly), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from olmo_ctl.core import schedule
+    from olmo_ctl.core.errors import BadInput
+
+    xs, ys = schedule.lr_curve(recipe)
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
+    ax.plot(xs, ys, lw=1.5)
+    for p in schedule.parts(recipe.schedule)[:-1]:
+        ax.axvline(p.last_step, color="grey", ls=":", lw=1)
+        ax.annotate(f"part ends at step {p.last_step:,}", (p.last_step, max(ys)), fontsize=8, ha="left", va="top")
+    ax.set_xlabel("step")
+    ax.set_ylabel("learning rate")
+    ax.set_title(f"{recipe.name}: {recipe.schedule.kind} schedule, peak {recipe.optimizer.lr:g},"
+                 f" {recipe.train.max_steps:,} steps")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as e:
+        raise BadInput(f"cannot write --plot-lr `{path}`: {e.strerror}") from None
+    finally:
+        plt.close(fig)

@@ -21,7 +21,26 @@ import yaml
 from olmo_ctl.core.errors import BadInput
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
-STAGE_RECIPES = {1: "olmo3-7b-stage1", 2: "olmo3-7b-stage2"}
+STAGE_RECIPES = {1: "olmo3-7b-stage1", 2: "olmo3-7b-stage2", 3: "olmo3-7b-stage3"}
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """YaRN RoPE scaling (OLMo-core `YaRNRoPEScalingConfig`, HF `rope_type: yarn`)."""
+
+    kind: Literal["yarn"] = "yarn"
+    factor: float = 8.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    original_context: int = 8192  # the context the base model was trained with (old_context_len)
+    full_layers_only: bool = True  # OLMo-core `with_rope_scaling(full_attn_layers_only=True)`
+
+    @property
+    def attention_factor(self) -> float:
+        """cos/sin (so q and k) are scaled by this: 0.1 ln(factor) + 1 (YaRN paper, section 3.4)."""
+        import math
+
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +57,7 @@ class ModelConfig:
     sliding_window: int = 4096  # a token sees itself plus window-1 before it
     full_attention_every: int = 4  # layer i is full attention where (i+1) % full_attention_every == 0
     rope_theta: float = 500000.0
+    rope_scaling: RopeScalingConfig | None = None  # stage 3: YaRN on the full-attention layers
     rms_norm_eps: float = 1e-6
     init_std: float = 0.02
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -50,7 +70,15 @@ class ModelConfig:
     pad_token_id: int = 100277
 
     def layer_is_full(self, i: int) -> bool:
-        return (i + 1) % self.full_attention_every == 0
+        """Full attention where (i+1) % full_attention_every == 0, and always on the last layer
+        (OLMo-core's `force_full_attention_on_last_layer`, which matters when n_layers is not a
+        multiple of full_attention_every)."""
+        return (i + 1) % self.full_attention_every == 0 or i == self.n_layers - 1
+
+    def layer_rope_scaled(self, i: int) -> bool:
+        """Whether layer i's RoPE uses `rope_scaling` (full-attention layers only, unless configured)."""
+        rs = self.rope_scaling
+        return rs is not None and (not rs.full_layers_only or self.layer_is_full(i))
 
 
 @dataclass(frozen=True)
@@ -73,16 +101,34 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class SchedulePart:
+    """One OLMo-core scheduler (see core/schedule.py for the formulas)."""
+
+    kind: Literal["cosine", "half_cosine", "linear"] = "cosine"
+    warmup_steps: int = 0
+    alpha: float = 0.1  # eta_min = alpha * peak
+    t_max: int = 0  # the part's horizon in steps (0 = train.max_steps)
+    last_step: int = 0  # the last step whose LR this part sets (0 on the final part: to the end)
+
+
+@dataclass(frozen=True)
 class ScheduleConfig:
-    kind: Literal["cosine", "linear"] = "cosine"
+    # cosine = CosWithWarmup, half_cosine = HalfCosWithWarmup, linear = LinearWithWarmup (OLMo-core);
+    # stitched = `parts` one after the other (the other fields are then unused).
+    kind: Literal["cosine", "half_cosine", "linear", "stitched"] = "cosine"
     warmup_steps: int = 2000
-    alpha: float = 0.1  # final LR = alpha * peak (cosine); linear decays to 0 when alpha = 0
+    alpha: float = 0.1  # final LR = alpha * peak; linear decays to 0 when alpha = 0
+    t_max: int = 0  # horizon in steps (0 = train.max_steps)
+    parts: tuple[SchedulePart, ...] = ()
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    # Token files (raw uint32). `{root}` in a path is replaced by `root`. Globs are allowed.
+    # Token files (raw uint32). `mix` names a shipped file list (OLMo-core's data mixes, in their
+    # order) under the base directory `root`; otherwise `train` lists paths where `{root}` is replaced
+    # by `root` (globs allowed, each sorted).
     root: str = ""
+    mix: str = ""
     train: tuple[str, ...] = ()
     eval: tuple[str, ...] = ()
     seed: int = 34521
@@ -125,7 +171,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    stage: int = 0  # 1, 2, or 0 for other runs
+    stage: int = 0  # 1, 2, 3, or 0 for other runs
     description: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -284,7 +330,7 @@ def validate(r: Recipe, src: str) -> None:
         if not ok:
             raise BadInput(f"{src}: `{key}` {why}")
 
-    need(r.stage in (0, 1, 2), "stage", f"must be 0, 1 or 2, got {r.stage}")
+    need(r.stage in (0, 1, 2, 3), "stage", f"must be 0, 1, 2 or 3, got {r.stage}")
     for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "vocab_size",
               "padded_vocab_size", "sliding_window", "full_attention_every"):
         need(getattr(m, k) > 0, f"model.{k}", f"must be positive, got {getattr(m, k)}")
@@ -292,6 +338,12 @@ def validate(r: Recipe, src: str) -> None:
     need(m.padded_vocab_size >= m.vocab_size, "model.padded_vocab_size",
          f"must be >= model.vocab_size ({m.vocab_size})")
     need(m.rope_theta > 0, "model.rope_theta", "must be positive")
+    if m.rope_scaling is not None:
+        rs = m.rope_scaling
+        need(rs.factor >= 1, "model.rope_scaling.factor", f"must be >= 1, got {rs.factor}")
+        need(rs.beta_fast > 0 and rs.beta_slow > 0, "model.rope_scaling.beta_fast",
+             "and beta_slow must be positive")
+        need(rs.original_context > 0, "model.rope_scaling.original_context", "must be positive")
     need(m.rms_norm_eps > 0, "model.rms_norm_eps", "must be positive")
     need(m.init_std > 0, "model.init_std", "must be positive")
     need(m.sliding_window <= t.seq_len, "model.sliding_window",
@@ -317,9 +369,7 @@ def validate(r: Recipe, src: str) -> None:
     need(2 <= ss.min_history <= ss.window, "optimizer.skip_step.min_history",
          "must be between 2 and optimizer.skip_step.window")
     need(ss.sigma > 0, "optimizer.skip_step.sigma", "must be positive")
-    need(s.warmup_steps >= 0, "schedule.warmup_steps", "must be >= 0")
-    need(s.warmup_steps < t.max_steps, "schedule.warmup_steps", "must be below train.max_steps")
-    need(0 <= s.alpha <= 1, "schedule.alpha", "must be in [0, 1]")
+    _validate_schedule(s, t.max_steps, need)
     need(r.checkpoint.interval > 0, "checkpoint.interval", "must be positive")
     need(r.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0")
     need(r.eval.interval > 0, "eval.interval", "must be positive")
@@ -327,18 +377,49 @@ def validate(r: Recipe, src: str) -> None:
     need(r.eval.batch_size >= 0, "eval.batch_size", "must be >= 0")
     need(r.logging.metrics_every > 0, "logging.metrics_every", "must be positive")
     need(r.data.prefetch_workers >= 0, "data.prefetch_workers", "must be >= 0")
-    need(len(r.data.train) > 0, "data.train", "must list at least one token file or glob")
+    if r.data.mix:
+        from olmo_ctl.data.mixes import MIXES
+
+        need(r.data.mix in MIXES, "data.mix", f"must be one of {', '.join(sorted(MIXES))}, got {r.data.mix!r}")
+        need(not r.data.train, "data.train", "must be empty when data.mix names the training files (--set data.train=[])")
+    else:
+        need(len(r.data.train) > 0, "data.train", "must list at least one token file or glob (or set data.mix)")
+
+
+def _validate_schedule(s: ScheduleConfig, max_steps: int, need) -> None:
+    if s.kind == "stitched":
+        need(len(s.parts) >= 1, "schedule.parts", "must list at least one part when schedule.kind is stitched")
+        items = [(f"schedule.parts[{i}]", p) for i, p in enumerate(s.parts)]
+    else:
+        need(not s.parts, "schedule.parts", "is only for schedule.kind: stitched (--set schedule.parts=[])")
+        items = [("schedule", s)]
+    prev_last = 0
+    for i, (key, p) in enumerate(items):
+        t_max = p.t_max or max_steps
+        need(p.warmup_steps >= 0, f"{key}.warmup_steps", "must be >= 0")
+        need(p.t_max >= 0, f"{key}.t_max", "must be >= 0 (0 = train.max_steps)")
+        need(p.warmup_steps < t_max, f"{key}.warmup_steps",
+             f"({p.warmup_steps}) must be below the horizon ({key}.t_max or train.max_steps: {t_max})")
+        need(0 <= p.alpha <= 1, f"{key}.alpha", "must be in [0, 1]")
+        if s.kind != "stitched":
+            continue
+        if i < len(items) - 1:
+            need(p.last_step > prev_last, f"{key}.last_step",
+                 f"must be a step after the previous part's last step ({prev_last})")
+            prev_last = p.last_step
+        else:
+            need(p.last_step == 0, f"{key}.last_step", "must be 0 on the last part (it runs to the end)")
 
 
 def resolve_recipe_path(recipe: str | None = None, stage: int | None = None) -> Path:
-    """`--stage 1|2` or `--recipe FILE|NAME` -> a file path. Exactly one of them must be given."""
+    """`--stage 1|2|3` or `--recipe FILE|NAME` -> a file path. Exactly one of them must be given."""
     if recipe is not None and stage is not None:
         raise BadInput("--stage and --recipe are exclusive", "give one of them")
     if recipe is None and stage is None:
-        raise BadInput("no recipe given", "pass --stage 1|2 or --recipe FILE|NAME")
+        raise BadInput("no recipe given", "pass --stage 1|2|3 or --recipe FILE|NAME")
     if stage is not None:
         if stage not in STAGE_RECIPES:
-            raise BadInput(f"--stage {stage} is not a stage", "OLMo 3 stages here are 1 and 2")
+            raise BadInput(f"--stage {stage} is not a stage", "OLMo 3 stages here are 1, 2 and 3")
         return RECIPES_DIR / f"{STAGE_RECIPES[stage]}.yaml"
     p = Path(recipe)
     if p.suffix in (".yaml", ".yml") or p.exists() or "/" in recipe:

@@ -1,6 +1,7 @@
 """Which token files a recipe trains on, what they are called, and whether they changed.
 
-A recipe names its data as paths and globs (`{root}/**/*.npy`) on a local disk or gs://. This
+A recipe names its data as a shipped mix (`data.mix`, AI2's ordered file lists, see data/mixes.py)
+under a base directory, or as paths and globs (`{root}/**/*.npy`) on a local disk or gs://. This
 module turns them into an ordered list of `TokenFile`s (path, logical name, size), computes the
 dataset fingerprint that the checkpointed loader state carries, and writes token files: the
 `olmo-ctl data prepare` conversion (byte-level tokenizer) and the built-in smoke dataset
@@ -171,19 +172,77 @@ def resolve_paths(patterns: list[str] | tuple[str, ...], root: str = "", what: s
                 raise BadInput(f"{what}: `{h.path}` is {h.size} bytes, not a whole number of uint32 tokens",
                                "token files are raw little-endian uint32 (OLMo-core layout)")
             out.append(TokenFile(h.path, _logical_name(h.path, physical_root), h.size))
-    # One cheap header check: a NumPy-format .npy (with a header) is not the raw layout.
+    _check_raw(out, what)
+    return out
+
+
+def _common_dir(paths: list[str]) -> str:
+    """The longest directory prefix (ending in /) shared by all `paths`."""
+    prefix = os.path.commonprefix(paths)
+    return prefix[: prefix.rfind("/") + 1]
+
+
+def resolve_mix(name: str, root: str, what: str = "data.mix") -> list[TokenFile]:
+    """The files of a shipped data mix under the base directory `root`, in the manifest's order.
+
+    Every file must exist: a missing one is a BadInput naming it (and how many others are missing).
+    Local files are stat-ed one by one; on gs:// the mix's common prefix is listed once.
+    """
+    from olmo_ctl.data.mixes import load_mix, mix_paths
+
+    root = root.rstrip("/")
+    if not root:
+        raise BadInput(f"{what} `{name}` needs data.root: the base directory holding its `preprocessed/...` files",
+                       "for example --set data.root=gs://my-bucket (OLMo-core's mix_base_dir)")
+    entries = load_mix(name)
+    paths = mix_paths(name, root)
+    if storage.is_gcs(root):
+        listed = {o.path: o.size for o in _listing(_common_dir(paths))}
+        sizes = [listed.get(p) for p in paths]
+    else:
+        sizes = [os.path.getsize(p) if os.path.isfile(p) else None for p in paths]
+    missing = [p for p, n in zip(paths, sizes, strict=True) if n is None]
+    if missing:
+        more = f" (and {len(missing) - 1} more of its {len(paths)} files)" if len(missing) > 1 else ""
+        raise BadInput(f"{what} `{name}`: `{missing[0]}` does not exist{more}",
+                       "download the mix under data.root keeping its paths, or point data.root at the directory holding"
+                       " `preprocessed/`")
+    out = []
+    for e, p, n in zip(entries, paths, sizes, strict=True):
+        if n % TOKEN_BYTES:
+            raise BadInput(f"{what}: `{p}` is {n} bytes, not a whole number of uint32 tokens",
+                           "token files are raw little-endian uint32 (OLMo-core layout)")
+        out.append(TokenFile(p, e.path, n))
+    _check_raw(out, what)
+    return out
+
+
+def _listing(prefix: str) -> list[storage.ObjectInfo]:
+    try:
+        files, _ = storage.store_for(prefix).list(prefix, recursive=True)
+        return files
+    except Exception as e:
+        if type(e).__name__ == "DefaultCredentialsError":
+            raise BadInput(f"no Google Cloud credentials to list `{prefix}`",
+                           "run `gcloud auth application-default login`, or set STORAGE_EMULATOR_HOST for an emulator") from None
+        raise
+
+
+def _check_raw(out: list[TokenFile], what: str) -> None:
+    """One cheap header check: a NumPy-format .npy (with a header) is not the raw layout."""
     if out and out[0].size >= len(NUMPY_MAGIC):
         head = storage.store_for(out[0].path).read_range(out[0].path, 0, len(NUMPY_MAGIC))
         if head == NUMPY_MAGIC:
             raise BadInput(f"{what}: `{out[0].path}` is a NumPy .npy file with a header, not raw uint32 tokens",
                            "convert it with `olmo-ctl data prepare FILE --out DIR`")
-    return out
 
 
 def resolve_files(recipe, split: str = "train") -> list[TokenFile]:
-    """The token files of a recipe's `train` or `eval` split, in order."""
+    """The token files of a recipe's `train` or `eval` split, in order (`data.mix` for train when set)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be train or eval, not {split!r}")
+    if split == "train" and recipe.data.mix:
+        return resolve_mix(recipe.data.mix, recipe.data.root)
     patterns = recipe.data.train if split == "train" else recipe.data.eval
     if not patterns:
         raise BadInput(f"recipe `{recipe.name}` lists no data.{split} files", f"add data.{split} paths to the recipe")

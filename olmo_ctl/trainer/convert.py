@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.core.recipe import ModelConfig
+from olmo_ctl.core.recipe import ModelConfig, RopeScalingConfig
 from olmo_ctl.storage import is_gcs, join, store_for
 
 META_FILE = "olmo_model.json"
@@ -164,29 +164,76 @@ def output_dir(path: str, overwrite: bool = False):
 
 
 def _full_every(layer_types: list[str]) -> int:
-    """The P with layer i full iff (i+1) % P == 0; BadInput when the pattern is not of that form."""
+    """The P with layer i full iff (i+1) % P == 0 or i is the last layer (OLMo-core forces the last
+    layer to full attention); BadInput when the pattern is not of that form."""
     n = len(layer_types)
     for p in range(1, n + 2):
-        if all((t == "full_attention") == ((i + 1) % p == 0) for i, t in enumerate(layer_types)):
+        if all((t == "full_attention") == ((i + 1) % p == 0 or i == n - 1) for i, t in enumerate(layer_types)):
             return p
-    raise BadInput(f"layer_types {layer_types} is not a `full every P-th layer` pattern",
-                   "OLMo 3 uses 3 sliding : 1 full (full where (i+1) % 4 == 0)")
+    raise BadInput(f"layer_types {layer_types} is not a `full every P-th layer, and the last` pattern",
+                   "OLMo 3 uses 3 sliding : 1 full (full where (i+1) % 4 == 0, and on the last layer)")
 
 
-def _rope_theta(hf: dict) -> float:
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _yarn_from_hf(params: dict, full_layers_only: bool) -> RopeScalingConfig:
+    factor = float(params.get("factor") or 1.0)
+    orig = params.get("original_max_position_embeddings")
+    if not orig:
+        raise BadInput(f"YaRN RoPE settings {params} have no original_max_position_embeddings")
+    rs = RopeScalingConfig(factor=factor, beta_fast=float(params.get("beta_fast") or _YARN_DEFAULTS["beta_fast"]),
+                           beta_slow=float(params.get("beta_slow") or _YARN_DEFAULTS["beta_slow"]),
+                           original_context=int(orig), full_layers_only=full_layers_only)
+    af = params.get("attention_factor")
+    unsupported = {k for k in ("mscale", "mscale_all_dim") if params.get(k)} | (
+        {"truncate"} if params.get("truncate") is False else set())
+    if unsupported or (af is not None and abs(float(af) - rs.attention_factor) > 1e-12):
+        raise BadInput(f"YaRN RoPE settings {params} are not OLMo-core's (attention factor 0.1 ln(factor) + 1,"
+                       " truncated correction range)", "OLMo 3 stage 3 uses factor 8, beta_fast 32, beta_slow 1")
+    return rs
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, RopeScalingConfig | None]:
+    """(theta, YaRN scaling or None) from config.json: per-layer-type `rope_parameters` (transformers
+    5.x) or the older `rope_theta` + `rope_scaling`, which Olmo3Config applies to full-attention layers."""
     rp = hf.get("rope_parameters") or {}
     if rp and all(isinstance(v, dict) for v in rp.values()):  # per layer type
-        thetas = {v.get("rope_theta") for v in rp.values()}
-        types = {v.get("rope_type", "default") for v in rp.values()}
+        per_type = dict(rp)
     else:
-        thetas = {rp.get("rope_theta", hf.get("rope_theta", 500000.0))}
-        types = {rp.get("rope_type", "default")}
+        base = dict(rp) if rp else {"rope_type": "default"}
+        base.setdefault("rope_theta", hf.get("rope_theta", 500000.0))
+        full = dict(base)
         if hf.get("rope_scaling"):
-            types.add(hf["rope_scaling"].get("rope_type", hf["rope_scaling"].get("type")))
-    if types - {"default", None} or len(thetas) != 1:
-        raise BadInput(f"RoPE settings {rp or hf.get('rope_scaling')} are not plain RoPE with one theta",
-                       "stage 1-2 OLMo 3 uses default RoPE, theta 500000 on every layer")
-    return float(thetas.pop() or 500000.0)
+            full.update(hf["rope_scaling"])
+            full["rope_type"] = full.get("rope_type", full.get("type"))
+        per_type = {"sliding_attention": base, "full_attention": full}
+    thetas = {v.get("rope_theta") for v in per_type.values()}
+    kinds = {t: v.get("rope_type", "default") or "default" for t, v in per_type.items()}
+    if len(thetas) != 1 or set(kinds.values()) - {"default", "yarn"}:
+        raise BadInput(f"RoPE settings {rp or hf.get('rope_scaling')} are not OLMo 3's (one theta; plain RoPE,"
+                       " or YaRN on the full-attention layers)",
+                       "stages 1-2 use default RoPE, theta 500000 on every layer; stage 3 adds YaRN on full layers")
+    theta = float(thetas.pop() or 500000.0)
+    full_yarn, sliding_yarn = kinds.get("full_attention") == "yarn", kinds.get("sliding_attention") == "yarn"
+    if sliding_yarn and (not full_yarn or per_type["full_attention"] != per_type["sliding_attention"]):
+        raise BadInput("YaRN RoPE on the sliding layers only, or different YaRN settings per layer type, is not"
+                       " OLMo 3's", "OLMo 3 stage 3 uses YaRN on the full-attention layers only")
+    if not full_yarn:
+        return theta, None
+    return theta, _yarn_from_hf(per_type["full_attention"], full_layers_only=not sliding_yarn)
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers 5.x `rope_parameters` per layer type for `cfg` (OLMo-core's `to_hf_config` for YaRN)."""
+    plain = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    rs = cfg.rope_scaling
+    if rs is None:
+        return {"full_attention": dict(plain), "sliding_attention": dict(plain)}
+    yarn = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": rs.factor,
+            "original_max_position_embeddings": rs.original_context, "beta_fast": rs.beta_fast,
+            "beta_slow": rs.beta_slow, "attention_factor": rs.attention_factor}
+    return {"full_attention": yarn, "sliding_attention": dict(yarn) if not rs.full_layers_only else plain}
 
 
 def model_config_from_hf(hf: dict, vocab_size: int | None = None, padded_vocab_size: int | None = None,
@@ -202,6 +249,7 @@ def model_config_from_hf(hf: dict, vocab_size: int | None = None, padded_vocab_s
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)]
     every = _full_every(layer_types)
+    theta, scaling = _rope_from_hf(hf)
     window = hf.get("sliding_window")
     if window is None:
         if every != 1:
@@ -224,7 +272,7 @@ def model_config_from_hf(hf: dict, vocab_size: int | None = None, padded_vocab_s
         n_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or d // heads, mlp_hidden=hf["intermediate_size"],
         vocab_size=vocab, padded_vocab_size=padded, sliding_window=int(window), full_attention_every=every,
-        rope_theta=_rope_theta(hf), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         init_std=float(hf.get("initializer_range", 0.02)), param_dtype=param_dtype,
         compute_dtype="float32", remat="none", eos_token_id=token("eos_token_id", min(vocab - 1, 100257)),
         pad_token_id=token("pad_token_id", min(vocab - 1, 100277)),
@@ -253,12 +301,14 @@ def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, dtype: str 
     })
     if cfg.head_dim != cfg.d_model // cfg.n_heads or "head_dim" in hf:
         hf["head_dim"] = cfg.head_dim
-    if not base:
+    if not base or _rope_from_hf(hf) != (cfg.rope_theta, cfg.rope_scaling):  # else keep base's RoPE fields
         hf.update({
-            "rope_parameters": {t: {"rope_type": "default", "rope_theta": cfg.rope_theta}
-                                for t in ("full_attention", "sliding_attention")},
+            "rope_parameters": _rope_parameters(cfg),
             "rope_theta": cfg.rope_theta,  # what transformers 4.57-4.x reads
             "rope_scaling": None,
+        })
+    if not base:
+        hf.update({
             "max_position_embeddings": 65536,
             "initializer_range": cfg.init_std,
             "eos_token_id": cfg.eos_token_id,
@@ -438,7 +488,10 @@ def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None, recipe: str | 
         return _load_run_checkpoint(orbax_dir, cfg_overrides, recipe)
     meta = read_meta(orbax_dir)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields}, **(cfg_overrides or {}))
+    kw = {k: v for k, v in meta["model"].items() if k in fields}
+    if isinstance(kw.get("rope_scaling"), dict):
+        kw["rope_scaling"] = RopeScalingConfig(**kw["rope_scaling"])
+    cfg = ModelConfig(**kw, **(cfg_overrides or {}))
     path = orbax_dir if is_gcs(orbax_dir) else os.path.abspath(orbax_dir)
     params = _to_numpy(ocp.StandardCheckpointer().restore(path)["params"])
     _check_shapes(params, cfg)

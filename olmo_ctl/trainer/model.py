@@ -3,9 +3,11 @@
 One block ("reordered norm", no pre-norm):
     h   = x + RMSNorm(attn(x))           attn: q = RMSNorm(x Wq), k = RMSNorm(x Wk) over the FULL
     out = h + RMSNorm(W2(silu(W1 h) * W3 h))   projections, then head split, RoPE, softmax attention
-Layer i uses full causal attention where (i+1) % full_attention_every == 0 and a sliding window
-otherwise (query i sees keys j with i - window < j <= i). Untied input embedding and LM head, no
-biases, no embedding scaling, a final RMSNorm before the LM head.
+Layer i uses full causal attention where (i+1) % full_attention_every == 0 and on the last layer
+(OLMo-core forces it), a sliding window otherwise (query i sees keys j with i - window < j <= i).
+RoPE is plain (theta) on every layer, or YaRN-scaled on the full-attention layers (stage 3).
+Untied input embedding and LM head, no biases, no embedding scaling, a final RMSNorm before the
+LM head.
 
 Parameters (cfg.param_dtype; L = n_layers, d = d_model, q = n_heads*head_dim, kv = n_kv_heads*head_dim):
     embed [V, d]   lm_head [d, V]   final_norm [d]        (V = padded_vocab_size)
@@ -97,12 +99,43 @@ def rms_norm(x, weight, eps: float):
     return (weight.astype(jnp.float32) * y).astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float):
-    """cos/sin [T, head_dim] in fp32 for rotate-half RoPE (the frequency table repeated twice)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def rope_inv_freq(head_dim: int, theta: float, scaling=None):
+    """Inverse frequencies [head_dim/2] (fp32) and the cos/sin scale for plain RoPE or YaRN.
+
+    YaRN (OLMo-core `YaRNRoPEScalingConfig.compute_scaled_inv_freq`, HF `_compute_yarn_parameters`):
+    blend the original frequencies (extrapolation) with the same divided by `factor` (interpolation)
+    along a linear ramp over frequency index i, 0 at i <= low and 1 at i >= high, where
+    d(r) = head_dim * ln(original_context / (2 pi r)) / (2 ln theta), low = max(floor(d(beta_fast)), 0),
+    high = min(ceil(d(beta_slow)), head_dim/2 - 1) (OLMo-core's clamp; HF clamps at head_dim - 1, the
+    same wherever d(beta_slow) < head_dim/2, as for OLMo 3). cos and sin are multiplied by
+    0.1 ln(factor) + 1, so attention logits scale by its square (both frameworks do this).
+    """
+    pos_freqs = theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    inv_freq = 1.0 / pos_freqs
+    if scaling is None:
+        return inv_freq, 1.0
+
+    def dim_for(rotations: float) -> float:
+        return head_dim * math.log(scaling.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    half = head_dim // 2
+    low = max(math.floor(dim_for(scaling.beta_fast)), 0)
+    high = min(math.ceil(dim_for(scaling.beta_slow)), half - 1)
+    span = high - low if high != low else 0.001
+    ramp = jnp.clip((jnp.arange(half, dtype=jnp.float32) - low) / span, 0.0, 1.0)  # 1: interpolate
+    interp = 1.0 / (scaling.factor * pos_freqs)
+    return interp * ramp + inv_freq * (1.0 - ramp), scaling.attention_factor
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, scaling=None):
+    """cos/sin [T, head_dim] in fp32 for rotate-half RoPE (the frequency table repeated twice);
+    `scaling` (a RopeScalingConfig) gives YaRN's frequencies and cos/sin scale."""
+    inv_freq, attn_factor = rope_inv_freq(head_dim, theta, scaling)
     freqs = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if attn_factor == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * attn_factor, jnp.sin(emb) * attn_factor
 
 
 def apply_rope(x, cos, sin):
@@ -179,6 +212,15 @@ def layer_window(cfg: ModelConfig, i: int) -> int | None:
     return None if cfg.layer_is_full(i) else cfg.sliding_window
 
 
+def layer_rope(cfg: ModelConfig, seq_len: int):
+    """i -> (cos, sin) for layer i: YaRN tables on the layers `cfg.layer_rope_scaled` names, else plain."""
+    plain = rope_tables(seq_len, cfg.head_dim, cfg.rope_theta)
+    if cfg.rope_scaling is None:
+        return lambda i: plain
+    scaled = rope_tables(seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return lambda i: scaled if cfg.layer_rope_scaled(i) else plain
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -187,7 +229,7 @@ def forward(params, tokens, cfg: ModelConfig, *, attention: str | None = None):
     impl = attn_lib.resolve(attention or cfg.attention)
     dt = dtype_of(cfg.compute_dtype)
     B, T = tokens.shape
-    cos, sin = rope_tables(T, cfg.head_dim, cfg.rope_theta)
+    rope = layer_rope(cfg, T)  # layer -> (cos, sin); within a group, layer j's type is fixed
 
     x = _constrain_batch(jnp.take(params["embed"], tokens, axis=0).astype(dt))  # [B, T, d]
 
@@ -202,15 +244,20 @@ def forward(params, tokens, cfg: ModelConfig, *, attention: str | None = None):
 
     def group_step(h, group_params):
         for j in range(P):
-            h = layer_fns[j](jax.tree.map(lambda w, j=j: w[j], group_params), h, cos, sin)
+            h = layer_fns[j](jax.tree.map(lambda w, j=j: w[j], group_params), h, *rope(j))
         return h, None
 
     if n_groups:
         grouped = jax.tree.map(lambda w: w[: n_groups * P].reshape(n_groups, P, *w.shape[1:]), blocks)
         x, _ = jax.lax.scan(group_step, x, grouped)
-    if n_tail:  # leftover layers (n_layers not a multiple of P) are all sliding
-        tail = jax.tree.map(lambda w: w[n_groups * P:], blocks)
-        x, _ = jax.lax.scan(lambda h, p: (layer_fns[0](p, h, cos, sin), None), x, tail)
+    if n_tail:
+        # Leftover layers (n_layers not a multiple of P): sliding, except the last layer, which is
+        # always full attention (OLMo-core's force_full_attention_on_last_layer).
+        first = n_groups * P
+        if n_tail > 1:
+            tail = jax.tree.map(lambda w: w[first: L - 1], blocks)
+            x, _ = jax.lax.scan(lambda h, p: (layer_fns[0](p, h, *rope(first)), None), x, tail)
+        x = layer_fns[P - 1](jax.tree.map(lambda w: w[L - 1], blocks), x, *rope(L - 1))
 
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)

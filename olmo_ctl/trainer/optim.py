@@ -15,9 +15,10 @@ before it, so a restored run replays bit for bit.
   exceeds mean + 6 * std (Bessel-corrected) of the *previous* values in the window. A skipped step
   leaves parameters, both moments and the bias-correction count untouched (the spike still enters the
   window, and the LR schedule, which follows the global step, still advances).
-* Schedules are functions of the 1-based step number n (the n-th step, which produces checkpoint n):
-  stage 1 = linear warmup from 0 then one cosine to alpha * peak at `max_steps`; stage 2 = linear
-  decay from the peak to alpha * peak (0) at `max_steps` (after the recipe's warmup, 0 for OLMo 3).
+* Schedules are functions of the 1-based step number n (the n-th step, which produces checkpoint n),
+  OLMo-core's schedulers as written in `core/schedule.py` (pure Python, shared with `plan --lr-at`):
+  stage 1 = AI2's two stitched parts (cosine over a 5T horizon, then a half cosine over 7T),
+  stage 2/3 = linear decay to 0 (stage 3 after a 200-step warmup).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from olmo_ctl.core import schedule
 from olmo_ctl.core.recipe import OptimizerConfig, Recipe, ScheduleConfig
 
 EMBED_KEY = "embed"  # the input embedding: the only parameter without weight decay
@@ -52,20 +54,23 @@ class SkipWindow(NamedTuple):
 # ---------------------------------------------------------------- schedules
 
 
+class _JnpOps:
+    """The jax operations `core.schedule.evaluate` runs on (fp32 scalars, traceable)."""
+
+    pi = jnp.pi
+    cos = staticmethod(jnp.cos)
+    minimum = staticmethod(jnp.minimum)
+    where = staticmethod(jnp.where)
+
+    @staticmethod
+    def num(x):
+        return jnp.asarray(x, jnp.float32)
+
+
 def learning_rate(sched: ScheduleConfig, peak: float, max_steps: int, n):
-    """LR of the n-th step (1-based). Works on Python numbers and on traced jax scalars."""
+    """LR of the n-th step (1-based): `core.schedule`'s formulas on jax fp32 scalars (traceable)."""
     n = jnp.asarray(n, jnp.float32)
-    peak = jnp.float32(peak)
-    floor = jnp.float32(sched.alpha) * peak
-    warm = jnp.float32(sched.warmup_steps)
-    warm_lr = peak * jnp.minimum(n, warm) / warm if sched.warmup_steps > 0 else peak
-    t = jnp.clip((n - warm) / jnp.float32(max(1, max_steps - sched.warmup_steps)), 0.0, 1.0)
-    if sched.kind == "linear":
-        # Stage 2 anneal: from the peak to alpha*peak (alpha 0 => to 0) at max_steps (OLMo 3: no warmup).
-        decay_lr = peak - (peak - floor) * t
-    else:
-        decay_lr = floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * t))
-    return jnp.where(n < warm, warm_lr, decay_lr)
+    return jnp.asarray(schedule.evaluate(sched, float(peak), max_steps, n, _JnpOps), jnp.float32)
 
 
 # ---------------------------------------------------------------- state

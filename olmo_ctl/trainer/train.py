@@ -87,13 +87,17 @@ def load_run_recipe(args: TrainArgs) -> Recipe:
 
 
 def token_losses(params, input_ids, labels, cfg):
-    """(CE sum, z-loss sum, token count) over non-ignored labels; fp32, real vocab only."""
+    """(CE sum, z-loss sum, token count) over non-ignored labels; fp32.
+
+    Over the padded vocabulary, as OLMo-core computes it: the padded LM-head rows (never a label)
+    still take part in the softmax and in the z-loss's logsumexp.
+    """
     import jax
     import jax.numpy as jnp
 
     from olmo_ctl.trainer.model import forward
 
-    logits = forward(params, input_ids, cfg)[..., : cfg.vocab_size]  # drop padded rows: never predicted
+    logits = forward(params, input_ids, cfg)  # [B, T, padded_vocab_size], fp32
     lse = jax.nn.logsumexp(logits, axis=-1)
     mask = labels != IGNORE_INDEX
     target = jnp.take_along_axis(logits, jnp.where(mask, labels, 0)[..., None], axis=-1)[..., 0]

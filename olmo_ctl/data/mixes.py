@@ -1,0 +1,61 @@
+"""The OLMo 3 7B data mixes: AI2's file lists, shipped with the package (olmo_ctl/data/mixes/*.txt).
+
+Each manifest is OLMo-core's `src/olmo_core/data/mixes/<NAME>.txt` (snapshot fa6c5014): one
+`label,path` per line, `#` lines are comments, the line order is the file order (and so the instance
+numbering the shuffle permutes). Paths are built exactly as OLMo-core's `DataMix.build` builds them:
+`{TOKENIZER}` becomes `allenai/dolma3-tokenizer` (the dolma2 tokenizer under the name these mixes are
+stored with) and the result is appended to the mix base directory (`data.root`) after one `/`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from olmo_ctl.core.errors import BadInput
+
+MIXES_DIR = Path(__file__).resolve().parent / "mixes"
+TOKENIZER_ID = "allenai/dolma3-tokenizer"
+
+# name -> (stage, OLMo-core script that trains on it)
+MIXES = {
+    "OLMo-mix-0625-official": (1, "OLMo-3-1025-7B-pretrain-1.py, OLMo-3-1025-7B-pretrain-2.py"),
+    "OLMo-midtraining-mix-0625-100B": (2, "OLMo-3-1025-7B-midtrain.py"),
+    "OLMo-longmino-mix-0625": (3, "OLMo-3-1025-7B-long-context.py"),
+}
+
+
+@dataclass(frozen=True)
+class MixEntry:
+    label: str  # the source group (e.g. common_crawl_adult_content)
+    path: str  # relative to the mix base directory, {TOKENIZER} substituted
+
+
+def known_mixes() -> list[str]:
+    return sorted(MIXES)
+
+
+@functools.lru_cache(maxsize=8)
+def load_mix(name: str) -> tuple[MixEntry, ...]:
+    """The mix's files in the manifest's order (BadInput for an unknown name or a bad line)."""
+    if name not in MIXES:
+        raise BadInput(f"`{name}` is not a data mix", f"known mixes: {', '.join(known_mixes())}")
+    src = MIXES_DIR / f"{name}.txt"
+    out = []
+    for i, line in enumerate(src.read_text().splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        label, sep, path = line.partition(",")
+        if not sep or "," in path or "{TOKENIZER}" not in path:
+            raise BadInput(f"{src}:{i}: not a `label,path` line with {{TOKENIZER}} in the path")
+        out.append(MixEntry(label, path.replace("{TOKENIZER}", TOKENIZER_ID)))
+    return tuple(out)
+
+
+def mix_paths(name: str, base_dir: str) -> list[str]:
+    """Full paths of the mix's files under `base_dir`, as OLMo-core builds them."""
+    if not base_dir.endswith("/"):
+        base_dir = base_dir + "/"
+    return [f"{base_dir}{e.path}" for e in load_mix(name)]
