@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.mixes import MIXES
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 STAGE_RECIPES = {1: "olmo3-7b-stage1", 2: "olmo3-7b-stage2", 3: "olmo3-7b-stage3"}
@@ -378,8 +379,6 @@ def validate(r: Recipe, src: str) -> None:
     need(r.logging.metrics_every > 0, "logging.metrics_every", "must be positive")
     need(r.data.prefetch_workers >= 0, "data.prefetch_workers", "must be >= 0")
     if r.data.mix:
-        from olmo_ctl.data.mixes import MIXES
-
         need(r.data.mix in MIXES, "data.mix", f"must be one of {', '.join(sorted(MIXES))}, got {r.data.mix!r}")
         need(not r.data.train, "data.train", "must be empty when data.mix names the training files (--set data.train=[])")
     else:

@@ -14,17 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.mixes import MIXES  # noqa: F401  (re-exported: the catalog of mix names)
 
 MIXES_DIR = Path(__file__).resolve().parent / "mixes"
 TOKENIZER_ID = "allenai/dolma3-tokenizer"
-
-# name -> (stage, OLMo-core script that trains on it)
-MIXES = {
-    "OLMo-mix-0625-official": (1, "OLMo-3-1025-7B-pretrain-1.py, OLMo-3-1025-7B-pretrain-2.py"),
-    "OLMo-midtraining-mix-0625-100B": (2, "OLMo-3-1025-7B-midtrain.py"),
-    "OLMo-longmino-mix-0625": (3, "OLMo-3-1025-7B-long-context.py"),
-}
-
 
 @dataclass(frozen=True)
 class MixEntry:
