@@ -32,6 +32,7 @@ import numpy as np
 
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.recipe import Recipe
+from olmo_ctl.storage import join
 from olmo_ctl.trainer.step import (  # noqa: F401 - IGNORE_INDEX, init_state, token_losses: re-exported
     IGNORE_INDEX,
     abstract_train_state,
@@ -47,6 +48,7 @@ EXIT_SIGTERM = 143
 # Fault injection for tests only: shift the restored data position by +-N batches to prove that the
 # resume A/B check detects a data/parameter off-by-one. Never set it in a real run.
 TEST_DATA_SHIFT_ENV = "OLMO_CTL_TEST_DATA_SHIFT"
+ORDER_DIR = "data_order"  # <run-dir>/data_order/<fingerprint digest>-e<epoch>/: see trainer/epoch_order.py
 
 
 @dataclass
@@ -410,7 +412,8 @@ def run(args: TrainArgs) -> int:
     stop = _Stop()
     stop.install()
     s = _setup(args)
-    loader = data_lib.make_train_loader(s.recipe, s.proc, s.n_proc)
+    # Epoch orders are stored in the run directory: later attempts and other hosts read their rows of it.
+    loader = data_lib.make_train_loader(s.recipe, s.proc, s.n_proc, order_dir=join(args.run_dir, ORDER_DIR))
     ckpt = Checkpointer.for_run(args.run_dir, keep=s.recipe.checkpoint.keep, async_save=s.recipe.checkpoint.async_save)
     events = EventLog(args.run_dir, attempt=args.attempt)
     state, state_shard, step = _restore_or_init(args, s, ckpt, loader)
