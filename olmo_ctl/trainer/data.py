@@ -12,6 +12,9 @@
   Its state is "the next batch to be read": `{epoch, batch_in_epoch, batches_seen, tokens_seen,
   fingerprint}`, global (the same on every process, independent of the process count), so a
   checkpoint written after step N resumes at global batch N+1 on any slice.
+- Stored orders: with `order_dir` (the trainer passes `<run-dir>/data_order`), each epoch's order is
+  computed once, stored with chunk checksums, and read back by rows (`epoch_order.py`), so a
+  restart or another host reads only the rows it needs instead of recomputing the permutation.
 - Background prefetch: worker threads build the next batches ahead of time; the state is the
   consumer's (what `next()` handed out), never the prefetcher's, so restore is exact.
 - Optional n-gram repetition filter: an instance holding a period-1..13 pattern repeated >= 32

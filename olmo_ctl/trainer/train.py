@@ -14,6 +14,12 @@ every `logging.metrics_every` steps, at checkpoints and at exit, so no step wait
 
 SIGTERM (preemption, `olmo-ctl resize`, the supervisor) sets a flag; the loop finishes the step it is
 in, checkpoints it, waits for the write to commit, uploads events and exits 143.
+
+The step itself (pure, jitted; also compiled by preflight) is in `trainer/step.py`. Here: `_setup`
+(recipe, device, plan, mesh), `_restore_or_init` (the state and loader position), `_MetricLog`
+(device metrics fetched in batches and logged) and `_Loop` (one step, then its hooks: evaluate,
+checkpoint, flush, upload). Epoch orders are stored under `<run-dir>/data_order/` (see
+`trainer/epoch_order.py`), so a restart reads its rows instead of recomputing the permutation.
 """
 
 from __future__ import annotations
