@@ -191,7 +191,7 @@ def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
     """The train state (and loader position) of the latest committed checkpoint, or a fresh one.
 
     The state is built into its abstract shapes and shardings, so nothing is ever materialised
-    unsharded. Returns (state, shardings, step, latest checkpoint step or None).
+    unsharded. Returns (state, its shardings, the step it is at).
     """
     import jax
 
