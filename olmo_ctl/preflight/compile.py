@@ -264,7 +264,7 @@ def abstract_inputs(recipe: Recipe, mesh, grad_accum: int):
     import jax
     import jax.numpy as jnp
 
-    from olmo_ctl.trainer.train import abstract_train_state, micro_batch_sharding
+    from olmo_ctl.trainer.step import abstract_train_state, micro_batch_sharding
 
     t = recipe.train
     state, state_shard = abstract_train_state(recipe, mesh)
@@ -314,7 +314,7 @@ def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | Non
     import jax
 
     from olmo_ctl.trainer import sharding
-    from olmo_ctl.trainer.train import make_train_step
+    from olmo_ctl.trainer.step import make_train_step
 
     devs = topology_devices(device)
     t = recipe.train

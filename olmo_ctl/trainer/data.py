@@ -12,6 +12,9 @@
   Its state is "the next batch to be read": `{epoch, batch_in_epoch, batches_seen, tokens_seen,
   fingerprint}`, global (the same on every process, independent of the process count), so a
   checkpoint written after step N resumes at global batch N+1 on any slice.
+- Stored orders: with `order_dir` (the trainer passes `<run-dir>/data_order`), each epoch's order is
+  computed once, stored with chunk checksums, and read back by rows (`epoch_order.py`), so a
+  restart or another host reads only the rows it needs instead of recomputing the permutation.
 - Background prefetch: worker threads build the next batches ahead of time; the state is the
   consumer's (what `next()` handed out), never the prefetcher's, so restore is exact.
 - Optional n-gram repetition filter: an instance holding a period-1..13 pattern repeated >= 32
@@ -39,6 +42,7 @@ from olmo_ctl.data.files import (
     dataset_fingerprint,
     resolve_files,
 )
+from olmo_ctl.trainer.epoch_order import stored_order
 
 IGNORE_INDEX = -100
 NGRAM_MIN_PERIOD = 1
@@ -224,7 +228,7 @@ class BatchLoader:
 
     def __init__(self, dataset: TokenDataset, global_batch: int, seed: int, process_index: int = 0,
                  process_count: int = 1, *, prefetch_workers: int = 0, prefetch_buffer: int = 2,
-                 fingerprint: str | None = None):
+                 fingerprint: str | None = None, order_dir: str | None = None):
         if process_count < 1 or not 0 <= process_index < process_count:
             raise ValueError(f"bad process {process_index} of {process_count}")
         if global_batch < 1 or global_batch % process_count:
@@ -246,28 +250,37 @@ class BatchLoader:
         self._batch = 0  # next batch to hand out, within the epoch
         self._seen = 0
         self._tokens = 0
-        self._orders: dict[int, np.ndarray] = {}
+        self.order_dir = order_dir
+        self._orders: dict = {}
         self._pool = ThreadPoolExecutor(self.prefetch_workers, thread_name_prefix="data") if self.prefetch_workers else None
         self._pending: deque[tuple[tuple[int, int], Future]] = deque()
 
     # -- order and positions (main thread only)
 
-    def order(self, epoch: int) -> np.ndarray:
+    def order(self, epoch: int):
+        """The epoch's order: computed here (an array), or with `order_dir` the stored one (an
+        `epoch_order.OrderFile`, computed and stored by the first process that needs it)."""
         o = self._orders.get(epoch)
         if o is None:
-            o = epoch_order(len(self.dataset), self.seed, epoch, self.global_batch)
+            if self.order_dir:
+                o = stored_order(self.order_dir, self.fingerprint, len(self.dataset), self.seed, epoch)
+            else:
+                o = epoch_order(len(self.dataset), self.seed, epoch, self.global_batch)
             self._orders = {e: v for e, v in self._orders.items() if e >= epoch - 1}
             self._orders[epoch] = o
         return o
 
+    def _rows(self, epoch: int, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.order(epoch)[start:stop]).astype(np.int64)
+
     def global_batch_indices(self, epoch: int, batch_in_epoch: int) -> np.ndarray:
         start = batch_in_epoch * self.global_batch
-        return self.order(epoch)[start:start + self.global_batch].astype(np.int64)
+        return self._rows(epoch, start, start + self.global_batch)
 
     def local_indices(self, epoch: int, batch_in_epoch: int) -> np.ndarray:
-        g = self.global_batch_indices(epoch, batch_in_epoch)
-        lo = self.process_index * self.local_batch
-        return g[lo:lo + self.local_batch]
+        """This process's rows of the global batch (only these are read from a stored order)."""
+        start = batch_in_epoch * self.global_batch + self.process_index * self.local_batch
+        return self._rows(epoch, start, start + self.local_batch)
 
     def _after(self, pos: tuple[int, int]) -> tuple[int, int]:
         e, b = pos
@@ -367,13 +380,16 @@ class BatchLoader:
 # ---------------------------------------------------------------- recipe helpers
 
 
-def make_train_loader(recipe, process_index: int = 0, process_count: int = 1) -> BatchLoader:
-    """The recipe's training loader: its files, seq_len, data seed, n-gram switch and prefetch settings."""
+def make_train_loader(recipe, process_index: int = 0, process_count: int = 1,
+                      order_dir: str | None = None) -> BatchLoader:
+    """The recipe's training loader: its files, seq_len, data seed, n-gram switch and prefetch settings;
+    with `order_dir`, epoch orders are stored there and read back by later attempts and other hosts."""
     files = resolve_files(recipe, "train")
     ds = TokenDataset(files, recipe.train.seq_len, ngram_filter=recipe.data.ngram_filter,
                       vocab_size=recipe.model.vocab_size)
     return BatchLoader(ds, recipe.train.global_batch, recipe.data.seed, process_index, process_count,
-                       prefetch_workers=recipe.data.prefetch_workers, prefetch_buffer=recipe.data.prefetch_buffer)
+                       prefetch_workers=recipe.data.prefetch_workers, prefetch_buffer=recipe.data.prefetch_buffer,
+                       order_dir=order_dir)
 
 
 def eval_indices(n_instances: int, n_batches: int, batch_size: int) -> np.ndarray:

@@ -14,6 +14,12 @@ every `logging.metrics_every` steps, at checkpoints and at exit, so no step wait
 
 SIGTERM (preemption, `olmo-ctl resize`, the supervisor) sets a flag; the loop finishes the step it is
 in, checkpoints it, waits for the write to commit, uploads events and exits 143.
+
+The step itself (pure, jitted; also compiled by preflight) is in `trainer/step.py`. Here: `_setup`
+(recipe, device, plan, mesh), `_restore_or_init` (the state and loader position), `_MetricLog`
+(device metrics fetched in batches and logged) and `_Loop` (one step, then its hooks: evaluate,
+checkpoint, flush, upload). Epoch orders are stored under `<run-dir>/data_order/` (see
+`trainer/epoch_order.py`), so a restart reads its rows instead of recomputing the permutation.
 """
 
 from __future__ import annotations
@@ -26,17 +32,36 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from olmo_ctl.core.contracts import EXIT_SIGTERM, committed_line, step_line
+from olmo_ctl.core.contracts import (
+    EXIT_FAILED,
+    EXIT_RESTART,
+    EXIT_SIGTERM,
+    USER_EXIT_CODES,
+    committed_line,
+    step_line,
+)
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.recipe import Recipe
+from olmo_ctl.storage import join
+from olmo_ctl.trainer.step import (  # noqa: F401 - IGNORE_INDEX, init_state, token_losses: re-exported
+    IGNORE_INDEX,
+    abstract_train_state,
+    init_state,
+    jit_train_step,
+    make_eval_step,
+    make_train_step,
+    micro_batch_sharding,
+    token_losses,
+)
 
-IGNORE_INDEX = -100
 # Fault injection for tests only: shift the restored data position by +-N batches to prove that the
 # resume A/B check detects a data/parameter off-by-one. Never set it in a real run.
 TEST_DATA_SHIFT_ENV = "OLMO_CTL_TEST_DATA_SHIFT"
+ORDER_DIR = "data_order"  # <run-dir>/data_order/<fingerprint digest>-e<epoch>/: see trainer/epoch_order.py
 
 
 @dataclass
@@ -81,127 +106,6 @@ def load_run_recipe(args: TrainArgs) -> Recipe:
         raise BadInput(f"no --recipe given and `{path}` does not exist",
                        "pass --recipe FILE|NAME or submit the run first") from None
     return run_recipe(run, path, args.overrides)
-
-
-# ---------------------------------------------------------------- the step (pure, jitted)
-
-
-def token_losses(params, input_ids, labels, cfg):
-    """(CE sum, z-loss sum, token count) over non-ignored labels; fp32.
-
-    Over the padded vocabulary, as OLMo-core computes it: the padded LM-head rows (never a label)
-    still take part in the softmax and in the z-loss's logsumexp.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from olmo_ctl.trainer.model import forward
-
-    logits = forward(params, input_ids, cfg)  # [B, T, padded_vocab_size], fp32
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    mask = labels != IGNORE_INDEX
-    target = jnp.take_along_axis(logits, jnp.where(mask, labels, 0)[..., None], axis=-1)[..., 0]
-    ce = jnp.sum(jnp.where(mask, lse - target, 0.0))
-    z = jnp.sum(jnp.where(mask, lse * lse, 0.0))
-    return ce, z, jnp.sum(mask).astype(jnp.float32)
-
-
-def make_train_step(recipe: Recipe):
-    """state, batch {input_ids, labels: [accum, micro_global, T]} -> state, metrics (device scalars)."""
-    import jax
-    import jax.numpy as jnp
-
-    from olmo_ctl.trainer import optim
-
-    cfg, z_coef = recipe.model, recipe.optimizer.z_loss
-
-    def step(state, batch):
-        params = state["params"]
-        # One denominator for the whole global batch, so accumulation over micro-batches is exact.
-        n_tokens = jnp.sum(batch["labels"] != IGNORE_INDEX).astype(jnp.float32)
-        if "instance_mask" in batch:
-            # Instances the n-gram repetition filter masked still count in the denominator (as in
-            # OLMo-core): each would have contributed seq_len - 1 labelled tokens.
-            filtered = jnp.sum(1 - batch["instance_mask"]).astype(jnp.float32)
-            n_tokens = n_tokens + filtered * (batch["labels"].shape[-1] - 1)
-        n_tokens = jnp.maximum(n_tokens, 1.0)
-
-        def micro_loss(p, ids, labels):
-            ce, z, _ = token_losses(p, ids, labels, cfg)
-            return (ce + z_coef * z) / n_tokens, (ce, z)
-
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-        def body(carry, mb):
-            g_acc, ce_acc, z_acc = carry
-            (_, (ce, z)), g = grad_fn(params, mb["input_ids"], mb["labels"])
-            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-            return (g_acc, ce_acc + ce, z_acc + z), None
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        micro = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
-        (grads, ce_sum, z_sum), _ = jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0)), micro)
-        ce_loss, z_loss = ce_sum / n_tokens, z_sum / n_tokens
-        adam = optim.AdamState(**state["opt"])
-        window = optim.SkipWindow(**state["skip"])
-        step_number = state["step"] + 1  # this is the (step+1)-th step; it produces checkpoint step+1
-        params, adam, window, info = optim.optimizer_step(params, grads, adam, window, ce_loss, step_number, recipe)
-        new_state = {"step": step_number, "params": params, "opt": adam._asdict(), "skip": window._asdict()}
-        metrics = {"ce": ce_loss, "z": z_coef * z_loss, "grad_norm": info["grad_norm"], "lr": info["lr"],
-                   "skipped": info["skipped"].astype(jnp.float32), "tokens": n_tokens}
-        return new_state, metrics
-
-    return step
-
-
-def make_eval_step(recipe: Recipe):
-    def step(params, batch):
-        ce, _, n = token_losses(params, batch["input_ids"], batch["labels"], recipe.model)
-        return ce, n
-
-    return step
-
-
-def abstract_train_state(recipe: Recipe, mesh):
-    """The train state as sharded `ShapeDtypeStruct`s, and its shardings: FSDP-sharded params and
-    Adam moments, everything else replicated. Nothing is allocated (the trainer restores or
-    initialises into these; preflight compiles against them)."""
-    import jax
-
-    from olmo_ctl.trainer import model, sharding
-
-    abstract_params = jax.eval_shape(lambda k: model.init_params(recipe.model, k), jax.random.PRNGKey(recipe.train.seed))
-    p_shard = sharding.param_shardings(abstract_params, mesh)
-    rep = sharding.replicated(mesh)
-    abstract_state = jax.eval_shape(lambda p: init_state(recipe, p), abstract_params)
-    state_shard = {
-        "step": rep, "params": p_shard, "opt": {"mu": p_shard, "nu": p_shard, "count": rep},
-        "skip": jax.tree.map(lambda _: rep, abstract_state["skip"]),
-    }
-    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_state, state_shard)
-    return state, state_shard
-
-
-def micro_batch_sharding(mesh):
-    """[accum, micro-batch, ...]: the accumulation axis replicated, the batch over every device."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from olmo_ctl.trainer import sharding
-
-    return NamedSharding(mesh, PartitionSpec(None, *sharding.batch_sharding(mesh).spec))
-
-
-def init_state(recipe: Recipe, params):
-    import jax.numpy as jnp
-
-    from olmo_ctl.trainer import optim
-
-    return {
-        "step": jnp.zeros((), jnp.int32),
-        "params": params,
-        "opt": optim.init_adam(params)._asdict(),
-        "skip": optim.init_skip_window(recipe.optimizer.skip_step.window)._asdict(),
-    }
 
 
 # ---------------------------------------------------------------- the loop
@@ -257,39 +161,50 @@ def _micro_layout(x: np.ndarray, local_devices: int, accum: int) -> np.ndarray:
     return np.ascontiguousarray(np.swapaxes(y, 0, 1)).reshape(accum, local_devices * b, *x.shape[1:])
 
 
-def run(args: TrainArgs) -> int:
+@dataclass
+class _Setup:
+    """What a run is: the recipe on this device and mesh, this process's place, the last step to run."""
+
+    recipe: Recipe
+    device: Any
+    plan: Any
+    mesh: Any
+    final_step: int
+    proc: int
+    n_proc: int
+    local_devices: int
+
+
+def _setup(args: TrainArgs) -> _Setup:
     import jax
 
-    from olmo_ctl.core import batching, flops
-    from olmo_ctl.trainer import data as data_lib
-    from olmo_ctl.trainer import model, optim, sharding
-    from olmo_ctl.trainer.checkpoint import Checkpointer
-    from olmo_ctl.trainer.metrics import EventLog
+    from olmo_ctl.core import batching
+    from olmo_ctl.trainer import sharding
 
-    stop = _Stop()
-    stop.install()
     recipe = load_run_recipe(args)
     device = _device_for(args)
     plan = batching.make_plan(recipe, device)
-    t, cfg = recipe.train, recipe.model
+    t = recipe.train
     final_step = t.max_steps if args.stop_at_step is None else min(args.stop_at_step, t.max_steps)
     if args.stop_at_step is not None and args.stop_at_step < 0:
         raise BadInput("--stop-at-step must be >= 0")
-
     mesh = sharding.make_mesh(jax.devices(), t.mesh, t.data_parallel)
-    n_proc, proc = jax.process_count(), jax.process_index()
-    local_devices = jax.local_device_count()
+    return _Setup(recipe, device, plan, mesh, final_step, jax.process_index(), jax.process_count(),
+                  jax.local_device_count())
 
-    # ---- data
-    loader = data_lib.make_train_loader(recipe, proc, n_proc)
-    fingerprint = loader.fingerprint
 
-    # ---- state: abstract shapes and shardings first, so nothing is ever materialised unsharded
-    abstract_state, state_shard = abstract_train_state(recipe, mesh)
-    p_shard = state_shard["params"]
+def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
+    """The train state (and loader position) of the latest committed checkpoint, or a fresh one.
 
-    ckpt = Checkpointer.for_run(args.run_dir, keep=recipe.checkpoint.keep, async_save=recipe.checkpoint.async_save)
-    events = EventLog(args.run_dir, attempt=args.attempt)
+    The state is built into its abstract shapes and shardings, so nothing is ever materialised
+    unsharded. Returns (state, its shardings, the step it is at).
+    """
+    import jax
+
+    from olmo_ctl.trainer import model, optim
+
+    recipe, t = s.recipe, s.recipe.train
+    abstract_state, state_shard = abstract_train_state(recipe, s.mesh)
     latest = ckpt.latest_step()
     if latest is not None:
         state, meta = ckpt.restore(latest, abstract_state)
@@ -302,154 +217,223 @@ def run(args: TrainArgs) -> int:
                 _inject_data_shift(loader, shift)
         print(f"restored checkpoint {latest} from {ckpt.directory}", flush=True)
     else:
+        p_shard = state_shard["params"]
         if args.init_from:
             params = _load_init_params(args.init_from, abstract_state["params"], p_shard)
             print(f"initialised parameters from {args.init_from}", flush=True)
         else:
-            params = jax.jit(lambda k: model.init_params(cfg, k), out_shardings=p_shard)(jax.random.PRNGKey(t.seed))
+            params = jax.jit(lambda k: model.init_params(recipe.model, k), out_shardings=p_shard)(jax.random.PRNGKey(t.seed))
         state = jax.jit(lambda p: init_state(recipe, p), out_shardings=state_shard)(params)
         print(f"initialised from seed {t.seed}" if not args.init_from else "fresh optimizer state", flush=True)
     try:
-        optim.check_fp32_state(state["params"], optim.AdamState(**state["opt"]), cfg.param_dtype)
+        optim.check_fp32_state(state["params"], optim.AdamState(**state["opt"]), recipe.model.param_dtype)
     except optim.OptimizerDtypeError as e:
         raise TrainingFailed(str(e), "the Adam moments must be float32; check model.param_dtype") from None
     step = int(jax.device_get(state["step"]))
     if latest is not None and step != latest:
         raise TrainingFailed(f"checkpoint {latest} holds step {step}: the checkpoint is inconsistent")
+    return state, state_shard, step
 
-    def meta_now() -> dict:
-        return {"data": loader.state(), "data_fingerprint": fingerprint, "seed": t.seed,
-                "recipe": recipe.name, "recipe_fingerprint": recipe.fingerprint(), "step": step}
 
-    if step >= final_step:
+class _MetricLog:
+    """Device metrics of finished steps, kept until `flush()` fetches them in one transfer, checks the
+    loss is finite, and logs each step (TensorBoard scalars on process 0, one line on stdout)."""
+
+    def __init__(self, s: _Setup, events):
+        from olmo_ctl.core import flops
+
+        self.s, self.events = s, events
+        self.fpt = flops.flops_per_token_olmo_core(s.recipe.model, s.recipe.train.seq_len)
+        self.pending: list[tuple[int, dict, float]] = []  # (step, device metrics, data loading s)
+        self.steps = 0  # steps run by this attempt
+        self.t_start = self.t_last = time.monotonic()
+
+    def start_clock(self) -> None:
+        self.t_start = self.t_last = time.monotonic()
+
+    def add(self, step: int, metrics: dict, load_s: float) -> None:
+        self.pending.append((step, metrics, load_s))
+        self.steps += 1
+
+    def flush(self) -> None:
+        import jax
+
+        if not self.pending:
+            return
+        items = list(self.pending)
+        self.pending.clear()  # a step is logged once, even when a non-finite loss stops us below
+        host = jax.device_get([m for _, m, _ in items])
+        now = time.monotonic()
+        step_time = (now - self.t_last) / len(items)
+        self.t_last = now
+        elapsed = now - self.t_start
+        wall = time.time()
+        for (step, _, load_s), m in zip(items, host, strict=True):
+            self._log(step, m, load_s, step_time, elapsed, wall)
+
+    def _log(self, step: int, m: dict, load_s: float, step_time: float, elapsed: float, wall: float) -> None:
+        from olmo_ctl.core import flops
+
+        s, tokens_per_step = self.s, self.s.recipe.tokens_per_step
+        ce, grad_norm = float(m["ce"]), float(m["grad_norm"])
+        if not math.isfinite(ce) or not math.isfinite(grad_norm):
+            raise TrainingFailed(f"loss is not finite at step {step} (CE {ce}, grad norm {grad_norm})",
+                                 "lower the learning rate or check the data; restarting would fail again")
+        tps = tokens_per_step / step_time / s.device.devices
+        tps_avg = tokens_per_step * self.steps / max(elapsed, 1e-9) / s.device.devices
+        mfu = flops.mfu(flops.tflops_per_device(tps, self.fpt), s.device)
+        mfu_avg = flops.mfu(flops.tflops_per_device(tps_avg, self.fpt), s.device)
+        lr = float(m["lr"])
+        values = {
+            "train/CE loss": ce, "train/PPL": math.exp(min(ce, 80.0)), "train/Z loss": float(m["z"]),
+            "optim/total grad norm": grad_norm, "optim/LR (group 0)": lr,
+            "optim/LR (group 1)": lr, "optim/step skipped": float(m["skipped"]),
+            "optim/step_skipped": float(m["skipped"]), "throughput/total tokens": float(step * tokens_per_step),
+            "perf/total_tokens": float(step * tokens_per_step), "throughput/device/TPS": tps,
+            "throughput/device/TPS (actual avg)": tps_avg, "throughput/device/MFU": mfu,
+            "throughput/device/MFU (actual avg)": mfu_avg, "throughput/device/data loading (s)": load_s,
+            "perf/step_time_s": step_time,
+        }
+        if s.proc == 0:
+            self.events.scalars(step, values, wall)
+        print(step_line(step, s.recipe.train.max_steps, ce, grad_norm, lr, tps, mfu, bool(m["skipped"])), flush=True)
+
+
+def _device_batch(batch: dict, s: _Setup, micro_shard) -> dict:
+    """This process's rows of a global batch as global device arrays `[accum, micro_global, T]`."""
+    import jax
+
+    accum, t = s.plan.grad_accum, s.recipe.train
+    local = {k: _micro_layout(np.asarray(batch[k], np.int32), s.local_devices, accum) for k in ("input_ids", "labels")}
+    if s.recipe.data.ngram_filter:
+        local["instance_mask"] = _micro_layout(np.asarray(batch["instance_mask"], np.int32)[:, None],
+                                               s.local_devices, accum)
+    return {k: jax.make_array_from_process_local_data(micro_shard, v, (accum, t.global_batch // accum, v.shape[-1]))
+            for k, v in local.items()}
+
+
+class _Loop:
+    """The training loop and its hooks: evaluate, checkpoint, flush metrics, upload events."""
+
+    def __init__(self, s: _Setup, state, state_shard, step: int, loader, ckpt, events, stop: _Stop):
+        import jax
+
+        from olmo_ctl.trainer import data as data_lib
+
+        self.s, self.state, self.step = s, state, step
+        self.loader, self.ckpt, self.events, self.stop = loader, ckpt, events, stop
+        self.metrics = _MetricLog(s, events)
+        self.micro_shard = micro_batch_sharding(s.mesh)
+        self.train_step = jit_train_step(s.recipe, state_shard)
+        self.eval_step = jax.jit(make_eval_step(s.recipe))
+        self.eval_sets = _eval_batches(s.recipe, data_lib, s.mesh, s.proc, s.n_proc)
+
+    def meta(self) -> dict:
+        r = self.s.recipe
+        return {"data": self.loader.state(), "data_fingerprint": self.loader.fingerprint, "seed": r.train.seed,
+                "recipe": r.name, "recipe_fingerprint": r.fingerprint(), "step": self.step}
+
+    def upload_events(self) -> None:
+        """A storage hiccup must not end a week-long run: the records stay pending for the next upload."""
+        if self.s.proc != 0:
+            return
+        try:
+            self.events.upload()
+        except Exception as e:  # noqa: BLE001 - storage errors come in many types (requests, api_core, OSError)
+            print(f"warning: event upload to {self.events.dir} failed ({e}); retrying at the next upload", flush=True)
+
+    def save(self, final: bool) -> None:
+        self.metrics.flush()  # a non-finite loss stops here, before it is checkpointed
+        secs = self.ckpt.save(self.step, self.state, self.meta())
+        if final:
+            self.ckpt.wait()
+        if self.s.proc == 0:
+            self.events.scalars(self.step, {"checkpoint/save_duration_s": secs})
+        self.upload_events()
+
+    def train_one(self) -> None:
+        t0 = time.monotonic()
+        batch = _device_batch(self.loader.next(), self.s, self.micro_shard)
+        load_s = time.monotonic() - t0
+        self.state, m = self.train_step(self.state, batch)
+        self.step += 1
+        self.metrics.add(self.step, m, load_s)
+
+    def evaluate(self) -> None:
+        self.metrics.flush()
+        loss = _evaluate(self.eval_step, self.state["params"], self.eval_sets)
+        if self.s.proc == 0:
+            self.events.scalars(self.step, {"eval/lm_loss": loss})
+        print(f"eval step {self.step} lm_loss {loss:.4f}", flush=True)
+
+    def after_step(self) -> int | None:
+        """The hooks after each step, in order; an exit code ends the loop."""
+        r = self.s.recipe
+        if self.eval_sets and self.step % r.eval.interval == 0:
+            self.evaluate()
+        if self.step >= self.s.final_step:
+            self.save(final=True)
+            return 0
+        if self.stop.signal is not None:
+            self.save(final=True)
+            return EXIT_SIGTERM
+        if self.step % r.checkpoint.interval == 0:
+            self.save(final=False)
+        elif len(self.metrics.pending) >= r.logging.metrics_every:
+            self.metrics.flush()
+        if self.events.due(r.logging.upload_every_s):
+            self.upload_events()
+        return None
+
+    def run(self) -> int:
+        s = self.s
+        if s.proc == 0:
+            self.events.session_start(self.step + 1)  # readers drop what an earlier attempt logged from here on
+        self.metrics.start_clock()
+        print(f"training steps {self.step + 1}..{s.final_step} of {s.recipe.train.max_steps} on {s.device.name}: "
+              f"per-device batch {s.plan.per_device_batch} x {s.plan.grad_accum} accumulation", flush=True)
+        try:
+            while self.step < s.final_step:
+                if self.stop.signal is not None and self.metrics.steps == 0:
+                    return EXIT_SIGTERM  # nothing new since the restored (or initial) state
+                self.train_one()
+                code = self.after_step()
+                if code is not None:
+                    return code
+            self.metrics.flush()
+            return 0
+        finally:
+            try:
+                self.ckpt.close()  # waits for an async save in flight
+            finally:
+                try:
+                    self.metrics.flush()
+                finally:
+                    self.upload_events()
+                    _close_loader(self.loader)
+
+
+def run(args: TrainArgs) -> int:
+    """Restore or initialise, train to the final step (or a signal), checkpoint; the exit code."""
+    from olmo_ctl.trainer import data as data_lib
+    from olmo_ctl.trainer.checkpoint import Checkpointer
+    from olmo_ctl.trainer.metrics import EventLog
+
+    stop = _Stop()
+    stop.install()
+    s = _setup(args)
+    # Epoch orders are stored in the run directory: later attempts and other hosts read their rows of it.
+    loader = data_lib.make_train_loader(s.recipe, s.proc, s.n_proc, order_dir=join(args.run_dir, ORDER_DIR))
+    ckpt = Checkpointer.for_run(args.run_dir, keep=s.recipe.checkpoint.keep, async_save=s.recipe.checkpoint.async_save)
+    events = EventLog(args.run_dir, attempt=args.attempt)
+    state, state_shard, step = _restore_or_init(args, s, ckpt, loader)
+    if step >= s.final_step:
         print(committed_line(step), flush=True)
         ckpt.close()
         return 0
-
-    # ---- compiled steps
-    micro_shard = micro_batch_sharding(mesh)
-    train_step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
-    eval_step = jax.jit(make_eval_step(recipe))
-    eval_sets = _eval_batches(recipe, data_lib, mesh, proc, n_proc)
-
-    if proc == 0:
-        events.session_start(step + 1)  # readers drop what an earlier attempt logged from here on
-    tokens_per_step = recipe.tokens_per_step
-    fpt = flops.flops_per_token_olmo_core(cfg, t.seq_len)
-    pending: list[tuple[int, dict, float]] = []  # (step, device metrics, data loading s)
-    t_start = time.monotonic()
-    t_last = t_start
-    steps_this_attempt = 0
-    print(f"training steps {step + 1}..{final_step} of {t.max_steps} on {device.name}: per-device batch "
-          f"{plan.per_device_batch} x {plan.grad_accum} accumulation", flush=True)
-
-    def flush_metrics() -> None:
-        nonlocal t_last
-        if not pending:
-            return
-        items = list(pending)
-        pending.clear()  # a step is logged once, even when a non-finite loss stops us below
-        host = jax.device_get([m for _, m, _ in items])
-        now = time.monotonic()
-        step_time = (now - t_last) / len(items)
-        t_last = now
-        elapsed = now - t_start
-        wall = time.time()
-        for (s, _, load_s), m in zip(items, host, strict=True):
-            ce = float(m["ce"])
-            if not math.isfinite(ce) or not math.isfinite(float(m["grad_norm"])):
-                raise TrainingFailed(f"loss is not finite at step {s} (CE {ce}, grad norm {float(m['grad_norm'])})",
-                                     "lower the learning rate or check the data; restarting would fail again")
-            tps = tokens_per_step / step_time / device.devices
-            tps_avg = tokens_per_step * steps_this_attempt / max(elapsed, 1e-9) / device.devices
-            mfu = flops.mfu(flops.tflops_per_device(tps, fpt), device)
-            mfu_avg = flops.mfu(flops.tflops_per_device(tps_avg, fpt), device)
-            lr = float(m["lr"])
-            values = {
-                "train/CE loss": ce, "train/PPL": math.exp(min(ce, 80.0)), "train/Z loss": float(m["z"]),
-                "optim/total grad norm": float(m["grad_norm"]), "optim/LR (group 0)": lr,
-                "optim/LR (group 1)": lr, "optim/step skipped": float(m["skipped"]),
-                "optim/step_skipped": float(m["skipped"]), "throughput/total tokens": float(s * tokens_per_step),
-                "perf/total_tokens": float(s * tokens_per_step), "throughput/device/TPS": tps,
-                "throughput/device/TPS (actual avg)": tps_avg, "throughput/device/MFU": mfu,
-                "throughput/device/MFU (actual avg)": mfu_avg, "throughput/device/data loading (s)": load_s,
-                "perf/step_time_s": step_time,
-            }
-            if proc == 0:
-                events.scalars(s, values, wall)
-            print(step_line(s, t.max_steps, ce, float(m["grad_norm"]), lr, tps, mfu, bool(m["skipped"])), flush=True)
-
-    def upload_events() -> None:
-        """A storage hiccup must not end a week-long run: the records stay pending for the next upload."""
-        if proc != 0:
-            return
-        try:
-            events.upload()
-        except Exception as e:  # noqa: BLE001 - storage errors come in many types (requests, api_core, OSError)
-            print(f"warning: event upload to {events.dir} failed ({e}); retrying at the next upload", flush=True)
-
-    def save(final: bool) -> None:
-        flush_metrics()  # a non-finite loss stops here, before it is checkpointed
-        secs = ckpt.save(step, state, meta_now())
-        if final:
-            ckpt.wait()
-        if proc == 0:
-            events.scalars(step, {"checkpoint/save_duration_s": secs})
-        upload_events()
-
-    exit_code = 0
-    try:
-        while step < final_step:
-            if stop.signal is not None and steps_this_attempt == 0:
-                exit_code = EXIT_SIGTERM  # nothing new since the restored (or initial) state
-                break
-            t0 = time.monotonic()
-            batch = loader.next()
-            local = {k: _micro_layout(np.asarray(batch[k], np.int32), local_devices, plan.grad_accum)
-                     for k in ("input_ids", "labels")}
-            if recipe.data.ngram_filter:
-                local["instance_mask"] = _micro_layout(
-                    np.asarray(batch["instance_mask"], np.int32)[:, None], local_devices, plan.grad_accum)
-            dev_batch = {k: jax.make_array_from_process_local_data(
-                micro_shard, v, (plan.grad_accum, t.global_batch // plan.grad_accum, v.shape[-1]))
-                for k, v in local.items()}
-            load_s = time.monotonic() - t0
-            state, m = train_step(state, dev_batch)
-            step += 1
-            steps_this_attempt += 1
-            pending.append((step, m, load_s))
-
-            if eval_sets and step % recipe.eval.interval == 0:
-                flush_metrics()
-                loss = _evaluate(eval_step, state["params"], eval_sets)
-                if proc == 0:
-                    events.scalars(step, {"eval/lm_loss": loss})
-                print(f"eval step {step} lm_loss {loss:.4f}", flush=True)
-            if step >= final_step:
-                save(final=True)
-                break
-            if stop.signal is not None:
-                save(final=True)
-                exit_code = EXIT_SIGTERM
-                break
-            if step % recipe.checkpoint.interval == 0:
-                save(final=False)
-            elif len(pending) >= recipe.logging.metrics_every:
-                flush_metrics()
-            if events.due(recipe.logging.upload_every_s):
-                upload_events()
-        else:
-            flush_metrics()
-    finally:
-        try:
-            ckpt.close()  # waits for an async save in flight
-        finally:
-            try:
-                flush_metrics()
-            finally:
-                upload_events()
-                _close_loader(loader)
-    print(committed_line(step), flush=True)
+    loop = _Loop(s, state, state_shard, step, loader, ckpt, events, stop)
+    exit_code = loop.run()
+    print(committed_line(loop.step), flush=True)
     return exit_code
 
 
@@ -584,9 +568,9 @@ def main_run(args: TrainArgs) -> int:
         return run(args)
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")
-        if e.exit_code == 3:
-            return 3
-        return e.exit_code if e.exit_code in (1, 2) else 1
+        if e.exit_code == EXIT_RESTART:
+            return EXIT_RESTART
+        return e.exit_code if e.exit_code in USER_EXIT_CODES else EXIT_FAILED
     except Exception as e:
         if not _is_transient_io_error(e):
             raise  # a bug: traceback and exit 1
@@ -594,4 +578,4 @@ def main_run(args: TrainArgs) -> int:
 
         traceback.print_exc()
         sys.stderr.write(f"error: storage or network unreachable ({type(e).__name__}: {e}); the attempt can be retried\n")
-        return 3
+        return EXIT_RESTART

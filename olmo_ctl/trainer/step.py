@@ -1,0 +1,143 @@
+"""The step functions, pure and jitted by the caller: the trainer runs them, preflight compiles them.
+
+`make_train_step(recipe)` is one whole training step — loss over the micro-batches (a `lax.scan`
+accumulating fp32 gradients), AdamW with clipping and skip-step — as a function of the train state
+and a batch laid out `[accum, micro_global, T]`. `abstract_train_state` and `micro_batch_sharding`
+give the shapes and shardings both callers jit it with, so what preflight compiles is what runs.
+
+Step semantics (docs/CONTRACTS.md): the state's `step` counts completed steps; running the step on
+a state at `step = N` produces the state after step N+1.
+"""
+
+from __future__ import annotations
+
+from olmo_ctl.core.recipe import Recipe
+
+IGNORE_INDEX = -100
+
+
+def token_losses(params, input_ids, labels, cfg):
+    """(CE sum, z-loss sum, token count) over non-ignored labels; fp32.
+
+    Over the padded vocabulary, as OLMo-core computes it: the padded LM-head rows (never a label)
+    still take part in the softmax and in the z-loss's logsumexp.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from olmo_ctl.trainer.model import forward
+
+    logits = forward(params, input_ids, cfg)  # [B, T, padded_vocab_size], fp32
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    mask = labels != IGNORE_INDEX
+    target = jnp.take_along_axis(logits, jnp.where(mask, labels, 0)[..., None], axis=-1)[..., 0]
+    ce = jnp.sum(jnp.where(mask, lse - target, 0.0))
+    z = jnp.sum(jnp.where(mask, lse * lse, 0.0))
+    return ce, z, jnp.sum(mask).astype(jnp.float32)
+
+
+def make_train_step(recipe: Recipe):
+    """state, batch {input_ids, labels: [accum, micro_global, T]} -> state, metrics (device scalars)."""
+    import jax
+    import jax.numpy as jnp
+
+    from olmo_ctl.trainer import optim
+
+    cfg, z_coef = recipe.model, recipe.optimizer.z_loss
+
+    def step(state, batch):
+        params = state["params"]
+        # One denominator for the whole global batch, so accumulation over micro-batches is exact.
+        n_tokens = jnp.sum(batch["labels"] != IGNORE_INDEX).astype(jnp.float32)
+        if "instance_mask" in batch:
+            # Instances the n-gram repetition filter masked still count in the denominator (as in
+            # OLMo-core): each would have contributed seq_len - 1 labelled tokens.
+            filtered = jnp.sum(1 - batch["instance_mask"]).astype(jnp.float32)
+            n_tokens = n_tokens + filtered * (batch["labels"].shape[-1] - 1)
+        n_tokens = jnp.maximum(n_tokens, 1.0)
+
+        def micro_loss(p, ids, labels):
+            ce, z, _ = token_losses(p, ids, labels, cfg)
+            return (ce + z_coef * z) / n_tokens, (ce, z)
+
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def body(carry, mb):
+            g_acc, ce_acc, z_acc = carry
+            (_, (ce, z)), g = grad_fn(params, mb["input_ids"], mb["labels"])
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            return (g_acc, ce_acc + ce, z_acc + z), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        micro = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+        (grads, ce_sum, z_sum), _ = jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0)), micro)
+        ce_loss, z_loss = ce_sum / n_tokens, z_sum / n_tokens
+        adam = optim.AdamState(**state["opt"])
+        window = optim.SkipWindow(**state["skip"])
+        step_number = state["step"] + 1  # this is the (step+1)-th step; it produces checkpoint step+1
+        params, adam, window, info = optim.optimizer_step(params, grads, adam, window, ce_loss, step_number, recipe)
+        new_state = {"step": step_number, "params": params, "opt": adam._asdict(), "skip": window._asdict()}
+        metrics = {"ce": ce_loss, "z": z_coef * z_loss, "grad_norm": info["grad_norm"], "lr": info["lr"],
+                   "skipped": info["skipped"].astype(jnp.float32), "tokens": n_tokens}
+        return new_state, metrics
+
+    return step
+
+
+def make_eval_step(recipe: Recipe):
+    """params, batch {input_ids, labels: [B, T]} -> (CE sum, token count)."""
+    def step(params, batch):
+        ce, _, n = token_losses(params, batch["input_ids"], batch["labels"], recipe.model)
+        return ce, n
+
+    return step
+
+
+def init_state(recipe: Recipe, params):
+    """The train state before step 1: step 0, fresh Adam moments and an empty skip-step window."""
+    import jax.numpy as jnp
+
+    from olmo_ctl.trainer import optim
+
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt": optim.init_adam(params)._asdict(),
+        "skip": optim.init_skip_window(recipe.optimizer.skip_step.window)._asdict(),
+    }
+
+
+def abstract_train_state(recipe: Recipe, mesh):
+    """The train state as sharded `ShapeDtypeStruct`s, and its shardings: FSDP-sharded params and
+    Adam moments, everything else replicated. Nothing is allocated (the trainer restores or
+    initialises into these; preflight compiles against them)."""
+    import jax
+
+    from olmo_ctl.trainer import model, sharding
+
+    abstract_params = jax.eval_shape(lambda k: model.init_params(recipe.model, k), jax.random.PRNGKey(recipe.train.seed))
+    p_shard = sharding.param_shardings(abstract_params, mesh)
+    rep = sharding.replicated(mesh)
+    abstract_state = jax.eval_shape(lambda p: init_state(recipe, p), abstract_params)
+    state_shard = {
+        "step": rep, "params": p_shard, "opt": {"mu": p_shard, "nu": p_shard, "count": rep},
+        "skip": jax.tree.map(lambda _: rep, abstract_state["skip"]),
+    }
+    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_state, state_shard)
+    return state, state_shard
+
+
+def micro_batch_sharding(mesh):
+    """[accum, micro-batch, ...]: the accumulation axis replicated, the batch over every device."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from olmo_ctl.trainer import sharding
+
+    return NamedSharding(mesh, PartitionSpec(None, *sharding.batch_sharding(mesh).spec))
+
+
+def jit_train_step(recipe: Recipe, state_shard):
+    """The train step jitted as the trainer runs it: the state donated, the new state FSDP-sharded."""
+    import jax
+
+    return jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
