@@ -44,8 +44,9 @@ class ModelConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     # Rematerialisation: none | full (recompute the whole block) | save_proj (keep attention/MLP projections)
     remat: Literal["none", "full", "save_proj"] = "full"
-    # Attention implementation: auto picks the blocked kernel on TPU/GPU and the reference path on CPU.
-    attention: Literal["auto", "reference", "blocked"] = "auto"
+    # Attention implementation: auto picks splash on TPU, cudnn on GPU (blocked without cuDNN), reference
+    # on CPU (olmo_ctl/trainer/attention.py; docs/attention-and-xla-flags.md).
+    attention: Literal["auto", "splash", "blocked", "reference", "cudnn"] = "auto"
     eos_token_id: int = 100257
     pad_token_id: int = 100277
 
