@@ -114,7 +114,7 @@ def submit(
         if not no_preflight:  # TPU slices only, when libtpu is installed; cached per recipe/device/trainer
             from olmo_ctl.preflight.compile import submit_check
 
-            submit_check(r, dev, plan, log=note)
+            submit_check(r, dev, plan, log=note, settings=settings)
         submit_attempt(recipe=r, device=dev, plan=plan, settings=settings, run=run_name, run_dir=run_dir,
                        attempt=attempt, output_manifest=output_manifest)
         return

@@ -136,6 +136,10 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # XLA/libtpu flags (`--name=value`) merged over the launch template's for this run's slices
+    # (docs/attention-and-xla-flags.md). Performance only: not part of the fingerprint, so an attempt
+    # may change them.
+    xla_flags: tuple[str, ...] = ()
     source: str = field(default="", compare=False)  # file it came from (not part of the recipe)
 
     @property
@@ -152,7 +156,9 @@ class Recipe:
 
     def fingerprint(self) -> str:
         """Stable hash of the resolved recipe (its content, not where it came from)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        d = self.to_dict()
+        d.pop("xla_flags", None)
+        blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def data_paths(self, split: str = "train") -> list[str]:

@@ -1,6 +1,6 @@
 """The preflight cache: compiled results as JSON, keyed by what can change them.
 
-One file per (recipe fingerprint, device, remat, micro-batch, trainer version) under
+One file per (recipe fingerprint, device, remat, micro-batch, trainer version, XLA flags) under
 `~/.cache/olmo-ctl/preflight/` ($OLMO_CTL_CACHE_DIR overrides the root); the trainer version is the
 package version plus a hash of the trainer sources, so any change to the step recompiles. A cache that
 cannot be read or written only costs a recompile.
@@ -38,10 +38,11 @@ def cache_dir() -> Path:
     return base / "preflight"
 
 
-def cache_key(recipe: Recipe, device: Device, per_device_batch: int, version: str) -> str:
+def cache_key(recipe: Recipe, device: Device, per_device_batch: int, version: str,
+              xla_flags: list[str] | tuple[str, ...] = ()) -> str:
     blob = json.dumps({"schema": CACHE_SCHEMA, "recipe": recipe.fingerprint(), "device": device.name,
-                       "remat": recipe.model.remat, "batch": per_device_batch, "trainer": version},
-                      sort_keys=True)
+                       "remat": recipe.model.remat, "batch": per_device_batch, "trainer": version,
+                       **({"xla_flags": list(xla_flags)} if xla_flags else {})}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

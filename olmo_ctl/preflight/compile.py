@@ -34,6 +34,7 @@ from pathlib import Path
 
 from olmo_ctl.core import flops as flops_lib
 from olmo_ctl.core.batching import Plan, make_plan, param_count
+from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import GIB, Device
 from olmo_ctl.core.errors import EXIT_RUN_FAILED, BadInput, OlmoCtlError
 from olmo_ctl.core.recipe import Recipe
@@ -47,6 +48,7 @@ HEAD_DIMS = (128, 256)
 # HBM (X)" refusals): a little below the chip's HBM on Ironwood. The verdict uses the smaller of this
 # and the device catalog's HBM, so a step judged to fit is not refused on the slice.
 COMPILER_HBM_BYTES = {"tpu7x": int(94.75 * GIB), "v5p": int(95.74 * GIB)}
+_LIBTPU_ARGS_AT_START: str | None = None  # LIBTPU_INIT_ARGS this process's libtpu started with
 
 
 @dataclass
@@ -96,6 +98,10 @@ class PreflightResult:
     hlo_loops: int | None = None
     hlo_unresolved_loops: int | None = None
     largest_buffers: list[str] = field(default_factory=list)  # XLA's biggest allocations per device
+    xla_flags: list[str] = field(default_factory=list)  # the pods' LIBTPU_INIT_ARGS, compiled with
+    # Pallas kernels (splash attention) as counted from their masks: XLA's cost analysis counts none of
+    # their FLOPs; they are added to xla_flops_per_step and xla_attention_flops_per_step.
+    kernel_flops_per_step: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -251,17 +257,26 @@ def argument_bytes(tree) -> int:
     return total
 
 
-def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | None = None):
+def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | None = None,
+                 xla_options: dict[str, str] | None = None, libtpu_args: str = ""):
     """Lower and compile the trainer's step for the slice.
 
     Returns (compiled or None, compile_s, error message or None, argument bytes per device).
-    With `dump_dir`, XLA writes its buffer assignment there (see `largest_buffers`).
+    With `dump_dir`, XLA writes its buffer assignment there (see `largest_buffers`). `xla_options`
+    are the pod's XLA flags libtpu takes per compile; `libtpu_args` is the pod's LIBTPU_INIT_ARGS,
+    given to libtpu when this process starts it (see `olmo_ctl.preflight.flags`).
     """
     import jax
 
+    from olmo_ctl.trainer import attention as attn_lib
     from olmo_ctl.trainer import sharding
     from olmo_ctl.trainer.train import make_train_step
 
+    global _LIBTPU_ARGS_AT_START
+    if _LIBTPU_ARGS_AT_START is None:  # libtpu starts with the first topology below, reading these once
+        if libtpu_args:
+            os.environ["LIBTPU_INIT_ARGS"] = libtpu_args
+        _LIBTPU_ARGS_AT_START = os.environ.get("LIBTPU_INIT_ARGS", "")
     devs = topology_devices(device)
     t = recipe.train
     # The topology's mesh is made current only while tracing (not activated for the process): a
@@ -269,12 +284,15 @@ def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | Non
     mesh = sharding.make_mesh(devs, t.mesh, t.data_parallel, activate=False)
     state, state_shard, batch = abstract_inputs(recipe, mesh, plan.grad_accum)
     step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
-    options = {"xla_dump_to": dump_dir, "xla_dump_hlo_module_re": "jit_step"} if dump_dir else None
+    options = dict(xla_options or {})
+    if dump_dir:
+        options.update(xla_dump_to=dump_dir, xla_dump_hlo_module_re="jit_step")
     t0 = time.monotonic()
     try:
-        with jax.set_mesh(mesh):
+        # `auto` attention and splash's block sizes follow the slice, not this machine's CPU.
+        with jax.set_mesh(mesh), attn_lib.compile_target("tpu", device.generation):
             lowered = step.lower(state, batch)
-        compiled = lowered.compile(compiler_options=options)
+        compiled = lowered.compile(compiler_options=options or None)
     except Exception as e:  # noqa: BLE001 - JaxRuntimeError's module moves between jax versions
         msg = str(e)
         if "RESOURCE_EXHAUSTED" in msg or parse_hbm_oom(msg):
@@ -321,25 +339,46 @@ def formula_flops_per_step(recipe: Recipe) -> dict[str, float]:
 
 
 def _tpu_attention(recipe: Recipe) -> Recipe:
-    """`attention: auto` resolves by the backend at trace time; on a TPU slice that is `blocked`."""
-    if recipe.model.attention != "auto":
+    """`attention: auto` resolves by the platform at trace time; on a TPU slice that is `splash`."""
+    on_tpu = {"auto": "splash", "cudnn": "blocked"}  # attention.resolve(..., platform="tpu")
+    if recipe.model.attention not in on_tpu:
         return recipe
-    return dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, attention="blocked"))
+    return dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, attention=on_tpu[recipe.model.attention]))
+
+
+def pod_xla_flags(recipe: Recipe, device: Device, settings: Settings | None) -> tuple[list[str], dict[str, str]]:
+    """The XLA flags the slice's pods get and the subset preflight passes as compile options.
+
+    Checked by libtpu first (`olmo_ctl.preflight.flags`): an unknown flag is bad input naming it.
+    """
+    from olmo_ctl.backends.jobset import xla_flag_sources
+    from olmo_ctl.preflight import flags as flags_lib
+
+    sources = xla_flag_sources(device, recipe, settings)
+    flags = [f"--{k}={v}" for k, (v, _) in sources.items()]
+    try:
+        per_compile, _startup = flags_lib.check(" ".join(flags), device.topology_name)
+    except flags_lib.UnknownFlag as e:
+        raise flags_lib.refuse(e.name, sources) from None
+    return flags, {k: sources[k][0] for k in per_compile}
 
 
 def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, head_dim: int | None = None,
                   n_layers: int | None = None, per_device_batch: int | None = None,
-                  hbm_bytes: int | None = None, use_cache: bool = True) -> PreflightResult:
+                  hbm_bytes: int | None = None, use_cache: bool = True,
+                  settings: Settings | None = None) -> PreflightResult:
     """Compile the train step of `recipe` for `device` and report memory, FLOPs and compile time.
 
     `hbm_bytes` overrides the device's HBM per device for the verdict only (the compile always
-    targets the real chip). Does not raise when the step does not fit: look at `fits`.
+    targets the real chip). `settings` (site settings) may add XLA flags (`xla_flags`); the step
+    compiles with the flags the pods get. Does not raise when the step does not fit: look at `fits`.
     """
     recipe = _tpu_attention(preflight_recipe(recipe, remat=remat, head_dim=head_dim, n_layers=n_layers))
     plan = plan_for(recipe, device, per_device_batch)
     hbm = int(hbm_bytes) if hbm_bytes is not None else usable_hbm_bytes(device)
     version = trainer_version()
-    key = cache_key(recipe, device, plan.per_device_batch, version)
+    flags, xla_options = pod_xla_flags(recipe, device, settings)
+    key = cache_key(recipe, device, plan.per_device_batch, version, flags)
     if use_cache:
         hit = load_cached(key)
         names = {f.name for f in dataclasses.fields(PreflightResult)}
@@ -355,10 +394,11 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="olmo-ctl-preflight-") as dump:
-        compiled, compile_s, error, arg_estimate = compile_step(recipe, device, plan, dump_dir=dump)
+        compiled, compile_s, error, arg_estimate = compile_step(recipe, device, plan, dump_dir=dump,
+                                                                xla_options=xla_options, libtpu_args=" ".join(flags))
         buffers = largest_buffers(dump)
     notes: list[str] = []
-    xla_step = xla_once = ratio = dense = attention = recompute = dense_ratio = counted = None
+    xla_step = xla_once = ratio = dense = attention = recompute = dense_ratio = counted = kernel = None
     if compiled is not None:
         mem = compiled.memory_analysis()
         arg, out, alias = mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes
@@ -367,15 +407,21 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list | tuple) else cost
         xla_once = float(cost.get("flops", 0.0))
-        counted = hlo_flops(compiled.as_text())
+        counted = hlo_flops(compiled.as_text(), kernel_flops=splash_kernel_flops)
         if counted.unresolved_loops:
             notes.append(f"{counted.unresolved_loops} of {counted.loops} loops had no inferable trip count"
                          " (counted once)")
-        # XLA's own count, plus the matmul FLOPs of every repeated loop iteration.
-        per_device = xla_once + (counted.with_trip_counts - counted.body_once)
+        # XLA's own count, plus the matmul FLOPs of every repeated loop iteration, plus the Pallas
+        # kernels' (which XLA does not count).
+        per_device = xla_once + (counted.with_trip_counts - counted.body_once) + counted.kernel
         n = device.devices
         xla_step = per_device * n
-        dense, attention, recompute = counted.dense * n, counted.attention * n, counted.recompute * n
+        kernel = counted.kernel * n
+        dense, recompute = counted.dense * n, counted.recompute * n
+        attention = (counted.attention + counted.kernel) * n
+        if counted.kernel:
+            notes.append(f"XLA's cost analysis does not count Pallas kernels: {kernel / 1e12:,.0f} TFLOP/step of"
+                         f" {m.attention} attention added, counted from its masks (the tiles it computes)")
         ratio = xla_step / formula["maxtext"]
         dense_ratio = dense / formula["dense"]
     else:
@@ -407,11 +453,42 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
         hlo_flops_per_device_body_once=counted.body_once if counted else None,
         hlo_loops=counted.loops if counted else None,
         hlo_unresolved_loops=counted.unresolved_loops if counted else None, largest_buffers=buffers,
+        xla_flags=flags, kernel_flops_per_step=kernel,
         compile_s=round(compile_s, 2), compiled_by_xla=compiled is not None, trainer_version=version,
         error=None if compiled is not None else (error or "").strip().splitlines()[0][:500], notes=notes,
     )
     store_cached(key, result.to_dict())
     return _with_hbm(result, hbm)
+
+
+_SPLASH_SCOPE = re.compile(r"splash_T(\d+)_W(\d+)_Q(\d+)_K(\d+)")
+_SPLASH_PHASE = re.compile(r"splash_m[hq]a_(fwd|dq|dkv)")
+_ARRAYS = re.compile(r"\b(?:bf16|f16|f32)\[([0-9,]+)\]")
+
+
+def splash_kernel_flops(ins) -> float:
+    """Matmul FLOPs of one splash-attention custom call, from its mask (the tiles it computes).
+
+    The trainer names each call's scope after its mask (`attention.splash_scope`: padded length,
+    window, blocks); the phase (fwd, dq, dkv) is the kernel's name; heads x local batch and the
+    head dim come from the query operand's shape.
+    """
+    from olmo_ctl.trainer import attention as attn_lib
+
+    scope, phase = _SPLASH_SCOPE.search(ins.attrs), _SPLASH_PHASE.search(ins.attrs)
+    constraints = ins.attrs.split("operand_layout_constraints=", 1)
+    if not scope or not phase or len(constraints) < 2:
+        return 0.0
+    query = next((x for x in _ARRAYS.findall(constraints[1]) if x.count(",") >= 2), None)
+    if query is None:
+        return 0.0
+    dims = [int(d) for d in query.split(",")]
+    T, W, bq, bkv = (int(g) for g in scope.groups())
+    kind = phase.group(1)
+    if kind == "dkv" and attn_lib.SPLASH_FUSED_BWD:  # the fused dkv kernel computes dq too
+        kind = "dkv_fused"
+    tiles = attn_lib.splash_mask_blocks(T, W or None, bq, bkv)
+    return 2.0 * bq * bkv * dims[-1] * attn_lib.SPLASH_TILE_MATMULS[kind] * tiles * math.prod(dims[:-2])
 
 
 def usable_hbm_bytes(device: Device) -> int:
@@ -443,7 +520,8 @@ def search(recipe: Recipe, device: Device, **kw) -> tuple[list[PreflightResult],
 # ----------------------------------------------------------------------------- submit's gate
 
 
-def submit_check(recipe: Recipe, device: Device, plan: Plan, *, log=print) -> PreflightResult | None:
+def submit_check(recipe: Recipe, device: Device, plan: Plan, *, log=print,
+                 settings: Settings | None = None) -> PreflightResult | None:
     """The preflight `submit` runs before queueing for a slice (skip it with `--no-preflight`).
 
     Runs only for TPU slices and only where libtpu is installed (else returns None): it compiles
@@ -453,13 +531,15 @@ def submit_check(recipe: Recipe, device: Device, plan: Plan, *, log=print) -> Pr
     """
     if not device.is_tpu or not libtpu_available():
         return None
+    from olmo_ctl.backends.jobset import xla_flags_for
+
     r = _tpu_attention(recipe)
-    key = cache_key(r, device, plan.per_device_batch, trainer_version())
+    key = cache_key(r, device, plan.per_device_batch, trainer_version(), xla_flags_for(device, r, settings))
     if load_cached(key) is None:
         log(f"preflight: compiling the train step for {device.name} ({device.topology_name}) on this machine;"
             " this takes a few minutes once per recipe, device and trainer version (--no-preflight skips it)")
     try:
-        result = run_preflight(recipe, device, per_device_batch=plan.per_device_batch)
+        result = run_preflight(recipe, device, per_device_batch=plan.per_device_batch, settings=settings)
     except OlmoCtlError:
         raise
     except Exception as e:  # noqa: BLE001 - a step that does not compile would fail on the slice too

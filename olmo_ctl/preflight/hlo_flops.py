@@ -6,7 +6,8 @@ loop's trip count from its condition (`i < N`, or XLA's `known_trip_count`) and 
 (dot/convolution, counted as XLA counts them) of every repeated iteration. A conditional counts its
 most expensive branch, as XLA does. Element-wise FLOPs are not counted here. Each matmul is also
 classified as a weight matmul, an attention einsum or a rematerialised recompute (`matmul_kind`).
-Custom calls (Pallas kernels such as splash attention) carry no FLOPs here, as in XLA's count.
+Custom calls (Pallas kernels such as splash attention) carry no FLOPs in XLA's count; a caller may
+count them (`kernel_flops`), with trip counts, in a separate total (`HloFlops.kernel`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def parse_hlo(text: str) -> tuple[dict[str, list[_Instr]], str | None]:
             continue
         m = _INSTR.match(line)
         if not m:
+            if cur and cur[-1].op == "custom-call" and line.strip() not in ("}", ""):
+                cur[-1].attrs += "\n" + line  # a custom call's metadata spans several lines
             continue
         name, shape_txt, op, rest = m.groups()
         ops_txt, attrs = _split_operands(rest)
@@ -165,7 +168,7 @@ def matmul_kind(ins: _Instr) -> str:
     return "dense"
 
 
-_KINDS = ("dense", "attention", "recompute")
+_KINDS = ("dense", "attention", "recompute", "kernel")
 
 
 @dataclass
@@ -179,31 +182,37 @@ class HloFlops:
     recompute: float  # with trip counts: the forward ops rematerialisation runs again
     loops: int
     unresolved_loops: int
+    kernel: float = 0.0  # with trip counts: custom calls counted by `kernel_flops` (not in the totals above)
 
 
-def hlo_flops(text: str) -> HloFlops:
-    """Matmul FLOPs of a compiled HLO module, with and without loop trip counts (see module doc)."""
+def hlo_flops(text: str, kernel_flops=None) -> HloFlops:
+    """Matmul FLOPs of a compiled HLO module, with and without loop trip counts (see module doc).
+
+    `kernel_flops(instr)` -> FLOPs of a custom call (or 0): counted into `HloFlops.kernel` only.
+    """
     comps, entry = parse_hlo(text)
     shapes = {i.name: i.shape for instrs in comps.values() for i in instrs}
-    memo: dict[tuple[str, bool], tuple[float, float, float]] = {}
+    memo: dict[tuple[str, bool], tuple[float, ...]] = {}
     stats = {"loops": 0, "unresolved": 0}
     seen_loops: set[str] = set()
 
     def add(a, b, k=1.0):
         return tuple(x + k * y for x, y in zip(a, b, strict=True))
 
-    def comp(name: str, trips: bool) -> tuple[float, float, float]:
+    def comp(name: str, trips: bool) -> tuple[float, ...]:
         key = (name, trips)
         if key in memo:
             return memo[key]
-        memo[key] = (0.0, 0.0, 0.0)  # guards against cycles
-        total = (0.0, 0.0, 0.0)
+        memo[key] = (0.0, 0.0, 0.0, 0.0)  # guards against cycles
+        total = (0.0, 0.0, 0.0, 0.0)
         for ins in comps.get(name, []):
             if ins.op in ("convolution", "dot"):
                 f = _conv_flops(ins, shapes) if ins.op == "convolution" else _dot_flops(ins, shapes)
-                one = [0.0, 0.0, 0.0]
+                one = [0.0, 0.0, 0.0, 0.0]
                 one[_KINDS.index(matmul_kind(ins))] = f
                 total = add(total, one)
+            elif ins.op == "custom-call" and kernel_flops is not None:
+                total = add(total, (0.0, 0.0, 0.0, float(kernel_flops(ins) or 0.0)))
             elif ins.op == "while":
                 body = (_attr(ins.attrs, "body") or "").lstrip("%")
                 n = 1
@@ -223,7 +232,7 @@ def hlo_flops(text: str) -> HloFlops:
                         branches.append(v.lstrip("%"))
                 costs = [comp(b, trips) for b in branches]
                 if costs:
-                    total = add(total, max(costs, key=sum))
+                    total = add(total, max(costs, key=lambda c: sum(c[:3])))
             else:
                 for k in ("calls", "to_apply"):
                     v = _attr(ins.attrs, k)
@@ -235,7 +244,7 @@ def hlo_flops(text: str) -> HloFlops:
 
     if entry is None:
         return HloFlops(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
-    dense, attention, recompute = comp(entry, True)
-    once = sum(comp(entry, False))
-    return HloFlops(dense + attention + recompute, once, dense, attention, recompute,
-                    stats["loops"], stats["unresolved"])
+    dense, attention, recompute, kernel = comp(entry, True)
+    once = sum(comp(entry, False)[:3])
+    return HloFlops(dense + attention + recompute, once, dense, attention, recompute, kernel=kernel,
+                    loops=stats["loops"], unresolved_loops=stats["unresolved"])

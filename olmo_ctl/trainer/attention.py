@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 # generation's topology with libtpu (docs/attention-and-xla-flags.md, "Splash block sizes").
 SPLASH_BLOCKS = {
     "tpu7x": (2048, 2048, 512),
-    "v5p": (2048, 2048, 512),
+    "v5p": (1024, 1024, 512),
     "default": (512, 512, 512),
 }
 SPLASH_FUSED_BWD = True  # one backward kernel for dq, dk and dv (MaxText's default)
@@ -372,7 +372,6 @@ def splash_mask(seq_len: int, window: int | None):
     return sa.LocalMask((seq_len, seq_len), window_size=(window - 1, 0), offset=0)
 
 
-@functools.lru_cache(maxsize=64)
 def _splash_kernel(seq_len: int, n_heads: int, window: int | None, blocks: tuple[int, int, int],
                    interpret: bool):
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
@@ -382,10 +381,27 @@ def _splash_kernel(seq_len: int, n_heads: int, window: int | None, blocks: tuple
                           block_kv_dkv_compute=bkvc, use_fused_bwd_kernel=SPLASH_FUSED_BWD,
                           **({} if SPLASH_FUSED_BWD else {"block_q_dq": bq, "block_kv_dq": bkv}))
     mask = sa.MultiHeadMask([splash_mask(seq_len, window)] * n_heads)
-    # The mask's block tables are constants: concrete arrays even when first built inside a trace,
-    # so the cached kernel serves every later trace.
-    with jax.ensure_compile_time_eval():
-        return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    # Built inside each trace: the mask's block tables become constants of that program (a kernel
+    # cached across traces would carry one trace's values into another).
+    return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def splash_mask_blocks(seq_len: int, window: int | None, block_q: int, block_kv: int) -> int:
+    """How many (query block, key block) tiles the kernel computes for one head: those its mask touches."""
+    n_q, n_kv = -(-seq_len // block_q), -(-seq_len // block_kv)
+    count = 0
+    for i in range(n_q):
+        q_lo, q_hi = i * block_q, min(seq_len, (i + 1) * block_q) - 1
+        for j in range(n_kv):
+            k_lo, k_hi = j * block_kv, min(seq_len, (j + 1) * block_kv) - 1
+            if k_lo <= q_hi and (window is None or k_hi > q_lo - window):
+                count += 1
+    return count
+
+
+# Matmuls per computed tile, each 2 * block_q * block_kv * head_dim FLOPs: forward QK^T and PV; the dq
+# kernel recomputes S, then dP and dQ; the dkv kernel recomputes S, then dP, dV and dK (and dQ when fused).
+SPLASH_TILE_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4, "dkv_fused": 5}
 
 
 def splash_scope(seq_len: int, window: int | None, blocks: tuple[int, int, int]) -> str:
