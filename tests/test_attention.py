@@ -137,3 +137,157 @@ def test_blocked_inside_a_layer_scan_keeps_no_stacked_tiles():
     print(f"temp bytes, 2 scanned layers at T={T}: blocked {blocked / 2**20:.1f} MiB")
     assert blocked < one_matrix / 4
     assert temp_bytes("reference") > one_matrix
+
+
+# ----------------------------------------------------------------------------- segment ids
+
+
+def _segments(B, T, seed=1):
+    """Packed documents: ids rise at random boundaries (some instances hold several documents)."""
+    starts = jax.random.bernoulli(jax.random.PRNGKey(seed), 0.03, (B, T)).astype(jnp.int32)
+    return jnp.cumsum(starts, axis=1)
+
+
+def _values_and_grads(fn, q, k, v, g):
+    """Output and (dq, dk, dv) for the cotangent g, from one compiled function."""
+    def f(q, k, v):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(g)
+
+    return jax.jit(f)(q, k, v)
+
+
+def _assert_close(a, b, tol=1e-5):
+    (oa, ga), (ob, gb) = a, b
+    assert float(jnp.max(jnp.abs(oa - ob))) < tol
+    for name, x, y in zip("qkv", ga, gb, strict=True):
+        d = float(jnp.max(jnp.abs(x - y)))
+        assert d < tol, f"d{name} differs by {d:.2e}"
+
+
+def test_reference_segments_never_cross():
+    """A value changed in one document moves only that document's outputs."""
+    T = 48
+    q, k, v, _ = _qkv(1, T, 2, 2, 8)
+    seg = jnp.asarray([[0] * 20 + [1] * 28])
+    base = A.attend(q, k, v, window=None, impl="reference", segment_ids=seg)
+    moved = A.attend(q, k, v.at[:, 5].add(1.0), window=None, impl="reference", segment_ids=seg)
+    changed = np.nonzero(np.asarray(jnp.any(jnp.abs(moved - base) > 1e-6, axis=(0, 2, 3))))[0]
+    assert list(changed) == list(range(5, 20))
+    # The first document's outputs are those of attention over that document alone.
+    alone = A.attend(q[:, :20], k[:, :20], v[:, :20], window=None, impl="reference")
+    assert float(jnp.max(jnp.abs(alone - base[:, :20]))) < 1e-6
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_blocked_segments_match_reference(window):
+    B, T, H, KV, D = 2, 70, 4, 2, 16
+    q, k, v, g = _qkv(B, T, H, KV, D)
+    seg = _segments(B, T)
+    assert int(seg.max()) >= 1
+    ref = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="reference", segment_ids=seg),
+                            q, k, v, g)
+    blk = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="blocked", block=16,
+                                                     segment_ids=seg), q, k, v, g)
+    _assert_close(ref, blk)
+
+
+# ----------------------------------------------------------------------------- splash (interpret mode)
+
+
+@pytest.mark.parametrize("window,segments", [(None, False), (100, False), (100, True), (None, True)])
+def test_splash_matches_reference_fp32(window, segments):
+    """Values and gradients, grouped-query (2 heads per KV head), three 128-token blocks each way:
+    the local mask skips whole blocks, the causal mask computes half, segment ids cut documents."""
+    B, T, H, KV, D = 1, 384, 2, 1, 16
+    q, k, v, g = _qkv(B, T, H, KV, D)
+    seg = _segments(B, T) if segments else None
+    ref = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="reference", segment_ids=seg),
+                            q, k, v, g)
+    spl = _values_and_grads(lambda q, k, v: A.splash_attention(q, k, v, window=window, segment_ids=seg,
+                                                               blocks=(128, 128, 128)), q, k, v, g)
+    _assert_close(ref, spl)
+
+
+def test_splash_through_attend_pads_the_sequence():
+    """`attend(impl="splash")` with the default blocks on a length that is no multiple of 128."""
+    q, k, v, g = _qkv(1, 200, 2, 2, 16)
+    ref = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=64, impl="reference"), q, k, v, g)
+    spl = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=64, impl="splash"), q, k, v, g)
+    _assert_close(ref, spl)
+
+
+def test_splash_masks_follow_olmo3_window():
+    """The kernel's LocalMask sees exactly what `causal_mask` sees (itself + window-1 before)."""
+    T, W = 256, 37
+    mask = A.splash_mask(T, W)
+    pos = jnp.arange(T)
+    assert np.array_equal(np.asarray(mask[:, :]), np.asarray(A.causal_mask(pos, pos, W)))
+    assert np.array_equal(np.asarray(A.splash_mask(T, None)[:, :]), np.asarray(A.causal_mask(pos, pos, None)))
+
+
+def test_splash_blocks_per_generation():
+    assert A.splash_blocks("tpu7x", 8192) == (A.SPLASH_BLOCKS["tpu7x"], 8192)
+    assert A.splash_blocks("v5p", 8192) == (A.SPLASH_BLOCKS["v5p"], 8192)
+    (bq, bkv, bkvc), tp = A.splash_blocks("tpu7x", 1000)  # cut to the sequence, padded to the block
+    assert bq == bkv == 1024 and tp == 1024 and bkv % bkvc == 0
+    (bq, bkv, _), tp = A.splash_blocks("unknown", 8192)
+    assert (bq, bkv) == A.SPLASH_BLOCKS["default"][:2] and tp == 8192
+
+
+# ----------------------------------------------------------------------------- choice by platform
+
+
+def test_auto_picks_by_platform_and_cudnn_falls_back():
+    assert A.resolve("auto", platform="tpu") == "splash"
+    assert A.resolve("auto", platform="gpu", cudnn=True) == "cudnn"
+    assert A.resolve("auto", platform="gpu", cudnn=False) == "blocked"  # no cuDNN: the blocked kernel
+    assert A.resolve("auto", platform="cpu") == "reference"
+    assert A.resolve("cudnn", platform="cpu") == "blocked"
+    assert A.resolve("splash", platform="cpu") == "splash"  # explicit: interpret mode off TPU
+    with A.compile_target("tpu", "tpu7x"):
+        assert A.resolve("auto") == "splash" and A.target() == ("tpu", "tpu7x")
+    assert A.target()[0] == jax.default_backend()
+    with pytest.raises(ValueError, match="unknown attention"):
+        A.resolve("flash")
+
+
+def test_cudnn_unavailable_here_runs_blocked_and_matches_reference():
+    assert jax.default_backend() == "cpu" and not A.cudnn_available()
+    q, k, v, g = _qkv(1, 64, 4, 2, 16)
+    ref = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=20, impl="reference"), q, k, v, g)
+    fb = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=20, impl="cudnn"), q, k, v, g)
+    _assert_close(ref, fb)
+
+
+@pytest.mark.parametrize("window,segments", [(20, False), (None, True), (20, True)])
+def test_cudnn_call_window_and_segments(window, segments):
+    """The exact `dot_product_attention` call the GPU path makes, run by XLA on the CPU: OLMo 3's
+    window maps to local_window_size=(W-1, 0), and segment ids to its mask."""
+    q, k, v, g = _qkv(2, 64, 4, 2, 16)
+    seg = _segments(2, 64, seed=3) if segments else None
+    ref = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="reference", segment_ids=seg),
+                            q, k, v, g)
+    xla = _values_and_grads(lambda q, k, v: A.cudnn_attention(q, k, v, window=window, segment_ids=seg,
+                                                              implementation="xla"), q, k, v, g)
+    _assert_close(ref, xla)
+
+
+def test_model_with_segment_ids_keeps_documents_apart():
+    """Two documents packed into one instance: the first one's logits are those of it alone."""
+    from olmo_ctl.core.recipe import ModelConfig
+    from olmo_ctl.trainer import model as M
+
+    cfg = ModelConfig(n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=64, vocab_size=50,
+                      padded_vocab_size=64, sliding_window=8, param_dtype="float32", compute_dtype="float32",
+                      remat="none", attention="reference", eos_token_id=1, pad_token_id=2)
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 32), 0, cfg.vocab_size)
+    seg = jnp.asarray([[0] * 12 + [1] * 20])
+    for impl in ("reference", "blocked"):
+        fwd = jax.jit(lambda p, t, s, impl=impl: M.forward(p, t, cfg, attention=impl, segment_ids=s))
+        packed = fwd(params, tokens, seg)
+        alone = fwd(params, tokens[:, :12], None)
+        assert float(jnp.max(jnp.abs(packed[:, :12] - alone))) < 1e-4
+        plain = fwd(params, tokens, None)
+        assert float(jnp.max(jnp.abs(packed[:, 12:] - plain[:, 12:]))) > 1e-3  # the second one is cut off

@@ -1,7 +1,7 @@
 """Preflight: the trainer's real step compiled for a v5p-8 topology with libtpu, on this CPU machine.
 
 A reduced OLMo 3 (8 layers = two scanned groups of 3 sliding + 1 full, narrow width, seq 1024 so the
-blocked attention runs its loops) with grad accumulation 2, so every loop preflight has to count
+blocked attention runs its loops; splash, the TPU default, is compiled in its own test) with grad accumulation 2, so every loop preflight has to count
 (accumulation scan, layer-group scan, attention loops) really iterates. Compiles are shared through
 one cache directory per module; each takes ~30-80 s of CPU.
 """
@@ -30,7 +30,7 @@ SETS = [
     "model.n_layers=8", "model.d_model=256", "model.n_heads=2", "model.n_kv_heads=2", "model.head_dim=128",
     "model.mlp_hidden=704", "model.vocab_size=1000", "model.padded_vocab_size=1024", "model.sliding_window=256",
     "model.eos_token_id=1", "model.pad_token_id=2", "train.seq_len=1024", "train.global_batch=16",
-    "train.max_per_device_batch=2", "model.remat=none",
+    "train.max_per_device_batch=2", "model.remat=none", "model.attention=blocked",
 ]
 DEVICE = "v5p-8"  # 4 devices: global batch 16 = 4 per device = micro-batch 2 x accumulation 2
 BATCH = 2
@@ -172,3 +172,33 @@ def test_parse_compiler_refusal():
     assert pf.parse_hbm_oom("Used 120.5G of 95.74G hbm. Exceeded hbm capacity by 24.76G.")[:2] == (
         int(120.5 * GIB), int(95.74 * GIB))
     assert pf.parse_hbm_oom("INTERNAL: something else") is None
+
+
+def test_splash_compiles_and_its_flops_are_counted_from_the_mask(cache, recipe):
+    """`auto` on a TPU slice is splash; XLA counts none of the Pallas kernel's FLOPs, preflight adds
+    them from the mask: forward 2 and fused backward 5 matmuls per computed tile, per head and sequence."""
+    from olmo_ctl.backends.jobset import xla_flags_for
+    from olmo_ctl.trainer import attention as A
+
+    auto = load_recipe(stage=1, overrides=[*SETS, "model.attention=auto"])
+    r = pf.run_preflight(auto, get_device(DEVICE), remat="none", per_device_batch=BATCH)
+    assert r.compiled_by_xla and r.attention == "splash"
+    assert r.xla_flags == xla_flags_for(get_device(DEVICE), auto, None) and r.xla_flags  # v5p's set
+    m, t = auto.model, auto.train
+    (bq, bkv, _), tp = A.splash_blocks("v5p", t.seq_len)
+    per_seq_head = sum(2.0 * bq * bkv * m.head_dim * (2 + 5) * A.splash_mask_blocks(tp, w, bq, bkv)
+                       for w in [None if m.layer_is_full(i) else m.sliding_window for i in range(m.n_layers)])
+    assert r.kernel_flops_per_step == pytest.approx(per_seq_head * m.n_heads * t.global_batch, rel=1e-9)
+    assert any("does not count Pallas kernels" in n for n in r.notes)
+    # The weight matmuls are unchanged; attention is now the kernel's tiles (here one 1024-token tile).
+    assert r.dense_xla_vs_formula == pytest.approx(1.0, abs=0.01)
+    assert 1.0 <= r.xla_attention_flops_per_step / r.formula_attention_flops_per_step < 3.0
+
+
+def test_misspelled_flag_in_a_recipe_is_refused_with_exit_2(cache):
+    p = _cli("--set", "xla_flags=[--xla_tpu_enable_async_collective_fusion_fuse_all_gathr=false]", cache_dir=cache)
+    assert p.returncode == 2, p.stderr
+    assert "--xla_tpu_enable_async_collective_fusion_fuse_all_gathr" in p.stderr and "xla_flags" in p.stderr
+    assert "Traceback" not in p.stderr
+    p = _cli("--set", "xla_flags=[not-a-flag]", cache_dir=cache)
+    assert p.returncode == 2 and "`not-a-flag` is not of the form --name=value" in p.stderr

@@ -121,6 +121,53 @@ def _fill(node: Any, values: dict[str, Any]) -> Any:
     return node
 
 
+# ---------------------------------------------------------------- XLA flags (LIBTPU_INIT_ARGS)
+
+_XLA_FLAG = re.compile(r"^--([A-Za-z0-9_]+)=(\S+)$")
+
+
+def parse_xla_flags(flags, where: str) -> dict[str, str]:
+    """`--name=value` strings -> {name: value}; anything else is bad input naming the flag and its source."""
+    out: dict[str, str] = {}
+    for flag in flags:
+        m = _XLA_FLAG.match(str(flag).strip())
+        if not m:
+            raise BadInput(f"{where}: XLA flag `{flag}` is not of the form --name=value",
+                           "for example --xla_tpu_enable_sparse_core_collective_offload_all_gather=true")
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def xla_flag_sources(device: Device, recipe: Recipe | None, settings: Settings | None) -> dict[str, tuple[str, str]]:
+    """{name: (value, where it came from)}: the launch template's flags for the generation, then the
+    recipe's `xla_flags`, then the site setting `xla_flags`, each merged over the last by flag name."""
+    merged: dict[str, tuple[str, str]] = {}
+    if not device.is_tpu:
+        return merged
+    layers = [(launch_template(device.generation)["vars"].get("xla_flags") or [],
+               f"launch_templates/{device.generation}.yaml")]
+    if recipe is not None and recipe.xla_flags:
+        layers.append((recipe.xla_flags, f"recipe {recipe.name} (xla_flags)"))
+    if settings is not None and settings.xla_flags:
+        src = settings.sources.get("xla_flags", "site setting") if settings.sources else "site setting"
+        layers.append((settings.xla_flags.split(), f"site setting xla_flags ({src})"))
+    for flags, where in layers:
+        for name, value in parse_xla_flags(flags, where).items():
+            merged.pop(name, None)  # a later layer's flag moves to the end, where libtpu reads it last
+            merged[name] = (value, where)
+    return merged
+
+
+def xla_flags_for(device: Device, recipe: Recipe | None, settings: Settings | None) -> list[str]:
+    """The XLA flags a slice's trainer gets, as `--name=value` strings (what preflight compiles with)."""
+    return [f"--{k}={v}" for k, (v, _) in xla_flag_sources(device, recipe, settings).items()]
+
+
+def libtpu_init_args(device: Device, recipe: Recipe | None, settings: Settings | None) -> str:
+    """The pod's LIBTPU_INIT_ARGS: `xla_flags_for` joined by spaces ("" when there are none)."""
+    return " ".join(xla_flags_for(device, recipe, settings))
+
+
 # ---------------------------------------------------------------- rendering
 
 
@@ -139,8 +186,10 @@ def placement_policy_for(device: Device, settings: Settings) -> str | None:
                                             generation=device.generation)
 
 
-def _env(template_env: dict[str, Any], name: str, slices: int) -> list[dict]:
+def _env(template_env: dict[str, Any], name: str, slices: int, libtpu_args: str = "") -> list[dict]:
     env = [{"name": str(k), "value": str(v)} for k, v in template_env.items()]
+    if libtpu_args:
+        env.append({"name": "LIBTPU_INIT_ARGS", "value": libtpu_args})
     if slices > 1:
         # Multislice: DCN rendezvous at worker 0 of slice 0; each slice learns its index from JobSet.
         env += [
@@ -197,7 +246,7 @@ def render_jobset(
         "chips_per_vm": device.chips_per_vm,
         "image": settings.image,
         "service_account": settings.service_account,
-        "env": _env(v["env"], name, slices),
+        "env": _env(v["env"], name, slices, libtpu_init_args(device, recipe, settings)),
         "trainer_command": trainer_command(run_dir, device.name, attempt),
         "shm_size": v["shm_size"],
         "termination_grace_period_s": v["termination_grace_period_s"],

@@ -20,13 +20,14 @@ class DoesNotFit(OlmoCtlError):
 
 
 def _row(r) -> dict:
-    keys = ("device", "topology", "devices", "per_device_batch", "grad_accum", "remat", "head_dim",
+    keys = ("device", "topology", "devices", "per_device_batch", "grad_accum", "remat", "attention", "head_dim",
             "n_layers", "hbm_bytes_per_device", "peak_bytes_per_device", "fits", "shortfall_bytes_per_device",
             "argument_bytes_per_device", "temp_bytes_per_device", "xla_flops_per_step", "formula_flops_per_step",
             "xla_vs_formula", "xla_dense_flops_per_step", "formula_dense_flops_per_step", "dense_xla_vs_formula",
             "xla_attention_flops_per_step", "formula_attention_flops_per_step", "xla_recompute_flops_per_step",
             "formula_olmo_core_flops_per_step", "compile_s", "cached", "param_count", "recipe",
-            "recipe_fingerprint", "trainer_version", "error", "notes", "largest_buffers")
+            "recipe_fingerprint", "trainer_version", "error", "notes", "largest_buffers", "kernel_flops_per_step",
+            "xla_flags")
     d = r.to_dict()
     return {k: d[k] for k in keys}
 
@@ -52,7 +53,8 @@ def _print_table(results, recommended=None) -> None:
     c = console()
     first = results[0]
     c.print(f"{first.recipe} on {first.device} ({first.topology}, {first.devices} devices), "
-            f"{first.n_layers} layers, head dim {first.head_dim}", highlight=False)
+            f"{first.n_layers} layers, head dim {first.head_dim}, {first.attention} attention, "
+            f"{len(first.xla_flags)} XLA flags", highlight=False)
     c.print(t)
     c.print("batch = micro-batch per device x accumulation; TFLOP/step = XLA (loops counted) / MaxText formula;"
             " peak = arguments + temporaries + outputs - donated" + ("; * from the cache" if any(r.cached for r in results)
@@ -87,6 +89,7 @@ def preflight(
 
     Exit 0 when it fits, 1 when it does not (by how many GiB), 2 on bad input.
     """
+    from olmo_ctl.core.config import resolve_settings
     from olmo_ctl.core.devices import get_device
     from olmo_ctl.core.errors import BadInput
     from olmo_ctl.core.recipe import load_recipe
@@ -104,7 +107,8 @@ def preflight(
     if hbm_gib is not None and hbm_gib <= 0:
         raise BadInput("--hbm-gib must be positive")
     kw = dict(head_dim=head_dim, n_layers=layers, per_device_batch=per_device_batch,
-              hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB), use_cache=not no_cache)
+              hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB), use_cache=not no_cache,
+              settings=resolve_settings())
     if search:
         tried, best = pf.search(r, dev, **kw)
         if output == Output.json:

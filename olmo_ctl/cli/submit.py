@@ -105,7 +105,7 @@ def submit(
             if not no_preflight:
                 from olmo_ctl.preflight.compile import submit_check
 
-                submit_check(r, dev, plan, log=note)
+                submit_check(r, dev, plan, log=note, settings=settings)
 
         submit_attempt(recipe=r, device=dev, settings=settings, run=run_name, run_dir=run_dir, attempt=attempt,
                        backend=be, before_create=preflight, show=show if output_manifest is not None else None)

@@ -35,6 +35,7 @@ DESCRIPTIONS = {
     "service_account": "Kubernetes service account with Workload Identity",
     "placement_policy": "placement policy of multi-host Ironwood node pools ({topology} ok)",
     "backend": "gke or local",
+    "xla_flags": "XLA/libtpu flags merged over the launch template's and the recipe's (space-separated --name=value)",
 }
 
 
@@ -49,6 +50,7 @@ class Settings:
     service_account: str = "olmo-ctl"
     placement_policy: str | None = None
     backend: str = "gke"
+    xla_flags: str | None = None
     # Where each value came from: "flag", "env OLMO_CTL_X", "file <path>" or "default".
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -161,7 +163,7 @@ def resolve_settings(**flag_values: str | None) -> Settings:
         raise TypeError(f"unknown settings {sorted(unknown)}")  # a programming error, not a user one
     path = config_path()
     from_file = _load_file(path)
-    optional = {"kube_context", "priority_class", "placement_policy"}
+    optional = {"kube_context", "priority_class", "placement_policy", "xla_flags"}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name in ["backend"] + [n for n in names if n != "backend"]:  # run_root's default depends on it

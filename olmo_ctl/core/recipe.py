@@ -65,8 +65,9 @@ class ModelConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     # Rematerialisation: none | full (recompute the whole block) | save_proj (keep attention/MLP projections)
     remat: Literal["none", "full", "save_proj"] = "full"
-    # Attention implementation: auto picks the blocked kernel on TPU/GPU and the reference path on CPU.
-    attention: Literal["auto", "reference", "blocked"] = "auto"
+    # Attention implementation: auto picks splash on TPU, cudnn on GPU (blocked without cuDNN), reference
+    # on CPU (olmo_ctl/trainer/attention.py; docs/attention-and-xla-flags.md).
+    attention: Literal["auto", "splash", "blocked", "reference", "cudnn"] = "auto"
     eos_token_id: int = 100257
     pad_token_id: int = 100277
 
@@ -182,6 +183,10 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # XLA/libtpu flags (`--name=value`) merged over the launch template's for this run's slices
+    # (docs/attention-and-xla-flags.md). Performance only: not part of the fingerprint, so an attempt
+    # may change them.
+    xla_flags: tuple[str, ...] = ()
     source: str = field(default="", compare=False)  # file it came from (not part of the recipe)
 
     @property
@@ -198,7 +203,9 @@ class Recipe:
 
     def fingerprint(self) -> str:
         """Stable hash of the resolved recipe (its content, not where it came from)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        d = self.to_dict()
+        d.pop("xla_flags", None)
+        blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def data_paths(self, split: str = "train") -> list[str]:

@@ -11,24 +11,20 @@ What comes back, per device:
   (the donated state) + temporaries + generated code. `fits` compares it with the device's HBM.
   When the TPU compiler itself refuses the program for lack of HBM, its "used X of Y" is parsed.
 * FLOPs: XLA's `cost_analysis()` counts the body of every while loop once (the grad-accumulation
-  scan, the layer-group scan and the blocked attention's loops), so preflight walks the compiled
-  HLO, infers each loop's trip count from its condition (`i < N`) and adds the matmul FLOPs
-  (dot/convolution, counted as XLA counts them) of every repeated iteration. A conditional counts
-  its most expensive branch, as XLA does: the blocked attention's skipped tiles are counted as
-  executed, so XLA's number is an upper bound on the attention part. Element-wise FLOPs inside
-  loops are counted once (well under 1% of a transformer step).
+  scan, the layer-group scan and the blocked attention's loops), so preflight adds the matmul FLOPs
+  of every repeated iteration, counted on the compiled HLO (`olmo_ctl.preflight.hlo_flops`). A
+  conditional counts its most expensive branch, as XLA does: the blocked attention's skipped tiles
+  are counted as executed, so XLA's number is an upper bound on the attention part. Element-wise
+  FLOPs inside loops are counted once (well under 1% of a transformer step).
 * the same numbers from our formulas (`olmo_ctl.core.flops`, MaxText and OLMo-core), and compile time.
 
-Results are cached as JSON per (recipe fingerprint, device, remat, batch, trainer version) under
-`~/.cache/olmo-ctl/preflight/` ($OLMO_CTL_CACHE_DIR overrides the root); the trainer version is
-the package version plus a hash of the trainer sources, so any change to the step recompiles.
+Results are cached as JSON per (recipe fingerprint, device, remat, batch, trainer version): see
+`olmo_ctl.preflight.cache`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import re
@@ -38,19 +34,21 @@ from pathlib import Path
 
 from olmo_ctl.core import flops as flops_lib
 from olmo_ctl.core.batching import Plan, make_plan, param_count
+from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import GIB, Device
 from olmo_ctl.core.errors import EXIT_RUN_FAILED, BadInput, OlmoCtlError
 from olmo_ctl.core.recipe import Recipe
+from olmo_ctl.preflight.cache import cache_key, load_cached, store_cached, trainer_version
+from olmo_ctl.preflight.hlo_flops import hlo_flops
 
 # Cheapest recompute first: `--search` takes the first one that fits.
 REMAT_POLICIES = ("none", "save_proj", "full")
 HEAD_DIMS = (128, 256)
-TRAINER_SOURCES = ("model.py", "attention.py", "sharding.py", "optim.py", "train.py")
-CACHE_SCHEMA = 1
 # HBM the TPU compiler lets one program use per device (libtpu 0.0.42.1, from its "exceeds available
 # HBM (X)" refusals): a little below the chip's HBM on Ironwood. The verdict uses the smaller of this
 # and the device catalog's HBM, so a step judged to fit is not refused on the slice.
 COMPILER_HBM_BYTES = {"tpu7x": int(94.75 * GIB), "v5p": int(95.74 * GIB)}
+_LIBTPU_ARGS_AT_START: str | None = None  # LIBTPU_INIT_ARGS this process's libtpu started with
 
 
 @dataclass
@@ -100,6 +98,10 @@ class PreflightResult:
     hlo_loops: int | None = None
     hlo_unresolved_loops: int | None = None
     largest_buffers: list[str] = field(default_factory=list)  # XLA's biggest allocations per device
+    xla_flags: list[str] = field(default_factory=list)  # the pods' LIBTPU_INIT_ARGS, compiled with
+    # Pallas kernels (splash attention) as counted from their masks: XLA's cost analysis counts none of
+    # their FLOPs; they are added to xla_flops_per_step and xla_attention_flops_per_step.
+    kernel_flops_per_step: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -176,56 +178,6 @@ def plan_for(recipe: Recipe, device: Device, per_device_batch: int | None = None
         base = make_plan(dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, n_layers=1)), device)
     return dataclasses.replace(base, per_device_batch=per_device_batch, grad_accum=share // per_device_batch,
                                remat=recipe.model.remat)
-
-
-# ----------------------------------------------------------------------------- cache
-
-
-def trainer_version() -> str:
-    from olmo_ctl import __version__
-
-    h = hashlib.sha256()
-    root = Path(__file__).resolve().parents[1] / "trainer"
-    for name in TRAINER_SOURCES:
-        p = root / name
-        h.update(name.encode())
-        h.update(p.read_bytes() if p.exists() else b"")
-    return f"{__version__}+{h.hexdigest()[:12]}"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("OLMO_CTL_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "olmo-ctl"
-    return base / "preflight"
-
-
-def cache_key(recipe: Recipe, device: Device, per_device_batch: int, version: str) -> str:
-    blob = json.dumps({"schema": CACHE_SCHEMA, "recipe": recipe.fingerprint(), "device": device.name,
-                       "remat": recipe.model.remat, "batch": per_device_batch, "trainer": version},
-                      sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def _cache_path(key: str) -> Path:
-    return cache_dir() / f"{key}.json"
-
-
-def load_cached(key: str) -> dict | None:
-    try:
-        return json.loads(_cache_path(key).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def store_cached(key: str, result: PreflightResult) -> None:
-    path = _cache_path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(result.to_dict(), indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # a cache that cannot be written only costs a recompile
 
 
 # ----------------------------------------------------------------------------- compile
@@ -305,17 +257,26 @@ def argument_bytes(tree) -> int:
     return total
 
 
-def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | None = None):
+def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | None = None,
+                 xla_options: dict[str, str] | None = None, libtpu_args: str = ""):
     """Lower and compile the trainer's step for the slice.
 
     Returns (compiled or None, compile_s, error message or None, argument bytes per device).
-    With `dump_dir`, XLA writes its buffer assignment there (see `largest_buffers`).
+    With `dump_dir`, XLA writes its buffer assignment there (see `largest_buffers`). `xla_options`
+    are the pod's XLA flags libtpu takes per compile; `libtpu_args` is the pod's LIBTPU_INIT_ARGS,
+    given to libtpu when this process starts it (see `olmo_ctl.preflight.flags`).
     """
     import jax
 
+    from olmo_ctl.trainer import attention as attn_lib
     from olmo_ctl.trainer import sharding
     from olmo_ctl.trainer.step import make_train_step
 
+    global _LIBTPU_ARGS_AT_START
+    if _LIBTPU_ARGS_AT_START is None:  # libtpu starts with the first topology below, reading these once
+        if libtpu_args:
+            os.environ["LIBTPU_INIT_ARGS"] = libtpu_args
+        _LIBTPU_ARGS_AT_START = os.environ.get("LIBTPU_INIT_ARGS", "")
     devs = topology_devices(device)
     t = recipe.train
     # The topology's mesh is made current only while tracing (not activated for the process): a
@@ -323,12 +284,15 @@ def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | Non
     mesh = sharding.make_mesh(devs, t.mesh, t.data_parallel, activate=False)
     state, state_shard, batch = abstract_inputs(recipe, mesh, plan.grad_accum)
     step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
-    options = {"xla_dump_to": dump_dir, "xla_dump_hlo_module_re": "jit_step"} if dump_dir else None
+    options = dict(xla_options or {})
+    if dump_dir:
+        options.update(xla_dump_to=dump_dir, xla_dump_hlo_module_re="jit_step")
     t0 = time.monotonic()
     try:
-        with jax.set_mesh(mesh):
+        # `auto` attention and splash's block sizes follow the slice, not this machine's CPU.
+        with jax.set_mesh(mesh), attn_lib.compile_target("tpu", device.generation):
             lowered = step.lower(state, batch)
-        compiled = lowered.compile(compiler_options=options)
+        compiled = lowered.compile(compiler_options=options or None)
     except Exception as e:  # noqa: BLE001 - JaxRuntimeError's module moves between jax versions
         msg = str(e)
         if "RESOURCE_EXHAUSTED" in msg or parse_hbm_oom(msg):
@@ -361,234 +325,6 @@ def largest_buffers(dump_dir: str, n: int = 6) -> list[str]:
     return rows
 
 
-# ----------------------------------------------------------------------------- FLOPs from HLO
-
-_COMP_HEAD = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
-_ARRAY = re.compile(r"^\(?([a-z][a-z0-9]*)\[([0-9,]*)\]")
-
-
-@dataclass
-class _Instr:
-    name: str
-    shape: tuple[int, ...] | None
-    op: str
-    operands: list[str]
-    attrs: str
-    args: str  # the raw text between the parentheses (a constant's value)
-
-
-def _split_operands(rest: str) -> tuple[str, str]:
-    depth = 1
-    for i, ch in enumerate(rest):
-        if ch in "({":
-            depth += 1
-        elif ch in ")}":
-            depth -= 1
-            if depth == 0:
-                return rest[:i], rest[i + 1:]
-    return rest, ""
-
-
-def parse_hlo(text: str) -> tuple[dict[str, list[_Instr]], str | None]:
-    comps: dict[str, list[_Instr]] = {}
-    entry = None
-    cur: list[_Instr] | None = None
-    for line in text.splitlines():
-        if not line.startswith(" ") and line.rstrip().endswith("{"):
-            m = _COMP_HEAD.match(line.strip())
-            if m:
-                cur = comps.setdefault(m.group(1), [])
-                if line.startswith("ENTRY"):
-                    entry = m.group(1)
-            continue
-        if cur is None:
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, shape_txt, op, rest = m.groups()
-        ops_txt, attrs = _split_operands(rest)
-        a = _ARRAY.match(shape_txt)
-        shape = tuple(int(x) for x in a.group(2).split(",") if x) if a and not shape_txt.startswith("(") else None
-        cur.append(_Instr(name, shape, op, re.findall(r"%([\w.\-]+)", ops_txt), attrs, ops_txt))
-    return comps, entry
-
-
-def _attr(attrs: str, key: str) -> str | None:
-    m = re.search(rf"\b{key}=(\{{[^}}]*\}}|[^,\s]+)", attrs)
-    return m.group(1) if m else None
-
-
-def _dims(txt: str | None) -> list[int]:
-    return [int(x) for x in re.findall(r"\d+", txt or "")]
-
-
-def _valid_taps(out: int, size: int, stride: int, pad_lo: int, in_size: int, lhs_dil: int, rhs_dil: int) -> int:
-    """Sum over output positions of the kernel taps that land on a real input element."""
-    import numpy as np
-
-    o = np.arange(out, dtype=np.int64)[:, None]
-    k = np.arange(size, dtype=np.int64)[None, :]
-    p = o * stride + k * rhs_dil - pad_lo
-    dilated = (in_size - 1) * lhs_dil + 1
-    ok = (p >= 0) & (p < dilated) & (p % lhs_dil == 0)
-    return int(ok.sum())
-
-
-def _conv_flops(ins: _Instr, shapes: dict[str, tuple[int, ...] | None]) -> float:
-    labels = _attr(ins.attrs, "dim_labels")
-    if not labels or ins.shape is None or len(ins.operands) < 2:
-        return 0.0
-    lhs_l, rest = labels.split("_", 1)
-    rhs_l, out_l = rest.split("->")
-    lhs, rhs, out = shapes.get(ins.operands[0]), shapes.get(ins.operands[1]), ins.shape
-    if lhs is None or rhs is None:
-        return 0.0
-    in_feat = rhs[rhs_l.index("i")]
-    spatial = sorted(c for c in out_l if c.isdigit())
-    win = _attr(ins.attrs, "window") or ""
-
-    def per_dim(key: str, default: int) -> list[int]:
-        m = re.search(rf"\b{key}=([0-9_x]+)", win)
-        if not m:
-            return [default] * len(spatial)
-        return [int(v.split("_")[0]) for v in m.group(1).split("x")]
-
-    sizes = per_dim("size", 1)
-    strides = per_dim("stride", 1)
-    lhs_d = per_dim("lhs_dilate", 1)
-    rhs_d = per_dim("rhs_dilate", 1)
-    pm = re.search(r"\bpad=([0-9_x\-]+)", win)
-    pads = [int(v.split("_")[0]) for v in pm.group(1).split("x")] if pm else [0] * len(spatial)
-    taps = 1
-    for i, c in enumerate(spatial):
-        taps *= _valid_taps(out[out_l.index(c)], sizes[i], strides[i], pads[i], lhs[lhs_l.index(c)],
-                            lhs_d[i], rhs_d[i])
-    non_spatial = out[out_l.index("b")] * out[out_l.index("f")]
-    return 2.0 * non_spatial * in_feat * taps
-
-
-def _dot_flops(ins: _Instr, shapes: dict[str, tuple[int, ...] | None]) -> float:
-    lhs = shapes.get(ins.operands[0]) if ins.operands else None
-    if lhs is None or ins.shape is None:
-        return 0.0
-    contracted = math.prod(lhs[d] for d in _dims(_attr(ins.attrs, "lhs_contracting_dims")))
-    return 2.0 * math.prod(ins.shape) * contracted
-
-
-def _trip_count(ins: _Instr, comps: dict[str, list[_Instr]]) -> int | None:
-    known = re.search(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)', ins.attrs)
-    if known:
-        return int(known.group(1))
-    cond = comps.get((_attr(ins.attrs, "condition") or "").lstrip("%"))
-    if not cond:
-        return None
-    # JAX loops (scan, map, fori_loop) count an s32 index up from 0 while `index < N`.
-    consts = {c.name: int(c.args) for c in cond if c.op == "constant" and re.fullmatch(r"-?\d+", c.args.strip())}
-    root = cond[-1]
-    if root.op != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
-        return None
-    return consts.get(root.operands[1])
-
-
-_SPEC = re.compile(r"([a-z]+),([a-z]+)->([a-z]+)")
-
-
-def matmul_kind(ins: _Instr) -> str:
-    """`recompute` (a rematerialised forward op), `attention` (scores or values), or `dense`.
-
-    Read from the op name JAX writes into the HLO metadata: recomputed ops sit under
-    `rematted_computation`; the attention einsums are the ones whose spec has both a query (q) and
-    a key (k) axis (`bhqd,bhkd->bhqk`, `bhqk,bhkd->bhqd`, ...), while every weight matmul is
-    `btd,df->btf`-like (see trainer/model.py and trainer/attention.py).
-    """
-    m = re.search(r'op_name="([^"]*)"', ins.attrs)
-    name = m.group(1) if m else ""
-    if "rematted_computation" in name:
-        return "recompute"
-    for spec in _SPEC.findall(name):
-        if "q" in "".join(spec) and "k" in "".join(spec):
-            return "attention"
-    return "dense"
-
-
-_KINDS = ("dense", "attention", "recompute")
-
-
-@dataclass
-class HloFlops:
-    """Matmul FLOPs of one device's compiled program."""
-
-    with_trip_counts: float  # loop bodies times their trip counts
-    body_once: float  # every loop body counted once (how cost_analysis() counts)
-    dense: float  # with trip counts: weight matmuls (forward and backward, LM head included)
-    attention: float  # with trip counts: attention scores/values (forward and backward)
-    recompute: float  # with trip counts: the forward ops rematerialisation runs again
-    loops: int
-    unresolved_loops: int
-
-
-def hlo_flops(text: str) -> HloFlops:
-    """Matmul FLOPs of a compiled HLO module, with and without loop trip counts (see module doc)."""
-    comps, entry = parse_hlo(text)
-    shapes = {i.name: i.shape for instrs in comps.values() for i in instrs}
-    memo: dict[tuple[str, bool], tuple[float, float, float]] = {}
-    stats = {"loops": 0, "unresolved": 0}
-    seen_loops: set[str] = set()
-
-    def add(a, b, k=1.0):
-        return tuple(x + k * y for x, y in zip(a, b, strict=True))
-
-    def comp(name: str, trips: bool) -> tuple[float, float, float]:
-        key = (name, trips)
-        if key in memo:
-            return memo[key]
-        memo[key] = (0.0, 0.0, 0.0)  # guards against cycles
-        total = (0.0, 0.0, 0.0)
-        for ins in comps.get(name, []):
-            if ins.op in ("convolution", "dot"):
-                f = _conv_flops(ins, shapes) if ins.op == "convolution" else _dot_flops(ins, shapes)
-                one = [0.0, 0.0, 0.0]
-                one[_KINDS.index(matmul_kind(ins))] = f
-                total = add(total, one)
-            elif ins.op == "while":
-                body = (_attr(ins.attrs, "body") or "").lstrip("%")
-                n = 1
-                if trips:
-                    tc = _trip_count(ins, comps)
-                    if ins.name not in seen_loops:
-                        seen_loops.add(ins.name)
-                        stats["loops"] += 1
-                        stats["unresolved"] += tc is None
-                    n = 1 if tc is None else tc
-                total = add(total, comp(body, trips), n)
-            elif ins.op == "conditional":
-                branches = re.findall(r"%([\w.\-]+)", _attr(ins.attrs, "branch_computations") or "")
-                for k in ("true_computation", "false_computation"):
-                    v = _attr(ins.attrs, k)
-                    if v:
-                        branches.append(v.lstrip("%"))
-                costs = [comp(b, trips) for b in branches]
-                if costs:
-                    total = add(total, max(costs, key=sum))
-            else:
-                for k in ("calls", "to_apply"):
-                    v = _attr(ins.attrs, k)
-                    if v and (k == "calls" or ins.op == "call"):
-                        for c in re.findall(r"%?([\w.\-]+)", v):
-                            total = add(total, comp(c, trips))
-        memo[key] = total
-        return total
-
-    if entry is None:
-        return HloFlops(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
-    dense, attention, recompute = comp(entry, True)
-    once = sum(comp(entry, False))
-    return HloFlops(dense + attention + recompute, once, dense, attention, recompute,
-                    stats["loops"], stats["unresolved"])
-
-
 # ----------------------------------------------------------------------------- the check
 
 
@@ -603,25 +339,46 @@ def formula_flops_per_step(recipe: Recipe) -> dict[str, float]:
 
 
 def _tpu_attention(recipe: Recipe) -> Recipe:
-    """`attention: auto` resolves by the backend at trace time; on a TPU slice that is `blocked`."""
-    if recipe.model.attention != "auto":
+    """`attention: auto` resolves by the platform at trace time; on a TPU slice that is `splash`."""
+    on_tpu = {"auto": "splash", "cudnn": "blocked"}  # attention.resolve(..., platform="tpu")
+    if recipe.model.attention not in on_tpu:
         return recipe
-    return dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, attention="blocked"))
+    return dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, attention=on_tpu[recipe.model.attention]))
+
+
+def pod_xla_flags(recipe: Recipe, device: Device, settings: Settings | None) -> tuple[list[str], dict[str, str]]:
+    """The XLA flags the slice's pods get and the subset preflight passes as compile options.
+
+    Checked by libtpu first (`olmo_ctl.preflight.flags`): an unknown flag is bad input naming it.
+    """
+    from olmo_ctl.backends.jobset import xla_flag_sources
+    from olmo_ctl.preflight import flags as flags_lib
+
+    sources = xla_flag_sources(device, recipe, settings)
+    flags = [f"--{k}={v}" for k, (v, _) in sources.items()]
+    try:
+        per_compile, _startup = flags_lib.check(" ".join(flags), device.topology_name)
+    except flags_lib.UnknownFlag as e:
+        raise flags_lib.refuse(e.name, sources) from None
+    return flags, {k: sources[k][0] for k in per_compile}
 
 
 def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, head_dim: int | None = None,
                   n_layers: int | None = None, per_device_batch: int | None = None,
-                  hbm_bytes: int | None = None, use_cache: bool = True) -> PreflightResult:
+                  hbm_bytes: int | None = None, use_cache: bool = True,
+                  settings: Settings | None = None) -> PreflightResult:
     """Compile the train step of `recipe` for `device` and report memory, FLOPs and compile time.
 
     `hbm_bytes` overrides the device's HBM per device for the verdict only (the compile always
-    targets the real chip). Does not raise when the step does not fit: look at `fits`.
+    targets the real chip). `settings` (site settings) may add XLA flags (`xla_flags`); the step
+    compiles with the flags the pods get. Does not raise when the step does not fit: look at `fits`.
     """
     recipe = _tpu_attention(preflight_recipe(recipe, remat=remat, head_dim=head_dim, n_layers=n_layers))
     plan = plan_for(recipe, device, per_device_batch)
     hbm = int(hbm_bytes) if hbm_bytes is not None else usable_hbm_bytes(device)
     version = trainer_version()
-    key = cache_key(recipe, device, plan.per_device_batch, version)
+    flags, xla_options = pod_xla_flags(recipe, device, settings)
+    key = cache_key(recipe, device, plan.per_device_batch, version, flags)
     if use_cache:
         hit = load_cached(key)
         names = {f.name for f in dataclasses.fields(PreflightResult)}
@@ -637,10 +394,11 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="olmo-ctl-preflight-") as dump:
-        compiled, compile_s, error, arg_estimate = compile_step(recipe, device, plan, dump_dir=dump)
+        compiled, compile_s, error, arg_estimate = compile_step(recipe, device, plan, dump_dir=dump,
+                                                                xla_options=xla_options, libtpu_args=" ".join(flags))
         buffers = largest_buffers(dump)
     notes: list[str] = []
-    xla_step = xla_once = ratio = dense = attention = recompute = dense_ratio = counted = None
+    xla_step = xla_once = ratio = dense = attention = recompute = dense_ratio = counted = kernel = None
     if compiled is not None:
         mem = compiled.memory_analysis()
         arg, out, alias = mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.alias_size_in_bytes
@@ -649,15 +407,21 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list | tuple) else cost
         xla_once = float(cost.get("flops", 0.0))
-        counted = hlo_flops(compiled.as_text())
+        counted = hlo_flops(compiled.as_text(), kernel_flops=splash_kernel_flops)
         if counted.unresolved_loops:
             notes.append(f"{counted.unresolved_loops} of {counted.loops} loops had no inferable trip count"
                          " (counted once)")
-        # XLA's own count, plus the matmul FLOPs of every repeated loop iteration.
-        per_device = xla_once + (counted.with_trip_counts - counted.body_once)
+        # XLA's own count, plus the matmul FLOPs of every repeated loop iteration, plus the Pallas
+        # kernels' (which XLA does not count).
+        per_device = xla_once + (counted.with_trip_counts - counted.body_once) + counted.kernel
         n = device.devices
         xla_step = per_device * n
-        dense, attention, recompute = counted.dense * n, counted.attention * n, counted.recompute * n
+        kernel = counted.kernel * n
+        dense, recompute = counted.dense * n, counted.recompute * n
+        attention = (counted.attention + counted.kernel) * n
+        if counted.kernel:
+            notes.append(f"XLA's cost analysis does not count Pallas kernels: {kernel / 1e12:,.0f} TFLOP/step of"
+                         f" {m.attention} attention added, counted from its masks (the tiles it computes)")
         ratio = xla_step / formula["maxtext"]
         dense_ratio = dense / formula["dense"]
     else:
@@ -689,11 +453,42 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
         hlo_flops_per_device_body_once=counted.body_once if counted else None,
         hlo_loops=counted.loops if counted else None,
         hlo_unresolved_loops=counted.unresolved_loops if counted else None, largest_buffers=buffers,
+        xla_flags=flags, kernel_flops_per_step=kernel,
         compile_s=round(compile_s, 2), compiled_by_xla=compiled is not None, trainer_version=version,
         error=None if compiled is not None else (error or "").strip().splitlines()[0][:500], notes=notes,
     )
-    store_cached(key, result)
+    store_cached(key, result.to_dict())
     return _with_hbm(result, hbm)
+
+
+_SPLASH_SCOPE = re.compile(r"splash_T(\d+)_W(\d+)_Q(\d+)_K(\d+)")
+_SPLASH_PHASE = re.compile(r"splash_m[hq]a_(fwd|dq|dkv)")
+_ARRAYS = re.compile(r"\b(?:bf16|f16|f32)\[([0-9,]+)\]")
+
+
+def splash_kernel_flops(ins) -> float:
+    """Matmul FLOPs of one splash-attention custom call, from its mask (the tiles it computes).
+
+    The trainer names each call's scope after its mask (`attention.splash_scope`: padded length,
+    window, blocks); the phase (fwd, dq, dkv) is the kernel's name; heads x local batch and the
+    head dim come from the query operand's shape.
+    """
+    from olmo_ctl.trainer import attention as attn_lib
+
+    scope, phase = _SPLASH_SCOPE.search(ins.attrs), _SPLASH_PHASE.search(ins.attrs)
+    constraints = ins.attrs.split("operand_layout_constraints=", 1)
+    if not scope or not phase or len(constraints) < 2:
+        return 0.0
+    query = next((x for x in _ARRAYS.findall(constraints[1]) if x.count(",") >= 2), None)
+    if query is None:
+        return 0.0
+    dims = [int(d) for d in query.split(",")]
+    T, W, bq, bkv = (int(g) for g in scope.groups())
+    kind = phase.group(1)
+    if kind == "dkv" and attn_lib.SPLASH_FUSED_BWD:  # the fused dkv kernel computes dq too
+        kind = "dkv_fused"
+    tiles = attn_lib.splash_mask_blocks(T, W or None, bq, bkv)
+    return 2.0 * bq * bkv * dims[-1] * attn_lib.SPLASH_TILE_MATMULS[kind] * tiles * math.prod(dims[:-2])
 
 
 def usable_hbm_bytes(device: Device) -> int:
@@ -725,7 +520,8 @@ def search(recipe: Recipe, device: Device, **kw) -> tuple[list[PreflightResult],
 # ----------------------------------------------------------------------------- submit's gate
 
 
-def submit_check(recipe: Recipe, device: Device, plan: Plan, *, log=print) -> PreflightResult | None:
+def submit_check(recipe: Recipe, device: Device, plan: Plan, *, log=print,
+                 settings: Settings | None = None) -> PreflightResult | None:
     """The preflight `submit` runs before queueing for a slice (skip it with `--no-preflight`).
 
     Runs only for TPU slices and only where libtpu is installed (else returns None): it compiles
@@ -735,13 +531,15 @@ def submit_check(recipe: Recipe, device: Device, plan: Plan, *, log=print) -> Pr
     """
     if not device.is_tpu or not libtpu_available():
         return None
+    from olmo_ctl.backends.jobset import xla_flags_for
+
     r = _tpu_attention(recipe)
-    key = cache_key(r, device, plan.per_device_batch, trainer_version())
+    key = cache_key(r, device, plan.per_device_batch, trainer_version(), xla_flags_for(device, r, settings))
     if load_cached(key) is None:
         log(f"preflight: compiling the train step for {device.name} ({device.topology_name}) on this machine;"
             " this takes a few minutes once per recipe, device and trainer version (--no-preflight skips it)")
     try:
-        result = run_preflight(recipe, device, per_device_batch=plan.per_device_batch)
+        result = run_preflight(recipe, device, per_device_batch=plan.per_device_batch, settings=settings)
     except OlmoCtlError:
         raise
     except Exception as e:  # noqa: BLE001 - a step that does not compile would fail on the slice too

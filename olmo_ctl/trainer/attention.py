@@ -1,7 +1,9 @@
-"""Causal attention with an optional sliding window, in two implementations checked against each other.
+"""Causal attention with an optional sliding window: four implementations, checked against each other.
 
-Semantics (both paths): query i sees key j when j <= i and, with a window W, i - W < j (the token
-itself plus the W-1 before it). Softmax scale 1/sqrt(head_dim); scores and softmax in fp32.
+Semantics (every path): query i sees key j when j <= i and, with a window W, i - W < j (the token
+itself plus the W-1 before it); with segment ids (documents packed into one instance), also only
+when both carry the same id, so attention never crosses a document boundary. Softmax scale
+1/sqrt(head_dim); scores and softmax in fp32.
 
 * `reference`: plain einsum + mask + fp32 softmax. Builds the [T, T] score matrix per head; used on
   CPU and as the ground truth in tests.
@@ -10,41 +12,135 @@ itself plus the W-1 before it). Softmax scale 1/sqrt(head_dim); scores and softm
   its causal window can reach (blocks wholly outside are skipped with `lax.cond`), so neither the
   forward nor the backward pass ever holds more than one [block, block] score tile per head. Memory
   saved for the backward pass is the output and one log-sum-exp per query. Runs on every platform,
-  so CI checks it against `reference` on CPU; it is the default on TPU and GPU.
+  so CI checks it against `reference` on CPU.
+* `splash`: the Pallas TPU kernel MaxText uses (`jax.experimental.pallas.ops.tpu.splash_attention`),
+  with a `LocalMask` for sliding layers and a `CausalMask` for full ones; it computes only the
+  (block_q, block_kv) tiles its mask touches. Block sizes per TPU generation: `SPLASH_BLOCKS`. On a
+  ("data", "fsdp") mesh it runs under `shard_map`, one batch shard per device (a Pallas call cannot
+  be partitioned by XLA). Off TPU it runs in Pallas interpret mode (slow: tests only).
+* `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` with `local_window_size` for
+  sliding layers, on NVIDIA GPUs. Where cuDNN is unavailable it falls back to `blocked`.
 
-Layouts: q [B, T, H, D], k and v [B, T, KV, D] with H a multiple of KV (grouped-query attention).
+`auto` resolves by the platform the step is compiled for (`target`): splash on TPU, cudnn on GPU
+(blocked where cuDNN is unavailable), reference on CPU. Preflight sets the target to the TPU slice it
+compiles for (`compile_target`), so `auto` and the block sizes follow the slice, not this machine.
+
+Layouts: q [B, T, H, D], k and v [B, T, KV, D] with H a multiple of KV (grouped-query attention);
+segment ids [B, T] int32.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+import logging
 import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("reference", "blocked")
+IMPLEMENTATIONS = ("reference", "blocked", "splash", "cudnn")
+CHOICES = ("auto", *IMPLEMENTATIONS)
 DEFAULT_BLOCK = 512
 _NEG = -1e30  # finite "minus infinity": a fully masked tile never produces NaN
+_PAD_SEGMENT = -1  # segment id of padding: a padded query always sees itself, never a real key
+log = logging.getLogger(__name__)
+
+# Splash block sizes per TPU generation: (block_q, block_kv, block_kv_compute) for every pass
+# (forward, dq, dkv). Chosen by compiling a forward + backward of the 7B attention shape for each
+# generation's topology with libtpu (docs/attention-and-xla-flags.md, "Splash block sizes").
+SPLASH_BLOCKS = {
+    "tpu7x": (2048, 2048, 512),
+    "v5p": (1024, 1024, 512),
+    "default": (512, 512, 512),
+}
+SPLASH_FUSED_BWD = True  # one backward kernel for dq, dk and dv (MaxText's default)
+
+_TARGET: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("attention_target", default=None)
 
 
-def resolve(impl: str) -> str:
-    """`auto` -> `reference` on CPU, `blocked` on accelerators."""
+def generation_of(device_kind: str) -> str:
+    """A TPU device kind (`TPU7x`, `TPU v5p`, ...) as a device-catalog generation (`tpu7x`, `v5p`)."""
+    kind = device_kind.lower().replace(" ", "")
+    if "7x" in kind:
+        return "tpu7x"
+    for gen in ("v6e", "v5p", "v5e", "v5lite", "v4"):
+        if gen in kind:
+            return "v5e" if gen == "v5lite" else gen
+    return kind
+
+
+def target() -> tuple[str, str]:
+    """(platform, generation) the step is compiled for: `compile_target`'s, else this process's devices."""
+    t = _TARGET.get()
+    if t is not None:
+        return t
+    platform = jax.default_backend()
+    return platform, generation_of(jax.devices()[0].device_kind) if platform == "tpu" else ""
+
+
+@contextlib.contextmanager
+def compile_target(platform: str, generation: str = ""):
+    """Trace for `platform` (and TPU `generation`) rather than this process's own devices."""
+    token = _TARGET.set((platform, generation))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+@functools.lru_cache(maxsize=1)
+def cudnn_available() -> bool:
+    """cuDNN fused attention compiles on this process's GPU (False on any other platform)."""
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+        jax.jit(partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")).lower(
+            x, x, x).compile()
+        return True
+    except Exception as e:  # noqa: BLE001 - missing cuDNN, too old a GPU, ...: fall back
+        log.warning("cuDNN fused attention is unavailable (%s); using the blocked kernel",
+                    str(e).splitlines()[0][:200])
+        return False
+
+
+def resolve(impl: str, platform: str | None = None, cudnn: bool | None = None) -> str:
+    """The implementation that runs: `auto` by platform; `cudnn` without cuDNN falls back to `blocked`.
+
+    `platform` defaults to the compile target's; `cudnn` to whether cuDNN attention works here.
+    """
+    if impl not in CHOICES:
+        raise ValueError(f"unknown attention implementation {impl!r}; known: {', '.join(CHOICES)}")
+    if platform is None:
+        platform = target()[0]
     if impl == "auto":
-        return "reference" if jax.default_backend() == "cpu" else "blocked"
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown attention implementation {impl!r}; known: auto, {', '.join(IMPLEMENTATIONS)}")
+        impl = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform, "reference")
+    if impl == "cudnn":
+        ok = (platform in ("gpu", "cuda") and cudnn_available()) if cudnn is None else cudnn
+        if not ok:
+            return "blocked"
     return impl
 
 
-def attend(q, k, v, *, window: int | None, impl: str = "reference", block: int = DEFAULT_BLOCK):
-    """Causal (optionally sliding-window) attention; returns [B, T, H, D] in q's dtype."""
+def attend(q, k, v, *, window: int | None, impl: str = "reference", block: int = DEFAULT_BLOCK,
+           segment_ids=None):
+    """Causal (optionally sliding-window) attention; returns [B, T, H, D] in q's dtype.
+
+    `segment_ids` [B, T] (optional): a query sees only keys of its own segment.
+    """
     impl = resolve(impl)
     if window is not None and window >= q.shape[1]:
         window = None  # the window covers the whole sequence: plain causal attention
     if impl == "reference":
-        return reference_attention(q, k, v, window=window)
-    return blocked_attention(q, k, v, window=window, block=block)
+        return reference_attention(q, k, v, window=window, segment_ids=segment_ids)
+    if impl == "splash":
+        return splash_attention(q, k, v, window=window, segment_ids=segment_ids)
+    if impl == "cudnn":
+        return cudnn_attention(q, k, v, window=window, segment_ids=segment_ids)
+    return blocked_attention(q, k, v, window=window, block=block, segment_ids=segment_ids)
 
 
 def _repeat_kv(x, n_heads: int):
@@ -60,15 +156,23 @@ def causal_mask(q_pos, k_pos, window: int | None):
     return ok
 
 
+def _same_segment(seg_q, seg_k):
+    """[B, Tq], [B, Tk] -> boolean [B, 1, Tq, Tk]."""
+    return (seg_q[:, :, None] == seg_k[:, None, :])[:, None]
+
+
 # ----------------------------------------------------------------------------- reference
 
 
-def reference_attention(q, k, v, *, window: int | None):
+def reference_attention(q, k, v, *, window: int | None, segment_ids=None):
     B, T, H, D = q.shape
     k, v = _repeat_kv(k, H), _repeat_kv(v, H)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(D)
     pos = jnp.arange(T)
-    s = jnp.where(causal_mask(pos, pos, window)[None, None], s, _NEG)
+    mask = causal_mask(pos, pos, window)[None, None]
+    if segment_ids is not None:
+        mask = mask & _same_segment(segment_ids, segment_ids)
+    s = jnp.where(mask, s, _NEG)
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
 
@@ -76,14 +180,17 @@ def reference_attention(q, k, v, *, window: int | None):
 # ----------------------------------------------------------------------------- blocked (flash-style)
 
 
-def blocked_attention(q, k, v, *, window: int | None, block: int = DEFAULT_BLOCK):
+def blocked_attention(q, k, v, *, window: int | None, block: int = DEFAULT_BLOCK, segment_ids=None):
     B, T, H, D = q.shape
     k, v = _repeat_kv(k, H), _repeat_kv(v, H)
     blk = min(block, T)
     Tp = -(-T // blk) * blk
     # [B, H, T, D]; padded positions sit after the real ones, so causality hides them from real queries.
     qh, kh, vh = (jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, Tp - T), (0, 0))) for x in (q, k, v))
-    o = _flash(qh, kh, vh, window, blk)
+    seg = None
+    if segment_ids is not None:
+        seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=_PAD_SEGMENT)
+    o = _flash(qh, kh, vh, seg, window, blk)
     return o[:, :, :T].transpose(0, 2, 1, 3)
 
 
@@ -98,11 +205,16 @@ def _tile(x, i, blk):
     return jax.lax.dynamic_slice_in_dim(x, i * blk, blk, axis=2)
 
 
-def _scores(qi, kj, i, j, window, blk, scale):
+def _scores(qi, kj, i, j, window, blk, scale, seg=None):
     s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj, preferred_element_type=jnp.float32) * scale
     q_pos = i * blk + jnp.arange(blk)
     k_pos = j * blk + jnp.arange(blk)
-    return s, causal_mask(q_pos, k_pos, window)[None, None]
+    mask = causal_mask(q_pos, k_pos, window)[None, None]
+    if seg is not None:
+        seg_i = jax.lax.dynamic_slice_in_dim(seg, i * blk, blk, axis=1)
+        seg_j = jax.lax.dynamic_slice_in_dim(seg, j * blk, blk, axis=1)
+        mask = mask & _same_segment(seg_i, seg_j)
+    return s, mask
 
 
 def _loop(lower: int, upper: int, body, init):
@@ -121,7 +233,7 @@ def _loop(lower: int, upper: int, body, init):
     return jax.lax.while_loop(cond, step, (jnp.int32(lower), init))[1]
 
 
-def _forward(q, k, v, window, blk):
+def _forward(q, k, v, seg, window, blk):
     B, H, Tp, D = q.shape
     n = Tp // blk
     span = _span(n, window, blk)
@@ -137,7 +249,7 @@ def _forward(q, k, v, window, blk):
             def visit(c):
                 m, denom, acc = c
                 kj, vj = _tile(k, j, blk), _tile(v, j, blk)
-                s, mask = _scores(qi, kj, i, j, window, blk, scale)
+                s, mask = _scores(qi, kj, i, j, window, blk, scale, seg)
                 m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
                 p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
                 corr = jnp.exp(m - m_new)
@@ -158,18 +270,18 @@ def _forward(q, k, v, window, blk):
     return _loop(0, n, q_block, out)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _flash(q, k, v, window, blk):
-    return _forward(q, k, v, window, blk)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q, k, v, seg, window, blk):
+    return _forward(q, k, v, seg, window, blk)[0]
 
 
-def _flash_fwd(q, k, v, window, blk):
-    o, lse = _forward(q, k, v, window, blk)
-    return o, (q, k, v, o, lse)
+def _flash_fwd(q, k, v, seg, window, blk):
+    o, lse = _forward(q, k, v, seg, window, blk)
+    return o, (q, k, v, seg, o, lse)
 
 
 def _flash_bwd(window, blk, res, do):
-    q, k, v, o, lse = res
+    q, k, v, seg, o, lse = res
     B, H, Tp, D = q.shape
     n = Tp // blk
     span = _span(n, window, blk)
@@ -177,7 +289,7 @@ def _flash_bwd(window, blk, res, do):
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, H, Tp]
 
     def probs(qi, kj, i, j):
-        s, mask = _scores(qi, kj, i, j, window, blk, scale)
+        s, mask = _scores(qi, kj, i, j, window, blk, scale, seg)
         return jnp.where(mask, jnp.exp(s - _tile(lse, i, blk)[..., None]), 0.0)
 
     def dq_block(i, dq_all):
@@ -226,7 +338,136 @@ def _flash_bwd(window, blk, res, do):
 
     dq = _loop(0, n, dq_block, jnp.zeros_like(q))
     dk, dv = _loop(0, n, dkv_block, (jnp.zeros_like(k), jnp.zeros_like(v)))
-    return dq, dk, dv
+    return dq, dk, dv, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ----------------------------------------------------------------------------- splash (Pallas, TPU)
+
+
+def splash_blocks(generation: str, seq_len: int) -> tuple[tuple[int, int, int], int]:
+    """((block_q, block_kv, block_kv_compute), padded length) for a sequence on a TPU generation.
+
+    Blocks are cut to the sequence (rounded up to the 128-lane width); the sequence is padded to a
+    multiple of both blocks (padding sits after the real tokens: causality hides it).
+    """
+    bq, bkv, bkvc = SPLASH_BLOCKS.get(generation, SPLASH_BLOCKS["default"])
+    t128 = -(-seq_len // 128) * 128
+    bq, bkv = min(bq, t128), min(bkv, t128)
+    bkvc = min(bkvc, bkv)
+    if bkv % bkvc:
+        bkvc = bkv
+    step = math.lcm(bq, bkv)
+    return (bq, bkv, bkvc), -(-seq_len // step) * step
+
+
+def splash_mask(seq_len: int, window: int | None):
+    """The kernel's mask for one head: causal, or local with OLMo 3's window (itself + window-1 before)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    if window is None or window >= seq_len:
+        return sa.CausalMask((seq_len, seq_len))
+    return sa.LocalMask((seq_len, seq_len), window_size=(window - 1, 0), offset=0)
+
+
+def _splash_kernel(seq_len: int, n_heads: int, window: int | None, blocks: tuple[int, int, int],
+                   interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    bq, bkv, bkvc = blocks
+    sizes = sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkvc, block_q_dkv=bq, block_kv_dkv=bkv,
+                          block_kv_dkv_compute=bkvc, use_fused_bwd_kernel=SPLASH_FUSED_BWD,
+                          **({} if SPLASH_FUSED_BWD else {"block_q_dq": bq, "block_kv_dq": bkv}))
+    mask = sa.MultiHeadMask([splash_mask(seq_len, window)] * n_heads)
+    # Built inside each trace: the mask's block tables become constants of that program (a kernel
+    # cached across traces would carry one trace's values into another).
+    return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def splash_mask_blocks(seq_len: int, window: int | None, block_q: int, block_kv: int) -> int:
+    """How many (query block, key block) tiles the kernel computes for one head: those its mask touches."""
+    n_q, n_kv = -(-seq_len // block_q), -(-seq_len // block_kv)
+    count = 0
+    for i in range(n_q):
+        q_lo, q_hi = i * block_q, min(seq_len, (i + 1) * block_q) - 1
+        for j in range(n_kv):
+            k_lo, k_hi = j * block_kv, min(seq_len, (j + 1) * block_kv) - 1
+            if k_lo <= q_hi and (window is None or k_hi > q_lo - window):
+                count += 1
+    return count
+
+
+# Matmuls per computed tile, each 2 * block_q * block_kv * head_dim FLOPs: forward QK^T and PV; the dq
+# kernel recomputes S, then dP and dQ; the dkv kernel recomputes S, then dP, dV and dK (and dQ when fused).
+SPLASH_TILE_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4, "dkv_fused": 5}
+
+
+def splash_scope(seq_len: int, window: int | None, blocks: tuple[int, int, int]) -> str:
+    """The named scope around a splash call; preflight reads the mask back from it to count FLOPs."""
+    return f"splash_T{seq_len}_W{window or 0}_Q{blocks[0]}_K{blocks[1]}"
+
+
+def splash_attention(q, k, v, *, window: int | None, segment_ids=None, generation: str | None = None,
+                     interpret: bool | None = None, blocks: tuple[int, int, int] | None = None):
+    """Splash attention (see the module doc). Off TPU it runs in interpret mode unless told otherwise.
+
+    `blocks` (block_q, block_kv, block_kv_compute) overrides the generation's `SPLASH_BLOCKS`.
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    from olmo_ctl.trainer import sharding
+
+    B, T, H, D = q.shape
+    platform, gen = target()
+    generation = gen if generation is None else generation
+    interpret = platform != "tpu" if interpret is None else interpret
+    if window is not None and window >= T:
+        window = None
+    if blocks is None:
+        blocks, Tp = splash_blocks(generation, T)
+    else:
+        Tp = -(-T // math.lcm(blocks[0], blocks[1])) * math.lcm(blocks[0], blocks[1])
+    kernel = _splash_kernel(Tp, H, window, blocks, interpret)
+
+    def heads_first(x):  # [B, T, N, D] -> [B, N, Tp, D]
+        return jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, Tp - T), (0, 0)))
+
+    # The kernel takes the softmax scale folded into the queries.
+    qh = heads_first((q.astype(jnp.float32) / math.sqrt(D)).astype(q.dtype))
+    kh, vh = heads_first(k), heads_first(v)
+    args = [qh, kh, vh]
+    if segment_ids is not None:
+        args.append(jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=_PAD_SEGMENT))
+
+    def run(qh, kh, vh, seg=None):
+        if seg is None:
+            return jax.vmap(kernel)(qh, kh, vh)
+        return jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=sa.SegmentIds(s, s)))(qh, kh, vh, seg)
+
+    mesh = sharding.activation_mesh()
+    n = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    if n > 1 and B % n == 0:
+        spec4 = jax.sharding.PartitionSpec(sharding.AXES, None, None, None)
+        specs = (spec4, spec4, spec4) + ((jax.sharding.PartitionSpec(sharding.AXES, None),) if len(args) == 4 else ())
+        run = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=spec4, check_vma=False)
+    with jax.named_scope(splash_scope(Tp, window, blocks)):
+        o = run(*args)
+    return o[:, :, :T].transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- cuDNN (GPU)
+
+
+def cudnn_attention(q, k, v, *, window: int | None, segment_ids=None, implementation: str = "cudnn"):
+    """`jax.nn.dot_product_attention` with cuDNN: causal, plus the local window for sliding layers.
+
+    Its `local_window_size=(left, right)` lets query i see keys i-left..i+right, so OLMo 3's window W
+    (itself + W-1 before) is (W-1, 0). Segment ids become a boolean mask (materialised [T, T]).
+    `implementation="xla"` runs the same call on any platform (tests check the window on CPU).
+    """
+    mask = None if segment_ids is None else _same_segment(segment_ids, segment_ids)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]),
+        local_window_size=None if window is None else (window - 1, 0), implementation=implementation)

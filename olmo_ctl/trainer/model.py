@@ -150,7 +150,7 @@ def _matmul(x, w, dtype):
     return jnp.einsum("btd,df->btf", x, w.astype(dtype))
 
 
-def attention_block(p, x, cos, sin, cfg: ModelConfig, window: int | None, attention: str):
+def attention_block(p, x, cos, sin, cfg: ModelConfig, window: int | None, attention: str, segment_ids=None):
     """x [B, T, d] -> [B, T, d] (before the post-attention norm)."""
     B, T, _ = x.shape
     dt = x.dtype
@@ -162,7 +162,7 @@ def attention_block(p, x, cos, sin, cfg: ModelConfig, window: int | None, attent
     q = apply_rope(q.reshape(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
     k = apply_rope(k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)
     v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-    o = attn_lib.attend(q, k, v, window=window, impl=attention)  # [B, T, H, D]
+    o = attn_lib.attend(q, k, v, window=window, impl=attention, segment_ids=segment_ids)  # [B, T, H, D]
     return checkpoint_name(_matmul(o.reshape(B, T, -1), p["wo"], dt), "o_proj")
 
 
@@ -174,13 +174,17 @@ def mlp_block(p, x):
     return _matmul(jax.nn.silu(gate) * up, p["w2"], dt)
 
 
-def block(p, x, cos, sin, cfg: ModelConfig, window: int | None, attention: str):
+def block(p, x, cos, sin, cfg: ModelConfig, window: int | None, attention: str, segment_ids=None):
     """One reordered-norm OLMo 3 block; p holds one layer's weights (no layer axis)."""
-    h = x + rms_norm(attention_block(p["attn"], x, cos, sin, cfg, window, attention), p["attn_norm"],
+    h = x + rms_norm(attention_block(p["attn"], x, cos, sin, cfg, window, attention, segment_ids), p["attn_norm"],
                      cfg.rms_norm_eps)
     h = _constrain_batch(h)
     out = h + rms_norm(mlp_block(p["mlp"], h), p["mlp_norm"], cfg.rms_norm_eps)
     return _constrain_batch(out)
+
+
+def _layer(p, x, cos, sin, segment_ids, *, cfg: ModelConfig, window: int | None, attention: str):
+    return block(p, x, cos, sin, cfg, window, attention, segment_ids)
 
 
 def _remat(fn, policy: str):
@@ -224,8 +228,13 @@ def layer_rope(cfg: ModelConfig, seq_len: int):
 # ----------------------------------------------------------------------------- forward
 
 
-def forward(params, tokens, cfg: ModelConfig, *, attention: str | None = None):
-    """tokens int32 [B, T] -> logits float32 [B, T, padded_vocab_size]."""
+def forward(params, tokens, cfg: ModelConfig, *, attention: str | None = None, segment_ids=None):
+    """tokens int32 [B, T] -> logits float32 [B, T, padded_vocab_size].
+
+    `attention` overrides cfg.attention; `auto` resolves by the platform compiled for
+    (`attention.resolve`). `segment_ids` [B, T] (optional): documents packed into one instance;
+    attention never crosses from one segment to another.
+    """
     impl = attn_lib.resolve(attention or cfg.attention)
     dt = dtype_of(cfg.compute_dtype)
     B, T = tokens.shape
@@ -239,12 +248,12 @@ def forward(params, tokens, cfg: ModelConfig, *, attention: str | None = None):
     blocks = params["blocks"]
 
     # A group is P consecutive layers: P-1 sliding then one full (positions fixed by (i+1) % P == 0).
-    layer_fns = [_remat(partial(block, cfg=cfg, window=layer_window(cfg, j), attention=impl), cfg.remat)
+    layer_fns = [_remat(partial(_layer, cfg=cfg, window=layer_window(cfg, j), attention=impl), cfg.remat)
                  for j in range(P)]
 
     def group_step(h, group_params):
         for j in range(P):
-            h = layer_fns[j](jax.tree.map(lambda w, j=j: w[j], group_params), h, *rope(j))
+            h = layer_fns[j](jax.tree.map(lambda w, j=j: w[j], group_params), h, *rope(j), segment_ids)
         return h, None
 
     if n_groups:
@@ -256,8 +265,8 @@ def forward(params, tokens, cfg: ModelConfig, *, attention: str | None = None):
         first = n_groups * P
         if n_tail > 1:
             tail = jax.tree.map(lambda w: w[first: L - 1], blocks)
-            x, _ = jax.lax.scan(lambda h, p: (layer_fns[0](p, h, *rope(first)), None), x, tail)
-        x = layer_fns[P - 1](jax.tree.map(lambda w: w[L - 1], blocks), x, *rope(L - 1))
+            x, _ = jax.lax.scan(lambda h, p: (layer_fns[0](p, h, *rope(first), segment_ids), None), x, tail)
+        x = layer_fns[P - 1](jax.tree.map(lambda w: w[L - 1], blocks), x, *rope(L - 1), segment_ids)
 
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
