@@ -4,8 +4,6 @@
 Start-up stays light: no jax, no tensorboard; numpy and the event reader load inside the commands.
 """
 
-from __future__ import annotations
-
 import json
 import sys
 import time

@@ -1,7 +1,5 @@
 """`olmo-ctl resize`: continue a run on another device at the same global batch."""
 
-from __future__ import annotations
-
 import sys
 from typing import Annotated
 

@@ -1,7 +1,5 @@
 """`olmo-ctl resume-until-done`: supervise a run until its final step is committed."""
 
-from __future__ import annotations
-
 import signal
 from typing import Annotated
 

@@ -1,7 +1,5 @@
 """`olmo-ctl smoke`: run the smoke recipe briefly on a device and check it."""
 
-from __future__ import annotations
-
 import os
 from pathlib import Path
 from typing import Annotated

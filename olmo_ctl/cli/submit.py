@@ -1,7 +1,5 @@
 """`olmo-ctl submit`: render one attempt of a run for a device and (without --dry-run) submit it."""
 
-from __future__ import annotations
-
 import sys
 from pathlib import Path
 from typing import Annotated
