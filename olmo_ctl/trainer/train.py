@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from olmo_ctl.core.contracts import EXIT_SIGTERM, committed_line, step_line
+from olmo_ctl.core.contracts import (
+    EXIT_FAILED,
+    EXIT_RESTART,
+    EXIT_SIGTERM,
+    USER_EXIT_CODES,
+    committed_line,
+    step_line,
+)
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.recipe import Recipe
 
@@ -580,9 +587,9 @@ def main_run(args: TrainArgs) -> int:
         return run(args)
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")
-        if e.exit_code == 3:
-            return 3
-        return e.exit_code if e.exit_code in (1, 2) else 1
+        if e.exit_code == EXIT_RESTART:
+            return EXIT_RESTART
+        return e.exit_code if e.exit_code in USER_EXIT_CODES else EXIT_FAILED
     except Exception as e:
         if not _is_transient_io_error(e):
             raise  # a bug: traceback and exit 1
@@ -590,4 +597,4 @@ def main_run(args: TrainArgs) -> int:
 
         traceback.print_exc()
         sys.stderr.write(f"error: storage or network unreachable ({type(e).__name__}: {e}); the attempt can be retried\n")
-        return 3
+        return EXIT_RESTART
