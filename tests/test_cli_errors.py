@@ -45,6 +45,11 @@ CASES = {
     "unknown option": (["plan", "--stage", "1", "--device", "v5p-8", "--fast"], "--fast"),
     "unknown command": (["launch"], "launch"),
     "submit with placeholders": (["submit", "--stage", "1", "--device", "v5p-8"], "placeholders"),
+    # Refused before the preflight compile (minutes for the 7B step) and before any cluster call.
+    "submit to a local run root on gke": (["submit", "--stage", "1", "--device", "v5p-8", "--run-root", "/tmp/runs",
+                                          "--image", "img:1"], "not on GCS"),
+    "submit a local device on gke": (["submit", "--recipe", "smoke", "--device", "cpu-4", "--run-root", "gs://b/r",
+                                      "--image", "img:1"], "local device"),
 }
 
 

@@ -189,3 +189,14 @@ def test_resize_request_round_trip(rd):
 def test_run_name_is_checked(tmp_path):
     with pytest.raises(BadInput, match="not a valid run name"):
         RunDir.of(str(tmp_path), "Bad_Name")
+
+
+@pytest.mark.parametrize("content", [b"\x00\xff\xfe binary", b"recipe: [unclosed\n", b"- a list\n", b"recipe: 3\n"])
+def test_a_garbage_run_yaml_is_bad_input_naming_the_file(tmp_path, content):
+    rd = RunDir(str(tmp_path / "r"))
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "run.yaml").write_bytes(content)
+    with pytest.raises(BadInput, match="run.yaml` is not a run description"):
+        rd.read_run()
+    with pytest.raises(BadInput):
+        rd.recipe()

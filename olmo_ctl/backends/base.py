@@ -4,7 +4,8 @@
 attempt number, the device, the resolved recipe, its batch plan and the site settings) into the
 backend's request: a JobSet for GKE, a command line and environment for the local backend. `send`
 hands that request to the backend and returns a `Handle`. Submitting is `send(render(attempt))`,
-written once here, so `submit --dry-run` prints exactly what a submit applies.
+written once (`supervise.attempts.submit_next`), so `submit --dry-run` prints exactly what a submit
+applies.
 
 Every backend answers `status` with one normalised state (`olmo_ctl.core.contracts.State`) and a
 human reason copied from its source:
@@ -76,7 +77,7 @@ class Handle:
 
 
 class Backend:
-    """What every backend implements; `submit` and `printable` are written here, once."""
+    """What every backend implements (`printable`, `wait_gone` and `progress` have defaults)."""
 
     name: str = ""
     trains_here: bool = False  # the trainer runs on this machine (it sees this machine's files)
@@ -86,10 +87,6 @@ class Backend:
 
     def send(self, request: Any) -> Handle:
         raise NotImplementedError
-
-    def submit(self, attempt: Attempt) -> Handle:
-        """Render the attempt and send it: what is printed by --dry-run is what is applied."""
-        return self.send(self.render(attempt))
 
     @staticmethod
     def printable(request: Any) -> Any:

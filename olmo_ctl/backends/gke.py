@@ -19,7 +19,6 @@ import time
 from typing import Any
 
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State
-from olmo_ctl.backends.gke_status import classify, container_exits
 from olmo_ctl.backends.jobset import render_jobset
 from olmo_ctl.backends.kube import (
     DEFAULT_POLICY,
@@ -229,6 +228,8 @@ class GKEBackend(Backend):
         return js, wl, pods, events
 
     def status(self, handle: Handle) -> AttemptStatus:
+        from olmo_ctl.backends.gke_status import classify  # loads with the first status, not for a render
+
         js, wl, pods, events = self.read_objects(handle)
         st = classify(js, wl, pods, events)
         if st.state in (State.FAILED_USER, State.FAILED_INFRA, State.PREEMPTED) and st.details.get("pod") \
@@ -351,6 +352,8 @@ class GKEBackend(Backend):
         pods = self._list_pods(ns, handle.name)
         if not pods:
             return []
+        from olmo_ctl.backends.gke_status import container_exits
+
         exits = container_exits(pods)
         if exits:
             return self._pod_log(ns, exits[0].pod, exits[0].container, tail)

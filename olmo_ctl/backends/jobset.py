@@ -271,7 +271,8 @@ def render_jobset(
 def dump_yaml(obj: Any) -> str:
     import yaml
 
-    return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, width=120)
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml when present: the same text, faster
+    return yaml.dump(obj, Dumper=dumper, sort_keys=False, default_flow_style=False, width=120)
 
 
 def dump_json(obj: Any) -> str:

@@ -4,8 +4,6 @@ Command modules (`olmo_ctl/cli/*.py`) register on `app`; `olmo_ctl/cli/__init__.
 Commands parse, call one operation, print, and map errors to exit codes; no logic lives here.
 """
 
-from __future__ import annotations
-
 import json
 import sys
 from enum import Enum

@@ -1,7 +1,5 @@
 """`olmo-ctl compare`: step-aligned deltas between two runs, or a run and a reference curve."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

@@ -1,7 +1,5 @@
 """`olmo-ctl config show`: the resolved site settings and where each came from."""
 
-from __future__ import annotations
-
 import sys
 
 import typer

@@ -1,6 +1,4 @@
 """`olmo-ctl convert`: Hugging Face Olmo3ForCausalLM <-> Orbax checkpoints."""
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

@@ -1,7 +1,5 @@
 """`olmo-ctl data prepare`: token files (OLMo-core raw uint32 layout) from text, with a held-out split."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

@@ -1,7 +1,5 @@
 """`olmo-ctl devices`: the TPU slice catalog and the local backend's devices."""
 
-from __future__ import annotations
-
 import sys
 from typing import Annotated
 

@@ -4,8 +4,6 @@
 Start-up stays light: no jax, no tensorboard; numpy and the event reader load inside the commands.
 """
 
-from __future__ import annotations
-
 import json
 import sys
 import time
@@ -15,7 +13,6 @@ import typer
 
 from olmo_ctl.cli.app import Output, OutputOpt, app, console, print_json
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
-from olmo_ctl.supervise.attempts import handle_status
 
 
 def _fmt_s(s) -> str:
@@ -119,6 +116,7 @@ def _refreshed(src, last: dict, stall_after, backend: bool) -> dict:
     """The next report; when storage is briefly unreachable, the last one with a warning (a watch that
     runs for days must ride out a transient outage; the next refresh tries again)."""
     from olmo_ctl.observe.monitor import build_report
+    from olmo_ctl.supervise.attempts import handle_status
 
     try:
         src.refresh()
@@ -145,6 +143,7 @@ def monitor(
     Exit codes: 0 ok, 2 not a run directory, 3 storage unreachable.
     """
     from olmo_ctl.observe.monitor import build_report, load
+    from olmo_ctl.supervise.attempts import handle_status
 
     if interval <= 0:
         raise BadInput(f"--interval {interval} must be positive")

@@ -1,7 +1,5 @@
 """`olmo-ctl parity`: run our model and the Hugging Face model on the same tokens and compare logits."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

@@ -1,7 +1,5 @@
 """`olmo-ctl plan`: split a recipe's global batch over a device and estimate its compute."""
 
-from __future__ import annotations
-
 import sys
 from typing import Annotated
 

@@ -1,7 +1,5 @@
 """`olmo-ctl resize`: continue a run on another device at the same global batch."""
 
-from __future__ import annotations
-
 import sys
 from typing import Annotated
 
@@ -20,9 +18,6 @@ from olmo_ctl.cli.options import (
 )
 from olmo_ctl.core.config import resolve_settings
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.rundir import RunDir
-from olmo_ctl.supervise.attempts import make_backend, run_settings
-from olmo_ctl.supervise.resize import prepare, resize_run, supervisor_alive
 
 
 @app.command()
@@ -44,6 +39,10 @@ def resize(
 ) -> None:
     """Continue RUN on DEVICE at the same global batch: commit the latest state, stop the attempt,
     submit the next one on DEVICE. With a live supervisor, the request is recorded for it to carry out."""
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.attempts import make_backend, run_settings
+    from olmo_ctl.supervise.resize import prepare, resize_run, supervisor_alive
+
     if at_next_checkpoint and now:
         raise BadInput("--at-next-checkpoint and --now are exclusive", "give one of them")
     mode = "at-next-checkpoint" if at_next_checkpoint else "now"

@@ -1,7 +1,5 @@
 """`olmo-ctl resume-until-done`: supervise a run until its final step is committed."""
 
-from __future__ import annotations
-
 import signal
 from typing import Annotated
 
@@ -24,9 +22,6 @@ from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import default_run_name, validate_run_name
 from olmo_ctl.core.recipe import load_recipe
-from olmo_ctl.rundir import RunDir
-from olmo_ctl.supervise.attempts import check_device, ensure_run, make_backend, run_settings
-from olmo_ctl.supervise.policy import RetryPolicy
 
 
 @app.command("resume-until-done")
@@ -66,6 +61,12 @@ def resume_until_done(
     """Submit attempts of a run until its final step is committed: reattaches to a live attempt, waits
     while queued, resubmits after preemption with backoff, stops on a user error (1) or a crash loop (4).
     Ctrl-C detaches (130) and leaves the attempt running."""
+    # The run directory and the supervision layer (with its event reader) load only for this command.
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.attempts import check_device, ensure_run, make_backend, run_settings
+    from olmo_ctl.supervise.policy import RetryPolicy
+    from olmo_ctl.supervise.supervisor import Supervisor
+
     if run_name and run and run_name != run:
         raise BadInput(f"two run names: `{run_name}` and --run `{run}`", "give one")
     settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
@@ -96,8 +97,6 @@ def resume_until_done(
     ensure_run(rundir, r, device)
     be = make_backend(settings)
     hint = f"olmo-ctl resume-until-done {name} --run-root {settings.run_root} --backend {settings.backend}"
-    from olmo_ctl.supervise.supervisor import Supervisor  # the event reader (numpy) loads here
-
     sup = Supervisor(rundir, be, policy, device=device, poll_s=poll, stop_on_exit=stop_on_exit, reattach_hint=hint)
     sup.out.line(f"run directory: {rundir.path}")
 

@@ -1,7 +1,5 @@
 """`olmo-ctl smoke`: run the smoke recipe briefly on a device and check it."""
 
-from __future__ import annotations
-
 import os
 from pathlib import Path
 from typing import Annotated
@@ -22,7 +20,6 @@ from olmo_ctl.cli.options import (
 )
 from olmo_ctl.core.config import resolve_settings
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.supervise.attempts import make_backend
 
 
 @app.command()
@@ -44,7 +41,8 @@ def smoke(
     import shutil
     import tempfile
 
-    from olmo_ctl.supervise.smoke import FAULT_ENV, SmokeConfig, junit_xml, run_smoke  # numpy: here
+    from olmo_ctl.supervise.attempts import make_backend
+    from olmo_ctl.supervise.smoke import FAULT_ENV, SmokeConfig, junit_xml, run_smoke
 
     settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue, image=image,
                                 run_root=run_root, backend=backend)

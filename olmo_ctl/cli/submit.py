@@ -1,14 +1,11 @@
 """`olmo-ctl submit`: render one attempt of a run for a device and (without --dry-run) submit it."""
 
-from __future__ import annotations
-
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from olmo_ctl import storage
 from olmo_ctl.backends.jobset import dump_json, dump_yaml, placement_policy_for
 from olmo_ctl.cli.app import DeviceOpt, ManifestOutput, RecipeOpt, SetOpt, StageOpt, app
 from olmo_ctl.cli.options import (
@@ -29,7 +26,6 @@ from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import default_run_name, validate_run_name
 from olmo_ctl.core.recipe import load_recipe
-from olmo_ctl.supervise.attempts import make_backend, new_request, submit_attempt
 
 
 def _check_manifest_path(path: Path) -> None:
@@ -78,6 +74,8 @@ def submit(
     ] = False,
 ) -> None:
     """Submit one attempt of a run (a JobSet queued by Kueue); --dry-run prints exactly what is applied."""
+    from olmo_ctl.supervise.attempts import make_backend, new_request, submit_attempt
+
     # Every cheap check (names, site settings, run root, image, queue, plan) before any compile or cluster call.
     settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
                                 priority_class=priority_class, image=image, run_root=run_root,
@@ -90,7 +88,7 @@ def submit(
     plan = make_plan(r, dev)
     if output_manifest is not None:
         _check_manifest_path(output_manifest)
-    run_dir = storage.join(settings.run_root, run_name)
+    run_dir = f"{settings.run_root.rstrip('/')}/{run_name}"
 
     def show(request) -> None:
         text = dump_yaml(request) if output == ManifestOutput.yaml else dump_json(request)
@@ -116,5 +114,5 @@ def submit(
              f"OLMO_CTL_{name.upper()} or `{name}:` in the config file (see `olmo-ctl config show`)")
     if settings.backend == "gke" and settings.placement_policy and placement_policy_for(dev, settings) is None:
         note(f"placement policy `{settings.placement_policy}` is not used: {dev.name} node pools carry none")
-    att = new_request(run_name, run_dir, 1 if attempt is None else attempt, dev, r, settings)
+    att = new_request(run_name, run_dir, 1 if attempt is None else attempt, dev, r, settings, plan=plan)
     show(be.printable(be.render(att)))

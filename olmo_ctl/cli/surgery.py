@@ -1,7 +1,5 @@
 """`olmo-ctl surgery`: checkpoint surgery for stage 2 (warm-Adam) and parameter souping."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

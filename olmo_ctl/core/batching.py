@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from olmo_ctl.core import flops
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import ModelConfig, Recipe
@@ -154,6 +153,8 @@ def plan_report(recipe: Recipe, device: Device, mfu: float = DEFAULT_MFU) -> dic
     step time = FLOPs/token x tokens/step / (devices x peak per device x MFU); wall-clock = step
     time x steps; chip-hours = wall-clock x chips. What `olmo-ctl plan` prints.
     """
+    from olmo_ctl.core import flops  # only `plan` estimates compute
+
     if not 0 < mfu <= 1:
         raise BadInput(f"MFU {mfu:g} is not a fraction in (0, 1]", "for 40% pass 0.4")
     plan = make_plan(recipe, device)

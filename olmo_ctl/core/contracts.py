@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import enum
 import re
-import signal
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class State(str, enum.Enum):
@@ -58,13 +57,15 @@ def exit_state(code: int | None) -> tuple[State, str]:
         return State.RUNNING, "running"
     if code == EXIT_DONE:
         return State.SUCCEEDED, "exit 0"
-    if code in (EXIT_SIGTERM, -signal.SIGTERM):
+    if code in (EXIT_SIGTERM, -15):
         return State.PREEMPTED, f"exit {code} (SIGTERM)"
-    if code in (EXIT_SIGKILL, -signal.SIGKILL):
+    if code in (EXIT_SIGKILL, -9):
         return State.PREEMPTED, f"exit {code} (SIGKILL)"
     if code in USER_EXIT_CODES:
         return State.FAILED_USER, f"exit {code}"
-    if code < 0:
+    if code < 0:  # a child killed by another signal
+        import signal
+
         try:
             return State.FAILED_INFRA, f"killed by {signal.Signals(-code).name}"
         except ValueError:
@@ -90,8 +91,7 @@ def committed_line(step: int) -> str:
     return f"committed step {step}"
 
 
-@dataclass(frozen=True)
-class StepLine:
+class StepLine(NamedTuple):
     step: int
     final: int
     loss: str  # as printed
@@ -107,8 +107,7 @@ def parse_committed_line(line: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-@dataclass(frozen=True)
-class LogProgress:
+class LogProgress(NamedTuple):
     """What a trainer's log tail says: the newest step line, and the committed step if the log ends
     with one (None for each where the tail holds none)."""
 

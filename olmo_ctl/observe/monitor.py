@@ -29,7 +29,7 @@ from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.observe.reader import EventReader
 from olmo_ctl.observe.series import Series
-from olmo_ctl.rundir import run_recipe
+from olmo_ctl.rundir import RunDir, run_recipe
 
 # (run directory, a journal `handle`) -> the backend's AttemptStatus of that attempt, or None
 StatusOf = Callable[[str, dict], Any]
@@ -73,48 +73,16 @@ class Sources:
         storage_guard(self.path, go)
 
 
-def _run_dir_obj(path: str):
-    try:
-        from olmo_ctl.rundir import RunDir
-    except ImportError:  # pragma: no cover - rundir ships with the package
-        return None
-    return RunDir(path)
-
-
 def _journal(path: str) -> list | None:
     """The journal's records, oldest first; None when the run has no journal."""
-    rd = _run_dir_obj(path)
-    if rd is not None:
-        j = rd.journal()
-        return j if j or rd.store.exists(rd.p("journal.jsonl")) else None
-    import json
-
-    try:
-        text = storage.store_for(path).read_text(storage.join(path, "journal.jsonl"))
-    except storage.NotFound:
-        return None
-    out = []
-    for ln in text.splitlines():
-        try:
-            out.append(json.loads(ln))
-        except json.JSONDecodeError:
-            continue  # a torn last line
-    return out
+    rd = RunDir(path)
+    j = rd.journal()
+    return j if j or rd.store.exists(rd.p("journal.jsonl")) else None
 
 
 def _committed(path: str) -> list[int]:
     """Committed checkpoint steps (a step counts only with Orbax's commit marker)."""
-    rd = _run_dir_obj(path)
-    if rd is not None:
-        return rd.committed_steps()
-    st = storage.store_for(path)
-    _files, dirs = st.list(storage.join(path, "checkpoints"))
-    steps = []
-    for d in dirs:
-        name = d.rstrip("/").rsplit("/", 1)[-1]
-        if name.isdigit() and st.exists(storage.join(d.rstrip("/"), "commit_success.txt")):
-            steps.append(int(name))
-    return sorted(steps)
+    return RunDir(path).committed_steps()
 
 
 def storage_guard(path: str, fn):

@@ -25,17 +25,15 @@ import importlib
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from olmo_ctl import storage
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle
-from olmo_ctl.backends.gke import GKEBackend
-from olmo_ctl.backends.kube import KubeRetryPolicy
-from olmo_ctl.backends.local import LocalBackend
 from olmo_ctl.core.batching import make_plan
 from olmo_ctl.core.devices import Device, get_device
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.rundir import RunDir
+
+if TYPE_CHECKING:  # the run directory (and storage) load where a run is touched, not for --dry-run
+    from olmo_ctl.rundir import RunDir
 
 # ---------------------------------------------------------------- the backend
 
@@ -58,7 +56,7 @@ def check_site(settings: Any, render_only: bool = False) -> None:
     if not render_only and settings.placeholders():
         raise BadInput(f"site settings still hold placeholders ({', '.join(settings.placeholders())})",
                        "see `olmo-ctl config show`; --dry-run works without them")
-    if not storage.is_gcs(settings.run_root):
+    if not settings.run_root.startswith("gs://"):
         raise BadInput(f"run root `{settings.run_root}` is not on GCS; TPU pods cannot see this machine's files",
                        "set the run root to gs://BUCKET/PREFIX (--run-root, OLMO_CTL_RUN_ROOT or run_root "
                        "in the config file)")
@@ -70,8 +68,13 @@ def make_backend(settings: Any, device: Device | str | None = None, run_root: st
     if device is not None:
         check_device(settings.backend, get_device(device) if isinstance(device, str) else device)
     check_site(settings, render_only)
+    # Each backend loads when chosen: a command never pays for the other's modules.
     if settings.backend == "local":
+        from olmo_ctl.backends.local import LocalBackend
+
         return LocalBackend(run_root or settings.run_root)
+    from olmo_ctl.backends.gke import GKEBackend
+
     return GKEBackend(settings=settings)
 
 
@@ -89,8 +92,13 @@ def backend_for_handle(handle: Handle, run_dir: str) -> Backend | None:
     """A backend that can answer `status` for `handle` (monitor): quick to give up on a cluster that
     does not answer, so a refresh falls back to the journal instead of hanging."""
     if handle.backend == "local":
+        from olmo_ctl.backends.local import LocalBackend
+
         return LocalBackend(run_dir.rstrip("/").rsplit("/", 1)[0])
     if handle.backend == "gke":
+        from olmo_ctl.backends.gke import GKEBackend
+        from olmo_ctl.backends.kube import KubeRetryPolicy
+
         quick = KubeRetryPolicy(budget_s=20.0, max_attempts=4, connect_timeout_s=5.0, read_timeout_s=15.0)
         return GKEBackend(namespace=handle.data.get("namespace"), context=handle.data.get("context"), retry=quick)
     try:
@@ -112,11 +120,11 @@ def handle_status(run_dir: str, handle: dict) -> AttemptStatus | None:
 
 
 def new_request(run: str, run_dir: str, attempt: int, device: Device | str, recipe: Any, settings: Any = None,
-                extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Attempt:
-    """The attempt request every backend renders: resolved recipe, device and plan, once."""
+                extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, plan: Any = None) -> Attempt:
+    """The attempt request every backend renders: resolved recipe, device and plan (made here unless given)."""
     dev = get_device(device) if isinstance(device, str) else device
     return Attempt(run=run, run_dir=run_dir, attempt=attempt, device=dev.name, extra_args=tuple(extra_args),
-                   recipe=recipe, plan=make_plan(recipe, dev), settings=settings,
+                   recipe=recipe, plan=plan if plan is not None else make_plan(recipe, dev), settings=settings,
                    env=tuple((env or {}).items()))
 
 
@@ -240,6 +248,8 @@ def submit_attempt(recipe=None, device=None, settings=None, run: str | None = No
 
     The run is checked before `before_create` (the preflight compile) runs, and created after it, so
     a refused run leaves nothing behind."""
+    from olmo_ctl.rundir import RunDir
+
     out = out or (lambda s: sys.stdout.write(s + "\n"))
     dev_name = getattr(device, "name", device)
     rundir = RunDir(run_dir, run)

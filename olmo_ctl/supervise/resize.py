@@ -167,11 +167,19 @@ def record_request(rundir, device: str, mode: str, plan: ResizePlan | None = Non
 
 
 def wait_for_request(rundir, request_id: str, timeout_s: float, poll_s: float = 1.0) -> dict:
-    """Wait until the supervisor journals `resized` (or a refusal) for `request_id`."""
+    """Wait until the supervisor journals `resized` and the new attempt's `submitted` (or a refusal) for
+    `request_id`."""
     deadline = time.monotonic() + timeout_s
     while True:
-        for rec in reversed(rundir.journal()):
-            if rec.get("request") == request_id and rec.get("event") in ("resized", "resize_refused"):
+        journal = rundir.journal()
+        for i, rec in enumerate(journal):
+            if rec.get("request") != request_id:
+                continue
+            if rec.get("event") == "resize_refused":
+                return rec
+            # `resized` is journaled just before the new attempt's `submitted`: wait for both.
+            if rec.get("event") == "resized" and any(r.get("event") == "submitted" and r.get("attempt") == rec.get(
+                    "attempt") for r in journal[i + 1:]):
                 return rec
         if time.monotonic() >= deadline:
             raise ResizeTimeout(f"the supervisor has not carried out resize request {request_id} within "
