@@ -13,6 +13,7 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,7 +21,9 @@ import yaml
 
 from olmo_ctl.core.errors import BadInput
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+# Package data: `recipes/` at the top of the repository, `olmo_ctl/recipes` (a link to it) in a checkout,
+# real files in an installed wheel.
+RECIPES_DIR = Path(str(resources.files("olmo_ctl") / "recipes"))
 STAGE_RECIPES = {1: "olmo3-7b-stage1", 2: "olmo3-7b-stage2"}
 
 
