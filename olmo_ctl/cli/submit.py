@@ -10,6 +10,7 @@ import typer
 
 from olmo_ctl.cli.app import DeviceOpt, ManifestOutput, RecipeOpt, SetOpt, StageOpt, app
 from olmo_ctl.cli.options import (
+    AllowVersionChangeOpt,
     BackendOpt,
     ImageOpt,
     KubeContextOpt,
@@ -70,6 +71,7 @@ def submit(
     no_preflight: Annotated[
         bool, typer.Option("--no-preflight", help="Skip compiling the step for the slice before submitting.")
     ] = False,
+    allow_version_change: AllowVersionChangeOpt = False,
 ) -> None:
     """Submit one attempt of a run (a JobSet queued by Kueue); --dry-run prints exactly what is applied."""
     from olmo_ctl.backends.jobset import (
@@ -116,7 +118,8 @@ def submit(
 
             submit_check(r, dev, plan, log=note)
         submit_attempt(recipe=r, device=dev, plan=plan, settings=settings, run=run_name, run_dir=run_dir,
-                       attempt=attempt, output_manifest=output_manifest)
+                       attempt=attempt, output_manifest=output_manifest,
+                       extra_args=("--allow-version-change",) if allow_version_change else ())
         return
 
     attempt = 1 if attempt is None else attempt

@@ -553,6 +553,11 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
     problems = r.problems()
     for p in problems:
         warnings.append(p)
+    changed = [rec for rec in journal or () if rec.get("event") == "versions_changed"]
+    if changed:  # the latest, in the trainer's words (rundir.RunDir.check_versions)
+        rec = changed[-1]
+        warnings.append(f"attempt {rec.get('attempt')}: {rec.get('reason')}"
+                        + (" (refused to restore)" if rec.get("refused") else ""))
 
     last = r.last()
     files = r.files.values()

@@ -88,7 +88,8 @@ def submit_next(rundir: RunDir, backend, device: str, reason: str, extra_args: t
 
 def submit_attempt(recipe=None, device=None, plan=None, settings=None, run: str | None = None,
                    run_dir: str | None = None, attempt: int | None = None, output_manifest=None,
-                   backend=None, out: Callable[[str], None] | None = None) -> Handle:
+                   backend=None, out: Callable[[str], None] | None = None,
+                   extra_args: tuple[str, ...] = ()) -> Handle:
     """`olmo-ctl submit`: create the run (or its next attempt) and submit it; returns once submitted."""
     out = out or (lambda s: sys.stdout.write(s + "\n"))
     dev_name = getattr(device, "name", device)
@@ -114,7 +115,7 @@ def submit_attempt(recipe=None, device=None, plan=None, settings=None, run: str 
             n = attempt if attempt is not None else rundir.next_attempt_number()
             output_manifest.write_text(dump_yaml(backend.render(Attempt(rundir.name, rundir.path, n, dev_name))))
         handle = submit_next(rundir, backend, dev_name, "first attempt" if new else "submitted by hand",
-                             attempt=attempt)
+                             extra_args, attempt=attempt)
     finally:
         rundir.release_lease(lease)
     root = settings.run_root if settings is not None else rundir.path.rsplit("/", 1)[0]
