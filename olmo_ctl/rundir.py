@@ -117,11 +117,24 @@ def _holder_process_dead(lease: dict) -> bool:
     return start is None or (info.get("pid_start") is not None and start != info.get("pid_start"))
 
 
+def _check_local_dirs(path: str) -> None:
+    """A local run directory, and the run root above it, are directories or do not exist yet."""
+    root = os.path.dirname(os.path.abspath(path))
+    for what, p, hint in (
+        ("run root", root, "pass --run-root DIR (a directory, created if missing) or gs://BUCKET/PATH"),
+        ("run directory", path, "move the file aside, or choose another run name (--run NAME)"),
+    ):
+        if os.path.exists(p) and not os.path.isdir(p):
+            raise BadInput(f"{what} `{p}` is a file, not a directory", hint)
+
+
 class RunDir:
     def __init__(self, path: str, name: str | None = None):
         self.path = str(path).rstrip("/") if str(path) != "/" else str(path)
         self.name = name or self.path.rstrip("/").rsplit("/", 1)[-1]
         self.store = storage.store_for(self.path)
+        if not self.is_gcs:
+            _check_local_dirs(self.path)
 
     @classmethod
     def of(cls, run_root: str, run: str) -> RunDir:

@@ -358,9 +358,15 @@ def resolve_recipe_path(recipe: str | None = None, stage: int | None = None) -> 
 def load_raw(path: Path) -> dict:
     src = str(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"recipe `{src}` is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x})",
+                       "pass a recipe YAML file (UTF-8), e.g. recipes/smoke.yaml, or a name such as smoke") from None
     except OSError as e:
         raise BadInput(f"cannot read recipe `{src}`: {e.strerror}") from None
+    if "\x00" in text:
+        raise BadInput(f"recipe `{src}` is a binary file, not YAML",
+                       "pass a recipe YAML file (UTF-8), e.g. recipes/smoke.yaml, or a name such as smoke")
     try:
         raw = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: start-up time
     except yaml.YAMLError as e:
