@@ -209,9 +209,10 @@ class RunDir:
                 if write:
                     self.append("versions_changed", attempt=attempt, reason=line, refused=True,
                                 versions=current, previous=recorded)
+                name, old, new = blocked[0]
                 raise BadInput(
-                    f"run `{self.name}`: {line}; its checkpoints may not read with "
-                    f"{versions.describe(blocked)}",
+                    f"run `{self.name}`: {line}; checkpoints written with {name} {old or 'none'} may not read "
+                    f"with {new or 'none'}",
                     "install the run's versions (pip install -c constraints.txt, or the image built from it), "
                     "or pass --allow-version-change to restore anyway")
             if blocked:

@@ -123,5 +123,5 @@ def submit_attempt(recipe=None, device=None, plan=None, settings=None, run: str 
     out(f"attempt {handle.attempt} of run `{rundir.name}` submitted on {dev_name} ({backend.name}: {handle.name})")
     out("next: supervise it until the final step with")
     out(f"  olmo-ctl resume-until-done {rundir.name} --run-root {root} --backend {backend.name}")
-    out(f"  olmo-ctl monitor {rundir.name} --run-root {root}")
+    out(f"  olmo-ctl monitor {rundir.path}")
     return handle
