@@ -1,11 +1,12 @@
 # olmo-ctl: set-up, tests and the artefacts reviewed in diffs.
-#   make install   .venv with every extra (trainer, tpu, parity, dev)
+#   make install   .venv with every extra (trainer, tpu, parity, dev), at the versions in constraints.txt
 #   make test      the test suite (what CI runs)
 #   make demo      set up, then train the smoke model locally under resume-until-done
 #   make goldens   regenerate tests/goldens/*.yaml (review the diff)
 #   make lint      ruff
 #   make image     docker build of launch_templates/Dockerfile
 #   make bench     CLI start-up latency
+#   make lock      rewrite constraints.txt from .venv (after the tests pass with new versions)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -13,13 +14,13 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 IMAGE  ?= olmo-ctl:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: install test lint goldens demo image bench
+.PHONY: install test lint goldens demo image bench lock
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -e '.[trainer,tpu,parity,dev]'
+	$(BIN)/pip install -c constraints.txt -e '.[trainer,tpu,parity,dev]'
 	touch $(STAMP)
 
 # pytest exits 5 when it collects no test: said out loud, not a failure of the build.
@@ -45,4 +46,12 @@ image:
 
 bench:
 	$(BIN)/python benchmarks/cli_latency.py
+
+# Exact versions of .venv (less pip and olmo-ctl itself; local labels such as +cpu dropped, so PyPI
+# resolves them), under the header of the current file.
+lock:
+	sed -n '/^#/p' constraints.txt > constraints.txt.new
+	$(BIN)/pip freeze --all --exclude-editable --exclude pip --exclude olmo-ctl \
+		| sed 's/+[A-Za-z0-9.]*$$//' >> constraints.txt.new
+	mv constraints.txt.new constraints.txt
 

@@ -1,6 +1,7 @@
 """The run directory: the single source of truth of a run, on gs:// or a local path.
 
-    <run>/run.yaml           resolved recipe + fingerprints, written once (create-only write)
+    <run>/run.yaml           resolved recipe + fingerprints, written once (create-only write); `versions`
+                             set by the trainer's first attempt, updated when an attempt runs with others
     <run>/journal.jsonl      one JSON line per event; see `append`
     <run>/lease.json         which supervisor drives the run (generation-match compare-and-swap)
     <run>/resize.json        a pending resize request (written by `resize`, consumed by the supervisor)
@@ -32,6 +33,7 @@ from typing import Any
 import yaml
 
 from olmo_ctl import storage
+from olmo_ctl.core import versions
 from olmo_ctl.core.contracts import segment_names_from
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.names import validate_run_name
@@ -43,7 +45,7 @@ _STEP_DIR = re.compile(r"^(\d+)$")
 JOURNAL_EVENTS = (
     "submitted", "queued", "admitted", "running", "preempted", "failed", "succeeded", "resized", "stalled",
     "resize_requested", "supervisor_started", "supervisor_detached", "supervisor_stopped", "reattached",
-    "backoff", "gave_up", "done", "stopped", "lease_lost",
+    "backoff", "gave_up", "done", "stopped", "lease_lost", "versions_changed",
 )
 
 
@@ -125,11 +127,24 @@ def run_recipe(doc: dict, source: str, overrides: list[str] | tuple[str, ...] = 
     return recipe_from_dict(doc["recipe"], source, overrides)
 
 
+def _check_local_dirs(path: str) -> None:
+    """A local run directory, and the run root above it, are directories or do not exist yet."""
+    root = os.path.dirname(os.path.abspath(path))
+    for what, p, hint in (
+        ("run root", root, "pass --run-root DIR (a directory, created if missing) or gs://BUCKET/PATH"),
+        ("run directory", path, "move the file aside, or choose another run name (--run NAME)"),
+    ):
+        if os.path.exists(p) and not os.path.isdir(p):
+            raise BadInput(f"{what} `{p}` is a file, not a directory", hint)
+
+
 class RunDir:
     def __init__(self, path: str, name: str | None = None):
         self.path = str(path).rstrip("/") if str(path) != "/" else str(path)
         self.name = name or self.path.rstrip("/").rsplit("/", 1)[-1]
         self.store = storage.store_for(self.path)
+        if not self.is_gcs:
+            _check_local_dirs(self.path)
 
     @classmethod
     def of(cls, run_root: str, run: str) -> RunDir:
@@ -149,21 +164,80 @@ class RunDir:
         return self.store.exists(self.p("run.yaml"))
 
     def read_run(self) -> dict:
+        return self._read_run()[0]
+
+    def _read_run(self) -> tuple[dict, int]:
+        """(run.yaml, its generation). A file that is not a run description is bad input (exit 2)."""
+        path = self.p("run.yaml")
+        hint = "restore it from a backup, or move the run directory aside and start the run again"
+        info = self.store.stat(path)
         try:
-            text = self.store.read_text(self.p("run.yaml"))
+            if info is None:
+                raise NotFound(path)
+            text = self.store.read_bytes(path).decode()
         except NotFound:
             raise BadInput(f"run `{self.name}` does not exist at {self.path}",
                            "create it with `olmo-ctl submit` or `resume-until-done --recipe ...`") from None
+        except IsADirectoryError:
+            raise BadInput(f"`{path}` is a directory, not a run description", hint) from None
         except UnicodeDecodeError:
-            text = None
+            raise BadInput(f"`{path}` is not a run description (not UTF-8 text)", hint) from None
         try:
-            d = yaml.safe_load(text) if text is not None else None
-        except yaml.YAMLError:
-            d = None
+            d = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            first = str(e).splitlines()[0] if str(e) else "syntax error"
+            raise BadInput(f"`{path}` is not a run description (not valid YAML: {first})", hint) from None
         if not isinstance(d, dict) or not isinstance(d.get("recipe"), dict):
-            raise BadInput(f"`{self.p('run.yaml')}` is not a run description (no `recipe:` section)",
-                           "restore it from a copy, or start a new run with --run NAME")
-        return d
+            raise BadInput(f"`{path}` is not a run description (no `recipe:` mapping)", hint)
+        return d, info.generation
+
+    def check_versions(self, current: dict, *, attempt: int | None = None, restoring: bool = False,
+                       allow_change: bool = False, write: bool = True) -> str | None:
+        """Compare the versions this attempt runs with (`core.versions.installed()`) with run.yaml's.
+
+        No record yet: record these (the first attempt's). The same: nothing. Different: one
+        `versions_changed` journal line, and run.yaml records the new versions (the ones the checkpoints
+        are written with from now on), returning the line to print; unless a restore is due and the
+        checkpoint format may not read (`versions.blocking`) without `allow_change`: then the journal
+        line says `refused` and BadInput (exit 2) is raised, with run.yaml unchanged.
+        A run directory without run.yaml (a trainer started on a bare directory) is not checked.
+        `write=False` (every process of a multi-host attempt but the first) compares and refuses only.
+        """
+        if not self.exists():
+            return None
+        for _ in range(20):
+            doc, gen = self._read_run()
+            recorded = doc.get("versions")
+            diff = versions.changes(recorded, current) if isinstance(recorded, dict) else []
+            if isinstance(recorded, dict) and not diff:
+                return None
+            blocked = versions.blocking(diff) if restoring else []
+            line = f"versions changed since the run's last attempt: {versions.describe(diff)}"
+            if blocked and not allow_change:
+                if write:
+                    self.append("versions_changed", attempt=attempt, reason=line, refused=True,
+                                versions=current, previous=recorded)
+                name, old, new = blocked[0]
+                raise BadInput(
+                    f"run `{self.name}`: {line}; checkpoints written with {name} {old or 'none'} may not read "
+                    f"with {new or 'none'}",
+                    "install the run's versions (pip install -c constraints.txt, or the image built from it), "
+                    "or pass --allow-version-change to restore anyway")
+            if blocked:
+                line += "; restoring anyway (--allow-version-change)"
+            if not write:
+                return line if diff else None
+            try:
+                self.store.write_text(self.p("run.yaml"), yaml.safe_dump({**doc, "versions": current}, sort_keys=False),
+                                      if_generation_match=gen)
+            except PreconditionFailed:
+                continue  # another attempt recorded first: compare with what it wrote
+            if not diff:
+                return None  # the first record
+            self.append("versions_changed", attempt=attempt, reason=line, versions=current, previous=recorded,
+                        allowed=bool(blocked) or None)
+            return line
+        raise OlmoCtlError(f"could not update `{self.p('run.yaml')}`: it kept changing under us", exit_code=3)
 
     def recipe(self, overrides: list[str] | tuple[str, ...] = ()):
         """The run's resolved recipe, from run.yaml (the one place run.yaml becomes a Recipe)."""

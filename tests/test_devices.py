@@ -15,7 +15,8 @@ from olmo_ctl.core.errors import BadInput
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# suffix -> (topology, chips, VMs): the table in shared/reference/gke-tpu.md, same for both generations.
+# suffix -> (topology, chips, VMs): the GKE TPU slice table (Google Cloud's TPU docs), same for both
+# generations.
 REFERENCE = {
     8: ("2x2x1", 4, 1), 16: ("2x2x2", 8, 2), 32: ("2x2x4", 16, 4), 64: ("2x4x4", 32, 8),
     128: ("4x4x4", 64, 16), 256: ("4x4x8", 128, 32), 512: ("4x8x8", 256, 64), 1024: ("8x8x8", 512, 128),

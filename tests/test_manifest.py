@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 
 import jsonschema
@@ -26,7 +27,8 @@ from olmo_ctl.core.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDENS = Path(__file__).resolve().parent / "goldens"
-SCHEMA = ROOT / "olmo_ctl" / "testing" / "crds" / "jobset.x-k8s.io_jobsets.v0.10.1.yaml"
+# The JobSet CRD the package ships for its Kubernetes test server (olmo_ctl/testing/crds/).
+SCHEMA = Path(str(resources.files("olmo_ctl.testing") / "crds" / "jobset.x-k8s.io_jobsets.v0.10.1.yaml"))
 
 # Site settings of the goldens, passed as flags so the goldens are exactly what the CLI prints.
 SITE = ["--namespace", "olmo", "--queue", "tpu-queue", "--image",

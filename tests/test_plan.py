@@ -1,5 +1,5 @@
 """Global-batch planning and `olmo-ctl plan`: per-device batch, accumulation, refusals, and the compute
-estimate checked against the published OLMo 3 TPU case study (shared/reference/olmo3-recipe.md)."""
+estimate checked against the published case study of reproducing OLMo 3 7B on TPUs."""
 
 from __future__ import annotations
 

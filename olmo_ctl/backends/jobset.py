@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import re
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,9 @@ from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import validate_run_name
 from olmo_ctl.core.recipe import Recipe
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "launch_templates"
+# Package data: `launch_templates/` at the top of the repository, `olmo_ctl/launch_templates` (a link to
+# it) in a checkout, real files in an installed wheel.
+TEMPLATES_DIR = Path(str(resources.files("olmo_ctl") / "launch_templates"))
 
 # Labels and annotations the GKE backend and `monitor` look attempts up by.
 LABEL_QUEUE = "kueue.x-k8s.io/queue-name"

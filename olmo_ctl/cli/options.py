@@ -22,6 +22,10 @@ PlacementPolicyOpt = Annotated[
     typer.Option("--placement-policy", help="Placement policy of multi-host Ironwood node pools ({topology} ok)."),
 ]
 BackendOpt = Annotated[str | None, typer.Option("--backend", help="gke or local.")]
+# Passed to the trainer of every attempt (see docs/running-on-gke.md, "Versions").
+AllowVersionChangeOpt = Annotated[bool, typer.Option(
+    "--allow-version-change", help="Restore although the trainer's Orbax version differs from the run's "
+    "(run.yaml `versions`) in a way its checkpoints may not read.")]
 
 
 def note(text: str) -> None:

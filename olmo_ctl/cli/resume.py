@@ -7,6 +7,7 @@ import typer
 
 from olmo_ctl.cli.app import RecipeOpt, SetOpt, StageOpt, app
 from olmo_ctl.cli.options import (
+    AllowVersionChangeOpt,
     BackendOpt,
     ImageOpt,
     KubeContextOpt,
@@ -57,6 +58,7 @@ def resume_until_done(
     image: ImageOpt = None,
     service_account: ServiceAccountOpt = None,
     placement_policy: PlacementPolicyOpt = None,
+    allow_version_change: AllowVersionChangeOpt = False,
 ) -> int:
     """Submit attempts of a run until its final step is committed: reattaches to a live attempt, waits
     while queued, resubmits after preemption with backoff, stops on a user error (1) or a crash loop (4).
@@ -97,7 +99,8 @@ def resume_until_done(
     ensure_run(rundir, r, device)
     be = make_backend(settings)
     hint = f"olmo-ctl resume-until-done {name} --run-root {settings.run_root} --backend {settings.backend}"
-    sup = Supervisor(rundir, be, policy, device=device, poll_s=poll, stop_on_exit=stop_on_exit, reattach_hint=hint)
+    sup = Supervisor(rundir, be, policy, device=device, poll_s=poll, stop_on_exit=stop_on_exit, reattach_hint=hint,
+                     extra_args=("--allow-version-change",) if allow_version_change else ())
     sup.out.line(f"run directory: {rundir.path}")
 
     def on_term(signum, frame):  # a terminating supervisor detaches like Ctrl-C

@@ -9,6 +9,7 @@ import typer
 from olmo_ctl.backends.jobset import dump_json, dump_yaml, placement_policy_for
 from olmo_ctl.cli.app import DeviceOpt, ManifestOutput, RecipeOpt, SetOpt, StageOpt, app
 from olmo_ctl.cli.options import (
+    AllowVersionChangeOpt,
     BackendOpt,
     ImageOpt,
     KubeContextOpt,
@@ -72,6 +73,7 @@ def submit(
     no_preflight: Annotated[
         bool, typer.Option("--no-preflight", help="Skip compiling the step for the slice before submitting.")
     ] = False,
+    allow_version_change: AllowVersionChangeOpt = False,
 ) -> None:
     """Submit one attempt of a run (a JobSet queued by Kueue); --dry-run prints exactly what is applied."""
     from olmo_ctl.supervise.attempts import make_backend, new_request, submit_attempt
@@ -98,6 +100,7 @@ def submit(
         else:
             sys.stdout.write(text)
 
+    extra_args = ("--allow-version-change",) if allow_version_change else ()
     if not dry_run:
         def preflight() -> None:  # TPU slices only, when libtpu is installed; cached per recipe/device/trainer
             if not no_preflight:
@@ -106,7 +109,8 @@ def submit(
                 submit_check(r, dev, plan, log=note, settings=settings)
 
         submit_attempt(recipe=r, device=dev, settings=settings, run=run_name, run_dir=run_dir, attempt=attempt,
-                       backend=be, before_create=preflight, show=show if output_manifest is not None else None)
+                       backend=be, before_create=preflight, show=show if output_manifest is not None else None,
+                       extra_args=extra_args)
         return
 
     for name in settings.placeholders():
@@ -114,5 +118,5 @@ def submit(
              f"OLMO_CTL_{name.upper()} or `{name}:` in the config file (see `olmo-ctl config show`)")
     if settings.backend == "gke" and settings.placement_policy and placement_policy_for(dev, settings) is None:
         note(f"placement policy `{settings.placement_policy}` is not used: {dev.name} node pools carry none")
-    att = new_request(run_name, run_dir, 1 if attempt is None else attempt, dev, r, settings, plan=plan)
+    att = new_request(run_name, run_dir, 1 if attempt is None else attempt, dev, r, settings, extra_args, plan=plan)
     show(be.printable(be.render(att)))

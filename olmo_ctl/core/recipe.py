@@ -13,6 +13,7 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +22,9 @@ import yaml
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.mixes import MIXES
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+# Package data: `recipes/` at the top of the repository, `olmo_ctl/recipes` (a link to it) in a checkout,
+# real files in an installed wheel.
+RECIPES_DIR = Path(str(resources.files("olmo_ctl") / "recipes"))
 STAGE_RECIPES = {1: "olmo3-7b-stage1", 2: "olmo3-7b-stage2", 3: "olmo3-7b-stage3"}
 
 
@@ -442,9 +445,15 @@ def resolve_recipe_path(recipe: str | None = None, stage: int | None = None) -> 
 def load_raw(path: Path) -> dict:
     src = str(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"recipe `{src}` is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x})",
+                       "pass a recipe YAML file (UTF-8), e.g. recipes/smoke.yaml, or a name such as smoke") from None
     except OSError as e:
         raise BadInput(f"cannot read recipe `{src}`: {e.strerror}") from None
+    if "\x00" in text:
+        raise BadInput(f"recipe `{src}` is a binary file, not YAML",
+                       "pass a recipe YAML file (UTF-8), e.g. recipes/smoke.yaml, or a name such as smoke")
     try:
         raw = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: start-up time
     except yaml.YAMLError as e:

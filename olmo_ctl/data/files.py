@@ -350,6 +350,18 @@ def _raw_tokens_from_npy(path: str, data: bytes) -> bytes:
     return np.ascontiguousarray(arr.reshape(-1), dtype=TOKEN_DTYPE).tobytes()
 
 
+def _check_out_dir(out: str) -> None:
+    """A local --out is a directory or can become one: neither it nor a parent is a file."""
+    if storage.is_gcs(out):
+        return
+    p = os.path.abspath(out)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        what = f"--out `{out}` is a file" if p == os.path.abspath(out) else f"--out `{out}`: `{p}` is a file"
+        raise BadInput(f"{what}, not a directory", "choose a directory (created if missing), e.g. --out data/mine")
+
+
 def _split_dir_is_empty(out: str, split: str) -> bool:
     store = storage.store_for(out)
     files, dirs = store.list(storage.join(out, split), recursive=True)
@@ -405,6 +417,7 @@ def prepare(
     if npy and text:
         raise BadInput("both text files and .npy token files given",
                        "their vocabularies differ (bytes vs the files' tokenizer); prepare them separately")
+    _check_out_dir(out)
     for split in ("train", "eval"):
         if not _split_dir_is_empty(out, split):
             raise BadInput(f"`{storage.join(out, split)}` already holds files",

@@ -348,7 +348,8 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
     mism = r.mismatches()
     problems = r.problems()
     warnings = [*times.warnings, *skipped_warnings, *_loss_spike_warning(loss),
-                *_stall_warning(live, loss, times.median, now, stall_after_s), *_mismatch_warning(mism), *problems]
+                *_stall_warning(live, loss, times.median, now, stall_after_s), *_mismatch_warning(mism), *problems,
+                *_versions_warning(journal)]
     files = r.files.values()
     return {
         "schema": SCHEMA_ID,
@@ -608,6 +609,15 @@ def _checkpoint_section(committed: list[int], step: int | None) -> dict:
     committed_step = committed[-1] if committed else None
     at_risk = step - (committed_step or 0) if step is not None else None
     return {"committed_step": committed_step, "steps_at_risk": at_risk, "committed": committed[-5:]}
+
+
+def _versions_warning(journal) -> list[str]:
+    """The latest `versions_changed` journal line, in the trainer's words (rundir.RunDir.check_versions)."""
+    changed = [rec for rec in journal or () if rec.get("event") == "versions_changed"]
+    if not changed:
+        return []
+    rec = changed[-1]
+    return [f"attempt {rec.get('attempt')}: {rec.get('reason')}" + (" (refused to restore)" if rec.get("refused") else "")]
 
 
 def _attempts_in_events(r: EventReader, per_attempt: dict) -> list[dict]:

@@ -243,7 +243,7 @@ def run_device(rundir: RunDir, requested: str | None) -> str:
 def submit_attempt(recipe=None, device=None, settings=None, run: str | None = None, run_dir: str | None = None,
                    attempt: int | None = None, backend: Backend | None = None,
                    before_create: Callable[[], None] | None = None, show: Callable[[Any], None] | None = None,
-                   out: Callable[[str], None] | None = None) -> Handle:
+                   out: Callable[[str], None] | None = None, extra_args: tuple[str, ...] = ()) -> Handle:
     """`olmo-ctl submit`: create the run (or its next attempt) and submit it; returns once submitted.
 
     The run is checked before `before_create` (the preflight compile) runs, and created after it, so
@@ -274,7 +274,7 @@ def submit_attempt(recipe=None, device=None, settings=None, run: str | None = No
             # An ended attempt is deleted first: Kueue would requeue an evicted JobSet next to its successor.
             backend.stop(ended, graceful=False)
         handle = submit_next(rundir, backend, dev_name, "first attempt" if new else "submitted by hand",
-                             recipe=recipe, attempt=attempt, show=show)
+                             recipe=recipe, extra_args=extra_args, attempt=attempt, show=show)
     finally:
         rundir.release_lease(lease)
     root = settings.run_root if settings is not None else rundir.path.rsplit("/", 1)[0]
@@ -282,5 +282,5 @@ def submit_attempt(recipe=None, device=None, settings=None, run: str | None = No
     out(f"attempt {handle.attempt} of run `{rundir.name}` submitted on {dev_name} ({backend.name}: {handle.name})")
     out("next: supervise it until the final step with")
     out(f"  olmo-ctl resume-until-done {rundir.name} --run-root {root} --backend {backend.name}")
-    out(f"  olmo-ctl monitor {rundir.name} --run-root {root}")
+    out(f"  olmo-ctl monitor {rundir.path}")
     return handle

@@ -86,8 +86,10 @@ class Supervisor:
     def __init__(self, rundir: RunDir, backend, policy: RetryPolicy, *, device: str | None = None,
                  poll_s: float = 10.0, lease_ttl_s: float | None = None, stop_on_exit: bool = False,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 printer: Printer | None = None, rng: random.Random | None = None, reattach_hint: str = ""):
+                 printer: Printer | None = None, rng: random.Random | None = None, reattach_hint: str = "",
+                 extra_args: tuple[str, ...] = ()):
         self.rd = rundir
+        self.extra_args = tuple(extra_args)  # trainer flags for every attempt (e.g. --allow-version-change)
         self.backend = backend
         self.policy = policy
         self.device = device
@@ -190,7 +192,7 @@ class Supervisor:
                         ended = None
                     self._beat()  # a supervisor that lost its lease must not submit
                     self.handle = submit_next(self.rd, self.backend, self.device, reason, recipe=self.recipe,
-                                              committed_step=committed, t=self.clock())
+                                              extra_args=self.extra_args, committed_step=committed, t=self.clock())
                     self.out.line(f"submitted attempt {self.handle.attempt} on {self.device} ({self.handle.name}): "
                                   f"{reason}")
             watched = self._watch(self.handle)

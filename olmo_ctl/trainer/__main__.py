@@ -23,11 +23,24 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="override a recipe value (repeatable)")
     p.add_argument("--allow-data-change", action="store_true", help="resume although the data fingerprint changed")
     p.add_argument("--init-from", help="initialise parameters from this converted checkpoint when the run has none")
+    p.add_argument("--allow-version-change", action="store_true",
+                   help="restore although the Orbax version differs from the run's (run.yaml `versions`)")
     return p.parse_args(argv)
 
 
+def _tpu_may_be_present() -> bool:
+    """Cheap and without libtpu: TPU chips show up as /dev/accel* (v4, v5e) or VFIO groups under /dev/vfio
+    (v5p, v6e, Ironwood), and TPU VMs and GKE TPU pods set TPU_* variables."""
+    import glob
+
+    if glob.glob("/dev/accel*") or [g for g in glob.glob("/dev/vfio/*") if not g.endswith("/vfio")]:
+        return True
+    return any(k.startswith("TPU_") for k in os.environ)
+
+
 def _prepare_env(device: str | None) -> None:
-    """`cpu-N`: N host devices (unless the launcher set XLA_FLAGS) and the CPU platform only.
+    """`cpu-N`: N host devices (unless the launcher set XLA_FLAGS) and the CPU platform only; no --device
+    on a machine without a TPU: the CPU platform.
 
     With a GCS emulator (STORAGE_EMULATOR_HOST), point every client at it: tensorstore (Orbax arrays)
     would otherwise retry real GCS, and gcsfs (Orbax metadata) would probe for cloud credentials.
@@ -35,6 +48,10 @@ def _prepare_env(device: str | None) -> None:
     from olmo_ctl.trainer.checkpoint import emulator_env_defaults
 
     emulator_env_defaults()
+    if not device and not _tpu_may_be_present():
+        # No TPU here: the CPU, quietly. jax would otherwise initialise libtpu, which logs pages of
+        # INVALID_ARGUMENT and holds /tmp/libtpu_lockfile while this process lives.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if not device or not device.startswith("cpu-"):
         return
     n = device.partition("-")[2]
@@ -57,6 +74,25 @@ def _maybe_distributed(device: str | None) -> None:
         jax.distributed.initialize()
 
 
+def _check_versions(ns: argparse.Namespace) -> None:
+    """run.yaml's `versions` against this environment's (see RunDir.check_versions): recorded by the first
+    attempt, a change reported in one line, a restore refused when its checkpoint format may not read."""
+    from olmo_ctl.core.versions import installed
+    from olmo_ctl.rundir import RunDir
+
+    primary = True
+    if ns.device and not ns.device.startswith(("cpu-", "gpu-")) and "jax" in sys.modules:
+        # A multi-host attempt joined in _maybe_distributed: one process records, every one checks.
+        primary = sys.modules["jax"].process_index() == 0
+    rd = RunDir(ns.run_dir)
+    if not rd.exists():
+        return
+    line = rd.check_versions(installed(), attempt=ns.attempt, restoring=bool(rd.committed_steps()),
+                             allow_change=ns.allow_version_change, write=primary)
+    if line:
+        print(f"warning: {line}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse(sys.argv[1:] if argv is None else argv)
     from olmo_ctl.core.errors import OlmoCtlError
@@ -64,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _prepare_env(ns.device)
         _maybe_distributed(ns.device)
+        _check_versions(ns)
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")
         return 2

@@ -402,15 +402,44 @@ def _check_shapes(params, cfg: ModelConfig) -> None:
 # ----------------------------------------------------------------------------- directories
 
 
+def read_json_object(path: str, hint: str) -> dict:
+    """A JSON object from a file (local or gs://); a file that is not one is bad input naming it."""
+    store = store_for(path)
+    try:
+        obj = json.loads(store.read_bytes(path).decode("utf-8"))
+    except UnicodeDecodeError:
+        raise BadInput(f"`{path}` is not JSON (not UTF-8 text)", hint) from None
+    except json.JSONDecodeError as e:
+        raise BadInput(f"`{path}` is not JSON ({e.msg} at line {e.lineno} column {e.colno})", hint) from None
+    except (IsADirectoryError, NotADirectoryError):
+        raise BadInput(f"`{path}` is not a file", hint) from None
+    if not isinstance(obj, dict):
+        raise BadInput(f"`{path}` is not a JSON object", hint)
+    return obj
+
+
+HF_HINT = "pass a Hugging Face model directory (as written by save_pretrained)"
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """config.json of a Hugging Face model directory, local or gs:// (checked before any heavy work)."""
+    if not is_gcs(hf_dir) and not os.path.isdir(hf_dir):
+        raise BadInput(f"`{hf_dir}` is not a directory", HF_HINT)
+    path = join(hf_dir, "config.json")
+    if not store_for(path).exists(path):
+        raise BadInput(f"`{hf_dir}` has no config.json", HF_HINT)
+    return read_json_object(path, "fix it or download the model again (save_pretrained writes config.json)")
+
+
 def load_hf_dir(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
     """(config.json, tensors) of a local HF model directory."""
-    cfg_path = Path(hf_dir, "config.json")
-    if not cfg_path.exists():
-        raise BadInput(f"`{hf_dir}` has no config.json", "pass a Hugging Face model directory")
-    hf = json.loads(cfg_path.read_text())
+    hf = read_hf_config(hf_dir)
     index = Path(hf_dir, "model.safetensors.index.json")
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(str(index), HF_HINT).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise BadInput(f"`{index}` has no `weight_map` object", HF_HINT)
+        files = sorted(set(weight_map.values()))
     elif Path(hf_dir, "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
@@ -474,19 +503,19 @@ def read_meta(orbax_dir: str) -> dict:
     path = join(orbax_dir, META_FILE)
     if not store.exists(path):
         raise BadInput(f"`{orbax_dir}` has no {META_FILE}", "convert a model with `olmo-ctl convert hf-to-orbax`")
-    return json.loads(store.read_text(path))
+    return read_json_object(path, "convert the model again with `olmo-ctl convert hf-to-orbax`")
 
 
 def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None, recipe: str | None = None):
     """(params as numpy on the host, ModelConfig, meta) from ORBAX_DIR (local or gs://): a directory
     written by `hf_to_orbax`, or a training checkpoint `<run-dir>/checkpoints/<N>` (its model comes
     from `recipe` or else `<run-dir>/run.yaml`)."""
-    import orbax.checkpoint as ocp
-
     if not store_for(orbax_dir).exists(join(orbax_dir, META_FILE)) and \
             orbax_dir.rstrip("/").rpartition("/")[2].isdigit():
         return _load_run_checkpoint(orbax_dir, cfg_overrides, recipe)
     meta = read_meta(orbax_dir)
+    import orbax.checkpoint as ocp  # after the cheap checks above
+
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     kw = {k: v for k, v in meta["model"].items() if k in fields}
     if isinstance(kw.get("rope_scaling"), dict):
@@ -499,10 +528,8 @@ def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None, recipe: str | 
 
 
 def _load_run_checkpoint(step_dir: str, cfg_overrides: dict | None = None, recipe: str | None = None):
-    import yaml
-
     from olmo_ctl.core.recipe import load_recipe
-    from olmo_ctl.rundir import run_recipe
+    from olmo_ctl.rundir import RunDir
     from olmo_ctl.trainer.checkpoint import open_step
 
     if recipe is not None:
@@ -513,7 +540,7 @@ def _load_run_checkpoint(step_dir: str, cfg_overrides: dict | None = None, recip
         if not store.exists(run_yaml):
             raise BadInput(f"`{step_dir}` has no {META_FILE} and `{run_yaml}` does not exist",
                            "pass --recipe with the run's model, or a directory written by `convert hf-to-orbax`")
-        model = run_recipe(yaml.safe_load(store.read_text(run_yaml)), run_yaml).model
+        model = RunDir(step_dir.rstrip("/").rsplit("/", 2)[0]).recipe().model  # BadInput unless a run description
     cfg = dataclasses.replace(model, **(cfg_overrides or {}))
     open_step(step_dir)[0].close()  # BadInput unless it is a committed step
     params = _restore_state_params(join(step_dir, "state"))
@@ -548,6 +575,7 @@ def _restore_state_params(state_dir: str):
 def hf_to_orbax(hf_dir: str, orbax_dir: str, *, vocab_size: int | None = None,
                 padded_vocab_size: int | None = None, param_dtype: str = "float32",
                 overwrite: bool = False) -> ModelConfig:
+    read_hf_config(hf_dir)  # a directory that is not a model fails here, before any download
     with local_copy(hf_dir) as src:
         hf, state = load_hf_dir(src)
         name = os.path.basename(hf_dir.rstrip("/")) or "olmo3-hf"

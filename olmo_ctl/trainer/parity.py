@@ -74,12 +74,13 @@ def our_logits(params, cfg, tokens: np.ndarray, dtype: str = "fp32", attention: 
 
 def run_parity(hf_dir: str, orbax_dir: str, *, seq_len: int = 256, batch: int = 2, dtype: str = "fp32",
                seed: int = 0, attention: str = "auto", recipe: str | None = None) -> dict:
-    from olmo_ctl.trainer.convert import load_orbax
+    from olmo_ctl.trainer.convert import load_orbax, read_hf_config
 
     if dtype not in DTYPES:
         raise BadInput(f"--dtype {dtype} is not fp32 or bf16")
     if seq_len < 1 or batch < 1:
         raise BadInput("--seq-len and --batch must be positive")
+    read_hf_config(hf_dir)  # before loading either model
     params, cfg, _ = load_orbax(orbax_dir, recipe=recipe)
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq_len), dtype=np.int64)

@@ -1,0 +1,58 @@
+"""constraints.txt, the exact versions the tests pass with: every dependency of every extra is pinned to
+one version that pyproject.toml's lower bounds accept, and the image installs from it."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pins() -> dict[str, Version]:
+    out = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, ver = line.partition("==")
+        assert sep and ver, f"constraints.txt: `{line}` is not NAME==VERSION"
+        assert "+" not in ver, f"constraints.txt: `{line}` has a local label PyPI cannot resolve"
+        key = canonicalize_name(name)
+        assert key not in out, f"constraints.txt: {name} pinned twice"
+        out[key] = Version(ver)
+    return out
+
+
+def test_every_dependency_is_pinned_within_its_bounds():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    for extra in project["optional-dependencies"].values():
+        reqs += [Requirement(r) for r in extra]
+    p = pins()
+    assert canonicalize_name(project["name"]) not in p, "the package itself is not a constraint"
+    assert "pip" not in p
+    for r in reqs:
+        name = canonicalize_name(r.name)
+        assert name in p, f"{r.name} is not pinned in constraints.txt"
+        assert r.specifier.contains(p[name], prereleases=True), f"{r.name}=={p[name]} is outside `{r}`"
+
+
+def test_the_versions_a_run_records_are_pinned():
+    from olmo_ctl.core.versions import PACKAGES
+
+    p = pins()
+    for name in PACKAGES:
+        if name != "olmo-ctl":
+            assert canonicalize_name(name) in p, name
+
+
+def test_install_paths_use_the_constraints():
+    assert "-c constraints.txt" in (ROOT / "Makefile").read_text()
+    docker = (ROOT / "launch_templates" / "Dockerfile").read_text()
+    assert "COPY pyproject.toml constraints.txt" in docker and "pip install -c constraints.txt" in docker
+    assert "!constraints.txt" in (ROOT / "launch_templates" / "Dockerfile.dockerignore").read_text()
