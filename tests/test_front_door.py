@@ -108,9 +108,11 @@ def _libtpu_mapped(pid: int) -> bool:
 
 
 def _tpu_here() -> bool:
+    """A TPU on this machine. The trainer below runs without TPU_* variables (`env`), so only the
+    devices count: a libtpu loaded earlier in this test process may have set such variables here."""
     from olmo_ctl.trainer.__main__ import _tpu_may_be_present
 
-    return _tpu_may_be_present()
+    return _tpu_may_be_present({k: v for k, v in os.environ.items() if not k.startswith("TPU_")})
 
 
 def trainer_without_device(tmp_path: Path, env: dict) -> tuple[subprocess.Popen, Path]:

@@ -5,11 +5,12 @@ Pure (no libtpu): preflight's check of the flags with libtpu is in tests/test_pr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
 from olmo_ctl.backends.jobset import (
-    TEMPLATES_DIR,
     libtpu_init_args,
     render_jobset,
     xla_flag_sources,
@@ -37,7 +38,7 @@ def test_each_generation_has_its_documented_set():
     assert "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true" in v5p
     assert not any("sparse_core" in f for f in v5p)
     assert xla_flags_for(get_device("cpu-4"), None, None) == []
-    docs = (TEMPLATES_DIR.parent / "docs" / "attention-and-xla-flags.md").read_text()
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "attention-and-xla-flags.md").read_text()
     for flag in tpu7x + v5p:  # every flag is documented, by name
         assert f"`{flag.split('=')[0][2:]}`" in docs, flag
 

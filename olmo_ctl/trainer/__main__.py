@@ -28,14 +28,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _tpu_may_be_present() -> bool:
+def _tpu_may_be_present(environ=None) -> bool:
     """Cheap and without libtpu: TPU chips show up as /dev/accel* (v4, v5e) or VFIO groups under /dev/vfio
-    (v5p, v6e, Ironwood), and TPU VMs and GKE TPU pods set TPU_* variables."""
+    (v5p, v6e, Ironwood), and TPU VMs and GKE TPU pods set TPU_* variables (in `environ`, default ours)."""
     import glob
 
     if glob.glob("/dev/accel*") or [g for g in glob.glob("/dev/vfio/*") if not g.endswith("/vfio")]:
         return True
-    return any(k.startswith("TPU_") for k in os.environ)
+    return any(k.startswith("TPU_") for k in (os.environ if environ is None else environ))
 
 
 def _prepare_env(device: str | None) -> None:
