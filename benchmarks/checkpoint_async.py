@@ -33,17 +33,15 @@ def measure(recipe, async_save: bool, saves: int, every: int, window: int, direc
 
     from olmo_ctl.core import batching
     from olmo_ctl.core.devices import get_device
-    from olmo_ctl.trainer import model, sharding
+    from olmo_ctl.trainer import sharding
     from olmo_ctl.trainer.checkpoint import Checkpointer
-    from olmo_ctl.trainer.step import abstract_train_state, init_state, jit_train_step, micro_batch_sharding
+    from olmo_ctl.trainer.step import abstract_train_state, fresh_state, jit_train_step, micro_batch_sharding
 
     t = recipe.train
     plan = batching.make_plan(recipe, get_device(f"cpu-{jax.device_count()}"))
     mesh = sharding.make_mesh(jax.devices(), t.mesh, t.data_parallel)
     _, state_shard = abstract_train_state(recipe, mesh)
-    params = jax.jit(lambda k: model.init_params(recipe.model, k), out_shardings=state_shard["params"])(
-        jax.random.PRNGKey(t.seed))
-    state = jax.jit(lambda p: init_state(recipe, p), out_shardings=state_shard)(params)
+    state = fresh_state(recipe, state_shard)
     step_fn = jit_train_step(recipe, state_shard)
     shape = (plan.grad_accum, t.global_batch // plan.grad_accum, t.seq_len)
     rng = np.random.default_rng(0)

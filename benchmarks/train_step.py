@@ -33,17 +33,15 @@ def ours(recipe, tokens):
 
     from olmo_ctl.core import batching
     from olmo_ctl.core.devices import get_device
-    from olmo_ctl.trainer import model, sharding
-    from olmo_ctl.trainer.step import abstract_train_state, init_state, jit_train_step, micro_batch_sharding
+    from olmo_ctl.trainer import sharding
+    from olmo_ctl.trainer.step import abstract_train_state, fresh_state, jit_train_step, micro_batch_sharding
 
     t = recipe.train
     device = get_device(f"cpu-{jax.device_count()}")
     plan = batching.make_plan(recipe, device)
     mesh = sharding.make_mesh(jax.devices(), t.mesh, t.data_parallel)
     _, state_shard = abstract_train_state(recipe, mesh)
-    params = jax.jit(lambda k: model.init_params(recipe.model, k), out_shardings=state_shard["params"])(
-        jax.random.PRNGKey(t.seed))
-    state = jax.jit(lambda p: init_state(recipe, p), out_shardings=state_shard)(params)
+    state = fresh_state(recipe, state_shard)
     step = jit_train_step(recipe, state_shard)
     accum = plan.grad_accum
     shape = (accum, t.global_batch // accum, t.seq_len)

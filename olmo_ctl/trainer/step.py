@@ -107,6 +107,18 @@ def init_state(recipe: Recipe, params):
     }
 
 
+def fresh_state(recipe: Recipe, state_shard, params=None):
+    """The sharded train state before step 1; parameters from the recipe's seed unless `params` is given."""
+    import jax
+
+    from olmo_ctl.trainer import model
+
+    if params is None:
+        params = jax.jit(lambda k: model.init_params(recipe.model, k), out_shardings=state_shard["params"])(
+            jax.random.PRNGKey(recipe.train.seed))
+    return jax.jit(lambda p: init_state(recipe, p), out_shardings=state_shard)(params)
+
+
 def abstract_train_state(recipe: Recipe, mesh):
     """The train state as sharded `ShapeDtypeStruct`s, and its shardings: FSDP-sharded params and
     Adam moments, everything else replicated. Nothing is allocated (the trainer restores or

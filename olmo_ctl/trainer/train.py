@@ -50,6 +50,7 @@ from olmo_ctl.storage import join
 from olmo_ctl.trainer.step import (  # noqa: F401 - IGNORE_INDEX, init_state, token_losses: re-exported
     IGNORE_INDEX,
     abstract_train_state,
+    fresh_state,
     init_state,
     jit_train_step,
     make_eval_step,
@@ -201,7 +202,7 @@ def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
     """
     import jax
 
-    from olmo_ctl.trainer import model, optim
+    from olmo_ctl.trainer import optim
 
     recipe, t = s.recipe, s.recipe.train
     abstract_state, state_shard = abstract_train_state(recipe, s.mesh)
@@ -217,13 +218,11 @@ def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
                 _inject_data_shift(loader, shift)
         print(f"restored checkpoint {latest} from {ckpt.directory}", flush=True)
     else:
-        p_shard = state_shard["params"]
+        params = None
         if args.init_from:
-            params = _load_init_params(args.init_from, abstract_state["params"], p_shard)
+            params = _load_init_params(args.init_from, abstract_state["params"], state_shard["params"])
             print(f"initialised parameters from {args.init_from}", flush=True)
-        else:
-            params = jax.jit(lambda k: model.init_params(recipe.model, k), out_shardings=p_shard)(jax.random.PRNGKey(t.seed))
-        state = jax.jit(lambda p: init_state(recipe, p), out_shardings=state_shard)(params)
+        state = fresh_state(recipe, state_shard, params)
         print(f"initialised from seed {t.seed}" if not args.init_from else "fresh optimizer state", flush=True)
     try:
         optim.check_fp32_state(state["params"], optim.AdamState(**state["opt"]), recipe.model.param_dtype)
