@@ -325,8 +325,14 @@ def test_chaos_kills_and_bitwise_identical_losses(tmp_path):
         info = wait_for(lambda: attempt_info(rdir, n), 120, f"attempt {n}")  # noqa: B023
         if how == "checkpoint":  # while Orbax writes a step: a tmp directory exists
             def writing(info=info):  # a tmp directory this attempt made (a killed one may leave its own behind)
-                return [d for d in glob.glob(os.path.join(ckpt_dir, "*.orbax-checkpoint-tmp*"))
-                        if os.stat(d).st_ctime >= info["started"]] or None
+                found = []
+                for d in glob.glob(os.path.join(ckpt_dir, "*.orbax-checkpoint-tmp*")):
+                    try:  # Orbax renames it on commit, possibly between the glob and the stat
+                        if os.stat(d).st_ctime >= info["started"]:
+                            found.append(d)
+                    except FileNotFoundError:
+                        continue
+                return found or None
             try:
                 wait_for(writing, 60, "a checkpoint write", every=0.005)
             except AssertionError:
