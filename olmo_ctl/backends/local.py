@@ -10,6 +10,13 @@ AND be our trainer (same start time, `olmo_ctl.trainer` with this run directory 
 so a recycled pid is never mistaken for it. When the process exits while we are its parent, the exit
 code is written into the same file, so a later supervisor can still classify it.
 
+A multi-host device (`cpu-PxD`) starts P trainer processes, each in its own process group, joined by
+`jax.distributed` through a coordinator on a free local port (`trainer/multihost.py`); the attempt
+file lists them under `hosts`. The attempt behaves like a JobSet: it succeeds when every host exits
+0; when one host fails, the others get SIGTERM and, after the grace period, SIGKILL, and the attempt
+ends with the first failure's exit code. Every host's lines go to the one attempt log, prefixed
+`host <h>: `.
+
 Exit codes mean what `olmo_ctl.core.contracts.exit_state` says: 0 SUCCEEDED; 143/137 (SIGTERM/SIGKILL)
 PREEMPTED; 1/2 FAILED_USER; others FAILED_INFRA.
 """
@@ -28,7 +35,16 @@ from pathlib import Path
 
 from olmo_ctl import storage
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State
-from olmo_ctl.core.contracts import LogProgress, exit_state, log_progress
+from olmo_ctl.core.contracts import (
+    COORDINATOR_ENV,
+    LOG_PREFIX_ENV,
+    NUM_PROCESSES_ENV,
+    PROCESS_ID_ENV,
+    LogProgress,
+    exit_state,
+    log_progress,
+)
+from olmo_ctl.core.devices import get_device
 from olmo_ctl.rundir import proc_start_time  # noqa: F401 - also what callers import from here
 
 TRAINER_MODULE = "olmo_ctl.trainer"
@@ -41,10 +57,28 @@ class LocalRequest:
     env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment
     log_path: str = ""
     state_dir: str = ""
+    processes: int = 1  # trainer processes (hosts); each adds its id and log prefix to `env`
 
     def to_dict(self) -> dict:
-        return {"argv": list(self.argv), "env": dict(self.env), "log": self.log_path,
-                "attempt_file": os.path.join(self.state_dir, "attempts", f"{self.attempt.attempt}.json")}
+        d = {"argv": list(self.argv), "env": dict(self.env), "log": self.log_path,
+             "attempt_file": os.path.join(self.state_dir, "attempts", f"{self.attempt.attempt}.json")}
+        if self.processes > 1:
+            d["processes"] = self.processes
+            d["env_per_process"] = {PROCESS_ID_ENV: f"0..{self.processes - 1}", LOG_PREFIX_ENV: "host <h>: ",
+                                    COORDINATOR_ENV: "127.0.0.1:<a free port>"}
+        return d
+
+    def host_env(self, host: int, coordinator: str | None) -> dict[str, str]:
+        if self.processes <= 1:
+            return dict(self.env)
+        return {**self.env, PROCESS_ID_ENV: str(host), LOG_PREFIX_ENV: f"host {host}: ", COORDINATOR_ENV: coordinator or ""}
+
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -83,13 +117,16 @@ class LocalBackend(Backend):
             argv += ["--recipe", attempt.recipe_path]
         argv += list(attempt.extra_args)
         env = {"PYTHONUNBUFFERED": "1"}
-        kind, _, n = attempt.device.rpartition("-")
-        if kind == "cpu":
+        dev = get_device(attempt.device)
+        if dev.platform == "cpu":
             env["JAX_PLATFORMS"] = "cpu"
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(n)}"
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={dev.devices_per_process}"
+        if dev.processes > 1:
+            env[NUM_PROCESSES_ENV] = str(dev.processes)
         env.update(dict(attempt.env))
         sd = self.state_dir(attempt.run, attempt.run_dir)
-        return LocalRequest(attempt, tuple(argv), env, os.path.join(sd, "logs", f"attempt-{attempt.attempt}.log"), sd)
+        return LocalRequest(attempt, tuple(argv), env, os.path.join(sd, "logs", f"attempt-{attempt.attempt}.log"), sd,
+                            dev.processes)
 
     def _attempt_file(self, state_dir: str, n: int) -> str:
         return os.path.join(state_dir, "attempts", f"{n}.json")
@@ -103,20 +140,28 @@ class LocalBackend(Backend):
         if "XLA_FLAGS" in request.env and os.environ.get("XLA_FLAGS"):
             other = [f for f in os.environ["XLA_FLAGS"].split() if "xla_force_host_platform_device_count" not in f]
             env["XLA_FLAGS"] = " ".join(other + [request.env["XLA_FLAGS"]])
+        coordinator = f"127.0.0.1:{_free_port()}" if request.processes > 1 else None
+        procs = []
         with open(request.log_path, "ab") as log:
             log.write(f"=== attempt {a.attempt} on {a.device} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
                       f": {' '.join(request.argv)}\n".encode())
             log.flush()
-            proc = subprocess.Popen(list(request.argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True, close_fds=True)
-        self._procs[proc.pid] = proc
-        info = {"pid": proc.pid, "pgid": proc.pid, "start_time": proc_start_time(proc.pid), "host": socket.gethostname(),
-                "argv": list(request.argv), "log": request.log_path, "run_dir": a.run_dir, "started": time.time(),
-                "exit_code": None}
+            for h in range(request.processes):
+                # Each host in its own session and process group: Ctrl-C in the supervisor's terminal
+                # reaches none of them, and `stop` signals each group (the trainer and its workers).
+                procs.append(subprocess.Popen(list(request.argv), stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, env={**env, **request.host_env(h, coordinator)},
+                                              start_new_session=True, close_fds=True))
+        for p in procs:
+            self._procs[p.pid] = p
+        hosts = [{"pid": p.pid, "start_time": proc_start_time(p.pid), "exit_code": None} for p in procs]
+        info = {"pid": procs[0].pid, "pgid": procs[0].pid, "start_time": hosts[0]["start_time"],
+                "host": socket.gethostname(), "argv": list(request.argv), "log": request.log_path, "run_dir": a.run_dir,
+                "started": time.time(), "exit_code": None, "hosts": hosts, "coordinator": coordinator}
         self._write_json(self._attempt_file(request.state_dir, a.attempt), info)
-        return Handle("local", str(proc.pid), a.attempt,
-                      {"pid": proc.pid, "start_time": info["start_time"], "state_dir": request.state_dir,
-                       "log": request.log_path, "run_dir": a.run_dir})
+        return Handle("local", str(procs[0].pid), a.attempt,
+                      {"pid": procs[0].pid, "start_time": info["start_time"], "state_dir": request.state_dir,
+                       "log": request.log_path, "run_dir": a.run_dir, "pids": [p.pid for p in procs]})
 
     @staticmethod
     def _write_json(path: str, d: dict) -> None:
@@ -132,38 +177,111 @@ class LocalBackend(Backend):
         except (OSError, ValueError, KeyError):
             return {}
 
-    def _is_ours(self, info: dict) -> bool:
-        pid = info.get("pid")
+    @staticmethod
+    def _hosts(info: dict, handle: Handle | None = None) -> list[dict]:
+        """The attempt's processes: `hosts` in the attempt file (one entry for an older single-host file)."""
+        if info.get("hosts"):
+            return info["hosts"]
+        pid = info.get("pid") or (handle.data.get("pid") if handle else None) or (handle.name if handle else None)
+        return [{"pid": int(pid) if pid else None, "start_time": info.get("start_time"), "exit_code": info.get("exit_code")}]
+
+    def _host_alive(self, info: dict, h: dict) -> bool:
+        """Alive AND our trainer: same start time, `olmo_ctl.trainer` with this run dir on its command line."""
+        pid = h.get("pid")
         if not pid or info.get("host") not in (None, socket.gethostname()):
             return False
         st = proc_start_time(int(pid))
-        if st is None or (info.get("start_time") is not None and st != info["start_time"]):
+        if st is None or (h.get("start_time") is not None and st != h["start_time"]):
             return False
         cmd = _cmdline(int(pid))
         return TRAINER_MODULE in cmd and info.get("run_dir") in cmd
 
+    def _is_ours(self, info: dict) -> bool:
+        return bool(info) and any(self._host_alive(info, h) for h in self._hosts(info))
+
     def status(self, handle: Handle) -> AttemptStatus:
-        pid = int(handle.data.get("pid") or handle.name)
-        proc = self._procs.get(pid)
         info = self._info(handle)
-        if proc is not None:
-            code = proc.poll()
-            if code is not None and info and info.get("exit_code") is None:
-                info["exit_code"] = code
-                info["ended"] = time.time()
+        hosts = self._hosts(info, handle)
+        watched = any(self._procs.get(h.get("pid")) is not None for h in hosts)
+        if not info and not watched:
+            return AttemptStatus(State.MISSING, "no attempt file", "local")
+        if info.get("exit_code") is not None:
+            return self._ended(handle, info["exit_code"], hosts)
+        changed, running, gone = False, [], []
+        for i, h in enumerate(hosts):
+            if h.get("exit_code") is not None:
+                continue
+            proc = self._procs.get(h.get("pid"))
+            code = proc.poll() if proc is not None else None
+            if code is not None:
+                h["exit_code"], h["ended"], changed = code, time.time(), True
+            elif proc is not None or self._host_alive(info, h):
+                running.append(i)
+            else:
+                gone.append(i)
+        failed = [h for h in hosts if h.get("exit_code") not in (None, 0)]
+        if running:
+            if failed and info:
+                changed |= self._fail_the_rest(info, hosts, failed, running)
+            if changed and info:
                 self._write_json(self._attempt_file(handle.data["state_dir"], handle.attempt), info)
-        else:
-            code = info.get("exit_code")
-            if code is None:
-                if self._is_ours(info):
-                    return AttemptStatus(State.RUNNING, f"pid {pid} running", "process")
-                if not info:
-                    return AttemptStatus(State.MISSING, "no attempt file", "local")
-                return self._ended_unwatched(handle, pid)
+            pid = int(handle.data.get("pid") or handle.name)
+            if failed:
+                first = min(failed, key=lambda h: h.get("ended", 0))
+                return AttemptStatus(State.RUNNING, f"host {hosts.index(first)} exited {first['exit_code']}: "
+                                     f"stopping the other hosts", "process")
+            what = f"pid {pid} running" if len(hosts) == 1 else f"{len(running)} of {len(hosts)} hosts running"
+            return AttemptStatus(State.RUNNING, what, "process")
+        if gone and not failed:  # ended while no process of ours was its parent: no exit code to read
+            return self._ended_unwatched(handle, int(handle.data.get("pid") or handle.name))
+        code = self._attempt_code(hosts)
+        if info:
+            info["exit_code"], info["ended"] = code, time.time()
+            self._write_json(self._attempt_file(handle.data["state_dir"], handle.attempt), info)
+        return self._ended(handle, code, hosts)
+
+    @staticmethod
+    def _attempt_code(hosts: list[dict]) -> int:
+        """0 when every host exited 0; otherwise the first failure's exit code (as a JobSet's first failed job)."""
+        failed = [h for h in hosts if h.get("exit_code") not in (None, 0)]
+        if not failed:
+            return 0
+        return min(failed, key=lambda h: h.get("ended", 0))["exit_code"]
+
+    def _ended(self, handle: Handle, code: int, hosts: list[dict]) -> AttemptStatus:
         state, reason = exit_state(code)
         if state == State.RUNNING:
-            return AttemptStatus(State.RUNNING, f"pid {pid} running", "process")
+            return AttemptStatus(State.RUNNING, f"pid {handle.data.get('pid') or handle.name} running", "process")
+        if len(hosts) > 1 and code != 0:
+            first = min((h for h in hosts if h.get("exit_code") not in (None, 0)), key=lambda h: h.get("ended", 0),
+                        default=None)
+            if first is not None:
+                reason = f"{reason} (first failed host: {hosts.index(first)})"
         return AttemptStatus(state, reason, "process exit code", code, tuple(self.logs(handle, 20)))
+
+    def _fail_the_rest(self, info: dict, hosts: list[dict], failed: list[dict], running: list[int]) -> bool:
+        """One host failed: SIGTERM the others once, SIGKILL them after the grace period."""
+        now = time.time()
+        failing = info.get("failing")
+        if failing is None:
+            first = min(failed, key=lambda h: h.get("ended", 0))
+            info["failing"] = {"host": hosts.index(first), "code": first["exit_code"], "since": now}
+            self._signal_hosts(info, [hosts[i] for i in running], signal.SIGTERM)
+            return True
+        if now - failing["since"] > self.stop_grace_s and not failing.get("killed"):
+            self._signal_hosts(info, [hosts[i] for i in running], signal.SIGKILL)
+            failing["killed"] = now
+            return True
+        return False
+
+    def _signal_hosts(self, info: dict, hosts: list[dict], sig: int) -> None:
+        for h in hosts:
+            pid = h.get("pid")
+            if pid and (self._procs.get(pid) is not None or self._host_alive(info, h)):
+                try:
+                    os.killpg(int(pid), sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def _ended_unwatched(self, handle: Handle, pid: int) -> AttemptStatus:
         """A trainer that exited while no process of ours was its parent: no exit code to read, so its
@@ -179,34 +297,34 @@ class LocalBackend(Backend):
         return AttemptStatus(State.FAILED_INFRA, why, "process", None, tuple(lines[-20:]))
 
     def stop(self, handle: Handle, graceful: bool = True) -> None:
-        """SIGTERM to the process group (the trainer checkpoints and exits 143), SIGKILL after the grace."""
-        pid = int(handle.data.get("pid") or handle.name)
-        proc = self._procs.get(pid)
-        if proc is None and not self._is_ours(self._info(handle)):
-            return
-        if proc is not None and proc.poll() is not None:
+        """SIGTERM to every host's process group (each trainer checkpoints and exits 143), SIGKILL after
+        the grace period."""
+        info = self._info(handle)
+        hosts = self._hosts(info, handle)
+        live = [h for h in hosts if (self._procs.get(h.get("pid")) is not None
+                                     and self._procs[h["pid"]].poll() is None) or self._host_alive(info, h)]
+        if not live:
             self.status(handle)
             return
-        try:
-            os.killpg(pid, signal.SIGTERM if graceful else signal.SIGKILL)
-        except ProcessLookupError:
-            return
+        self._signal_hosts(info, live, signal.SIGTERM if graceful else signal.SIGKILL)
         deadline = time.time() + (self.stop_grace_s if graceful else 10)
-        while time.time() < deadline:
+
+        def alive(h: dict) -> bool:
+            proc = self._procs.get(h.get("pid"))
             if proc is not None:
-                if proc.poll() is not None:
-                    break
-            elif proc_start_time(pid) is None:
-                break
+                return proc.poll() is None
+            return proc_start_time(int(h["pid"])) is not None
+
+        while time.time() < deadline and any(alive(h) for h in live):
             time.sleep(0.1)
-        else:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            if proc is not None:
-                proc.wait(10)
-        self.status(handle)  # records the exit code
+        rest = [h for h in live if alive(h)]
+        if rest:
+            self._signal_hosts(info, rest, signal.SIGKILL)
+            for h in rest:
+                proc = self._procs.get(h.get("pid"))
+                if proc is not None:
+                    proc.wait(10)
+        self.status(handle)  # records the exit codes
 
     def logs(self, handle: Handle, tail: int = 50) -> list[str]:
         path = handle.data.get("log")
@@ -243,13 +361,16 @@ class LocalBackend(Backend):
             if info.get("exit_code") is None and self._is_ours(info):
                 return Handle("local", str(info["pid"]), n, {"pid": info["pid"], "start_time": info.get("start_time"),
                                                              "state_dir": sd, "log": info.get("log"),
-                                                             "run_dir": info.get("run_dir")})
+                                                             "run_dir": info.get("run_dir"),
+                                                             "pids": [h["pid"] for h in self._hosts(info)]})
         return self._find_unrecorded(run, sd)
 
     def _find_unrecorded(self, run: str, sd: str) -> Handle | None:
-        """A trainer of this run with no attempt file: a supervisor died between starting it and
-        writing the file. Found by its command line, so it is adopted instead of started twice."""
+        """Trainers of this run with no attempt file: a supervisor died between starting them and
+        writing the file. Found by their command lines (all hosts of the newest such attempt), so the
+        attempt is adopted instead of started twice."""
         run_dir = storage.join(self.run_root, run)
+        found: dict[int, list[tuple[int, int, float]]] = {}  # attempt -> [(host, pid, start)]
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -263,12 +384,29 @@ class LocalBackend(Backend):
             start = proc_start_time(pid)
             if start is None:
                 continue
-            log = os.path.join(sd, "logs", f"attempt-{n}.log")  # where submit sent its output
-            info = {"pid": pid, "pgid": os.getpgid(pid), "start_time": start, "host": socket.gethostname(),
-                    "argv": cmd, "log": log, "run_dir": run_dir, "started": time.time(), "exit_code": None,
-                    "adopted": True}
-            os.makedirs(os.path.join(sd, "attempts"), exist_ok=True)
-            self._write_json(self._attempt_file(sd, n), info)
-            return Handle("local", str(pid), n, {"pid": pid, "start_time": start, "state_dir": sd, "log": log,
-                                                 "run_dir": run_dir})
-        return None
+            found.setdefault(n, []).append((_host_of(pid), pid, start))
+        if not found:
+            return None
+        n = max(found)
+        procs = sorted(found[n])
+        pid, start = procs[0][1], procs[0][2]
+        log = os.path.join(sd, "logs", f"attempt-{n}.log")  # where submit sent its output
+        info = {"pid": pid, "pgid": os.getpgid(pid), "start_time": start, "host": socket.gethostname(),
+                "argv": _cmdline(pid), "log": log, "run_dir": run_dir, "started": time.time(), "exit_code": None,
+                "adopted": True, "hosts": [{"pid": p, "start_time": st, "exit_code": None} for _, p, st in procs]}
+        os.makedirs(os.path.join(sd, "attempts"), exist_ok=True)
+        self._write_json(self._attempt_file(sd, n), info)
+        return Handle("local", str(pid), n, {"pid": pid, "start_time": start, "state_dir": sd, "log": log,
+                                             "run_dir": run_dir, "pids": [p for _, p, _ in procs]})
+
+
+def _host_of(pid: int) -> int:
+    """The host index a trainer process was started with (its OLMO_CTL_PROCESS_ID), 0 when single-host."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                if item.startswith(PROCESS_ID_ENV.encode() + b"="):
+                    return int(item.split(b"=", 1)[1] or 0)
+    except (OSError, ValueError):
+        pass
+    return 0

@@ -39,6 +39,12 @@ class State(str, enum.Enum):
 
 # ---------------------------------------------------------------- exit codes
 
+# The local multi-host twin (cpu-PxD): set per host by the local backend, read by the trainer.
+COORDINATOR_ENV = "OLMO_CTL_COORDINATOR_ADDRESS"
+NUM_PROCESSES_ENV = "OLMO_CTL_NUM_PROCESSES"
+PROCESS_ID_ENV = "OLMO_CTL_PROCESS_ID"
+LOG_PREFIX_ENV = "OLMO_CTL_LOG_PREFIX"  # `host <h>: ` before each of the host's lines in the attempt log
+
 EXIT_DONE = 0  # the final step (or --stop-at-step) reached, its checkpoint committed
 EXIT_FAILED = 1  # a deterministic error in training (a bug, a NaN loss)
 EXIT_BAD_INPUT = 2  # bad recipe, data fingerprint mismatch

@@ -3,7 +3,8 @@
 A device name is `{generation}-{N}`. For TPUs N counts TensorCores (chips x 2): the topology
 follows from the chip count by doubling the axes in the order z, y, x starting from 2x2x1 (the
 single-host slice), hosts have 4 chips. Ironwood exposes both TensorCores of a chip as JAX devices;
-v5p runs them as one megacore device. Local devices (`cpu-N`, `gpu-N`) are the local backend's.
+v5p runs them as one megacore device. Local devices (`cpu-N`, `gpu-N`) are the local backend's;
+`cpu-PxD` is the multi-host twin: P trainer processes with D host devices each (`cpu-N` is 1 x N).
 """
 
 from __future__ import annotations
@@ -64,8 +65,21 @@ class Device:
         """The name `jax.experimental.topologies.get_topology_desc` takes (e.g. `v5p:4x4x8`)."""
         return f"{self.generation}:{self.topology}"
 
+    @property
+    def processes(self) -> int:
+        """Trainer processes of one slice: one per TPU VM; P for the local `cpu-PxD`."""
+        return self.vms
+
+    @property
+    def devices_per_process(self) -> int:
+        return self.devices // self.vms
+
+    @property
+    def multi_host(self) -> bool:
+        return self.vms > 1
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "processes": self.processes, "devices_per_process": self.devices_per_process}
 
 
 def tpu_topology(chips: int) -> str:
@@ -118,14 +132,20 @@ GPU_HBM_GIB = 80.0
 MAX_LOCAL = 64
 
 
-def _local_device(kind: str, n: int) -> Device:
+def _local_device(kind: str, n: int, processes: int = 0) -> Device:
+    """`cpu-N` (one process), `cpu-PxD` (`processes` = P trainer processes of n = D devices each)."""
+    if kind == "cpu" and processes:
+        return Device(f"cpu-{processes}x{n}", "cpu", None, 0, processes, 0, processes * n, CPU_PEAK_TFLOPS,
+                      CPU_MEM_GIB, platform="cpu")
     if kind == "cpu":
         return Device(f"cpu-{n}", "cpu", None, 0, 1, 0, n, CPU_PEAK_TFLOPS, CPU_MEM_GIB, platform="cpu")
     return Device(f"gpu-{n}", "gpu", None, 0, 1, 0, n, GPU_PEAK_TFLOPS, GPU_HBM_GIB, platform="gpu")
 
 
 def local_catalog() -> list[Device]:
-    return [_local_device("cpu", n) for n in (1, 2, 4, 8)] + [_local_device("gpu", n) for n in (1, 8)]
+    return ([_local_device("cpu", n) for n in (1, 2, 4, 8)]
+            + [_local_device("cpu", d, p) for p, d in ((2, 1), (2, 2), (1, 4), (4, 1))]
+            + [_local_device("gpu", n) for n in (1, 8)])
 
 
 def get_device(name: str) -> Device:
@@ -134,6 +154,8 @@ def get_device(name: str) -> Device:
     if not isinstance(name, str) or "-" not in name:
         raise BadInput(f"`{name}` is not a device type", hint)
     gen, _, count = name.rpartition("-")
+    if gen == "cpu" and "x" in count:
+        return _multi_host_cpu(name, count, hint)
     if not count.isdigit() or count.startswith("0"):
         raise BadInput(f"`{name}` is not a device type", hint)
     n = int(count)
@@ -149,3 +171,13 @@ def get_device(name: str) -> Device:
             hint,
         )
     return _tpu_device(GENERATIONS[gen], n)
+
+
+def _multi_host_cpu(name: str, count: str, hint: str) -> Device:
+    p, _, d = count.partition("x")
+    if not (p.isdigit() and d.isdigit()) or p.startswith("0") or d.startswith("0"):
+        raise BadInput(f"`{name}` is not a device type: the multi-host twin is cpu-PxD (P processes x D devices)",
+                       "e.g. cpu-2x2")
+    if not 1 <= int(p) * int(d) <= MAX_LOCAL:
+        raise BadInput(f"`{name}` is not a device type: cpu-PxD takes 1 <= P x D <= {MAX_LOCAL}", hint)
+    return _local_device("cpu", int(d), int(p))

@@ -163,6 +163,16 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class RuntimeConfig:
+    """How the trainer guards a run (docs/multi-host.md); not part of the fingerprint."""
+
+    peer_timeout_s: int = 60  # a host that misses heartbeats this long is lost: the others exit 3
+    init_timeout_s: int = 300  # joining the slice's hosts; past it exit 3 (restart)
+    watchdog_factor: float = 10.0  # a step longer than this x the median step time is a hang: exit 3
+    watchdog_min_s: float = 300.0  # ... and never shorter than this
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     seq_len: int = 8192
     global_batch: int = 512
@@ -186,6 +196,7 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     # XLA/libtpu flags (`--name=value`) merged over the launch template's for this run's slices
     # (docs/attention-and-xla-flags.md). Performance only: not part of the fingerprint, so an attempt
     # may change them.
@@ -208,6 +219,7 @@ class Recipe:
         """Stable hash of the resolved recipe (its content, not where it came from)."""
         d = self.to_dict()
         d.pop("xla_flags", None)
+        d.pop("runtime", None)  # how the run is guarded, not what it trains
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -387,6 +399,10 @@ def validate(r: Recipe, src: str) -> None:
     need(r.eval.batches >= 0, "eval.batches", "must be >= 0")
     need(r.eval.batch_size >= 0, "eval.batch_size", "must be >= 0")
     need(r.logging.metrics_every > 0, "logging.metrics_every", "must be positive")
+    need(r.runtime.peer_timeout_s > 0, "runtime.peer_timeout_s", "must be positive")
+    need(r.runtime.init_timeout_s > 0, "runtime.init_timeout_s", "must be positive")
+    need(r.runtime.watchdog_factor > 1, "runtime.watchdog_factor", "must be > 1")
+    need(r.runtime.watchdog_min_s > 0, "runtime.watchdog_min_s", "must be positive")
     need(r.data.prefetch_workers >= 0, "data.prefetch_workers", "must be >= 0")
     if r.data.mix:
         need(r.data.mix in MIXES, "data.mix", f"must be one of {', '.join(sorted(MIXES))}, got {r.data.mix!r}")

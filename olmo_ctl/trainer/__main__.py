@@ -2,12 +2,14 @@
 
 Parses arguments without importing jax, so that `--device cpu-N` can set XLA_FLAGS first.
 Exit codes: 0 reached the final step (or --stop-at-step) with it committed; 143 stopped by SIGTERM
-after checkpointing; 1 deterministic training error; 2 bad input.
+after checkpointing; 1 deterministic training error; 2 bad input; 3 restartable (storage, network,
+joining the slice's hosts, a lost peer, a hang, any runtime error not proven deterministic).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -61,28 +63,15 @@ def _prepare_env(device: str | None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _maybe_distributed(device: str | None) -> None:
-    """Multi-host TPU slices: one process per VM, joined before any other jax call."""
-    if not device or device.startswith(("cpu-", "gpu-")):
-        return
-    from olmo_ctl.core.devices import get_device
-
-    dev = get_device(device)
-    if dev.is_tpu and dev.vms > 1:
-        import jax
-
-        jax.distributed.initialize()
-
-
 def _check_versions(ns: argparse.Namespace) -> None:
     """run.yaml's `versions` against this environment's (see RunDir.check_versions): recorded by the first
     attempt, a change reported in one line, a restore refused when its checkpoint format may not read."""
     from olmo_ctl.core.versions import installed
     from olmo_ctl.rundir import RunDir
+    from olmo_ctl.trainer import multihost
 
     primary = True
-    if ns.device and not ns.device.startswith(("cpu-", "gpu-")) and "jax" in sys.modules:
-        # A multi-host attempt joined in _maybe_distributed: one process records, every one checks.
+    if multihost.joined():  # several hosts: one process records, every one checks
         primary = sys.modules["jax"].process_index() == 0
     rd = RunDir(ns.run_dir)
     if not rd.exists():
@@ -95,21 +84,38 @@ def _check_versions(ns: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse(sys.argv[1:] if argv is None else argv)
+    from olmo_ctl.trainer import multihost
+
+    multihost.prefix_output(os.environ.get(multihost.LOG_PREFIX_ENV, ""))
+    try:
+        return _main(ns)
+    finally:
+        multihost.drain_output()
+
+
+def _main(ns: argparse.Namespace) -> int:
+    from olmo_ctl.core.contracts import EXIT_RESTART
     from olmo_ctl.core.errors import OlmoCtlError
+    from olmo_ctl.trainer import multihost
 
     try:
         _prepare_env(ns.device)
-        _maybe_distributed(ns.device)
+        from olmo_ctl.trainer.train import TrainArgs, load_run_recipe, main_run
+
+        args = TrainArgs(run_dir=ns.run_dir, recipe=ns.recipe, device=ns.device, attempt=ns.attempt,
+                         stop_at_step=ns.stop_at_step, overrides=list(ns.overrides),
+                         allow_data_change=ns.allow_data_change, init_from=ns.init_from)
+        recipe = load_run_recipe(args)
+        if ns.device:
+            from olmo_ctl.core.devices import get_device
+
+            # Several hosts join before any other jax call (the TPU slice's VMs, or cpu-PxD's processes).
+            multihost.join(get_device(ns.device), recipe.runtime)
         _check_versions(ns)
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")
-        return 2
-    from olmo_ctl.trainer.train import TrainArgs, main_run
-
-    return main_run(TrainArgs(
-        run_dir=ns.run_dir, recipe=ns.recipe, device=ns.device, attempt=ns.attempt, stop_at_step=ns.stop_at_step,
-        overrides=list(ns.overrides), allow_data_change=ns.allow_data_change, init_from=ns.init_from,
-    ))
+        return EXIT_RESTART if e.exit_code == EXIT_RESTART else 2
+    return main_run(dataclasses.replace(args, loaded_recipe=recipe))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,13 @@ Metrics stay on device: each step returns a small dict of scalars that is kept (
 every `logging.metrics_every` steps, at checkpoints and at exit, so no step waits on the host.
 
 SIGTERM (preemption, `olmo-ctl resize`, the supervisor) sets a flag; the loop finishes the step it is
-in, checkpoints it, waits for the write to commit, uploads events and exits 143.
+in, checkpoints it, waits for the write to commit, uploads events and exits 143. On several hosts,
+JAX's preemption service makes every host agree on that step (`trainer/multihost.py`), so a SIGTERM
+to any one host stops them all after the same step with one checkpoint.
+
+Each host times its steps (data wait, compute) per logging window; process 0 writes every host's
+figures as `hosts/<h>/...` scalars, which `monitor` reads to name a slow host. A hang watchdog
+(`trainer/watchdog.py`) ends a host that stops making progress with exit 3.
 
 The step itself (pure, jitted; also compiled by preflight) is in `trainer/step.py`. Here: `_setup`
 (recipe, device, plan, mesh), `_restore_or_init` (the state and loader position), `_MetricLog`
@@ -62,6 +68,8 @@ from olmo_ctl.trainer.step import (  # noqa: F401 - IGNORE_INDEX, init_state, to
 # Fault injection for tests only: shift the restored data position by +-N batches to prove that the
 # resume A/B check detects a data/parameter off-by-one. Never set it in a real run.
 TEST_DATA_SHIFT_ENV = "OLMO_CTL_TEST_DATA_SHIFT"
+# Fault injection for tests and demos: `H:MS` makes host H's data loading MS milliseconds slower per step.
+SLOW_DATA_ENV = "OLMO_CTL_FAULT_SLOW_DATA"
 ORDER_DIR = "data_order"  # <run-dir>/data_order/<fingerprint digest>-e<epoch>/: see trainer/epoch_order.py
 
 
@@ -75,6 +83,7 @@ class TrainArgs:
     overrides: list[str] = field(default_factory=list)
     allow_data_change: bool = False
     init_from: str | None = None
+    loaded_recipe: Recipe | None = None  # the recipe, when the entry point has already loaded it
 
 
 class TrainingFailed(OlmoCtlError):
@@ -95,6 +104,8 @@ def load_run_recipe(args: TrainArgs) -> Recipe:
     from olmo_ctl.rundir import run_recipe
     from olmo_ctl.storage import NotFound, is_gcs, join, store_for
 
+    if args.loaded_recipe is not None:
+        return args.loaded_recipe
     if args.recipe and is_gcs(args.recipe):
         text = store_for(args.recipe).read_text(args.recipe)
         return recipe_from_dict(yaml.safe_load(text), args.recipe, args.overrides)
@@ -113,14 +124,30 @@ def load_run_recipe(args: TrainArgs) -> Recipe:
 
 
 class _Stop:
-    """SIGTERM/SIGINT set a flag; the loop checks it between steps."""
+    """SIGTERM/SIGINT set a flag; the loop checks it between steps. On several hosts SIGTERM belongs
+    to JAX's preemption service instead, and `requested(step)` is the step every host agreed on."""
 
     def __init__(self):
         self.signal: int | None = None
+        self.hosts = False
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        from olmo_ctl.trainer import multihost
+
+        self.hosts = multihost.joined()
+        for sig in (signal.SIGINT,) if self.hosts else (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handler)
+
+    def requested(self, step: int) -> bool:
+        """Called once per step, after it, on every host."""
+        if self.hosts:
+            from olmo_ctl.trainer import multihost
+
+            if multihost.stop_agreed(step):
+                print(f"stop requested: every host stops after step {step}", flush=True)
+                self.signal = self.signal or signal.SIGTERM
+                return True
+        return self.signal is not None
 
     def _handler(self, signum, frame) -> None:
         if self.signal is None:
@@ -147,6 +174,9 @@ def _device_for(args: TrainArgs):
     if dev.devices != jax.device_count():
         raise BadInput(f"--device {dev.name} has {dev.devices} devices but JAX sees {jax.device_count()}",
                        f"run with the matching device (e.g. cpu-{jax.device_count()})")
+    if dev.processes != jax.process_count():
+        raise BadInput(f"--device {dev.name} runs {dev.processes} processes but JAX joined {jax.process_count()}",
+                       "start every host of the slice with the same --device")
     return dev
 
 
@@ -238,13 +268,14 @@ class _MetricLog:
     """Device metrics of finished steps, kept until `flush()` fetches them in one transfer, checks the
     loss is finite, and logs each step (TensorBoard scalars on process 0, one line on stdout)."""
 
-    def __init__(self, s: _Setup, events):
+    def __init__(self, s: _Setup, events, watchdog=None):
         from olmo_ctl.core import flops
 
-        self.s, self.events = s, events
+        self.s, self.events, self.watchdog = s, events, watchdog
         self.fpt = flops.flops_per_token_olmo_core(s.recipe.model, s.recipe.train.seq_len)
         self.pending: list[tuple[int, dict, float]] = []  # (step, device metrics, data loading s)
         self.steps = 0  # steps run by this attempt
+        self.windows = 0  # windows fetched by this attempt (the first one holds the compile)
         self.t_start = self.t_last = time.monotonic()
 
     def start_clock(self) -> None:
@@ -261,14 +292,35 @@ class _MetricLog:
             return
         items = list(self.pending)
         self.pending.clear()  # a step is logged once, even when a non-finite loss stops us below
+        if self.watchdog:
+            self.watchdog.beat(items[0][0] - 1, waiting_for=len(items))
         host = jax.device_get([m for _, m, _ in items])
         now = time.monotonic()
         step_time = (now - self.t_last) / len(items)
         self.t_last = now
         elapsed = now - self.t_start
         wall = time.time()
+        self.windows += 1
+        if self.watchdog:
+            if self.windows > 1:  # the first window of an attempt holds the compile
+                self.watchdog.step_times(step_time, len(items))
+            self.watchdog.beat(items[-1][0])
+        self._host_timings(items[-1][0], step_time, sum(ld for _, _, ld in items) / len(items), wall)
         for (step, _, load_s), m in zip(items, host, strict=True):
             self._log(step, m, load_s, step_time, elapsed, wall)
+
+    def _host_timings(self, step: int, step_time: float, data_wait: float, wall: float) -> None:
+        """Every host's window: step time, data wait and compute (the rest), as `hosts/<h>/...` scalars."""
+        from olmo_ctl.trainer import multihost
+
+        mine = [step_time, data_wait, max(0.0, step_time - data_wait)]
+        rows = multihost.allgather_floats(mine) if self.s.n_proc > 1 else [mine]
+        if self.s.proc != 0:
+            return
+        values = {}
+        for h, (st, dw, comp) in enumerate(rows):
+            values.update({f"hosts/{h}/step_time_s": st, f"hosts/{h}/data_wait_s": dw, f"hosts/{h}/compute_s": comp})
+        self.events.scalars(step, values, wall)
 
     def _log(self, step: int, m: dict, load_s: float, step_time: float, elapsed: float, wall: float) -> None:
         from olmo_ctl.core import flops
@@ -295,7 +347,8 @@ class _MetricLog:
         }
         if s.proc == 0:
             self.events.scalars(step, values, wall)
-        print(step_line(step, s.recipe.train.max_steps, ce, grad_norm, lr, tps, mfu, bool(m["skipped"])), flush=True)
+            print(step_line(step, s.recipe.train.max_steps, ce, grad_norm, lr, tps, mfu, bool(m["skipped"])),
+                  flush=True)
 
 
 def _device_batch(batch: dict, s: _Setup, micro_shard) -> dict:
@@ -318,10 +371,14 @@ class _Loop:
         import jax
 
         from olmo_ctl.trainer import data as data_lib
+        from olmo_ctl.trainer.watchdog import Watchdog
 
         self.s, self.state, self.step = s, state, step
         self.loader, self.ckpt, self.events, self.stop = loader, ckpt, events, stop
-        self.metrics = _MetricLog(s, events)
+        rt = s.recipe.runtime
+        self.watchdog = Watchdog(rt.watchdog_factor, rt.watchdog_min_s)
+        self.metrics = _MetricLog(s, events, self.watchdog)
+        self.slow_data_s = _slow_data_s(s.proc)
         self.micro_shard = micro_batch_sharding(s.mesh)
         self.train_step = jit_train_step(s.recipe, state_shard)
         self.eval_step = jax.jit(make_eval_step(s.recipe))
@@ -343,24 +400,32 @@ class _Loop:
 
     def save(self, final: bool) -> None:
         self.metrics.flush()  # a non-finite loss stops here, before it is checkpointed
-        secs = self.ckpt.save(self.step, self.state, self.meta())
-        if final:
-            self.ckpt.wait()
+        with self.watchdog.paused():
+            secs = self.ckpt.save(self.step, self.state, self.meta())
+            if final:
+                self.ckpt.wait()
         if self.s.proc == 0:
             self.events.scalars(self.step, {"checkpoint/save_duration_s": secs})
         self.upload_events()
 
     def train_one(self) -> None:
+        from olmo_ctl.trainer.watchdog import maybe_hang
+
+        maybe_hang(self.step + 1, self.s.proc)
         t0 = time.monotonic()
+        if self.slow_data_s:
+            time.sleep(self.slow_data_s)
         batch = _device_batch(self.loader.next(), self.s, self.micro_shard)
         load_s = time.monotonic() - t0
         self.state, m = self.train_step(self.state, batch)
         self.step += 1
         self.metrics.add(self.step, m, load_s)
+        self.watchdog.beat(self.step, waiting_for=len(self.metrics.pending))
 
     def evaluate(self) -> None:
         self.metrics.flush()
-        loss = _evaluate(self.eval_step, self.state["params"], self.eval_sets)
+        with self.watchdog.paused():
+            loss = _evaluate(self.eval_step, self.state["params"], self.eval_sets)
         if self.s.proc == 0:
             self.events.scalars(self.step, {"eval/lm_loss": loss})
         print(f"eval step {self.step} lm_loss {loss:.4f}", flush=True)
@@ -373,7 +438,7 @@ class _Loop:
         if self.step >= self.s.final_step:
             self.save(final=True)
             return 0
-        if self.stop.signal is not None:
+        if self.stop.requested(self.step):
             self.save(final=True)
             return EXIT_SIGTERM
         if self.step % r.checkpoint.interval == 0:
@@ -389,11 +454,12 @@ class _Loop:
         if s.proc == 0:
             self.events.session_start(self.step + 1)  # readers drop what an earlier attempt logged from here on
         self.metrics.start_clock()
+        self.watchdog.start()
         print(f"training steps {self.step + 1}..{s.final_step} of {s.recipe.train.max_steps} on {s.device.name}: "
               f"per-device batch {s.plan.per_device_batch} x {s.plan.grad_accum} accumulation", flush=True)
         try:
             while self.step < s.final_step:
-                if self.stop.signal is not None and self.metrics.steps == 0:
+                if not self.stop.hosts and self.stop.signal is not None and self.metrics.steps == 0:
                     return EXIT_SIGTERM  # nothing new since the restored (or initial) state
                 self.train_one()
                 code = self.after_step()
@@ -402,6 +468,7 @@ class _Loop:
             self.metrics.flush()
             return 0
         finally:
+            self.watchdog.close()
             try:
                 self.ckpt.close()  # waits for an async save in flight
             finally:
@@ -434,6 +501,15 @@ def run(args: TrainArgs) -> int:
     exit_code = loop.run()
     print(committed_line(loop.step), flush=True)
     return exit_code
+
+
+def _slow_data_s(proc: int) -> float:
+    """The slow-host fault knob (OLMO_CTL_FAULT_SLOW_DATA=H:MS): seconds added to host H's data loading."""
+    host, _, ms = os.environ.get(SLOW_DATA_ENV, "").partition(":")
+    if host.isdigit() and int(host) == proc and ms.replace(".", "", 1).isdigit():
+        print(f"FAULT INJECTION: data loading on host {proc} slowed by {ms} ms per step ({SLOW_DATA_ENV})", flush=True)
+        return float(ms) / 1000.0
+    return 0.0
 
 
 def _close_loader(loader) -> None:
@@ -536,7 +612,7 @@ def replace_args(args: TrainArgs, **kw) -> TrainArgs:
 
 
 def _is_transient_io_error(e: BaseException) -> bool:
-    """Storage or network trouble (retrying the attempt may succeed), as opposed to a bug."""
+    """Storage or network trouble, or a lost peer (retrying the attempt may succeed): named as such."""
     from olmo_ctl.core.errors import Unreachable
 
     for exc in (e, e.__cause__, e.__context__):
@@ -554,15 +630,18 @@ def _is_transient_io_error(e: BaseException) -> bool:
 
 
 # A multi-host runtime error that means another host (or the coordination service) went away: a
-# preempted or failed peer, not a bug here. Exit 1 would fail the JobSet at once; exit 3 restarts it.
+# preempted or failed peer, not a bug here.
 _PEER_LOST = re.compile(r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED)\b|coordination service|heartbeat|"
                         r"barrier timed out|connection reset|socket closed|task .* (?:failed|disconnected)",
                         re.IGNORECASE)
 
 
 def main_run(args: TrainArgs) -> int:
-    """Run and map errors to exit codes: 0, 143 (SIGTERM), 1 deterministic failure, 2 bad input,
-    3 storage unreachable (transient: the supervisor retries the attempt; exit 1 it would not)."""
+    """Run and map errors to exit codes by cause: 0 done, 143 stopped by SIGTERM after checkpointing,
+    1 a failure proven deterministic (non-finite loss, optimizer dtype, an inconsistent checkpoint:
+    restarting would fail again), 2 bad input, 3 everything else (storage, network, a lost peer, a
+    runtime error nobody has proven deterministic): the attempt is restarted, and the supervisor's
+    crash-loop rule stops a run that exits 3 at the same step again and again."""
     try:
         return run(args)
     except OlmoCtlError as e:
@@ -570,11 +649,12 @@ def main_run(args: TrainArgs) -> int:
         if e.exit_code == EXIT_RESTART:
             return EXIT_RESTART
         return e.exit_code if e.exit_code in USER_EXIT_CODES else EXIT_FAILED
-    except Exception as e:
-        if not _is_transient_io_error(e):
-            raise  # a bug: traceback and exit 1
+    except Exception as e:  # noqa: BLE001 - every other error: restartable by rule (issue: errors by cause)
         import traceback
 
         traceback.print_exc()
-        sys.stderr.write(f"error: storage or network unreachable ({type(e).__name__}: {e}); the attempt can be retried\n")
+        what = ("storage, network or a peer host unreachable" if _is_transient_io_error(e)
+                else "an unexpected runtime error, not proven deterministic")
+        sys.stderr.write(f"error: {what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                         "exit 3: the attempt can be restarted\n")
         return EXIT_RESTART

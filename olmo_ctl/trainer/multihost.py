@@ -1,0 +1,201 @@
+"""One slice, several trainer processes: joining them, a stop that reaches every host, a lost peer.
+
+A slice of P hosts runs P trainer processes (one per TPU VM; `cpu-PxD` runs P local processes of D
+host devices each, with gloo collectives). This module holds what is specific to that:
+
+- `join(device, runtime)`: `jax.distributed.initialize` before any other jax call. On TPU the
+  coordinator, process count and id come from the TPU environment (GKE's webhook sets them); the
+  local twin's launcher sets `OLMO_CTL_COORDINATOR_ADDRESS`, `OLMO_CTL_NUM_PROCESSES` and
+  `OLMO_CTL_PROCESS_ID`. Any failure to join (a coordinator that never answers, a peer that never
+  arrives within `runtime.init_timeout_s`) raises `JoinFailed`, exit 3: the attempt is restarted, it
+  is not a user error.
+- A lost peer: the distributed runtime's heartbeat (`runtime.peer_timeout_s`) notices a host that
+  died (SIGKILL, a lost VM); the runtime then aborts every other process (SIGABRT). A C-level SIGABRT
+  handler turns that abort into exit 3 (restart) with one line saying why, instead of 134.
+- A stop that reaches everyone: SIGTERM to any one host (GKE maintenance of one VM, `olmo-ctl
+  resize`) is caught by JAX's preemption service, which makes every host agree on the same step
+  (`multihost_utils.reached_preemption_sync_point`); all hosts finish it, write one checkpoint and exit
+  143. Measured on the 2 x 2 CPU twin: every host stops at the same step about 1.5 s after the signal,
+  and the check costs nothing between notices (no collective per step).
+- Log lines: with `OLMO_CTL_LOG_PREFIX` set (`host 1: `), everything the process writes to its stdout
+  and stderr (Python and C++ alike) reaches the shared attempt log one line at a time, prefixed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+from olmo_ctl.core.contracts import (
+    COORDINATOR_ENV,
+    EXIT_RESTART,
+    LOG_PREFIX_ENV,
+    NUM_PROCESSES_ENV,
+    PROCESS_ID_ENV,
+)
+from olmo_ctl.core.errors import OlmoCtlError
+
+
+class JoinFailed(OlmoCtlError):
+    """The hosts of the slice could not be joined: infrastructure, so the attempt is restarted (exit 3)."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message, hint, exit_code=EXIT_RESTART)
+
+
+_state = {"joined": False, "out_fd": None}
+
+
+def joined() -> bool:
+    return _state["joined"]
+
+
+def join(device, runtime) -> bool:
+    """Join the slice's processes when the device has more than one; True when joined."""
+    if device.processes <= 1:
+        return False
+    import jax
+
+    kwargs = {"initialization_timeout": int(runtime.init_timeout_s),
+              "heartbeat_timeout_seconds": int(runtime.peer_timeout_s)}
+    if device.platform == "cpu":
+        missing = [k for k in (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV) if not os.environ.get(k)]
+        if missing:
+            raise JoinFailed(f"--device {device.name} runs {device.processes} processes but {', '.join(missing)} "
+                             "is not set", "start it through `olmo-ctl submit --backend local`, which sets them")
+        n = int(os.environ[NUM_PROCESSES_ENV])
+        if n != device.processes:
+            raise JoinFailed(f"--device {device.name} has {device.processes} processes but "
+                             f"{NUM_PROCESSES_ENV}={n}")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        kwargs.update(coordinator_address=os.environ[COORDINATOR_ENV], num_processes=n,
+                      process_id=int(os.environ[PROCESS_ID_ENV]))
+    _exit_3_on_abort()
+    _state["joining"] = f"could not join the {device.processes} hosts of {device.name}"
+    try:
+        jax.distributed.initialize(**kwargs)
+    except Exception as e:  # noqa: BLE001 - the runtime raises many types; all mean "could not join"
+        raise JoinFailed(f"could not join the {device.processes} hosts of {device.name} "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+                         "a peer or the coordinator did not answer; the attempt will be restarted") from None
+    finally:
+        _state["joining"] = None
+    if jax.process_count() != device.processes:
+        raise JoinFailed(f"joined {jax.process_count()} processes, but {device.name} has {device.processes}")
+    _state["joined"] = True
+    print(f"joined {jax.process_count()} hosts as process {jax.process_index()} "
+          f"({jax.local_device_count()} local devices, {jax.device_count()} in all)", flush=True)
+    return True
+
+
+# ---------------------------------------------------------------- a lost peer: SIGABRT -> exit 3
+
+_ABORT_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
+_keep: list = []  # the C callback must outlive this module's functions
+
+
+def _on_abort(signum: int) -> None:
+    fd = _state["out_fd"] if _state["out_fd"] is not None else 2
+    prefix = os.environ.get(LOG_PREFIX_ENV, "").encode()
+    why = (f"{_state['joining']} (the distributed runtime gave up: a peer or the coordinator did not answer)"
+           if _state.get("joining") else
+           "the distributed runtime aborted (a peer host was lost or the coordination service failed)")
+    try:
+        os.write(fd, prefix + f"error: {why}; exiting 3 so that the attempt is restarted\n".encode())
+    finally:
+        os._exit(EXIT_RESTART)
+
+
+def _exit_3_on_abort() -> None:
+    """The runtime aborts every surviving process when a peer misses its heartbeats; abort() raises
+    SIGABRT in the runtime's own thread, where a Python-level handler would never run. A C-level
+    handler (a ctypes callback) runs there and exits 3."""
+    if _keep:
+        return
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, _ABORT_HANDLER]
+    cb = _ABORT_HANDLER(_on_abort)
+    _keep.append(cb)
+    libc.signal(signal.SIGABRT, cb)
+
+
+# ---------------------------------------------------------------- a stop agreed by every host
+
+
+def stop_agreed(step: int) -> bool:
+    """True on every host at the same step once any host got SIGTERM (JAX's preemption service)."""
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.reached_preemption_sync_point(step))
+
+
+def allgather_floats(values: list[float]) -> list[list[float]]:
+    """Every host's `values` (same length on every host), on every host; a collective."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    got = multihost_utils.process_allgather(np.asarray(values, np.float64))
+    return [list(map(float, row)) for row in np.asarray(got).reshape(-1, len(values))]
+
+
+# ---------------------------------------------------------------- one prefixed log
+
+
+def prefix_output(prefix: str) -> None:
+    """Route fd 1 and 2 through a pipe; a thread copies each line to the original stdout, prefixed.
+
+    The original stdout is the attempt's log (opened for append by the launcher), so the lines of P
+    processes interleave whole. C++ output (XLA, gloo, the runtime) is prefixed too.
+    """
+    if not prefix or _state["out_fd"] is not None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    out = os.dup(1)
+    r, w = os.pipe()
+    os.dup2(w, 1)
+    os.dup2(w, 2)
+    os.close(w)
+    _state["out_fd"] = out
+    pre = prefix.encode()
+
+    def copy() -> None:
+        buf = b""
+        with os.fdopen(r, "rb", buffering=0) as src:
+            while True:
+                chunk = src.read(65536)
+                if not chunk:
+                    break
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                if lines:
+                    os.write(out, b"".join(pre + ln + b"\n" for ln in lines))
+        if buf:
+            os.write(out, pre + buf + b"\n")
+
+    t = threading.Thread(target=copy, name="log-prefix", daemon=True)
+    t.start()
+    _state["thread"] = t
+
+
+def drain_output(timeout: float = 5.0) -> None:
+    """Close our ends of the pipe and wait for the copier: call before the process exits."""
+    t = _state.get("thread")
+    if t is None:
+        return
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    for fd in (1, 2):
+        try:
+            os.dup2(_state["out_fd"], fd)  # later writes go straight to the log; the pipe's last writer closes
+        except OSError:
+            pass
+    t.join(timeout)
+    _state["thread"] = None

@@ -1,0 +1,212 @@
+"""The multi-host twin: `cpu-PxD` attempts as P real trainer processes joined by jax.distributed (gloo).
+
+Every test starts real trainers through the local backend (the launcher users get) and signals single
+hosts with real signals: a stop that reaches every host, a lost peer, the hang watchdog, the slow-host
+knob, and a restore on another process count.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from olmo_ctl.backends.base import Attempt, State
+from olmo_ctl.backends.local import LocalBackend
+from olmo_ctl.core.contracts import parse_committed_line, parse_step_line
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.trainer.checkpoint import Checkpointer
+
+SMOKE = ("--set", "checkpoint.interval=1000", "--set", "eval.interval=1000", "--set", "logging.metrics_every=1")
+
+
+def start(tmp_path: Path, device: str, steps: int, *sets: str, attempt: int = 1, env: dict | None = None,
+          run: str = "mh"):
+    backend = LocalBackend(str(tmp_path), stop_grace_s=60)
+    run_dir = str(tmp_path / run)
+    a = Attempt(run, run_dir, attempt, device, recipe_path="smoke",
+                extra_args=("--set", f"train.max_steps={steps}", *SMOKE, *sets), env=tuple((env or {}).items()))
+    return backend, backend.send(backend.render(a))
+
+
+def log_lines(handle) -> list[str]:
+    try:
+        return Path(handle.data["log"]).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def host_lines(handle, host: int) -> list[str]:
+    p = f"host {host}: "
+    return [ln[len(p):] for ln in log_lines(handle) if ln.startswith(p)]
+
+
+def last_step(handle) -> int:
+    steps = [s.step for s in map(parse_step_line, log_lines(handle)) if s]
+    return max(steps, default=0)
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.05):
+    end = time.time() + timeout
+    while time.time() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def wait_ended(backend, handle, timeout: float):
+    return wait_for(lambda: (st := backend.status(handle)).state != State.RUNNING and st, timeout, "the attempt to end")
+
+
+def host_codes(backend, handle) -> list[int | None]:
+    import json
+
+    info = json.loads(Path(handle.data["state_dir"], "attempts", f"{handle.attempt}.json").read_text())
+    return [h["exit_code"] for h in info["hosts"]]
+
+
+def read_losses(logdir: str) -> dict[int, int]:
+    """step -> float32 bit pattern of the last `train/CE loss` record (the reader's latest-wins rule)."""
+    from tensorboard.compat.proto import event_pb2
+
+    out: dict[int, int] = {}
+    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+        data = Path(path).read_bytes()
+        i = 0
+        while i + 12 <= len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            for v in ev.summary.value:
+                if v.tag == "train/CE loss":
+                    out[ev.step] = struct.unpack("<I", struct.pack("<f", v.simple_value))[0]
+    return out
+
+
+def as_float(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+# ---------------------------------------------------------------- devices and the launcher
+
+
+def test_cpu_pxd_devices_and_the_rendered_launch():
+    d = get_device("cpu-2x2")
+    assert (d.processes, d.devices_per_process, d.devices) == (2, 2, 4)
+    assert get_device("cpu-4").processes == 1 and get_device("cpu-1x4").devices_per_process == 4
+    backend = LocalBackend("/tmp/x")
+    req = backend.render(Attempt("r", "/tmp/x/r", 1, "cpu-2x2", recipe_path="smoke"))
+    assert req.processes == 2 and req.env["OLMO_CTL_NUM_PROCESSES"] == "2"
+    assert req.env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    assert req.host_env(1, "127.0.0.1:1")["OLMO_CTL_PROCESS_ID"] == "1"
+    assert req.host_env(1, "127.0.0.1:1")["OLMO_CTL_LOG_PREFIX"] == "host 1: "
+
+
+def test_two_hosts_train_like_one_and_a_sigterm_to_one_host_stops_both_after_one_step(tmp_path):
+    """2 x 2: both hosts log prefixed lines, process 0 alone logs steps; SIGTERM to host 1 only makes
+    both hosts finish the same step, write one checkpoint of it and exit 143; the restart continues
+    from it with the losses of the 1 x 4 run within float rounding."""
+    backend, h = start(tmp_path, "cpu-2x2", 400)
+    wait_for(lambda: last_step(h) >= 4, 240, "step 4")
+    assert all(not ln.startswith("step ") for ln in host_lines(h, 1))  # steps come from process 0
+    assert any(ln.startswith("joined 2 hosts as process 1") for ln in host_lines(h, 1))
+    pids = h.data["pids"]
+    os.kill(pids[1], signal.SIGTERM)
+    st = wait_ended(backend, h, 120)
+    assert st.state == State.PREEMPTED and host_codes(backend, h) == [143, 143], (st, log_lines(h)[-20:])
+    agreed = [re.search(r"every host stops after step (\d+)", "\n".join(host_lines(h, i))) for i in (0, 1)]
+    assert agreed[0] and agreed[1] and agreed[0].group(1) == agreed[1].group(1)
+    stop = int(agreed[0].group(1))
+    assert Checkpointer.for_run(str(tmp_path / "mh")).committed_steps() == [stop]
+    assert [parse_committed_line(ln) for ln in host_lines(h, 0) if parse_committed_line(ln) is not None] == [stop]
+
+    # The restart (2 x 2 again) continues from the stop step.
+    backend, h2 = start(tmp_path, "cpu-2x2", 400, "--stop-at-step", str(stop + 3), attempt=2)
+    st = wait_ended(backend, h2, 240)
+    assert st.state == State.SUCCEEDED, log_lines(h2)[-20:]
+    assert any(f"restored checkpoint {stop}" in ln for ln in host_lines(h2, 1))
+
+
+def test_a_lost_peer_makes_the_others_exit_3_within_the_bound(tmp_path):
+    """SIGKILL of host 1 (a lost VM): host 0 notices through the runtime's heartbeat and exits 3 within
+    runtime.peer_timeout_s (plus slack), instead of hanging or aborting with 134."""
+    bound = 5
+    backend, h = start(tmp_path, "cpu-2x2", 100000, "--set", f"runtime.peer_timeout_s={bound}")
+    wait_for(lambda: last_step(h) >= 3, 240, "step 3")
+    os.kill(h.data["pids"][1], signal.SIGKILL)
+    t0 = time.time()
+    st = wait_ended(backend, h, 120)
+    took = time.time() - t0
+    codes = host_codes(backend, h)
+    assert codes[1] in (-9, 137) and codes[0] == 3, (codes, log_lines(h)[-10:])
+    assert took < 2 * bound + 10, took
+    assert any("peer host was lost" in ln for ln in host_lines(h, 0))
+    assert st.state == State.PREEMPTED  # the first failure: a killed host; the supervisor restarts it
+
+
+def test_the_coordinator_host_lost_makes_the_other_exit_3(tmp_path):
+    backend, h = start(tmp_path, "cpu-2x2", 100000, "--set", "runtime.peer_timeout_s=5")
+    wait_for(lambda: last_step(h) >= 3, 240, "step 3")
+    os.kill(h.data["pids"][0], signal.SIGKILL)
+    wait_ended(backend, h, 60)
+    assert host_codes(backend, h)[1] == 3
+
+
+def test_joining_hosts_that_never_arrive_exits_3(tmp_path):
+    """A coordinator that never answers (host 0 never started): the join times out, exit 3 (restart)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OLMO_CTL_COORDINATOR_ADDRESS": "127.0.0.1:9", "OLMO_CTL_NUM_PROCESSES": "2",
+           "OLMO_CTL_PROCESS_ID": "1", "JAX_PLATFORMS": "cpu"}
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"),
+                        "--device", "cpu-2x1", "--set", "runtime.init_timeout_s=3"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert "could not join the 2 hosts of cpu-2x1" in p.stderr
+    assert time.time() - t0 < 60
+
+
+def test_watchdog_ends_a_hung_host_with_its_stacks_and_spares_the_compile(tmp_path):
+    """A host hung before step 8 (the fault knob): exit 3 with every thread's stack in the log. The same
+    settings with no hang finish: the first step's compile (seconds, far above the 0.5 s allowance) is
+    not judged."""
+    sets = ("--set", "runtime.watchdog_min_s=0.5", "--set", "runtime.watchdog_factor=5")
+    backend, h = start(tmp_path, "cpu-1", 40, *sets, run="ok")
+    st = wait_ended(backend, h, 240)
+    assert st.state == State.SUCCEEDED, log_lines(h)[-20:]
+
+    backend, h = start(tmp_path, "cpu-1", 100000, *sets, env={"OLMO_CTL_FAULT_HANG_AT_STEP": "8"}, run="hang")
+    st = wait_ended(backend, h, 240)
+    text = "\n".join(log_lines(h))
+    assert st.exit_code == 3, text[-3000:]
+    assert "watchdog: no progress" in text and "after step 7" in text
+    assert "Thread 0x" in text and "maybe_hang" in text  # faulthandler's dump of every thread
+
+
+@pytest.mark.chaos
+def test_restore_on_other_process_counts_continues_the_run(tmp_path):
+    """2 x 2 to step 6, then 1 x 4 to 12, then 4 x 1 to 18: the same data position at every hand-over
+    and per-step losses within float rounding of an uninterrupted 2 x 2 run; a 2 x 2 restart from a 2 x 2
+    checkpoint is bit-identical."""
+    _, ref = start(tmp_path, "cpu-2x2", 18, run="ref")
+    b = LocalBackend(str(tmp_path))
+    assert wait_ended(b, ref, 300).state == State.SUCCEEDED
+    want = read_losses(str(tmp_path / "ref" / "tensorboard"))
+    assert sorted(want) == list(range(1, 19))
+    for n, (device, stop) in enumerate([("cpu-2x2", 6), ("cpu-2x2", 9), ("cpu-1x4", 12), ("cpu-4x1", 18)], 1):
+        b, h = start(tmp_path, device, 18, "--stop-at-step", str(stop), attempt=n, run="moved")
+        assert wait_ended(b, h, 300).state == State.SUCCEEDED, log_lines(h)[-20:]
+    got = read_losses(str(tmp_path / "moved" / "tensorboard"))
+    assert sorted(got) == list(range(1, 19))
+    assert all(got[s] == want[s] for s in range(1, 10))  # 2 x 2 throughout: bit for bit
+    assert max(abs(as_float(got[s]) - as_float(want[s])) for s in range(10, 19)) < 1e-5
