@@ -210,3 +210,59 @@ def test_restore_on_other_process_counts_continues_the_run(tmp_path):
     assert sorted(got) == list(range(1, 19))
     assert all(got[s] == want[s] for s in range(1, 10))  # 2 x 2 throughout: bit for bit
     assert max(abs(as_float(got[s]) - as_float(want[s])) for s in range(10, 19)) < 1e-5
+
+
+# ---------------------------------------------------------------- stragglers
+
+
+def test_slow_host_rule():
+    from olmo_ctl.core.stragglers import parse_slow_host_line, slow_host_line, slow_hosts
+
+    clean = {h: [{"data_wait_s": 0.004 + 0.001 * (h % 2), "compute_s": 0.08}] * 5 for h in range(4)}
+    assert slow_hosts(clean) == []
+    slow = {**clean, 1: [{"data_wait_s": 0.210, "compute_s": 0.08}] * 5}
+    (s,) = slow_hosts(slow)
+    assert (s.host, s.part, s.message()) == (1, "data wait", "host 1: data wait 210 ms vs 4 ms median")
+    assert parse_slow_host_line("host 0: " + slow_host_line(s)) == s
+    # One slow window among ten is a hiccup, not a slow host; two hosts are enough to compare.
+    hiccup = {0: [{"data_wait_s": 0.004, "compute_s": 0.08}] * 10,
+              1: [{"data_wait_s": 0.004, "compute_s": 0.08}] * 9 + [{"data_wait_s": 0.5, "compute_s": 0.08}]}
+    assert slow_hosts(hiccup) == []
+    assert slow_hosts({0: [{"data_wait_s": 9.0, "compute_s": 9.0}]}) == []
+
+
+def test_a_slow_host_is_named_by_monitor_and_once_in_the_journal(tmp_path):
+    """The slow-data knob on host 1 of a 2 x 2 run under resume-until-done: monitor names host 1's data
+    wait within 20 steps, and the journal holds one slow_host event for the attempt."""
+    import json
+    import subprocess
+    import sys
+
+    from olmo_ctl.observe.monitor import monitor
+
+    root = str(tmp_path / "runs")
+    p = subprocess.run(
+        [sys.executable, "-m", "olmo_ctl", "resume-until-done", "--recipe", "smoke", "--device", "cpu-2x2",
+         "--backend", "local", "--run", "slow", "--run-root", root, "--poll", "0.2", "--set", "train.max_steps=20",
+         "--set", "logging.metrics_every=5", "--set", "eval.interval=1000"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OLMO_CTL_FAULT_SLOW_DATA": "1:150"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rep = monitor(os.path.join(root, "slow"), ask_backend=False)
+    assert [h["host"] for h in rep["hosts"]] == [0, 1]
+    assert rep["hosts"][1]["slow"] == ["data wait"] and rep["hosts"][0]["slow"] == []
+    assert any(w.startswith("slow_host: host 1: data wait") for w in rep["warnings"]), rep["warnings"]
+    events = [json.loads(ln) for ln in Path(root, "slow", "journal.jsonl").read_text().splitlines()]
+    named = [e for e in events if e["event"] == "slow_host"]
+    assert len(named) == 1 and named[0]["reason"].startswith("host 1: data wait"), named
+    assert "slow_host" in p.stdout
+
+
+def test_two_hundred_clean_steps_name_no_host(tmp_path):
+    from olmo_ctl.observe.monitor import monitor
+
+    backend, h = start(tmp_path, "cpu-2x2", 200, "--set", "logging.metrics_every=10", run="clean")
+    assert wait_ended(backend, h, 600).state == State.SUCCEEDED, log_lines(h)[-20:]
+    rep = monitor(str(tmp_path / "clean"), ask_backend=False)
+    assert len(rep["hosts"]) == 2 and all(not x["slow"] for x in rep["hosts"])
+    assert not [w for w in rep["warnings"] if w.startswith("slow_host")]
+    assert not any("slow host" in ln for ln in log_lines(h))

@@ -108,8 +108,11 @@ def parse_step_line(line: str) -> StepLine | None:
     return StepLine(int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
 
 
+_HOST_PREFIX = re.compile(r"^host \d+: ")  # a multi-host attempt's log (LOG_PREFIX_ENV)
+
+
 def parse_committed_line(line: str) -> int | None:
-    m = _COMMITTED_LINE.fullmatch(line.strip())
+    m = _COMMITTED_LINE.fullmatch(_HOST_PREFIX.sub("", line.strip()))
     return int(m.group(1)) if m else None
 
 
@@ -122,15 +125,19 @@ class LogProgress(NamedTuple):
     loss: str | None = None
     committed: int | None = None
     max_step: int | None = None  # the largest step logged in the tail
+    slow_hosts: tuple[str, ...] = ()  # `host <h>: <part> ...` of each slow-host line in the tail
 
 
 def log_progress(lines: list[str]) -> LogProgress:
+    from olmo_ctl.core.stragglers import parse_slow_host_line
+
     steps = [s for s in map(parse_step_line, lines) if s is not None]
     last = next((ln for ln in reversed(lines) if ln.strip()), "")
     newest = steps[-1] if steps else None
+    slow = tuple(dict.fromkeys(s.message() for s in map(parse_slow_host_line, lines) if s is not None))
     return LogProgress(newest.step if newest else None, newest.final if newest else None,
                        newest.loss if newest else None, parse_committed_line(last),
-                       max(s.step for s in steps) if steps else None)
+                       max(s.step for s in steps) if steps else None, slow)
 
 
 # ---------------------------------------------------------------- event file names

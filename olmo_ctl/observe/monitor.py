@@ -347,7 +347,8 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
     replayed = r.replays(LOSS_TAG)
     mism = r.mismatches()
     problems = r.problems()
-    warnings = [*times.warnings, *skipped_warnings, *_loss_spike_warning(loss),
+    hosts, host_warnings = _hosts_section(r)
+    warnings = [*times.warnings, *skipped_warnings, *_loss_spike_warning(loss), *host_warnings,
                 *_stall_warning(live, loss, times.median, now, stall_after_s), *_mismatch_warning(mism), *problems,
                 *_versions_warning(journal)]
     files = r.files.values()
@@ -374,10 +375,49 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
         "attempts_in_events": _attempts_in_events(r, times.per_attempt),
         "replays": {"steps": replayed, "mismatch_count": len(mism),
                     "mismatches": [{**m.__dict__, "earlier": _f(m.earlier), "later": _f(m.later)} for m in mism[:20]]},
+        "hosts": hosts,
         "warnings": warnings,
         "reader": {"files": len(r.files), "records": sum(f.records for f in files),
                    "bytes": sum(f.offset for f in files), "problems": problems},
     }
+
+
+def _hosts_section(r: EventReader) -> tuple[list[dict], list[str]]:
+    """Every host's latest window (`hosts/<h>/...` scalars) and a `slow_host` warning per slow host
+    (core/stragglers.py: its recent data wait or compute against the other hosts')."""
+    from olmo_ctl.core import stragglers
+
+    series: dict[int, dict[str, Series]] = {}
+    for tag in r.tags():
+        parts = tag.split("/")
+        if len(parts) == 3 and parts[0] == "hosts" and parts[1].isdigit():
+            s = r.series(tag)
+            if s is not None and len(s):
+                series.setdefault(int(parts[1]), {})[parts[2]] = s
+    if not series:
+        return [], []
+    latest = max(int(s.steps[-1]) for by in series.values() for s in by.values())
+    windows: dict[int, list[dict[str, float]]] = {}
+    rows = []
+    for h in sorted(series):
+        by = series[h]
+        if any(k not in by for k in ("step_time_s", "data_wait_s", "compute_s")):
+            continue
+        n = min(len(by["data_wait_s"]), len(by["compute_s"]), stragglers.RECENT)
+        windows[h] = [{"data_wait_s": float(by["data_wait_s"].values[-n + i]),
+                       "compute_s": float(by["compute_s"].values[-n + i])} for i in range(n)]
+        rows.append({"host": h, "step": int(by["step_time_s"].steps[-1]),
+                     "step_time_s": _f(by["step_time_s"].values[-1]), "data_wait_s": _f(by["data_wait_s"].values[-1]),
+                     "compute_s": _f(by["compute_s"].values[-1]), "slow": []})
+    # Judge only hosts that still report (a host of an earlier, larger slice has stopped).
+    current = {h: w for h, w in windows.items() if int(series[h]["step_time_s"].steps[-1]) == latest}
+    warnings = []
+    for slow in stragglers.slow_hosts(current):
+        for row in rows:
+            if row["host"] == slow.host:
+                row["slow"].append(slow.part)
+        warnings.append(f"slow_host: {slow.message()}")
+    return rows, warnings
 
 
 def _tokens(r: EventReader, recipe, step: int | None) -> tuple[int | None, int | None]:

@@ -89,7 +89,8 @@ def _dedup_last(s, w, v, a):
 
 
 # Tags that measure time or speed: a replayed step legitimately logs another value for them.
-VOLATILE_TAG_PREFIXES = ("throughput/device/", "perf/step_time", "checkpoint/", "timing/", "time/", "system/")
+VOLATILE_TAG_PREFIXES = ("throughput/device/", "perf/step_time", "checkpoint/", "timing/", "time/", "system/",
+                         "hosts/")
 
 
 def is_volatile(tag: str) -> bool:

@@ -103,6 +103,7 @@ class Supervisor:
         self.reattach_hint = reattach_hint or f"olmo-ctl resume-until-done {rundir.name}"
         self.lease = None
         self.handle: Handle | None = None
+        self._slow_named: set[tuple] = set()  # (attempt, host, part) already journaled
 
     # ------------------------------------------------------------------ helpers
 
@@ -305,7 +306,9 @@ class Supervisor:
                 return Watched(st)
             if st.state == State.RUNNING and stall is not None:
                 committed = self.rd.committed_step()
-                new_sig = (committed, self.rd.progress_signature(since_unix=since), self._log_step(h))
+                prog = self.backend.progress(h)
+                self._name_slow_hosts(h, prog.slow_hosts)
+                new_sig = (committed, self.rd.progress_signature(since_unix=since), prog.step)
                 if sig is not None and new_sig != sig:
                     stall.progress(now)
                 sig = new_sig
@@ -322,8 +325,16 @@ class Supervisor:
                     return Watched(end, stalled=why)
             self.sleep(self.poll_s)
 
-    def _log_step(self, h: Handle) -> int | None:
-        return self.backend.progress(h).step
+    def _name_slow_hosts(self, h: Handle, messages: tuple[str, ...]) -> None:
+        """A slow host the trainer named: journaled and said once per attempt, not at every poll."""
+        from olmo_ctl.core.stragglers import parse_slow_host_line
+
+        for msg in messages:
+            slow = parse_slow_host_line(msg)
+            key = (h.attempt, slow.host, slow.part) if slow else (h.attempt, msg)
+            if key not in self._slow_named:
+                self._slow_named.add(key)
+                self._say("slow_host", msg, committed_step=self.rd.committed_step())
 
     def _resize(self, h: Handle, req: dict) -> Handle:
         self.out.line(f"resize request {req.get('id')}: to {req.get('device')}")

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from olmo_ctl.core import stragglers
 from olmo_ctl.core.contracts import (
     EXIT_FAILED,
     EXIT_RESTART,
@@ -276,6 +277,8 @@ class _MetricLog:
         self.pending: list[tuple[int, dict, float]] = []  # (step, device metrics, data loading s)
         self.steps = 0  # steps run by this attempt
         self.windows = 0  # windows fetched by this attempt (the first one holds the compile)
+        self.host_windows: dict[int, list[dict]] = {}  # process 0: every host's recent windows
+        self.named: set[tuple[int, str]] = set()  # slow hosts already logged by this attempt
         self.t_start = self.t_last = time.monotonic()
 
     def start_clock(self) -> None:
@@ -320,7 +323,13 @@ class _MetricLog:
         values = {}
         for h, (st, dw, comp) in enumerate(rows):
             values.update({f"hosts/{h}/step_time_s": st, f"hosts/{h}/data_wait_s": dw, f"hosts/{h}/compute_s": comp})
+            self.host_windows.setdefault(h, []).append({"data_wait_s": dw, "compute_s": comp})
+            del self.host_windows[h][:-stragglers.RECENT]
         self.events.scalars(step, values, wall)
+        for slow in stragglers.slow_hosts(self.host_windows) if self.windows > 1 else []:
+            if (slow.host, slow.part) not in self.named:  # once per host and part per attempt
+                self.named.add((slow.host, slow.part))
+                print(stragglers.slow_host_line(slow), flush=True)
 
     def _log(self, step: int, m: dict, load_s: float, step_time: float, elapsed: float, wall: float) -> None:
         from olmo_ctl.core import flops
