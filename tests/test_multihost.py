@@ -266,3 +266,91 @@ def test_two_hundred_clean_steps_name_no_host(tmp_path):
     assert len(rep["hosts"]) == 2 and all(not x["slow"] for x in rep["hosts"])
     assert not [w for w in rep["warnings"] if w.startswith("slow_host")]
     assert not any("slow host" in ln for ln in log_lines(h))
+
+
+# ---------------------------------------------------------------- chaos, multi-host
+
+
+@pytest.mark.chaos
+def test_multi_host_chaos_under_resume_until_done(tmp_path):
+    """cpu-2x2 under resume-until-done: SIGKILLs and SIGTERMs of single hosts, and a resize to cpu-1x4
+    and back in between. The run finishes with every step's `train/CE loss` equal to an uninterrupted
+    2 x 2 run: bit for bit up to the first resize, within float rounding after it."""
+    import json
+    import random
+    import subprocess
+    import sys
+
+    from olmo_ctl.rundir import RunDir
+
+    steps = 60
+    sets = ["--set", f"train.max_steps={steps}", "--set", "checkpoint.interval=10", "--set", "eval.interval=1000",
+            "--set", "runtime.peer_timeout_s=5"]
+    _, ref = start(tmp_path, "cpu-2x2", steps, "--set", "checkpoint.interval=10", run="reference")
+    b = LocalBackend(str(tmp_path))
+    assert wait_ended(b, ref, 600).state == State.SUCCEEDED, log_lines(ref)[-20:]
+    want = read_losses(str(tmp_path / "reference" / "tensorboard"))
+    assert sorted(want) == list(range(1, steps + 1))
+
+    root = str(tmp_path / "runs")
+    rdir = os.path.join(root, "chaos")
+    env = {**os.environ, "RETRY_BACKOFF_SECONDS": "0.2", "MAX_RETRIES": "30"}
+    sup = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "resume-until-done", "--recipe", "smoke", "--device",
+                            "cpu-2x2", "--backend", "local", "--run", "chaos", "--run-root", root, "--poll", "0.2",
+                            *sets], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    rng = random.Random(20261130)
+
+    def attempt(n: int) -> dict | None:
+        try:
+            return json.loads(Path(rdir, "attempts", f"{n}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def logged(n: int) -> int:
+        try:
+            lines = Path(rdir, "logs", f"attempt-{n}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return 0
+        return max((s.step for s in map(parse_step_line, lines) if s), default=0)
+
+    def resize(device: str) -> None:
+        p = subprocess.run([sys.executable, "-m", "olmo_ctl", "resize", "chaos", "--device", device, "-y", "--backend",
+                            "local", "--run-root", root, "--timeout", "300"], capture_output=True, text=True,
+                           timeout=400, env=env)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+
+    plan = ["kill", "term", "resize:cpu-1x4", "kill", "resize:cpu-2x2", "term", "kill"]
+    done, first_resize_at = [], None
+    n = 1
+    for how in plan:
+        info = wait_for(lambda: attempt(n), 180, f"attempt {n}")  # noqa: B023
+        start_step = logged(n)
+        wait_for(lambda: logged(n) >= start_step + 2 or sup.poll() is not None, 240, "two steps")  # noqa: B023
+        if sup.poll() is not None or logged(n) >= steps - 8:
+            break
+        if how.startswith("resize:"):
+            if first_resize_at is None:
+                first_resize_at = RunDir(rdir).committed_step()
+            resize(how.partition(":")[2])
+            n = max(int(k[:-5]) for k in os.listdir(os.path.join(rdir, "attempts")) if k[:-5].isdigit())
+        else:
+            hosts = info["hosts"]
+            victim = hosts[rng.randrange(len(hosts))]["pid"]
+            os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGTERM)
+            wait_for(lambda: attempt(n + 1), 180, f"attempt {n + 1}")  # noqa: B023
+            n += 1
+        done.append(how)
+    out, err = sup.communicate(timeout=900)
+    assert sup.returncode == 0, out[-3000:] + err[-3000:]
+    assert len(done) == len(plan), f"the run finished after only {done}"
+
+    j = RunDir(rdir).journal()
+    assert j[-1]["event"] == "done" and j[-1]["committed_step"] == steps
+    devices = [r.get("device") for r in j if r["event"] == "submitted"]
+    assert "cpu-1x4" in devices and devices[-1] == "cpu-2x2", devices
+    got = read_losses(os.path.join(rdir, "tensorboard"))
+    assert sorted(got) == list(range(1, steps + 1))
+    assert first_resize_at is not None and first_resize_at >= 1
+    assert all(got[s] == want[s] for s in range(1, first_resize_at + 1)), "2 x 2 before the resize: bit for bit"
+    worst = max(abs(as_float(got[s]) - as_float(want[s])) for s in range(1, steps + 1))
+    assert worst < 1e-3, worst
