@@ -323,3 +323,39 @@ def check_kubeconfig_path(path: Path) -> None:
         if names and names != {CONTEXT}:
             raise BadInput(f"--kubeconfig `{path}` exists and is not a sandbox kubeconfig",
                            "give a new file; the sandbox never overwrites a real kubeconfig")
+
+
+def start_subprocess(kubeconfig: Path, *args: str, env: dict | None = None, timeout_s: float = 60.0):
+    """`olmo-ctl sandbox --kubeconfig FILE ARGS...` as a subprocess; returns the Popen once the kubeconfig
+    exists (the sandbox serves)."""
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "sandbox", "--kubeconfig", str(kubeconfig), *args],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_s
+    while not Path(kubeconfig).exists():
+        if p.poll() is not None:
+            raise AssertionError(f"the sandbox exited {p.returncode}: {p.stderr.read()}")
+        if time.monotonic() > deadline:
+            p.kill()
+            p.communicate()
+            raise AssertionError(f"the sandbox wrote no kubeconfig within {timeout_s:g} s")
+        time.sleep(0.05)
+    return p
+
+
+def stop_subprocess(p, timeout_s: float = 30.0) -> tuple[int, str]:
+    """SIGTERM, then wait: (exit code, stderr)."""
+    import signal
+    import subprocess
+
+    p.send_signal(signal.SIGTERM)
+    try:
+        _, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+    return p.returncode, err
