@@ -6,8 +6,14 @@ v0.17.1) deciding what a valid custom object is:
 
   /apis/GROUP/VERSION[/namespaces/NS]/PLURAL[/NAME[/status]]   custom and batch resources
   /api/v1[/namespaces/NS]/PLURAL[/NAME[/status|/log]]          core resources
-  /api, /apis, /api/v1, /apis/GROUP/VERSION                     discovery
+  /api, /apis, /apis/GROUP, /api/v1, /apis/GROUP/VERSION       discovery
+  /openapi/v3[/apis/GROUP/VERSION]                              OpenAPI v3 (what `kubectl apply` reads)
+  /apis/authorization.k8s.io/v1/selfsubjectaccessreviews        RBAC answers (JSON or kubectl's protobuf)
   /version, /healthz, /readyz, /livez
+
+`Accept: application/json;as=Table` (what `kubectl get` asks for) turns a GET into a Table with the
+columns a real server prints; `srv.forbid(verb, resource, group)` makes RBAC say no (403, and in
+SelfSubjectAccessReview). See `kube_views`.
 
 Verbs: POST (create; no Content-Type required, as `CustomObjectsApi` sends none; `generateName`),
 GET (read; list with `labelSelector` =, ==, !=, in, notin, exists, !exists and `fieldSelector` on
@@ -558,7 +564,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(fault.status, err.status(), headers)
                 return
         try:
-            code, payload, headers, text = srv.api.dispatch(method, parts.path, query, body, ctype, accept)
+            code, payload, headers, text = srv.api.dispatch(method, parts.path, query, body, ctype)
+            if method == "GET" and code == 200 and text is False and views.wants_table(accept):
+                payload = srv.api.as_table(parts.path, payload)
         except ApiError as e:
             code, payload, headers, text = e.code, e.status(), e.headers, False
         except Exception as e:  # a bug in the test server: say so loudly
@@ -723,7 +731,7 @@ class Api:
         return {"kind": "APIResourceList", "apiVersion": "v1",
                 "groupVersion": f"{gv[0]}/{gv[1]}" if gv[0] else "v1", "resources": out}
 
-    def dispatch(self, method: str, path: str, query: dict, body: bytes, ctype: str, accept: str = ""):
+    def dispatch(self, method: str, path: str, query: dict, body: bytes, ctype: str):
         if path in ("/version", "/version/"):
             return 200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0-olmo-ctl-test",
                          "platform": "linux/amd64"}, {}, False
@@ -755,12 +763,10 @@ class Api:
                 raise ApiError(403, "Forbidden", views.forbidden_message(verb, res.group, res.plural, sub,
                                                                          ns or None, name),
                                {"name": name or "", "group": res.group, "kind": res.plural})
-            table = method == "GET" and views.wants_table(accept) and query.get("watch") not in ("true", "1")
             if method == "GET" and name is None and query.get("watch") in ("true", "1"):
                 return 200, self.watch(res, version, ns, query), {}, "watch"
             if method == "GET" and name is None:
-                out = self.list(res, version, ns, query)
-                return 200, views.table(res, version, out, self.store.clock()) if table else out, {}, False
+                return 200, self.list(res, version, ns, query), {}, False
             if ns is None:
                 raise ApiError(405, "MethodNotAllowed", "namespaced resource needs a namespace")
             if method == "GET" and sub == "log":
@@ -769,8 +775,7 @@ class Api:
                 obj = self.store.get(res, ns, name)
                 if obj is None:
                     raise not_found(res, name)
-                out = self.out(res, version, obj)
-                return 200, views.table(res, version, out, self.store.clock()) if table else out, {}, False
+                return 200, self.out(res, version, obj), {}, False
             try:
                 if method == "POST" and name is None:
                     obj, warnings = self.create(res, version, ns, self._json(body), query)
@@ -790,6 +795,17 @@ class Api:
             finally:
                 self.hooks.written()
         raise ApiError(405, "MethodNotAllowed", f"{method} {path} is not supported")
+
+    def as_table(self, path: str, payload: Any) -> Any:
+        """A GET's object or list as the Table `kubectl get` asks for (Accept: ...;as=Table); anything
+        else (discovery, OpenAPI) as it is."""
+        try:
+            res, version, *_ = self.route(path)
+        except ApiError:
+            return payload
+        if not isinstance(payload, dict) or payload.get("kind") not in (res.kind, f"{res.kind}List"):
+            return payload
+        return views.table(res, version, payload, self.store.clock())
 
     @staticmethod
     def _warn(warnings: list[str]) -> dict:
