@@ -193,3 +193,24 @@ def test_submit_checks_accept_a_flavor_without_labels(kube_server):
     """The test server's `tpu-flavor` has no node labels and no quota yet: Kueue would admit a slice
     into it once capacity appears, so submit does not refuse it (doctor warns)."""
     submit_checks(make_api_client(host=kube_server.url), _settings(), get_device("tpu7x-128"))
+
+
+def test_submit_refuses_a_missing_priority_class_before_creating_anything(gcs, tmp_path, monkeypatch, capsys):
+    """Break 4 through the command: `submit` names the missing WorkloadPriorityClass (exit 2) before the
+    run directory or the JobSet exist; with the class there it submits."""
+    from olmo_ctl.cli import main
+    from olmo_ctl.rundir import RunDir
+
+    with Sandbox(slices={"tpu7x-8": 1}, priority_classes={"high": 750}) as box:
+        monkeypatch.setenv("KUBECONFIG", str(box.write_kubeconfig(tmp_path / "kubeconfig")))
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+        root = f"gs://{gcs.bucket}/runs"
+        args = ["submit", "--recipe", "smoke", "--device", "tpu7x-8", "--run", "wpc", "--run-root", root,
+                "--image", IMAGE, "--no-preflight", "--priority-class"]
+        assert main([*args, "low"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: WorkloadPriorityClass low does not exist") and err.count("\n") == 1
+        assert box.server.count("POST", "/jobsets") == 0
+        assert not RunDir.of(root, "wpc").exists()  # nothing created: no run.yaml either
+        assert main([*args, "high"]) == 0, capsys.readouterr().err
+        assert box.server.count("POST", "/jobsets") == 1
