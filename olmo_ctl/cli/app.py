@@ -13,8 +13,8 @@ import typer
 from typer.core import TyperGroup
 
 # `--help` lists commands in the order a user meets them, not alphabetically.
-COMMAND_ORDER = ("devices", "plan", "config", "submit", "resume-until-done", "monitor", "compare", "resize",
-                 "smoke", "preflight", "data", "convert", "parity", "surgery")
+COMMAND_ORDER = ("devices", "plan", "config", "doctor", "submit", "resume-until-done", "monitor", "compare",
+                 "resize", "smoke", "preflight", "data", "convert", "parity", "surgery", "sandbox")
 
 
 class _OrderedGroup(TyperGroup):

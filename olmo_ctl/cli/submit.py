@@ -103,6 +103,10 @@ def submit(
     extra_args = ("--allow-version-change",) if allow_version_change else ()
     if not dry_run:
         def preflight() -> None:  # TPU slices only, when libtpu is installed; cached per recipe/device/trainer
+            if settings.backend == "gke":  # the queue, priority class and flavor Kueue needs, before anything
+                from olmo_ctl.backends.doctor import submit_checks
+
+                submit_checks(be.api_client, settings, dev)
             if not no_preflight:
                 from olmo_ctl.preflight.compile import submit_check
 

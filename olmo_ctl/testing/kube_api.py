@@ -6,8 +6,14 @@ v0.17.1) deciding what a valid custom object is:
 
   /apis/GROUP/VERSION[/namespaces/NS]/PLURAL[/NAME[/status]]   custom and batch resources
   /api/v1[/namespaces/NS]/PLURAL[/NAME[/status|/log]]          core resources
-  /api, /apis, /api/v1, /apis/GROUP/VERSION                     discovery
+  /api, /apis, /apis/GROUP, /api/v1, /apis/GROUP/VERSION       discovery
+  /openapi/v3[/apis/GROUP/VERSION]                              OpenAPI v3 (what `kubectl apply` reads)
+  /apis/authorization.k8s.io/v1/selfsubjectaccessreviews        RBAC answers (JSON or kubectl's protobuf)
   /version, /healthz, /readyz, /livez
+
+`Accept: application/json;as=Table` (what `kubectl get` asks for) turns a GET into a Table with the
+columns a real server prints; `srv.forbid(verb, resource, group)` makes RBAC say no (403, and in
+SelfSubjectAccessReview). See `kube_views`.
 
 Verbs: POST (create; no Content-Type required, as `CustomObjectsApi` sends none; `generateName`),
 GET (read; list with `labelSelector` =, ==, !=, in, notin, exists, !exists and `fieldSelector` on
@@ -61,6 +67,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from olmo_ctl.testing import kube_views as views
 
 CRD_DIR = Path(__file__).resolve().parent / "crds"
 JOBSET_CRD = "jobset.x-k8s.io_jobsets.v0.10.1.yaml"
@@ -536,6 +544,7 @@ class _Handler(BaseHTTPRequestHandler):
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
         body = self._body()
         ctype = self.headers.get("Content-Type", "")
+        accept = self.headers.get("Accept", "")
         srv._record(method, parts.path, query, ctype, body)
         fault = srv._take_fault(f"{method} {parts.path}")
         if fault is not None:
@@ -556,6 +565,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
         try:
             code, payload, headers, text = srv.api.dispatch(method, parts.path, query, body, ctype)
+            if method == "GET" and code == 200 and text is False and views.wants_table(accept):
+                payload = srv.api.as_table(parts.path, payload)
         except ApiError as e:
             code, payload, headers, text = e.code, e.status(), e.headers, False
         except Exception as e:  # a bug in the test server: say so loudly
@@ -635,6 +646,12 @@ class Api:
     def __init__(self, store: Store, hooks: Hooks | None = None):
         self.store, self.hooks = store, hooks or Hooks()
         self.deleted: list[tuple[str, str, str]] = []  # (kind, name, propagationPolicy) of API deletions
+        # (verb, group, resource) the caller may not use ("*" matches any); see ApiServer.forbid
+        self.forbidden: set[tuple[str, str, str]] = set()
+
+    def allowed(self, verb: str, group: str, resource: str, subresource: str | None = None) -> bool:
+        what = f"{resource}/{subresource}" if subresource else resource
+        return not any(v in (verb, "*") and g in (group, "*") and r in (what, "*") for v, g, r in self.forbidden)
 
     # -- routing and discovery
     def resource(self, group: str, plural: str, version: str) -> Resource:
@@ -675,7 +692,7 @@ class Api:
             return {"kind": "APIVersions", "versions": ["v1"],
                     "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}
         if path == "/apis":
-            groups: dict[str, list[str]] = {}
+            groups: dict[str, list[str]] = {views.AUTHZ_GROUP: [views.AUTHZ_VERSION]}
             for g, v in by_gv:
                 if g:
                     groups.setdefault(g, []).append(v)
@@ -683,6 +700,17 @@ class Api:
                 {"name": g, "versions": [{"groupVersion": f"{g}/{v}", "version": v} for v in vs],
                  "preferredVersion": {"groupVersion": f"{g}/{vs[0]}", "version": vs[0]}}
                 for g, vs in sorted(groups.items())]}
+        if path == f"/apis/{views.AUTHZ_GROUP}/{views.AUTHZ_VERSION}":
+            return views.authz_discovery()
+        m = re.fullmatch(r"/apis/([^/]+)", path)
+        if m:  # one group (APIGroup)
+            vs = [v for g, v in by_gv if g == m.group(1)] or \
+                ([views.AUTHZ_VERSION] if m.group(1) == views.AUTHZ_GROUP else [])
+            if not vs:
+                raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            return {"kind": "APIGroup", "apiVersion": "v1", "name": m.group(1),
+                    "versions": [{"groupVersion": f"{m.group(1)}/{v}", "version": v} for v in vs],
+                    "preferredVersion": {"groupVersion": f"{m.group(1)}/{vs[0]}", "version": vs[0]}}
         m = re.fullmatch(r"/api/(v1)|/apis/([^/]+)/([^/]+)", path)
         if not m:
             return None
@@ -709,6 +737,20 @@ class Api:
                          "platform": "linux/amd64"}, {}, False
         if path in ("/healthz", "/readyz", "/livez"):
             return 200, "ok", {}, True
+        if method == "GET" and path.startswith("/openapi/v3"):
+            doc = views.openapi_v3(self.store.resources, path)
+            if doc is None:
+                raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            return 200, doc, {}, False
+        if path.rstrip("/") == f"/apis/{views.AUTHZ_GROUP}/{views.AUTHZ_VERSION}/{views.SSAR}" and method == "POST":
+            if ctype.startswith("application/vnd.kubernetes.protobuf"):
+                try:
+                    review = views.decode_access_review(body)
+                except (ValueError, IndexError, UnicodeDecodeError) as e:
+                    raise ApiError(400, "BadRequest", f"cannot decode the protobuf body: {e}") from None
+            else:
+                review = self._json(body)
+            return 201, views.access_review(review, self.allowed), {}, False
         with self.store.lock:
             self.hooks.tick()
             if method == "GET":
@@ -716,6 +758,11 @@ class Api:
                 if disc is not None:
                     return 200, disc, {}, False
             res, version, ns, name, sub = self.route(path)
+            verb = views.verb_of(method, name, query)
+            if not self.allowed(verb, res.group, res.plural, sub):
+                raise ApiError(403, "Forbidden", views.forbidden_message(verb, res.group, res.plural, sub,
+                                                                         ns or None, name),
+                               {"name": name or "", "group": res.group, "kind": res.plural})
             if method == "GET" and name is None and query.get("watch") in ("true", "1"):
                 return 200, self.watch(res, version, ns, query), {}, "watch"
             if method == "GET" and name is None:
@@ -748,6 +795,17 @@ class Api:
             finally:
                 self.hooks.written()
         raise ApiError(405, "MethodNotAllowed", f"{method} {path} is not supported")
+
+    def as_table(self, path: str, payload: Any) -> Any:
+        """A GET's object or list as the Table `kubectl get` asks for (Accept: ...;as=Table); anything
+        else (discovery, OpenAPI) as it is."""
+        try:
+            res, version, *_ = self.route(path)
+        except ApiError:
+            return payload
+        if not isinstance(payload, dict) or payload.get("kind") not in (res.kind, f"{res.kind}List"):
+            return payload
+        return views.table(res, version, payload, self.store.clock())
 
     @staticmethod
     def _warn(warnings: list[str]) -> dict:
@@ -1097,6 +1155,11 @@ class ApiServer:
         then the connection closes unanswered), after `delay_s`."""
         with self._fault_lock:
             self._faults.append(Fault(status, count, retry_after_s, match, delay_s))
+
+    def forbid(self, verb: str, resource: str, group: str = "") -> None:
+        """RBAC says no: `verb` ("get", "list", ..., or "*") on `resource` (a plural such as "nodes",
+        "pods/log", or "*") of API `group` is forbidden (403), and SelfSubjectAccessReview says so."""
+        self.api.forbidden.add((verb, group, resource))
 
     def clear_faults(self) -> None:
         with self._fault_lock:

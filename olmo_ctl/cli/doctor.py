@@ -1,0 +1,58 @@
+"""`olmo-ctl doctor`: check a cluster before the first submit, one line per check with what to do."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.options import ImageOpt, KubeContextOpt, NamespaceOpt, PriorityClassOpt, QueueOpt
+from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_UNREACHABLE, Unreachable
+
+
+@app.command()
+def doctor(
+    device: Annotated[str | None, typer.Option("--device", help="TPU slice to check flavor, quota and node "
+                                                                "pools for, e.g. tpu7x-128.")] = None,
+    slices: Annotated[int, typer.Option("--slices", min=1, help="Number of slices of --device.")] = 1,
+    queue: QueueOpt = None,
+    priority_class: PriorityClassOpt = None,
+    kube_context: KubeContextOpt = None,
+    namespace: NamespaceOpt = None,
+    image: ImageOpt = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Check that the cluster can run olmo-ctl's JobSets: exit 0 all passed, 2 a check failed, 3 unreachable."""
+    from olmo_ctl.backends.doctor import Check, run_checks
+    from olmo_ctl.backends.kube import make_api_client
+    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.errors import BadInput
+
+    settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
+                                priority_class=priority_class, image=image)
+    dev = get_device(device) if device is not None else None
+    if dev is not None and not dev.is_tpu:
+        raise BadInput(f"`{dev.name}` is a local device; doctor checks a cluster for TPU slices",
+                       "pass a TPU device such as tpu7x-128")
+    client = make_api_client(context=settings.kube_context)
+    try:
+        checks = run_checks(client, settings, dev, slices)
+        code = 0 if all(c.ok for c in checks) else EXIT_BAD_INPUT
+    except Unreachable as e:
+        checks = [Check("cluster", False, e.one_line())]
+        code = EXIT_UNREACHABLE
+    if output == Output.json:
+        print_json({"ok": code == 0, "checks": [c.to_dict() for c in checks]})
+    else:
+        width = max(len(c.name) for c in checks)
+        for c in checks:
+            mark = "ok  " if c.ok and not c.message.startswith("warning:") else "warn" if c.ok else "FAIL"
+            sys.stdout.write(f"{mark}  {c.name:<{width}}  {c.message}\n")
+        where = client.configuration.host
+        sys.stdout.write(f"{'all checks passed' if code == 0 else 'cluster unreachable' if code == 3 else 'a check failed'}"
+                         f" ({where}, namespace {settings.namespace})\n")
+    if code:
+        raise typer.Exit(code)

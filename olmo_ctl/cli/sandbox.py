@@ -1,0 +1,65 @@
+"""`olmo-ctl sandbox`: serve the test cluster on localhost, configured as XPK configures a GKE cluster."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from olmo_ctl.cli.app import app
+
+
+@app.command()
+def sandbox(
+    kubeconfig: Annotated[Path, typer.Option("--kubeconfig", help="Write a kubeconfig for the sandbox here "
+                                             "(its current context points at it); it exists once the sandbox "
+                                             "serves.")],
+    namespace: Annotated[str, typer.Option("--namespace", help="Namespace of the LocalQueue.")] = "default",
+    queue: Annotated[str, typer.Option("--queue", help="Name of the LocalQueue.")] = "multislice-queue",
+    slices: Annotated[list[str] | None, typer.Option(
+        "--slices", help="DEVICE=N: nodes, a ResourceFlavor and quota for N slices of DEVICE (repeatable).")] = None,
+    priority_class: Annotated[list[str] | None, typer.Option(
+        "--priority-class", help="NAME or NAME=VALUE: a Kueue WorkloadPriorityClass (repeatable).")] = None,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port on 127.0.0.1 (0: a free one).")] = 0,
+) -> None:
+    """Serve a sandbox Kubernetes API with JobSet and Kueue on localhost until SIGTERM or Ctrl-C."""
+    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.testing.sandbox import Sandbox, check_kubeconfig_path, parse_priority_classes, parse_slices
+
+    resolve_settings(namespace=namespace, queue=queue)  # the names, checked as every command checks them
+    check_kubeconfig_path(kubeconfig)
+    devices = parse_slices(slices or ())
+    classes = parse_priority_classes(priority_class or ())
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    sb = Sandbox(namespace=namespace, queue=queue, slices=devices, priority_classes=classes, port=port)
+    try:
+        sb.start()
+        try:
+            sb.write_kubeconfig(kubeconfig)
+        except OSError as e:
+            from olmo_ctl.core.errors import BadInput
+
+            raise BadInput(f"cannot write --kubeconfig `{kubeconfig}`: {e.strerror}") from None
+        what = ", ".join(f"{n} x {d}" for d, n in devices.items()) or "no TPU slices"
+        sys.stderr.write(f"sandbox serving at {sb.url} ({what}; LocalQueue {namespace}/{queue})\n"
+                         f"kubeconfig: {kubeconfig} (context olmo-ctl-sandbox)\n"
+                         f"try: KUBECONFIG={kubeconfig} olmo-ctl doctor\n")
+        sys.stderr.flush()
+        try:
+            while not stop.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            pass
+        sys.stderr.write("sandbox stopped\n")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sb.stop()
+        try:
+            kubeconfig.unlink()
+        except OSError:
+            pass

@@ -1,0 +1,361 @@
+"""A sandbox cluster: the test cluster served on localhost, configured as XPK configures a GKE cluster.
+
+`olmo-ctl sandbox` runs one of these until SIGTERM or Ctrl-C. What it holds, after
+XPK's `src/xpk/templates/kueue_config.yaml.j2` and `core/kueue_manager.py` (which users run on):
+
+- for each `DEVICE=N` a ResourceFlavor `<N>x<DEVICE>` with the node labels of the device
+  (`cloud.google.com/gke-tpu-accelerator`, `cloud.google.com/gke-tpu-topology`) and N slices' worth
+  of nodes carrying them (one node pool per slice, `google.com/tpu` allocatable per VM);
+- ClusterQueue `cluster-queue`: `namespaceSelector: {}`, one resource group covering `google.com/tpu`
+  with each flavor's nominal quota (N x chips of the slice), `preemption: withinClusterQueue:
+  LowerPriority, reclaimWithinCohort: Never` (lower priorities are preempted within the queue, never
+  across the cohort);
+- LocalQueue `multislice-queue` (or `--queue`) in the namespace, pointing at it;
+- XPK's scheduling.k8s.io PriorityClasses very-low (100), low (250), medium (500), high (750) and
+  very-high (1000), and the Kueue WorkloadPriorityClasses asked for (`NAME` or `NAME=VALUE`; a name of
+  XPK's table takes its value).
+
+Everything else is the test cluster's rules (Jobs, JobSet v0.10.1, Kueue v0.17.1), so a JobSet or
+Kueue object anyone applies through the API takes part in admission and preemption like ours. Pods
+that Kueue admits are bound to a free node matching their nodeSelector by `SandboxWorld.schedule`, and
+their containers are started and stopped by a `PodRunner`: the scripted one here keeps them running
+until a cause of the world ends them (the seam where real processes will plug in).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from olmo_ctl.core.devices import Device, get_device
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.testing.cluster.objects import (
+    JOB_TRACKING_FINALIZER,
+    RESOURCE_IN_USE_FINALIZER,
+    deleting,
+    pod_requests,
+    pod_terminal,
+    quantity,
+)
+from olmo_ctl.testing.kube_server import KubeServer, ScriptedWorld
+
+TPU = "google.com/tpu"
+ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
+CLUSTER_QUEUE = "cluster-queue"  # XPK's CLUSTER_QUEUE_NAME
+LOCAL_QUEUE = "multislice-queue"  # XPK's LOCAL_QUEUE_NAME
+CONTEXT = "olmo-ctl-sandbox"
+# XPK's kueue_config.yaml.j2 PriorityClasses (scheduling.k8s.io), also the default values of the
+# WorkloadPriorityClasses the sandbox is asked for by name.
+XPK_PRIORITIES = {"very-low": 100, "low": 250, "medium": 500, "high": 750, "very-high": 1000}
+
+
+def parse_slices(items: list[str] | tuple[str, ...]) -> dict[str, int]:
+    """`DEVICE=N` (N >= 1; `DEVICE` alone is one slice) -> {device name: N}; TPU devices only."""
+    out: dict[str, int] = {}
+    for item in items:
+        name, _, n = item.partition("=")
+        dev = get_device(name.strip())
+        if not dev.is_tpu:
+            raise BadInput(f"--slices {item}: `{dev.name}` is not a TPU slice", "e.g. --slices tpu7x-128=2")
+        try:
+            count = int(n) if n else 1
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise BadInput(f"--slices {item}: the number of slices must be a positive integer", "e.g. tpu7x-128=2")
+        out[dev.name] = out.get(dev.name, 0) + count
+    return out
+
+
+def parse_priority_classes(items: list[str] | tuple[str, ...]) -> dict[str, int]:
+    """`NAME` or `NAME=VALUE` -> {name: value}; a name of XPK's table without a value takes its value."""
+    out: dict[str, int] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not name or name != name.lower() or any(c not in "abcdefghijklmnopqrstuvwxyz0123456789-." for c in name):
+            raise BadInput(f"--priority-class {item}: `{name}` is not a valid object name",
+                           "use lowercase letters, digits, '-' and '.', e.g. --priority-class high=750")
+        try:
+            out[name] = int(value) if eq else XPK_PRIORITIES.get(name, 0)
+        except ValueError:
+            raise BadInput(f"--priority-class {item}: the value must be an integer", "e.g. high=750") from None
+    return out
+
+
+def flavor_name(device: Device, slices: int) -> str:
+    """XPK's main flavor name: `<num_slices>x<device type>`."""
+    return f"{slices}x{device.name}"
+
+
+def flavor_labels(device: Device) -> dict[str, str]:
+    """XPK's flavor node labels for a TPU: the accelerator label and the machine (topology) label."""
+    return {ACCELERATOR_LABEL: device.accelerator_label, TOPOLOGY_LABEL: device.topology}
+
+
+class PodRunner:
+    """Where a pod's containers start and stop. This one is scripted: `start` binds the pod and its
+    containers run (Ready) until a cause of the world ends them; `stop` (SIGTERM on deletion) leaves
+    the exit to the world's kubelet (`World.sigterm_exit_s`, then SIGKILL at the grace period's end)."""
+
+    def start(self, world: SandboxWorld, pod: dict, node: str) -> None:
+        world.start_pod(pod, node)
+
+    def stop(self, world: SandboxWorld, pod: dict) -> None:
+        """The pod is being deleted: its containers got SIGTERM."""
+
+
+class SandboxWorld(ScriptedWorld):
+    """The test cluster's world plus a scheduler: admitted pods go to free nodes that fit them."""
+
+    def __init__(self, *a: Any, runner: PodRunner | None = None, **kw: Any):
+        super().__init__(*a, **kw)
+        self.runner = runner or PodRunner()
+        self._stopping: set[str] = set()
+
+    def reconcile(self) -> None:
+        with self.store.lock:
+            for _ in range(50):
+                super().reconcile()
+                if not (self.release_orphans() | self.schedule()):
+                    return
+
+    def release_orphans(self) -> bool:
+        """Finalizers nobody else would remove once an owner went without waiting (a Background delete,
+        what `kubectl delete` does):
+        - job_controller.go (trackJobStatusAndRemoveFinalizers for orphan pods): a pod whose Job is gone
+          loses the `batch.kubernetes.io/job-tracking` finalizer;
+        - kueue jobframework/reconciler.go ReconcileGenericJob: when the job is not found, its Workloads
+          lose `kueue.x-k8s.io/resource-in-use` (workload.RemoveFinalizer)."""
+        changed = False
+        uids = {o["metadata"]["uid"] for kind in ("Job", "JobSet") for o in self.items(kind, None)}
+        for kind, fin, owner_kind in (("Pod", JOB_TRACKING_FINALIZER, "Job"),
+                                      ("Workload", RESOURCE_IN_USE_FINALIZER, "JobSet")):
+            for o in self.items(kind, None):
+                refs = [r for r in o["metadata"].get("ownerReferences") or [] if r.get("kind") == owner_kind
+                        and r.get("controller")]
+                if refs and fin in (o["metadata"].get("finalizers") or []) and \
+                        not any(r.get("uid") in uids for r in refs):
+                    o["metadata"]["finalizers"] = [f for f in o["metadata"]["finalizers"] if f != fin]
+                    self.save(kind, o)
+                    changed = True
+        if changed:
+            self.store.collect()
+        return changed
+
+    def _kubelet(self) -> bool:
+        for pod in self.items("Pod", None):
+            uid = pod["metadata"]["uid"]
+            if deleting(pod) and uid not in self._stopping and not self._pod_stopped(pod):
+                self._stopping.add(uid)
+                self.runner.stop(self, pod)
+        return super()._kubelet()
+
+    def _free(self) -> dict[str, float]:
+        """Unrequested google.com/tpu per node."""
+        free = {n["metadata"]["name"]: quantity(((n.get("status") or {}).get("allocatable") or {}).get(TPU, 0))
+                for n in self.items("Node", None)}
+        for p in self.items("Pod", None):
+            node = p["spec"].get("nodeName")
+            if node in free and not pod_terminal(p):
+                free[node] -= pod_requests({"spec": p["spec"]}).get(TPU, 0.0)
+        return free
+
+    def schedule(self) -> bool:
+        """The default scheduler, for what a training pod asks: a node whose labels match the pod's
+        nodeSelector with enough unrequested google.com/tpu. A pod that fits nowhere gets
+        PodScheduled=False (Unschedulable) and a FailedScheduling event, once."""
+        pending = [p for p in self.items("Pod", None) if not p["spec"].get("nodeName") and not pod_terminal(p)
+                   and not deleting(p)]
+        if not pending:
+            return False
+        nodes = {n["metadata"]["name"]: n for n in self.items("Node", None)}
+        free = self._free()
+        changed = False
+        for pod in sorted(pending, key=lambda p: (p["metadata"]["creationTimestamp"], p["metadata"]["name"])):
+            sel = pod["spec"].get("nodeSelector") or {}
+            need = pod_requests({"spec": pod["spec"]}).get(TPU, 0.0)
+            fits = [name for name, n in sorted(nodes.items())
+                    if all((n["metadata"].get("labels") or {}).get(k) == v for k, v in sel.items())
+                    and free.get(name, 0.0) >= need - 1e-9]
+            if fits:
+                free[fits[0]] -= need
+                self.runner.start(self, pod, fits[0])
+                changed = True
+                continue
+            cond = next((c for c in pod["status"].get("conditions") or [] if c["type"] == "PodScheduled"), None)
+            if cond is None or cond.get("status") != "False":
+                total = len(nodes)
+                msg = (f"0/{total} nodes are available: {total} node(s) didn't match Pod's node affinity/selector "
+                       f"or had insufficient {TPU}. preemption: 0/{total} nodes are available: {total} Preemption "
+                       "is not helpful for scheduling.")
+                pod["status"]["conditions"] = [c for c in pod["status"].get("conditions") or []
+                                               if c["type"] != "PodScheduled"]
+                pod["status"]["conditions"].append({"type": "PodScheduled", "status": "False",
+                                                    "reason": "Unschedulable", "message": msg,
+                                                    "lastTransitionTime": self.now()})
+                self.save("Pod", pod)
+                self.event(pod, "FailedScheduling", msg, "Warning", source="default-scheduler")
+                changed = True
+        return changed
+
+    def add_node_pool(self, device: Device, pool: str) -> None:
+        """A TPU node pool for one slice of `device`: `vms` nodes with its labels."""
+        for i in range(device.vms):
+            name = f"gke-{pool}-{i:04d}"
+            self.save("Node", {"metadata": {"name": name, "labels": {
+                **flavor_labels(device), NODEPOOL_LABEL: pool, "kubernetes.io/hostname": name,
+                "cloud.google.com/machine-family": device.generation, "node.kubernetes.io/instance-type":
+                    device.machine_type or ""}},
+                "spec": {"taints": [{"key": TPU, "value": "present", "effect": "NoSchedule"}]},
+                "status": {"capacity": {TPU: str(device.chips_per_vm)},
+                           "allocatable": {TPU: str(device.chips_per_vm)},
+                           "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                           "lastTransitionTime": self.now()}],
+                           "nodeInfo": {"kubeletVersion": "v1.33.0-gke"}}}, new=True)
+
+
+class Sandbox:
+    """The sandbox cluster. `with Sandbox(slices={"tpu7x-128": 2}) as sb:` serves it on 127.0.0.1;
+    `sb.write_kubeconfig(path)` points a kubeconfig's current context at it."""
+
+    def __init__(self, namespace: str = "default", queue: str = LOCAL_QUEUE, slices: dict[str, int] | None = None,
+                 priority_classes: dict[str, int] | None = None, port: int = 0, runner: PodRunner | None = None):
+        self.server = KubeServer(namespace=namespace, port=port, queues=())
+        world = SandboxWorld(self.server.store, namespace, runner=runner)
+        world.callbacks = self.server.world.callbacks
+        self.server.world = self.server.cluster.world = world
+        self.server.api.hooks = world
+        self.world = world
+        self.namespace, self.queue = namespace, queue
+        self.slices = dict(slices or {})
+        self.priority_classes = dict(priority_classes or {})
+        with self.server.store.lock:
+            self._configure()
+            world.reconcile()
+
+    def _configure(self) -> None:
+        w = self.world
+        flavors, quota = [], []
+        for name, n in self.slices.items():
+            dev = get_device(name)
+            fname = flavor_name(dev, n)
+            w.save("ResourceFlavor", {"metadata": {"name": fname}, "spec": {"nodeLabels": flavor_labels(dev)}},
+                   new=True)
+            flavors.append(fname)
+            quota.append({"name": fname, "resources": [{"name": TPU, "nominalQuota": str(n * dev.chips)}]})
+            for s in range(n):
+                w.add_node_pool(dev, f"{dev.name}-np-{s}")
+        groups = [{"coveredResources": [TPU], "flavors": quota}] if quota else [
+            {"coveredResources": [TPU], "flavors": []}]
+        w.save("ClusterQueue", {"metadata": {"name": CLUSTER_QUEUE}, "spec": {
+            "namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
+            "preemption": {"reclaimWithinCohort": "Never", "withinClusterQueue": "LowerPriority"},
+            "resourceGroups": groups}}, new=True)
+        w.save("LocalQueue", {"metadata": {"name": self.queue, "namespace": self.namespace},
+                              "spec": {"clusterQueue": CLUSTER_QUEUE}}, new=True)
+        for name, value in XPK_PRIORITIES.items():
+            w.save("PriorityClass", {"metadata": {"name": name}, "value": value, "globalDefault": False,
+                                     "description": name.replace("-", " ").capitalize()}, new=True)
+        for name, value in self.priority_classes.items():
+            w.save("WorkloadPriorityClass", {"metadata": {"name": name}, "value": value,
+                                             "description": f"{name} (olmo-ctl sandbox)"}, new=True)
+
+    # -- lifecycle
+    def start(self) -> Sandbox:
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def __enter__(self) -> Sandbox:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def kubeconfig(self) -> dict:
+        return {"apiVersion": "v1", "kind": "Config", "preferences": {},
+                "clusters": [{"name": CONTEXT, "cluster": {"server": self.url}}],
+                "users": [{"name": CONTEXT, "user": {}}],
+                "contexts": [{"name": CONTEXT, "context": {"cluster": CONTEXT, "user": CONTEXT,
+                                                           "namespace": self.namespace}}],
+                "current-context": CONTEXT}
+
+    def write_kubeconfig(self, path: str | os.PathLike) -> Path:
+        """Write the kubeconfig atomically (it appears complete or not at all)."""
+        import yaml
+
+        path = Path(path)
+        check_kubeconfig_path(path)
+        fd, tmp = tempfile.mkstemp(prefix=".olmo-ctl-sandbox-", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(self.kubeconfig(), f, sort_keys=False)
+        os.replace(tmp, path)
+        return path
+
+
+def check_kubeconfig_path(path: Path) -> None:
+    """A sandbox kubeconfig never replaces someone's real one: the file must not exist, or be a
+    sandbox kubeconfig itself."""
+    import yaml
+
+    if path.is_dir():
+        raise BadInput(f"--kubeconfig `{path}` is a directory", "give a file name, e.g. /tmp/sandbox.kubeconfig")
+    if not path.parent.is_dir():
+        raise BadInput(f"--kubeconfig: directory `{path.parent}` does not exist", "create it first")
+    if path.exists():
+        try:
+            cfg = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            cfg = None
+        names = {c.get("name") for c in (cfg or {}).get("contexts") or [] if isinstance(c, dict)} \
+            if isinstance(cfg, dict) else {None}
+        if names and names != {CONTEXT}:
+            raise BadInput(f"--kubeconfig `{path}` exists and is not a sandbox kubeconfig",
+                           "give a new file; the sandbox never overwrites a real kubeconfig")
+
+
+def start_subprocess(kubeconfig: Path, *args: str, env: dict | None = None, timeout_s: float = 60.0):
+    """`olmo-ctl sandbox --kubeconfig FILE ARGS...` as a subprocess; returns the Popen once the kubeconfig
+    exists (the sandbox serves)."""
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "sandbox", "--kubeconfig", str(kubeconfig), *args],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_s
+    while not Path(kubeconfig).exists():
+        if p.poll() is not None:
+            raise AssertionError(f"the sandbox exited {p.returncode}: {p.stderr.read()}")
+        if time.monotonic() > deadline:
+            p.kill()
+            p.communicate()
+            raise AssertionError(f"the sandbox wrote no kubeconfig within {timeout_s:g} s")
+        time.sleep(0.05)
+    return p
+
+
+def stop_subprocess(p, timeout_s: float = 30.0) -> tuple[int, str]:
+    """SIGTERM, then wait: (exit code, stderr)."""
+    import signal
+    import subprocess
+
+    p.send_signal(signal.SIGTERM)
+    try:
+        _, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+    return p.returncode, err

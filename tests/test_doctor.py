@@ -1,0 +1,216 @@
+"""`olmo-ctl doctor` against `olmo-ctl sandbox` run as a real subprocess, and the checks `submit` runs.
+
+The sandbox serves 1 x tpu7x-128 (flavor 1xtpu7x-128, 64 google.com/tpu, one node pool of 16 nodes),
+LocalQueue default/multislice-queue and the WorkloadPriorityClass `high`, as XPK configures a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from olmo_ctl.backends.doctor import run_checks, submit_checks
+from olmo_ctl.backends.kube import make_api_client
+from olmo_ctl.core.config import Settings
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.testing.sandbox import Sandbox, start_subprocess, stop_subprocess
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGE = "us-docker.pkg.dev/p/r/olmo-ctl:0.1.0"
+
+
+def start_sandbox(kubeconfig: Path, *args: str):
+    return start_subprocess(kubeconfig, *args, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def stop_sandbox(p) -> tuple[int, str]:
+    return stop_subprocess(p)
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sandbox")
+    kc = d / "kubeconfig"
+    p = start_sandbox(kc, "--slices", "tpu7x-128=1", "--priority-class", "high")
+    yield kc
+    rc, err = stop_sandbox(p)
+    assert rc == 0, err
+    assert "sandbox stopped" in err
+    assert not kc.exists()  # the kubeconfig exists only while the sandbox serves
+
+
+def doctor(kubeconfig: Path, *args: str, tmp: Path) -> tuple[int, dict, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KUBECONFIG": str(kubeconfig), "OLMO_CTL_IMAGE": IMAGE,
+           "XDG_CONFIG_HOME": str(tmp)}
+    for k in ("OLMO_CTL_QUEUE", "OLMO_CTL_PRIORITY_CLASS", "OLMO_CTL_NAMESPACE", "OLMO_CTL_KUBE_CONTEXT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "doctor", *args, "-o", "json"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    return p.returncode, json.loads(p.stdout) if p.stdout.strip() else {}, p.stderr
+
+
+def failed(report: dict) -> dict[str, str]:
+    return {c["name"]: c["message"] for c in report["checks"] if not c["ok"]}
+
+
+def test_the_sandbox_kubeconfig_points_at_it(sandbox):
+    cfg = yaml.safe_load(sandbox.read_text())
+    assert cfg["current-context"] == "olmo-ctl-sandbox"
+    assert cfg["clusters"][0]["cluster"]["server"].startswith("http://127.0.0.1:")
+
+
+def test_all_checks_pass_for_a_configured_queue_and_device(sandbox, tmp_path):
+    rc, report, err = doctor(sandbox, "--device", "tpu7x-128", "--priority-class", "high", tmp=tmp_path)
+    assert rc == 0, (report, err)
+    assert report["ok"] is True
+    names = [c["name"] for c in report["checks"]]
+    assert names == ["jobset-crd", "kueue-crds", "namespace", "local-queue", "cluster-queue", "resource-flavor",
+                     "priority-class", "rbac", "node-pools", "image"]
+    assert all(c["ok"] and not c["message"].startswith("warning") for c in report["checks"]), report
+    flavor = next(c for c in report["checks"] if c["name"] == "resource-flavor")["message"]
+    assert "1xtpu7x-128" in flavor and "64 google.com/tpu" in flavor
+
+
+def test_a_missing_local_queue_exits_2_naming_it(sandbox, tmp_path):
+    rc, report, _ = doctor(sandbox, "--device", "tpu7x-128", "--queue", "team-queue", tmp=tmp_path)
+    assert rc == 2 and report["ok"] is False
+    assert list(failed(report)) == ["local-queue"]
+    assert "LocalQueue default/team-queue does not exist" in failed(report)["local-queue"]
+
+
+def test_a_missing_workload_priority_class_exits_2_naming_it(sandbox, tmp_path):
+    rc, report, _ = doctor(sandbox, "--device", "tpu7x-128", "--priority-class", "low", tmp=tmp_path)
+    assert rc == 2
+    assert list(failed(report)) == ["priority-class"]
+    msg = failed(report)["priority-class"]
+    assert "WorkloadPriorityClass low does not exist" in msg
+    assert "scheduling.k8s.io PriorityClass low exists" in msg  # XPK's PriorityClass is not Kueue's
+
+
+def test_a_device_with_no_flavor_exits_2_naming_it(sandbox, tmp_path):
+    rc, report, _ = doctor(sandbox, "--device", "v5p-256", tmp=tmp_path)
+    assert rc == 2
+    assert set(failed(report)) == {"resource-flavor", "node-pools"}
+    msg = failed(report)["resource-flavor"]
+    assert "ClusterQueue cluster-queue has no ResourceFlavor for v5p-256" in msg
+    assert "cloud.google.com/gke-tpu-accelerator=tpu-v5p-slice" in msg
+
+
+def test_too_little_quota_for_the_slices_fails(sandbox, tmp_path):
+    rc, report, _ = doctor(sandbox, "--device", "tpu7x-128", "--slices", "2", tmp=tmp_path)
+    assert rc == 2
+    assert "nominal quota of 64 google.com/tpu" in failed(report)["resource-flavor"]
+    assert "needs 128" in failed(report)["resource-flavor"]
+    assert "1 complete node pool" in failed(report)["node-pools"]
+
+
+def test_an_unreachable_cluster_exits_3(sandbox, tmp_path):
+    cfg = yaml.safe_load(sandbox.read_text())
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg["clusters"][0]["cluster"]["server"] = f"http://127.0.0.1:{port}"
+    kc = tmp_path / "dead.kubeconfig"
+    kc.write_text(yaml.safe_dump(cfg))
+    t = time.monotonic()
+    rc, report, _ = doctor(kc, "--device", "tpu7x-128", tmp=tmp_path)
+    assert rc == 3
+    assert report["ok"] is False and report["checks"][0]["name"] == "cluster"
+    assert "no usable answer from the Kubernetes API" in report["checks"][0]["message"]
+    assert time.monotonic() - t < 30
+
+
+def test_the_sandbox_refuses_to_overwrite_a_real_kubeconfig(tmp_path):
+    kc = tmp_path / "config"
+    kc.write_text(yaml.safe_dump({"contexts": [{"name": "gke_prod", "context": {}}]}))
+    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "sandbox", "--kubeconfig", str(kc)],
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "exists and is not a sandbox kubeconfig" in p.stderr
+    assert "gke_prod" in kc.read_text()
+
+
+# ---------------------------------------------------------------- in-process: RBAC, forbidden reads, submit
+
+
+@pytest.fixture
+def box():
+    with Sandbox(slices={"tpu7x-128": 1}, priority_classes={"high": 750}) as sb:
+        yield sb
+
+
+def _settings(**kw) -> Settings:
+    return Settings(image=IMAGE, **kw)
+
+
+def test_rbac_names_each_verb_the_account_lacks(box):
+    box.server.forbid("delete", "jobsets", "jobset.x-k8s.io")
+    box.server.forbid("get", "pods/log")
+    checks = {c.name: c for c in run_checks(make_api_client(host=box.url), _settings(), get_device("tpu7x-128"))}
+    assert not checks["rbac"].ok
+    assert "may not delete jobsets.jobset.x-k8s.io, get pods/log" in checks["rbac"].message
+    # and the server itself refuses what it said was forbidden
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    with pytest.raises(ApiException) as e:
+        client.CustomObjectsApi(make_api_client(host=box.url)).delete_namespaced_custom_object(
+            "jobset.x-k8s.io", "v1alpha2", "default", "jobsets", "x")
+    assert e.value.status == 403
+
+
+def test_nodes_that_may_not_be_listed_are_a_warning(box):
+    box.server.forbid("list", "nodes")
+    checks = {c.name: c for c in run_checks(make_api_client(host=box.url), _settings(), get_device("tpu7x-128"))}
+    assert checks["node-pools"].ok
+    assert checks["node-pools"].message.startswith("warning: cannot list nodes (forbidden)")
+    assert all(c.ok for c in checks.values())
+
+
+def test_submit_checks_name_the_missing_objects(box):
+    api = make_api_client(host=box.url)
+    submit_checks(api, _settings(priority_class="high"), get_device("tpu7x-128"))  # all there: no error
+    with pytest.raises(BadInput, match="WorkloadPriorityClass low does not exist"):
+        submit_checks(api, _settings(priority_class="low"), get_device("tpu7x-128"))
+    with pytest.raises(BadInput, match="LocalQueue default/user-queue does not exist"):
+        submit_checks(api, _settings(queue="user-queue"), get_device("tpu7x-128"))
+    with pytest.raises(BadInput, match="no ResourceFlavor for v5p-256"):
+        submit_checks(api, _settings(), get_device("v5p-256"))
+    assert box.server.count("POST", "/jobsets") == 0
+
+
+def test_submit_checks_accept_a_flavor_without_labels(kube_server):
+    """The test server's `tpu-flavor` has no node labels and no quota yet: Kueue would admit a slice
+    into it once capacity appears, so submit does not refuse it (doctor warns)."""
+    submit_checks(make_api_client(host=kube_server.url), _settings(), get_device("tpu7x-128"))
+
+
+def test_submit_refuses_a_missing_priority_class_before_creating_anything(gcs, tmp_path, monkeypatch, capsys):
+    """Break 4 through the command: `submit` names the missing WorkloadPriorityClass (exit 2) before the
+    run directory or the JobSet exist; with the class there it submits."""
+    from olmo_ctl.cli import main
+    from olmo_ctl.rundir import RunDir
+
+    with Sandbox(slices={"tpu7x-8": 1}, priority_classes={"high": 750}) as box:
+        monkeypatch.setenv("KUBECONFIG", str(box.write_kubeconfig(tmp_path / "kubeconfig")))
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+        root = f"gs://{gcs.bucket}/runs"
+        args = ["submit", "--recipe", "smoke", "--device", "tpu7x-8", "--run", "wpc", "--run-root", root,
+                "--image", IMAGE, "--no-preflight", "--priority-class"]
+        assert main([*args, "low"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: WorkloadPriorityClass low does not exist") and err.count("\n") == 1
+        assert box.server.count("POST", "/jobsets") == 0
+        assert not RunDir.of(root, "wpc").exists()  # nothing created: no run.yaml either
+        assert main([*args, "high"]) == 0, capsys.readouterr().err
+        assert box.server.count("POST", "/jobsets") == 1
