@@ -27,6 +27,7 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,7 @@ class Lease:
     generation: int
     ttl_s: float
     acquired: str
+    epoch: int = 1  # one more than the previous holder's: a fencing token
 
 
 def _this_holder() -> tuple[str, dict]:
@@ -94,7 +96,18 @@ def _this_holder() -> tuple[str, dict]:
     pid = os.getpid()
     return f"{os.environ.get('USER', 'user')}@{host} pid {pid}", {
         "host": host, "pid": pid, "pid_start": proc_start_time(pid), "token": uuid.uuid4().hex[:12],
+        "boot_id": boot_id(),
     }
+
+
+def boot_id() -> str | None:
+    """This machine's boot (Linux: a random id per boot). Two machines, or two boots of one, differ even
+    when their hostnames agree (containers, cloned VMs), so a pid is only comparable under the same one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def proc_start_time(pid: int) -> str | None:
@@ -112,9 +125,12 @@ def proc_start_time(pid: int) -> str | None:
 
 
 def _holder_process_dead(lease: dict) -> bool:
-    """True when the lease's holder ran on this host and that process is gone (no need to wait for the TTL)."""
+    """True when the lease's holder provably ran on this machine in this boot (same boot id, not just the
+    same hostname) and that process is gone: no need to wait for the TTL."""
     info = lease.get("process") or {}
     if info.get("host") != socket.gethostname() or not info.get("pid"):
+        return False
+    if not info.get("boot_id") or info.get("boot_id") != boot_id():
         return False
     start = proc_start_time(int(info["pid"]))
     return start is None or (info.get("pid_start") is not None and start != info.get("pid_start"))
@@ -274,12 +290,15 @@ class RunDir:
     # ------------------------------------------------------------------ journal
 
     def append(self, event: str, *, attempt: int | None = None, device: str | None = None, reason: str = "",
-               committed_step: int | None = None, t: float | None = None, **extra: Any) -> dict:
+               committed_step: int | None = None, t: float | None = None, fence: Lease | None = None,
+               **extra: Any) -> dict:
         rec = {"time": utc_now_iso(t), "event": event, "attempt": attempt, "device": device, "reason": reason,
                "committed_step": committed_step}
         rec.update({k: v for k, v in extra.items() if v is not None})
         line = json.dumps(rec, default=str) + "\n"
         path = self.p("journal.jsonl")
+        if fence is not None:  # a supervisor that lost the run's lease must not journal (LeaseLost)
+            self.heartbeat(fence)
         if self.is_gcs:
             for _ in range(20):
                 info = self.store.stat(path)
@@ -381,33 +400,82 @@ class RunDir:
 
     # ------------------------------------------------------------------ lease
 
-    def acquire_lease(self, ttl_s: float = 120.0, now: float | None = None) -> Lease:
+    def acquire_lease(self, ttl_s: float = 120.0, now: float | None = None, *,
+                      monotonic: Callable[[], float] = time.monotonic,
+                      sleep: Callable[[float], None] = time.sleep, say: Callable[[str], None] | None = None) -> Lease:
         """Take the run's lease, or raise LeaseHeld naming the live holder.
 
-        A lease is free when absent, released, past its TTL since the last heartbeat, or held by a
-        process on this host that no longer exists (a killed supervisor need not wait for the TTL).
+        A lease is free when absent, released, or held by a process that provably ran on this machine
+        in this boot and is gone (a killed supervisor need not wait for the TTL). A lease whose last
+        heartbeat looks older than its TTL is not trusted on that alone (the holder's clock and ours
+        may disagree): it is taken only once its generation stayed unchanged for a whole TTL measured
+        on this process's own monotonic clock; a holder that heartbeats meanwhile keeps it.
         Every write is conditioned on the generation just read, so of two racing supervisors one wins.
+        The new lease's `epoch` is one more than the previous one's, and the attempt number the previous
+        holder reserved (`reserved_attempt`) is carried over, so a successor never reuses it.
         """
         path = self.p("lease.json")
         now = time.time() if now is None else now
         info = self.store.stat(path)
         gen = info.generation if info else 0
+        cur: dict = {}
         if info is not None:
             cur = json.loads(self.store.read_text(path) or "{}")
             held = cur.get("holder") and not cur.get("released")
-            expired = now - float(cur.get("heartbeat_unix", 0)) > float(cur.get("ttl_s", ttl_s))
-            if held and not expired and not _holder_process_dead(cur):
-                raise LeaseHeld(self.name, cur)
+            if held and not _holder_process_dead(cur):
+                ttl = float(cur.get("ttl_s", ttl_s))
+                if now - float(cur.get("heartbeat_unix", 0)) <= ttl:
+                    raise LeaseHeld(self.name, cur)
+                if say:
+                    say(f"the lease of {cur.get('holder', '?')} looks expired; watching it for {ttl:.0f} s "
+                        "before taking it over (clocks are not trusted)")
+                if not self._unchanged_for(path, gen, ttl, monotonic, sleep):
+                    raise LeaseHeld(self.name, json.loads(self.store.read_text(path) or "{}"))
         holder, proc = _this_holder()
         t = utc_now_iso(now)
+        epoch = int(cur.get("epoch", 0)) + 1
         doc = {"holder": holder, "process": proc, "acquired": t, "heartbeat": t, "heartbeat_unix": now,
-               "ttl_s": ttl_s, "released": False}
+               "ttl_s": ttl_s, "released": False, "epoch": epoch,
+               "reserved_attempt": int(cur.get("reserved_attempt", 0))}
         try:
             new_gen = self.store.write_text(path, json.dumps(doc, indent=1), if_generation_match=gen)
         except PreconditionFailed:
             cur = json.loads(self.store.read_text(path) or "{}")
             raise LeaseHeld(self.name, cur) from None
-        return Lease(holder=holder + " " + proc["token"], generation=new_gen, ttl_s=ttl_s, acquired=t)
+        return Lease(holder=holder + " " + proc["token"], generation=new_gen, ttl_s=ttl_s, acquired=t, epoch=epoch)
+
+    def _unchanged_for(self, path: str, gen: int, seconds: float, monotonic, sleep) -> bool:
+        """True when `path` still has generation `gen` after `seconds` of our own clock."""
+        end = monotonic() + seconds
+        step = max(0.05, min(5.0, seconds / 20))
+        while True:
+            info = self.store.stat(path)
+            if (info.generation if info else 0) != gen:
+                return False
+            left = end - monotonic()
+            if left <= 0:
+                return True
+            sleep(min(step, left))
+
+    def reserve_attempt(self, lease: Lease, at_least: int, now: float | None = None) -> int:
+        """Reserve the next attempt number under the lease, before anything is created for it: a write
+        conditioned on our lease's generation (LeaseLost when another supervisor took the run over).
+        The number is above every number reserved before, by any holder, so a successor that takes
+        the run over never reuses the number of an attempt its predecessor may still create."""
+        path = self.p("lease.json")
+        try:
+            cur = json.loads(self.store.read_text(path))
+        except NotFound:
+            raise LeaseLost(self.name, "lease.json was deleted") from None
+        n = max(int(at_least), int(cur.get("reserved_attempt", 0)) + 1)
+        now = time.time() if now is None else now
+        cur.update(reserved_attempt=n, heartbeat=utc_now_iso(now), heartbeat_unix=now)
+        try:
+            lease.generation = self.store.write_text(path, json.dumps(cur, indent=1),
+                                                     if_generation_match=lease.generation)
+        except PreconditionFailed:
+            raise LeaseLost(self.name, f"now held by {cur.get('holder', '?')}") from None
+        return n
 
     def _lease_write(self, lease: Lease, now: float, released: bool) -> None:
         path = self.p("lease.json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import os
 import subprocess
 import sys
@@ -129,8 +130,12 @@ def test_lease_one_holder_and_takeover_after_expiry(rd):
     # Our own lease object changed under us (the write above): the next heartbeat notices.
     with pytest.raises(LeaseLost):
         rd.heartbeat(lease, now=1040.0)
-    # Past the TTL since the last heartbeat, the lease can be taken.
-    new = rd.acquire_lease(ttl_s=60, now=1100.0)
+    # Past the TTL since the last heartbeat (by our clock), the lease is watched for a whole TTL of our
+    # own monotonic clock before it is taken: its generation must not change meanwhile.
+    clock = [0.0]
+    new = rd.acquire_lease(ttl_s=60, now=1100.0, monotonic=lambda: clock[0],
+                           sleep=lambda s: clock.__setitem__(0, clock[0] + s))
+    assert clock[0] >= 60 and new.epoch == 2
     rd.heartbeat(new, now=1101.0)
     rd.release_lease(new, now=1102.0)
     assert rd.read_lease()["released"] is True
@@ -200,3 +205,50 @@ def test_a_garbage_run_yaml_is_bad_input_naming_the_file(tmp_path, content):
         rd.read_run()
     with pytest.raises(BadInput):
         rd.recipe()
+
+
+def test_an_expired_looking_lease_whose_holder_still_heartbeats_is_not_taken(rd):
+    """Clocks are not trusted: a holder whose heartbeats look old by our clock (its clock is behind)
+    but which keeps renewing is still alive, and the lease stays its own."""
+    holder = rd.acquire_lease(ttl_s=60, now=1000.0)
+    doc = dict(rd.read_lease())
+    doc["process"] = {"host": "another-host", "pid": 1}
+    rd.store.write_text(rd.p("lease.json"), json.dumps(doc))
+    holder.generation = rd.store.stat(rd.p("lease.json")).generation
+    clock = [0.0]
+
+    def sleep(s):
+        clock[0] += s
+        if clock[0] > 20:  # the holder renews, with its (behind) clock
+            rd.heartbeat(holder, now=1001.0)
+
+    with pytest.raises(LeaseHeld):
+        rd.acquire_lease(ttl_s=60, now=5000.0, monotonic=lambda: clock[0], sleep=sleep)
+    assert 20 < clock[0] < 60
+
+
+def test_the_dead_holder_shortcut_needs_the_same_boot(tmp_path):
+    """Same hostname and a pid that is gone is not enough: another machine (or boot) with our hostname
+    could hold it; the shortcut applies only under the same boot id."""
+    from olmo_ctl.rundir import _holder_process_dead, boot_id
+
+    gone = {"process": {"host": socket.gethostname(), "pid": 2 ** 22 + 12345, "boot_id": boot_id()}}
+    assert _holder_process_dead(gone)
+    assert not _holder_process_dead({"process": {**gone["process"], "boot_id": "another-boot"}})
+    assert not _holder_process_dead({"process": {**gone["process"], "boot_id": None}})
+
+
+def test_reserved_attempt_numbers_survive_a_takeover_and_fence_the_old_holder(rd):
+    a = rd.acquire_lease(ttl_s=60)
+    assert rd.reserve_attempt(a, 1) == 1 and rd.reserve_attempt(a, 1) == 2
+    rd.release_lease(a)
+    b = rd.acquire_lease(ttl_s=60)
+    assert b.epoch == a.epoch + 1
+    assert rd.reserve_attempt(b, 1) == 3  # never 1 or 2 again, whatever the journal says
+    with pytest.raises(LeaseLost):
+        rd.reserve_attempt(a, 1)  # the old holder can neither reserve ...
+    with pytest.raises(LeaseLost):
+        rd.append("submitted", attempt=2, fence=a)  # ... nor journal
+    assert [r["event"] for r in rd.journal()] == []
+    rd.append("submitted", attempt=3, fence=b)
+    assert rd.journal()[-1]["attempt"] == 3
