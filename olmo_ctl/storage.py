@@ -30,6 +30,70 @@ class PreconditionFailed(OlmoCtlError):
         super().__init__(f"`{path}` changed under us (generation mismatch)", exit_code=2)
 
 
+class PermissionDenied(OlmoCtlError):
+    """GCS refused an identity an operation (403): deterministic, so exit 2, naming who lacked what where."""
+
+    def __init__(self, identity: str | None, permission: str | None, bucket: str | None, detail: str = ""):
+        who = identity or "this process's identity (unknown: no service-account email in the error or metadata)"
+        what = permission or "the needed permission"
+        where = f"bucket gs://{bucket}" if bucket else "the bucket"
+        super().__init__(
+            f"GCS denied {what} on {where} to {who}" + (f" ({detail})" if detail else ""),
+            f"grant {who if identity else 'that identity'} a role with {what} on {where} (e.g. roles/storage.objectUser); "
+            "pods on hostNetwork run as the node's service account, not through Workload Identity", 2)
+        self.identity, self.permission, self.bucket = identity, permission, bucket
+
+    @classmethod
+    def of(cls, exc: BaseException, url: str | None = None) -> PermissionDenied:
+        return describe_permission_error(exc, url) or cls(None, None, split_gcs(url)[0] if url else None)
+
+
+_WHO_LACKS = re.compile(r"([\w.+-]+@[\w.-]+) does not have ([\w.]+) access", re.IGNORECASE)
+_PERMISSION = re.compile(r"Permission '?([a-z]+\.[a-zA-Z]+\.[a-zA-Z]+)'? denied", re.IGNORECASE)
+_BUCKET = re.compile(r"gs://([a-z0-9][a-z0-9._-]*)|/b/([a-z0-9][a-z0-9._-]*)(?:/|\b)|\bbucket[ \"':]+([a-z0-9][a-z0-9._-]*)",
+                     re.IGNORECASE)
+_FORBIDDEN = re.compile(r"\b403\b|PERMISSION_DENIED|Forbidden|AccessDenied|does not have storage\.", re.IGNORECASE)
+
+
+def describe_permission_error(exc: BaseException, url: str | None = None) -> PermissionDenied | None:
+    """A GCS 403 anywhere in `exc`'s chain (google-cloud-storage, gcsfs, tensorstore under Orbax), as
+    a PermissionDenied naming the identity, the permission and the bucket GCS reported; None otherwise.
+    GCS's own message names the principal (`x@p.iam.gserviceaccount.com does not have
+    storage.objects.create access ...`); when it does not, the metadata server's default account."""
+    seen, e = [], exc
+    while e is not None and len(seen) < 8:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    text = " | ".join(f"{type(x).__name__}: {getattr(x, 'message', None) or x}" for x in seen)
+    if not _FORBIDDEN.search(text):
+        return None
+    m = _WHO_LACKS.search(text)
+    identity, permission = (m.group(1), m.group(2)) if m else (None, None)
+    if permission is None and (p := _PERMISSION.search(text)):
+        permission = p.group(1)
+    bucket = split_gcs(url)[0] if url and is_gcs(url) else None
+    if bucket is None and (b := _BUCKET.search(text)):
+        bucket = next(g for g in b.groups() if g)
+    return PermissionDenied(identity or _metadata_identity(), permission, bucket)
+
+
+def _metadata_identity() -> str | None:
+    """The default service account the GCE/GKE metadata server reports (Workload Identity: the mapped
+    account; hostNetwork: the node's), or None off Google Cloud or with the emulator."""
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        return None
+    import urllib.request
+
+    req = urllib.request.Request(
+        "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/email",
+        headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(req, timeout=1.0) as r:  # noqa: S310 - a fixed http URL on the VM
+            return r.read().decode().strip() or None
+    except Exception:  # noqa: BLE001 - not on Google Cloud
+        return None
+
+
 class NotFound(OlmoCtlError):
     def __init__(self, path: str):
         super().__init__(f"`{path}` does not exist", exit_code=2)
@@ -220,7 +284,7 @@ class GCSStore(Store):
                 exc.RetryError) as e:
             raise Unreachable(f"storage unreachable for `{url}`: {e}") from None
         except exc.Forbidden as e:
-            raise OlmoCtlError(f"no permission for `{url}`: {e.message}", "check the service account", 2) from None
+            raise PermissionDenied.of(e, url) from None
         except OSError as e:  # connection refused etc.
             raise Unreachable(f"storage unreachable for `{url}`: {e}") from None
         except Exception as e:  # requests' ConnectionError and friends

@@ -658,8 +658,15 @@ def main_run(args: TrainArgs) -> int:
         if e.exit_code == EXIT_RESTART:
             return EXIT_RESTART
         return e.exit_code if e.exit_code in USER_EXIT_CODES else EXIT_FAILED
-    except Exception as e:  # noqa: BLE001 - every other error: restartable by rule (issue: errors by cause)
+    except Exception as e:  # noqa: BLE001 - every other error: restartable by rule (errors by cause)
         import traceback
+
+        from olmo_ctl.storage import describe_permission_error
+
+        denied = describe_permission_error(e)
+        if denied is not None:  # GCS said no: the same identity would be refused again
+            sys.stderr.write(f"error: {denied.one_line()}\n")
+            return denied.exit_code
 
         traceback.print_exc()
         what = ("storage, network or a peer host unreachable" if _is_transient_io_error(e)
