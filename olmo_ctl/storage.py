@@ -14,6 +14,7 @@ import os
 import posixpath
 import re
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,8 +154,27 @@ def _glob_regex(glob: str) -> re.Pattern:
     return re.compile(out.replace("\0", ".*"))
 
 
+LOCK_WAIT_S = 10.0  # a conditional write waits this long for the lock, then reads as "changed under us"
+
+
+def _flock_within(lock, path: str, seconds: float) -> None:
+    """The exclusive lock of a conditional write, or PreconditionFailed after `seconds`: its holder is
+    stopped mid-write (SIGSTOP, a suspended laptop) and may resume and write, so the write it guards
+    must not go ahead as if nobody else were writing."""
+    end = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= end:
+                raise PreconditionFailed(path) from None
+            time.sleep(0.02)
+
+
 class LocalStore(Store):
-    """Local files. Generations are nanosecond mtimes; conditional writes hold an flock."""
+    """Local files. Generations are nanosecond mtimes; conditional writes hold an flock (for at most
+    LOCK_WAIT_S when another writer holds it)."""
 
     def read_bytes(self, path: str) -> bytes:
         try:
@@ -182,7 +202,7 @@ class LocalStore(Store):
         lock = open(str(p) + ".lock", "a+") if if_generation_match is not None else None
         try:
             if lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+                _flock_within(lock, path, LOCK_WAIT_S)
                 if self._gen(path) != if_generation_match:
                     raise PreconditionFailed(path)
             fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")

@@ -119,3 +119,9 @@ class Backend:
 
     def find_live(self, run: str) -> Handle | None:  # a live attempt of this run, if any (reattach)
         raise NotImplementedError
+
+    def live_attempts(self, run: str) -> list[Handle]:
+        """Every live attempt of this run, newest first: the lease holder stops any but its own (one a
+        supervisor that lost the lease created anyway). By default only the newest is known."""
+        h = self.find_live(run)
+        return [h] if h is not None else []

@@ -345,6 +345,14 @@ class LocalBackend(Backend):
         return log_progress(self.logs(handle, 50))
 
     def find_live(self, run: str) -> Handle | None:
+        live = self._recorded_live(run)
+        return live[0] if live else self._find_unrecorded(run, self.state_dir(run))
+
+    def live_attempts(self, run: str) -> list[Handle]:
+        return self._recorded_live(run) or [h for h in [self._find_unrecorded(run, self.state_dir(run))] if h]
+
+    def _recorded_live(self, run: str) -> list[Handle]:
+        """Attempts with an attempt file whose trainers are alive, newest first."""
         sd = self.state_dir(run)
         d = os.path.join(sd, "attempts")
         try:
@@ -352,6 +360,7 @@ class LocalBackend(Backend):
                            reverse=True)
         except FileNotFoundError:
             names = []
+        out = []
         for n in names:
             try:
                 with open(os.path.join(d, f"{n}.json")) as f:
@@ -359,11 +368,10 @@ class LocalBackend(Backend):
             except (OSError, ValueError):
                 continue
             if info.get("exit_code") is None and self._is_ours(info):
-                return Handle("local", str(info["pid"]), n, {"pid": info["pid"], "start_time": info.get("start_time"),
-                                                             "state_dir": sd, "log": info.get("log"),
-                                                             "run_dir": info.get("run_dir"),
-                                                             "pids": [h["pid"] for h in self._hosts(info)]})
-        return self._find_unrecorded(run, sd)
+                out.append(Handle("local", str(info["pid"]), n, {
+                    "pid": info["pid"], "start_time": info.get("start_time"), "state_dir": sd, "log": info.get("log"),
+                    "run_dir": info.get("run_dir"), "pids": [h["pid"] for h in self._hosts(info)]}))
+        return out
 
     def _find_unrecorded(self, run: str, sd: str) -> Handle | None:
         """Trainers of this run with no attempt file: a supervisor died between starting them and

@@ -46,6 +46,9 @@ def resume_until_done(
     stop_on_exit: Annotated[bool, typer.Option(
         "--stop-on-exit", help="On Ctrl-C stop the attempt instead of leaving it running.")] = False,
     poll: Annotated[float, typer.Option("--poll", help="Seconds between status checks.")] = 10.0,
+    lease_ttl: Annotated[float | None, typer.Option(
+        "--lease-ttl", help="Seconds without a heartbeat before another supervisor may take the run over "
+        "[default: max(300, 6 x --poll)]; it watches the lease that long on its own clock first.")] = None,
     stall_factor: Annotated[float, typer.Option(
         "--stall-factor", help="Stalled after this many median step intervals without progress.")] = 20.0,
     stall_min: Annotated[float, typer.Option("--stall-min", help="Never stalled sooner than this (s).")] = 300.0,
@@ -92,6 +95,9 @@ def resume_until_done(
                                   stall_factor=stall_factor, stall_min_s=stall_min, startup_limit_s=startup_timeout)
     if poll <= 0:
         raise BadInput(f"--poll {poll} must be positive")
+    if lease_ttl is not None and lease_ttl < 2 * poll:
+        raise BadInput(f"--lease-ttl {lease_ttl:g} must be at least twice --poll ({poll:g})",
+                       "the supervisor renews its lease once per poll")
     rundir = RunDir.of(settings.run_root, name)
     settings = run_settings(settings, rundir)
     if settings.backend == "gke" and "image" in settings.placeholders():
@@ -100,6 +106,7 @@ def resume_until_done(
     be = make_backend(settings)
     hint = f"olmo-ctl resume-until-done {name} --run-root {settings.run_root} --backend {settings.backend}"
     sup = Supervisor(rundir, be, policy, device=device, poll_s=poll, stop_on_exit=stop_on_exit, reattach_hint=hint,
+                     lease_ttl_s=lease_ttl,
                      extra_args=("--allow-version-change",) if allow_version_change else ())
     sup.out.line(f"run directory: {rundir.path}")
 

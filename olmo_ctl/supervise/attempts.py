@@ -33,7 +33,7 @@ from olmo_ctl.core.devices import Device, get_device
 from olmo_ctl.core.errors import BadInput
 
 if TYPE_CHECKING:  # the run directory (and storage) load where a run is touched, not for --dry-run
-    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.rundir import Lease, RunDir
 
 # ---------------------------------------------------------------- the backend
 
@@ -138,22 +138,53 @@ def attempt_request(rundir: RunDir, attempt: int, device: str, recipe: Any = Non
 def submit_next(rundir: RunDir, backend: Backend, device: str, reason: str, *, recipe: Any = None,
                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, attempt: int | None = None,
                 committed_step: int | None = None, t: float | None = None,
-                show: Callable[[Any], None] | None = None, first: tuple[str, dict] | None = None) -> Handle:
+                show: Callable[[Any], None] | None = None, first: tuple[str, dict] | None = None,
+                fence: Lease | None = None) -> Handle:
     """Render the run's next attempt, send it and journal `submitted` (the caller checked liveness).
+
+    With `fence` (the caller's lease) the attempt number is reserved under the lease first, the lease
+    is checked once more just before the create, and the journal lines are written only while the
+    lease is still ours: a caller that lost the lease creates nothing, and undoes a create that raced
+    with the takeover.
 
     `show` sees the rendered request before it is sent (--output-manifest); `first` is a journal
     record written just before `submitted` once the attempt is sent (a resize's `resized`)."""
+    from olmo_ctl.rundir import LeaseLost
+
     n = attempt if attempt is not None else rundir.next_attempt_number()
+    if fence is not None:  # reserved under the lease before anything exists (LeaseLost if taken over)
+        n = rundir.reserve_attempt(fence, n)
     committed = rundir.committed_step() if committed_step is None else committed_step
     rendered = backend.render(attempt_request(rundir, n, device, recipe, None, extra_args, env))
     if show is not None:
         show(backend.printable(rendered))
+    if fence is not None:
+        rundir.heartbeat(fence)  # the last check before the create
+        _fault_pause_before_create()
     handle = backend.send(rendered)
-    if first is not None:
-        rundir.append(first[0], **first[1])
-    rundir.append("submitted", attempt=n, device=device, committed_step=committed, reason=reason,
-                  handle=handle.to_dict(), backend=backend.name, t=t)
+    try:
+        if first is not None:
+            rundir.append(first[0], fence=fence, **{**first[1], **({"attempt": n} if "attempt" in first[1] else {})})
+        rundir.append("submitted", attempt=n, device=device, committed_step=committed, reason=reason,
+                      handle=handle.to_dict(), backend=backend.name, t=t, fence=fence)
+    except LeaseLost:
+        # Taken over while creating it: the new holder owns the run, so what we just made goes away.
+        backend.stop(handle, graceful=False)
+        raise
     return handle
+
+
+# Fault injection for tests: the process stops itself (SIGSTOP) after its last lease check and before
+# it creates the attempt, the worst moment to be paused past the lease's expiry. Never in a real run.
+PAUSE_BEFORE_CREATE_ENV = "OLMO_CTL_FAULT_PAUSE_BEFORE_CREATE"
+
+
+def _fault_pause_before_create() -> None:
+    import os
+    import signal
+
+    if os.environ.pop(PAUSE_BEFORE_CREATE_ENV, None):  # once per process
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 # ---------------------------------------------------------------- stopping, and the live attempt
@@ -274,7 +305,7 @@ def submit_attempt(recipe=None, device=None, settings=None, run: str | None = No
             # An ended attempt is deleted first: Kueue would requeue an evicted JobSet next to its successor.
             backend.stop(ended, graceful=False)
         handle = submit_next(rundir, backend, dev_name, "first attempt" if new else "submitted by hand",
-                             recipe=recipe, extra_args=extra_args, attempt=attempt, show=show)
+                             recipe=recipe, extra_args=extra_args, attempt=attempt, show=show, fence=lease)
     finally:
         rundir.release_lease(lease)
     root = settings.run_root if settings is not None else rundir.path.rsplit("/", 1)[0]

@@ -249,7 +249,7 @@ def stop_for_resize(rundir, backend, handle, mode: str, deadline: float,
 
 
 def submit_resized(rundir, backend, plan: ResizePlan, committed_step: int, mode: str,
-                   request_id: str | None = None):
+                   request_id: str | None = None, fence=None):
     """Submit attempt `plan.to_attempt` on the new device and journal `resized` and `submitted`."""
     resized = dict(attempt=plan.to_attempt, device=plan.new.device, committed_step=committed_step,
                    reason=f"{plan.old.device} -> {plan.new.device} ({mode})", from_device=plan.old.device,
@@ -257,7 +257,7 @@ def submit_resized(rundir, backend, plan: ResizePlan, committed_step: int, mode:
                    global_batch=plan.new.global_batch, tokens_per_step=plan.new.tokens_per_step,
                    old_plan=plan.to_dict()["old"], new_plan=plan.to_dict()["new"])
     return submit_next(rundir, backend, plan.new.device, f"resize from {plan.old.device}", attempt=plan.to_attempt,
-                       committed_step=committed_step, first=("resized", resized))
+                       committed_step=committed_step, first=("resized", resized), fence=fence)
 
 
 def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: float = 3600.0,
@@ -301,8 +301,8 @@ def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: 
                 _stop_and_wait(backend, handle, deadline, beat)
             res.committed_step = rundir.committed_step()
             res.notes.append("no live attempt: the next one starts from the last committed checkpoint")
-        res.handle = submit_resized(rundir, backend, plan, res.committed_step, mode)
-        res.attempt, res.action = plan.to_attempt, "resized"
+        res.handle = submit_resized(rundir, backend, plan, res.committed_step, mode, fence=lease)
+        res.attempt, res.action = res.handle.attempt, "resized"
         log(f"attempt {plan.to_attempt} submitted on {plan.new.device} from checkpoint {res.committed_step}")
         return res
     finally:
@@ -313,7 +313,8 @@ def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: 
 
 
 def carry_out_request(rundir, backend, handle, request: dict, deadline_s: float | None = None,
-                      heartbeat: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda s: None):
+                      heartbeat: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda s: None,
+                      fence=None):
     """For a supervisor holding the lease: stop `handle` for the recorded `request`, submit the next
     attempt on the requested device and clear the request. Returns the new handle, or None when
     nothing changed (the request was refused and journalled `resize_refused`, or was already carried
@@ -352,6 +353,6 @@ def carry_out_request(rundir, backend, handle, request: dict, deadline_s: float 
                 return refuse(e.one_line())
             raise
         log(f"attempt {handle.attempt} ended for the resize: {how}; committed step {committed}")
-    new = submit_resized(rundir, backend, plan, committed, mode, request_id=rid)
+    new = submit_resized(rundir, backend, plan, committed, mode, request_id=rid, fence=fence)
     rundir.clear_resize()
     return new

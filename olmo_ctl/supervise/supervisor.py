@@ -110,7 +110,7 @@ class Supervisor:
     def _journal(self, event: str, reason: str, **kw) -> None:
         kw.setdefault("attempt", self.handle.attempt if self.handle else None)
         kw.setdefault("device", self.device)
-        self.rd.append(event, reason=reason, t=self.clock(), **kw)
+        self.rd.append(event, reason=reason, t=self.clock(), fence=self.lease, **kw)
 
     def _say(self, event: str, reason: str, **kw) -> None:
         """A decision: journaled and printed as one line."""
@@ -135,7 +135,7 @@ class Supervisor:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
-        self.lease = self.rd.acquire_lease(ttl_s=self.lease_ttl_s, now=self.clock())
+        self.lease = self.rd.acquire_lease(ttl_s=self.lease_ttl_s, now=self.clock(), say=self.out.line)
         try:
             return self._run()
         except KeyboardInterrupt:
@@ -193,7 +193,8 @@ class Supervisor:
                         ended = None
                     self._beat()  # a supervisor that lost its lease must not submit
                     self.handle = submit_next(self.rd, self.backend, self.device, reason, recipe=self.recipe,
-                                              extra_args=self.extra_args, committed_step=committed, t=self.clock())
+                                              extra_args=self.extra_args, committed_step=committed, t=self.clock(),
+                                              fence=self.lease)
                     self.out.line(f"submitted attempt {self.handle.attempt} on {self.device} ({self.handle.name}): "
                                   f"{reason}")
             watched = self._watch(self.handle)
@@ -295,6 +296,7 @@ class Supervisor:
                 last_state, stall, sig = None, None, None
             st = self.backend.status(h)
             now = self.clock()
+            self._stop_strays(h)
             if st.state != last_state:
                 if st.state.live:
                     self._say(st.state.value, st.reason or st.state.value, committed_step=self.rd.committed_step())
@@ -325,6 +327,16 @@ class Supervisor:
                     return Watched(end, stalled=why)
             self.sleep(self.poll_s)
 
+    def _stop_strays(self, h: Handle) -> None:
+        """Any live attempt of this run but ours was created by a supervisor that lost the lease (paused
+        past its expiry while it created it): ours trains the same steps from the same checkpoints, so
+        the stray is killed at once rather than left to write checkpoints next to ours."""
+        for other in self.backend.live_attempts(self.rd.name):
+            if other.attempt != h.attempt:
+                self._say("stray_stopped", f"attempt {other.attempt} ({other.name}) runs beside attempt {h.attempt}: "
+                          "created by a supervisor that lost the lease; stopped", attempt=other.attempt)
+                self.backend.stop(other, graceful=False)
+
     def _name_slow_hosts(self, h: Handle, messages: tuple[str, ...]) -> None:
         """A slow host the trainer named: journaled and said once per attempt, not at every poll."""
         from olmo_ctl.core.stragglers import parse_slow_host_line
@@ -338,7 +350,8 @@ class Supervisor:
 
     def _resize(self, h: Handle, req: dict) -> Handle:
         self.out.line(f"resize request {req.get('id')}: to {req.get('device')}")
-        new = resize.carry_out_request(self.rd, self.backend, h, req, heartbeat=self._beat, log=self.out.line)
+        new = resize.carry_out_request(self.rd, self.backend, h, req, heartbeat=self._beat, log=self.out.line,
+                                       fence=self.lease)
         if new is None:
             return h
         self.device = req.get("device") or self.device

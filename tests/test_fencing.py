@@ -1,0 +1,134 @@
+"""Fenced submission: a supervisor paused past its lease's expiry (SIGSTOP: a laptop lid, a long retry)
+can neither create an attempt nor journal once a successor took the run over.
+
+Real supervisors (`olmo-ctl resume-until-done` processes) and real trainers on the local backend,
+stopped and continued with real signals.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from olmo_ctl.backends.local import LocalBackend
+from olmo_ctl.rundir import RunDir
+
+STEPS = 30
+
+
+def supervisor(root: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "olmo_ctl", "resume-until-done", "--recipe", "smoke", "--device", "cpu-1",
+         "--backend", "local", "--run", "fenced", "--run-root", root, "--poll", "0.2", "--lease-ttl", "2",
+         "--set", f"train.max_steps={STEPS}", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def state_of(pid: int) -> str:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return data[data.rfind(")") + 2:].split()[0]
+
+
+def wait_for(pred, timeout: float, what: str):
+    end = time.time() + timeout
+    while time.time() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def holds_a_lock(pid: int) -> bool:
+    return any(ln.split()[4:5] == [str(pid)] for ln in Path("/proc/locks").read_text().splitlines()
+               if "->" not in ln)
+
+
+def stop_between_writes(pid: int) -> None:
+    """SIGSTOP `pid` at a moment it holds no file lock (not inside a lease write): a process stopped
+    inside one keeps its successor from writing at all (safe, but not the case under test)."""
+    for _ in range(200):
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: state_of(pid) == "T", 10, "the stop")
+        if not holds_a_lock(pid):
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.013)
+    raise AssertionError("could not stop the supervisor outside its lease writes")
+
+
+def live_attempts(root: str) -> list[int]:
+    return sorted(h.attempt for h in LocalBackend(root).live_attempts("fenced"))
+
+
+def test_a_supervisor_paused_before_its_create_creates_nothing_after_a_takeover(tmp_path):
+    """A reserves attempt 1 under its lease, checks the lease one last time and is stopped (SIGSTOP)
+    just before it creates the attempt. Past the lease's TTL, B takes the run over: attempt 1 was
+    reserved, so B's attempt is 2. A continues (SIGCONT) and creates attempt 1, but may not journal it:
+    it removes what it made and exits. B finishes the run; the journal knows only attempt 2."""
+    root = str(tmp_path / "runs")
+    a = supervisor(root, env={"OLMO_CTL_FAULT_PAUSE_BEFORE_CREATE": "1"})
+    b = None
+    try:
+        wait_for(lambda: state_of(a.pid) == "T", 120, "A to stop itself before the create")
+        time.sleep(2.5)  # past the lease's TTL on every clock
+        b = supervisor(root)
+        rd = RunDir.of(root, "fenced")
+        wait_for(lambda: any(r["event"] == "submitted" for r in rd.journal()), 120, "B's first attempt")
+        os.kill(a.pid, signal.SIGCONT)
+        a_out, a_err = a.communicate(timeout=120)
+        assert a.returncode != 0, a_out + a_err
+        assert "lease" in (a_out + a_err).lower()
+        # From here on one live attempt at most: A removed its own creation (or B stopped it as a stray).
+        wait_for(lambda: live_attempts(root) in ([2], []), 60, "attempt 1 to be gone")
+        b_out, b_err = b.communicate(timeout=600)
+        assert b.returncode == 0, b_out[-3000:] + b_err[-3000:]
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+    j = RunDir.of(root, "fenced").journal()
+    submitted = [r["attempt"] for r in j if r["event"] == "submitted"]
+    assert submitted == [2], submitted
+    assert j[-1]["event"] == "done" and j[-1]["committed_step"] == STEPS
+    assert live_attempts(root) == []
+
+
+def test_a_supervisor_paused_while_watching_leaves_the_run_to_its_successor(tmp_path):
+    """A is stopped while its attempt trains; B takes over and reattaches to the same attempt; A,
+    continued, loses its lease at its next heartbeat and exits without journaling or touching it."""
+    root = str(tmp_path / "runs")
+    a = supervisor(root)
+    b = None
+    rd = RunDir.of(root, "fenced")
+    try:
+        wait_for(lambda: live_attempts(root) == [1], 120, "attempt 1")
+        stop_between_writes(a.pid)
+        time.sleep(2.5)
+        b = supervisor(root)
+        wait_for(lambda: any(r["event"] == "reattached" for r in rd.journal()), 120, "B to reattach")
+        n_lines = len(rd.journal())
+        os.kill(a.pid, signal.SIGCONT)
+        a_out, a_err = a.communicate(timeout=60)
+        assert a.returncode != 0 and "lease" in (a_out + a_err).lower(), a_out + a_err
+        assert live_attempts(root) in ([1], [])  # untouched by A
+        b_out, b_err = b.communicate(timeout=600)
+        assert b.returncode == 0, b_out[-3000:] + b_err[-3000:]
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+    j = rd.journal()
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
+    holders = {r["reason"].rsplit("holder ", 1)[-1] for r in j if r["event"] == "supervisor_started"}
+    assert len(holders) == 2
+    assert j[-1]["event"] == "done" and len(j) >= n_lines
