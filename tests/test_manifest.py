@@ -271,6 +271,15 @@ def test_host_network_is_a_site_setting_and_names_the_identity(tmp_path, monkeyp
     (tmp_path / "olmo-ctl").mkdir()
     (tmp_path / "olmo-ctl" / "config.yaml").write_text("host_network: true\n")
     assert resolve_settings().host_network is True
+    # submit says it in one line (stderr), and renders the pods on the host network
+    env = {**clean_env(tmp_path / "x"), "OLMO_CTL_HOST_NETWORK": "true"}
+    p = cli(["submit", "--recipe", "smoke", "--device", "v5p-8", *SITE, "--dry-run"], env)
+    assert p.returncode == 0, p.stderr
+    (line,) = [ln for ln in p.stderr.splitlines() if "Workload Identity" in ln]
+    assert line.startswith("note: host_network is on") and "`olmo-trainer`" in line
+    assert "hostNetwork: true" in p.stdout
+    p = cli(["submit", "--recipe", "smoke", "--device", "v5p-8", *SITE, "--dry-run"], clean_env(tmp_path / "x"))
+    assert "Workload Identity" not in p.stderr and "hostNetwork" not in p.stdout
 
 
 def _render(stage=1, device="tpu7x-128", settings=None, run="olmo3-7b-s1", attempt=1, run_dir=None,
