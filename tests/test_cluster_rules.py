@@ -376,7 +376,10 @@ def golden(name="g-a1", host_network=True):
     js = yaml.safe_load((pathlib.Path(__file__).parent / "goldens" / "v5p-8-smoke.yaml").read_text())
     js["metadata"].update(name=name, namespace="default")
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-    pod["hostNetwork"] = host_network
+    if host_network:  # the site setting host_network (off in the goldens)
+        pod.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
+    else:
+        pod.pop("hostNetwork", None)
     return js
 
 
@@ -413,9 +416,6 @@ def test_pod_security_refuses_host_network_pods_with_failed_create(srv):
 # ---------------------------------------------------------------- what the faithful cluster exposes
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 break 4: with a missing WorkloadPriorityClass Kueue builds no "
-                   "Workload and the JobSet stays suspended; the GKE backend reports it queued, without naming "
-                   "the missing class, forever")
 def test_a_missing_workload_priority_class_is_named_by_the_backend():
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.backends.kube import KubeRetryPolicy
@@ -429,11 +429,56 @@ def test_a_missing_workload_priority_class_is_named_by_the_backend():
         assert srv.cluster.workload(h.name) is None  # upstream: no Workload without its priority class
         st = b.status(h)
         assert st.state.terminal or "high" in st.reason, st
+        assert st.details["config_error"] == ('Kueue cannot create the Workload: WorkloadPriorityClass "high" does '
+                                              'not exist (label kueue.x-k8s.io/priority-class)')
+        with srv.store.lock:  # once the class exists Kueue builds the Workload: only a wait again
+            srv.world.save("WorkloadPriorityClass", {"metadata": {"name": "high"}, "value": 1000}, new=True)
+            srv.world.reconcile()
+        st = b.status(h)
+        assert srv.cluster.workload(h.name) is not None and "config_error" not in st.details, st
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 breaks 2 and 5: pods refused at creation (Pod Security rejects "
-                   "hostNetwork) leave the attempt admitted and holding quota; the backend reads no FailedCreate "
-                   "event and reports it admitted without the cause")
+@pytest.mark.parametrize("case", ["no-local-queue", "no-cluster-queue", "no-flavor-for-the-slice"])
+def test_a_queue_set_up_that_can_never_admit_is_named_by_the_backend(case):
+    """workload_controller.go: Inadmissible "LocalQueue X doesn't exist" / "ClusterQueue X doesn't
+    exist"; flavorassigner.go: "flavor X doesn't match node affinity" for every flavor of the group."""
+    from olmo_ctl.backends.gke import GKEBackend
+    from olmo_ctl.backends.kube import KubeRetryPolicy
+
+    fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=3.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+    with KubeServer() as srv:
+        b = GKEBackend(namespace="default", host=srv.url, retry=fast)
+        js = golden("q-a1", host_network=False)
+        want = {"no-local-queue": "LocalQueue nope doesn't exist", "no-cluster-queue": "ClusterQueue cq2 doesn't exist",
+                "no-flavor-for-the-slice": "couldn't assign flavors to pod set slice: flavor v5p-flavor doesn't "
+                                           "match node affinity"}[case]
+        with srv.store.lock:
+            if case == "no-local-queue":
+                js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "nope"
+            elif case == "no-cluster-queue":
+                srv.world.save("LocalQueue", {"metadata": {"name": "lq2", "namespace": "default"},
+                                              "spec": {"clusterQueue": "cq2"}}, new=True)
+                js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "lq2"
+            else:
+                srv.world.ensure_queue("lq3", "cq3", "v5p-flavor", {"google.com/tpu": 4096},
+                                       node_labels={"cloud.google.com/gke-tpu-accelerator": "tpu7x"})
+                js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "lq3"
+        st = b.status(b.send(js))
+        assert st.state.live and st.details["config_error"] == want, st
+        assert want in st.reason
+
+
+def test_waiting_for_capacity_is_not_a_configuration_error():
+    from olmo_ctl.backends.gke import GKEBackend
+    from olmo_ctl.backends.kube import KubeRetryPolicy
+
+    fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=3.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+    with KubeServer() as srv:
+        b = GKEBackend(namespace="default", host=srv.url, retry=fast)
+        st = b.status(b.send(golden("c-a1", host_network=False)))
+        assert "insufficient unused quota" in st.reason and "config_error" not in st.details, st
+
+
 def test_pods_refused_at_creation_are_reported_with_the_cause():
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.backends.kube import KubeRetryPolicy
@@ -446,3 +491,6 @@ def test_pods_refused_at_creation_are_reported_with_the_cause():
         srv.cluster.admit(h.name)
         st = b.status(h)
         assert "hostNetwork" in st.reason or "FailedCreate" in st.reason, st
+        assert st.state.live and st.details["not_created"] is True
+        assert st.reason == ('0/1 pods created; FailedCreate: Job p-a1-slice-0: Error creating: pods "p-a1-slice-0-0-" '
+                             'is forbidden: violates PodSecurity "baseline:latest": host namespaces (hostNetwork=true)')

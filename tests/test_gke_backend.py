@@ -190,15 +190,18 @@ def test_a_long_queue_wait_stays_queued_with_kueues_message(srv):
     assert srv.count("DELETE") == 0 and srv.count("POST") == 1
 
 
-def test_eviction_by_preemption_is_preempted_with_kueues_reason(srv):
+def test_eviction_by_preemption_requeues_the_same_attempt_with_kueues_reason(srv):
+    """Kueue suspends the JobSet and requeues the same one (reconciler.go, handle eviction): the
+    attempt is queued again, not over."""
     b = _backend(srv)
     h = b.send(tiny_jobset("p1-a1", run="p1"))
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)
     srv.cluster.evict(h.name, "Preempted", "InClusterQueue")
     st = b.status(h)
-    assert st.state == State.PREEMPTED
+    assert st.state == State.QUEUED and st.details["evicted"] == "Preempted (InClusterQueue)"
     assert st.reason.startswith("Preempted (InClusterQueue): Preempted to accommodate a workload")
+    assert "; requeued by Kueue, Pending: couldn't assign flavors to pod set slice: insufficient unused quota" in st.reason
     assert st.source == "Workload condition Evicted"
     assert st.details["requeued"] is True
 

@@ -248,6 +248,40 @@ def test_schema_check_catches_unknown_and_mistyped_fields(env):
 # ---------------------------------------------------------------- what the manifest says
 
 
+def test_host_network_is_a_site_setting_and_names_the_identity(tmp_path, monkeypatch):
+    from olmo_ctl.backends.jobset import identity_note
+    from olmo_ctl.core.config import resolve_settings
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    for k in [k for k in os.environ if k.startswith("OLMO_CTL_")]:
+        monkeypatch.delenv(k)
+    assert resolve_settings().host_network is False and identity_note(resolve_settings()) is None
+    monkeypatch.setenv("OLMO_CTL_HOST_NETWORK", "true")
+    s = resolve_settings(run_root="gs://b/runs", service_account="trainer-sa")
+    assert s.host_network is True and s.sources["host_network"] == "env OLMO_CTL_HOST_NETWORK"
+    pod = _pod(_render(settings=s))
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert schema_errors(_render(settings=s)) == []
+    note = identity_note(s)
+    assert "Workload Identity does not apply" in note and "`trainer-sa`" in note and "node pool's service account" in note
+    monkeypatch.setenv("OLMO_CTL_HOST_NETWORK", "sometimes")
+    with pytest.raises(BadInput, match="host_network"):
+        resolve_settings()
+    monkeypatch.delenv("OLMO_CTL_HOST_NETWORK")
+    (tmp_path / "olmo-ctl").mkdir()
+    (tmp_path / "olmo-ctl" / "config.yaml").write_text("host_network: true\n")
+    assert resolve_settings().host_network is True
+    # submit says it in one line (stderr), and renders the pods on the host network
+    env = {**clean_env(tmp_path / "x"), "OLMO_CTL_HOST_NETWORK": "true"}
+    p = cli(["submit", "--recipe", "smoke", "--device", "v5p-8", *SITE, "--dry-run"], env)
+    assert p.returncode == 0, p.stderr
+    (line,) = [ln for ln in p.stderr.splitlines() if "Workload Identity" in ln]
+    assert line.startswith("note: host_network is on") and "`olmo-trainer`" in line
+    assert "hostNetwork: true" in p.stdout
+    p = cli(["submit", "--recipe", "smoke", "--device", "v5p-8", *SITE, "--dry-run"], clean_env(tmp_path / "x"))
+    assert "Workload Identity" not in p.stderr and "hostNetwork" not in p.stdout
+
+
 def _render(stage=1, device="tpu7x-128", settings=None, run="olmo3-7b-s1", attempt=1, run_dir=None,
             slices=1, overrides=()):
     recipe = load_recipe(stage=stage, overrides=overrides)
@@ -275,7 +309,8 @@ def test_pod_shape_and_failure_policy():
     assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
     assert job["parallelism"] == job["completions"] == 16
     assert pod["restartPolicy"] == "Never"
-    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    # No hostNetwork by default: Workload Identity applies, Pod Security baseline admits the pods.
+    assert "hostNetwork" not in pod and "dnsPolicy" not in pod
     assert pod["serviceAccountName"] == "trainer-sa"
     assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu7x",
                                    "cloud.google.com/gke-tpu-topology": "4x4x4"}

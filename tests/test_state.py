@@ -116,10 +116,19 @@ CASES = [
      workload([cond("Evicted", "True", "Preempted", PREEMPT_MSG), cond("Preempted", "True", "InClusterQueue",
                                                                        PREEMPT_MSG),
                cond("QuotaReserved", "False", "Pending", PREEMPT_MSG), cond("Requeued", "True", "Preempted", "")]),
-     [], [], State.PREEMPTED, f"Preempted (InClusterQueue): {PREEMPT_MSG}", "Workload condition Evicted"),
+     [], [], State.QUEUED, f"Preempted (InClusterQueue): {PREEMPT_MSG}; requeued by Kueue",
+     "Workload condition Evicted"),
+    ("evicted-preempted-pods-checkpointing", jobset(suspend=True),
+     workload([cond("Evicted", "True", "Preempted", PREEMPT_MSG), cond("Preempted", "True", "InClusterQueue",
+                                                                       PREEMPT_MSG),
+               cond("QuotaReserved", "True", "QuotaReserved", "Quota reserved in ClusterQueue cq")], admission=True),
+     [pod(0), pod(1)], [], State.QUEUED,
+     f"Preempted (InClusterQueue): {PREEMPT_MSG}; 2 pod(s) terminating (checkpointing on SIGTERM)",
+     "Workload condition Evicted"),
     ("evicted-node-failures", jobset(), workload([cond("Evicted", "True", "NodeFailures",
                                                        "Workload was evicted due to node failures")]),
-     [], [], State.PREEMPTED, "NodeFailures: Workload was evicted due to node failures", "Workload condition Evicted"),
+     [], [], State.QUEUED, "NodeFailures: Workload was evicted due to node failures; requeued by Kueue",
+     "Workload condition Evicted"),
     ("evicted-pods-ready-timeout", jobset(), workload([cond("Evicted", "True", "PodsReadyTimeout",
                                                             "Exceeded the PodsReady timeout default/jobset-run-a1")]),
      [], [], State.FAILED_INFRA, "PodsReadyTimeout: Exceeded the PodsReady timeout default/jobset-run-a1",
@@ -233,6 +242,39 @@ def test_an_inadmissible_workload_is_queued_and_flagged():
     msg = "LocalQueue tpu-queue doesn't exist"
     st = classify(jobset(suspend=True), workload([cond("QuotaReserved", "False", "Inadmissible", msg)]))
     assert (st.state, st.reason, st.details["queue_reason"]) == (State.QUEUED, f"Inadmissible: {msg}", "Inadmissible")
+
+
+@pytest.mark.parametrize("reason,msg,config", [
+    ("Inadmissible", "LocalQueue tpu-queue doesn't exist", True),
+    ("Inadmissible", "ClusterQueue cq doesn't exist", True),
+    ("Inadmissible", "LocalQueue tpu-queue is inactive", False),  # stopped by an admin: it may resume
+    ("Pending", "couldn't assign flavors to pod set slice: flavor tpu-v5p doesn't match node affinity", True),
+    ("Pending", "couldn't assign flavors to pod set slice: resource google.com/tpu unavailable in ClusterQueue", True),
+    ("Pending", "couldn't assign flavors to pod set slice: flavor a doesn't match node affinity, insufficient "
+                "unused quota for google.com/tpu in flavor b, 64 more needed", False),
+    ("Pending", "couldn't assign flavors to pod set slice: insufficient quota for google.com/tpu in flavor b, "
+                "previously considered podsets requests (0) + current podset request (256) > maximum capacity (128)",
+     True),
+    ("Pending", PENDING_MSG, False),
+])
+def test_a_queue_set_up_that_can_never_admit_is_a_configuration_error(reason, msg, config):
+    st = classify(jobset(suspend=True), workload([cond("QuotaReserved", "False", reason, msg)]))
+    assert st.state == State.QUEUED and st.details.get("config_error") == (msg if config else None)
+
+
+def test_no_workload_for_a_missing_priority_class_is_a_configuration_error():
+    st = classify(jobset(suspend=True), None, missing=('WorkloadPriorityClass "high" does not exist',))
+    assert st.state == State.QUEUED and "high" in st.reason
+    assert st.details["config_error"] == 'Kueue cannot create the Workload: WorkloadPriorityClass "high" does not exist'
+
+
+def test_pods_refused_at_creation_are_named_from_the_jobs_failed_create_event():
+    ev = event("Job", "run-a1-slice-0", "FailedCreate", 'Error creating: pods "run-a1-slice-0-0-" is forbidden: '
+               "exceeded quota: q, requested: google.com/tpu=4, used: google.com/tpu=0, limited: google.com/tpu=0")
+    st = classify(jobset(), ADMITTED_WL, [pod(0)], [ev])
+    assert st.state == State.ADMITTED and st.details["not_created"] is True
+    assert st.reason == f"1/2 pods created; FailedCreate: Job run-a1-slice-0: {ev['message']}"
+    assert classify(jobset(), ADMITTED_WL, [pod(0), pod(1)], [ev]).state == State.RUNNING  # created after all
 
 
 def test_states_live_and_terminal():

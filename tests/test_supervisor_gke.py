@@ -82,32 +82,33 @@ def events(rd, attempt=None):
     return [r for r in rd.journal() if attempt is None or r.get("attempt") == attempt]
 
 
-def test_long_queue_spends_nothing_and_preemption_resubmits_after_backoff(tmp_path, srv, gcs):
+def test_long_queue_spends_nothing_and_a_preemption_requeues_the_same_attempt(tmp_path, srv, gcs):
     rd, be = setup(tmp_path, srv, gcs.bucket)
+    t_pre = 3 * 3600 + 600
     script = Script(srv, rd, {
         1: [(3 * 3600, admit_run), (3 * 3600 + 300, lambda s, n: s.commit(10)),
-            (3 * 3600 + 600, lambda s, n: s.srv.cluster.evict(n, reason="Preempted"))],
-        2: [(120, admit_run), (400, lambda s, n: s.commit(20)), (500, lambda s, n: s.srv.cluster.complete(n))],
+            (t_pre, lambda s, n: s.srv.cluster.evict(n, reason="Preempted")),
+            (t_pre + 1200, admit_run), (t_pre + 1600, lambda s, n: s.commit(20)),
+            (t_pre + 1700, lambda s, n: s.srv.cluster.complete(n))],
     })
-    # max_retries=1: a queue wait that spent a retry, or a preemption after progress that did, would give up.
+    # max_retries=1: a queue wait or a preemption that spent a retry would give up.
     rc, out = supervise(rd, be, script, backoff_base_s=600, max_retries=1)
     assert rc == 0, out
     j = rd.journal()
     a1 = [r["event"] for r in events(rd, 1)]
-    assert a1[:2] == ["submitted", "queued"] and "running" in a1 and a1[-1] == "preempted"
+    assert a1[:2] == ["submitted", "queued"]
+    assert a1[a1.index("running"):] == ["running", "preempted", "running", "succeeded"], a1
     queued = next(r for r in j if r["event"] == "queued")
     running = next(r for r in j if r["event"] == "running" and r["attempt"] == 1)
     assert parse_iso(running["time"]) - parse_iso(queued["time"]) >= 3 * 3600  # three hours queued: waiting
     pre = next(r for r in j if r["event"] == "preempted")
-    assert "Preempted" in pre["reason"] and pre["committed_step"] == 10
-    backoff = next(r for r in j if r["event"] == "backoff")
-    assert 450 <= backoff["delay_s"] <= 600
-    sub2 = [r for r in j if r["event"] == "submitted" and r["attempt"] == 2][0]
-    assert parse_iso(sub2["time"]) - parse_iso(pre["time"]) >= backoff["delay_s"] - 1e-3
-    # The evicted JobSet (which Kueue would requeue) was deleted before its successor was created.
-    assert script.names_at_submit[2] == [sub2["handle"]["name"]]
+    assert pre["reason"].startswith("Preempted (InClusterQueue): Preempted to accommodate") and \
+        pre["committed_step"] == 10
+    assert not [r for r in j if r["event"] in ("backoff", "failed", "gave_up")]
+    # Kueue requeued and resumed the same JobSet; nothing was deleted, nothing submitted again.
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
+    assert not [d for d in srv.cluster.deleted if d[0] in ("JobSet", "Pod")]
     assert j[-1]["event"] == "done" and j[-1]["committed_step"] == 20
-    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1, 2]
 
 
 def test_deterministic_failure_exits_1_with_the_pods_last_lines(tmp_path, srv, gcs):
@@ -162,19 +163,27 @@ def test_api_unreachable_past_the_budget_exits_3_and_leaves_the_job(tmp_path, sr
     assert rd.read_lease()["released"] is True
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 break 1: on a Kueue preemption the supervisor deletes the "
-                   "requeued JobSet (pods force-deleted, grace 0) and submits a new attempt, instead of letting "
-                   "the pods write their checkpoint and Kueue resume the same JobSet")
 def test_preemption_lets_kueue_resume_the_same_jobset(tmp_path, srv, gcs):
-    rd, be = setup(tmp_path, srv, gcs)
+    """Issue 12, break 1: a preemption at step 10 + 5 resumes from 15 (the checkpoint the pods wrote
+    on SIGTERM through their grace period), not from 10; preemptions spend no retry budget."""
+    rd, be = setup(tmp_path, srv, gcs.bucket)
 
     def preempt(s, n):
         s.srv.cluster.hold_deletions = True  # the pods write their checkpoint through the grace period
         s.srv.cluster.evict(n)
 
     def checkpoint_on_sigterm(s, n):
-        s.commit(15)
+        # The trainer commits its last step on SIGTERM only if its pods live through the grace period
+        # (force-deleted with grace 0 they are gone, and so is the checkpoint).
+        alive = [p for p in s.srv.cluster.pods(n) if p["metadata"].get("deletionTimestamp")
+                 and p["status"].get("phase") not in ("Succeeded", "Failed")]
+        if alive:
+            s.commit(15)
         s.srv.cluster.finish_deletions()
+
+    def preempt_now(s, n):  # another preemption, before any new checkpoint
+        s.srv.cluster.hold_deletions = False
+        s.srv.cluster.evict(n)
 
     def finish(s, n):
         s.commit(20)
@@ -182,11 +191,92 @@ def test_preemption_lets_kueue_resume_the_same_jobset(tmp_path, srv, gcs):
 
     script = Script(srv, rd, {
         1: [(60, admit_run), (100, lambda s, n: s.commit(10)), (200, preempt), (230, checkpoint_on_sigterm),
-            (400, admit_run), (600, finish)],
+            (400, admit_run), (460, preempt_now), (520, admit_run), (580, preempt_now), (640, admit_run),
+            (700, preempt_now), (760, admit_run), (900, finish)],
         2: [(60, admit_run), (120, finish)],
     })
+    # max_retries=1: a single preemption that spent a retry without progress would end the run (exit 4).
     rc, out = supervise(rd, be, script, backoff_base_s=60, max_retries=1)
     assert rc == 0, out
-    assert [r["attempt"] for r in rd.journal() if r["event"] == "submitted"] == [1]  # the same JobSet resumed
+    j = rd.journal()
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]  # the same JobSet resumed
     assert not [d for d in srv.cluster.deleted if d[0] in ("JobSet", "Pod")]  # nothing deleted while terminating
-    assert rd.journal()[-1]["committed_step"] == 20
+    pre = [r for r in j if r["event"] == "preempted"]
+    assert [r["committed_step"] for r in pre] == [10, 15, 15, 15]
+    running = [r["committed_step"] for r in j if r["event"] == "running"]
+    assert running == [0, 15, 15, 15, 15]  # every resumption starts from the SIGTERM checkpoint, 15, not 10
+    assert not [r for r in j if r["event"] in ("backoff", "failed", "gave_up")]
+    assert j[-1]["event"] == "done" and j[-1]["committed_step"] == 20
+
+
+QUOTA = "exceeded quota: tpu-quota, requested: google.com/tpu=4, used: google.com/tpu=0, limited: google.com/tpu=0"
+
+
+def test_admitted_pods_never_created_are_stopped_after_the_admission_timeout(tmp_path, srv, gcs):
+    """Issue 12, break 5: a ResourceQuota refuses the pods (Job FailedCreate); the attempt holds its
+    quota, admitted, until --admission-timeout, then it is stopped with its grace period and counted
+    as an infrastructure failure with the cause; the next attempt runs."""
+    rd, be = setup(tmp_path, srv, gcs.bucket)
+    srv.world.pod_admission.append(lambda pod: QUOTA)
+
+    def quota_raised(s, n):
+        s.srv.world.pod_admission.clear()
+
+    def finish(s, n):
+        s.commit(20)
+        s.srv.cluster.complete(n)
+
+    script = Script(srv, rd, {1: [(60, lambda s, n: s.srv.cluster.admit(n))],
+                              2: [(10, quota_raised), (60, admit_run), (120, finish)]})
+    rc, out = supervise(rd, be, script, backoff_base_s=60, max_retries=2, admission_timeout_s=600)
+    assert rc == 0, out
+    j = rd.journal()
+    adm = next(r for r in j if r["event"] == "admitted" and r["attempt"] == 1)
+    assert adm["reason"].startswith("0/1 pods created; FailedCreate: Job gk-a1-slice-0: Error creating: pods "
+                                    '"gk-a1-slice-0-0-" is forbidden: exceeded quota: tpu-quota'), adm
+    (failed,) = [r for r in j if r["event"] == "failed"]
+    assert failed["attempt"] == 1 and failed["state"] == "failed-infra"
+    assert "admitted but not running after" in failed["reason"] and "(--admission-timeout 600 s)" in failed["reason"]
+    assert QUOTA in failed["reason"]
+    assert 600 <= parse_iso(failed["time"]) - parse_iso(adm["time"]) <= 700
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1, 2]
+    # Stopped through the API with the grace period: the JobSet (Foreground), never its pods at grace 0.
+    assert ("JobSet", "gk-a1", "Foreground") in srv.cluster.deleted
+    assert not [d for d in srv.cluster.deleted if d[0] == "Pod"]
+    assert j[-1]["event"] == "done"
+
+
+def test_the_admission_timeout_submit_recorded_is_the_attempts_own(tmp_path, srv, gcs):
+    from olmo_ctl.supervise.attempts import submit_next
+
+    rd, be = setup(tmp_path, srv, gcs.bucket)
+    srv.world.pod_admission.append(lambda pod: QUOTA)
+    submit_next(rd, be, "tpu7x-8", "submitted by hand", admission_timeout_s=300, t=T0)
+    script = Script(srv, rd, {1: [(30, lambda s, n: s.srv.cluster.admit(n))]})
+    rc, out = supervise(rd, be, script, backoff_base_s=60, max_retries=1)
+    assert rc == 4, out  # one attempt without progress, max_retries 1: gave up
+    (failed,) = [r for r in rd.journal() if r["event"] == "failed"]
+    assert "(--admission-timeout 300 s)" in failed["reason"]
+
+
+@pytest.mark.parametrize("setting,missing", [
+    ({"priority_class": "high"}, 'WorkloadPriorityClass "high" does not exist'),
+    ({"queue": "no-such-queue"}, "LocalQueue no-such-queue doesn't exist"),
+])
+def test_a_queue_set_up_kueue_can_never_admit_stops_with_exit_2(tmp_path, srv, gcs, setting, missing):
+    """Issue 12, break 4: not `queued` forever: one line naming the missing object, exit 2."""
+    rd, be = setup(tmp_path, srv, gcs.bucket)
+    be.settings = Settings(**{"image": "registry.example.com/olmo-ctl:test", "run_root": f"gs://{gcs.bucket}",
+                              "queue": "user-queue", **setting})
+    script = Script(srv, rd, {})
+    with pytest.raises(OlmoCtlError) as ei:
+        supervise(rd, be, script, backoff_base_s=60, max_retries=5)
+    assert ei.value.exit_code == 2 and missing in ei.value.message and "\n" not in ei.value.message
+    assert ei.value.hint
+    j = rd.journal()
+    (failed,) = [r for r in j if r["event"] == "failed"]
+    assert failed["reason"].startswith("configuration error: ") and missing in failed["reason"]
+    assert script.t - T0 < 120  # at the first look, not after a wait
+    assert srv.cluster.jobset_names() == []  # the attempt that could never run is gone
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
+    assert rd.read_lease()["released"] is True

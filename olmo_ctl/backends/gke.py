@@ -33,12 +33,14 @@ from olmo_ctl.core.errors import BadInput
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSETS = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 KUEUE_GROUP, WORKLOADS = "kueue.x-k8s.io", "workloads"
+WORKLOAD_PRIORITY_CLASSES = "workloadpriorityclasses"
 KUEUE_VERSIONS = ("v1beta2", "v1beta1")  # newest first; Kueue < 0.15 serves only v1beta1
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 RUN_LABEL = "olmo-ctl/run"
 ATTEMPT_LABEL = "olmo-ctl/attempt"
 RUN_DIR_ANNOTATION = "olmo-ctl/run-dir"
@@ -231,13 +233,41 @@ class GKEBackend(Backend):
         from olmo_ctl.backends.gke_status import classify  # loads with the first status, not for a render
 
         js, wl, pods, events = self.read_objects(handle)
-        st = classify(js, wl, pods, events)
+        missing = self._missing_for_workload(js) if js is not None and wl is None else ()
+        st = classify(js, wl, pods, events, missing=missing)
         if st.state in (State.FAILED_USER, State.FAILED_INFRA, State.PREEMPTED) and st.details.get("pod") \
                 and st.exit_code is not None:
             lines = self._pod_log(self._ns(handle), st.details["pod"], st.details.get("container"), LOG_TAIL)
             if lines:
-                st = classify(js, wl, pods, events, logs={st.details["pod"]: lines})
+                st = classify(js, wl, pods, events, logs={st.details["pod"]: lines}, missing=missing)
         return st
+
+    def _missing_for_workload(self, js: dict) -> tuple[str, ...]:
+        """Why Kueue builds no Workload for a queued, suspended JobSet: upstream (kueue v0.17.1
+        jobframework/reconciler.go ExtractPriority) fails the reconcile on a missing
+        WorkloadPriorityClass and only logs it, so we look the class up ourselves."""
+        name = _labels(js).get(PRIORITY_LABEL)
+        if not name or QUEUE_LABEL not in _labels(js) or not (js.get("spec") or {}).get("suspend"):
+            return ()
+        if self._kueue_version == "":
+            return ()
+        versions = (self._kueue_version,) if self._kueue_version else KUEUE_VERSIONS
+        for version in versions:
+            try:
+                self._call(f"read WorkloadPriorityClass {name}", self._custom.get_cluster_custom_object,
+                           KUEUE_GROUP, version, WORKLOAD_PRIORITY_CLASSES, name, _preload_content=False)
+                return ()
+            except Exception as e:
+                status = api_status(e)
+                if status == 404 and "workloadpriorityclasses" in status_message(e).lower() \
+                        and "not found" in status_message(e).lower():
+                    return (f'WorkloadPriorityClass "{name}" does not exist (label {PRIORITY_LABEL})',)
+                if status == 404:
+                    continue  # this Kueue version is not served
+                if status == 403:
+                    return ()  # cannot tell; the JobSet's own status must do
+                raise self._api_error(e, f"read WorkloadPriorityClass {name}") from e
+        return ()
 
     def _find_workload(self, ns: str, uid: str, queued: bool = True) -> dict | None:
         """The Workload whose controller ownerReference is this JobSet's uid. Kueue labels it with
@@ -284,6 +314,10 @@ class GKEBackend(Backend):
         problem = [p for p in pods if (p.get("status") or {}).get("phase") in ("Pending", "Failed", "Unknown")]
         targets += [p["metadata"]["name"] for p in problem[:MAX_POD_EVENT_READS]]
         out: list[dict] = []
+        from olmo_ctl.backends.gke_status import expected_pods
+
+        if not (js.get("spec") or {}).get("suspend") and len(pods) < expected_pods(js):
+            out += self._failed_creates(ns, js)
         for target in targets:
             try:
                 data = _json(self._call(f"list events of {target}", self._core.list_namespaced_event, ns,
@@ -294,6 +328,22 @@ class GKEBackend(Backend):
                 raise self._api_error(e, f"list events of {target}") from e
             out += data.get("items") or []
         return out
+
+    def _failed_creates(self, ns: str, js: dict) -> list[dict]:
+        """The FailedCreate events of this JobSet's Jobs (`<jobset>-<replicated job>-<index>`): the
+        Job controller's record of pods the API server refused (Pod Security, a ResourceQuota)."""
+        name = js["metadata"]["name"]
+        jobs = {f"{name}-{rj.get('name')}-{i}" for rj in (js.get("spec") or {}).get("replicatedJobs") or []
+                for i in range(int(rj.get("replicas", 1)))}
+        try:
+            data = _json(self._call("list FailedCreate events", self._core.list_namespaced_event, ns,
+                                    field_selector="involvedObject.kind=Job,reason=FailedCreate",
+                                    _preload_content=False))
+        except Exception as e:
+            if api_status(e) in (400, 403, 404):  # events are a nicety: their absence must not hide the state
+                return []
+            raise self._api_error(e, "list FailedCreate events") from e
+        return [e for e in data.get("items") or [] if (e.get("involvedObject") or {}).get("name") in jobs]
 
     def _pod_log(self, ns: str, pod: str, container: str | None, tail: int) -> list[str]:
         try:

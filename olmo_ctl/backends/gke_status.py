@@ -17,17 +17,29 @@ Precedence, first match wins:
       no pod left to tell                                     -> FAILED_INFRA with the JobSet's reason
  4. Workload condition Finished=True (JobSet not yet marked) -> SUCCEEDED / FAILED_INFRA by its reason
  5. Workload deactivated (spec.active=false, or Evicted reason Deactivated*) -> FAILED_INFRA (Kueue gave up)
- 6. Workload condition Evicted=True                      -> PREEMPTED for Preempted, NodeFailures,
-    ClusterQueueStopped, LocalQueueStopped, WorkloadSliceReplaced (reason + the Preempted
-    condition's reason, e.g. "Preempted (InClusterQueue)"); FAILED_INFRA for PodsReadyTimeout,
-    AdmissionCheck and anything else
+ 6. Workload condition Evicted=True:
+      Preempted, NodeFailures, ClusterQueueStopped, LocalQueueStopped, WorkloadSliceReplaced -> QUEUED
+        with details["evicted"] (the reason, e.g. "Preempted (InClusterQueue)"): Kueue suspended the
+        JobSet, its pods checkpoint through their grace period, and Kueue requeues this very JobSet
+        and resumes it on readmission (upstream reconciler.go, "handle eviction"); the reason says
+        how many pods are still terminating, then that it is requeued
+      PodsReadyTimeout, AdmissionCheck and anything else -> FAILED_INFRA
  7. Workload without QuotaReserved=True, or reserved but not yet Admitted (admission checks),
     or the JobSet suspended                               -> QUEUED with Kueue's own message:
-    waiting for capacity is never a failure
+    waiting for capacity is never a failure. Except a queue set-up no capacity will ever change,
+    which is QUEUED with details["config_error"] naming the missing object: a LocalQueue or
+    ClusterQueue that does not exist (Inadmissible), a ClusterQueue with no flavor for the pod
+    set (the flavor assigner's "doesn't match node affinity", "unavailable in ClusterQueue",
+    "untolerated taint", "> maximum capacity"), and no Workload at all because an object Kueue
+    needs to build it is missing (`missing`, e.g. the WorkloadPriorityClass: the backend looks)
  8. Admitted and not finished: the pods decide
       a container waiting on ErrImagePull / ImagePullBackOff / InvalidImageName -> FAILED_INFRA
+      fewer pods than expected and a Job FailedCreate event (Pod Security, a ResourceQuota, an
+        admission webhook refused them)                                          -> ADMITTED, with
+        the event's message and details["not_created"] = True
       a pod Unschedulable (PodScheduled=False or a FailedScheduling event)       -> ADMITTED, with the
-        scheduler's message and details["unschedulable"] = True (the supervisor decides how long)
+        scheduler's message and details["unschedulable"] = True
+      (the supervisor stops an attempt admitted but not running past --admission-timeout)
       every expected pod Running                                                -> RUNNING
       otherwise                                                                 -> ADMITTED ("k/n pods running")
     A pod that already failed while the JobSet has not (it may still restart the slice) is named
@@ -40,6 +52,7 @@ Precedence, first match wins:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -47,7 +60,7 @@ from olmo_ctl.backends.base import AttemptStatus, State
 from olmo_ctl.core.contracts import EXIT_SIGKILL, EXIT_SIGTERM, exit_state
 
 IMAGE_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
-# Kueue `Evicted` reasons after which the workload is simply requeued: no blame.
+# Kueue `Evicted` reasons after which Kueue requeues the same workload and resumes its JobSet: no blame.
 NO_BLAME_EVICTIONS = frozenset(
     {"Preempted", "NodeFailures", "ClusterQueueStopped", "LocalQueueStopped", "WorkloadSliceReplaced"}
 )
@@ -56,6 +69,33 @@ NODE_LOSS_POD_REASONS = frozenset({"NodeLost", "Evicted", "Shutdown", "Terminate
 NODE_LOSS_EVENT_REASONS = frozenset(
     {"NodeNotReady", "NodeLost", "TaintManagerEviction", "Preempted", "Preempting", "Evicted", "NodeShutdown"}
 )
+
+
+# The flavor assigner's reasons (kueue v0.17.1 pkg/scheduler/flavorassigner/flavorassigner.go) that
+# no capacity will change: the ClusterQueue has no flavor this pod set can use.
+_NEVER_FITS = re.compile(
+    r"flavor \S+ not found|flavor \S+ doesn't match node affinity|untolerated taint .*? in flavor \S+"
+    r"|resource \S+ unavailable in ClusterQueue"
+    r"|insufficient quota for \S+ in flavor \S+, previously considered podsets requests \([^)]*\) \+ "
+    r"current podset request \([^)]*\) > maximum capacity \([^)]*\)")
+# workload_controller.go: the LocalQueue or ClusterQueue a Workload names does not exist.
+_NO_QUEUE = re.compile(r"^(LocalQueue|ClusterQueue) \S+ doesn't exist$")
+
+
+def queue_config_error(qr: Mapping | None) -> str | None:
+    """Kueue's message when the Workload can never be admitted as the queues are set up, else None."""
+    if not qr or qr.get("status") == "True":
+        return None
+    reason, msg = qr.get("reason") or "", (qr.get("message") or "").strip()
+    if reason == "Inadmissible" and _NO_QUEUE.match(msg):
+        return msg
+    if reason == "Pending" and msg.startswith("couldn't assign flavors to pod set "):
+        for part in msg.split("; "):
+            body = part.split(": ", 1)[1] if ": " in part else ""
+            if not body or _NEVER_FITS.sub("", body).replace(",", "").strip():
+                return None  # some pod set only waits for capacity (or says something we do not know)
+        return msg
+    return None
 
 
 def condition(obj: Mapping | None, ctype: str) -> dict | None:
@@ -166,6 +206,10 @@ def container_exits(pods: list[Mapping], events: list[Mapping] = ()) -> list[Con
     return sorted(out, key=lambda e: (e.finished_at or "~", evidence(e), e.pod))
 
 
+def _pod_done(pod: Mapping) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
 def expected_pods(jobset: Mapping) -> int:
     n = 0
     for rj in (jobset.get("spec") or {}).get("replicatedJobs") or []:
@@ -199,18 +243,21 @@ def _exit_status(ex: ContainerExit, source_prefix: str, logs: Mapping[str, list[
 
 
 def classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mapping] = (),
-             events: list[Mapping] = (), logs: Mapping[str, list[str]] | None = None) -> AttemptStatus:
+             events: list[Mapping] = (), logs: Mapping[str, list[str]] | None = None,
+             missing: tuple[str, ...] = ()) -> AttemptStatus:
     """Normalise one attempt's objects into an `AttemptStatus` (precedence in the module docstring).
     A JobSet being deleted keeps its state (its pods may still be writing a checkpoint); the
-    reason says so and `details["deleting"]` is set."""
-    st = _classify(jobset, workload, pods, events, logs)
+    reason says so and `details["deleting"]` is set. `missing`: objects Kueue needs to build the
+    Workload that the backend found missing (e.g. 'WorkloadPriorityClass "high" does not exist')."""
+    st = _classify(jobset, workload, pods, events, logs, tuple(missing))
     if jobset and (jobset.get("metadata") or {}).get("deletionTimestamp"):
         st = replace(st, reason=f"being deleted; {st.reason}", details={**st.details, "deleting": True})
     return st
 
 
 def _classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mapping],
-              events: list[Mapping], logs: Mapping[str, list[str]] | None) -> AttemptStatus:
+              events: list[Mapping], logs: Mapping[str, list[str]] | None, missing: tuple[str, ...] = ()
+              ) -> AttemptStatus:
     pods, events = list(pods or []), list(events or [])
     if not jobset:
         return AttemptStatus(State.MISSING, "the JobSet does not exist", "JobSet")
@@ -268,14 +315,30 @@ def _classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mappi
                 text += f": {ev['message']}"
             details["eviction_reason"] = reason
             details["requeued"] = is_true(workload, "Requeued")
-            state = State.PREEMPTED if reason in NO_BLAME_EVICTIONS else State.FAILED_INFRA
-            return AttemptStatus(state, text, "Workload condition Evicted", details=details)
+            if reason not in NO_BLAME_EVICTIONS:
+                return AttemptStatus(State.FAILED_INFRA, text, "Workload condition Evicted", details=details)
+            # Kueue suspended the JobSet (its Jobs and pods are deleted, the pods checkpoint through
+            # their grace period) and requeues this same JobSet once they are gone: still live.
+            details["evicted"] = reason + (f" ({pre['reason']})" if pre and pre.get("status") == "True"
+                                           and pre.get("reason") else "")
+            terminating = sum(1 for p in pods if not _pod_done(p))
+            details["pods_terminating"] = terminating
+            qr = condition(workload, "QuotaReserved")
+            if terminating:
+                text += f"; {terminating} pod(s) terminating (checkpointing on SIGTERM)"
+            elif not (qr and qr.get("status") == "True"):
+                text += "; requeued by Kueue" + (f", {_cond_text(qr)}" if qr and qr.get("message")
+                                                 and qr.get("message") != ev.get("message") else "")
+            return AttemptStatus(State.QUEUED, text, "Workload condition Evicted", details=details)
         # 7. waiting for capacity
         qr = condition(workload, "QuotaReserved")
         if not (qr and qr.get("status") == "True"):
             msg = _cond_text(qr) if qr else "waiting for Kueue to reserve quota"
-            # "Inadmissible" (e.g. "LocalQueue x doesn't exist") waits forever unless someone acts.
             details["queue_reason"] = (qr or {}).get("reason") or ""
+            # A missing LocalQueue or a ClusterQueue without a flavor for the slice waits forever.
+            bad = queue_config_error(qr)
+            if bad:
+                details["config_error"] = bad
             return AttemptStatus(State.QUEUED, msg, "Workload condition QuotaReserved", details=details)
         adm = condition(workload, "Admitted")
         if not (adm and adm.get("status") == "True"):
@@ -289,6 +352,9 @@ def _classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mappi
         msg = "the JobSet is suspended" + (f" ({_cond_text(sus)})" if sus else "")
         if not workload:
             msg += "; no Kueue Workload owns it yet"
+            if missing:  # upstream only logs why it cannot build the Workload; the backend looked
+                details["config_error"] = "Kueue cannot create the Workload: " + "; ".join(missing)
+                msg += f" ({'; '.join(missing)})"
         return AttemptStatus(State.QUEUED, msg, "JobSet spec.suspend", details=details)
 
     # 8. admitted: the pods decide
@@ -315,6 +381,16 @@ def _classify_pods(jobset: Mapping, pods: list[Mapping], events: list[Mapping],
                 if w.get("message"):
                     text += f": {w['message']}"
                 return AttemptStatus(State.FAILED_INFRA, text, f"pod {name} container status", details=details)
+    if len(live) < want:
+        # Pods the API server refused: the Job controller records FailedCreate and retries forever.
+        refused = [e for e in events if (e.get("involvedObject") or {}).get("kind") == "Job"
+                   and e.get("reason") == "FailedCreate"]
+        if refused:
+            ev = max(refused, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+            job = (ev.get("involvedObject") or {}).get("name", "?")
+            details.update(not_created=True, cause=f"FailedCreate: Job {job}: {ev.get('message') or ''}")
+            return AttemptStatus(State.ADMITTED, f"{len(live)}/{want} pods created; {details['cause']}",
+                                 f"Job {job} events FailedCreate", details=details)
     for pod in live:
         name = pod["metadata"]["name"]
         st = pod.get("status") or {}
@@ -324,7 +400,7 @@ def _classify_pods(jobset: Mapping, pods: list[Mapping], events: list[Mapping],
         fs = [e for e in _events_about(events, "Pod", name) if e.get("reason") == "FailedScheduling"]
         if (sched and sched.get("status") == "False" and sched.get("reason") == "Unschedulable") or fs:
             msg = (fs[-1].get("message") if fs else None) or (sched or {}).get("message") or ""
-            details.update(unschedulable=True, pod=name)
+            details.update(unschedulable=True, pod=name, cause=f"Unschedulable: pod {name}: {msg}".rstrip(": "))
             return AttemptStatus(State.ADMITTED, f"Unschedulable: pod {name}: {msg}".rstrip(": "),
                                  "pod events FailedScheduling" if fs else f"pod {name} condition PodScheduled",
                                  details=details)

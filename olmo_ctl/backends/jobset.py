@@ -189,6 +189,20 @@ def placement_policy_for(device: Device, settings: Settings) -> str | None:
                                             generation=device.generation)
 
 
+def host_network(settings: Settings | None) -> bool:
+    """Whether the pods run on the host network (the site setting `host_network`; off by default)."""
+    return bool(getattr(settings, "host_network", False))
+
+
+def identity_note(settings: Settings | None) -> str | None:
+    """One line on the pods' GCS identity when hostNetwork changes it, else None."""
+    if not host_network(settings):
+        return None
+    return ("host_network is on: GKE Workload Identity does not apply to hostNetwork pods, so the trainer reaches "
+            f"GCS as the node pool's service account, not as Kubernetes service account "
+            f"`{settings.service_account}`; that account needs read/write on the run root's bucket")
+
+
 def _env(template_env: dict[str, Any], name: str, slices: int, libtpu_args: str = "") -> list[dict]:
     env = [{"name": str(k), "value": str(v)} for k, v in template_env.items()]
     if libtpu_args:
@@ -249,6 +263,8 @@ def render_jobset(
         "chips_per_vm": device.chips_per_vm,
         "image": settings.image,
         "service_account": settings.service_account,
+        "host_network": True if host_network(settings) else None,
+        "dns_policy": "ClusterFirstWithHostNet" if host_network(settings) else None,
         "env": _env(v["env"], name, slices, libtpu_init_args(device, recipe, settings)),
         "trainer_command": trainer_command(run_dir, device.name, attempt),
         "shm_size": v["shm_size"],

@@ -21,6 +21,10 @@ PlacementPolicyOpt = Annotated[
     str | None,
     typer.Option("--placement-policy", help="Placement policy of multi-host Ironwood node pools ({topology} ok)."),
 ]
+AdmissionTimeoutOpt = Annotated[float | None, typer.Option(
+    "--admission-timeout", min=1, help="Stop an attempt admitted by Kueue whose pods are not all running after this "
+    "many seconds (pods refused, unschedulable) and count an infrastructure failure (default 1800; compile not "
+    "included).")]
 BackendOpt = Annotated[str | None, typer.Option("--backend", help="gke or local.")]
 # Passed to the trainer of every attempt (see docs/running-on-gke.md, "Versions").
 AllowVersionChangeOpt = Annotated[bool, typer.Option(

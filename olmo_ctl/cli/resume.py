@@ -7,6 +7,7 @@ import typer
 
 from olmo_ctl.cli.app import RecipeOpt, SetOpt, StageOpt, app
 from olmo_ctl.cli.options import (
+    AdmissionTimeoutOpt,
     AllowVersionChangeOpt,
     BackendOpt,
     ImageOpt,
@@ -62,9 +63,11 @@ def resume_until_done(
     service_account: ServiceAccountOpt = None,
     placement_policy: PlacementPolicyOpt = None,
     allow_version_change: AllowVersionChangeOpt = False,
+    admission_timeout: AdmissionTimeoutOpt = None,
 ) -> int:
     """Submit attempts of a run until its final step is committed: reattaches to a live attempt, waits
-    while queued, resubmits after preemption with backoff, stops on a user error (1) or a crash loop (4).
+    while queued (a preempted attempt is requeued by Kueue), resubmits after a failure with backoff, stops
+    on a user error (1), a queue set-up Kueue can never admit (2) or a crash loop (4).
     Ctrl-C detaches (130) and leaves the attempt running."""
     # The run directory and the supervision layer (with its event reader) load only for this command.
     from olmo_ctl.rundir import RunDir
@@ -92,7 +95,8 @@ def resume_until_done(
     if device is not None and settings.backend == "gke":
         check_device(settings.backend, get_device(device))
     policy = RetryPolicy.from_env(retry_backoff, max_retries, retry_user_errors=retry_user_errors,
-                                  stall_factor=stall_factor, stall_min_s=stall_min, startup_limit_s=startup_timeout)
+                                  stall_factor=stall_factor, stall_min_s=stall_min, startup_limit_s=startup_timeout,
+                                  admission_timeout_s=admission_timeout)
     if poll <= 0:
         raise BadInput(f"--poll {poll} must be positive")
     if lease_ttl is not None and lease_ttl < 2 * poll:

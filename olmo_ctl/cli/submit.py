@@ -6,9 +6,10 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.backends.jobset import dump_json, dump_yaml, placement_policy_for
+from olmo_ctl.backends.jobset import dump_json, dump_yaml, identity_note, placement_policy_for
 from olmo_ctl.cli.app import DeviceOpt, ManifestOutput, RecipeOpt, SetOpt, StageOpt, app
 from olmo_ctl.cli.options import (
+    AdmissionTimeoutOpt,
     AllowVersionChangeOpt,
     BackendOpt,
     ImageOpt,
@@ -74,6 +75,7 @@ def submit(
         bool, typer.Option("--no-preflight", help="Skip compiling the step for the slice before submitting.")
     ] = False,
     allow_version_change: AllowVersionChangeOpt = False,
+    admission_timeout: AdmissionTimeoutOpt = None,
 ) -> None:
     """Submit one attempt of a run (a JobSet queued by Kueue); --dry-run prints exactly what is applied."""
     from olmo_ctl.supervise.attempts import make_backend, new_request, submit_attempt
@@ -101,6 +103,8 @@ def submit(
             sys.stdout.write(text)
 
     extra_args = ("--allow-version-change",) if allow_version_change else ()
+    if settings.backend == "gke" and identity_note(settings):
+        note(identity_note(settings))
     if not dry_run:
         def preflight() -> None:  # TPU slices only, when libtpu is installed; cached per recipe/device/trainer
             if settings.backend == "gke":  # the queue, priority class and flavor Kueue needs, before anything
@@ -114,7 +118,7 @@ def submit(
 
         submit_attempt(recipe=r, device=dev, settings=settings, run=run_name, run_dir=run_dir, attempt=attempt,
                        backend=be, before_create=preflight, show=show if output_manifest is not None else None,
-                       extra_args=extra_args)
+                       extra_args=extra_args, admission_timeout_s=admission_timeout)
         return
 
     for name in settings.placeholders():

@@ -36,7 +36,10 @@ DESCRIPTIONS = {
     "placement_policy": "placement policy of multi-host Ironwood node pools ({topology} ok)",
     "backend": "gke or local",
     "xla_flags": "XLA/libtpu flags merged over the launch template's and the recipe's (space-separated --name=value)",
+    "host_network": "pods on the host network (multislice DCN performance); Workload Identity then does not "
+                    "apply: the pods use the node's service account (true or false)",
 }
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0", "")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Settings:
     placement_policy: str | None = None
     backend: str = "gke"
     xla_flags: str | None = None
+    host_network: bool = False
     # Where each value came from: "flag", "env OLMO_CTL_X", "file <path>" or "default".
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -146,7 +150,7 @@ def _load_file(path: Path) -> dict[str, Any]:
     for k, v in raw.items():
         if k not in names:
             raise BadInput(f"config file `{path}`: unknown setting `{k}`", f"known settings: {', '.join(names)}")
-        if v is not None and not isinstance(v, str):
+        if v is not None and not isinstance(v, str) and not (k == "host_network" and isinstance(v, bool)):
             raise BadInput(f"config file `{path}`: setting `{k}` must be a string, got {v!r}")
     return raw
 
@@ -180,6 +184,12 @@ def resolve_settings(**flag_values: str | None) -> Settings:
             continue
         else:
             sources[name] = "default"
+            continue
+        if name == "host_network":
+            word = str(value).strip().lower()
+            if word not in _TRUE + _FALSE:
+                raise BadInput(f"setting `host_network` ({src}): `{value}` is not true or false")
+            values[name], sources[name] = word in _TRUE, src
             continue
         value = value.strip()
         if value == "" and name in optional:

@@ -139,7 +139,7 @@ def submit_next(rundir: RunDir, backend: Backend, device: str, reason: str, *, r
                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, attempt: int | None = None,
                 committed_step: int | None = None, t: float | None = None,
                 show: Callable[[Any], None] | None = None, first: tuple[str, dict] | None = None,
-                fence: Lease | None = None) -> Handle:
+                fence: Lease | None = None, admission_timeout_s: float | None = None) -> Handle:
     """Render the run's next attempt, send it and journal `submitted` (the caller checked liveness).
 
     With `fence` (the caller's lease) the attempt number is reserved under the lease first, the lease
@@ -148,7 +148,8 @@ def submit_next(rundir: RunDir, backend: Backend, device: str, reason: str, *, r
     with the takeover.
 
     `show` sees the rendered request before it is sent (--output-manifest); `first` is a journal
-    record written just before `submitted` once the attempt is sent (a resize's `resized`)."""
+    record written just before `submitted` once the attempt is sent (a resize's `resized`);
+    `admission_timeout_s` (--admission-timeout) is recorded with it for the supervisor."""
     from olmo_ctl.rundir import LeaseLost
 
     n = attempt if attempt is not None else rundir.next_attempt_number()
@@ -166,7 +167,8 @@ def submit_next(rundir: RunDir, backend: Backend, device: str, reason: str, *, r
         if first is not None:
             rundir.append(first[0], fence=fence, **{**first[1], **({"attempt": n} if "attempt" in first[1] else {})})
         rundir.append("submitted", attempt=n, device=device, committed_step=committed, reason=reason,
-                      handle=handle.to_dict(), backend=backend.name, t=t, fence=fence)
+                      handle=handle.to_dict(), backend=backend.name, t=t, fence=fence,
+                      admission_timeout_s=admission_timeout_s)
     except LeaseLost:
         # Taken over while creating it: the new holder owns the run, so what we just made goes away.
         backend.stop(handle, graceful=False)
@@ -192,8 +194,8 @@ def _fault_pause_before_create() -> None:
 
 def stop_and_wait(backend: Backend, handle: Handle, *, graceful: bool = True, timeout_s: float = 600.0,
                   poll_s: float = 2.0, heartbeat: Callable[[], None] = lambda: None) -> bool:
-    """Stop the attempt and wait until it is gone (an evicted JobSet that Kueue would requeue, pods
-    still checkpointing), renewing the caller's lease meanwhile. False when `timeout_s` passed first."""
+    """Stop the attempt and wait until it is gone (pods still checkpointing through their grace
+    period), renewing the caller's lease meanwhile. False when `timeout_s` passed first."""
     backend.stop(handle, graceful=graceful)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -274,7 +276,8 @@ def run_device(rundir: RunDir, requested: str | None) -> str:
 def submit_attempt(recipe=None, device=None, settings=None, run: str | None = None, run_dir: str | None = None,
                    attempt: int | None = None, backend: Backend | None = None,
                    before_create: Callable[[], None] | None = None, show: Callable[[Any], None] | None = None,
-                   out: Callable[[str], None] | None = None, extra_args: tuple[str, ...] = ()) -> Handle:
+                   out: Callable[[str], None] | None = None, extra_args: tuple[str, ...] = (),
+                   admission_timeout_s: float | None = None) -> Handle:
     """`olmo-ctl submit`: create the run (or its next attempt) and submit it; returns once submitted.
 
     The run is checked before `before_create` (the preflight compile) runs, and created after it, so
@@ -302,10 +305,11 @@ def submit_attempt(recipe=None, device=None, settings=None, run: str | None = No
                            "a second attempt would write the same checkpoints")
         ended = last_handle(rundir, backend.name)
         if ended is not None:
-            # An ended attempt is deleted first: Kueue would requeue an evicted JobSet next to its successor.
-            backend.stop(ended, graceful=False)
+            # An ended attempt is deleted first (it holds its name, perhaps quota), with its grace period.
+            backend.stop(ended, graceful=True)
         handle = submit_next(rundir, backend, dev_name, "first attempt" if new else "submitted by hand",
-                             recipe=recipe, extra_args=extra_args, attempt=attempt, show=show, fence=lease)
+                             recipe=recipe, extra_args=extra_args, attempt=attempt, show=show, fence=lease,
+                             admission_timeout_s=admission_timeout_s)
     finally:
         rundir.release_lease(lease)
     root = settings.run_root if settings is not None else rundir.path.rsplit("/", 1)[0]

@@ -18,10 +18,11 @@ import statistics
 from dataclasses import dataclass, field
 
 from olmo_ctl.core.contracts import State
-from olmo_ctl.core.errors import EXIT_GAVE_UP, EXIT_OK, EXIT_RUN_FAILED, BadInput
+from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_OK, EXIT_RUN_FAILED, BadInput
 
 DEFAULT_BACKOFF_S = 300.0
 DEFAULT_MAX_RETRIES = 5
+DEFAULT_ADMISSION_TIMEOUT_S = 1800.0  # admitted (quota granted) until every pod runs; compile not included
 
 
 def _env_number(name: str, kind: type, default):
@@ -47,6 +48,9 @@ class RetryPolicy:
     stall_min_s: float = 300.0  # never call a run stalled sooner than this
     startup_limit_s: float = 1800.0  # start-up and compile until the first progress signal
     retry_user_errors: bool = False
+    # Admitted but not every pod running for longer than this: stopped, an infrastructure failure.
+    # None: the value `submit --admission-timeout` recorded for the attempt, else the default.
+    admission_timeout_s: float | None = None
 
     @classmethod
     def from_env(cls, retry_backoff_s: float | None = None, max_retries: int | None = None, **kw) -> RetryPolicy:
@@ -66,6 +70,8 @@ class RetryPolicy:
 
         | outcome                                            | event     | action  | exit |
         | final step committed (whatever the exit)           | succeeded | DONE    | 0    |
+        | a configuration error (a queue, class or flavor    | failed    | STOP    | 2    |
+        |   missing: Kueue would never admit the attempt)    |           |         |      |
         | failed-user, not stalled, user errors not retried  | failed    | STOP    | 1    |
         | stalled (journaled when it was stopped)            | stalled   | RETRY   |      |
         | succeeded before the final step                    | failed    | RETRY   |      |
@@ -73,11 +79,16 @@ class RetryPolicy:
         | failed-infra, missing, failed-user (retried)       | failed    | RETRY   |      |
         and a RETRY that is the `max_retries`-th attempt in a row without a new committed step
         (progress refills the budget) becomes GIVE_UP (exit 4, `gave_up`: a crash loop).
+        A preemption is not an outcome: Kueue requeues the same attempt, which is watched on (queued
+        again) and spends nothing; so is an attempt waiting for capacity.
         """
         st = outcome.state
         if outcome.committed >= outcome.final:
             reason = outcome.reason if st == State.SUCCEEDED else f"final step committed ({st.value}: {outcome.reason})"
             return Action(DONE, "succeeded", reason, history, exit_code=EXIT_OK)
+        if outcome.config_error:
+            return Action(STOP, "failed", f"configuration error: {outcome.config_error}", history,
+                          exit_code=EXIT_BAD_INPUT)
         if outcome.stalled:
             what, reason = "stalled", outcome.stalled
         elif st == State.SUCCEEDED:
@@ -117,6 +128,7 @@ class Outcome:
     final: int = 0  # the run's final step
     stalled: str | None = None  # why the watch stopped a stalled attempt
     exit_code: int | None = None
+    config_error: str | None = None  # what is missing for Kueue to ever admit the attempt
 
 
 @dataclass(frozen=True)
@@ -134,7 +146,7 @@ class History:
 
 # What the supervisor does next.
 DONE = "done"  # the final step is committed: exit 0
-STOP = "stop"  # a deterministic failure of the program: exit 1, not retried
+STOP = "stop"  # a deterministic failure of the program (exit 1) or a configuration error (exit 2)
 GIVE_UP = "give-up"  # a crash loop: exit 4
 RETRY = "retry"  # back off, then submit the next attempt
 

@@ -10,12 +10,19 @@ with its reason:
       │ none                                                            ▲      second submission)
       ▼                                                                 │
     backoff (only after a failed attempt) ──► submit ───────────────────┘
-    watch: queued (waits, spends nothing) → admitted → running; stall check; resize requests
+    watch: queued (waits, spends nothing) → admitted → running; stall check; resize requests;
+           preempted by Kueue → the same attempt is queued again (its pods checkpoint on SIGTERM,
+           Kueue resumes the same JobSet on readmission): nothing deleted, no budget spent
       ├─ succeeded and final step committed ──────────────────────────────► done (exit 0)
       ├─ failed-user ─────────────────────────────► failed (exit 1, last log lines) unless retried
-      ├─ preempted / failed-infra / missing / stalled ─► retry budget: progress refills it;
-      │                                                  N in a row without progress ─► gave up (exit 4)
+      ├─ a queue set-up Kueue can never admit ────► failed (exit 2, naming the missing object)
+      ├─ admitted, not running past --admission-timeout ─► stopped (grace period), failed-infra ─┐
+      ├─ preempted (terminal) / failed-infra / missing / stalled ─► retry budget ◄──────────────┘
+      │                                     progress refills it; N in a row without it ─► gave up (exit 4)
       └─ Ctrl-C ──► detach (exit 130, the attempt keeps running) or stop it (--stop-on-exit)
+
+An attempt is deleted only once it is terminal, or when asked (resize, --stop-on-exit, a stall or
+the admission deadline), and always with its pods' grace period (they checkpoint on SIGTERM).
 
 Storage or cluster unreachable past the backends' own retries raises `Unreachable` (exit 3): the
 attempt is left untouched. The clock and sleep are injectable, so tests drive it with a fake clock.
@@ -30,12 +37,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from olmo_ctl.backends.base import AttemptStatus, Handle, State
-from olmo_ctl.core.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, OlmoCtlError
+from olmo_ctl.core.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    BadInput,
+    OlmoCtlError,
+)
 from olmo_ctl.observe.reader import read_scalars
 from olmo_ctl.rundir import LeaseLost, RunDir, parse_iso
 from olmo_ctl.supervise import resize
 from olmo_ctl.supervise.attempts import last_handle, live_attempt, run_device, stop_and_wait, submit_next
-from olmo_ctl.supervise.policy import DONE, GIVE_UP, STOP, History, Outcome, RetryPolicy, StallWatch
+from olmo_ctl.supervise.policy import (
+    DEFAULT_ADMISSION_TIMEOUT_S,
+    DONE,
+    GIVE_UP,
+    STOP,
+    History,
+    Outcome,
+    RetryPolicy,
+    StallWatch,
+)
 
 
 class Printer:
@@ -67,6 +90,19 @@ class Printer:
         self._bar = True
 
 
+def _config_hint(error: str | None) -> str:
+    """What to do about a queue set-up that Kueue can never admit."""
+    text = error or ""
+    if "WorkloadPriorityClass" in text:
+        return ("create it (`kubectl get workloadpriorityclasses`), or pick an existing one with --priority-class "
+                "(an empty value for none); then run the same command again")
+    if ("LocalQueue" in text or "ClusterQueue" in text) and "doesn't exist" in text:
+        return ("create the queue, or pick an existing one with --queue (`kubectl get localqueues -n NAMESPACE`); "
+                "then run the same command again")
+    return ("the ClusterQueue has no ResourceFlavor with quota for this slice's accelerator and topology: ask the "
+            "cluster admin to add one (`kubectl get clusterqueues -o yaml`), or use another --queue or --device")
+
+
 def _fmt_s(s: float) -> str:
     s = int(max(0, s))
     h, m = divmod(s, 3600)
@@ -80,6 +116,7 @@ class Watched:
 
     status: AttemptStatus
     stalled: str | None = None
+    config_error: str | None = None
 
 
 class Supervisor:
@@ -194,18 +231,23 @@ class Supervisor:
                     self._beat()  # a supervisor that lost its lease must not submit
                     self.handle = submit_next(self.rd, self.backend, self.device, reason, recipe=self.recipe,
                                               extra_args=self.extra_args, committed_step=committed, t=self.clock(),
-                                              fence=self.lease)
+                                              fence=self.lease, admission_timeout_s=self.policy.admission_timeout_s)
                     self.out.line(f"submitted attempt {self.handle.attempt} on {self.device} ({self.handle.name}): "
                                   f"{reason}")
             watched = self._watch(self.handle)
             st = watched.status
             committed = self.rd.committed_step()
             action = self.policy.decide(Outcome(st.state, st.reason, committed, self.final, watched.stalled,
-                                                st.exit_code), history)
+                                                st.exit_code, watched.config_error), history)
             history = action.history
             if action.kind == DONE:
                 self._say(action.event, action.reason, committed_step=committed)
                 return self._done(committed)
+            if action.kind == STOP and action.exit_code == EXIT_BAD_INPUT:
+                self._say(action.event, action.reason, committed_step=committed, state=st.state.value)
+                self._retire(self.handle)  # nothing of it runs; gone, so the next try renders anew
+                self.handle = None
+                raise BadInput(f"run `{self.rd.name}`: {watched.config_error}", _config_hint(watched.config_error))
             if action.kind == STOP:
                 self._say(action.event, action.reason, committed_step=committed, state=st.state.value,
                           exit_code=st.exit_code, last_log_lines=list(st.last_log_lines[-20:]))
@@ -228,9 +270,9 @@ class Supervisor:
             self.handle = None
 
     def _retire(self, h: Handle) -> None:
-        """Make sure an ended attempt is gone before the next one is submitted: an evicted JobSet is
-        requeued by Kueue and would otherwise come back next to its successor."""
-        if not stop_and_wait(self.backend, h, graceful=False, timeout_s=60 * min(30.0, 3 * self.poll_s),
+        """Make sure an ended attempt is gone before the next one is submitted (a terminal JobSet
+        still holds its name and may hold quota), with its pods' grace period: never grace 0."""
+        if not stop_and_wait(self.backend, h, graceful=True, timeout_s=60 * min(30.0, 3 * self.poll_s),
                              poll_s=min(2.0, self.poll_s), heartbeat=self._beat):
             raise OlmoCtlError(f"attempt {h.attempt} ({h.name}) is still being deleted",
                                f"check it, then run `{self.reattach_hint}` again", EXIT_UNREACHABLE)
@@ -280,32 +322,53 @@ class Supervisor:
     # ------------------------------------------------------------------ watching one attempt
 
     def _watch(self, h: Handle) -> Watched:
-        last_state: State | None = None
+        last_label: str | None = None
         stall: StallWatch | None = None
         sig = None
+        admitted_at: float | None = None
         t0_step, t0 = self.rd.committed_step(), self.clock()
         last = self.rd.last_attempt() or {}
         # Event segments are named by their writer's start time: this attempt's are newer than its submission.
         since = parse_iso(last["time"]) - 300 if last.get("attempt") == h.attempt and last.get("time") else 0.0
+        admission_limit = self._admission_limit(h, last)
         while True:
             self._beat()
             req = self.rd.pending_resize()
             if req is not None:
                 h = self._resize(h, req)
                 self.handle = h
-                last_state, stall, sig = None, None, None
+                last_label, stall, sig, admitted_at = None, None, None, None
+                admission_limit = self._admission_limit(h, self.rd.last_attempt() or {})
             st = self.backend.status(h)
             now = self.clock()
             self._stop_strays(h)
-            if st.state != last_state:
+            # Preempted: Kueue evicted the attempt and requeues this same one; it is watched on.
+            label = "preempted" if st.details.get("evicted") else st.state.value
+            if label != last_label:
                 if st.state.live:
-                    self._say(st.state.value, st.reason or st.state.value, committed_step=self.rd.committed_step())
-                last_state = st.state
-                if st.state == State.RUNNING and stall is None:
-                    p = self.policy
-                    stall = StallWatch(p.stall_factor, p.stall_min_s, p.startup_limit_s, started_at=now)
+                    self._say(label, st.reason or label, committed_step=self.rd.committed_step())
+                last_label = label
             if st.state.terminal:
                 return Watched(st)
+            if st.details.get("config_error"):
+                return Watched(st, config_error=st.details["config_error"])
+            if st.state != State.RUNNING:
+                stall, sig = None, None  # a requeue or a restart starts over: start-up and compile again
+            elif stall is None:
+                p = self.policy
+                stall = StallWatch(p.stall_factor, p.stall_min_s, p.startup_limit_s, started_at=now)
+            if st.state == State.ADMITTED and not st.details.get("evicted"):
+                admitted_at = now if admitted_at is None else admitted_at
+                if now - admitted_at > admission_limit:
+                    cause = st.details.get("cause") or st.reason
+                    why = (f"admitted but not running after {now - admitted_at:.0f} s (--admission-timeout "
+                           f"{admission_limit:.0f} s): {cause}")
+                    self.out.line(f"stopping attempt {h.attempt}: {why}")
+                    self.backend.stop(h, graceful=True)
+                    return Watched(AttemptStatus(State.FAILED_INFRA, why, "supervisor --admission-timeout",
+                                                 details=dict(st.details)))
+            else:
+                admitted_at = None
             if st.state == State.RUNNING and stall is not None:
                 committed = self.rd.committed_step()
                 prog = self.backend.progress(h)
@@ -347,6 +410,13 @@ class Supervisor:
             if key not in self._slow_named:
                 self._slow_named.add(key)
                 self._say("slow_host", msg, committed_step=self.rd.committed_step())
+
+    def _admission_limit(self, h: Handle, last: dict) -> float:
+        """--admission-timeout of resume-until-done, else the one `submit` recorded for this attempt."""
+        if self.policy.admission_timeout_s is not None:
+            return float(self.policy.admission_timeout_s)
+        recorded = last.get("admission_timeout_s") if last.get("attempt") == h.attempt else None
+        return float(recorded) if recorded is not None else DEFAULT_ADMISSION_TIMEOUT_S
 
     def _resize(self, h: Handle, req: dict) -> Handle:
         self.out.line(f"resize request {req.get('id')}: to {req.get('device')}")
