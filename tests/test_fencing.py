@@ -132,3 +132,26 @@ def test_a_supervisor_paused_while_watching_leaves_the_run_to_its_successor(tmp_
     holders = {r["reason"].rsplit("holder ", 1)[-1] for r in j if r["event"] == "supervisor_started"}
     assert len(holders) == 2
     assert j[-1]["event"] == "done" and len(j) >= n_lines
+
+
+def test_the_lease_holder_stops_a_stray_attempt(tmp_path):
+    """The backstop: an attempt of the run that is live but not the supervisor's (one a supervisor that
+    lost the lease created and never removed) is killed and journaled `stray_stopped`."""
+    from olmo_ctl.backends.base import Attempt
+
+    root = str(tmp_path / "runs")
+    sup = supervisor(root, "--set", "train.max_steps=400")
+    rd = RunDir.of(root, "fenced")
+    try:
+        wait_for(lambda: live_attempts(root) == [1], 120, "attempt 1")
+        backend = LocalBackend(root)
+        stray = backend.send(backend.render(Attempt("fenced", rd.path, 7, "cpu-1", recipe_path="smoke",
+                                                    extra_args=("--set", "train.max_steps=400"))))
+        wait_for(lambda: any(r["event"] == "stray_stopped" for r in rd.journal()), 60, "the stray to be stopped")
+        wait_for(lambda: live_attempts(root) == [1], 30, "the stray to be gone")
+        assert backend.status(stray).exit_code in (-9, 137)
+        assert [r["attempt"] for r in rd.journal() if r["event"] == "stray_stopped"] == [7]
+    finally:
+        sup.kill()
+        for h in LocalBackend(root).live_attempts("fenced"):
+            LocalBackend(root).stop(h, graceful=False)

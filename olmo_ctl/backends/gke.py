@@ -419,6 +419,14 @@ class GKEBackend(Backend):
 
     def find_live(self, run: str) -> Handle | None:
         """The newest attempt of `run` that is still live (queued, admitted or running), if any."""
+        live = self._live(run, first_only=True)
+        return live[0] if live else None
+
+    def live_attempts(self, run: str) -> list[Handle]:
+        """Every live attempt of `run`, newest first (one list call, a status per JobSet)."""
+        return self._live(run, first_only=False)
+
+    def _live(self, run: str, first_only: bool) -> list[Handle]:
         try:
             data = _json(self._call(f"list JobSets of run {run}", self._custom.list_namespaced_custom_object,
                                     JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSETS,
@@ -433,9 +441,12 @@ class GKEBackend(Backend):
             except ValueError:
                 return -1
 
+        out = []
         for js in sorted(candidates, key=lambda j: (attempt_no(j), j["metadata"].get("creationTimestamp") or ""),
                          reverse=True):
             handle = self._handle(js)
             if self.status(handle).state.live:
-                return handle
-        return None
+                out.append(handle)
+                if first_only:
+                    break
+        return out

@@ -141,6 +141,7 @@ class Supervisor:
         self.lease = None
         self.handle: Handle | None = None
         self._slow_named: set[tuple] = set()  # (attempt, host, part) already journaled
+        self._strays_checked = float("-inf")
 
     # ------------------------------------------------------------------ helpers
 
@@ -394,6 +395,10 @@ class Supervisor:
         """Any live attempt of this run but ours was created by a supervisor that lost the lease (paused
         past its expiry while it created it): ours trains the same steps from the same checkpoints, so
         the stray is killed at once rather than left to write checkpoints next to ours."""
+        now = self.clock()
+        if now - self._strays_checked < min(60.0, 10 * self.poll_s):  # a list call and a status per attempt
+            return
+        self._strays_checked = now
         for other in self.backend.live_attempts(self.rd.name):
             if other.attempt != h.attempt:
                 self._say("stray_stopped", f"attempt {other.attempt} ({other.name}) runs beside attempt {h.attempt}: "
