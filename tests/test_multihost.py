@@ -119,6 +119,12 @@ def test_two_hosts_train_like_one_and_a_sigterm_to_one_host_stops_both_after_one
     assert all(not ln.startswith("step ") for ln in host_lines(h, 1))  # steps come from process 0
     assert any(ln.startswith("joined 2 hosts as process 1") for ln in host_lines(h, 1))
     pids = h.data["pids"]
+    # One process group for the attempt (not ours), every host a child of the launcher (this process).
+    assert os.getpgid(pids[0]) == os.getpgid(pids[1]) == pids[0] != os.getpgid(0)
+    for pid in pids:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        assert int(stat[stat.rfind(")") + 2:].split()[1]) == os.getpid()
+        assert "olmo_ctl.trainer" in Path(f"/proc/{pid}/cmdline").read_text()
     os.kill(pids[1], signal.SIGTERM)
     st = wait_ended(backend, h, 120)
     assert st.state == State.PREEMPTED and host_codes(backend, h) == [143, 143], (st, log_lines(h)[-20:])

@@ -10,7 +10,7 @@ AND be our trainer (same start time, `olmo_ctl.trainer` with this run directory 
 so a recycled pid is never mistaken for it. When the process exits while we are its parent, the exit
 code is written into the same file, so a later supervisor can still classify it.
 
-A multi-host device (`cpu-PxD`) starts P trainer processes, each in its own process group, joined by
+A multi-host device (`cpu-PxD`) starts P trainer processes in one process group, joined by
 `jax.distributed` through a coordinator on a free local port (`trainer/multihost.py`); the attempt
 file lists them under `hosts`. The attempt behaves like a JobSet: it succeeds when every host exits
 0; when one host fails, the others get SIGTERM and, after the grace period, SIGKILL, and the attempt
@@ -147,11 +147,16 @@ class LocalBackend(Backend):
                       f": {' '.join(request.argv)}\n".encode())
             log.flush()
             for h in range(request.processes):
-                # Each host in its own session and process group: Ctrl-C in the supervisor's terminal
-                # reaches none of them, and `stop` signals each group (the trainer and its workers).
+                # One process group per attempt, not the supervisor's: Ctrl-C in the supervisor's
+                # terminal reaches no trainer, and `stop` signals the whole group (every host and its
+                # workers) at once. One host: its own session too (no controlling terminal). Several:
+                # host 0 leads a new group in this session, the others join it (a group cannot span
+                # sessions).
+                group = {"start_new_session": True} if request.processes == 1 else {
+                    "process_group": procs[0].pid if procs else 0}
                 procs.append(subprocess.Popen(list(request.argv), stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, env={**env, **request.host_env(h, coordinator)},
-                                              start_new_session=True, close_fds=True))
+                                              close_fds=True, **group))
         for p in procs:
             self._procs[p.pid] = p
         hosts = [{"pid": p.pid, "start_time": proc_start_time(p.pid), "exit_code": None} for p in procs]
@@ -275,13 +280,22 @@ class LocalBackend(Backend):
         return False
 
     def _signal_hosts(self, info: dict, hosts: list[dict], sig: int) -> None:
-        for h in hosts:
-            pid = h.get("pid")
-            if pid and (self._procs.get(pid) is not None or self._host_alive(info, h)):
-                try:
-                    os.killpg(int(pid), sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        """Signal these hosts (each checked to be our live trainer) and their workers: the attempt's
+        process group when every host of the attempt is meant, else each host's process."""
+        live = [h for h in hosts if h.get("pid") and (self._procs.get(h["pid"]) is not None or self._host_alive(info, h))]
+        everyone = len(live) == len([h for h in self._hosts(info) if h.get("exit_code") is None])
+        pgid = info.get("pgid")
+        if live and everyone and pgid:
+            try:
+                os.killpg(int(pgid), sig)
+                return
+            except (ProcessLookupError, PermissionError):
+                pass  # the group's leader and members may be gone: the processes one by one
+        for h in live:
+            try:
+                os.kill(int(h["pid"]), sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _ended_unwatched(self, handle: Handle, pid: int) -> AttemptStatus:
         """A trainer that exited while no process of ours was its parent: no exit code to read, so its
