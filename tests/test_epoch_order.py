@@ -105,7 +105,7 @@ def test_the_first_complete_writer_wins(tmp_path, small_layout):
     order = eo.stored_order(str(d), "v1:x:abcd", 500, 9, 2)
     header = d / eo.order_key("v1:x:abcd", 2) / "header.json"
     before = header.stat().st_mtime_ns
-    eo.build(str(header.parent), "v1:x:abcd", 500, 9, 2)  # a slower writer finishing later
+    eo.build_order(str(header.parent), "v1:x:abcd", 500, 9, 2)  # a slower writer finishing later
     assert header.stat().st_mtime_ns == before
     assert (eo.stored_order(str(d), "v1:x:abcd", 500, 9, 2).rows(0, 500) == order.rows(0, 500)).all()
     assert not [n for n in os.listdir(header.parent) if n.startswith(".order-scratch")]
@@ -136,3 +136,28 @@ def test_stored_on_gcs_and_read_by_ranges(tmp_path, small_layout):
         store = storage.store_for(base)
         assert [store.exists(storage.join(sub, n)) for n in ("header.json", "part-00002", "part-00003")] == [
             True, True, False]
+
+
+def test_hosts_other_than_0_wait_for_host_0s_order(tmp_path):
+    """Host 1 never computes the order: it waits for the header host 0 writes last, then reads its rows."""
+    import threading
+    import time
+
+    from olmo_ctl.trainer.data import epoch_order
+
+    got = {}
+
+    def host1():
+        got["o"] = eo.stored_order(str(tmp_path), "v1:x:abcd", 5000, 9, 1, build=False, poll_s=0.05)
+
+    t = threading.Thread(target=host1)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and not list(tmp_path.iterdir())  # waiting, and nothing written by host 1
+    eo.stored_order(str(tmp_path), "v1:x:abcd", 5000, 9, 1, build=True)
+    t.join(10)
+    np.testing.assert_array_equal(got["o"].rows(0, 5000), eo.stored_order(
+        str(tmp_path), "v1:x:abcd", 5000, 9, 1).rows(0, 5000))
+    assert len(epoch_order(5000, 9, 1, 8)) <= 5000
+    with pytest.raises(Exception, match="stored no epoch-2 order"):
+        eo.stored_order(str(tmp_path), "v1:x:abcd", 5000, 9, 2, build=False, wait_s=0.2, poll_s=0.05)

@@ -263,7 +263,9 @@ class BatchLoader:
         o = self._orders.get(epoch)
         if o is None:
             if self.order_dir:
-                o = stored_order(self.order_dir, self.fingerprint, len(self.dataset), self.seed, epoch)
+                # One host computes and stores it; the others wait for it and read their rows.
+                o = stored_order(self.order_dir, self.fingerprint, len(self.dataset), self.seed, epoch,
+                                 build=self.process_index == 0)
             else:
                 o = epoch_order(len(self.dataset), self.seed, epoch, self.global_batch)
             self._orders = {e: v for e, v in self._orders.items() if e >= epoch - 1}

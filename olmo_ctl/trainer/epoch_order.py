@@ -14,7 +14,8 @@ A reader fetches the header once, then reads only the chunks holding the rows it
 reads on gs:// through `olmo_ctl.storage`, file reads locally) and checks each chunk's CRC. The
 order is stored untrimmed, so another global batch reads the same file.
 
-Writers: any process that finds no header computes the permutation into a memory-mapped scratch file
+Writers: host 0 (any process that finds no header, where hosts do not wait for each other) computes
+the permutation into a memory-mapped scratch file
 (file-backed pages, not anonymous memory: the kernel can write them back under pressure), writes the
 parts, then the header with a does-not-exist precondition. Parts are deterministic, so a part written
 twice is the same bytes; the first complete header wins and a losing writer reads the winner's.
@@ -163,7 +164,8 @@ def _corrupt(directory: str, why: str) -> BadInput:
                     "delete that directory; the next start computes it again")
 
 
-def build(directory: str, fingerprint: str, n: int, seed: int, epoch: int, scratch_dir: str | None = None) -> None:
+def build_order(directory: str, fingerprint: str, n: int, seed: int, epoch: int,
+                scratch_dir: str | None = None) -> None:
     """Compute the order and store it under `directory` (no-op result if another writer won)."""
     dt = _dtype(n)
     nbytes = n * dt.itemsize
@@ -196,12 +198,33 @@ def build(directory: str, fingerprint: str, n: int, seed: int, epoch: int, scrat
         os.unlink(scratch)
 
 
-def stored_order(order_dir: str, fingerprint: str, n: int, seed: int, epoch: int) -> OrderFile:
-    """The epoch's stored order under `order_dir`, computed and stored first if it is not there yet."""
+WAIT_FOR_BUILDER_S = 3600.0  # how long a host waits for host 0 to store an epoch's order
+
+
+def stored_order(order_dir: str, fingerprint: str, n: int, seed: int, epoch: int, build: bool = True,
+                 wait_s: float = WAIT_FOR_BUILDER_S, poll_s: float = 1.0) -> OrderFile:
+    """The epoch's stored order under `order_dir`, computed and stored first if it is not there yet.
+
+    With `build=False` (every host of a slice but host 0) this process does not compute it: it waits
+    for the header host 0 writes last, then reads its rows, so a slice of P hosts computes and uploads
+    the order once, not P times. A host 0 that dies meanwhile is a lost peer (the others exit 3)."""
+    import time
+
     directory = storage.join(order_dir, order_key(fingerprint, epoch))
     found = OrderFile.open(directory, fingerprint, n, seed, epoch)
+    if found is None and not build:
+        end = time.monotonic() + wait_s
+        print(f"waiting for host 0 to store the epoch-{epoch} order in {directory}", flush=True)
+        while found is None:
+            if time.monotonic() >= end:
+                from olmo_ctl.core.errors import OlmoCtlError
+
+                raise OlmoCtlError(f"host 0 stored no epoch-{epoch} order in `{directory}` within {wait_s:.0f} s",
+                                   "the attempt can be retried", exit_code=3)
+            time.sleep(poll_s)
+            found = OrderFile.open(directory, fingerprint, n, seed, epoch)
     if found is None:
-        build(directory, fingerprint, n, seed, epoch)
+        build_order(directory, fingerprint, n, seed, epoch)
         found = OrderFile.open(directory, fingerprint, n, seed, epoch)
         if found is None:
             raise BadInput(f"the epoch order written to `{directory}` cannot be read back",
