@@ -176,7 +176,7 @@ def test_a_lost_node_kills_the_process(box):
     assert time.monotonic() - t0 < 2.0  # SIGKILL, no grace period
 
 
-def test_the_sandbox_command_runs_pods_unless_told_not_to(tmp_path):
+def test_the_sandbox_command_runs_pods_as_processes(tmp_path):
     kc = tmp_path / "kubeconfig"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = start_subprocess(kc, "--slices", "v5p-16=1", env=env)
