@@ -176,6 +176,19 @@ def test_a_lost_node_kills_the_process(box):
     assert time.monotonic() - t0 < 2.0  # SIGKILL, no grace period
 
 
+def test_a_command_that_cannot_start_fails_the_pod_with_128(box):
+    sb, _runner = box
+    js = v5p16_jobset("nostart", "")
+    js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["command"] = [
+        "/nonexistent/trainer"]
+    create(sb, js)
+    pods = wait_for(lambda: (p := sb.server.cluster.pods("nostart")) and all(exit_code(x) is not None for x in p)
+                    and p, 10, "the pods to fail")
+    term = pods[0]["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert (term["exitCode"], term["reason"]) == (128, "StartError")
+    assert "/nonexistent/trainer" in term["message"]  # FallbackToLogsOnError: the line is the message
+
+
 def test_the_sandbox_command_runs_pods_as_processes(tmp_path):
     kc = tmp_path / "kubeconfig"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -21,8 +21,9 @@ the exit code (128 + N for a signal N, as a container runtime reports it) become
 upstream rules compute the Job's and JobSet's outcome. Deleting a pod sends SIGTERM to the process
 and, when its grace period (`terminationGracePeriodSeconds`, or the delete's own) ends, SIGKILL to its
 process group; a pod that ends without its process exiting (a lost node, a force delete with grace 0)
-has its process group SIGKILLed at once. A command that cannot start fails the pod with exit 128
-(`StartError`).
+has its process group SIGKILLed at once, and so is what the main process leaves behind when it
+exits (a container ends with its main process). A command that cannot start fails the pod with exit
+128 (`StartError`).
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ class ProcessRunner:
             code = proc.popen.poll()
             if code is None:
                 if pod is None or pod_terminal(pod):
-                    self._kill(proc, "the pod is gone" if pod is None else "the pod ended (node lost)")
+                    self._kill(proc, "the pod is gone" if pod is None else "the pod ended without it: a lost node")
                 elif deleting(pod):
                     if proc.sigterm_at is None:
                         self.stop(world, pod)
@@ -200,6 +201,11 @@ class ProcessRunner:
                 continue
             if proc.exited_at is None:
                 proc.exited_at = now
+                # The container ends with its main process: whatever it left in its group goes too.
+                try:
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             if proc.reader is not None and proc.reader.is_alive() and now - proc.exited_at < 2.0:
                 continue  # its last lines reach the log before the pod ends (a child may hold the pipe)
             if not proc.reported:
