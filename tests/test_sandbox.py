@@ -121,7 +121,8 @@ needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not on th
 def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("kubectl")
     kc = d / "kubeconfig"
-    p = start_subprocess(kc, "--slices", "tpu7x-128=1", env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # The scripted kubelet: pods stay Running without a program (a stage-1 trainer cannot run here).
+    p = start_subprocess(kc, "--slices", "tpu7x-128=1", "--no-run-pods", env={**os.environ, "PYTHONPATH": str(ROOT)})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KUBECONFIG": str(kc), "HOME": str(d), "XDG_CONFIG_HOME": str(d)}
     manifest = d / "jobset.yaml"
     r = subprocess.run([sys.executable, "-m", "olmo_ctl", "submit", "--stage", "1", "--device", "tpu7x-128",

@@ -25,6 +25,10 @@ def sandbox(
     priority_class: Annotated[list[str] | None, typer.Option(
         "--priority-class", help="NAME or NAME=VALUE: a Kueue WorkloadPriorityClass (repeatable).")] = None,
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port on 127.0.0.1 (0: a free one).")] = 0,
+    run_pods: Annotated[bool, typer.Option(
+        "--run-pods/--no-run-pods", help="Run each bound pod's container command as a local process, each TPU "
+                                         "VM as host CPU devices (default); without: pods stay Running, no "
+                                         "program runs.")] = True,
 ) -> None:
     """Serve a sandbox Kubernetes API with JobSet and Kueue on localhost until SIGTERM or Ctrl-C."""
     from olmo_ctl.core.config import resolve_settings
@@ -36,7 +40,17 @@ def sandbox(
     classes = parse_priority_classes(priority_class or ())
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    sb = Sandbox(namespace=namespace, queue=queue, slices=devices, priority_classes=classes, port=port)
+    runner = None
+    if run_pods:
+        from olmo_ctl.testing.pod_processes import ProcessRunner
+
+        def say(line: str) -> None:
+            sys.stderr.write(f"sandbox: {line}\n")
+            sys.stderr.flush()
+
+        runner = ProcessRunner(log=say)
+    sb = Sandbox(namespace=namespace, queue=queue, slices=devices, priority_classes=classes, port=port,
+                 runner=runner)
     try:
         sb.start()
         try:
@@ -46,6 +60,7 @@ def sandbox(
 
             raise BadInput(f"cannot write --kubeconfig `{kubeconfig}`: {e.strerror}") from None
         what = ", ".join(f"{n} x {d}" for d, n in devices.items()) or "no TPU slices"
+        what += "; pods run as local processes" if run_pods else "; pods run no program"
         sys.stderr.write(f"sandbox serving at {sb.url} ({what}; LocalQueue {namespace}/{queue})\n"
                          f"kubeconfig: {kubeconfig} (context olmo-ctl-sandbox)\n"
                          f"try: KUBECONFIG={kubeconfig} olmo-ctl doctor\n")

@@ -19,7 +19,8 @@ Everything else is the test cluster's rules (Jobs, JobSet v0.10.1, Kueue v0.17.1
 Kueue object anyone applies through the API takes part in admission and preemption like ours. Pods
 that Kueue admits are bound to a free node matching their nodeSelector by `SandboxWorld.schedule`, and
 their containers are started and stopped by a `PodRunner`: the scripted one here keeps them running
-until a cause of the world ends them (the seam where real processes will plug in).
+until a cause of the world ends them (the tests of the cluster rules); `olmo_ctl.testing.pod_processes.
+ProcessRunner` runs each pod as a local process (`olmo-ctl sandbox` by default).
 """
 
 from __future__ import annotations
@@ -100,13 +101,25 @@ def flavor_labels(device: Device) -> dict[str, str]:
 class PodRunner:
     """Where a pod's containers start and stop. This one is scripted: `start` binds the pod and its
     containers run (Ready) until a cause of the world ends them; `stop` (SIGTERM on deletion) leaves
-    the exit to the world's kubelet (`World.sigterm_exit_s`, then SIGKILL at the grace period's end)."""
+    the exit to the world's kubelet (`World.sigterm_exit_s`, then SIGKILL at the grace period's end).
+    The tests of the cluster rules use it; `olmo-ctl sandbox` runs pods as processes with
+    `olmo_ctl.testing.pod_processes.ProcessRunner` (unless `--no-run-pods`)."""
+
+    def attach(self, world: SandboxWorld) -> None:
+        """The world this runner serves (called once, by SandboxWorld)."""
 
     def start(self, world: SandboxWorld, pod: dict, node: str) -> None:
         world.start_pod(pod, node)
 
     def stop(self, world: SandboxWorld, pod: dict) -> None:
         """The pod is being deleted: its containers got SIGTERM."""
+
+    def sync(self, world: SandboxWorld) -> bool:
+        """One kubelet pass; True when it changed the world."""
+        return False
+
+    def close(self) -> None:
+        """The sandbox stops."""
 
 
 class SandboxWorld(ScriptedWorld):
@@ -116,6 +129,7 @@ class SandboxWorld(ScriptedWorld):
         super().__init__(*a, **kw)
         self.runner = runner or PodRunner()
         self._stopping: set[str] = set()
+        self.runner.attach(self)
 
     def reconcile(self) -> None:
         with self.store.lock:
@@ -153,7 +167,7 @@ class SandboxWorld(ScriptedWorld):
             if deleting(pod) and uid not in self._stopping and not self._pod_stopped(pod):
                 self._stopping.add(uid)
                 self.runner.stop(self, pod)
-        return super()._kubelet()
+        return self.runner.sync(self) | super()._kubelet()
 
     def _free(self) -> dict[str, float]:
         """Unrequested google.com/tpu per node."""
@@ -272,6 +286,7 @@ class Sandbox:
 
     def stop(self) -> None:
         self.server.stop()
+        self.world.runner.close()
 
     def __enter__(self) -> Sandbox:
         return self.start()

@@ -6,7 +6,9 @@ host devices each, with gloo collectives). This module holds what is specific to
 - `join(device, runtime)`: `jax.distributed.initialize` before any other jax call. On TPU the
   coordinator, process count and id come from the TPU environment (GKE's webhook sets them); the
   local twin's launcher sets `OLMO_CTL_COORDINATOR_ADDRESS`, `OLMO_CTL_NUM_PROCESSES` and
-  `OLMO_CTL_PROCESS_ID`. Any failure to join (a coordinator that never answers, a peer that never
+  `OLMO_CTL_PROCESS_ID`. A TPU device on the CPU platform (JAX_PLATFORMS=cpu: a pod of `olmo-ctl
+  sandbox`, each TPU VM one process) joins from the webhook's TPU_WORKER_ID and TPU_WORKER_HOSTNAMES
+  and the sandbox's `OLMO_CTL_COORDINATOR_ADDRESS`, with gloo collectives. Any failure to join (a coordinator that never answers, a peer that never
   arrives within `runtime.init_timeout_s`) raises `JoinFailed`, exit 3: the attempt is restarted, it
   is not a user error.
 - A lost peer: the distributed runtime's heartbeat (`runtime.peer_timeout_s`) notices a host that
@@ -73,6 +75,9 @@ def join(device, runtime) -> bool:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs.update(coordinator_address=os.environ[COORDINATOR_ENV], num_processes=n,
                       process_id=int(os.environ[PROCESS_ID_ENV]))
+    elif device.is_tpu and emulated_slice():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        kwargs.update(_emulated_slice_params(device))
     _exit_3_on_abort()
     _state["joining"] = f"could not join the {device.processes} hosts of {device.name}"
     try:
@@ -89,6 +94,33 @@ def join(device, runtime) -> bool:
     print(f"joined {jax.process_count()} hosts as process {jax.process_index()} "
           f"({jax.local_device_count()} local devices, {jax.device_count()} in all)", flush=True)
     return True
+
+
+def emulated_slice() -> bool:
+    """A TPU slice's VM emulated by a CPU process (`olmo-ctl sandbox` runs pods so): JAX_PLATFORMS=cpu."""
+    return os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
+
+
+def _emulated_slice_params(device) -> dict:
+    """Join an emulated slice explicitly, from what GKE's TPU webhook injects (TPU_WORKER_ID,
+    TPU_WORKER_HOSTNAMES, MEGASCALE_SLICE_ID / MEGASCALE_NUM_SLICES for several slices) and the
+    coordinator the sandbox serves for the JobSet (OLMO_CTL_COORDINATOR_ADDRESS). On a real TPU,
+    JAX detects all of it by itself and this is never used."""
+    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    missing = [k for k, ok in (("TPU_WORKER_ID", os.environ.get("TPU_WORKER_ID", "").isdigit()),
+                               ("TPU_WORKER_HOSTNAMES", bool(hosts)),
+                               (COORDINATOR_ENV, bool(os.environ.get(COORDINATOR_ENV)))) if not ok]
+    if missing:
+        raise JoinFailed(f"--device {device.name} on the CPU platform is an emulated slice, but "
+                         f"{', '.join(missing)} is not set", "run it as a pod of `olmo-ctl sandbox`, which sets them")
+    slices = int(os.environ.get("MEGASCALE_NUM_SLICES", "1") or 1)
+    slice_id = int(os.environ.get("MEGASCALE_SLICE_ID", "0") or 0)
+    n = len(hosts) * slices
+    if n != device.processes:
+        raise JoinFailed(f"--device {device.name} has {device.processes} hosts but TPU_WORKER_HOSTNAMES names "
+                         f"{len(hosts)}" + (f" in each of {slices} slices" if slices > 1 else ""))
+    return {"coordinator_address": os.environ[COORDINATOR_ENV], "num_processes": n,
+            "process_id": slice_id * len(hosts) + int(os.environ["TPU_WORKER_ID"])}
 
 
 # ---------------------------------------------------------------- a lost peer: SIGABRT -> exit 3

@@ -1,0 +1,344 @@
+"""Pods as local processes: the sandbox's kubelet and container runtime (`ProcessRunner`).
+
+A pod the sandbox's scheduler binds to a node starts as one local process (its own session and
+process group) running the pod's first container as the rendered manifest says: `command` + `args`
+(`python`, `python3` or a path ending in `/python*` is this interpreter, `sys.executable`), in the
+sandbox's environment (so STORAGE_EMULATOR_HOST, PYTHONPATH, ... reach it), plus the container's
+`env` (`value`, or `valueFrom.fieldRef` on the pod's name, namespace, node, IP, labels and
+annotations), plus what GKE would add:
+
+- the TPU webhook, for a pod of an Indexed Job: `TPU_WORKER_ID` (its completion index) and
+  `TPU_WORKER_HOSTNAMES` (`<job>-<i>.<subdomain>` for every index of its Job); for a JobSet of
+  several slices, `MEGASCALE_NUM_SLICES`, `MEGASCALE_SLICE_ID` and `MEGASCALE_COORDINATOR_ADDRESS`
+  where the manifest does not set them;
+- the "TPU VM" it lands on, emulated: `JAX_PLATFORMS=cpu` and
+  `XLA_FLAGS=--xla_force_host_platform_device_count=D` (D: the node's JAX devices, its chips times
+  the generation's devices per chip), and `OLMO_CTL_COORDINATOR_ADDRESS=127.0.0.1:<port>`, one free
+  port per JobSet and restart, where the trainer's process 0 serves `jax.distributed`'s coordinator.
+
+The process's stdout and stderr are the pod's log (`kubectl logs`). Its exit is the container's:
+the exit code (128 + N for a signal N, as a container runtime reports it) becomes the pod's and the
+upstream rules compute the Job's and JobSet's outcome. Deleting a pod sends SIGTERM to the process
+and, when its grace period (`terminationGracePeriodSeconds`, or the delete's own) ends, SIGKILL to its
+process group; a pod that ends without its process exiting (a lost node, a force delete with grace 0)
+has its process group SIGKILLed at once, and so is what the main process leaves behind when it
+exits (a container ends with its main process). A command that cannot start fails the pod with exit
+128 (`StartError`).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from olmo_ctl.core.contracts import COORDINATOR_ENV, LOG_PREFIX_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+from olmo_ctl.core.devices import GENERATIONS
+from olmo_ctl.testing.cluster.objects import (
+    COMPLETION_INDEX,
+    JOB_INDEX_LABEL,
+    JOBSET_NAME_LABEL,
+    RESTARTS_LABEL,
+    deleting,
+    labels,
+    pod_terminal,
+)
+
+if TYPE_CHECKING:
+    from olmo_ctl.testing.sandbox import SandboxWorld
+
+TPU = "google.com/tpu"
+ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+GENERATION_LABEL = "cloud.google.com/machine-family"
+START_ERROR_EXIT = 128
+MAX_LOG_LINES = 20000  # per pod: older lines are dropped, as a node rotates container logs
+_DROPPED_ENV = (PROCESS_ID_ENV, NUM_PROCESSES_ENV, LOG_PREFIX_ENV, COORDINATOR_ENV, "KUBECONFIG")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exit_code_of(returncode: int) -> int:
+    """Popen's returncode (-N for signal N) as a container runtime reports it (128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def node_devices(node: dict | None) -> int | None:
+    """JAX devices of one VM of this node: its google.com/tpu chips x the generation's devices per chip."""
+    if node is None:
+        return None
+    lab = labels(node)
+    chips = ((node.get("status") or {}).get("allocatable") or {}).get(TPU)
+    gen = GENERATIONS.get(lab.get(GENERATION_LABEL, "")) or next(
+        (g for g in GENERATIONS.values() if g.accelerator_label == lab.get(ACCELERATOR_LABEL)), None)
+    if chips is None:
+        return None
+    return int(float(chips)) * (gen.devices_per_chip if gen else 1)
+
+
+def _field_ref(pod: dict, path: str) -> str:
+    md = pod["metadata"]
+    simple = {"metadata.name": md.get("name"), "metadata.namespace": md.get("namespace"),
+              "metadata.uid": md.get("uid"), "spec.nodeName": pod["spec"].get("nodeName"),
+              "spec.serviceAccountName": pod["spec"].get("serviceAccountName"),
+              "status.podIP": pod["status"].get("podIP"), "status.hostIP": pod["status"].get("hostIP")}
+    if path in simple:
+        return str(simple[path] or "")
+    for prefix, src in (("metadata.labels", md.get("labels")), ("metadata.annotations", md.get("annotations"))):
+        if path.startswith(prefix + "['") and path.endswith("']"):
+            return str((src or {}).get(path[len(prefix) + 2:-2], ""))
+    return ""
+
+
+@dataclass
+class _Proc:
+    uid: str
+    namespace: str
+    name: str
+    popen: subprocess.Popen
+    started: float
+    sigterm_at: float | None = None
+    exited_at: float | None = None
+    killed: bool = False
+    reported: bool = False
+    reader: threading.Thread | None = field(default=None, repr=False)
+
+
+class ProcessRunner:
+    """The sandbox's kubelet for real processes (the scripted `sandbox.PodRunner` keeps pods Running
+    without a program). `attach` is called by `SandboxWorld`; `close` kills what is left."""
+
+    def __init__(self, log: Callable[[str], None] | None = None, poll_s: float = 0.2, cwd: str | None = None,
+                 base_env: dict[str, str] | None = None):
+        self._say = log or (lambda line: None)
+        self.lines: list[str] = []  # what it said: starts, signals, exits
+        self.poll_s = poll_s
+        self.cwd = cwd
+        self.base_env = base_env
+        self.procs: dict[str, _Proc] = {}  # pod uid -> its process
+        self.ports: dict[tuple[str, str], int] = {}  # (JobSet uid, restart attempt) -> coordinator port
+        self.world: SandboxWorld | None = None
+        self._stop = threading.Event()
+        self._loop: threading.Thread | None = None
+
+    def log(self, line: str) -> None:
+        self.lines.append(line)
+        self._say(line)
+
+    # -- the seam
+    def attach(self, world: SandboxWorld) -> None:
+        self.world = world
+        # A container exits when its process does: the world's kubelet never decides it, except that a
+        # grace period's end is SIGKILL (137), which `sync` also delivers to the process.
+        world.sigterm_exit_s = None
+        self._loop = threading.Thread(target=self._run_loop, name="sandbox-kubelet", daemon=True)
+        self._loop.start()
+
+    def start(self, world: SandboxWorld, pod: dict, node: str) -> None:
+        world.start_pod(pod, node)
+        md = pod["metadata"]
+        container = (pod["spec"].get("containers") or [{}])[0]
+        try:
+            cmd = self.command(container)
+            env = self.environment(world, pod, container)
+            p = subprocess.Popen(cmd, env=env, cwd=container.get("workingDir") or self.cwd,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True, close_fds=True)
+        except (OSError, ValueError) as e:
+            msg = f"failed to start container {container.get('name')!r}: {e}"
+            world.container_exit(pod, START_ERROR_EXIT, [msg], reason="StartError")
+            self.log(f"pod {md['name']}: {msg}")
+            return
+        proc = _Proc(md["uid"], md["namespace"], md["name"], p, time.monotonic())
+        proc.reader = threading.Thread(target=self._read, args=(proc,), name=f"log-{md['name']}", daemon=True)
+        self.procs[md["uid"]] = proc
+        proc.reader.start()
+        self.log(f"pod {md['name']} on {node}: pid {p.pid}: {shlex.join(cmd)}")
+
+    def stop(self, world: SandboxWorld, pod: dict) -> None:
+        """The pod is being deleted: SIGTERM to its container's main process."""
+        proc = self.procs.get(pod["metadata"]["uid"])
+        if proc is None or proc.sigterm_at is not None or proc.popen.poll() is not None:
+            return
+        proc.sigterm_at = time.monotonic()
+        grace = pod["metadata"].get("deletionGracePeriodSeconds")
+        self.log(f"pod {proc.name}: SIGTERM to pid {proc.popen.pid} (grace period {grace} s)")
+        try:
+            proc.popen.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def sync(self, world: SandboxWorld) -> bool:
+        """One kubelet pass (inside the world's reconcile, under the store's lock): exits become the
+        pods' state; a grace period's end, a lost node or a force delete SIGKILLs the process group."""
+        changed = False
+        now = world.store.clock()
+        for uid, proc in list(self.procs.items()):
+            pod = world.get("Pod", proc.namespace, proc.name)
+            if pod is not None and pod["metadata"]["uid"] != uid:
+                pod = None
+            code = proc.popen.poll()
+            if code is None:
+                if pod is None or pod_terminal(pod):
+                    self._kill(proc, "the pod is gone" if pod is None else "the pod ended without it: a lost node")
+                elif deleting(pod):
+                    if proc.sigterm_at is None:
+                        self.stop(world, pod)
+                    ts = pod["metadata"].get("deletionTimestamp")
+                    if ts and world.seconds_since(ts) >= 0:
+                        self._kill(proc, "its grace period ended")
+                continue
+            if proc.exited_at is None:
+                proc.exited_at = now
+                # The container ends with its main process: whatever it left in its group goes too.
+                try:
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            if proc.reader is not None and proc.reader.is_alive() and now - proc.exited_at < 2.0:
+                continue  # its last lines reach the log before the pod ends (a child may hold the pipe)
+            if not proc.reported:
+                proc.reported = True
+                exit_code = exit_code_of(code)
+                if pod is not None and not pod_terminal(pod) and pod["spec"].get("nodeName"):
+                    world.container_exit(pod, exit_code)
+                    changed = True
+                self.log(f"pod {proc.name}: pid {proc.popen.pid} exited {exit_code}")
+            del self.procs[uid]
+        return changed
+
+    # -- the container
+    @staticmethod
+    def command(container: dict) -> list[str]:
+        argv = [str(a) for a in list(container.get("command") or []) + list(container.get("args") or [])]
+        if not argv:
+            raise ValueError("the container has no command (an image's entrypoint cannot run here)")
+        exe = os.path.basename(argv[0])
+        if exe in ("python", "python3") or (exe.startswith("python3") and "/" in argv[0]):
+            argv[0] = sys.executable
+        return argv
+
+    def coordinator(self, pod: dict) -> str:
+        lab = labels(pod)
+        key = (lab.get("jobset.sigs.k8s.io/jobset-uid") or lab.get(JOBSET_NAME_LABEL) or pod["metadata"]["uid"],
+               lab.get(RESTARTS_LABEL, "0"))
+        if key not in self.ports:
+            self.ports[key] = _free_port()
+        return f"127.0.0.1:{self.ports[key]}"
+
+    def environment(self, world: SandboxWorld, pod: dict, container: dict) -> dict[str, str]:
+        env = dict(os.environ if self.base_env is None else self.base_env)
+        for k in _DROPPED_ENV:
+            env.pop(k, None)
+        own: dict[str, str] = {}
+        for e in container.get("env") or []:
+            if "value" in e:
+                own[e["name"]] = str(e["value"])
+            elif ((e.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath"):
+                own[e["name"]] = _field_ref(pod, e["valueFrom"]["fieldRef"]["fieldPath"])
+        env.update(self.webhook_env(world, pod, own))
+        env.update(own)
+        # The emulated TPU VM: the CPU platform with the VM's devices, whatever the manifest asks for.
+        env["JAX_PLATFORMS"] = "cpu"
+        devices = node_devices(world.get("Node", "", pod["spec"].get("nodeName") or ""))
+        if devices:
+            other = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+            env["XLA_FLAGS"] = " ".join(other + [f"--xla_force_host_platform_device_count={devices}"])
+        env[COORDINATOR_ENV] = self.coordinator(pod)
+        return env
+
+    @staticmethod
+    def webhook_env(world: SandboxWorld, pod: dict, own: dict[str, str]) -> dict[str, str]:
+        """What GKE's TPU webhook adds to a pod of an Indexed Job that requests google.com/tpu."""
+        md, spec = pod["metadata"], pod["spec"]
+        lab, ann = labels(pod), md.get("annotations") or {}
+        index = ann.get(COMPLETION_INDEX, lab.get(COMPLETION_INDEX))
+        job_name = lab.get("batch.kubernetes.io/job-name") or lab.get("job-name")
+        if index is None or not job_name:
+            return {}
+        job = world.get("Job", md["namespace"], job_name)
+        count = int(((job or {}).get("spec") or {}).get("parallelism") or 1)
+        sub = spec.get("subdomain")
+        hosts = [f"{job_name}-{i}" + (f".{sub}" if sub else "") for i in range(count)]
+        env = {"TPU_WORKER_ID": str(index), "TPU_WORKER_HOSTNAMES": ",".join(hosts)}
+        slices = int(lab.get("jobset.sigs.k8s.io/replicatedjob-replicas", "1") or 1)
+        if slices > 1:
+            js, rjob = lab.get(JOBSET_NAME_LABEL, ""), lab.get("jobset.sigs.k8s.io/replicatedjob-name", "")
+            multi = {"MEGASCALE_NUM_SLICES": str(slices), "MEGASCALE_SLICE_ID": lab.get(JOB_INDEX_LABEL, "0"),
+                     "MEGASCALE_COORDINATOR_ADDRESS": f"{js}-{rjob}-0-0" + (f".{sub}" if sub else "")}
+            env.update({k: v for k, v in multi.items() if k not in own})
+        return env
+
+    # -- the process
+    def _read(self, proc: _Proc) -> None:
+        store = self.world.store
+        key = (proc.namespace, proc.name)
+        for raw in iter(proc.popen.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            with store.lock:
+                pod = self.world.get("Pod", proc.namespace, proc.name)
+                if pod is None or pod["metadata"]["uid"] != proc.uid:
+                    continue
+                lines = store.logs.setdefault(key, [])
+                lines.append(line)
+                if len(lines) > MAX_LOG_LINES:
+                    del lines[:len(lines) - MAX_LOG_LINES]
+        proc.popen.stdout.close()
+
+    def _kill(self, proc: _Proc, why: str) -> None:
+        if proc.killed:
+            return
+        proc.killed = True
+        self.log(f"pod {proc.name}: SIGKILL to pid {proc.popen.pid} ({why})")
+        try:
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _run_loop(self) -> None:
+        """Between API requests the kubelet still notices exits and grace periods' ends."""
+        while not self._stop.wait(self.poll_s):
+            world = self.world
+            if world is None:
+                continue
+            try:
+                if self.procs:
+                    with world.store.lock:
+                        world.reconcile()
+            except Exception as e:  # noqa: BLE001 - the loop must outlive one bad pass; say what it was
+                self.log(f"kubelet pass failed: {type(e).__name__}: {e}")
+
+    def pid(self, namespace: str, name: str) -> int | None:
+        """The process of a pod (tests)."""
+        for p in list(self.procs.values()):
+            if (p.namespace, p.name) == (namespace, name):
+                return p.popen.pid
+        return None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """The sandbox stops: every process group still running is SIGKILLed and reaped."""
+        self._stop.set()
+        if self._loop is not None:
+            self._loop.join(timeout_s)
+        for proc in list(self.procs.values()):
+            if proc.popen.poll() is None:
+                self._kill(proc, "the sandbox stopped")
+            try:
+                proc.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            if proc.reader is not None:
+                proc.reader.join(1.0)
+        self.procs.clear()
+
