@@ -110,7 +110,10 @@ def test_a_supervisor_paused_while_watching_leaves_the_run_to_its_successor(tmp_
     b = None
     rd = RunDir.of(root, "fenced")
     try:
-        wait_for(lambda: live_attempts(root) == [1], 120, "attempt 1")
+        # Attempt 1 created and journaled (stopped between the two, A would rightly undo its create
+        # when it wakes up without the lease, and B would go on with attempt 2).
+        wait_for(lambda: live_attempts(root) == [1] and any(r["event"] == "running" for r in rd.journal()), 120,
+                 "attempt 1 running")
         stop_between_writes(a.pid)
         time.sleep(2.5)
         b = supervisor(root)
