@@ -464,3 +464,24 @@ def test_a_jobset_restarting_itself_stays_live(srv):
     assert st.reason == "0/2 pods running; JobSet restarts: 1"
     srv.cluster.run_pods(h.name)
     assert b.status(h).state == State.RUNNING
+
+
+def test_a_stop_checks_the_handle_against_the_cluster_and_deletes_by_uid(srv):
+    """Trust nothing read back: a handle without a uid (an old journal line) is checked against the
+    JobSet's run and attempt labels and deleted with the uid it was checked against; a handle whose
+    name is another run's JobSet deletes nothing."""
+    from olmo_ctl.backends.base import Handle
+
+    b = _backend(srv)
+    mine = b.send(tiny_jobset("r7-a2", run="r7", attempt=2))
+    bare = Handle(b.name, "r7-a2", 2, {"namespace": "default", "run": "r7"})  # no uid
+    b.stop(bare)
+    deletes = [body for m, p, body in srv.received if m == "DELETE" and p.endswith("/jobsets/r7-a2")]
+    assert deletes and deletes[-1]["preconditions"] == {"uid": mine.data["uid"]}
+    assert b.wait_gone(mine, timeout_s=5, poll_s=0.05)
+
+    b.send(tiny_jobset("r8-a1", run="another-team", attempt=1))
+    wrong = Handle(b.name, "r8-a1", 1, {"namespace": "default", "run": "r8"})
+    with pytest.raises(BadInput, match="not attempt 1 of run `r8`"):
+        b.stop(wrong)
+    assert srv.cluster.jobset("r8-a1") is not None

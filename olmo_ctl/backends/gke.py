@@ -361,9 +361,12 @@ class GKEBackend(Backend):
         """Delete the JobSet (Foreground: its Workload and pods go first). Pods get SIGTERM and their
         grace period to checkpoint; `graceful=False` also deletes the pods at once (grace 0)."""
         ns = self._ns(handle)
-        body: dict = {"propagationPolicy": "Foreground"}
-        if handle.data.get("uid"):
-            body["preconditions"] = {"uid": handle.data["uid"]}
+        # Trust nothing read back: the handle (from the journal, perhaps) must name this run's attempt
+        # on the cluster, and the delete carries the uid it was checked against.
+        uid = self._verified_uid(handle, ns)
+        if uid is None:
+            return  # gone, or that name is another object now: leave it
+        body: dict = {"propagationPolicy": "Foreground", "preconditions": {"uid": uid}}
         try:
             self._call(f"delete JobSet {handle.name}", self._custom.delete_namespaced_custom_object, JOBSET_GROUP,
                        JOBSET_VERSION, ns, JOBSETS, handle.name, propagation_policy="Foreground", body=body,
@@ -384,6 +387,24 @@ class GKEBackend(Backend):
             except Exception as e:
                 if api_status(e) != 404:
                     raise self._api_error(e, f"delete pods of {handle.name}") from e
+
+    def _verified_uid(self, handle: Handle, ns: str) -> str | None:
+        """The uid of the JobSet `handle` names, once its labels say it is attempt `handle.attempt` of
+        `handle.data["run"]`; None when it is gone or is another object than the handle's (uid); a
+        JobSet of that name that belongs to another run or attempt is refused (exit 2), never deleted."""
+        js = self._get_jobset(handle.name, ns)
+        if js is None:
+            return None
+        uid = js["metadata"].get("uid")
+        if handle.data.get("uid") and uid != handle.data["uid"]:
+            return None
+        labels = _labels(js)
+        run = handle.data.get("run")
+        if (run is not None and labels.get(RUN_LABEL) != run) or labels.get(ATTEMPT_LABEL) != str(handle.attempt):
+            raise BadInput(f"JobSet {ns}/{handle.name} is not attempt {handle.attempt} of run `{run}` (its labels say "
+                           f"run `{labels.get(RUN_LABEL)}`, attempt `{labels.get(ATTEMPT_LABEL)}`): not deleted",
+                           "check the run's journal and the JobSet; delete it by hand if it is yours")
+        return uid
 
     def wait_gone(self, handle: Handle, timeout_s: float = 600.0, poll_s: float = 2.0) -> bool:
         """Poll until the JobSet is gone; False on timeout."""

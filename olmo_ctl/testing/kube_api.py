@@ -46,7 +46,7 @@ create (an admission webhook), learn of every write, and say when a deleting pod
         srv.fail_next(1, status=0, delay_s=2.0)         # a correct answer, 2 s late (client read timeouts)
         srv.go_down(); srv.come_back()                  # refuse connections, then listen again (same port)
         srv.requests                   # [(method, path, query dict, content type)] in arrival order
-        srv.received                   # [(method, path, JSON body)] of each POST/PUT/PATCH, as the client sent it
+        srv.received                   # [(method, path, JSON body)] of each POST/PUT/PATCH/DELETE, as sent
 """
 
 from __future__ import annotations
@@ -1176,7 +1176,7 @@ class ApiServer:
     def _record(self, method: str, path: str, query: dict, ctype: str, body: bytes = b"") -> None:
         with self._fault_lock:
             self.requests.append((method, path, query, ctype))
-            if body and method in ("POST", "PUT", "PATCH"):
+            if body and method in ("POST", "PUT", "PATCH", "DELETE"):
                 try:
                     self.received.append((method, path, json.loads(body)))
                 except ValueError:
