@@ -50,7 +50,9 @@ TOOL_ACCESS: tuple[tuple[str, str, str, str], ...] = (
     ("create", JOBSET_GROUP, JOBSETS, ""), ("get", JOBSET_GROUP, JOBSETS, ""), ("list", JOBSET_GROUP, JOBSETS, ""),
     ("delete", JOBSET_GROUP, JOBSETS, ""), ("list", KUEUE_GROUP, WORKLOADS, ""), ("list", "", "pods", ""),
     ("deletecollection", "", "pods", ""), ("get", "", "pods", "log"), ("list", "", "events", ""),
+    ("get", KUEUE_GROUP, "workloadpriorityclasses", ""),  # cluster-scoped: asked without a namespace
 )
+CLUSTER_SCOPED = frozenset({"workloadpriorityclasses"})
 # One probe of the API before the checks: a cluster that does not answer is exit 3, quickly.
 PROBE = KubeRetryPolicy(base_s=0.5, max_s=2.0, budget_s=8.0, max_attempts=3, connect_timeout_s=5.0,
                         read_timeout_s=10.0)
@@ -330,7 +332,9 @@ def check_priority_class(kube: Cluster, version: str, name: str | None) -> Check
 def check_rbac(kube: Cluster, ns: str) -> Check:
     denied = []
     for verb, group, resource, sub in TOOL_ACCESS:
-        attrs = {"namespace": ns, "verb": verb, "group": group, "resource": resource}
+        attrs = {"verb": verb, "group": group, "resource": resource}
+        if resource not in CLUSTER_SCOPED:
+            attrs["namespace"] = ns
         if sub:
             attrs["subresource"] = sub
         body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
