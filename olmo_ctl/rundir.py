@@ -259,11 +259,14 @@ class RunDir:
         """The run's resolved recipe, from run.yaml (the one place run.yaml becomes a Recipe)."""
         return run_recipe(self.read_run(), self.p("run.yaml"), overrides)
 
-    def create_run(self, recipe_dict: dict, recipe_fingerprint: str, data_fingerprint: str, device: str) -> dict:
-        """Write run.yaml once (a create-only conditional write: two racing creators cannot both win)."""
+    def create_run(self, recipe_dict: dict, recipe_fingerprint: str, data_fingerprint: str, device: str,
+                   slices: int = 1) -> dict:
+        """Write run.yaml once (a create-only conditional write: two racing creators cannot both win).
+        `slices`: slices of `device` the run starts on (recorded with the device)."""
         doc = {
             "run": self.name, "created": utc_now_iso(), "recipe": recipe_dict,
             "recipe_fingerprint": recipe_fingerprint, "data_fingerprint": data_fingerprint, "device": device,
+            "slices": slices,
         }
         try:
             self.store.write_text(self.p("run.yaml"), yaml.safe_dump(doc, sort_keys=False), if_generation_match=0)

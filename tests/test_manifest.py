@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import os
 import re
 import subprocess
@@ -35,6 +36,7 @@ SITE = ["--namespace", "olmo", "--queue", "tpu-queue", "--image",
         "us-docker.pkg.dev/example-project/olmo-ctl/olmo-ctl:0.1.0", "--run-root", "gs://example-bucket/runs",
         "--service-account", "olmo-trainer", "--placement-policy", "olmo-{topology}"]
 DEVICES = ("tpu7x-128", "tpu7x-512", "v5p-256", "v5p-8")
+MULTISLICE = ("tpu7x-128", "v5p-256")  # 2 slices of each: `2x<device>-stage1`
 
 
 def golden_cases() -> dict[str, list[str]]:
@@ -53,6 +55,8 @@ def golden_cases() -> dict[str, list[str]]:
         # The smoke model on a slice: one instance per device where its global batch of 8 cannot split.
         smoke = ["--recipe", "smoke", "--device", dev, "--run", f"smoke-{dev}"]
         cases[f"{dev}-smoke"] = smoke + (["--set", f"train.global_batch={devices}"] if devices > 8 else [])
+    for dev in MULTISLICE:
+        cases[f"2x{dev}-stage1"] = ["--stage", "1", "--device", dev, "--slices", "2", "--run", f"olmo3-7b-s1-2x{dev}"]
     return cases
 
 
@@ -150,7 +154,9 @@ def test_golden_matches_cli_and_validates(case, env):
     assert schema_errors(js) == []
     assert metadata_errors(js) == []
     dev = get_device(args[args.index("--device") + 1])
+    slices = int(args[args.index("--slices") + 1]) if "--slices" in args else 1
     job, pod = _job(js), _pod(js)
+    assert js["spec"]["replicatedJobs"][0]["replicas"] == slices
     assert job["parallelism"] == job["completions"] == dev.vms
     assert pod["containers"][0]["resources"]["limits"]["google.com/tpu"] == dev.chips_per_vm
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == dev.topology
@@ -163,13 +169,14 @@ def test_golden_matches_cli_and_validates(case, env):
 
 
 def _golden_attempt(args: list[str]):
-    """The recipe, device, run name and attempt number a golden's command line asks for."""
+    """The recipe, device, run name, attempt number and slices a golden's command line asks for."""
     def opt(name, default=None):
         return args[args.index(name) + 1] if name in args else default
 
     sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
     recipe = load_recipe(opt("--recipe"), int(opt("--stage")) if opt("--stage") else None, sets)
-    return recipe, get_device(opt("--device")), opt("--run", default_run_name(recipe)), int(opt("--attempt", 1))
+    return (recipe, get_device(opt("--device")), opt("--run", default_run_name(recipe)), int(opt("--attempt", 1)),
+            int(opt("--slices", 1)))
 
 
 def _site_settings(args: list[str]) -> Settings:
@@ -203,13 +210,13 @@ def test_dry_run_is_what_a_real_submit_sends(example_bucket):
 
     fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
     for case, args in sorted(golden_cases().items()):
-        recipe, dev, run, attempt = _golden_attempt(args)
+        recipe, dev, run, attempt, slices = _golden_attempt(args)
         settings = _site_settings(args)
         rd = RunDir.of(settings.run_root, run)
         for name in ("run.yaml", "journal.jsonl", "lease.json"):  # the previous case's run of the same name
             if rd.store.exists(rd.p(name)):
                 rd.store.delete(rd.p(name))
-        rd.create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", dev.name)
+        rd.create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", dev.name, slices)
         with KubeServer(namespace=settings.namespace) as srv:
             received: list[dict] = []
             dispatch = srv.api.dispatch
@@ -222,7 +229,7 @@ def test_dry_run_is_what_a_real_submit_sends(example_bucket):
             srv.api.dispatch = spy
             backend = GKEBackend(namespace=settings.namespace, host=srv.url, retry=fast, settings=settings)
             handle = submit_attempt(device=dev, settings=settings, run=run, run_dir=rd.path, attempt=attempt,
-                                    backend=backend, out=lambda line: None)
+                                    backend=backend, out=lambda line: None, slices=slices)
         assert handle.attempt == attempt
         assert received == [yaml.safe_load((GOLDENS / f"{case}.yaml").read_text())], case
 
@@ -286,7 +293,7 @@ def _render(stage=1, device="tpu7x-128", settings=None, run="olmo3-7b-s1", attem
             slices=1, overrides=()):
     recipe = load_recipe(stage=stage, overrides=overrides)
     dev = get_device(device)
-    plan = make_plan(recipe, dev)
+    plan = make_plan(recipe, dev, slices)
     settings = settings or Settings(run_root="gs://b/runs")
     return render_jobset(recipe, plan, dev, settings, run, attempt, run_dir or f"gs://b/runs/{run}", slices)
 
@@ -350,18 +357,111 @@ def test_optional_priority_and_placement():
     assert "cloud.google.com/placement-policy-name" not in _pod(js)["nodeSelector"]  # single host
 
 
-def test_multislice_env_only_with_several_slices():
-    recipe = load_recipe(stage=1)
-    dev = get_device("v5p-256")
-    plan = make_plan(recipe, get_device("v5p-512"))  # 2 x 128 devices hold the same batch as 256
-    plan = plan.__class__(**{**plan.to_dict(), "device": dev.name})
-    js = render_jobset(recipe, plan, dev, Settings(run_root="gs://b/r"), "ms", 1, "gs://b/r/ms", slices=2)
+def test_multislice_renders_n_replicas_and_sets_no_dcn_variable():
+    """2 x v5p-256: two replicas of the slice, the plan over 256 devices, `--slices 2` for the trainer,
+    and none of the variables GKE's TPU webhook injects (MEGASCALE_*, TPU_WORKER_*): each is set once."""
+    from olmo_ctl.backends.jobset import INJECTED_ENV
+
+    js = _render(device="v5p-256", slices=2, run="ms")
     assert js["spec"]["replicatedJobs"][0]["replicas"] == 2
-    env = {e["name"]: e for e in _pod(js)["containers"][0]["env"]}
-    assert env["MEGASCALE_COORDINATOR_ADDRESS"]["value"] == "ms-a1-slice-0-0.ms-a1"
-    assert env["MEGASCALE_NUM_SLICES"]["value"] == "2"
-    assert "jobset.sigs.k8s.io/job-index" in env["MEGASCALE_SLICE_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
-    assert schema_errors(js) == []
+    job, pod = _job(js), _pod(js)
+    assert job["parallelism"] == job["completions"] == 32
+    (c,) = pod["containers"]
+    assert c["command"][-2:] == ["--slices", "2"]
+    names = [e["name"] for e in c["env"]]
+    assert len(names) == len(set(names))
+    assert not set(names) & set(INJECTED_ENV) and not any(n.startswith("MEGASCALE_") for n in names)
+    assert "devices=256 slices=2" in js["metadata"]["annotations"]["olmo-ctl/plan"]
+    # slices of one JobSet never share a node pool
+    assert js["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
+    assert schema_errors(js) == [] and metadata_errors(js) == []
+    # one slice: no --slices on the command line (the 12 single-slice goldens are unchanged)
+    assert "--slices" not in _pod(_render(device="v5p-256", run="ms"))["containers"][0]["command"]
+
+
+def test_multislice_plan_must_match_and_env_is_checked():
+    from olmo_ctl.backends.jobset import check_env
+
+    recipe, dev = load_recipe(stage=1), get_device("v5p-256")
+    with pytest.raises(ValueError, match="does not match"):  # a one-slice plan for a two-slice JobSet
+        render_jobset(recipe, make_plan(recipe, dev), dev, Settings(run_root="gs://b/r"), "ms", 1, "gs://b/r/ms", 2)
+    with pytest.raises(BadInput, match="single-host"):
+        _render(device="v5p-8", slices=2, overrides=["train.global_batch=8", "model.n_layers=2"])
+    with pytest.raises(ValueError, match="set twice"):
+        check_env([{"name": "A", "value": "1"}, {"name": "A", "value": "2"}])
+    with pytest.raises(ValueError, match="TPU webhook"):
+        check_env([{"name": "MEGASCALE_NUM_SLICES", "value": "2"}])
+
+
+# What XPK renders for `xpk workload create --tpu-type <device> --num-slices 2`, derived from its source
+# (AI-Hypercomputer/xpk at 367c8382):
+#   src/xpk/core/system_characteristics.py: get_tpu_system_characteristics_map (device type
+#     `<prefix>-<chips x tensorcores_per_chip>`, chips_per_vm = compute_chips_per_vm = 4 unless 1 chip,
+#     vms_per_slice = compute_vms_per_slice = chips / chips_per_vm), generate_tpu_topologies (2x2x1,
+#     2x2x2, 2x2x4, 2x4x4, then AxBxC with A <= B <= C multiples of 4 up to max_cubes cubes: 144 for
+#     tpu7x-standard-4t, 140 for v5p), gke_accelerator `tpu7x` / `tpu-v5p-slice`, tensorcores_per_chip 2;
+#   src/xpk/commands/workload.py WORKLOAD_CREATE_YAML: replicas = num_slices, parallelism = completions =
+#     vms_per_slice, nodeSelector cloud.google.com/gke-tpu-accelerator and cloud.google.com/gke-tpu-topology;
+#   src/xpk/core/docker_resources.py get_main_container_resources: google.com/tpu = chips_per_vm /
+#     parallel_containers (1 unless --use-parallel-containers).
+_XPK_TPU = {"tpu7x": ("tpu7x", 144), "v5p": ("tpu-v5p-slice", 140)}
+
+
+def _xpk_topologies(max_cubes: int) -> list[str]:
+    out = ["2x2x1", "2x2x2", "2x2x4", "2x4x4"]
+    for x in range(4, 257, 4):
+        for y in range(x, 257, 4):
+            for z in range(y, 257, 4):
+                if (x // 4) * (y // 4) * (z // 4) <= max_cubes:
+                    out.append(f"{x}x{y}x{z}")
+    return out
+
+
+def xpk_num_slices(device_type: str, num_slices: int) -> dict:
+    prefix, _, cores = device_type.rpartition("-")
+    accelerator, max_cubes = _XPK_TPU[prefix]
+    chips = int(cores) // 2
+    (topology,) = [t for t in _xpk_topologies(max_cubes)  # exactly one topology has this many chips here
+                   if math.prod(int(d) for d in t.split("x")) == chips]
+    chips_per_vm = 1 if chips == 1 else 4
+    vms = chips // chips_per_vm
+    return {"accelerator": accelerator, "topology": topology, "parallelism": vms, "completions": vms,
+            "replicas": num_slices, "tpus_per_pod": chips_per_vm}
+
+
+@pytest.mark.parametrize("device", MULTISLICE)
+def test_two_slice_goldens_match_xpk(device):
+    js = yaml.safe_load((GOLDENS / f"2x{device}-stage1.yaml").read_text())
+    job, pod = _job(js), _pod(js)
+    ours = {"accelerator": pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"],
+            "topology": pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"],
+            "parallelism": job["parallelism"], "completions": job["completions"],
+            "replicas": js["spec"]["replicatedJobs"][0]["replicas"],
+            "tpus_per_pod": pod["containers"][0]["resources"]["limits"]["google.com/tpu"]}
+    assert ours == xpk_num_slices(device, 2)
+    assert pod["containers"][0]["resources"]["requests"]["google.com/tpu"] == ours["tpus_per_pod"]
+
+
+def test_xpk_port_agrees_with_its_own_examples():
+    # XPK's recipes/Workload_create.md (--tpu-type=v5p-8 --num-slices=1): accelerator tpu-v5p-slice,
+    # topology 2x2x1, parallelism 1, google.com/tpu 4.
+    assert xpk_num_slices("v5p-8", 1) == {"accelerator": "tpu-v5p-slice", "topology": "2x2x1", "parallelism": 1,
+                                          "completions": 1, "replicas": 1, "tpus_per_pod": 4}
+    assert xpk_num_slices("tpu7x-128", 2)["topology"] == "4x4x4"
+    assert xpk_num_slices("v5p-256", 2)["topology"] == "4x4x8"
+
+
+def test_dry_run_prints_the_multislice_jobset(env):
+    p = cli(["submit", "--stage", "1", "--device", "tpu7x-128", "--slices", "2", *SITE, "--dry-run", "-o", "yaml"],
+            env)
+    assert p.returncode == 0, p.stderr
+    js = yaml.safe_load(p.stdout)
+    assert js["spec"]["replicatedJobs"][0]["replicas"] == 2 and schema_errors(js) == []
+    for bad, what in ((["--device", "v5p-8", "--slices", "2"], "single-host"),
+                      (["--device", "tpu7x-128", "--slices", "0"], "--slices"),
+                      (["--device", "v5p-256", "--slices", "3"], "cannot be split")):
+        p = cli(["submit", "--stage", "1", *bad, *SITE, "--dry-run"], env)
+        assert p.returncode == 2 and what in p.stderr and p.stdout == "", (bad, p.stderr)
 
 
 def test_values_never_break_the_manifest(env):

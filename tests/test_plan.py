@@ -105,3 +105,30 @@ def test_plan_report_is_pure_and_checks_mfu():
     for bad in (0, -0.1, 1.5):
         with pytest.raises(BadInput, match="not a fraction"):
             plan_report(load_recipe(stage=2), get_device("v5p-256"), bad)
+
+
+@pytest.mark.parametrize("device,slices,per_device", [("tpu7x-128", 2, 2), ("v5p-256", 2, 2), ("tpu7x-64", 4, 2)])
+def test_multislice_holds_the_global_batch_over_every_slice(device, slices, per_device):
+    r, dev = load_recipe(stage=1), get_device(device)
+    one, many = make_plan(r, dev), make_plan(r, dev, slices)
+    assert (many.slices, many.devices, many.data_parallel) == (slices, slices * dev.devices, slices * dev.devices)
+    assert many.per_device_batch * many.grad_accum * many.devices == many.global_batch == one.global_batch
+    assert many.per_device_batch == per_device and many.tokens_per_step == one.tokens_per_step
+    # each slice holds the whole state, sharded over its own devices: the same state per device as one slice
+    assert many.state_bytes_per_device == one.state_bytes_per_device
+    assert make_plan(r, dev, slices).to_dict()["slices"] == slices and one.slices == 1
+    rep = plan_report(r, dev, slices=slices)
+    assert rep["chips"] == slices * dev.chips and rep["vms"] == slices * dev.vms
+
+
+def test_multislice_refusals_are_bad_input():
+    r = load_recipe(stage=1)
+    with pytest.raises(BadInput, match=r"1024 devices of 2 x tpu7x-512"):  # 512 over 1024 devices
+        make_plan(r, get_device("tpu7x-512"), 2)
+    with pytest.raises(BadInput, match="single-host"):
+        make_plan(r, get_device("v5p-8"), 2)
+    with pytest.raises(BadInput, match="local device"):
+        make_plan(load_recipe("smoke"), get_device("cpu-2"), 2)
+    for bad in (0, -1, 65, True):
+        with pytest.raises(BadInput, match="slice count"):
+            make_plan(r, get_device("tpu7x-128"), bad)

@@ -202,3 +202,14 @@ def test_misspelled_flag_in_a_recipe_is_refused_with_exit_2(cache):
     assert "Traceback" not in p.stderr
     p = _cli("--set", "xla_flags=[not-a-flag]", cache_dir=cache)
     assert p.returncode == 2 and "`not-a-flag` is not of the form --name=value" in p.stderr
+
+
+def test_two_slices_compile_ahead_of_time(cache):
+    """libtpu describes N slices of a topology (`num_slices`): the step compiles for 2 x v5p-16 with the
+    slices on the outer data axis, the global batch over all 16 devices and the same state per device."""
+    r = load_recipe("smoke", overrides=["train.global_batch=16"])
+    one = pf.run_preflight(r, get_device("v5p-16"), n_layers=1, use_cache=False)
+    two = pf.run_preflight(r, get_device("v5p-16"), n_layers=1, slices=2, use_cache=False)
+    assert two.error is None and two.fits
+    assert (one.devices, two.devices) == (8, 16) and (one.per_device_batch, two.per_device_batch) == (2, 1)
+    assert two.argument_bytes_per_device < one.argument_bytes_per_device  # half the batch rows per device

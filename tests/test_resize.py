@@ -529,3 +529,28 @@ def test_resize_asks_on_a_terminal_and_a_no_changes_nothing(tmp_path):
                                              "+ XLA_FLAGS: --xla_force_host_platform_device_count=2"]
     assert "not resized; nothing changed" in err
     assert rd.journal() == before and rd.read_lease() is None
+
+
+@pytest.mark.gcs
+def test_gke_resize_to_two_slices_and_back_keeps_the_batch_and_records_the_slices(gke, capsys):
+    srv, rd, _, args = gke
+    assert _cli("resize", "s1", "--device", "tpu7x-128", "--slices", "2", "-y", "--now", *args) == 0
+    out = capsys.readouterr().out
+    assert "on tpu7x-512 -> attempt 2 on 2 x tpu7x-128" in out
+    assert "slices                1 -> 2" in out and "global_batch          512 -> 512 (unchanged)" in out
+    js = srv.cluster.jobset("s1-a2")
+    assert js["spec"]["replicatedJobs"][0]["replicas"] == 2
+    assert _plan_annotation(js) == {"global_batch": 512, "per_device_batch": 2, "grad_accum": 1, "devices": 256,
+                                    "slices": 2}
+    resized = [r for r in rd.journal() if r["event"] == "resized"][-1]
+    assert (resized["from_slices"], resized["slices"]) == (1, 2)
+    # the same device and slice count is no resize; without --slices the run keeps its own count
+    srv.cluster.admit("s1-a2")
+    assert _cli("resize", "s1", "--device", "tpu7x-128", "-y", *args) == 2
+    assert "already runs on 2 x tpu7x-128" in capsys.readouterr().err
+    assert _cli("resize", "s1", "--device", "tpu7x-256", "-y", *args) == 0  # 2 x tpu7x-256 = 512 devices
+    assert "attempt 3 on 2 x tpu7x-256" in capsys.readouterr().out
+    assert _cli("resize", "s1", "--device", "tpu7x-256", "--slices", "1", "-y", *args) == 0
+    assert srv.cluster.jobset("s1-a4")["spec"]["replicatedJobs"][0]["replicas"] == 1
+    assert [(r["attempt"], r["device"], r.get("slices")) for r in rd.journal() if r["event"] == "submitted"] == [
+        (1, "tpu7x-512", None), (2, "tpu7x-128", 2), (3, "tpu7x-256", 2), (4, "tpu7x-256", 1)]

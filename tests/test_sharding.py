@@ -106,3 +106,74 @@ def test_bad_hybrid_mesh():
         S.make_mesh(jax.devices() * 3, kind="hybrid", data_parallel=2)
     with pytest.raises(ValueError):
         S.make_mesh(kind="ring")
+
+
+# ---------------------------------------------------------------- multislice
+
+
+class _Dev:
+    """A device as the mesh sees it: an id, its slice (None: the runtime names none), a platform."""
+
+    def __init__(self, i, slice_index=None, platform="cpu"):
+        self.id, self.platform = i, platform
+        if slice_index is not None:
+            self.slice_index = slice_index
+
+    def __repr__(self):
+        return f"d{self.id}"
+
+
+def test_multislice_puts_the_slices_on_the_outer_data_axis():
+    # 2 slices x 4 devices, listed interleaved: grouped by slice_index, slice 0 in the first rows.
+    devs = [_Dev(i, slice_index=i % 2) for i in range(8)]
+    grid = S.multislice_devices(devs, "fsdp", 1, 2)
+    assert grid.shape == (2, 4)
+    assert [[d.slice_index for d in row] for row in grid] == [[0] * 4, [1] * 4]
+    # hybrid (2 replicas inside each slice): data = 2 slices x 2, fsdp = 2 devices of one slice
+    grid = S.multislice_devices(devs, "hybrid", 2, 2)
+    assert grid.shape == (4, 2)
+    assert [{d.slice_index for d in row} for row in grid] == [{0}, {0}, {1}, {1}]
+    # no slice_index (CPU): N equal consecutive groups
+    grid = S.multislice_devices([_Dev(i) for i in range(8)], "fsdp", 1, 2)
+    assert [[d.id for d in row] for row in grid] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for bad, why in (([_Dev(i, i % 3) for i in range(6)], "slice_index"),
+                     ([_Dev(i, 0 if i < 5 else 1) for i in range(8)], "unequal"),
+                     ([_Dev(i) for i in range(7)], "do not split")):
+        try:
+            S.multislice_devices(bad, "fsdp", 1, 2)
+        except ValueError as e:
+            assert why in str(e)
+        else:
+            raise AssertionError(f"accepted {bad}")
+
+
+def test_multislice_mesh_on_a_real_two_slice_tpu_topology():
+    """libtpu's own description of 2 x v5p-16 (compile-only devices, no TPU attached): make_mesh groups
+    its devices by slice through create_hybrid_device_mesh; the parameters are sharded within a slice
+    (fsdp = 8) and replicated over the two slices; the batch is split over all 16 devices."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("needs libtpu (pip install 'olmo-ctl[tpu]')")
+    code = textwrap.dedent("""
+        import json
+        from jax.experimental import topologies
+        from olmo_ctl.trainer import sharding as S
+        topo = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2", num_slices=2)
+        devs = list(topo.devices)
+        out = {}
+        for kind, dp in (("fsdp", 1), ("hybrid", 2)):
+            m = S.make_mesh(devs, kind, dp, activate=False, slices=2)
+            out[kind] = {"shape": dict(m.shape), "slices": [sorted({d.slice_index for d in row}) for row in m.devices],
+                         "batch": S.batch_sharding(m).shard_shape((32, 8))[0]}
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_WORKER_HOSTNAMES": "localhost",
+           "TPU_ACCELERATOR_TYPE": "v5p-16"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["fsdp"] == {"shape": {"data": 2, "fsdp": 8}, "slices": [[0], [1]], "batch": 2}
+    assert out["hybrid"] == {"shape": {"data": 4, "fsdp": 4}, "slices": [[0], [0], [1], [1]], "batch": 2}

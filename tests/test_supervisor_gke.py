@@ -280,3 +280,35 @@ def test_a_queue_set_up_kueue_can_never_admit_stops_with_exit_2(tmp_path, srv, g
     assert srv.cluster.jobset_names() == []  # the attempt that could never run is gone
     assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
     assert rd.read_lease()["released"] is True
+
+
+def test_a_multislice_run_keeps_its_slice_count_across_attempts(tmp_path, srv, gcs):
+    """A run created on 2 x tpu7x-16 records `slices: 2` (run.yaml, every `submitted`); the attempt after
+    a restartable failure is again two replicas of the slice; asking for another count is a resize."""
+    from olmo_ctl.supervise.attempts import ensure_run, run_slices
+
+    rd = RunDir.of(f"gs://{gcs.bucket}/{tmp_path.name}", "ms")
+    r = load_recipe("smoke", overrides=["train.max_steps=20", "train.global_batch=32"])
+    ensure_run(rd, r, "tpu7x-16", 2)
+    assert rd.read_run()["slices"] == 2 and rd.read_run()["device"] == "tpu7x-16"
+    be = setup(tmp_path, srv, gcs.bucket)[1]
+
+    def lost(s, n):  # an infrastructure failure past maxRestarts: the supervisor resubmits
+        s.srv.cluster.fail(n, reason="ReachedMaxRestarts")
+
+    script = Script(srv, rd, {1: [(60, admit_run), (120, lambda s, n: s.commit(10)), (180, lost)],
+                              2: [(60, admit_run), (120, lambda s, n: s.commit(20)),
+                                  (180, lambda s, n: s.srv.cluster.complete(n))]})
+    rc, out = supervise(rd, be, script, backoff_base_s=1, max_retries=5)
+    assert rc == 0, out
+    subs = [r for r in rd.journal() if r["event"] == "submitted"]
+    assert [(r["attempt"], r["device"], r["slices"]) for r in subs] == [(1, "tpu7x-16", 2), (2, "tpu7x-16", 2)]
+    assert "submitted attempt 2 on 2 x tpu7x-16" in out
+    for name in srv.cluster.jobset_names():
+        js = srv.cluster.jobset(name)
+        assert js["spec"]["replicatedJobs"][0]["replicas"] == 2
+        assert js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
+            "command"][-2:] == ["--slices", "2"]
+    assert run_slices(rd, None) == 2 and run_slices(rd, 2) == 2
+    with pytest.raises(OlmoCtlError, match=r"runs on 2 x tpu7x-16, not 1"):
+        run_slices(rd, 1)

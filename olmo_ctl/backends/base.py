@@ -57,6 +57,7 @@ class Attempt:
     plan: Any = None  # its batching.Plan on `device`
     settings: Any = None  # site settings (config.Settings); None: the backend's own
     env: tuple[tuple[str, str], ...] = ()  # extra environment of the trainer (test fault injection)
+    slices: int = 1  # slices of `device` (multislice when > 1; GKE only)
 
 
 @dataclass(frozen=True)

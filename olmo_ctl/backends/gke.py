@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State
-from olmo_ctl.backends.jobset import render_jobset
+from olmo_ctl.backends.jobset import check_env, render_jobset
 from olmo_ctl.backends.kube import (
     DEFAULT_POLICY,
     KubeRetryPolicy,
@@ -135,7 +135,7 @@ class GKEBackend(Backend):
         if attempt.recipe is None or attempt.plan is None:
             raise ValueError("a GKE attempt carries its resolved recipe and plan (supervise.attempts.attempt_request)")
         jobset = render_jobset(attempt.recipe, attempt.plan, get_device(attempt.device), settings, attempt.run,
-                               attempt.attempt, attempt.run_dir)
+                               attempt.attempt, attempt.run_dir, attempt.slices)
         if attempt.extra_args or attempt.env:
             jobset = copy.deepcopy(jobset)
             for rj in jobset["spec"]["replicatedJobs"]:
@@ -144,6 +144,7 @@ class GKEBackend(Backend):
                         c["command"] = list(c.get("command") or []) + list(attempt.extra_args)
                         if attempt.env:
                             c.setdefault("env", []).extend({"name": k, "value": v} for k, v in attempt.env)
+                            check_env(c["env"])
         return jobset
 
     # ------------------------------------------------------------------ submit

@@ -1,4 +1,4 @@
-"""JobSet rendering: one attempt of a run on one TPU slice, from `launch_templates/`. Pure.
+"""JobSet rendering: one attempt of a run on one TPU slice (or N: multislice), from `launch_templates/`. Pure.
 
 `launch_templates/common.yaml` holds the JobSet's shape and its tunable `vars`; the generation's
 file (`tpu7x.yaml`, `v5p.yaml`) is merged over it. Placeholders (`${name}`) are filled on the parsed
@@ -19,7 +19,7 @@ from typing import Any
 
 from olmo_ctl.core.batching import Plan
 from olmo_ctl.core.config import Settings
-from olmo_ctl.core.devices import Device
+from olmo_ctl.core.devices import Device, check_slices
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import validate_run_name
 from olmo_ctl.core.recipe import Recipe
@@ -174,9 +174,10 @@ def libtpu_init_args(device: Device, recipe: Recipe | None, settings: Settings |
 # ---------------------------------------------------------------- rendering
 
 
-def trainer_command(run_dir: str, device: str, attempt: int) -> list[str]:
+def trainer_command(run_dir: str, device: str, attempt: int, slices: int = 1) -> list[str]:
     """What every pod runs; the trainer reads the resolved recipe from `<run_dir>/run.yaml`."""
-    return ["python", "-m", "olmo_ctl.trainer", "--run-dir", run_dir, "--device", device, "--attempt", str(attempt)]
+    cmd = ["python", "-m", "olmo_ctl.trainer", "--run-dir", run_dir, "--device", device, "--attempt", str(attempt)]
+    return cmd + (["--slices", str(slices)] if slices > 1 else [])
 
 
 def placement_policy_for(device: Device, settings: Settings) -> str | None:
@@ -203,19 +204,35 @@ def identity_note(settings: Settings | None) -> str | None:
             f"`{settings.service_account}`; that account needs read/write on the run root's bucket")
 
 
-def _env(template_env: dict[str, Any], name: str, slices: int, libtpu_args: str = "") -> list[dict]:
+# Multislice: the variables that join N slices over DCN. GKE's TPU webhook injects them into every pod
+# of a JobSet whose replicated job has several replicas and requests google.com/tpu (with TPU_WORKER_ID
+# and TPU_WORKER_HOSTNAMES): XPK's `workload create --num-slices N` sets none of them for TPU JobSets
+# (src/xpk/commands/workload.py WORKLOAD_CREATE_YAML; src/xpk/core/docker_resources.py get_env_container
+# -> format_env_dict(args.env) for TPU), nor does JobSet's own GKE multislice example
+# (site/static/examples/tpu-multislice/v6e-jax-workload.yaml), and JAX reads them from the environment
+# "for GKE via JobSet" (jax/_src/clusters/cloud_tpu_cluster.py). So the manifest never sets them, and
+# an extra env (the launch template's, a test's) may not name them either: a variable set twice.
+INJECTED_ENV = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "MEGASCALE_PORT",
+                "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES")
+
+
+def _env(template_env: dict[str, Any], libtpu_args: str = "") -> list[dict]:
     env = [{"name": str(k), "value": str(v)} for k, v in template_env.items()]
     if libtpu_args:
         env.append({"name": "LIBTPU_INIT_ARGS", "value": libtpu_args})
-    if slices > 1:
-        # Multislice: DCN rendezvous at worker 0 of slice 0; each slice learns its index from JobSet.
-        env += [
-            {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": f"{name}-{REPLICATED_JOB}-0-0.{name}"},
-            {"name": "MEGASCALE_NUM_SLICES", "value": str(slices)},
-            {"name": "MEGASCALE_SLICE_ID", "valueFrom": {"fieldRef": {
-                "fieldPath": "metadata.annotations['jobset.sigs.k8s.io/job-index']"}}},
-        ]
+    check_env(env)
     return env
+
+
+def check_env(env: list[dict]) -> None:
+    """Every variable once, and none of those GKE's TPU webhook injects."""
+    names = [e["name"] for e in env]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"environment variables set twice: {twice}")
+    injected = sorted(set(names) & set(INJECTED_ENV))
+    if injected:
+        raise ValueError(f"{injected} are injected by GKE's TPU webhook; the manifest must not set them")
 
 
 def render_jobset(
@@ -232,13 +249,12 @@ def render_jobset(
     if not device.is_tpu:
         raise BadInput(f"`{device.name}` is a local device; the GKE backend runs on TPU slices",
                        "use --backend local, or a TPU device such as tpu7x-128")
-    if plan.device != device.name or plan.devices != device.devices * slices:
+    slices = check_slices(device, slices)
+    if plan.device != device.name or plan.devices != device.devices * slices or plan.slices != slices:
         raise ValueError(f"plan for {plan.device} ({plan.devices} devices) does not match "
                          f"{slices} x {device.name}")
     if plan.recipe != recipe.name:
         raise ValueError(f"plan for recipe {plan.recipe} does not match recipe {recipe.name}")
-    if not isinstance(slices, int) or slices < 1:
-        raise BadInput(f"slices must be a positive integer, got {slices!r}")
     if not run_dir.startswith("gs://"):
         raise BadInput(f"run directory `{run_dir}` is not on GCS; TPU pods cannot see this machine's files",
                        "set the run root to gs://BUCKET/PREFIX (--run-root, OLMO_CTL_RUN_ROOT or run_root "
@@ -265,8 +281,8 @@ def render_jobset(
         "service_account": settings.service_account,
         "host_network": True if host_network(settings) else None,
         "dns_policy": "ClusterFirstWithHostNet" if host_network(settings) else None,
-        "env": _env(v["env"], name, slices, libtpu_init_args(device, recipe, settings)),
-        "trainer_command": trainer_command(run_dir, device.name, attempt),
+        "env": _env(v["env"], libtpu_init_args(device, recipe, settings)),
+        "trainer_command": trainer_command(run_dir, device.name, attempt, slices),
         "shm_size": v["shm_size"],
         "termination_grace_period_s": v["termination_grace_period_s"],
         "max_restarts": v["max_restarts"],
@@ -276,7 +292,8 @@ def render_jobset(
     jobset["metadata"]["annotations"].update({
         ANNOTATION_RECIPE: recipe.name,
         ANNOTATION_PLAN: f"global_batch={plan.global_batch} per_device_batch={plan.per_device_batch} "
-                         f"grad_accum={plan.grad_accum} devices={plan.devices}",
+                         f"grad_accum={plan.grad_accum} devices={plan.devices}"
+                         + (f" slices={plan.slices}" if plan.slices > 1 else ""),
     })
     leftover = _PLACEHOLDER.search(json.dumps(jobset))
     if leftover:

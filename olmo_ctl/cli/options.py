@@ -25,6 +25,10 @@ AdmissionTimeoutOpt = Annotated[float | None, typer.Option(
     "--admission-timeout", min=1, help="Stop an attempt admitted by Kueue whose pods are not all running after this "
     "many seconds (pods refused, unschedulable) and count an infrastructure failure (default 1800; compile not "
     "included).")]
+SlicesOpt = Annotated[int | None, typer.Option(
+    "--slices", min=1, help="Slices of --device joined over the data-center network (multislice, tpu7x and v5p "
+    "multi-host slices on GKE); the global batch is split over all of their devices. An existing run keeps its "
+    "own (default 1 for a new run); another count is a resize.")]
 BackendOpt = Annotated[str | None, typer.Option("--backend", help="gke or local.")]
 # Passed to the trainer of every attempt (see docs/running-on-gke.md, "Versions").
 AllowVersionChangeOpt = Annotated[bool, typer.Option(

@@ -25,7 +25,7 @@ def _duration(s: float) -> str:
 def _print_plan(r: dict) -> None:
     gib = 1024**3
     lines = [
-        f"{r['recipe']} on {r['device']}: {r['chips']} chips, {r['vms']} VM{'s' if r['vms'] != 1 else ''},"
+        f"{r['recipe']} on {r['device'] if r['slices'] == 1 else str(r['slices']) + ' x ' + r['device']}: {r['chips']} chips, {r['vms']} VM{'s' if r['vms'] != 1 else ''},"
         f" {r['devices']} devices",
         f"  global batch      {r['global_batch']} x {r['seq_len']} tokens = {r['tokens_per_step']:,} tokens/step",
         f"  per device        batch {r['per_device_batch']} x {r['grad_accum']} accumulation step(s)"
@@ -58,6 +58,7 @@ def _print_plan(r: dict) -> None:
 @app.command()
 def plan(
     device: DeviceOpt,
+    slices: Annotated[int, typer.Option("--slices", min=1, help="N slices of --device (multislice): the batch over all of their devices.")] = 1,
     stage: StageOpt = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
@@ -80,7 +81,7 @@ def plan(
     if plot_lr is not None and not plot_lr.lower().endswith(".png"):
         raise BadInput(f"--plot-lr `{plot_lr}` must name a .png file")
     r = load_recipe(recipe, stage, set_ or ())
-    report = plan_report(r, get_device(device), mfu)
+    report = plan_report(r, get_device(device), mfu, slices)
     if steps is not None:
         report["lr_at"] = {str(s): schedule.lr_at(r, s) for s in steps}
     if plot_lr is not None:

@@ -75,6 +75,7 @@ def preflight(
     stage: StageOpt = None,
     recipe: RecipeOpt = None,
     device: DeviceOpt = "tpu7x-128",
+    slices: Annotated[int, typer.Option("--slices", min=1, help="Compile for N slices of --device (multislice: the slices on the outer data-parallel axis).")] = 1,
     remat: Annotated[str | None, typer.Option("--remat", help="none | save_proj | full (default: the recipe's).")] = None,
     head_dim: Annotated[int | None, typer.Option("--head-dim", help="128 or 256 (same parameters, fewer wider heads).")] = None,
     search: Annotated[bool, typer.Option("--search", help="Try none, save_proj, full; recommend the first that fits.")] = False,
@@ -106,7 +107,7 @@ def preflight(
         raise BadInput("--search and --remat are exclusive", "--search tries every remat policy")
     if hbm_gib is not None and hbm_gib <= 0:
         raise BadInput("--hbm-gib must be positive")
-    kw = dict(head_dim=head_dim, n_layers=layers, per_device_batch=per_device_batch,
+    kw = dict(head_dim=head_dim, n_layers=layers, per_device_batch=per_device_batch, slices=slices,
               hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB), use_cache=not no_cache,
               settings=resolve_settings())
     if search:

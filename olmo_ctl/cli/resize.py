@@ -13,6 +13,7 @@ from olmo_ctl.cli.options import (
     NamespaceOpt,
     QueueOpt,
     RunRootOpt,
+    SlicesOpt,
     TimeoutOpt,
     _echo,
 )
@@ -24,6 +25,7 @@ from olmo_ctl.core.errors import BadInput
 def resize(
     run: Annotated[str, typer.Argument(metavar="RUN", help="The run to resize (its name under the run root).")],
     device: DeviceOpt,
+    slices: SlicesOpt = None,
     at_next_checkpoint: Annotated[bool, typer.Option(
         "--at-next-checkpoint", help="Wait for the next scheduled checkpoint to commit, then stop.")] = False,
     now: Annotated[bool, typer.Option(
@@ -37,11 +39,11 @@ def resize(
     queue: QueueOpt = None,
     image: ImageOpt = None,
 ) -> None:
-    """Continue RUN on DEVICE at the same global batch: commit the latest state, stop the attempt,
-    submit the next one on DEVICE. With a live supervisor, the request is recorded for it to carry out."""
+    """Continue RUN on DEVICE (and --slices N) at the same global batch: commit the latest state, stop the
+    attempt, submit the next one on DEVICE. With a live supervisor, the request is recorded for it to carry out."""
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.supervise.attempts import make_backend, run_settings
-    from olmo_ctl.supervise.resize import prepare, resize_run, supervisor_alive
+    from olmo_ctl.supervise.resize import on, prepare, resize_run, supervisor_alive
 
     if at_next_checkpoint and now:
         raise BadInput("--at-next-checkpoint and --now are exclusive", "give one of them")
@@ -51,9 +53,9 @@ def resize(
     rundir = RunDir.of(settings.run_root, run)
     settings = run_settings(settings, rundir)  # not chosen: the run's own backend
     be = make_backend(settings, device)
-    plan = prepare(rundir, be, device)
-    lines = [f"resize run `{run}`: attempt {plan.from_attempt} on {plan.old.device} -> attempt {plan.to_attempt} "
-             f"on {plan.new.device} ({mode})"] + ["  " + ln for ln in plan.plan_lines()]
+    plan = prepare(rundir, be, device, slices)
+    lines = [f"resize run `{run}`: attempt {plan.from_attempt} on {on(plan.old)} -> attempt {plan.to_attempt} "
+             f"on {on(plan.new)} ({mode})"] + ["  " + ln for ln in plan.plan_lines()]
     typer.echo("\n".join(lines))
     diff = plan.manifest_diff()
     if diff:
@@ -63,7 +65,7 @@ def resize(
     if not yes:
         if not sys.stdin.isatty():
             raise BadInput("resize needs a confirmation and there is no terminal to ask on", "pass -y to confirm")
-        if not typer.confirm(f"Resize `{run}` to {plan.new.device}?", default=False):
+        if not typer.confirm(f"Resize `{run}` to {on(plan.new)}?", default=False):
             _echo("not resized; nothing changed")
             raise typer.Exit(130)
     res = resize_run(rundir, be, plan, mode, timeout, log=_echo)
@@ -72,7 +74,7 @@ def resize(
     if res.action == "requested":
         typer.echo(f"resize request {res.request['id']} recorded for the supervisor of `{run}`")
     else:
-        typer.echo(f"resized `{run}`: attempt {res.attempt} on {plan.new.device} from committed step "
+        typer.echo(f"resized `{run}`: attempt {res.attempt} on {on(plan.new)} from committed step "
                    f"{res.committed_step} (global batch {plan.new.global_batch}, per-device batch "
                    f"{plan.old.per_device_batch} -> {plan.new.per_device_batch}, accumulation "
                    f"{plan.old.grad_accum} -> {plan.new.grad_accum})")

@@ -18,9 +18,10 @@ from olmo_ctl.cli.options import (
     QueueOpt,
     RunRootOpt,
     ServiceAccountOpt,
+    SlicesOpt,
 )
 from olmo_ctl.core.config import resolve_settings
-from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.devices import check_slices, get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import default_run_name, validate_run_name
 from olmo_ctl.core.recipe import load_recipe
@@ -34,6 +35,7 @@ def resume_until_done(
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
     device: Annotated[str | None, typer.Option("--device", help="Device of a new run (e.g. cpu-1, tpu7x-128).")] = None,
+    slices: SlicesOpt = None,
     backend: BackendOpt = None,
     run_root: RunRootOpt = None,
     retry_backoff: Annotated[float | None, typer.Option(
@@ -94,6 +96,8 @@ def resume_until_done(
     validate_run_name(name)
     if device is not None and settings.backend == "gke":
         check_device(settings.backend, get_device(device))
+    if device is not None and slices is not None:
+        check_slices(get_device(device), slices)
     policy = RetryPolicy.from_env(retry_backoff, max_retries, retry_user_errors=retry_user_errors,
                                   stall_factor=stall_factor, stall_min_s=stall_min, startup_limit_s=startup_timeout,
                                   admission_timeout_s=admission_timeout)
@@ -106,11 +110,11 @@ def resume_until_done(
     settings = run_settings(settings, rundir)
     if settings.backend == "gke" and "image" in settings.placeholders():
         raise BadInput("no image configured for the GKE backend", "pass --image or set OLMO_CTL_IMAGE")
-    ensure_run(rundir, r, device)
+    ensure_run(rundir, r, device, slices)
     be = make_backend(settings)
     hint = f"olmo-ctl resume-until-done {name} --run-root {settings.run_root} --backend {settings.backend}"
     sup = Supervisor(rundir, be, policy, device=device, poll_s=poll, stop_on_exit=stop_on_exit, reattach_hint=hint,
-                     lease_ttl_s=lease_ttl,
+                     lease_ttl_s=lease_ttl, slices=slices,
                      extra_args=("--allow-version-change",) if allow_version_change else ())
     sup.out.line(f"run directory: {rundir.path}")
 

@@ -20,6 +20,7 @@ from olmo_ctl.cli.options import (
     QueueOpt,
     RunRootOpt,
     ServiceAccountOpt,
+    SlicesOpt,
     note,
 )
 from olmo_ctl.core.batching import make_plan
@@ -47,6 +48,7 @@ def _write_manifest(path: Path, text: str) -> None:
 @app.command()
 def submit(
     device: DeviceOpt,
+    slices: SlicesOpt = None,
     stage: StageOpt = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
@@ -89,7 +91,7 @@ def submit(
     dev = get_device(device)
     run_name = validate_run_name(run) if run is not None else default_run_name(r)
     be = make_backend(settings, dev, render_only=dry_run)
-    plan = make_plan(r, dev)
+    plan = make_plan(r, dev, slices or 1)  # an existing run's own count is checked by submit_attempt
     if output_manifest is not None:
         _check_manifest_path(output_manifest)
     run_dir = f"{settings.run_root.rstrip('/')}/{run_name}"
@@ -106,19 +108,19 @@ def submit(
     if settings.backend == "gke" and identity_note(settings):
         note(identity_note(settings))
     if not dry_run:
-        def preflight() -> None:  # TPU slices only, when libtpu is installed; cached per recipe/device/trainer
+        def preflight(n: int) -> None:  # TPU slices only, when libtpu is installed; cached per recipe/device/trainer
             if settings.backend == "gke":  # the queue, priority class and flavor Kueue needs, before anything
                 from olmo_ctl.backends.doctor import submit_checks
 
-                submit_checks(be.api_client, settings, dev)
+                submit_checks(be.api_client, settings, dev, n)
             if not no_preflight:
                 from olmo_ctl.preflight.compile import submit_check
 
-                submit_check(r, dev, plan, log=note, settings=settings)
+                submit_check(r, dev, plan if n == plan.slices else make_plan(r, dev, n), log=note, settings=settings)
 
         submit_attempt(recipe=r, device=dev, settings=settings, run=run_name, run_dir=run_dir, attempt=attempt,
                        backend=be, before_create=preflight, show=show if output_manifest is not None else None,
-                       extra_args=extra_args, admission_timeout_s=admission_timeout)
+                       extra_args=extra_args, admission_timeout_s=admission_timeout, slices=slices)
         return
 
     for name in settings.placeholders():
@@ -126,5 +128,6 @@ def submit(
              f"OLMO_CTL_{name.upper()} or `{name}:` in the config file (see `olmo-ctl config show`)")
     if settings.backend == "gke" and settings.placement_policy and placement_policy_for(dev, settings) is None:
         note(f"placement policy `{settings.placement_policy}` is not used: {dev.name} node pools carry none")
-    att = new_request(run_name, run_dir, 1 if attempt is None else attempt, dev, r, settings, extra_args, plan=plan)
+    att = new_request(run_name, run_dir, 1 if attempt is None else attempt, dev, r, settings, extra_args, plan=plan,
+                      slices=plan.slices)
     show(be.printable(be.render(att)))

@@ -2,11 +2,14 @@
 
 The recipe's global batch is held exactly on any slice. Every JAX device holds a disjoint part of
 the batch (FSDP and hybrid FSDP x DP both shard the batch over all devices), so the data-parallel
-size is the device count. The micro-batch is the largest divisor of the per-device share that fits
+size is the device count. Multislice (N slices of one device type, joined over the data-center
+network) splits the global batch over all N x devices; each slice holds a full copy of the state,
+sharded over its own devices (the slices are data-parallel replicas: trainer/sharding.py). The micro-batch is the largest divisor of the per-device share that fits
 the per-device memory estimate below (and the recipe cap); the rest becomes accumulation steps.
 
 Memory estimate per device (bytes), documented so a plan can be checked by hand:
-  state       = params x (4 master + 4 + 4 Adam moments + 4 gradients) / devices      (FSDP shards all)
+  state       = params x (4 master + 4 + 4 Adam moments + 4 gradients) / devices of one slice
+                (FSDP shards over a slice; with N slices each slice holds its own copy)
   per instance:
     logits    = seq x padded_vocab x 4 bytes x 3  (fp32 logits, softmax and its gradient)
     residuals = n_layers x seq x d_model x act_bytes x k_remat
@@ -82,6 +85,7 @@ class Plan:
     activation_bytes_per_instance: int
     estimated_bytes_per_device: int
     hbm_bytes_per_device: int
+    slices: int = 1  # slices of `device` (multislice: devices = slices x the slice's devices)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,12 +95,17 @@ def _divisors_desc(n: int) -> list[int]:
     return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
 
 
-def make_plan(recipe: Recipe, device: Device) -> Plan:
+def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
+    """The plan on `slices` x `device` (slices > 1: multislice, the batch over every slice's devices)."""
+    from olmo_ctl.core.devices import check_slices
+
     t, m = recipe.train, recipe.model
-    devices = device.devices
-    if t.mesh == "hybrid" and devices % t.data_parallel:
+    slices = check_slices(device, slices)
+    devices = device.devices * slices
+    where = device.name if slices == 1 else f"{slices} x {device.name}"
+    if t.mesh == "hybrid" and device.devices % t.data_parallel:
         raise BadInput(
-            f"train.data_parallel ({t.data_parallel}) does not divide the {devices} devices of {device.name}",
+            f"train.data_parallel ({t.data_parallel}) does not divide the {device.devices} devices of {device.name}",
             "choose a data_parallel that divides the device count",
         )
     if t.global_batch % devices:
@@ -106,12 +115,12 @@ def make_plan(recipe: Recipe, device: Device) -> Plan:
             else f"use a device count that divides {t.global_batch}"
         )
         raise BadInput(
-            f"global batch {t.global_batch} cannot be split exactly over the {devices} devices of {device.name}"
+            f"global batch {t.global_batch} cannot be split exactly over the {devices} devices of {where}"
             f" (per-device batch would be {t.global_batch / devices:g})",
             f"{hint}, or change train.global_batch (the recipe's batch is never changed silently)",
         )
     share = t.global_batch // devices
-    state = state_bytes_per_device(m, devices)
+    state = state_bytes_per_device(m, device.devices)  # sharded within a slice, one copy per slice
     per_instance = activation_bytes_per_instance(m, t.seq_len)
     usable = int(device.hbm_bytes_per_device * USABLE_HBM_FRACTION)
     by_memory = (usable - state) // per_instance if per_instance else share
@@ -141,13 +150,14 @@ def make_plan(recipe: Recipe, device: Device) -> Plan:
         activation_bytes_per_instance=per_instance,
         estimated_bytes_per_device=state + micro * per_instance,
         hbm_bytes_per_device=device.hbm_bytes_per_device,
+        slices=slices,
     )
 
 
 DEFAULT_MFU = 0.4
 
 
-def plan_report(recipe: Recipe, device: Device, mfu: float = DEFAULT_MFU) -> dict:
+def plan_report(recipe: Recipe, device: Device, mfu: float = DEFAULT_MFU, slices: int = 1) -> dict:
     """The plan plus a compute estimate at an assumed MFU, by both FLOPs formulas (named).
 
     step time = FLOPs/token x tokens/step / (devices x peak per device x MFU); wall-clock = step
@@ -157,7 +167,8 @@ def plan_report(recipe: Recipe, device: Device, mfu: float = DEFAULT_MFU) -> dic
 
     if not 0 < mfu <= 1:
         raise BadInput(f"MFU {mfu:g} is not a fraction in (0, 1]", "for 40% pass 0.4")
-    plan = make_plan(recipe, device)
+    plan = make_plan(recipe, device, slices)
+    chips = device.chips * plan.slices
     fpt = {f: flops.flops_per_token(recipe.model, plan.seq_len, f) for f in flops.FORMULAS}
     sustained = device.peak_tflops_per_device * 1e12 * mfu * plan.devices  # FLOP/s over the slice
     estimate = {}
@@ -169,13 +180,13 @@ def plan_report(recipe: Recipe, device: Device, mfu: float = DEFAULT_MFU) -> dic
             "wall_clock_s": wall_s,
             "wall_clock_days": wall_s / 86400,
             "device_hours": wall_s * plan.devices / 3600,
-            "chip_hours": wall_s * device.chips / 3600 if device.chips else None,
+            "chip_hours": wall_s * chips / 3600 if chips else None,
             "tokens_per_s_per_device": plan.tokens_per_step / step_s / plan.devices,
         }
     return {
         **plan.to_dict(),
-        "chips": device.chips,
-        "vms": device.vms,
+        "chips": chips,
+        "vms": device.vms * plan.slices,
         "params": param_count(recipe.model),
         "flops_per_token": fpt,
         "steps": plan.max_steps,

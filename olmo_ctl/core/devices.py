@@ -173,6 +173,28 @@ def get_device(name: str) -> Device:
     return _tpu_device(GENERATIONS[gen], n)
 
 
+# Most slices of one multislice run. GKE's own limit is the node pools a cluster can hold; this bound
+# only keeps a typo (--slices 400) from reaching the plan.
+MAX_SLICES = 64
+
+
+def check_slices(device: Device, slices: int) -> int:
+    """The slice count of a run on `device`: 1, or N > 1 identical TPU slices joined over the data-center
+    network (multislice). GKE runs multislice on multi-host TPU node pools only; bad input otherwise."""
+    if isinstance(slices, bool) or not isinstance(slices, int) or not 1 <= slices <= MAX_SLICES:
+        raise BadInput(f"--slices {slices!r} is not a slice count: 1 <= N <= {MAX_SLICES}", "e.g. --slices 2")
+    if slices == 1:
+        return 1
+    if not device.is_tpu:
+        raise BadInput(f"--slices {slices}: `{device.name}` is a local device; multislice joins TPU slices on GKE",
+                       "use a TPU device such as tpu7x-128 (--backend gke), or --slices 1")
+    if device.vms < 2:
+        raise BadInput(f"--slices {slices}: `{device.name}` is a single-host slice; GKE runs multislice only on "
+                       "multi-host TPU node pools",
+                       f"use a multi-host slice ({device.generation}-16 or larger), or --slices 1")
+    return slices
+
+
 def _multi_host_cpu(name: str, count: str, hint: str) -> Device:
     p, _, d = count.partition("x")
     if not (p.isdigit() and d.isdigit()) or p.startswith("0") or d.startswith("0"):

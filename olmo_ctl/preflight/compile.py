@@ -157,25 +157,26 @@ def preflight_recipe(recipe: Recipe, *, remat: str | None = None, head_dim: int 
     return dataclasses.replace(recipe, model=dataclasses.replace(m, **changes))
 
 
-def plan_for(recipe: Recipe, device: Device, per_device_batch: int | None = None) -> Plan:
-    """The trainer's plan; `per_device_batch` forces the micro-batch (accumulation makes up the rest)."""
+def plan_for(recipe: Recipe, device: Device, per_device_batch: int | None = None, slices: int = 1) -> Plan:
+    """The trainer's plan on `slices` x `device`; `per_device_batch` forces the micro-batch (accumulation
+    makes up the rest)."""
     t = recipe.train
-    if per_device_batch is None:
-        return make_plan(recipe, device)
-    if t.global_batch % device.devices:
-        make_plan(recipe, device)  # raises the plan's own message
-    share = t.global_batch // device.devices
+    devices = device.devices * slices
+    if per_device_batch is None or t.global_batch % devices:
+        return make_plan(recipe, device, slices)  # (raises the plan's own message when it does not split)
+    share = t.global_batch // devices
     if per_device_batch < 1 or share % per_device_batch:
         raise BadInput(
             f"--per-device-batch {per_device_batch} does not divide the per-device share of the global batch"
-            f" ({t.global_batch} / {device.devices} devices = {share})",
+            f" ({t.global_batch} / {devices} devices = {share})",
             "choose a divisor of the share, or change train.global_batch",
         )
     relaxed = dataclasses.replace(recipe, train=dataclasses.replace(t, max_per_device_batch=per_device_batch))
     try:
-        base = make_plan(relaxed, device)
+        base = make_plan(relaxed, device, slices)
     except BadInput:  # the estimate says nothing fits: the compile is the judge here
-        base = make_plan(dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, n_layers=1)), device)
+        base = make_plan(dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, n_layers=1)), device,
+                         slices)
     return dataclasses.replace(base, per_device_batch=per_device_batch, grad_accum=share // per_device_batch,
                                remat=recipe.model.remat)
 
@@ -183,8 +184,9 @@ def plan_for(recipe: Recipe, device: Device, per_device_batch: int | None = None
 # ----------------------------------------------------------------------------- compile
 
 
-def topology_devices(device: Device):
-    """The slice's JAX devices from libtpu's topology description (no TPU attached)."""
+def topology_devices(device: Device, slices: int = 1):
+    """The slice's JAX devices from libtpu's topology description (no TPU attached); with `slices` > 1
+    those of N such slices, each device carrying its `slice_index` (libtpu's `num_slices`)."""
     if not device.is_tpu:
         raise BadInput(f"preflight compiles for TPU slices; `{device.name}` is a local device",
                        "pass a TPU device such as tpu7x-128 or v5p-256")
@@ -197,11 +199,12 @@ def topology_devices(device: Device):
     # libtpu takes a machine-wide lock file unless told otherwise; a compile-only process needs no
     # exclusive access to a TPU, and two preflights (or a test run) may compile at the same time.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=device.topology_name)
+    kw = {"num_slices": slices} if slices > 1 else {}
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=device.topology_name, **kw)
     devs = list(topo.devices)
-    if len(devs) != device.devices:
-        raise RuntimeError(f"libtpu topology {device.topology_name} has {len(devs)} devices, the catalog"
-                           f" says {device.devices}")
+    if len(devs) != device.devices * slices:
+        raise RuntimeError(f"libtpu topology {slices} x {device.topology_name} has {len(devs)} devices, the catalog"
+                           f" says {device.devices * slices}")
     return devs
 
 
@@ -277,11 +280,11 @@ def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | Non
         if libtpu_args:
             os.environ["LIBTPU_INIT_ARGS"] = libtpu_args
         _LIBTPU_ARGS_AT_START = os.environ.get("LIBTPU_INIT_ARGS", "")
-    devs = topology_devices(device)
+    devs = topology_devices(device, plan.slices)
     t = recipe.train
     # The topology's mesh is made current only while tracing (not activated for the process): a
     # later trace in this process (the trainer, a test) must not pin activations to abstract TPU devices.
-    mesh = sharding.make_mesh(devs, t.mesh, t.data_parallel, activate=False)
+    mesh = sharding.make_mesh(devs, t.mesh, t.data_parallel, activate=False, slices=plan.slices)
     state, state_shard, batch = abstract_inputs(recipe, mesh, plan.grad_accum)
     step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
     options = dict(xla_options or {})
@@ -366,19 +369,19 @@ def pod_xla_flags(recipe: Recipe, device: Device, settings: Settings | None) -> 
 def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, head_dim: int | None = None,
                   n_layers: int | None = None, per_device_batch: int | None = None,
                   hbm_bytes: int | None = None, use_cache: bool = True,
-                  settings: Settings | None = None) -> PreflightResult:
-    """Compile the train step of `recipe` for `device` and report memory, FLOPs and compile time.
+                  settings: Settings | None = None, slices: int = 1) -> PreflightResult:
+    """Compile the train step of `recipe` for `slices` x `device` and report memory, FLOPs and compile time.
 
     `hbm_bytes` overrides the device's HBM per device for the verdict only (the compile always
     targets the real chip). `settings` (site settings) may add XLA flags (`xla_flags`); the step
     compiles with the flags the pods get. Does not raise when the step does not fit: look at `fits`.
     """
     recipe = _tpu_attention(preflight_recipe(recipe, remat=remat, head_dim=head_dim, n_layers=n_layers))
-    plan = plan_for(recipe, device, per_device_batch)
+    plan = plan_for(recipe, device, per_device_batch, slices)
     hbm = int(hbm_bytes) if hbm_bytes is not None else usable_hbm_bytes(device)
     version = trainer_version()
     flags, xla_options = pod_xla_flags(recipe, device, settings)
-    key = cache_key(recipe, device, plan.per_device_batch, version, flags)
+    key = cache_key(recipe, device, plan.per_device_batch, version, flags, plan.slices)
     if use_cache:
         hit = load_cached(key)
         names = {f.name for f in dataclasses.fields(PreflightResult)}
@@ -414,7 +417,7 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
         # XLA's own count, plus the matmul FLOPs of every repeated loop iteration, plus the Pallas
         # kernels' (which XLA does not count).
         per_device = xla_once + (counted.with_trip_counts - counted.body_once) + counted.kernel
-        n = device.devices
+        n = plan.devices
         xla_step = per_device * n
         kernel = counted.kernel * n
         dense, recompute = counted.dense * n, counted.recompute * n
@@ -439,7 +442,7 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
                          f" {cap / GIB:.2f} GiB HBM per device")
     result = PreflightResult(
         recipe=recipe.name, recipe_fingerprint=recipe.fingerprint(), device=device.name,
-        topology=device.topology_name, devices=device.devices, per_device_batch=plan.per_device_batch,
+        topology=device.topology_name, devices=plan.devices, per_device_batch=plan.per_device_batch,
         grad_accum=plan.grad_accum, seq_len=recipe.train.seq_len, remat=m.remat, head_dim=m.head_dim,
         n_heads=m.n_heads, n_layers=m.n_layers, attention=m.attention, param_count=param_count(m),
         hbm_bytes_per_device=device.hbm_bytes_per_device, argument_bytes_per_device=arg,
@@ -534,12 +537,15 @@ def submit_check(recipe: Recipe, device: Device, plan: Plan, *, log=print,
     from olmo_ctl.backends.jobset import xla_flags_for
 
     r = _tpu_attention(recipe)
-    key = cache_key(r, device, plan.per_device_batch, trainer_version(), xla_flags_for(device, r, settings))
+    key = cache_key(r, device, plan.per_device_batch, trainer_version(), xla_flags_for(device, r, settings),
+                    plan.slices)
+    what = device.name if plan.slices == 1 else f"{plan.slices} x {device.name}"
     if load_cached(key) is None:
-        log(f"preflight: compiling the train step for {device.name} ({device.topology_name}) on this machine;"
+        log(f"preflight: compiling the train step for {what} ({device.topology_name}) on this machine;"
             " this takes a few minutes once per recipe, device and trainer version (--no-preflight skips it)")
     try:
-        result = run_preflight(recipe, device, per_device_batch=plan.per_device_batch, settings=settings)
+        result = run_preflight(recipe, device, per_device_batch=plan.per_device_batch, settings=settings,
+                               slices=plan.slices)
     except OlmoCtlError:
         raise
     except Exception as e:  # noqa: BLE001 - a step that does not compile would fail on the slice too

@@ -120,27 +120,30 @@ def handle_status(run_dir: str, handle: dict) -> AttemptStatus | None:
 
 
 def new_request(run: str, run_dir: str, attempt: int, device: Device | str, recipe: Any, settings: Any = None,
-                extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, plan: Any = None) -> Attempt:
-    """The attempt request every backend renders: resolved recipe, device and plan (made here unless given)."""
+                extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, plan: Any = None,
+                slices: int = 1) -> Attempt:
+    """The attempt request every backend renders: resolved recipe, device, slices and plan (made here
+    unless given)."""
     dev = get_device(device) if isinstance(device, str) else device
     return Attempt(run=run, run_dir=run_dir, attempt=attempt, device=dev.name, extra_args=tuple(extra_args),
-                   recipe=recipe, plan=plan if plan is not None else make_plan(recipe, dev), settings=settings,
-                   env=tuple((env or {}).items()))
+                   recipe=recipe, plan=plan if plan is not None else make_plan(recipe, dev, slices), settings=settings,
+                   env=tuple((env or {}).items()), slices=slices)
 
 
 def attempt_request(rundir: RunDir, attempt: int, device: str, recipe: Any = None, settings: Any = None,
-            extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Attempt:
+            extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, slices: int = 1) -> Attempt:
     """The request of attempt `attempt` of an existing run (its recipe from run.yaml unless given)."""
     return new_request(rundir.name, rundir.path, attempt, device, recipe if recipe is not None else rundir.recipe(),
-                       settings, extra_args, env)
+                       settings, extra_args, env, slices=slices)
 
 
 def submit_next(rundir: RunDir, backend: Backend, device: str, reason: str, *, recipe: Any = None,
                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, attempt: int | None = None,
                 committed_step: int | None = None, t: float | None = None,
                 show: Callable[[Any], None] | None = None, first: tuple[str, dict] | None = None,
-                fence: Lease | None = None, admission_timeout_s: float | None = None) -> Handle:
-    """Render the run's next attempt, send it and journal `submitted` (the caller checked liveness).
+                fence: Lease | None = None, admission_timeout_s: float | None = None, slices: int = 1) -> Handle:
+    """Render the run's next attempt on `slices` x `device`, send it and journal `submitted` (with the
+    device and the slice count; the caller checked liveness).
 
     With `fence` (the caller's lease) the attempt number is reserved under the lease first, the lease
     is checked once more just before the create, and the journal lines are written only while the
@@ -156,7 +159,7 @@ def submit_next(rundir: RunDir, backend: Backend, device: str, reason: str, *, r
     if fence is not None:  # reserved under the lease before anything exists (LeaseLost if taken over)
         n = rundir.reserve_attempt(fence, n)
     committed = rundir.committed_step() if committed_step is None else committed_step
-    rendered = backend.render(attempt_request(rundir, n, device, recipe, None, extra_args, env))
+    rendered = backend.render(attempt_request(rundir, n, device, recipe, None, extra_args, env, slices))
     if show is not None:
         show(backend.printable(rendered))
     if fence is not None:
@@ -166,7 +169,7 @@ def submit_next(rundir: RunDir, backend: Backend, device: str, reason: str, *, r
     try:
         if first is not None:
             rundir.append(first[0], fence=fence, **{**first[1], **({"attempt": n} if "attempt" in first[1] else {})})
-        rundir.append("submitted", attempt=n, device=device, committed_step=committed, reason=reason,
+        rundir.append("submitted", attempt=n, device=device, slices=slices, committed_step=committed, reason=reason,
                       handle=handle.to_dict(), backend=backend.name, t=t, fence=fence,
                       admission_timeout_s=admission_timeout_s)
     except LeaseLost:
@@ -255,11 +258,11 @@ def check_run(rundir: RunDir, recipe, device: str | None) -> str | None:
     return None
 
 
-def ensure_run(rundir: RunDir, recipe, device: str | None) -> dict:
+def ensure_run(rundir: RunDir, recipe, device: str | None, slices: int | None = None) -> dict:
     """Create run.yaml for a new run; for an existing one check that `recipe` (if given) is its recipe."""
     fp = check_run(rundir, recipe, device)
     if fp is not None:
-        return rundir.create_run(recipe.to_dict(), recipe.fingerprint(), fp, device)
+        return rundir.create_run(recipe.to_dict(), recipe.fingerprint(), fp, device, slices or 1)
     return rundir.read_run()
 
 
@@ -273,14 +276,31 @@ def run_device(rundir: RunDir, requested: str | None) -> str:
     return requested or current
 
 
+def run_slices(rundir: RunDir, requested: int | None) -> int:
+    """The slice count of an existing run's next attempt: the last attempt's (else run.yaml's; 1 where
+    neither says); another count is a resize, like another device."""
+    last = rundir.last_attempt() or {}
+    current = last.get("slices")
+    if current is None:
+        current = rundir.read_run().get("slices")
+    current = int(current or 1)
+    if requested is not None and requested != current:
+        device = last.get("device") or rundir.read_run().get("device")
+        raise BadInput(f"run `{rundir.name}` runs on {current} x {device}, not {requested}",
+                       f"to change the slice count, use `olmo-ctl resize {rundir.name} --device {device} "
+                       f"--slices {requested}` (same global batch)")
+    return current
+
+
 def submit_attempt(recipe=None, device=None, settings=None, run: str | None = None, run_dir: str | None = None,
                    attempt: int | None = None, backend: Backend | None = None,
-                   before_create: Callable[[], None] | None = None, show: Callable[[Any], None] | None = None,
+                   before_create: Callable[[int], None] | None = None, show: Callable[[Any], None] | None = None,
                    out: Callable[[str], None] | None = None, extra_args: tuple[str, ...] = (),
-                   admission_timeout_s: float | None = None) -> Handle:
+                   admission_timeout_s: float | None = None, slices: int | None = None) -> Handle:
     """`olmo-ctl submit`: create the run (or its next attempt) and submit it; returns once submitted.
+    `slices` (None: the run's own, 1 for a new run) is the number of slices of `device`.
 
-    The run is checked before `before_create` (the preflight compile) runs, and created after it, so
+    The run is checked before `before_create(slices)` (the preflight compile) runs, and created after it, so
     a refused run leaves nothing behind."""
     from olmo_ctl.rundir import RunDir
 
@@ -292,10 +312,12 @@ def submit_attempt(recipe=None, device=None, settings=None, run: str | None = No
     fp = check_run(rundir, recipe, dev_name)
     if not new:
         dev_name = run_device(rundir, dev_name)
+        slices = run_slices(rundir, slices)
+    slices = slices or 1
     if before_create is not None:
-        before_create()
+        before_create(slices)
     if fp is not None:
-        rundir.create_run(recipe.to_dict(), recipe.fingerprint(), fp, dev_name)
+        rundir.create_run(recipe.to_dict(), recipe.fingerprint(), fp, dev_name, slices)
     lease = rundir.acquire_lease(ttl_s=120)  # a supervisor running this run refuses us (exit 2)
     try:
         h, st = live_attempt(rundir, backend)
@@ -309,12 +331,13 @@ def submit_attempt(recipe=None, device=None, settings=None, run: str | None = No
             backend.stop(ended, graceful=True)
         handle = submit_next(rundir, backend, dev_name, "first attempt" if new else "submitted by hand",
                              recipe=recipe, extra_args=extra_args, attempt=attempt, show=show, fence=lease,
-                             admission_timeout_s=admission_timeout_s)
+                             admission_timeout_s=admission_timeout_s, slices=slices)
     finally:
         rundir.release_lease(lease)
     root = settings.run_root if settings is not None else rundir.path.rsplit("/", 1)[0]
     out(f"run directory: {rundir.path}")
-    out(f"attempt {handle.attempt} of run `{rundir.name}` submitted on {dev_name} ({backend.name}: {handle.name})")
+    on = dev_name if slices == 1 else f"{slices} x {dev_name}"
+    out(f"attempt {handle.attempt} of run `{rundir.name}` submitted on {on} ({backend.name}: {handle.name})")
     out("next: supervise it until the final step with")
     out(f"  olmo-ctl resume-until-done {rundir.name} --run-root {root} --backend {backend.name}")
     out(f"  olmo-ctl monitor {rundir.path}")

@@ -60,9 +60,10 @@ class ResizePlan:
     new_request: Any = None
 
     def plan_lines(self) -> list[str]:
-        """`field  old -> new` for every plan field; the invariant ones say so."""
+        """`field  old -> new` for every plan field; the invariant ones say so (slices: when multislice)."""
         out = []
-        for f in PLAN_FIELDS:
+        fields = PLAN_FIELDS if self.old.slices == self.new.slices == 1 else ("slices", *PLAN_FIELDS)
+        for f in fields:
             a, b = getattr(self.old, f), getattr(self.new, f)
             if f == "estimated_bytes_per_device":
                 f, a, b = "estimated GiB/device", f"{a / 2**30:.1f}", f"{b / 2**30:.1f}"
@@ -72,24 +73,32 @@ class ResizePlan:
 
     def manifest_diff(self) -> str:
         return request_diff(self.old_request, self.new_request,
-                            f"attempt {self.from_attempt} ({self.old.device})",
-                            f"attempt {self.to_attempt} ({self.new.device})")
+                            f"attempt {self.from_attempt} ({on(self.old)})",
+                            f"attempt {self.to_attempt} ({on(self.new)})")
 
     def to_dict(self) -> dict:
         return {"run": self.run, "from_attempt": self.from_attempt, "to_attempt": self.to_attempt,
-                "old": {f: getattr(self.old, f) for f in PLAN_FIELDS},
-                "new": {f: getattr(self.new, f) for f in PLAN_FIELDS}}
+                "old": {f: getattr(self.old, f) for f in ("slices", *PLAN_FIELDS)},
+                "new": {f: getattr(self.new, f) for f in ("slices", *PLAN_FIELDS)}}
 
 
-def plan_resize(recipe, old_device, new_device, run: str, from_attempt: int, to_attempt: int) -> ResizePlan:
-    """The old and new plans of a resize; BadInput when the new device cannot hold the global batch."""
-    if old_device.name == new_device.name:
-        raise BadInput(f"run `{run}` already runs on {new_device.name}", "name another device")
+def on(plan: Plan) -> str:
+    """What a plan runs on: `v5p-256`, or `2 x v5p-256` for multislice."""
+    return plan.device if plan.slices == 1 else f"{plan.slices} x {plan.device}"
+
+
+def plan_resize(recipe, old_device, new_device, run: str, from_attempt: int, to_attempt: int,
+                old_slices: int = 1, new_slices: int = 1) -> ResizePlan:
+    """The old and new plans of a resize (from `old_slices` x `old_device` to `new_slices` x
+    `new_device`); BadInput when the new one cannot hold the global batch."""
+    if old_device.name == new_device.name and old_slices == new_slices:
+        where = new_device.name if new_slices == 1 else f"{new_slices} x {new_device.name}"
+        raise BadInput(f"run `{run}` already runs on {where}", "name another device or slice count (--slices)")
     if old_device.is_tpu != new_device.is_tpu:
         raise BadInput(f"cannot resize `{run}` from {old_device.name} to {new_device.name}: one is a TPU slice, "
                        "the other a local device", "a resize stays on the run's backend (TPU <-> TPU, local <-> local)")
-    old = make_plan(recipe, old_device)
-    new = make_plan(recipe, new_device)
+    old = make_plan(recipe, old_device, old_slices)
+    new = make_plan(recipe, new_device, new_slices)
     # make_plan holds these by construction; a resize that changed them would silently change the run.
     for f in ("global_batch", "seq_len", "tokens_per_step", "max_steps"):
         if getattr(old, f) != getattr(new, f):
@@ -112,6 +121,13 @@ def request_diff(old: Any, new: Any, old_name: str, new_name: str) -> str:
 # ---------------------------------------------------------------- the run's current attempt
 
 
+def current_slices(rundir) -> int:
+    """The slice count of the run's newest submitted attempt (else run.yaml's; 1 where neither says)."""
+    last = rundir.last_attempt() or {}
+    n = last.get("slices")
+    return int(n if n is not None else rundir.read_run().get("slices") or 1)
+
+
 def current_attempt(rundir) -> tuple[int, str, Any]:
     """(attempt number, device, handle or None) of the run's newest submitted attempt."""
     last = rundir.last_attempt()
@@ -121,8 +137,9 @@ def current_attempt(rundir) -> tuple[int, str, Any]:
     return int(last.get("attempt") or 0), last.get("device"), last_handle(rundir)
 
 
-def prepare(rundir, backend, to_device: str) -> ResizePlan:
-    """Plan the resize of the run in `rundir` to `to_device`, with both attempts rendered (no side effect)."""
+def prepare(rundir, backend, to_device: str, to_slices: int | None = None) -> ResizePlan:
+    """Plan the resize of the run in `rundir` to `to_slices` x `to_device` (None: the run's own slice
+    count), with both attempts rendered (no side effect)."""
     recipe = rundir.recipe()
     attempt, device, _ = current_attempt(rundir)
     if not device:
@@ -132,9 +149,12 @@ def prepare(rundir, backend, to_device: str) -> ResizePlan:
         raise BadInput(f"run `{rundir.name}` is complete (checkpoint {done} of {recipe.train.max_steps} committed)",
                        "there is nothing left to run on another device")
     nxt = max(attempt, rundir.next_attempt_number() - 1) + 1
-    rp = plan_resize(recipe, get_device(device), get_device(to_device), rundir.name, attempt, nxt)
-    old_req = backend.render(attempt_request(rundir, max(attempt, 1), device, recipe)) if attempt else None
-    new_req = backend.render(attempt_request(rundir, nxt, to_device, recipe))
+    slices = current_slices(rundir)
+    to_slices = slices if to_slices is None else to_slices
+    rp = plan_resize(recipe, get_device(device), get_device(to_device), rundir.name, attempt, nxt, slices, to_slices)
+    old_req = (backend.render(attempt_request(rundir, max(attempt, 1), device, recipe, slices=slices))
+               if attempt else None)
+    new_req = backend.render(attempt_request(rundir, nxt, to_device, recipe, slices=to_slices))
     return ResizePlan(rp.run, rp.from_attempt, rp.to_attempt, rp.old, rp.new, old_req, new_req)
 
 
@@ -158,8 +178,10 @@ def record_request(rundir, device: str, mode: str, plan: ResizePlan | None = Non
     """Write `<run>/resize.json` for the supervisor and journal `resize_requested`."""
     if mode not in MODES:
         raise BadInput(f"resize mode `{mode}` is not one of {', '.join(MODES)}")
-    doc = {"device": device, "mode": mode, "reason": f"resize to {device} ({mode})", "time": utc_now_iso(),
-           "id": uuid.uuid4().hex[:8]}
+    doc = {"device": device, "mode": mode, "reason": f"resize to {on(plan.new) if plan else device} ({mode})",
+           "time": utc_now_iso(), "id": uuid.uuid4().hex[:8]}
+    if plan is not None:
+        doc["slices"] = plan.new.slices
     rundir.store.write_text(rundir.p("resize.json"), json.dumps(doc))
     rundir.append("resize_requested", device=device, reason=doc["reason"], request=doc["id"], mode=mode,
                   plan=plan.to_dict() if plan else None)
@@ -252,12 +274,14 @@ def submit_resized(rundir, backend, plan: ResizePlan, committed_step: int, mode:
                    request_id: str | None = None, fence=None):
     """Submit attempt `plan.to_attempt` on the new device and journal `resized` and `submitted`."""
     resized = dict(attempt=plan.to_attempt, device=plan.new.device, committed_step=committed_step,
-                   reason=f"{plan.old.device} -> {plan.new.device} ({mode})", from_device=plan.old.device,
+                   reason=f"{on(plan.old)} -> {on(plan.new)} ({mode})", from_device=plan.old.device,
+                   slices=plan.new.slices, from_slices=plan.old.slices,
                    from_attempt=plan.from_attempt, request=request_id, mode=mode,
                    global_batch=plan.new.global_batch, tokens_per_step=plan.new.tokens_per_step,
                    old_plan=plan.to_dict()["old"], new_plan=plan.to_dict()["new"])
-    return submit_next(rundir, backend, plan.new.device, f"resize from {plan.old.device}", attempt=plan.to_attempt,
-                       committed_step=committed_step, first=("resized", resized), fence=fence)
+    return submit_next(rundir, backend, plan.new.device, f"resize from {on(plan.old)}", attempt=plan.to_attempt,
+                       committed_step=committed_step, first=("resized", resized), fence=fence,
+                       slices=plan.new.slices)
 
 
 def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: float = 3600.0,
@@ -303,7 +327,7 @@ def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: 
             res.notes.append("no live attempt: the next one starts from the last committed checkpoint")
         res.handle = submit_resized(rundir, backend, plan, res.committed_step, mode, fence=lease)
         res.attempt, res.action = res.handle.attempt, "resized"
-        log(f"attempt {plan.to_attempt} submitted on {plan.new.device} from checkpoint {res.committed_step}")
+        log(f"attempt {plan.to_attempt} submitted on {on(plan.new)} from checkpoint {res.committed_step}")
         return res
     finally:
         rundir.release_lease(lease)
@@ -336,7 +360,7 @@ def carry_out_request(rundir, backend, handle, request: dict, deadline_s: float 
         rundir.clear_resize()
         return None
     try:
-        plan = prepare(rundir, backend, request["device"])
+        plan = prepare(rundir, backend, request["device"], request.get("slices"))
     except OlmoCtlError as e:
         return refuse(e.one_line())
     if mode not in MODES:

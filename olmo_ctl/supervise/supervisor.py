@@ -48,7 +48,14 @@ from olmo_ctl.core.errors import (
 from olmo_ctl.observe.reader import read_scalars
 from olmo_ctl.rundir import LeaseLost, RunDir, parse_iso
 from olmo_ctl.supervise import resize
-from olmo_ctl.supervise.attempts import last_handle, live_attempt, run_device, stop_and_wait, submit_next
+from olmo_ctl.supervise.attempts import (
+    last_handle,
+    live_attempt,
+    run_device,
+    run_slices,
+    stop_and_wait,
+    submit_next,
+)
 from olmo_ctl.supervise.policy import (
     DEFAULT_ADMISSION_TIMEOUT_S,
     DONE,
@@ -124,12 +131,13 @@ class Supervisor:
                  poll_s: float = 10.0, lease_ttl_s: float | None = None, stop_on_exit: bool = False,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                  printer: Printer | None = None, rng: random.Random | None = None, reattach_hint: str = "",
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), slices: int | None = None):
         self.rd = rundir
         self.extra_args = tuple(extra_args)  # trainer flags for every attempt (e.g. --allow-version-change)
         self.backend = backend
         self.policy = policy
         self.device = device
+        self.slices = slices  # None: the run's own (1 for a new run)
         self.poll_s = poll_s
         self.lease_ttl_s = lease_ttl_s or max(300.0, 6 * poll_s)
         self.stop_on_exit = stop_on_exit
@@ -155,6 +163,9 @@ class Supervisor:
         self._journal(event, reason, **kw)
         a = kw.get("attempt", self.handle.attempt if self.handle else None)
         self.out.line(f"{event}" + (f" (attempt {a})" if a else "") + (f": {reason}" if reason else ""))
+
+    def _on(self) -> str:
+        return self.device if (self.slices or 1) == 1 else f"{self.slices} x {self.device}"
 
     def _beat(self) -> None:
         if self.lease is not None:
@@ -198,6 +209,7 @@ class Supervisor:
         self.recipe = self.rd.recipe()  # read once: every attempt of this supervisor renders from it
         self.final = int(self.recipe.train.max_steps)
         self.device = run_device(self.rd, self.device)
+        self.slices = run_slices(self.rd, self.slices)
         committed = self.rd.committed_step()
         history = History(best_step=committed)
         self._say("supervisor_started", f"committed step {committed}/{self.final}; holder {self.lease.holder}",
@@ -232,8 +244,9 @@ class Supervisor:
                     self._beat()  # a supervisor that lost its lease must not submit
                     self.handle = submit_next(self.rd, self.backend, self.device, reason, recipe=self.recipe,
                                               extra_args=self.extra_args, committed_step=committed, t=self.clock(),
-                                              fence=self.lease, admission_timeout_s=self.policy.admission_timeout_s)
-                    self.out.line(f"submitted attempt {self.handle.attempt} on {self.device} ({self.handle.name}): "
+                                              fence=self.lease, admission_timeout_s=self.policy.admission_timeout_s,
+                                              slices=self.slices)
+                    self.out.line(f"submitted attempt {self.handle.attempt} on {self._on()} ({self.handle.name}): "
                                   f"{reason}")
             watched = self._watch(self.handle)
             st = watched.status
@@ -430,5 +443,7 @@ class Supervisor:
         if new is None:
             return h
         self.device = req.get("device") or self.device
-        self.out.line(f"resized: attempt {new.attempt} on {self.device}")
+        if req.get("slices") is not None:
+            self.slices = int(req["slices"])
+        self.out.line(f"resized: attempt {new.attempt} on {self._on()}")
         return new

@@ -19,6 +19,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--recipe", help="recipe file, name from recipes/, or gs:// URL (default: <run-dir>/run.yaml)")
     p.add_argument("--run-dir", required=True, help="run directory (local path or gs://)")
     p.add_argument("--device", help="device type, e.g. v5p-256, tpu7x-128, cpu-4")
+    p.add_argument("--slices", type=int, default=1, help="slices of --device (multislice, joined over DCN)")
     p.add_argument("--attempt", type=int, default=0, help="attempt number (names the event segments)")
     p.add_argument("--stop-at-step", type=int, default=None, help="stop after step N with checkpoint N committed")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -102,7 +103,7 @@ def _main(ns: argparse.Namespace) -> int:
         _prepare_env(ns.device)
         from olmo_ctl.trainer.train import TrainArgs, load_run_recipe, main_run
 
-        args = TrainArgs(run_dir=ns.run_dir, recipe=ns.recipe, device=ns.device, attempt=ns.attempt,
+        args = TrainArgs(run_dir=ns.run_dir, recipe=ns.recipe, device=ns.device, slices=ns.slices, attempt=ns.attempt,
                          stop_at_step=ns.stop_at_step, overrides=list(ns.overrides),
                          allow_data_change=ns.allow_data_change, init_from=ns.init_from)
         recipe = load_run_recipe(args)

@@ -5,6 +5,10 @@ The mesh always has two axes, ("data", "fsdp"):
 * `hybrid`: data = `data_parallel` replicas x fsdp = devices / data_parallel. Parameters are sharded
   over `fsdp` and replicated over `data` (gradients are reduced over both).
 The batch is always split over ("data", "fsdp"), so every device holds a disjoint part of it.
+* multislice (`slices` = N > 1): the slices are the outer part of `data` (data = N x the per-slice
+  replicas), joined over the data-center network (DCN); `fsdp` stays inside a slice (ICI), so weight
+  gathers never cross DCN and only the gradient all-reduce does. The devices are grouped by their
+  `slice_index` (jax.experimental.mesh_utils.create_hybrid_device_mesh on TPU).
 
 A parameter is sharded on its largest axis divisible by the `fsdp` size, never on the leading layer
 axis of stacked block weights (scan slices that axis every layer). If no axis divides, it is replicated.
@@ -22,12 +26,19 @@ AXES = ("data", "fsdp")
 _active: Mesh | None = None
 
 
-def make_mesh(devices=None, kind: str = "fsdp", data_parallel: int = 1, activate: bool = True) -> Mesh:
+def make_mesh(devices=None, kind: str = "fsdp", data_parallel: int = 1, activate: bool = True,
+              slices: int = 1) -> Mesh:
     """The ("data", "fsdp") mesh. With `activate` the model traced afterwards pins its activations to
     batch sharding on this mesh (see `activation_mesh`); without that XLA may keep weights sharded and
-    all-reduce activations every layer instead of gathering weights (FSDP)."""
+    all-reduce activations every layer instead of gathering weights (FSDP). With `slices` > 1 the
+    slices are the outer data-parallel (DCN) part of `data` (`multislice_devices`)."""
     global _active
     devices = list(jax.devices() if devices is None else devices)
+    if slices > 1:
+        mesh = Mesh(multislice_devices(devices, kind, data_parallel, slices), AXES)
+        if activate:
+            _active = mesh
+        return mesh
     n = len(devices)
     if kind == "fsdp":
         dp = 1
@@ -41,6 +52,45 @@ def make_mesh(devices=None, kind: str = "fsdp", data_parallel: int = 1, activate
     if activate:
         _active = mesh
     return mesh
+
+
+def _slice_groups(devices: list, slices: int) -> list[list]:
+    """The devices of each slice, slice 0 first: by `slice_index` (the TPU runtime's, set on every
+    device of a multislice job), else in the order given (N equal consecutive groups)."""
+    n = len(devices)
+    if slices < 1 or n % slices:
+        raise ValueError(f"{slices} slices do not split the {n} devices")
+    index = [getattr(d, "slice_index", None) for d in devices]
+    if all(i is not None for i in index):
+        found = sorted(set(index))
+        if found != list(range(slices)):
+            raise ValueError(f"the devices carry slice_index {found}, expected 0..{slices - 1}")
+        groups = [[d for d in devices if d.slice_index == s] for s in range(slices)]
+        if len({len(g) for g in groups}) != 1:
+            raise ValueError(f"slices of unequal size: {[len(g) for g in groups]} devices")
+        return groups
+    per = n // slices
+    return [devices[i * per:(i + 1) * per] for i in range(slices)]
+
+
+def multislice_devices(devices: list, kind: str, data_parallel: int, slices: int) -> np.ndarray:
+    """The [slices x dp, per_slice / dp] device array of a multislice mesh: row block s holds slice s.
+
+    On TPU, jax.experimental.mesh_utils.create_hybrid_device_mesh orders each slice's devices for its
+    ICI torus (mesh shape (dp, per_slice/dp) inside a slice, DCN shape (slices, 1) across them);
+    elsewhere (tests, CPU) each slice's devices keep their order."""
+    groups = _slice_groups(devices, slices)
+    per = len(groups[0])
+    dp = 1 if kind == "fsdp" else data_parallel
+    if kind not in ("fsdp", "hybrid"):
+        raise ValueError(f"unknown mesh kind {kind!r} (fsdp or hybrid)")
+    if dp < 1 or per % dp:
+        raise ValueError(f"data_parallel={dp} does not divide the {per} devices of a slice")
+    if all(getattr(d, "platform", None) == "tpu" and getattr(d, "slice_index", None) is not None for d in devices):
+        from jax.experimental import mesh_utils
+
+        return mesh_utils.create_hybrid_device_mesh((dp, per // dp), (slices, 1), devices)
+    return np.concatenate([np.asarray(g, dtype=object).reshape(dp, per // dp) for g in groups], axis=0)
 
 
 def deactivate() -> None:

@@ -79,6 +79,7 @@ class TrainArgs:
     run_dir: str
     recipe: str | None = None
     device: str | None = None
+    slices: int = 1  # slices of `device` (multislice: N x the device's processes and devices)
     attempt: int = 0
     stop_at_step: int | None = None
     overrides: list[str] = field(default_factory=list)
@@ -172,12 +173,14 @@ def _device_for(args: TrainArgs):
             raise BadInput("cannot tell the TPU slice type", "pass --device, e.g. --device v5p-256")
         else:
             dev = get_device(f"{platform}-{jax.device_count()}")
-    if dev.devices != jax.device_count():
-        raise BadInput(f"--device {dev.name} has {dev.devices} devices but JAX sees {jax.device_count()}",
+    n = args.slices
+    what = dev.name if n == 1 else f"{n} x {dev.name}"
+    if dev.devices * n != jax.device_count():
+        raise BadInput(f"--device {what} has {dev.devices * n} devices but JAX sees {jax.device_count()}",
                        f"run with the matching device (e.g. cpu-{jax.device_count()})")
-    if dev.processes != jax.process_count():
-        raise BadInput(f"--device {dev.name} runs {dev.processes} processes but JAX joined {jax.process_count()}",
-                       "start every host of the slice with the same --device")
+    if dev.processes * n != jax.process_count():
+        raise BadInput(f"--device {what} runs {dev.processes * n} processes but JAX joined {jax.process_count()}",
+                       "start every host of the slice with the same --device (and --slices)")
     return dev
 
 
@@ -215,12 +218,12 @@ def _setup(args: TrainArgs) -> _Setup:
 
     recipe = load_run_recipe(args)
     device = _device_for(args)
-    plan = batching.make_plan(recipe, device)
+    plan = batching.make_plan(recipe, device, args.slices)
     t = recipe.train
     final_step = t.max_steps if args.stop_at_step is None else min(args.stop_at_step, t.max_steps)
     if args.stop_at_step is not None and args.stop_at_step < 0:
         raise BadInput("--stop-at-step must be >= 0")
-    mesh = sharding.make_mesh(jax.devices(), t.mesh, t.data_parallel)
+    mesh = sharding.make_mesh(jax.devices(), t.mesh, t.data_parallel, slices=args.slices)
     return _Setup(recipe, device, plan, mesh, final_step, jax.process_index(), jax.process_count(),
                   jax.local_device_count())
 
@@ -339,8 +342,8 @@ class _MetricLog:
         if not math.isfinite(ce) or not math.isfinite(grad_norm):
             raise TrainingFailed(f"loss is not finite at step {step} (CE {ce}, grad norm {grad_norm})",
                                  "lower the learning rate or check the data; restarting would fail again")
-        tps = tokens_per_step / step_time / s.device.devices
-        tps_avg = tokens_per_step * self.steps / max(elapsed, 1e-9) / s.device.devices
+        tps = tokens_per_step / step_time / s.plan.devices  # every slice's devices
+        tps_avg = tokens_per_step * self.steps / max(elapsed, 1e-9) / s.plan.devices
         mfu = flops.mfu(flops.tflops_per_device(tps, self.fpt), s.device)
         mfu_avg = flops.mfu(flops.tflops_per_device(tps_avg, self.fpt), s.device)
         lr = float(m["lr"])
