@@ -34,12 +34,13 @@ def test_per_device_batch(stage, device, per_device):
 
 
 def test_too_many_devices_is_a_clear_refusal():
+    # (with sequence sharding allowed the plan splits each sequence instead: test_seq_shards.py)
     with pytest.raises(BadInput) as e:
-        make_plan(load_recipe(stage=1), get_device("tpu7x-1024"))
+        make_plan(load_recipe(stage=1, overrides=["train.seq_shards=1"]), get_device("tpu7x-1024"))
     msg = e.value.one_line()
     assert "512" in msg and "1024 devices" in msg and "never changed silently" in msg
     with pytest.raises(BadInput, match="256 cannot be split"):
-        make_plan(load_recipe(stage=2), get_device("tpu7x-512"))
+        make_plan(load_recipe(stage=2, overrides=["train.seq_shards=1"]), get_device("tpu7x-512"))
 
 
 def test_small_slice_accumulates_to_the_exact_global_batch():
@@ -89,7 +90,7 @@ def test_plan_table_names_both_formulas_and_accumulation():
 
 
 def test_plan_refusals_exit_2():
-    p = _cli("plan", "--stage", "1", "--device", "tpu7x-1024")
+    p = _cli("plan", "--stage", "1", "--device", "tpu7x-1024", "--set", "train.seq_shards=1")
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.startswith("error: global batch 512 cannot be split") and p.stderr.count("\n") == 1
     p = _cli("plan", "--stage", "1", "--device", "v5p-8", "--mfu", "40")

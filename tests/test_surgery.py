@@ -103,3 +103,24 @@ def test_init_from_a_converted_checkpoint(src, tmp_path):
     p = train(tmp_path / "bad", "--stop-at-step", "1", "--init-from", str(tmp_path / "converted"),
               "--set", "model.d_model=32", expect=2)
     assert "does not hold parameters of this recipe's model" in p.stderr
+
+
+def test_stage2_to_stage3_hand_off_with_packing_yarn_and_seq_shards(src, tmp_path):
+    """Stage 3 as the recipe starts it, at smoke size: warm-Adam from the last checkpoint, then packed
+    documents (groups of 8 files, permutation seed 123), YaRN, LinearWithWarmup, each sequence split
+    over 2 of 4 devices; the step-0 checkpoint written on one device restores onto that mesh."""
+    dst = tmp_path / "stage3"
+    olmo_ctl("surgery", "warm-adam", str(src / "checkpoints" / "6"), str(dst))
+    p = train(dst, "--stop-at-step", "2", "--set", "schedule.kind=linear", "--set", "schedule.warmup_steps=2",
+              "--set", "schedule.alpha=0", "--set", "data.seed=34521", "--set", "data.packed=true",
+              "--set", "data.source_group_size=8", "--set", "data.source_permutation_seed=123",
+              "--set", "model.rope_scaling={kind: yarn, factor: 4.0, beta_fast: 32.0, beta_slow: 1.0, "
+              "original_context: 32, full_layers_only: true}",
+              "--set", "train.seq_shards=2", device="cpu-4")
+    assert "restored checkpoint 0" in p.stdout
+    ev = scalars(dst)
+    assert ev["optim/LR (group 0)"][1] == pytest.approx(3e-3 * 1 / 2, rel=1e-6)  # warmup step 1 of 2
+    assert ev["train/CE loss"][1] < scalars(src)["train/CE loss"][1] - 0.3  # the stage-2 weights
+    after, meta = load(dst / "checkpoints" / "2")
+    assert int(after["opt"]["count"]) == 8  # the stage-2 moments, updated on
+    assert meta["data"]["batches_seen"] == 2 and ":packed=g8:" in meta["data"]["fingerprint"]

@@ -29,7 +29,9 @@ def _print_plan(r: dict) -> None:
         f" {r['devices']} devices",
         f"  global batch      {r['global_batch']} x {r['seq_len']} tokens = {r['tokens_per_step']:,} tokens/step",
         f"  per device        batch {r['per_device_batch']} x {r['grad_accum']} accumulation step(s)"
-        f" = {r['global_batch'] // r['devices']} instances per step",
+        + (f" = {r['global_batch'] // r['devices']} instances per step" if r.get("seq_shards", 1) == 1 else
+           f" of 1/{r['seq_shards']} instance\n  seq_shards        {r['seq_shards']} (each sequence split over"
+           f" {r['seq_shards']} devices, {r['data_parallel']} groups)"),
         f"  memory estimate   {r['estimated_bytes_per_device'] / gib:.1f} GiB of {r['hbm_bytes_per_device'] / gib:.0f}"
         f" GiB HBM per device (remat {r['remat']})",
         f"  steps             {r['steps']:,} ({r['tokens']:,} tokens)",

@@ -18,6 +18,14 @@ Memory estimate per device (bytes), documented so a plan can be checked by hand:
     working   = seq x (10 x d_model + 3 x mlp_hidden) x act_bytes   (one block being recomputed)
   usable      = HBM x 0.85 (XLA's own buffers and fragmentation)
 The compiled truth is `olmo-ctl preflight`; this estimate only chooses accumulation.
+
+Sequence sharding (`seq_shards`, context parallelism): when the slice has more devices than the
+global batch has instances, or one instance does not fit a device, each instance is split over
+`seq_shards` consecutive devices (the smallest number that divides the devices, train.seq_len,
+model.n_heads and n_kv_heads, leaves a data-parallel size dividing the global batch and fits the
+estimate; `train.seq_shards` fixes it). Then `per_device_batch x grad_accum x devices ==
+global_batch x seq_shards`: a device holds 1/seq_shards of each of its instances, and its
+activation estimate is the instance's divided by seq_shards.
 """
 
 from __future__ import annotations
@@ -75,7 +83,7 @@ class Plan:
     devices: int
     data_parallel: int  # devices sharing each global batch
     global_batch: int
-    per_device_batch: int  # instances per device per micro-step
+    per_device_batch: int  # instances per device per micro-step (instance shards when seq_shards > 1)
     grad_accum: int
     seq_len: int
     tokens_per_step: int
@@ -86,6 +94,7 @@ class Plan:
     estimated_bytes_per_device: int
     hbm_bytes_per_device: int
     slices: int = 1  # slices of `device` (multislice: devices = slices x the slice's devices)
+    seq_shards: int = 1  # devices each instance's sequence is split over (1: unsharded), within a slice
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,20 +104,46 @@ def _divisors_desc(n: int) -> list[int]:
     return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
 
 
+def _seq_candidates(recipe: Recipe, devices: int) -> list[int]:
+    """Sequence shard counts the model and slice allow, smallest first (`devices`: one slice's)."""
+    t, m = recipe.train, recipe.model
+    dp = t.data_parallel if t.mesh == "hybrid" else 1
+    return [s for s in range(1, devices + 1)
+            if devices % (s * dp) == 0 and t.seq_len % s == 0 and m.n_heads % s == 0 and m.n_kv_heads % s == 0]
+
+
 def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
-    """The plan on `slices` x `device` (slices > 1: multislice, the batch over every slice's devices)."""
+    """The plan on `slices` x `device` (slices > 1: multislice, the batch over every slice's devices).
+    Sequence shards (`train.seq_shards`, or the smallest count that evens the batch out and fits)
+    stay within a slice."""
     from olmo_ctl.core.devices import check_slices
 
     t, m = recipe.train, recipe.model
     slices = check_slices(device, slices)
     devices = device.devices * slices
     where = device.name if slices == 1 else f"{slices} x {device.name}"
+    gib = 1024**3
     if t.mesh == "hybrid" and device.devices % t.data_parallel:
         raise BadInput(
             f"train.data_parallel ({t.data_parallel}) does not divide the {device.devices} devices of {device.name}",
             "choose a data_parallel that divides the device count",
         )
-    if t.global_batch % devices:
+    state = state_bytes_per_device(m, device.devices)  # sharded within a slice, one copy per slice
+    per_instance = activation_bytes_per_instance(m, t.seq_len)
+    usable = int(device.hbm_bytes_per_device * USABLE_HBM_FRACTION)
+    allowed = _seq_candidates(recipe, device.devices)
+    if t.seq_shards:
+        if t.seq_shards not in allowed:
+            raise BadInput(
+                f"train.seq_shards {t.seq_shards} does not fit {device.name}: it must divide the {device.devices} "
+                f"devices (with train.data_parallel), train.seq_len ({t.seq_len}) and the heads ({m.n_heads}, "
+                f"{m.n_kv_heads})",
+                f"choose one of {', '.join(map(str, allowed))}, or 0 to let the plan choose")
+        candidates = [t.seq_shards]
+    else:
+        candidates = allowed
+    split = [s for s in candidates if (t.global_batch * s) % devices == 0]
+    if not split:
         hint = (
             f"use a slice with at most {t.global_batch} devices"
             if devices > t.global_batch
@@ -116,21 +151,23 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
         )
         raise BadInput(
             f"global batch {t.global_batch} cannot be split exactly over the {devices} devices of {where}"
-            f" (per-device batch would be {t.global_batch / devices:g})",
+            f" (per-device batch would be {t.global_batch / devices:g}"
+            + (f" with seq_shards {t.seq_shards})" if t.seq_shards else ", and no sequence sharding evens it out)"),
             f"{hint}, or change train.global_batch (the recipe's batch is never changed silently)",
         )
-    share = t.global_batch // devices
-    state = state_bytes_per_device(m, device.devices)  # sharded within a slice, one copy per slice
-    per_instance = activation_bytes_per_instance(m, t.seq_len)
-    usable = int(device.hbm_bytes_per_device * USABLE_HBM_FRACTION)
-    by_memory = (usable - state) // per_instance if per_instance else share
-    cap = share if t.max_per_device_batch == 0 else min(share, t.max_per_device_batch)
-    cap = min(cap, by_memory)
-    if cap < 1:
-        gib = 1024**3
+    for seq in split:
+        share = t.global_batch * seq // devices  # instance shards per device per step
+        shard_bytes = -(-per_instance // seq)
+        by_memory = (usable - state) // shard_bytes if shard_bytes else share
+        cap = share if t.max_per_device_batch == 0 else min(share, t.max_per_device_batch)
+        cap = min(cap, by_memory)
+        if cap >= 1:
+            break
+    else:
         raise BadInput(
             f"{recipe.name} does not fit on {device.name}: the estimate needs {state / gib:.1f} GiB of state"
-            f" + {per_instance / gib:.1f} GiB per instance per device, {usable / gib:.1f} GiB usable",
+            f" + {per_instance / split[-1] / gib:.1f} GiB per instance per device (seq_shards {split[-1]}),"
+            f" {usable / gib:.1f} GiB usable",
             "use a larger slice or a stronger remat policy (model.remat=full)",
         )
     micro = next(d for d in _divisors_desc(share) if d <= cap)
@@ -138,7 +175,7 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
         recipe=recipe.name,
         device=device.name,
         devices=devices,
-        data_parallel=devices,
+        data_parallel=devices // seq,
         global_batch=t.global_batch,
         per_device_batch=micro,
         grad_accum=share // micro,
@@ -148,11 +185,11 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
         remat=m.remat,
         state_bytes_per_device=state,
         activation_bytes_per_instance=per_instance,
-        estimated_bytes_per_device=state + micro * per_instance,
+        estimated_bytes_per_device=state + micro * shard_bytes,
         hbm_bytes_per_device=device.hbm_bytes_per_device,
         slices=slices,
+        seq_shards=seq,
     )
-
 
 DEFAULT_MFU = 0.4
 

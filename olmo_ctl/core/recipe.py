@@ -140,6 +140,12 @@ class DataConfig:
     ngram_filter: bool = False
     prefetch_workers: int = 0
     prefetch_buffer: int = 2
+    # OLMo-core's packed FSL dataset (stage 3; olmo_ctl/trainer/packed.py): documents packed into
+    # instances with best-fit decreasing, per group of `source_group_size` files, attention masked
+    # at document boundaries. `source_permutation_seed` shuffles the file list first (any dataset).
+    packed: bool = False
+    source_group_size: int = 1
+    source_permutation_seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,9 @@ class TrainConfig:
     max_per_device_batch: int = 0  # recipe cap on the micro-batch per device (0 = from the memory estimate)
     mesh: Literal["fsdp", "hybrid"] = "fsdp"
     data_parallel: int = 1  # replicas along the data axis when mesh = hybrid
+    # Devices each sequence is split over (context parallelism, docs/planning.md); 0 = the plan
+    # chooses (1 unless the slice has more devices than instances or one instance does not fit).
+    seq_shards: int = 0
 
 
 @dataclass(frozen=True)
@@ -220,6 +229,10 @@ class Recipe:
         d = self.to_dict()
         d.pop("xla_flags", None)
         d.pop("runtime", None)  # how the run is guarded, not what it trains
+        d["train"].pop("seq_shards", None)  # a layout, like the slice: not what the run trains
+        for k, default in (("packed", False), ("source_group_size", 1), ("source_permutation_seed", None)):
+            if d["data"].get(k) == default:  # absent unless set: older runs keep their fingerprint
+                d["data"].pop(k, None)
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -378,6 +391,17 @@ def validate(r: Recipe, src: str) -> None:
     need(t.max_steps > 0, "train.max_steps", f"must be positive, got {t.max_steps}")
     need(t.max_per_device_batch >= 0, "train.max_per_device_batch", "must be >= 0")
     need(t.data_parallel >= 1, "train.data_parallel", "must be >= 1")
+    need(t.seq_shards >= 0, "train.seq_shards", "must be >= 0 (0: the plan chooses)")
+    if t.seq_shards > 1:
+        need(t.seq_len % t.seq_shards == 0, "train.seq_shards", f"({t.seq_shards}) must divide train.seq_len ({t.seq_len})")
+        need(m.n_heads % t.seq_shards == 0 and m.n_kv_heads % t.seq_shards == 0, "train.seq_shards",
+             f"({t.seq_shards}) must divide model.n_heads and n_kv_heads ({m.n_heads}, {m.n_kv_heads}): "
+             "attention runs each sequence's heads split over its shards")
+    d = r.data
+    need(d.source_group_size >= 1, "data.source_group_size", "must be >= 1")
+    if d.packed:
+        need(t.seq_len & (t.seq_len - 1) == 0, "train.seq_len",
+             f"must be a power of two for data.packed (OLMo-core's packer), got {t.seq_len}")
     if t.mesh == "hybrid":
         need(t.global_batch % t.data_parallel == 0, "train.global_batch",
              f"({t.global_batch}) must be a multiple of train.data_parallel ({t.data_parallel})")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import sys
@@ -242,11 +243,26 @@ def resolve_files(recipe, split: str = "train") -> list[TokenFile]:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be train or eval, not {split!r}")
     if split == "train" and recipe.data.mix:
-        return resolve_mix(recipe.data.mix, recipe.data.root)
-    patterns = recipe.data.train if split == "train" else recipe.data.eval
-    if not patterns:
-        raise BadInput(f"recipe `{recipe.name}` lists no data.{split} files", f"add data.{split} paths to the recipe")
-    return resolve_paths(patterns, recipe.data.root, what=f"data.{split}")
+        files = resolve_mix(recipe.data.mix, recipe.data.root)
+    else:
+        patterns = recipe.data.train if split == "train" else recipe.data.eval
+        if not patterns:
+            raise BadInput(f"recipe `{recipe.name}` lists no data.{split} files", f"add data.{split} paths to the recipe")
+        files = resolve_paths(patterns, recipe.data.root, what=f"data.{split}")
+    if split == "train":
+        files = permute_sources(files, recipe.data.source_permutation_seed)
+    return files
+
+
+def permute_sources(items: list, seed: int | None) -> list:
+    """OLMo-core's `source_permutation_seed` (numpy_dataset.py:2465-2473 at fa6c5014):
+    `random.Random(seed)` shuffles `range(len(items))` and the items are taken in that order.
+    None keeps the order."""
+    if seed is None:
+        return list(items)
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    return [items[i] for i in order]
 
 
 # ---------------------------------------------------------------- fingerprint

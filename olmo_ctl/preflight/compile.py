@@ -225,7 +225,8 @@ def abstract_inputs(recipe: Recipe, mesh, grad_accum: int):
     state, state_shard = abstract_train_state(recipe, mesh)
     micro_shard = micro_batch_sharding(mesh)
     shape = (grad_accum, t.global_batch // grad_accum, t.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=micro_shard) for k in ("input_ids", "labels")}
+    keys = ("input_ids", "labels") + (("segment_ids",) if recipe.data.packed else ())  # packed: document masks
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=micro_shard) for k in keys}
     return state, state_shard, batch
 
 
@@ -284,7 +285,8 @@ def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | Non
     t = recipe.train
     # The topology's mesh is made current only while tracing (not activated for the process): a
     # later trace in this process (the trainer, a test) must not pin activations to abstract TPU devices.
-    mesh = sharding.make_mesh(devs, t.mesh, t.data_parallel, activate=False, slices=plan.slices)
+    mesh = sharding.make_mesh(devs, t.mesh, t.data_parallel, activate=False, slices=plan.slices,
+                              seq_shards=plan.seq_shards)
     state, state_shard, batch = abstract_inputs(recipe, mesh, plan.grad_accum)
     step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
     options = dict(xla_options or {})

@@ -429,7 +429,12 @@ def splash_attention(q, k, v, *, window: int | None, segment_ids=None, generatio
         blocks, Tp = splash_blocks(generation, T)
     else:
         Tp = -(-T // math.lcm(blocks[0], blocks[1])) * math.lcm(blocks[0], blocks[1])
-    kernel = _splash_kernel(Tp, H, window, blocks, interpret)
+    mesh = sharding.activation_mesh()
+    n = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    seq = sharding.seq_shards(mesh)
+    shard = (n > 1 or seq > 1) and B % n == 0 and H % seq == 0
+    # Under sequence sharding each device runs the kernel on its H / seq heads (see sharding.py).
+    kernel = _splash_kernel(Tp, H // seq if shard else H, window, blocks, interpret)
 
     def heads_first(x):  # [B, T, N, D] -> [B, N, Tp, D]
         return jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, Tp - T), (0, 0)))
@@ -446,10 +451,8 @@ def splash_attention(q, k, v, *, window: int | None, segment_ids=None, generatio
             return jax.vmap(kernel)(qh, kh, vh)
         return jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=sa.SegmentIds(s, s)))(qh, kh, vh, seg)
 
-    mesh = sharding.activation_mesh()
-    n = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-    if n > 1 and B % n == 0:
-        spec4 = jax.sharding.PartitionSpec(sharding.AXES, None, None, None)
+    if shard:
+        spec4 = jax.sharding.PartitionSpec(sharding.AXES, sharding.SEQ if seq > 1 else None, None, None)
         specs = (spec4, spec4, spec4) + ((jax.sharding.PartitionSpec(sharding.AXES, None),) if len(args) == 4 else ())
         run = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=spec4, check_vma=False)
     with jax.named_scope(splash_scope(Tp, window, blocks)):

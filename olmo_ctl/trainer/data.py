@@ -387,11 +387,24 @@ def make_train_loader(recipe, process_index: int = 0, process_count: int = 1,
     """The recipe's training loader: its files, seq_len, data seed, n-gram switch and prefetch settings;
     with `order_dir`, epoch orders are stored there and read back by later attempts and other hosts."""
     files = resolve_files(recipe, "train")
-    ds = TokenDataset(files, recipe.train.seq_len, ngram_filter=recipe.data.ngram_filter,
-                      vocab_size=recipe.model.vocab_size)
+    ds = make_train_dataset(recipe, files, cache_dir=f"{order_dir.rstrip('/')}/packing" if order_dir else None)
     return BatchLoader(ds, recipe.train.global_batch, recipe.data.seed, process_index, process_count,
                        prefetch_workers=recipe.data.prefetch_workers, prefetch_buffer=recipe.data.prefetch_buffer,
                        order_dir=order_dir)
+
+
+def make_train_dataset(recipe, files, cache_dir: str | None = None):
+    """The recipe's training dataset: fixed-length instances cut from each file, or with `data.packed`
+    OLMo-core's packed instances (`packed.PackedDataset`, documents masked from each other)."""
+    if recipe.data.packed:
+        from olmo_ctl.trainer.packed import PackedDataset
+
+        return PackedDataset(files, recipe.train.seq_len, eos_token_id=recipe.model.eos_token_id,
+                             pad_token_id=recipe.model.pad_token_id, source_group_size=recipe.data.source_group_size,
+                             ngram_filter=recipe.data.ngram_filter, vocab_size=recipe.model.vocab_size,
+                             cache_dir=cache_dir, source_permutation_seed=recipe.data.source_permutation_seed)
+    return TokenDataset(files, recipe.train.seq_len, ngram_filter=recipe.data.ngram_filter,
+                        vocab_size=recipe.model.vocab_size)
 
 
 def eval_indices(n_instances: int, n_batches: int, batch_size: int) -> np.ndarray:

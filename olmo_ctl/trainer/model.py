@@ -162,7 +162,9 @@ def attention_block(p, x, cos, sin, cfg: ModelConfig, window: int | None, attent
     q = apply_rope(q.reshape(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
     k = apply_rope(k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim), cos, sin)
     v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    q, k, v = (_constrain_heads(t) for t in (q, k, v))  # sequence-sharded -> head-sharded (all-to-all)
     o = attn_lib.attend(q, k, v, window=window, impl=attention, segment_ids=segment_ids)  # [B, T, H, D]
+    o = _constrain_batch(o)  # back to sequence-sharded
     return checkpoint_name(_matmul(o.reshape(B, T, -1), p["wo"], dt), "o_proj")
 
 
@@ -198,14 +200,33 @@ def _remat(fn, policy: str):
 
 
 def _constrain_batch(x):
-    """Keep activations batch-sharded over ("data", "fsdp") on the activation mesh, if there is one."""
+    """Keep activations batch-sharded over ("data", "fsdp") on the activation mesh, if there is one,
+    and [B, T, ...] sequence-sharded over "seq" when the mesh has it."""
     mesh = sharding.activation_mesh()
     if mesh is None:
         return x
-    n = mesh.shape["data"] * mesh.shape["fsdp"]
-    if n == 1 or x.shape[0] % n:
+    n, seq = mesh.shape["data"] * mesh.shape["fsdp"], sharding.seq_shards(mesh)
+    if x.shape[0] % n:
         return x
-    spec = jax.sharding.PartitionSpec(sharding.AXES, *([None] * (x.ndim - 1)))
+    if seq > 1 and x.ndim >= 2 and x.shape[1] % seq == 0:
+        spec = jax.sharding.PartitionSpec(sharding.AXES, sharding.SEQ, *([None] * (x.ndim - 2)))
+    elif n == 1:
+        return x
+    else:
+        spec = jax.sharding.PartitionSpec(sharding.AXES, *([None] * (x.ndim - 1)))
+    if isinstance(mesh, jax.sharding.Mesh):
+        spec = jax.sharding.NamedSharding(mesh, spec)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _constrain_heads(x):
+    """[B, T, H, D] with the whole sequence on each device and the heads split over "seq" (only when
+    sequences are sharded): attention then runs unchanged on n_heads / seq_shards heads per device."""
+    mesh = sharding.activation_mesh()
+    seq = sharding.seq_shards(mesh)
+    if seq == 1 or x.shape[2] % seq or x.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
+        return x
+    spec = jax.sharding.PartitionSpec(sharding.AXES, None, sharding.SEQ, None)
     if isinstance(mesh, jax.sharding.Mesh):
         spec = jax.sharding.NamedSharding(mesh, spec)
     return jax.lax.with_sharding_constraint(x, spec)

@@ -16,18 +16,19 @@ from olmo_ctl.core.recipe import Recipe
 IGNORE_INDEX = -100
 
 
-def token_losses(params, input_ids, labels, cfg):
+def token_losses(params, input_ids, labels, cfg, segment_ids=None):
     """(CE sum, z-loss sum, token count) over non-ignored labels; fp32.
 
     Over the padded vocabulary, as OLMo-core computes it: the padded LM-head rows (never a label)
-    still take part in the softmax and in the z-loss's logsumexp.
+    still take part in the softmax and in the z-loss's logsumexp. `segment_ids` (packed data):
+    attention stays within each document.
     """
     import jax
     import jax.numpy as jnp
 
     from olmo_ctl.trainer.model import forward
 
-    logits = forward(params, input_ids, cfg)  # [B, T, padded_vocab_size], fp32
+    logits = forward(params, input_ids, cfg, segment_ids=segment_ids)  # [B, T, padded_vocab_size], fp32
     lse = jax.nn.logsumexp(logits, axis=-1)
     mask = labels != IGNORE_INDEX
     target = jnp.take_along_axis(logits, jnp.where(mask, labels, 0)[..., None], axis=-1)[..., 0]
@@ -37,7 +38,8 @@ def token_losses(params, input_ids, labels, cfg):
 
 
 def make_train_step(recipe: Recipe):
-    """state, batch {input_ids, labels: [accum, micro_global, T]} -> state, metrics (device scalars)."""
+    """state, batch {input_ids, labels[, segment_ids]: [accum, micro_global, T]} -> state, metrics
+    (device scalars). `segment_ids` come with packed data (documents masked from each other)."""
     import jax
     import jax.numpy as jnp
 
@@ -56,20 +58,20 @@ def make_train_step(recipe: Recipe):
             n_tokens = n_tokens + filtered * (batch["labels"].shape[-1] - 1)
         n_tokens = jnp.maximum(n_tokens, 1.0)
 
-        def micro_loss(p, ids, labels):
-            ce, z, _ = token_losses(p, ids, labels, cfg)
+        def micro_loss(p, ids, labels, seg):
+            ce, z, _ = token_losses(p, ids, labels, cfg, seg)
             return (ce + z_coef * z) / n_tokens, (ce, z)
 
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
         def body(carry, mb):
             g_acc, ce_acc, z_acc = carry
-            (_, (ce, z)), g = grad_fn(params, mb["input_ids"], mb["labels"])
+            (_, (ce, z)), g = grad_fn(params, mb["input_ids"], mb["labels"], mb.get("segment_ids"))
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
             return (g_acc, ce_acc + ce, z_acc + z), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        micro = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+        micro = {k: batch[k] for k in ("input_ids", "labels", "segment_ids") if k in batch}
         (grads, ce_sum, z_sum), _ = jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0)), micro)
         ce_loss, z_loss = ce_sum / n_tokens, z_sum / n_tokens
         adam = optim.AdamState(**state["opt"])
@@ -85,9 +87,9 @@ def make_train_step(recipe: Recipe):
 
 
 def make_eval_step(recipe: Recipe):
-    """params, batch {input_ids, labels: [B, T]} -> (CE sum, token count)."""
+    """params, batch {input_ids, labels[, segment_ids]: [B, T]} -> (CE sum, token count)."""
     def step(params, batch):
-        ce, _, n = token_losses(params, batch["input_ids"], batch["labels"], recipe.model)
+        ce, _, n = token_losses(params, batch["input_ids"], batch["labels"], recipe.model, batch.get("segment_ids"))
         return ce, n
 
     return step
@@ -140,12 +142,22 @@ def abstract_train_state(recipe: Recipe, mesh):
 
 
 def micro_batch_sharding(mesh):
-    """[accum, micro-batch, ...]: the accumulation axis replicated, the batch over every device."""
+    """[accum, micro-batch, T]: the accumulation axis replicated, the batch over every device (the
+    sequence over "seq" when sequences are sharded)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from olmo_ctl.trainer import sharding
 
     return NamedSharding(mesh, PartitionSpec(None, *sharding.batch_sharding(mesh).spec))
+
+
+def micro_row_sharding(mesh):
+    """[accum, micro-batch, 1] per-instance values (the n-gram filter's instance mask)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from olmo_ctl.trainer import sharding
+
+    return NamedSharding(mesh, PartitionSpec(None, *sharding.row_sharding(mesh).spec))
 
 
 def jit_train_step(recipe: Recipe, state_shard):

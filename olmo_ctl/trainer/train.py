@@ -223,7 +223,8 @@ def _setup(args: TrainArgs) -> _Setup:
     final_step = t.max_steps if args.stop_at_step is None else min(args.stop_at_step, t.max_steps)
     if args.stop_at_step is not None and args.stop_at_step < 0:
         raise BadInput("--stop-at-step must be >= 0")
-    mesh = sharding.make_mesh(jax.devices(), t.mesh, t.data_parallel, slices=args.slices)
+    mesh = sharding.make_mesh(jax.devices(), t.mesh, t.data_parallel, slices=args.slices,
+                              seq_shards=plan.seq_shards)
     return _Setup(recipe, device, plan, mesh, final_step, jax.process_index(), jax.process_count(),
                   jax.local_device_count())
 
@@ -368,11 +369,16 @@ def _device_batch(batch: dict, s: _Setup, micro_shard) -> dict:
     import jax
 
     accum, t = s.plan.grad_accum, s.recipe.train
-    local = {k: _micro_layout(np.asarray(batch[k], np.int32), s.local_devices, accum) for k in ("input_ids", "labels")}
+    rows_per_proc = s.local_devices // s.plan.seq_shards  # devices of one row share it over its seq shards
+    local = {k: _micro_layout(np.asarray(batch[k], np.int32), rows_per_proc, accum)
+             for k in ("input_ids", "labels", "segment_ids") if k in batch}
     if s.recipe.data.ngram_filter:
         local["instance_mask"] = _micro_layout(np.asarray(batch["instance_mask"], np.int32)[:, None],
-                                               s.local_devices, accum)
-    return {k: jax.make_array_from_process_local_data(micro_shard, v, (accum, t.global_batch // accum, v.shape[-1]))
+                                               rows_per_proc, accum)
+    from olmo_ctl.trainer.step import micro_row_sharding
+
+    return {k: jax.make_array_from_process_local_data(micro_row_sharding(s.mesh) if k == "instance_mask" else micro_shard,
+                                                      v, (accum, t.global_batch // accum, v.shape[-1]))
             for k, v in local.items()}
 
 
