@@ -263,6 +263,7 @@ def test_a_slow_host_is_named_by_monitor_and_once_in_the_journal(tmp_path):
     assert "slow_host" in p.stdout
 
 
+@pytest.mark.chaos
 def test_two_hundred_clean_steps_name_no_host(tmp_path):
     from olmo_ctl.observe.monitor import monitor
 

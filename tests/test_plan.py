@@ -124,8 +124,12 @@ def test_multislice_holds_the_global_batch_over_every_slice(device, slices, per_
 
 def test_multislice_refusals_are_bad_input():
     r = load_recipe(stage=1)
+    unsharded = load_recipe(stage=1, overrides=["train.seq_shards=1"])
     with pytest.raises(BadInput, match=r"1024 devices of 2 x tpu7x-512"):  # 512 over 1024 devices
-        make_plan(r, get_device("tpu7x-512"), 2)
+        make_plan(unsharded, get_device("tpu7x-512"), 2)
+    # ... which sequence sharding inside each slice evens out: 2 shards of each instance.
+    p = make_plan(r, get_device("tpu7x-512"), 2)
+    assert (p.slices, p.seq_shards, p.devices, p.per_device_batch * p.grad_accum) == (2, 2, 1024, 1)
     with pytest.raises(BadInput, match="single-host"):
         make_plan(r, get_device("v5p-8"), 2)
     with pytest.raises(BadInput, match="local device"):

@@ -157,8 +157,8 @@ def test_gke_resize_without_a_terminal_or_to_a_bad_device_changes_nothing(gke, c
     srv, rd, _, args = gke
     assert _cli("resize", "s1", "--device", "tpu7x-128", *args) == 2  # stdin is no TTY, no -y
     assert "no terminal to ask on" in capsys.readouterr().err
-    assert _cli("resize", "s1", "--device", "tpu7x-1024", "-y", *args) == 2  # 512 over 1024 devices
-    assert "cannot be split exactly over the 1024 devices" in capsys.readouterr().err
+    assert _cli("resize", "s1", "--device", "cpu-4", "-y", *args) == 2  # a GKE run on a local device
+    assert "`cpu-4` is a local device; the GKE backend runs on TPU slices" in capsys.readouterr().err
     assert srv.cluster.jobset_names() == ["s1-a1"]
     assert [r["event"] for r in rd.journal()] == ["submitted"]
     final = load_recipe("olmo3-7b-stage1").train.max_steps
@@ -469,9 +469,9 @@ def test_supervisor_refuses_an_impossible_request_and_keeps_its_attempt(supervis
     srv, rd, sup, result, overlaps, args, out = supervised
     t = _start(sup, result)
     _wait(lambda: any(r["event"] == "running" for r in rd.journal()), "attempt 1 running", 30)
-    req = record_request(rd, "tpu7x-1024", "now")  # 512 sequences cannot split over 1024 devices
+    req = record_request(rd, "cpu-4", "now")  # a GKE run cannot move to a local device
     rec = wait_for_request(rd, req["id"], 30, poll_s=0.1)
-    assert rec["event"] == "resize_refused" and "cannot be split exactly over the 1024 devices" in rec["reason"]
+    assert rec["event"] == "resize_refused" and "one is a TPU slice, the other a local device" in rec["reason"], rec
     assert rd.pending_resize() is None
     assert srv.cluster.jobset_names() == ["s1-a1"]
     assert not srv.cluster.jobset("s1-a1")["metadata"].get("deletionTimestamp")  # never stopped
