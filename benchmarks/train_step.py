@@ -9,6 +9,11 @@ eager, with token cross-entropy on fp32 logits, `clip_grad_norm_` and `torch.opt
 decay on the input embedding). Both see the same tokens, `global_batch x seq_len` per step.
 
     PYTHONPATH=. python benchmarks/train_step.py [--steps 20] [--repeats 5] [--recipe smoke] [--set k=v ...]
+                                                 [--devices N]
+
+Ours runs on `cpu-N`, one host device per core by default (what the local twin uses on this machine:
+XLA runs each device's part of the step on its own thread), PyTorch with its default intra-op threads
+(one per core).
 
 Each side is timed `--repeats` times over `--steps` steps after a warm-up, the two sides taking
 turns (the best repeat of each counts, as the machine is shared); the last stdout line is one JSON object with both throughputs and
@@ -24,6 +29,23 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _devices_from_argv(argv: list[str]) -> int:
+    """`--devices N` (default: every core of this machine, as the local twin would use it)."""
+    for i, a in enumerate(argv):
+        if a == "--devices" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith("--devices="):
+            return int(a.split("=", 1)[1])
+    return os.cpu_count() or 1
+
+
+# The device count must be set before jax is imported: the trainer's step runs on cpu-N, N host devices
+# (one per core by default), as PyTorch's eager kernels use every core through their intra-op threads.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={_devices_from_argv(sys.argv)}").strip()
 
 
 def ours(recipe, tokens):
@@ -115,13 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--set", action="append", default=[], dest="overrides")
+    ap.add_argument("--devices", type=int, default=os.cpu_count() or 1,
+                    help="host CPU devices of the trainer's step (cpu-N; default: one per core)")
     args = ap.parse_args(argv)
     recipe = load_recipe(args.recipe, overrides=args.overrides)
     m, t = recipe.model, recipe.train
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, m.vocab_size, size=(t.global_batch, t.seq_len + 1), dtype=np.int32)
     print(f"{recipe.name}: {m.n_layers} layers, d_model {m.d_model}, batch {t.global_batch} x {t.seq_len} tokens, "
-          f"{m.compute_dtype} compute, attention {m.attention}, {args.steps} steps x {args.repeats}, CPU")
+          f"{m.compute_dtype} compute, attention {m.attention}, {args.steps} steps x {args.repeats}, CPU; "
+          f"ours on cpu-{__import__('jax').device_count()}, PyTorch with {__import__('torch').get_num_threads()} threads")
     runners = {"ours": ours(recipe, tokens), "reference": reference(recipe, tokens)}
     best = {k: float("inf") for k in runners}
     for _ in range(args.repeats):  # interleaved, so a change in the machine's load hits both sides
@@ -131,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ours (trainer step, jax.jit)  {a:10.0f} tokens/s  ({best['ours'] / args.steps * 1e3:.1f} ms/step)")
     print(f"HF Olmo3 (torch eager)        {b:10.0f} tokens/s  ({best['reference'] / args.steps * 1e3:.1f} ms/step)")
     print(f"ratio                         {a / b:10.2f}x")
-    print(json.dumps({"recipe": recipe.name, "ours_tokens_s": round(a), "reference_tokens_s": round(b),
-                      "ratio": round(a / b, 3)}))
+    import jax
+
+    print(json.dumps({"recipe": recipe.name, "device": f"cpu-{jax.device_count()}", "ours_tokens_s": round(a),
+                      "reference_tokens_s": round(b), "ratio": round(a / b, 3)}))
     return 0
 
 

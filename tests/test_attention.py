@@ -91,9 +91,9 @@ def test_blocked_never_builds_full_score_matrix():
     assert any(int(np.prod(getattr(o.aval, "shape", ()))) >= 2 * T * T for e in ref.jaxpr.eqns for o in e.outvars)
 
 
-def test_auto_is_reference_on_cpu():
+def test_auto_is_blocked_on_cpu():
     assert jax.default_backend() == "cpu"
-    assert A.resolve("auto") == "reference"
+    assert A.resolve("auto") == "blocked"
     with pytest.raises(ValueError):
         A.resolve("magic")
 
@@ -242,7 +242,7 @@ def test_auto_picks_by_platform_and_cudnn_falls_back():
     assert A.resolve("auto", platform="tpu") == "splash"
     assert A.resolve("auto", platform="gpu", cudnn=True) == "cudnn"
     assert A.resolve("auto", platform="gpu", cudnn=False) == "blocked"  # no cuDNN: the blocked kernel
-    assert A.resolve("auto", platform="cpu") == "reference"
+    assert A.resolve("auto", platform="cpu") == "blocked"
     assert A.resolve("cudnn", platform="cpu") == "blocked"
     assert A.resolve("splash", platform="cpu") == "splash"  # explicit: interpret mode off TPU
     with A.compile_target("tpu", "tpu7x"):

@@ -21,7 +21,7 @@ def test_dry_run_compiles_the_trainers_step_and_prints_json():
     assert last["summary"] and last["fits"] and last["dry_run"]
     for key in ("tokens_per_s", "mfu_olmo_core", "mfu_maxtext", "step_s", "peak_memory_gib", "n_layers", "seq_len"):
         assert key in last
-    assert last["platform"] == "cpu" and last["attention"] == "reference"  # auto off GPU/TPU
+    assert last["platform"] == "cpu" and last["attention"] == "blocked"  # auto on the CPU
     assert last["tokens_per_s"] > 0 and last["step_s"] > 0 and last["loss"] > 0
     assert 0 < last["mfu_olmo_core"] and 0 < last["mfu_maxtext"]
 

@@ -31,7 +31,7 @@ from olmo_ctl.backends.gke import (
     KUEUE_VERSIONS,
     WORKLOADS,
 )
-from olmo_ctl.backends.kube import KubeRetryPolicy, api_status, call, status_message
+from olmo_ctl.backends.kube import KubeRetryPolicy, api_status, call, parse_quantity, status_message
 from olmo_ctl.core.config import PLACEHOLDER_IMAGE
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import BadInput, Unreachable
@@ -153,18 +153,10 @@ def _flavor_fits(rf: dict, device: Device) -> tuple[bool, bool]:
     return agrees, agrees and all(k in nl for k in want)
 
 
-_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-           "m": 0.001}
-
-
 def quantity(v: Any) -> float:
-    """A Kubernetes resource quantity ("256", "100m", "64Mi") as a number (0 when unreadable)."""
-    s = str(v).strip()
-    for suf in sorted(_SUFFIX, key=len, reverse=True):
-        if s.endswith(suf) and s[: -len(suf)].replace(".", "", 1).isdigit():
-            return float(s[: -len(suf)]) * _SUFFIX[suf]
+    """A Kubernetes resource quantity as a number (0 when unreadable)."""
     try:
-        return float(s)
+        return parse_quantity(v)
     except ValueError:
         return 0.0
 

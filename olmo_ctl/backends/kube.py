@@ -188,3 +188,16 @@ def make_api_client(host: str | None = None, context: str | None = None, kubecon
                            "check `kubectl config get-contexts`") from e
     cfg.retries = False  # our policy retries; urllib3 must not multiply it
     return client.ApiClient(cfg)
+
+
+QUANTITY_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9,
+                    "T": 10**12, "m": 0.001}
+
+
+def parse_quantity(v) -> float:
+    """A Kubernetes resource quantity ("256", "100m", "64Mi", 4) as a number; ValueError when it is none."""
+    s = str(v).strip()
+    for suf in sorted(QUANTITY_SUFFIX, key=len, reverse=True):
+        if s.endswith(suf) and s[: -len(suf)].replace(".", "", 1).isdigit():
+            return float(s[: -len(suf)]) * QUANTITY_SUFFIX[suf]
+    return float(s)

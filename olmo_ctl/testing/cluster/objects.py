@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from olmo_ctl.backends.kube import QUANTITY_SUFFIX as _SUFFIX
+from olmo_ctl.backends.kube import parse_quantity
+
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 KUEUE_API = "kueue.x-k8s.io/v1beta1"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -76,17 +79,7 @@ def pod_terminal(pod: dict) -> bool:
     return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
 
 
-_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-           "m": 0.001}
-
-
-def quantity(v: Any) -> float:
-    """A Kubernetes resource quantity ("100m", "64Mi", 4) as a number."""
-    s = str(v).strip()
-    for suf in sorted(_SUFFIX, key=len, reverse=True):
-        if s.endswith(suf) and s[: -len(suf)].replace(".", "", 1).isdigit():
-            return float(s[: -len(suf)]) * _SUFFIX[suf]
-    return float(s)
+quantity = parse_quantity  # "100m", "64Mi", 4 -> a number (the backend's own parser)
 
 
 def format_quantity(resource: str, v: float) -> str:
