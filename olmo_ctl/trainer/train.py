@@ -104,7 +104,7 @@ def load_run_recipe(args: TrainArgs) -> Recipe:
 
     from olmo_ctl.core.recipe import load_recipe, recipe_from_dict
     from olmo_ctl.rundir import run_recipe
-    from olmo_ctl.storage import NotFound, is_gcs, join, store_for
+    from olmo_ctl.storage import is_gcs, join, store_for
 
     if args.loaded_recipe is not None:
         return args.loaded_recipe
@@ -113,13 +113,14 @@ def load_run_recipe(args: TrainArgs) -> Recipe:
         return recipe_from_dict(yaml.safe_load(text), args.recipe, args.overrides)
     if args.recipe:
         return load_recipe(args.recipe, overrides=args.overrides)
+    from olmo_ctl.rundir import RunDir
+
     path = join(args.run_dir, "run.yaml")
-    try:
-        run = yaml.safe_load(store_for(path).read_text(path))
-    except NotFound:
+    rd = RunDir(args.run_dir)
+    if not rd.exists():
         raise BadInput(f"no --recipe given and `{path}` does not exist",
-                       "pass --recipe FILE|NAME or submit the run first") from None
-    return run_recipe(run, path, args.overrides)
+                       "pass --recipe FILE|NAME or submit the run first")
+    return run_recipe(rd.read_run(), path, args.overrides)  # garbage in run.yaml: one line, exit 2
 
 
 # ---------------------------------------------------------------- the loop
