@@ -4,7 +4,9 @@ Every host times each logging window of steps: its step time, the part spent wai
 the rest (compute, collectives included). A synchronous slice steps at the pace of its slowest host,
 so step times agree; what tells the slow host apart is its own data wait or compute against the
 other hosts'. A host is named when, over its recent windows (the median, so one hiccup is not
-enough), one of them exceeds `FACTOR` x the other hosts' median by more than `FLOOR_S`.
+enough; at least MIN_WINDOWS of them), one of them exceeds `FACTOR` x the other hosts' median by more
+than `FLOOR_S`. The first window of an attempt (compile, and the wait for host 0's epoch order) is
+never timed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 FACTOR = 3.0
 FLOOR_S = 0.02  # below 20 ms a difference is noise on any machine
 RECENT = 10  # windows per host judged
+MIN_WINDOWS = 2  # ... once every host has at least this many
 PARTS = (("data_wait_s", "data wait"), ("compute_s", "compute"))
 
 
@@ -35,6 +38,8 @@ def slow_hosts(windows: dict[int, list[dict[str, float]]]) -> list[SlowHost]:
     if len(windows) < 2:
         return []
     recent = {h: ws[-RECENT:] for h, ws in windows.items() if ws}
+    if any(len(ws) < MIN_WINDOWS for ws in recent.values()):
+        return []  # too few windows for a median to mean anything
     out = []
     for key, name in PARTS:
         level = {h: statistics.median(w[key] for w in ws) for h, ws in recent.items()}

@@ -313,7 +313,8 @@ class _MetricLog:
             if self.windows > 1:  # the first window of an attempt holds the compile
                 self.watchdog.step_times(step_time, len(items))
             self.watchdog.beat(items[-1][0])
-        self._host_timings(items[-1][0], step_time, sum(ld for _, _, ld in items) / len(items), wall)
+        if self.windows > 1:  # the first window holds the compile (and host 0's epoch order): no timing
+            self._host_timings(items[-1][0], step_time, sum(ld for _, _, ld in items) / len(items), wall)
         for (step, _, load_s), m in zip(items, host, strict=True):
             self._log(step, m, load_s, step_time, elapsed, wall)
 
@@ -331,7 +332,7 @@ class _MetricLog:
             self.host_windows.setdefault(h, []).append({"data_wait_s": dw, "compute_s": comp})
             del self.host_windows[h][:-stragglers.RECENT]
         self.events.scalars(step, values, wall)
-        for slow in stragglers.slow_hosts(self.host_windows) if self.windows > 1 else []:
+        for slow in stragglers.slow_hosts(self.host_windows):
             if (slow.host, slow.part) not in self.named:  # once per host and part per attempt
                 self.named.add((slow.host, slow.part))
                 print(stragglers.slow_host_line(slow), flush=True)
