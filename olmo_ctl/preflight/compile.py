@@ -102,6 +102,8 @@ class PreflightResult:
     # Pallas kernels (splash attention) as counted from their masks: XLA's cost analysis counts none of
     # their FLOPs; they are added to xla_flops_per_step and xla_attention_flops_per_step.
     kernel_flops_per_step: float | None = None
+    seq_shards: int = 1  # devices each instance's sequence is split over (the plan's)
+    slices: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -445,6 +447,7 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
     result = PreflightResult(
         recipe=recipe.name, recipe_fingerprint=recipe.fingerprint(), device=device.name,
         topology=device.topology_name, devices=plan.devices, per_device_batch=plan.per_device_batch,
+        seq_shards=plan.seq_shards, slices=plan.slices,
         grad_accum=plan.grad_accum, seq_len=recipe.train.seq_len, remat=m.remat, head_dim=m.head_dim,
         n_heads=m.n_heads, n_layers=m.n_layers, attention=m.attention, param_count=param_count(m),
         hbm_bytes_per_device=device.hbm_bytes_per_device, argument_bytes_per_device=arg,
