@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from waiting import kill_stopped_or_running, wait_for
+
 from olmo_ctl.backends.local import LocalBackend
 from olmo_ctl.rundir import RunDir
 
@@ -36,14 +38,6 @@ def state_of(pid: int) -> str:
     return data[data.rfind(")") + 2:].split()[0]
 
 
-def wait_for(pred, timeout: float, what: str):
-    end = time.time() + timeout
-    while time.time() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def holds_a_lock(pid: int) -> bool:
@@ -91,10 +85,7 @@ def test_a_supervisor_paused_before_its_create_creates_nothing_after_a_takeover(
         b_out, b_err = b.communicate(timeout=600)
         assert b.returncode == 0, b_out[-3000:] + b_err[-3000:]
     finally:
-        for p in (a, b):
-            if p is not None and p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-                p.kill()
+        kill_stopped_or_running(a, b)
     j = RunDir.of(root, "fenced").journal()
     submitted = [r["attempt"] for r in j if r["event"] == "submitted"]
     assert submitted == [2], submitted
@@ -126,10 +117,7 @@ def test_a_supervisor_paused_while_watching_leaves_the_run_to_its_successor(tmp_
         b_out, b_err = b.communicate(timeout=600)
         assert b.returncode == 0, b_out[-3000:] + b_err[-3000:]
     finally:
-        for p in (a, b):
-            if p is not None and p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-                p.kill()
+        kill_stopped_or_running(a, b)
     j = rd.journal()
     assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
     holders = {r["reason"].rsplit("holder ", 1)[-1] for r in j if r["event"] == "supervisor_started"}

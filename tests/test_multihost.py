@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from olmo_ctl.backends.base import Attempt, State
 from olmo_ctl.backends.local import LocalBackend
@@ -52,14 +53,6 @@ def last_step(handle) -> int:
     return max(steps, default=0)
 
 
-def wait_for(pred, timeout: float, what: str, every: float = 0.05):
-    end = time.time() + timeout
-    while time.time() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def wait_ended(backend, handle, timeout: float):

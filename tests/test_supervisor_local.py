@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from olmo_ctl.backends.base import Handle, State
 from olmo_ctl.backends.local import LocalBackend, proc_start_time
@@ -39,14 +40,6 @@ def journal(run_dir: str) -> list[dict]:
     return RunDir(run_dir).journal()
 
 
-def wait_for(pred, timeout: float, what: str, every: float = 0.05):
-    end = time.time() + timeout
-    while time.time() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def attempt_info(run_dir: str, n: int) -> dict | None:
