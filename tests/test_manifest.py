@@ -205,7 +205,7 @@ def test_dry_run_is_what_a_real_submit_sends(example_bucket):
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.backends.kube import KubeRetryPolicy
     from olmo_ctl.rundir import RunDir
-    from olmo_ctl.supervise.attempts import submit_attempt
+    from olmo_ctl.supervise.submit import prepare, submit_run
     from olmo_ctl.testing.kube_server import KubeServer
 
     fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
@@ -228,8 +228,9 @@ def test_dry_run_is_what_a_real_submit_sends(example_bucket):
 
             srv.api.dispatch = spy
             backend = GKEBackend(namespace=settings.namespace, host=srv.url, retry=fast, settings=settings)
-            handle = submit_attempt(device=dev, settings=settings, run=run, run_dir=rd.path, attempt=attempt,
-                                    backend=backend, out=lambda line: None, slices=slices)
+            prep = prepare(settings, run, device=dev.name, slices=slices, attempt=attempt, backend=backend)
+            # No Kueue objects in this test server and no preflight: the rendering is what is checked.
+            handle = submit_run(prep, checks=False, numbered=attempt is not None).handle
         assert handle.attempt == attempt
         assert received == [yaml.safe_load((GOLDENS / f"{case}.yaml").read_text())], case
 

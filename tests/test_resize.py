@@ -94,7 +94,8 @@ def gke(tmp_path, monkeypatch, srv, gcs):
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)
     _commit(rd.path, 100)
-    args = ["--backend", "gke", "--run-root", root, "--image", "img:1", "--queue", "tpu-queue"]
+    # No preflight: the 7B step's compile for each new slice is tests/test_preflight.py's.
+    args = ["--backend", "gke", "--run-root", root, "--image", "img:1", "--queue", "tpu-queue", "--no-preflight"]
     yield srv, rd, be, args
 
 
@@ -419,7 +420,12 @@ def test_running_supervisor_adopts_the_new_device_with_no_double_attempt(supervi
 
     # A generation change through the supervisor: the same operation.
     _wait(lambda: any(r["event"] == "running" and r["attempt"] == 2 for r in rd.journal()), "attempt 2 running", 30)
-    threading.Timer(1.0, _commit, (rd.path, 80)).start()  # the next scheduled checkpoint, a second later
+    def next_checkpoint() -> None:  # the next scheduled checkpoint, once the request is recorded
+        _wait(lambda: sum(r["event"] == "resize_requested" for r in rd.journal()) == 2, "second request", 60)
+        time.sleep(1.0)
+        _commit(rd.path, 80)
+
+    threading.Thread(target=next_checkpoint, daemon=True).start()
     assert _cli("resize", "s1", "--device", "v5p-256", "--at-next-checkpoint", *args) == 0
     _wait(lambda: any(r["event"] == "running" and r["attempt"] == 3 for r in rd.journal()), "attempt 3 running", 30)
     _commit(rd.path, 200)

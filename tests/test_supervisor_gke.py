@@ -247,11 +247,11 @@ def test_admitted_pods_never_created_are_stopped_after_the_admission_timeout(tmp
 
 
 def test_the_admission_timeout_submit_recorded_is_the_attempts_own(tmp_path, srv, gcs):
-    from olmo_ctl.supervise.attempts import submit_next
+    from olmo_ctl.supervise.attempts import attempt_request, submit_next
 
     rd, be = setup(tmp_path, srv, gcs.bucket)
     srv.world.pod_admission.append(lambda pod: QUOTA)
-    submit_next(rd, be, "tpu7x-8", "submitted by hand", admission_timeout_s=300, t=T0)
+    submit_next(rd, be, attempt_request(rd, 1, "tpu7x-8"), "submitted by hand", admission_timeout_s=300, t=T0)
     script = Script(srv, rd, {1: [(30, lambda s, n: s.srv.cluster.admit(n))]})
     rc, out = supervise(rd, be, script, backoff_base_s=60, max_retries=1)
     assert rc == 4, out  # one attempt without progress, max_retries 1: gave up

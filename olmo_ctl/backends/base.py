@@ -1,11 +1,20 @@
 """The backend interface (torchx's Scheduler is the model: submit = send(render(attempt))).
 
-`render(attempt)` is pure and printable: it turns an attempt request (the run, its directory, the
-attempt number, the device, the resolved recipe, its batch plan and the site settings) into the
-backend's request: a JobSet for GKE, a command line and environment for the local backend. `send`
-hands that request to the backend and returns a `Handle`. Submitting is `send(render(attempt))`,
-written once (`supervise.attempts.submit_next`), so `submit --dry-run` prints exactly what a submit
-applies.
+A backend is generic over its request type (`Backend[JobSet]`, `Backend[LocalRequest]`). What it
+does with an attempt (the run, its directory, the attempt number, the device, the resolved recipe,
+its batch plan and the site settings, all resolved once by the caller), in the order the one submit
+path (`olmo_ctl.supervise.submit`) calls it:
+
+  validate(attempt)  refusals that need no I/O, before anything is written (a TPU device on the
+                     local backend, a placeholder image, a run root the pods cannot see)
+  checks(attempt)    refusals that ask the backend's world (the Kueue objects the attempt names)
+  render(attempt)    pure and printable: a JobSet for GKE, a command line and environment for the
+                     local backend; what `--dry-run` prints
+  send(request)      hands that request to the backend and returns a `Handle`
+
+Submitting is `send(render(attempt))`, written once (`supervise.attempts.submit_next`), so `submit
+--dry-run` prints exactly what a submit applies. Backends are found by name in
+`olmo_ctl.backends.REGISTRY`; nothing outside a backend asks which one it is.
 
 Every backend answers `status` with one normalised state (`olmo_ctl.core.contracts.State`) and a
 human reason copied from its source:
@@ -24,13 +33,19 @@ and `progress` with what it can see of the trainer's progress without extra cost
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from olmo_ctl.core.contracts import LogProgress, State
 
-__all__ = ["Attempt", "AttemptStatus", "Backend", "Handle", "LogProgress", "State"]
+if TYPE_CHECKING:  # pure modules, but a backend that only reads status needs none of them
+    from olmo_ctl.core.batching import Plan
+    from olmo_ctl.core.config import Settings
+    from olmo_ctl.core.recipe import Recipe
+
+__all__ = ["Attempt", "AttemptStatus", "Backend", "Handle", "LogProgress", "SmokeProfile", "State"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +60,8 @@ class AttemptStatus:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One attempt of a run: everything a backend needs to render it, resolved once by the caller."""
+    """One attempt of a run: everything a backend needs to render it, resolved once by the caller
+    (`supervise.attempts.new_request`)."""
 
     run: str
     run_dir: str
@@ -53,9 +69,9 @@ class Attempt:
     device: str
     recipe_path: str | None = None  # None: the trainer reads <run_dir>/run.yaml
     extra_args: tuple[str, ...] = ()  # appended to the trainer's command line
-    recipe: Any = None  # the resolved Recipe (what run.yaml holds)
-    plan: Any = None  # its batching.Plan on `device`
-    settings: Any = None  # site settings (config.Settings); None: the backend's own
+    recipe: Recipe | None = None  # the resolved Recipe (what run.yaml holds)
+    plan: Plan | None = None  # its batching.Plan on `slices` x `device`
+    settings: Settings | None = None  # site settings; None: the backend's own
     env: tuple[tuple[str, str], ...] = ()  # extra environment of the trainer (test fault injection)
     slices: int = 1  # slices of `device` (multislice when > 1; GKE only)
 
@@ -77,28 +93,73 @@ class Handle:
         return Handle(d["backend"], d["name"], int(d["attempt"]), dict(d.get("data") or {}))
 
 
-class Backend:
-    """What every backend implements (`printable`, `wait_gone` and `progress` have defaults)."""
+@dataclass(frozen=True)
+class SmokeProfile:
+    """How `olmo-ctl smoke` drives this backend: a cluster schedules and starts pods in seconds, not
+    milliseconds, so it runs longer and polls less often than this machine's processes."""
 
-    name: str = ""
-    trains_here: bool = False  # the trainer runs on this machine (it sees this machine's files)
+    max_steps: int = 100
+    poll_s: float = 0.2
 
-    def render(self, attempt: Attempt) -> Any:  # pure; what --dry-run prints
-        raise NotImplementedError
 
-    def send(self, request: Any) -> Handle:
-        raise NotImplementedError
+Req = TypeVar("Req")
+
+
+class Backend(abc.ABC, Generic[Req]):
+    """What every backend implements. `validate`, `checks`, `notes`, `printable`, `wait_gone`,
+    `progress` and `live_attempts` have defaults; the rest is the backend's own."""
+
+    name: ClassVar[str] = ""
+    trains_here: ClassVar[bool] = False  # the trainer runs on this machine (it sees this machine's files)
+    smoke: ClassVar[SmokeProfile] = SmokeProfile()
+
+    # ------------------------------------------------------------------ made from the site settings
+    @classmethod
+    @abc.abstractmethod
+    def from_settings(cls, settings: Settings, run_root: str | None = None) -> Backend:
+        """The backend a command uses, from its resolved site settings (`run_root`: where this
+        command's runs live, when not the settings' own)."""
+
+    @classmethod
+    def for_status(cls, handle: Handle, run_dir: str) -> Backend:
+        """A backend that answers `status` for a journal's `handle` (monitor): quick to give up, so a
+        refresh falls back to the journal instead of hanging."""
+        raise NotImplementedError(f"backend {cls.name} cannot read back an attempt")
+
+    # ------------------------------------------------------------------ before anything is written
+    def validate(self, attempt: Attempt, *, render_only: bool = False) -> None:
+        """Refuse (BadInput) an attempt this backend cannot run, without I/O; `render_only`: the
+        attempt is only printed (--dry-run), so placeholder settings are fine."""
+
+    def checks(self, attempt: Attempt) -> None:
+        """Refuse (BadInput) an attempt that the backend's world cannot admit (objects it names that
+        do not exist); called once per command, before the run is created or changed."""
+
+    def notes(self, attempt: Attempt, *, render_only: bool = False) -> list[str]:
+        """Remarks on how the attempt will run, for the person at the terminal (one line each)."""
+        return []
+
+    # ------------------------------------------------------------------ the attempt
+    @abc.abstractmethod
+    def render(self, attempt: Attempt) -> Req:  # pure; what --dry-run prints
+        ...
+
+    @abc.abstractmethod
+    def send(self, request: Req) -> Handle:
+        ...
 
     @staticmethod
     def printable(request: Any) -> Any:
         """The rendered request as plain data (YAML/JSON)."""
         return request.to_dict() if hasattr(request, "to_dict") else request
 
+    @abc.abstractmethod
     def status(self, handle: Handle) -> AttemptStatus:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def stop(self, handle: Handle, graceful: bool = True) -> None:
-        raise NotImplementedError
+        ...
 
     def wait_gone(self, handle: Handle, timeout_s: float, poll_s: float) -> bool:
         """Wait until the stopped attempt can no longer write to the run directory; False on timeout.
@@ -110,16 +171,18 @@ class Backend:
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
         return True
 
+    @abc.abstractmethod
     def logs(self, handle: Handle, tail: int = 50) -> list[str]:
-        raise NotImplementedError
+        ...
 
     def progress(self, handle: Handle) -> LogProgress:
         """What the backend sees of the trainer's progress (step lines, a committed step) at no extra
         cost; empty where reading it would cost cluster calls (the run directory tells then)."""
         return LogProgress()
 
+    @abc.abstractmethod
     def find_live(self, run: str) -> Handle | None:  # a live attempt of this run, if any (reattach)
-        raise NotImplementedError
+        ...
 
     def live_attempts(self, run: str) -> list[Handle]:
         """Every live attempt of this run, newest first: the lease holder stops any but its own (one a

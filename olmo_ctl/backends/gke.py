@@ -13,13 +13,12 @@ other 4xx; `Unreachable` after the budget: nothing is deleted or created on the 
 
 from __future__ import annotations
 
-import copy
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State
-from olmo_ctl.backends.jobset import check_env, render_jobset
+from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, SmokeProfile, State
+from olmo_ctl.backends.jobset import identity_note, placement_policy_for, render_jobset
 from olmo_ctl.backends.kube import (
     DEFAULT_POLICY,
     KubeRetryPolicy,
@@ -30,6 +29,9 @@ from olmo_ctl.backends.kube import (
 )
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
+
+if TYPE_CHECKING:
+    from olmo_ctl.core.config import Settings
 
 JOBSET_GROUP, JOBSET_VERSION, JOBSETS = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 KUEUE_GROUP, WORKLOADS = "kueue.x-k8s.io", "workloads"
@@ -60,23 +62,80 @@ def _json(resp: Any) -> Any:
     return json.loads(resp.data or b"null")
 
 
-class GKEBackend(Backend):
+class GKEBackend(Backend[dict]):
     """Backend over the Kubernetes API. Tests pass `host` (the test server's URL) and `namespace`;
     otherwise the kubeconfig's `context` (or its current one) or the in-cluster account is used."""
 
     name = "gke"
+    smoke = SmokeProfile(max_steps=2000, poll_s=2.0)
 
     def __init__(self, namespace: str | None = None, host: str | None = None, context: str | None = None,
-                 settings: Any = None, retry: KubeRetryPolicy | None = None, api_client: Any = None,
+                 settings: Settings | None = None, retry: KubeRetryPolicy | None = None, api_client: Any = None,
                  kubeconfig: str | None = None):
         self.settings = settings
-        self.namespace = namespace or (getattr(settings, "namespace", None) if settings else None) or "default"
+        self.namespace = namespace or (settings.namespace if settings else None) or "default"
         self.host = host
-        self.context = context or (getattr(settings, "kube_context", None) if settings else None)
+        self.context = context or (settings.kube_context if settings else None)
         self.kubeconfig = kubeconfig
         self.retry = retry or DEFAULT_POLICY
         self._api_client = api_client
         self._kueue_version: str | None = None  # resolved on first use; "" = no Kueue API
+
+    @classmethod
+    def from_settings(cls, settings: Settings, run_root: str | None = None) -> GKEBackend:
+        return cls(settings=settings)
+
+    @classmethod
+    def for_status(cls, handle: Handle, run_dir: str) -> GKEBackend:
+        quick = KubeRetryPolicy(budget_s=20.0, max_attempts=4, connect_timeout_s=5.0, read_timeout_s=15.0)
+        return cls(namespace=handle.data.get("namespace"), context=handle.data.get("context"), retry=quick)
+
+    # ------------------------------------------------------------------ before anything is written
+    def _settings(self, attempt: Attempt) -> Settings:
+        settings = attempt.settings or self.settings
+        if settings is None:
+            raise BadInput("the GKE backend needs site settings to render a JobSet", "see `olmo-ctl config show`")
+        return settings
+
+    def validate(self, attempt: Attempt, *, render_only: bool = False) -> None:
+        """A TPU slice, no placeholder settings (unless only rendering) and a run directory on GCS
+        (TPU pods cannot see this machine's files)."""
+        dev = get_device(attempt.device)
+        if not dev.is_tpu:
+            raise BadInput(f"`{dev.name}` is a local device; the GKE backend runs on TPU slices",
+                           "use --backend local, or a TPU device such as tpu7x-128")
+        settings = self._settings(attempt)
+        if not render_only and settings.placeholders():
+            raise BadInput(f"site settings still hold placeholders ({', '.join(settings.placeholders())})",
+                           "see `olmo-ctl config show`; --dry-run works without them")
+        if not attempt.run_dir.startswith("gs://"):
+            raise BadInput(f"run root `{attempt.run_dir.rsplit('/', 1)[0]}` is not on GCS; TPU pods cannot see "
+                           "this machine's files",
+                           "set the run root to gs://BUCKET/PREFIX (--run-root, OLMO_CTL_RUN_ROOT or run_root "
+                           "in the config file)")
+
+    def checks(self, attempt: Attempt) -> None:
+        """The queue, the priority class and a flavor for the slice that Kueue needs (exit 2 naming the
+        missing object), before anything is created."""
+        from olmo_ctl.backends.doctor import submit_checks
+
+        submit_checks(self.api_client, self._settings(attempt), get_device(attempt.device), attempt.slices)
+
+    def notes(self, attempt: Attempt, *, render_only: bool = False) -> list[str]:
+        settings = self._settings(attempt)
+        out = []
+        ident = identity_note(settings)
+        if ident:
+            out.append(ident)
+        if render_only:
+            for name in settings.placeholders():
+                out.append(f"`{name}` is the placeholder `{getattr(settings, name)}`; set --{name.replace('_', '-')}, "
+                           f"OLMO_CTL_{name.upper()} or `{name}:` in the config file (see `olmo-ctl config show`)")
+            dev = get_device(attempt.device)
+            if settings.placement_policy and placement_policy_for(dev, settings) is None:
+                out.append(f"placement policy `{settings.placement_policy}` is not used: {dev.name} node pools "
+                           "carry none")
+        return out
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -128,24 +187,12 @@ class GKEBackend(Backend):
     # ------------------------------------------------------------------ render
     def render(self, attempt: Attempt) -> dict:
         """The JobSet for this attempt: pure, from the resolved recipe and plan the attempt carries."""
-        settings = attempt.settings or self.settings
-        if settings is None:
-            raise BadInput("the GKE backend needs site settings to render a JobSet",
-                           "see `olmo-ctl config show`")
+        settings = self._settings(attempt)
         if attempt.recipe is None or attempt.plan is None:
-            raise ValueError("a GKE attempt carries its resolved recipe and plan (supervise.attempts.attempt_request)")
-        jobset = render_jobset(attempt.recipe, attempt.plan, get_device(attempt.device), settings, attempt.run,
-                               attempt.attempt, attempt.run_dir, attempt.slices)
-        if attempt.extra_args or attempt.env:
-            jobset = copy.deepcopy(jobset)
-            for rj in jobset["spec"]["replicatedJobs"]:
-                for c in rj["template"]["spec"]["template"]["spec"]["containers"]:
-                    if c.get("name") == "trainer":
-                        c["command"] = list(c.get("command") or []) + list(attempt.extra_args)
-                        if attempt.env:
-                            c.setdefault("env", []).extend({"name": k, "value": v} for k, v in attempt.env)
-                            check_env(c["env"])
-        return jobset
+            raise ValueError("a GKE attempt carries its resolved recipe and plan (supervise.attempts.new_request)")
+        return render_jobset(attempt.recipe, attempt.plan, get_device(attempt.device), settings, attempt.run,
+                             attempt.attempt, attempt.run_dir, attempt.slices, extra_args=attempt.extra_args,
+                             extra_env=attempt.env)
 
     # ------------------------------------------------------------------ submit
     def send(self, request: dict) -> Handle:

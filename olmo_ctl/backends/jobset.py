@@ -216,10 +216,11 @@ INJECTED_ENV = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASC
                 "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES")
 
 
-def _env(template_env: dict[str, Any], libtpu_args: str = "") -> list[dict]:
+def _env(template_env: dict[str, Any], libtpu_args: str = "", extra: tuple[tuple[str, str], ...] = ()) -> list[dict]:
     env = [{"name": str(k), "value": str(v)} for k, v in template_env.items()]
     if libtpu_args:
         env.append({"name": "LIBTPU_INIT_ARGS", "value": libtpu_args})
+    env += [{"name": k, "value": v} for k, v in extra]
     check_env(env)
     return env
 
@@ -244,8 +245,12 @@ def render_jobset(
     attempt: int,
     run_dir: str,
     slices: int = 1,
+    *,
+    extra_args: tuple[str, ...] = (),
+    extra_env: tuple[tuple[str, str], ...] = (),
 ) -> dict:
-    """The JobSet for one attempt: a plain dict, ready for YAML/JSON or the Kubernetes API."""
+    """The JobSet for one attempt: a plain dict, ready for YAML/JSON or the Kubernetes API.
+    `extra_args` go after the trainer's command line, `extra_env` after the template's variables."""
     if not device.is_tpu:
         raise BadInput(f"`{device.name}` is a local device; the GKE backend runs on TPU slices",
                        "use --backend local, or a TPU device such as tpu7x-128")
@@ -281,8 +286,8 @@ def render_jobset(
         "service_account": settings.service_account,
         "host_network": True if host_network(settings) else None,
         "dns_policy": "ClusterFirstWithHostNet" if host_network(settings) else None,
-        "env": _env(v["env"], libtpu_init_args(device, recipe, settings)),
-        "trainer_command": trainer_command(run_dir, device.name, attempt, slices),
+        "env": _env(v["env"], libtpu_init_args(device, recipe, settings), extra_env),
+        "trainer_command": trainer_command(run_dir, device.name, attempt, slices) + list(extra_args),
         "shm_size": v["shm_size"],
         "termination_grace_period_s": v["termination_grace_period_s"],
         "max_restarts": v["max_restarts"],

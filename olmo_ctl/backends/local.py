@@ -45,6 +45,7 @@ from olmo_ctl.core.contracts import (
     log_progress,
 )
 from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.errors import BadInput
 from olmo_ctl.rundir import proc_start_time  # noqa: F401 - also what callers import from here
 
 TRAINER_MODULE = "olmo_ctl.trainer"
@@ -89,7 +90,7 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-class LocalBackend(Backend):
+class LocalBackend(Backend[LocalRequest]):
     name = "local"
     trains_here = True
 
@@ -99,7 +100,25 @@ class LocalBackend(Backend):
         self.python = python or sys.executable
         self.state_root = state_root
         self.stop_grace_s = stop_grace_s
+        self.settings = None  # the site settings it was made from (recorded with each attempt)
         self._procs: dict[int, subprocess.Popen] = {}
+
+    @classmethod
+    def from_settings(cls, settings, run_root: str | None = None) -> LocalBackend:
+        backend = cls(run_root or settings.run_root)
+        backend.settings = settings
+        return backend
+
+    @classmethod
+    def for_status(cls, handle: Handle, run_dir: str) -> LocalBackend:
+        return cls(run_dir.rstrip("/").rsplit("/", 1)[0])
+
+    def validate(self, attempt: Attempt, *, render_only: bool = False) -> None:
+        """The local backend runs cpu-N, cpu-PxD and gpu-N on this machine."""
+        dev = get_device(attempt.device)
+        if dev.is_tpu:
+            raise BadInput(f"`{dev.name}` is a TPU slice; the local backend runs cpu-N or gpu-N",
+                           "use --backend gke, or a local device such as cpu-4")
 
     # Local run dirs keep attempt files and logs inside; a gs:// run dir keeps them on this machine.
     def state_dir(self, run: str, run_dir: str | None = None) -> str:

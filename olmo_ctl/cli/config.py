@@ -5,41 +5,22 @@ import sys
 import typer
 
 from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
-from olmo_ctl.cli.options import (
-    BackendOpt,
-    ImageOpt,
-    KubeContextOpt,
-    NamespaceOpt,
-    PlacementPolicyOpt,
-    PriorityClassOpt,
-    QueueOpt,
-    RunRootOpt,
-    ServiceAccountOpt,
-    note,
-)
-from olmo_ctl.core.config import DESCRIPTIONS, config_path, resolve_settings, setting_names
+from olmo_ctl.cli.options import SiteFlags, note, site_options
+from olmo_ctl.core.config import DESCRIPTIONS, config_path, setting_names
 
 config_app = typer.Typer(help="Site settings: flags > OLMO_CTL_* environment > config file.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
 
 @config_app.command("show")
+@site_options()
 def config_show(
-    kube_context: KubeContextOpt = None,
-    namespace: NamespaceOpt = None,
-    queue: QueueOpt = None,
-    priority_class: PriorityClassOpt = None,
-    image: ImageOpt = None,
-    run_root: RunRootOpt = None,
-    service_account: ServiceAccountOpt = None,
-    placement_policy: PlacementPolicyOpt = None,
-    backend: BackendOpt = None,
     output: OutputOpt = Output.table,
+    *,
+    site: SiteFlags,
 ) -> None:
     """Show the resolved site settings and where each value came from."""
-    s = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
-                         priority_class=priority_class, image=image, run_root=run_root,
-                         service_account=service_account, placement_policy=placement_policy, backend=backend)
+    s = site.resolve()
     path = config_path()
     if output == Output.json:
         print_json({

@@ -8,31 +8,27 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
-from olmo_ctl.cli.options import ImageOpt, KubeContextOpt, NamespaceOpt, PriorityClassOpt, QueueOpt
+from olmo_ctl.cli.options import SiteFlags, site_options
 from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_UNREACHABLE, Unreachable
 
 
 @app.command()
+@site_options(exclude=("backend", "run_root"))  # it checks a cluster, wherever the runs live
 def doctor(
     device: Annotated[str | None, typer.Option("--device", help="TPU slice to check flavor, quota and node "
                                                                 "pools for, e.g. tpu7x-128.")] = None,
     slices: Annotated[int, typer.Option("--slices", min=1, help="Number of slices of --device.")] = 1,
-    queue: QueueOpt = None,
-    priority_class: PriorityClassOpt = None,
-    kube_context: KubeContextOpt = None,
-    namespace: NamespaceOpt = None,
-    image: ImageOpt = None,
     output: OutputOpt = Output.table,
+    *,
+    site: SiteFlags,
 ) -> None:
     """Check that the cluster can run olmo-ctl's JobSets: exit 0 all passed, 2 a check failed, 3 unreachable."""
     from olmo_ctl.backends.doctor import Check, run_checks
     from olmo_ctl.backends.kube import make_api_client
-    from olmo_ctl.core.config import resolve_settings
     from olmo_ctl.core.devices import get_device
     from olmo_ctl.core.errors import BadInput
 
-    settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
-                                priority_class=priority_class, image=image)
+    settings = site.resolve()
     dev = get_device(device) if device is not None else None
     if dev is not None and not dev.is_tpu:
         raise BadInput(f"`{dev.name}` is a local device; doctor checks a cluster for TPU slices",

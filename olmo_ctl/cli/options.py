@@ -1,11 +1,23 @@
-"""Options and helpers shared by several commands: the site settings as flags, `note`, `_echo`."""
+"""Options and helpers shared by several commands: the site settings as flags, `note`, `_echo`.
+
+The site settings are declared once (`SITE_OPTIONS`) and added to a command by `@site_options`,
+which hands the command one `SiteFlags` object to resolve (XPK's `add_shared_arguments` is the
+model): every command that renders an attempt takes the same options, and none silently lacks one.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
-from typing import Annotated
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+
+if TYPE_CHECKING:
+    from olmo_ctl.core.config import Settings
 
 # Site settings as flags (each wins over OLMO_CTL_<NAME> and the config file); shared with submit.
 KubeContextOpt = Annotated[str | None, typer.Option("--kube-context", help="kubeconfig context.")]
@@ -30,6 +42,65 @@ SlicesOpt = Annotated[int | None, typer.Option(
     "multi-host slices on GKE); the global batch is split over all of their devices. An existing run keeps its "
     "own (default 1 for a new run); another count is a resize.")]
 BackendOpt = Annotated[str | None, typer.Option("--backend", help="gke or local.")]
+
+# Every site setting a command line may set, in the order `--help` lists them.
+SITE_OPTIONS: dict[str, Any] = {
+    "backend": BackendOpt,
+    "run_root": RunRootOpt,
+    "kube_context": KubeContextOpt,
+    "namespace": NamespaceOpt,
+    "queue": QueueOpt,
+    "priority_class": PriorityClassOpt,
+    "image": ImageOpt,
+    "service_account": ServiceAccountOpt,
+    "placement_policy": PlacementPolicyOpt,
+}
+
+
+@dataclass(frozen=True)
+class SiteFlags:
+    """The site settings given on one command line (None: not given)."""
+
+    backend: str | None = None
+    run_root: str | None = None
+    kube_context: str | None = None
+    namespace: str | None = None
+    queue: str | None = None
+    priority_class: str | None = None
+    image: str | None = None
+    service_account: str | None = None
+    placement_policy: str | None = None
+
+    def resolve(self) -> Settings:
+        """Flags > OLMO_CTL_* environment > config file > defaults (`core.config.resolve_settings`)."""
+        from olmo_ctl.core.config import resolve_settings
+
+        return resolve_settings(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def site_options(*, exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Add the site options (less `exclude`) to a command whose function takes `site: SiteFlags`."""
+    names = [n for n in SITE_OPTIONS if n not in exclude]
+
+    def wrap(fn: F) -> F:
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != "site"]
+        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=SITE_OPTIONS[n])
+                 for n in names]
+
+        @functools.wraps(fn)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            flags = SiteFlags(**{n: kwargs.pop(n, None) for n in names})
+            return fn(*args, site=flags, **kwargs)
+
+        command.__signature__ = sig.replace(parameters=own + added)  # type: ignore[attr-defined]
+        command.__annotations__ = {**{p.name: p.annotation for p in own}, **{n: SITE_OPTIONS[n] for n in names}}
+        return command  # type: ignore[return-value]
+
+    return wrap
 # Passed to the trainer of every attempt (see docs/running-on-gke.md, "Versions").
 AllowVersionChangeOpt = Annotated[bool, typer.Option(
     "--allow-version-change", help="Restore although the trainer's Orbax version differs from the run's "

@@ -6,22 +6,12 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import DeviceOpt, app
-from olmo_ctl.cli.options import (
-    BackendOpt,
-    ImageOpt,
-    KubeContextOpt,
-    NamespaceOpt,
-    QueueOpt,
-    RunRootOpt,
-    SlicesOpt,
-    TimeoutOpt,
-    _echo,
-)
-from olmo_ctl.core.config import resolve_settings
+from olmo_ctl.cli.options import SiteFlags, SlicesOpt, TimeoutOpt, _echo, note, site_options
 from olmo_ctl.core.errors import BadInput
 
 
 @app.command()
+@site_options()
 def resize(
     run: Annotated[str, typer.Argument(metavar="RUN", help="The run to resize (its name under the run root).")],
     device: DeviceOpt,
@@ -32,28 +22,35 @@ def resize(
         "--now", help="Stop at once: the trainer checkpoints its last completed step (the default).")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     timeout: TimeoutOpt = 3600.0,
-    backend: BackendOpt = None,
-    run_root: RunRootOpt = None,
-    kube_context: KubeContextOpt = None,
-    namespace: NamespaceOpt = None,
-    queue: QueueOpt = None,
-    image: ImageOpt = None,
+    no_preflight: Annotated[bool, typer.Option(
+        "--no-preflight", help="Skip compiling the step for the new slice before stopping anything.")] = False,
+    *,
+    site: SiteFlags,
 ) -> None:
     """Continue RUN on DEVICE (and --slices N) at the same global batch: commit the latest state, stop the
     attempt, submit the next one on DEVICE. With a live supervisor, the request is recorded for it to carry out."""
+    from olmo_ctl.backends import make_backend
+    from olmo_ctl.backends.base import Attempt
     from olmo_ctl.rundir import RunDir
-    from olmo_ctl.supervise.attempts import make_backend, run_settings
+    from olmo_ctl.supervise.attempts import run_settings
     from olmo_ctl.supervise.resize import on, prepare, resize_run, supervisor_alive
+    from olmo_ctl.supervise.submit import check_attempt
 
     if at_next_checkpoint and now:
         raise BadInput("--at-next-checkpoint and --now are exclusive", "give one of them")
     mode = "at-next-checkpoint" if at_next_checkpoint else "now"
-    settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue, image=image,
-                                run_root=run_root, backend=backend)
+    settings = site.resolve()
     rundir = RunDir.of(settings.run_root, run)
-    settings = run_settings(settings, rundir)  # not chosen: the run's own backend
-    be = make_backend(settings, device)
+    settings = run_settings(settings, rundir)  # not chosen here: the run's own backend and site settings
+    be = make_backend(settings)
+    be.validate(Attempt(run, rundir.path, 0, device, settings=settings))  # the device itself, first
     plan = prepare(rundir, be, device, slices)
+    assert plan.new_attempt is not None
+    be.validate(plan.new_attempt)
+    for line in be.notes(plan.new_attempt):
+        note(line)
+    # The new attempt is checked as submit checks one, before anything is stopped.
+    check_attempt(be, plan.new_attempt, preflight=not no_preflight, log=note)
     lines = [f"resize run `{run}`: attempt {plan.from_attempt} on {on(plan.old)} -> attempt {plan.to_attempt} "
              f"on {on(plan.new)} ({mode})"] + ["  " + ln for ln in plan.plan_lines()]
     typer.echo("\n".join(lines))

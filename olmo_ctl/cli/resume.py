@@ -9,25 +9,18 @@ from olmo_ctl.cli.app import RecipeOpt, SetOpt, StageOpt, app
 from olmo_ctl.cli.options import (
     AdmissionTimeoutOpt,
     AllowVersionChangeOpt,
-    BackendOpt,
-    ImageOpt,
-    KubeContextOpt,
-    NamespaceOpt,
-    PlacementPolicyOpt,
-    PriorityClassOpt,
-    QueueOpt,
-    RunRootOpt,
-    ServiceAccountOpt,
+    SiteFlags,
     SlicesOpt,
+    note,
+    site_options,
 )
-from olmo_ctl.core.config import resolve_settings
-from olmo_ctl.core.devices import check_slices, get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import default_run_name, validate_run_name
 from olmo_ctl.core.recipe import load_recipe
 
 
 @app.command("resume-until-done")
+@site_options()
 def resume_until_done(
     run_name: Annotated[str | None, typer.Argument(metavar="RUN", help="Run name (or --run).")] = None,
     run: Annotated[str | None, typer.Option("--run", help="Run name (default: from the recipe name).")] = None,
@@ -36,8 +29,6 @@ def resume_until_done(
     set_: SetOpt = None,
     device: Annotated[str | None, typer.Option("--device", help="Device of a new run (e.g. cpu-1, tpu7x-128).")] = None,
     slices: SlicesOpt = None,
-    backend: BackendOpt = None,
-    run_root: RunRootOpt = None,
     retry_backoff: Annotated[float | None, typer.Option(
         "--retry-backoff", help="Base backoff before a resubmission, seconds [env RETRY_BACKOFF_SECONDS, 300]; "
         "doubles per attempt without progress, with jitter, up to a cap.")] = None,
@@ -57,34 +48,25 @@ def resume_until_done(
     stall_min: Annotated[float, typer.Option("--stall-min", help="Never stalled sooner than this (s).")] = 300.0,
     startup_timeout: Annotated[float, typer.Option(
         "--startup-timeout", help="Longest start-up/compile before the first step (s).")] = 1800.0,
-    kube_context: KubeContextOpt = None,
-    namespace: NamespaceOpt = None,
-    queue: QueueOpt = None,
-    priority_class: PriorityClassOpt = None,
-    image: ImageOpt = None,
-    service_account: ServiceAccountOpt = None,
-    placement_policy: PlacementPolicyOpt = None,
+    no_preflight: Annotated[bool, typer.Option(
+        "--no-preflight", help="Skip compiling the step for the slice before the first submission.")] = False,
     allow_version_change: AllowVersionChangeOpt = False,
     admission_timeout: AdmissionTimeoutOpt = None,
+    *,
+    site: SiteFlags,
 ) -> int:
     """Submit attempts of a run until its final step is committed: reattaches to a live attempt, waits
     while queued (a preempted attempt is requeued by Kueue), resubmits after a failure with backoff, stops
     on a user error (1), a queue set-up Kueue can never admit (2) or a crash loop (4).
     Ctrl-C detaches (130) and leaves the attempt running."""
-    # The run directory and the supervision layer (with its event reader) load only for this command.
-    from olmo_ctl.rundir import RunDir
-    from olmo_ctl.supervise.attempts import check_device, ensure_run, make_backend, run_settings
+    # The supervision layer (with its event reader) loads only for this command.
     from olmo_ctl.supervise.policy import RetryPolicy
+    from olmo_ctl.supervise.submit import check_attempt, create_run, prepare
     from olmo_ctl.supervise.supervisor import Supervisor
 
     if run_name and run and run_name != run:
         raise BadInput(f"two run names: `{run_name}` and --run `{run}`", "give one")
-    settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
-                                priority_class=priority_class, image=image, run_root=run_root,
-                                service_account=service_account, placement_policy=placement_policy,
-                                backend=backend)
-    if "run_root" in settings.placeholders():
-        raise BadInput("no run root configured", "pass --run-root DIR (or gs://...), or set OLMO_CTL_RUN_ROOT")
+    settings = site.resolve()
     r = None
     if recipe is not None or stage is not None:
         r = load_recipe(recipe, stage, set_ or ())
@@ -94,10 +76,6 @@ def resume_until_done(
     if name is None:
         raise BadInput("which run?", "pass RUN, or --recipe/--stage with --device to create one")
     validate_run_name(name)
-    if device is not None and settings.backend == "gke":
-        check_device(settings.backend, get_device(device))
-    if device is not None and slices is not None:
-        check_slices(get_device(device), slices)
     policy = RetryPolicy.from_env(retry_backoff, max_retries, retry_user_errors=retry_user_errors,
                                   stall_factor=stall_factor, stall_min_s=stall_min, startup_limit_s=startup_timeout,
                                   admission_timeout_s=admission_timeout)
@@ -106,16 +84,18 @@ def resume_until_done(
     if lease_ttl is not None and lease_ttl < 2 * poll:
         raise BadInput(f"--lease-ttl {lease_ttl:g} must be at least twice --poll ({poll:g})",
                        "the supervisor renews its lease once per poll")
-    rundir = RunDir.of(settings.run_root, name)
-    settings = run_settings(settings, rundir)
-    if settings.backend == "gke" and "image" in settings.placeholders():
-        raise BadInput("no image configured for the GKE backend", "pass --image or set OLMO_CTL_IMAGE")
-    ensure_run(rundir, r, device, slices)
-    be = make_backend(settings)
-    hint = f"olmo-ctl resume-until-done {name} --run-root {settings.run_root} --backend {settings.backend}"
+    extra_args = ("--allow-version-change",) if allow_version_change else ()
+    # The next attempt, resolved and checked as submit checks it, before run.yaml exists.
+    prep = prepare(settings, name, recipe=r, device=device, slices=slices, extra_args=extra_args)
+    for line in prep.notes:
+        note(line)
+    if not prep.complete:
+        check_attempt(prep.backend, prep.request, preflight=not no_preflight, log=note)
+    create_run(prep)
+    rundir, be = prep.rundir, prep.backend
+    hint = f"olmo-ctl resume-until-done {name} --run-root {prep.settings.run_root} --backend {be.name}"
     sup = Supervisor(rundir, be, policy, device=device, poll_s=poll, stop_on_exit=stop_on_exit, reattach_hint=hint,
-                     lease_ttl_s=lease_ttl, slices=slices,
-                     extra_args=("--allow-version-change",) if allow_version_change else ())
+                     lease_ttl_s=lease_ttl, slices=slices, extra_args=extra_args)
     sup.out.line(f"run directory: {rundir.path}")
 
     def on_term(signum, frame):  # a terminating supervisor detaches like Ctrl-C

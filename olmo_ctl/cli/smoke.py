@@ -7,58 +7,42 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import DeviceOpt, app, print_json
-from olmo_ctl.cli.options import (
-    BackendOpt,
-    ImageOpt,
-    KubeContextOpt,
-    NamespaceOpt,
-    QueueOpt,
-    RunRootOpt,
-    TimeoutOpt,
-    _echo,
-    note,
-)
-from olmo_ctl.core.config import resolve_settings
+from olmo_ctl.cli.options import SiteFlags, TimeoutOpt, _echo, note, site_options
 from olmo_ctl.core.errors import BadInput
 
 
 @app.command()
+@site_options()
 def smoke(
     device: DeviceOpt,
-    backend: BackendOpt = None,
     timeout: TimeoutOpt = 1800.0,
     junit: Annotated[Path | None, typer.Option("--junit", help="Write JUnit XML (one test case per check).")] = None,
-    run_root: RunRootOpt = None,
     keep: Annotated[bool, typer.Option("--keep", help="Keep the smoke run directories after a pass.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
-    kube_context: KubeContextOpt = None,
-    namespace: NamespaceOpt = None,
-    queue: QueueOpt = None,
-    image: ImageOpt = None,
+    *,
+    site: SiteFlags,
 ) -> None:
     """Run the smoke recipe briefly on DEVICE and check it: loss fell, checkpoint committed, a forced
     stop/resume replays exactly, events readable. Exit 0 / 1 (a check failed, named) / 124 (timeout)."""
     import shutil
     import tempfile
 
-    from olmo_ctl.supervise.attempts import make_backend
+    from olmo_ctl.backends import backend_class, make_backend
     from olmo_ctl.supervise.smoke import FAULT_ENV, SmokeConfig, junit_xml, run_smoke
 
-    settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue, image=image,
-                                run_root=run_root, backend=backend)
+    settings = site.resolve()
     if junit is not None and (junit.is_dir() or not junit.parent.is_dir()):
         raise BadInput(f"--junit `{junit}`: not a file in an existing directory", "e.g. --junit smoke.xml")
+    kind = backend_class(settings.backend)
     temp_root = None
-    if settings.backend == "local" and run_root is None:
+    if kind.trains_here and site.run_root is None:  # runs on this machine: a scratch root of their own
         temp_root = tempfile.mkdtemp(prefix="olmo-ctl-smoke-")
         root = temp_root
     else:
         root = settings.run_root
-    be = make_backend(settings, device, root)
-    if settings.backend == "gke":
-        cfg = SmokeConfig(device, max_steps=2000, poll_s=2.0, fault=os.environ.get(FAULT_ENV) or None)
-    else:
-        cfg = SmokeConfig(device, fault=os.environ.get(FAULT_ENV) or None)
+    be = make_backend(settings, root)
+    cfg = SmokeConfig(device, max_steps=kind.smoke.max_steps, poll_s=kind.smoke.poll_s,
+                      fault=os.environ.get(FAULT_ENV) or None)
     report = run_smoke(be, root, cfg, timeout, log=_echo)
     for line in report.summary_lines():
         _echo(line)

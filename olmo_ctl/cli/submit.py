@@ -6,26 +6,16 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.backends.jobset import dump_json, dump_yaml, identity_note, placement_policy_for
-from olmo_ctl.cli.app import DeviceOpt, ManifestOutput, RecipeOpt, SetOpt, StageOpt, app
+from olmo_ctl.backends.jobset import dump_json, dump_yaml
+from olmo_ctl.cli.app import ManifestOutput, RecipeOpt, SetOpt, StageOpt, app
 from olmo_ctl.cli.options import (
     AdmissionTimeoutOpt,
     AllowVersionChangeOpt,
-    BackendOpt,
-    ImageOpt,
-    KubeContextOpt,
-    NamespaceOpt,
-    PlacementPolicyOpt,
-    PriorityClassOpt,
-    QueueOpt,
-    RunRootOpt,
-    ServiceAccountOpt,
+    SiteFlags,
     SlicesOpt,
     note,
+    site_options,
 )
-from olmo_ctl.core.batching import make_plan
-from olmo_ctl.core.config import resolve_settings
-from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import default_run_name, validate_run_name
 from olmo_ctl.core.recipe import load_recipe
@@ -46,8 +36,10 @@ def _write_manifest(path: Path, text: str) -> None:
 
 
 @app.command()
+@site_options()
 def submit(
-    device: DeviceOpt,
+    device: Annotated[str | None, typer.Option(
+        "--device", help="Device type of a new run, e.g. tpu7x-128, v5p-256, cpu-4 (an existing run: its own).")] = None,
     slices: SlicesOpt = None,
     stage: StageOpt = None,
     recipe: RecipeOpt = None,
@@ -57,8 +49,6 @@ def submit(
         int | None,
         typer.Option("--attempt", min=0, help="Attempt number (default: the next one; 1 for --dry-run)."),
     ] = None,
-    backend: BackendOpt = None,
-    run_root: RunRootOpt = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the JobSet (local: the command line); submit nothing.")
     ] = False,
@@ -66,35 +56,30 @@ def submit(
     output_manifest: Annotated[
         Path | None, typer.Option("--output-manifest", help="Write the manifest to FILE instead of stdout.")
     ] = None,
-    kube_context: KubeContextOpt = None,
-    namespace: NamespaceOpt = None,
-    queue: QueueOpt = None,
-    priority_class: PriorityClassOpt = None,
-    image: ImageOpt = None,
-    service_account: ServiceAccountOpt = None,
-    placement_policy: PlacementPolicyOpt = None,
     no_preflight: Annotated[
         bool, typer.Option("--no-preflight", help="Skip compiling the step for the slice before submitting.")
     ] = False,
     allow_version_change: AllowVersionChangeOpt = False,
     admission_timeout: AdmissionTimeoutOpt = None,
+    *,
+    site: SiteFlags,
 ) -> None:
-    """Submit one attempt of a run (a JobSet queued by Kueue); --dry-run prints exactly what is applied."""
-    from olmo_ctl.supervise.attempts import make_backend, new_request, submit_attempt
+    """Submit one attempt of a run (a JobSet queued by Kueue); --dry-run prints exactly what is applied.
+    An existing run's next attempt takes its recipe, device and slice count from the run; a complete
+    run submits nothing (exit 0)."""
+    from olmo_ctl.supervise.submit import dry_run as render_dry_run
+    from olmo_ctl.supervise.submit import prepare, submit_run
 
     # Every cheap check (names, site settings, run root, image, queue, plan) before any compile or cluster call.
-    settings = resolve_settings(kube_context=kube_context, namespace=namespace, queue=queue,
-                                priority_class=priority_class, image=image, run_root=run_root,
-                                service_account=service_account, placement_policy=placement_policy,
-                                backend=backend)
-    r = load_recipe(recipe, stage, set_ or ())
-    dev = get_device(device)
+    settings = site.resolve()
+    r = load_recipe(recipe, stage, set_ or ()) if (recipe is not None or stage is not None or dry_run) else None
+    if r is None and set_:
+        raise BadInput("--set needs --recipe or --stage", "an existing run keeps its recipe (run.yaml)")
+    if run is None and r is None:
+        raise BadInput("which run?", "pass --run NAME for an existing run, or --recipe/--stage with --device")
     run_name = validate_run_name(run) if run is not None else default_run_name(r)
-    be = make_backend(settings, dev, render_only=dry_run)
-    plan = make_plan(r, dev, slices or 1)  # an existing run's own count is checked by submit_attempt
     if output_manifest is not None:
         _check_manifest_path(output_manifest)
-    run_dir = f"{settings.run_root.rstrip('/')}/{run_name}"
 
     def show(request) -> None:
         text = dump_yaml(request) if output == ManifestOutput.yaml else dump_json(request)
@@ -105,29 +90,32 @@ def submit(
             sys.stdout.write(text)
 
     extra_args = ("--allow-version-change",) if allow_version_change else ()
-    if settings.backend == "gke" and identity_note(settings):
-        note(identity_note(settings))
-    if not dry_run:
-        def preflight(n: int) -> None:  # TPU slices only, when libtpu is installed; cached per recipe/device/trainer
-            if settings.backend == "gke":  # the queue, priority class and flavor Kueue needs, before anything
-                from olmo_ctl.backends.doctor import submit_checks
-
-                submit_checks(be.api_client, settings, dev, n)
-            if not no_preflight:
-                from olmo_ctl.preflight.compile import submit_check
-
-                submit_check(r, dev, plan if n == plan.slices else make_plan(r, dev, n), log=note, settings=settings)
-
-        submit_attempt(recipe=r, device=dev, settings=settings, run=run_name, run_dir=run_dir, attempt=attempt,
-                       backend=be, before_create=preflight, show=show if output_manifest is not None else None,
-                       extra_args=extra_args, admission_timeout_s=admission_timeout, slices=slices)
+    if dry_run:
+        if device is None:
+            raise BadInput("--dry-run renders a new run's attempt: it needs --device", "e.g. --device tpu7x-128")
+        assert r is not None
+        be, request, notes = render_dry_run(settings, run_name, r, device, slices, attempt, extra_args)
+        for line in notes:
+            note(line)
+        show(be.printable(be.render(request)))
         return
-
-    for name in settings.placeholders():
-        note(f"`{name}` is the placeholder `{getattr(settings, name)}`; set --{name.replace('_', '-')}, "
-             f"OLMO_CTL_{name.upper()} or `{name}:` in the config file (see `olmo-ctl config show`)")
-    if settings.backend == "gke" and settings.placement_policy and placement_policy_for(dev, settings) is None:
-        note(f"placement policy `{settings.placement_policy}` is not used: {dev.name} node pools carry none")
-    att = new_request(run_name, run_dir, 1 if attempt is None else attempt, dev, r, settings, extra_args, plan=plan,
-                      slices=plan.slices)
-    show(be.printable(be.render(att)))
+    prep = prepare(settings, run_name, recipe=r, device=device, slices=slices, attempt=attempt,
+                   extra_args=extra_args)
+    for line in prep.notes:
+        note(line)
+    done = submit_run(prep, preflight=not no_preflight, log=note, show=show if output_manifest is not None else None,
+                      admission_timeout_s=admission_timeout, numbered=attempt is not None)
+    rd = prep.rundir
+    out = typer.echo
+    out(f"run directory: {rd.path}")
+    if done.handle is None:
+        out(f"run `{rd.name}` is complete (checkpoint {prep.committed_step} of "
+            f"{prep.request.recipe.train.max_steps} committed): nothing submitted")
+        out("next: read it with")
+        out(f"  olmo-ctl monitor {rd.path}")
+        return
+    out(f"attempt {done.handle.attempt} of run `{rd.name}` submitted on {prep.on} "
+        f"({prep.backend.name}: {done.handle.name})")
+    out("next: supervise it until the final step with")
+    out(f"  olmo-ctl resume-until-done {rd.name} --run-root {prep.settings.run_root} --backend {prep.backend.name}")
+    out(f"  olmo-ctl monitor {rd.path}")

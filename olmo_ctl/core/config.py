@@ -41,6 +41,12 @@ DESCRIPTIONS = {
 }
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0", "")
 
+# What an attempt is rendered with and a run keeps: recorded with each `submitted` journal line, and
+# taken from there by a later command of the same run that does not choose them itself (the kube
+# context and the run root are this machine's, the backend is recorded on its own).
+RUN_SITE_SETTINGS = ("namespace", "queue", "priority_class", "image", "service_account", "placement_policy",
+                     "xla_flags", "host_network")
+
 
 @dataclass(frozen=True)
 class Settings:

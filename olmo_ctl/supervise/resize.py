@@ -27,13 +27,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from olmo_ctl.backends.base import Backend, State
+from olmo_ctl.backends.base import Attempt, Backend, State
 from olmo_ctl.backends.jobset import dump_yaml
 from olmo_ctl.core.batching import Plan, make_plan
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import EXIT_TIMEOUT, BadInput, OlmoCtlError
 from olmo_ctl.rundir import LeaseHeld, _holder_process_dead, utc_now_iso
-from olmo_ctl.supervise.attempts import attempt_request, last_handle, stop_and_wait, submit_next
+from olmo_ctl.supervise.attempts import attempt_request, last_handle, new_request, stop_and_wait, submit_next
 
 MODES = ("now", "at-next-checkpoint")
 PLAN_FIELDS = ("device", "devices", "global_batch", "per_device_batch", "grad_accum", "seq_len", "tokens_per_step",
@@ -58,6 +58,7 @@ class ResizePlan:
     new: Plan
     old_request: Any = None  # the rendered requests (JobSet dicts, or local command lines)
     new_request: Any = None
+    new_attempt: Attempt | None = None  # the attempt request `new_request` was rendered from
 
     def plan_lines(self) -> list[str]:
         """`field  old -> new` for every plan field; the invariant ones say so (slices: when multislice)."""
@@ -152,10 +153,10 @@ def prepare(rundir, backend, to_device: str, to_slices: int | None = None) -> Re
     slices = current_slices(rundir)
     to_slices = slices if to_slices is None else to_slices
     rp = plan_resize(recipe, get_device(device), get_device(to_device), rundir.name, attempt, nxt, slices, to_slices)
-    old_req = (backend.render(attempt_request(rundir, max(attempt, 1), device, recipe, slices=slices))
-               if attempt else None)
-    new_req = backend.render(attempt_request(rundir, nxt, to_device, recipe, slices=to_slices))
-    return ResizePlan(rp.run, rp.from_attempt, rp.to_attempt, rp.old, rp.new, old_req, new_req)
+    old_req = (backend.render(new_request(rundir.name, rundir.path, max(attempt, 1), device, recipe, plan=rp.old,
+                                          slices=slices)) if attempt else None)
+    new_att = new_request(rundir.name, rundir.path, nxt, to_device, recipe, plan=rp.new, slices=to_slices)
+    return ResizePlan(rp.run, rp.from_attempt, rp.to_attempt, rp.old, rp.new, old_req, backend.render(new_att), new_att)
 
 
 # ---------------------------------------------------------------- requests for a supervisor
@@ -279,9 +280,9 @@ def submit_resized(rundir, backend, plan: ResizePlan, committed_step: int, mode:
                    from_attempt=plan.from_attempt, request=request_id, mode=mode,
                    global_batch=plan.new.global_batch, tokens_per_step=plan.new.tokens_per_step,
                    old_plan=plan.to_dict()["old"], new_plan=plan.to_dict()["new"])
-    return submit_next(rundir, backend, plan.new.device, f"resize from {on(plan.old)}", attempt=plan.to_attempt,
-                       committed_step=committed_step, first=("resized", resized), fence=fence,
-                       slices=plan.new.slices)
+    request = plan.new_attempt or attempt_request(rundir, plan.to_attempt, plan.new.device, slices=plan.new.slices)
+    return submit_next(rundir, backend, request, f"resize from {on(plan.old)}", numbered=True,
+                       committed_step=committed_step, first=("resized", resized), fence=fence)
 
 
 def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: float = 3600.0,

@@ -45,7 +45,8 @@ from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.observe.reader import read_scalars
 from olmo_ctl.rundir import RunDir
 from olmo_ctl.storage import join
-from olmo_ctl.supervise.attempts import data_fingerprint, stop_and_wait, submit_next
+from olmo_ctl.supervise.attempts import data_fingerprint, new_request, stop_and_wait, submit_next
+from olmo_ctl.supervise.submit import check_attempt
 
 CHECKS = ("loss_fell", "checkpoint_committed", "forced_stop", "resume_exact", "events_readable")
 FAULT_ENV = "OLMO_CTL_SMOKE_FAULT"
@@ -193,8 +194,10 @@ def last_logged_step(lines: list[str]) -> int | None:
 class _Driver:
     """Starts, watches and stops the smoke's attempts through a backend, under one deadline."""
 
-    def __init__(self, backend, deadline: float, poll_s: float, log: Callable[[str], None]):
+    def __init__(self, backend, recipe, plan, deadline: float, poll_s: float, log: Callable[[str], None]):
         self.backend = backend
+        self.recipe = recipe
+        self.plan = plan
         self.deadline = deadline
         self.poll_s = poll_s
         self.log = log
@@ -210,10 +213,16 @@ class _Driver:
 
     def start(self, rundir, attempt: int, device: str, extra_args: tuple[str, ...] = (),
               env: dict[str, str] | None = None):
-        handle = submit_next(rundir, self.backend, device, "smoke", extra_args=extra_args, env=env, attempt=attempt)
+        handle = submit_next(rundir, self.backend, self.request(rundir, attempt, device, extra_args, env), "smoke",
+                             numbered=True)
         self.live.append(handle)
         self.log(f"{rundir.name}: attempt {attempt} on {device} submitted ({handle.name})")
         return handle
+
+    def request(self, rundir, attempt: int, device: str, extra_args: tuple[str, ...] = (),
+                env: dict[str, str] | None = None):
+        return new_request(rundir.name, rundir.path, attempt, device, self.recipe, extra_args=extra_args, env=env,
+                           plan=self.plan)
 
     def wait_for_step(self, handle, step: int) -> tuple[bool, int | None]:
         """Poll the attempt's log until it logs `step` (True) or ends first (False)."""
@@ -372,13 +381,18 @@ def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
         report.facts["fault"] = ",".join(sorted(faults))
         log(f"FAULT INJECTION ({FAULT_ENV}={cfg.fault}): {'; '.join(FAULTS[f] for f in sorted(faults))}")
     extra = ("--set", f"optimizer.lr={BROKEN_LR}") if "lr" in faults else ()
-    driver = _Driver(backend, t0 + timeout_s, cfg.poll_s, log)
+    driver = _Driver(backend, recipe, plan, t0 + timeout_s, cfg.poll_s, log)
     results: dict[str, CheckResult] = {}
 
     def fail_rest(why: str) -> None:
         for c in CHECKS:
             results.setdefault(c, CheckResult(c, False, why))
 
+    # Checked as submit checks an attempt (the backend's validation and checks; a tiny model, so no
+    # preflight), before either run directory exists.
+    first = driver.request(main, 1, device.name, extra)
+    backend.validate(first)
+    check_attempt(backend, first, preflight=False)
     try:
         for rd in (main, twin):
             _create_run(rd, recipe, device.name, local=backend.trains_here)

@@ -51,6 +51,7 @@ from olmo_ctl.supervise import resize
 from olmo_ctl.supervise.attempts import (
     last_handle,
     live_attempt,
+    new_request,
     run_device,
     run_slices,
     stop_and_wait,
@@ -242,10 +243,11 @@ class Supervisor:
                         self._retire(ended)
                         ended = None
                     self._beat()  # a supervisor that lost its lease must not submit
-                    self.handle = submit_next(self.rd, self.backend, self.device, reason, recipe=self.recipe,
-                                              extra_args=self.extra_args, committed_step=committed, t=self.clock(),
-                                              fence=self.lease, admission_timeout_s=self.policy.admission_timeout_s,
-                                              slices=self.slices)
+                    request = new_request(self.rd.name, self.rd.path, 0, self.device, self.recipe,
+                                          extra_args=self.extra_args, slices=self.slices)
+                    self.handle = submit_next(self.rd, self.backend, request, reason, committed_step=committed,
+                                              t=self.clock(), fence=self.lease,
+                                              admission_timeout_s=self.policy.admission_timeout_s)
                     self.out.line(f"submitted attempt {self.handle.attempt} on {self._on()} ({self.handle.name}): "
                                   f"{reason}")
             watched = self._watch(self.handle)

@@ -1,0 +1,182 @@
+"""The one submit path: one attempt with one plan, checked, then the run created, then submitted.
+
+submit, resume-until-done, resize and smoke all go through it, so every check that submit makes,
+they make:
+
+  prepare        the run's site settings, its backend (by name from the registry), the run
+                 directory, the device and slice count of its next attempt, and that attempt with its
+                 one plan; the backend's `validate` refusals. Reads the run directory, writes nothing.
+  dry_run        the same for `submit --dry-run`, from the command line alone (no storage read)
+  check_attempt  the backend's `checks` (the Kueue objects the attempt names) and the preflight
+                 compile (TPU slices, where libtpu is installed); writes nothing
+  create_run     run.yaml for a new run: after the checks, so a refused run leaves nothing behind
+  submit_run     `olmo-ctl submit`: all of the above, then the attempt under the run's lease
+
+Each returns values; the caller prints (the CLI says what to do next).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from olmo_ctl.backends import make_backend
+from olmo_ctl.backends.base import Attempt, Backend, Handle
+from olmo_ctl.core.batching import make_plan
+from olmo_ctl.core.config import Settings
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.names import validate_run_name
+from olmo_ctl.supervise.attempts import (
+    check_run,
+    last_handle,
+    live_attempt,
+    new_request,
+    run_device,
+    run_settings,
+    run_slices,
+    submit_next,
+)
+
+if TYPE_CHECKING:
+    from olmo_ctl.core.recipe import Recipe
+    from olmo_ctl.rundir import RunDir
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A run's next attempt, resolved once and validated; nothing written yet."""
+
+    rundir: RunDir
+    backend: Backend
+    request: Attempt  # its device, slice count, recipe, plan and site settings
+    settings: Settings  # the command's, with what it did not choose taken from the run
+    new_run: bool
+    data_fingerprint: str | None  # of a new run: what run.yaml records
+    committed_step: int | None = None  # of an existing run
+    notes: list[str] = field(default_factory=list)  # the backend's remarks, for the terminal
+
+    @property
+    def complete(self) -> bool:
+        """The run's final step is committed: there is nothing left to submit."""
+        return (not self.new_run and self.committed_step is not None and self.request.recipe is not None
+                and self.committed_step >= int(self.request.recipe.train.max_steps))
+
+    @property
+    def on(self) -> str:
+        r = self.request
+        return r.device if r.slices == 1 else f"{r.slices} x {r.device}"
+
+
+def prepare(settings: Settings, run: str, *, recipe: Recipe | None = None, device: str | None = None,
+            slices: int | None = None, attempt: int | None = None, extra_args: tuple[str, ...] = (),
+            env: dict[str, str] | None = None, backend: Backend | None = None) -> Prepared:
+    """The run's next attempt: a new run from `recipe` on `device` (and `slices`), or an existing
+    run's next attempt, on its own device and slice count (another one is a resize: refused), from its
+    run.yaml (a `recipe` given must be that one). `backend`: this one instead of the settings' own."""
+    from olmo_ctl.rundir import RunDir
+
+    if settings.placeholders():  # before the placeholder run root is read
+        raise BadInput(f"site settings still hold placeholders ({', '.join(settings.placeholders())})",
+                       "see `olmo-ctl config show`; `submit --dry-run` works without them")
+    if device is not None:
+        get_device(device)  # a mistyped device is named before the run directory is read
+        # What this command's backend refuses on the command line alone (a device it cannot run, a run
+        # root its pods cannot see) is said before any storage is touched.
+        run_dir = f"{settings.run_root.rstrip('/')}/{validate_run_name(run)}"
+        (backend or make_backend(settings)).validate(Attempt(run, run_dir, 0, device, settings=settings))
+    rundir = RunDir.of(settings.run_root, run)
+    settings = run_settings(settings, rundir)
+    backend = backend or make_backend(settings)
+    new = not rundir.exists()
+    committed = None
+    if new:
+        check_run(rundir, None if recipe is None else recipe, device, fingerprint=False)
+    else:
+        device = run_device(rundir, device)
+        slices = run_slices(rundir, slices)
+        committed = rundir.committed_step()
+    run_recipe = rundir.recipe() if recipe is None else recipe
+    assert device is not None
+    dev = get_device(device)
+    plan = make_plan(run_recipe, dev, slices or 1)
+    n = attempt if attempt is not None else (1 if new else rundir.next_attempt_number())
+    request = new_request(rundir.name, rundir.path, n, dev, run_recipe, settings, extra_args, env, plan, plan.slices)
+    backend.validate(request)
+    # Last, what may read the data (a new run's fingerprint; an existing run's check of `recipe`).
+    fingerprint = check_run(rundir, recipe, device)
+    return Prepared(rundir, backend, request, settings, new, fingerprint, committed, backend.notes(request))
+
+
+def dry_run(settings: Settings, run: str, recipe: Recipe, device: str, slices: int | None = None,
+            attempt: int | None = None, extra_args: tuple[str, ...] = ()) -> tuple[Backend, Attempt, list[str]]:
+    """What `submit --dry-run` renders: attempt `attempt` (1) of `run` from the command line alone,
+    placeholders allowed; (backend, request, notes)."""
+    backend = make_backend(settings)
+    dev = get_device(device)
+    plan = make_plan(recipe, dev, slices or 1)
+    run_dir = f"{settings.run_root.rstrip('/')}/{run}"
+    request = new_request(run, run_dir, 1 if attempt is None else attempt, dev, recipe, settings, extra_args,
+                          plan=plan, slices=plan.slices)
+    backend.validate(request, render_only=True)
+    return backend, request, backend.notes(request, render_only=True)
+
+
+def check_attempt(backend: Backend, request: Attempt, *, preflight: bool = True,
+                  log: Callable[[str], None] = lambda s: None) -> None:
+    """Everything that can refuse an attempt before it is queued: the backend's checks, then the
+    preflight compile of its step (TPU slices where libtpu is installed; cached per recipe, device and
+    trainer). BadInput (exit 2) or a compile failure (exit 1); nothing is written."""
+    backend.checks(request)
+    if preflight and request.recipe is not None and request.plan is not None:
+        from olmo_ctl.preflight.compile import submit_check
+
+        submit_check(request.recipe, get_device(request.device), request.plan, log=log,
+                     settings=request.settings or getattr(backend, "settings", None))
+
+
+def create_run(prep: Prepared) -> None:
+    """run.yaml of a new run (nothing for an existing one)."""
+    if prep.new_run:
+        r = prep.request
+        assert r.recipe is not None and prep.data_fingerprint is not None
+        prep.rundir.create_run(r.recipe.to_dict(), r.recipe.fingerprint(), prep.data_fingerprint, r.device, r.slices)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What `olmo-ctl submit` did: the attempt it submitted, or nothing for a complete run."""
+
+    prepared: Prepared
+    handle: Handle | None  # None: the run is complete, nothing was submitted
+
+
+def submit_run(prep: Prepared, *, checks: bool = True, preflight: bool = True,
+               log: Callable[[str], None] = lambda s: None,
+               show: Callable[[Any], None] | None = None, admission_timeout_s: float | None = None,
+               numbered: bool = False) -> Submitted:
+    """`olmo-ctl submit`: check the attempt, create the run, then submit it under the run's lease
+    (a supervisor running the run refuses us, exit 2). A complete run submits nothing."""
+    if prep.complete:
+        return Submitted(prep, None)
+    if checks:
+        check_attempt(prep.backend, prep.request, preflight=preflight, log=log)
+    create_run(prep)
+    rundir, backend = prep.rundir, prep.backend
+    lease = rundir.acquire_lease(ttl_s=120)
+    try:
+        h, st = live_attempt(rundir, backend)
+        if h is not None:
+            raise BadInput(f"attempt {h.attempt} of run `{rundir.name}` is still {st.state.value} ({h.name})",
+                           f"supervise it with `olmo-ctl resume-until-done {rundir.name}`; "
+                           "a second attempt would write the same checkpoints")
+        ended = last_handle(rundir, backend.name)
+        if ended is not None:
+            # An ended attempt is deleted first (it holds its name, perhaps quota), with its grace period.
+            backend.stop(ended, graceful=True)
+        handle = submit_next(rundir, backend, prep.request, "first attempt" if prep.new_run else "submitted by hand",
+                             show=show, fence=lease, admission_timeout_s=admission_timeout_s, numbered=numbered)
+    finally:
+        rundir.release_lease(lease)
+    return Submitted(prep, handle)
