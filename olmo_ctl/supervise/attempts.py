@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle
+from olmo_ctl.core import faults
 from olmo_ctl.core.batching import make_plan
 from olmo_ctl.core.devices import Device, get_device
 from olmo_ctl.core.errors import BadInput
@@ -179,9 +180,8 @@ def submit_next(rundir: RunDir, backend: Backend, device: str, reason: str, *, r
     return handle
 
 
-# Fault injection for tests: the process stops itself (SIGSTOP) after its last lease check and before
-# it creates the attempt, the worst moment to be paused past the lease's expiry. Never in a real run.
-PAUSE_BEFORE_CREATE_ENV = "OLMO_CTL_FAULT_PAUSE_BEFORE_CREATE"
+# Fault injection for tests (core/faults.py): paused past the lease's expiry at the worst moment.
+PAUSE_BEFORE_CREATE_ENV = faults.PAUSE_BEFORE_CREATE.name
 
 
 def _fault_pause_before_create() -> None:
