@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from olmo_ctl.core.errors import BadInput, OlmoCtlError, Unreachable
+from olmo_ctl.core.transient import is_transient
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -300,15 +301,10 @@ class GCSStore(Store):
             raise NotFound(url) from None
         except exc.PreconditionFailed:
             raise PreconditionFailed(url) from None
-        except (exc.ServiceUnavailable, exc.InternalServerError, exc.GatewayTimeout, exc.TooManyRequests,
-                exc.RetryError) as e:
-            raise Unreachable(f"storage unreachable for `{url}`: {e}") from None
         except exc.Forbidden as e:
             raise PermissionDenied.of(e, url) from None
-        except OSError as e:  # connection refused etc.
-            raise Unreachable(f"storage unreachable for `{url}`: {e}") from None
-        except Exception as e:  # requests' ConnectionError and friends
-            if "Connection" in type(e).__name__ or "Timeout" in type(e).__name__:
+        except Exception as e:  # 5xx, 429, the client's retry deadline, connection refused: core/transient.py
+            if is_transient(e):
                 raise Unreachable(f"storage unreachable for `{url}`: {e}") from None
             raise
 

@@ -355,9 +355,9 @@ def test_resume_with_another_global_batch_continues_at_the_same_instance(tmp_pat
 
 
 def test_many_files_with_few_open_maps(tmp_path, monkeypatch):
-    from olmo_ctl.trainer import data
+    from olmo_ctl.trainer import token_files
 
-    monkeypatch.setattr(data, "MAX_OPEN_MAPS", 3)
+    monkeypatch.setattr(token_files, "MAX_OPEN_MAPS", 3)
     lengths = tuple(32 + f for f in range(12))
     ds = TokenDataset(_corpus(tmp_path, lengths=lengths), T)
     with BatchLoader(ds, 4, 0, prefetch_workers=3) as ld:
@@ -366,7 +366,7 @@ def test_many_files_with_few_open_maps(tmp_path, monkeypatch):
             for i, row in zip(b["instance_ids"], b["input_ids"], strict=True):
                 f, j = divmod(int(i), 2)
                 assert (row == f * 10000 + np.arange(j * T, (j + 1) * T)).all()
-    assert len(ds._maps) <= 3
+    assert len(ds.token_files) <= 3
 
 
 def test_a_failed_read_can_be_retried_from_the_same_batch(tmp_path):

@@ -1,10 +1,10 @@
 """The package's layers: every import of our own modules (at the top of a file or inside a function)
 points to the importer's own layer or a lower one, never up.
 
-    core < storage < rundir, data < trainer < backends < preflight < observe < supervise < testing < cli
+    core < storage, ports < rundir, data < trainer < backends < preflight < observe < supervise < testing < cli
 
-(`rundir` and `data` share a layer; the package's `__init__` (its version) is with core, `__main__` with
-cli.) A module of a layer may import its own layer or any lower one.
+(`rundir` and `data` share a layer, and so do `storage` and `ports` (a free TCP port: the lowest layer
+that may do I/O); the package's `__init__` (its version) is with core, `__main__` with cli.) A module of a layer may import its own layer or any lower one.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "olmo_ctl"
-LAYERS = [("core", "__init__"), "storage", ("rundir", "data"), "trainer", "backends", "preflight", "observe",
+LAYERS = [("core", "__init__"), ("storage", "ports"), ("rundir", "data"), "trainer", "backends", "preflight", "observe",
           "supervise", "testing", ("cli", "__main__")]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in ((layer,) if isinstance(layer, str) else layer)}
 

@@ -40,19 +40,6 @@ def test_filtered_instances_count_in_the_denominator():
     np.testing.assert_allclose(float(m_filtered["ce"]), float(ce_sum) / (4 * 31), rtol=1e-6)
 
 
-def test_a_lost_peer_is_retryable_and_a_bug_is_not():
-    """Exit 3 (restart) when another host or the coordination service went away; a bug stays exit 1."""
-    from olmo_ctl.trainer.train import _is_transient_io_error
-
-    class XlaRuntimeError(RuntimeError):
-        pass
-
-    assert _is_transient_io_error(XlaRuntimeError("UNAVAILABLE: task /job:jax_worker/replica:0/task:3 heartbeat timeout"))
-    assert _is_transient_io_error(XlaRuntimeError("DEADLINE_EXCEEDED: Barrier timed out. Barrier_id: sync_global"))
-    assert not _is_transient_io_error(XlaRuntimeError("INVALID_ARGUMENT: Incompatible shapes [4,8] and [4,9]"))
-    assert not _is_transient_io_error(ValueError("UNAVAILABLE"))  # not a runtime error: a bug in our code
-
-
 def test_loss_is_over_the_padded_vocabulary_like_olmo_core():
     """The padded LM-head rows (never a label) take part in the softmax and the z-loss, as in
     OLMo-core (its LM head outputs all padded_vocab_size logits)."""

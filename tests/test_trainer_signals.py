@@ -98,21 +98,3 @@ def test_sigkill_replays_from_the_last_checkpoint_and_readers_see_each_step_once
     replayed = {e.step: e.value for e in events}
     for s in range(6, last + 1):
         assert replayed[s] == first[s]  # the replay is the same computation
-
-
-def test_storage_trouble_is_retryable_and_bugs_are_not():
-    """Exit 3 (the supervisor retries) for storage/network errors, a traceback and exit 1 for bugs."""
-    from olmo_ctl.core.errors import Unreachable
-    from olmo_ctl.trainer.train import _is_transient_io_error
-
-    class ClientConnectorError(OSError):  # aiohttp's name, as gcsfs raises it
-        pass
-
-    assert _is_transient_io_error(Unreachable("storage unreachable"))
-    assert _is_transient_io_error(ClientConnectorError("Cannot connect to host"))
-    assert _is_transient_io_error(TimeoutError())
-    wrapped = RuntimeError("restore failed")
-    wrapped.__cause__ = ConnectionResetError()
-    assert _is_transient_io_error(wrapped)
-    assert not _is_transient_io_error(ValueError("shape mismatch"))
-    assert not _is_transient_io_error(KeyError("params"))

@@ -46,6 +46,7 @@ from olmo_ctl.core.contracts import (
 )
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.ports import free_port
 from olmo_ctl.rundir import proc_start_time  # noqa: F401 - also what callers import from here
 
 TRAINER_MODULE = "olmo_ctl.trainer"
@@ -74,12 +75,6 @@ class LocalRequest:
             return dict(self.env)
         return {**self.env, PROCESS_ID_ENV: str(host), LOG_PREFIX_ENV: f"host {host}: ", COORDINATOR_ENV: coordinator or ""}
 
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -159,7 +154,7 @@ class LocalBackend(Backend[LocalRequest]):
         if "XLA_FLAGS" in request.env and os.environ.get("XLA_FLAGS"):
             other = [f for f in os.environ["XLA_FLAGS"].split() if "xla_force_host_platform_device_count" not in f]
             env["XLA_FLAGS"] = " ".join(other + [request.env["XLA_FLAGS"]])
-        coordinator = f"127.0.0.1:{_free_port()}" if request.processes > 1 else None
+        coordinator = f"127.0.0.1:{free_port()}" if request.processes > 1 else None
         procs = []
         with open(request.log_path, "ab") as log:
             log.write(f"=== attempt {a.attempt} on {a.device} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"

@@ -27,6 +27,7 @@ import numpy as np
 
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.core.transient import is_transient
 from olmo_ctl.observe.reader import EventReader
 from olmo_ctl.observe.series import Series
 from olmo_ctl.rundir import RunDir, run_recipe
@@ -87,14 +88,14 @@ def _committed(path: str) -> list[int]:
 
 def storage_guard(path: str, fn):
     """Run `fn`; a storage client error that the storage layer did not classify (e.g. the client's own
-    retry deadline passing) becomes Unreachable (exit 3) with one line, never a traceback."""
+    retry deadline passing) becomes Unreachable (exit 3) with one line, never a traceback (what counts as
+    transient: core/transient.py)."""
     try:
         return fn()
     except OlmoCtlError:
         raise
     except Exception as e:
-        mod = type(e).__module__ or ""
-        if mod.startswith(("google.", "requests", "urllib3", "http.")) or isinstance(e, OSError):
+        if is_transient(e):
             from olmo_ctl.core.errors import Unreachable
 
             detail = " ".join(str(e).split())[:200]

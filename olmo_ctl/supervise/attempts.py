@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from olmo_ctl.backends import backend_for_status
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle
+from olmo_ctl.core import faults
 from olmo_ctl.core.batching import Plan, make_plan
 from olmo_ctl.core.config import RUN_SITE_SETTINGS, Settings
 from olmo_ctl.core.devices import Device, get_device
@@ -138,9 +139,8 @@ def submit_next(rundir: RunDir, backend: Backend, request: Attempt, reason: str,
     return handle
 
 
-# Fault injection for tests: the process stops itself (SIGSTOP) after its last lease check and before
-# it creates the attempt, the worst moment to be paused past the lease's expiry. Never in a real run.
-PAUSE_BEFORE_CREATE_ENV = "OLMO_CTL_FAULT_PAUSE_BEFORE_CREATE"
+# Fault injection for tests (core/faults.py): paused past the lease's expiry at the worst moment.
+PAUSE_BEFORE_CREATE_ENV = faults.PAUSE_BEFORE_CREATE.name
 
 
 def _fault_pause_before_create() -> None:

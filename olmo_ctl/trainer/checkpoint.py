@@ -8,6 +8,9 @@ Each checkpoint is an Orbax `Composite(state=StandardSave, meta=JsonSave)` writt
 `CheckpointManager`; only committed steps count (Orbax finalises a step by renaming its tmp
 directory locally, and by a commit marker on gs://), so a kill during a write never yields a step
 that a restart would restore. Saves may be asynchronous: `wait()` before the process exits.
+
+`load_init_params` (`--init-from`) reads the parameters of a converted checkpoint into a run that has
+none yet.
 """
 
 from __future__ import annotations
@@ -142,3 +145,61 @@ def open_step(path: str) -> tuple[Checkpointer, int]:
     if step not in ckpt.committed_steps():
         raise BadInput(f"`{path}` is not a committed checkpoint", f"committed steps: {ckpt.committed_steps()}")
     return ckpt, step
+
+
+# ---------------------------------------------------------------- --init-from: a converted checkpoint
+
+
+def load_init_params(path: str, abstract_params, p_shard):
+    """Parameters from a converted checkpoint (`--init-from`), placed in the shardings `p_shard`: an Orbax
+    step dir (`.../<N>` with a `state` item holding `params`) or a plain Orbax PyTree directory (of
+    `params`, or of a dict with `params`). A BadInput when it holds another model's parameters."""
+    import jax
+    import numpy as np
+
+    ocp = _ocp()
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, p_shard)
+    name = path.rstrip("/").rpartition("/")[2]
+    if name.isdigit():
+        ck, step = open_step(path)
+        tree, _ = ck.restore_host(step)
+        params = tree["params"] if "params" in tree else tree
+        _check_same_tree(params, abstract_params, path)
+        return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x).astype(s.dtype), s.sharding), params, target)
+    p = _path(path)
+    meta = ocp.StandardCheckpointer().metadata(p)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    if isinstance(tree, dict) and "params" in tree:
+        _check_same_tree(tree["params"], abstract_params, path)
+        full = {"params": target}
+        out = ocp.StandardCheckpointer().restore(p, _partial_target(tree, full))
+        return out["params"]
+    _check_same_tree(tree, abstract_params, path)
+    return ocp.StandardCheckpointer().restore(p, target)
+
+
+def _partial_target(tree, full):
+    """The restore target for a PyTree directory holding more than `params`: ours where we have them."""
+    import jax
+
+    out = {}
+    for k, v in tree.items():
+        if k in full:
+            out[k] = full[k]
+        else:
+            out[k] = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), v)
+    return out
+
+
+def _check_same_tree(tree, abstract_params, path: str) -> None:
+    import jax
+
+    from olmo_ctl.core.errors import BadInput
+
+    want = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(abstract_params)}
+    got = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+    if want != got:
+        diff = sorted(set(want.items()) ^ set(got.items()))[:4]
+        raise BadInput(f"`{path}` does not hold parameters of this recipe's model (differences: {diff})",
+                       "convert the checkpoint for the same model configuration")

@@ -26,8 +26,7 @@ numpy only: no jax import here.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -36,20 +35,19 @@ from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.data.files import (
     TOKEN_BYTES,
-    TOKEN_DTYPE,
     TokenFile,
     check_fingerprint,
     dataset_fingerprint,
     resolve_files,
 )
 from olmo_ctl.trainer.epoch_order import stored_order
+from olmo_ctl.trainer.token_files import TokenFiles
 
 IGNORE_INDEX = -100
 NGRAM_MIN_PERIOD = 1
 NGRAM_MAX_PERIOD = 13
 NGRAM_MIN_REPEATS = 32
 STATE_KEYS = ("epoch", "batch_in_epoch", "batches_seen", "tokens_seen", "fingerprint")
-MAX_OPEN_MAPS = 256  # each memory map holds a file descriptor; corpora have thousands of files
 
 
 # ---------------------------------------------------------------- order
@@ -118,8 +116,7 @@ class TokenDataset:
         self.vocab_size = vocab_size
         self.instances_per_file = np.array([f.tokens // self.seq_len for f in self.files], dtype=np.int64)
         self._ends = np.cumsum(self.instances_per_file)
-        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()
+        self.token_files = TokenFiles(self.files)  # local maps and gs:// reads, a bounded number kept open
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
@@ -142,30 +139,11 @@ class TokenDataset:
         first = int(self._ends[fi - 1]) if fi else 0
         return fi, (i - first) * self.seq_len
 
-    def _local_map(self, fi: int) -> np.ndarray:
-        with self._lock:
-            m = self._maps.get(fi)
-            if m is not None:
-                self._maps.move_to_end(fi)
-                return m
-        m = np.memmap(self.files[fi].path, dtype=TOKEN_DTYPE, mode="r", shape=(self.files[fi].tokens,))
-        with self._lock:
-            self._maps[fi] = m
-            while len(self._maps) > MAX_OPEN_MAPS:  # a reader still holding an evicted map keeps it alive
-                self._maps.popitem(last=False)
-        return m
-
     def tokens(self, i: int) -> np.ndarray:
         """The `seq_len` raw tokens of instance `i` (uint32)."""
         fi, off = self.locate(int(i))
-        f = self.files[fi]
-        if storage.is_gcs(f.path):
-            raw = storage.store_for(f.path).read_range(f.path, off * TOKEN_BYTES, (off + self.seq_len) * TOKEN_BYTES)
-            out = np.frombuffer(raw, dtype=TOKEN_DTYPE)
-            if len(out) != self.seq_len:
-                raise BadInput(f"`{f.path}` is shorter than when the dataset was listed", "token files must not change")
-            return out
-        return np.array(self._local_map(fi)[off:off + self.seq_len])
+        out = self.token_files.read(fi, off, off + self.seq_len)
+        return out if storage.is_gcs(self.files[fi].path) else np.array(out)
 
     def instance(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids int32[seq_len], labels int32[seq_len]): labels shifted left by one, last -100.

@@ -57,12 +57,12 @@ import numpy as np
 
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.data.files import TOKEN_BYTES, TOKEN_DTYPE, TokenFile, dataset_fingerprint
+from olmo_ctl.data.files import TOKEN_DTYPE, TokenFile, dataset_fingerprint
+from olmo_ctl.trainer.token_files import TokenFiles
 
 IGNORE_INDEX = -100
 PACKING_FORMAT = "olmo-ctl-packing-v1"
 CACHED_GROUPS = 16
-MAX_OPEN_MAPS = 256
 
 
 def chunked(items: list, n: int) -> list[list]:
@@ -195,7 +195,7 @@ class PackedDataset:
         self.cache_dir = cache_dir
         self.groups = chunked(list(range(len(self.files))), self.source_group_size)
         self._lock = threading.Lock()
-        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.token_files = TokenFiles(self.files)  # local maps and gs:// files, a bounded number kept open
         self._packed: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         counts = [self._group(g)[1].shape[0] - 1 for g in range(len(self.groups))]
         self._ends = np.cumsum(np.asarray(counts, dtype=np.int64))
@@ -221,28 +221,10 @@ class PackedDataset:
     # -- reading
 
     def _file_tokens(self, fi: int) -> np.ndarray:
-        with self._lock:
-            m = self._maps.get(fi)
-            if m is not None:
-                self._maps.move_to_end(fi)
-                return m
-        f = self.files[fi]
-        if storage.is_gcs(f.path):
-            m = np.frombuffer(storage.store_for(f.path).read_bytes(f.path), dtype=TOKEN_DTYPE)
-        else:
-            m = np.memmap(f.path, dtype=TOKEN_DTYPE, mode="r", shape=(f.tokens,))
-        with self._lock:
-            self._maps[fi] = m
-            while len(self._maps) > (MAX_OPEN_MAPS if not storage.is_gcs(f.path) else 2):
-                self._maps.popitem(last=False)
-        return m
+        return self.token_files.tokens(fi)
 
     def _read(self, fi: int, start: int, end: int) -> np.ndarray:
-        f = self.files[fi]
-        if storage.is_gcs(f.path):
-            raw = storage.store_for(f.path).read_range(f.path, start * TOKEN_BYTES, end * TOKEN_BYTES)
-            return np.frombuffer(raw, dtype=TOKEN_DTYPE)
-        return np.asarray(self._file_tokens(fi)[start:end])
+        return self.token_files.read(fi, start, end)
 
     # -- packing (per group, cached)
 

@@ -160,6 +160,37 @@ def micro_row_sharding(mesh):
     return NamedSharding(mesh, PartitionSpec(None, *sharding.row_sharding(mesh).spec))
 
 
+def micro_layout(x, local_devices: int, accum: int):
+    """[rows, ...] (this process's rows, contiguous per device) -> [accum, rows/accum, ...].
+
+    Micro-batch m takes rows m*b..(m+1)*b-1 of every device's share, so each device's part of each
+    micro-batch is data it already holds: accumulation moves no data between devices.
+    """
+    import numpy as np
+
+    rows = x.shape[0]
+    b = rows // (local_devices * accum)
+    y = x.reshape(local_devices, accum, b, *x.shape[1:])
+    return np.ascontiguousarray(np.swapaxes(y, 0, 1)).reshape(accum, local_devices * b, *x.shape[1:])
+
+
+def device_batch(batch: dict, recipe: Recipe, plan, mesh, local_devices: int, micro_shard) -> dict:
+    """This process's rows of a global batch as global device arrays `[accum, micro_global, T]`."""
+    import jax
+    import numpy as np
+
+    accum, t = plan.grad_accum, recipe.train
+    rows_per_proc = local_devices // plan.seq_shards  # devices of one row share it over its seq shards
+    local = {k: micro_layout(np.asarray(batch[k], np.int32), rows_per_proc, accum)
+             for k in ("input_ids", "labels", "segment_ids") if k in batch}
+    if recipe.data.ngram_filter:
+        local["instance_mask"] = micro_layout(np.asarray(batch["instance_mask"], np.int32)[:, None],
+                                              rows_per_proc, accum)
+    return {k: jax.make_array_from_process_local_data(micro_row_sharding(mesh) if k == "instance_mask" else micro_shard,
+                                                      v, (accum, t.global_batch // accum, v.shape[-1]))
+            for k, v in local.items()}
+
+
 def jit_train_step(recipe: Recipe, state_shard):
     """The train step jitted as the trainer runs it: the state donated, the new state FSDP-sharded."""
     import jax

@@ -22,11 +22,8 @@ import threading
 import time
 from collections import deque
 
+from olmo_ctl.core import faults
 from olmo_ctl.core.contracts import EXIT_RESTART
-
-# Fault injection for tests and demos: hang (sleep forever) on the host loop before step N
-# (`N`, every host; `N:H`, host H only).
-HANG_AT_STEP_ENV = "OLMO_CTL_FAULT_HANG_AT_STEP"
 
 
 class Watchdog:
@@ -108,9 +105,9 @@ def _dump_and_exit(message: str) -> None:
 
 
 def maybe_hang(step: int, host: int) -> None:
-    """The fault knob: `OLMO_CTL_FAULT_HANG_AT_STEP=N[:H]` hangs host H (default: every host) before step N."""
-    at, _, only = os.environ.get(HANG_AT_STEP_ENV, "").partition(":")
-    if at.isdigit() and int(at) == step and (not only or only == str(host)):
-        print(f"FAULT INJECTION: hanging before step {step} ({HANG_AT_STEP_ENV})", flush=True)
+    """The fault knob `OLMO_CTL_FAULT_HANG_AT_STEP=N[:H]` (core/faults.py): hang host H (default every host)
+    before step N, sleeping forever on the host loop."""
+    if faults.hangs(os.environ, step, host):
+        print(f"FAULT INJECTION: hanging before step {step} ({faults.HANG_AT_STEP.name})", flush=True)
         while True:
             time.sleep(3600)

@@ -1,0 +1,376 @@
+"""The training loop's hooks: every concern that acts around a step, one small class each.
+
+The loop (`trainer/train.py`) restores, runs steps and fetches their device metrics; everything else
+hooks in (OLMo-core's callbacks). A hook may act before a step (`pre_step`: an exit code ends the loop
+before it), after it (`post_step`), on each fetched window of step metrics (`on_window`, then
+`on_step_metrics` for each of its steps in order) and at the end (`post_train`, in a `finally`: on
+success and on an exception alike). The loop calls the hooks of each kind in the list's order, and
+`default_hooks` fixes that order; it is the order the trainer has always acted in:
+
+  after a step   EvalHook        every `eval.interval` steps, the held-out loss (metrics fetched first)
+                 StopHook        the final step, or a stop every host agreed on: the exit code (0 / 143)
+                 CheckpointHook  stopping: the final save, committed; else every `checkpoint.interval`
+                 MetricsHook     every `logging.metrics_every` steps, fetch the pending metrics
+                 EventsHook      every `logging.upload_every_s`, upload the events
+  a window       StragglerHook   every host's timings as `hosts/<h>/...`, slow hosts named
+  each step's    StopHook        a non-finite loss or grad norm: TrainingFailed (exit 1), before it is logged
+  metrics        MetricsHook     the step's scalars (MFU, TPS, ...) and its `step N/M loss ...` line
+  at the end     CheckpointHook  wait for a save in flight; MetricsHook: fetch the rest; EventsHook: upload
+
+Once StopHook has set `loop.exit_code`, the hooks after it do only what stopping needs (the final
+save uploads the events itself). On the exception path the last fetch skips the per-host timings on
+several hosts: their allgather is a collective, which deadlocks when one host fails alone.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from olmo_ctl.core import stragglers
+from olmo_ctl.core.contracts import EXIT_SIGTERM, step_line
+from olmo_ctl.trainer.exits import TrainingFailed
+
+
+@dataclass
+class Window:
+    """One fetch of the device metrics of finished steps (a logging window)."""
+
+    steps: list[tuple[int, dict, float]]  # (step, its metrics on the host, its data loading seconds), in order
+    step_time_s: float  # per step, over the window
+    elapsed_s: float  # since this attempt's clock started
+    wall: float  # unix time of the fetch
+    index: int  # 1 for the attempt's first window, which holds the compile
+    steps_run: int  # steps run by this attempt so far
+    gather: bool = True  # False on the exception path: no collective may run
+
+
+class Hook:
+    """A concern of the loop. `loop` offers `s` (the setup), `step`, `state`, `loader`, `ckpt`,
+    `events`, `watchdog`, `pending` (unfetched step metrics), `steps_run`, `exit_code` and `flush()`."""
+
+    def pre_train(self, loop) -> None:
+        pass
+
+    def pre_step(self, loop) -> int | None:
+        return None
+
+    def post_step(self, loop) -> None:
+        pass
+
+    def on_window(self, loop, w: Window) -> None:
+        pass
+
+    def on_step_metrics(self, loop, w: Window, step: int, m: dict, load_s: float) -> None:
+        pass
+
+    def post_train(self, loop, ok: bool) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- dispatch (the loop's side)
+
+
+def pre_train(hooks: list[Hook], loop) -> None:
+    for h in hooks:
+        h.pre_train(loop)
+
+
+def pre_step(hooks: list[Hook], loop) -> int | None:
+    for h in hooks:
+        code = h.pre_step(loop)
+        if code is not None:
+            return code
+    return None
+
+
+def post_step(hooks: list[Hook], loop) -> int | None:
+    """Every hook after a step; the exit code StopHook set, if any."""
+    for h in hooks:
+        h.post_step(loop)
+    return loop.exit_code
+
+
+def window(hooks: list[Hook], loop, w: Window) -> None:
+    for h in hooks:
+        h.on_window(loop, w)
+    for step, m, load_s in w.steps:
+        for h in hooks:
+            h.on_step_metrics(loop, w, step, m, load_s)
+
+
+def post_train(hooks: list[Hook], loop, ok: bool, *also: Callable[[], None]) -> None:
+    """Every hook's `post_train`, then `also`: each runs even when one before it raised (the last error
+    is raised, as nested `finally` blocks would)."""
+    err = None
+    for fn in [*(lambda h=h: h.post_train(loop, ok) for h in hooks), *also]:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others ran
+            err = e
+    if err is not None:
+        raise err
+
+
+# ---------------------------------------------------------------- the hooks
+
+
+class StopSignals:
+    """SIGTERM/SIGINT set a flag; the loop checks it between steps. On several hosts SIGTERM belongs
+    to JAX's preemption service instead, and `requested(step)` is the step every host agreed on."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self.hosts = False
+
+    def install(self) -> None:
+        from olmo_ctl.trainer import multihost
+
+        self.hosts = multihost.joined()
+        for sig in (signal.SIGINT,) if self.hosts else (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def requested(self, step: int) -> bool:
+        """Called once per step, after it, on every host (a sync point on several hosts)."""
+        if self.hosts:
+            from olmo_ctl.trainer import multihost
+
+            if multihost.stop_agreed(step):
+                print(f"stop requested: every host stops after step {step}", flush=True)
+                self.signal = self.signal or signal.SIGTERM
+                return True
+        return self.signal is not None
+
+    def _handler(self, signum, frame) -> None:
+        if self.signal is None:
+            print(f"received signal {signum}: finishing the current step, then checkpointing", flush=True)
+        self.signal = signum
+
+
+class EvalHook(Hook):
+    """The held-out loss every `eval.interval` steps, on the same batches each time (`eval/lm_loss`)."""
+
+    def __init__(self, eval_step, eval_sets: list, interval: int):
+        self.eval_step, self.eval_sets, self.interval = eval_step, eval_sets, interval
+
+    @classmethod
+    def for_recipe(cls, recipe, mesh, proc: int, n_proc: int) -> EvalHook:
+        import jax
+
+        from olmo_ctl.trainer.step import make_eval_step
+
+        return cls(jax.jit(make_eval_step(recipe)), _eval_batches(recipe, mesh, proc, n_proc), recipe.eval.interval)
+
+    def post_step(self, loop) -> None:
+        if not self.eval_sets or loop.step % self.interval:
+            return
+        loop.flush()
+        with loop.watchdog.paused():
+            loss = _evaluate(self.eval_step, loop.state["params"], self.eval_sets)
+        if loop.s.proc == 0:
+            loop.events.scalars(loop.step, {"eval/lm_loss": loss})
+        print(f"eval step {loop.step} lm_loss {loss:.4f}", flush=True)
+
+
+class StopHook(Hook):
+    """When to stop: the final step (exit 0), a signal or a stop every host agreed on (exit 143), a
+    non-finite loss (TrainingFailed, exit 1: restarting would fail again)."""
+
+    def __init__(self, signals: StopSignals, final_step: int):
+        self.signals, self.final_step = signals, final_step
+
+    def pre_step(self, loop) -> int | None:
+        if not self.signals.hosts and self.signals.signal is not None and loop.steps_run == 0:
+            return EXIT_SIGTERM  # nothing new since the restored (or initial) state
+        return None
+
+    def post_step(self, loop) -> None:
+        if loop.step >= self.final_step:
+            loop.exit_code = 0
+        elif self.signals.requested(loop.step):
+            loop.exit_code = EXIT_SIGTERM
+
+    def on_step_metrics(self, loop, w: Window, step: int, m: dict, load_s: float) -> None:
+        ce, grad_norm = float(m["ce"]), float(m["grad_norm"])
+        if not math.isfinite(ce) or not math.isfinite(grad_norm):
+            raise TrainingFailed(f"loss is not finite at step {step} (CE {ce}, grad norm {grad_norm})",
+                                 "lower the learning rate or check the data; restarting would fail again")
+
+
+class CheckpointHook(Hook):
+    """The checkpoint of the final (or stopping) step, committed before exit, and one every
+    `checkpoint.interval` steps; the metrics are fetched first, so a non-finite loss is never saved."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+
+    def post_step(self, loop) -> None:
+        if loop.exit_code is not None:
+            self.save(loop, final=True)
+        elif loop.step % self.interval == 0:
+            self.save(loop, final=False)
+
+    def save(self, loop, final: bool) -> None:
+        loop.flush()  # a non-finite loss stops here, before it is checkpointed
+        with loop.watchdog.paused():
+            secs = loop.ckpt.save(loop.step, loop.state, self.meta(loop))
+            if final:
+                loop.ckpt.wait()
+        if loop.s.proc == 0:
+            loop.events.scalars(loop.step, {"checkpoint/save_duration_s": secs})
+        upload_events(loop)
+
+    @staticmethod
+    def meta(loop) -> dict:
+        r = loop.s.recipe
+        return {"data": loop.loader.state(), "data_fingerprint": loop.loader.fingerprint, "seed": r.train.seed,
+                "recipe": r.name, "recipe_fingerprint": r.fingerprint(), "step": loop.step}
+
+    def post_train(self, loop, ok: bool) -> None:
+        loop.ckpt.close()  # waits for an async save in flight
+
+
+class StragglerHook(Hook):
+    """Every host's step time, data wait and compute per window (`hosts/<h>/...` on process 0), and a
+    line naming a slow host once per host and part per attempt (core/stragglers.py)."""
+
+    def __init__(self):
+        self.host_windows: dict[int, list[dict]] = {}  # process 0: every host's recent windows
+        self.named: set[tuple[int, str]] = set()  # slow hosts already logged by this attempt
+
+    def on_window(self, loop, w: Window) -> None:
+        from olmo_ctl.trainer import multihost
+
+        n_proc = loop.s.n_proc
+        if w.index == 1 or (not w.gather and n_proc > 1):  # the first window holds the compile (and host
+            return  # 0's epoch order); on the exception path a collective could wait forever
+        step_time, data_wait = w.step_time_s, sum(ld for _, _, ld in w.steps) / len(w.steps)
+        mine = [step_time, data_wait, max(0.0, step_time - data_wait)]
+        rows = multihost.allgather_floats(mine) if n_proc > 1 else [mine]
+        if loop.s.proc != 0:
+            return
+        values = {}
+        for h, (st, dw, comp) in enumerate(rows):
+            values.update({f"hosts/{h}/step_time_s": st, f"hosts/{h}/data_wait_s": dw, f"hosts/{h}/compute_s": comp})
+            self.host_windows.setdefault(h, []).append({"data_wait_s": dw, "compute_s": comp})
+            del self.host_windows[h][:-stragglers.RECENT]
+        loop.events.scalars(w.steps[-1][0], values, w.wall)
+        for slow in stragglers.slow_hosts(self.host_windows):
+            if (slow.host, slow.part) not in self.named:
+                self.named.add((slow.host, slow.part))
+                print(stragglers.slow_host_line(slow), flush=True)
+
+
+class MetricsHook(Hook):
+    """Each step's scalars (loss, LR, TPS, MFU against the device's peak, ...) on process 0 and its
+    `step N/M loss ...` line (core/contracts.py: the supervisor and smoke parse it). The metrics stay
+    on the device until a fetch: every `logging.metrics_every` steps, at checkpoints and at the end."""
+
+    def __init__(self, recipe, plan, device, metrics_every: int):
+        from olmo_ctl.core import flops
+
+        self.recipe, self.plan, self.device, self.metrics_every = recipe, plan, device, metrics_every
+        self.fpt = flops.flops_per_token_olmo_core(recipe.model, recipe.train.seq_len)
+
+    def post_step(self, loop) -> None:
+        if loop.exit_code is None and len(loop.pending) >= self.metrics_every:
+            loop.flush()
+
+    def on_step_metrics(self, loop, w: Window, step: int, m: dict, load_s: float) -> None:
+        from olmo_ctl.core import flops
+
+        if loop.s.proc != 0:
+            return
+        tokens_per_step = self.recipe.tokens_per_step
+        ce, grad_norm, lr = float(m["ce"]), float(m["grad_norm"]), float(m["lr"])
+        tps = tokens_per_step / w.step_time_s / self.plan.devices  # every slice's devices
+        tps_avg = tokens_per_step * w.steps_run / max(w.elapsed_s, 1e-9) / self.plan.devices
+        mfu = flops.mfu(flops.tflops_per_device(tps, self.fpt), self.device)
+        mfu_avg = flops.mfu(flops.tflops_per_device(tps_avg, self.fpt), self.device)
+        values = {
+            "train/CE loss": ce, "train/PPL": math.exp(min(ce, 80.0)), "train/Z loss": float(m["z"]),
+            "optim/total grad norm": grad_norm, "optim/LR (group 0)": lr,
+            "optim/LR (group 1)": lr, "optim/step skipped": float(m["skipped"]),
+            "optim/step_skipped": float(m["skipped"]), "throughput/total tokens": float(step * tokens_per_step),
+            "perf/total_tokens": float(step * tokens_per_step), "throughput/device/TPS": tps,
+            "throughput/device/TPS (actual avg)": tps_avg, "throughput/device/MFU": mfu,
+            "throughput/device/MFU (actual avg)": mfu_avg, "throughput/device/data loading (s)": load_s,
+            "perf/step_time_s": w.step_time_s,
+        }
+        loop.events.scalars(step, values, w.wall)
+        print(step_line(step, self.recipe.train.max_steps, ce, grad_norm, lr, tps, mfu, bool(m["skipped"])),
+              flush=True)
+
+    def post_train(self, loop, ok: bool) -> None:
+        loop.flush(gather=ok)
+
+
+class EventsHook(Hook):
+    """TensorBoard events: the attempt's `SessionLog.START` (readers drop what an earlier attempt logged
+    from its first step on), an upload every `logging.upload_every_s`, and one at the end."""
+
+    def __init__(self, upload_every_s: float):
+        self.upload_every_s = upload_every_s
+
+    def pre_train(self, loop) -> None:
+        if loop.s.proc == 0:
+            loop.events.session_start(loop.step + 1)
+
+    def post_step(self, loop) -> None:
+        if loop.exit_code is None and loop.events.due(self.upload_every_s):
+            upload_events(loop)
+
+    def post_train(self, loop, ok: bool) -> None:
+        upload_events(loop)
+
+
+def upload_events(loop) -> None:
+    """Process 0 uploads; a storage hiccup must not end a week-long run: the records stay pending."""
+    if loop.s.proc != 0:
+        return
+    try:
+        loop.events.upload()
+    except Exception as e:  # noqa: BLE001 - storage errors come in many types (requests, api_core, OSError)
+        print(f"warning: event upload to {loop.events.dir} failed ({e}); retrying at the next upload", flush=True)
+
+
+def default_hooks(s, signals: StopSignals) -> list[Hook]:
+    """The trainer's hooks in the order they act (see the module docstring); `s` is the run's setup."""
+    r = s.recipe
+    return [EvalHook.for_recipe(r, s.mesh, s.proc, s.n_proc), StragglerHook(), StopHook(signals, s.final_step),
+            CheckpointHook(r.checkpoint.interval), MetricsHook(r, s.plan, s.device, r.logging.metrics_every),
+            EventsHook(r.logging.upload_every_s)]
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def _eval_batches(recipe, mesh, proc: int, n_proc: int) -> list[dict[str, Any]]:
+    """The held-out batches, identical every time (device arrays, reused at each eval)."""
+    import jax
+    import numpy as np
+
+    from olmo_ctl.trainer import data as data_lib
+    from olmo_ctl.trainer import sharding
+
+    if recipe.eval.batches <= 0 or not recipe.data.eval:
+        return []
+    bs = recipe.eval.batch_size or recipe.train.global_batch
+    shard = sharding.batch_sharding(mesh)
+    out = []
+    for b in data_lib.eval_batches(recipe, recipe.eval.batches, bs, proc, n_proc):
+        out.append({k: jax.make_array_from_process_local_data(
+            shard, np.asarray(b[k], np.int32), (bs, recipe.train.seq_len)) for k in ("input_ids", "labels")})
+    return out
+
+
+def _evaluate(eval_step, params, eval_sets) -> float:
+    import jax
+
+    host = jax.device_get([eval_step(params, b) for b in eval_sets])
+    ce = sum(float(c) for c, _ in host)
+    n = sum(float(k) for _, k in host)
+    return ce / max(n, 1.0)
