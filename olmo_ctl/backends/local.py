@@ -60,8 +60,9 @@ class LocalRequest:
     processes: int = 1  # trainer processes (hosts); each adds its id and log prefix to `env`
 
     def to_dict(self) -> dict:
-        d = {"argv": list(self.argv), "env": dict(self.env), "log": self.log_path,
-             "attempt_file": os.path.join(self.state_dir, "attempts", f"{self.attempt.attempt}.json")}
+        d: dict[str, object] = {
+            "argv": list(self.argv), "env": dict(self.env), "log": self.log_path,
+            "attempt_file": os.path.join(self.state_dir, "attempts", f"{self.attempt.attempt}.json")}
         if self.processes > 1:
             d["processes"] = self.processes
             d["env_per_process"] = {PROCESS_ID_ENV: f"0..{self.processes - 1}", LOG_PREFIX_ENV: "host <h>: ",
@@ -99,7 +100,7 @@ class LocalBackend(Backend):
         self.python = python or sys.executable
         self.state_root = state_root
         self.stop_grace_s = stop_grace_s
-        self._procs: dict[int, subprocess.Popen] = {}
+        self._procs: dict[object, subprocess.Popen] = {}  # by pid; looked up with a handle's JSON `pid`
 
     # Local run dirs keep attempt files and logs inside; a gs:// run dir keeps them on this machine.
     def state_dir(self, run: str, run_dir: str | None = None) -> str:
@@ -141,7 +142,7 @@ class LocalBackend(Backend):
             other = [f for f in os.environ["XLA_FLAGS"].split() if "xla_force_host_platform_device_count" not in f]
             env["XLA_FLAGS"] = " ".join(other + [request.env["XLA_FLAGS"]])
         coordinator = f"127.0.0.1:{_free_port()}" if request.processes > 1 else None
-        procs = []
+        procs: list[subprocess.Popen] = []
         with open(request.log_path, "ab") as log:
             log.write(f"=== attempt {a.attempt} on {a.device} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
                       f": {' '.join(request.argv)}\n".encode())
@@ -392,7 +393,7 @@ class LocalBackend(Backend):
         writing the file. Found by their command lines (all hosts of the newest such attempt), so the
         attempt is adopted instead of started twice."""
         run_dir = storage.join(self.run_root, run)
-        found: dict[int, list[tuple[int, int, float]]] = {}  # attempt -> [(host, pid, start)]
+        found: dict[int, list[tuple[int, int, str]]] = {}  # attempt -> [(host, pid, start)]
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
