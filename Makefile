@@ -4,6 +4,7 @@
 #   make demo      set up, then train the smoke model locally under resume-until-done
 #   make goldens   regenerate tests/goldens/*.yaml (review the diff)
 #   make lint      ruff
+#   make check     the quality gates: ruff check, ruff format --check, mypy (each runs; any failure fails)
 #   make image     docker build of launch_templates/Dockerfile
 #   make bench     CLI start-up latency
 #   make lock      rewrite constraints.txt from .venv (after the tests pass with new versions)
@@ -14,7 +15,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 IMAGE  ?= olmo-ctl:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: install test lint goldens demo image bench lock
+.PHONY: install test lint check goldens demo image bench lock
 
 install: $(STAMP)
 
@@ -30,6 +31,14 @@ test:
 
 lint:
 	$(BIN)/ruff check .
+
+# Every gate runs, so one pass shows all that fails; mypy checks the packages of [tool.mypy].
+check:
+	@rc=0; \
+	$(BIN)/ruff check . || rc=1; \
+	$(BIN)/ruff format --check . || rc=1; \
+	$(BIN)/mypy || rc=1; \
+	exit $$rc
 
 goldens:
 	$(BIN)/python tests/test_manifest.py

@@ -9,6 +9,8 @@ compare-and-swap). The GCS client is imported only when a gs:// path is used. Wi
 
 from __future__ import annotations
 
+import abc
+import builtins
 import fcntl
 import os
 import posixpath
@@ -62,7 +64,8 @@ def describe_permission_error(exc: BaseException, url: str | None = None) -> Per
     a PermissionDenied naming the identity, the permission and the bucket GCS reported; None otherwise.
     GCS's own message names the principal (`x@p.iam.gserviceaccount.com does not have
     storage.objects.create access ...`); when it does not, the metadata server's default account."""
-    seen, e = [], exc
+    seen: list[BaseException] = []
+    e: BaseException | None = exc
     while e is not None and len(seen) < 8:
         seen.append(e)
         e = e.__cause__ or e.__context__
@@ -119,17 +122,25 @@ def join(base: str, *parts: str) -> str:
     return os.path.join(base, *parts)
 
 
-class Store:
+class Store(abc.ABC):
     """Interface; `store_for(path)` returns the implementation for a path."""
 
+    @abc.abstractmethod
     def read_bytes(self, path: str) -> bytes: ...
+    @abc.abstractmethod
     def read_range(self, path: str, start: int, end: int | None = None) -> bytes: ...
+    @abc.abstractmethod
     def write_bytes(self, path: str, data: bytes, if_generation_match: int | None = None) -> int: ...
+    @abc.abstractmethod
     def stat(self, path: str) -> ObjectInfo | None: ...
+    @abc.abstractmethod
     def list(self, prefix: str, recursive: bool = False) -> tuple[list[ObjectInfo], list[str]]: ...
+    @abc.abstractmethod
     def delete(self, path: str) -> None: ...
 
-    def find(self, prefix: str, match_glob: str | None = None, start_offset: str = "") -> list[ObjectInfo]:
+    # (`list` is a method here: the built-in is spelled builtins.list below it)
+    def find(self, prefix: str, match_glob: str | None = None,
+             start_offset: str = "") -> builtins.list[ObjectInfo]:
         """Every object below directory `prefix` whose name relative to it matches `match_glob`
         (`*` stops at `/`, `**` does not) and sorts at or after `start_offset`. On GCS both
         filters are applied by the server (one listing, however many other objects there are)."""
@@ -350,7 +361,8 @@ class GCSStore(Store):
 
         return self._call(prefix, ls)
 
-    def find(self, prefix: str, match_glob: str | None = None, start_offset: str = "") -> list[ObjectInfo]:
+    def find(self, prefix: str, match_glob: str | None = None,
+             start_offset: str = "") -> builtins.list[ObjectInfo]:
         bucket, name = split_gcs(prefix)
         if name and not name.endswith("/"):
             name += "/"

@@ -25,7 +25,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 SKIP = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pyc", "build", "dist", "*.egg-info", "runs",
-                              ".pytest_cache", ".ruff_cache", ".cache", "tmp", "shared")
+                              ".pytest_cache", ".ruff_cache", ".mypy_cache", ".cache", "tmp", "shared")
 
 
 def _build_backend_available() -> bool:
@@ -84,6 +84,7 @@ def test_wheel_carries_recipes_and_templates(installed):
     for name in ("common", "tpu7x", "v5p"):
         assert f"olmo_ctl/launch_templates/{name}.yaml" in names
     assert "olmo_ctl/testing/crds/jobset.x-k8s.io_jobsets.v0.10.1.yaml" in names
+    assert "olmo_ctl/py.typed" in names  # the package's annotations are for type checkers of its users too
     assert not any(n.endswith("Dockerfile") for n in names)
 
 

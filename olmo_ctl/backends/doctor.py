@@ -253,7 +253,7 @@ def check_queues(kube: Cluster, version: str, ns: str, queue: str) -> tuple[list
 def flavors_for(kube: Cluster, version: str, cq: dict, device: Device) -> list[tuple[str, dict | None, float]]:
     """(flavor name, ResourceFlavor or None if unreadable, nominal google.com/tpu) of the ClusterQueue's
     flavors covering google.com/tpu that Kueue would assign to the slice's pods."""
-    out = []
+    out: list[tuple[str, dict | None, float]] = []
     for g in (cq.get("spec") or {}).get("resourceGroups") or []:
         if TPU not in (g.get("coveredResources") or []):
             continue

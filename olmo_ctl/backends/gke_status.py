@@ -53,7 +53,7 @@ Precedence, first match wins:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from olmo_ctl.backends.base import AttemptStatus, State
@@ -108,9 +108,14 @@ def condition(obj: Mapping | None, ctype: str) -> dict | None:
     return None
 
 
-def is_true(obj: Mapping | None, ctype: str) -> bool:
+def true_condition(obj: Mapping | None, ctype: str) -> dict | None:
+    """The status condition of type `ctype` when its status is "True", else None."""
     c = condition(obj, ctype)
-    return bool(c) and c.get("status") == "True"
+    return c if c and c.get("status") == "True" else None
+
+
+def is_true(obj: Mapping | None, ctype: str) -> bool:
+    return true_condition(obj, ctype) is not None
 
 
 def _cond_text(c: Mapping) -> str:
@@ -160,7 +165,7 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def pod_disruption(pod: Mapping, events: list[Mapping] = ()) -> str:
+def pod_disruption(pod: Mapping, events: Sequence[Mapping] = ()) -> str:
     """Why the node or the control plane took this pod away ("" if nothing says so)."""
     st = pod.get("status") or {}
     for c in st.get("conditions") or []:
@@ -176,7 +181,7 @@ def pod_disruption(pod: Mapping, events: list[Mapping] = ()) -> str:
     return ""
 
 
-def container_exits(pods: list[Mapping], events: list[Mapping] = ()) -> list[ContainerExit]:
+def container_exits(pods: Sequence[Mapping], events: Sequence[Mapping] = ()) -> list[ContainerExit]:
     """Every non-zero container exit, the likeliest cause first."""
     out = []
     for pod in pods:
@@ -220,7 +225,7 @@ def expected_pods(jobset: Mapping) -> int:
     return n
 
 
-def _events_about(events: list[Mapping], kind: str, name: str) -> list[Mapping]:
+def _events_about(events: Sequence[Mapping], kind: str, name: str) -> list[Mapping]:
     def when(ev):
         return ev.get("lastTimestamp") or ev.get("eventTime") or ev.get("firstTimestamp") or ""
 
@@ -242,8 +247,8 @@ def _exit_status(ex: ContainerExit, source_prefix: str, logs: Mapping[str, list[
                          details={"pod": ex.pod, "container": ex.container, **extra})
 
 
-def classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mapping] = (),
-             events: list[Mapping] = (), logs: Mapping[str, list[str]] | None = None,
+def classify(jobset: Mapping | None, workload: Mapping | None, pods: Sequence[Mapping] = (),
+             events: Sequence[Mapping] = (), logs: Mapping[str, list[str]] | None = None,
              missing: tuple[str, ...] = ()) -> AttemptStatus:
     """Normalise one attempt's objects into an `AttemptStatus` (precedence in the module docstring).
     A JobSet being deleted keeps its state (its pods may still be writing a checkpoint); the
@@ -255,8 +260,8 @@ def classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mappin
     return st
 
 
-def _classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mapping],
-              events: list[Mapping], logs: Mapping[str, list[str]] | None, missing: tuple[str, ...] = ()
+def _classify(jobset: Mapping | None, workload: Mapping | None, pods: Sequence[Mapping],
+              events: Sequence[Mapping], logs: Mapping[str, list[str]] | None, missing: tuple[str, ...] = ()
               ) -> AttemptStatus:
     pods, events = list(pods or []), list(events or [])
     if not jobset:
@@ -268,14 +273,14 @@ def _classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mappi
         details["workload"] = (workload.get("metadata") or {}).get("name")
 
     # 2. success
-    if is_true(jobset, "Completed"):
-        c = condition(jobset, "Completed")
+    c = true_condition(jobset, "Completed")
+    if c is not None:
         return AttemptStatus(State.SUCCEEDED, _cond_text(c) or "jobset completed successfully",
                              "JobSet condition Completed", exit_code=0, details=details)
 
     # 3. JobSet failure: the pods say why
-    if is_true(jobset, "Failed"):
-        c = condition(jobset, "Failed")
+    c = true_condition(jobset, "Failed")
+    if c is not None:
         details["jobset_reason"] = _cond_text(c)
         exits = container_exits(pods, events)
         if exits:
@@ -291,25 +296,24 @@ def _classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mappi
 
     if workload:
         # 4. Kueue saw it finish before the JobSet status did
-        fin = condition(workload, "Finished")
-        if fin and fin.get("status") == "True":
+        fin = true_condition(workload, "Finished")
+        if fin is not None:
             ok = fin.get("reason") == "Succeeded"
             return AttemptStatus(State.SUCCEEDED if ok else State.FAILED_INFRA, _cond_text(fin),
                                  "Workload condition Finished", exit_code=0 if ok else None, details=details)
-        ev = condition(workload, "Evicted")
-        evicted = bool(ev) and ev.get("status") == "True"
+        ev = true_condition(workload, "Evicted")
         # 5. deactivated: Kueue will not run it again
         active = (workload.get("spec") or {}).get("active", True)
-        if active is False or (evicted and (ev.get("reason") or "").startswith("Deactivated")):
-            text = _cond_text(ev) if evicted else "the Workload was deactivated (spec.active=false)"
-            return AttemptStatus(State.FAILED_INFRA, text, "Workload condition Evicted" if evicted else "Workload spec",
-                                 details=details)
+        if active is False or (ev is not None and (ev.get("reason") or "").startswith("Deactivated")):
+            text = _cond_text(ev) if ev is not None else "the Workload was deactivated (spec.active=false)"
+            return AttemptStatus(State.FAILED_INFRA, text,
+                                 "Workload condition Evicted" if ev is not None else "Workload spec", details=details)
         # 6. eviction
-        if evicted:
+        if ev is not None:
             reason = ev.get("reason") or ""
-            pre = condition(workload, "Preempted")
+            pre = true_condition(workload, "Preempted")
             text = reason
-            if pre and pre.get("status") == "True" and pre.get("reason"):
+            if pre and pre.get("reason"):
                 text += f" ({pre['reason']})"
             if ev.get("message"):
                 text += f": {ev['message']}"
@@ -319,8 +323,7 @@ def _classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mappi
                 return AttemptStatus(State.FAILED_INFRA, text, "Workload condition Evicted", details=details)
             # Kueue suspended the JobSet (its Jobs and pods are deleted, the pods checkpoint through
             # their grace period) and requeues this same JobSet once they are gone: still live.
-            details["evicted"] = reason + (f" ({pre['reason']})" if pre and pre.get("status") == "True"
-                                           and pre.get("reason") else "")
+            details["evicted"] = reason + (f" ({pre['reason']})" if pre and pre.get("reason") else "")
             terminating = sum(1 for p in pods if not _pod_done(p))
             details["pods_terminating"] = terminating
             qr = condition(workload, "QuotaReserved")
@@ -361,7 +364,7 @@ def _classify(jobset: Mapping | None, workload: Mapping | None, pods: list[Mappi
     return _classify_pods(jobset, pods, events, logs, details)
 
 
-def _classify_pods(jobset: Mapping, pods: list[Mapping], events: list[Mapping],
+def _classify_pods(jobset: Mapping, pods: Sequence[Mapping], events: Sequence[Mapping],
                    logs: Mapping[str, list[str]] | None, details: dict) -> AttemptStatus:
     want = expected_pods(jobset)
     # Terminating pods of a JobSet that lives on are being replaced (a restart): they do not count.

@@ -197,7 +197,7 @@ def host_network(settings: Settings | None) -> bool:
 
 def identity_note(settings: Settings | None) -> str | None:
     """One line on the pods' GCS identity when hostNetwork changes it, else None."""
-    if not host_network(settings):
+    if settings is None or not host_network(settings):
         return None
     return ("host_network is on: GKE Workload Identity does not apply to hostNetwork pods, so the trainer reaches "
             f"GCS as the node pool's service account, not as Kubernetes service account "

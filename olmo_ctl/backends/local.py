@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from olmo_ctl import storage
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State
@@ -49,6 +50,9 @@ from olmo_ctl.core.errors import BadInput
 from olmo_ctl.ports import free_port
 from olmo_ctl.rundir import proc_start_time  # noqa: F401 - also what callers import from here
 
+if TYPE_CHECKING:
+    from olmo_ctl.core.config import Settings
+
 TRAINER_MODULE = "olmo_ctl.trainer"
 
 
@@ -62,8 +66,9 @@ class LocalRequest:
     processes: int = 1  # trainer processes (hosts); each adds its id and log prefix to `env`
 
     def to_dict(self) -> dict:
-        d = {"argv": list(self.argv), "env": dict(self.env), "log": self.log_path,
-             "attempt_file": os.path.join(self.state_dir, "attempts", f"{self.attempt.attempt}.json")}
+        d: dict[str, object] = {
+            "argv": list(self.argv), "env": dict(self.env), "log": self.log_path,
+            "attempt_file": os.path.join(self.state_dir, "attempts", f"{self.attempt.attempt}.json")}
         if self.processes > 1:
             d["processes"] = self.processes
             d["env_per_process"] = {PROCESS_ID_ENV: f"0..{self.processes - 1}", LOG_PREFIX_ENV: "host <h>: ",
@@ -95,8 +100,8 @@ class LocalBackend(Backend[LocalRequest]):
         self.python = python or sys.executable
         self.state_root = state_root
         self.stop_grace_s = stop_grace_s
-        self.settings = None  # the site settings it was made from (recorded with each attempt)
-        self._procs: dict[int, subprocess.Popen] = {}
+        self.settings: Settings | None = None  # the site settings it was made from (recorded with each attempt)
+        self._procs: dict[object, subprocess.Popen] = {}  # by pid; looked up with a handle's JSON `pid`
 
     @classmethod
     def from_settings(cls, settings, run_root: str | None = None) -> LocalBackend:
@@ -155,7 +160,7 @@ class LocalBackend(Backend[LocalRequest]):
             other = [f for f in os.environ["XLA_FLAGS"].split() if "xla_force_host_platform_device_count" not in f]
             env["XLA_FLAGS"] = " ".join(other + [request.env["XLA_FLAGS"]])
         coordinator = f"127.0.0.1:{free_port()}" if request.processes > 1 else None
-        procs = []
+        procs: list[subprocess.Popen] = []
         with open(request.log_path, "ab") as log:
             log.write(f"=== attempt {a.attempt} on {a.device} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
                       f": {' '.join(request.argv)}\n".encode())
@@ -406,7 +411,7 @@ class LocalBackend(Backend[LocalRequest]):
         writing the file. Found by their command lines (all hosts of the newest such attempt), so the
         attempt is adopted instead of started twice."""
         run_dir = storage.join(self.run_root, run)
-        found: dict[int, list[tuple[int, int, float]]] = {}  # attempt -> [(host, pid, start)]
+        found: dict[int, list[tuple[int, int, str]]] = {}  # attempt -> [(host, pid, start)]
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue

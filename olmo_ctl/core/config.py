@@ -176,6 +176,7 @@ def resolve_settings(**flag_values: str | None) -> Settings:
     optional = {"kube_context", "priority_class", "placement_policy", "xla_flags"}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    value: Any  # a string from a flag, the environment or the file; host_network may be a YAML bool
     for name in ["backend"] + [n for n in names if n != "backend"]:  # run_root's default depends on it
         env_name = ENV_PREFIX + name.upper()
         if flag_values.get(name) is not None:

@@ -264,7 +264,7 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
     """Check `value` against the annotation `tp`; return it converted (lists -> tuples, ints -> floats)."""
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise BadInput(f"{src}: `{key}` must be a mapping, got {type(value).__name__}")
         return _build(tp, value, key, src)
@@ -436,6 +436,7 @@ def validate(r: Recipe, src: str) -> None:
 
 
 def _validate_schedule(s: ScheduleConfig, max_steps: int, need) -> None:
+    items: list[tuple[str, SchedulePart | ScheduleConfig]]
     if s.kind == "stitched":
         need(len(s.parts) >= 1, "schedule.parts", "must list at least one part when schedule.kind is stitched")
         items = [(f"schedule.parts[{i}]", p) for i, p in enumerate(s.parts)]
@@ -452,6 +453,7 @@ def _validate_schedule(s: ScheduleConfig, max_steps: int, need) -> None:
         need(0 <= p.alpha <= 1, f"{key}.alpha", "must be in [0, 1]")
         if s.kind != "stitched":
             continue
+        assert isinstance(p, SchedulePart)  # stitched: the items are the parts
         if i < len(items) - 1:
             need(p.last_step > prev_last, f"{key}.last_step",
                  f"must be a step after the previous part's last step ({prev_last})")
@@ -464,12 +466,12 @@ def resolve_recipe_path(recipe: str | None = None, stage: int | None = None) -> 
     """`--stage 1|2|3` or `--recipe FILE|NAME` -> a file path. Exactly one of them must be given."""
     if recipe is not None and stage is not None:
         raise BadInput("--stage and --recipe are exclusive", "give one of them")
-    if recipe is None and stage is None:
-        raise BadInput("no recipe given", "pass --stage 1|2|3 or --recipe FILE|NAME")
     if stage is not None:
         if stage not in STAGE_RECIPES:
             raise BadInput(f"--stage {stage} is not a stage", "OLMo 3 stages here are 1, 2 and 3")
         return RECIPES_DIR / f"{STAGE_RECIPES[stage]}.yaml"
+    if recipe is None:
+        raise BadInput("no recipe given", "pass --stage 1|2|3 or --recipe FILE|NAME")
     p = Path(recipe)
     if p.suffix in (".yaml", ".yml") or p.exists() or "/" in recipe:
         if not p.exists():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -233,6 +234,7 @@ def decode_records(buf: bytes, arr: np.ndarray, fr: Frame) -> Batch:
             d = c + 12
             stored = np.ascontiguousarray(blk[:, d + L : d + L + 4]).view("<u4")[:, 0]
             rec = buf[pos + d : pos + d + L]
+            dec: Decoded | Literal[False] | None  # False: no template fits these bytes
             try:
                 dec = _template(rec, int(stored[0])) if 0 < L <= _MAX_TEMPLATE_LEN else False
             except _Unusable:

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput
+
+if TYPE_CHECKING:
+    from olmo_ctl.observe.reader import EventReader
 
 CURVE_SUFFIXES = (".csv", ".tsv", ".txt")
 DEFAULT_TAGS = ("train/CE loss",)
@@ -60,8 +64,8 @@ def read_curve(src: str) -> tuple[np.ndarray, np.ndarray]:
 class Side:
     def __init__(self, src: str):
         self.src = src
-        self.curve = None
-        self.reader = None
+        self.curve: tuple[np.ndarray, np.ndarray] | None = None
+        self.reader: EventReader | None = None
         if is_curve_file(src):
             self.curve = read_curve(src)
         else:
@@ -75,7 +79,7 @@ class Side:
     def get(self, tag: str) -> tuple[np.ndarray, np.ndarray] | None:
         if self.curve is not None:
             return self.curve
-        s = self.reader.series(tag)
+        s = self.reader.series(tag) if self.reader is not None else None
         return None if s is None or not len(s) else (s.steps, s.values)
 
 
@@ -88,12 +92,13 @@ def compare_series(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.nda
     sa, va = a
     sb, vb = b
     common, ia, ib = np.intersect1d(sa, sb, assume_unique=True, return_indices=True)
-    out = {"common_steps": int(len(common)), "only_a": int(len(sa) - len(common)),
-           "only_b": int(len(sb) - len(common)),
-           "first_step": int(common[0]) if len(common) else None,
-           "last_step": int(common[-1]) if len(common) else None,
-           "max_abs_delta": None, "max_abs_delta_step": None, "mean_abs_delta": None, "mean_delta": None,
-           "first_exceed_step": None, "first_exceed_delta": None, "threshold": threshold, "bins": []}
+    out: dict[str, Any] = {"common_steps": int(len(common)), "only_a": int(len(sa) - len(common)),
+                           "only_b": int(len(sb) - len(common)),
+                           "first_step": int(common[0]) if len(common) else None,
+                           "last_step": int(common[-1]) if len(common) else None,
+                           "max_abs_delta": None, "max_abs_delta_step": None, "mean_abs_delta": None,
+                           "mean_delta": None, "first_exceed_step": None, "first_exceed_delta": None,
+                           "threshold": threshold, "bins": []}
     if not len(common):
         out["verdict"] = "no common steps to compare"
         return out
@@ -168,12 +173,12 @@ def compare(a: str, b: str, tags: list[str] | None = None, *, bin_steps: int = 2
     else:
         common = sorted(set(side_a.tags()) & set(side_b.tags()))
         want = list(DEFAULT_TAGS) if set(DEFAULT_TAGS) & set(common) else common[:1]
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for tag in want:
         ca, cb = side_a.get(tag), side_b.get(tag)
         if ca is None or cb is None:
-            missing = a if ca is None else b
-            results[tag] = {"common_steps": 0, "verdict": f"`{tag}` not found in {missing}"}
+            where = a if ca is None else b
+            results[tag] = {"common_steps": 0, "verdict": f"`{tag}` not found in {where}"}
             continue
         results[tag] = compare_series(ca, cb, bin_steps=bin_steps, threshold=threshold, per_step=per_step)
     if not results:

@@ -257,7 +257,8 @@ def _device(name: str | None):
 
 
 def _live_attempt(path: str, journal: list | None, status_of: StatusOf | None) -> dict:
-    out = {"attempt": None, "state": None, "reason": "", "source": "", "device": None, "backend": None}
+    out: dict[str, Any] = {"attempt": None, "state": None, "reason": "", "source": "", "device": None,
+                           "backend": None}
     if not journal:
         out["source"] = "no journal (the run was not started by olmo-ctl, or has not started)"
         return out
@@ -310,7 +311,7 @@ def timeline_summary(timeline: list[dict]) -> list[str]:
     lines = []
     for n, recs in sorted(per.items()):
         dev = next((r.get("device") for r in recs if r.get("device")), "?")
-        parts = []
+        parts: list[str] = []
         for r in recs:
             ev = r["event"]
             if parts and parts[-1].split(" ")[0] == ev:
@@ -399,7 +400,7 @@ def _hosts_section(r: EventReader) -> tuple[list[dict], list[str]]:
         return [], []
     latest = max(int(s.steps[-1]) for by in series.values() for s in by.values())
     windows: dict[int, list[dict[str, float]]] = {}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for h in sorted(series):
         by = series[h]
         if any(k not in by for k in ("step_time_s", "data_wait_s", "compute_s")):
@@ -540,7 +541,9 @@ def _throughput(r: EventReader, recipe, device_name: str | None, journal: list |
         if times.tps_avg:
             tflops_avg = times.tps_avg / n_devices * flops_tok / 1e12
             mfu_avg = tflops_avg / peak if peak else None
-            across = _run_avg_across_attempts(journal, times.per_attempt, tokens_per_step, flops_tok)
+            # tps_avg is known only with tokens_per_step
+            across = (_run_avg_across_attempts(journal, times.per_attempt, tokens_per_step, flops_tok)
+                      if tokens_per_step else None)
             if across is not None:
                 tflops_avg, mfu_avg = across
         if peak:
@@ -671,8 +674,8 @@ def _attempts_in_events(r: EventReader, per_attempt: dict) -> list[dict]:
 
 def _goodput(journal, per_attempt: dict, step_s: float | None, replayed: int, loss: Series | None,
              reader: EventReader, now: float, live: dict) -> dict:
-    out = {"fraction": None, "wall_s": None, "productive_s": None,
-           "lost_s": {"queueing": None, "startup": None, "recomputed": None, "checkpoint": None, "other": None}}
+    out: dict[str, Any] = {"fraction": None, "wall_s": None, "productive_s": None,
+                           "lost_s": {"queueing": None, "startup": None, "recomputed": None, "checkpoint": None, "other": None}}
     if not per_attempt or step_s is None:
         return out
     # logged interval (metrics_every): replayed points stand for that many steps each

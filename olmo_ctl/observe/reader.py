@@ -139,7 +139,8 @@ class EventReader:
         while fs.offset < fs.size:
             end = min(fs.size, fs.offset + want)
             if first is not None:  # prefetched: the bytes from fs.offset to fs.size
-                buf, first, end = first, None, fs.offset + len(first)
+                buf, end = first, fs.offset + len(first)
+                first = None
             else:
                 buf = self.store.read_range(fs.path, fs.offset, end)
             st.bytes_read += len(buf)
