@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from olmo_ctl.core.batching import param_count
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.core.recipe import RECIPES_DIR, load_recipe
 
 
 def test_stage1_recipe_values():
@@ -97,3 +100,34 @@ def test_smoke_recipe_is_olmo3_shaped():
     m = load_recipe("smoke").model
     assert m.sliding_window < load_recipe("smoke").train.seq_len
     assert [m.layer_is_full(i) for i in range(m.n_layers)] == [False, False, False, True]
+
+
+# ---------------------------------------------------------------- every shipped recipe, pinned
+
+RECIPE_GOLDEN = Path(__file__).resolve().parent / "goldens" / "recipes.json"
+
+
+def shipped_recipes() -> dict[str, dict]:
+    """Each shipped recipe's resolved values (`to_dict()`, in its key order) and fingerprint."""
+    return {p.stem: {"fingerprint": (r := load_recipe(p.stem)).fingerprint(), "recipe": r.to_dict()}
+            for p in sorted(RECIPES_DIR.glob("*.yaml"))}
+
+
+def test_every_shipped_recipe_resolves_to_its_golden_values_and_fingerprint():
+    golden = json.loads(RECIPE_GOLDEN.read_text())
+    now = shipped_recipes()
+    assert sorted(now) == sorted(golden)
+    for name, want in golden.items():
+        assert now[name]["fingerprint"] == want["fingerprint"], name
+        # Serialised without sorting: the key order is run.yaml's too.
+        assert json.dumps(now[name]["recipe"]) == json.dumps(want["recipe"]), name
+
+
+def regenerate() -> None:
+    recipes = shipped_recipes()
+    RECIPE_GOLDEN.write_text(json.dumps(recipes, indent=1) + "\n")
+    print(f"wrote tests/goldens/{RECIPE_GOLDEN.name} ({len(recipes)} recipes)")
+
+
+if __name__ == "__main__":
+    regenerate()
