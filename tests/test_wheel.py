@@ -79,8 +79,10 @@ def run(inst: dict, *args: str, timeout: float = 120) -> subprocess.CompletedPro
 
 def test_wheel_carries_recipes_and_templates(installed):
     names = set(zipfile.ZipFile(installed["wheel"]).namelist())
-    for name in ("smoke", "olmo3-7b-stage1", "olmo3-7b-stage2"):
+    for name in ("smoke", "olmo3-7b-stage1", "olmo3-7b-stage1-cosine", "olmo3-7b-stage2", "olmo3-7b-stage3"):
         assert f"olmo_ctl/recipes/{name}.yaml" in names
+    for name in ("smoke", "olmo3-7b"):  # the model files the recipes name
+        assert f"olmo_ctl/recipes/models/{name}.yaml" in names
     for name in ("common", "tpu7x", "v5p"):
         assert f"olmo_ctl/launch_templates/{name}.yaml" in names
     assert "olmo_ctl/testing/crds/jobset.x-k8s.io_jobsets.v0.10.1.yaml" in names
