@@ -245,6 +245,22 @@ def test_bad_layers_name_the_file_and_the_key(tmp_path):
     assert recipe_from_dict({"name": "r", "base": "smoke"}, "gs://b/r.yaml").model == load_model("smoke")
 
 
+def test_the_delta_recipes_in_the_docs_resolve(tmp_path):
+    """docs/recipes.md's two user files, written out as shown, and the refusal it describes."""
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "recipes.md").read_text()
+    blocks = re.findall(r"```yaml\n(# (my-[\w-]+\.yaml).*?\n)```", docs, re.S)
+    assert [name for _, name in blocks] == ["my-stage1-short.yaml", "my-stage1-short-remat.yaml"]
+    for text, name in blocks:
+        (tmp_path / name).write_text(text)
+    short, remat = (load_recipe(str(tmp_path / name)) for _, name in blocks)
+    assert (short.train.max_steps, short.checkpoint.interval, short.model.remat) == (20000, 500, "full")
+    assert remat.model == load_recipe(str(tmp_path / "my-stage1-short.yaml"), overrides=["model.remat=save_proj"]).model
+    assert dataclasses.replace(remat, name=short.name, source=short.source, model=short.model) == short
+    (tmp_path / "refused.yaml").write_text(blocks[1][0].replace("model: {remat", "model: {from: olmo3-7b, remat"))
+    with pytest.raises(BadInput, match="`model.remat` is set twice: 'save_proj' here and 'full' in its model"):
+        load_recipe(str(tmp_path / "refused.yaml"))
+
+
 # ---------------------------------------------------------------- fingerprints and evaluation
 
 
