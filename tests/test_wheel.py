@@ -110,6 +110,19 @@ def test_dry_run_from_the_wheel(installed):
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu7x"
 
 
+def test_user_delta_recipes_from_the_wheel(installed):
+    """A user file naming the wheel's shipped base and model, and one beside it with a relative `base:`."""
+    work = installed["work"]
+    (work / "mine.yaml").write_text("name: mine\nbase: olmo3-7b-stage2\nmodel: olmo3-7b\ntrain: {max_steps: 1000}\n")
+    (work / "deltas").mkdir()
+    (work / "deltas" / "mine-remat.yaml").write_text("name: mine-remat\nbase: ../mine.yaml\nmodel: {remat: save_proj}\n")
+    p = run(installed, "plan", "--recipe", "deltas/mine-remat.yaml", "--device", "tpu7x-128", "-o", "json")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    assert (plan["recipe"], plan["global_batch"], plan["max_steps"], plan["remat"], plan["params"]) == \
+        ("mine-remat", 256, 1000, "save_proj", 7_298_617_344)
+
+
 def test_resume_until_done_from_the_wheel(installed):
     pytest.importorskip("jax")
     root = installed["work"] / "runs"

@@ -1,8 +1,10 @@
 """Recipes: YAML files validated into typed, frozen objects.
 
-Unknown keys, wrong types and impossible values are errors that name the key and the file.
-`--set key.sub=value` overrides are applied to the raw mapping before validation, so they are
-checked exactly like values from the file. Nothing here imports jax.
+A recipe file is a delta: it resolves over its `base:` recipe and the model file its `model:` names
+(recipes/models/), then `--set key.sub=value` overrides apply to the merged mapping before
+validation, so they are checked exactly like values from a file (load_layers; docs/recipes.md).
+Unknown keys, wrong types, impossible values and a key set twice at one level are errors that name
+the key and the file. Nothing here imports jax.
 """
 
 from __future__ import annotations
