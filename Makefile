@@ -2,7 +2,7 @@
 #   make install   .venv with every extra (trainer, tpu, parity, dev), at the versions in constraints.txt
 #   make test      the test suite (what CI runs)
 #   make demo      set up, then train the smoke model locally under resume-until-done
-#   make goldens   regenerate tests/goldens/*.yaml (review the diff)
+#   make goldens   regenerate tests/goldens/*.yaml and recipes.json (review the diff)
 #   make lint      ruff
 #   make check     the quality gates: ruff check, ruff format --check, mypy (each runs; any failure fails)
 #   make image     docker build of launch_templates/Dockerfile
@@ -42,6 +42,7 @@ check:
 
 goldens:
 	$(BIN)/python tests/test_manifest.py
+	$(BIN)/python tests/test_recipes.py
 
 # A local smoke run (tiny OLMo-3-shaped model, built-in data) supervised to its final step.
 DEMO_ROOT ?= runs

@@ -274,10 +274,13 @@ class RunDir:
             raise BadInput(f"run `{self.name}` was created concurrently", "run the command again to continue it") from None
         return doc
 
-    def check_matches(self, recipe_fingerprint: str, data_fingerprint: str | None) -> None:
-        """A later attempt must train the same recipe on the same data as run.yaml."""
+    def check_matches(self, recipe_fingerprint: str, data_fingerprint: str | None, recipe=None) -> None:
+        """A later attempt must train the same recipe on the same data as run.yaml. With `recipe` (the
+        Recipe of `recipe_fingerprint`), one that differs from run.yaml's in evaluation only passes:
+        evaluation is not what the run trains (Recipe.training_fingerprint). The attempt still runs
+        run.yaml's recipe."""
         d = self.read_run()
-        if d.get("recipe_fingerprint") != recipe_fingerprint:
+        if d.get("recipe_fingerprint") != recipe_fingerprint and not self._trains_the_same(d, recipe):
             raise BadInput(
                 f"run `{self.name}` was created with another recipe (fingerprint {d.get('recipe_fingerprint')}, "
                 f"this one {recipe_fingerprint})",
@@ -289,6 +292,15 @@ class RunDir:
                 f"now {data_fingerprint})",
                 "restore the original data, or start a new run",
             )
+
+    def _trains_the_same(self, doc: dict, recipe) -> bool:
+        if recipe is None:
+            return False
+        try:
+            recorded = run_recipe(doc, self.p("run.yaml"))
+        except BadInput:  # a run.yaml recipe this version cannot read: not provably the same
+            return False
+        return recorded.training_fingerprint() == recipe.training_fingerprint()
 
     # ------------------------------------------------------------------ journal
 

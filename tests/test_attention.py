@@ -278,9 +278,10 @@ def test_model_with_segment_ids_keeps_documents_apart():
     from olmo_ctl.core.recipe import ModelConfig
     from olmo_ctl.trainer import model as M
 
-    cfg = ModelConfig(n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=64, vocab_size=50,
-                      padded_vocab_size=64, sliding_window=8, param_dtype="float32", compute_dtype="float32",
-                      remat="none", attention="reference", eos_token_id=1, pad_token_id=2)
+    cfg = ModelConfig(name="tiny", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=64,
+                      vocab_size=50, padded_vocab_size=64, sliding_window=8, full_attention_every=4,
+                      rope_theta=500000.0, rms_norm_eps=1e-6, init_std=0.02, param_dtype="float32",
+                      compute_dtype="float32", remat="none", attention="reference", eos_token_id=1, pad_token_id=2)
     params = M.init_params(cfg, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 32), 0, cfg.vocab_size)
     seg = jnp.asarray([[0] * 12 + [1] * 20])

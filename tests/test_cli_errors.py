@@ -90,3 +90,16 @@ def test_bad_files(env, tmp_path):
     p = subprocess.run([sys.executable, "-m", "olmo_ctl", "config", "show"], capture_output=True, text=True,
                        env={**env, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}, cwd=ROOT, timeout=60)
     _assert_user_error(p, "unknown setting `zone`")
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("name: r\nbase: olmo3-7b-stage1\nmodel: {from: olmo3-7b, n_layers: 16}\n", "`model.n_layers` is set twice"),
+    ("name: r\nbase: olmo3-7b-stage1\ntrain: {max_steps: 10}\ntrain: {seq_len: 64}\n", "`train` is set twice"),
+    ("name: r\nstage: 1\ndata: {mix: OLMo-mix-0625-official}\n", "the recipe has no model"),
+])
+def test_recipe_layers_refused(env, tmp_path, text, expect):
+    """A user delta recipe that sets a key twice at one level, or names no model: exit 2, one line."""
+    (tmp_path / "r.yaml").write_text(text)
+    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "plan", "--recipe", str(tmp_path / "r.yaml"),
+                        "--device", "v5p-8"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    _assert_user_error(p, expect)

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
 
 from olmo_ctl.core import flops
 from olmo_ctl.core.devices import get_device
-from olmo_ctl.core.recipe import ModelConfig
+from olmo_ctl.core.recipe import load_model
+
+OLMO3_7B = load_model("olmo3-7b")  # recipes/models/olmo3-7b.yaml
 
 
 def test_olmo3_7b_olmo_core_formula_at_8192():
-    assert flops.flops_per_token_olmo_core(ModelConfig(), 8192) == pytest.approx(4.94e10, rel=0.01)
+    assert flops.flops_per_token_olmo_core(OLMO3_7B, 8192) == pytest.approx(4.94e10, rel=0.01)
 
 
 def test_olmo3_7b_maxtext_formula_at_8192():
-    m = ModelConfig()
+    m = OLMO3_7B
     assert flops.flops_per_token_maxtext(m, 8192) == pytest.approx(4.78e10, rel=0.01)
     # The case study's "1565 TFLOP per step" per device on 128 devices at 4,194,304 tokens per step.
     per_step_per_device = flops.flops_per_token_maxtext(m, 8192) * 4_194_304 / 128
@@ -30,8 +33,8 @@ def test_mfu_on_ironwood():
 
 
 def test_sliding_window_discounts_only_olmo_core():
-    m = ModelConfig()
-    wide = ModelConfig(sliding_window=8192)
+    m = OLMO3_7B
+    wide = dataclasses.replace(OLMO3_7B, sliding_window=8192)
     # 24 sliding layers see 4096 keys instead of 8192: 24 * 12 * H * D * 4096 FLOPs fewer.
     diff = flops.flops_per_token_olmo_core(wide, 8192) - flops.flops_per_token_olmo_core(m, 8192)
     assert diff == 24 * 12 * 32 * 128 * 4096
@@ -41,8 +44,8 @@ def test_sliding_window_discounts_only_olmo_core():
 
 
 def test_head_dim_variant_has_identical_flops():
-    m = ModelConfig()
-    v = ModelConfig(n_heads=16, n_kv_heads=16, head_dim=256)
+    m = OLMO3_7B
+    v = dataclasses.replace(OLMO3_7B, n_heads=16, n_kv_heads=16, head_dim=256)
     for f in flops.FORMULAS:
         assert flops.flops_per_token(v, 8192, f) == flops.flops_per_token(m, 8192, f)
 
@@ -50,7 +53,7 @@ def test_head_dim_variant_has_identical_flops():
 def test_olmo_core_params_term_matches_param_count():
     from olmo_ctl.core.batching import param_count
 
-    m = ModelConfig()
+    m = OLMO3_7B
     attn_only = flops.flops_per_token_olmo_core(m, 8192) - sum(
         12 * m.n_heads * m.head_dim * flops.attention_window(m, i, 8192) for i in range(m.n_layers))
     assert attn_only == 6 * (param_count(m) - m.padded_vocab_size * m.d_model)
@@ -66,4 +69,4 @@ def test_module_is_pure():
 
 def test_unknown_formula():
     with pytest.raises(ValueError):
-        flops.flops_per_token(ModelConfig(), 8192, "palm")
+        flops.flops_per_token(OLMO3_7B, 8192, "palm")

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from olmo_ctl.core.batching import param_count
-from olmo_ctl.core.recipe import ModelConfig, load_recipe
+from olmo_ctl.core.recipe import ModelConfig, load_model, load_recipe
 from olmo_ctl.trainer import model as M
 
 SMOKE = load_recipe("smoke").model
+OLMO3_7B = load_model("olmo3-7b")  # recipes/models/olmo3-7b.yaml
 
 
 def tiny(**kw) -> ModelConfig:
@@ -21,10 +22,10 @@ def tiny(**kw) -> ModelConfig:
                 padded_vocab_size=128, sliding_window=8, compute_dtype="float32", remat="none",
                 eos_token_id=0, pad_token_id=1, name="tiny")
     base.update(kw)
-    return ModelConfig(**base)
+    return dataclasses.replace(OLMO3_7B, **base)
 
 
-@pytest.mark.parametrize("cfg", [SMOKE, ModelConfig(), ModelConfig(n_heads=16, n_kv_heads=16, head_dim=256)],
+@pytest.mark.parametrize("cfg", [SMOKE, OLMO3_7B, dataclasses.replace(OLMO3_7B, n_heads=16, n_kv_heads=16, head_dim=256)],
                          ids=["smoke", "olmo3-7b", "olmo3-7b-hd256"])
 def test_param_count_matches_batching(cfg):
     shapes = jax.eval_shape(lambda: M.init_params(cfg, jax.random.PRNGKey(0)))
@@ -32,7 +33,7 @@ def test_param_count_matches_batching(cfg):
     assert {"embed", "lm_head", "final_norm", "blocks"} == set(shapes)
     assert shapes["blocks"]["attn"]["wq"].shape[0] == cfg.n_layers
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(shapes))
-    if cfg == ModelConfig():
+    if cfg == OLMO3_7B:
         assert M.count_params(shapes) == 7_298_617_344
 
 
@@ -51,7 +52,7 @@ def test_init_truncated_normal_and_ones():
 
 
 def test_full_attention_layers_sit_at_i_plus_1_mod_4():
-    cfg = ModelConfig()
+    cfg = OLMO3_7B
     assert [i for i in range(32) if M.layer_window(cfg, i) is None] == [3, 7, 11, 15, 19, 23, 27, 31]
     assert M.layer_window(cfg, 0) == 4096
 
@@ -91,7 +92,7 @@ def test_scan_matches_layer_by_layer_with_full_layers_at_3_7_and_the_last(n_laye
 def test_last_layer_rule_leaves_olmo3_7b_and_hf_export_consistent():
     from olmo_ctl.trainer.convert import hf_config_from_model, model_config_from_hf
 
-    assert [i for i in range(32) if ModelConfig().layer_is_full(i)] == [3, 7, 11, 15, 19, 23, 27, 31]
+    assert [i for i in range(32) if OLMO3_7B.layer_is_full(i)] == [3, 7, 11, 15, 19, 23, 27, 31]
     cfg = tiny(n_layers=6)
     hf = hf_config_from_model(cfg)
     assert hf["layer_types"] == ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]

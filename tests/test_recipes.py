@@ -1,12 +1,31 @@
-"""Recipes: the OLMo 3 stage values, the parameter count, and validation that names the key and file."""
+"""Recipes: the OLMo 3 stage values, the parameter count, validation that names the key and file, the
+layers (base -> model -> file -> --set) and the twice-set rule, fingerprints and evaluation, and every
+shipped recipe pinned to its golden values (`make goldens` rewrites tests/goldens/recipes.json)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
+import textwrap
+from pathlib import Path
+
 import pytest
+import yaml
 
 from olmo_ctl.core.batching import param_count
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.core.recipe import (
+    FINGERPRINTED_EVAL_KEYS,
+    RECIPES_DIR,
+    ModelConfig,
+    Recipe,
+    load_model,
+    load_recipe,
+    recipe_from_dict,
+    shipped_models,
+    shipped_recipes,
+)
 
 
 def test_stage1_recipe_values():
@@ -97,3 +116,205 @@ def test_smoke_recipe_is_olmo3_shaped():
     m = load_recipe("smoke").model
     assert m.sliding_window < load_recipe("smoke").train.seq_len
     assert [m.layer_is_full(i) for i in range(m.n_layers)] == [False, False, False, True]
+
+
+# ---------------------------------------------------------------- layers: base -> model -> file -> --set
+
+
+def test_the_model_is_written_once_in_a_model_file():
+    """No stage file repeats a model value: each names its model file (and stage 3 adds YaRN)."""
+    stage_files = sorted(RECIPES_DIR.glob("*.yaml"))
+    assert sorted(p.stem for p in stage_files) == shipped_recipes()
+    assert shipped_models() == ["olmo3-7b", "smoke"]
+    for p in stage_files:
+        model = yaml.safe_load(p.read_text()).get("model")
+        extra = set(model) - {"from", "rope_scaling"} if isinstance(model, dict) else set()
+        assert isinstance(model, str | dict) and not extra, (p.name, model)
+    assert load_model("olmo3-7b") == load_recipe(stage=1).model == load_recipe(stage=2).model
+    assert load_model("smoke") == load_recipe("smoke").model
+    assert load_recipe(stage=3).model == dataclasses.replace(load_model("olmo3-7b"),
+                                                             rope_scaling=load_recipe(stage=3).model.rope_scaling)
+    cosine, stage1 = load_recipe("olmo3-7b-stage1-cosine"), load_recipe(stage=1)
+    assert cosine.source.endswith("olmo3-7b-stage1-cosine.yaml")
+    assert dataclasses.replace(cosine, name=stage1.name, description=stage1.description,
+                               schedule=stage1.schedule) == stage1
+
+
+def test_no_model_values_as_defaults():
+    """A recipe gets its model from a model file, or is refused saying it has none."""
+    with pytest.raises(TypeError):
+        ModelConfig()  # the constructor has no 7B (or any) defaults
+    with pytest.raises(BadInput, match="the recipe has no model") as e:
+        recipe_from_dict({"name": "x", "data": {"mix": "OLMo-mix-0625-official"}}, "x.yaml")
+    assert "model: NAME" in e.value.hint and "olmo3-7b" in e.value.hint
+    with pytest.raises(BadInput, match=r"`model.n_layers` is missing \(and 17 more"):
+        recipe_from_dict({"name": "x", "model": {"name": "m"}, "data": {"mix": "OLMo-mix-0625-official"}}, "x.yaml")
+
+
+def _write(path, text: str):
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_a_user_delta_names_a_shipped_base_and_model(tmp_path):
+    f = _write(tmp_path / "short.yaml", """\
+        name: stage1-short
+        base: olmo3-7b-stage1
+        model: olmo3-7b
+        train: {max_steps: 20000}
+        checkpoint: {interval: 500}
+        """)
+    r = load_recipe(str(f))
+    s1 = load_recipe(stage=1)
+    assert (r.name, r.stage, r.description, r.source) == ("stage1-short", 1, s1.description, str(f))
+    assert (r.train.max_steps, r.train.global_batch, r.checkpoint.interval, r.checkpoint.keep) == (20000, 512, 500, 3)
+    assert r.model == s1.model and r.schedule == s1.schedule  # sections merge key by key
+    # A delta next to it, by relative path; its `model:` keys (no model file named) change the base's.
+    (tmp_path / "sub").mkdir()
+    g = _write(tmp_path / "sub" / "deeper.yaml", """\
+        name: deeper
+        base: ../short.yaml
+        model: {remat: save_proj}
+        """)
+    d = load_recipe(str(g))
+    assert (d.name, d.train.max_steps, d.model.remat, d.model.n_layers) == ("deeper", 20000, "save_proj", 32)
+    # --set comes last: over the file, its base and its model.
+    o = load_recipe(str(g), overrides=["model.remat=none", "train.max_steps=10"])
+    assert (o.model.remat, o.train.max_steps) == ("none", 10)
+    # A model file by path, next to the recipe.
+    _write(tmp_path / "tiny.yaml", (RECIPES_DIR / "models" / "smoke.yaml").read_text().replace("n_layers: 4", "n_layers: 8"))
+    t = load_recipe(str(_write(tmp_path / "t.yaml", "name: t\nbase: smoke\nmodel: ./tiny.yaml\n")))
+    assert (t.model.n_layers, t.model.d_model, t.train.seq_len) == (8, 64, 128)
+
+
+def test_a_key_set_twice_at_one_level_is_refused(tmp_path):
+    # A file and the model file it names are one statement: another value for one of its keys is refused...
+    f = _write(tmp_path / "r.yaml", "name: r\nbase: smoke\nmodel: {from: smoke, n_layers: 8}\n")
+    with pytest.raises(BadInput) as e:
+        load_recipe(str(f))
+    assert e.value.message == (f"{f}: `model.n_layers` is set twice: 8 here and 4 in its model "
+                               f"`{RECIPES_DIR / 'models' / 'smoke.yaml'}`")
+    assert "--set model.n_layers" in e.value.hint and e.value.exit_code == 2
+    # ... the same value is not a second statement, and --set (the command line) still wins.
+    _write(f, "name: r\nbase: smoke\nmodel: {from: smoke, n_layers: 4, rms_norm_eps: 1.0e-6}\n")
+    assert load_recipe(str(f)).model == load_recipe("smoke").model
+    assert load_recipe(str(f), overrides=["model.n_layers=8"]).model.n_layers == 8
+    # A key written twice in one mapping of one file (YAML alone would keep the last).
+    _write(f, "name: r\nbase: smoke\ntrain:\n  max_steps: 10\n  max_steps: 20\n")
+    with pytest.raises(BadInput, match=r"`max_steps` is set twice in one mapping \(lines 4 and 5\)"):
+        load_recipe(str(f))
+    _write(f, "name: r\nbase: smoke\ntrain: {seq_len: 64}\ntrain: {max_steps: 20}\n")
+    with pytest.raises(BadInput, match=r"`train` is set twice in one mapping \(lines 3 and 4\)"):
+        load_recipe(str(f))
+    # A base overridden by its delta is not twice at one level: that is what a delta is.
+    _write(f, "name: r\nbase: smoke\nmodel: smoke\ntrain: {max_steps: 20}\n")
+    assert load_recipe(str(f)).train.max_steps == 20
+
+
+def test_bad_layers_name_the_file_and_the_key(tmp_path):
+    f = tmp_path / "r.yaml"
+    for text, says in [
+        ("name: r\nbase: no-such\n", "`base: no-such` is not a shipped recipe"),
+        ("name: r\nbase: smoke\nmodel: no-such\n", "`model: no-such` is not a shipped model"),
+        ("name: r\nbase: ./missing.yaml\n", "does not exist"),
+        ("name: r\nbase: [smoke]\n", "`base` must name a recipe or a file"),
+        ("name: r\nmodel: 7\n", "`model` must be a model name, a file or a mapping"),
+        ("name: r\nbase: ./r.yaml\n", "`base:` leads back to"),
+        ("name: r\nbase: smoke\nmodel: {from: smoke, n_layer: 2}\n", "unknown key `model.n_layer`"),
+        ("base: smoke\n", "missing key `name`"),
+    ]:
+        _write(f, text)
+        with pytest.raises(BadInput, match=re.escape(says)) as e:
+            load_recipe(str(f))
+        assert e.value.message.startswith(f"{f}: "), e.value.message
+    # Two files that are each other's base.
+    _write(tmp_path / "a.yaml", "name: a\nbase: ./b.yaml\n")
+    _write(tmp_path / "b.yaml", "name: b\nbase: ./a.yaml\n")
+    with pytest.raises(BadInput, match="`base:` leads back to"):
+        load_recipe(str(tmp_path / "a.yaml"))
+    # An unknown key in a base or a model file names that file, not the recipe that names it.
+    _write(tmp_path / "base.yaml", "name: b\nbase: smoke\ntrain: {bogus: 1}\n")
+    with pytest.raises(BadInput, match=re.escape(f"{tmp_path / 'base.yaml'}: unknown key `train.bogus`")):
+        load_recipe(str(_write(f, "name: r\nbase: ./base.yaml\n")))
+    _write(tmp_path / "m.yaml", "name: m\nlayers: 2\n")
+    with pytest.raises(BadInput, match=re.escape(f"{tmp_path / 'm.yaml'}: unknown key `model.layers`")):
+        load_recipe(str(_write(f, "name: r\nbase: smoke\nmodel: ./m.yaml\n")))
+    # A mapping that is not a local file cannot name files relative to itself; shipped names work.
+    with pytest.raises(BadInput, match="is a relative path, but `gs://b/r.yaml` is not a local file"):
+        recipe_from_dict({"name": "r", "base": "./x.yaml"}, "gs://b/r.yaml")
+    assert recipe_from_dict({"name": "r", "base": "smoke"}, "gs://b/r.yaml").model == load_model("smoke")
+
+
+def test_the_delta_recipes_in_the_docs_resolve(tmp_path):
+    """docs/recipes.md's two user files, written out as shown, and the refusal it describes."""
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "recipes.md").read_text()
+    blocks = re.findall(r"```yaml\n(# (my-[\w-]+\.yaml).*?\n)```", docs, re.S)
+    assert [name for _, name in blocks] == ["my-stage1-short.yaml", "my-stage1-short-remat.yaml"]
+    for text, name in blocks:
+        (tmp_path / name).write_text(text)
+    short, remat = (load_recipe(str(tmp_path / name)) for _, name in blocks)
+    assert (short.train.max_steps, short.checkpoint.interval, short.model.remat) == (20000, 500, "full")
+    assert remat.model == load_recipe(str(tmp_path / "my-stage1-short.yaml"), overrides=["model.remat=save_proj"]).model
+    assert dataclasses.replace(remat, name=short.name, source=short.source, model=short.model) == short
+    (tmp_path / "refused.yaml").write_text(blocks[1][0].replace("model: {remat", "model: {from: olmo3-7b, remat"))
+    with pytest.raises(BadInput, match="`model.remat` is set twice: 'save_proj' here and 'full' in its model"):
+        load_recipe(str(tmp_path / "refused.yaml"))
+
+
+# ---------------------------------------------------------------- fingerprints and evaluation
+
+
+def test_evaluation_is_not_what_a_run_trains():
+    s1 = load_recipe(stage=1)
+    for sets in (["eval.interval=500"], ["eval.batches=16", "eval.batch_size=64"], ["data.eval=[gs://b/v.npy]"]):
+        r = load_recipe(stage=1, overrides=sets)
+        assert r.fingerprint() != s1.fingerprint()  # run.yaml's fingerprint: as it always was
+        assert r.training_fingerprint() == s1.training_fingerprint(), sets
+    for sets in (["train.max_steps=100"], ["data.seed=1"], ["checkpoint.interval=1000"], ["model.remat=none"]):
+        assert load_recipe(stage=1, overrides=sets).training_fingerprint() != s1.training_fingerprint(), sets
+
+
+def test_an_eval_key_added_later_stays_out_of_the_fingerprint(monkeypatch):
+    s1 = load_recipe(stage=1)
+    before = (s1.fingerprint(), s1.training_fingerprint())
+    plain = Recipe.to_dict
+
+    def with_evaluators(self):
+        d = plain(self)
+        d["eval"]["evaluators"] = ["arc_challenge:rc::olmes", "mmlu:mc::olmes"]
+        return d
+
+    monkeypatch.setattr(Recipe, "to_dict", with_evaluators)
+    assert (s1.fingerprint(), s1.training_fingerprint()) == before
+    assert FINGERPRINTED_EVAL_KEYS == ("interval", "batches", "batch_size")
+
+
+# ---------------------------------------------------------------- every shipped recipe, pinned
+
+RECIPE_GOLDEN = Path(__file__).resolve().parent / "goldens" / "recipes.json"
+
+
+def resolved_recipes() -> dict[str, dict]:
+    """Each shipped recipe's resolved values (`to_dict()`, in its key order) and fingerprint."""
+    return {p.stem: {"fingerprint": (r := load_recipe(p.stem)).fingerprint(), "recipe": r.to_dict()}
+            for p in sorted(RECIPES_DIR.glob("*.yaml"))}
+
+
+def test_every_shipped_recipe_resolves_to_its_golden_values_and_fingerprint():
+    golden = json.loads(RECIPE_GOLDEN.read_text())
+    now = resolved_recipes()
+    assert sorted(now) == sorted(golden)
+    for name, want in golden.items():
+        assert now[name]["fingerprint"] == want["fingerprint"], name
+        # Serialised without sorting: the key order is run.yaml's too.
+        assert json.dumps(now[name]["recipe"]) == json.dumps(want["recipe"]), name
+
+
+def regenerate() -> None:
+    recipes = resolved_recipes()
+    RECIPE_GOLDEN.write_text(json.dumps(recipes, indent=1) + "\n")
+    print(f"wrote tests/goldens/{RECIPE_GOLDEN.name} ({len(recipes)} recipes)")
+
+
+if __name__ == "__main__":
+    regenerate()

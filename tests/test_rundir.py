@@ -43,6 +43,26 @@ def test_run_yaml_written_once_and_compared(rd):
         rd.check_matches("fp1", "data2")
 
 
+def test_a_run_resumes_with_other_evaluation_settings_only(rd):
+    """Evaluation is not what a run trains: a recipe that differs from run.yaml's in `eval` or
+    `data.eval` alone continues the run; anything else is another recipe."""
+    from olmo_ctl.core.recipe import load_recipe
+
+    r = load_recipe("smoke")
+    rd.create_run(r.to_dict(), r.fingerprint(), "data1", "cpu-1")
+    rd.check_matches(r.fingerprint(), "data1", r)
+    evals = load_recipe("smoke", overrides=["eval.interval=7", "eval.batches=1", "data.eval=[]"])
+    assert evals.fingerprint() != r.fingerprint()
+    rd.check_matches(evals.fingerprint(), "data1", evals)
+    with pytest.raises(BadInput, match="another recipe"):
+        rd.check_matches(evals.fingerprint(), "data1")  # without the recipe: the fingerprint alone
+    trains = load_recipe("smoke", overrides=["eval.interval=7", "optimizer.lr=1e-3"])
+    with pytest.raises(BadInput, match="another recipe"):
+        rd.check_matches(trains.fingerprint(), "data1", trains)
+    with pytest.raises(BadInput, match="data changed"):
+        rd.check_matches(evals.fingerprint(), "data2", evals)
+
+
 def test_journal_holds_the_whole_history(rd):
     for i in range(5):
         rd.append("submitted", attempt=i + 1, device="cpu-1", reason=f"r{i}", committed_step=i * 10)

@@ -11,7 +11,7 @@ import textwrap
 import jax
 from jax.sharding import PartitionSpec as P
 
-from olmo_ctl.core.recipe import ModelConfig
+from olmo_ctl.core.recipe import load_model
 from olmo_ctl.trainer import model as M
 from olmo_ctl.trainer import sharding as S
 
@@ -22,7 +22,7 @@ class _FakeMesh:
 
 
 def test_7b_specs_shard_the_largest_divisible_axis_never_the_layer_axis():
-    shapes = jax.eval_shape(lambda: M.init_params(ModelConfig(), jax.random.PRNGKey(0)))
+    shapes = jax.eval_shape(lambda: M.init_params(load_model("olmo3-7b"), jax.random.PRNGKey(0)))
     specs = S.param_partition_specs(shapes, _FakeMesh(1, 256))
     assert specs["embed"] == P("fsdp", None)  # 100352 rows = 256 x 392
     assert specs["lm_head"] == P(None, "fsdp")

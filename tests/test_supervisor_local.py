@@ -236,6 +236,10 @@ def test_submit_returns_once_submitted_and_never_doubles_a_live_attempt(tmp_path
     other = cli(*[a if a != "train.max_steps=20" else "train.max_steps=30" for a in args])
     _, err = other.communicate(timeout=60)
     assert other.returncode == 2 and "another recipe" in err
+    # Evaluation settings are not what the run trains: past the recipe check, to the live attempt.
+    evals = cli(*args, "--set", "eval.interval=7")
+    _, err = evals.communicate(timeout=60)
+    assert evals.returncode == 2 and "attempt 1 of run `sub` is still running" in err, err
     sup = cli("resume-until-done", "sub", "--run-root", root, "--backend", "local", "--poll", "0.2")
     out, err = sup.communicate(timeout=240)
     assert sup.returncode == 0, out + err

@@ -79,8 +79,10 @@ def run(inst: dict, *args: str, timeout: float = 120) -> subprocess.CompletedPro
 
 def test_wheel_carries_recipes_and_templates(installed):
     names = set(zipfile.ZipFile(installed["wheel"]).namelist())
-    for name in ("smoke", "olmo3-7b-stage1", "olmo3-7b-stage2"):
+    for name in ("smoke", "olmo3-7b-stage1", "olmo3-7b-stage1-cosine", "olmo3-7b-stage2", "olmo3-7b-stage3"):
         assert f"olmo_ctl/recipes/{name}.yaml" in names
+    for name in ("smoke", "olmo3-7b"):  # the model files the recipes name
+        assert f"olmo_ctl/recipes/models/{name}.yaml" in names
     for name in ("common", "tpu7x", "v5p"):
         assert f"olmo_ctl/launch_templates/{name}.yaml" in names
     assert "olmo_ctl/testing/crds/jobset.x-k8s.io_jobsets.v0.10.1.yaml" in names
@@ -107,6 +109,19 @@ def test_dry_run_from_the_wheel(installed):
     (slice_job,) = js["spec"]["replicatedJobs"]
     pod = slice_job["template"]["spec"]["template"]["spec"]
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu7x"
+
+
+def test_user_delta_recipes_from_the_wheel(installed):
+    """A user file naming the wheel's shipped base and model, and one beside it with a relative `base:`."""
+    work = installed["work"]
+    (work / "mine.yaml").write_text("name: mine\nbase: olmo3-7b-stage2\nmodel: olmo3-7b\ntrain: {max_steps: 1000}\n")
+    (work / "deltas").mkdir()
+    (work / "deltas" / "mine-remat.yaml").write_text("name: mine-remat\nbase: ../mine.yaml\nmodel: {remat: save_proj}\n")
+    p = run(installed, "plan", "--recipe", "deltas/mine-remat.yaml", "--device", "tpu7x-128", "-o", "json")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    assert (plan["recipe"], plan["global_batch"], plan["max_steps"], plan["remat"], plan["params"]) == \
+        ("mine-remat", 256, 1000, "save_proj", 7_298_617_344)
 
 
 def test_resume_until_done_from_the_wheel(installed):

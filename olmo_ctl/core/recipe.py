@@ -1,8 +1,10 @@
 """Recipes: YAML files validated into typed, frozen objects.
 
-Unknown keys, wrong types and impossible values are errors that name the key and the file.
-`--set key.sub=value` overrides are applied to the raw mapping before validation, so they are
-checked exactly like values from the file. Nothing here imports jax.
+A recipe file is a delta: it resolves over its `base:` recipe and the model file its `model:` names
+(recipes/models/), then `--set key.sub=value` overrides apply to the merged mapping before
+validation, so they are checked exactly like values from a file (load_layers; docs/recipes.md).
+Unknown keys, wrong types, impossible values and a key set twice at one level are errors that name
+the key and the file. Nothing here imports jax.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from olmo_ctl.core.mixes import MIXES
 # Package data: `recipes/` at the top of the repository, `olmo_ctl/recipes` (a link to it) in a checkout,
 # real files in an installed wheel.
 RECIPES_DIR = Path(str(resources.files("olmo_ctl") / "recipes"))
+MODELS_DIR = RECIPES_DIR / "models"  # model files: what `model: NAME` in a recipe names
 STAGE_RECIPES = {1: "olmo3-7b-stage1", 2: "olmo3-7b-stage2", 3: "olmo3-7b-stage3"}
 
 
@@ -47,32 +50,36 @@ class RopeScalingConfig:
         return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    name: str = "olmo3-7b"
-    n_layers: int = 32
-    d_model: int = 4096
-    n_heads: int = 32
-    n_kv_heads: int = 32
-    head_dim: int = 128
-    mlp_hidden: int = 11008
-    vocab_size: int = 100278  # real tokens
-    padded_vocab_size: int = 100352  # embedding rows used in training
-    sliding_window: int = 4096  # a token sees itself plus window-1 before it
-    full_attention_every: int = 4  # layer i is full attention where (i+1) % full_attention_every == 0
-    rope_theta: float = 500000.0
+    """The network. Its values come from a model file (`recipes/models/<name>.yaml`), never from
+    defaults here: a recipe that names no model is refused rather than trained as some default one.
+    Only the two values that are off or chosen per platform have defaults."""
+
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    mlp_hidden: int
+    vocab_size: int  # real tokens
+    padded_vocab_size: int  # embedding rows used in training
+    sliding_window: int  # a token sees itself plus window-1 before it
+    full_attention_every: int  # layer i is full attention where (i+1) % full_attention_every == 0
+    rope_theta: float
     rope_scaling: RopeScalingConfig | None = None  # stage 3: YaRN on the full-attention layers
-    rms_norm_eps: float = 1e-6
-    init_std: float = 0.02
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    rms_norm_eps: float
+    init_std: float
+    param_dtype: Literal["float32", "bfloat16"]
+    compute_dtype: Literal["float32", "bfloat16"]
     # Rematerialisation: none | full (recompute the whole block) | save_proj (keep attention/MLP projections)
-    remat: Literal["none", "full", "save_proj"] = "full"
+    remat: Literal["none", "full", "save_proj"]
     # Attention implementation: auto picks splash on TPU, cudnn on GPU (blocked without cuDNN), reference
-    # on CPU (olmo_ctl/trainer/attention.py; docs/attention-and-xla-flags.md).
+    # on CPU (olmo_ctl/trainer/attention.py; docs/attention-and-xla-flags.md). All compute the same numbers.
     attention: Literal["auto", "splash", "blocked", "reference", "cudnn"] = "auto"
-    eos_token_id: int = 100257
-    pad_token_id: int = 100277
+    eos_token_id: int
+    pad_token_id: int
 
     def layer_is_full(self, i: int) -> bool:
         """Full attention where (i+1) % full_attention_every == 0, and always on the last layer
@@ -155,8 +162,15 @@ class CheckpointConfig:
     async_save: bool = True
 
 
+# `eval` keys in Recipe.fingerprint(): those of the first runs. Evaluation does not change what a run
+# trains, so a key added to EvalConfig stays out of the fingerprint (docs/recipes.md#fingerprints).
+FINGERPRINTED_EVAL_KEYS = ("interval", "batches", "batch_size")
+
+
 @dataclass(frozen=True)
 class EvalConfig:
+    """Held-out loss every `interval` steps (on `data.eval`): evaluation, not training."""
+
     interval: int = 1000
     batches: int = 8
     batch_size: int = 0  # 0 = the training global batch
@@ -192,12 +206,12 @@ class TrainConfig:
     seq_shards: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Recipe:
     name: str
     stage: int = 0  # 1, 2, 3, or 0 for other runs
     description: str = ""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig  # from a model file (`model: NAME`), see load_layers
     train: TrainConfig = field(default_factory=TrainConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -225,7 +239,20 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def fingerprint(self) -> str:
-        """Stable hash of the resolved recipe (its content, not where it came from)."""
+        """Stable hash of the resolved recipe (its content, not where it came from). run.yaml records
+        it; a later attempt with another one is refused unless only evaluation differs
+        (`training_fingerprint`, rundir.check_matches; docs/recipes.md#fingerprints)."""
+        return _digest(self._hashed())
+
+    def training_fingerprint(self) -> str:
+        """The hash of what the run trains: `fingerprint()`'s content less evaluation (`eval`,
+        `data.eval`). Recipes that differ only in how the run is evaluated share it."""
+        d = self._hashed()
+        d.pop("eval", None)
+        d["data"].pop("eval", None)
+        return _digest(d)
+
+    def _hashed(self) -> dict:
         d = self.to_dict()
         d.pop("xla_flags", None)
         d.pop("runtime", None)  # how the run is guarded, not what it trains
@@ -233,12 +260,18 @@ class Recipe:
         for k, default in (("packed", False), ("source_group_size", 1), ("source_permutation_seed", None)):
             if d["data"].get(k) == default:  # absent unless set: older runs keep their fingerprint
                 d["data"].pop(k, None)
-        blob = json.dumps(d, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        # Evaluation is not what a run trains: only the keys the first run.yaml files hashed stay, so
+        # their fingerprints hold; a key added to `eval` later is never hashed.
+        d["eval"] = {k: v for k, v in d["eval"].items() if k in FINGERPRINTED_EVAL_KEYS}
+        return d
 
     def data_paths(self, split: str = "train") -> list[str]:
         paths = self.data.train if split == "train" else self.data.eval
         return [p.replace("{root}", self.data.root.rstrip("/")) for p in paths]
+
+
+def _digest(d: dict) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _plain(x: Any) -> Any:
@@ -314,14 +347,48 @@ def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
 
 def _build(cls: type, raw: dict, prefix: str, src: str):
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in fields(cls) if f.name != "source"}
+    _check_keys(cls, raw, prefix, src)
     kwargs = {}
     for k, v in raw.items():
         key = f"{prefix}.{k}" if prefix else str(k)
+        kwargs[k] = _coerce(v, hints[k], key, src)
+    missing = [f.name for f in fields(cls) if f.name not in raw
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        key = f"{prefix}.{missing[0]}" if prefix else missing[0]
+        more = f" (and {len(missing) - 1} more: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        if cls is Recipe and missing[0] == "model":
+            raise BadInput(f"{src}: the recipe has no model",
+                           f"name a model file with `model: NAME` (shipped: {', '.join(shipped_models())}) "
+                           "or a recipe with `base: NAME`")
+        raise BadInput(f"{src}: `{key}` is missing{more}",
+                       "a model's values come from a model file: `model: NAME` (recipes/models/)"
+                       if prefix == "model" else None)
+    return cls(**kwargs)
+
+
+def _check_keys(cls: type, raw: dict, prefix: str, src: str, extra: tuple[str, ...] = ()) -> None:
+    """Only the names `cls` has (and `extra`), in every nested section; types are checked later."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls) if f.name != "source"}
+    for k, v in raw.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k in extra:
+            continue
         if k not in names:
             raise BadInput(f"{src}: unknown key `{key}`", f"known keys here: {', '.join(sorted(names))}")
-        kwargs[k] = _coerce(v, hints[k], key, src)
-    return cls(**kwargs)
+        section = _section_type(hints[k])
+        if section is not None and isinstance(v, dict):
+            _check_keys(section, v, key, src, ("from",) if section is ModelConfig and not prefix else ())
+
+
+def _section_type(tp: Any) -> type | None:
+    """The dataclass a field holds (`X` or `X | None`), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        return next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), None)
+    return None
 
 
 def _parse_value(text: str) -> Any:
@@ -462,6 +529,16 @@ def _validate_schedule(s: ScheduleConfig, max_steps: int, need) -> None:
             need(p.last_step == 0, f"{key}.last_step", "must be 0 on the last part (it runs to the end)")
 
 
+def shipped_recipes() -> list[str]:
+    """The recipes `--recipe NAME` finds (recipes/*.yaml; model files live apart, in recipes/models/)."""
+    return sorted(x.stem for x in RECIPES_DIR.glob("*.yaml"))
+
+
+def shipped_models() -> list[str]:
+    """The model files `model: NAME` finds (recipes/models/*.yaml)."""
+    return sorted(x.stem for x in MODELS_DIR.glob("*.yaml"))
+
+
 def resolve_recipe_path(recipe: str | None = None, stage: int | None = None) -> Path:
     """`--stage 1|2|3` or `--recipe FILE|NAME` -> a file path. Exactly one of them must be given."""
     if recipe is not None and stage is not None:
@@ -479,37 +556,146 @@ def resolve_recipe_path(recipe: str | None = None, stage: int | None = None) -> 
         return p
     named = RECIPES_DIR / f"{recipe}.yaml"
     if not named.exists():
-        names = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.yaml")))
-        raise BadInput(f"`{recipe}` is not a recipe", f"known recipes: {names}")
+        raise BadInput(f"`{recipe}` is not a recipe", f"known recipes: {', '.join(shipped_recipes())}")
     return named
 
 
-def load_raw(path: Path) -> dict:
+class _KeyTwice(Exception):
+    def __init__(self, key: Any, first_line: int, line: int):
+        super().__init__(key)
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml: start-up time
+    """Safe YAML that refuses a key written twice in one mapping (plain PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, typing.Hashable):
+                    if key in seen:
+                        raise _KeyTwice(key, seen[key], key_node.start_mark.line + 1)
+                    seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def load_raw(path: Path, what: str = "recipe") -> dict:
     src = str(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise BadInput(f"recipe `{src}` is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x})",
+        raise BadInput(f"{what} `{src}` is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x})",
                        "pass a recipe YAML file (UTF-8), e.g. recipes/smoke.yaml, or a name such as smoke") from None
     except OSError as e:
-        raise BadInput(f"cannot read recipe `{src}`: {e.strerror}") from None
+        raise BadInput(f"cannot read {what} `{src}`: {e.strerror}") from None
     if "\x00" in text:
-        raise BadInput(f"recipe `{src}` is a binary file, not YAML",
+        raise BadInput(f"{what} `{src}` is a binary file, not YAML",
                        "pass a recipe YAML file (UTF-8), e.g. recipes/smoke.yaml, or a name such as smoke")
     try:
-        raw = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: start-up time
+        raw = yaml.load(text, Loader=_Loader)
+    except _KeyTwice as e:
+        raise BadInput(f"{src}: `{e.key}` is set twice in one mapping (lines {e.first_line} and {e.line})",
+                       "keep one of them") from None
     except yaml.YAMLError as e:
         first = str(e).splitlines()[0] if str(e) else "syntax error"
         raise BadInput(f"{src}: not valid YAML ({first})") from None
     if not isinstance(raw, dict):
-        raise BadInput(f"{src}: a recipe is a YAML mapping")
+        raise BadInput(f"{src}: a {what} is a YAML mapping")
     return raw
 
 
-def recipe_from_dict(raw: dict, src: str = "<recipe>", overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    raw = apply_overrides(raw, overrides, src)
+# ---------------------------------------------------------------- layers: base -> model -> file -> --set
+
+
+def _reference(ref: Any, key: str, src: str, where: Path | None) -> Path:
+    """The file a `base:` (a recipe) or `model:` (a model file) names: a bare name is a shipped one
+    (recipes/NAME.yaml, recipes/models/NAME.yaml); a path (with `/` or `.yaml`) is relative to the
+    file that names it."""
+    shipped, kind = (shipped_recipes(), "recipe") if key == "base" else (shipped_models(), "model")
+    if not isinstance(ref, str) or not ref:
+        raise BadInput(f"{src}: `{key}` must name a {kind} or a file, got {ref!r}",
+                       f"shipped: {', '.join(shipped)}")
+    if not (ref.endswith((".yaml", ".yml")) or "/" in ref):
+        p = (RECIPES_DIR if key == "base" else MODELS_DIR) / f"{ref}.yaml"
+        if not p.exists():
+            raise BadInput(f"{src}: `{key}: {ref}` is not a shipped {kind}",
+                           f"shipped: {', '.join(shipped)}; or give a file path")
+        return p
+    p = Path(ref)
+    if not p.is_absolute():
+        if where is None:
+            raise BadInput(f"{src}: `{key}: {ref}` is a relative path, but `{src}` is not a local file",
+                           f"give an absolute path or a shipped name ({', '.join(shipped)})")
+        p = where / p
+    if not p.is_file():
+        raise BadInput(f"{src}: `{key}: {ref}`: `{p}` does not exist", f"a path is relative to `{src}`'s directory")
+    return p
+
+
+def _merge(low: dict, high: dict) -> dict:
+    """`high` over `low`: sections merge key by key, every other value (lists too) is replaced."""
+    out = dict(low)
+    for k, v in high.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _set_twice(model: dict, own: dict, prefix: str, src: str, model_src: str) -> None:
+    """A recipe and the model file it names are one statement: a key both set to different values
+    is refused (MaxText's rule for a model config and its overrides)."""
+    for k, v in own.items():
+        if k not in model:
+            continue
+        key = f"{prefix}.{k}"
+        if isinstance(v, dict) and isinstance(model[k], dict):
+            _set_twice(model[k], v, key, src, model_src)
+        elif v != model[k]:
+            raise BadInput(f"{src}: `{key}` is set twice: {v!r} here and {model[k]!r} in its model `{model_src}`",
+                           f"drop it here, name another model file, or pass --set {key}=... (the command line wins)")
+
+
+def load_layers(raw: dict, src: str, where: Path | None, _chain: tuple[str, ...] = ()) -> dict:
+    """One recipe file's mapping resolved through its layers, lowest first: its `base:` recipe
+    (itself resolved), then the model file its `model:` names, then the file's own keys. Returns a
+    plain recipe mapping: no `base:`, `model:` a mapping. `where`: the directory relative paths are
+    taken from (None: the mapping is not a local file)."""
     if "name" not in raw:
         raise BadInput(f"{src}: missing key `name`")
+    _check_keys(Recipe, raw, "", src, ("base",))
+    own = dict(raw)
+    merged: dict = {}
+    if "base" in own:
+        path = _reference(own.pop("base"), "base", src, where)
+        key = str(path.resolve())
+        if key in _chain or key == str(Path(src).resolve()):
+            raise BadInput(f"{src}: `base:` leads back to `{path}`", "a recipe cannot be its own base")
+        merged = load_layers(load_raw(path), str(path), path.parent, (*_chain, str(Path(src).resolve())))
+    model = own.pop("model", None)
+    if isinstance(model, str):
+        model = {"from": model}
+    if model is not None and not isinstance(model, dict):
+        raise BadInput(f"{src}: `model` must be a model name, a file or a mapping, got {model!r}",
+                       f"shipped models: {', '.join(shipped_models())}")
+    if model is not None:
+        model = dict(model)
+        if "from" in model:
+            path = _reference(model.pop("from"), "model", src, where)
+            named = load_raw(path, "model file")
+            _check_keys(ModelConfig, named, "model", str(path))
+            _set_twice(named, model, "model", src, str(path))
+            merged = _merge(merged, {"model": named})
+        own["model"] = model
+    return _merge(merged, own)
+
+
+def recipe_from_dict(raw: dict, src: str = "<recipe>", overrides: list[str] | tuple[str, ...] = (),
+                     where: Path | None = None) -> Recipe:
+    """A Recipe from a mapping: its layers (load_layers), then `--set` overrides, validated."""
+    raw = apply_overrides(load_layers(raw, src, where), overrides, src)
     r = _build(Recipe, raw, "", src)
     r = dataclasses.replace(r, source=src)
     validate(r, src)
@@ -520,4 +706,10 @@ def load_recipe(
     recipe: str | None = None, stage: int | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> Recipe:
     path = resolve_recipe_path(recipe, stage)
-    return recipe_from_dict(load_raw(path), str(path), overrides)
+    return recipe_from_dict(load_raw(path), str(path), overrides, path.parent)
+
+
+def load_model(model: str) -> ModelConfig:
+    """A model file by name (recipes/models/NAME.yaml) or path."""
+    path = _reference(model, "model", "<model>", Path.cwd())
+    return _build(ModelConfig, load_raw(path, "model file"), "model", str(path))

@@ -213,7 +213,7 @@ def check_run(rundir: RunDir, recipe, device: str | None, *, fingerprint: bool =
             raise BadInput(f"run `{rundir.name}` is new: it needs a device", "pass --device, e.g. cpu-1 or tpu7x-128")
         return data_fingerprint(recipe) if fingerprint else None
     if recipe is not None:
-        rundir.check_matches(recipe.fingerprint(), data_fingerprint(recipe))
+        rundir.check_matches(recipe.fingerprint(), data_fingerprint(recipe), recipe)
     return None
 
 
