@@ -384,10 +384,10 @@ def _check_keys(cls: type, raw: dict, prefix: str, src: str, extra: tuple[str, .
 
 def _section_type(tp: Any) -> type | None:
     """The dataclass a field holds (`X` or `X | None`), else None."""
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return tp
     if typing.get_origin(tp) in (types.UnionType, typing.Union):
-        return next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), None)
+        return next((a for a in typing.get_args(tp) if isinstance(a, type) and dataclasses.is_dataclass(a)), None)
     return None
 
 
@@ -566,7 +566,10 @@ class _KeyTwice(Exception):
         self.key, self.first_line, self.line = key, first_line, line
 
 
-class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml: start-up time
+_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: start-up time
+
+
+class _Loader(_BaseLoader):
     """Safe YAML that refuses a key written twice in one mapping (plain PyYAML keeps the last)."""
 
     def construct_mapping(self, node, deep=False):

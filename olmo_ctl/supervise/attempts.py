@@ -55,7 +55,8 @@ def run_settings(settings: Settings, rundir: RunDir) -> Settings:
     where = f"run {rundir.name} (attempt {last.get('attempt')})"
     if "backend" not in chosen and last.get("backend") in ("gke", "local") and last["backend"] != settings.backend:
         values["backend"], sources["backend"] = last["backend"], where
-    site = last.get("site") if isinstance(last.get("site"), dict) else {}
+    recorded = last.get("site")
+    site: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
     for name in RUN_SITE_SETTINGS:
         if name not in chosen and name in site and site[name] != getattr(settings, name):
             values[name], sources[name] = site[name], where
@@ -221,6 +222,7 @@ def ensure_run(rundir: RunDir, recipe, device: str | None, slices: int | None = 
     """Create run.yaml for a new run; for an existing one check that `recipe` (if given) is its recipe."""
     fp = check_run(rundir, recipe, device)
     if fp is not None:
+        assert device is not None  # check_run refuses a new run without one
         return rundir.create_run(recipe.to_dict(), recipe.fingerprint(), fp, device, slices or 1)
     return rundir.read_run()
 
@@ -232,7 +234,10 @@ def run_device(rundir: RunDir, requested: str | None) -> str:
     if requested is not None and current is not None and requested != current:
         raise BadInput(f"run `{rundir.name}` runs on {current}, not {requested}",
                        f"to move it, use `olmo-ctl resize {rundir.name} --device {requested}` (same global batch)")
-    return requested or current
+    device = requested or current
+    if not device:
+        raise BadInput(f"run `{rundir.name}` records no device", "pass --device, e.g. cpu-1 or tpu7x-128")
+    return str(device)
 
 
 def run_slices(rundir: RunDir, requested: int | None) -> int:

@@ -179,7 +179,7 @@ def record_request(rundir, device: str, mode: str, plan: ResizePlan | None = Non
     """Write `<run>/resize.json` for the supervisor and journal `resize_requested`."""
     if mode not in MODES:
         raise BadInput(f"resize mode `{mode}` is not one of {', '.join(MODES)}")
-    doc = {"device": device, "mode": mode, "reason": f"resize to {on(plan.new) if plan else device} ({mode})",
+    doc: dict[str, object] = {"device": device, "mode": mode, "reason": f"resize to {on(plan.new) if plan else device} ({mode})",
            "time": utc_now_iso(), "id": uuid.uuid4().hex[:8]}
     if plan is not None:
         doc["slices"] = plan.new.slices

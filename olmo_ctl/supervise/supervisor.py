@@ -46,7 +46,7 @@ from olmo_ctl.core.errors import (
     OlmoCtlError,
 )
 from olmo_ctl.observe.reader import read_scalars
-from olmo_ctl.rundir import LeaseLost, RunDir, parse_iso
+from olmo_ctl.rundir import Lease, LeaseLost, RunDir, parse_iso
 from olmo_ctl.supervise import resize
 from olmo_ctl.supervise.attempts import (
     last_handle,
@@ -147,7 +147,7 @@ class Supervisor:
         self.out = printer or Printer(rundir.name, clock=clock)
         self.rng = rng or random.Random()
         self.reattach_hint = reattach_hint or f"olmo-ctl resume-until-done {rundir.name}"
-        self.lease = None
+        self.lease: Lease | None = None
         self.handle: Handle | None = None
         self._slow_named: set[tuple] = set()  # (attempt, host, part) already journaled
         self._strays_checked = float("-inf")
@@ -166,7 +166,7 @@ class Supervisor:
         self.out.line(f"{event}" + (f" (attempt {a})" if a else "") + (f": {reason}" if reason else ""))
 
     def _on(self) -> str:
-        return self.device if (self.slices or 1) == 1 else f"{self.slices} x {self.device}"
+        return f"{self.device}" if (self.slices or 1) == 1 else f"{self.slices} x {self.device}"
 
     def _beat(self) -> None:
         if self.lease is not None:
@@ -213,7 +213,7 @@ class Supervisor:
         self.slices = run_slices(self.rd, self.slices)
         committed = self.rd.committed_step()
         history = History(best_step=committed)
-        self._say("supervisor_started", f"committed step {committed}/{self.final}; holder {self.lease.holder}",
+        self._say("supervisor_started", f"committed step {committed}/{self.final}; holder {self.lease.holder if self.lease else '-'}",
                   committed_step=committed, attempt=None)
         self.handle, st = live_attempt(self.rd, self.backend)
         # The previous attempt, over: deleted before a successor is submitted.
@@ -271,7 +271,7 @@ class Supervisor:
                 self.out.line("stopped: a deterministic failure of the training program is not retried "
                               "(fix it, or pass --retry-user-errors)")
                 self.handle = None
-                return action.exit_code
+                return int(action.exit_code or 0)
             if action.journal:
                 self._say(action.event, action.reason, committed_step=committed, state=st.state.value,
                           exit_code=st.exit_code)
@@ -280,7 +280,7 @@ class Supervisor:
                           last_log_lines=list(st.last_log_lines[-20:]))
                 self._show_logs(st)
                 self.handle = None
-                return action.exit_code
+                return int(action.exit_code or 0)
             last_failure = action.failure
             self._retire(self.handle)
             self.handle = None
@@ -351,8 +351,9 @@ class Supervisor:
             self._beat()
             req = self.rd.pending_resize()
             if req is not None:
-                h = self._resize(h, req)
-                self.handle = h
+                resized = self._resize(h, req)
+                assert resized is not None  # a live attempt's resize leaves an attempt (the old or the new)
+                h = self.handle = resized
                 last_label, stall, sig, admitted_at = None, None, None, None
                 admission_limit = self._admission_limit(h, self.rd.last_attempt() or {})
             st = self.backend.status(h)
@@ -377,11 +378,11 @@ class Supervisor:
                 admitted_at = now if admitted_at is None else admitted_at
                 if now - admitted_at > admission_limit:
                     cause = st.details.get("cause") or st.reason
-                    why = (f"admitted but not running after {now - admitted_at:.0f} s (--admission-timeout "
-                           f"{admission_limit:.0f} s): {cause}")
-                    self.out.line(f"stopping attempt {h.attempt}: {why}")
+                    limit_why = (f"admitted but not running after {now - admitted_at:.0f} s (--admission-timeout "
+                                 f"{admission_limit:.0f} s): {cause}")
+                    self.out.line(f"stopping attempt {h.attempt}: {limit_why}")
                     self.backend.stop(h, graceful=True)
-                    return Watched(AttemptStatus(State.FAILED_INFRA, why, "supervisor --admission-timeout",
+                    return Watched(AttemptStatus(State.FAILED_INFRA, limit_why, "supervisor --admission-timeout",
                                                  details=dict(st.details)))
             else:
                 admitted_at = None
@@ -438,7 +439,7 @@ class Supervisor:
         recorded = last.get("admission_timeout_s") if last.get("attempt") == h.attempt else None
         return float(recorded) if recorded is not None else DEFAULT_ADMISSION_TIMEOUT_S
 
-    def _resize(self, h: Handle, req: dict) -> Handle:
+    def _resize(self, h: Handle | None, req: dict) -> Handle | None:
         self.out.line(f"resize request {req.get('id')}: to {req.get('device')}")
         new = resize.carry_out_request(self.rd, self.backend, h, req, heartbeat=self._beat, log=self.out.line,
                                        fence=self.lease)

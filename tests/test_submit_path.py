@@ -1,0 +1,190 @@
+"""The one submit path: every command that submits an attempt checks it as `submit` does, before
+anything is written; site options are declared once and a run's own are rendered by later commands;
+no command branches on a backend's name."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGE = "us-docker.pkg.dev/p/r/olmo-ctl:0.1.0"
+
+
+def _cli(*argv: str) -> int:
+    from olmo_ctl.cli import main
+
+    return main(list(argv))
+
+
+@pytest.fixture
+def clean_env(tmp_path, monkeypatch):
+    for k in [k for k in os.environ if k.startswith("OLMO_CTL_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path
+
+
+@pytest.fixture
+def sandbox(clean_env, monkeypatch, gcs):
+    """The sandbox cluster (XPK's Kueue set-up, pods kept running by the scripted runner) with a v5p-16
+    and a v5p-8 slice, kubectl's environment pointed at it, and a run root on the GCS emulator."""
+    from olmo_ctl.testing.sandbox import Sandbox, parse_slices
+
+    with Sandbox(slices=parse_slices(["v5p-16=1", "v5p-8=1"])) as sb:
+        monkeypatch.setenv("KUBECONFIG", str(sb.write_kubeconfig(clean_env / "kubeconfig")))
+        yield sb, f"gs://{gcs.bucket}/runs"
+
+
+# ---------------------------------------------------------------- refused before anything is written
+
+
+def test_resume_until_done_on_the_local_backend_refuses_a_tpu_device_with_nothing_written(clean_env, capsys):
+    root = clean_env / "runs"
+    rc = _cli("resume-until-done", "--recipe", "smoke", "--device", "tpu7x-128", "--backend", "local",
+              "--run", "x1", "--run-root", str(root))
+    err = capsys.readouterr().err
+    assert rc == 2 and "`tpu7x-128` is a TPU slice; the local backend runs cpu-N or gpu-N" in err
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("device,why", [
+    ("cpu-l", "`cpu-l` is not a device type"),
+    ("cpu-3", "cpu-3"),  # 8 instances do not split over 3 devices
+])
+def test_resume_until_done_refuses_a_bad_device_before_run_yaml_exists(clean_env, capsys, device, why):
+    """A mistyped device, or one the batch cannot split over, leaves no run behind: the right device
+    then creates the run as if nothing had happened."""
+    root = clean_env / "runs"
+    rc = _cli("resume-until-done", "--recipe", "smoke", "--device", device, "--backend", "local", "--run", "x1",
+              "--run-root", str(root), "--poll", "0.5")
+    out = capsys.readouterr()
+    assert rc == 2 and why in out.err and out.err.count("\n") == 1, out.err
+    assert "supervisor_started" not in out.out
+    assert not (root / "x1").exists()
+
+
+@pytest.mark.gcs
+@pytest.mark.parametrize("flag,missing", [
+    (("--priority-class", "no-such-class"), "WorkloadPriorityClass"),
+    (("--queue", "no-such-queue"), "LocalQueue"),
+])
+def test_resume_until_done_on_gke_refuses_missing_kueue_objects_before_creating_anything(sandbox, capsys, flag,
+                                                                                         missing):
+    sb, root = sandbox
+    rc = _cli("resume-until-done", "--recipe", "smoke", "--device", "v5p-16", "--backend", "gke", "--run", "k1",
+              "--run-root", root, "--image", IMAGE, "--no-preflight", *flag)
+    err = capsys.readouterr().err
+    assert rc == 2 and missing in err and flag[1] in err, err
+    from olmo_ctl.rundir import RunDir
+
+    assert not RunDir.of(root, "k1").exists()  # no run.yaml, no journal
+    assert sb.world.items("JobSet", None) == []
+
+
+@pytest.mark.gcs
+def test_a_resize_renders_the_site_options_the_run_was_submitted_with(sandbox, capsys):
+    """The service account (and queue, image, ...) given to `submit` is the run's own: a resize that
+    does not name it renders it again."""
+    sb, root = sandbox
+    site = ["--backend", "gke", "--run-root", root, "--no-preflight"]
+    assert _cli("submit", "--recipe", "smoke", "--device", "v5p-16", "--run", "r1", "--image", IMAGE,
+                "--service-account", "sa-of-the-run", *site) == 0
+    first = sb.world.get("JobSet", "default", "r1-a1")
+    pod = first["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "sa-of-the-run"
+    capsys.readouterr()
+
+    assert _cli("resize", "r1", "--device", "v5p-8", "-y", "--now", "--timeout", "120", *site) == 0, \
+        capsys.readouterr().err
+    second = sb.world.get("JobSet", "default", "r1-a2")
+    pod = second["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "sa-of-the-run"
+    assert pod["containers"][0]["image"] == IMAGE
+    from olmo_ctl.rundir import RunDir
+
+    subs = [r for r in RunDir.of(root, "r1").journal() if r["event"] == "submitted"]
+    assert [(r["attempt"], r["device"], r["site"]["service_account"]) for r in subs] == [
+        (1, "v5p-16", "sa-of-the-run"), (2, "v5p-8", "sa-of-the-run")]
+
+
+@pytest.mark.gcs
+def test_a_flag_wins_over_the_runs_own_site_setting(sandbox, gcs):
+    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.attempts import run_settings
+
+    _, root = sandbox
+    rd = RunDir.of(root, "own")
+    rd.create_run({"name": "smoke"}, "fp", "v1:test", "v5p-16")
+    rd.append("submitted", attempt=1, device="v5p-16", backend="gke",
+              site={"service_account": "sa-run", "queue": "q-run", "image": "img:run"})
+    got = run_settings(resolve_settings(run_root=root, service_account="sa-flag"), rd)
+    assert (got.service_account, got.queue, got.image) == ("sa-flag", "q-run", "img:run")
+    assert got.sources["queue"] == "run own (attempt 1)"
+
+
+# ---------------------------------------------------------------- an existing run's next attempt
+
+
+def test_submit_on_a_finished_run_submits_nothing_and_an_existing_run_needs_no_recipe(clean_env, capsys):
+    """`submit --run R` continues R from its run.yaml (no --recipe or --set); on a complete run it says
+    so and exits 0 with nothing submitted."""
+    from olmo_ctl.rundir import RunDir
+
+    root = clean_env / "runs"
+    args = ["--backend", "local", "--run-root", str(root), "--run", "f1"]
+    assert _cli("submit", "--recipe", "smoke", "--device", "cpu-1", "--set", "train.max_steps=12", *args) == 0
+    rd = RunDir.of(str(root), "f1")
+    from waiting import wait_for
+
+    wait_for(lambda: rd.committed_step() >= 12 and not _live(rd), 300, "the first attempt")
+    capsys.readouterr()
+    assert _cli("submit", *args) == 0
+    out = capsys.readouterr().out
+    assert "is complete (checkpoint 12 of 12 committed): nothing submitted" in out
+    assert [r["attempt"] for r in rd.journal() if r["event"] == "submitted"] == [1]
+
+
+def _live(rd) -> bool:
+    from olmo_ctl.backends.local import LocalBackend
+    from olmo_ctl.supervise.attempts import live_attempt
+
+    return live_attempt(rd, LocalBackend(rd.path.rsplit("/", 1)[0]))[0] is not None
+
+
+# ---------------------------------------------------------------- one registry, no name checks
+
+
+def test_no_command_branches_on_a_backends_name():
+    for path in sorted((ROOT / "olmo_ctl" / "cli").glob("*.py")) + sorted((ROOT / "olmo_ctl" / "supervise").glob("*.py")):
+        text = path.read_text()
+        hits = re.findall(r"backend\s*[!=]=|[!=]=\s*[\"'](?:gke|local)[\"']", text)
+        assert not hits, f"{path.name}: {hits}"
+
+
+def test_the_registry_names_every_backend_setting_and_each_class_by_its_name():
+    from olmo_ctl.backends import REGISTRY, backend_class
+    from olmo_ctl.backends.base import Backend
+    from olmo_ctl.core.config import BACKENDS
+
+    assert set(REGISTRY) == set(BACKENDS)
+    for name in REGISTRY:
+        cls = backend_class(name)
+        assert issubclass(cls, Backend) and cls.name == name
+
+
+def test_every_command_that_renders_an_attempt_takes_the_same_site_options():
+    from typer.main import get_command
+
+    from olmo_ctl.cli import app
+    from olmo_ctl.cli.options import SITE_OPTIONS
+
+    group = get_command(app)
+    want = {"--" + n.replace("_", "-") for n in SITE_OPTIONS}
+    for name in ("submit", "resume-until-done", "resize", "smoke"):
+        opts = {o for p in group.commands[name].params for o in p.opts}
+        assert want <= opts, (name, want - opts)
