@@ -33,8 +33,8 @@ def test_budget_counts_only_attempts_without_progress_and_resets():
 
 
 def test_flags_win_over_env_which_win_over_defaults(monkeypatch):
-    monkeypatch.delenv("RETRY_BACKOFF_SECONDS", raising=False)
-    monkeypatch.delenv("MAX_RETRIES", raising=False)
+    for name in ("RETRY_BACKOFF_SECONDS", "MAX_RETRIES", "OLMO_CTL_RETRY_BACKOFF_SECONDS", "OLMO_CTL_MAX_RETRIES"):
+        monkeypatch.delenv(name, raising=False)
     p = RetryPolicy.from_env()
     assert p.backoff_base_s == DEFAULT_BACKOFF_S == 300
     monkeypatch.setenv("RETRY_BACKOFF_SECONDS", "7")
@@ -127,3 +127,22 @@ def test_the_third_attempt_in_a_row_without_progress_gives_up():
                          "last: why")
     assert _decide(State.PREEMPTED, committed=11, history=h).kind == RETRY  # one more step: not a loop
     assert _decide(State.PREEMPTED, committed=10, history=History(1, 10)).kind == RETRY
+
+
+def test_the_prefixed_names_win_and_each_backend_has_its_own_backoff(monkeypatch):
+    from olmo_ctl.backends import backend_class
+
+    for name in ("RETRY_BACKOFF_SECONDS", "MAX_RETRIES", "OLMO_CTL_RETRY_BACKOFF_SECONDS", "OLMO_CTL_MAX_RETRIES"):
+        monkeypatch.delenv(name, raising=False)
+    # A SIGKILLed 15 s local run does not wait five minutes for its next attempt.
+    local, gke = backend_class("local").retry_backoff_s, backend_class("gke").retry_backoff_s
+    assert (local, gke) == (5.0, 300.0)
+    assert RetryPolicy.from_env(default_backoff_s=local).backoff_base_s == 5.0
+    monkeypatch.setenv("RETRY_BACKOFF_SECONDS", "7")
+    monkeypatch.setenv("OLMO_CTL_RETRY_BACKOFF_SECONDS", "3")
+    monkeypatch.setenv("OLMO_CTL_MAX_RETRIES", "4")
+    p = RetryPolicy.from_env(default_backoff_s=local)
+    assert (p.backoff_base_s, p.max_retries) == (3, 4)
+    monkeypatch.setenv("OLMO_CTL_MAX_RETRIES", "x")
+    with pytest.raises(BadInput, match="OLMO_CTL_MAX_RETRIES"):
+        RetryPolicy.from_env()

@@ -112,6 +112,9 @@ class Backend(abc.ABC, Generic[Req]):
     name: ClassVar[str] = ""
     trains_here: ClassVar[bool] = False  # the trainer runs on this machine (it sees this machine's files)
     smoke: ClassVar[SmokeProfile] = SmokeProfile()
+    # The base backoff before resubmitting a failed attempt: a cluster's capacity comes back in
+    # minutes, a process on this machine restarts in seconds.
+    retry_backoff_s: ClassVar[float] = 300.0
 
     # ------------------------------------------------------------------ made from the site settings
     @classmethod

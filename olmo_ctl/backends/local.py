@@ -93,6 +93,7 @@ def _cmdline(pid: int) -> list[str]:
 class LocalBackend(Backend[LocalRequest]):
     name = "local"
     trains_here = True
+    retry_backoff_s = 5.0
 
     def __init__(self, run_root: str, python: str | None = None, state_root: str | None = None,
                  stop_grace_s: float = 120.0):

@@ -30,11 +30,11 @@ def resume_until_done(
     device: Annotated[str | None, typer.Option("--device", help="Device of a new run (e.g. cpu-1, tpu7x-128).")] = None,
     slices: SlicesOpt = None,
     retry_backoff: Annotated[float | None, typer.Option(
-        "--retry-backoff", help="Base backoff before a resubmission, seconds [env RETRY_BACKOFF_SECONDS, 300]; "
-        "doubles per attempt without progress, with jitter, up to a cap.")] = None,
+        "--retry-backoff", help="Base backoff before a resubmission, seconds [env OLMO_CTL_RETRY_BACKOFF_SECONDS; "
+        "300 on GKE, 5 locally]; doubles per attempt without progress, with jitter, up to a cap.")] = None,
     max_retries: Annotated[int | None, typer.Option(
         "--max-retries", help="Attempts in a row without a new committed step before giving up "
-        "[env MAX_RETRIES, 5]; progress refills it.")] = None,
+        "[env OLMO_CTL_MAX_RETRIES, 5]; progress refills it.")] = None,
     retry_user_errors: Annotated[bool, typer.Option(
         "--retry-user-errors", help="Retry deterministic training failures (exit 1/2) too.")] = False,
     stop_on_exit: Annotated[bool, typer.Option(
@@ -76,9 +76,6 @@ def resume_until_done(
     if name is None:
         raise BadInput("which run?", "pass RUN, or --recipe/--stage with --device to create one")
     validate_run_name(name)
-    policy = RetryPolicy.from_env(retry_backoff, max_retries, retry_user_errors=retry_user_errors,
-                                  stall_factor=stall_factor, stall_min_s=stall_min, startup_limit_s=startup_timeout,
-                                  admission_timeout_s=admission_timeout)
     if poll <= 0:
         raise BadInput(f"--poll {poll} must be positive")
     if lease_ttl is not None and lease_ttl < 2 * poll:
@@ -87,6 +84,9 @@ def resume_until_done(
     extra_args = ("--allow-version-change",) if allow_version_change else ()
     # The next attempt, resolved and checked as submit checks it, before run.yaml exists.
     prep = prepare(settings, name, recipe=r, device=device, slices=slices, extra_args=extra_args)
+    policy = RetryPolicy.from_env(retry_backoff, max_retries, default_backoff_s=prep.backend.retry_backoff_s,
+                                  retry_user_errors=retry_user_errors, stall_factor=stall_factor, stall_min_s=stall_min,
+                                  startup_limit_s=startup_timeout, admission_timeout_s=admission_timeout)
     for line in prep.notes:
         note(line)
     if not prep.complete:

@@ -26,8 +26,14 @@ DEFAULT_ADMISSION_TIMEOUT_S = 1800.0  # admitted (quota granted) until every pod
 
 
 def _env_number(name: str, kind: type, default):
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
+    """`OLMO_CTL_<name>` (the prefix every other setting has), else the unprefixed `<name>` that
+    earlier versions read, else `default`."""
+    for var in ("OLMO_CTL_" + name, name):
+        raw = os.environ.get(var)
+        if raw is not None and raw.strip() != "":
+            name = var
+            break
+    else:
         return default
     try:
         v = kind(raw)
@@ -53,10 +59,12 @@ class RetryPolicy:
     admission_timeout_s: float | None = None
 
     @classmethod
-    def from_env(cls, retry_backoff_s: float | None = None, max_retries: int | None = None, **kw) -> RetryPolicy:
-        """Flags win over env (`RETRY_BACKOFF_SECONDS`, `MAX_RETRIES`), which win over the defaults."""
+    def from_env(cls, retry_backoff_s: float | None = None, max_retries: int | None = None, *,
+                 default_backoff_s: float = DEFAULT_BACKOFF_S, **kw) -> RetryPolicy:
+        """Flags win over env (`OLMO_CTL_RETRY_BACKOFF_SECONDS`, `OLMO_CTL_MAX_RETRIES`; the unprefixed
+        names too), which win over the defaults (`default_backoff_s`: the backend's own)."""
         base = retry_backoff_s if retry_backoff_s is not None else _env_number(
-            "RETRY_BACKOFF_SECONDS", float, DEFAULT_BACKOFF_S)
+            "RETRY_BACKOFF_SECONDS", float, default_backoff_s)
         n = max_retries if max_retries is not None else _env_number("MAX_RETRIES", int, DEFAULT_MAX_RETRIES)
         if base < 0:
             raise BadInput(f"--retry-backoff {base} must be >= 0")
