@@ -113,8 +113,11 @@ def _class_info(node: ast.ClassDef) -> ClassInfo:
         if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self" \
                 and isinstance(sub.ctx, ast.Store):
             members.add(sub.attr)
+    # `Backend[dict]` is class Backend; `Generic[T]` stays as written (a base with no members).
+    bases = [b.value if isinstance(b, ast.Subscript) and not ast.unparse(b).startswith("Generic[") else b
+             for b in node.bases]
     return ClassInfo(members, [b.id if isinstance(b, ast.Name) else ast.unparse(b).rsplit(".", 1)[-1]
-                               for b in node.bases])
+                               for b in bases])
 
 
 @cache
@@ -173,9 +176,14 @@ def class_has(cls: str, attr: str, seen: frozenset[str] = frozenset()) -> bool:
         if attr in c.members:
             return True
         for b in c.bases:
+            if _MEMBERLESS_BASE.match(b):  # abc.ABC, Generic[T], object: nothing a doc would name
+                continue
             if b not in classes_named() or class_has(b, attr, seen | {cls}):
                 return True
     return False
+
+
+_MEMBERLESS_BASE = re.compile(r"^(ABC|object|Generic\[.*\])$")
 
 
 def resolve(dotted: str) -> str | None:

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from olmo_ctl.backends.base import State
+from olmo_ctl.backends.base import Attempt, State
 from olmo_ctl.core import faults as fault_knobs
 from olmo_ctl.core.batching import make_plan
 from olmo_ctl.core.contracts import log_progress
@@ -373,6 +373,9 @@ def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
     recipe = load_recipe(cfg.recipe, overrides=cfg.overrides())
     plan = make_plan(recipe, device)  # a device that cannot hold the global batch is bad input
     name = run_name or new_run_name(device.name)
+    # What the backend refuses on the command line alone (a local device on GKE, a run root its pods
+    # cannot see) before any storage is touched.
+    backend.validate(Attempt(name, join(run_root, name), 1, device.name))
     main = RunDir.of(run_root, name)
     twin = RunDir.of(run_root, f"{name}-twin")
     report = SmokeReport(device.name, backend.name, [main.path, twin.path])
