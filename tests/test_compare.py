@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-from test_events import value, write_segment
-from test_monitor import cli
+from helpers.cli import invoke as cli
+from helpers.events import value, write_segment
 
 from olmo_ctl.observe.compare import compare, compare_series, read_curve
 

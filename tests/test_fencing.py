@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from waiting import kill_stopped_or_running, wait_for
+from helpers.waiting import kill_stopped_or_running, wait_for
 
 from olmo_ctl.backends.local import LocalBackend
 from olmo_ctl.rundir import RunDir

@@ -157,7 +157,7 @@ PACKED = ("--set", "data.packed=true", "--set", "data.source_group_size=2", "--s
 
 def test_local_run_with_seq_shards_trains_resumes_bitwise_and_matches_unsharded(tmp_path):
     """The real trainer on cpu-4 over packed smoke data: seq_shards 2 against 1 (the plan's choice)."""
-    from test_trainer_resume import resume_copy, same_steps, scalars, train
+    from helpers.trainer import resume_copy, same_steps, scalars, train
 
     a = tmp_path / "a"
     first = train(a, "--stop-at-step", "6", "--set", "train.seq_shards=2", *PACKED, device="cpu-4")

@@ -9,7 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from test_trainer_resume import scalars, train
+from helpers.trainer import scalars, train
 
 from olmo_ctl.trainer.checkpoint import open_step
 
