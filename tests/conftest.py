@@ -1,4 +1,12 @@
-"""Fixtures shared by the tests: the GCS emulator and the Kubernetes test server.
+"""Fixtures shared by the tests: the GCS emulator, the Kubernetes test server, a trained smoke run.
+
+Set here before any test imports jax:
+* a persistent JAX compilation cache in the repository's `.cache/jax-compilation/`, through the
+  environment, so every trainer process a test starts reads and adds to the same compiled programs
+  (JAX_COMPILATION_CACHE_DIR; a directory already set in the environment is kept);
+* 8 host CPU devices for jax in this process only (`jax_num_cpu_devices`, not XLA_FLAGS: a child
+  process, such as a trainer on `cpu-1`, keeps deciding its own device count), so sharding tests
+  run in-process.
 
 * `gcs_server` (session): one fake-gcs-server (olmo_ctl.testing.gcs_emulator) for the whole run; its URL.
 * `gcs` (per test): the environment pointed at that server for this test and the subprocesses it
@@ -12,14 +20,29 @@ See docs/testing.md.
 
 from __future__ import annotations
 
+import os
 import urllib.error
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from olmo_ctl.testing.gcs_emulator import create_bucket, fake_gcs_server, use_emulator
 from olmo_ctl.testing.kube_server import KubeServer
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST_DEVICES = 8  # the most a sharding test uses (test_seq_shards: a sequence split 4 ways x 2)
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax-compilation"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # CPU compiles are short: keep all
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_configure(config):
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", HOST_DEVICES)
 
 
 @dataclass
