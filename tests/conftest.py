@@ -14,6 +14,9 @@ Set here before any test imports jax:
   creates a bucket with a given name (once per session: later calls return the existing one).
 * `kube_server` (per test; `srv` is the same): a fresh Kubernetes API server with its scripted cluster
   (olmo_ctl.testing.kube_server.KubeServer). Every test gets its own: the cluster keeps state.
+* `smoke_run` (session): the directory of a finished smoke run (40 steps on cpu-1, checkpoints 20 and
+  40), trained once for every test that only needs one to read (helpers/runs.py; copy it with
+  `helpers.runs.copy_run` to change it).
 
 See docs/testing.md.
 """
@@ -82,3 +85,10 @@ def kube_server():
 @pytest.fixture
 def srv(kube_server):
     return kube_server
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> Path:
+    from helpers.runs import train_smoke_run
+
+    return train_smoke_run(tmp_path_factory.mktemp("smoke-run") / "run")

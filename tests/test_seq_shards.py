@@ -150,7 +150,9 @@ PACKED = ("--set", "data.packed=true", "--set", "data.source_group_size=2", "--s
 
 
 def test_local_run_with_seq_shards_trains_resumes_bitwise_and_matches_unsharded(tmp_path):
-    """The real trainer on cpu-4 over packed smoke data: seq_shards 2 against 1 (the plan's choice)."""
+    """The real trainer on cpu-4 over packed smoke data: seq_shards 2 against 1 (the plan's choice, FSDP
+    over the 4 devices). Each resumes from checkpoint 3 bit for bit; the FSDP one with background
+    prefetch workers."""
     from helpers.trainer import resume_copy, same_steps, scalars, train
 
     a = tmp_path / "a"
@@ -167,3 +169,7 @@ def test_local_run_with_seq_shards_trains_resumes_bitwise_and_matches_unsharded(
     for s in range(1, 7):
         ce_a, ce_c = float(A["train/CE loss"][s]), float(C["train/CE loss"][s])
         assert abs(ce_a - ce_c) <= 1e-5 * abs(ce_c), (s, ce_a, ce_c)
+    d = resume_copy(c, 3, tmp_path / "d")
+    p = train(d, "--stop-at-step", "6", "--set", "data.prefetch_workers=2", *PACKED, device="cpu-4")
+    assert "on cpu-4" in p.stdout and "restored checkpoint 3" in p.stdout
+    assert same_steps(C, scalars(d), range(4, 7)) == []

@@ -1,6 +1,6 @@
 """Exact resume of the real trainer (subprocesses, real Orbax checkpoints, real event files).
 
-A: the smoke recipe trained 40 steps without a stop. B: trained to 20, stopped, resumed to 40.
+A: the smoke recipe trained 40 steps without a stop (the session's `smoke_run`). B: trained to 20, stopped, resumed to 40.
 The logged `train/CE loss` and `optim/total grad norm` of steps 21-40 must be bitwise equal; a resume
 deliberately one batch early or late (fault injection) must fail that same comparison.
 """
@@ -12,10 +12,9 @@ from helpers.trainer import TAGS, resume_copy, same_steps, scalars, train
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, smoke_run):
     root = tmp_path_factory.mktemp("resume")
-    a, b = root / "a", root / "b"
-    train(a, "--stop-at-step", "40")
+    a, b = smoke_run, root / "b"  # A: the session's uninterrupted 40 steps (tests/conftest.py), read only
     first = train(b, "--stop-at-step", "20")
     second = train(b, "--stop-at-step", "40")
     return {"root": root, "a": a, "b": b, "first": first, "second": second, "A": scalars(a), "B": scalars(b)}
@@ -61,13 +60,8 @@ def test_resume_with_background_prefetch_workers(runs):
     assert same_steps(runs["A"], scalars(run), range(21, 31)) == []
 
 
-def test_resume_on_4_host_devices_fsdp(runs):
-    c = runs["root"] / "c4"
-    train(c, "--stop-at-step", "30", device="cpu-4")
-    run = resume_copy(c, 20, runs["root"] / "c4-resumed")
-    p = train(run, "--stop-at-step", "30", "--set", "data.prefetch_workers=2", device="cpu-4")
-    assert "on cpu-4" in p.stdout
-    assert same_steps(scalars(c), scalars(run), range(21, 31)) == []
+# The resume on 4 host devices (FSDP, background prefetch) is checked beside the sequence-sharded one,
+# on the same cpu-4 runs: test_seq_shards.py::test_local_run_with_seq_shards_trains_resumes_bitwise_and_matches_unsharded.
 
 
 def test_data_fingerprint_guard(runs):
