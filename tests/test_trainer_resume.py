@@ -74,3 +74,19 @@ def test_data_fingerprint_guard(runs):
     assert "Traceback" not in p.stderr
     p = train(run, "--stop-at-step", "21", fewer, "--allow-data-change")
     assert "committed step 21" in p.stdout and "data changed" in p.stdout
+
+
+def test_compare_finds_the_resume_exact_and_names_a_desynchronised_one(runs):
+    """`olmo-ctl compare` on the real trainer's runs: the resumed run equals its uninterrupted twin
+    (max |Δ| = 0); a resume that restarts the data order elsewhere is named at its first step."""
+    from olmo_ctl.observe.compare import compare
+
+    same = compare(str(runs["a"]), str(runs["b"]), ["train/CE loss", "optim/total grad norm"])
+    for tag in ("train/CE loss", "optim/total grad norm"):
+        assert same["tags"][tag]["common_steps"] == 40 and same["tags"][tag]["max_abs_delta"] == 0.0, same["verdict"]
+    desync = resume_copy(runs["b"], 20, runs["root"] / "desync")
+    train(desync, "--stop-at-step", "30", "--set", "data.seed=999", "--allow-data-change")
+    off = compare(str(runs["a"]), str(desync))
+    r = off["tags"]["train/CE loss"]
+    assert r["first_exceed_step"] == 21 and r["bins"][0]["max_abs_delta"] > 0
+    assert "diverge at step 21" in off["verdict"]
