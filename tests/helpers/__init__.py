@@ -5,8 +5,7 @@
   `resume_copy`, `same_steps` (the bit-for-bit comparison of resumed steps).
 * `events`: `write_segment` (contract-named event files written by TensorBoard's writer) and the
   deterministic `value(tag, step)` they hold.
-* `cli`: `olmo_ctl` (the command line as a subprocess) and `invoke` (the same command line in this
-  process: exit code, stdout, stderr).
+* `cli`: `invoke` (the command line in this process: exit code, stdout, stderr) and `clean_env`.
 * `runs`: `copy_run` (a copy of the session's trained smoke run, for tests that only read one).
 
 See docs/testing.md.

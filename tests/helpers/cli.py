@@ -1,9 +1,9 @@
-"""The `olmo-ctl` command line in tests: as a real process, or in this one.
+"""The `olmo-ctl` command line in this process.
 
-`olmo_ctl(*args)` runs `python -m olmo_ctl` as a subprocess (what a user runs, start-up included).
-`invoke(*args)` calls the same entry point (`olmo_ctl.cli.main`) in this process, with stdout and stderr
-captured and the environment and working directory set for the call and restored afterwards: the same
-exit code and the same bytes on each stream, without a Python start-up per case.
+`invoke(*args)` calls the entry point `python -m olmo_ctl` runs (`olmo_ctl.cli.main`) with stdout and
+stderr captured and the environment and working directory set for the call and restored afterwards:
+the same exit code and the same bytes on each stream, without a Python start-up (and its imports) per
+case. What only a real process shows (its exit status, what it imports) is tested with subprocesses.
 """
 
 from __future__ import annotations
@@ -11,26 +11,17 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def clean_env(config_home: Path | str, base: dict[str, str] | None = None) -> dict[str, str]:
-    """`base` (default: this environment) without OLMO_CTL_* settings and with its own (empty) user config."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("OLMO_CTL_")}
+def clean_env(config_home: Path | str) -> dict[str, str]:
+    """This environment without OLMO_CTL_* settings, with its own (empty) user config directory."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
     env["XDG_CONFIG_HOME"] = str(config_home)
     return env
-
-
-def olmo_ctl(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
-             cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
-    """`python -m olmo_ctl ARGS` as a process; `env` adds to (not replaces) this environment."""
-    return subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 @dataclass
