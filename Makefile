@@ -1,6 +1,9 @@
 # olmo-ctl: set-up, tests and the artefacts reviewed in diffs.
 #   make install   .venv with every extra (trainer, tpu, parity, dev), at the versions in constraints.txt
-#   make test      the test suite (what CI runs)
+#   make test      the everyday lane: every test but the chaos and tpu_compile lanes (minutes)
+#   make test-chaos       the chaos lane: long fault-injection runs
+#   make test-tpu-compile the tpu_compile lane: compiles for TPU topologies with libtpu
+#   make test-all  every lane in one run (what CI runs, after `make check`)
 #   make demo      set up, then train the smoke model locally under resume-until-done
 #   make goldens   regenerate tests/goldens/*.yaml and recipes.json (review the diff)
 #   make lint      ruff
@@ -15,7 +18,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 IMAGE  ?= olmo-ctl:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: install test lint check goldens demo image bench lock
+.PHONY: install test test-chaos test-tpu-compile test-all check lint goldens demo image bench lock
 
 install: $(STAMP)
 
@@ -24,10 +27,26 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -c constraints.txt -e '.[trainer,tpu,parity,dev]'
 	touch $(STAMP)
 
-# pytest exits 5 when it collects no test: said out loud, not a failure of the build.
+# The lanes (docs/testing.md). Each prints its 25 slowest tests. pytest exits 5 when it collects no
+# test: said out loud, not a failure of the build.
+PYTEST   := $(BIN)/pytest -q --durations=25
+EVERYDAY := not chaos and not tpu_compile
+define pytest_lane
+@$(PYTEST) $(1); rc=$$?; \
+if [ $$rc -eq 5 ]; then echo "pytest: no tests were collected"; exit 0; fi; exit $$rc
+endef
+
 test:
-	@$(BIN)/pytest -q; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest: no tests were collected"; exit 0; fi; exit $$rc
+	$(call pytest_lane,-m "$(EVERYDAY)")
+
+test-chaos:
+	$(call pytest_lane,-m chaos)
+
+test-tpu-compile:
+	$(call pytest_lane,-m tpu_compile)
+
+test-all:
+	$(call pytest_lane,)
 
 lint:
 	$(BIN)/ruff check .

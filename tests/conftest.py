@@ -1,4 +1,12 @@
-"""Fixtures shared by the tests: the GCS emulator and the Kubernetes test server.
+"""Fixtures shared by the tests: the GCS emulator, the Kubernetes test server, a trained smoke run.
+
+Set here before any test imports jax:
+* a persistent JAX compilation cache in the repository's `.cache/jax-compilation/`, through the
+  environment, so every trainer process a test starts reads and adds to the same compiled programs
+  (JAX_COMPILATION_CACHE_DIR; a directory already set in the environment is kept);
+* 8 host CPU devices for jax in this process only (`jax_num_cpu_devices`, not XLA_FLAGS: a child
+  process, such as a trainer on `cpu-1`, keeps deciding its own device count), so sharding tests
+  run in-process.
 
 * `gcs_server` (session): one fake-gcs-server (olmo_ctl.testing.gcs_emulator) for the whole run; its URL.
 * `gcs` (per test): the environment pointed at that server for this test and the subprocesses it
@@ -6,20 +14,38 @@
   creates a bucket with a given name (once per session: later calls return the existing one).
 * `kube_server` (per test; `srv` is the same): a fresh Kubernetes API server with its scripted cluster
   (olmo_ctl.testing.kube_server.KubeServer). Every test gets its own: the cluster keeps state.
+* `smoke_run` (session): the directory of a finished smoke run (40 steps on cpu-1, checkpoints 20 and
+  40), trained once for every test that only needs one to read (helpers/runs.py; copy it with
+  `helpers.runs.copy_run` to change it).
 
 See docs/testing.md.
 """
 
 from __future__ import annotations
 
+import os
 import urllib.error
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from olmo_ctl.testing.gcs_emulator import create_bucket, fake_gcs_server, use_emulator
 from olmo_ctl.testing.kube_server import KubeServer
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST_DEVICES = 8  # the most a sharding test uses (test_seq_shards: a sequence split 4 ways x 2)
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax-compilation"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # CPU compiles are short: keep all
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_configure(config):
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", HOST_DEVICES)
 
 
 @dataclass
@@ -59,3 +85,10 @@ def kube_server():
 @pytest.fixture
 def srv(kube_server):
     return kube_server
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> Path:
+    from helpers.runs import train_smoke_run
+
+    return train_smoke_run(tmp_path_factory.mktemp("smoke-run") / "run")

@@ -1,17 +1,16 @@
 """Every user mistake: exit 2, one line on stderr starting with `error:`, nothing on stdout, no traceback.
 
-Each invocation runs the real command line (`python -m olmo_ctl`) as its own process."""
+The cases run the command line's entry point (`olmo_ctl.cli.main`) in this process (helpers.cli.invoke);
+one test runs the real `python -m olmo_ctl` as its own process, for what only a process shows."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers.cli import ROOT, clean_env, invoke
 
-ROOT = Path(__file__).resolve().parent.parent
 DRY = ["submit", "--stage", "1", "--device", "tpu7x-128", "--dry-run"]
 
 CASES = {
@@ -56,12 +55,10 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    e = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
-    e["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("xdg"))
-    return e
+    return clean_env(tmp_path_factory.mktemp("xdg"))
 
 
-def _assert_user_error(p: subprocess.CompletedProcess, expect: str) -> None:
+def _assert_user_error(p, expect: str) -> None:
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert "Traceback" not in p.stderr
     assert p.stdout == ""
@@ -73,22 +70,26 @@ def _assert_user_error(p: subprocess.CompletedProcess, expect: str) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_wrong_invocation(case, env):
     args, expect = CASES[case]
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=60)
-    _assert_user_error(p, expect)
+    _assert_user_error(invoke(*args, env=env), expect)
+
+
+def test_the_real_entry_point_prints_one_line_and_exits_2(env):
+    """`python -m olmo_ctl` itself: the exit status of the process and its two streams."""
+    for case in ("unknown device", "unknown option"):
+        args, expect = CASES[case]
+        p = subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=60)
+        _assert_user_error(p, expect)
 
 
 def test_bad_files(env, tmp_path):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("name: [unclosed\n")
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "plan", "--recipe", str(bad_yaml), "--device", "v5p-8"],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
-    _assert_user_error(p, "not valid YAML")
+    _assert_user_error(invoke("plan", "--recipe", str(bad_yaml), "--device", "v5p-8", env=env), "not valid YAML")
     cfg = tmp_path / "xdg" / "olmo-ctl" / "config.yaml"
     cfg.parent.mkdir(parents=True)
     cfg.write_text("namespace: ok\nzone: us-central1\n")
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "config", "show"], capture_output=True, text=True,
-                       env={**env, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}, cwd=ROOT, timeout=60)
+    p = invoke("config", "show", env={**env, "XDG_CONFIG_HOME": str(tmp_path / "xdg")})
     _assert_user_error(p, "unknown setting `zone`")
 
 

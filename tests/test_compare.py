@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-from test_events import value, write_segment
-from test_monitor import cli
+from helpers.cli import invoke as cli
+from helpers.events import value, write_segment
 
 from olmo_ctl.observe.compare import compare, compare_series, read_curve
 
@@ -87,32 +87,6 @@ def test_bad_inputs(tmp_path):
     assert p.returncode == 2 and "line 3" in p.stderr
 
 
-def _train(run_dir, stop, attempt, *extra):
-    import subprocess
-    import sys
-
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(run_dir),
-                        "--device", "cpu-2", "--stop-at-step", str(stop), "--attempt", str(attempt), *extra],
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-
-
-@pytest.mark.chaos
-def test_real_trainer_resume_matches_twin_and_desync_is_named(tmp_path):
-    """The bundled trainer: stop at 20 and resume to 30 equals 30 straight steps (max |Δ| = 0); a resume
-    that restarts the data order elsewhere is named at its first step."""
-    twin, resumed, desync = tmp_path / "twin", tmp_path / "resumed", tmp_path / "desync"
-    _train(twin, 30, 1)
-    _train(resumed, 20, 1)
-    import shutil
-
-    shutil.copytree(resumed, desync)  # the same first attempt, then a resume that reads other data
-    _train(resumed, 30, 2)
-    _train(desync, 30, 2, "--set", "data.seed=999", "--allow-data-change")
-    same = compare(str(twin), str(resumed), ["train/CE loss", "optim/total grad norm"])
-    for tag in ("train/CE loss", "optim/total grad norm"):
-        assert same["tags"][tag]["common_steps"] == 30 and same["tags"][tag]["max_abs_delta"] == 0.0, same["verdict"]
-    off = compare(str(twin), str(desync))
-    r = off["tags"]["train/CE loss"]
-    assert r["first_exceed_step"] == 21 and r["bins"][0]["max_abs_delta"] > 0
-    assert "diverge at step 21" in off["verdict"]
+# The bundled trainer's resumed run against its uninterrupted twin, and a desynchronised resume named at
+# its first step: test_trainer_resume.py::test_compare_finds_the_resume_exact_and_names_a_desynchronised_one
+# (on the runs that test already trains).

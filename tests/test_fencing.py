@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from waiting import kill_stopped_or_running, wait_for
+from helpers.waiting import kill_stopped_or_running, wait_for
 
 from olmo_ctl.backends.local import LocalBackend
 from olmo_ctl.rundir import RunDir
@@ -97,7 +97,9 @@ def test_a_supervisor_paused_while_watching_leaves_the_run_to_its_successor(tmp_
     """A is stopped while its attempt trains; B takes over and reattaches to the same attempt; A,
     continued, loses its lease at its next heartbeat and exits without journaling or touching it."""
     root = str(tmp_path / "runs")
-    a = supervisor(root)
+    # Steps slowed to 0.5 s, so that attempt 1 still trains when B comes (a trainer that loads its
+    # compiled step from the compilation cache would otherwise finish its 30 steps first).
+    a = supervisor(root, env={"OLMO_CTL_FAULT_SLOW_DATA": "0:500"})
     b = None
     rd = RunDir.of(root, "fenced")
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from helpers.cli import clean_env, invoke
 
 from olmo_ctl.backends.jobset import jobset_name, render_jobset
 from olmo_ctl.core.batching import make_plan
@@ -60,15 +61,9 @@ def golden_cases() -> dict[str, list[str]]:
     return cases
 
 
-def clean_env(tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
-    env["XDG_CONFIG_HOME"] = str(tmp)  # no user config file
-    return env
-
-
-def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=60)
+def cli(args: list[str], env: dict[str, str]):
+    """The command line's entry point in this process (the bytes `python -m olmo_ctl` prints)."""
+    return invoke(*args, env=env)
 
 
 def render_golden(args: list[str], env: dict[str, str]) -> str:

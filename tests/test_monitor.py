@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from test_events import T0, TAGS, value, write_segment
+from helpers.cli import invoke
+from helpers.events import T0, TAGS, value, write_segment
 
 from olmo_ctl.observe.monitor import build_report, load
 
@@ -25,11 +26,9 @@ def iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def cli(*args, env=None, timeout=120):
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True, timeout=timeout,
-                          env=e, cwd=ROOT)
+def cli(*args, env=None):
+    """`olmo-ctl ARGS` in this process (helpers.cli.invoke); `env` adds to this environment."""
+    return invoke(*args, env={**os.environ, **(env or {})})
 
 
 def values(tag, step, desync=None):

@@ -177,14 +177,9 @@ def test_gcs_round_trip(tmp_path, pair_a, gcs):
     assert res["kl_mean"] < 1e-6 and res["top1_agreement"] == 1.0
 
 
-def test_a_training_checkpoint_exports_to_hf_and_matches(tmp_path):
-    """Train the smoke model 2 steps, export `<run>/checkpoints/2` to HF, compare logits."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir",
-                        str(tmp_path / "run"), "--stop-at-step", "2", "--device", "cpu-1"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    step_dir = str(tmp_path / "run" / "checkpoints" / "2")
+def test_a_training_checkpoint_exports_to_hf_and_matches(tmp_path, smoke_run):
+    """The session's trained smoke run (tests/conftest.py): export `<run>/checkpoints/40` to HF, compare logits."""
+    step_dir = str(smoke_run / "checkpoints" / "40")
     with pytest.raises(BadInput) as e:  # no run.yaml: the model must be named
         convert.orbax_to_hf(step_dir, str(tmp_path / "hf"))
     assert "run.yaml" in e.value.one_line() and "--recipe" in e.value.one_line()

@@ -9,12 +9,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
@@ -46,15 +40,18 @@ def test_plan_keeps_whole_sequences_when_it_can_and_checks_a_fixed_seq_shards():
         load_recipe("smoke", overrides=["train.seq_shards=3"])
 
 
-SCRIPT = textwrap.dedent("""
-    import json
-    import jax, jax.numpy as jnp, numpy as np
-    from olmo_ctl.core.recipe import load_recipe
-    from olmo_ctl.trainer import model as M, sharding as S, step as ST
-    assert jax.device_count() == 8
-    IMPL = __IMPL__
+def _sharded_step_against_unsharded(impl: str, shards: tuple[int, ...]) -> dict:
+    """One training step on 1 device and on 8 of this process's host devices (tests/conftest.py) with
+    each sequence split s ways, for s in `shards`."""
+    import jax
+
+    from olmo_ctl.trainer import model as M
+    from olmo_ctl.trainer import sharding as S
+    from olmo_ctl.trainer import step as ST
+
+    assert jax.device_count() >= 8, "needs 8 host devices (tests/conftest.py sets jax_num_cpu_devices)"
     r = load_recipe("smoke", overrides=["train.seq_len=64", "train.global_batch=8", "model.sliding_window=16",
-                                         f"model.attention={IMPL}"])
+                                         f"model.attention={impl}"])
     cfg = r.model
     params = M.init_params(cfg, jax.random.PRNGKey(0))
     rng = np.random.default_rng(0)
@@ -66,40 +63,37 @@ SCRIPT = textwrap.dedent("""
     def run(seq_shards):
         devs = jax.devices()[: 8 if seq_shards else 1]
         mesh = S.make_mesh(devs, seq_shards=max(seq_shards, 1))
-        state, shard = ST.abstract_train_state(r, mesh)
-        st = jax.jit(lambda p: ST.init_state(r, p), out_shardings=shard)(params)
-        batch = {k: jax.device_put(v, ST.micro_batch_sharding(mesh)) for k, v in host.items()}
-        with jax.set_mesh(mesh):
-            new, m = jax.jit(ST.make_train_step(r), out_shardings=(shard, None))(st, batch)
-        S.deactivate()
+        try:
+            state, shard = ST.abstract_train_state(r, mesh)
+            st = jax.jit(lambda p: ST.init_state(r, p), out_shardings=shard)(params)
+            batch = {k: jax.device_put(v, ST.micro_batch_sharding(mesh)) for k, v in host.items()}
+            with jax.set_mesh(mesh):
+                new, m = jax.jit(ST.make_train_step(r), out_shardings=(shard, None))(st, batch)
+        finally:
+            S.deactivate()
         # the first Adam moment is (1 - beta1) x the clipped gradient: compare gradients, not the
         # parameters (Adam's first update is ~lr x sign(g), which rounding can flip where g ~ 0)
         return mesh, batch, jax.device_get(new["opt"]["mu"]), {k: float(v) for k, v in m.items()}
 
     _, _, want_p, want_m = run(0)
     out = {}
-    for s in __SHARDS__:
+    for s in shards:
         mesh, batch, got_p, got_m = run(s)
         out[s] = {
             "mesh": dict(mesh.shape),
             "ids_shard": list(batch["input_ids"].addressable_shards[0].data.shape),
             "ce": [want_m["ce"], got_m["ce"]], "gn": [want_m["grad_norm"], got_m["grad_norm"]],
             "grad_rel_diff": max(float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)) for a, b in
-                                 zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p))),
+                                 zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p), strict=True)),
         }
-    print("RESULT " + json.dumps(out))
-""")
+    return out
 
 
 @pytest.mark.parametrize("impl,shards", [("reference", (2, 4)), ("blocked", (4,))])
 def test_sequence_sharded_step_matches_the_unsharded_step(impl, shards):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT.replace("__IMPL__", repr(impl)).replace("__SHARDS__", repr(shards))], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    out = _sharded_step_against_unsharded(impl, shards)
+    assert sorted(out) == sorted(shards)
     for s, res in out.items():
-        s = int(s)
         assert res["mesh"] == {"data": 1, "fsdp": 8 // s, "seq": s}
         assert res["ids_shard"] == [2, 4 // (8 // s), 64 // s]  # each device holds 1/s of its instances
         ce_w, ce_g = res["ce"]
@@ -156,8 +150,10 @@ PACKED = ("--set", "data.packed=true", "--set", "data.source_group_size=2", "--s
 
 
 def test_local_run_with_seq_shards_trains_resumes_bitwise_and_matches_unsharded(tmp_path):
-    """The real trainer on cpu-4 over packed smoke data: seq_shards 2 against 1 (the plan's choice)."""
-    from test_trainer_resume import resume_copy, same_steps, scalars, train
+    """The real trainer on cpu-4 over packed smoke data: seq_shards 2 against 1 (the plan's choice, FSDP
+    over the 4 devices). Each resumes from checkpoint 3 bit for bit; the FSDP one with background
+    prefetch workers."""
+    from helpers.trainer import resume_copy, same_steps, scalars, train
 
     a = tmp_path / "a"
     first = train(a, "--stop-at-step", "6", "--set", "train.seq_shards=2", *PACKED, device="cpu-4")
@@ -173,3 +169,7 @@ def test_local_run_with_seq_shards_trains_resumes_bitwise_and_matches_unsharded(
     for s in range(1, 7):
         ce_a, ce_c = float(A["train/CE loss"][s]), float(C["train/CE loss"][s])
         assert abs(ce_a - ce_c) <= 1e-5 * abs(ce_c), (s, ce_a, ce_c)
+    d = resume_copy(c, 3, tmp_path / "d")
+    p = train(d, "--stop-at-step", "6", "--set", "data.prefetch_workers=2", *PACKED, device="cpu-4")
+    assert "on cpu-4" in p.stdout and "restored checkpoint 3" in p.stdout
+    assert same_steps(C, scalars(d), range(4, 7)) == []

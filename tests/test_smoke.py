@@ -86,7 +86,7 @@ def test_broken_trainer_and_inexact_resume_fail_the_named_checks(tmp_path):
 def test_timeout_exits_124_and_leaves_no_trainer_running(tmp_path):
     junit = tmp_path / "smoke.xml"
     root = tmp_path / "runs"
-    p = _smoke(tmp_path, "--backend", "local", "--device", "cpu-1", "--timeout", "3", "--junit", str(junit),
+    p = _smoke(tmp_path, "--backend", "local", "--device", "cpu-1", "--timeout", "1", "--junit", str(junit),
                "--run-root", str(root), timeout=120)
     assert p.returncode == 124, p.stderr[-3000:]
     assert "TIMED OUT" in p.stderr

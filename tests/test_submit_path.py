@@ -139,7 +139,7 @@ def test_submit_on_a_finished_run_submits_nothing_and_an_existing_run_needs_no_r
     args = ["--backend", "local", "--run-root", str(root), "--run", "f1"]
     assert _cli("submit", "--recipe", "smoke", "--device", "cpu-1", "--set", "train.max_steps=12", *args) == 0
     rd = RunDir.of(str(root), "f1")
-    from waiting import wait_for
+    from helpers.waiting import wait_for
 
     wait_for(lambda: rd.committed_step() >= 12 and not _live(rd), 300, "the first attempt")
     capsys.readouterr()

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from waiting import wait_for
+from helpers.waiting import wait_for
 
 from olmo_ctl.backends.base import Handle, State
 from olmo_ctl.backends.local import LocalBackend, proc_start_time

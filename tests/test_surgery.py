@@ -9,7 +9,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from test_trainer_resume import scalars, train
+from helpers.runs import copy_run
+from helpers.trainer import scalars, train
 
 from olmo_ctl.trainer.checkpoint import open_step
 
@@ -32,23 +33,22 @@ def leaves_equal(a, b) -> bool:
     return len(la) == len(lb) and all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb, strict=True))
 
 
-@pytest.fixture(scope="module")
-def src(tmp_path_factory):
-    run = tmp_path_factory.mktemp("surgery") / "stage1"
-    train(run, "--stop-at-step", "6", "--set", "checkpoint.interval=3")
-    return run
+@pytest.fixture
+def src(smoke_run):
+    """Stage 1: the session's smoke run (40 steps, checkpoints 20 and 40; tests/conftest.py), read only."""
+    return smoke_run
 
 
 def test_warm_adam_keeps_params_and_moments_and_resumes_as_stage2_at_step_0(src, tmp_path):
     dst = tmp_path / "stage2"
-    out = olmo_ctl("surgery", "warm-adam", str(src / "checkpoints" / "6"), str(dst))
+    out = olmo_ctl("surgery", "warm-adam", str(src / "checkpoints" / "40"), str(dst))
     assert "step 0" in out.stdout
-    s_state, _ = load(src / "checkpoints" / "6")
+    s_state, _ = load(src / "checkpoints" / "40")
     d_state, d_meta = load(dst / "checkpoints" / "0")
     assert leaves_equal(d_state["params"], s_state["params"])
     assert leaves_equal(d_state["opt"]["mu"], s_state["opt"]["mu"])
     assert leaves_equal(d_state["opt"]["nu"], s_state["opt"]["nu"])
-    assert int(d_state["opt"]["count"]) == int(s_state["opt"]["count"]) == 6
+    assert int(d_state["opt"]["count"]) == int(s_state["opt"]["count"]) == 40
     assert int(d_state["step"]) == 0 and int(d_state["skip"]["recorded"]) == 0
     assert d_meta["data"] is None
 
@@ -61,26 +61,27 @@ def test_warm_adam_keeps_params_and_moments_and_resumes_as_stage2_at_step_0(src,
     assert ev["optim/LR (group 0)"][1] == pytest.approx(3e-3 * (1 - 1 / 100), rel=1e-6)
     assert ev["train/CE loss"][1] < scalars(src)["train/CE loss"][1] - 0.3  # trained weights, not a fresh init
     after, meta = load(dst / "checkpoints" / "2")
-    assert int(after["opt"]["count"]) == 8  # the source's moments were updated on, not re-initialised
+    assert int(after["opt"]["count"]) == 42  # the source's moments were updated on, not re-initialised
     assert meta["data"]["batches_seen"] == 2
 
 
-def test_warm_adam_refuses_a_run_that_has_checkpoints(src):
-    p = olmo_ctl("surgery", "warm-adam", str(src / "checkpoints" / "6"), str(src), expect=2)
+def test_warm_adam_refuses_a_run_that_has_checkpoints(src, tmp_path):
+    run = copy_run(src, tmp_path / "stage1")  # the destination: never the shared run itself
+    p = olmo_ctl("surgery", "warm-adam", str(run / "checkpoints" / "40"), str(run), expect=2)
     assert "already holds checkpoints" in p.stderr
 
 
 def test_soup_of_identical_checkpoints_is_the_checkpoint_and_of_two_is_the_mean(src, tmp_path):
-    ck6 = str(src / "checkpoints" / "6")
-    olmo_ctl("surgery", "soup", ck6, ck6, "--out", str(tmp_path / "same"))
+    ck40 = str(src / "checkpoints" / "40")
+    olmo_ctl("surgery", "soup", ck40, ck40, "--out", str(tmp_path / "same"))
     soup, _ = load(tmp_path / "same" / "checkpoints" / "0")
-    s6, _ = load(ck6)
-    assert leaves_equal(soup["params"], s6["params"])
+    s40, _ = load(ck40)
+    assert leaves_equal(soup["params"], s40["params"])
 
-    olmo_ctl("surgery", "soup", str(src / "checkpoints" / "3"), ck6, "--out", str(tmp_path / "mean"))
+    olmo_ctl("surgery", "soup", str(src / "checkpoints" / "20"), ck40, "--out", str(tmp_path / "mean"))
     mean, _ = load(tmp_path / "mean" / "checkpoints" / "0")
-    s3, _ = load(src / "checkpoints" / "3")
-    for m, a, b in zip(jax.tree.leaves(mean["params"]), jax.tree.leaves(s3["params"]), jax.tree.leaves(s6["params"]),
+    s20, _ = load(src / "checkpoints" / "20")
+    for m, a, b in zip(jax.tree.leaves(mean["params"]), jax.tree.leaves(s20["params"]), jax.tree.leaves(s40["params"]),
                        strict=True):
         np.testing.assert_allclose(np.asarray(m), (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2,
                                    rtol=1e-6, atol=1e-7)
@@ -91,8 +92,8 @@ def test_init_from_a_converted_checkpoint(src, tmp_path):
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.trainer import convert
 
-    s6, _ = load(src / "checkpoints" / "6")
-    convert.save_orbax(str(tmp_path / "converted"), s6["params"], load_recipe("smoke").model)
+    s40, _ = load(src / "checkpoints" / "40")
+    convert.save_orbax(str(tmp_path / "converted"), s40["params"], load_recipe("smoke").model)
     run = tmp_path / "run"
     p = train(run, "--stop-at-step", "1", "--init-from", str(tmp_path / "converted"))
     assert "initialised parameters from" in p.stdout
@@ -110,7 +111,7 @@ def test_stage2_to_stage3_hand_off_with_packing_yarn_and_seq_shards(src, tmp_pat
     documents (groups of 8 files, permutation seed 123), YaRN, LinearWithWarmup, each sequence split
     over 2 of 4 devices; the step-0 checkpoint written on one device restores onto that mesh."""
     dst = tmp_path / "stage3"
-    olmo_ctl("surgery", "warm-adam", str(src / "checkpoints" / "6"), str(dst))
+    olmo_ctl("surgery", "warm-adam", str(src / "checkpoints" / "40"), str(dst))
     p = train(dst, "--stop-at-step", "2", "--set", "schedule.kind=linear", "--set", "schedule.warmup_steps=2",
               "--set", "schedule.alpha=0", "--set", "data.seed=34521", "--set", "data.packed=true",
               "--set", "data.source_group_size=8", "--set", "data.source_permutation_seed=123",
@@ -122,5 +123,5 @@ def test_stage2_to_stage3_hand_off_with_packing_yarn_and_seq_shards(src, tmp_pat
     assert ev["optim/LR (group 0)"][1] == pytest.approx(3e-3 * 1 / 2, rel=1e-6)  # warmup step 1 of 2
     assert ev["train/CE loss"][1] < scalars(src)["train/CE loss"][1] - 0.3  # the stage-2 weights
     after, meta = load(dst / "checkpoints" / "2")
-    assert int(after["opt"]["count"]) == 8  # the stage-2 moments, updated on
+    assert int(after["opt"]["count"]) == 42  # the stage-2 moments, updated on
     assert meta["data"]["batches_seen"] == 2 and ":packed=g8:" in meta["data"]["fingerprint"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_trainer_resume import train
+from helpers.trainer import train
 
 pytestmark = pytest.mark.gcs
 

@@ -1,71 +1,20 @@
 """Exact resume of the real trainer (subprocesses, real Orbax checkpoints, real event files).
 
-A: the smoke recipe trained 40 steps without a stop. B: trained to 20, stopped, resumed to 40.
+A: the smoke recipe trained 40 steps without a stop (the session's `smoke_run`). B: trained to 20, stopped, resumed to 40.
 The logged `train/CE loss` and `optim/total grad norm` of steps 21-40 must be bitwise equal; a resume
 deliberately one batch early or late (fault injection) must fail that same comparison.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
-import numpy as np
 import pytest
-
-TAGS = ("train/CE loss", "optim/total grad norm")
-
-
-def train(run_dir: Path, *extra: str, device: str = "cpu-1", env: dict | None = None,
-          expect: int | None = 0) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # --device decides the device count
-    base["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(run_dir),
-           "--device", device, *extra]
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**base, **(env or {})}, timeout=900)
-    if expect is not None:
-        assert p.returncode == expect, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    return p
-
-
-def scalars(run_dir: Path) -> dict[str, dict[int, np.float32]]:
-    """{tag: {step: value}}, asserting that no step of a tag was written twice."""
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={SCALARS: 0})
-    acc.Reload()
-    out = {}
-    for tag in acc.Tags()["scalars"]:
-        events = acc.Scalars(tag)
-        steps = [e.step for e in events]
-        assert len(steps) == len(set(steps)), f"{tag}: duplicate steps"
-        out[tag] = {e.step: np.float32(e.value) for e in events}
-    return out
-
-
-def resume_copy(src: Path, step: int, dst: Path) -> Path:
-    """A new run directory holding only checkpoint `step` of `src` (as if the run had stopped there)."""
-    shutil.copytree(src / "checkpoints" / str(step), dst / "checkpoints" / str(step))
-    return dst
-
-
-def same_steps(a: dict, b: dict, steps) -> list[str]:
-    bad = []
-    for tag in TAGS:
-        for s in steps:
-            if a[tag][s].tobytes() != b[tag][s].tobytes():
-                bad.append(f"{tag} step {s}: {a[tag][s]!r} != {b[tag][s]!r}")
-    return bad
+from helpers.trainer import TAGS, resume_copy, same_steps, scalars, train
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, smoke_run):
     root = tmp_path_factory.mktemp("resume")
-    a, b = root / "a", root / "b"
-    train(a, "--stop-at-step", "40")
+    a, b = smoke_run, root / "b"  # A: the session's uninterrupted 40 steps (tests/conftest.py), read only
     first = train(b, "--stop-at-step", "20")
     second = train(b, "--stop-at-step", "40")
     return {"root": root, "a": a, "b": b, "first": first, "second": second, "A": scalars(a), "B": scalars(b)}
@@ -111,13 +60,8 @@ def test_resume_with_background_prefetch_workers(runs):
     assert same_steps(runs["A"], scalars(run), range(21, 31)) == []
 
 
-def test_resume_on_4_host_devices_fsdp(runs):
-    c = runs["root"] / "c4"
-    train(c, "--stop-at-step", "30", device="cpu-4")
-    run = resume_copy(c, 20, runs["root"] / "c4-resumed")
-    p = train(run, "--stop-at-step", "30", "--set", "data.prefetch_workers=2", device="cpu-4")
-    assert "on cpu-4" in p.stdout
-    assert same_steps(scalars(c), scalars(run), range(21, 31)) == []
+# The resume on 4 host devices (FSDP, background prefetch) is checked beside the sequence-sharded one,
+# on the same cpu-4 runs: test_seq_shards.py::test_local_run_with_seq_shards_trains_resumes_bitwise_and_matches_unsharded.
 
 
 def test_data_fingerprint_guard(runs):
@@ -130,3 +74,19 @@ def test_data_fingerprint_guard(runs):
     assert "Traceback" not in p.stderr
     p = train(run, "--stop-at-step", "21", fewer, "--allow-data-change")
     assert "committed step 21" in p.stdout and "data changed" in p.stdout
+
+
+def test_compare_finds_the_resume_exact_and_names_a_desynchronised_one(runs):
+    """`olmo-ctl compare` on the real trainer's runs: the resumed run equals its uninterrupted twin
+    (max |Δ| = 0); a resume that restarts the data order elsewhere is named at its first step."""
+    from olmo_ctl.observe.compare import compare
+
+    same = compare(str(runs["a"]), str(runs["b"]), ["train/CE loss", "optim/total grad norm"])
+    for tag in ("train/CE loss", "optim/total grad norm"):
+        assert same["tags"][tag]["common_steps"] == 40 and same["tags"][tag]["max_abs_delta"] == 0.0, same["verdict"]
+    desync = resume_copy(runs["b"], 20, runs["root"] / "desync")
+    train(desync, "--stop-at-step", "30", "--set", "data.seed=999", "--allow-data-change")
+    off = compare(str(runs["a"]), str(desync))
+    r = off["tags"]["train/CE loss"]
+    assert r["first_exceed_step"] == 21 and r["bins"][0]["max_abs_delta"] > 0
+    assert "diverge at step 21" in off["verdict"]

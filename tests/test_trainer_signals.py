@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from test_trainer_resume import scalars, train
+from helpers.trainer import scalars, train
 
 
 def test_sigterm_checkpoints_the_completed_step_and_next_attempt_resumes(tmp_path):

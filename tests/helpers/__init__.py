@@ -1,0 +1,12 @@
+"""Helpers the test modules share (no test module imports another): import them as `helpers.<module>`.
+
+* `waiting`: `wait_for` (poll a predicate) and `kill_stopped_or_running` (clean up started processes).
+* `trainer`: `train` (the bundled trainer as a subprocess), `scalars` (a run's TensorBoard scalars),
+  `resume_copy`, `same_steps` (the bit-for-bit comparison of resumed steps).
+* `events`: `write_segment` (contract-named event files written by TensorBoard's writer) and the
+  deterministic `value(tag, step)` they hold.
+* `cli`: `invoke` (the command line in this process: exit code, stdout, stderr) and `clean_env`.
+* `runs`: `copy_run` (a copy of the session's trained smoke run, for tests that only read one).
+
+See docs/testing.md.
+"""
