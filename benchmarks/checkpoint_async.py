@@ -47,7 +47,10 @@ def measure(recipe, async_save: bool, saves: int, every: int, window: int, direc
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, recipe.model.vocab_size, size=(t.global_batch, t.seq_len + 1), dtype=np.int32)
     host = {"input_ids": tokens[:, :-1].reshape(shape).copy(), "labels": tokens[:, 1:].reshape(shape).copy()}
-    batch = {k: jax.make_array_from_process_local_data(micro_batch_sharding(mesh), v, shape) for k, v in host.items()}
+    batch = {
+        k: jax.make_array_from_process_local_data(micro_batch_sharding(mesh), v, shape)
+        for k, v in host.items()
+    }
     ckpt = Checkpointer(directory, keep=2, async_save=async_save)
     meta = {"data": {"epoch": 1}, "note": "benchmark"}
 
@@ -79,9 +82,12 @@ def measure(recipe, async_save: bool, saves: int, every: int, window: int, direc
         hiccups.append((call, after))
     ckpt.close()
     step_s = statistics.median(quiet)
-    return {"step_s": step_s, "call_s": statistics.median(calls),
-            "hiccup_s": statistics.median(c + sum(a) - window * step_s for c, a in hiccups),
-            "window_s": statistics.median(c + sum(a) for c, a in hiccups)}
+    return {
+        "step_s": step_s,
+        "call_s": statistics.median(calls),
+        "hiccup_s": statistics.median(c + sum(a) - window * step_s for c, a in hiccups),
+        "window_s": statistics.median(c + sum(a) for c, a in hiccups),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for mode, flag in (("sync", False), ("async", True)):
             r = measure(recipe, flag, args.saves, args.every, args.window, os.path.join(root, mode))
-            print(f"{mode:5s} save: call blocks {r['call_s'] * 1e3:7.1f} ms, hiccup {r['hiccup_s'] * 1e3:7.1f} ms "
-                  f"(step {r['step_s'] * 1e3:.1f} ms; {args.window} steps after the save took "
-                  f"{r['window_s'] * 1e3:.1f} ms)")
+            print(
+                f"{mode:5s} save: call blocks {r['call_s'] * 1e3:7.1f} ms, hiccup {r['hiccup_s'] * 1e3:7.1f} ms "
+                f"(step {r['step_s'] * 1e3:.1f} ms; {args.window} steps after the save took "
+                f"{r['window_s'] * 1e3:.1f} ms)"
+            )
             out[f"{mode}_call_s"] = round(r["call_s"], 4)
             out[f"{mode}_hiccup_s"] = round(r["hiccup_s"], 4)
             out.setdefault("step_s", round(r["step_s"], 4))

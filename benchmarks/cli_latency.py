@@ -50,9 +50,16 @@ def main() -> int:
         env["XDG_CONFIG_HOME"] = tmp
         cases = {
             "olmo-ctl --help": ["--help"],
-            "olmo-ctl submit --stage 1 --device tpu7x-128 --dry-run":
-                ["submit", "--stage", "1", "--device", "tpu7x-128", "--dry-run", "--output-manifest",
-                 str(Path(tmp) / "jobset.yaml")],
+            "olmo-ctl submit --stage 1 --device tpu7x-128 --dry-run": [
+                "submit",
+                "--stage",
+                "1",
+                "--device",
+                "tpu7x-128",
+                "--dry-run",
+                "--output-manifest",
+                str(Path(tmp) / "jobset.yaml"),
+            ],
         }
         worst = 0.0
         for label, extra in cases.items():

@@ -75,17 +75,44 @@ def worker(ns) -> int:
     done.set()
     sampler.join()
     peak_anon[0] = max(peak_anon[0], _status_kib("RssAnon"))
-    print(json.dumps({"startup_s": round(startup, 3), "peak_rss_mib": round(_status_kib("VmHWM") / 1024, 1),
-                      "peak_anon_mib": round(peak_anon[0] / 1024, 1), "rows": [int(r[0]) for r in rows],
-                      "instances": len(ds)}))
+    print(
+        json.dumps(
+            {
+                "startup_s": round(startup, 3),
+                "peak_rss_mib": round(_status_kib("VmHWM") / 1024, 1),
+                "peak_anon_mib": round(peak_anon[0] / 1024, 1),
+                "rows": [int(r[0]) for r in rows],
+                "instances": len(ds),
+            }
+        )
+    )
     return 0
 
 
 def _spawn(ns, p: int) -> subprocess.Popen:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(p), "--processes", str(ns.processes),
-           "--instances", str(ns.instances), "--seq-len", str(ns.seq_len), "--global-batch", str(ns.global_batch),
-           "--seed", str(ns.seed), "--files", str(ns.files), "--dir", ns.dir]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        str(p),
+        "--processes",
+        str(ns.processes),
+        "--instances",
+        str(ns.instances),
+        "--seq-len",
+        str(ns.seq_len),
+        "--global-batch",
+        str(ns.global_batch),
+        "--seed",
+        str(ns.seed),
+        "--files",
+        str(ns.files),
+        "--dir",
+        ns.dir,
+    ]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    )
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -119,22 +146,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.monotonic()
         first = _collect([(_spawn(ns, 0), t0)])[0]
-        print(f"first attempt (computes and stores the order): {first['startup_s']:.2f} s, "
-              f"peak RSS {first['peak_rss_mib']:.0f} MiB (anonymous {first['peak_anon_mib']:.0f} MiB)")
+        print(
+            f"first attempt (computes and stores the order): {first['startup_s']:.2f} s, "
+            f"peak RSS {first['peak_rss_mib']:.0f} MiB (anonymous {first['peak_anon_mib']:.0f} MiB)"
+        )
         procs = []
         for p in range(ns.processes):
             procs.append((_spawn(ns, p), time.monotonic()))
         later = _collect(procs)
         for p, r in enumerate(later):
-            print(f"later attempt, process {p}/{ns.processes}: {r['startup_s']:.3f} s "
-                  f"({r['wall_s']:.2f} s with interpreter start), peak RSS {r['peak_rss_mib']:.0f} MiB")
+            print(
+                f"later attempt, process {p}/{ns.processes}: {r['startup_s']:.3f} s "
+                f"({r['wall_s']:.2f} s with interpreter start), peak RSS {r['peak_rss_mib']:.0f} MiB"
+            )
         if later[0]["rows"] != first["rows"] and ns.processes >= 1:
-            raise SystemExit(f"a later attempt read other rows than the first: {later[0]['rows']} != {first['rows']}")
+            raise SystemExit(
+                f"a later attempt read other rows than the first: {later[0]['rows']} != {first['rows']}"
+            )
         result = {
-            "instances": first["instances"], "processes": ns.processes,
-            "first_s": first["startup_s"], "first_peak_rss_mib": first["peak_rss_mib"],
+            "instances": first["instances"],
+            "processes": ns.processes,
+            "first_s": first["startup_s"],
+            "first_peak_rss_mib": first["peak_rss_mib"],
             "first_peak_anon_mib": first["peak_anon_mib"],
-            "next_s": max(r["startup_s"] for r in later), "next_wall_s": round(max(r["wall_s"] for r in later), 3),
+            "next_s": max(r["startup_s"] for r in later),
+            "next_wall_s": round(max(r["wall_s"] for r in later), 3),
             "next_rss_mib": max(r["peak_rss_mib"] for r in later),
         }
         print(json.dumps(result))

@@ -26,16 +26,31 @@ import sys
 import time
 
 DEFAULT_LAYERS = (32, 24, 16, 8, 4)
-TINY = ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=4", "model.head_dim=16",
-        "model.mlp_hidden=128", "model.vocab_size=500", "model.padded_vocab_size=512", "model.sliding_window=32",
-        "model.eos_token_id=1", "model.pad_token_id=2"]
+TINY = [
+    "model.n_layers=4",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=4",
+    "model.head_dim=16",
+    "model.mlp_hidden=128",
+    "model.vocab_size=500",
+    "model.padded_vocab_size=512",
+    "model.sliding_window=32",
+    "model.eos_token_id=1",
+    "model.pad_token_id=2",
+]
 
 
 def _recipe(layers: int, seq: int, batch: int, remat: str, attention: str, dry_run: bool):
     from olmo_ctl.core.recipe import load_recipe
 
-    sets = [f"train.seq_len={seq}", f"train.global_batch={batch}", f"train.max_per_device_batch={batch}",
-            f"model.remat={remat}", f"model.attention={attention}"]
+    sets = [
+        f"train.seq_len={seq}",
+        f"train.global_batch={batch}",
+        f"train.max_per_device_batch={batch}",
+        f"model.remat={remat}",
+        f"model.attention={attention}",
+    ]
     if dry_run:
         sets = TINY + sets
     r = load_recipe(stage=1, overrides=sets)
@@ -80,11 +95,21 @@ def run_one(recipe, steps: int) -> dict:
     step_s = (time.perf_counter() - t0) / steps
     tokens_per_s = t.global_batch * t.seq_len / step_s
     device = get_device("gpu-1" if platform == "gpu" else "cpu-1")
-    out = {"device": device.name, "device_kind": dev.device_kind, "platform": platform,
-           "attention": attn_lib.resolve(m.attention), "n_layers": m.n_layers, "seq_len": t.seq_len,
-           "batch": t.global_batch, "remat": m.remat, "compile_s": round(compile_s, 2), "steps": steps,
-           "step_s": round(step_s, 4), "tokens_per_s": round(tokens_per_s, 1),
-           "loss": float(metrics["ce"])}
+    out = {
+        "device": device.name,
+        "device_kind": dev.device_kind,
+        "platform": platform,
+        "attention": attn_lib.resolve(m.attention),
+        "n_layers": m.n_layers,
+        "seq_len": t.seq_len,
+        "batch": t.global_batch,
+        "remat": m.remat,
+        "compile_s": round(compile_s, 2),
+        "steps": steps,
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(tokens_per_s, 1),
+        "loss": float(metrics["ce"]),
+    }
     for formula in ("olmo_core", "maxtext"):
         tf = flops_lib.tflops_per_device(tokens_per_s, flops_lib.flops_per_token(m, t.seq_len, formula))
         out[f"tflops_per_device_{formula}"] = round(tf, 2)
@@ -97,12 +122,18 @@ def run_one(recipe, steps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="tiny model on the CPU: build, compile, run one step")
-    ap.add_argument("--layers", type=int, action="append", help=f"layer counts to try (default {DEFAULT_LAYERS})")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="tiny model on the CPU: build, compile, run one step"
+    )
+    ap.add_argument(
+        "--layers", type=int, action="append", help=f"layer counts to try (default {DEFAULT_LAYERS})"
+    )
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=1, help="sequences per step (one device)")
     ap.add_argument("--remat", default="full", choices=("none", "save_proj", "full"))
-    ap.add_argument("--attention", default="auto", choices=("auto", "cudnn", "blocked", "reference", "splash"))
+    ap.add_argument(
+        "--attention", default="auto", choices=("auto", "cudnn", "blocked", "reference", "splash")
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--all", action="store_true", help="try every layer count, not only until one fits")
     args = ap.parse_args(argv)
@@ -120,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - an out-of-memory is a result: try fewer layers
             if not _is_oom(e):
                 raise
-            row = {"n_layers": n, "seq_len": seq, "batch": args.batch, "remat": args.remat, "fits": False,
-                   "error": str(e).strip().splitlines()[0][:300]}
+            row = {
+                "n_layers": n,
+                "seq_len": seq,
+                "batch": args.batch,
+                "remat": args.remat,
+                "fits": False,
+                "error": str(e).strip().splitlines()[0][:300],
+            }
         row["dry_run"] = args.dry_run
         print(json.dumps(row), flush=True)
         if row["fits"] and best is None:

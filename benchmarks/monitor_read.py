@@ -42,8 +42,16 @@ T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 def _values(step: int) -> list[float]:
     loss = 2.2 + 8.5 * math.exp(-step / 3000.0) + 0.02 * math.sin(step * 0.37)
     lr = 3e-4 * min(1.0, step / 2000) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / FULL_STEPS)))
-    return [loss, math.exp(loss), 1e-5 * 11.0**2, 0.3 + 0.05 * math.cos(step), lr, 0.0,
-            float(step * TOKENS_PER_STEP), 10_700.0 + 50 * math.sin(step * 0.01)]
+    return [
+        loss,
+        math.exp(loss),
+        1e-5 * 11.0**2,
+        0.3 + 0.05 * math.cos(step),
+        lr,
+        0.0,
+        float(step * TOKENS_PER_STEP),
+        10_700.0 + 50 * math.sin(step * 0.01),
+    ]
 
 
 def write_segment(tb_dir: Path, first: int, last: int, attempt: int, segment: int) -> None:
@@ -51,9 +59,12 @@ def write_segment(tb_dir: Path, first: int, last: int, attempt: int, segment: in
     from tensorboard.compat.proto import event_pb2, summary_pb2
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-    w = EventFileWriter(str(tb_dir), max_queue_size=1000, flush_secs=30,
-                        filename_suffix=f".a{attempt:04d}.s{segment:05d}")
-    ev = event_pb2.Event(summary=summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag="", simple_value=0.0)]))
+    w = EventFileWriter(
+        str(tb_dir), max_queue_size=1000, flush_secs=30, filename_suffix=f".a{attempt:04d}.s{segment:05d}"
+    )
+    ev = event_pb2.Event(
+        summary=summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag="", simple_value=0.0)])
+    )
     val = ev.summary.value[0]
     for step in range(first, last + 1):
         ev.step = step
@@ -73,7 +84,9 @@ def generate(run_dir: Path, steps: int) -> None:
     tb = run_dir / "tensorboard"
     tb.mkdir(parents=True)
     t = time.time()
-    print(f"generating {steps:,} steps x {len(TAGS)} tags in {run_dir} (cached for later runs)...", flush=True)
+    print(
+        f"generating {steps:,} steps x {len(TAGS)} tags in {run_dir} (cached for later runs)...", flush=True
+    )
     write_segment(tb, 1, steps, attempt=1, segment=0)
     marker.write_text(f"{steps}\n")
     print(f"  generated in {time.time() - t:.0f} s", flush=True)
@@ -81,8 +94,19 @@ def generate(run_dir: Path, steps: int) -> None:
 
 def time_monitor(run_dir: Path) -> tuple[float, dict]:
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", "from olmo_ctl.cli import entry; entry()", "monitor", str(run_dir), "-o", "json"],
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from olmo_ctl.cli import entry; entry()",
+            "monitor",
+            str(run_dir),
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     dt = time.perf_counter() - t
     if p.returncode != 0:
         raise SystemExit(f"monitor failed ({p.returncode}): {p.stderr.strip()}")

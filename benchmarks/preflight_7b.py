@@ -43,8 +43,10 @@ def main() -> int:
     args = ap.parse_args()
     base = load_recipe(stage=1)
     rows = []
-    head = ("| device | remat | head dim | batch/dev x accum | args GiB | temps GiB | peak GiB | HBM GiB | fits |"
-            " XLA TFLOP/step | formula TFLOP/step | XLA/formula | compile s |")
+    head = (
+        "| device | remat | head dim | batch/dev x accum | args GiB | temps GiB | peak GiB | HBM GiB | fits |"
+        " XLA TFLOP/step | formula TFLOP/step | XLA/formula | compile s |"
+    )
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     for dev_name, remat, hd, batch, gb in CASES:
@@ -53,17 +55,25 @@ def main() -> int:
         recipe = base
         if gb:
             recipe = dataclasses.replace(base, train=dataclasses.replace(base.train, global_batch=gb))
-        r = run_preflight(recipe, get_device(dev_name), remat=remat, head_dim=hd, per_device_batch=batch,
-                          use_cache=not args.no_cache)
+        r = run_preflight(
+            recipe,
+            get_device(dev_name),
+            remat=remat,
+            head_dim=hd,
+            per_device_batch=batch,
+            use_cache=not args.no_cache,
+        )
         rows.append(r.to_dict())
         xla = f"{r.xla_flops_per_step / 1e12:,.0f}" if r.xla_flops_per_step else "-"
         ratio = f"{r.xla_vs_formula:.3f}" if r.xla_vs_formula else "-"
         fits = "yes" if r.fits else f"no ({r.shortfall_gib:.1f} GiB over)"
-        print(f"| {dev_name} | {remat} | {hd} | {r.per_device_batch} x {r.grad_accum} |"
-              f" {r.argument_bytes_per_device / GIB:.2f} | {r.temp_bytes_per_device / GIB:.2f} |"
-              f" {r.peak_gib:.2f} | {r.hbm_bytes_per_device / GIB:.0f} | {fits} | {xla} |"
-              f" {r.formula_flops_per_step / 1e12:,.0f} | {ratio} | {r.compile_s:.0f}{' (cached)' if r.cached else ''} |",
-              flush=True)
+        print(
+            f"| {dev_name} | {remat} | {hd} | {r.per_device_batch} x {r.grad_accum} |"
+            f" {r.argument_bytes_per_device / GIB:.2f} | {r.temp_bytes_per_device / GIB:.2f} |"
+            f" {r.peak_gib:.2f} | {r.hbm_bytes_per_device / GIB:.0f} | {fits} | {xla} |"
+            f" {r.formula_flops_per_step / 1e12:,.0f} | {ratio} | {r.compile_s:.0f}{' (cached)' if r.cached else ''} |",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

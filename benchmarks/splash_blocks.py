@@ -43,10 +43,12 @@ def main() -> None:
         for blk in (int(b) for b in args.blocks.split(",")):
             blocks = (blk, blk, min(args.compute, blk))
             for window in (4096, None):
+
                 def f(q, k, v, window=window, blocks=blocks):
                     def loss(q, k, v):
                         o = A.splash_attention(q, k, v, window=window, blocks=blocks, interpret=False)
                         return jnp.sum(o.astype(jnp.float32))
+
                     return jax.grad(loss, (0, 1, 2))(q, k, v)
 
                 row = {"topology": topo_name, "generation": gen, "blocks": list(blocks), "window": window}

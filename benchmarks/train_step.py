@@ -44,8 +44,10 @@ def _devices_from_argv(argv: list[str]) -> int:
 # The device count must be set before jax is imported: the trainer's step runs on cpu-N, N host devices
 # (one per core by default), as PyTorch's eager kernels use every core through their intra-op threads.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={_devices_from_argv(sys.argv)}").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count={_devices_from_argv(sys.argv)}"
+    ).strip()
 
 
 def ours(recipe, tokens):
@@ -68,8 +70,10 @@ def ours(recipe, tokens):
     accum = plan.grad_accum
     shape = (accum, t.global_batch // accum, t.seq_len)
     shard = micro_batch_sharding(mesh)
-    batch = {"input_ids": np.ascontiguousarray(tokens[:, :-1]).reshape(shape),
-             "labels": np.ascontiguousarray(tokens[:, 1:]).reshape(shape)}
+    batch = {
+        "input_ids": np.ascontiguousarray(tokens[:, :-1]).reshape(shape),
+        "labels": np.ascontiguousarray(tokens[:, 1:]).reshape(shape),
+    }
     batch = {k: jax.make_array_from_process_local_data(shard, v, shape) for k, v in batch.items()}
     box = [state]
 
@@ -103,8 +107,12 @@ def reference(recipe, tokens):
     model = Olmo3ForCausalLM(cfg).train()
     decay = [p for n, p in model.named_parameters() if "embed_tokens" not in n]
     no_decay = [p for n, p in model.named_parameters() if "embed_tokens" in n]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=o.lr, betas=o.betas, eps=o.eps)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr,
+        betas=o.betas,
+        eps=o.eps,
+    )
     x = torch.from_numpy(tokens[:, :-1]).long()
     y = torch.from_numpy(tokens[:, 1:]).long()
 
@@ -137,29 +145,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--set", action="append", default=[], dest="overrides")
-    ap.add_argument("--devices", type=int, default=os.cpu_count() or 1,
-                    help="host CPU devices of the trainer's step (cpu-N; default: one per core)")
+    ap.add_argument(
+        "--devices",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="host CPU devices of the trainer's step (cpu-N; default: one per core)",
+    )
     args = ap.parse_args(argv)
     recipe = load_recipe(args.recipe, overrides=args.overrides)
     m, t = recipe.model, recipe.train
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, m.vocab_size, size=(t.global_batch, t.seq_len + 1), dtype=np.int32)
-    print(f"{recipe.name}: {m.n_layers} layers, d_model {m.d_model}, batch {t.global_batch} x {t.seq_len} tokens, "
-          f"{m.compute_dtype} compute, attention {m.attention}, {args.steps} steps x {args.repeats}, CPU; "
-          f"ours on cpu-{__import__('jax').device_count()}, PyTorch with {__import__('torch').get_num_threads()} threads")
+    print(
+        f"{recipe.name}: {m.n_layers} layers, d_model {m.d_model}, batch {t.global_batch} x {t.seq_len} tokens, "
+        f"{m.compute_dtype} compute, attention {m.attention}, {args.steps} steps x {args.repeats}, CPU; "
+        f"ours on cpu-{__import__('jax').device_count()}, PyTorch with {__import__('torch').get_num_threads()} threads"
+    )
     runners = {"ours": ours(recipe, tokens), "reference": reference(recipe, tokens)}
     best = {k: float("inf") for k in runners}
     for _ in range(args.repeats):  # interleaved, so a change in the machine's load hits both sides
         for k, run in runners.items():
             best[k] = min(best[k], run(args.steps))
     a, b = (t.global_batch * t.seq_len * args.steps / best[k] for k in ("ours", "reference"))
-    print(f"ours (trainer step, jax.jit)  {a:10.0f} tokens/s  ({best['ours'] / args.steps * 1e3:.1f} ms/step)")
-    print(f"HF Olmo3 (torch eager)        {b:10.0f} tokens/s  ({best['reference'] / args.steps * 1e3:.1f} ms/step)")
+    print(
+        f"ours (trainer step, jax.jit)  {a:10.0f} tokens/s  ({best['ours'] / args.steps * 1e3:.1f} ms/step)"
+    )
+    print(
+        f"HF Olmo3 (torch eager)        {b:10.0f} tokens/s  ({best['reference'] / args.steps * 1e3:.1f} ms/step)"
+    )
     print(f"ratio                         {a / b:10.2f}x")
     import jax
 
-    print(json.dumps({"recipe": recipe.name, "device": f"cpu-{jax.device_count()}", "ours_tokens_s": round(a),
-                      "reference_tokens_s": round(b), "ratio": round(a / b, 3)}))
+    print(
+        json.dumps(
+            {
+                "recipe": recipe.name,
+                "device": f"cpu-{jax.device_count()}",
+                "ours_tokens_s": round(a),
+                "reference_tokens_s": round(b),
+                "ratio": round(a / b, 3),
+            }
+        )
+    )
     return 0
 
 

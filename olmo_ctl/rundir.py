@@ -44,9 +44,26 @@ from olmo_ctl.storage import NotFound, PreconditionFailed
 COMMIT_MARKER = "commit_success.txt"  # Orbax's commit file (atomicity_types.COMMIT_SUCCESS_FILE)
 _STEP_DIR = re.compile(r"^(\d+)$")
 JOURNAL_EVENTS = (
-    "submitted", "queued", "admitted", "running", "preempted", "failed", "succeeded", "resized", "stalled",
-    "resize_requested", "supervisor_started", "supervisor_detached", "supervisor_stopped", "reattached",
-    "backoff", "gave_up", "done", "stopped", "lease_lost", "versions_changed",
+    "submitted",
+    "queued",
+    "admitted",
+    "running",
+    "preempted",
+    "failed",
+    "succeeded",
+    "resized",
+    "stalled",
+    "resize_requested",
+    "supervisor_started",
+    "supervisor_detached",
+    "supervisor_stopped",
+    "reattached",
+    "backoff",
+    "gave_up",
+    "done",
+    "stopped",
+    "lease_lost",
+    "versions_changed",
 )
 
 
@@ -77,7 +94,9 @@ class LeaseHeld(OlmoCtlError):
 
 class LeaseLost(OlmoCtlError):
     def __init__(self, run: str, detail: str):
-        super().__init__(f"lost the lease on run `{run}`: {detail}", "another supervisor took over; this one stops", 2)
+        super().__init__(
+            f"lost the lease on run `{run}`: {detail}", "another supervisor took over; this one stops", 2
+        )
 
 
 @dataclass
@@ -95,7 +114,10 @@ def _this_holder() -> tuple[str, dict]:
     host = socket.gethostname()
     pid = os.getpid()
     return f"{os.environ.get('USER', 'user')}@{host} pid {pid}", {
-        "host": host, "pid": pid, "pid_start": proc_start_time(pid), "token": uuid.uuid4().hex[:12],
+        "host": host,
+        "pid": pid,
+        "pid_start": proc_start_time(pid),
+        "token": uuid.uuid4().hex[:12],
         "boot_id": boot_id(),
     }
 
@@ -118,7 +140,7 @@ def proc_start_time(pid: int) -> str | None:
             data = f.read()
     except OSError:
         return None
-    rest = data[data.rfind(")") + 2:].split()
+    rest = data[data.rfind(")") + 2 :].split()
     if not rest or rest[0] in ("Z", "X"):
         return None
     return rest[19] if len(rest) > 19 else None
@@ -192,8 +214,10 @@ class RunDir:
                 raise NotFound(path)
             text = self.store.read_bytes(path).decode()
         except NotFound:
-            raise BadInput(f"run `{self.name}` does not exist at {self.path}",
-                           "create it with `olmo-ctl submit` or `resume-until-done --recipe ...`") from None
+            raise BadInput(
+                f"run `{self.name}` does not exist at {self.path}",
+                "create it with `olmo-ctl submit` or `resume-until-done --recipe ...`",
+            ) from None
         except IsADirectoryError:
             raise BadInput(f"`{path}` is a directory, not a run description", hint) from None
         except UnicodeDecodeError:
@@ -207,8 +231,15 @@ class RunDir:
             raise BadInput(f"`{path}` is not a run description (no `recipe:` mapping)", hint)
         return d, info.generation
 
-    def check_versions(self, current: dict, *, attempt: int | None = None, restoring: bool = False,
-                       allow_change: bool = False, write: bool = True) -> str | None:
+    def check_versions(
+        self,
+        current: dict,
+        *,
+        attempt: int | None = None,
+        restoring: bool = False,
+        allow_change: bool = False,
+        write: bool = True,
+    ) -> str | None:
         """Compare the versions this attempt runs with (`core.versions.installed()`) with run.yaml's.
 
         No record yet: record these (the first attempt's). The same: nothing. Different: one
@@ -231,27 +262,43 @@ class RunDir:
             line = f"versions changed since the run's last attempt: {versions.describe(diff)}"
             if blocked and not allow_change:
                 if write:
-                    self.append("versions_changed", attempt=attempt, reason=line, refused=True,
-                                versions=current, previous=recorded)
+                    self.append(
+                        "versions_changed",
+                        attempt=attempt,
+                        reason=line,
+                        refused=True,
+                        versions=current,
+                        previous=recorded,
+                    )
                 name, old, new = blocked[0]
                 raise BadInput(
                     f"run `{self.name}`: {line}; checkpoints written with {name} {old or 'none'} may not read "
                     f"with {new or 'none'}",
                     "install the run's versions (pip install -c constraints.txt, or the image built from it), "
-                    "or pass --allow-version-change to restore anyway")
+                    "or pass --allow-version-change to restore anyway",
+                )
             if blocked:
                 line += "; restoring anyway (--allow-version-change)"
             if not write:
                 return line if diff else None
             try:
-                self.store.write_text(self.p("run.yaml"), yaml.safe_dump({**doc, "versions": current}, sort_keys=False),
-                                      if_generation_match=gen)
+                self.store.write_text(
+                    self.p("run.yaml"),
+                    yaml.safe_dump({**doc, "versions": current}, sort_keys=False),
+                    if_generation_match=gen,
+                )
             except PreconditionFailed:
                 continue  # another attempt recorded first: compare with what it wrote
             if not diff:
                 return None  # the first record
-            self.append("versions_changed", attempt=attempt, reason=line, versions=current, previous=recorded,
-                        allowed=bool(blocked) or None)
+            self.append(
+                "versions_changed",
+                attempt=attempt,
+                reason=line,
+                versions=current,
+                previous=recorded,
+                allowed=bool(blocked) or None,
+            )
             return line
         raise OlmoCtlError(f"could not update `{self.p('run.yaml')}`: it kept changing under us", exit_code=3)
 
@@ -259,19 +306,28 @@ class RunDir:
         """The run's resolved recipe, from run.yaml (the one place run.yaml becomes a Recipe)."""
         return run_recipe(self.read_run(), self.p("run.yaml"), overrides)
 
-    def create_run(self, recipe_dict: dict, recipe_fingerprint: str, data_fingerprint: str, device: str,
-                   slices: int = 1) -> dict:
+    def create_run(
+        self, recipe_dict: dict, recipe_fingerprint: str, data_fingerprint: str, device: str, slices: int = 1
+    ) -> dict:
         """Write run.yaml once (a create-only conditional write: two racing creators cannot both win).
         `slices`: slices of `device` the run starts on (recorded with the device)."""
         doc = {
-            "run": self.name, "created": utc_now_iso(), "recipe": recipe_dict,
-            "recipe_fingerprint": recipe_fingerprint, "data_fingerprint": data_fingerprint, "device": device,
+            "run": self.name,
+            "created": utc_now_iso(),
+            "recipe": recipe_dict,
+            "recipe_fingerprint": recipe_fingerprint,
+            "data_fingerprint": data_fingerprint,
+            "device": device,
             "slices": slices,
         }
         try:
-            self.store.write_text(self.p("run.yaml"), yaml.safe_dump(doc, sort_keys=False), if_generation_match=0)
+            self.store.write_text(
+                self.p("run.yaml"), yaml.safe_dump(doc, sort_keys=False), if_generation_match=0
+            )
         except PreconditionFailed:
-            raise BadInput(f"run `{self.name}` was created concurrently", "run the command again to continue it") from None
+            raise BadInput(
+                f"run `{self.name}` was created concurrently", "run the command again to continue it"
+            ) from None
         return doc
 
     def check_matches(self, recipe_fingerprint: str, data_fingerprint: str | None, recipe=None) -> None:
@@ -304,11 +360,26 @@ class RunDir:
 
     # ------------------------------------------------------------------ journal
 
-    def append(self, event: str, *, attempt: int | None = None, device: str | None = None, reason: str = "",
-               committed_step: int | None = None, t: float | None = None, fence: Lease | None = None,
-               **extra: Any) -> dict:
-        rec = {"time": utc_now_iso(t), "event": event, "attempt": attempt, "device": device, "reason": reason,
-               "committed_step": committed_step}
+    def append(
+        self,
+        event: str,
+        *,
+        attempt: int | None = None,
+        device: str | None = None,
+        reason: str = "",
+        committed_step: int | None = None,
+        t: float | None = None,
+        fence: Lease | None = None,
+        **extra: Any,
+    ) -> dict:
+        rec = {
+            "time": utc_now_iso(t),
+            "event": event,
+            "attempt": attempt,
+            "device": device,
+            "reason": reason,
+            "committed_step": committed_step,
+        }
         rec.update({k: v for k, v in extra.items() if v is not None})
         line = json.dumps(rec, default=str) + "\n"
         path = self.p("journal.jsonl")
@@ -357,7 +428,9 @@ class RunDir:
         return subs[-1] if subs else None
 
     def next_attempt_number(self) -> int:
-        nums = [int(r["attempt"]) for r in self.journal() if r.get("event") == "submitted" and r.get("attempt")]
+        nums = [
+            int(r["attempt"]) for r in self.journal() if r.get("event") == "submitted" and r.get("attempt")
+        ]
         return max(nums, default=0) + 1
 
     # ------------------------------------------------------------------ checkpoints
@@ -389,7 +462,7 @@ class RunDir:
         base = ckpt.rstrip("/") + "/"
         steps = set()
         for o in self.store.find(ckpt, match_glob=f"*/{COMMIT_MARKER}"):
-            step_dir = o.path[len(base):].split("/")[0]
+            step_dir = o.path[len(base) :].split("/")[0]
             if _STEP_DIR.match(step_dir):
                 steps.add(int(step_dir))
         return sorted(steps)
@@ -415,9 +488,15 @@ class RunDir:
 
     # ------------------------------------------------------------------ lease
 
-    def acquire_lease(self, ttl_s: float = 120.0, now: float | None = None, *,
-                      monotonic: Callable[[], float] = time.monotonic,
-                      sleep: Callable[[float], None] = time.sleep, say: Callable[[str], None] | None = None) -> Lease:
+    def acquire_lease(
+        self,
+        ttl_s: float = 120.0,
+        now: float | None = None,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        say: Callable[[str], None] | None = None,
+    ) -> Lease:
         """Take the run's lease, or raise LeaseHeld naming the live holder.
 
         A lease is free when absent, released, or held by a process that provably ran on this machine
@@ -442,22 +521,34 @@ class RunDir:
                 if now - float(cur.get("heartbeat_unix", 0)) <= ttl:
                     raise LeaseHeld(self.name, cur)
                 if say:
-                    say(f"the lease of {cur.get('holder', '?')} looks expired; watching it for {ttl:.0f} s "
-                        "before taking it over (clocks are not trusted)")
+                    say(
+                        f"the lease of {cur.get('holder', '?')} looks expired; watching it for {ttl:.0f} s "
+                        "before taking it over (clocks are not trusted)"
+                    )
                 if not self._unchanged_for(path, gen, ttl, monotonic, sleep):
                     raise LeaseHeld(self.name, json.loads(self.store.read_text(path) or "{}"))
         holder, proc = _this_holder()
         t = utc_now_iso(now)
         epoch = int(cur.get("epoch", 0)) + 1
-        doc = {"holder": holder, "process": proc, "acquired": t, "heartbeat": t, "heartbeat_unix": now,
-               "ttl_s": ttl_s, "released": False, "epoch": epoch,
-               "reserved_attempt": int(cur.get("reserved_attempt", 0))}
+        doc = {
+            "holder": holder,
+            "process": proc,
+            "acquired": t,
+            "heartbeat": t,
+            "heartbeat_unix": now,
+            "ttl_s": ttl_s,
+            "released": False,
+            "epoch": epoch,
+            "reserved_attempt": int(cur.get("reserved_attempt", 0)),
+        }
         try:
             new_gen = self.store.write_text(path, json.dumps(doc, indent=1), if_generation_match=gen)
         except PreconditionFailed:
             cur = json.loads(self.store.read_text(path) or "{}")
             raise LeaseHeld(self.name, cur) from None
-        return Lease(holder=holder + " " + proc["token"], generation=new_gen, ttl_s=ttl_s, acquired=t, epoch=epoch)
+        return Lease(
+            holder=holder + " " + proc["token"], generation=new_gen, ttl_s=ttl_s, acquired=t, epoch=epoch
+        )
 
     def _unchanged_for(self, path: str, gen: int, seconds: float, monotonic, sleep) -> bool:
         """True when `path` still has generation `gen` after `seconds` of our own clock."""
@@ -486,8 +577,9 @@ class RunDir:
         now = time.time() if now is None else now
         cur.update(reserved_attempt=n, heartbeat=utc_now_iso(now), heartbeat_unix=now)
         try:
-            lease.generation = self.store.write_text(path, json.dumps(cur, indent=1),
-                                                     if_generation_match=lease.generation)
+            lease.generation = self.store.write_text(
+                path, json.dumps(cur, indent=1), if_generation_match=lease.generation
+            )
         except PreconditionFailed:
             raise LeaseLost(self.name, f"now held by {cur.get('holder', '?')}") from None
         return n
@@ -500,8 +592,9 @@ class RunDir:
             raise LeaseLost(self.name, "lease.json was deleted") from None
         cur.update(heartbeat=utc_now_iso(now), heartbeat_unix=now, released=released)
         try:
-            lease.generation = self.store.write_text(path, json.dumps(cur, indent=1),
-                                                     if_generation_match=lease.generation)
+            lease.generation = self.store.write_text(
+                path, json.dumps(cur, indent=1), if_generation_match=lease.generation
+            )
         except PreconditionFailed:
             raise LeaseLost(self.name, f"now held by {cur.get('holder', '?')}") from None
 
@@ -527,7 +620,9 @@ class RunDir:
         """Ask the run's supervisor to checkpoint, stop and continue on `device` (same global batch)."""
         doc = {"device": device, "reason": reason, "time": utc_now_iso(), "id": uuid.uuid4().hex[:8]}
         self.store.write_text(self.p("resize.json"), json.dumps(doc))
-        self.append("resize_requested", device=device, reason=reason or f"resize to {device}", request=doc["id"])
+        self.append(
+            "resize_requested", device=device, reason=reason or f"resize to {device}", request=doc["id"]
+        )
         return doc
 
     def pending_resize(self) -> dict | None:

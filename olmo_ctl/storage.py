@@ -38,13 +38,17 @@ class PermissionDenied(OlmoCtlError):
     """GCS refused an identity an operation (403): deterministic, so exit 2, naming who lacked what where."""
 
     def __init__(self, identity: str | None, permission: str | None, bucket: str | None, detail: str = ""):
-        who = identity or "this process's identity (unknown: no service-account email in the error or metadata)"
+        who = (
+            identity or "this process's identity (unknown: no service-account email in the error or metadata)"
+        )
         what = permission or "the needed permission"
         where = f"bucket gs://{bucket}" if bucket else "the bucket"
         super().__init__(
             f"GCS denied {what} on {where} to {who}" + (f" ({detail})" if detail else ""),
             f"grant {who if identity else 'that identity'} a role with {what} on {where} (e.g. roles/storage.objectUser); "
-            "pods on hostNetwork run as the node's service account, not through Workload Identity", 2)
+            "pods on hostNetwork run as the node's service account, not through Workload Identity",
+            2,
+        )
         self.identity, self.permission, self.bucket = identity, permission, bucket
 
     @classmethod
@@ -54,9 +58,13 @@ class PermissionDenied(OlmoCtlError):
 
 _WHO_LACKS = re.compile(r"([\w.+-]+@[\w.-]+) does not have ([\w.]+) access", re.IGNORECASE)
 _PERMISSION = re.compile(r"Permission '?([a-z]+\.[a-zA-Z]+\.[a-zA-Z]+)'? denied", re.IGNORECASE)
-_BUCKET = re.compile(r"gs://([a-z0-9][a-z0-9._-]*)|/b/([a-z0-9][a-z0-9._-]*)(?:/|\b)|\bbucket[ \"':]+([a-z0-9][a-z0-9._-]*)",
-                     re.IGNORECASE)
-_FORBIDDEN = re.compile(r"\b403\b|PERMISSION_DENIED|Forbidden|AccessDenied|does not have storage\.", re.IGNORECASE)
+_BUCKET = re.compile(
+    r"gs://([a-z0-9][a-z0-9._-]*)|/b/([a-z0-9][a-z0-9._-]*)(?:/|\b)|\bbucket[ \"':]+([a-z0-9][a-z0-9._-]*)",
+    re.IGNORECASE,
+)
+_FORBIDDEN = re.compile(
+    r"\b403\b|PERMISSION_DENIED|Forbidden|AccessDenied|does not have storage\.", re.IGNORECASE
+)
 
 
 def describe_permission_error(exc: BaseException, url: str | None = None) -> PermissionDenied | None:
@@ -91,7 +99,8 @@ def _metadata_identity() -> str | None:
 
     req = urllib.request.Request(
         "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/email",
-        headers={"Metadata-Flavor": "Google"})
+        headers={"Metadata-Flavor": "Google"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=1.0) as r:  # noqa: S310 - a fixed http URL on the VM
             return r.read().decode().strip() or None
@@ -139,16 +148,21 @@ class Store(abc.ABC):
     def delete(self, path: str) -> None: ...
 
     # (`list` is a method here: the built-in is spelled builtins.list below it)
-    def find(self, prefix: str, match_glob: str | None = None,
-             start_offset: str = "") -> builtins.list[ObjectInfo]:
+    def find(
+        self, prefix: str, match_glob: str | None = None, start_offset: str = ""
+    ) -> builtins.list[ObjectInfo]:
         """Every object below directory `prefix` whose name relative to it matches `match_glob`
         (`*` stops at `/`, `**` does not) and sorts at or after `start_offset`. On GCS both
         filters are applied by the server (one listing, however many other objects there are)."""
         files, _ = self.list(prefix, recursive=True)
         base = str(prefix).rstrip("/") + "/"
         pattern = _glob_regex(match_glob) if match_glob else None
-        return [o for o in files if o.path[len(base):] >= start_offset
-                and (pattern is None or pattern.fullmatch(o.path[len(base):]))]
+        return [
+            o
+            for o in files
+            if o.path[len(base) :] >= start_offset
+            and (pattern is None or pattern.fullmatch(o.path[len(base) :]))
+        ]
 
     def exists(self, path: str) -> bool:
         return self.stat(path) is not None
@@ -270,7 +284,7 @@ class LocalStore(Store):
 
 
 def split_gcs(url: str) -> tuple[str, str]:
-    rest = url[len("gs://"):]
+    rest = url[len("gs://") :]
     bucket, _, name = rest.partition("/")
     if not bucket:
         raise BadInput(f"`{url}` has no bucket", "write gs://BUCKET/path")
@@ -327,7 +341,8 @@ class GCSStore(Store):
             return b""
         # download_as_bytes' `end` is inclusive.
         return self._call(
-            path, lambda: self._blob(path).download_as_bytes(start=start, end=None if end is None else end - 1)
+            path,
+            lambda: self._blob(path).download_as_bytes(start=start, end=None if end is None else end - 1),
         )
 
     def write_bytes(self, path: str, data: bytes, if_generation_match: int | None = None) -> int:
@@ -355,14 +370,17 @@ class GCSStore(Store):
 
         def ls():
             it = self._client.list_blobs(bucket, prefix=name, delimiter=None if recursive else "/")
-            files = [ObjectInfo(f"gs://{bucket}/{b.name}", int(b.size or 0), int(b.generation or 0)) for b in it]
+            files = [
+                ObjectInfo(f"gs://{bucket}/{b.name}", int(b.size or 0), int(b.generation or 0)) for b in it
+            ]
             dirs = sorted(f"gs://{bucket}/{p}" for p in it.prefixes)
             return files, dirs
 
         return self._call(prefix, ls)
 
-    def find(self, prefix: str, match_glob: str | None = None,
-             start_offset: str = "") -> builtins.list[ObjectInfo]:
+    def find(
+        self, prefix: str, match_glob: str | None = None, start_offset: str = ""
+    ) -> builtins.list[ObjectInfo]:
         bucket, name = split_gcs(prefix)
         if name and not name.endswith("/"):
             name += "/"
@@ -371,15 +389,21 @@ class GCSStore(Store):
             kw = {"match_glob": name + match_glob} if match_glob else {}
             if start_offset:
                 kw["start_offset"] = name + start_offset
-            return [ObjectInfo(f"gs://{bucket}/{b.name}", int(b.size or 0), int(b.generation or 0))
-                    for b in self._client.list_blobs(bucket, prefix=name, **kw)]
+            return [
+                ObjectInfo(f"gs://{bucket}/{b.name}", int(b.size or 0), int(b.generation or 0))
+                for b in self._client.list_blobs(bucket, prefix=name, **kw)
+            ]
 
         found = self._call(prefix, ls)
         # Applied here as well: an emulator may ignore matchGlob.
         pattern = _glob_regex(match_glob) if match_glob else None
         base = f"gs://{bucket}/{name}"
-        return [o for o in found if o.path[len(base):] >= start_offset
-                and (pattern is None or pattern.fullmatch(o.path[len(base):]))]
+        return [
+            o
+            for o in found
+            if o.path[len(base) :] >= start_offset
+            and (pattern is None or pattern.fullmatch(o.path[len(base) :]))
+        ]
 
     def delete(self, path: str) -> None:
         try:

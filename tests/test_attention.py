@@ -21,8 +21,12 @@ CASES = [
 
 def _qkv(B, T, H, KV, D, seed=0):
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    return (jax.random.normal(ks[0], (B, T, H, D)), jax.random.normal(ks[1], (B, T, KV, D)),
-            jax.random.normal(ks[2], (B, T, KV, D)), jax.random.normal(ks[3], (B, T, H, D)))
+    return (
+        jax.random.normal(ks[0], (B, T, H, D)),
+        jax.random.normal(ks[1], (B, T, KV, D)),
+        jax.random.normal(ks[2], (B, T, KV, D)),
+        jax.random.normal(ks[3], (B, T, H, D)),
+    )
 
 
 @pytest.mark.parametrize("B,T,H,KV,D,window,block", CASES)
@@ -62,8 +66,9 @@ def test_window_semantics(impl):
     base = A.attend(q, k, v, window=W, impl=impl, block=16)
     j = 10
     v2 = v.at[:, j].add(1.0)
-    changed = np.asarray(jnp.any(jnp.abs(A.attend(q, k, v2, window=W, impl=impl, block=16) - base) > 1e-6,
-                                 axis=(0, 2, 3)))
+    changed = np.asarray(
+        jnp.any(jnp.abs(A.attend(q, k, v2, window=W, impl=impl, block=16) - base) > 1e-6, axis=(0, 2, 3))
+    )
     assert list(np.nonzero(changed)[0]) == list(range(j, j + W))
 
 
@@ -88,7 +93,9 @@ def test_blocked_never_builds_full_score_matrix():
     walk(jaxpr.jaxpr)
     assert max(sizes) < 2 * T * T  # one head's full score matrix would be 2 x T x T here
     ref = jax.make_jaxpr(lambda q, k, v: A.attend(q, k, v, window=None, impl="reference"))(q, k, v)
-    assert any(int(np.prod(getattr(o.aval, "shape", ()))) >= 2 * T * T for e in ref.jaxpr.eqns for o in e.outvars)
+    assert any(
+        int(np.prod(getattr(o.aval, "shape", ()))) >= 2 * T * T for e in ref.jaxpr.eqns for o in e.outvars
+    )
 
 
 def test_auto_is_blocked_on_cpu():
@@ -111,7 +118,9 @@ def test_blocked_at_8192_tokens_needs_far_less_than_one_score_matrix(window):
         return jax.jit(f).lower(sd, sd, sd).compile().memory_analysis().temp_size_in_bytes
 
     blocked = temp_bytes("blocked")
-    print(f"temp bytes at T=8192: blocked {blocked / 2**20:.1f} MiB, one score matrix {one_matrix / 2**20:.0f} MiB")
+    print(
+        f"temp bytes at T=8192: blocked {blocked / 2**20:.1f} MiB, one score matrix {one_matrix / 2**20:.0f} MiB"
+    )
     assert blocked < one_matrix / 8
     assert temp_bytes("reference") > one_matrix  # the check can tell the two apart
 
@@ -150,6 +159,7 @@ def _segments(B, T, seed=1):
 
 def _values_and_grads(fn, q, k, v, g):
     """Output and (dq, dk, dv) for the cotangent g, from one compiled function."""
+
     def f(q, k, v):
         out, vjp = jax.vjp(fn, q, k, v)
         return out, vjp(g)
@@ -185,10 +195,16 @@ def test_blocked_segments_match_reference(window):
     q, k, v, g = _qkv(B, T, H, KV, D)
     seg = _segments(B, T)
     assert int(seg.max()) >= 1
-    ref = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="reference", segment_ids=seg),
-                            q, k, v, g)
-    blk = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="blocked", block=16,
-                                                     segment_ids=seg), q, k, v, g)
+    ref = _values_and_grads(
+        lambda q, k, v: A.attend(q, k, v, window=window, impl="reference", segment_ids=seg), q, k, v, g
+    )
+    blk = _values_and_grads(
+        lambda q, k, v: A.attend(q, k, v, window=window, impl="blocked", block=16, segment_ids=seg),
+        q,
+        k,
+        v,
+        g,
+    )
     _assert_close(ref, blk)
 
 
@@ -202,10 +218,16 @@ def test_splash_matches_reference_fp32(window, segments):
     B, T, H, KV, D = 1, 384, 2, 1, 16
     q, k, v, g = _qkv(B, T, H, KV, D)
     seg = _segments(B, T) if segments else None
-    ref = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="reference", segment_ids=seg),
-                            q, k, v, g)
-    spl = _values_and_grads(lambda q, k, v: A.splash_attention(q, k, v, window=window, segment_ids=seg,
-                                                               blocks=(128, 128, 128)), q, k, v, g)
+    ref = _values_and_grads(
+        lambda q, k, v: A.attend(q, k, v, window=window, impl="reference", segment_ids=seg), q, k, v, g
+    )
+    spl = _values_and_grads(
+        lambda q, k, v: A.splash_attention(q, k, v, window=window, segment_ids=seg, blocks=(128, 128, 128)),
+        q,
+        k,
+        v,
+        g,
+    )
     _assert_close(ref, spl)
 
 
@@ -266,10 +288,16 @@ def test_cudnn_call_window_and_segments(window, segments):
     window maps to local_window_size=(W-1, 0), and segment ids to its mask."""
     q, k, v, g = _qkv(2, 64, 4, 2, 16)
     seg = _segments(2, 64, seed=3) if segments else None
-    ref = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="reference", segment_ids=seg),
-                            q, k, v, g)
-    xla = _values_and_grads(lambda q, k, v: A.cudnn_attention(q, k, v, window=window, segment_ids=seg,
-                                                              implementation="xla"), q, k, v, g)
+    ref = _values_and_grads(
+        lambda q, k, v: A.attend(q, k, v, window=window, impl="reference", segment_ids=seg), q, k, v, g
+    )
+    xla = _values_and_grads(
+        lambda q, k, v: A.cudnn_attention(q, k, v, window=window, segment_ids=seg, implementation="xla"),
+        q,
+        k,
+        v,
+        g,
+    )
     _assert_close(ref, xla)
 
 
@@ -278,10 +306,28 @@ def test_model_with_segment_ids_keeps_documents_apart():
     from olmo_ctl.core.recipe import ModelConfig
     from olmo_ctl.trainer import model as M
 
-    cfg = ModelConfig(name="tiny", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=64,
-                      vocab_size=50, padded_vocab_size=64, sliding_window=8, full_attention_every=4,
-                      rope_theta=500000.0, rms_norm_eps=1e-6, init_std=0.02, param_dtype="float32",
-                      compute_dtype="float32", remat="none", attention="reference", eos_token_id=1, pad_token_id=2)
+    cfg = ModelConfig(
+        name="tiny",
+        n_layers=4,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        mlp_hidden=64,
+        vocab_size=50,
+        padded_vocab_size=64,
+        sliding_window=8,
+        full_attention_every=4,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-6,
+        init_std=0.02,
+        param_dtype="float32",
+        compute_dtype="float32",
+        remat="none",
+        attention="reference",
+        eos_token_id=1,
+        pad_token_id=2,
+    )
     params = M.init_params(cfg, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 32), 0, cfg.vocab_size)
     seg = jnp.asarray([[0] * 12 + [1] * 20])

@@ -20,13 +20,26 @@ CASES = {
     "no recipe": (["plan", "--device", "v5p-8"], "no recipe given"),
     "stage 4": (["plan", "--stage", "4", "--device", "v5p-8"], "not a stage"),
     "stage and recipe": (["plan", "--stage", "1", "--recipe", "smoke", "--device", "v5p-8"], "exclusive"),
-    "batch cannot split": (["plan", "--stage", "1", "--device", "tpu7x-1024", "--set", "train.seq_shards=1"],
-                           "cannot be split"),
-    "bad recipe key": (["plan", "--stage", "1", "--device", "v5p-8", "--set", "train.bogus=1"], "unknown key"),
-    "bad recipe type": (["plan", "--stage", "1", "--device", "v5p-8", "--set", "train.global_batch=abc"],
-                        "must be an integer"),
-    "bad --set syntax": (["plan", "--stage", "1", "--device", "v5p-8", "--set", "global_batch"], "key.sub=value"),
-    "missing recipe file": (["plan", "--recipe", "/nonexistent/r.yaml", "--device", "v5p-8"], "does not exist"),
+    "batch cannot split": (
+        ["plan", "--stage", "1", "--device", "tpu7x-1024", "--set", "train.seq_shards=1"],
+        "cannot be split",
+    ),
+    "bad recipe key": (
+        ["plan", "--stage", "1", "--device", "v5p-8", "--set", "train.bogus=1"],
+        "unknown key",
+    ),
+    "bad recipe type": (
+        ["plan", "--stage", "1", "--device", "v5p-8", "--set", "train.global_batch=abc"],
+        "must be an integer",
+    ),
+    "bad --set syntax": (
+        ["plan", "--stage", "1", "--device", "v5p-8", "--set", "global_batch"],
+        "key.sub=value",
+    ),
+    "missing recipe file": (
+        ["plan", "--recipe", "/nonexistent/r.yaml", "--device", "v5p-8"],
+        "does not exist",
+    ),
     "unknown recipe name": (["plan", "--recipe", "olmo4", "--device", "v5p-8"], "not a recipe"),
     "mfu as percent": (["plan", "--stage", "1", "--device", "v5p-8", "--mfu", "40"], "not a fraction"),
     "does not fit": (["plan", "--stage", "1", "--device", "cpu-4"], "does not fit"),
@@ -34,7 +47,10 @@ CASES = {
     "underscore run name": ([*DRY, "--run", "olmo_7b"], "not a valid run name"),
     "leading digit run name": ([*DRY, "--run", "7b-olmo"], "not a valid run name"),
     "run name too long": ([*DRY, "--run", "a" * 64], "more than 63"),
-    "local device on gke": (["submit", "--recipe", "smoke", "--device", "cpu-4", "--dry-run"], "local device"),
+    "local device on gke": (
+        ["submit", "--recipe", "smoke", "--device", "cpu-4", "--dry-run"],
+        "local device",
+    ),
     "bad namespace": ([*DRY, "--namespace", "Bad_NS"], "not a valid namespace"),
     "bad backend": ([*DRY, "--backend", "k8s"], "not a backend"),
     "local run root for gke": ([*DRY, "--run-root", "/tmp/runs"], "not on GCS"),
@@ -46,10 +62,14 @@ CASES = {
     "unknown command": (["launch"], "launch"),
     "submit with placeholders": (["submit", "--stage", "1", "--device", "v5p-8"], "placeholders"),
     # Refused before the preflight compile (minutes for the 7B step) and before any cluster call.
-    "submit to a local run root on gke": (["submit", "--stage", "1", "--device", "v5p-8", "--run-root", "/tmp/runs",
-                                          "--image", "img:1"], "not on GCS"),
-    "submit a local device on gke": (["submit", "--recipe", "smoke", "--device", "cpu-4", "--run-root", "gs://b/r",
-                                      "--image", "img:1"], "local device"),
+    "submit to a local run root on gke": (
+        ["submit", "--stage", "1", "--device", "v5p-8", "--run-root", "/tmp/runs", "--image", "img:1"],
+        "not on GCS",
+    ),
+    "submit a local device on gke": (
+        ["submit", "--recipe", "smoke", "--device", "cpu-4", "--run-root", "gs://b/r", "--image", "img:1"],
+        "local device",
+    ),
 }
 
 
@@ -77,15 +97,23 @@ def test_the_real_entry_point_prints_one_line_and_exits_2(env):
     """`python -m olmo_ctl` itself: the exit status of the process and its two streams."""
     for case in ("unknown device", "unknown option"):
         args, expect = CASES[case]
-        p = subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True, env=env,
-                           cwd=ROOT, timeout=60)
+        p = subprocess.run(
+            [sys.executable, "-m", "olmo_ctl", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=60,
+        )
         _assert_user_error(p, expect)
 
 
 def test_bad_files(env, tmp_path):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("name: [unclosed\n")
-    _assert_user_error(invoke("plan", "--recipe", str(bad_yaml), "--device", "v5p-8", env=env), "not valid YAML")
+    _assert_user_error(
+        invoke("plan", "--recipe", str(bad_yaml), "--device", "v5p-8", env=env), "not valid YAML"
+    )
     cfg = tmp_path / "xdg" / "olmo-ctl" / "config.yaml"
     cfg.parent.mkdir(parents=True)
     cfg.write_text("namespace: ok\nzone: us-central1\n")
@@ -93,14 +121,29 @@ def test_bad_files(env, tmp_path):
     _assert_user_error(p, "unknown setting `zone`")
 
 
-@pytest.mark.parametrize("text,expect", [
-    ("name: r\nbase: olmo3-7b-stage1\nmodel: {from: olmo3-7b, n_layers: 16}\n", "`model.n_layers` is set twice"),
-    ("name: r\nbase: olmo3-7b-stage1\ntrain: {max_steps: 10}\ntrain: {seq_len: 64}\n", "`train` is set twice"),
-    ("name: r\nstage: 1\ndata: {mix: OLMo-mix-0625-official}\n", "the recipe has no model"),
-])
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        (
+            "name: r\nbase: olmo3-7b-stage1\nmodel: {from: olmo3-7b, n_layers: 16}\n",
+            "`model.n_layers` is set twice",
+        ),
+        (
+            "name: r\nbase: olmo3-7b-stage1\ntrain: {max_steps: 10}\ntrain: {seq_len: 64}\n",
+            "`train` is set twice",
+        ),
+        ("name: r\nstage: 1\ndata: {mix: OLMo-mix-0625-official}\n", "the recipe has no model"),
+    ],
+)
 def test_recipe_layers_refused(env, tmp_path, text, expect):
     """A user delta recipe that sets a key twice at one level, or names no model: exit 2, one line."""
     (tmp_path / "r.yaml").write_text(text)
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "plan", "--recipe", str(tmp_path / "r.yaml"),
-                        "--device", "v5p-8"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "olmo_ctl", "plan", "--recipe", str(tmp_path / "r.yaml"), "--device", "v5p-8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
     _assert_user_error(p, expect)

@@ -15,11 +15,21 @@ from olmo_ctl.testing.cluster.objects import find_cond, is_true
 from olmo_ctl.testing.kube_server import KubeServer, tiny_jobset
 
 RENDERED_POLICY = {  # what olmo-ctl renders (tests/goldens): FailJob on 1/2, Ignore on DisruptionTarget
-    "podFailurePolicy": {"rules": [
-        {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [1, 2]}},
-        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
+    "podFailurePolicy": {
+        "rules": [
+            {
+                "action": "FailJob",
+                "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [1, 2]},
+            },
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        ]
+    },
 }
-FAIL_ON_USER_ERROR = {"name": "FailOnUserError", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
+FAIL_ON_USER_ERROR = {
+    "name": "FailOnUserError",
+    "action": "FailJobSet",
+    "onJobFailureReasons": ["PodFailurePolicy"],
+}
 
 
 @pytest.fixture
@@ -28,8 +38,19 @@ def srv():
     yield s
 
 
-def make(srv, name="r-a1", workers=2, replicas=1, rendered=True, max_restarts=3, rules=None, queue="user-queue",
-         labels=None, success=None, grace=5):
+def make(
+    srv,
+    name="r-a1",
+    workers=2,
+    replicas=1,
+    rendered=True,
+    max_restarts=3,
+    rules=None,
+    queue="user-queue",
+    labels=None,
+    success=None,
+    grace=5,
+):
     js = tiny_jobset(name, run=name.split("-")[0], queue=queue, workers=workers, max_restarts=max_restarts)
     rj = js["spec"]["replicatedJobs"][0]
     rj["replicas"] = replicas
@@ -62,13 +83,19 @@ def cond(obj, t):
 
 
 def events(srv, kind=None):
-    return [(e["involvedObject"]["kind"], e["reason"], e["message"]) for e in srv.cluster.events()
-            if kind is None or e["involvedObject"]["kind"] == kind]
+    return [
+        (e["involvedObject"]["kind"], e["reason"], e["message"])
+        for e in srv.cluster.events()
+        if kind is None or e["involvedObject"]["kind"] == kind
+    ]
 
 
 def jobs(srv, name):
-    return [j for j in srv.world.items("Job", "default") if j["metadata"]["labels"].get(
-        "jobset.sigs.k8s.io/jobset-name") == name]
+    return [
+        j
+        for j in srv.world.items("Job", "default")
+        if j["metadata"]["labels"].get("jobset.sigs.k8s.io/jobset-name") == name
+    ]
 
 
 # ---------------------------------------------------------------- batch/v1 Jobs
@@ -83,14 +110,20 @@ def test_pod_failure_policy_failjob_on_exit_code(srv):
     (job,) = jobs(srv, n)
     st, reason, msg = cond(job, "Failed")
     assert (st, reason) == ("True", "PodFailurePolicy")
-    assert msg.startswith("Container trainer for pod default/r-a1-slice-0-0-") and \
-        msg.endswith("failed with exit code 1 matching FailJob rule at index 0")
+    assert msg.startswith("Container trainer for pod default/r-a1-slice-0-0-") and msg.endswith(
+        "failed with exit code 1 matching FailJob rule at index 0"
+    )
     assert cond(srv.cluster.jobset(n), "Failed") == (
-        "True", "FailJobSetFailurePolicyAction", "applying FailJobSet failure policy action (first failed job: "
-        "r-a1-slice-0)")
+        "True",
+        "FailJobSetFailurePolicyAction",
+        "applying FailJobSet failure policy action (first failed job: r-a1-slice-0)",
+    )
     assert srv.cluster.jobset(n)["status"]["terminalState"] == "Failed"
-    assert ("JobSet", "FailJobSetFailurePolicyAction",
-            "applying FailJobSet failure policy action (first failed job: r-a1-slice-0)") in events(srv)
+    assert (
+        "JobSet",
+        "FailJobSetFailurePolicyAction",
+        "applying FailJobSet failure policy action (first failed job: r-a1-slice-0)",
+    ) in events(srv)
 
 
 def test_pod_failure_policy_ignore_on_disruption_target_recreates_the_pod(srv):
@@ -129,8 +162,11 @@ def test_backoff_limit_exceeded_then_restart_jobset_counts_towards_max(srv):
     srv.cluster.pod_exit(n, 0, 3)  # exit 3: not a FailJob code, counted
     js = srv.cluster.jobset(n)
     assert (js["status"]["restarts"], js["status"]["restartsCountTowardsMax"]) == (1, 1)
-    assert ("JobSet", "RestartJobSetFailurePolicyAction",
-            "applying RestartJobSet failure policy action (first failed job: r-a1-slice-0)") in events(srv)
+    assert (
+        "JobSet",
+        "RestartJobSetFailurePolicyAction",
+        "applying RestartJobSet failure policy action (first failed job: r-a1-slice-0)",
+    ) in events(srv)
     (job,) = jobs(srv, n)  # the previous attempt's Job is gone and its successor carries restart-attempt 1
     assert job["metadata"]["labels"]["jobset.sigs.k8s.io/restart-attempt"] == "1"
     assert not find_cond(job, "Failed")
@@ -144,14 +180,20 @@ def test_reached_max_restarts(srv):
     srv.cluster.run_pods(n)
     srv.cluster.pod_exit(n, 0, 3)
     assert cond(srv.cluster.jobset(n), "Failed") == (
-        "True", "ReachedMaxRestarts", "jobset failed due to reaching max number of restarts (first failed job: "
-        "r-a1-slice-0)")
+        "True",
+        "ReachedMaxRestarts",
+        "jobset failed due to reaching max number of restarts (first failed job: r-a1-slice-0)",
+    )
 
 
 def test_restart_and_ignore_max_restarts_does_not_count(srv):
     """failure_policy.go restartJobSetAndIgnoreMaxRestartsActionApplier: restarts + 1,
     restartsCountTowardsMax unchanged, so maxRestarts 0 does not stop it."""
-    rule = {"name": "infra", "action": "RestartJobSetAndIgnoreMaxRestarts", "onJobFailureReasons": ["BackoffLimitExceeded"]}
+    rule = {
+        "name": "infra",
+        "action": "RestartJobSetAndIgnoreMaxRestarts",
+        "onJobFailureReasons": ["BackoffLimitExceeded"],
+    }
     n = running(srv, max_restarts=0, rules=[FAIL_ON_USER_ERROR, rule])
     for _ in range(3):
         srv.cluster.pod_exit(n, 0, 3)
@@ -159,9 +201,11 @@ def test_restart_and_ignore_max_restarts_does_not_count(srv):
     js = srv.cluster.jobset(n)
     assert (js["status"]["restarts"], js["status"].get("restartsCountTowardsMax", 0)) == (3, 0)
     assert not is_true(js, "Failed")
-    assert ("JobSet", "RestartJobSetAndIgnoreMaxRestartsFailurePolicyAction",
-            "applying RestartJobSetAndIgnoreMaxRestarts failure policy action (first failed job: r-a1-slice-0)") \
-        in events(srv)
+    assert (
+        "JobSet",
+        "RestartJobSetAndIgnoreMaxRestartsFailurePolicyAction",
+        "applying RestartJobSetAndIgnoreMaxRestarts failure policy action (first failed job: r-a1-slice-0)",
+    ) in events(srv)
 
 
 def test_failed_jobs_without_a_failure_policy(srv):
@@ -173,7 +217,10 @@ def test_failed_jobs_without_a_failure_policy(srv):
     srv.cluster.run_pods("r-a1")
     srv.cluster.pod_exit("r-a1", 0, 1)
     assert cond(srv.cluster.jobset("r-a1"), "Failed") == (
-        "True", "FailedJobs", "jobset failed due to one or more job failures (first failed job: r-a1-slice-0)")
+        "True",
+        "FailedJobs",
+        "jobset failed due to one or more job failures (first failed job: r-a1-slice-0)",
+    )
 
 
 def test_restart_deletes_jobs_and_waits_for_pods_through_their_grace_period(srv):
@@ -235,8 +282,10 @@ def test_missing_workload_priority_class_builds_no_workload(srv):
     class fails the reconcile: no Workload, the JobSet stays suspended (issue 12, break 4)."""
     n = make(srv, labels={"kueue.x-k8s.io/priority-class": "high"})
     assert srv.cluster.workload(n) is None and srv.cluster.jobset(n)["spec"]["suspend"] is True
-    assert srv.world.reconcile_errors[srv.cluster.jobset(n)["metadata"]["uid"]] == \
-        'workloadpriorityclasses.kueue.x-k8s.io "high" not found'
+    assert (
+        srv.world.reconcile_errors[srv.cluster.jobset(n)["metadata"]["uid"]]
+        == 'workloadpriorityclasses.kueue.x-k8s.io "high" not found'
+    )
     with srv.store.lock:
         srv.world.save("WorkloadPriorityClass", {"metadata": {"name": "high"}, "value": 1000}, new=True)
         srv.world.reconcile()
@@ -248,7 +297,10 @@ def test_missing_local_queue_is_inadmissible(srv):
     """workload_controller.go Reconcile: QuotaReserved=False Inadmissible "LocalQueue X doesn't exist"."""
     n = make(srv, queue="multislice-queue-nope")
     assert cond(srv.cluster.workload(n), "QuotaReserved") == (
-        "False", "Inadmissible", "LocalQueue multislice-queue-nope doesn't exist")
+        "False",
+        "Inadmissible",
+        "LocalQueue multislice-queue-nope doesn't exist",
+    )
 
 
 def test_a_missing_resource_flavor_makes_the_cluster_queue_inactive(srv):
@@ -256,13 +308,22 @@ def test_a_missing_resource_flavor_makes_the_cluster_queue_inactive(srv):
     Inadmissible "ClusterQueue X is inactive" until the flavor exists."""
     with srv.store.lock:
         srv.world.ensure_queue("other-queue", "other-cq", "missing-flavor", {"cpu": 8, "memory": "1Gi"})
-        srv.store.delete(srv.store.resources[("kueue.x-k8s.io", "resourceflavors")],
-                         srv.world.get("ResourceFlavor", "", "missing-flavor"))
+        srv.store.delete(
+            srv.store.resources[("kueue.x-k8s.io", "resourceflavors")],
+            srv.world.get("ResourceFlavor", "", "missing-flavor"),
+        )
         srv.world.reconcile()
     assert cond(srv.world.get("ClusterQueue", "", "other-cq"), "Active") == (
-        "False", "FlavorNotFound", "Can't admit new workloads: references missing ResourceFlavor(s): missing-flavor.")
+        "False",
+        "FlavorNotFound",
+        "Can't admit new workloads: references missing ResourceFlavor(s): missing-flavor.",
+    )
     n = make(srv, queue="other-queue")
-    assert cond(srv.cluster.workload(n), "QuotaReserved") == ("False", "Inadmissible", "ClusterQueue other-cq is inactive")
+    assert cond(srv.cluster.workload(n), "QuotaReserved") == (
+        "False",
+        "Inadmissible",
+        "ClusterQueue other-cq is inactive",
+    )
     with srv.store.lock:
         srv.world.save("ResourceFlavor", {"metadata": {"name": "missing-flavor"}, "spec": {}}, new=True)
         srv.world.reconcile()
@@ -275,14 +336,19 @@ def test_a_resource_the_cluster_queue_does_not_cover(srv):
         srv.world.ensure_queue("cpu-queue", "cpu-cq", "cpu-flavor", {"cpu": 8})
     n = make(srv, queue="cpu-queue")
     assert cond(srv.cluster.workload(n), "QuotaReserved") == (
-        "False", "Pending", "couldn't assign flavors to pod set slice: resource memory unavailable in ClusterQueue")
+        "False",
+        "Pending",
+        "couldn't assign flavors to pod set slice: resource memory unavailable in ClusterQueue",
+    )
 
 
 def test_insufficient_quota_is_pending_with_the_flavor_assigners_message(srv):
     """flavorassigner.go: "insufficient unused quota for R in flavor F, N more needed"; event Pending."""
     n = make(srv)
-    msg = "couldn't assign flavors to pod set slice: insufficient unused quota for cpu in flavor tpu-flavor, " \
-          "200m more needed"
+    msg = (
+        "couldn't assign flavors to pod set slice: insufficient unused quota for cpu in flavor tpu-flavor, "
+        "200m more needed"
+    )
     assert cond(srv.cluster.workload(n), "QuotaReserved") == ("False", "Pending", msg)
     assert ("Workload", "Pending", msg) in events(srv)
 
@@ -308,13 +374,19 @@ def test_preemption_by_priority_suspends_requeues_and_resumes_the_same_jobset(sr
     srv.cluster.hold_deletions = True  # the pods checkpoint through their grace period
     srv.cluster.evict(n)
     wl = srv.cluster.workload(n)
-    assert cond(wl, "Evicted")[:2] == ("True", "Preempted") and cond(wl, "Preempted")[:2] == ("True", "InClusterQueue")
+    assert cond(wl, "Evicted")[:2] == ("True", "Preempted") and cond(wl, "Preempted")[:2] == (
+        "True",
+        "InClusterQueue",
+    )
     assert cond(wl, "Evicted")[2].startswith("Preempted to accommodate a workload (UID: ")
     assert srv.cluster.jobset(n)["spec"]["suspend"] is True
     # The Jobs' `active` leaves out terminating pods, so the JobSet is no longer active and Kueue requeues
     # it (and frees its quota) while its pods are still writing their checkpoint.
     assert all(p["metadata"].get("deletionTimestamp") for p in srv.cluster.pods(n)) and srv.cluster.pods(n)
-    assert cond(wl, "Requeued")[:2] == ("True", "Preempted") and cond(wl, "QuotaReserved")[:2] == ("False", "Pending")
+    assert cond(wl, "Requeued")[:2] == ("True", "Preempted") and cond(wl, "QuotaReserved")[:2] == (
+        "False",
+        "Pending",
+    )
     assert ("Workload", "EvictedDueToPreempted", cond(wl, "Evicted")[2]) in events(srv)
     assert ("JobSet", "Stopped", cond(wl, "Evicted")[2]) in events(srv)
     assert srv.cluster.finish_deletions() == []  # nothing was deleting the JobSet; its pods now exit
@@ -325,8 +397,9 @@ def test_preemption_by_priority_suspends_requeues_and_resumes_the_same_jobset(sr
     assert cond(srv.cluster.workload(n), "Evicted")[:2] == ("False", "QuotaReserved")
 
 
-@pytest.mark.parametrize("reason,requeued", [("NodeFailures", "True"), ("PodsReadyTimeout", "False"),
-                                             ("AdmissionCheck", "False")])
+@pytest.mark.parametrize(
+    "reason,requeued", [("NodeFailures", "True"), ("PodsReadyTimeout", "False"), ("AdmissionCheck", "False")]
+)
 def test_requeued_as_upstream_sets_it(srv, reason, requeued):
     """reconciler.go: SetRequeuedCondition(status = reason in {Preempted, NodeFailures}); PodsReadyTimeout
     and AdmissionCheck come with a requeueState backoff (workload.go UpdateRequeueState) after which
@@ -344,7 +417,10 @@ def test_deactivation_evicts_without_requeue(srv):
     n = running(srv)
     srv.cluster.evict(n, reason="Deactivated", preempted_reason=None)
     wl = srv.cluster.workload(n)
-    assert cond(wl, "Evicted")[:2] == ("True", "Deactivated") and cond(wl, "Requeued")[:2] == ("False", "Deactivated")
+    assert cond(wl, "Evicted")[:2] == ("True", "Deactivated") and cond(wl, "Requeued")[:2] == (
+        "False",
+        "Deactivated",
+    )
 
 
 def test_pods_ready_timeout_evicts_with_a_backoff_then_requeues(srv):
@@ -356,9 +432,15 @@ def test_pods_ready_timeout_evicts_with_a_backoff_then_requeues(srv):
     srv.cluster.admit(n)  # pods created, never scheduled
     srv.world.advance(601)
     wl = srv.cluster.workload(n)
-    assert cond(wl, "Evicted") == ("True", "PodsReadyTimeout", f"Exceeded the PodsReady timeout default/"
-                                   f"{wl['metadata']['name']}")
-    assert cond(wl, "Requeued")[:2] == ("False", "PodsReadyTimeout") and wl["status"]["requeueState"]["count"] == 1
+    assert cond(wl, "Evicted") == (
+        "True",
+        "PodsReadyTimeout",
+        f"Exceeded the PodsReady timeout default/{wl['metadata']['name']}",
+    )
+    assert (
+        cond(wl, "Requeued")[:2] == ("False", "PodsReadyTimeout")
+        and wl["status"]["requeueState"]["count"] == 1
+    )
     assert srv.cluster.jobset(n)["spec"]["suspend"] is True
     srv.world.advance(61)
     wl = srv.cluster.workload(n)
@@ -406,8 +488,10 @@ def test_pod_security_refuses_host_network_pods_with_failed_create(srv):
     srv.cluster.admit(n)
     assert srv.cluster.pods(n) == [] and is_true(srv.cluster.workload(n), "Admitted")
     (fc,) = [m for k, r, m in events(srv, "Job") if r == "FailedCreate"]
-    assert fc == 'Error creating: pods "g-a1-slice-0-0-" is forbidden: violates PodSecurity "baseline:latest": ' \
-                 "host namespaces (hostNetwork=true)"
+    assert (
+        fc == 'Error creating: pods "g-a1-slice-0-0-" is forbidden: violates PodSecurity "baseline:latest": '
+        "host namespaces (hostNetwork=true)"
+    )
     n2 = submit(srv, golden("h-a1", host_network=False))  # without hostNetwork the same pods are admitted
     srv.cluster.admit(n2)
     assert len(srv.cluster.pods(n2)) == 1
@@ -429,8 +513,10 @@ def test_a_missing_workload_priority_class_is_named_by_the_backend():
         assert srv.cluster.workload(h.name) is None  # upstream: no Workload without its priority class
         st = b.status(h)
         assert st.state.terminal or "high" in st.reason, st
-        assert st.details["config_error"] == ('Kueue cannot create the Workload: WorkloadPriorityClass "high" does '
-                                              'not exist (label kueue.x-k8s.io/priority-class)')
+        assert st.details["config_error"] == (
+            'Kueue cannot create the Workload: WorkloadPriorityClass "high" does '
+            "not exist (label kueue.x-k8s.io/priority-class)"
+        )
         with srv.store.lock:  # once the class exists Kueue builds the Workload: only a wait again
             srv.world.save("WorkloadPriorityClass", {"metadata": {"name": "high"}, "value": 1000}, new=True)
             srv.world.reconcile()
@@ -449,19 +535,30 @@ def test_a_queue_set_up_that_can_never_admit_is_named_by_the_backend(case):
     with KubeServer() as srv:
         b = GKEBackend(namespace="default", host=srv.url, retry=fast)
         js = golden("q-a1", host_network=False)
-        want = {"no-local-queue": "LocalQueue nope doesn't exist", "no-cluster-queue": "ClusterQueue cq2 doesn't exist",
-                "no-flavor-for-the-slice": "couldn't assign flavors to pod set slice: flavor v5p-flavor doesn't "
-                                           "match node affinity"}[case]
+        want = {
+            "no-local-queue": "LocalQueue nope doesn't exist",
+            "no-cluster-queue": "ClusterQueue cq2 doesn't exist",
+            "no-flavor-for-the-slice": "couldn't assign flavors to pod set slice: flavor v5p-flavor doesn't "
+            "match node affinity",
+        }[case]
         with srv.store.lock:
             if case == "no-local-queue":
                 js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "nope"
             elif case == "no-cluster-queue":
-                srv.world.save("LocalQueue", {"metadata": {"name": "lq2", "namespace": "default"},
-                                              "spec": {"clusterQueue": "cq2"}}, new=True)
+                srv.world.save(
+                    "LocalQueue",
+                    {"metadata": {"name": "lq2", "namespace": "default"}, "spec": {"clusterQueue": "cq2"}},
+                    new=True,
+                )
                 js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "lq2"
             else:
-                srv.world.ensure_queue("lq3", "cq3", "v5p-flavor", {"google.com/tpu": 4096},
-                                       node_labels={"cloud.google.com/gke-tpu-accelerator": "tpu7x"})
+                srv.world.ensure_queue(
+                    "lq3",
+                    "cq3",
+                    "v5p-flavor",
+                    {"google.com/tpu": 4096},
+                    node_labels={"cloud.google.com/gke-tpu-accelerator": "tpu7x"},
+                )
                 js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "lq3"
         st = b.status(b.send(js))
         assert st.state.live and st.details["config_error"] == want, st
@@ -492,5 +589,7 @@ def test_pods_refused_at_creation_are_reported_with_the_cause():
         st = b.status(h)
         assert "hostNetwork" in st.reason or "FailedCreate" in st.reason, st
         assert st.state.live and st.details["not_created"] is True
-        assert st.reason == ('0/1 pods created; FailedCreate: Job p-a1-slice-0: Error creating: pods "p-a1-slice-0-0-" '
-                             'is forbidden: violates PodSecurity "baseline:latest": host namespaces (hostNetwork=true)')
+        assert st.reason == (
+            '0/1 pods created; FailedCreate: Job p-a1-slice-0: Error creating: pods "p-a1-slice-0-0-" '
+            'is forbidden: violates PodSecurity "baseline:latest": host namespaces (hostNetwork=true)'
+        )

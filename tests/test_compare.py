@@ -18,8 +18,13 @@ def twin_runs(tmp_path, desync=None):
     write_segment(a / "tensorboard", range(1, 121))
     b = tmp_path / "resumed"
     write_segment(b / "tensorboard", range(1, 61), attempt=1)
-    write_segment(b / "tensorboard", range(41, 121), attempt=2, start_time=1767229200,
-                  values=lambda tag, s: value(tag, s, desync=desync))
+    write_segment(
+        b / "tensorboard",
+        range(41, 121),
+        attempt=2,
+        start_time=1767229200,
+        values=lambda tag, s: value(tag, s, desync=desync),
+    )
     return a, b
 
 
@@ -29,7 +34,11 @@ def test_resumed_run_matches_its_twin_exactly(tmp_path):
     for tag in ("train/CE loss", "train/PPL"):
         r = res["tags"][tag]
         assert r["common_steps"] == 120 and r["max_abs_delta"] == 0.0 and r["first_exceed_step"] is None
-        assert [x["start"] for x in r["bins"]] == [1, 51, 101] and [x["points"] for x in r["bins"]] == [50, 50, 20]
+        assert [x["start"] for x in r["bins"]] == [1, 51, 101] and [x["points"] for x in r["bins"]] == [
+            50,
+            50,
+            20,
+        ]
     assert res["verdict"].startswith("train/CE loss: identical: max |Δ| = 0 on 120 common steps")
 
 
@@ -53,7 +62,9 @@ def test_desynchronised_run_names_the_first_diverging_step(tmp_path):
 def test_reference_curve_file(tmp_path):
     a, _ = twin_runs(tmp_path)
     csv = tmp_path / "ref.csv"
-    rows = ["step,loss"] + [f"{s},{value('train/CE loss', s) + (0.2 if s >= 90 else 0.001)}" for s in range(10, 200, 10)]
+    rows = ["step,loss"] + [
+        f"{s},{value('train/CE loss', s) + (0.2 if s >= 90 else 0.001)}" for s in range(10, 200, 10)
+    ]
     csv.write_text("\n".join(rows) + "\n")
     s, v = read_curve(str(csv))
     assert s[0] == 10 and len(s) == 19

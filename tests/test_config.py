@@ -35,13 +35,26 @@ def test_defaults_without_a_file(xdg):
 
 
 def test_precedence_flag_over_env_over_file(xdg, monkeypatch):
-    xdg.write_text(yaml.safe_dump({"namespace": "from-file", "queue": "file-q", "run_root": "gs://file/runs",
-                                   "priority_class": "file-prio"}))
+    xdg.write_text(
+        yaml.safe_dump(
+            {
+                "namespace": "from-file",
+                "queue": "file-q",
+                "run_root": "gs://file/runs",
+                "priority_class": "file-prio",
+            }
+        )
+    )
     monkeypatch.setenv("OLMO_CTL_QUEUE", "env-q")
     monkeypatch.setenv("OLMO_CTL_NAMESPACE", "from-env")
     monkeypatch.setenv("OLMO_CTL_PRIORITY_CLASS", "")  # empty clears an optional setting
     s = resolve_settings(namespace="from-flag")
-    assert (s.namespace, s.queue, s.run_root, s.priority_class) == ("from-flag", "env-q", "gs://file/runs", None)
+    assert (s.namespace, s.queue, s.run_root, s.priority_class) == (
+        "from-flag",
+        "env-q",
+        "gs://file/runs",
+        None,
+    )
     assert s.sources["namespace"] == "flag --namespace"
     assert s.sources["queue"] == "env OLMO_CTL_QUEUE"
     assert s.sources["run_root"] == f"file {xdg}"
@@ -49,17 +62,20 @@ def test_precedence_flag_over_env_over_file(xdg, monkeypatch):
     assert s.placeholders() == ["image"]
 
 
-@pytest.mark.parametrize("content,match", [
-    ("namespce: x\n", "unknown setting `namespce`"),
-    ("namespace: [a, b]\n", "must be a string"),
-    ("- just\n- a list\n", "YAML mapping"),
-    ("namespace: 'unclosed\n", "not valid YAML"),
-    ("namespace: Bad_NS\n", "not a valid namespace"),
-    ("backend: k8s\n", "not a backend"),
-    ("run_root: s3://b/runs\n", "gs://"),
-    ("placement_policy: 'pp-{zone}'\n", "unknown placeholder"),
-    ("queue: ''\n", "not a valid Kubernetes object name"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("namespce: x\n", "unknown setting `namespce`"),
+        ("namespace: [a, b]\n", "must be a string"),
+        ("- just\n- a list\n", "YAML mapping"),
+        ("namespace: 'unclosed\n", "not valid YAML"),
+        ("namespace: Bad_NS\n", "not a valid namespace"),
+        ("backend: k8s\n", "not a backend"),
+        ("run_root: s3://b/runs\n", "gs://"),
+        ("placement_policy: 'pp-{zone}'\n", "unknown placeholder"),
+        ("queue: ''\n", "not a valid Kubernetes object name"),
+    ],
+)
 def test_bad_config_files(xdg, content, match):
     xdg.write_text(content)
     with pytest.raises(BadInput, match=match):
@@ -76,20 +92,51 @@ def test_bad_env_value_names_its_source(xdg, monkeypatch):
 def test_config_show_and_dry_run_use_the_file(xdg):
     xdg.write_text(yaml.safe_dump({"namespace": "research", "run_root": "gs://bkt/olmo", "image": "img:7"}))
     env = dict(os.environ)
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "config", "show", "-o", "json"], capture_output=True,
-                       text=True, env=env, cwd=ROOT, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "olmo_ctl", "config", "show", "-o", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     shown = json.loads(p.stdout)
     assert shown["config_file"] == str(xdg) and shown["config_file_exists"]
     assert shown["settings"]["namespace"] == "research"
     assert shown["sources"]["namespace"] == f"file {xdg}"
     assert shown["placeholders"] == []
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "config", "show"], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "olmo_ctl", "config", "show"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert "research" in p.stdout and str(xdg) in p.stdout
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "submit", "--stage", "1", "--device", "v5p-256",
-                        "--dry-run", "--namespace", "override", "-o", "json"], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "olmo_ctl",
+            "submit",
+            "--stage",
+            "1",
+            "--device",
+            "v5p-256",
+            "--dry-run",
+            "--namespace",
+            "override",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     js = json.loads(p.stdout)
     assert js["metadata"]["namespace"] == "override"
@@ -105,13 +152,42 @@ def test_local_backend_defaults_and_dry_run(xdg, tmp_path):
     assert s.placeholders() == []
     assert resolve_settings(backend="local", run_root="my-runs/").run_root == os.path.abspath("my-runs")
     pytest.importorskip("olmo_ctl.backends.local")
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "submit", "--recipe", "smoke", "--device", "cpu-2",
-                        "--backend", "local", "--run-root", str(tmp_path / "runs"), "--dry-run", "-o", "json"],
-                       capture_output=True, text=True, env=dict(os.environ), cwd=ROOT, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "olmo_ctl",
+            "submit",
+            "--recipe",
+            "smoke",
+            "--device",
+            "cpu-2",
+            "--backend",
+            "local",
+            "--run-root",
+            str(tmp_path / "runs"),
+            "--dry-run",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        cwd=ROOT,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     req = json.loads(p.stdout)
     argv = req["argv"]
-    assert argv[1:] == ["-m", "olmo_ctl.trainer", "--run-dir", str(tmp_path / "runs" / "smoke"), "--device",
-                        "cpu-2", "--attempt", "1"]
+    assert argv[1:] == [
+        "-m",
+        "olmo_ctl.trainer",
+        "--run-dir",
+        str(tmp_path / "runs" / "smoke"),
+        "--device",
+        "cpu-2",
+        "--attempt",
+        "1",
+    ]
     assert req["env"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     assert p.stderr == ""

@@ -42,11 +42,22 @@ def test_log_progress_reads_a_tail():
     assert log_progress([]).step is None
 
 
-@pytest.mark.parametrize("code,state", [
-    (None, State.RUNNING), (0, State.SUCCEEDED), (EXIT_SIGTERM, State.PREEMPTED), (-15, State.PREEMPTED),
-    (137, State.PREEMPTED), (-9, State.PREEMPTED), (1, State.FAILED_USER), (2, State.FAILED_USER),
-    (3, State.FAILED_INFRA), (-11, State.FAILED_INFRA), (42, State.FAILED_INFRA),
-])
+@pytest.mark.parametrize(
+    "code,state",
+    [
+        (None, State.RUNNING),
+        (0, State.SUCCEEDED),
+        (EXIT_SIGTERM, State.PREEMPTED),
+        (-15, State.PREEMPTED),
+        (137, State.PREEMPTED),
+        (-9, State.PREEMPTED),
+        (1, State.FAILED_USER),
+        (2, State.FAILED_USER),
+        (3, State.FAILED_INFRA),
+        (-11, State.FAILED_INFRA),
+        (42, State.FAILED_INFRA),
+    ],
+)
 def test_exit_state(code, state):
     assert exit_state(code)[0] == state
     assert state.live == (code is None)
@@ -56,6 +67,11 @@ def test_segment_names_sort_by_start_and_parse_back():
     name = segment_name(1_700_000_000, "host.a.b", 3, 12)
     assert name == "events.out.tfevents.1700000000.host-a-b.a0003.s00012"
     assert parse_segment_name(name) == (1_700_000_000, "host-a-b", 3, 12)
-    assert parse_segment_name("events.out.tfevents.1700000000.otherhost") == (1_700_000_000, "otherhost", None, None)
+    assert parse_segment_name("events.out.tfevents.1700000000.otherhost") == (
+        1_700_000_000,
+        "otherhost",
+        None,
+        None,
+    )
     assert parse_segment_name("README") is None
     assert segment_names_from(1_700_000_000.9) <= name < segment_names_from(1_700_000_001)

@@ -101,7 +101,7 @@ def test_loader_order_matches_rule_across_epochs(tmp_path):
     for e in (1, 2):
         perm = np.random.Generator(np.random.PCG64(seed + e)).permutation(len(ds))
         for b in range(bpe):
-            assert got[(e - 1) * bpe + b] == perm[b * gb:(b + 1) * gb].tolist()
+            assert got[(e - 1) * bpe + b] == perm[b * gb : (b + 1) * gb].tolist()
     perm3 = np.random.Generator(np.random.PCG64(seed + 3)).permutation(len(ds))
     assert got[-1] == perm3[:gb].tolist()
     assert loader.state()["epoch"] == 3 and loader.state()["batch_in_epoch"] == 1
@@ -128,7 +128,9 @@ def test_four_shards_read_every_instance_exactly_once_per_epoch(tmp_path):
     used = len(ds) // gb * gb
     assert len(ids) == used and counts.max() == 1  # nothing twice
     perm = np.random.Generator(np.random.PCG64(seed + 1)).permutation(len(ds))
-    assert sorted(np.flatnonzero(counts == 0).tolist()) == sorted(perm[used:].tolist())  # only the trimmed tail
+    assert sorted(np.flatnonzero(counts == 0).tolist()) == sorted(
+        perm[used:].tolist()
+    )  # only the trimmed tail
     for ld in loaders:
         assert ld.state() == single.state() and ld.state()["epoch"] == 2
 
@@ -155,7 +157,9 @@ def test_restore_gives_identical_batches(tmp_path, workers, buffer):
     expected = [ref.next() for _ in range(9)]  # crosses into epoch 2
     ref.close()
     for w, b in ((0, 1), (3, 2)):  # resume with other prefetch settings
-        with BatchLoader(TokenDataset(_corpus(tmp_path), T), 4, 3, prefetch_workers=w, prefetch_buffer=b) as ld:
+        with BatchLoader(
+            TokenDataset(_corpus(tmp_path), T), 4, 3, prefetch_workers=w, prefetch_buffer=b
+        ) as ld:
             ld.next()  # a loader that already prefetched ahead must drop it on restore
             assert ld.restore(saved) is None
             assert ld.state() == saved
@@ -206,11 +210,13 @@ def test_fingerprint_covers_names_sizes_seq_len_and_seed():
     base = dataset_fingerprint([("a.npy", 400), ("b.npy", 800)], 16, 1)
     assert base.startswith("v1:seq=16:seed=1:files=2:tokens=300:")
     assert base == dataset_fingerprint([("a.npy", 400), ("b.npy", 800)], 16, 1)
-    others = [dataset_fingerprint([("a.npy", 400), ("b.npy", 804)], 16, 1),
-              dataset_fingerprint([("a.npy", 400), ("c.npy", 800)], 16, 1),
-              dataset_fingerprint([("b.npy", 800), ("a.npy", 400)], 16, 1),
-              dataset_fingerprint([("a.npy", 400), ("b.npy", 800)], 32, 1),
-              dataset_fingerprint([("a.npy", 400), ("b.npy", 800)], 16, 2)]
+    others = [
+        dataset_fingerprint([("a.npy", 400), ("b.npy", 804)], 16, 1),
+        dataset_fingerprint([("a.npy", 400), ("c.npy", 800)], 16, 1),
+        dataset_fingerprint([("b.npy", 800), ("a.npy", 400)], 16, 1),
+        dataset_fingerprint([("a.npy", 400), ("b.npy", 800)], 32, 1),
+        dataset_fingerprint([("a.npy", 400), ("b.npy", 800)], 16, 2),
+    ]
     assert len({base, *others}) == 6
 
 
@@ -224,10 +230,10 @@ def test_repetition_detector_periods_and_threshold():
         pattern = rng.integers(0, 50, size=period)
         for repeats, hit in ((32, True), (31, False)):
             x = noise.copy()
-            x[100:100 + period * repeats] = np.tile(pattern, repeats)
+            x[100 : 100 + period * repeats] = np.tile(pattern, repeats)
             assert has_repetition(x) is hit, (period, repeats)
     x = rng.integers(1000, 2000, size=700)
-    x[50:50 + 14 * 40] = np.arange(14).repeat(1)[np.arange(14 * 40) % 14]  # period 14 is beyond the filter
+    x[50 : 50 + 14 * 40] = np.arange(14).repeat(1)[np.arange(14 * 40) % 14]  # period 14 is beyond the filter
     assert not has_repetition(x)
     assert has_repetition(x, max_period=14)
 
@@ -236,7 +242,7 @@ def test_ngram_filter_masks_all_labels_and_is_off_by_default(tmp_path):
     rng = np.random.default_rng(1)
     clean = rng.integers(0, 200, size=256)
     rep = clean.copy()
-    rep[10:10 + 3 * 32] = np.tile([5, 6, 7], 32)  # inside the first 128 tokens
+    rep[10 : 10 + 3 * 32] = np.tile([5, 6, 7], 32)  # inside the first 128 tokens
     path = _write_tokens(tmp_path / "d" / "x.npy", np.concatenate([clean[:128], rep[:128], clean[128:]]))
     on = TokenDataset([path], 128, ngram_filter=True)
     b = on.batch([0, 1, 2])
@@ -282,8 +288,13 @@ def test_gcs_files_read_like_local_ones(gcs, tmp_path):
         with open(p, "rb") as f:
             store.write_bytes(f"gs://olmo-data/mix/src{i % 2}/{os.path.basename(p)}", f.read())
     remote = resolve_paths(["{root}/**/*.npy"], "gs://olmo-data/mix")
-    assert [f.name for f in remote] == ["src0/part-0.npy", "src0/part-2.npy", "src0/part-4.npy",
-                                        "src1/part-1.npy", "src1/part-3.npy"]
+    assert [f.name for f in remote] == [
+        "src0/part-0.npy",
+        "src0/part-2.npy",
+        "src0/part-4.npy",
+        "src1/part-1.npy",
+        "src1/part-3.npy",
+    ]
     local_root = tmp_path / "copy"
     for f in remote:
         _write_tokens(local_root / f.name, np.frombuffer(store.read_bytes(f.path), "<u4"))
@@ -301,13 +312,17 @@ def test_gcs_files_read_like_local_ones(gcs, tmp_path):
 
 
 def test_smoke_data_made_once_concurrently_and_deterministic(tmp_path):
-    code = ("from olmo_ctl.data import files as d; import hashlib, pathlib; p = d.ensure_smoke_data(); "
-            "print(hashlib.sha256(b''.join(f.read_bytes() for f in sorted(p.rglob('*.npy')))).hexdigest())")
+    code = (
+        "from olmo_ctl.data import files as d; import hashlib, pathlib; p = d.ensure_smoke_data(); "
+        "print(hashlib.sha256(b''.join(f.read_bytes() for f in sorted(p.rglob('*.npy')))).hexdigest())"
+    )
     digests = []
     for cache in ("c1", "c2"):
         env = dict(os.environ, OLMO_CTL_CACHE=str(tmp_path / cache))
-        procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-                 for _ in range(3)]
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+            for _ in range(3)
+        ]
         outs = [p.communicate(timeout=60)[0].strip() for p in procs]
         assert all(p.returncode == 0 for p in procs)
         digests += outs
@@ -333,7 +348,9 @@ def test_smoke_recipe_data_is_big_enough_and_eval_is_fixed(tmp_path, monkeypatch
     assert not train_ids & {bytes(row.astype("<u4")) for b in e1 for row in b["input_ids"]}  # held out
     halves = [eval_batches(r, 2, 8, p, 2) for p in range(2)]
     for i in range(2):
-        assert (np.concatenate([halves[0][i]["input_ids"], halves[1][i]["input_ids"]]) == e1[i]["input_ids"]).all()
+        assert (
+            np.concatenate([halves[0][i]["input_ids"], halves[1][i]["input_ids"]]) == e1[i]["input_ids"]
+        ).all()
 
 
 def test_resume_with_another_global_batch_continues_at_the_same_instance(tmp_path):

@@ -40,7 +40,9 @@ def test_text_becomes_byte_tokens_with_whole_documents_held_out(tmp_path, capsys
     assert rc == 0
     printed = capsys.readouterr().out
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["tokenizer"] == "bytes" and manifest["vocab_size"] == 258 and manifest["eos_token_id"] == 256
+    assert (
+        manifest["tokenizer"] == "bytes" and manifest["vocab_size"] == 258 and manifest["eos_token_id"] == 256
+    )
     # 2 of 10 documents held out, evenly spaced; the rest in train, in order.
     assert manifest["sources"]["eval"] == [docs[2], docs[7]]
     assert manifest["sources"]["train"] == [d for i, d in enumerate(docs) if i not in (2, 7)]
@@ -68,7 +70,10 @@ def test_parts_are_cut_at_multiples_of_seq_len(tmp_path):
 def test_few_documents_hold_out_the_stream_tail(tmp_path):
     docs = _texts(tmp_path, n=2, size=4000)
     out = tmp_path / "out"
-    assert main(["data", "prepare", *docs, "--out", str(out), "--held-out-fraction", "0.05", "--seq-len", "128"]) == 0
+    assert (
+        main(["data", "prepare", *docs, "--out", str(out), "--held-out-fraction", "0.05", "--seq-len", "128"])
+        == 0
+    )
     m = json.loads((out / "manifest.json").read_text())
     total = m["train_tokens"] + m["eval_tokens"]
     assert m["eval_tokens"] % 128 == 0 and m["eval_tokens"] >= 0.05 * total
@@ -112,8 +117,22 @@ def test_mistakes_exit_2_with_one_line(tmp_path):
         ([*docs, "--held-out-fraction", "1.5"], "--held-out-fraction must be in [0, 1)"),
     ]
     for args, msg in cases:
-        r = subprocess.run([sys.executable, "-c", "from olmo_ctl.cli import entry; entry()", "data", "prepare",
-                            *args, "--out", str(tmp_path / "o")], env=env, capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from olmo_ctl.cli import entry; entry()",
+                "data",
+                "prepare",
+                *args,
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.startswith("error: ") and msg in r.stderr and r.stderr.count("\n") == 1
         assert "Traceback" not in r.stderr

@@ -18,9 +18,17 @@ ROOT = Path(__file__).resolve().parent.parent
 # suffix -> (topology, chips, VMs): the GKE TPU slice table (Google Cloud's TPU docs), same for both
 # generations.
 REFERENCE = {
-    8: ("2x2x1", 4, 1), 16: ("2x2x2", 8, 2), 32: ("2x2x4", 16, 4), 64: ("2x4x4", 32, 8),
-    128: ("4x4x4", 64, 16), 256: ("4x4x8", 128, 32), 512: ("4x8x8", 256, 64), 1024: ("8x8x8", 512, 128),
-    2048: ("8x8x16", 1024, 256), 4096: ("8x16x16", 2048, 512), 8192: ("16x16x16", 4096, 1024),
+    8: ("2x2x1", 4, 1),
+    16: ("2x2x2", 8, 2),
+    32: ("2x2x4", 16, 4),
+    64: ("2x4x4", 32, 8),
+    128: ("4x4x4", 64, 16),
+    256: ("4x4x8", 128, 32),
+    512: ("4x8x8", 256, 64),
+    1024: ("8x8x8", 512, 128),
+    2048: ("8x8x16", 1024, 256),
+    4096: ("8x16x16", 2048, 512),
+    8192: ("16x16x16", 4096, 1024),
 }
 
 
@@ -35,8 +43,10 @@ def test_pinned_rows():
     assert (d.topology, d.vms, d.devices) == ("2x2x1", 1, 4)
 
 
-@pytest.mark.parametrize("generation,devices_per_chip,label,machine",
-                         [("tpu7x", 2, "tpu7x", "tpu7x-standard-4t"), ("v5p", 1, "tpu-v5p-slice", "ct5p-hightpu-4t")])
+@pytest.mark.parametrize(
+    "generation,devices_per_chip,label,machine",
+    [("tpu7x", 2, "tpu7x", "tpu7x-standard-4t"), ("v5p", 1, "tpu-v5p-slice", "ct5p-hightpu-4t")],
+)
 def test_catalog_matches_reference_table(generation, devices_per_chip, label, machine):
     rows = tpu_catalog(generation)
     assert [d.name for d in rows] == [f"{generation}-{n}" for n in REFERENCE]
@@ -55,8 +65,23 @@ def test_peak_and_hbm_per_device():
     assert get_device("v5p-256").hbm_gib_per_device == pytest.approx(95)
 
 
-@pytest.mark.parametrize("name", ["v5p-9", "v5p-12", "v5p-4", "tpu7x-16384", "v6e-8", "tpu7x", "v5p-08", "cpu-0",
-                                  "cpu-65", "gpu-x", "", "V5P-8"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "v5p-9",
+        "v5p-12",
+        "v5p-4",
+        "tpu7x-16384",
+        "v6e-8",
+        "tpu7x",
+        "v5p-08",
+        "cpu-0",
+        "cpu-65",
+        "gpu-x",
+        "",
+        "V5P-8",
+    ],
+)
 def test_unknown_devices_are_bad_input(name):
     with pytest.raises(BadInput) as e:
         get_device(name)
@@ -72,16 +97,31 @@ def test_local_devices():
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
-    return subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "olmo_ctl", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
 
 
 def test_devices_json_contract():
     p = _cli("devices", "-o", "json")
     assert p.returncode == 0, p.stderr
     rows = json.loads(p.stdout)
-    keys = {"name", "generation", "topology", "chips", "vms", "chips_per_vm", "devices", "peak_tflops_per_device",
-            "hbm_gib_per_device"}
+    keys = {
+        "name",
+        "generation",
+        "topology",
+        "chips",
+        "vms",
+        "chips_per_vm",
+        "devices",
+        "peak_tflops_per_device",
+        "hbm_gib_per_device",
+    }
     assert all(keys <= set(r) for r in rows)
     by_name = {r["name"]: r for r in rows}
     assert by_name["tpu7x-128"]["devices"] == 128 and by_name["v5p-256"]["vms"] == 32

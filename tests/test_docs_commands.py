@@ -127,30 +127,41 @@ def test_every_shown_command_and_option_exists():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("text,ok", [
-    ("olmo-ctl plan --stage 1 --device tpu7x-128", True),
-    ("olmo-ctl plan --stage 1|2 | --recipe NAME|FILE --device D [--set k=v ...] [--mfu 0.4] [-o json]", True),
-    ("olmo-ctl monitor RUN_DIR [--watch] [--interval 10] [-o json]", True),
-    ("olmo-ctl convert hf-to-orbax ./hf gs://b/x --vocab-size=100278", True),
-    ("olmo-ctl submit ... --dry-run", True),
-    ("olmo-ctl ...", True),
-    ("olmo-ctl submit --attempt -1 --dry-run", True),
-    ("olmo-ctl launch --stage 1", False),                   # no such command
-    ("olmo-ctl convert hf-to-jax a b", False),              # no such subcommand
-    ("olmo-ctl monitor runs/x --run-root runs", False),     # no such option
-    ("olmo-ctl plan --stage 1 --device v5p-8 --fast", False),
-])
+@pytest.mark.parametrize(
+    "text,ok",
+    [
+        ("olmo-ctl plan --stage 1 --device tpu7x-128", True),
+        (
+            "olmo-ctl plan --stage 1|2 | --recipe NAME|FILE --device D [--set k=v ...] [--mfu 0.4] [-o json]",
+            True,
+        ),
+        ("olmo-ctl monitor RUN_DIR [--watch] [--interval 10] [-o json]", True),
+        ("olmo-ctl convert hf-to-orbax ./hf gs://b/x --vocab-size=100278", True),
+        ("olmo-ctl submit ... --dry-run", True),
+        ("olmo-ctl ...", True),
+        ("olmo-ctl submit --attempt -1 --dry-run", True),
+        ("olmo-ctl launch --stage 1", False),  # no such command
+        ("olmo-ctl convert hf-to-jax a b", False),  # no such subcommand
+        ("olmo-ctl monitor runs/x --run-root runs", False),  # no such option
+        ("olmo-ctl plan --stage 1 --device v5p-8 --fast", False),
+    ],
+)
 def test_the_checker_itself(text, ok):
     assert (check(text) == []) is ok, check(text)
 
 
 def test_extraction(tmp_path):
     md = tmp_path / "x.md"
-    md.write_text("Run `olmo-ctl devices -o json` or `make demo`.\n"
-                  "```console\n$ olmo-ctl plan --stage 1 \\\n    --device v5p-8\noutput olmo-ctl not a command\n```\n"
-                  "```bash\nolmo-ctl data info --recipe smoke   # a comment\n```\n")
-    assert commands_in(md) == [(1, "olmo-ctl devices -o json"), (3, "olmo-ctl plan --stage 1 --device v5p-8"),
-                               (8, "olmo-ctl data info --recipe smoke   # a comment")]
+    md.write_text(
+        "Run `olmo-ctl devices -o json` or `make demo`.\n"
+        "```console\n$ olmo-ctl plan --stage 1 \\\n    --device v5p-8\noutput olmo-ctl not a command\n```\n"
+        "```bash\nolmo-ctl data info --recipe smoke   # a comment\n```\n"
+    )
+    assert commands_in(md) == [
+        (1, "olmo-ctl devices -o json"),
+        (3, "olmo-ctl plan --stage 1 --device v5p-8"),
+        (8, "olmo-ctl data info --recipe smoke   # a comment"),
+    ]
 
 
 # Docs pages that other changes add; linked from README.md already. Remove a name once its page exists.

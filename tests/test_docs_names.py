@@ -90,8 +90,12 @@ def _top_statements(body: list[ast.stmt]):
     for node in body:
         yield node
         if isinstance(node, ast.If | ast.Try):
-            for part in (node.body, node.orelse, getattr(node, "finalbody", []),
-                         *(h.body for h in getattr(node, "handlers", []))):
+            for part in (
+                node.body,
+                node.orelse,
+                getattr(node, "finalbody", []),
+                *(h.body for h in getattr(node, "handlers", [])),
+            ):
                 yield from _top_statements(part)
 
 
@@ -110,14 +114,21 @@ def _class_info(node: ast.ClassDef) -> ClassInfo:
     for stmt in _top_statements(node.body):
         members.update(_targets(stmt))
     for sub in ast.walk(node):  # instance attributes: self.x = ... in any method
-        if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self" \
-                and isinstance(sub.ctx, ast.Store):
+        if (
+            isinstance(sub, ast.Attribute)
+            and isinstance(sub.value, ast.Name)
+            and sub.value.id == "self"
+            and isinstance(sub.ctx, ast.Store)
+        ):
             members.add(sub.attr)
     # `Backend[dict]` is class Backend; `Generic[T]` stays as written (a base with no members).
-    bases = [b.value if isinstance(b, ast.Subscript) and not ast.unparse(b).startswith("Generic[") else b
-             for b in node.bases]
-    return ClassInfo(members, [b.id if isinstance(b, ast.Name) else ast.unparse(b).rsplit(".", 1)[-1]
-                               for b in bases])
+    bases = [
+        b.value if isinstance(b, ast.Subscript) and not ast.unparse(b).startswith("Generic[") else b
+        for b in node.bases
+    ]
+    return ClassInfo(
+        members, [b.id if isinstance(b, ast.Name) else ast.unparse(b).rsplit(".", 1)[-1] for b in bases]
+    )
 
 
 @cache
@@ -135,7 +146,9 @@ def module_info(dotted: str) -> ModuleInfo | None:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             for a in node.names:
                 info.names.add(a.asname or a.name)
                 info.imports[a.asname or a.name] = f"{base}.{a.name}"
@@ -311,8 +324,12 @@ def check_python_block(code: str) -> list[str]:
         if isinstance(node, ast.With):
             pairs.extend((item.optional_vars, item.context_expr) for item in node.items if item.optional_vars)
         for target, value in pairs:
-            if isinstance(target, ast.Name) and isinstance(value, ast.Call) and isinstance(value.func, ast.Name) \
-                    and value.func.id in classes_named():
+            if (
+                isinstance(target, ast.Name)
+                and isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Name)
+                and value.func.id in classes_named()
+            ):
                 bound[target.id] = value.func.id
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
@@ -339,8 +356,11 @@ def problems_in(path: Path) -> list[str]:
     rel = path.relative_to(ROOT)
     out = []
     for n, span in spans_in(path):
-        why = check_path(span) if "/" in span and "." not in span.split("/")[0] or span.endswith(".py") \
+        why = (
+            check_path(span)
+            if "/" in span and "." not in span.split("/")[0] or span.endswith(".py")
             else None
+        )
         why = why or check_dotted(span)
         if why:
             out.append(f"{rel}:{n}: `{span}`: {why}")
@@ -360,47 +380,87 @@ def test_doc_names_exist(doc):
 # ----------------------------------------------------------------------------- the rules themselves
 
 
-@pytest.mark.parametrize("span", [
-    "olmo_ctl/core/recipe.py", "tests/test_wheel.py", "olmo_ctl/testing/crds/", "trainer/data.py", "supervise/",
-    "calendar.py", "kueue.py",
-])
+@pytest.mark.parametrize(
+    "span",
+    [
+        "olmo_ctl/core/recipe.py",
+        "tests/test_wheel.py",
+        "olmo_ctl/testing/crds/",
+        "trainer/data.py",
+        "supervise/",
+        "calendar.py",
+        "kueue.py",
+    ],
+)
 def test_existing_paths_pass(span):
     assert check_path(span) is None
 
 
-@pytest.mark.parametrize("span", [
-    "olmo_ctl/core/recipes.py", "tests/test_nothing.py", "trainer/dataset.py", "backends/nothing/",
-    "no_such_module.py",
-])
+@pytest.mark.parametrize(
+    "span",
+    [
+        "olmo_ctl/core/recipes.py",
+        "tests/test_nothing.py",
+        "trainer/dataset.py",
+        "backends/nothing/",
+        "no_such_module.py",
+    ],
+)
 def test_missing_paths_are_caught(span):
     assert check_path(span)
 
 
-@pytest.mark.parametrize("span", [
-    "olmo_ctl.core.recipe", "olmo_ctl.storage.reset_clients()", "backends.base.Backend", "batching.Plan",
-    "RunDir.append", "RunDir.acquire_lease/heartbeat/release_lease", "Backend.send", "train.max_steps",
-    "model.forward(..., segment_ids=...)", "olmo_ctl.testing.kube_server.KubeServer", "world.settle()",
-    # not ours, or not code: left alone
-    "jax.distributed.initialize()", "run.yaml", "kueue.x-k8s.io", "src/olmo_core/optim/scheduler.py",
-    "DataMix.build", "np.argsort(-lengths)",
-])
+@pytest.mark.parametrize(
+    "span",
+    [
+        "olmo_ctl.core.recipe",
+        "olmo_ctl.storage.reset_clients()",
+        "backends.base.Backend",
+        "batching.Plan",
+        "RunDir.append",
+        "RunDir.acquire_lease/heartbeat/release_lease",
+        "Backend.send",
+        "train.max_steps",
+        "model.forward(..., segment_ids=...)",
+        "olmo_ctl.testing.kube_server.KubeServer",
+        "world.settle()",
+        # not ours, or not code: left alone
+        "jax.distributed.initialize()",
+        "run.yaml",
+        "kueue.x-k8s.io",
+        "src/olmo_core/optim/scheduler.py",
+        "DataMix.build",
+        "np.argsort(-lengths)",
+    ],
+)
 def test_existing_names_pass(span):
     assert check_dotted(span) is None
 
 
-@pytest.mark.parametrize("span", [
-    "olmo_ctl.core.recipes", "olmo_ctl.storage.reset_client()", "backends.base.Backnd", "batching.Plans",
-    "RunDir.append_line", "RunDir.acquire_lease/heartbeat/drop_lease", "Backend.submit", "train.max_step",
-    "world.settle_all()",
-])
+@pytest.mark.parametrize(
+    "span",
+    [
+        "olmo_ctl.core.recipes",
+        "olmo_ctl.storage.reset_client()",
+        "backends.base.Backnd",
+        "batching.Plans",
+        "RunDir.append_line",
+        "RunDir.acquire_lease/heartbeat/drop_lease",
+        "Backend.submit",
+        "train.max_step",
+        "world.settle_all()",
+    ],
+)
 def test_missing_names_are_caught(span):
     assert check_dotted(span)
 
 
 def test_python_blocks_are_checked():
-    ok = ("from olmo_ctl.backends.gke import GKEBackend\nfrom olmo_ctl.testing.kube_server import KubeServer\n"
-          "with KubeServer() as srv:\n    backend = GKEBackend(namespace='default', host=srv.url)\n"
-          "    handle = backend.send(None)\n    srv.cluster.admit(handle.name)\n")
+    ok = (
+        "from olmo_ctl.backends.gke import GKEBackend\nfrom olmo_ctl.testing.kube_server import KubeServer\n"
+        "with KubeServer() as srv:\n    backend = GKEBackend(namespace='default', host=srv.url)\n"
+        "    handle = backend.send(None)\n    srv.cluster.admit(handle.name)\n"
+    )
     assert check_python_block(ok) == []
     bad = ok.replace("backend.send", "backend.submit").replace("import KubeServer", "import KubeServer, nope")
     assert check_python_block(bad) == [

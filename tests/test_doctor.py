@@ -48,12 +48,22 @@ def sandbox(tmp_path_factory):
 
 
 def doctor(kubeconfig: Path, *args: str, tmp: Path) -> tuple[int, dict, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "KUBECONFIG": str(kubeconfig), "OLMO_CTL_IMAGE": IMAGE,
-           "XDG_CONFIG_HOME": str(tmp)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "KUBECONFIG": str(kubeconfig),
+        "OLMO_CTL_IMAGE": IMAGE,
+        "XDG_CONFIG_HOME": str(tmp),
+    }
     for k in ("OLMO_CTL_QUEUE", "OLMO_CTL_PRIORITY_CLASS", "OLMO_CTL_NAMESPACE", "OLMO_CTL_KUBE_CONTEXT"):
         env.pop(k, None)
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "doctor", *args, "-o", "json"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "olmo_ctl", "doctor", *args, "-o", "json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return p.returncode, json.loads(p.stdout) if p.stdout.strip() else {}, p.stderr
 
 
@@ -72,8 +82,18 @@ def test_all_checks_pass_for_a_configured_queue_and_device(sandbox, tmp_path):
     assert rc == 0, (report, err)
     assert report["ok"] is True
     names = [c["name"] for c in report["checks"]]
-    assert names == ["jobset-crd", "kueue-crds", "namespace", "local-queue", "cluster-queue", "resource-flavor",
-                     "priority-class", "rbac", "node-pools", "image"]
+    assert names == [
+        "jobset-crd",
+        "kueue-crds",
+        "namespace",
+        "local-queue",
+        "cluster-queue",
+        "resource-flavor",
+        "priority-class",
+        "rbac",
+        "node-pools",
+        "image",
+    ]
     assert all(c["ok"] and not c["message"].startswith("warning") for c in report["checks"]), report
     flavor = next(c for c in report["checks"] if c["name"] == "resource-flavor")["message"]
     assert "1xtpu7x-128" in flavor and "64 google.com/tpu" in flavor
@@ -133,8 +153,13 @@ def test_an_unreachable_cluster_exits_3(sandbox, tmp_path):
 def test_the_sandbox_refuses_to_overwrite_a_real_kubeconfig(tmp_path):
     kc = tmp_path / "config"
     kc.write_text(yaml.safe_dump({"contexts": [{"name": "gke_prod", "context": {}}]}))
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl", "sandbox", "--kubeconfig", str(kc)],
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "olmo_ctl", "sandbox", "--kubeconfig", str(kc)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2
     assert "exists and is not a sandbox kubeconfig" in p.stderr
     assert "gke_prod" in kc.read_text()
@@ -156,7 +181,9 @@ def _settings(**kw) -> Settings:
 def test_rbac_names_each_verb_the_account_lacks(box):
     box.server.forbid("delete", "jobsets", "jobset.x-k8s.io")
     box.server.forbid("get", "pods/log")
-    checks = {c.name: c for c in run_checks(make_api_client(host=box.url), _settings(), get_device("tpu7x-128"))}
+    checks = {
+        c.name: c for c in run_checks(make_api_client(host=box.url), _settings(), get_device("tpu7x-128"))
+    }
     assert not checks["rbac"].ok
     assert "may not delete jobsets.jobset.x-k8s.io, get pods/log" in checks["rbac"].message
     # and the server itself refuses what it said was forbidden
@@ -165,13 +192,16 @@ def test_rbac_names_each_verb_the_account_lacks(box):
 
     with pytest.raises(ApiException) as e:
         client.CustomObjectsApi(make_api_client(host=box.url)).delete_namespaced_custom_object(
-            "jobset.x-k8s.io", "v1alpha2", "default", "jobsets", "x")
+            "jobset.x-k8s.io", "v1alpha2", "default", "jobsets", "x"
+        )
     assert e.value.status == 403
 
 
 def test_nodes_that_may_not_be_listed_are_a_warning(box):
     box.server.forbid("list", "nodes")
-    checks = {c.name: c for c in run_checks(make_api_client(host=box.url), _settings(), get_device("tpu7x-128"))}
+    checks = {
+        c.name: c for c in run_checks(make_api_client(host=box.url), _settings(), get_device("tpu7x-128"))
+    }
     assert checks["node-pools"].ok
     assert checks["node-pools"].message.startswith("warning: cannot list nodes (forbidden)")
     assert all(c.ok for c in checks.values())
@@ -205,8 +235,21 @@ def test_submit_refuses_a_missing_priority_class_before_creating_anything(gcs, t
         monkeypatch.setenv("KUBECONFIG", str(box.write_kubeconfig(tmp_path / "kubeconfig")))
         monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
         root = f"gs://{gcs.bucket}/runs"
-        args = ["submit", "--recipe", "smoke", "--device", "tpu7x-8", "--run", "wpc", "--run-root", root,
-                "--image", IMAGE, "--no-preflight", "--priority-class"]
+        args = [
+            "submit",
+            "--recipe",
+            "smoke",
+            "--device",
+            "tpu7x-8",
+            "--run",
+            "wpc",
+            "--run-root",
+            root,
+            "--image",
+            IMAGE,
+            "--no-preflight",
+            "--priority-class",
+        ]
         assert main([*args, "low"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: WorkloadPriorityClass low does not exist") and err.count("\n") == 1

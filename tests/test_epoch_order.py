@@ -112,12 +112,18 @@ def test_the_first_complete_writer_wins(tmp_path, small_layout):
 
 
 def test_concurrent_processes_agree(tmp_path):
-    code = ("import sys, json; from olmo_ctl.trainer import epoch_order as eo; "
-            "o = eo.stored_order(sys.argv[1], 'v1:x:beef', 300000, 4, 1); "
-            "print(json.dumps(o.rows(1000, 1010).tolist()))")
+    code = (
+        "import sys, json; from olmo_ctl.trainer import epoch_order as eo; "
+        "o = eo.stored_order(sys.argv[1], 'v1:x:beef', 300000, 4, 1); "
+        "print(json.dumps(o.rows(1000, 1010).tolist()))"
+    )
     env = dict(os.environ, PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "o")], stdout=subprocess.PIPE, text=True,
-                              env=env) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path / "o")], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(3)
+    ]
     outs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert outs[0] == outs[1] == outs[2] == epoch_order(300000, 4, 1, 1)[1000:1010].tolist()
@@ -135,7 +141,10 @@ def test_stored_on_gcs_and_read_by_ranges(tmp_path, small_layout):
         sub = storage.join(base, eo.order_key("v1:x:abcd", 1))
         store = storage.store_for(base)
         assert [store.exists(storage.join(sub, n)) for n in ("header.json", "part-00002", "part-00003")] == [
-            True, True, False]
+            True,
+            True,
+            False,
+        ]
 
 
 def test_hosts_other_than_0_wait_for_host_0s_order(tmp_path):
@@ -156,8 +165,9 @@ def test_hosts_other_than_0_wait_for_host_0s_order(tmp_path):
     assert t.is_alive() and not list(tmp_path.iterdir())  # waiting, and nothing written by host 1
     eo.stored_order(str(tmp_path), "v1:x:abcd", 5000, 9, 1, build=True)
     t.join(10)
-    np.testing.assert_array_equal(got["o"].rows(0, 5000), eo.stored_order(
-        str(tmp_path), "v1:x:abcd", 5000, 9, 1).rows(0, 5000))
+    np.testing.assert_array_equal(
+        got["o"].rows(0, 5000), eo.stored_order(str(tmp_path), "v1:x:abcd", 5000, 9, 1).rows(0, 5000)
+    )
     assert len(epoch_order(5000, 9, 1, 8)) <= 5000
     with pytest.raises(Exception, match="stored no epoch-2 order"):
         eo.stored_order(str(tmp_path), "v1:x:abcd", 5000, 9, 2, build=False, wait_s=0.2, poll_s=0.05)

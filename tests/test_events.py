@@ -26,7 +26,10 @@ def accumulator(logdir) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         from tensorboard.util import tensor_util
 
         ev = acc.Tensors(tag)
-        out[tag] = (np.array([e.step for e in ev]), np.array([float(tensor_util.make_ndarray(e.tensor_proto)) for e in ev]))
+        out[tag] = (
+            np.array([e.step for e in ev]),
+            np.array([float(tensor_util.make_ndarray(e.tensor_proto)) for e in ev]),
+        )
     return out
 
 
@@ -67,15 +70,27 @@ def test_tensor_scalars_of_every_dtype(tmp_path):
         "f64": lambda s: tensor_pb2.TensorProto(dtype=types_pb2.DT_DOUBLE, double_val=[s / 3]),
         "i64": lambda s: tensor_pb2.TensorProto(dtype=types_pb2.DT_INT64, int64_val=[-s * 1000]),
         "half": lambda s: tensor_pb2.TensorProto(
-            dtype=types_pb2.DT_HALF, half_val=[int(np.array([s / 4], np.float16).view(np.uint16)[0])]),
-        "content": lambda s: tensor_pb2.TensorProto(dtype=types_pb2.DT_FLOAT, tensor_content=struct.pack("<f", s + 0.5)),
+            dtype=types_pb2.DT_HALF, half_val=[int(np.array([s / 4], np.float16).view(np.uint16)[0])]
+        ),
+        "content": lambda s: tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_FLOAT, tensor_content=struct.pack("<f", s + 0.5)
+        ),
     }
-    want = {"f64": lambda s: s / 3, "i64": lambda s: -s * 1000.0, "half": lambda s: float(np.float16(s / 4)),
-            "content": lambda s: s + 0.5}
+    want = {
+        "f64": lambda s: s / 3,
+        "i64": lambda s: -s * 1000.0,
+        "half": lambda s: float(np.float16(s / 4)),
+        "content": lambda s: s + 0.5,
+    }
     for step in range(1, 200):
         for tag, mk in protos.items():
-            e.add_event(event_pb2.Event(wall_time=T0 + step, step=step, summary=summary_pb2.Summary(
-                value=[summary_pb2.Summary.Value(tag=tag, tensor=mk(step))])))
+            e.add_event(
+                event_pb2.Event(
+                    wall_time=T0 + step,
+                    step=step,
+                    summary=summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, tensor=mk(step))]),
+                )
+            )
     e.close()
     r = read_scalars(str(tmp_path / "t"))
     for tag, f in want.items():
@@ -150,10 +165,14 @@ def test_replayed_steps_after_resume_are_deduplicated_later_attempt_wins(tmp_pat
     write_segment(tb2, range(1, 31), attempt=1)
     write_segment(tb2, range(21, 41), attempt=2, values=lambda tag, st: value(tag, st, desync=25))
     r = read_scalars(str(tb2))
-    assert {m.tag for m in r.mismatches()} == {t for t in TAGS if t not in ("throughput/device/TPS", "perf/step_time_s")}
+    assert {m.tag for m in r.mismatches()} == {
+        t for t in TAGS if t not in ("throughput/device/TPS", "perf/step_time_s")
+    }
     mm = [m for m in r.mismatches() if m.tag == "train/CE loss"]
     assert [m.step for m in mm] == list(range(25, 31))
-    assert mm[0].earlier == value("train/CE loss", 25) and mm[0].later == value("train/CE loss", 25, desync=25)
+    assert mm[0].earlier == value("train/CE loss", 25) and mm[0].later == value(
+        "train/CE loss", 25, desync=25
+    )
     assert (mm[0].earlier_attempt, mm[0].later_attempt) == (1, 2)
     assert r.series("train/CE loss").values[24] == value("train/CE loss", 25, desync=25)
 
@@ -240,8 +259,9 @@ def test_reads_and_tails_gcs(tmp_path, gcs):
     np.testing.assert_array_equal(r2.series("train/CE loss").steps, np.arange(1, 401))
     assert r2.problems() == []
     # an object rewritten under the same name (a new generation) is read again, not appended to
-    other = write_segment(tmp_path / "other", range(81, 121), segment=2,
-                          values=lambda tag, s: value(tag, s, desync=100))
+    other = write_segment(
+        tmp_path / "other", range(81, 121), segment=2, values=lambda tag, s: value(tag, s, desync=100)
+    )
     st.write_bytes(f"{prefix}/{os.path.basename(paths[2])}", open(other, "rb").read())
     r.refresh()
     s = r.series("train/CE loss")
@@ -271,16 +291,53 @@ def test_non_scalar_events_are_skipped(tmp_path):
 
     w = EventFileWriter(str(tmp_path / "tb"))
     for step in range(1, 301):
-        w.add_event(event_pb2.Event(wall_time=T0 + step, step=step, summary=summary_pb2.Summary(value=[
-            summary_pb2.Summary.Value(tag="w/hist", histo=HistogramProto(min=0, max=step, num=3, sum=step))])))
-        w.add_event(event_pb2.Event(wall_time=T0 + step, step=step, summary=summary_pb2.Summary(value=[
-            summary_pb2.Summary.Value(tag="train/CE loss", simple_value=value("train/CE loss", step))])))
+        w.add_event(
+            event_pb2.Event(
+                wall_time=T0 + step,
+                step=step,
+                summary=summary_pb2.Summary(
+                    value=[
+                        summary_pb2.Summary.Value(
+                            tag="w/hist", histo=HistogramProto(min=0, max=step, num=3, sum=step)
+                        )
+                    ]
+                ),
+            )
+        )
+        w.add_event(
+            event_pb2.Event(
+                wall_time=T0 + step,
+                step=step,
+                summary=summary_pb2.Summary(
+                    value=[
+                        summary_pb2.Summary.Value(
+                            tag="train/CE loss", simple_value=value("train/CE loss", step)
+                        )
+                    ]
+                ),
+            )
+        )
         if step % 50 == 0:
-            w.add_event(event_pb2.Event(wall_time=T0 + step, step=step, summary=summary_pb2.Summary(value=[
-                summary_pb2.Summary.Value(tag="img", image=summary_pb2.Summary.Image(
-                    height=1, width=1, colorspace=1, encoded_image_string=b"x" * step))])))
+            w.add_event(
+                event_pb2.Event(
+                    wall_time=T0 + step,
+                    step=step,
+                    summary=summary_pb2.Summary(
+                        value=[
+                            summary_pb2.Summary.Value(
+                                tag="img",
+                                image=summary_pb2.Summary.Image(
+                                    height=1, width=1, colorspace=1, encoded_image_string=b"x" * step
+                                ),
+                            )
+                        ]
+                    ),
+                )
+            )
     w.close()
     r = read_scalars(str(tmp_path / "tb"))
     assert r.tags() == ["train/CE loss"] and r.problems() == []
     np.testing.assert_array_equal(r.series("train/CE loss").steps, np.arange(1, 301))
-    np.testing.assert_array_equal(r.series("train/CE loss").values, [value("train/CE loss", s) for s in range(1, 301)])
+    np.testing.assert_array_equal(
+        r.series("train/CE loss").values, [value("train/CE loss", s) for s in range(1, 301)]
+    )

@@ -18,22 +18,37 @@ def test_the_docs_table_lists_every_knob_and_no_other():
     section = text.split("## Fault knobs", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(OLMO_CTL_\w+)` \| `([^`]*)` \| ([^|]+) \|", section, re.MULTILINE)
     assert [(n, v, who.strip().strip("`")) for n, v, who in rows] == [
-        (k.name, k.value, k.read_by) for k in faults.KNOBS]
+        (k.name, k.value, k.read_by) for k in faults.KNOBS
+    ]
 
 
 def test_no_module_but_core_faults_spells_a_knob():
     """A knob's name is a string in the code of one module only: its users import it (docstrings may say it)."""
     names = {k.name for k in faults.KNOBS}
-    spelled = sorted({p.relative_to(ROOT).as_posix() for p in (ROOT / "olmo_ctl").rglob("*.py")
-                      for node in ast.walk(ast.parse(p.read_text()))
-                      if isinstance(node, ast.Constant) and node.value in names})
+    spelled = sorted(
+        {
+            p.relative_to(ROOT).as_posix()
+            for p in (ROOT / "olmo_ctl").rglob("*.py")
+            for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, ast.Constant) and node.value in names
+        }
+    )
     assert spelled == ["olmo_ctl/core/faults.py"]
 
 
-@pytest.mark.parametrize("value, step, host, hangs", [
-    ("8", 8, 0, True), ("8", 8, 3, True), ("8", 7, 0, False), ("8:1", 8, 1, True), ("8:1", 8, 0, False),
-    ("", 8, 0, False), ("x", 8, 0, False), ("8:x", 8, 0, False),
-])
+@pytest.mark.parametrize(
+    "value, step, host, hangs",
+    [
+        ("8", 8, 0, True),
+        ("8", 8, 3, True),
+        ("8", 7, 0, False),
+        ("8:1", 8, 1, True),
+        ("8:1", 8, 0, False),
+        ("", 8, 0, False),
+        ("x", 8, 0, False),
+        ("8:x", 8, 0, False),
+    ],
+)
 def test_hang_at_step(value, step, host, hangs):
     assert faults.hangs({faults.HANG_AT_STEP.name: value}, step, host) is hangs
 
@@ -44,9 +59,17 @@ def test_hang_at_step_reads_step_and_host():
     assert faults.hang_at_step({}) is None
 
 
-@pytest.mark.parametrize("value, host, ms", [
-    ("1:150", 1, 150.0), ("1:150", 0, 0.0), ("0:2.5", 0, 2.5), ("1:", 1, 0.0), ("a:5", 0, 0.0), ("", 0, 0.0),
-])
+@pytest.mark.parametrize(
+    "value, host, ms",
+    [
+        ("1:150", 1, 150.0),
+        ("1:150", 0, 0.0),
+        ("0:2.5", 0, 2.5),
+        ("1:", 1, 0.0),
+        ("a:5", 0, 0.0),
+        ("", 0, 0.0),
+    ],
+)
 def test_slow_data(value, host, ms):
     assert faults.slow_data_ms({faults.SLOW_DATA.name: value}, host) == ms
 

@@ -24,10 +24,34 @@ STEPS = 30
 
 def supervisor(root: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "olmo_ctl", "resume-until-done", "--recipe", "smoke", "--device", "cpu-1",
-         "--backend", "local", "--run", "fenced", "--run-root", root, "--poll", "0.2", "--lease-ttl", "2",
-         "--set", f"train.max_steps={STEPS}", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        [
+            sys.executable,
+            "-m",
+            "olmo_ctl",
+            "resume-until-done",
+            "--recipe",
+            "smoke",
+            "--device",
+            "cpu-1",
+            "--backend",
+            "local",
+            "--run",
+            "fenced",
+            "--run-root",
+            root,
+            "--poll",
+            "0.2",
+            "--lease-ttl",
+            "2",
+            "--set",
+            f"train.max_steps={STEPS}",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def state_of(pid: int) -> str:
@@ -35,14 +59,13 @@ def state_of(pid: int) -> str:
         data = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return "gone"
-    return data[data.rfind(")") + 2:].split()[0]
-
-
+    return data[data.rfind(")") + 2 :].split()[0]
 
 
 def holds_a_lock(pid: int) -> bool:
-    return any(ln.split()[4:5] == [str(pid)] for ln in Path("/proc/locks").read_text().splitlines()
-               if "->" not in ln)
+    return any(
+        ln.split()[4:5] == [str(pid)] for ln in Path("/proc/locks").read_text().splitlines() if "->" not in ln
+    )
 
 
 def stop_between_writes(pid: int) -> None:
@@ -105,8 +128,11 @@ def test_a_supervisor_paused_while_watching_leaves_the_run_to_its_successor(tmp_
     try:
         # Attempt 1 created and journaled (stopped between the two, A would rightly undo its create
         # when it wakes up without the lease, and B would go on with attempt 2).
-        wait_for(lambda: live_attempts(root) == [1] and any(r["event"] == "running" for r in rd.journal()), 120,
-                 "attempt 1 running")
+        wait_for(
+            lambda: live_attempts(root) == [1] and any(r["event"] == "running" for r in rd.journal()),
+            120,
+            "attempt 1 running",
+        )
         stop_between_writes(a.pid)
         time.sleep(2.5)
         b = supervisor(root)
@@ -138,9 +164,21 @@ def test_the_lease_holder_stops_a_stray_attempt(tmp_path):
     try:
         wait_for(lambda: live_attempts(root) == [1], 120, "attempt 1")
         backend = LocalBackend(root)
-        stray = backend.send(backend.render(Attempt("fenced", rd.path, 7, "cpu-1", recipe_path="smoke",
-                                                    extra_args=("--set", "train.max_steps=400"))))
-        wait_for(lambda: any(r["event"] == "stray_stopped" for r in rd.journal()), 60, "the stray to be stopped")
+        stray = backend.send(
+            backend.render(
+                Attempt(
+                    "fenced",
+                    rd.path,
+                    7,
+                    "cpu-1",
+                    recipe_path="smoke",
+                    extra_args=("--set", "train.max_steps=400"),
+                )
+            )
+        )
+        wait_for(
+            lambda: any(r["event"] == "stray_stopped" for r in rd.journal()), 60, "the stray to be stopped"
+        )
         wait_for(lambda: live_attempts(root) == [1], 30, "the stray to be gone")
         assert backend.status(stray).exit_code in (-9, 137)
         assert [r["attempt"] for r in rd.journal() if r["event"] == "stray_stopped"] == [7]

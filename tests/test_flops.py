@@ -55,7 +55,8 @@ def test_olmo_core_params_term_matches_param_count():
 
     m = OLMO3_7B
     attn_only = flops.flops_per_token_olmo_core(m, 8192) - sum(
-        12 * m.n_heads * m.head_dim * flops.attention_window(m, i, 8192) for i in range(m.n_layers))
+        12 * m.n_heads * m.head_dim * flops.attention_window(m, i, 8192) for i in range(m.n_layers)
+    )
     assert attn_only == 6 * (param_count(m) - m.padded_vocab_size * m.d_model)
 
 

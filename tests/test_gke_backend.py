@@ -64,9 +64,14 @@ def env(request):
         yield Env(GKEBackend(namespace="default", host=srv.url, retry=FAST), srv, "user-queue", 5.0)
         return
     if not REAL_KUBECONFIG:
-        pytest.skip("OLMO_CTL_TEST_KUBECONFIG is not set: no real cluster with JobSet and Kueue to run against")
-    backend = GKEBackend(namespace=os.environ.get("OLMO_CTL_TEST_NAMESPACE", "default"),
-                         kubeconfig=REAL_KUBECONFIG, context=os.environ.get("OLMO_CTL_TEST_CONTEXT"))
+        pytest.skip(
+            "OLMO_CTL_TEST_KUBECONFIG is not set: no real cluster with JobSet and Kueue to run against"
+        )
+    backend = GKEBackend(
+        namespace=os.environ.get("OLMO_CTL_TEST_NAMESPACE", "default"),
+        kubeconfig=REAL_KUBECONFIG,
+        context=os.environ.get("OLMO_CTL_TEST_CONTEXT"),
+    )
     e = Env(backend, None, os.environ.get("OLMO_CTL_TEST_QUEUE") or None, 600.0)
     made: list[Handle] = []
     e.made = made
@@ -112,11 +117,16 @@ def test_success_lifecycle(env):
 
 def test_user_failure_has_the_pods_last_lines(env):
     run = _run_name()
-    script = ("import sys; print('step 1/10 loss 11.2'); print('Traceback (most recent call last):'); "
-              "print('ValueError: global_batch 512 does not divide over 3 devices'); sys.exit(1)")
+    script = (
+        "import sys; print('step 1/10 loss 11.2'); print('Traceback (most recent call last):'); "
+        "print('ValueError: global_batch 512 does not divide over 3 devices'); sys.exit(1)"
+    )
     h = _submit(env, env.jobset(run, script=script, workers=1))
-    lines = ["step 1/10 loss 11.2", "Traceback (most recent call last):",
-             "ValueError: global_batch 512 does not divide over 3 devices"]
+    lines = [
+        "step 1/10 loss 11.2",
+        "Traceback (most recent call last):",
+        "ValueError: global_batch 512 does not divide over 3 devices",
+    ]
 
     def cluster(c):
         c.admit(h.name)
@@ -167,7 +177,12 @@ def test_find_live_returns_the_newest_live_attempt(env):
     env.wait_for(h1, {State.FAILED_USER, State.FAILED_INFRA})
     h2 = _submit(env, env.jobset(run, attempt=2, script="import time; time.sleep(600)"))
     found = env.backend.find_live(run)
-    assert found is not None and found.name == h2.name and found.attempt == 2 and found.data["uid"] == h2.data["uid"]
+    assert (
+        found is not None
+        and found.name == h2.name
+        and found.attempt == 2
+        and found.data["uid"] == h2.data["uid"]
+    )
     env.backend.stop(h2)
     env.backend.wait_gone(h2, timeout_s=env.timeout_s, poll_s=0.05 if not env.real else 2.0)
     assert env.backend.find_live(run) is None
@@ -180,8 +195,10 @@ def test_a_long_queue_wait_stays_queued_with_kueues_message(srv):
     b = _backend(srv)
     h = b.send(tiny_jobset("q1-a1", run="q1"))
     # Kueue's own message (the test cluster's flavor has no quota yet; tiny_jobset asks for 2 x 100m CPU).
-    msg = "couldn't assign flavors to pod set slice: insufficient unused quota for cpu in flavor " \
-          "tpu-flavor, 200m more needed"
+    msg = (
+        "couldn't assign flavors to pod set slice: insufficient unused quota for cpu in flavor "
+        "tpu-flavor, 200m more needed"
+    )
     srv.cluster.keep_pending(h.name, msg)
     for _ in range(30):
         st = b.status(h)
@@ -201,7 +218,10 @@ def test_eviction_by_preemption_requeues_the_same_attempt_with_kueues_reason(srv
     st = b.status(h)
     assert st.state == State.QUEUED and st.details["evicted"] == "Preempted (InClusterQueue)"
     assert st.reason.startswith("Preempted (InClusterQueue): Preempted to accommodate a workload")
-    assert "; requeued by Kueue, Pending: couldn't assign flavors to pod set slice: insufficient unused quota" in st.reason
+    assert (
+        "; requeued by Kueue, Pending: couldn't assign flavors to pod set slice: insufficient unused quota"
+        in st.reason
+    )
     assert st.source == "Workload condition Evicted"
     assert st.details["requeued"] is True
 
@@ -216,7 +236,10 @@ def test_node_loss_then_jobset_failure_is_preemption(srv):
     # DisruptionTarget (tiny_jobset has none, our rendered JobSets do) it counts against backoffLimit 0:
     # the Job fails, the JobSet restarts or, at maxRestarts 0, fails, and the other pods are deleted.
     srv.cluster.fail(h.name, "ReachedMaxRestarts")
-    assert lost not in [p["metadata"]["name"] for p in srv.cluster.pods(h.name)] and srv.cluster.pods(h.name) == []
+    assert (
+        lost not in [p["metadata"]["name"] for p in srv.cluster.pods(h.name)]
+        and srv.cluster.pods(h.name) == []
+    )
     st = b.status(h)
     assert st.state == State.FAILED_INFRA, st
     assert "(first failed job: n1-a1-slice-0))" in st.reason and "no pod left" in st.reason, st
@@ -249,7 +272,9 @@ def test_unschedulable_while_admitted_keeps_the_state_and_says_why(srv):
     b = _backend(srv)
     h = b.send(tiny_jobset("u1-a1", run="u1"))
     srv.cluster.admit(h.name)
-    srv.cluster.unschedulable(h.name, "0/8 nodes are available: 8 node(s) didn't match Pod's node affinity/selector.")
+    srv.cluster.unschedulable(
+        h.name, "0/8 nodes are available: 8 node(s) didn't match Pod's node affinity/selector."
+    )
     st = b.status(h)
     assert st.state == State.ADMITTED and st.details["unschedulable"] is True
     assert "Unschedulable" in st.reason and "didn't match Pod's node affinity" in st.reason
@@ -269,7 +294,9 @@ def test_unknown_field_is_refused_as_bad_input(srv):
     b = _backend(srv)
     js = tiny_jobset("f1-a1", run="f1")
     js["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicyy"] = {}
-    with pytest.raises(BadInput, match='unknown field "spec.replicatedJobs\\[0\\].template.spec.podFailurePolicyy"'):
+    with pytest.raises(
+        BadInput, match='unknown field "spec.replicatedJobs\\[0\\].template.spec.podFailurePolicyy"'
+    ):
         b.send(js)
     assert srv.cluster.jobset_names() == []
 
@@ -322,7 +349,9 @@ def test_unreachable_past_the_budget_is_exit_3_and_leaves_the_job_alone(srv):
         b.status(h)
     assert ei.value.exit_code == EXIT_UNREACHABLE
     assert time.monotonic() - t0 < 3.0
-    assert "no usable answer" in ei.value.message and "Connection refused" in ei.value.message, ei.value.message
+    assert "no usable answer" in ei.value.message and "Connection refused" in ei.value.message, (
+        ei.value.message
+    )
     srv.come_back()
     assert srv.count("DELETE") == 0
     assert b.status(h).state == State.RUNNING
@@ -341,16 +370,25 @@ def test_server_errors_past_the_budget_are_unreachable(srv):
 def test_rendered_attempt_is_accepted_by_the_crd_schema(srv):
     from olmo_ctl.core.config import Settings
 
-    settings = Settings(image="us-docker.pkg.dev/p/r/olmo-ctl:1", run_root="gs://bucket/runs", queue="tpu-queue")
+    settings = Settings(
+        image="us-docker.pkg.dev/p/r/olmo-ctl:1", run_root="gs://bucket/runs", queue="tpu-queue"
+    )
     b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.supervise.attempts import new_request
 
-    att = new_request("olmo3-7b-s1", "gs://bucket/runs/olmo3-7b-s1", 3, "tpu7x-128", load_recipe("olmo3-7b-stage1"),
-                      extra_args=("--stop-at-step", "100"))
+    att = new_request(
+        "olmo3-7b-s1",
+        "gs://bucket/runs/olmo3-7b-s1",
+        3,
+        "tpu7x-128",
+        load_recipe("olmo3-7b-stage1"),
+        extra_args=("--stop-at-step", "100"),
+    )
     js = b.render(att)
-    assert js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["command"][-2:] \
-        == ["--stop-at-step", "100"]
+    assert js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
+        "command"
+    ][-2:] == ["--stop-at-step", "100"]
     h = b.send(js)
     assert (h.name, h.attempt, h.data["run"]) == ("olmo3-7b-s1-a3", 3, "olmo3-7b-s1")
     wl = srv.cluster.workload(h.name)
@@ -370,8 +408,9 @@ def test_retry_policy_backoff_is_capped_and_jittered():
     assert [p.backoff_s(n) for n in (1, 2, 3, 7, 8, 20)] == [0.5, 1.0, 2.0, 30.0, 30.0, 30.0]
     waits = [KubeRetryPolicy(base_s=4.0, max_s=30.0).backoff_s(2) for _ in range(200)]
     assert 4.0 <= min(waits) < max(waits) <= 8.0
-    assert [is_retryable(ApiException(status=s)) for s in (429, 500, 502, 503, 504, 400, 401, 403, 404, 409, 422)] \
-        == [True] * 5 + [False] * 6
+    assert [
+        is_retryable(ApiException(status=s)) for s in (429, 500, 502, 503, 504, 400, 401, 403, 404, 409, 422)
+    ] == [True] * 5 + [False] * 6
     assert is_retryable(ConnectionRefusedError()) and not is_retryable(ValueError("bug"))
 
 
@@ -410,7 +449,9 @@ def test_the_attempt_request_reads_the_recipe_from_run_yaml_on_gcs(srv, gcs):
 
     # The recipe comes from run.yaml: stage 2's global batch 256 over v5p-256's 128 devices.
     assert js["metadata"]["annotations"]["olmo-ctl/recipe"] == recipe.name
-    assert "global_batch=256 per_device_batch=2 grad_accum=1" in js["metadata"]["annotations"][ANNOTATION_PLAN]
+    assert (
+        "global_batch=256 per_device_batch=2 grad_accum=1" in js["metadata"]["annotations"][ANNOTATION_PLAN]
+    )
     h = b.send(js)
     assert srv.cluster.workload(h.name)["spec"]["podSets"][0]["count"] == 32
 

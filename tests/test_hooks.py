@@ -37,7 +37,9 @@ class FakeSignals:
 class Loop:
     """What the hooks see of the loop; every action lands in `log`."""
 
-    def __init__(self, step: int, pending: int = 0, due: bool = False, n_proc: int = 1, fail_close: bool = False):
+    def __init__(
+        self, step: int, pending: int = 0, due: bool = False, n_proc: int = 1, fail_close: bool = False
+    ):
         self.log: list[tuple] = []
         log = self.log
         self.s = SimpleNamespace(proc=0, n_proc=n_proc, recipe=RECIPE)
@@ -50,12 +52,18 @@ class Loop:
             if fail_close:
                 raise OSError("storage went away")
 
-        self.ckpt = SimpleNamespace(save=lambda st, state, meta: log.append(("save", st, meta["step"])) or 0.5,
-                                    wait=lambda: log.append(("wait",)), close=close)
+        self.ckpt = SimpleNamespace(
+            save=lambda st, state, meta: log.append(("save", st, meta["step"])) or 0.5,
+            wait=lambda: log.append(("wait",)),
+            close=close,
+        )
         self.events = SimpleNamespace(
-            dir="events", due=lambda every_s: due,
+            dir="events",
+            due=lambda every_s: due,
             scalars=lambda st, values, wall=None: log.append(("scalars", st, sorted(values)[0])),
-            upload=lambda: log.append(("upload",)), session_start=lambda st: log.append(("session_start", st)))
+            upload=lambda: log.append(("upload",)),
+            session_start=lambda st: log.append(("session_start", st)),
+        )
         self.watchdog = SimpleNamespace(paused=contextlib.nullcontext)
 
     def flush(self, gather: bool = True) -> None:
@@ -63,40 +71,70 @@ class Loop:
         self.pending.clear()
 
 
-def hooks(signals=None, final_step: int = 20, eval_every: int = 5, ckpt_every: int = 5, metrics_every: int = 4):
+def hooks(
+    signals=None, final_step: int = 20, eval_every: int = 5, ckpt_every: int = 5, metrics_every: int = 4
+):
     evaluate = H.EvalHook(lambda params, batch: (6.0, 2.0), [{"input_ids": None}], eval_every)
-    return [evaluate, H.StragglerHook(), H.StopHook(signals or FakeSignals(), final_step),
-            H.CheckpointHook(ckpt_every), H.MetricsHook(RECIPE, PLAN, DEVICE, metrics_every), H.EventsHook(5.0)]
+    return [
+        evaluate,
+        H.StragglerHook(),
+        H.StopHook(signals or FakeSignals(), final_step),
+        H.CheckpointHook(ckpt_every),
+        H.MetricsHook(RECIPE, PLAN, DEVICE, metrics_every),
+        H.EventsHook(5.0),
+    ]
 
 
 def test_the_default_order():
     no_eval = load_recipe("smoke", overrides=["eval.batches=0"])  # no held-out batches to put on a mesh
     s = SimpleNamespace(recipe=no_eval, mesh=None, proc=0, n_proc=1, final_step=20, plan=PLAN, device=DEVICE)
     assert [type(h).__name__ for h in H.default_hooks(s, H.StopSignals())] == [
-        "EvalHook", "StragglerHook", "StopHook", "CheckpointHook", "MetricsHook", "EventsHook"]
+        "EvalHook",
+        "StragglerHook",
+        "StopHook",
+        "CheckpointHook",
+        "MetricsHook",
+        "EventsHook",
+    ]
 
 
 def test_the_final_step_is_evaluated_then_saved_committed_and_uploaded_once(capsys):
     loop = Loop(step=20, pending=3, due=True)
     assert H.post_step(hooks(final_step=20), loop) == 0
-    assert loop.log == [("flush", 3, True), ("scalars", 20, "eval/lm_loss"),
-                        ("flush", 0, True), ("save", 20, 20), ("wait",), ("scalars", 20, "checkpoint/save_duration_s"),
-                        ("upload",)]  # no periodic fetch or upload after the final save
+    assert loop.log == [
+        ("flush", 3, True),
+        ("scalars", 20, "eval/lm_loss"),
+        ("flush", 0, True),
+        ("save", 20, 20),
+        ("wait",),
+        ("scalars", 20, "checkpoint/save_duration_s"),
+        ("upload",),
+    ]  # no periodic fetch or upload after the final save
     assert "eval step 20 lm_loss 3.0000" in capsys.readouterr().out
 
 
 def test_a_stop_saves_the_step_it_is_in_and_exits_143():
     loop = Loop(step=7, pending=2, due=True)
     assert H.post_step(hooks(FakeSignals(requested_at=7)), loop) == EXIT_SIGTERM
-    assert loop.log == [("flush", 2, True), ("save", 7, 7), ("wait",),
-                        ("scalars", 7, "checkpoint/save_duration_s"), ("upload",)]
+    assert loop.log == [
+        ("flush", 2, True),
+        ("save", 7, 7),
+        ("wait",),
+        ("scalars", 7, "checkpoint/save_duration_s"),
+        ("upload",),
+    ]
 
 
 def test_an_interval_checkpoint_is_not_waited_for_and_the_loop_goes_on():
     loop = Loop(step=15, pending=1, due=True)
     assert H.post_step(hooks(eval_every=4), loop) is None
-    assert loop.log == [("flush", 1, True), ("save", 15, 15), ("scalars", 15, "checkpoint/save_duration_s"),
-                        ("upload",), ("upload",)]  # the upload timer is asked after the save, as always
+    assert loop.log == [
+        ("flush", 1, True),
+        ("save", 15, 15),
+        ("scalars", 15, "checkpoint/save_duration_s"),
+        ("upload",),
+        ("upload",),
+    ]  # the upload timer is asked after the save, as always
 
 
 def test_metrics_are_fetched_every_metrics_every_steps_then_the_events_uploaded_when_due():
@@ -116,9 +154,13 @@ def test_a_signal_before_any_step_ends_the_attempt_without_a_step():
 
 
 def _window(*losses: float, index: int = 2, gather: bool = True) -> H.Window:
-    steps = [(10 + i, {"ce": ce, "grad_norm": 1.0, "lr": 1e-3, "z": 0.1, "skipped": 0.0}, 0.01)
-             for i, ce in enumerate(losses, start=1)]
-    return H.Window(steps, step_time_s=0.5, elapsed_s=10.0, wall=1.0, index=index, steps_run=12, gather=gather)
+    steps = [
+        (10 + i, {"ce": ce, "grad_norm": 1.0, "lr": 1e-3, "z": 0.1, "skipped": 0.0}, 0.01)
+        for i, ce in enumerate(losses, start=1)
+    ]
+    return H.Window(
+        steps, step_time_s=0.5, elapsed_s=10.0, wall=1.0, index=index, steps_run=12, gather=gather
+    )
 
 
 def test_each_fetched_step_is_logged_and_a_non_finite_loss_stops_before_its_step_is_logged(capsys):

@@ -54,8 +54,10 @@ def test_create_get_list_and_conflicts(srv, apis):
     assert got["metadata"]["uid"] == made["metadata"]["uid"] and got["kind"] == "JobSet"
 
     def names(sel):
-        return [o["metadata"]["name"] for o in co.list_namespaced_custom_object(G, V, "default", P,
-                                                                                label_selector=sel)["items"]]
+        return [
+            o["metadata"]["name"]
+            for o in co.list_namespaced_custom_object(G, V, "default", P, label_selector=sel)["items"]
+        ]
 
     assert names("olmo-ctl/run=a") == ["a-a1"]
     assert names("olmo-ctl/run!=a") == ["b-a1"]
@@ -65,9 +67,15 @@ def test_create_get_list_and_conflicts(srv, apis):
     assert names("!kueue.x-k8s.io/queue-name") == ["b-a1"]
     assert co.list_namespaced_custom_object(G, V, "other", P)["items"] == []
 
-    code, status, _ = _err(co.create_namespaced_custom_object, G, V, "default", P, tiny_jobset("a-a1", run="a"))
+    code, status, _ = _err(
+        co.create_namespaced_custom_object, G, V, "default", P, tiny_jobset("a-a1", run="a")
+    )
     assert (code, status["kind"], status["reason"], status["message"]) == (
-        409, "Status", "AlreadyExists", 'jobsets.jobset.x-k8s.io "a-a1" already exists')
+        409,
+        "Status",
+        "AlreadyExists",
+        'jobsets.jobset.x-k8s.io "a-a1" already exists',
+    )
     code, status, _ = _err(co.get_namespaced_custom_object, G, V, "default", P, "nope")
     assert (code, status["reason"], status["details"]["name"]) == (404, "NotFound", "nope")
     code, status, _ = _err(co.list_namespaced_custom_object, G, "v9", "default", P)
@@ -75,8 +83,12 @@ def test_create_get_list_and_conflicts(srv, apis):
 
 
 def test_post_without_content_type_is_accepted(srv):
-    code, obj, _ = _raw(srv, "POST", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets",
-                        tiny_jobset("raw-a1", run="raw"))
+    code, obj, _ = _raw(
+        srv,
+        "POST",
+        "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets",
+        tiny_jobset("raw-a1", run="raw"),
+    )
     assert code == 201 and obj["metadata"]["name"] == "raw-a1"
     assert srv.requests[-1][3] == ""
 
@@ -87,8 +99,10 @@ def test_schema_validation(srv, apis):
     js["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] = "four"
     code, status, _ = _err(co.create_namespaced_custom_object, G, V, "default", P, js)
     assert (code, status["reason"]) == (422, "Invalid")
-    assert "spec.replicatedJobs[0].template.spec.parallelism: Invalid value: 'four' is not of type 'integer'" \
+    assert (
+        "spec.replicatedJobs[0].template.spec.parallelism: Invalid value: 'four' is not of type 'integer'"
         in status["message"]
+    )
     bad_name = tiny_jobset("Bad_Name", run="v")
     code, status, _ = _err(co.create_namespaced_custom_object, G, V, "default", P, bad_name)
     assert code == 422 and "RFC 1035" in status["message"]
@@ -101,9 +115,12 @@ def test_unknown_fields_strict_is_400_default_warns_and_drops(srv, apis):
     co, _ = apis
     js = tiny_jobset("u-a1", run="u")
     js["spec"]["replicatedJobs"][0]["replicaz"] = 2
-    code, status, _ = _err(co.create_namespaced_custom_object, G, V, "default", P, js, field_validation="Strict")
-    assert code == 400 and status["message"].endswith('strict decoding error: unknown field '
-                                                      '"spec.replicatedJobs[0].replicaz"')
+    code, status, _ = _err(
+        co.create_namespaced_custom_object, G, V, "default", P, js, field_validation="Strict"
+    )
+    assert code == 400 and status["message"].endswith(
+        'strict decoding error: unknown field "spec.replicatedJobs[0].replicaz"'
+    )
     code, obj, headers = _raw(srv, "POST", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets", js)
     assert code == 201 and "replicaz" not in obj["spec"]["replicatedJobs"][0]
     assert headers["Warning"] == r'299 - "unknown field \"spec.replicatedJobs[0].replicaz\""'
@@ -114,8 +131,9 @@ def test_workload_is_owned_and_served_in_both_kueue_versions(srv, apis):
     js = co.create_namespaced_custom_object(G, V, "default", P, tiny_jobset("w-a1", run="w", workers=3))
     uid = js["metadata"]["uid"]
     for version in ("v1beta1", "v1beta2"):
-        items = co.list_namespaced_custom_object("kueue.x-k8s.io", version, "default", "workloads",
-                                                 label_selector=f"kueue.x-k8s.io/job-uid={uid}")["items"]
+        items = co.list_namespaced_custom_object(
+            "kueue.x-k8s.io", version, "default", "workloads", label_selector=f"kueue.x-k8s.io/job-uid={uid}"
+        )["items"]
         assert len(items) == 1
         wl = items[0]
         assert wl["apiVersion"] == f"kueue.x-k8s.io/{version}"
@@ -128,14 +146,28 @@ def test_workload_is_owned_and_served_in_both_kueue_versions(srv, apis):
 
 def test_cluster_objects_follow_the_schemas_through_a_lifecycle(srv):
     c = srv.cluster
-    srv.api.create(srv.api.route("/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets")[0], "v1alpha2",
-                   "default", tiny_jobset("c-a1", run="c"), {})
+    srv.api.create(
+        srv.api.route("/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets")[0],
+        "v1alpha2",
+        "default",
+        tiny_jobset("c-a1", run="c"),
+        {},
+    )
     # Kueue's own message: tiny_jobset asks for 2 x 100m CPU and the ClusterQueue has none yet.
-    pending = "couldn't assign flavors to pod set slice: insufficient unused quota for cpu in flavor tpu-flavor, " \
-              "200m more needed"
-    steps = [lambda: c.keep_pending("c-a1", pending), lambda: c.admit("c-a1"), lambda: c.run_pods("c-a1"),
-             lambda: c.evict("c-a1"), lambda: c.admit("c-a1"), lambda: c.run_pods("c-a1"),
-             lambda: c.pod_exit("c-a1", 0, 1, ["boom"]), lambda: c.fail("c-a1")]
+    pending = (
+        "couldn't assign flavors to pod set slice: insufficient unused quota for cpu in flavor tpu-flavor, "
+        "200m more needed"
+    )
+    steps = [
+        lambda: c.keep_pending("c-a1", pending),
+        lambda: c.admit("c-a1"),
+        lambda: c.run_pods("c-a1"),
+        lambda: c.evict("c-a1"),
+        lambda: c.admit("c-a1"),
+        lambda: c.run_pods("c-a1"),
+        lambda: c.pod_exit("c-a1", 0, 1, ["boom"]),
+        lambda: c.fail("c-a1"),
+    ]
     for step in steps:
         step()
         assert schema_errors(c.jobset("c-a1"), JOBSET_CRD, "v1alpha2") == []
@@ -144,7 +176,9 @@ def test_cluster_objects_follow_the_schemas_through_a_lifecycle(srv):
     conds = {x["type"]: (x["status"], x["reason"]) for x in c.workload("c-a1")["status"]["conditions"]}
     assert conds["Evicted"] == ("False", "QuotaReserved")  # readmitted after the eviction
     assert conds["Finished"] == ("True", "Failed")
-    exits = sorted(p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] for p in c.pods("c-a1"))
+    exits = sorted(
+        p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] for p in c.pods("c-a1")
+    )
     # The Job controller deleted the other pod: it got SIGTERM, exited 143 and is gone; the failed one stays.
     assert exits == [1]
     # SIGTERM: both pods on the eviction, the surviving one on the failure.
@@ -157,16 +191,24 @@ def test_delete_propagation_and_preconditions(srv, apis):
         co.create_namespaced_custom_object(G, V, "default", P, tiny_jobset(name, run=name[0]))
         srv.cluster.admit(name)
     assert len(srv.cluster.pods("f-a1")) == 2
-    code, status, _ = _err(co.delete_namespaced_custom_object, G, V, "default", P, "f-a1",
-                           body={"preconditions": {"uid": "not-it"}})
+    code, status, _ = _err(
+        co.delete_namespaced_custom_object,
+        G,
+        V,
+        "default",
+        P,
+        "f-a1",
+        body={"preconditions": {"uid": "not-it"}},
+    )
     assert code == 409 and "Precondition failed" in status["message"]
     out = co.delete_namespaced_custom_object(G, V, "default", P, "f-a1", propagation_policy="Foreground")
     assert out["metadata"]["finalizers"] == ["foregroundDeletion"] and out["metadata"]["deletionTimestamp"]
     assert srv.cluster.jobset("f-a1") is None and srv.cluster.pods("f-a1") == []
     co.delete_namespaced_custom_object(G, V, "default", P, "o-a1", propagation_policy="Orphan")
     # The JobSet's dependents (its Job and Workload) lose their reference; the pods stay the Job's.
-    jobs = co.list_namespaced_custom_object("batch", "v1", "default", "jobs",
-                                            label_selector="jobset.sigs.k8s.io/jobset-name=o-a1")["items"]
+    jobs = co.list_namespaced_custom_object(
+        "batch", "v1", "default", "jobs", label_selector="jobset.sigs.k8s.io/jobset-name=o-a1"
+    )["items"]
     assert len(jobs) == 1 and jobs[0]["metadata"]["ownerReferences"] == []
     orphans = srv.cluster.pods("o-a1")
     assert len(orphans) == 2 and all(p["metadata"]["ownerReferences"][0]["kind"] == "Job" for p in orphans)
@@ -177,31 +219,51 @@ def test_delete_propagation_and_preconditions(srv, apis):
     # The orphaned Job counted its deleted pods as failures (backoffLimit 0): it failed, nothing replaces them.
     job = co.get_namespaced_custom_object("batch", "v1", "default", "jobs", jobs[0]["metadata"]["name"])
     assert [(c["type"], c["reason"]) for c in job["status"]["conditions"] if c["type"] == "Failed"] == [
-        ("Failed", "BackoffLimitExceeded")]
+        ("Failed", "BackoffLimitExceeded")
+    ]
     assert srv.cluster.deleted[:2] == [("JobSet", "f-a1", "Foreground"), ("JobSet", "o-a1", "Orphan")]
 
 
 def test_patch_replace_and_status(srv, apis):
     co, _ = apis
     co.create_namespaced_custom_object(G, V, "default", P, tiny_jobset("p-a1", run="p"))
-    out = co.patch_namespaced_custom_object(G, V, "default", P, "p-a1", {"metadata": {"labels": {"x": "y"}},
-                                                                         "spec": {"suspend": False}})
+    out = co.patch_namespaced_custom_object(
+        G, V, "default", P, "p-a1", {"metadata": {"labels": {"x": "y"}}, "spec": {"suspend": False}}
+    )
     assert srv.requests[-1][3] == "application/merge-patch+json"
     assert out["metadata"]["labels"]["x"] == "y" and out["spec"]["suspend"] is False
     assert out["metadata"]["generation"] == 2
-    out = co.patch_namespaced_custom_object(G, V, "default", P, "p-a1", {"metadata": {"labels": {"x": None}},
-                                                                         "status": {"restarts": 9}})
-    assert "x" not in out["metadata"]["labels"] and out["status"].get("restarts") == 0  # status: subresource only
+    out = co.patch_namespaced_custom_object(
+        G, V, "default", P, "p-a1", {"metadata": {"labels": {"x": None}}, "status": {"restarts": 9}}
+    )
+    assert (
+        "x" not in out["metadata"]["labels"] and out["status"].get("restarts") == 0
+    )  # status: subresource only
     out = co.patch_namespaced_custom_object_status(G, V, "default", P, "p-a1", {"status": {"restarts": 2}})
     assert out["status"]["restarts"] == 2
-    code, status, _ = _raw(srv, "PATCH", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets/p-a1",
-                           [{"op": "replace", "path": "/spec/suspend", "value": True}], "application/json-patch+json")
+    code, status, _ = _raw(
+        srv,
+        "PATCH",
+        "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets/p-a1",
+        [{"op": "replace", "path": "/spec/suspend", "value": True}],
+        "application/json-patch+json",
+    )
     assert code == 200 and status["spec"]["suspend"] is True
-    code, status, _ = _raw(srv, "PATCH", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets/p-a1",
-                           {"spec": {}}, "application/strategic-merge-patch+json")
+    code, status, _ = _raw(
+        srv,
+        "PATCH",
+        "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets/p-a1",
+        {"spec": {}},
+        "application/strategic-merge-patch+json",
+    )
     assert code == 415
-    code, status, _ = _raw(srv, "PATCH", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets/p-a1",
-                           {"spec": {"replicatedJobs": "x"}}, "application/merge-patch+json")
+    code, status, _ = _raw(
+        srv,
+        "PATCH",
+        "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets/p-a1",
+        {"spec": {"replicatedJobs": "x"}},
+        "application/merge-patch+json",
+    )
     assert code == 422
     stale = co.get_namespaced_custom_object(G, V, "default", P, "p-a1")
     co.patch_namespaced_custom_object(G, V, "default", P, "p-a1", {"metadata": {"labels": {"z": "1"}}})
@@ -213,8 +275,11 @@ def test_pods_logs_and_events(srv, apis):
     co, core = apis
     co.create_namespaced_custom_object(G, V, "default", P, tiny_jobset("g-a1", run="g"))
     srv.cluster.admit("g-a1")
-    pods = json.loads(core.list_namespaced_pod("default", label_selector="jobset.sigs.k8s.io/jobset-name=g-a1",
-                                               _preload_content=False).data)["items"]
+    pods = json.loads(
+        core.list_namespaced_pod(
+            "default", label_selector="jobset.sigs.k8s.io/jobset-name=g-a1", _preload_content=False
+        ).data
+    )["items"]
     assert [p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] for p in pods] == ["0", "1"]
     name = pods[0]["metadata"]["name"]
     code, status, _ = _err(core.read_namespaced_pod_log, name, "default")
@@ -225,8 +290,11 @@ def test_pods_logs_and_events(srv, apis):
     assert core.read_namespaced_pod_log(name, "default", container="trainer").count("\n") == 5
     code, _, _ = _err(core.read_namespaced_pod_log, name, "default", container="sidecar")
     assert code == 400
-    evs = json.loads(core.list_namespaced_event("default", field_selector=f"involvedObject.name={name}",
-                                                _preload_content=False).data)["items"]
+    evs = json.loads(
+        core.list_namespaced_event(
+            "default", field_selector=f"involvedObject.name={name}", _preload_content=False
+        ).data
+    )["items"]
     assert [e["reason"] for e in evs] == ["Scheduled"] and evs[0]["involvedObject"]["kind"] == "Pod"
     running = core.list_namespaced_pod("default", field_selector="status.phase=Running")
     assert len(running.items) == 2
@@ -243,7 +311,9 @@ def test_faults(srv, apis):
     assert co.list_namespaced_custom_object(G, V, "default", P)["items"] == []
     srv.fail_next(1, status=500, match="POST ")
     assert co.list_namespaced_custom_object(G, V, "default", P)["items"] == []  # a GET is not matched
-    code, status, _ = _err(co.create_namespaced_custom_object, G, V, "default", P, tiny_jobset("x-a1", run="x"))
+    code, status, _ = _err(
+        co.create_namespaced_custom_object, G, V, "default", P, tiny_jobset("x-a1", run="x")
+    )
     assert (code, status["reason"]) == (500, "InternalError")
     srv.fail_next(1, status="drop")
     with pytest.raises(urllib3.exceptions.ProtocolError):
@@ -258,7 +328,9 @@ def test_faults(srv, apis):
         co.list_namespaced_custom_object(G, V, "default", P)
     srv.come_back()
     assert srv.port == port
-    assert [o["metadata"]["name"] for o in co.list_namespaced_custom_object(G, V, "default", P)["items"]] == ["y-a1"]
+    assert [o["metadata"]["name"] for o in co.list_namespaced_custom_object(G, V, "default", P)["items"]] == [
+        "y-a1"
+    ]
 
 
 def test_on_create_callback_scripts_the_cluster(srv, apis):
@@ -266,8 +338,10 @@ def test_on_create_callback_scripts_the_cluster(srv, apis):
     srv.cluster.on_create(lambda name: srv.cluster.admit(name))
     co.create_namespaced_custom_object(G, V, "default", P, tiny_jobset("cb-a1", run="cb"))
     wl = srv.cluster.workload("cb-a1")
-    assert {c["type"]: c["status"] for c in wl["status"]["conditions"]} == {"QuotaReserved": "True",
-                                                                           "Admitted": "True"}
+    assert {c["type"]: c["status"] for c in wl["status"]["conditions"]} == {
+        "QuotaReserved": "True",
+        "Admitted": "True",
+    }
     assert co.get_namespaced_custom_object(G, V, "default", P, "cb-a1")["spec"]["suspend"] is False
 
 
@@ -279,13 +353,26 @@ def test_discovery_cluster_scoped_resources_and_watch(srv, apis):
     scope = {r["name"]: r["namespaced"] for r in rl["resources"]}
     assert scope["workloads"] is True and scope["clusterqueues"] is False and "workloads/status" in scope
     # Cluster-scoped Kueue objects through the client; the schema applies to them too.
-    co.create_cluster_custom_object("kueue.x-k8s.io", "v1beta1", "workloadpriorityclasses",
-                                    {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "WorkloadPriorityClass",
-                                     "metadata": {"name": "high"}, "value": 1000})
+    co.create_cluster_custom_object(
+        "kueue.x-k8s.io",
+        "v1beta1",
+        "workloadpriorityclasses",
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta1",
+            "kind": "WorkloadPriorityClass",
+            "metadata": {"name": "high"},
+            "value": 1000,
+        },
+    )
     got = co.get_cluster_custom_object("kueue.x-k8s.io", "v1beta1", "workloadpriorityclasses", "high")
     assert got["value"] == 1000 and "namespace" not in got["metadata"]
-    code, _, _ = _err(co.create_cluster_custom_object, "kueue.x-k8s.io", "v1beta1", "workloadpriorityclasses",
-                      {"metadata": {"name": "bad"}, "value": "not a number"})
+    code, _, _ = _err(
+        co.create_cluster_custom_object,
+        "kueue.x-k8s.io",
+        "v1beta1",
+        "workloadpriorityclasses",
+        {"metadata": {"name": "bad"}, "value": "not a number"},
+    )
     assert code == 422
     cqs = co.list_cluster_custom_object("kueue.x-k8s.io", "v1beta1", "clusterqueues")["items"]
     assert [c["metadata"]["name"] for c in cqs] == ["cluster-queue"]
@@ -295,8 +382,12 @@ def test_discovery_cluster_scoped_resources_and_watch(srv, apis):
     rv = core.list_namespaced_pod("default").metadata.resource_version
     co.create_namespaced_custom_object(G, V, "default", P, tiny_jobset("wa-a1", run="wa"))
     srv.cluster.admit("wa-a1")
-    seen = [(e["type"], e["object"].metadata.name) for e in watch.Watch().stream(
-        core.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1)]
+    seen = [
+        (e["type"], e["object"].metadata.name)
+        for e in watch.Watch().stream(
+            core.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1
+        )
+    ]
     names = {p["metadata"]["name"] for p in srv.cluster.pods("wa-a1")}
     assert {n for t, n in seen if t == "ADDED"} == names
 
@@ -305,6 +396,6 @@ def test_the_body_a_client_sent_is_kept_as_sent(srv, apis):
     co, _ = apis
     js = tiny_jobset("rb-a1", run="rb")
     co.create_namespaced_custom_object(G, V, "default", P, js)
-    (method, path, body), = [r for r in srv.received if r[1].endswith("/jobsets")]
+    ((method, path, body),) = [r for r in srv.received if r[1].endswith("/jobsets")]
     assert (method, body) == ("POST", js)  # the stored object differs (suspended by Kueue's webhook)
     assert srv.cluster.jobset("rb-a1")["spec"]["suspend"] is True and "suspend" not in js["spec"]

@@ -13,8 +13,18 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "olmo_ctl"
-LAYERS = [("core", "__init__"), ("storage", "ports"), ("rundir", "data"), "trainer", "backends", "preflight", "observe",
-          "supervise", "testing", ("cli", "__main__")]
+LAYERS = [
+    ("core", "__init__"),
+    ("storage", "ports"),
+    ("rundir", "data"),
+    "trainer",
+    "backends",
+    "preflight",
+    "observe",
+    "supervise",
+    "testing",
+    ("cli", "__main__"),
+]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in ((layer,) if isinstance(layer, str) else layer)}
 
 
@@ -51,8 +61,15 @@ def imports_in(source: str, me: str, is_package: bool = False) -> list[tuple[int
             else:
                 mod = node.module or ""
             if mod == "olmo_ctl":  # `from olmo_ctl import storage` names a module; `__version__` does not
-                out += [(node.lineno, f"olmo_ctl.{a.name}" if (PACKAGE / f"{a.name}.py").exists()
-                         or (PACKAGE / a.name).is_dir() else "olmo_ctl") for a in node.names]
+                out += [
+                    (
+                        node.lineno,
+                        f"olmo_ctl.{a.name}"
+                        if (PACKAGE / f"{a.name}.py").exists() or (PACKAGE / a.name).is_dir()
+                        else "olmo_ctl",
+                    )
+                    for a in node.names
+                ]
             else:
                 out.append((node.lineno, mod))
     return [(ln, m) for ln, m in out if m == "olmo_ctl" or m.startswith("olmo_ctl.")]
@@ -67,7 +84,9 @@ def violations() -> list[str]:
             other = layer_of(mod)
             assert other in RANK, f"{path}:{line}: `{mod}` is in no layer"
             if RANK[other] > RANK[me]:
-                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {me} imports {mod} ({other} is above {me})")
+                bad.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{line}: {me} imports {mod} ({other} is above {me})"
+                )
     return bad
 
 
@@ -76,14 +95,22 @@ def test_no_import_points_up_a_layer():
 
 
 def test_the_walk_sees_every_kind_of_import():
-    source = ("from olmo_ctl import storage, __version__\n"
-              "def f():\n"
-              "    from olmo_ctl.cli import app\n"
-              "    import olmo_ctl.supervise.attempts\n"
-              "    from ..observe import monitor\n"
-              "    from . import names\n")
+    source = (
+        "from olmo_ctl import storage, __version__\n"
+        "def f():\n"
+        "    from olmo_ctl.cli import app\n"
+        "    import olmo_ctl.supervise.attempts\n"
+        "    from ..observe import monitor\n"
+        "    from . import names\n"
+    )
     found = imports_in(source, "olmo_ctl.core.x")
-    assert found == [(1, "olmo_ctl.storage"), (1, "olmo_ctl"), (3, "olmo_ctl.cli"),
-                     (4, "olmo_ctl.supervise.attempts"), (5, "olmo_ctl.observe"), (6, "olmo_ctl.core")]
+    assert found == [
+        (1, "olmo_ctl.storage"),
+        (1, "olmo_ctl"),
+        (3, "olmo_ctl.cli"),
+        (4, "olmo_ctl.supervise.attempts"),
+        (5, "olmo_ctl.observe"),
+        (6, "olmo_ctl.core"),
+    ]
     ups = [m for _, m in found if RANK[layer_of(m)] > RANK["core"]]
     assert ups == ["olmo_ctl.storage", "olmo_ctl.cli", "olmo_ctl.supervise.attempts", "olmo_ctl.observe"]

@@ -33,9 +33,20 @@ GOLDENS = Path(__file__).resolve().parent / "goldens"
 SCHEMA = Path(str(resources.files("olmo_ctl.testing") / "crds" / "jobset.x-k8s.io_jobsets.v0.10.1.yaml"))
 
 # Site settings of the goldens, passed as flags so the goldens are exactly what the CLI prints.
-SITE = ["--namespace", "olmo", "--queue", "tpu-queue", "--image",
-        "us-docker.pkg.dev/example-project/olmo-ctl/olmo-ctl:0.1.0", "--run-root", "gs://example-bucket/runs",
-        "--service-account", "olmo-trainer", "--placement-policy", "olmo-{topology}"]
+SITE = [
+    "--namespace",
+    "olmo",
+    "--queue",
+    "tpu-queue",
+    "--image",
+    "us-docker.pkg.dev/example-project/olmo-ctl/olmo-ctl:0.1.0",
+    "--run-root",
+    "gs://example-bucket/runs",
+    "--service-account",
+    "olmo-trainer",
+    "--placement-policy",
+    "olmo-{topology}",
+]
 DEVICES = ("tpu7x-128", "tpu7x-512", "v5p-256", "v5p-8")
 MULTISLICE = ("tpu7x-128", "v5p-256")  # 2 slices of each: `2x<device>-stage1`
 
@@ -49,15 +60,29 @@ def golden_cases() -> dict[str, list[str]]:
         if devices > 256:
             # Stage 2's global batch (256) cannot split over 512 devices (that is refused, see
             # test_plan.py); the way to run it there is an explicit batch of 512 over half the steps.
-            cases[f"{dev}-stage2-gb512"] = [*stage2, "--set", "train.global_batch=512",
-                                           "--set", "train.max_steps=23842"]
+            cases[f"{dev}-stage2-gb512"] = [
+                *stage2,
+                "--set",
+                "train.global_batch=512",
+                "--set",
+                "train.max_steps=23842",
+            ]
         else:
             cases[f"{dev}-stage2"] = stage2
         # The smoke model on a slice: one instance per device where its global batch of 8 cannot split.
         smoke = ["--recipe", "smoke", "--device", dev, "--run", f"smoke-{dev}"]
         cases[f"{dev}-smoke"] = smoke + (["--set", f"train.global_batch={devices}"] if devices > 8 else [])
     for dev in MULTISLICE:
-        cases[f"2x{dev}-stage1"] = ["--stage", "1", "--device", dev, "--slices", "2", "--run", f"olmo3-7b-s1-2x{dev}"]
+        cases[f"2x{dev}-stage1"] = [
+            "--stage",
+            "1",
+            "--device",
+            dev,
+            "--slices",
+            "2",
+            "--run",
+            f"olmo3-7b-s1-2x{dev}",
+        ]
     return cases
 
 
@@ -112,8 +137,11 @@ def metadata_errors(js: dict) -> list[str]:
         errs.append(f"name {name!r} is not a DNS-1035 label of <= 40 characters")
     pod_meta = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]
     pod_spec = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-    for where, labels in (("jobset", js["metadata"]["labels"]), ("pod", pod_meta["labels"]),
-                          ("nodeSelector", pod_spec["nodeSelector"])):
+    for where, labels in (
+        ("jobset", js["metadata"]["labels"]),
+        ("pod", pod_meta["labels"]),
+        ("nodeSelector", pod_spec["nodeSelector"]),
+    ):
         for k, v in labels.items():
             if not isinstance(v, str) or len(v) > 63 or not _LABEL_VALUE.match(v):
                 errs.append(f"{where} label {k}={v!r} is not a valid label value")
@@ -144,7 +172,9 @@ def test_golden_matches_cli_and_validates(case, env):
     text = render_golden(args, env)
     path = GOLDENS / f"{case}.yaml"
     assert path.exists(), f"missing golden {path.name}: run `make goldens`"
-    assert text == path.read_text(), f"{path.name} differs from the rendered manifest: run `make goldens`, review"
+    assert text == path.read_text(), (
+        f"{path.name} differs from the rendered manifest: run `make goldens`, review"
+    )
     js = yaml.safe_load(text)
     assert schema_errors(js) == []
     assert metadata_errors(js) == []
@@ -165,20 +195,37 @@ def test_golden_matches_cli_and_validates(case, env):
 
 def _golden_attempt(args: list[str]):
     """The recipe, device, run name, attempt number and slices a golden's command line asks for."""
+
     def opt(name, default=None):
         return args[args.index(name) + 1] if name in args else default
 
     sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
     recipe = load_recipe(opt("--recipe"), int(opt("--stage")) if opt("--stage") else None, sets)
-    return (recipe, get_device(opt("--device")), opt("--run", default_run_name(recipe)), int(opt("--attempt", 1)),
-            int(opt("--slices", 1)))
+    return (
+        recipe,
+        get_device(opt("--device")),
+        opt("--run", default_run_name(recipe)),
+        int(opt("--attempt", 1)),
+        int(opt("--slices", 1)),
+    )
 
 
 def _site_settings(args: list[str]) -> Settings:
     flags = [*SITE, *args]
-    kw = {flags[i][2:].replace("-", "_"): flags[i + 1] for i, f in enumerate(flags)
-          if f in ("--namespace", "--queue", "--image", "--run-root", "--service-account", "--placement-policy",
-                   "--priority-class")}
+    kw = {
+        flags[i][2:].replace("-", "_"): flags[i + 1]
+        for i, f in enumerate(flags)
+        if f
+        in (
+            "--namespace",
+            "--queue",
+            "--image",
+            "--run-root",
+            "--service-account",
+            "--placement-policy",
+            "--priority-class",
+        )
+    }
     return Settings(**kw)
 
 
@@ -266,7 +313,11 @@ def test_host_network_is_a_site_setting_and_names_the_identity(tmp_path, monkeyp
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert schema_errors(_render(settings=s)) == []
     note = identity_note(s)
-    assert "Workload Identity does not apply" in note and "`trainer-sa`" in note and "node pool's service account" in note
+    assert (
+        "Workload Identity does not apply" in note
+        and "`trainer-sa`" in note
+        and "node pool's service account" in note
+    )
     monkeypatch.setenv("OLMO_CTL_HOST_NETWORK", "sometimes")
     with pytest.raises(BadInput, match="host_network"):
         resolve_settings()
@@ -281,12 +332,22 @@ def test_host_network_is_a_site_setting_and_names_the_identity(tmp_path, monkeyp
     (line,) = [ln for ln in p.stderr.splitlines() if "Workload Identity" in ln]
     assert line.startswith("note: host_network is on") and "`olmo-trainer`" in line
     assert "hostNetwork: true" in p.stdout
-    p = cli(["submit", "--recipe", "smoke", "--device", "v5p-8", *SITE, "--dry-run"], clean_env(tmp_path / "x"))
+    p = cli(
+        ["submit", "--recipe", "smoke", "--device", "v5p-8", *SITE, "--dry-run"], clean_env(tmp_path / "x")
+    )
     assert "Workload Identity" not in p.stderr and "hostNetwork" not in p.stdout
 
 
-def _render(stage=1, device="tpu7x-128", settings=None, run="olmo3-7b-s1", attempt=1, run_dir=None,
-            slices=1, overrides=()):
+def _render(
+    stage=1,
+    device="tpu7x-128",
+    settings=None,
+    run="olmo3-7b-s1",
+    attempt=1,
+    run_dir=None,
+    slices=1,
+    overrides=(),
+):
     recipe = load_recipe(stage=stage, overrides=overrides)
     dev = get_device(device)
     plan = make_plan(recipe, dev, slices)
@@ -295,13 +356,21 @@ def _render(stage=1, device="tpu7x-128", settings=None, run="olmo3-7b-s1", attem
 
 
 def test_pod_shape_and_failure_policy():
-    js = _render(settings=Settings(namespace="ml", queue="q1", image="img:1", service_account="trainer-sa",
-                                   run_root="gs://b/runs"), attempt=7)
+    js = _render(
+        settings=Settings(
+            namespace="ml", queue="q1", image="img:1", service_account="trainer-sa", run_root="gs://b/runs"
+        ),
+        attempt=7,
+    )
     md = js["metadata"]
     assert md["name"] == "olmo3-7b-s1-a7"
     assert md["namespace"] == "ml"
-    assert md["labels"] == {"kueue.x-k8s.io/queue-name": "q1", "olmo-ctl/run": "olmo3-7b-s1",
-                            "olmo-ctl/attempt": "7", "olmo-ctl/device": "tpu7x-128"}
+    assert md["labels"] == {
+        "kueue.x-k8s.io/queue-name": "q1",
+        "olmo-ctl/run": "olmo3-7b-s1",
+        "olmo-ctl/attempt": "7",
+        "olmo-ctl/device": "tpu7x-128",
+    }
     assert md["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
     assert md["annotations"]["olmo-ctl/run-dir"] == "gs://b/runs/olmo3-7b-s1"
     assert "suspend" not in js["spec"]  # Kueue suspends and admits
@@ -315,13 +384,24 @@ def test_pod_shape_and_failure_policy():
     # No hostNetwork by default: Workload Identity applies, Pod Security baseline admits the pods.
     assert "hostNetwork" not in pod and "dnsPolicy" not in pod
     assert pod["serviceAccountName"] == "trainer-sa"
-    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu7x",
-                                   "cloud.google.com/gke-tpu-topology": "4x4x4"}
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu7x",
+        "cloud.google.com/gke-tpu-topology": "4x4x4",
+    }
     assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     (c,) = pod["containers"]
     assert c["image"] == "img:1"
-    assert c["command"] == ["python", "-m", "olmo_ctl.trainer", "--run-dir", "gs://b/runs/olmo3-7b-s1",
-                            "--device", "tpu7x-128", "--attempt", "7"]
+    assert c["command"] == [
+        "python",
+        "-m",
+        "olmo_ctl.trainer",
+        "--run-dir",
+        "gs://b/runs/olmo3-7b-s1",
+        "--device",
+        "tpu7x-128",
+        "--attempt",
+        "7",
+    ]
     assert c["resources"] == {"requests": {"google.com/tpu": 4}, "limits": {"google.com/tpu": 4}}
     assert c["securityContext"]["privileged"] is False
     env = {e["name"]: e.get("value") for e in c["env"]}
@@ -332,13 +412,19 @@ def test_pod_shape_and_failure_policy():
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     # User errors (trainer exit 1/2) fail at once; disruptions are not counted; the rest restarts.
     rules = job["podFailurePolicy"]["rules"]
-    assert rules[0] == {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In",
-                                                             "values": [1, 2]}}
-    assert rules[1] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert rules[0] == {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [1, 2]},
+    }
+    assert rules[1] == {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }
     fp = js["spec"]["failurePolicy"]
     assert fp["maxRestarts"] >= 1
-    assert fp["rules"] == [{"name": "FailOnUserError", "action": "FailJobSet",
-                            "onJobFailureReasons": ["PodFailurePolicy"]}]
+    assert fp["rules"] == [
+        {"name": "FailOnUserError", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
+    ]
     assert schema_errors(js) == [] and metadata_errors(js) == []
 
 
@@ -369,7 +455,10 @@ def test_multislice_renders_n_replicas_and_sets_no_dcn_variable():
     assert not set(names) & set(INJECTED_ENV) and not any(n.startswith("MEGASCALE_") for n in names)
     assert "devices=256 slices=2" in js["metadata"]["annotations"]["olmo-ctl/plan"]
     # slices of one JobSet never share a node pool
-    assert js["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
+    assert (
+        js["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"]
+        == "cloud.google.com/gke-nodepool"
+    )
     assert schema_errors(js) == [] and metadata_errors(js) == []
     # one slice: no --slices on the command line (the 12 single-slice goldens are unchanged)
     assert "--slices" not in _pod(_render(device="v5p-256", run="ms"))["containers"][0]["command"]
@@ -380,7 +469,9 @@ def test_multislice_plan_must_match_and_env_is_checked():
 
     recipe, dev = load_recipe(stage=1), get_device("v5p-256")
     with pytest.raises(ValueError, match="does not match"):  # a one-slice plan for a two-slice JobSet
-        render_jobset(recipe, make_plan(recipe, dev), dev, Settings(run_root="gs://b/r"), "ms", 1, "gs://b/r/ms", 2)
+        render_jobset(
+            recipe, make_plan(recipe, dev), dev, Settings(run_root="gs://b/r"), "ms", 1, "gs://b/r/ms", 2
+        )
     with pytest.raises(BadInput, match="single-host"):
         _render(device="v5p-8", slices=2, overrides=["train.global_batch=8", "model.n_layers=2"])
     with pytest.raises(ValueError, match="set twice"):
@@ -417,23 +508,35 @@ def xpk_num_slices(device_type: str, num_slices: int) -> dict:
     prefix, _, cores = device_type.rpartition("-")
     accelerator, max_cubes = _XPK_TPU[prefix]
     chips = int(cores) // 2
-    (topology,) = [t for t in _xpk_topologies(max_cubes)  # exactly one topology has this many chips here
-                   if math.prod(int(d) for d in t.split("x")) == chips]
+    (topology,) = [
+        t
+        for t in _xpk_topologies(max_cubes)  # exactly one topology has this many chips here
+        if math.prod(int(d) for d in t.split("x")) == chips
+    ]
     chips_per_vm = 1 if chips == 1 else 4
     vms = chips // chips_per_vm
-    return {"accelerator": accelerator, "topology": topology, "parallelism": vms, "completions": vms,
-            "replicas": num_slices, "tpus_per_pod": chips_per_vm}
+    return {
+        "accelerator": accelerator,
+        "topology": topology,
+        "parallelism": vms,
+        "completions": vms,
+        "replicas": num_slices,
+        "tpus_per_pod": chips_per_vm,
+    }
 
 
 @pytest.mark.parametrize("device", MULTISLICE)
 def test_two_slice_goldens_match_xpk(device):
     js = yaml.safe_load((GOLDENS / f"2x{device}-stage1.yaml").read_text())
     job, pod = _job(js), _pod(js)
-    ours = {"accelerator": pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"],
-            "topology": pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"],
-            "parallelism": job["parallelism"], "completions": job["completions"],
-            "replicas": js["spec"]["replicatedJobs"][0]["replicas"],
-            "tpus_per_pod": pod["containers"][0]["resources"]["limits"]["google.com/tpu"]}
+    ours = {
+        "accelerator": pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"],
+        "topology": pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"],
+        "parallelism": job["parallelism"],
+        "completions": job["completions"],
+        "replicas": js["spec"]["replicatedJobs"][0]["replicas"],
+        "tpus_per_pod": pod["containers"][0]["resources"]["limits"]["google.com/tpu"],
+    }
     assert ours == xpk_num_slices(device, 2)
     assert pod["containers"][0]["resources"]["requests"]["google.com/tpu"] == ours["tpus_per_pod"]
 
@@ -441,21 +544,43 @@ def test_two_slice_goldens_match_xpk(device):
 def test_xpk_port_agrees_with_its_own_examples():
     # XPK's recipes/Workload_create.md (--tpu-type=v5p-8 --num-slices=1): accelerator tpu-v5p-slice,
     # topology 2x2x1, parallelism 1, google.com/tpu 4.
-    assert xpk_num_slices("v5p-8", 1) == {"accelerator": "tpu-v5p-slice", "topology": "2x2x1", "parallelism": 1,
-                                          "completions": 1, "replicas": 1, "tpus_per_pod": 4}
+    assert xpk_num_slices("v5p-8", 1) == {
+        "accelerator": "tpu-v5p-slice",
+        "topology": "2x2x1",
+        "parallelism": 1,
+        "completions": 1,
+        "replicas": 1,
+        "tpus_per_pod": 4,
+    }
     assert xpk_num_slices("tpu7x-128", 2)["topology"] == "4x4x4"
     assert xpk_num_slices("v5p-256", 2)["topology"] == "4x4x8"
 
 
 def test_dry_run_prints_the_multislice_jobset(env):
-    p = cli(["submit", "--stage", "1", "--device", "tpu7x-128", "--slices", "2", *SITE, "--dry-run", "-o", "yaml"],
-            env)
+    p = cli(
+        [
+            "submit",
+            "--stage",
+            "1",
+            "--device",
+            "tpu7x-128",
+            "--slices",
+            "2",
+            *SITE,
+            "--dry-run",
+            "-o",
+            "yaml",
+        ],
+        env,
+    )
     assert p.returncode == 0, p.stderr
     js = yaml.safe_load(p.stdout)
     assert js["spec"]["replicatedJobs"][0]["replicas"] == 2 and schema_errors(js) == []
-    for bad, what in ((["--device", "v5p-8", "--slices", "2"], "single-host"),
-                      (["--device", "tpu7x-128", "--slices", "0"], "--slices"),
-                      (["--device", "v5p-256", "--slices", "3"], "cannot be split")):
+    for bad, what in (
+        (["--device", "v5p-8", "--slices", "2"], "single-host"),
+        (["--device", "tpu7x-128", "--slices", "0"], "--slices"),
+        (["--device", "v5p-256", "--slices", "3"], "cannot be split"),
+    ):
         p = cli(["submit", "--stage", "1", *bad, *SITE, "--dry-run"], env)
         assert p.returncode == 2 and what in p.stderr and p.stdout == "", (bad, p.stderr)
 
@@ -463,20 +588,50 @@ def test_dry_run_prints_the_multislice_jobset(env):
 def test_values_never_break_the_manifest(env):
     # Characters that would break a string-formatted YAML template land verbatim in the right field.
     root = "gs://b/we'ird: {x} #not-a-comment\" - injected: [true]"
-    p = cli(["submit", "--stage", "2", "--device", "v5p-256", "--dry-run", "--run-root", root,
-             "--image", "img:tag@sha256:abc", "-o", "json"], env)
+    p = cli(
+        [
+            "submit",
+            "--stage",
+            "2",
+            "--device",
+            "v5p-256",
+            "--dry-run",
+            "--run-root",
+            root,
+            "--image",
+            "img:tag@sha256:abc",
+            "-o",
+            "json",
+        ],
+        env,
+    )
     assert p.returncode == 0, p.stderr
     js = json.loads(p.stdout)
     cmd = _pod(js)["containers"][0]["command"]
     assert cmd[cmd.index("--run-dir") + 1] == root + "/olmo3-7b-stage2"
-    p = cli(["submit", "--stage", "2", "--device", "v5p-256", "--dry-run", "--run-root", root,
-             "--image", "img:tag@sha256:abc"], env)
+    p = cli(
+        [
+            "submit",
+            "--stage",
+            "2",
+            "--device",
+            "v5p-256",
+            "--dry-run",
+            "--run-root",
+            root,
+            "--image",
+            "img:tag@sha256:abc",
+        ],
+        env,
+    )
     assert yaml.safe_load(p.stdout) == js  # YAML and JSON carry the same object
 
 
 def test_output_manifest_file_and_placeholder_notes(env, tmp_path):
     out = tmp_path / "jobset.yaml"
-    p = cli(["submit", "--stage", "1", "--device", "tpu7x-128", "--dry-run", "--output-manifest", str(out)], env)
+    p = cli(
+        ["submit", "--stage", "1", "--device", "tpu7x-128", "--dry-run", "--output-manifest", str(out)], env
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout == ""
     js = yaml.safe_load(out.read_text())
@@ -533,8 +688,14 @@ def test_dry_run_imports_nothing_heavy(tmp_path):
         " if m in sys.modules]\n"
         "print(rc, heavy)\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                       env=clean_env(tmp_path), timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=clean_env(tmp_path),
+        timeout=60,
+    )
     assert p.stdout.strip() == "0 []", p.stdout + p.stderr
 
 

@@ -21,8 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
-    return subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "olmo_ctl", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
 
 
 def _manifest_lines(name: str) -> list[tuple[str, str]]:
@@ -35,22 +41,32 @@ def _manifest_lines(name: str) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize("name,count", [("OLMo-mix-0625-official", 1016), ("OLMo-midtraining-mix-0625-100B", 11933),
-                                        ("OLMo-longmino-mix-0625", 998)])
+@pytest.mark.parametrize(
+    "name,count",
+    [
+        ("OLMo-mix-0625-official", 1016),
+        ("OLMo-midtraining-mix-0625-100B", 11933),
+        ("OLMo-longmino-mix-0625", 998),
+    ],
+)
 def test_manifests_ship_with_the_package_in_their_order(name, count):
     entries = load_mix(name)
     lines = _manifest_lines(name)
     assert len(entries) == len(lines) == count
     assert [e.label for e in entries] == [label for label, _ in lines]
-    assert [e.path for e in entries] == [p.replace("{TOKENIZER}", "allenai/dolma3-tokenizer") for _, p in lines]
+    assert [e.path for e in entries] == [
+        p.replace("{TOKENIZER}", "allenai/dolma3-tokenizer") for _, p in lines
+    ]
     assert len({e.path for e in entries}) == count  # no repeats
     assert all(e.path.startswith("preprocessed/") and TOKENIZER_ID in e.path for e in entries)
 
 
 def test_stage1_mix_order_is_the_manifest_s_not_sorted():
     paths = [e.path for e in load_mix("OLMo-mix-0625-official")]
-    assert paths[0] == ("preprocessed/dolma3-0625/v0.1-official/allenai/dolma3-tokenizer/"
-                        "common_crawl/adult_content/000000.npy")
+    assert paths[0] == (
+        "preprocessed/dolma3-0625/v0.1-official/allenai/dolma3-tokenizer/"
+        "common_crawl/adult_content/000000.npy"
+    )
     assert "/dolma1_7-wiki-en/" in paths[-1]
     assert paths != sorted(paths)
 
@@ -103,7 +119,9 @@ def test_a_mix_needs_a_root_and_a_glob_remains_possible(tmp_path):
     with pytest.raises(BadInput, match="needs data.root"):
         resolve_files(load_recipe(stage=3, overrides=["data.root=''"]))
     (tmp_path / "x.npy").write_bytes(b"\0" * 64)
-    r = load_recipe(stage=1, overrides=["data.mix=''", f"data.root={tmp_path}", "data.train=['{root}/*.npy']"])
+    r = load_recipe(
+        stage=1, overrides=["data.mix=''", f"data.root={tmp_path}", "data.train=['{root}/*.npy']"]
+    )
     assert [f.name for f in resolve_files(r)] == ["x.npy"]
 
 

@@ -18,15 +18,31 @@ OLMO3_7B = load_model("olmo3-7b")  # recipes/models/olmo3-7b.yaml
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(n_layers=8, d_model=32, n_heads=4, n_kv_heads=4, head_dim=8, mlp_hidden=64, vocab_size=100,
-                padded_vocab_size=128, sliding_window=8, compute_dtype="float32", remat="none",
-                eos_token_id=0, pad_token_id=1, name="tiny")
+    base = dict(
+        n_layers=8,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=8,
+        mlp_hidden=64,
+        vocab_size=100,
+        padded_vocab_size=128,
+        sliding_window=8,
+        compute_dtype="float32",
+        remat="none",
+        eos_token_id=0,
+        pad_token_id=1,
+        name="tiny",
+    )
     base.update(kw)
     return dataclasses.replace(OLMO3_7B, **base)
 
 
-@pytest.mark.parametrize("cfg", [SMOKE, OLMO3_7B, dataclasses.replace(OLMO3_7B, n_heads=16, n_kv_heads=16, head_dim=256)],
-                         ids=["smoke", "olmo3-7b", "olmo3-7b-hd256"])
+@pytest.mark.parametrize(
+    "cfg",
+    [SMOKE, OLMO3_7B, dataclasses.replace(OLMO3_7B, n_heads=16, n_kv_heads=16, head_dim=256)],
+    ids=["smoke", "olmo3-7b", "olmo3-7b-hd256"],
+)
 def test_param_count_matches_batching(cfg):
     shapes = jax.eval_shape(lambda: M.init_params(cfg, jax.random.PRNGKey(0)))
     assert M.count_params(shapes) == param_count(cfg)
@@ -44,7 +60,12 @@ def test_init_truncated_normal_and_ones():
     assert abs(w.std() - 0.02 * 0.9866) < 0.0002  # std of a normal truncated at +-3 sigma
     assert np.abs(w).max() <= 3 * 0.02 + 1e-7
     assert np.abs(w).max() > 2.5 * 0.02
-    for norm in (p["final_norm"], p["blocks"]["attn_norm"], p["blocks"]["mlp_norm"], p["blocks"]["attn"]["q_norm"]):
+    for norm in (
+        p["final_norm"],
+        p["blocks"]["attn_norm"],
+        p["blocks"]["mlp_norm"],
+        p["blocks"]["attn"]["q_norm"],
+    ):
         assert np.all(np.asarray(norm) == 1.0)
     assert not np.array_equal(np.asarray(p["embed"][:, :32]), np.asarray(p["lm_head"][:, :128].T))  # untied
     p16 = M.init_params(dataclasses.replace(cfg, param_dtype="bfloat16"), jax.random.PRNGKey(0))
@@ -95,7 +116,11 @@ def test_last_layer_rule_leaves_olmo3_7b_and_hf_export_consistent():
     assert [i for i in range(32) if OLMO3_7B.layer_is_full(i)] == [3, 7, 11, 15, 19, 23, 27, 31]
     cfg = tiny(n_layers=6)
     hf = hf_config_from_model(cfg)
-    assert hf["layer_types"] == ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
+    assert hf["layer_types"] == ["sliding_attention"] * 3 + [
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+    ]
     back = model_config_from_hf(hf)
     assert [back.layer_is_full(i) for i in range(6)] == [cfg.layer_is_full(i) for i in range(6)]
 
@@ -118,7 +143,7 @@ def test_tokens_beyond_the_window_change_only_through_full_layers():
     # Layers 0-2 alone, all sliding (a 3-layer model would make its last layer full).
     first3 = jax.tree.map(lambda w: w[:3], params["blocks"])
     sliding_only = changed(jax.jit(lambda t: _naive_forward({**params, "blocks": first3}, t, cfg, [W] * 3)))
-    assert sliding_only[: reach + 1].all() and not sliding_only[reach + 1:].any()
+    assert sliding_only[: reach + 1].all() and not sliding_only[reach + 1 :].any()
     with_full = changed(jax.jit(lambda t: M.forward(params, t, cfg)))  # layer 3 is full attention
     assert with_full.all()
 

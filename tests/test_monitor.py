@@ -42,16 +42,37 @@ def write_run_yaml(run: Path, max_steps: int = 200, device: str = "cpu-2") -> No
 
     r = load_recipe("smoke", overrides=[f"train.max_steps={max_steps}"])
     run.mkdir(parents=True, exist_ok=True)
-    (run / "run.yaml").write_text(yaml.safe_dump({
-        "run": run.name, "created": iso(T0 - 30), "recipe": r.to_dict(), "recipe_fingerprint": r.fingerprint(),
-        "data_fingerprint": "x", "device": device}, sort_keys=False))
+    (run / "run.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "run": run.name,
+                "created": iso(T0 - 30),
+                "recipe": r.to_dict(),
+                "recipe_fingerprint": r.fingerprint(),
+                "data_fingerprint": "x",
+                "device": device,
+            },
+            sort_keys=False,
+        )
+    )
 
 
 def journal(run: Path, recs: list[tuple]) -> None:
     with open(run / "journal.jsonl", "w") as f:
         for t, event, attempt, reason, committed in recs:
-            f.write(json.dumps({"time": iso(t), "event": event, "attempt": attempt, "device": "cpu-2", "reason": reason,
-                                "committed_step": committed}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "time": iso(t),
+                        "event": event,
+                        "attempt": attempt,
+                        "device": "cpu-2",
+                        "reason": reason,
+                        "committed_step": committed,
+                    }
+                )
+                + "\n"
+            )
 
 
 def commit(run: Path, *steps: int, uncommitted: tuple[int, ...] = ()) -> None:
@@ -67,14 +88,28 @@ def make_resumed_run(run: Path, desync: int | None = None) -> None:
     write_run_yaml(run)
     tb = run / "tensorboard"
     write_segment(tb, range(1, 61), attempt=1, values=values)
-    write_segment(tb, range(51, 121), attempt=2, start_time=1767225700, wall0=T0 + 30,
-                  values=lambda tag, s: values(tag, s, desync))
+    write_segment(
+        tb,
+        range(51, 121),
+        attempt=2,
+        start_time=1767225700,
+        wall0=T0 + 30,
+        values=lambda tag, s: values(tag, s, desync),
+    )
     commit(run, 50, 100, uncommitted=(110,))
-    journal(run, [
-        (T0 - 20, "submitted", 1, "", None), (T0 - 20, "queued", 1, "", None), (T0 - 10, "admitted", 1, "", None),
-        (T0 - 8, "running", 1, "", None), (T0 + 62, "preempted", 1, "exit 143 (SIGTERM)", 50),
-        (T0 + 70, "submitted", 2, "", 50), (T0 + 75, "admitted", 2, "", None), (T0 + 76, "running", 2, "", None),
-    ])
+    journal(
+        run,
+        [
+            (T0 - 20, "submitted", 1, "", None),
+            (T0 - 20, "queued", 1, "", None),
+            (T0 - 10, "admitted", 1, "", None),
+            (T0 - 8, "running", 1, "", None),
+            (T0 + 62, "preempted", 1, "exit 143 (SIGTERM)", 50),
+            (T0 + 70, "submitted", 2, "", 50),
+            (T0 + 75, "admitted", 2, "", None),
+            (T0 + 76, "running", 2, "", None),
+        ],
+    )
 
 
 def test_report_of_a_resumed_run(tmp_path):
@@ -102,15 +137,24 @@ def test_report_of_a_resumed_run(tmp_path):
 
     ftok = flops_per_token_olmo_core(load_recipe("smoke").model, 128)
     assert rep["throughput"]["tflops_per_device"] == pytest.approx(TOKENS_PER_STEP / 2 * ftok / 1e12)
-    assert rep["throughput"]["mfu"] == pytest.approx(rep["throughput"]["tflops_per_device"]
-                                                     / get_device("cpu-2").peak_tflops_per_device)
+    assert rep["throughput"]["mfu"] == pytest.approx(
+        rep["throughput"]["tflops_per_device"] / get_device("cpu-2").peak_tflops_per_device
+    )
     assert rep["eta_s"] == pytest.approx(80.0)
     assert rep["checkpoint"] == {"committed_step": 100, "steps_at_risk": 20, "committed": [50, 100]}
     assert rep["attempt"]["attempt"] == 2 and rep["attempt"]["state"] == "running"
-    assert [r["event"] for r in rep["timeline"]][:5] == ["submitted", "queued", "admitted", "running", "preempted"]
+    assert [r["event"] for r in rep["timeline"]][:5] == [
+        "submitted",
+        "queued",
+        "admitted",
+        "running",
+        "preempted",
+    ]
     assert rep["replays"] == {"steps": 10, "mismatch_count": 0, "mismatches": []}
-    assert [(a["attempt"], a["first_step"], a["last_step"], a["replayed_steps"]) for a in rep["attempts_in_events"]] == [
-        (1, 1, 50, 10), (2, 51, 120, 0)]
+    assert [
+        (a["attempt"], a["first_step"], a["last_step"], a["replayed_steps"])
+        for a in rep["attempts_in_events"]
+    ] == [(1, 1, 50, 10), (2, 51, 120, 0)]
     gp = rep["goodput"]
     # wall: first journal record (T0-20) to now (T0+150); stepping 60 + 70 s, of which 10 recomputed
     assert gp["wall_s"] == pytest.approx(170.0)
@@ -123,7 +167,8 @@ def test_report_of_a_resumed_run(tmp_path):
     from olmo_ctl.observe.monitor import timeline_summary
 
     assert timeline_summary(rep["timeline"])[0] == (
-        "#1 cpu-2: submitted → queued → admitted → running → preempted (exit 143 (SIGTERM))")
+        "#1 cpu-2: submitted → queued → admitted → running → preempted (exit 143 (SIGTERM))"
+    )
 
 
 def test_cli_json_validates_and_table_renders(tmp_path):
@@ -170,7 +215,11 @@ def test_empty_run_and_no_checkpoint_yet(tmp_path):
     assert t.returncode == 0 and "no steps logged yet" in t.stdout and "none committed yet" in t.stdout
     write_segment(run / "tensorboard", range(1, 11))
     rep = json.loads(cli("monitor", str(run), "-o", "json").stdout)
-    assert rep["step"] == 10 and rep["checkpoint"] == {"committed_step": None, "steps_at_risk": 10, "committed": []}
+    assert rep["step"] == 10 and rep["checkpoint"] == {
+        "committed_step": None,
+        "steps_at_risk": 10,
+        "committed": [],
+    }
 
 
 def test_truncated_last_record_is_a_warning_not_a_traceback(tmp_path):
@@ -228,8 +277,13 @@ def test_watch_json_picks_up_new_steps(tmp_path):
     run = tmp_path / "live"
     write_run_yaml(run)
     write_segment(run / "tensorboard", range(1, 11), segment=0)
-    p = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "monitor", str(run), "--watch", "-o", "json",
-                          "--interval", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "olmo_ctl", "monitor", str(run), "--watch", "-o", "json", "--interval", "0.3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         first = json.loads(p.stdout.readline())
         assert first["step"] == 10
@@ -277,8 +331,19 @@ def test_metrics_fetched_every_k_steps_share_a_wall_time(tmp_path):
     w = EventFileWriter(str(run / "tensorboard"))
     for step in range(1, 51):
         wall = T0 + 5 * ((step + 4) // 5)  # steps 1..5 at T0+5, 6..10 at T0+10, ...
-        w.add_event(event_pb2.Event(wall_time=wall, step=step, summary=summary_pb2.Summary(
-            value=[summary_pb2.Summary.Value(tag="train/CE loss", simple_value=value("train/CE loss", step))])))
+        w.add_event(
+            event_pb2.Event(
+                wall_time=wall,
+                step=step,
+                summary=summary_pb2.Summary(
+                    value=[
+                        summary_pb2.Summary.Value(
+                            tag="train/CE loss", simple_value=value("train/CE loss", step)
+                        )
+                    ]
+                ),
+            )
+        )
     w.close()
     rep = build_report(load(str(run)), now=T0 + 50, ask_backend=False)
     assert rep["throughput"]["step_time_s"] == pytest.approx(1.0)
@@ -295,18 +360,58 @@ def test_watch_while_resume_until_done_survives_a_kill(tmp_path):
     import time
 
     root = tmp_path / "runs"
-    sup = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "resume-until-done", "--recipe", "smoke", "--set",
-                            "train.max_steps=300", "--run", "live", "--run-root", str(root), "--backend", "local",
-                            "--device", "cpu-2", "--retry-backoff", "1", "--poll", "1"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    sup = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "olmo_ctl",
+            "resume-until-done",
+            "--recipe",
+            "smoke",
+            "--set",
+            "train.max_steps=300",
+            "--run",
+            "live",
+            "--run-root",
+            str(root),
+            "--backend",
+            "local",
+            "--device",
+            "cpu-2",
+            "--retry-backoff",
+            "1",
+            "--poll",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
     run = root / "live"
     deadline = time.time() + 400
     w = None
     try:
         while not (run / "journal.jsonl").exists() and time.time() < deadline:
             time.sleep(0.5)
-        w = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "monitor", str(run), "--watch", "-o", "json",
-                              "--interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        w = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "olmo_ctl",
+                "monitor",
+                str(run),
+                "--watch",
+                "-o",
+                "json",
+                "--interval",
+                "0.5",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
         while time.time() < deadline:
             rep = json.loads(w.stdout.readline())
             if (rep["step"] or 0) >= 30 and rep["attempt"]["state"] == "running":
@@ -348,7 +453,9 @@ def test_storage_client_errors_become_exit_3():
     from olmo_ctl.observe.monitor import storage_guard
 
     def give_up():
-        raise RetryError("Timeout of 120.0s exceeded, last exception: connection refused", ConnectionRefusedError())
+        raise RetryError(
+            "Timeout of 120.0s exceeded, last exception: connection refused", ConnectionRefusedError()
+        )
 
     with pytest.raises(Unreachable) as e:
         storage_guard("gs://b/runs/x", give_up)
@@ -366,11 +473,26 @@ def test_run_average_mfu_across_a_resize(tmp_path):
     write_segment(tb, range(1, 51), attempt=1, values=values)
     write_segment(tb, range(51, 101), attempt=2, start_time=1767225700, wall0=T0 + 10, values=values)
     with open(run / "journal.jsonl", "w") as f:
-        for t, ev, a, dev in [(T0 - 2, "submitted", 1, "cpu-2"), (T0 - 1, "running", 1, "cpu-2"),
-                              (T0 + 52, "resized", 1, "cpu-2"), (T0 + 55, "submitted", 2, "cpu-4"),
-                              (T0 + 59, "running", 2, "cpu-4")]:
-            f.write(json.dumps({"time": iso(t), "event": ev, "attempt": a, "device": dev, "reason": "",
-                                "committed_step": None}) + "\n")
+        for t, ev, a, dev in [
+            (T0 - 2, "submitted", 1, "cpu-2"),
+            (T0 - 1, "running", 1, "cpu-2"),
+            (T0 + 52, "resized", 1, "cpu-2"),
+            (T0 + 55, "submitted", 2, "cpu-4"),
+            (T0 + 59, "running", 2, "cpu-4"),
+        ]:
+            f.write(
+                json.dumps(
+                    {
+                        "time": iso(t),
+                        "event": ev,
+                        "attempt": a,
+                        "device": dev,
+                        "reason": "",
+                        "committed_step": None,
+                    }
+                )
+                + "\n"
+            )
     src = load(str(run))
     rep = build_report(src, now=T0 + 111, ask_backend=False)
     from olmo_ctl.core.flops import flops_per_token_olmo_core
@@ -379,7 +501,9 @@ def test_run_average_mfu_across_a_resize(tmp_path):
     ftok = flops_per_token_olmo_core(load_recipe("smoke").model, 128)
     total_flops = 100 * TOKENS_PER_STEP * ftok
     assert rep["throughput"]["devices"] == 4
-    assert rep["throughput"]["tflops_per_device_run_avg"] == pytest.approx(total_flops / (50 * 2 + 50 * 4) / 1e12)
+    assert rep["throughput"]["tflops_per_device_run_avg"] == pytest.approx(
+        total_flops / (50 * 2 + 50 * 4) / 1e12
+    )
     assert rep["throughput"]["tflops_per_device"] == pytest.approx(TOKENS_PER_STEP / 4 * ftok / 1e12)
     from olmo_ctl.observe.plot import _resume_marks
 
@@ -390,14 +514,24 @@ def test_rising_skipped_steps_warning(tmp_path):
     run = tmp_path / "sk"
     write_run_yaml(run, max_steps=5000)
     skipped = {500, 2600, 2700, 2800, 2900}
-    write_segment(run / "tensorboard", range(1, 3001), tags=["train/CE loss", "optim/step skipped"],
-                  values=lambda tag, s: float(s in skipped) if tag == "optim/step skipped" else value(tag, s))
+    write_segment(
+        run / "tensorboard",
+        range(1, 3001),
+        tags=["train/CE loss", "optim/step skipped"],
+        values=lambda tag, s: float(s in skipped) if tag == "optim/step skipped" else value(tag, s),
+    )
     rep = build_report(load(str(run)), now=T0 + 3001, ask_backend=False)
     assert rep["skipped_steps"] == {"total": 5, "last_1000": 4}
     assert any(w.startswith("skipped steps rising: 4 in the last 1000 steps") for w in rep["warnings"])
     calm = tmp_path / "calm"
     write_run_yaml(calm, max_steps=5000)
-    write_segment(calm / "tensorboard", range(1, 3001), tags=["train/CE loss", "optim/step skipped"],
-                  values=lambda tag, s: float(s in {500, 1500, 2900}) if tag == "optim/step skipped" else value(tag, s))
+    write_segment(
+        calm / "tensorboard",
+        range(1, 3001),
+        tags=["train/CE loss", "optim/step skipped"],
+        values=lambda tag, s: float(s in {500, 1500, 2900}) if tag == "optim/step skipped" else value(tag, s),
+    )
     rep = build_report(load(str(calm)), now=T0 + 3001, ask_backend=False)
-    assert rep["skipped_steps"]["total"] == 3 and not any("skipped steps rising" in w for w in rep["warnings"])
+    assert rep["skipped_steps"]["total"] == 3 and not any(
+        "skipped steps rising" in w for w in rep["warnings"]
+    )

@@ -24,15 +24,36 @@ from olmo_ctl.core.contracts import parse_committed_line, parse_step_line
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.trainer.checkpoint import Checkpointer
 
-SMOKE = ("--set", "checkpoint.interval=1000", "--set", "eval.interval=1000", "--set", "logging.metrics_every=1")
+SMOKE = (
+    "--set",
+    "checkpoint.interval=1000",
+    "--set",
+    "eval.interval=1000",
+    "--set",
+    "logging.metrics_every=1",
+)
 
 
-def start(tmp_path: Path, device: str, steps: int, *sets: str, attempt: int = 1, env: dict | None = None,
-          run: str = "mh"):
+def start(
+    tmp_path: Path,
+    device: str,
+    steps: int,
+    *sets: str,
+    attempt: int = 1,
+    env: dict | None = None,
+    run: str = "mh",
+):
     backend = LocalBackend(str(tmp_path), stop_grace_s=60)
     run_dir = str(tmp_path / run)
-    a = Attempt(run, run_dir, attempt, device, recipe_path="smoke",
-                extra_args=("--set", f"train.max_steps={steps}", *SMOKE, *sets), env=tuple((env or {}).items()))
+    a = Attempt(
+        run,
+        run_dir,
+        attempt,
+        device,
+        recipe_path="smoke",
+        extra_args=("--set", f"train.max_steps={steps}", *SMOKE, *sets),
+        env=tuple((env or {}).items()),
+    )
     return backend, backend.send(backend.render(a))
 
 
@@ -45,7 +66,7 @@ def log_lines(handle) -> list[str]:
 
 def host_lines(handle, host: int) -> list[str]:
     p = f"host {host}: "
-    return [ln[len(p):] for ln in log_lines(handle) if ln.startswith(p)]
+    return [ln[len(p) :] for ln in log_lines(handle) if ln.startswith(p)]
 
 
 def last_step(handle) -> int:
@@ -53,10 +74,10 @@ def last_step(handle) -> int:
     return max(steps, default=0)
 
 
-
-
 def wait_ended(backend, handle, timeout: float):
-    return wait_for(lambda: (st := backend.status(handle)).state != State.RUNNING and st, timeout, "the attempt to end")
+    return wait_for(
+        lambda: (st := backend.status(handle)).state != State.RUNNING and st, timeout, "the attempt to end"
+    )
 
 
 def host_codes(backend, handle) -> list[int | None]:
@@ -75,8 +96,8 @@ def read_losses(logdir: str) -> dict[int, int]:
         data = Path(path).read_bytes()
         i = 0
         while i + 12 <= len(data):
-            (n,) = struct.unpack("<Q", data[i:i + 8])
-            ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            ev = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
             i += 12 + n + 4
             for v in ev.summary.value:
                 if v.tag == "train/CE loss":
@@ -116,7 +137,7 @@ def test_two_hosts_train_like_one_and_a_sigterm_to_one_host_stops_both_after_one
     assert os.getpgid(pids[0]) == os.getpgid(pids[1]) == pids[0] != os.getpgid(0)
     for pid in pids:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        assert int(stat[stat.rfind(")") + 2:].split()[1]) == os.getpid()
+        assert int(stat[stat.rfind(")") + 2 :].split()[1]) == os.getpid()
         assert "olmo_ctl.trainer" in Path(f"/proc/{pid}/cmdline").read_text()
     os.kill(pids[1], signal.SIGTERM)
     st = wait_ended(backend, h, 120)
@@ -125,7 +146,9 @@ def test_two_hosts_train_like_one_and_a_sigterm_to_one_host_stops_both_after_one
     assert agreed[0] and agreed[1] and agreed[0].group(1) == agreed[1].group(1)
     stop = int(agreed[0].group(1))
     assert Checkpointer.for_run(str(tmp_path / "mh")).committed_steps() == [stop]
-    assert [parse_committed_line(ln) for ln in host_lines(h, 0) if parse_committed_line(ln) is not None] == [stop]
+    assert [parse_committed_line(ln) for ln in host_lines(h, 0) if parse_committed_line(ln) is not None] == [
+        stop
+    ]
 
     # The restart (2 x 2 again) continues from the stop step.
     backend, h2 = start(tmp_path, "cpu-2x2", 400, "--stop-at-step", str(stop + 3), attempt=2)
@@ -164,12 +187,33 @@ def test_joining_hosts_that_never_arrive_exits_3(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "OLMO_CTL_COORDINATOR_ADDRESS": "127.0.0.1:9", "OLMO_CTL_NUM_PROCESSES": "2",
-           "OLMO_CTL_PROCESS_ID": "1", "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "OLMO_CTL_COORDINATOR_ADDRESS": "127.0.0.1:9",
+        "OLMO_CTL_NUM_PROCESSES": "2",
+        "OLMO_CTL_PROCESS_ID": "1",
+        "JAX_PLATFORMS": "cpu",
+    }
     t0 = time.time()
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(tmp_path / "r"),
-                        "--device", "cpu-2x1", "--set", "runtime.init_timeout_s=3"],
-                       capture_output=True, text=True, timeout=120, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "olmo_ctl.trainer",
+            "--recipe",
+            "smoke",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--device",
+            "cpu-2x1",
+            "--set",
+            "runtime.init_timeout_s=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert p.returncode == 3, p.stderr[-2000:]
     assert "could not join the 2 hosts of cpu-2x1" in p.stderr
     assert time.time() - t0 < 60
@@ -224,8 +268,10 @@ def test_slow_host_rule():
     assert (s.host, s.part, s.message()) == (1, "data wait", "host 1: data wait 210 ms vs 4 ms median")
     assert parse_slow_host_line("host 0: " + slow_host_line(s)) == s
     # One slow window among ten is a hiccup, not a slow host; two hosts are enough to compare.
-    hiccup = {0: [{"data_wait_s": 0.004, "compute_s": 0.08}] * 10,
-              1: [{"data_wait_s": 0.004, "compute_s": 0.08}] * 9 + [{"data_wait_s": 0.5, "compute_s": 0.08}]}
+    hiccup = {
+        0: [{"data_wait_s": 0.004, "compute_s": 0.08}] * 10,
+        1: [{"data_wait_s": 0.004, "compute_s": 0.08}] * 9 + [{"data_wait_s": 0.5, "compute_s": 0.08}],
+    }
     assert slow_hosts(hiccup) == []
     assert slow_hosts({0: [{"data_wait_s": 9.0, "compute_s": 9.0}]}) == []
     assert slow_hosts({0: clean[0][:1], 1: slow[1][:1]}) == []  # one window each is not enough to judge
@@ -242,10 +288,35 @@ def test_a_slow_host_is_named_by_monitor_and_once_in_the_journal(tmp_path):
 
     root = str(tmp_path / "runs")
     p = subprocess.run(
-        [sys.executable, "-m", "olmo_ctl", "resume-until-done", "--recipe", "smoke", "--device", "cpu-2x2",
-         "--backend", "local", "--run", "slow", "--run-root", root, "--poll", "0.2", "--set", "train.max_steps=20",
-         "--set", "logging.metrics_every=5", "--set", "eval.interval=1000"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OLMO_CTL_FAULT_SLOW_DATA": "1:150"})
+        [
+            sys.executable,
+            "-m",
+            "olmo_ctl",
+            "resume-until-done",
+            "--recipe",
+            "smoke",
+            "--device",
+            "cpu-2x2",
+            "--backend",
+            "local",
+            "--run",
+            "slow",
+            "--run-root",
+            root,
+            "--poll",
+            "0.2",
+            "--set",
+            "train.max_steps=20",
+            "--set",
+            "logging.metrics_every=5",
+            "--set",
+            "eval.interval=1000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OLMO_CTL_FAULT_SLOW_DATA": "1:150"},
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rep = monitor(os.path.join(root, "slow"), ask_backend=False)
     assert [h["host"] for h in rep["hosts"]] == [0, 1]
@@ -285,8 +356,16 @@ def test_multi_host_chaos_under_resume_until_done(tmp_path):
     from olmo_ctl.rundir import RunDir
 
     steps = 60
-    sets = ["--set", f"train.max_steps={steps}", "--set", "checkpoint.interval=10", "--set", "eval.interval=1000",
-            "--set", "runtime.peer_timeout_s=5"]
+    sets = [
+        "--set",
+        f"train.max_steps={steps}",
+        "--set",
+        "checkpoint.interval=10",
+        "--set",
+        "eval.interval=1000",
+        "--set",
+        "runtime.peer_timeout_s=5",
+    ]
     _, ref = start(tmp_path, "cpu-2x2", steps, "--set", "checkpoint.interval=10", run="reference")
     b = LocalBackend(str(tmp_path))
     assert wait_ended(b, ref, 600).state == State.SUCCEEDED, log_lines(ref)[-20:]
@@ -296,9 +375,31 @@ def test_multi_host_chaos_under_resume_until_done(tmp_path):
     root = str(tmp_path / "runs")
     rdir = os.path.join(root, "chaos")
     env = {**os.environ, "RETRY_BACKOFF_SECONDS": "0.2", "MAX_RETRIES": "30"}
-    sup = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "resume-until-done", "--recipe", "smoke", "--device",
-                            "cpu-2x2", "--backend", "local", "--run", "chaos", "--run-root", root, "--poll", "0.2",
-                            *sets], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    sup = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "olmo_ctl",
+            "resume-until-done",
+            "--recipe",
+            "smoke",
+            "--device",
+            "cpu-2x2",
+            "--backend",
+            "local",
+            "--run",
+            "chaos",
+            "--run-root",
+            root,
+            "--poll",
+            "0.2",
+            *sets,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     rng = random.Random(20261130)
 
     def attempt(n: int) -> dict | None:
@@ -315,9 +416,28 @@ def test_multi_host_chaos_under_resume_until_done(tmp_path):
         return max((s.step for s in map(parse_step_line, lines) if s), default=0)
 
     def resize(device: str) -> None:
-        p = subprocess.run([sys.executable, "-m", "olmo_ctl", "resize", "chaos", "--device", device, "-y", "--backend",
-                            "local", "--run-root", root, "--timeout", "300"], capture_output=True, text=True,
-                           timeout=400, env=env)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "olmo_ctl",
+                "resize",
+                "chaos",
+                "--device",
+                device,
+                "-y",
+                "--backend",
+                "local",
+                "--run-root",
+                root,
+                "--timeout",
+                "300",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            env=env,
+        )
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
 
     plan = ["kill", "term", "resize:cpu-1x4", "kill", "resize:cpu-2x2", "term", "kill"]
@@ -352,6 +472,8 @@ def test_multi_host_chaos_under_resume_until_done(tmp_path):
     got = read_losses(os.path.join(rdir, "tensorboard"))
     assert sorted(got) == list(range(1, steps + 1))
     assert first_resize_at is not None and first_resize_at >= 1
-    assert all(got[s] == want[s] for s in range(1, first_resize_at + 1)), "2 x 2 before the resize: bit for bit"
+    assert all(got[s] == want[s] for s in range(1, first_resize_at + 1)), (
+        "2 x 2 before the resize: bit for bit"
+    )
     worst = max(abs(as_float(got[s]) - as_float(want[s])) for s in range(1, steps + 1))
     assert worst < 1e-3, worst

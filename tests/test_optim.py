@@ -48,7 +48,9 @@ def test_adamw_matches_optax_with_clip_and_embedding_excluded_from_decay(recipe)
     assert mask["embed"] is False and mask["blocks"]["w"] is True and mask["final_norm"] is True
     ref = optax.chain(
         optax.clip_by_global_norm(opt.grad_clip),
-        optax.adamw(1e-2, b1=opt.betas[0], b2=opt.betas[1], eps=opt.eps, weight_decay=opt.weight_decay, mask=mask),
+        optax.adamw(
+            1e-2, b1=opt.betas[0], b2=opt.betas[1], eps=opt.eps, weight_decay=opt.weight_decay, mask=mask
+        ),
     )
     ref_state = ref.init(params)
     ref_params = params
@@ -71,8 +73,9 @@ def test_weight_decay_skips_only_the_input_embedding(recipe):
     zero = jax.tree.map(jnp.zeros_like, params)
     new, _, _ = optim.adamw_update(params, zero, optim.init_adam(params), 0.1, opt)
     np.testing.assert_array_equal(np.asarray(new["embed"]), np.asarray(params["embed"]))
-    np.testing.assert_allclose(np.asarray(new["blocks"]["w"]), np.asarray(params["blocks"]["w"]) * (1 - 0.05),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(new["blocks"]["w"]), np.asarray(params["blocks"]["w"]) * (1 - 0.05), rtol=1e-6
+    )
     np.testing.assert_allclose(np.asarray(new["final_norm"]), 0.95, rtol=1e-6)
 
 
@@ -144,8 +147,9 @@ def test_moments_stay_fp32_with_bf16_params_and_compute(recipe):
     from olmo_ctl.trainer.model import init_params
     from olmo_ctl.trainer.train import init_state, make_train_step
 
-    r = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, param_dtype="bfloat16",
-                                                               compute_dtype="bfloat16"))
+    r = dataclasses.replace(
+        recipe, model=dataclasses.replace(recipe.model, param_dtype="bfloat16", compute_dtype="bfloat16")
+    )
     params = init_params(r.model, jax.random.PRNGKey(0))
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
     state = init_state(r, params)
@@ -157,8 +161,11 @@ def test_moments_stay_fp32_with_bf16_params_and_compute(recipe):
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(state["params"]))
     optim.check_fp32_state(state["params"], optim.AdamState(**state["opt"]), "bfloat16")
     # The guard fails loudly when a moment has been demoted, or the weights are not the configured dtype.
-    demoted = optim.AdamState(jax.tree.map(lambda x: x.astype(jnp.bfloat16), state["opt"]["mu"]),
-                              state["opt"]["nu"], state["opt"]["count"])
+    demoted = optim.AdamState(
+        jax.tree.map(lambda x: x.astype(jnp.bfloat16), state["opt"]["mu"]),
+        state["opt"]["nu"],
+        state["opt"]["count"],
+    )
     with pytest.raises(optim.OptimizerDtypeError, match="mu"):
         optim.check_fp32_state(state["params"], demoted, "bfloat16")
     with pytest.raises(optim.OptimizerDtypeError, match="configured float32"):
@@ -179,8 +186,10 @@ def test_gradient_accumulation_is_exact(recipe):
     params = init_params(recipe.model, jax.random.PRNGKey(0))
     out = {}
     for accum in (1, 4):
-        batch = {"input_ids": jnp.asarray(ids.reshape(accum, 8 // accum, 128)),
-                 "labels": jnp.asarray(labels.reshape(accum, 8 // accum, 128))}
+        batch = {
+            "input_ids": jnp.asarray(ids.reshape(accum, 8 // accum, 128)),
+            "labels": jnp.asarray(labels.reshape(accum, 8 // accum, 128)),
+        }
         state, m = step(init_state(recipe, params), batch)
         out[accum] = (m, state["params"])
     (m1, p1), (m4, p4) = out[1], out[4]

@@ -47,7 +47,9 @@ def test_documents_end_at_eos_are_truncated_and_a_tail_without_eos_is_dropped():
 
 def test_packed_instances_are_olmo_cores(tmp_path):
     # numpy_dataset_test.py:265-308 (truncate), pad -1
-    f1 = _file(tmp_path, "a.npy", [1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 0])
+    f1 = _file(
+        tmp_path, "a.npy", [1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 0]
+    )
     f2 = _file(tmp_path, "b.npy", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1, 2, 0])
     ds = PackedDataset([f1, f2], 8, eos_token_id=0, pad_token_id=-1)
     assert len(ds) == 6
@@ -68,10 +70,16 @@ def test_packed_instances_are_olmo_cores(tmp_path):
 
 def test_source_grouping_is_olmo_cores(tmp_path):
     # numpy_dataset_test.py:370-415: four files in groups of two, hard-coded instances
-    fs = [_file(tmp_path, "1.npy", [1, 2, 3, 0, 11, 12, 13, 14, 15, 0, 21, 22, 23, 24, 25, 0, 31, 32, 33, 0, 41, 42, 0]),
-          _file(tmp_path, "2.npy", [51, 52, 0, 61, 62, 63, 64, 65, 66, 67, 0]),
-          _file(tmp_path, "3.npy", [71, 72, 73, 74, 75, 76, 77, 78, 79, 0, 81, 82, 0]),
-          _file(tmp_path, "4.npy", [91, 92, 93, 94, 0])]
+    fs = [
+        _file(
+            tmp_path,
+            "1.npy",
+            [1, 2, 3, 0, 11, 12, 13, 14, 15, 0, 21, 22, 23, 24, 25, 0, 31, 32, 33, 0, 41, 42, 0],
+        ),
+        _file(tmp_path, "2.npy", [51, 52, 0, 61, 62, 63, 64, 65, 66, 67, 0]),
+        _file(tmp_path, "3.npy", [71, 72, 73, 74, 75, 76, 77, 78, 79, 0, 81, 82, 0]),
+        _file(tmp_path, "4.npy", [91, 92, 93, 94, 0]),
+    ]
     ds = PackedDataset(fs, 8, eos_token_id=0, pad_token_id=-1, source_group_size=2)
     assert len(ds) == 7
     assert [ds.instance(i)[0].tolist() for i in range(7)] == [
@@ -125,7 +133,9 @@ def test_packing_is_cached_and_read_back(tmp_path):
     stored = list((tmp_path / "cache").iterdir())
     assert len(stored) == 1
     b = PackedDataset(fs, 8, eos_token_id=0, pad_token_id=-1, cache_dir=cache)
-    assert [b.instance(i)[0].tolist() for i in range(len(b))] == [a.instance(i)[0].tolist() for i in range(len(a))]
+    assert [b.instance(i)[0].tolist() for i in range(len(b))] == [
+        a.instance(i)[0].tolist() for i in range(len(a))
+    ]
 
 
 def test_packed_needs_a_power_of_two_and_fingerprint_names_packing(tmp_path):

@@ -20,12 +20,27 @@ from olmo_ctl.trainer import convert  # noqa: E402
 from olmo_ctl.trainer.parity import run_parity  # noqa: E402
 
 # A: window 16 < the 64-token test sequence, vocab 300 padded to 384, full layers at 3 and 7.
-CONFIG_A = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=8, num_attention_heads=4,
-                num_key_value_heads=4, sliding_window=16)
+CONFIG_A = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    sliding_window=16,
+)
 # B: grouped-query, head_dim 32 != hidden/heads, full attention every 2nd layer, window 8.
-CONFIG_B = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, sliding_window=8,
-                layer_types=["sliding_attention", "full_attention"] * 3)
+CONFIG_B = dict(
+    vocab_size=200,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"] * 3,
+)
 SEQ = 64
 
 
@@ -34,8 +49,15 @@ def make_hf(path, spec: dict, seed: int, dtype=None) -> str:
     from transformers import Olmo3Config, Olmo3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Olmo3Config(**spec, max_position_embeddings=512, rms_norm_eps=1e-6, pad_token_id=1, eos_token_id=2,
-                      bos_token_id=None, tie_word_embeddings=False)
+    cfg = Olmo3Config(
+        **spec,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        pad_token_id=1,
+        eos_token_id=2,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     model = Olmo3ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -51,8 +73,13 @@ def make_hf(path, spec: dict, seed: int, dtype=None) -> str:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-c", "from olmo_ctl.cli import entry; entry()", *args],
-                          capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", "from olmo_ctl.cli import entry; entry()", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +149,18 @@ def _assert_same_dirs(a: str, b: str) -> None:
     for k in sa:
         assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
         assert np.array_equal(sa[k].view(np.uint8), sb[k].view(np.uint8)), k
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "sliding_window", "layer_types", "rope_parameters", "eos_token_id", "pad_token_id"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "sliding_window",
+        "layer_types",
+        "rope_parameters",
+        "eos_token_id",
+        "pad_token_id",
+    ):
         assert ca.get(key) == cb.get(key), key
 
 
@@ -138,8 +175,10 @@ def test_round_trip_is_exact(pair, request, tmp_path):
     _assert_same_dirs(hf, str(tmp_path / "back"))
     from transformers import Olmo3ForCausalLM
 
-    assert Olmo3ForCausalLM.from_pretrained(str(tmp_path / "back")).config.vocab_size == json.load(
-        open(os.path.join(hf, "config.json")))["vocab_size"]
+    assert (
+        Olmo3ForCausalLM.from_pretrained(str(tmp_path / "back")).config.vocab_size
+        == json.load(open(os.path.join(hf, "config.json")))["vocab_size"]
+    )
 
 
 def test_bf16_round_trip_is_bit_exact_and_padding_is_zero(tmp_path):

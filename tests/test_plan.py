@@ -21,12 +21,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
-    return subprocess.run([sys.executable, "-m", "olmo_ctl", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "olmo_ctl", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
 
 
-@pytest.mark.parametrize("stage,device,per_device", [(1, "tpu7x-128", 4), (1, "tpu7x-512", 1), (1, "v5p-256", 4),
-                                                     (2, "v5p-256", 2)])
+@pytest.mark.parametrize(
+    "stage,device,per_device",
+    [(1, "tpu7x-128", 4), (1, "tpu7x-512", 1), (1, "v5p-256", 4), (2, "v5p-256", 2)],
+)
 def test_per_device_batch(stage, device, per_device):
     p = make_plan(load_recipe(stage=stage), get_device(device))
     assert (p.per_device_batch, p.grad_accum) == (per_device, 1)
@@ -54,8 +62,16 @@ def test_plan_json_contract():
     p = _cli("plan", "--stage", "1", "--device", "tpu7x-128", "-o", "json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
-    for key in ("global_batch", "devices", "per_device_batch", "grad_accum", "seq_len", "tokens_per_step", "params",
-                "flops_per_token"):
+    for key in (
+        "global_batch",
+        "devices",
+        "per_device_batch",
+        "grad_accum",
+        "seq_len",
+        "tokens_per_step",
+        "params",
+        "flops_per_token",
+    ):
         assert key in r
     assert (r["global_batch"], r["devices"], r["per_device_batch"], r["grad_accum"]) == (512, 128, 4, 1)
     assert r["params"] == 7_298_617_344
@@ -71,7 +87,9 @@ def test_plan_json_contract():
 
 def test_estimate_reproduces_the_case_study():
     # Ironwood: 3.05 s per step on 128 devices at 44.5% MFU (MaxText formula); stage 1 ~ 77k chip-hours.
-    r = json.loads(_cli("plan", "--stage", "1", "--device", "tpu7x-128", "--mfu", "0.445", "-o", "json").stdout)
+    r = json.loads(
+        _cli("plan", "--stage", "1", "--device", "tpu7x-128", "--mfu", "0.445", "-o", "json").stdout
+    )
     assert r["estimate"]["maxtext"]["step_time_s"] == pytest.approx(3.05, rel=0.01)
     assert r["estimate"]["maxtext"]["chip_hours"] == pytest.approx(77_000, rel=0.01)
     # v5p-256 at 57.4% MFU: stage 2 in ~39 h, ~5k chip-hours.
@@ -101,18 +119,25 @@ def test_plan_report_is_pure_and_checks_mfu():
     r = plan_report(load_recipe(stage=2), get_device("v5p-256"), 0.5)
     assert (r["per_device_batch"], r["tokens"]) == (2, 47684 * 256 * 8192)
     e = r["estimate"]["olmo_core"]
-    assert e["step_time_s"] == pytest.approx(r["flops_per_token"]["olmo_core"] * r["tokens_per_step"]
-                                             / (128 * 459e12 * 0.5))
+    assert e["step_time_s"] == pytest.approx(
+        r["flops_per_token"]["olmo_core"] * r["tokens_per_step"] / (128 * 459e12 * 0.5)
+    )
     for bad in (0, -0.1, 1.5):
         with pytest.raises(BadInput, match="not a fraction"):
             plan_report(load_recipe(stage=2), get_device("v5p-256"), bad)
 
 
-@pytest.mark.parametrize("device,slices,per_device", [("tpu7x-128", 2, 2), ("v5p-256", 2, 2), ("tpu7x-64", 4, 2)])
+@pytest.mark.parametrize(
+    "device,slices,per_device", [("tpu7x-128", 2, 2), ("v5p-256", 2, 2), ("tpu7x-64", 4, 2)]
+)
 def test_multislice_holds_the_global_batch_over_every_slice(device, slices, per_device):
     r, dev = load_recipe(stage=1), get_device(device)
     one, many = make_plan(r, dev), make_plan(r, dev, slices)
-    assert (many.slices, many.devices, many.data_parallel) == (slices, slices * dev.devices, slices * dev.devices)
+    assert (many.slices, many.devices, many.data_parallel) == (
+        slices,
+        slices * dev.devices,
+        slices * dev.devices,
+    )
     assert many.per_device_batch * many.grad_accum * many.devices == many.global_batch == one.global_batch
     assert many.per_device_batch == per_device and many.tokens_per_step == one.tokens_per_step
     # each slice holds the whole state, sharded over its own devices: the same state per device as one slice

@@ -33,7 +33,12 @@ def test_budget_counts_only_attempts_without_progress_and_resets():
 
 
 def test_flags_win_over_env_which_win_over_defaults(monkeypatch):
-    for name in ("RETRY_BACKOFF_SECONDS", "MAX_RETRIES", "OLMO_CTL_RETRY_BACKOFF_SECONDS", "OLMO_CTL_MAX_RETRIES"):
+    for name in (
+        "RETRY_BACKOFF_SECONDS",
+        "MAX_RETRIES",
+        "OLMO_CTL_RETRY_BACKOFF_SECONDS",
+        "OLMO_CTL_MAX_RETRIES",
+    ):
         monkeypatch.delenv(name, raising=False)
     p = RetryPolicy.from_env()
     assert p.backoff_base_s == DEFAULT_BACKOFF_S == 300
@@ -78,8 +83,12 @@ from olmo_ctl.core.contracts import State  # noqa: E402
 from olmo_ctl.supervise.policy import DONE, GIVE_UP, RETRY, STOP, History, Outcome  # noqa: E402
 
 
-def _decide(state, committed=10, final=20, stalled=None, history=History(best_step=5), reason="why", **policy):
-    return RetryPolicy(max_retries=3, **policy).decide(Outcome(state, reason, committed, final, stalled), history)
+def _decide(
+    state, committed=10, final=20, stalled=None, history=History(best_step=5), reason="why", **policy
+):
+    return RetryPolicy(max_retries=3, **policy).decide(
+        Outcome(state, reason, committed, final, stalled), history
+    )
 
 
 @pytest.mark.parametrize("state", list(State))
@@ -105,12 +114,15 @@ def test_a_stalled_user_failure_is_a_stall_not_a_stop():
     assert (a.kind, a.event, a.reason, a.journal) == (RETRY, "stalled", "no progress", False)
 
 
-@pytest.mark.parametrize("state,event,reason", [
-    (State.PREEMPTED, "preempted", "why"),
-    (State.FAILED_INFRA, "failed", "failed-infra: why"),
-    (State.MISSING, "failed", "missing: why"),
-    (State.SUCCEEDED, "failed", "exited cleanly at committed step 10 < final 20"),
-])
+@pytest.mark.parametrize(
+    "state,event,reason",
+    [
+        (State.PREEMPTED, "preempted", "why"),
+        (State.FAILED_INFRA, "failed", "failed-infra: why"),
+        (State.MISSING, "failed", "missing: why"),
+        (State.SUCCEEDED, "failed", "exited cleanly at committed step 10 < final 20"),
+    ],
+)
 def test_retry_rows(state, event, reason):
     a = _decide(state)
     assert (a.kind, a.event, a.reason, a.journal, a.exit_code) == (RETRY, event, reason, True, None)
@@ -123,8 +135,9 @@ def test_the_third_attempt_in_a_row_without_progress_gives_up():
     a = _decide(State.PREEMPTED, committed=10, history=h)
     assert (a.kind, a.event, a.exit_code) == (GIVE_UP, "preempted", 4)
     assert a.history == History(3, 10)
-    assert a.gave_up == ("crash loop: 3 attempts in a row ended without a new committed step (still 10/20); "
-                         "last: why")
+    assert a.gave_up == (
+        "crash loop: 3 attempts in a row ended without a new committed step (still 10/20); last: why"
+    )
     assert _decide(State.PREEMPTED, committed=11, history=h).kind == RETRY  # one more step: not a loop
     assert _decide(State.PREEMPTED, committed=10, history=History(1, 10)).kind == RETRY
 
@@ -132,7 +145,12 @@ def test_the_third_attempt_in_a_row_without_progress_gives_up():
 def test_the_prefixed_names_win_and_each_backend_has_its_own_backoff(monkeypatch):
     from olmo_ctl.backends import backend_class
 
-    for name in ("RETRY_BACKOFF_SECONDS", "MAX_RETRIES", "OLMO_CTL_RETRY_BACKOFF_SECONDS", "OLMO_CTL_MAX_RETRIES"):
+    for name in (
+        "RETRY_BACKOFF_SECONDS",
+        "MAX_RETRIES",
+        "OLMO_CTL_RETRY_BACKOFF_SECONDS",
+        "OLMO_CTL_MAX_RETRIES",
+    ):
         monkeypatch.delenv(name, raising=False)
     # A SIGKILLed 15 s local run does not wait five minutes for its next attempt.
     local, gke = backend_class("local").retry_backoff_s, backend_class("gke").retry_backoff_s

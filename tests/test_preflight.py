@@ -27,10 +27,22 @@ pytestmark = [
 ]
 
 SETS = [
-    "model.n_layers=8", "model.d_model=256", "model.n_heads=2", "model.n_kv_heads=2", "model.head_dim=128",
-    "model.mlp_hidden=704", "model.vocab_size=1000", "model.padded_vocab_size=1024", "model.sliding_window=256",
-    "model.eos_token_id=1", "model.pad_token_id=2", "train.seq_len=1024", "train.global_batch=16",
-    "train.max_per_device_batch=2", "model.remat=none", "model.attention=blocked",
+    "model.n_layers=8",
+    "model.d_model=256",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "model.head_dim=128",
+    "model.mlp_hidden=704",
+    "model.vocab_size=1000",
+    "model.padded_vocab_size=1024",
+    "model.sliding_window=256",
+    "model.eos_token_id=1",
+    "model.pad_token_id=2",
+    "train.seq_len=1024",
+    "train.global_batch=16",
+    "train.max_per_device_batch=2",
+    "model.remat=none",
+    "model.attention=blocked",
 ]
 DEVICE = "v5p-8"  # 4 devices: global batch 16 = 4 per device = micro-batch 2 x accumulation 2
 BATCH = 2
@@ -69,11 +81,16 @@ def test_compiles_and_reports_memory_and_plan(base, recipe):
     batch = 2 * 2 * BATCH * recipe.train.seq_len * 4
     assert state <= base.argument_bytes_per_device <= 1.05 * (state + batch) + 1e5
     assert base.alias_bytes_per_device >= 0.99 * state  # the donated state is updated in place
-    assert base.peak_bytes_per_device == (base.argument_bytes_per_device + base.output_bytes_per_device
-                                          - base.alias_bytes_per_device + base.temp_bytes_per_device
-                                          + base.generated_code_bytes_per_device)
-    assert base.fits and base.hbm_bytes_per_device == min(get_device(DEVICE).hbm_bytes_per_device,
-                                                          pf.COMPILER_HBM_BYTES["v5p"])
+    assert base.peak_bytes_per_device == (
+        base.argument_bytes_per_device
+        + base.output_bytes_per_device
+        - base.alias_bytes_per_device
+        + base.temp_bytes_per_device
+        + base.generated_code_bytes_per_device
+    )
+    assert base.fits and base.hbm_bytes_per_device == min(
+        get_device(DEVICE).hbm_bytes_per_device, pf.COMPILER_HBM_BYTES["v5p"]
+    )
     assert base.compile_s > 0
 
 
@@ -129,17 +146,46 @@ def _cli(*args, cache_dir):
     env = dict(os.environ, OLMO_CTL_CACHE_DIR=str(cache_dir))
     cmd = [sys.executable, "-c", "from olmo_ctl.cli import entry; entry()"]
     sets = [x for s in SETS for x in ("--set", s)]
-    return subprocess.run([*cmd, "preflight", "--stage", "1", "--device", DEVICE, "--remat", "none",
-                           "--per-device-batch", str(BATCH), *sets, *args],
-                          capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(
+        [
+            *cmd,
+            "preflight",
+            "--stage",
+            "1",
+            "--device",
+            DEVICE,
+            "--remat",
+            "none",
+            "--per-device-batch",
+            str(BATCH),
+            *sets,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def test_cli_json_and_exit_codes(base, cache):
     p = _cli("-o", "json", cache_dir=cache)
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
-    for k in ("device", "topology", "devices", "per_device_batch", "grad_accum", "remat", "hbm_bytes_per_device",
-              "peak_bytes_per_device", "fits", "xla_flops_per_step", "formula_flops_per_step", "compile_s"):
+    for k in (
+        "device",
+        "topology",
+        "devices",
+        "per_device_batch",
+        "grad_accum",
+        "remat",
+        "hbm_bytes_per_device",
+        "peak_bytes_per_device",
+        "fits",
+        "xla_flops_per_step",
+        "formula_flops_per_step",
+        "compile_s",
+    ):
         assert k in d
     assert d["cached"] and d["fits"] and d["peak_bytes_per_device"] == base.peak_bytes_per_device
     small = (base.peak_bytes_per_device - GIB // 2) / GIB
@@ -165,12 +211,16 @@ def test_submit_check_uses_the_plan_and_the_cache(base, recipe):
 
 
 def test_parse_compiler_refusal():
-    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
-           "(505.08G) exceeds available HBM (95.74G).")
+    msg = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+        "(505.08G) exceeds available HBM (95.74G)."
+    )
     used, cap, temps_only = pf.parse_hbm_oom(msg)
     assert temps_only and used == int(505.08 * GIB) and cap == int(95.74 * GIB)
     assert pf.parse_hbm_oom("Used 120.5G of 95.74G hbm. Exceeded hbm capacity by 24.76G.")[:2] == (
-        int(120.5 * GIB), int(95.74 * GIB))
+        int(120.5 * GIB),
+        int(95.74 * GIB),
+    )
     assert pf.parse_hbm_oom("INTERNAL: something else") is None
 
 
@@ -186,8 +236,10 @@ def test_splash_compiles_and_its_flops_are_counted_from_the_mask(cache, recipe):
     assert r.xla_flags == xla_flags_for(get_device(DEVICE), auto, None) and r.xla_flags  # v5p's set
     m, t = auto.model, auto.train
     (bq, bkv, _), tp = A.splash_blocks("v5p", t.seq_len)
-    per_seq_head = sum(2.0 * bq * bkv * m.head_dim * (2 + 5) * A.splash_mask_blocks(tp, w, bq, bkv)
-                       for w in [None if m.layer_is_full(i) else m.sliding_window for i in range(m.n_layers)])
+    per_seq_head = sum(
+        2.0 * bq * bkv * m.head_dim * (2 + 5) * A.splash_mask_blocks(tp, w, bq, bkv)
+        for w in [None if m.layer_is_full(i) else m.sliding_window for i in range(m.n_layers)]
+    )
     assert r.kernel_flops_per_step == pytest.approx(per_seq_head * m.n_heads * t.global_batch, rel=1e-9)
     assert any("does not count Pallas kernels" in n for n in r.notes)
     # The weight matmuls are unchanged; attention is now the kernel's tiles (here one 1024-token tile).
@@ -196,7 +248,9 @@ def test_splash_compiles_and_its_flops_are_counted_from_the_mask(cache, recipe):
 
 
 def test_misspelled_flag_in_a_recipe_is_refused_with_exit_2(cache):
-    p = _cli("--set", "xla_flags=[--xla_tpu_enable_async_collective_fusion_fuse_all_gathr=false]", cache_dir=cache)
+    p = _cli(
+        "--set", "xla_flags=[--xla_tpu_enable_async_collective_fusion_fuse_all_gathr=false]", cache_dir=cache
+    )
     assert p.returncode == 2, p.stderr
     assert "--xla_tpu_enable_async_collective_fusion_fuse_all_gathr" in p.stderr and "xla_flags" in p.stderr
     assert "Traceback" not in p.stderr

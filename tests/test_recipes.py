@@ -39,8 +39,20 @@ def test_stage1_recipe_values():
     # AI2's two scripts, stitched (values recomputed in test_schedule.py).
     assert r.schedule.kind == "stitched"
     p1, p2 = r.schedule.parts
-    assert (p1.kind, p1.warmup_steps, p1.alpha, p1.t_max, p1.last_step) == ("cosine", 2000, 0.1, 1192093, 596047)
-    assert (p2.kind, p2.warmup_steps, p2.alpha, p2.t_max, p2.last_step) == ("half_cosine", 597046, 0.1, 1668931, 0)
+    assert (p1.kind, p1.warmup_steps, p1.alpha, p1.t_max, p1.last_step) == (
+        "cosine",
+        2000,
+        0.1,
+        1192093,
+        596047,
+    )
+    assert (p2.kind, p2.warmup_steps, p2.alpha, p2.t_max, p2.last_step) == (
+        "half_cosine",
+        597046,
+        0.1,
+        1668931,
+        0,
+    )
     assert (r.data.mix, r.data.train, r.data.seed) == ("OLMo-mix-0625-official", (), 34521)
 
 
@@ -55,12 +67,21 @@ def test_stage3_recipe_values():
     r = load_recipe(stage=3)
     assert (r.name, r.stage) == ("olmo3-7b-stage3", 3)
     assert (r.train.seq_len, r.train.global_batch, r.train.max_steps) == (65536, 64, 11921)
-    assert r.tokens_per_step == 4_194_304 and r.tokens_per_step * (r.train.max_steps - 1) < 50e9 <= r.tokens_per_step * r.train.max_steps
+    assert (
+        r.tokens_per_step == 4_194_304
+        and r.tokens_per_step * (r.train.max_steps - 1) < 50e9 <= r.tokens_per_step * r.train.max_steps
+    )
     assert r.optimizer.lr == 2.0712352850360292e-4
     assert (r.schedule.kind, r.schedule.warmup_steps, r.schedule.alpha) == ("linear", 200, 0.0)
     y = r.model.rope_scaling
-    assert (y.kind, y.factor, y.beta_fast, y.beta_slow, y.original_context, y.full_layers_only) == \
-        ("yarn", 8.0, 32.0, 1.0, 8192, True)
+    assert (y.kind, y.factor, y.beta_fast, y.beta_slow, y.original_context, y.full_layers_only) == (
+        "yarn",
+        8.0,
+        32.0,
+        1.0,
+        8192,
+        True,
+    )
     assert [i for i in range(32) if r.model.layer_rope_scaled(i)] == [3, 7, 11, 15, 19, 23, 27, 31]
     assert (r.data.mix, r.data.seed) == ("OLMo-longmino-mix-0625", 34521)
     assert param_count(r.model) == 7_298_617_344
@@ -73,7 +94,9 @@ def test_olmo3_7b_parameter_count():
 
 
 def test_overrides_are_validated_like_the_file():
-    r = load_recipe(stage=1, overrides=["train.max_steps=100", "optimizer.lr=1e-4", "schedule.warmup_steps=10"])
+    r = load_recipe(
+        stage=1, overrides=["train.max_steps=100", "optimizer.lr=1e-4", "schedule.warmup_steps=10"]
+    )
     assert (r.train.max_steps, r.optimizer.lr) == (100, 1e-4)
     assert r.fingerprint() != load_recipe(stage=1).fingerprint()
     assert load_recipe(stage=1).fingerprint() == load_recipe(stage=1).fingerprint()
@@ -132,12 +155,17 @@ def test_the_model_is_written_once_in_a_model_file():
         assert isinstance(model, str | dict) and not extra, (p.name, model)
     assert load_model("olmo3-7b") == load_recipe(stage=1).model == load_recipe(stage=2).model
     assert load_model("smoke") == load_recipe("smoke").model
-    assert load_recipe(stage=3).model == dataclasses.replace(load_model("olmo3-7b"),
-                                                             rope_scaling=load_recipe(stage=3).model.rope_scaling)
+    assert load_recipe(stage=3).model == dataclasses.replace(
+        load_model("olmo3-7b"), rope_scaling=load_recipe(stage=3).model.rope_scaling
+    )
     cosine, stage1 = load_recipe("olmo3-7b-stage1-cosine"), load_recipe(stage=1)
     assert cosine.source.endswith("olmo3-7b-stage1-cosine.yaml")
-    assert dataclasses.replace(cosine, name=stage1.name, description=stage1.description,
-                               schedule=stage1.schedule) == stage1
+    assert (
+        dataclasses.replace(
+            cosine, name=stage1.name, description=stage1.description, schedule=stage1.schedule
+        )
+        == stage1
+    )
 
 
 def test_no_model_values_as_defaults():
@@ -148,7 +176,9 @@ def test_no_model_values_as_defaults():
         recipe_from_dict({"name": "x", "data": {"mix": "OLMo-mix-0625-official"}}, "x.yaml")
     assert "model: NAME" in e.value.hint and "olmo3-7b" in e.value.hint
     with pytest.raises(BadInput, match=r"`model.n_layers` is missing \(and 17 more"):
-        recipe_from_dict({"name": "x", "model": {"name": "m"}, "data": {"mix": "OLMo-mix-0625-official"}}, "x.yaml")
+        recipe_from_dict(
+            {"name": "x", "model": {"name": "m"}, "data": {"mix": "OLMo-mix-0625-official"}}, "x.yaml"
+        )
 
 
 def _write(path, text: str):
@@ -157,32 +187,46 @@ def _write(path, text: str):
 
 
 def test_a_user_delta_names_a_shipped_base_and_model(tmp_path):
-    f = _write(tmp_path / "short.yaml", """\
+    f = _write(
+        tmp_path / "short.yaml",
+        """\
         name: stage1-short
         base: olmo3-7b-stage1
         model: olmo3-7b
         train: {max_steps: 20000}
         checkpoint: {interval: 500}
-        """)
+        """,
+    )
     r = load_recipe(str(f))
     s1 = load_recipe(stage=1)
     assert (r.name, r.stage, r.description, r.source) == ("stage1-short", 1, s1.description, str(f))
-    assert (r.train.max_steps, r.train.global_batch, r.checkpoint.interval, r.checkpoint.keep) == (20000, 512, 500, 3)
+    assert (r.train.max_steps, r.train.global_batch, r.checkpoint.interval, r.checkpoint.keep) == (
+        20000,
+        512,
+        500,
+        3,
+    )
     assert r.model == s1.model and r.schedule == s1.schedule  # sections merge key by key
     # A delta next to it, by relative path; its `model:` keys (no model file named) change the base's.
     (tmp_path / "sub").mkdir()
-    g = _write(tmp_path / "sub" / "deeper.yaml", """\
+    g = _write(
+        tmp_path / "sub" / "deeper.yaml",
+        """\
         name: deeper
         base: ../short.yaml
         model: {remat: save_proj}
-        """)
+        """,
+    )
     d = load_recipe(str(g))
     assert (d.name, d.train.max_steps, d.model.remat, d.model.n_layers) == ("deeper", 20000, "save_proj", 32)
     # --set comes last: over the file, its base and its model.
     o = load_recipe(str(g), overrides=["model.remat=none", "train.max_steps=10"])
     assert (o.model.remat, o.train.max_steps) == ("none", 10)
     # A model file by path, next to the recipe.
-    _write(tmp_path / "tiny.yaml", (RECIPES_DIR / "models" / "smoke.yaml").read_text().replace("n_layers: 4", "n_layers: 8"))
+    _write(
+        tmp_path / "tiny.yaml",
+        (RECIPES_DIR / "models" / "smoke.yaml").read_text().replace("n_layers: 4", "n_layers: 8"),
+    )
     t = load_recipe(str(_write(tmp_path / "t.yaml", "name: t\nbase: smoke\nmodel: ./tiny.yaml\n")))
     assert (t.model.n_layers, t.model.d_model, t.train.seq_len) == (8, 64, 128)
 
@@ -192,8 +236,10 @@ def test_a_key_set_twice_at_one_level_is_refused(tmp_path):
     f = _write(tmp_path / "r.yaml", "name: r\nbase: smoke\nmodel: {from: smoke, n_layers: 8}\n")
     with pytest.raises(BadInput) as e:
         load_recipe(str(f))
-    assert e.value.message == (f"{f}: `model.n_layers` is set twice: 8 here and 4 in its model "
-                               f"`{RECIPES_DIR / 'models' / 'smoke.yaml'}`")
+    assert e.value.message == (
+        f"{f}: `model.n_layers` is set twice: 8 here and 4 in its model "
+        f"`{RECIPES_DIR / 'models' / 'smoke.yaml'}`"
+    )
     assert "--set model.n_layers" in e.value.hint and e.value.exit_code == 2
     # ... the same value is not a second statement, and --set (the command line) still wins.
     _write(f, "name: r\nbase: smoke\nmodel: {from: smoke, n_layers: 4, rms_norm_eps: 1.0e-6}\n")
@@ -254,10 +300,17 @@ def test_the_delta_recipes_in_the_docs_resolve(tmp_path):
         (tmp_path / name).write_text(text)
     short, remat = (load_recipe(str(tmp_path / name)) for _, name in blocks)
     assert (short.train.max_steps, short.checkpoint.interval, short.model.remat) == (20000, 500, "full")
-    assert remat.model == load_recipe(str(tmp_path / "my-stage1-short.yaml"), overrides=["model.remat=save_proj"]).model
+    assert (
+        remat.model
+        == load_recipe(str(tmp_path / "my-stage1-short.yaml"), overrides=["model.remat=save_proj"]).model
+    )
     assert dataclasses.replace(remat, name=short.name, source=short.source, model=short.model) == short
-    (tmp_path / "refused.yaml").write_text(blocks[1][0].replace("model: {remat", "model: {from: olmo3-7b, remat"))
-    with pytest.raises(BadInput, match="`model.remat` is set twice: 'save_proj' here and 'full' in its model"):
+    (tmp_path / "refused.yaml").write_text(
+        blocks[1][0].replace("model: {remat", "model: {from: olmo3-7b, remat")
+    )
+    with pytest.raises(
+        BadInput, match="`model.remat` is set twice: 'save_proj' here and 'full' in its model"
+    ):
         load_recipe(str(tmp_path / "refused.yaml"))
 
 
@@ -266,11 +319,20 @@ def test_the_delta_recipes_in_the_docs_resolve(tmp_path):
 
 def test_evaluation_is_not_what_a_run_trains():
     s1 = load_recipe(stage=1)
-    for sets in (["eval.interval=500"], ["eval.batches=16", "eval.batch_size=64"], ["data.eval=[gs://b/v.npy]"]):
+    for sets in (
+        ["eval.interval=500"],
+        ["eval.batches=16", "eval.batch_size=64"],
+        ["data.eval=[gs://b/v.npy]"],
+    ):
         r = load_recipe(stage=1, overrides=sets)
         assert r.fingerprint() != s1.fingerprint()  # run.yaml's fingerprint: as it always was
         assert r.training_fingerprint() == s1.training_fingerprint(), sets
-    for sets in (["train.max_steps=100"], ["data.seed=1"], ["checkpoint.interval=1000"], ["model.remat=none"]):
+    for sets in (
+        ["train.max_steps=100"],
+        ["data.seed=1"],
+        ["checkpoint.interval=1000"],
+        ["model.remat=none"],
+    ):
         assert load_recipe(stage=1, overrides=sets).training_fingerprint() != s1.training_fingerprint(), sets
 
 
@@ -296,8 +358,10 @@ RECIPE_GOLDEN = Path(__file__).resolve().parent / "goldens" / "recipes.json"
 
 def resolved_recipes() -> dict[str, dict]:
     """Each shipped recipe's resolved values (`to_dict()`, in its key order) and fingerprint."""
-    return {p.stem: {"fingerprint": (r := load_recipe(p.stem)).fingerprint(), "recipe": r.to_dict()}
-            for p in sorted(RECIPES_DIR.glob("*.yaml"))}
+    return {
+        p.stem: {"fingerprint": (r := load_recipe(p.stem)).fingerprint(), "recipe": r.to_dict()}
+        for p in sorted(RECIPES_DIR.glob("*.yaml"))
+    }
 
 
 def test_every_shipped_recipe_resolves_to_its_golden_values_and_fingerprint():

@@ -22,11 +22,14 @@ REPO = Path(__file__).resolve().parent.parent
 # ---------------------------------------------------------------- planning
 
 
-@pytest.mark.parametrize("old, new, micro", [
-    ("tpu7x-512", "tpu7x-128", (1, 4)),
-    ("tpu7x-128", "tpu7x-512", (4, 1)),
-    ("tpu7x-512", "v5p-256", (1, 4)),
-])
+@pytest.mark.parametrize(
+    "old, new, micro",
+    [
+        ("tpu7x-512", "tpu7x-128", (1, 4)),
+        ("tpu7x-128", "tpu7x-512", (4, 1)),
+        ("tpu7x-512", "v5p-256", (1, 4)),
+    ],
+)
 def test_plan_keeps_the_global_batch_and_recomputes_the_per_device_batch(old, new, micro):
     r = load_recipe("olmo3-7b-stage1")
     p = plan_resize(r, get_device(old), get_device(new), "s1", 3, 4)
@@ -54,12 +57,20 @@ def test_plan_refuses_what_would_change_the_run():
 
 
 def _kubeconfig(path: Path, url: str) -> str:
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "test",
-        "clusters": [{"name": "test", "cluster": {"server": url}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "u", "namespace": "default"}}],
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "test",
+                "clusters": [{"name": "test", "cluster": {"server": url}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [
+                    {"name": "test", "context": {"cluster": "test", "user": "u", "namespace": "default"}}
+                ],
+            }
+        )
+    )
     return str(path)
 
 
@@ -95,7 +106,17 @@ def gke(tmp_path, monkeypatch, srv, gcs):
     srv.cluster.run_pods(h.name)
     _commit(rd.path, 100)
     # No preflight: the 7B step's compile for each new slice is tests/test_preflight.py's.
-    args = ["--backend", "gke", "--run-root", root, "--image", "img:1", "--queue", "tpu-queue", "--no-preflight"]
+    args = [
+        "--backend",
+        "gke",
+        "--run-root",
+        root,
+        "--image",
+        "img:1",
+        "--queue",
+        "tpu-queue",
+        "--no-preflight",
+    ]
     yield srv, rd, be, args
 
 
@@ -107,8 +128,11 @@ def _cli(*argv: str) -> int:
 
 def _diff_lines(out: str, text: str) -> list[str]:
     """The changed lines of the printed manifest diff that mention `text`, indentation squeezed."""
-    return [f"{ln[0]} {ln[1:].strip()}" for ln in out.splitlines()
-            if ln[:1] in "+-" and not ln.startswith(("+++", "---")) and text in ln]
+    return [
+        f"{ln[0]} {ln[1:].strip()}"
+        for ln in out.splitlines()
+        if ln[:1] in "+-" and not ln.startswith(("+++", "---")) and text in ln
+    ]
 
 
 def _plan_annotation(js: dict) -> dict:
@@ -122,17 +146,29 @@ def test_gke_resize_renders_the_new_per_device_batch_and_then_the_v5p_manifest(g
     assert _cli("resize", "s1", "--device", "tpu7x-128", "-y", "--now", *args) == 0
     out = capsys.readouterr().out
     assert "per_device_batch      1 -> 4" in out and "global_batch          512 -> 512 (unchanged)" in out
-    assert _diff_lines(out, "olmo-ctl/device:") == ["- olmo-ctl/device: tpu7x-512", "+ olmo-ctl/device: tpu7x-128"]
-    assert "- olmo-ctl/plan: global_batch=512 per_device_batch=1 grad_accum=1 devices=512" in _diff_lines(out, "plan")
+    assert _diff_lines(out, "olmo-ctl/device:") == [
+        "- olmo-ctl/device: tpu7x-512",
+        "+ olmo-ctl/device: tpu7x-128",
+    ]
+    assert "- olmo-ctl/plan: global_batch=512 per_device_batch=1 grad_accum=1 devices=512" in _diff_lines(
+        out, "plan"
+    )
     assert srv.cluster.jobset_names() == ["s1-a2"]  # attempt 1 deleted (its pods got SIGTERM), then 2
     js = srv.cluster.jobset("s1-a2")
-    assert _plan_annotation(js) == {"global_batch": 512, "per_device_batch": 4, "grad_accum": 1, "devices": 128}
+    assert _plan_annotation(js) == {
+        "global_batch": 512,
+        "per_device_batch": 4,
+        "grad_accum": 1,
+        "devices": 128,
+    }
     node_sel = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["nodeSelector"]
     assert node_sel["cloud.google.com/gke-tpu-topology"] == "4x4x4"
     resized = [r for r in rd.journal() if r["event"] == "resized"]
     assert len(resized) == 1 and resized[0]["committed_step"] == 100
     assert resized[0]["old_plan"]["per_device_batch"] == 1 and resized[0]["new_plan"]["per_device_batch"] == 4
-    assert resized[0]["old_plan"]["tokens_per_step"] == resized[0]["new_plan"]["tokens_per_step"] == 512 * 8192
+    assert (
+        resized[0]["old_plan"]["tokens_per_step"] == resized[0]["new_plan"]["tokens_per_step"] == 512 * 8192
+    )
     assert rd.read_lease()["released"] is True  # resize held the run while it acted, then let go
 
     # A generation change is the same operation.
@@ -140,17 +176,27 @@ def test_gke_resize_renders_the_new_per_device_batch_and_then_the_v5p_manifest(g
     srv.cluster.run_pods("s1-a2")
     assert _cli("resize", "s1", "--device", "v5p-256", "-y", *args) == 0
     out = capsys.readouterr().out
-    assert _diff_lines(out, "gke-tpu-accelerator") == ["- cloud.google.com/gke-tpu-accelerator: tpu7x",
-                                                        "+ cloud.google.com/gke-tpu-accelerator: tpu-v5p-slice"]
+    assert _diff_lines(out, "gke-tpu-accelerator") == [
+        "- cloud.google.com/gke-tpu-accelerator: tpu7x",
+        "+ cloud.google.com/gke-tpu-accelerator: tpu-v5p-slice",
+    ]
     assert srv.cluster.jobset_names() == ["s1-a3"]
     js = srv.cluster.jobset("s1-a3")
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v5p-slice"
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "4x4x8"
     assert js["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 32
-    assert _plan_annotation(js) == {"global_batch": 512, "per_device_batch": 4, "grad_accum": 1, "devices": 128}
+    assert _plan_annotation(js) == {
+        "global_batch": 512,
+        "per_device_batch": 4,
+        "grad_accum": 1,
+        "devices": 128,
+    }
     assert [(r["attempt"], r["device"]) for r in rd.journal() if r["event"] == "submitted"] == [
-        (1, "tpu7x-512"), (2, "tpu7x-128"), (3, "v5p-256")]
+        (1, "tpu7x-512"),
+        (2, "tpu7x-128"),
+        (3, "v5p-256"),
+    ]
 
 
 @pytest.mark.gcs
@@ -266,8 +312,9 @@ def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_finishes_like_its_twin(tmp_pat
         monkeypatch.delenv(k)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     root = str(tmp_path / "runs")
-    recipe = load_recipe("smoke", overrides=[f"train.max_steps={FINAL}", "logging.metrics_every=1",
-                                             "logging.upload_every_s=1"])
+    recipe = load_recipe(
+        "smoke", overrides=[f"train.max_steps={FINAL}", "logging.metrics_every=1", "logging.upload_every_s=1"]
+    )
     be = LocalBackend(root)
     main, twin = RunDir.of(root, "rs"), RunDir.of(root, "rs-twin")
     for rd in (main, twin):
@@ -287,8 +334,13 @@ def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_finishes_like_its_twin(tmp_pat
 
     # Now `resume-until-done` takes the run over (it reattaches to attempt 2); the second resize is
     # recorded for it and it carries it out, then drives the run to its final step.
-    sup = Supervisor(main, LocalBackend(root), RetryPolicy(backoff_base_s=0.1), poll_s=0.1,
-                     printer=Printer("rs", stream=io.StringIO()))
+    sup = Supervisor(
+        main,
+        LocalBackend(root),
+        RetryPolicy(backoff_base_s=0.1),
+        poll_s=0.1,
+        printer=Printer("rs", stream=io.StringIO()),
+    )
     result: dict = {}
     t = _start(sup, result)
     _wait(lambda: _logged(be, h2) >= n1 + 4, "attempt 2 to log 4 steps")
@@ -303,20 +355,31 @@ def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_finishes_like_its_twin(tmp_pat
     assert result.get("rc") == 0, sup.out.stream.getvalue()
     assert main.committed_step() == FINAL and "committed step 24" in _log_text(be, h3)
     assert [r["event"] for r in main.journal() if r["event"] in ("resize_requested", "resized", "done")] == [
-        "resized", "resize_requested", "resized", "done"]
+        "resized",
+        "resize_requested",
+        "resized",
+        "done",
+    ]
     _wait(lambda: be.status(ht).state.terminal, "the twin to finish")
     assert be.status(ht).state.value == "succeeded" and twin.committed_step() == FINAL
 
     # Each attempt restored the previous one's last completed step and ran the same global batch.
-    assert f"restored checkpoint {n1}" in _log_text(be, h2) and f"restored checkpoint {n2}" in _log_text(be, h3)
+    assert f"restored checkpoint {n1}" in _log_text(be, h2) and f"restored checkpoint {n2}" in _log_text(
+        be, h3
+    )
     assert "per-device batch 2 x 1 accumulation" in _log_text(be, h1)
     assert "per-device batch 4 x 1 accumulation" in _log_text(be, h2)
     assert "per-device batch 2 x 1 accumulation" in _log_text(be, h3)
     resized = [r for r in main.journal() if r["event"] == "resized"]
     assert [(r["from_device"], r["device"], r["committed_step"]) for r in resized] == [
-        ("cpu-4", "cpu-2", n1), ("cpu-2", "cpu-4", n2)]
+        ("cpu-4", "cpu-2", n1),
+        ("cpu-2", "cpu-4", n2),
+    ]
     assert {(r["global_batch"], r["tokens_per_step"]) for r in resized} == {(8, 8 * 128)}
-    assert [(r["old_plan"]["per_device_batch"], r["new_plan"]["per_device_batch"]) for r in resized] == [(2, 4), (4, 2)]
+    assert [(r["old_plan"]["per_device_batch"], r["new_plan"]["per_device_batch"]) for r in resized] == [
+        (2, 4),
+        (4, 2),
+    ]
     tokens = _series(main.path, "throughput/total tokens")
     assert tokens == {s: float(s * 8 * 128) for s in range(1, FINAL + 1)}
 
@@ -328,8 +391,10 @@ def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_finishes_like_its_twin(tmp_pat
     assert all(ours[s] == ref[s] for s in range(1, n1 + 1))
     after = [abs(ours[s] - ref[s]) for s in range(n1 + 1, FINAL + 1)]
     shifted = [abs(ours[s] - ref[s - 1]) for s in range(n1 + 1, FINAL + 1)]  # as if one step were repeated
-    print(f"resized at steps {n1} and {n2}: max |CE - twin CE| after the first resize {max(after):.3g} "
-          f"(mean {sum(after) / len(after):.3g}); one step off would be at least {min(shifted):.3g}")
+    print(
+        f"resized at steps {n1} and {n2}: max |CE - twin CE| after the first resize {max(after):.3g} "
+        f"(mean {sum(after) / len(after):.3g}); one step off would be at least {min(shifted):.3g}"
+    )
     assert max(after) < 1e-3
     assert min(shifted) > 20 * max(after)
 
@@ -390,11 +455,27 @@ def supervised(tmp_path, monkeypatch, srv, gcs):
     fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
     be = GKEBackend(host=srv.url, settings=settings, retry=fast)
     out = io.StringIO()
-    sup = Supervisor(rd, be, RetryPolicy(backoff_base_s=0.1, backoff_cap_s=0.2), poll_s=0.1,
-                     printer=Printer(rd.name, stream=out))
+    sup = Supervisor(
+        rd,
+        be,
+        RetryPolicy(backoff_base_s=0.1, backoff_cap_s=0.2),
+        poll_s=0.1,
+        printer=Printer(rd.name, stream=out),
+    )
     result: dict = {}
-    args = ["-y", "--backend", "gke", "--run-root", root, "--image", "img:1", "--queue", "tpu-queue",
-            "--timeout", "60"]
+    args = [
+        "-y",
+        "--backend",
+        "gke",
+        "--run-root",
+        root,
+        "--image",
+        "img:1",
+        "--queue",
+        "tpu-queue",
+        "--timeout",
+        "60",
+    ]
     yield srv, rd, sup, result, overlaps, args, out
     stop.set()
 
@@ -409,17 +490,33 @@ def _start(sup, result):
 def test_running_supervisor_adopts_the_new_device_with_no_double_attempt(supervised, capsys):
     srv, rd, sup, result, overlaps, args, out = supervised
     t = _start(sup, result)
-    _wait(lambda: any(r["event"] == "running" and r["attempt"] == 1 for r in rd.journal()), "attempt 1 running", 30)
+    _wait(
+        lambda: any(r["event"] == "running" and r["attempt"] == 1 for r in rd.journal()),
+        "attempt 1 running",
+        30,
+    )
     _commit(rd.path, 60)
-    assert _cli("resize", "s1", "--device", "tpu7x-128", *args) == 0  # recorded, then carried out by the supervisor
+    assert (
+        _cli("resize", "s1", "--device", "tpu7x-128", *args) == 0
+    )  # recorded, then carried out by the supervisor
     printed = capsys.readouterr().out
     assert "a live supervisor drives this run" in printed and "per_device_batch      1 -> 4" in printed
     assert rd.pending_resize() is None
     js = srv.cluster.jobset("s1-a2")
-    assert _plan_annotation(js) == {"global_batch": 512, "per_device_batch": 4, "grad_accum": 1, "devices": 128}
+    assert _plan_annotation(js) == {
+        "global_batch": 512,
+        "per_device_batch": 4,
+        "grad_accum": 1,
+        "devices": 128,
+    }
 
     # A generation change through the supervisor: the same operation.
-    _wait(lambda: any(r["event"] == "running" and r["attempt"] == 2 for r in rd.journal()), "attempt 2 running", 30)
+    _wait(
+        lambda: any(r["event"] == "running" and r["attempt"] == 2 for r in rd.journal()),
+        "attempt 2 running",
+        30,
+    )
+
     def next_checkpoint() -> None:  # the next scheduled checkpoint, once the request is recorded
         _wait(lambda: sum(r["event"] == "resize_requested" for r in rd.journal()) == 2, "second request", 60)
         time.sleep(1.0)
@@ -427,7 +524,11 @@ def test_running_supervisor_adopts_the_new_device_with_no_double_attempt(supervi
 
     threading.Thread(target=next_checkpoint, daemon=True).start()
     assert _cli("resize", "s1", "--device", "v5p-256", "--at-next-checkpoint", *args) == 0
-    _wait(lambda: any(r["event"] == "running" and r["attempt"] == 3 for r in rd.journal()), "attempt 3 running", 30)
+    _wait(
+        lambda: any(r["event"] == "running" and r["attempt"] == 3 for r in rd.journal()),
+        "attempt 3 running",
+        30,
+    )
     _commit(rd.path, 200)
     srv.cluster.complete("s1-a3")
     t.join(30)
@@ -436,12 +537,17 @@ def test_running_supervisor_adopts_the_new_device_with_no_double_attempt(supervi
     assert overlaps == []  # every attempt was created only once the previous JobSet was gone
     j = rd.journal()
     assert [(r["attempt"], r["device"]) for r in j if r["event"] == "submitted"] == [
-        (1, "tpu7x-512"), (2, "tpu7x-128"), (3, "v5p-256")]
+        (1, "tpu7x-512"),
+        (2, "tpu7x-128"),
+        (3, "v5p-256"),
+    ]
     resized = [r for r in j if r["event"] == "resized"]
     requests = [r["request"] for r in j if r["event"] == "resize_requested"]
     assert [r["request"] for r in resized] == requests and len(requests) == 2
     assert [(r["from_device"], r["device"], r["committed_step"], r["mode"]) for r in resized] == [
-        ("tpu7x-512", "tpu7x-128", 60, "now"), ("tpu7x-128", "v5p-256", 80, "at-next-checkpoint")]
+        ("tpu7x-512", "tpu7x-128", 60, "now"),
+        ("tpu7x-128", "v5p-256", 80, "at-next-checkpoint"),
+    ]
     assert {r["tokens_per_step"] for r in resized} == {512 * 8192}
     assert [r["event"] for r in j if r["event"] in ("preempted", "failed", "backoff", "gave_up")] == []
     assert j[-1]["event"] == "done"
@@ -463,7 +569,9 @@ def test_a_request_recorded_between_attempts_moves_the_next_attempt(supervised):
     assert result.get("rc") == 0, out.getvalue()
     j = rd.journal()
     assert [(r["attempt"], r["device"]) for r in j if r["event"] == "submitted"] == [(1, "tpu7x-128")]
-    assert [(r["event"], r.get("from_device")) for r in j if r["event"] == "resized"] == [("resized", "tpu7x-512")]
+    assert [(r["event"], r.get("from_device")) for r in j if r["event"] == "resized"] == [
+        ("resized", "tpu7x-512")
+    ]
     assert srv.cluster.jobset("s1-a1")["metadata"]["labels"]["olmo-ctl/device"] == "tpu7x-128"
     assert overlaps == []
 
@@ -477,7 +585,9 @@ def test_supervisor_refuses_an_impossible_request_and_keeps_its_attempt(supervis
     _wait(lambda: any(r["event"] == "running" for r in rd.journal()), "attempt 1 running", 30)
     req = record_request(rd, "cpu-4", "now")  # a GKE run cannot move to a local device
     rec = wait_for_request(rd, req["id"], 30, poll_s=0.1)
-    assert rec["event"] == "resize_refused" and "one is a TPU slice, the other a local device" in rec["reason"], rec
+    assert (
+        rec["event"] == "resize_refused" and "one is a TPU slice, the other a local device" in rec["reason"]
+    ), rec
     assert rd.pending_resize() is None
     assert srv.cluster.jobset_names() == ["s1-a1"]
     assert not srv.cluster.jobset("s1-a1")["metadata"].get("deletionTimestamp")  # never stopped
@@ -515,24 +625,53 @@ def test_resize_asks_on_a_terminal_and_a_no_changes_nothing(tmp_path):
     rd = RunDir.of(root, "rq")
     r = load_recipe("smoke")
     rd.create_run(r.to_dict(), r.fingerprint(), "fp", "cpu-4")
-    rd.append("submitted", attempt=1, device="cpu-4", backend="local",
-              handle={"backend": "local", "name": "999999", "attempt": 1,
-                      "data": {"pid": 999999, "state_dir": rd.path, "run_dir": rd.path}})
+    rd.append(
+        "submitted",
+        attempt=1,
+        device="cpu-4",
+        backend="local",
+        handle={
+            "backend": "local",
+            "name": "999999",
+            "attempt": 1,
+            "data": {"pid": 999999, "state_dir": rd.path, "run_dir": rd.path},
+        },
+    )
     before = rd.journal()
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
     env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
-    p = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "resize", "rq", "--device", "cpu-2", "--backend", "local",
-                          "--run-root", root], stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env, cwd=REPO)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "olmo_ctl",
+            "resize",
+            "rq",
+            "--device",
+            "cpu-2",
+            "--backend",
+            "local",
+            "--run-root",
+            root,
+        ],
+        stdin=slave,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
     os.close(slave)
     os.write(master, b"n\n")
     out, err = p.communicate(timeout=60)
     os.close(master)
     assert p.returncode == 130, err
     assert "per_device_batch      2 -> 4" in out
-    assert _diff_lines(out, "XLA_FLAGS") == ["- XLA_FLAGS: --xla_force_host_platform_device_count=4",
-                                             "+ XLA_FLAGS: --xla_force_host_platform_device_count=2"]
+    assert _diff_lines(out, "XLA_FLAGS") == [
+        "- XLA_FLAGS: --xla_force_host_platform_device_count=4",
+        "+ XLA_FLAGS: --xla_force_host_platform_device_count=2",
+    ]
     assert "not resized; nothing changed" in err
     assert rd.journal() == before and rd.read_lease() is None
 
@@ -546,8 +685,13 @@ def test_gke_resize_to_two_slices_and_back_keeps_the_batch_and_records_the_slice
     assert "slices                1 -> 2" in out and "global_batch          512 -> 512 (unchanged)" in out
     js = srv.cluster.jobset("s1-a2")
     assert js["spec"]["replicatedJobs"][0]["replicas"] == 2
-    assert _plan_annotation(js) == {"global_batch": 512, "per_device_batch": 2, "grad_accum": 1, "devices": 256,
-                                    "slices": 2}
+    assert _plan_annotation(js) == {
+        "global_batch": 512,
+        "per_device_batch": 2,
+        "grad_accum": 1,
+        "devices": 256,
+        "slices": 2,
+    }
     resized = [r for r in rd.journal() if r["event"] == "resized"][-1]
     assert (resized["from_slices"], resized["slices"]) == (1, 2)
     # the same device and slice count is no resize; without --slices the run keeps its own count
@@ -558,5 +702,6 @@ def test_gke_resize_to_two_slices_and_back_keeps_the_batch_and_records_the_slice
     assert "attempt 3 on 2 x tpu7x-256" in capsys.readouterr().out
     assert _cli("resize", "s1", "--device", "tpu7x-256", "--slices", "1", "-y", *args) == 0
     assert srv.cluster.jobset("s1-a4")["spec"]["replicatedJobs"][0]["replicas"] == 1
-    assert [(r["attempt"], r["device"], r.get("slices")) for r in rd.journal() if r["event"] == "submitted"] == [
-        (1, "tpu7x-512", None), (2, "tpu7x-128", 2), (3, "tpu7x-256", 2), (4, "tpu7x-256", 1)]
+    assert [
+        (r["attempt"], r["device"], r.get("slices")) for r in rd.journal() if r["event"] == "submitted"
+    ] == [(1, "tpu7x-512", None), (2, "tpu7x-128", 2), (3, "tpu7x-256", 2), (4, "tpu7x-256", 1)]

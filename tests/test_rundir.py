@@ -84,7 +84,9 @@ def test_concurrent_journal_appends_lose_nothing(rd):
     [t.start() for t in ts]
     [t.join() for t in ts]
     j = rd.journal()
-    assert sorted((r["attempt"], r["reason"]) for r in j) == sorted((k, str(i)) for k in range(3) for i in range(6))
+    assert sorted((r["attempt"], r["reason"]) for r in j) == sorted(
+        (k, str(i)) for k in range(3) for i in range(6)
+    )
 
 
 def test_committed_steps_ignore_tmp_and_partial(rd):
@@ -153,8 +155,9 @@ def test_lease_one_holder_and_takeover_after_expiry(rd):
     # Past the TTL since the last heartbeat (by our clock), the lease is watched for a whole TTL of our
     # own monotonic clock before it is taken: its generation must not change meanwhile.
     clock = [0.0]
-    new = rd.acquire_lease(ttl_s=60, now=1100.0, monotonic=lambda: clock[0],
-                           sleep=lambda s: clock.__setitem__(0, clock[0] + s))
+    new = rd.acquire_lease(
+        ttl_s=60, now=1100.0, monotonic=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s)
+    )
     assert clock[0] >= 60 and new.epoch == 2
     rd.heartbeat(new, now=1101.0)
     rd.release_lease(new, now=1102.0)
@@ -216,7 +219,9 @@ def test_run_name_is_checked(tmp_path):
         RunDir.of(str(tmp_path), "Bad_Name")
 
 
-@pytest.mark.parametrize("content", [b"\x00\xff\xfe binary", b"recipe: [unclosed\n", b"- a list\n", b"recipe: 3\n"])
+@pytest.mark.parametrize(
+    "content", [b"\x00\xff\xfe binary", b"recipe: [unclosed\n", b"- a list\n", b"recipe: 3\n"]
+)
 def test_a_garbage_run_yaml_is_bad_input_naming_the_file(tmp_path, content):
     rd = RunDir(str(tmp_path / "r"))
     (tmp_path / "r").mkdir()
@@ -252,7 +257,7 @@ def test_the_dead_holder_shortcut_needs_the_same_boot(tmp_path):
     could hold it; the shortcut applies only under the same boot id."""
     from olmo_ctl.rundir import _holder_process_dead, boot_id
 
-    gone = {"process": {"host": socket.gethostname(), "pid": 2 ** 22 + 12345, "boot_id": boot_id()}}
+    gone = {"process": {"host": socket.gethostname(), "pid": 2**22 + 12345, "boot_id": boot_id()}}
     assert _holder_process_dead(gone)
     assert not _holder_process_dead({"process": {**gone["process"], "boot_id": "another-boot"}})
     assert not _holder_process_dead({"process": {**gone["process"], "boot_id": None}})

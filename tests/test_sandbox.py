@@ -32,14 +32,21 @@ def tpu_jobset(name: str, priority: str | None = None) -> dict:
     if priority:
         js["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] = priority
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-    pod["nodeSelector"] = {"cloud.google.com/gke-tpu-accelerator": "tpu7x",
-                           "cloud.google.com/gke-tpu-topology": "4x4x4"}
-    pod["containers"][0]["resources"] = {"requests": {"google.com/tpu": "4"}, "limits": {"google.com/tpu": "4"}}
+    pod["nodeSelector"] = {
+        "cloud.google.com/gke-tpu-accelerator": "tpu7x",
+        "cloud.google.com/gke-tpu-topology": "4x4x4",
+    }
+    pod["containers"][0]["resources"] = {
+        "requests": {"google.com/tpu": "4"},
+        "limits": {"google.com/tpu": "4"},
+    }
     return js
 
 
 def test_kueue_is_configured_as_xpk_configures_it():
-    sb = Sandbox(slices=parse_slices(["tpu7x-128=2", "v5p-256"]), priority_classes=parse_priority_classes(["high"]))
+    sb = Sandbox(
+        slices=parse_slices(["tpu7x-128=2", "v5p-256"]), priority_classes=parse_priority_classes(["high"])
+    )
     w = sb.world
     cq = w.get("ClusterQueue", "", "cluster-queue")
     assert cq["spec"]["preemption"] == {"reclaimWithinCohort": "Never", "withinClusterQueue": "LowerPriority"}
@@ -48,13 +55,21 @@ def test_kueue_is_configured_as_xpk_configures_it():
     assert group["coveredResources"] == ["google.com/tpu"]
     assert {f["name"]: f["resources"] for f in group["flavors"]} == {
         "2xtpu7x-128": [{"name": "google.com/tpu", "nominalQuota": "128"}],
-        "1xv5p-256": [{"name": "google.com/tpu", "nominalQuota": "128"}]}
+        "1xv5p-256": [{"name": "google.com/tpu", "nominalQuota": "128"}],
+    }
     assert w.get("ResourceFlavor", "", "1xv5p-256")["spec"]["nodeLabels"] == {
-        "cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice", "cloud.google.com/gke-tpu-topology": "4x4x8"}
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+        "cloud.google.com/gke-tpu-topology": "4x4x8",
+    }
     assert w.get("LocalQueue", "default", "multislice-queue")["spec"]["clusterQueue"] == "cluster-queue"
     assert w.get("WorkloadPriorityClass", "", "high")["value"] == 750
     assert {p["metadata"]["name"]: p["value"] for p in w.items("PriorityClass", None)} == {
-        "very-low": 100, "low": 250, "medium": 500, "high": 750, "very-high": 1000}
+        "very-low": 100,
+        "low": 250,
+        "medium": 500,
+        "high": 750,
+        "very-high": 1000,
+    }
     assert len(w.items("Node", None)) == 2 * 16 + 32
 
 
@@ -78,15 +93,26 @@ def test_applied_objects_take_part_in_admission_and_preemption():
 
     with Sandbox(slices={"tpu7x-128": 1}) as sb:
         api = client.CustomObjectsApi(make_api_client(host=sb.url))
-        api.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", "default", "jobsets", tpu_jobset("ours"))
+        api.create_namespaced_custom_object(
+            "jobset.x-k8s.io", "v1alpha2", "default", "jobsets", tpu_jobset("ours")
+        )
         c = sb.server.cluster
         assert kueue.is_admitted(c.workload("ours"))
         assert all(p["status"]["phase"] == "Running" for p in c.pods("ours")) and len(c.pods("ours")) == 16
-        api.create_cluster_custom_object("kueue.x-k8s.io", "v1beta1", "workloadpriorityclasses", {
-            "apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "WorkloadPriorityClass",
-            "metadata": {"name": "urgent"}, "value": 10000})
-        api.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", "default", "jobsets",
-                                            tpu_jobset("theirs", priority="urgent"))
+        api.create_cluster_custom_object(
+            "kueue.x-k8s.io",
+            "v1beta1",
+            "workloadpriorityclasses",
+            {
+                "apiVersion": "kueue.x-k8s.io/v1beta1",
+                "kind": "WorkloadPriorityClass",
+                "metadata": {"name": "urgent"},
+                "value": 10000,
+            },
+        )
+        api.create_namespaced_custom_object(
+            "jobset.x-k8s.io", "v1alpha2", "default", "jobsets", tpu_jobset("theirs", priority="urgent")
+        )
         ours, theirs = c.workload("ours"), c.workload("theirs")
         assert kueue.find_cond(ours, "Evicted")["reason"] == "Preempted"
         assert kueue.find_cond(ours, "Requeued")["status"] == "True"
@@ -98,10 +124,20 @@ def test_applied_objects_take_part_in_admission_and_preemption():
 def test_a_pod_with_no_fitting_node_is_unschedulable():
     with Sandbox(slices={"tpu7x-128": 1}) as sb:
         sb.world.add_quota("cluster-queue", "1xtpu7x-128", "google.com/tpu", 64)  # quota without nodes
-        sb.server.api.create(sb.server.store.resources[("jobset.x-k8s.io", "jobsets")], "v1alpha2", "default",
-                             tpu_jobset("a"), {})
-        sb.server.api.create(sb.server.store.resources[("jobset.x-k8s.io", "jobsets")], "v1alpha2", "default",
-                             tpu_jobset("b"), {})
+        sb.server.api.create(
+            sb.server.store.resources[("jobset.x-k8s.io", "jobsets")],
+            "v1alpha2",
+            "default",
+            tpu_jobset("a"),
+            {},
+        )
+        sb.server.api.create(
+            sb.server.store.resources[("jobset.x-k8s.io", "jobsets")],
+            "v1alpha2",
+            "default",
+            tpu_jobset("b"),
+            {},
+        )
         sb.world.reconcile()
         pods = sb.server.cluster.pods("b")
         assert len(pods) == 16 and all(p["spec"].get("nodeName") is None for p in pods)
@@ -113,8 +149,11 @@ def test_a_pod_with_no_fitting_node_is_unschedulable():
 
 
 KUBECTL = shutil.which("kubectl")
-needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not on the PATH (it ships with the Google "
-                                                           "Cloud CLI); the API features it needs are still served")
+needs_kubectl = pytest.mark.skipif(
+    KUBECTL is None,
+    reason="kubectl is not on the PATH (it ships with the Google "
+    "Cloud CLI); the API features it needs are still served",
+)
 
 
 @pytest.fixture(scope="module")
@@ -122,20 +161,51 @@ def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("kubectl")
     kc = d / "kubeconfig"
     # The scripted kubelet: pods stay Running without a program (a stage-1 trainer cannot run here).
-    p = start_subprocess(kc, "--slices", "tpu7x-128=1", "--no-run-pods", env={**os.environ, "PYTHONPATH": str(ROOT)})
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "KUBECONFIG": str(kc), "HOME": str(d), "XDG_CONFIG_HOME": str(d)}
+    p = start_subprocess(
+        kc, "--slices", "tpu7x-128=1", "--no-run-pods", env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "KUBECONFIG": str(kc),
+        "HOME": str(d),
+        "XDG_CONFIG_HOME": str(d),
+    }
     manifest = d / "jobset.yaml"
-    r = subprocess.run([sys.executable, "-m", "olmo_ctl", "submit", "--stage", "1", "--device", "tpu7x-128",
-                        "--run", "kc", "--dry-run", "--run-root", "gs://b/runs", "--image", IMAGE,
-                        "--output-manifest", str(manifest)], env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "olmo_ctl",
+            "submit",
+            "--stage",
+            "1",
+            "--device",
+            "tpu7x-128",
+            "--run",
+            "kc",
+            "--dry-run",
+            "--run-root",
+            "gs://b/runs",
+            "--image",
+            IMAGE,
+            "--output-manifest",
+            str(manifest),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     yield env, manifest
     stop_subprocess(p)
 
 
 def kubectl(env: dict, *args: str, ok: bool = True) -> str:
-    p = subprocess.run([KUBECTL, "--request-timeout=20s", *args], env=env, capture_output=True, text=True,
-                       timeout=60)
+    p = subprocess.run(
+        [KUBECTL, "--request-timeout=20s", *args], env=env, capture_output=True, text=True, timeout=60
+    )
     if ok:
         assert p.returncode == 0, f"kubectl {' '.join(args)}: {p.stderr}"
     return p.stdout + p.stderr
@@ -146,21 +216,34 @@ def test_kubectl_applies_gets_describes_and_deletes_a_rendered_jobset(served):
     env, manifest = served
     assert "jobset.jobset.x-k8s.io/kc-a1 created" in kubectl(env, "apply", "-f", str(manifest))
     table = kubectl(env, "get", "jobsets")
-    assert table.split("\n")[0].split() == ["NAME", "TERMINALSTATE", "RESTARTS", "COMPLETED", "SUSPENDED", "AGE"]
+    assert table.split("\n")[0].split() == [
+        "NAME",
+        "TERMINALSTATE",
+        "RESTARTS",
+        "COMPLETED",
+        "SUSPENDED",
+        "AGE",
+    ]
     assert table.split("\n")[1].split()[:3] == ["kc-a1", "0", "false"]  # printer columns from the CRD
     wl = kubectl(env, "get", "workloads").split("\n")
-    assert wl[0].split()[:4] == ["NAME", "QUEUE", "RESERVED", "IN"] and "multislice-queue" in wl[1] and "True" in wl[1]
+    assert (
+        wl[0].split()[:4] == ["NAME", "QUEUE", "RESERVED", "IN"]
+        and "multislice-queue" in wl[1]
+        and "True" in wl[1]
+    )
     pods = [line.split() for line in kubectl(env, "get", "pods").strip().split("\n")[1:]]
     assert len(pods) == 16 and all(p[1:3] == ["1/1", "Running"] for p in pods)
-    events = json.loads(kubectl(env, "get", "events", "--field-selector", "involvedObject.kind=JobSet",
-                                "-o", "json"))["items"]
+    events = json.loads(
+        kubectl(env, "get", "events", "--field-selector", "involvedObject.kind=JobSet", "-o", "json")
+    )["items"]
     assert {e["reason"] for e in events} >= {"CreatedWorkload", "Started"}
     assert {e["involvedObject"]["kind"] for e in events} == {"JobSet"}
     assert "Created Workload: default/jobset-kc-a1-" in kubectl(env, "get", "events")
     described = kubectl(env, "describe", "jobset", "kc-a1")
     assert "Events:" in described and "CreatedWorkload" in described and "olmo-ctl/run=kc" in described
     assert "configured" in kubectl(env, "apply", "-f", str(manifest)) or "unchanged" in kubectl(
-        env, "apply", "-f", str(manifest))
+        env, "apply", "-f", str(manifest)
+    )
     kubectl(env, "logs", pods[0][0])
     assert "yes" in kubectl(env, "auth", "can-i", "create", "jobsets.jobset.x-k8s.io")
     assert 'jobset.jobset.x-k8s.io "kc-a1" deleted' in kubectl(env, "delete", "jobset", "kc-a1")

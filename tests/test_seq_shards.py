@@ -18,7 +18,9 @@ from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import load_recipe
 
 
-@pytest.mark.parametrize("stage,device", [(3, "tpu7x-128"), (3, "v5p-256"), (1, "tpu7x-1024"), (2, "tpu7x-512")])
+@pytest.mark.parametrize(
+    "stage,device", [(3, "tpu7x-128"), (3, "v5p-256"), (1, "tpu7x-1024"), (2, "tpu7x-512")]
+)
 def test_plan_shards_sequences_when_devices_outnumber_instances(stage, device):
     r = load_recipe(stage=stage)
     p = batching.make_plan(r, get_device(device))
@@ -50,8 +52,15 @@ def _sharded_step_against_unsharded(impl: str, shards: tuple[int, ...]) -> dict:
     from olmo_ctl.trainer import step as ST
 
     assert jax.device_count() >= 8, "needs 8 host devices (tests/conftest.py sets jax_num_cpu_devices)"
-    r = load_recipe("smoke", overrides=["train.seq_len=64", "train.global_batch=8", "model.sliding_window=16",
-                                         f"model.attention={impl}"])
+    r = load_recipe(
+        "smoke",
+        overrides=[
+            "train.seq_len=64",
+            "train.global_batch=8",
+            "model.sliding_window=16",
+            f"model.attention={impl}",
+        ],
+    )
     cfg = r.model
     params = M.init_params(cfg, jax.random.PRNGKey(0))
     rng = np.random.default_rng(0)
@@ -82,9 +91,12 @@ def _sharded_step_against_unsharded(impl: str, shards: tuple[int, ...]) -> dict:
         out[s] = {
             "mesh": dict(mesh.shape),
             "ids_shard": list(batch["input_ids"].addressable_shards[0].data.shape),
-            "ce": [want_m["ce"], got_m["ce"]], "gn": [want_m["grad_norm"], got_m["grad_norm"]],
-            "grad_rel_diff": max(float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)) for a, b in
-                                 zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p), strict=True)),
+            "ce": [want_m["ce"], got_m["ce"]],
+            "gn": [want_m["grad_norm"], got_m["grad_norm"]],
+            "grad_rel_diff": max(
+                float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+                for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(want_p), strict=True)
+            ),
         }
     return out
 
@@ -108,8 +120,9 @@ def _tiny():
 
     from olmo_ctl.trainer import model as M
 
-    cfg = load_recipe("smoke", overrides=["train.seq_len=64", "model.sliding_window=16",
-                                          "model.compute_dtype=float32"]).model
+    cfg = load_recipe(
+        "smoke", overrides=["train.seq_len=64", "model.sliding_window=16", "model.compute_dtype=float32"]
+    ).model
     return cfg, M.init_params(cfg, jax.random.PRNGKey(3))
 
 
@@ -128,8 +141,13 @@ def test_attention_never_crosses_a_document(impl):
     seg = segment_ids(packed, eos)
     changed = packed.copy()
     changed[21:29] = rng.integers(0, 256, 8)  # the second document's tokens
-    logits = M.forward(params, jnp.asarray(np.stack([packed, changed])), cfg, attention=impl,
-                       segment_ids=jnp.asarray(np.stack([seg, seg])))
+    logits = M.forward(
+        params,
+        jnp.asarray(np.stack([packed, changed])),
+        cfg,
+        attention=impl,
+        segment_ids=jnp.asarray(np.stack([seg, seg])),
+    )
     a, b = np.asarray(logits[0]), np.asarray(logits[1])
     first, third = slice(0, 21), slice(31, 62)
     assert np.array_equal(a[first], b[first]) and np.array_equal(a[third], b[third])
@@ -138,15 +156,23 @@ def test_attention_never_crosses_a_document(impl):
     start = 0
     for d in docs:
         alone = np.asarray(M.forward(params, jnp.asarray(d[None]), cfg, attention=impl))[0]
-        np.testing.assert_allclose(a[start:start + len(d)], alone, atol=2e-4, rtol=0)
+        np.testing.assert_allclose(a[start : start + len(d)], alone, atol=2e-4, rtol=0)
         start += len(d)
     # without segment ids the third document does see the others
     plain = np.asarray(M.forward(params, jnp.asarray(packed[None]), cfg, attention=impl))[0]
     assert np.abs(plain[third] - a[third]).max() > 1e-3
 
 
-PACKED = ("--set", "data.packed=true", "--set", "data.source_group_size=2", "--set", "checkpoint.interval=3",
-          "--set", "eval.interval=3")
+PACKED = (
+    "--set",
+    "data.packed=true",
+    "--set",
+    "data.source_group_size=2",
+    "--set",
+    "checkpoint.interval=3",
+    "--set",
+    "eval.interval=3",
+)
 
 
 def test_local_run_with_seq_shards_trains_resumes_bitwise_and_matches_unsharded(tmp_path):

@@ -64,8 +64,10 @@ def _fsdp_and_hybrid_on_4_devices() -> dict:
         out[kind] = {
             "mesh": dict(mesh.shape),
             "loss_diff": abs(float(got_loss - want_loss)),
-            "grad_diff": max(float(jnp.max(jnp.abs(a - b))) for a, b in
-                             zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad), strict=True)),
+            "grad_diff": max(
+                float(jnp.max(jnp.abs(a - b)))
+                for a, b in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad), strict=True)
+            ),
             "embed_shards": len({str(s.index) for s in p["embed"].addressable_shards}),
             "w1_shard_shape": list(p["blocks"]["mlp"]["w1"].addressable_shards[0].data.shape),
             "tokens_shard_shape": list(t.addressable_shards[0].data.shape),
@@ -83,7 +85,9 @@ def _fsdp_and_hybrid_on_4_devices() -> dict:
     out["activation_all_reduces"] = len(re.findall(r"\S+" + re.escape(act) + r"\S* all-reduce\(", hlo))
     out["all_gathers"] = len(re.findall(r" all-gather\(", hlo))
     hlo = jax.jit(jax.grad(loss)).lower(p, t).compile().as_text()
-    out["activation_all_reduces_without_mesh"] = len(re.findall(r"\S+" + re.escape(act) + r"\S* all-reduce\(", hlo))
+    out["activation_all_reduces_without_mesh"] = len(
+        re.findall(r"\S+" + re.escape(act) + r"\S* all-reduce\(", hlo)
+    )
     return out
 
 
@@ -137,9 +141,11 @@ def test_multislice_puts_the_slices_on_the_outer_data_axis():
     # no slice_index (CPU): N equal consecutive groups
     grid = S.multislice_devices([_Dev(i) for i in range(8)], "fsdp", 1, 2)
     assert [[d.id for d in row] for row in grid] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    for bad, why in (([_Dev(i, i % 3) for i in range(6)], "slice_index"),
-                     ([_Dev(i, 0 if i < 5 else 1) for i in range(8)], "unequal"),
-                     ([_Dev(i) for i in range(7)], "do not split")):
+    for bad, why in (
+        ([_Dev(i, i % 3) for i in range(6)], "slice_index"),
+        ([_Dev(i, 0 if i < 5 else 1) for i in range(8)], "unequal"),
+        ([_Dev(i) for i in range(7)], "do not split"),
+    ):
         try:
             S.multislice_devices(bad, "fsdp", 1, 2)
         except ValueError as e:
@@ -171,8 +177,12 @@ def test_multislice_mesh_on_a_real_two_slice_tpu_topology():
                          "batch": S.batch_sharding(m).shard_shape((32, 8))[0]}
         print(json.dumps(out))
     """)
-    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_WORKER_HOSTNAMES": "localhost",
-           "TPU_ACCELERATOR_TYPE": "v5p-16"}
+    env = {
+        **os.environ,
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_ACCELERATOR_TYPE": "v5p-16",
+    }
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])

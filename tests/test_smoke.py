@@ -25,8 +25,14 @@ def _smoke(tmp_path: Path, *args: str, fault: str | None = None, timeout: int = 
     env["XDG_CONFIG_HOME"] = str(tmp_path / "config")  # no site config file leaks in
     if fault:
         env["OLMO_CTL_SMOKE_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "olmo_ctl", "smoke", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "olmo_ctl", "smoke", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=timeout,
+    )
 
 
 def _cases(path: Path) -> dict[str, ET.Element]:
@@ -45,8 +51,18 @@ def _failed(case: ET.Element) -> bool:
 def test_smoke_local_passes_and_writes_one_junit_case_per_check(tmp_path):
     junit = tmp_path / "smoke.xml"
     root = tmp_path / "runs"
-    p = _smoke(tmp_path, "--backend", "local", "--device", "cpu-1", "--junit", str(junit), "--json",
-               "--run-root", str(root))
+    p = _smoke(
+        tmp_path,
+        "--backend",
+        "local",
+        "--device",
+        "cpu-1",
+        "--junit",
+        str(junit),
+        "--json",
+        "--run-root",
+        str(root),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     cases = _cases(junit)
     assert not [n for n, c in cases.items() if _failed(c)]
@@ -56,8 +72,14 @@ def test_smoke_local_passes_and_writes_one_junit_case_per_check(tmp_path):
     assert facts["global_batch"] == 8 and facts["tokens_per_step"] == 8 * 128
     n, f = facts["stopped_at_step"], facts["final_step"]
     assert 5 <= n < f == n + 6
-    for line in ("PASS loss_fell", "PASS checkpoint_committed", "PASS forced_stop", "PASS resume_exact",
-                 "PASS events_readable", "all 5 checks passed"):
+    for line in (
+        "PASS loss_fell",
+        "PASS checkpoint_committed",
+        "PASS forced_stop",
+        "PASS resume_exact",
+        "PASS events_readable",
+        "all 5 checks passed",
+    ):
         assert line in p.stderr
     # The run directories hold what the report claims: the forced-stop and final checkpoints, and a
     # journal whose attempt 1 was preempted and attempt 2 succeeded.
@@ -73,7 +95,9 @@ def test_smoke_local_passes_and_writes_one_junit_case_per_check(tmp_path):
 def test_broken_trainer_and_inexact_resume_fail_the_named_checks(tmp_path):
     """A learning rate of 1e-9 (the loss cannot fall) and a resume one batch off: exit 1 naming both."""
     junit = tmp_path / "smoke.xml"
-    p = _smoke(tmp_path, "--backend", "local", "--device", "cpu-1", "--junit", str(junit), fault="lr,data-shift")
+    p = _smoke(
+        tmp_path, "--backend", "local", "--device", "cpu-1", "--junit", str(junit), fault="lr,data-shift"
+    )
     assert p.returncode == 1, p.stderr[-3000:]
     assert "FAIL loss_fell" in p.stderr and "FAIL resume_exact" in p.stderr
     assert "FAILED loss_fell, resume_exact" in p.stderr
@@ -86,8 +110,20 @@ def test_broken_trainer_and_inexact_resume_fail_the_named_checks(tmp_path):
 def test_timeout_exits_124_and_leaves_no_trainer_running(tmp_path):
     junit = tmp_path / "smoke.xml"
     root = tmp_path / "runs"
-    p = _smoke(tmp_path, "--backend", "local", "--device", "cpu-1", "--timeout", "1", "--junit", str(junit),
-               "--run-root", str(root), timeout=120)
+    p = _smoke(
+        tmp_path,
+        "--backend",
+        "local",
+        "--device",
+        "cpu-1",
+        "--timeout",
+        "1",
+        "--junit",
+        str(junit),
+        "--run-root",
+        str(root),
+        timeout=120,
+    )
     assert p.returncode == 124, p.stderr[-3000:]
     assert "TIMED OUT" in p.stderr
     cases = _cases(junit)
@@ -96,14 +132,20 @@ def test_timeout_exits_124_and_leaves_no_trainer_running(tmp_path):
     assert attempt_files
     for af in attempt_files:
         pid = json.loads(af.read_text())["pid"]
-        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
+        )
 
 
-@pytest.mark.parametrize("args, text", [
-    (("--backend", "local", "--device", "cpu-3"), "cannot be split exactly over the 3 devices"),
-    (("--backend", "local", "--device", "v5p-8"), "is a TPU slice"),
-    (("--backend", "gke", "--device", "cpu-1"), "is a local device"),
-])
+@pytest.mark.parametrize(
+    "args, text",
+    [
+        (("--backend", "local", "--device", "cpu-3"), "cannot be split exactly over the 3 devices"),
+        (("--backend", "local", "--device", "v5p-8"), "is a TPU slice"),
+        (("--backend", "gke", "--device", "cpu-1"), "is a local device"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(tmp_path, args, text):
     p = _smoke(tmp_path, *args, timeout=60)
     assert p.returncode == 2, p.stderr
@@ -112,14 +154,21 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, text):
 
 
 def test_junit_marks_failures_and_timeouts():
-    rep = SmokeReport("cpu-1", "local", ["/r"], [CheckResult(c, c != "resume_exact", f"msg {c}") for c in CHECKS])
+    rep = SmokeReport(
+        "cpu-1", "local", ["/r"], [CheckResult(c, c != "resume_exact", f"msg {c}") for c in CHECKS]
+    )
     suite = ET.fromstring(junit_xml(rep).split("\n", 1)[1])
     assert suite.get("failures") == "1" and suite.get("errors") == "0"
     bad = [c for c in suite.findall("testcase") if c.find("failure") is not None]
     assert [c.get("name") for c in bad] == ["resume_exact"]
     assert bad[0].find("failure").get("message") == "msg resume_exact"
-    rep = SmokeReport("cpu-1", "local", ["/r"], [CheckResult(c, False, "timed out after 3 s") for c in CHECKS],
-                      timed_out=True)
+    rep = SmokeReport(
+        "cpu-1",
+        "local",
+        ["/r"],
+        [CheckResult(c, False, "timed out after 3 s") for c in CHECKS],
+        timed_out=True,
+    )
     suite = ET.fromstring(junit_xml(rep).split("\n", 1)[1])
     assert suite.get("errors") == str(len(CHECKS)) and suite.get("failures") == "0"
     assert rep.exit_code == 124
@@ -138,7 +187,9 @@ class _Kubelet:
         self.procs: dict = {}
         self.stop = threading.Event()
         srv.cluster.hold_deletions = True
-        srv.cluster.on_create(lambda name: threading.Thread(target=self._run, args=(name,), daemon=True).start())
+        srv.cluster.on_create(
+            lambda name: threading.Thread(target=self._run, args=(name,), daemon=True).start()
+        )
         threading.Thread(target=self._watch_deletions, daemon=True).start()
 
     def _run(self, name: str) -> None:
@@ -147,9 +198,15 @@ class _Kubelet:
         c.run_pods(name)
         pod = c.jobset(name)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
         cmd = [sys.executable if a == "python" else a for a in pod["containers"][0]["command"]]
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={self.chips}")
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            PYTHONUNBUFFERED="1",
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={self.chips}",
+        )
+        p = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO
+        )
         self.procs[name] = p
         for line in p.stdout:
             c.log(name, 0, [line.rstrip("\n")])
@@ -166,7 +223,12 @@ class _Kubelet:
         while not self.stop.is_set():
             for name, p in list(self.procs.items()):
                 js = self.srv.cluster.jobset(name)
-                if name not in signalled and js and js["metadata"].get("deletionTimestamp") and p.poll() is None:
+                if (
+                    name not in signalled
+                    and js
+                    and js["metadata"].get("deletionTimestamp")
+                    and p.poll() is None
+                ):
                     p.send_signal(signal.SIGTERM)
                     signalled.add(name)
             time.sleep(0.1)
@@ -194,7 +256,9 @@ def test_gke_smoke_on_v5p_8_against_the_test_cluster_and_gcs(tmp_path, srv, gcs)
     try:
         root = f"gs://{bucket}/smoke"
         settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
-        fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+        fast = KubeRetryPolicy(
+            base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0
+        )
         be = GKEBackend(host=srv.url, settings=settings, retry=fast)
         report = run_smoke(be, root, SmokeConfig("v5p-8", poll_s=0.2), timeout_s=400, log=print)
     finally:
@@ -203,4 +267,5 @@ def test_gke_smoke_on_v5p_8_against_the_test_cluster_and_gcs(tmp_path, srv, gcs)
     assert report.exit_code == 0, report.summary_lines()
     assert report.facts["per_device_batch"] == 2 and report.facts["global_batch"] == 8
     assert [(n, p) for k, n, p in srv.cluster.deleted if k == "JobSet"] == [
-        (report.run_dirs[0].rsplit("/", 1)[1] + "-a1", "Foreground")]  # only the forced stop deleted
+        (report.run_dirs[0].rsplit("/", 1)[1] + "-a1", "Foreground")
+    ]  # only the forced stop deleted

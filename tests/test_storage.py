@@ -16,10 +16,14 @@ def root(request, tmp_path):
 
 def test_write_read_conditional_write_and_find(root):
     st = storage.store_for(root)
-    for name in ("checkpoints/10/commit_success.txt", "checkpoints/20/commit_success.txt",
-                 "checkpoints/20/state/x", "checkpoints/30.orbax-checkpoint-tmp-1/commit_success.txt",
-                 "tensorboard/events.out.tfevents.0000000100.h.a0001.s00000",
-                 "tensorboard/events.out.tfevents.0000000200.h.a0002.s00000"):
+    for name in (
+        "checkpoints/10/commit_success.txt",
+        "checkpoints/20/commit_success.txt",
+        "checkpoints/20/state/x",
+        "checkpoints/30.orbax-checkpoint-tmp-1/commit_success.txt",
+        "tensorboard/events.out.tfevents.0000000100.h.a0001.s00000",
+        "tensorboard/events.out.tfevents.0000000200.h.a0002.s00000",
+    ):
         st.write_bytes(storage.join(root, name), b"x" * 3)
 
     found = st.find(storage.join(root, "checkpoints"), match_glob="*/commit_success.txt")

@@ -44,23 +44,50 @@ def sandbox(clean_env, monkeypatch, gcs):
 
 def test_resume_until_done_on_the_local_backend_refuses_a_tpu_device_with_nothing_written(clean_env, capsys):
     root = clean_env / "runs"
-    rc = _cli("resume-until-done", "--recipe", "smoke", "--device", "tpu7x-128", "--backend", "local",
-              "--run", "x1", "--run-root", str(root))
+    rc = _cli(
+        "resume-until-done",
+        "--recipe",
+        "smoke",
+        "--device",
+        "tpu7x-128",
+        "--backend",
+        "local",
+        "--run",
+        "x1",
+        "--run-root",
+        str(root),
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "`tpu7x-128` is a TPU slice; the local backend runs cpu-N or gpu-N" in err
     assert not root.exists()
 
 
-@pytest.mark.parametrize("device,why", [
-    ("cpu-l", "`cpu-l` is not a device type"),
-    ("cpu-3", "cpu-3"),  # 8 instances do not split over 3 devices
-])
+@pytest.mark.parametrize(
+    "device,why",
+    [
+        ("cpu-l", "`cpu-l` is not a device type"),
+        ("cpu-3", "cpu-3"),  # 8 instances do not split over 3 devices
+    ],
+)
 def test_resume_until_done_refuses_a_bad_device_before_run_yaml_exists(clean_env, capsys, device, why):
     """A mistyped device, or one the batch cannot split over, leaves no run behind: the right device
     then creates the run as if nothing had happened."""
     root = clean_env / "runs"
-    rc = _cli("resume-until-done", "--recipe", "smoke", "--device", device, "--backend", "local", "--run", "x1",
-              "--run-root", str(root), "--poll", "0.5")
+    rc = _cli(
+        "resume-until-done",
+        "--recipe",
+        "smoke",
+        "--device",
+        device,
+        "--backend",
+        "local",
+        "--run",
+        "x1",
+        "--run-root",
+        str(root),
+        "--poll",
+        "0.5",
+    )
     out = capsys.readouterr()
     assert rc == 2 and why in out.err and out.err.count("\n") == 1, out.err
     assert "supervisor_started" not in out.out
@@ -68,15 +95,34 @@ def test_resume_until_done_refuses_a_bad_device_before_run_yaml_exists(clean_env
 
 
 @pytest.mark.gcs
-@pytest.mark.parametrize("flag,missing", [
-    (("--priority-class", "no-such-class"), "WorkloadPriorityClass"),
-    (("--queue", "no-such-queue"), "LocalQueue"),
-])
-def test_resume_until_done_on_gke_refuses_missing_kueue_objects_before_creating_anything(sandbox, capsys, flag,
-                                                                                         missing):
+@pytest.mark.parametrize(
+    "flag,missing",
+    [
+        (("--priority-class", "no-such-class"), "WorkloadPriorityClass"),
+        (("--queue", "no-such-queue"), "LocalQueue"),
+    ],
+)
+def test_resume_until_done_on_gke_refuses_missing_kueue_objects_before_creating_anything(
+    sandbox, capsys, flag, missing
+):
     sb, root = sandbox
-    rc = _cli("resume-until-done", "--recipe", "smoke", "--device", "v5p-16", "--backend", "gke", "--run", "k1",
-              "--run-root", root, "--image", IMAGE, "--no-preflight", *flag)
+    rc = _cli(
+        "resume-until-done",
+        "--recipe",
+        "smoke",
+        "--device",
+        "v5p-16",
+        "--backend",
+        "gke",
+        "--run",
+        "k1",
+        "--run-root",
+        root,
+        "--image",
+        IMAGE,
+        "--no-preflight",
+        *flag,
+    )
     err = capsys.readouterr().err
     assert rc == 2 and missing in err and flag[1] in err, err
     from olmo_ctl.rundir import RunDir
@@ -91,15 +137,31 @@ def test_a_resize_renders_the_site_options_the_run_was_submitted_with(sandbox, c
     does not name it renders it again."""
     sb, root = sandbox
     site = ["--backend", "gke", "--run-root", root, "--no-preflight"]
-    assert _cli("submit", "--recipe", "smoke", "--device", "v5p-16", "--run", "r1", "--image", IMAGE,
-                "--service-account", "sa-of-the-run", *site) == 0
+    assert (
+        _cli(
+            "submit",
+            "--recipe",
+            "smoke",
+            "--device",
+            "v5p-16",
+            "--run",
+            "r1",
+            "--image",
+            IMAGE,
+            "--service-account",
+            "sa-of-the-run",
+            *site,
+        )
+        == 0
+    )
     first = sb.world.get("JobSet", "default", "r1-a1")
     pod = first["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "sa-of-the-run"
     capsys.readouterr()
 
-    assert _cli("resize", "r1", "--device", "v5p-8", "-y", "--now", "--timeout", "120", *site) == 0, \
+    assert _cli("resize", "r1", "--device", "v5p-8", "-y", "--now", "--timeout", "120", *site) == 0, (
         capsys.readouterr().err
+    )
     second = sb.world.get("JobSet", "default", "r1-a2")
     pod = second["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "sa-of-the-run"
@@ -108,7 +170,9 @@ def test_a_resize_renders_the_site_options_the_run_was_submitted_with(sandbox, c
 
     subs = [r for r in RunDir.of(root, "r1").journal() if r["event"] == "submitted"]
     assert [(r["attempt"], r["device"], r["site"]["service_account"]) for r in subs] == [
-        (1, "v5p-16", "sa-of-the-run"), (2, "v5p-8", "sa-of-the-run")]
+        (1, "v5p-16", "sa-of-the-run"),
+        (2, "v5p-8", "sa-of-the-run"),
+    ]
 
 
 @pytest.mark.gcs
@@ -120,8 +184,13 @@ def test_a_flag_wins_over_the_runs_own_site_setting(sandbox, gcs):
     _, root = sandbox
     rd = RunDir.of(root, "own")
     rd.create_run({"name": "smoke"}, "fp", "v1:test", "v5p-16")
-    rd.append("submitted", attempt=1, device="v5p-16", backend="gke",
-              site={"service_account": "sa-run", "queue": "q-run", "image": "img:run"})
+    rd.append(
+        "submitted",
+        attempt=1,
+        device="v5p-16",
+        backend="gke",
+        site={"service_account": "sa-run", "queue": "q-run", "image": "img:run"},
+    )
     got = run_settings(resolve_settings(run_root=root, service_account="sa-flag"), rd)
     assert (got.service_account, got.queue, got.image) == ("sa-flag", "q-run", "img:run")
     assert got.sources["queue"] == "run own (attempt 1)"
@@ -160,7 +229,9 @@ def _live(rd) -> bool:
 
 
 def test_no_command_branches_on_a_backends_name():
-    for path in sorted((ROOT / "olmo_ctl" / "cli").glob("*.py")) + sorted((ROOT / "olmo_ctl" / "supervise").glob("*.py")):
+    for path in sorted((ROOT / "olmo_ctl" / "cli").glob("*.py")) + sorted(
+        (ROOT / "olmo_ctl" / "supervise").glob("*.py")
+    ):
         text = path.read_text()
         hits = re.findall(r"backend\s*[!=]=|[!=]=\s*[\"'](?:gke|local)[\"']", text)
         assert not hits, f"{path.name}: {hits}"

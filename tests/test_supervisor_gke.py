@@ -66,14 +66,23 @@ def setup(tmp_path, srv, bucket, steps=20):
     rd = RunDir.of(f"gs://{bucket}/{tmp_path.name}", "gk")
     r = load_recipe("smoke", overrides=[f"train.max_steps={steps}"])
     rd.create_run(r.to_dict(), r.fingerprint(), "fp", "tpu7x-8")
-    settings = Settings(image="registry.example.com/olmo-ctl:test", run_root=f"gs://{bucket}", queue="user-queue")
+    settings = Settings(
+        image="registry.example.com/olmo-ctl:test", run_root=f"gs://{bucket}", queue="user-queue"
+    )
     return rd, GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
 
 
 def supervise(rd, be, script, **policy):
     buf = io.StringIO()
-    sup = Supervisor(rd, be, RetryPolicy(**policy), poll_s=30, clock=script.time, sleep=script.sleep,
-                     printer=Printer(rd.name, stream=buf, clock=script.time))
+    sup = Supervisor(
+        rd,
+        be,
+        RetryPolicy(**policy),
+        poll_s=30,
+        clock=script.time,
+        sleep=script.sleep,
+        printer=Printer(rd.name, stream=buf, clock=script.time),
+    )
     rc = sup.run()
     return rc, buf.getvalue()
 
@@ -85,25 +94,35 @@ def events(rd, attempt=None):
 def test_long_queue_spends_nothing_and_a_preemption_requeues_the_same_attempt(tmp_path, srv, gcs):
     rd, be = setup(tmp_path, srv, gcs.bucket)
     t_pre = 3 * 3600 + 600
-    script = Script(srv, rd, {
-        1: [(3 * 3600, admit_run), (3 * 3600 + 300, lambda s, n: s.commit(10)),
-            (t_pre, lambda s, n: s.srv.cluster.evict(n, reason="Preempted")),
-            (t_pre + 1200, admit_run), (t_pre + 1600, lambda s, n: s.commit(20)),
-            (t_pre + 1700, lambda s, n: s.srv.cluster.complete(n))],
-    })
+    script = Script(
+        srv,
+        rd,
+        {
+            1: [
+                (3 * 3600, admit_run),
+                (3 * 3600 + 300, lambda s, n: s.commit(10)),
+                (t_pre, lambda s, n: s.srv.cluster.evict(n, reason="Preempted")),
+                (t_pre + 1200, admit_run),
+                (t_pre + 1600, lambda s, n: s.commit(20)),
+                (t_pre + 1700, lambda s, n: s.srv.cluster.complete(n)),
+            ],
+        },
+    )
     # max_retries=1: a queue wait or a preemption that spent a retry would give up.
     rc, out = supervise(rd, be, script, backoff_base_s=600, max_retries=1)
     assert rc == 0, out
     j = rd.journal()
     a1 = [r["event"] for r in events(rd, 1)]
     assert a1[:2] == ["submitted", "queued"]
-    assert a1[a1.index("running"):] == ["running", "preempted", "running", "succeeded"], a1
+    assert a1[a1.index("running") :] == ["running", "preempted", "running", "succeeded"], a1
     queued = next(r for r in j if r["event"] == "queued")
     running = next(r for r in j if r["event"] == "running" and r["attempt"] == 1)
     assert parse_iso(running["time"]) - parse_iso(queued["time"]) >= 3 * 3600  # three hours queued: waiting
     pre = next(r for r in j if r["event"] == "preempted")
-    assert pre["reason"].startswith("Preempted (InClusterQueue): Preempted to accommodate") and \
-        pre["committed_step"] == 10
+    assert (
+        pre["reason"].startswith("Preempted (InClusterQueue): Preempted to accommodate")
+        and pre["committed_step"] == 10
+    )
     assert not [r for r in j if r["event"] in ("backoff", "failed", "gave_up")]
     # Kueue requeued and resumed the same JobSet; nothing was deleted, nothing submitted again.
     assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
@@ -118,8 +137,11 @@ def test_deterministic_failure_exits_1_with_the_pods_last_lines(tmp_path, srv, g
         s.srv.cluster.pod_exit(n, 0, 1, log_lines=["step 3/20 loss 5.1", "FloatingPointError: loss is NaN"])
         # Upstream: exit 1 matches the Job's FailJob rule (reason PodFailurePolicy), which the JobSet's
         # FailOnUserError rule turns into FailJobSet; FailedJobs is only for JobSets without a failurePolicy.
-        s.srv.cluster.fail(n, reason="FailJobSetFailurePolicyAction",
-                           message=f"applying FailJobSet failure policy action (first failed job: {n}-slice-0)")
+        s.srv.cluster.fail(
+            n,
+            reason="FailJobSetFailurePolicyAction",
+            message=f"applying FailJobSet failure policy action (first failed job: {n}-slice-0)",
+        )
 
     script = Script(srv, rd, {1: [(60, admit_run), (200, crash)]})
     rc, out = supervise(rd, be, script, backoff_base_s=1, max_retries=5)
@@ -135,12 +157,26 @@ def test_api_error_bursts_are_retried_and_a_lost_create_is_not_doubled(tmp_path,
 
     def burst(status):
         def act(s, n):
-            s.srv.fail_next(3, status=status, retry_after_s=0) if status == 429 else s.srv.fail_next(3, status=status)
+            s.srv.fail_next(3, status=status, retry_after_s=0) if status == 429 else s.srv.fail_next(
+                3, status=status
+            )
+
         return act
 
     srv.fail_next(1, status="lost", match="POST ")  # the create goes through, its answer is lost
-    script = Script(srv, rd, {1: [(30, burst(429)), (60, admit_run), (90, burst(500)),
-                                  (120, lambda s, n: s.commit(20)), (150, lambda s, n: s.srv.cluster.complete(n))]})
+    script = Script(
+        srv,
+        rd,
+        {
+            1: [
+                (30, burst(429)),
+                (60, admit_run),
+                (90, burst(500)),
+                (120, lambda s, n: s.commit(20)),
+                (150, lambda s, n: s.srv.cluster.complete(n)),
+            ]
+        },
+    )
     rc, out = supervise(rd, be, script, backoff_base_s=1, max_retries=1)
     assert rc == 0, out
     assert [r["attempt"] for r in rd.journal() if r["event"] == "submitted"] == [1]
@@ -175,8 +211,12 @@ def test_preemption_lets_kueue_resume_the_same_jobset(tmp_path, srv, gcs):
     def checkpoint_on_sigterm(s, n):
         # The trainer commits its last step on SIGTERM only if its pods live through the grace period
         # (force-deleted with grace 0 they are gone, and so is the checkpoint).
-        alive = [p for p in s.srv.cluster.pods(n) if p["metadata"].get("deletionTimestamp")
-                 and p["status"].get("phase") not in ("Succeeded", "Failed")]
+        alive = [
+            p
+            for p in s.srv.cluster.pods(n)
+            if p["metadata"].get("deletionTimestamp")
+            and p["status"].get("phase") not in ("Succeeded", "Failed")
+        ]
         if alive:
             s.commit(15)
         s.srv.cluster.finish_deletions()
@@ -189,18 +229,35 @@ def test_preemption_lets_kueue_resume_the_same_jobset(tmp_path, srv, gcs):
         s.commit(20)
         s.srv.cluster.complete(n)
 
-    script = Script(srv, rd, {
-        1: [(60, admit_run), (100, lambda s, n: s.commit(10)), (200, preempt), (230, checkpoint_on_sigterm),
-            (400, admit_run), (460, preempt_now), (520, admit_run), (580, preempt_now), (640, admit_run),
-            (700, preempt_now), (760, admit_run), (900, finish)],
-        2: [(60, admit_run), (120, finish)],
-    })
+    script = Script(
+        srv,
+        rd,
+        {
+            1: [
+                (60, admit_run),
+                (100, lambda s, n: s.commit(10)),
+                (200, preempt),
+                (230, checkpoint_on_sigterm),
+                (400, admit_run),
+                (460, preempt_now),
+                (520, admit_run),
+                (580, preempt_now),
+                (640, admit_run),
+                (700, preempt_now),
+                (760, admit_run),
+                (900, finish),
+            ],
+            2: [(60, admit_run), (120, finish)],
+        },
+    )
     # max_retries=1: a single preemption that spent a retry without progress would end the run (exit 4).
     rc, out = supervise(rd, be, script, backoff_base_s=60, max_retries=1)
     assert rc == 0, out
     j = rd.journal()
     assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]  # the same JobSet resumed
-    assert not [d for d in srv.cluster.deleted if d[0] in ("JobSet", "Pod")]  # nothing deleted while terminating
+    assert not [
+        d for d in srv.cluster.deleted if d[0] in ("JobSet", "Pod")
+    ]  # nothing deleted while terminating
     pre = [r for r in j if r["event"] == "preempted"]
     assert [r["committed_step"] for r in pre] == [10, 15, 15, 15]
     running = [r["committed_step"] for r in j if r["event"] == "running"]
@@ -226,17 +283,28 @@ def test_admitted_pods_never_created_are_stopped_after_the_admission_timeout(tmp
         s.commit(20)
         s.srv.cluster.complete(n)
 
-    script = Script(srv, rd, {1: [(60, lambda s, n: s.srv.cluster.admit(n))],
-                              2: [(10, quota_raised), (60, admit_run), (120, finish)]})
+    script = Script(
+        srv,
+        rd,
+        {
+            1: [(60, lambda s, n: s.srv.cluster.admit(n))],
+            2: [(10, quota_raised), (60, admit_run), (120, finish)],
+        },
+    )
     rc, out = supervise(rd, be, script, backoff_base_s=60, max_retries=2, admission_timeout_s=600)
     assert rc == 0, out
     j = rd.journal()
     adm = next(r for r in j if r["event"] == "admitted" and r["attempt"] == 1)
-    assert adm["reason"].startswith("0/1 pods created; FailedCreate: Job gk-a1-slice-0: Error creating: pods "
-                                    '"gk-a1-slice-0-0-" is forbidden: exceeded quota: tpu-quota'), adm
+    assert adm["reason"].startswith(
+        "0/1 pods created; FailedCreate: Job gk-a1-slice-0: Error creating: pods "
+        '"gk-a1-slice-0-0-" is forbidden: exceeded quota: tpu-quota'
+    ), adm
     (failed,) = [r for r in j if r["event"] == "failed"]
     assert failed["attempt"] == 1 and failed["state"] == "failed-infra"
-    assert "admitted but not running after" in failed["reason"] and "(--admission-timeout 600 s)" in failed["reason"]
+    assert (
+        "admitted but not running after" in failed["reason"]
+        and "(--admission-timeout 600 s)" in failed["reason"]
+    )
     assert QUOTA in failed["reason"]
     assert 600 <= parse_iso(failed["time"]) - parse_iso(adm["time"]) <= 700
     assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1, 2]
@@ -259,15 +327,24 @@ def test_the_admission_timeout_submit_recorded_is_the_attempts_own(tmp_path, srv
     assert "(--admission-timeout 300 s)" in failed["reason"]
 
 
-@pytest.mark.parametrize("setting,missing", [
-    ({"priority_class": "high"}, 'WorkloadPriorityClass "high" does not exist'),
-    ({"queue": "no-such-queue"}, "LocalQueue no-such-queue doesn't exist"),
-])
+@pytest.mark.parametrize(
+    "setting,missing",
+    [
+        ({"priority_class": "high"}, 'WorkloadPriorityClass "high" does not exist'),
+        ({"queue": "no-such-queue"}, "LocalQueue no-such-queue doesn't exist"),
+    ],
+)
 def test_a_queue_set_up_kueue_can_never_admit_stops_with_exit_2(tmp_path, srv, gcs, setting, missing):
     """Issue 12, break 4: not `queued` forever: one line naming the missing object, exit 2."""
     rd, be = setup(tmp_path, srv, gcs.bucket)
-    be.settings = Settings(**{"image": "registry.example.com/olmo-ctl:test", "run_root": f"gs://{gcs.bucket}",
-                              "queue": "user-queue", **setting})
+    be.settings = Settings(
+        **{
+            "image": "registry.example.com/olmo-ctl:test",
+            "run_root": f"gs://{gcs.bucket}",
+            "queue": "user-queue",
+            **setting,
+        }
+    )
     script = Script(srv, rd, {})
     with pytest.raises(OlmoCtlError) as ei:
         supervise(rd, be, script, backoff_base_s=60, max_retries=5)
@@ -296,19 +373,32 @@ def test_a_multislice_run_keeps_its_slice_count_across_attempts(tmp_path, srv, g
     def lost(s, n):  # an infrastructure failure past maxRestarts: the supervisor resubmits
         s.srv.cluster.fail(n, reason="ReachedMaxRestarts")
 
-    script = Script(srv, rd, {1: [(60, admit_run), (120, lambda s, n: s.commit(10)), (180, lost)],
-                              2: [(60, admit_run), (120, lambda s, n: s.commit(20)),
-                                  (180, lambda s, n: s.srv.cluster.complete(n))]})
+    script = Script(
+        srv,
+        rd,
+        {
+            1: [(60, admit_run), (120, lambda s, n: s.commit(10)), (180, lost)],
+            2: [
+                (60, admit_run),
+                (120, lambda s, n: s.commit(20)),
+                (180, lambda s, n: s.srv.cluster.complete(n)),
+            ],
+        },
+    )
     rc, out = supervise(rd, be, script, backoff_base_s=1, max_retries=5)
     assert rc == 0, out
     subs = [r for r in rd.journal() if r["event"] == "submitted"]
-    assert [(r["attempt"], r["device"], r["slices"]) for r in subs] == [(1, "tpu7x-16", 2), (2, "tpu7x-16", 2)]
+    assert [(r["attempt"], r["device"], r["slices"]) for r in subs] == [
+        (1, "tpu7x-16", 2),
+        (2, "tpu7x-16", 2),
+    ]
     assert "submitted attempt 2 on 2 x tpu7x-16" in out
     for name in srv.cluster.jobset_names():
         js = srv.cluster.jobset(name)
         assert js["spec"]["replicatedJobs"][0]["replicas"] == 2
         assert js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
-            "command"][-2:] == ["--slices", "2"]
+            "command"
+        ][-2:] == ["--slices", "2"]
     assert run_slices(rd, None) == 2 and run_slices(rd, 2) == 2
     with pytest.raises(OlmoCtlError, match=r"runs on 2 x tpu7x-16, not 1"):
         run_slices(rd, 1)

@@ -32,14 +32,18 @@ SMOKE = ["--set", "checkpoint.interval=5", "--set", "eval.interval=1000"]
 def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.Popen([sys.executable, "-m", "olmo_ctl", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=e, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "olmo_ctl", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=e,
+        **kw,
+    )
 
 
 def journal(run_dir: str) -> list[dict]:
     return RunDir(run_dir).journal()
-
-
 
 
 def attempt_info(run_dir: str, n: int) -> dict | None:
@@ -63,7 +67,9 @@ def latest_logged_step(run_dir: str, n: int) -> int:
         lines = Path(run_dir, "logs", f"attempt-{n}.log").read_text().splitlines()
     except OSError:
         return 0
-    steps = [int(ln.split()[1].split("/")[0]) for ln in lines if ln.startswith("step ") and "/" in ln.split()[1]]
+    steps = [
+        int(ln.split()[1].split("/")[0]) for ln in lines if ln.startswith("step ") and "/" in ln.split()[1]
+    ]
     return max(steps, default=0)
 
 
@@ -84,7 +90,9 @@ def new_run(tmp_path: Path, name: str, steps: int = 20) -> RunDir:
 
 def supervise(rd: RunDir, backend, policy: RetryPolicy, **kw) -> tuple[int, str]:
     buf = io.StringIO()
-    sup = Supervisor(rd, backend, policy, device="cpu-1", poll_s=0.05, printer=Printer(rd.name, stream=buf), **kw)
+    sup = Supervisor(
+        rd, backend, policy, device="cpu-1", poll_s=0.05, printer=Printer(rd.name, stream=buf), **kw
+    )
     return sup.run(), buf.getvalue()
 
 
@@ -95,8 +103,10 @@ def test_crash_loop_stops_after_max_retries_with_backoff_from_env(tmp_path, monk
     monkeypatch.setenv("MAX_RETRIES", "3")
     monkeypatch.setenv("RETRY_BACKOFF_SECONDS", "0.2")
     rd = new_run(tmp_path, "crash")
-    be = LocalBackend(str(tmp_path), python=fake_python(tmp_path, 'echo "Fatal Python error: Segmentation fault"\n'
-                                                                    "kill -SEGV $$"))
+    be = LocalBackend(
+        str(tmp_path),
+        python=fake_python(tmp_path, 'echo "Fatal Python error: Segmentation fault"\nkill -SEGV $$'),
+    )
     rc, out = supervise(rd, be, RetryPolicy.from_env())
     assert rc == 4
     j = rd.journal()
@@ -112,8 +122,12 @@ def test_crash_loop_stops_after_max_retries_with_backoff_from_env(tmp_path, monk
 
 def test_user_failure_stops_at_once_with_last_log_lines(tmp_path):
     rd = new_run(tmp_path, "userfail")
-    be = LocalBackend(str(tmp_path), python=fake_python(
-        tmp_path, 'echo "step 1/10 loss 5.0"\necho "ValueError: loss is NaN at step 2"\nexit 1'))
+    be = LocalBackend(
+        str(tmp_path),
+        python=fake_python(
+            tmp_path, 'echo "step 1/10 loss 5.0"\necho "ValueError: loss is NaN at step 2"\nexit 1'
+        ),
+    )
     rc, out = supervise(rd, be, RetryPolicy(backoff_base_s=0, max_retries=5))
     assert rc == 1
     assert "ValueError: loss is NaN at step 2" in out
@@ -128,7 +142,9 @@ def test_user_failure_stops_at_once_with_last_log_lines(tmp_path):
 
 def test_stalled_attempt_is_stopped_journaled_and_resubmitted(tmp_path):
     rd = new_run(tmp_path, "stall")
-    be = LocalBackend(str(tmp_path), python=fake_python(tmp_path, "while true; do sleep 0.2; done"), stop_grace_s=5)
+    be = LocalBackend(
+        str(tmp_path), python=fake_python(tmp_path, "while true; do sleep 0.2; done"), stop_grace_s=5
+    )
     rc, out = supervise(rd, be, RetryPolicy(backoff_base_s=0, max_retries=2, startup_limit_s=0.5))
     assert rc == 4
     j = rd.journal()
@@ -144,16 +160,33 @@ def test_local_backend_never_mistakes_another_process_for_its_trainer(tmp_path):
     os.makedirs(os.path.join(sd, "attempts"))
     me = os.getpid()  # alive, but not a trainer of this run (as a recycled pid would be)
     with open(os.path.join(sd, "attempts", "1.json"), "w") as f:
-        json.dump({"pid": me, "start_time": proc_start_time(me), "host": socket.gethostname(), "run_dir": sd,
-                   "exit_code": None, "log": os.path.join(sd, "logs", "attempt-1.log")}, f)
+        json.dump(
+            {
+                "pid": me,
+                "start_time": proc_start_time(me),
+                "host": socket.gethostname(),
+                "run_dir": sd,
+                "exit_code": None,
+                "log": os.path.join(sd, "logs", "attempt-1.log"),
+            },
+            f,
+        )
     be = LocalBackend(str(tmp_path))
     assert be.find_live("r") is None
     h = Handle("local", str(me), 1, {"pid": me, "state_dir": sd, "run_dir": sd})
     assert be.status(h).state == State.FAILED_INFRA
     be.stop(h)  # must not signal us
     assert [exit_state(c)[0] for c in (0, 143, -15, 137, -9, 1, 2, 3, -11)] == [
-        State.SUCCEEDED, State.PREEMPTED, State.PREEMPTED, State.PREEMPTED, State.PREEMPTED,
-        State.FAILED_USER, State.FAILED_USER, State.FAILED_INFRA, State.FAILED_INFRA]
+        State.SUCCEEDED,
+        State.PREEMPTED,
+        State.PREEMPTED,
+        State.PREEMPTED,
+        State.PREEMPTED,
+        State.FAILED_USER,
+        State.FAILED_USER,
+        State.FAILED_INFRA,
+        State.FAILED_INFRA,
+    ]
 
 
 def test_output_is_one_timestamped_line_per_change_and_a_bar_only_on_a_tty():
@@ -167,8 +200,10 @@ def test_output_is_one_timestamped_line_per_change_and_a_bar_only_on_a_tty():
         p.line("running (attempt 1): pid 7")
         p.progress(40, 100, 125.0)
         p.line("preempted (attempt 1): exit -9 (SIGKILL)")
-    assert pipe.getvalue() == ("2027-01-15T08:00:00Z r1: running (attempt 1): pid 7\n"
-                               "2027-01-15T08:00:00Z r1: preempted (attempt 1): exit -9 (SIGKILL)\n")
+    assert pipe.getvalue() == (
+        "2027-01-15T08:00:00Z r1: running (attempt 1): pid 7\n"
+        "2027-01-15T08:00:00Z r1: preempted (attempt 1): exit -9 (SIGKILL)\n"
+    )
     bar = tty.getvalue().split("\n")[1]
     assert "step 40/100 ETA 2m05s" in bar and bar.startswith("\r\x1b[K[############")
     assert bar.endswith("\r\x1b[K2027-01-15T08:00:00Z r1: preempted (attempt 1): exit -9 (SIGKILL)")
@@ -180,8 +215,24 @@ def test_output_is_one_timestamped_line_per_change_and_a_bar_only_on_a_tty():
 def test_reattach_after_supervisor_kill_and_second_supervisor_refused(tmp_path):
     root = str(tmp_path / "runs")
     rdir = os.path.join(root, "reattach")
-    args = ["resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--run",
-            "reattach", "--run-root", root, "--poll", "0.2", "--set", "train.max_steps=80", *SMOKE]
+    args = [
+        "resume-until-done",
+        "--recipe",
+        "smoke",
+        "--device",
+        "cpu-1",
+        "--backend",
+        "local",
+        "--run",
+        "reattach",
+        "--run-root",
+        root,
+        "--poll",
+        "0.2",
+        "--set",
+        "train.max_steps=80",
+        *SMOKE,
+    ]
     a = cli(*args)
     wait_for(lambda: log_has_steps(rdir, 1), 120, "attempt 1 training")
     b = cli("resume-until-done", "reattach", "--run-root", root, "--backend", "local")
@@ -204,15 +255,41 @@ def test_reattach_after_supervisor_kill_and_second_supervisor_refused(tmp_path):
 def test_ctrl_c_detaches_then_stop_on_exit_stops(tmp_path):
     root = str(tmp_path / "runs")
     rdir = os.path.join(root, "detach")
-    a = cli("resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--run", "detach",
-            "--run-root", root, "--poll", "0.2", "--set", "train.max_steps=500", *SMOKE)
+    a = cli(
+        "resume-until-done",
+        "--recipe",
+        "smoke",
+        "--device",
+        "cpu-1",
+        "--backend",
+        "local",
+        "--run",
+        "detach",
+        "--run-root",
+        root,
+        "--poll",
+        "0.2",
+        "--set",
+        "train.max_steps=500",
+        *SMOKE,
+    )
     wait_for(lambda: log_has_steps(rdir, 1), 120, "attempt 1 training")
     a.send_signal(signal.SIGINT)
     out, _ = a.communicate(timeout=60)
     assert a.returncode == 130 and "detached" in out and "resume-until-done detach" in out
     pid = attempt_info(rdir, 1)["pid"]
     assert proc_start_time(pid) is not None  # the attempt keeps running
-    b = cli("resume-until-done", "detach", "--run-root", root, "--backend", "local", "--poll", "0.2", "--stop-on-exit")
+    b = cli(
+        "resume-until-done",
+        "detach",
+        "--run-root",
+        root,
+        "--backend",
+        "local",
+        "--poll",
+        "0.2",
+        "--stop-on-exit",
+    )
     wait_for(lambda: any(r["event"] == "reattached" for r in journal(rdir)), 60, "reattach")
     b.send_signal(signal.SIGINT)
     out, _ = b.communicate(timeout=120)
@@ -226,8 +303,22 @@ def test_ctrl_c_detaches_then_stop_on_exit_stops(tmp_path):
 def test_submit_returns_once_submitted_and_never_doubles_a_live_attempt(tmp_path):
     root = str(tmp_path / "runs")
     rdir = os.path.join(root, "sub")
-    args = ["submit", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--run", "sub",
-            "--run-root", root, "--set", "train.max_steps=20", *SMOKE]
+    args = [
+        "submit",
+        "--recipe",
+        "smoke",
+        "--device",
+        "cpu-1",
+        "--backend",
+        "local",
+        "--run",
+        "sub",
+        "--run-root",
+        root,
+        "--set",
+        "train.max_steps=20",
+        *SMOKE,
+    ]
     out, err = cli(*args).communicate(timeout=60)
     assert f"run directory: {rdir}" in out and f"resume-until-done sub --run-root {root}" in out, out + err
     again = cli(*args)
@@ -253,9 +344,25 @@ def test_gs_run_dir_resumes_from_orbax_commit_markers(tmp_path, gcs):
     bucket = gcs.bucket
     root = f"gs://{bucket}/runs"
     env = {"XDG_STATE_HOME": str(tmp_path / "state")}
-    sup = cli("resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--run",
-              "g1", "--run-root", root, "--poll", "0.2", "--set", "train.max_steps=24", *SMOKE,
-              env={**env, "RETRY_BACKOFF_SECONDS": "0"})
+    sup = cli(
+        "resume-until-done",
+        "--recipe",
+        "smoke",
+        "--device",
+        "cpu-1",
+        "--backend",
+        "local",
+        "--run",
+        "g1",
+        "--run-root",
+        root,
+        "--poll",
+        "0.2",
+        "--set",
+        "train.max_steps=24",
+        *SMOKE,
+        env={**env, "RETRY_BACKOFF_SECONDS": "0"},
+    )
     rd = RunDir(f"{root}/g1")
     state = str(tmp_path / "state" / "olmo-ctl" / "local" / "g1")
     wait_for(lambda: rd.committed_step() >= 5, 180, "a committed checkpoint on gs://", every=0.2)
@@ -287,11 +394,13 @@ def read_losses(logdir: str) -> dict[int, list[int]]:
             (n,) = struct.unpack_from("<Q", data, i)
             if i + 12 + n + 4 > len(data):
                 break
-            ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            ev = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
             i += 12 + n + 4
             for v in ev.summary.value:
                 if v.tag == "train/CE loss":
-                    out.setdefault(ev.step, []).append(struct.unpack("<I", struct.pack("<f", v.simple_value))[0])
+                    out.setdefault(ev.step, []).append(
+                        struct.unpack("<I", struct.pack("<f", v.simple_value))[0]
+                    )
     return out
 
 
@@ -302,16 +411,47 @@ def test_chaos_kills_and_bitwise_identical_losses(tmp_path):
     root = str(tmp_path / "runs")
     # The reference: one uninterrupted trainer.
     ref_dir = os.path.join(root, "reference")
-    subprocess.run([sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", ref_dir,
-                    "--device", "cpu-1", "--attempt", "1", *sets], check=True, capture_output=True, timeout=300,
-                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "olmo_ctl.trainer",
+            "--recipe",
+            "smoke",
+            "--run-dir",
+            ref_dir,
+            "--device",
+            "cpu-1",
+            "--attempt",
+            "1",
+            *sets,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     ref = read_losses(os.path.join(ref_dir, "tensorboard"))
     assert sorted(ref) == list(range(1, steps + 1))
 
     rdir = os.path.join(root, "chaos")
-    sup = cli("resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--run", "chaos",
-              "--run-root", root, "--poll", "0.1", *sets,
-              env={"RETRY_BACKOFF_SECONDS": "0.2", "MAX_RETRIES": "30"})
+    sup = cli(
+        "resume-until-done",
+        "--recipe",
+        "smoke",
+        "--device",
+        "cpu-1",
+        "--backend",
+        "local",
+        "--run",
+        "chaos",
+        "--run-root",
+        root,
+        "--poll",
+        "0.1",
+        *sets,
+        env={"RETRY_BACKOFF_SECONDS": "0.2", "MAX_RETRIES": "30"},
+    )
     rng = random.Random(20261130)
     plan = ["checkpoint" if i % 3 == 0 else "random" for i in range(10)] + ["term"]
     rng.shuffle(plan)
@@ -321,7 +461,10 @@ def test_chaos_kills_and_bitwise_identical_losses(tmp_path):
         n = len(kills) + 1
         info = wait_for(lambda: attempt_info(rdir, n), 120, f"attempt {n}")  # noqa: B023
         if how == "checkpoint":  # while Orbax writes a step: a tmp directory exists
-            def writing(info=info):  # a tmp directory this attempt made (a killed one may leave its own behind)
+
+            def writing(
+                info=info,
+            ):  # a tmp directory this attempt made (a killed one may leave its own behind)
                 found = []
                 for d in glob.glob(os.path.join(ckpt_dir, "*.orbax-checkpoint-tmp*")):
                     try:  # Orbax renames it on commit, possibly between the glob and the stat
@@ -330,6 +473,7 @@ def test_chaos_kills_and_bitwise_identical_losses(tmp_path):
                     except FileNotFoundError:
                         continue
                 return found or None
+
             try:
                 wait_for(writing, 60, "a checkpoint write", every=0.005)
             except AssertionError:
@@ -383,13 +527,22 @@ def test_a_trainer_started_without_its_attempt_file_is_found_and_adopted(tmp_pat
     root = str(tmp_path / "runs")
     backend = LocalBackend(root)
     run_dir = os.path.join(root, "orphan")
-    req = backend.render(Attempt(run="orphan", run_dir=run_dir, attempt=3, device="cpu-1", recipe_path="smoke"))
+    req = backend.render(
+        Attempt(run="orphan", run_dir=run_dir, attempt=3, device="cpu-1", recipe_path="smoke")
+    )
     os.makedirs(os.path.dirname(req.log_path), exist_ok=True)
     with open(req.log_path, "ab") as log:  # what submit does, minus the attempt file
-        proc = subprocess.Popen(list(req.argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **req.env})
+        proc = subprocess.Popen(
+            list(req.argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **req.env},
+        )
     try:
-        wait_for(lambda: "olmo_ctl.trainer" in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(), 30, "exec")
+        wait_for(
+            lambda: "olmo_ctl.trainer" in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(), 30, "exec"
+        )
         h = backend.find_live("orphan")
         assert h is not None and h.attempt == 3 and int(h.data["pid"]) == proc.pid
         assert attempt_info(run_dir, 3)["adopted"] is True

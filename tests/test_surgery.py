@@ -30,7 +30,9 @@ def load(path) -> tuple[dict, dict]:
 
 def leaves_equal(a, b) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb, strict=True))
+    return len(la) == len(lb) and all(
+        np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb, strict=True)
+    )
 
 
 @pytest.fixture
@@ -53,13 +55,26 @@ def test_warm_adam_keeps_params_and_moments_and_resumes_as_stage2_at_step_0(src,
     assert d_meta["data"] is None
 
     # Stage 2: linear decay from the peak, no warmup, fresh data order from the first batch.
-    p = train(dst, "--stop-at-step", "2", "--set", "schedule.kind=linear", "--set", "schedule.warmup_steps=0",
-              "--set", "schedule.alpha=0", "--set", "data.seed=1337")
+    p = train(
+        dst,
+        "--stop-at-step",
+        "2",
+        "--set",
+        "schedule.kind=linear",
+        "--set",
+        "schedule.warmup_steps=0",
+        "--set",
+        "schedule.alpha=0",
+        "--set",
+        "data.seed=1337",
+    )
     assert "restored checkpoint 0" in p.stdout
     ev = scalars(dst)
     assert sorted(ev["train/CE loss"]) == [1, 2]
     assert ev["optim/LR (group 0)"][1] == pytest.approx(3e-3 * (1 - 1 / 100), rel=1e-6)
-    assert ev["train/CE loss"][1] < scalars(src)["train/CE loss"][1] - 0.3  # trained weights, not a fresh init
+    assert (
+        ev["train/CE loss"][1] < scalars(src)["train/CE loss"][1] - 0.3
+    )  # trained weights, not a fresh init
     after, meta = load(dst / "checkpoints" / "2")
     assert int(after["opt"]["count"]) == 42  # the source's moments were updated on, not re-initialised
     assert meta["data"]["batches_seen"] == 2
@@ -81,10 +96,15 @@ def test_soup_of_identical_checkpoints_is_the_checkpoint_and_of_two_is_the_mean(
     olmo_ctl("surgery", "soup", str(src / "checkpoints" / "20"), ck40, "--out", str(tmp_path / "mean"))
     mean, _ = load(tmp_path / "mean" / "checkpoints" / "0")
     s20, _ = load(src / "checkpoints" / "20")
-    for m, a, b in zip(jax.tree.leaves(mean["params"]), jax.tree.leaves(s20["params"]), jax.tree.leaves(s40["params"]),
-                       strict=True):
-        np.testing.assert_allclose(np.asarray(m), (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2,
-                                   rtol=1e-6, atol=1e-7)
+    for m, a, b in zip(
+        jax.tree.leaves(mean["params"]),
+        jax.tree.leaves(s20["params"]),
+        jax.tree.leaves(s40["params"]),
+        strict=True,
+    ):
+        np.testing.assert_allclose(
+            np.asarray(m), (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2, rtol=1e-6, atol=1e-7
+        )
 
 
 def test_init_from_a_converted_checkpoint(src, tmp_path):
@@ -101,8 +121,16 @@ def test_init_from_a_converted_checkpoint(src, tmp_path):
     assert ev["train/CE loss"][1] < scalars(src)["train/CE loss"][1] - 0.3
     after, _ = load(run / "checkpoints" / "1")
     assert int(after["opt"]["count"]) == 1
-    p = train(tmp_path / "bad", "--stop-at-step", "1", "--init-from", str(tmp_path / "converted"),
-              "--set", "model.d_model=32", expect=2)
+    p = train(
+        tmp_path / "bad",
+        "--stop-at-step",
+        "1",
+        "--init-from",
+        str(tmp_path / "converted"),
+        "--set",
+        "model.d_model=32",
+        expect=2,
+    )
     assert "does not hold parameters of this recipe's model" in p.stderr
 
 
@@ -112,12 +140,31 @@ def test_stage2_to_stage3_hand_off_with_packing_yarn_and_seq_shards(src, tmp_pat
     over 2 of 4 devices; the step-0 checkpoint written on one device restores onto that mesh."""
     dst = tmp_path / "stage3"
     olmo_ctl("surgery", "warm-adam", str(src / "checkpoints" / "40"), str(dst))
-    p = train(dst, "--stop-at-step", "2", "--set", "schedule.kind=linear", "--set", "schedule.warmup_steps=2",
-              "--set", "schedule.alpha=0", "--set", "data.seed=34521", "--set", "data.packed=true",
-              "--set", "data.source_group_size=8", "--set", "data.source_permutation_seed=123",
-              "--set", "model.rope_scaling={kind: yarn, factor: 4.0, beta_fast: 32.0, beta_slow: 1.0, "
-              "original_context: 32, full_layers_only: true}",
-              "--set", "train.seq_shards=2", device="cpu-4")
+    p = train(
+        dst,
+        "--stop-at-step",
+        "2",
+        "--set",
+        "schedule.kind=linear",
+        "--set",
+        "schedule.warmup_steps=2",
+        "--set",
+        "schedule.alpha=0",
+        "--set",
+        "data.seed=34521",
+        "--set",
+        "data.packed=true",
+        "--set",
+        "data.source_group_size=8",
+        "--set",
+        "data.source_permutation_seed=123",
+        "--set",
+        "model.rope_scaling={kind: yarn, factor: 4.0, beta_fast: 32.0, beta_slow: 1.0, "
+        "original_context: 32, full_layers_only: true}",
+        "--set",
+        "train.seq_shards=2",
+        device="cpu-4",
+    )
     assert "restored checkpoint 0" in p.stdout
     ev = scalars(dst)
     assert ev["optim/LR (group 0)"][1] == pytest.approx(3e-3 * 1 / 2, rel=1e-6)  # warmup step 1 of 2

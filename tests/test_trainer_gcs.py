@@ -18,11 +18,31 @@ def test_run_on_gcs_resumes_and_events_read_back_without_gap_or_duplicate(tmp_pa
 
     bucket = gcs.bucket
     run = f"gs://{bucket}/runs/smoke"
-    first = train(run, "--attempt", "1", "--stop-at-step", "10", "--set", "checkpoint.interval=5",
-                  "--set", "logging.upload_every_s=0", "--set", "eval.interval=10")
+    first = train(
+        run,
+        "--attempt",
+        "1",
+        "--stop-at-step",
+        "10",
+        "--set",
+        "checkpoint.interval=5",
+        "--set",
+        "logging.upload_every_s=0",
+        "--set",
+        "eval.interval=10",
+    )
     assert "committed step 10" in first.stdout
-    second = train(run, "--attempt", "2", "--stop-at-step", "15", "--set", "checkpoint.interval=5",
-                   "--set", "eval.interval=10")
+    second = train(
+        run,
+        "--attempt",
+        "2",
+        "--stop-at-step",
+        "15",
+        "--set",
+        "checkpoint.interval=5",
+        "--set",
+        "eval.interval=10",
+    )
     assert "restored checkpoint 10 from gs://" in second.stdout
 
     store = store_for(run)
@@ -30,7 +50,9 @@ def test_run_on_gcs_resumes_and_events_read_back_without_gap_or_duplicate(tmp_pa
     assert [d.rstrip("/").rsplit("/", 1)[1] for d in dirs] == ["10", "15", "5"]
     files, _ = store.list(f"{run}/tensorboard")
     names = [f.path.rsplit("/", 1)[1] for f in files]
-    assert all(re.fullmatch(r"events\.out\.tfevents\.\d{10}\.[A-Za-z0-9_-]+\.a000[12]\.s\d{5}", n) for n in names)
+    assert all(
+        re.fullmatch(r"events\.out\.tfevents\.\d{10}\.[A-Za-z0-9_-]+\.a000[12]\.s\d{5}", n) for n in names
+    )
     assert len([n for n in names if ".a0001." in n]) >= 2  # several immutable segments, no append
 
     acc = EventAccumulator(f"{run}/tensorboard", size_guidance={SCALARS: 0})

@@ -36,10 +36,22 @@ def test_smoke_recipe_learns_and_logs_eval(runs):
     assert ce[40] <= 0.7 * ce[1], (ce[1], ce[40])
     assert sorted(A["eval/lm_loss"]) == [20, 40]
     assert A["eval/lm_loss"][40] < A["eval/lm_loss"][20]
-    for tag in ("train/PPL", "train/Z loss", "optim/LR (group 0)", "optim/LR (group 1)", "optim/step skipped",
-                "optim/step_skipped", "throughput/total tokens", "perf/total_tokens", "throughput/device/TPS",
-                "throughput/device/TPS (actual avg)", "throughput/device/MFU", "throughput/device/MFU (actual avg)",
-                "throughput/device/data loading (s)", "perf/step_time_s"):
+    for tag in (
+        "train/PPL",
+        "train/Z loss",
+        "optim/LR (group 0)",
+        "optim/LR (group 1)",
+        "optim/step skipped",
+        "optim/step_skipped",
+        "throughput/total tokens",
+        "perf/total_tokens",
+        "throughput/device/TPS",
+        "throughput/device/TPS (actual avg)",
+        "throughput/device/MFU",
+        "throughput/device/MFU (actual avg)",
+        "throughput/device/data loading (s)",
+        "perf/step_time_s",
+    ):
         assert sorted(A[tag]) == list(range(1, 41)), tag
     assert A["perf/total_tokens"][40] == 40 * 8 * 128
     assert sorted(A["checkpoint/save_duration_s"]) == [20, 40]
@@ -83,7 +95,9 @@ def test_compare_finds_the_resume_exact_and_names_a_desynchronised_one(runs):
 
     same = compare(str(runs["a"]), str(runs["b"]), ["train/CE loss", "optim/total grad norm"])
     for tag in ("train/CE loss", "optim/total grad norm"):
-        assert same["tags"][tag]["common_steps"] == 40 and same["tags"][tag]["max_abs_delta"] == 0.0, same["verdict"]
+        assert same["tags"][tag]["common_steps"] == 40 and same["tags"][tag]["max_abs_delta"] == 0.0, same[
+            "verdict"
+        ]
     desync = resume_copy(runs["b"], 20, runs["root"] / "desync")
     train(desync, "--stop-at-step", "30", "--set", "data.seed=999", "--allow-data-change")
     off = compare(str(runs["a"]), str(desync))

@@ -16,8 +16,23 @@ def test_sigterm_checkpoints_the_completed_step_and_next_attempt_resumes(tmp_pat
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(run), "--device", "cpu-1",
-           "--attempt", "1", "--set", "checkpoint.interval=1000", "--set", "logging.metrics_every=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "olmo_ctl.trainer",
+        "--recipe",
+        "smoke",
+        "--run-dir",
+        str(run),
+        "--device",
+        "cpu-1",
+        "--attempt",
+        "1",
+        "--set",
+        "checkpoint.interval=1000",
+        "--set",
+        "logging.metrics_every=1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
     deadline = time.monotonic() + 300
@@ -47,14 +62,26 @@ def test_sigterm_checkpoints_the_completed_step_and_next_attempt_resumes(tmp_pat
     assert f"committed step {n + 3}" in p.stdout
     assert sorted(scalars(run)["train/CE loss"]) == list(range(1, n + 4))
     names = sorted(os.listdir(run / "tensorboard"))
-    assert all(re.fullmatch(r"events\.out\.tfevents\.\d{10}\.[A-Za-z0-9_-]+\.a000[12]\.s\d{5}", x) for x in names), names
+    assert all(
+        re.fullmatch(r"events\.out\.tfevents\.\d{10}\.[A-Za-z0-9_-]+\.a000[12]\.s\d{5}", x) for x in names
+    ), names
     assert {x.split(".")[-2] for x in names} == {"a0001", "a0002"}
 
 
 def test_non_finite_loss_exits_1_and_never_checkpoints_it(tmp_path):
     run = tmp_path / "run"
-    p = train(run, "--stop-at-step", "30", "--set", "optimizer.lr=1e6", "--set", "schedule.warmup_steps=0",
-              "--set", "checkpoint.interval=2", expect=1)
+    p = train(
+        run,
+        "--stop-at-step",
+        "30",
+        "--set",
+        "optimizer.lr=1e6",
+        "--set",
+        "schedule.warmup_steps=0",
+        "--set",
+        "checkpoint.interval=2",
+        expect=1,
+    )
     assert "loss is not finite at step" in p.stderr and "Traceback" not in p.stderr
     assert not list((run / "checkpoints").glob("[0-9]*"))
     ce = scalars(run)["train/CE loss"]  # the finite steps before it were logged, once
@@ -67,12 +94,31 @@ def test_sigkill_replays_from_the_last_checkpoint_and_readers_see_each_step_once
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
     run = tmp_path / "run"
-    sets = ["--set", "checkpoint.interval=1000", "--set", "logging.metrics_every=1", "--set", "logging.upload_every_s=0"]
+    sets = [
+        "--set",
+        "checkpoint.interval=1000",
+        "--set",
+        "logging.metrics_every=1",
+        "--set",
+        "logging.upload_every_s=0",
+    ]
     train(run, "--attempt", "1", "--stop-at-step", "5", *sets)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(run), "--device", "cpu-1",
-           "--attempt", "2", *sets]
+    cmd = [
+        sys.executable,
+        "-m",
+        "olmo_ctl.trainer",
+        "--recipe",
+        "smoke",
+        "--run-dir",
+        str(run),
+        "--device",
+        "cpu-1",
+        "--attempt",
+        "2",
+        *sets,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         for line in proc.stdout:

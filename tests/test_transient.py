@@ -77,15 +77,24 @@ TABLE = [
 ]
 
 
-@pytest.mark.parametrize("exc, transient", TABLE, ids=[f"{type(e).__name__}-{i}" for i, (e, _) in enumerate(TABLE)])
+@pytest.mark.parametrize(
+    "exc, transient", TABLE, ids=[f"{type(e).__name__}-{i}" for i, (e, _) in enumerate(TABLE)]
+)
 def test_transient_or_not(exc, transient):
     assert is_transient(exc) is transient
 
 
-@pytest.mark.parametrize("name, transient", [
-    ("ServiceUnavailable", True), ("InternalServerError", True), ("GatewayTimeout", True),
-    ("TooManyRequests", True), ("RetryError", True), ("BadRequest", True),  # every google.* client error
-])
+@pytest.mark.parametrize(
+    "name, transient",
+    [
+        ("ServiceUnavailable", True),
+        ("InternalServerError", True),
+        ("GatewayTimeout", True),
+        ("TooManyRequests", True),
+        ("RetryError", True),
+        ("BadRequest", True),  # every google.* client error
+    ],
+)
 def test_google_api_core_errors(name, transient):
     assert is_transient(_google(name)) is transient
 

@@ -38,8 +38,10 @@ def set_recorded(rd: RunDir, **changed: str) -> dict:
 
 
 def test_installed_reads_metadata_without_importing():
-    code = ("import json, sys; from olmo_ctl.core.versions import installed; v = installed(); "
-            "print(json.dumps([v, sorted(m for m in ('jax', 'jaxlib', 'optax', 'orbax') if m in sys.modules)]))")
+    code = (
+        "import json, sys; from olmo_ctl.core.versions import installed; v = installed(); "
+        "print(json.dumps([v, sorted(m for m in ('jax', 'jaxlib', 'optax', 'orbax') if m in sys.modules)]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     got, imported = json.loads(out.stdout)
     assert imported == []
@@ -51,39 +53,55 @@ def test_installed_reads_metadata_without_importing():
             assert v is None
 
 
-@pytest.mark.parametrize("old,new,blocks", [
-    ({"orbax-checkpoint": "0.11.0"}, {"orbax-checkpoint": "0.12.8"}, True),    # minor: format may change
-    ({"orbax-checkpoint": "0.12.1"}, {"orbax-checkpoint": "0.12.8"}, False),   # patch
-    ({"orbax-checkpoint": "1.0.0"}, {"orbax-checkpoint": "0.12.8"}, True),     # major
-    ({"orbax-checkpoint": "0.12.8"}, {"orbax-checkpoint": None}, True),        # not installed any more
-    ({"jax": "0.6.0", "libtpu": "0.0.17"}, {"jax": "0.10.2", "libtpu": "0.0.42.1"}, False),  # numerics only
-])
+@pytest.mark.parametrize(
+    "old,new,blocks",
+    [
+        ({"orbax-checkpoint": "0.11.0"}, {"orbax-checkpoint": "0.12.8"}, True),  # minor: format may change
+        ({"orbax-checkpoint": "0.12.1"}, {"orbax-checkpoint": "0.12.8"}, False),  # patch
+        ({"orbax-checkpoint": "1.0.0"}, {"orbax-checkpoint": "0.12.8"}, True),  # major
+        ({"orbax-checkpoint": "0.12.8"}, {"orbax-checkpoint": None}, True),  # not installed any more
+        (
+            {"jax": "0.6.0", "libtpu": "0.0.17"},
+            {"jax": "0.10.2", "libtpu": "0.0.42.1"},
+            False,
+        ),  # numerics only
+    ],
+)
 def test_blocking_rule(old, new, blocks):
     diff = versions.changes(old, new)
     assert diff and bool(versions.blocking(diff)) is blocks
 
 
 def test_changes_compare_only_recorded_packages_and_say_so_in_one_line():
-    diff = versions.changes({"jax": "0.6.0", "optax": "0.2.8"}, {"jax": "0.10.2", "optax": "0.2.8", "libtpu": None})
+    diff = versions.changes(
+        {"jax": "0.6.0", "optax": "0.2.8"}, {"jax": "0.10.2", "optax": "0.2.8", "libtpu": None}
+    )
     assert diff == [("jax", "0.6.0", "0.10.2")]
-    assert versions.describe([*diff, ("libtpu", "0.0.17", None)]) == "jax 0.6.0 -> 0.10.2, libtpu 0.0.17 -> none"
+    assert (
+        versions.describe([*diff, ("libtpu", "0.0.17", None)]) == "jax 0.6.0 -> 0.10.2, libtpu 0.0.17 -> none"
+    )
 
 
 def test_run_dir_records_then_reports_then_refuses(tmp_path):
     rd = new_run(tmp_path / "r")
     now = versions.installed()
-    assert rd.check_versions(now, attempt=1) is None                   # the first attempt records
+    assert rd.check_versions(now, attempt=1) is None  # the first attempt records
     assert rd.read_run()["versions"] == now
-    assert rd.check_versions(now, attempt=2, restoring=True) is None   # same versions: nothing
+    assert rd.check_versions(now, attempt=2, restoring=True) is None  # same versions: nothing
     assert [r["event"] for r in rd.journal()] == []
 
-    old = set_recorded(rd, jax="0.0.1")                                 # numerics: reported, not refused
+    old = set_recorded(rd, jax="0.0.1")  # numerics: reported, not refused
     line = rd.check_versions(now, attempt=3, restoring=True)
     assert line == f"versions changed since the run's last attempt: jax 0.0.1 -> {now['jax']}"
     (rec,) = rd.journal()
     assert (rec["event"], rec["attempt"], rec["reason"], rec["previous"], rec["versions"]) == (
-        "versions_changed", 3, line, old, now)
-    assert rd.read_run()["versions"] == now                             # the run now trains with these
+        "versions_changed",
+        3,
+        line,
+        old,
+        now,
+    )
+    assert rd.read_run()["versions"] == now  # the run now trains with these
 
     old = set_recorded(rd, orbax_checkpoint="0.1.0")
     before = Path(rd.p("run.yaml")).read_text()
@@ -91,7 +109,7 @@ def test_run_dir_records_then_reports_then_refuses(tmp_path):
         rd.check_versions(now, attempt=4, restoring=True)
     assert f"orbax-checkpoint 0.1.0 -> {now['orbax-checkpoint']}" in e.value.one_line()
     assert "--allow-version-change" in e.value.one_line()
-    assert Path(rd.p("run.yaml")).read_text() == before                # refused: the record stays
+    assert Path(rd.p("run.yaml")).read_text() == before  # refused: the record stays
     assert rd.journal()[-1]["refused"] is True and rd.journal()[-1]["attempt"] == 4
     # Nothing to restore (no committed checkpoint): a new format is no danger.
     assert rd.check_versions(now, attempt=5, restoring=False).startswith("versions changed")
@@ -111,8 +129,13 @@ def test_run_dir_records_then_reports_then_refuses(tmp_path):
 def trainer(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "olmo_ctl.trainer", "--run-dir", str(run_dir), "--device", "cpu-1",
-                           *extra], capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "olmo_ctl.trainer", "--run-dir", str(run_dir), "--device", "cpu-1", *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def test_trainer_restores_a_run_recorded_with_other_versions(tmp_path):
@@ -137,10 +160,14 @@ def test_trainer_restores_a_run_recorded_with_other_versions(tmp_path):
     p = trainer(tmp_path / "run", "--attempt", "3", "--allow-version-change")
     assert p.returncode == 0, p.stdout + p.stderr
     warn = [ln for ln in p.stdout.splitlines() if "versions changed" in ln]
-    assert warn == [f"warning: versions changed since the run's last attempt: jax 0.0.1 -> {now['jax']}, "
-                    f"orbax-checkpoint 0.1.0 -> {now['orbax-checkpoint']}; restoring anyway (--allow-version-change)"]
+    assert warn == [
+        f"warning: versions changed since the run's last attempt: jax 0.0.1 -> {now['jax']}, "
+        f"orbax-checkpoint 0.1.0 -> {now['orbax-checkpoint']}; restoring anyway (--allow-version-change)"
+    ]
     assert "restored checkpoint 2" in p.stdout and "committed step 2" in p.stdout
-    events = [(r["event"], r["attempt"], bool(r.get("refused")), bool(r.get("allowed"))) for r in rd.journal()]
+    events = [
+        (r["event"], r["attempt"], bool(r.get("refused")), bool(r.get("allowed"))) for r in rd.journal()
+    ]
     assert events == [("versions_changed", 2, True, False), ("versions_changed", 3, False, True)]
 
     rep = build_report(load(str(tmp_path / "run")), ask_backend=False)

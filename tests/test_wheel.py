@@ -24,8 +24,22 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-SKIP = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pyc", "build", "dist", "*.egg-info", "runs",
-                              ".pytest_cache", ".ruff_cache", ".mypy_cache", ".cache", "tmp", "shared")
+SKIP = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "__pycache__",
+    "*.pyc",
+    "build",
+    "dist",
+    "*.egg-info",
+    "runs",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".mypy_cache",
+    ".cache",
+    "tmp",
+    "shared",
+)
 
 
 def _build_backend_available() -> bool:
@@ -46,8 +60,18 @@ def installed(tmp_path_factory) -> dict:
     src = tmp / "src"
     shutil.copytree(REPO, src, symlinks=True, ignore=SKIP)
     dist = tmp / "dist"
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-q",
-           "-w", str(dist), str(src)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-q",
+        "-w",
+        str(dist),
+        str(src),
+    ]
     if _build_backend_available():
         cmd.insert(4, "--no-build-isolation")
     subprocess.run(cmd, check=True, timeout=300, cwd=tmp)
@@ -56,10 +80,32 @@ def installed(tmp_path_factory) -> dict:
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index",
-                    "--disable-pip-version-check", "-q", str(whl)], check=True, timeout=300, cwd=tmp)
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            str(whl),
+        ],
+        check=True,
+        timeout=300,
+        cwd=tmp,
+    )
+    site = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     # This environment's packages, after the fresh one's own: a plain path line, so their .pth files
     # (an editable olmo_ctl among them) are not processed.
     ours = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
@@ -73,8 +119,14 @@ def installed(tmp_path_factory) -> dict:
 
 
 def run(inst: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(inst["venv"] / "bin" / "olmo-ctl"), *args], capture_output=True, text=True,
-                          env=inst["env"], cwd=inst["work"], timeout=timeout)
+    return subprocess.run(
+        [str(inst["venv"] / "bin" / "olmo-ctl"), *args],
+        capture_output=True,
+        text=True,
+        env=inst["env"],
+        cwd=inst["work"],
+        timeout=timeout,
+    )
 
 
 def test_wheel_carries_recipes_and_templates(installed):
@@ -91,10 +143,19 @@ def test_wheel_carries_recipes_and_templates(installed):
 
 
 def test_installed_copy_is_what_runs(installed):
-    out = subprocess.run([str(installed["python"]), "-c",
-                          "import olmo_ctl, olmo_ctl.core.recipe as r, olmo_ctl.backends.jobset as j;"
-                          "print(olmo_ctl.__file__); print(r.RECIPES_DIR); print(j.TEMPLATES_DIR)"],
-                         capture_output=True, text=True, env=installed["env"], cwd=installed["work"], check=True)
+    out = subprocess.run(
+        [
+            str(installed["python"]),
+            "-c",
+            "import olmo_ctl, olmo_ctl.core.recipe as r, olmo_ctl.backends.jobset as j;"
+            "print(olmo_ctl.__file__); print(r.RECIPES_DIR); print(j.TEMPLATES_DIR)",
+        ],
+        capture_output=True,
+        text=True,
+        env=installed["env"],
+        cwd=installed["work"],
+        check=True,
+    )
     for line in out.stdout.split():
         assert Path(line).resolve().is_relative_to(installed["site"].resolve()), line
         assert not Path(line).resolve().is_relative_to(REPO), line
@@ -114,23 +175,51 @@ def test_dry_run_from_the_wheel(installed):
 def test_user_delta_recipes_from_the_wheel(installed):
     """A user file naming the wheel's shipped base and model, and one beside it with a relative `base:`."""
     work = installed["work"]
-    (work / "mine.yaml").write_text("name: mine\nbase: olmo3-7b-stage2\nmodel: olmo3-7b\ntrain: {max_steps: 1000}\n")
+    (work / "mine.yaml").write_text(
+        "name: mine\nbase: olmo3-7b-stage2\nmodel: olmo3-7b\ntrain: {max_steps: 1000}\n"
+    )
     (work / "deltas").mkdir()
-    (work / "deltas" / "mine-remat.yaml").write_text("name: mine-remat\nbase: ../mine.yaml\nmodel: {remat: save_proj}\n")
+    (work / "deltas" / "mine-remat.yaml").write_text(
+        "name: mine-remat\nbase: ../mine.yaml\nmodel: {remat: save_proj}\n"
+    )
     p = run(installed, "plan", "--recipe", "deltas/mine-remat.yaml", "--device", "tpu7x-128", "-o", "json")
     assert p.returncode == 0, p.stderr
     plan = json.loads(p.stdout)
-    assert (plan["recipe"], plan["global_batch"], plan["max_steps"], plan["remat"], plan["params"]) == \
-        ("mine-remat", 256, 1000, "save_proj", 7_298_617_344)
+    assert (plan["recipe"], plan["global_batch"], plan["max_steps"], plan["remat"], plan["params"]) == (
+        "mine-remat",
+        256,
+        1000,
+        "save_proj",
+        7_298_617_344,
+    )
 
 
 def test_resume_until_done_from_the_wheel(installed):
     pytest.importorskip("jax")
     root = installed["work"] / "runs"
-    p = run(installed, "resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local",
-            "--run", "wheel-smoke", "--run-root", str(root), "--poll", "0.5",
-            "--set", "train.max_steps=5", "--set", "schedule.warmup_steps=1", "--set", "eval.interval=1000",
-            timeout=300)
+    p = run(
+        installed,
+        "resume-until-done",
+        "--recipe",
+        "smoke",
+        "--device",
+        "cpu-1",
+        "--backend",
+        "local",
+        "--run",
+        "wheel-smoke",
+        "--run-root",
+        str(root),
+        "--poll",
+        "0.5",
+        "--set",
+        "train.max_steps=5",
+        "--set",
+        "schedule.warmup_steps=1",
+        "--set",
+        "eval.interval=1000",
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     status = run(installed, "monitor", str(root / "wheel-smoke"), "-o", "json", "--no-backend")
     assert status.returncode == 0, status.stderr

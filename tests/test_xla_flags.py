@@ -45,15 +45,22 @@ def test_each_generation_has_its_documented_set():
 
 def test_recipe_then_site_override_by_name_and_pods_get_exactly_that():
     dev = get_device("tpu7x-128")
-    recipe = load_recipe(stage=1, overrides=[
-        "xla_flags=[--xla_tpu_enable_sparse_core_collective_offload_all_reduce=false, --xla_tpu_scoped_vmem_limit_kib=65536]"])
+    recipe = load_recipe(
+        stage=1,
+        overrides=[
+            "xla_flags=[--xla_tpu_enable_sparse_core_collective_offload_all_reduce=false, --xla_tpu_scoped_vmem_limit_kib=65536]"
+        ],
+    )
     settings = Settings(run_root="gs://b/r", xla_flags="--xla_tpu_scoped_vmem_limit_kib=98304")
     flags = xla_flags_for(dev, recipe, settings)
     assert "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=false" in flags
     assert "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true" not in flags
     assert [f for f in flags if "vmem" in f] == ["--xla_tpu_scoped_vmem_limit_kib=98304"]  # the site wins
     src = xla_flag_sources(dev, recipe, settings)
-    assert src["xla_tpu_enable_sparse_core_collective_offload_all_reduce"][1] == "recipe olmo3-7b-stage1 (xla_flags)"
+    assert (
+        src["xla_tpu_enable_sparse_core_collective_offload_all_reduce"][1]
+        == "recipe olmo3-7b-stage1 (xla_flags)"
+    )
     assert src["xla_tpu_enable_sparse_core_collective_offload_all_gather"][1] == "launch_templates/tpu7x.yaml"
     js = render_jobset(recipe, make_plan(recipe, dev), dev, settings, "r1", 1, "gs://b/r/r1")
     assert _env(js)["LIBTPU_INIT_ARGS"] == " ".join(flags) == libtpu_init_args(dev, recipe, settings)
@@ -78,7 +85,10 @@ def test_site_setting_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.setenv("OLMO_CTL_XLA_FLAGS", " --xla_tpu_scoped_vmem_limit_kib=65536 ")
     s = resolve_settings()
-    assert s.xla_flags == "--xla_tpu_scoped_vmem_limit_kib=65536" and s.sources["xla_flags"] == "env OLMO_CTL_XLA_FLAGS"
+    assert (
+        s.xla_flags == "--xla_tpu_scoped_vmem_limit_kib=65536"
+        and s.sources["xla_flags"] == "env OLMO_CTL_XLA_FLAGS"
+    )
     assert xla_flags_for(get_device("v5p-8"), None, s)[-1] == "--xla_tpu_scoped_vmem_limit_kib=65536"
     monkeypatch.setenv("OLMO_CTL_XLA_FLAGS", "")
     assert resolve_settings().xla_flags is None

@@ -19,23 +19,45 @@ from olmo_ctl.trainer import convert  # noqa: E402
 from olmo_ctl.trainer.parity import hf_logits, logit_stats, our_logits, run_parity  # noqa: E402
 
 ORIGINAL, SEQ = 16, 64
-YARN = {"rope_type": "yarn", "rope_theta": 10.0, "factor": 8.0, "original_max_position_embeddings": ORIGINAL,
-        "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.1 * math.log(8.0) + 1.0}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": ORIGINAL,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "attention_factor": 0.1 * math.log(8.0) + 1.0,
+}
 # Six layers, full attention every fourth and on the last (the last-layer rule); head_dim 32 and theta
 # 10 put YaRN's ramp over frequency indices 0..7, so all three regimes (kept, blended, interpolated) occur.
-CONFIG = dict(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=2,
-              num_key_value_heads=2, head_dim=32, sliding_window=8,
-              layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"],
-              rope_parameters={"full_attention": YARN,
-                               "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}})
+CONFIG = dict(
+    vocab_size=250,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=32,
+    sliding_window=8,
+    layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"],
+    rope_parameters={
+        "full_attention": YARN,
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+    },
+)
 
 
 def _hf_inv_freq(rope_parameters: dict, hidden: int, heads: int):
     from transformers import Olmo3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cfg = Olmo3Config(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=4,
-                      rope_parameters=rope_parameters, max_position_embeddings=65536)
+    cfg = Olmo3Config(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_hidden_layers=4,
+        rope_parameters=rope_parameters,
+        max_position_embeddings=65536,
+    )
     inv, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, None, layer_type="full_attention")
     return inv.numpy(), factor
 
@@ -62,8 +84,15 @@ def yarn_pair(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("yarn")
     torch.manual_seed(3)
-    cfg = Olmo3Config(**CONFIG, max_position_embeddings=ORIGINAL * 8, rms_norm_eps=1e-6, pad_token_id=1,
-                      eos_token_id=2, bos_token_id=None, tie_word_embeddings=False)
+    cfg = Olmo3Config(
+        **CONFIG,
+        max_position_embeddings=ORIGINAL * 8,
+        rms_norm_eps=1e-6,
+        pad_token_id=1,
+        eos_token_id=2,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     model = Olmo3ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -76,8 +105,9 @@ def yarn_pair(tmp_path_factory):
 def test_yarn_config_maps_from_hf(yarn_pair):
     _, orbax = yarn_pair
     _, cfg, _ = convert.load_orbax(orbax)
-    assert cfg.rope_scaling == RopeScalingConfig(factor=8.0, beta_fast=32.0, beta_slow=1.0, original_context=ORIGINAL,
-                                                 full_layers_only=True)
+    assert cfg.rope_scaling == RopeScalingConfig(
+        factor=8.0, beta_fast=32.0, beta_slow=1.0, original_context=ORIGINAL, full_layers_only=True
+    )
     assert [cfg.layer_rope_scaled(i) for i in range(6)] == [False, False, False, True, False, True]
     assert convert.hf_config_from_model(cfg)["rope_parameters"]["full_attention"] == YARN
 
@@ -92,8 +122,10 @@ def test_yarn_logit_parity_beyond_the_original_context(yarn_pair):
     params, cfg, _ = convert.load_orbax(orbax)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, SEQ))
     ref = hf_logits(hf, tokens)[..., : cfg.vocab_size].reshape(-1, cfg.vocab_size)
-    for wrong in (dataclasses.replace(cfg, rope_scaling=None),
-                  dataclasses.replace(cfg, rope_scaling=dataclasses.replace(cfg.rope_scaling, full_layers_only=False))):
+    for wrong in (
+        dataclasses.replace(cfg, rope_scaling=None),
+        dataclasses.replace(cfg, rope_scaling=dataclasses.replace(cfg.rope_scaling, full_layers_only=False)),
+    ):
         ours = our_logits(params, wrong, tokens)[..., : cfg.vocab_size].reshape(-1, cfg.vocab_size)
         assert logit_stats(ref, ours)["kl_mean"] > 1e-4
 

@@ -148,8 +148,7 @@ class Backend(abc.ABC, Generic[Req]):
         ...
 
     @abc.abstractmethod
-    def send(self, request: Req) -> Handle:
-        ...
+    def send(self, request: Req) -> Handle: ...
 
     @staticmethod
     def printable(request: Any) -> Any:
@@ -157,12 +156,10 @@ class Backend(abc.ABC, Generic[Req]):
         return request.to_dict() if hasattr(request, "to_dict") else request
 
     @abc.abstractmethod
-    def status(self, handle: Handle) -> AttemptStatus:
-        ...
+    def status(self, handle: Handle) -> AttemptStatus: ...
 
     @abc.abstractmethod
-    def stop(self, handle: Handle, graceful: bool = True) -> None:
-        ...
+    def stop(self, handle: Handle, graceful: bool = True) -> None: ...
 
     def wait_gone(self, handle: Handle, timeout_s: float, poll_s: float) -> bool:
         """Wait until the stopped attempt can no longer write to the run directory; False on timeout.
@@ -175,8 +172,7 @@ class Backend(abc.ABC, Generic[Req]):
         return True
 
     @abc.abstractmethod
-    def logs(self, handle: Handle, tail: int = 50) -> list[str]:
-        ...
+    def logs(self, handle: Handle, tail: int = 50) -> list[str]: ...
 
     def progress(self, handle: Handle) -> LogProgress:
         """What the backend sees of the trainer's progress (step lines, a committed step) at no extra

@@ -41,26 +41,40 @@ ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
 KUEUE_KINDS = ("workloads", "localqueues", "clusterqueues", "resourceflavors", "workloadpriorityclasses")
-JOBSET_INSTALL = ("install JobSet v0.10.1: kubectl apply --server-side -f "
-                  "https://github.com/kubernetes-sigs/jobset/releases/download/v0.10.1/manifests.yaml")
-KUEUE_INSTALL = ("install Kueue v0.17.1: kubectl apply --server-side -f "
-                 "https://github.com/kubernetes-sigs/kueue/releases/download/v0.17.1/manifests.yaml")
+JOBSET_INSTALL = (
+    "install JobSet v0.10.1: kubectl apply --server-side -f "
+    "https://github.com/kubernetes-sigs/jobset/releases/download/v0.10.1/manifests.yaml"
+)
+KUEUE_INSTALL = (
+    "install Kueue v0.17.1: kubectl apply --server-side -f "
+    "https://github.com/kubernetes-sigs/kueue/releases/download/v0.17.1/manifests.yaml"
+)
 # Every (verb, group, resource, subresource) the GKE backend uses (backends/gke.py).
 TOOL_ACCESS: tuple[tuple[str, str, str, str], ...] = (
-    ("create", JOBSET_GROUP, JOBSETS, ""), ("get", JOBSET_GROUP, JOBSETS, ""), ("list", JOBSET_GROUP, JOBSETS, ""),
-    ("delete", JOBSET_GROUP, JOBSETS, ""), ("list", KUEUE_GROUP, WORKLOADS, ""), ("list", "", "pods", ""),
-    ("deletecollection", "", "pods", ""), ("get", "", "pods", "log"), ("list", "", "events", ""),
+    ("create", JOBSET_GROUP, JOBSETS, ""),
+    ("get", JOBSET_GROUP, JOBSETS, ""),
+    ("list", JOBSET_GROUP, JOBSETS, ""),
+    ("delete", JOBSET_GROUP, JOBSETS, ""),
+    ("list", KUEUE_GROUP, WORKLOADS, ""),
+    ("list", "", "pods", ""),
+    ("deletecollection", "", "pods", ""),
+    ("get", "", "pods", "log"),
+    ("list", "", "events", ""),
     ("get", KUEUE_GROUP, "workloadpriorityclasses", ""),  # cluster-scoped: asked without a namespace
 )
 CLUSTER_SCOPED = frozenset({"workloadpriorityclasses"})
 # One probe of the API before the checks: a cluster that does not answer is exit 3, quickly.
-PROBE = KubeRetryPolicy(base_s=0.5, max_s=2.0, budget_s=8.0, max_attempts=3, connect_timeout_s=5.0,
-                        read_timeout_s=10.0)
-QUICK = KubeRetryPolicy(base_s=0.5, max_s=5.0, budget_s=30.0, max_attempts=4, connect_timeout_s=5.0,
-                        read_timeout_s=15.0)
-_IMAGE = re.compile(r"^(?:(?P<registry>[a-zA-Z0-9.-]+(?::\d+)?)/)?(?P<path>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-                    r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)(?::(?P<tag>[\w][\w.-]{0,127}))?"
-                    r"(?:@(?P<digest>[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}))?$")
+PROBE = KubeRetryPolicy(
+    base_s=0.5, max_s=2.0, budget_s=8.0, max_attempts=3, connect_timeout_s=5.0, read_timeout_s=10.0
+)
+QUICK = KubeRetryPolicy(
+    base_s=0.5, max_s=5.0, budget_s=30.0, max_attempts=4, connect_timeout_s=5.0, read_timeout_s=15.0
+)
+_IMAGE = re.compile(
+    r"^(?:(?P<registry>[a-zA-Z0-9.-]+(?::\d+)?)/)?(?P<path>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+    r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)(?::(?P<tag>[\w][\w.-]{0,127}))?"
+    r"(?:@(?P<digest>[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}))?$"
+)
 
 
 @dataclass(frozen=True)
@@ -94,20 +108,33 @@ class Cluster:
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = "application/json"
-        m, url, hdrs, data, post = self.api.param_serialize(method=method, resource_path=path, query_params=
-                                                            list((query or {}).items()), header_params=headers,
-                                                            body=body, auth_settings=["BearerToken"])
+        m, url, hdrs, data, post = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=list((query or {}).items()),
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
         resp = self.api.call_api(m, url, hdrs, data, post, _request_timeout=self.policy.request_timeout)
         resp.read()
         if not 200 <= resp.status < 300:
             raise ApiException(http_resp=resp)
         return json.loads(resp.data or b"null")
 
-    def request(self, method: str, path: str, what: str, body: Any = None, query: dict | None = None,
-                policy: KubeRetryPolicy | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        body: Any = None,
+        query: dict | None = None,
+        policy: KubeRetryPolicy | None = None,
+    ) -> Any:
         try:
-            return call(self._once, method, path, body, query, policy=policy or self.policy, what=what,
-                        host=self.host)
+            return call(
+                self._once, method, path, body, query, policy=policy or self.policy, what=what, host=self.host
+            )
         except Unreachable:
             raise
         except Exception as e:
@@ -117,9 +144,10 @@ class Cluster:
             if status == 403:
                 raise Forbidden(status_message(e)) from None
             if status == 401:
-                raise BadInput(f"{what}: the Kubernetes API refused our credentials ({status_message(e)})",
-                               "refresh them: gcloud container clusters get-credentials CLUSTER --region REGION") \
-                    from None
+                raise BadInput(
+                    f"{what}: the Kubernetes API refused our credentials ({status_message(e)})",
+                    "refresh them: gcloud container clusters get-credentials CLUSTER --region REGION",
+                ) from None
             if status:
                 raise BadInput(f"{what}: HTTP {status}: {status_message(e)}") from None
             raise
@@ -169,19 +197,32 @@ def check_apis(kube: Cluster) -> tuple[list[Check], str | None]:
     js = kube.get(f"/apis/{JOBSET_GROUP}/{JOBSET_VERSION}", "discover the JobSet API")
     have = {r.get("name") for r in (js or {}).get("resources") or []}
     if js is None or JOBSETS not in have:
-        out.append(Check("jobset-crd", False, f"the cluster does not serve {JOBSET_GROUP}/{JOBSET_VERSION} "
-                                              f"jobsets, which olmo-ctl renders; {JOBSET_INSTALL}"))
+        out.append(
+            Check(
+                "jobset-crd",
+                False,
+                f"the cluster does not serve {JOBSET_GROUP}/{JOBSET_VERSION} "
+                f"jobsets, which olmo-ctl renders; {JOBSET_INSTALL}",
+            )
+        )
     else:
         out.append(Check("jobset-crd", True, f"{JOBSET_GROUP}/{JOBSET_VERSION} jobsets served"))
     version = kueue_version(kube)
     if version is None:
-        out.append(Check("kueue-crds", False, f"the cluster serves no {KUEUE_GROUP} API in "
-                                              f"{' or '.join(KUEUE_VERSIONS)}; {KUEUE_INSTALL}"))
+        out.append(
+            Check(
+                "kueue-crds",
+                False,
+                f"the cluster serves no {KUEUE_GROUP} API in {' or '.join(KUEUE_VERSIONS)}; {KUEUE_INSTALL}",
+            )
+        )
         return out, None
     gv = kube.get(f"/apis/{KUEUE_GROUP}/{version}", "discover the Kueue API") or {}
     missing = [k for k in KUEUE_KINDS if k not in {r.get("name") for r in gv.get("resources") or []}]
     if missing:
-        out.append(Check("kueue-crds", False, f"{KUEUE_GROUP}/{version} lacks {', '.join(missing)}; {KUEUE_INSTALL}"))
+        out.append(
+            Check("kueue-crds", False, f"{KUEUE_GROUP}/{version} lacks {', '.join(missing)}; {KUEUE_INSTALL}")
+        )
     else:
         out.append(Check("kueue-crds", True, f"{KUEUE_GROUP}/{version} serves {', '.join(KUEUE_KINDS)}"))
     return out, version
@@ -191,11 +232,16 @@ def check_namespace(kube: Cluster, ns: str) -> Check:
     try:
         obj = kube.get(f"/api/v1/namespaces/{ns}", f"read namespace {ns}")
     except Forbidden:
-        return _warn("namespace", f"cannot read namespace {ns} (forbidden); the RBAC check below says what "
-                                  "olmo-ctl may do there")
+        return _warn(
+            "namespace",
+            f"cannot read namespace {ns} (forbidden); the RBAC check below says what olmo-ctl may do there",
+        )
     if obj is None:
-        return Check("namespace", False, f"namespace {ns} does not exist; create it (kubectl create namespace "
-                                         f"{ns}) or set --namespace")
+        return Check(
+            "namespace",
+            False,
+            f"namespace {ns} does not exist; create it (kubectl create namespace {ns}) or set --namespace",
+        )
     phase = (obj.get("status") or {}).get("phase", "Active")
     if phase != "Active":
         return Check("namespace", False, f"namespace {ns} is {phase}; use another one (--namespace)")
@@ -210,12 +256,24 @@ def check_queues(kube: Cluster, version: str, ns: str, queue: str) -> tuple[list
     except Forbidden:
         return [_warn("local-queue", f"cannot read LocalQueue {ns}/{queue} (forbidden)")], None
     if lq is None:
-        return [Check("local-queue", False, f"LocalQueue {ns}/{queue} does not exist: Kueue would leave the JobSet "
-                                            f"Inadmissible; create it, or set --queue to one that exists "
-                                            f"(kubectl get localqueues -n {ns})")], None
+        return [
+            Check(
+                "local-queue",
+                False,
+                f"LocalQueue {ns}/{queue} does not exist: Kueue would leave the JobSet "
+                f"Inadmissible; create it, or set --queue to one that exists "
+                f"(kubectl get localqueues -n {ns})",
+            )
+        ], None
     if (lq.get("spec") or {}).get("stopPolicy", "None") != "None":
-        return [Check("local-queue", False, f"LocalQueue {ns}/{queue} is stopped (stopPolicy "
-                                            f"{lq['spec']['stopPolicy']}); ask its owner to resume it")], None
+        return [
+            Check(
+                "local-queue",
+                False,
+                f"LocalQueue {ns}/{queue} is stopped (stopPolicy "
+                f"{lq['spec']['stopPolicy']}); ask its owner to resume it",
+            )
+        ], None
     cq_name = (lq.get("spec") or {}).get("clusterQueue", "")
     out = [Check("local-queue", True, f"LocalQueue {ns}/{queue} -> ClusterQueue {cq_name}")]
     try:
@@ -224,14 +282,26 @@ def check_queues(kube: Cluster, version: str, ns: str, queue: str) -> tuple[list
         out.append(_warn("cluster-queue", f"cannot read ClusterQueue {cq_name} (forbidden)"))
         return out, None
     if cq is None:
-        out.append(Check("cluster-queue", False, f"ClusterQueue {cq_name} (of LocalQueue {ns}/{queue}) does not "
-                                                 "exist: workloads stay Inadmissible; create it or point the "
-                                                 "LocalQueue at one that exists"))
+        out.append(
+            Check(
+                "cluster-queue",
+                False,
+                f"ClusterQueue {cq_name} (of LocalQueue {ns}/{queue}) does not "
+                "exist: workloads stay Inadmissible; create it or point the "
+                "LocalQueue at one that exists",
+            )
+        )
         return out, None
     spec = cq.get("spec") or {}
     if spec.get("stopPolicy", "None") != "None":
-        out.append(Check("cluster-queue", False, f"ClusterQueue {cq_name} is stopped (stopPolicy "
-                                                 f"{spec['stopPolicy']}); ask its owner to resume it"))
+        out.append(
+            Check(
+                "cluster-queue",
+                False,
+                f"ClusterQueue {cq_name} is stopped (stopPolicy "
+                f"{spec['stopPolicy']}); ask its owner to resume it",
+            )
+        )
         return out, cq
     missing = []
     for g in spec.get("resourceGroups") or []:
@@ -242,15 +312,23 @@ def check_queues(kube: Cluster, version: str, ns: str, queue: str) -> tuple[list
             except Forbidden:
                 pass
     if missing:
-        out.append(Check("cluster-queue", False, f"ClusterQueue {cq_name} is inactive: ResourceFlavor "
-                                                 f"{', '.join(sorted(set(missing)))} does not exist; create it or "
-                                                 "remove it from the ClusterQueue"))
+        out.append(
+            Check(
+                "cluster-queue",
+                False,
+                f"ClusterQueue {cq_name} is inactive: ResourceFlavor "
+                f"{', '.join(sorted(set(missing)))} does not exist; create it or "
+                "remove it from the ClusterQueue",
+            )
+        )
         return out, cq
     out.append(Check("cluster-queue", True, f"ClusterQueue {cq_name} is active"))
     return out, cq
 
 
-def flavors_for(kube: Cluster, version: str, cq: dict, device: Device) -> list[tuple[str, dict | None, float]]:
+def flavors_for(
+    kube: Cluster, version: str, cq: dict, device: Device
+) -> list[tuple[str, dict | None, float]]:
     """(flavor name, ResourceFlavor or None if unreadable, nominal google.com/tpu) of the ClusterQueue's
     flavors covering google.com/tpu that Kueue would assign to the slice's pods."""
     out: list[tuple[str, dict | None, float]] = []
@@ -258,8 +336,14 @@ def flavors_for(kube: Cluster, version: str, cq: dict, device: Device) -> list[t
         if TPU not in (g.get("coveredResources") or []):
             continue
         for f in g.get("flavors") or []:
-            nominal = next((quantity(r.get("nominalQuota", 0)) for r in f.get("resources") or []
-                            if r.get("name") == TPU), 0.0)
+            nominal = next(
+                (
+                    quantity(r.get("nominalQuota", 0))
+                    for r in f.get("resources") or []
+                    if r.get("name") == TPU
+                ),
+                0.0,
+            )
             try:
                 rf = _kueue(kube, version, "resourceflavors", f["name"])
             except Forbidden:
@@ -275,29 +359,43 @@ def check_flavor(kube: Cluster, version: str, cq: dict, device: Device, slices: 
     labels = ", ".join(f"{k}={v}" for k, v in device_labels(device).items())
     fits = flavors_for(kube, version, cq, device)
     if not fits:
-        return Check("resource-flavor", False, f"ClusterQueue {cq_name} has no ResourceFlavor for {device.name} "
-                                               f"covering {TPU} ({labels}): Kueue cannot admit the slice; add a "
-                                               f"flavor with these node labels and {TPU} quota (as `xpk cluster "
-                                               "create` does)")
+        return Check(
+            "resource-flavor",
+            False,
+            f"ClusterQueue {cq_name} has no ResourceFlavor for {device.name} "
+            f"covering {TPU} ({labels}): Kueue cannot admit the slice; add a "
+            f"flavor with these node labels and {TPU} quota (as `xpk cluster "
+            "create` does)",
+        )
     need = slices * (device.chips or 0)
     unread = [n for n, rf, _ in fits if rf is None]
     best_name, best_rf, best_q = max(fits, key=lambda t: t[2])
     what = f"{slices} x {device.name}" if slices > 1 else device.name
     if best_q + 1e-9 < need:
         cohort = (cq.get("spec") or {}).get("cohort") or (cq.get("spec") or {}).get("cohortName")
-        msg = (f"ResourceFlavor {best_name} has a nominal quota of {best_q:g} {TPU} in ClusterQueue {cq_name}; "
-               f"{what} needs {need}")
+        msg = (
+            f"ResourceFlavor {best_name} has a nominal quota of {best_q:g} {TPU} in ClusterQueue {cq_name}; "
+            f"{what} needs {need}"
+        )
         if cohort:
             return _warn("resource-flavor", f"{msg}: admitted only if it can borrow from cohort {cohort}")
         return Check("resource-flavor", False, f"{msg}: raise its nominalQuota")
     if best_rf is not None and not _flavor_fits(best_rf, device)[1]:
-        return _warn("resource-flavor", f"ResourceFlavor {best_name} has no {labels} node labels: Kueue admits "
-                                        f"TPU workloads of any shape into its {best_q:g} {TPU}")
+        return _warn(
+            "resource-flavor",
+            f"ResourceFlavor {best_name} has no {labels} node labels: Kueue admits "
+            f"TPU workloads of any shape into its {best_q:g} {TPU}",
+        )
     if unread and best_rf is None:
-        return _warn("resource-flavor", f"cannot read ResourceFlavor {best_name} (forbidden); its quota "
-                                        f"({best_q:g} {TPU}) covers {what}")
-    return Check("resource-flavor", True, f"ResourceFlavor {best_name} ({labels}) with {best_q:g} {TPU} "
-                                          f"covers {what} ({need})")
+        return _warn(
+            "resource-flavor",
+            f"cannot read ResourceFlavor {best_name} (forbidden); its quota ({best_q:g} {TPU}) covers {what}",
+        )
+    return Check(
+        "resource-flavor",
+        True,
+        f"ResourceFlavor {best_name} ({labels}) with {best_q:g} {TPU} covers {what} ({need})",
+    )
 
 
 def check_priority_class(kube: Cluster, version: str, name: str | None) -> Check:
@@ -312,13 +410,19 @@ def check_priority_class(kube: Cluster, version: str, name: str | None) -> Check
     also = ""
     try:
         if kube.get(f"/apis/scheduling.k8s.io/v1/priorityclasses/{name}", f"read PriorityClass {name}"):
-            also = f" (a scheduling.k8s.io PriorityClass {name} exists, as XPK creates, but Kueue's label needs " \
-                   "a WorkloadPriorityClass)"
+            also = (
+                f" (a scheduling.k8s.io PriorityClass {name} exists, as XPK creates, but Kueue's label needs "
+                "a WorkloadPriorityClass)"
+            )
     except Forbidden:
         pass
-    return Check("priority-class", False, f"WorkloadPriorityClass {name} does not exist{also}: Kueue would never "
-                                          f"build the Workload; create it (kind WorkloadPriorityClass, "
-                                          f"{KUEUE_GROUP}) or unset the priority class")
+    return Check(
+        "priority-class",
+        False,
+        f"WorkloadPriorityClass {name} does not exist{also}: Kueue would never "
+        f"build the Workload; create it (kind WorkloadPriorityClass, "
+        f"{KUEUE_GROUP}) or unset the priority class",
+    )
 
 
 def check_rbac(kube: Cluster, ns: str) -> Check:
@@ -329,22 +433,35 @@ def check_rbac(kube: Cluster, ns: str) -> Check:
             attrs["namespace"] = ns
         if sub:
             attrs["subresource"] = sub
-        body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
-                "spec": {"resourceAttributes": attrs}}
+        body = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": attrs},
+        }
         try:
-            ans = kube.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
-                               "SelfSubjectAccessReview", body=body)
+            ans = kube.request(
+                "POST",
+                "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                "SelfSubjectAccessReview",
+                body=body,
+            )
         except Forbidden:
-            return _warn("rbac", "cannot ask SelfSubjectAccessReview (forbidden); run `kubectl auth can-i --list "
-                                 f"-n {ns}`")
+            return _warn(
+                "rbac",
+                f"cannot ask SelfSubjectAccessReview (forbidden); run `kubectl auth can-i --list -n {ns}`",
+            )
         if ans is None:
             return _warn("rbac", "the cluster does not answer SelfSubjectAccessReview")
         if not (ans.get("status") or {}).get("allowed"):
             full = resource + (f"/{sub}" if sub else "") + (f".{group}" if group else "")
             denied.append(f"{verb} {full}")
     if denied:
-        return Check("rbac", False, f"in namespace {ns} this account may not {', '.join(denied)}; ask for a Role "
-                                    "granting them (see docs/sandbox-and-doctor.md)")
+        return Check(
+            "rbac",
+            False,
+            f"in namespace {ns} this account may not {', '.join(denied)}; ask for a Role "
+            "granting them (see docs/sandbox-and-doctor.md)",
+        )
     return Check("rbac", True, f"may {len(TOOL_ACCESS)} verbs olmo-ctl uses in namespace {ns}")
 
 
@@ -354,33 +471,55 @@ def check_nodes(kube: Cluster, device: Device, slices: int) -> Check:
     try:
         nodes = kube.get("/api/v1/nodes", "list nodes", query={"labelSelector": sel}) or {}
     except Forbidden:
-        return _warn("node-pools", f"cannot list nodes (forbidden); check with your admin that node pools with "
-                                   f"{sel} exist")
+        return _warn(
+            "node-pools",
+            f"cannot list nodes (forbidden); check with your admin that node pools with {sel} exist",
+        )
     pools: dict[str, int] = {}
     for n in nodes.get("items") or []:
         pool = (n["metadata"].get("labels") or {}).get(NODEPOOL_LABEL, n["metadata"]["name"])
         pools[pool] = pools.get(pool, 0) + 1
     whole = sorted(p for p, c in pools.items() if c >= device.vms)
     if len(whole) >= slices:
-        return Check("node-pools", True, f"{len(whole)} node pool(s) with {sel} and {device.vms} node(s) each")
+        return Check(
+            "node-pools", True, f"{len(whole)} node pool(s) with {sel} and {device.vms} node(s) each"
+        )
     if not pools:
-        return Check("node-pools", False, f"no nodes with {sel}: create {slices} node pool(s) for {device.name} "
-                                          f"({device.vms} x {device.machine_type}), e.g. with xpk cluster create")
-    return Check("node-pools", False, f"{len(whole)} complete node pool(s) with {sel} ({device.vms} nodes each); "
-                                      f"{slices} needed: add node pools or wait for repairs")
+        return Check(
+            "node-pools",
+            False,
+            f"no nodes with {sel}: create {slices} node pool(s) for {device.name} "
+            f"({device.vms} x {device.machine_type}), e.g. with xpk cluster create",
+        )
+    return Check(
+        "node-pools",
+        False,
+        f"{len(whole)} complete node pool(s) with {sel} ({device.vms} nodes each); "
+        f"{slices} needed: add node pools or wait for repairs",
+    )
 
 
 def check_image(image: str) -> Check:
     if image == PLACEHOLDER_IMAGE:
-        return Check("image", False, f"the image is the placeholder {image}; set --image, OLMO_CTL_IMAGE or "
-                                     "`image:` in the config file (see docs/install.md)")
+        return Check(
+            "image",
+            False,
+            f"the image is the placeholder {image}; set --image, OLMO_CTL_IMAGE or "
+            "`image:` in the config file (see docs/install.md)",
+        )
     m = _IMAGE.match(image)
     if not m:
-        return Check("image", False, f"`{image}` is not an image reference; e.g. "
-                                     "us-docker.pkg.dev/PROJECT/REPO/olmo-ctl:0.1.0")
+        return Check(
+            "image",
+            False,
+            f"`{image}` is not an image reference; e.g. us-docker.pkg.dev/PROJECT/REPO/olmo-ctl:0.1.0",
+        )
     if not m.group("digest") and m.group("tag") in (None, "latest"):
-        return _warn("image", f"{image} is not pinned (no tag or :latest): attempts of one run may start different "
-                              "code; use a version tag or a digest")
+        return _warn(
+            "image",
+            f"{image} is not pinned (no tag or :latest): attempts of one run may start different "
+            "code; use a version tag or a digest",
+        )
     return Check("image", True, f"{image}")
 
 

@@ -69,9 +69,16 @@ class GKEBackend(Backend[dict]):
     name = "gke"
     smoke = SmokeProfile(max_steps=2000, poll_s=2.0)
 
-    def __init__(self, namespace: str | None = None, host: str | None = None, context: str | None = None,
-                 settings: Settings | None = None, retry: KubeRetryPolicy | None = None, api_client: Any = None,
-                 kubeconfig: str | None = None):
+    def __init__(
+        self,
+        namespace: str | None = None,
+        host: str | None = None,
+        context: str | None = None,
+        settings: Settings | None = None,
+        retry: KubeRetryPolicy | None = None,
+        api_client: Any = None,
+        kubeconfig: str | None = None,
+    ):
         self.settings = settings
         self.namespace = namespace or (settings.namespace if settings else None) or "default"
         self.host = host
@@ -94,7 +101,9 @@ class GKEBackend(Backend[dict]):
     def _settings(self, attempt: Attempt) -> Settings:
         settings = attempt.settings or self.settings
         if settings is None:
-            raise BadInput("the GKE backend needs site settings to render a JobSet", "see `olmo-ctl config show`")
+            raise BadInput(
+                "the GKE backend needs site settings to render a JobSet", "see `olmo-ctl config show`"
+            )
         return settings
 
     def validate(self, attempt: Attempt, *, render_only: bool = False) -> None:
@@ -102,17 +111,23 @@ class GKEBackend(Backend[dict]):
         (TPU pods cannot see this machine's files)."""
         dev = get_device(attempt.device)
         if not dev.is_tpu:
-            raise BadInput(f"`{dev.name}` is a local device; the GKE backend runs on TPU slices",
-                           "use --backend local, or a TPU device such as tpu7x-128")
+            raise BadInput(
+                f"`{dev.name}` is a local device; the GKE backend runs on TPU slices",
+                "use --backend local, or a TPU device such as tpu7x-128",
+            )
         settings = self._settings(attempt)
         if not render_only and settings.placeholders():
-            raise BadInput(f"site settings still hold placeholders ({', '.join(settings.placeholders())})",
-                           "see `olmo-ctl config show`; --dry-run works without them")
+            raise BadInput(
+                f"site settings still hold placeholders ({', '.join(settings.placeholders())})",
+                "see `olmo-ctl config show`; --dry-run works without them",
+            )
         if not attempt.run_dir.startswith("gs://"):
-            raise BadInput(f"run root `{attempt.run_dir.rsplit('/', 1)[0]}` is not on GCS; TPU pods cannot see "
-                           "this machine's files",
-                           "set the run root to gs://BUCKET/PREFIX (--run-root, OLMO_CTL_RUN_ROOT or run_root "
-                           "in the config file)")
+            raise BadInput(
+                f"run root `{attempt.run_dir.rsplit('/', 1)[0]}` is not on GCS; TPU pods cannot see "
+                "this machine's files",
+                "set the run root to gs://BUCKET/PREFIX (--run-root, OLMO_CTL_RUN_ROOT or run_root "
+                "in the config file)",
+            )
 
     def checks(self, attempt: Attempt) -> None:
         """The queue, the priority class and a flavor for the slice that Kueue needs (exit 2 naming the
@@ -129,19 +144,25 @@ class GKEBackend(Backend[dict]):
             out.append(ident)
         if render_only:
             for name in settings.placeholders():
-                out.append(f"`{name}` is the placeholder `{getattr(settings, name)}`; set --{name.replace('_', '-')}, "
-                           f"OLMO_CTL_{name.upper()} or `{name}:` in the config file (see `olmo-ctl config show`)")
+                out.append(
+                    f"`{name}` is the placeholder `{getattr(settings, name)}`; set --{name.replace('_', '-')}, "
+                    f"OLMO_CTL_{name.upper()} or `{name}:` in the config file (see `olmo-ctl config show`)"
+                )
             dev = get_device(attempt.device)
             if settings.placement_policy and placement_policy_for(dev, settings) is None:
-                out.append(f"placement policy `{settings.placement_policy}` is not used: {dev.name} node pools "
-                           "carry none")
+                out.append(
+                    f"placement policy `{settings.placement_policy}` is not used: {dev.name} node pools "
+                    "carry none"
+                )
         return out
 
     # ------------------------------------------------------------------ plumbing
     @property
     def api_client(self):
         if self._api_client is None:
-            self._api_client = make_api_client(host=self.host, context=self.context, kubeconfig=self.kubeconfig)
+            self._api_client = make_api_client(
+                host=self.host, context=self.context, kubeconfig=self.kubeconfig
+            )
         return self._api_client
 
     @property
@@ -163,8 +184,18 @@ class GKEBackend(Backend[dict]):
 
     def _get_jobset(self, name: str, ns: str) -> dict | None:
         try:
-            return _json(self._call(f"read JobSet {name}", self._custom.get_namespaced_custom_object,
-                                    JOBSET_GROUP, JOBSET_VERSION, ns, JOBSETS, name, _preload_content=False))
+            return _json(
+                self._call(
+                    f"read JobSet {name}",
+                    self._custom.get_namespaced_custom_object,
+                    JOBSET_GROUP,
+                    JOBSET_VERSION,
+                    ns,
+                    JOBSETS,
+                    name,
+                    _preload_content=False,
+                )
+            )
         except Exception as e:
             if api_status(e) == 404:
                 return None
@@ -177,11 +208,15 @@ class GKEBackend(Backend[dict]):
             return e
         msg = status_message(e)
         if status == 401:
-            return BadInput(f"{what}: the Kubernetes API refused our credentials ({msg})",
-                            "refresh them: gcloud container clusters get-credentials CLUSTER --region REGION")
+            return BadInput(
+                f"{what}: the Kubernetes API refused our credentials ({msg})",
+                "refresh them: gcloud container clusters get-credentials CLUSTER --region REGION",
+            )
         if status == 403:
-            return BadInput(f"{what}: forbidden: {msg}",
-                            f"the account needs access to jobsets, workloads, pods and events in `{self.namespace}`")
+            return BadInput(
+                f"{what}: forbidden: {msg}",
+                f"the account needs access to jobsets, workloads, pods and events in `{self.namespace}`",
+            )
         return BadInput(f"{what}: HTTP {status}: {msg}")
 
     # ------------------------------------------------------------------ render
@@ -189,10 +224,21 @@ class GKEBackend(Backend[dict]):
         """The JobSet for this attempt: pure, from the resolved recipe and plan the attempt carries."""
         settings = self._settings(attempt)
         if attempt.recipe is None or attempt.plan is None:
-            raise ValueError("a GKE attempt carries its resolved recipe and plan (supervise.attempts.new_request)")
-        return render_jobset(attempt.recipe, attempt.plan, get_device(attempt.device), settings, attempt.run,
-                             attempt.attempt, attempt.run_dir, attempt.slices, extra_args=attempt.extra_args,
-                             extra_env=attempt.env)
+            raise ValueError(
+                "a GKE attempt carries its resolved recipe and plan (supervise.attempts.new_request)"
+            )
+        return render_jobset(
+            attempt.recipe,
+            attempt.plan,
+            get_device(attempt.device),
+            settings,
+            attempt.run,
+            attempt.attempt,
+            attempt.run_dir,
+            attempt.slices,
+            extra_args=attempt.extra_args,
+            extra_env=attempt.env,
+        )
 
     # ------------------------------------------------------------------ submit
     def send(self, request: dict) -> Handle:
@@ -203,21 +249,35 @@ class GKEBackend(Backend[dict]):
         ns = md.get("namespace") or self.namespace
         what = f"create JobSet {name} in {ns}"
         try:
-            obj = _json(self._call(what, self._custom.create_namespaced_custom_object, JOBSET_GROUP,
-                                   JOBSET_VERSION, ns, JOBSETS, request, field_validation="Strict",
-                                   _preload_content=False))
+            obj = _json(
+                self._call(
+                    what,
+                    self._custom.create_namespaced_custom_object,
+                    JOBSET_GROUP,
+                    JOBSET_VERSION,
+                    ns,
+                    JOBSETS,
+                    request,
+                    field_validation="Strict",
+                    _preload_content=False,
+                )
+            )
         except Exception as e:
             status = api_status(e)
             if status == 409:
                 obj = self._adopt(request, ns)
             elif status in (400, 422):
-                raise BadInput(f"the cluster rejected JobSet {name}: {status_message(e)}",
-                               "is JobSet v0.10.1 or later installed? `kubectl get crd jobsets.jobset.x-k8s.io`; "
-                               "`submit --dry-run` shows the manifest") from None
+                raise BadInput(
+                    f"the cluster rejected JobSet {name}: {status_message(e)}",
+                    "is JobSet v0.10.1 or later installed? `kubectl get crd jobsets.jobset.x-k8s.io`; "
+                    "`submit --dry-run` shows the manifest",
+                ) from None
             elif status == 404:
-                raise BadInput(f"{what}: {status_message(e) or 'not found'}",
-                               "check the namespace exists and JobSet is installed "
-                               "(`kubectl api-resources | grep jobset`)") from None
+                raise BadInput(
+                    f"{what}: {status_message(e) or 'not found'}",
+                    "check the namespace exists and JobSet is installed "
+                    "(`kubectl api-resources | grep jobset`)",
+                ) from None
             else:
                 raise self._api_error(e, what) from e
         return self._handle(obj)
@@ -227,23 +287,41 @@ class GKEBackend(Backend[dict]):
         name = request["metadata"]["name"]
         existing = self._get_jobset(name, ns)
         if existing is None:  # deleted in between: create again, once
-            return _json(self._call(f"create JobSet {name}", self._custom.create_namespaced_custom_object,
-                                    JOBSET_GROUP, JOBSET_VERSION, ns, JOBSETS, request, field_validation="Strict",
-                                    _preload_content=False))
+            return _json(
+                self._call(
+                    f"create JobSet {name}",
+                    self._custom.create_namespaced_custom_object,
+                    JOBSET_GROUP,
+                    JOBSET_VERSION,
+                    ns,
+                    JOBSETS,
+                    request,
+                    field_validation="Strict",
+                    _preload_content=False,
+                )
+            )
         # Same labels (run, attempt, device, ...) and the same run directory: the same attempt.
         # Two run roots may hold runs of the same name; the run directory tells them apart.
-        want = {**_labels(request), **{f"annotation {k}": v for k, v in _annotations(request).items()
-                                       if k == RUN_DIR_ANNOTATION}}
-        have = {**_labels(existing), **{f"annotation {k}": v for k, v in _annotations(existing).items()
-                                        if k == RUN_DIR_ANNOTATION}}
+        want = {
+            **_labels(request),
+            **{f"annotation {k}": v for k, v in _annotations(request).items() if k == RUN_DIR_ANNOTATION},
+        }
+        have = {
+            **_labels(existing),
+            **{f"annotation {k}": v for k, v in _annotations(existing).items() if k == RUN_DIR_ANNOTATION},
+        }
         mismatch = {k: (v, have.get(k)) for k, v in want.items() if have.get(k) != v}
         if mismatch:
             diff = ", ".join(f"{k}={b!r}, want {a!r}" for k, (a, b) in mismatch.items())
-            raise BadInput(f"a JobSet named `{name}` already exists in `{ns}` and is not this attempt ({diff})",
-                           f"delete it (`kubectl delete jobset {name} -n {ns}`) or use another --run name")
+            raise BadInput(
+                f"a JobSet named `{name}` already exists in `{ns}` and is not this attempt ({diff})",
+                f"delete it (`kubectl delete jobset {name} -n {ns}`) or use another --run name",
+            )
         if (existing.get("metadata") or {}).get("deletionTimestamp"):
-            raise BadInput(f"JobSet `{name}` in `{ns}` is being deleted; it cannot be adopted",
-                           "wait until it is gone (`kubectl get jobset -n NS`), then submit again")
+            raise BadInput(
+                f"JobSet `{name}` in `{ns}` is being deleted; it cannot be adopted",
+                "wait until it is gone (`kubectl get jobset -n NS`), then submit again",
+            )
         return existing
 
     def _handle(self, obj: dict) -> Handle:
@@ -253,8 +331,11 @@ class GKEBackend(Backend[dict]):
             attempt = int(labels.get(ATTEMPT_LABEL, 0))
         except ValueError:
             attempt = 0
-        data = {"namespace": md.get("namespace") or self.namespace, "uid": md.get("uid"),
-                "run": labels.get(RUN_LABEL)}
+        data = {
+            "namespace": md.get("namespace") or self.namespace,
+            "uid": md.get("uid"),
+            "run": labels.get(RUN_LABEL),
+        }
         if self.context:  # so that `monitor` asks the same cluster: GKEBackend(context=data["context"])
             data["context"] = self.context
         return Handle(self.name, md["name"], attempt, data)
@@ -283,8 +364,11 @@ class GKEBackend(Backend[dict]):
         js, wl, pods, events = self.read_objects(handle)
         missing = self._missing_for_workload(js) if js is not None and wl is None else ()
         st = classify(js, wl, pods, events, missing=missing)
-        if st.state in (State.FAILED_USER, State.FAILED_INFRA, State.PREEMPTED) and st.details.get("pod") \
-                and st.exit_code is not None:
+        if (
+            st.state in (State.FAILED_USER, State.FAILED_INFRA, State.PREEMPTED)
+            and st.details.get("pod")
+            and st.exit_code is not None
+        ):
             lines = self._pod_log(self._ns(handle), st.details["pod"], st.details.get("container"), LOG_TAIL)
             if lines:
                 st = classify(js, wl, pods, events, logs={st.details["pod"]: lines}, missing=missing)
@@ -302,13 +386,23 @@ class GKEBackend(Backend[dict]):
         versions = (self._kueue_version,) if self._kueue_version else KUEUE_VERSIONS
         for version in versions:
             try:
-                self._call(f"read WorkloadPriorityClass {name}", self._custom.get_cluster_custom_object,
-                           KUEUE_GROUP, version, WORKLOAD_PRIORITY_CLASSES, name, _preload_content=False)
+                self._call(
+                    f"read WorkloadPriorityClass {name}",
+                    self._custom.get_cluster_custom_object,
+                    KUEUE_GROUP,
+                    version,
+                    WORKLOAD_PRIORITY_CLASSES,
+                    name,
+                    _preload_content=False,
+                )
                 return ()
             except Exception as e:
                 status = api_status(e)
-                if status == 404 and "workloadpriorityclasses" in status_message(e).lower() \
-                        and "not found" in status_message(e).lower():
+                if (
+                    status == 404
+                    and "workloadpriorityclasses" in status_message(e).lower()
+                    and "not found" in status_message(e).lower()
+                ):
                     return (f'WorkloadPriorityClass "{name}" does not exist (label {PRIORITY_LABEL})',)
                 if status == 404:
                     continue  # this Kueue version is not served
@@ -328,9 +422,18 @@ class GKEBackend(Backend[dict]):
         for version in versions:
             for selector in selectors:
                 try:
-                    data = _json(self._call("list Kueue Workloads", self._custom.list_namespaced_custom_object,
-                                            KUEUE_GROUP, version, ns, WORKLOADS, label_selector=selector,
-                                            _preload_content=False))
+                    data = _json(
+                        self._call(
+                            "list Kueue Workloads",
+                            self._custom.list_namespaced_custom_object,
+                            KUEUE_GROUP,
+                            version,
+                            ns,
+                            WORKLOADS,
+                            label_selector=selector,
+                            _preload_content=False,
+                        )
+                    )
                 except Exception as e:
                     if api_status(e) == 404:
                         break  # this version is not served: try the next one
@@ -338,9 +441,14 @@ class GKEBackend(Backend[dict]):
                         return None  # no read access to Workloads: the JobSet's own status must do
                     raise self._api_error(e, "list Kueue Workloads") from e
                 self._kueue_version = version
-                owned = [w for w in data.get("items") or []
-                         if any(r.get("uid") == uid and r.get("controller")
-                                for r in (w.get("metadata") or {}).get("ownerReferences") or [])]
+                owned = [
+                    w
+                    for w in data.get("items") or []
+                    if any(
+                        r.get("uid") == uid and r.get("controller")
+                        for r in (w.get("metadata") or {}).get("ownerReferences") or []
+                    )
+                ]
                 if owned:
                     return max(owned, key=lambda w: w["metadata"].get("creationTimestamp") or "")
                 # Kueue versions before the job-uid label: look through the namespace once more.
@@ -351,15 +459,24 @@ class GKEBackend(Backend[dict]):
 
     def _list_pods(self, ns: str, name: str) -> list[dict]:
         try:
-            data = _json(self._call(f"list pods of {name}", self._core.list_namespaced_pod, ns,
-                                    label_selector=f"{JOBSET_NAME_LABEL}={name}", _preload_content=False))
+            data = _json(
+                self._call(
+                    f"list pods of {name}",
+                    self._core.list_namespaced_pod,
+                    ns,
+                    label_selector=f"{JOBSET_NAME_LABEL}={name}",
+                    _preload_content=False,
+                )
+            )
         except Exception as e:
             raise self._api_error(e, f"list pods of {name}") from e
         return data.get("items") or []
 
     def _events(self, ns: str, js: dict, wl: dict | None, pods: list[dict]) -> list[dict]:
         targets = [js["metadata"]["name"]] + ([wl["metadata"]["name"]] if wl else [])
-        problem = [p for p in pods if (p.get("status") or {}).get("phase") in ("Pending", "Failed", "Unknown")]
+        problem = [
+            p for p in pods if (p.get("status") or {}).get("phase") in ("Pending", "Failed", "Unknown")
+        ]
         targets += [p["metadata"]["name"] for p in problem[:MAX_POD_EVENT_READS]]
         out: list[dict] = []
         from olmo_ctl.backends.gke_status import expected_pods
@@ -368,8 +485,15 @@ class GKEBackend(Backend[dict]):
             out += self._failed_creates(ns, js)
         for target in targets:
             try:
-                data = _json(self._call(f"list events of {target}", self._core.list_namespaced_event, ns,
-                                        field_selector=f"involvedObject.name={target}", _preload_content=False))
+                data = _json(
+                    self._call(
+                        f"list events of {target}",
+                        self._core.list_namespaced_event,
+                        ns,
+                        field_selector=f"involvedObject.name={target}",
+                        _preload_content=False,
+                    )
+                )
             except Exception as e:
                 if api_status(e) in (403, 404):  # events are a nicety: their absence must not hide the state
                     continue
@@ -381,12 +505,21 @@ class GKEBackend(Backend[dict]):
         """The FailedCreate events of this JobSet's Jobs (`<jobset>-<replicated job>-<index>`): the
         Job controller's record of pods the API server refused (Pod Security, a ResourceQuota)."""
         name = js["metadata"]["name"]
-        jobs = {f"{name}-{rj.get('name')}-{i}" for rj in (js.get("spec") or {}).get("replicatedJobs") or []
-                for i in range(int(rj.get("replicas", 1)))}
+        jobs = {
+            f"{name}-{rj.get('name')}-{i}"
+            for rj in (js.get("spec") or {}).get("replicatedJobs") or []
+            for i in range(int(rj.get("replicas", 1)))
+        }
         try:
-            data = _json(self._call("list FailedCreate events", self._core.list_namespaced_event, ns,
-                                    field_selector="involvedObject.kind=Job,reason=FailedCreate",
-                                    _preload_content=False))
+            data = _json(
+                self._call(
+                    "list FailedCreate events",
+                    self._core.list_namespaced_event,
+                    ns,
+                    field_selector="involvedObject.kind=Job,reason=FailedCreate",
+                    _preload_content=False,
+                )
+            )
         except Exception as e:
             if api_status(e) in (400, 403, 404):  # events are a nicety: their absence must not hide the state
                 return []
@@ -395,8 +528,15 @@ class GKEBackend(Backend[dict]):
 
     def _pod_log(self, ns: str, pod: str, container: str | None, tail: int) -> list[str]:
         try:
-            resp = self._call(f"read the log of pod {pod}", self._core.read_namespaced_pod_log, pod, ns,
-                              container=container, tail_lines=tail, _preload_content=False)
+            resp = self._call(
+                f"read the log of pod {pod}",
+                self._core.read_namespaced_pod_log,
+                pod,
+                ns,
+                container=container,
+                tail_lines=tail,
+                _preload_content=False,
+            )
         except Exception as e:
             if api_status(e) in (400, 404):  # not started yet, or gone
                 return []
@@ -416,9 +556,18 @@ class GKEBackend(Backend[dict]):
             return  # gone, or that name is another object now: leave it
         body: dict = {"propagationPolicy": "Foreground", "preconditions": {"uid": uid}}
         try:
-            self._call(f"delete JobSet {handle.name}", self._custom.delete_namespaced_custom_object, JOBSET_GROUP,
-                       JOBSET_VERSION, ns, JOBSETS, handle.name, propagation_policy="Foreground", body=body,
-                       _preload_content=False)
+            self._call(
+                f"delete JobSet {handle.name}",
+                self._custom.delete_namespaced_custom_object,
+                JOBSET_GROUP,
+                JOBSET_VERSION,
+                ns,
+                JOBSETS,
+                handle.name,
+                propagation_policy="Foreground",
+                body=body,
+                _preload_content=False,
+            )
         except Exception as e:
             status = api_status(e)
             if status == 404:
@@ -429,9 +578,14 @@ class GKEBackend(Backend[dict]):
                 raise self._api_error(e, f"delete JobSet {handle.name}") from e
         if not graceful:
             try:
-                self._call(f"delete pods of {handle.name}", self._core.delete_collection_namespaced_pod, ns,
-                           label_selector=f"{JOBSET_NAME_LABEL}={handle.name}", grace_period_seconds=0,
-                           _preload_content=False)
+                self._call(
+                    f"delete pods of {handle.name}",
+                    self._core.delete_collection_namespaced_pod,
+                    ns,
+                    label_selector=f"{JOBSET_NAME_LABEL}={handle.name}",
+                    grace_period_seconds=0,
+                    _preload_content=False,
+                )
             except Exception as e:
                 if api_status(e) != 404:
                     raise self._api_error(e, f"delete pods of {handle.name}") from e
@@ -448,10 +602,14 @@ class GKEBackend(Backend[dict]):
             return None
         labels = _labels(js)
         run = handle.data.get("run")
-        if (run is not None and labels.get(RUN_LABEL) != run) or labels.get(ATTEMPT_LABEL) != str(handle.attempt):
-            raise BadInput(f"JobSet {ns}/{handle.name} is not attempt {handle.attempt} of run `{run}` (its labels say "
-                           f"run `{labels.get(RUN_LABEL)}`, attempt `{labels.get(ATTEMPT_LABEL)}`): not deleted",
-                           "check the run's journal and the JobSet; delete it by hand if it is yours")
+        if (run is not None and labels.get(RUN_LABEL) != run) or labels.get(ATTEMPT_LABEL) != str(
+            handle.attempt
+        ):
+            raise BadInput(
+                f"JobSet {ns}/{handle.name} is not attempt {handle.attempt} of run `{run}` (its labels say "
+                f"run `{labels.get(RUN_LABEL)}`, attempt `{labels.get(ATTEMPT_LABEL)}`): not deleted",
+                "check the run's journal and the JobSet; delete it by hand if it is yours",
+            )
         return uid
 
     def wait_gone(self, handle: Handle, timeout_s: float = 600.0, poll_s: float = 2.0) -> bool:
@@ -497,9 +655,18 @@ class GKEBackend(Backend[dict]):
 
     def _live(self, run: str, first_only: bool) -> list[Handle]:
         try:
-            data = _json(self._call(f"list JobSets of run {run}", self._custom.list_namespaced_custom_object,
-                                    JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSETS,
-                                    label_selector=f"{RUN_LABEL}={run}", _preload_content=False))
+            data = _json(
+                self._call(
+                    f"list JobSets of run {run}",
+                    self._custom.list_namespaced_custom_object,
+                    JOBSET_GROUP,
+                    JOBSET_VERSION,
+                    self.namespace,
+                    JOBSETS,
+                    label_selector=f"{RUN_LABEL}={run}",
+                    _preload_content=False,
+                )
+            )
         except Exception as e:
             raise self._api_error(e, f"list JobSets of run {run}") from e
         candidates = [j for j in data.get("items") or [] if not j["metadata"].get("deletionTimestamp")]
@@ -511,8 +678,11 @@ class GKEBackend(Backend[dict]):
                 return -1
 
         out = []
-        for js in sorted(candidates, key=lambda j: (attempt_no(j), j["metadata"].get("creationTimestamp") or ""),
-                         reverse=True):
+        for js in sorted(
+            candidates,
+            key=lambda j: (attempt_no(j), j["metadata"].get("creationTimestamp") or ""),
+            reverse=True,
+        ):
             handle = self._handle(js)
             if self.status(handle).state.live:
                 out.append(handle)

@@ -65,7 +65,9 @@ NO_BLAME_EVICTIONS = frozenset(
     {"Preempted", "NodeFailures", "ClusterQueueStopped", "LocalQueueStopped", "WorkloadSliceReplaced"}
 )
 # Pod-level signals that the node or the scheduler took the pod away.
-NODE_LOSS_POD_REASONS = frozenset({"NodeLost", "Evicted", "Shutdown", "Terminated", "NodeShutdown", "UnexpectedAdmissionError"})
+NODE_LOSS_POD_REASONS = frozenset(
+    {"NodeLost", "Evicted", "Shutdown", "Terminated", "NodeShutdown", "UnexpectedAdmissionError"}
+)
 NODE_LOSS_EVENT_REASONS = frozenset(
     {"NodeNotReady", "NodeLost", "TaintManagerEviction", "Preempted", "Preempting", "Evicted", "NodeShutdown"}
 )
@@ -77,7 +79,8 @@ _NEVER_FITS = re.compile(
     r"flavor \S+ not found|flavor \S+ doesn't match node affinity|untolerated taint .*? in flavor \S+"
     r"|resource \S+ unavailable in ClusterQueue"
     r"|insufficient quota for \S+ in flavor \S+, previously considered podsets requests \([^)]*\) \+ "
-    r"current podset request \([^)]*\) > maximum capacity \([^)]*\)")
+    r"current podset request \([^)]*\) > maximum capacity \([^)]*\)"
+)
 # workload_controller.go: the LocalQueue or ClusterQueue a Workload names does not exist.
 _NO_QUEUE = re.compile(r"^(LocalQueue|ClusterQueue) \S+ doesn't exist$")
 
@@ -192,9 +195,19 @@ def container_exits(pods: Sequence[Mapping], events: Sequence[Mapping] = ()) -> 
             for key in ("state", "lastState"):
                 term = (cs.get(key) or {}).get("terminated")
                 if term and int(term.get("exitCode") or 0) != 0:
-                    out.append(ContainerExit(name, cs.get("name", "?"), int(term["exitCode"]), term.get("reason") or "",
-                                             term.get("message") or "", term.get("finishedAt") or "", disrupted))
+                    out.append(
+                        ContainerExit(
+                            name,
+                            cs.get("name", "?"),
+                            int(term["exitCode"]),
+                            term.get("reason") or "",
+                            term.get("message") or "",
+                            term.get("finishedAt") or "",
+                            disrupted,
+                        )
+                    )
                     break
+
     # Timestamps have 1 s resolution, and the JobSet kills the other pods within the same second as
     # the first failure, so ties are broken by evidence: a disruption the control plane recorded,
     # then a deterministic user exit, then a bare SIGTERM/SIGKILL (usually the JobSet's own kill).
@@ -230,26 +243,41 @@ def _events_about(events: Sequence[Mapping], kind: str, name: str) -> list[Mappi
         return ev.get("lastTimestamp") or ev.get("eventTime") or ev.get("firstTimestamp") or ""
 
     return sorted(
-        (e for e in events if (e.get("involvedObject") or {}).get("kind") == kind
-         and (e.get("involvedObject") or {}).get("name") == name),
+        (
+            e
+            for e in events
+            if (e.get("involvedObject") or {}).get("kind") == kind
+            and (e.get("involvedObject") or {}).get("name") == name
+        ),
         key=when,
     )
 
 
-def _exit_status(ex: ContainerExit, source_prefix: str, logs: Mapping[str, list[str]] | None,
-                 extra: dict) -> AttemptStatus:
+def _exit_status(
+    ex: ContainerExit, source_prefix: str, logs: Mapping[str, list[str]] | None, extra: dict
+) -> AttemptStatus:
     lines = tuple((logs or {}).get(ex.pod) or [ln for ln in ex.message.splitlines() if ln.strip()])
     reason = ex.describe()
     if not _last_line(ex.message) and lines:
         reason += f": {lines[-1].strip()}"
-    return AttemptStatus(ex.verdict, reason, f"{source_prefix}pod {ex.pod} container {ex.container}",
-                         exit_code=ex.exit_code, last_log_lines=lines[-50:],
-                         details={"pod": ex.pod, "container": ex.container, **extra})
+    return AttemptStatus(
+        ex.verdict,
+        reason,
+        f"{source_prefix}pod {ex.pod} container {ex.container}",
+        exit_code=ex.exit_code,
+        last_log_lines=lines[-50:],
+        details={"pod": ex.pod, "container": ex.container, **extra},
+    )
 
 
-def classify(jobset: Mapping | None, workload: Mapping | None, pods: Sequence[Mapping] = (),
-             events: Sequence[Mapping] = (), logs: Mapping[str, list[str]] | None = None,
-             missing: tuple[str, ...] = ()) -> AttemptStatus:
+def classify(
+    jobset: Mapping | None,
+    workload: Mapping | None,
+    pods: Sequence[Mapping] = (),
+    events: Sequence[Mapping] = (),
+    logs: Mapping[str, list[str]] | None = None,
+    missing: tuple[str, ...] = (),
+) -> AttemptStatus:
     """Normalise one attempt's objects into an `AttemptStatus` (precedence in the module docstring).
     A JobSet being deleted keeps its state (its pods may still be writing a checkpoint); the
     reason says so and `details["deleting"]` is set. `missing`: objects Kueue needs to build the
@@ -260,9 +288,14 @@ def classify(jobset: Mapping | None, workload: Mapping | None, pods: Sequence[Ma
     return st
 
 
-def _classify(jobset: Mapping | None, workload: Mapping | None, pods: Sequence[Mapping],
-              events: Sequence[Mapping], logs: Mapping[str, list[str]] | None, missing: tuple[str, ...] = ()
-              ) -> AttemptStatus:
+def _classify(
+    jobset: Mapping | None,
+    workload: Mapping | None,
+    pods: Sequence[Mapping],
+    events: Sequence[Mapping],
+    logs: Mapping[str, list[str]] | None,
+    missing: tuple[str, ...] = (),
+) -> AttemptStatus:
     pods, events = list(pods or []), list(events or [])
     if not jobset:
         return AttemptStatus(State.MISSING, "the JobSet does not exist", "JobSet")
@@ -275,8 +308,13 @@ def _classify(jobset: Mapping | None, workload: Mapping | None, pods: Sequence[M
     # 2. success
     c = true_condition(jobset, "Completed")
     if c is not None:
-        return AttemptStatus(State.SUCCEEDED, _cond_text(c) or "jobset completed successfully",
-                             "JobSet condition Completed", exit_code=0, details=details)
+        return AttemptStatus(
+            State.SUCCEEDED,
+            _cond_text(c) or "jobset completed successfully",
+            "JobSet condition Completed",
+            exit_code=0,
+            details=details,
+        )
 
     # 3. JobSet failure: the pods say why
     c = true_condition(jobset, "Failed")
@@ -289,25 +327,42 @@ def _classify(jobset: Mapping | None, workload: Mapping | None, pods: Sequence[M
         for pod in pods:
             d = pod_disruption(pod, events)
             if d:
-                return AttemptStatus(State.PREEMPTED, f"JobSet failed ({_cond_text(c)}); {d}",
-                                     "JobSet condition Failed", details=details)
-        return AttemptStatus(State.FAILED_INFRA, f"JobSet failed ({_cond_text(c)}); no pod left to tell why",
-                             "JobSet condition Failed", details=details)
+                return AttemptStatus(
+                    State.PREEMPTED,
+                    f"JobSet failed ({_cond_text(c)}); {d}",
+                    "JobSet condition Failed",
+                    details=details,
+                )
+        return AttemptStatus(
+            State.FAILED_INFRA,
+            f"JobSet failed ({_cond_text(c)}); no pod left to tell why",
+            "JobSet condition Failed",
+            details=details,
+        )
 
     if workload:
         # 4. Kueue saw it finish before the JobSet status did
         fin = true_condition(workload, "Finished")
         if fin is not None:
             ok = fin.get("reason") == "Succeeded"
-            return AttemptStatus(State.SUCCEEDED if ok else State.FAILED_INFRA, _cond_text(fin),
-                                 "Workload condition Finished", exit_code=0 if ok else None, details=details)
+            return AttemptStatus(
+                State.SUCCEEDED if ok else State.FAILED_INFRA,
+                _cond_text(fin),
+                "Workload condition Finished",
+                exit_code=0 if ok else None,
+                details=details,
+            )
         ev = true_condition(workload, "Evicted")
         # 5. deactivated: Kueue will not run it again
         active = (workload.get("spec") or {}).get("active", True)
         if active is False or (ev is not None and (ev.get("reason") or "").startswith("Deactivated")):
             text = _cond_text(ev) if ev is not None else "the Workload was deactivated (spec.active=false)"
-            return AttemptStatus(State.FAILED_INFRA, text,
-                                 "Workload condition Evicted" if ev is not None else "Workload spec", details=details)
+            return AttemptStatus(
+                State.FAILED_INFRA,
+                text,
+                "Workload condition Evicted" if ev is not None else "Workload spec",
+                details=details,
+            )
         # 6. eviction
         if ev is not None:
             reason = ev.get("reason") or ""
@@ -330,8 +385,11 @@ def _classify(jobset: Mapping | None, workload: Mapping | None, pods: Sequence[M
             if terminating:
                 text += f"; {terminating} pod(s) terminating (checkpointing on SIGTERM)"
             elif not (qr and qr.get("status") == "True"):
-                text += "; requeued by Kueue" + (f", {_cond_text(qr)}" if qr and qr.get("message")
-                                                 and qr.get("message") != ev.get("message") else "")
+                text += "; requeued by Kueue" + (
+                    f", {_cond_text(qr)}"
+                    if qr and qr.get("message") and qr.get("message") != ev.get("message")
+                    else ""
+                )
             return AttemptStatus(State.QUEUED, text, "Workload condition Evicted", details=details)
         # 7. waiting for capacity
         qr = condition(workload, "QuotaReserved")
@@ -345,9 +403,13 @@ def _classify(jobset: Mapping | None, workload: Mapping | None, pods: Sequence[M
             return AttemptStatus(State.QUEUED, msg, "Workload condition QuotaReserved", details=details)
         adm = condition(workload, "Admitted")
         if not (adm and adm.get("status") == "True"):
-            checks = [f"{a.get('name')}: {a.get('state')}" + (f" ({a['message']})" if a.get("message") else "")
-                      for a in (workload.get("status") or {}).get("admissionChecks") or []]
-            msg = "quota reserved, waiting for admission checks" + (": " + "; ".join(checks) if checks else "")
+            checks = [
+                f"{a.get('name')}: {a.get('state')}" + (f" ({a['message']})" if a.get("message") else "")
+                for a in (workload.get("status") or {}).get("admissionChecks") or []
+            ]
+            msg = "quota reserved, waiting for admission checks" + (
+                ": " + "; ".join(checks) if checks else ""
+            )
             return AttemptStatus(State.QUEUED, msg, "Workload condition Admitted", details=details)
         details["cluster_queue"] = ((workload.get("status") or {}).get("admission") or {}).get("clusterQueue")
     if (jobset.get("spec") or {}).get("suspend"):
@@ -364,8 +426,13 @@ def _classify(jobset: Mapping | None, workload: Mapping | None, pods: Sequence[M
     return _classify_pods(jobset, pods, events, logs, details)
 
 
-def _classify_pods(jobset: Mapping, pods: Sequence[Mapping], events: Sequence[Mapping],
-                   logs: Mapping[str, list[str]] | None, details: dict) -> AttemptStatus:
+def _classify_pods(
+    jobset: Mapping,
+    pods: Sequence[Mapping],
+    events: Sequence[Mapping],
+    logs: Mapping[str, list[str]] | None,
+    details: dict,
+) -> AttemptStatus:
     want = expected_pods(jobset)
     # Terminating pods of a JobSet that lives on are being replaced (a restart): they do not count.
     # While the JobSet itself is deleted they are all there is, still running their grace period.
@@ -376,24 +443,34 @@ def _classify_pods(jobset: Mapping, pods: Sequence[Mapping], events: Sequence[Ma
     for pod in live:
         name = pod["metadata"]["name"]
         for cs in ((pod.get("status") or {}).get("initContainerStatuses") or []) + (
-                (pod.get("status") or {}).get("containerStatuses") or []):
+            (pod.get("status") or {}).get("containerStatuses") or []
+        ):
             w = (cs.get("state") or {}).get("waiting") or {}
             if w.get("reason") in IMAGE_ERRORS:
                 details.update(pod=name, container=cs.get("name"))
                 text = f"pod {name} container {cs.get('name')}: {w['reason']}"
                 if w.get("message"):
                     text += f": {w['message']}"
-                return AttemptStatus(State.FAILED_INFRA, text, f"pod {name} container status", details=details)
+                return AttemptStatus(
+                    State.FAILED_INFRA, text, f"pod {name} container status", details=details
+                )
     if len(live) < want:
         # Pods the API server refused: the Job controller records FailedCreate and retries forever.
-        refused = [e for e in events if (e.get("involvedObject") or {}).get("kind") == "Job"
-                   and e.get("reason") == "FailedCreate"]
+        refused = [
+            e
+            for e in events
+            if (e.get("involvedObject") or {}).get("kind") == "Job" and e.get("reason") == "FailedCreate"
+        ]
         if refused:
             ev = max(refused, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
             job = (ev.get("involvedObject") or {}).get("name", "?")
             details.update(not_created=True, cause=f"FailedCreate: Job {job}: {ev.get('message') or ''}")
-            return AttemptStatus(State.ADMITTED, f"{len(live)}/{want} pods created; {details['cause']}",
-                                 f"Job {job} events FailedCreate", details=details)
+            return AttemptStatus(
+                State.ADMITTED,
+                f"{len(live)}/{want} pods created; {details['cause']}",
+                f"Job {job} events FailedCreate",
+                details=details,
+            )
     for pod in live:
         name = pod["metadata"]["name"]
         st = pod.get("status") or {}
@@ -403,10 +480,15 @@ def _classify_pods(jobset: Mapping, pods: Sequence[Mapping], events: Sequence[Ma
         fs = [e for e in _events_about(events, "Pod", name) if e.get("reason") == "FailedScheduling"]
         if (sched and sched.get("status") == "False" and sched.get("reason") == "Unschedulable") or fs:
             msg = (fs[-1].get("message") if fs else None) or (sched or {}).get("message") or ""
-            details.update(unschedulable=True, pod=name, cause=f"Unschedulable: pod {name}: {msg}".rstrip(": "))
-            return AttemptStatus(State.ADMITTED, f"Unschedulable: pod {name}: {msg}".rstrip(": "),
-                                 "pod events FailedScheduling" if fs else f"pod {name} condition PodScheduled",
-                                 details=details)
+            details.update(
+                unschedulable=True, pod=name, cause=f"Unschedulable: pod {name}: {msg}".rstrip(": ")
+            )
+            return AttemptStatus(
+                State.ADMITTED,
+                f"Unschedulable: pod {name}: {msg}".rstrip(": "),
+                "pod events FailedScheduling" if fs else f"pod {name} condition PodScheduled",
+                details=details,
+            )
     exits = container_exits(live, events)
     note = ""
     if exits:

@@ -135,20 +135,28 @@ def parse_xla_flags(flags, where: str) -> dict[str, str]:
     for flag in flags:
         m = _XLA_FLAG.match(str(flag).strip())
         if not m:
-            raise BadInput(f"{where}: XLA flag `{flag}` is not of the form --name=value",
-                           "for example --xla_tpu_enable_sparse_core_collective_offload_all_gather=true")
+            raise BadInput(
+                f"{where}: XLA flag `{flag}` is not of the form --name=value",
+                "for example --xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+            )
         out[m.group(1)] = m.group(2)
     return out
 
 
-def xla_flag_sources(device: Device, recipe: Recipe | None, settings: Settings | None) -> dict[str, tuple[str, str]]:
+def xla_flag_sources(
+    device: Device, recipe: Recipe | None, settings: Settings | None
+) -> dict[str, tuple[str, str]]:
     """{name: (value, where it came from)}: the launch template's flags for the generation, then the
     recipe's `xla_flags`, then the site setting `xla_flags`, each merged over the last by flag name."""
     merged: dict[str, tuple[str, str]] = {}
     if not device.is_tpu:
         return merged
-    layers = [(launch_template(device.generation)["vars"].get("xla_flags") or [],
-               f"launch_templates/{device.generation}.yaml")]
+    layers = [
+        (
+            launch_template(device.generation)["vars"].get("xla_flags") or [],
+            f"launch_templates/{device.generation}.yaml",
+        )
+    ]
     if recipe is not None and recipe.xla_flags:
         layers.append((recipe.xla_flags, f"recipe {recipe.name} (xla_flags)"))
     if settings is not None and settings.xla_flags:
@@ -176,7 +184,17 @@ def libtpu_init_args(device: Device, recipe: Recipe | None, settings: Settings |
 
 def trainer_command(run_dir: str, device: str, attempt: int, slices: int = 1) -> list[str]:
     """What every pod runs; the trainer reads the resolved recipe from `<run_dir>/run.yaml`."""
-    cmd = ["python", "-m", "olmo_ctl.trainer", "--run-dir", run_dir, "--device", device, "--attempt", str(attempt)]
+    cmd = [
+        "python",
+        "-m",
+        "olmo_ctl.trainer",
+        "--run-dir",
+        run_dir,
+        "--device",
+        device,
+        "--attempt",
+        str(attempt),
+    ]
     return cmd + (["--slices", str(slices)] if slices > 1 else [])
 
 
@@ -186,8 +204,9 @@ def placement_policy_for(device: Device, settings: Settings) -> str | None:
         return None
     if launch_template(device.generation)["vars"]["placement_policy"] != "multi-host":
         return None
-    return settings.placement_policy.format(device=device.name, topology=device.topology,
-                                            generation=device.generation)
+    return settings.placement_policy.format(
+        device=device.name, topology=device.topology, generation=device.generation
+    )
 
 
 def host_network(settings: Settings | None) -> bool:
@@ -199,9 +218,11 @@ def identity_note(settings: Settings | None) -> str | None:
     """One line on the pods' GCS identity when hostNetwork changes it, else None."""
     if settings is None or not host_network(settings):
         return None
-    return ("host_network is on: GKE Workload Identity does not apply to hostNetwork pods, so the trainer reaches "
-            f"GCS as the node pool's service account, not as Kubernetes service account "
-            f"`{settings.service_account}`; that account needs read/write on the run root's bucket")
+    return (
+        "host_network is on: GKE Workload Identity does not apply to hostNetwork pods, so the trainer reaches "
+        f"GCS as the node pool's service account, not as Kubernetes service account "
+        f"`{settings.service_account}`; that account needs read/write on the run root's bucket"
+    )
 
 
 # Multislice: the variables that join N slices over DCN. GKE's TPU webhook injects them into every pod
@@ -212,11 +233,19 @@ def identity_note(settings: Settings | None) -> str | None:
 # (site/static/examples/tpu-multislice/v6e-jax-workload.yaml), and JAX reads them from the environment
 # "for GKE via JobSet" (jax/_src/clusters/cloud_tpu_cluster.py). So the manifest never sets them, and
 # an extra env (the launch template's, a test's) may not name them either: a variable set twice.
-INJECTED_ENV = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "MEGASCALE_PORT",
-                "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES")
+INJECTED_ENV = (
+    "MEGASCALE_COORDINATOR_ADDRESS",
+    "MEGASCALE_NUM_SLICES",
+    "MEGASCALE_SLICE_ID",
+    "MEGASCALE_PORT",
+    "TPU_WORKER_ID",
+    "TPU_WORKER_HOSTNAMES",
+)
 
 
-def _env(template_env: dict[str, Any], libtpu_args: str = "", extra: tuple[tuple[str, str], ...] = ()) -> list[dict]:
+def _env(
+    template_env: dict[str, Any], libtpu_args: str = "", extra: tuple[tuple[str, str], ...] = ()
+) -> list[dict]:
     env = [{"name": str(k), "value": str(v)} for k, v in template_env.items()]
     if libtpu_args:
         env.append({"name": "LIBTPU_INIT_ARGS", "value": libtpu_args})
@@ -252,18 +281,23 @@ def render_jobset(
     """The JobSet for one attempt: a plain dict, ready for YAML/JSON or the Kubernetes API.
     `extra_args` go after the trainer's command line, `extra_env` after the template's variables."""
     if not device.is_tpu:
-        raise BadInput(f"`{device.name}` is a local device; the GKE backend runs on TPU slices",
-                       "use --backend local, or a TPU device such as tpu7x-128")
+        raise BadInput(
+            f"`{device.name}` is a local device; the GKE backend runs on TPU slices",
+            "use --backend local, or a TPU device such as tpu7x-128",
+        )
     slices = check_slices(device, slices)
     if plan.device != device.name or plan.devices != device.devices * slices or plan.slices != slices:
-        raise ValueError(f"plan for {plan.device} ({plan.devices} devices) does not match "
-                         f"{slices} x {device.name}")
+        raise ValueError(
+            f"plan for {plan.device} ({plan.devices} devices) does not match {slices} x {device.name}"
+        )
     if plan.recipe != recipe.name:
         raise ValueError(f"plan for recipe {plan.recipe} does not match recipe {recipe.name}")
     if not run_dir.startswith("gs://"):
-        raise BadInput(f"run directory `{run_dir}` is not on GCS; TPU pods cannot see this machine's files",
-                       "set the run root to gs://BUCKET/PREFIX (--run-root, OLMO_CTL_RUN_ROOT or run_root "
-                       "in the config file)")
+        raise BadInput(
+            f"run directory `{run_dir}` is not on GCS; TPU pods cannot see this machine's files",
+            "set the run root to gs://BUCKET/PREFIX (--run-root, OLMO_CTL_RUN_ROOT or run_root "
+            "in the config file)",
+        )
     name = jobset_name(run_name, attempt)
     template = launch_template(device.generation)
     v = template["vars"]
@@ -294,12 +328,14 @@ def render_jobset(
         "user_error_exit_codes": v["user_error_exit_codes"],
     }
     jobset = _fill(template["jobset"], values)
-    jobset["metadata"]["annotations"].update({
-        ANNOTATION_RECIPE: recipe.name,
-        ANNOTATION_PLAN: f"global_batch={plan.global_batch} per_device_batch={plan.per_device_batch} "
-                         f"grad_accum={plan.grad_accum} devices={plan.devices}"
-                         + (f" slices={plan.slices}" if plan.slices > 1 else ""),
-    })
+    jobset["metadata"]["annotations"].update(
+        {
+            ANNOTATION_RECIPE: recipe.name,
+            ANNOTATION_PLAN: f"global_batch={plan.global_batch} per_device_batch={plan.per_device_batch} "
+            f"grad_accum={plan.grad_accum} devices={plan.devices}"
+            + (f" slices={plan.slices}" if plan.slices > 1 else ""),
+        }
+    )
     leftover = _PLACEHOLDER.search(json.dumps(jobset))
     if leftover:
         raise ValueError(f"unfilled placeholder {leftover.group(0)} in the launch template")

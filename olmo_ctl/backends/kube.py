@@ -112,8 +112,14 @@ def status_message(exc: BaseException) -> str:
     return str(getattr(exc, "reason", "") or "")
 
 
-def call(fn: Callable[..., T], *args: Any, policy: KubeRetryPolicy = DEFAULT_POLICY, what: str = "Kubernetes call",
-         host: str = "", **kwargs: Any) -> T:
+def call(
+    fn: Callable[..., T],
+    *args: Any,
+    policy: KubeRetryPolicy = DEFAULT_POLICY,
+    what: str = "Kubernetes call",
+    host: str = "",
+    **kwargs: Any,
+) -> T:
     """Run `fn(*args, **kwargs)` under `policy`. Non-retryable errors propagate unchanged;
     a retryable one that outlives the budget becomes `Unreachable`."""
     import tenacity
@@ -156,8 +162,13 @@ def call(fn: Callable[..., T], *args: Any, policy: KubeRetryPolicy = DEFAULT_POL
         ) from exc
 
 
-def make_api_client(host: str | None = None, context: str | None = None, kubeconfig: str | None = None,
-                    token: str | None = None, verify_ssl: bool | None = None):
+def make_api_client(
+    host: str | None = None,
+    context: str | None = None,
+    kubeconfig: str | None = None,
+    token: str | None = None,
+    verify_ssl: bool | None = None,
+):
     """A `kubernetes.client.ApiClient`: an explicit `host` (tests, proxies; no auth unless `token`),
     else the kubeconfig (`kubeconfig` or $KUBECONFIG or ~/.kube/config, `context` or its current one),
     else the in-cluster service account."""
@@ -173,25 +184,41 @@ def make_api_client(host: str | None = None, context: str | None = None, kubecon
             cfg.verify_ssl = verify_ssl
     else:
         cfg = client.Configuration()
-        path = kubeconfig or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or os.path.expanduser(
-            "~/.kube/config")
+        path = (
+            kubeconfig
+            or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0]
+            or os.path.expanduser("~/.kube/config")
+        )
         try:
             if os.path.exists(path):
                 config.load_kube_config(config_file=path, context=context, client_configuration=cfg)
             elif os.environ.get("KUBERNETES_SERVICE_HOST") and not context:
                 config.load_incluster_config(client_configuration=cfg)
             else:
-                raise BadInput(f"no kubeconfig at `{path}` and not running inside a cluster",
-                               "run `gcloud container clusters get-credentials CLUSTER --region REGION`")
+                raise BadInput(
+                    f"no kubeconfig at `{path}` and not running inside a cluster",
+                    "run `gcloud container clusters get-credentials CLUSTER --region REGION`",
+                )
         except ConfigException as e:
-            raise BadInput(f"cannot load Kubernetes credentials: {' '.join(str(e).split())}",
-                           "check `kubectl config get-contexts`") from e
+            raise BadInput(
+                f"cannot load Kubernetes credentials: {' '.join(str(e).split())}",
+                "check `kubectl config get-contexts`",
+            ) from e
     cfg.retries = False  # our policy retries; urllib3 must not multiply it
     return client.ApiClient(cfg)
 
 
-QUANTITY_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9,
-                    "T": 10**12, "m": 0.001}
+QUANTITY_SUFFIX = {
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "m": 0.001,
+}
 
 
 def parse_quantity(v) -> float:

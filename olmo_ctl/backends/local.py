@@ -67,19 +67,29 @@ class LocalRequest:
 
     def to_dict(self) -> dict:
         d: dict[str, object] = {
-            "argv": list(self.argv), "env": dict(self.env), "log": self.log_path,
-            "attempt_file": os.path.join(self.state_dir, "attempts", f"{self.attempt.attempt}.json")}
+            "argv": list(self.argv),
+            "env": dict(self.env),
+            "log": self.log_path,
+            "attempt_file": os.path.join(self.state_dir, "attempts", f"{self.attempt.attempt}.json"),
+        }
         if self.processes > 1:
             d["processes"] = self.processes
-            d["env_per_process"] = {PROCESS_ID_ENV: f"0..{self.processes - 1}", LOG_PREFIX_ENV: "host <h>: ",
-                                    COORDINATOR_ENV: "127.0.0.1:<a free port>"}
+            d["env_per_process"] = {
+                PROCESS_ID_ENV: f"0..{self.processes - 1}",
+                LOG_PREFIX_ENV: "host <h>: ",
+                COORDINATOR_ENV: "127.0.0.1:<a free port>",
+            }
         return d
 
     def host_env(self, host: int, coordinator: str | None) -> dict[str, str]:
         if self.processes <= 1:
             return dict(self.env)
-        return {**self.env, PROCESS_ID_ENV: str(host), LOG_PREFIX_ENV: f"host {host}: ", COORDINATOR_ENV: coordinator or ""}
-
+        return {
+            **self.env,
+            PROCESS_ID_ENV: str(host),
+            LOG_PREFIX_ENV: f"host {host}: ",
+            COORDINATOR_ENV: coordinator or "",
+        }
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -95,13 +105,20 @@ class LocalBackend(Backend[LocalRequest]):
     trains_here = True
     retry_backoff_s = 5.0
 
-    def __init__(self, run_root: str, python: str | None = None, state_root: str | None = None,
-                 stop_grace_s: float = 120.0):
+    def __init__(
+        self,
+        run_root: str,
+        python: str | None = None,
+        state_root: str | None = None,
+        stop_grace_s: float = 120.0,
+    ):
         self.run_root = str(run_root)
         self.python = python or sys.executable
         self.state_root = state_root
         self.stop_grace_s = stop_grace_s
-        self.settings: Settings | None = None  # the site settings it was made from (recorded with each attempt)
+        self.settings: Settings | None = (
+            None  # the site settings it was made from (recorded with each attempt)
+        )
         self._procs: dict[object, subprocess.Popen] = {}  # by pid; looked up with a handle's JSON `pid`
 
     @classmethod
@@ -118,8 +135,10 @@ class LocalBackend(Backend[LocalRequest]):
         """The local backend runs cpu-N, cpu-PxD and gpu-N on this machine."""
         dev = get_device(attempt.device)
         if dev.is_tpu:
-            raise BadInput(f"`{dev.name}` is a TPU slice; the local backend runs cpu-N or gpu-N",
-                           "use --backend gke, or a local device such as cpu-4")
+            raise BadInput(
+                f"`{dev.name}` is a TPU slice; the local backend runs cpu-N or gpu-N",
+                "use --backend gke, or a local device such as cpu-4",
+            )
 
     # Local run dirs keep attempt files and logs inside; a gs:// run dir keeps them on this machine.
     def state_dir(self, run: str, run_dir: str | None = None) -> str:
@@ -127,12 +146,22 @@ class LocalBackend(Backend[LocalRequest]):
         if not storage.is_gcs(rd):
             return rd
         base = self.state_root or os.path.join(
-            os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state"), "olmo-ctl", "local")
+            os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state"), "olmo-ctl", "local"
+        )
         return os.path.join(base, run)
 
     def render(self, attempt: Attempt) -> LocalRequest:
-        argv = [self.python, "-m", TRAINER_MODULE, "--run-dir", attempt.run_dir, "--device", attempt.device,
-                "--attempt", str(attempt.attempt)]
+        argv = [
+            self.python,
+            "-m",
+            TRAINER_MODULE,
+            "--run-dir",
+            attempt.run_dir,
+            "--device",
+            attempt.device,
+            "--attempt",
+            str(attempt.attempt),
+        ]
         if attempt.recipe_path:
             argv += ["--recipe", attempt.recipe_path]
         argv += list(attempt.extra_args)
@@ -145,8 +174,14 @@ class LocalBackend(Backend[LocalRequest]):
             env[NUM_PROCESSES_ENV] = str(dev.processes)
         env.update(dict(attempt.env))
         sd = self.state_dir(attempt.run, attempt.run_dir)
-        return LocalRequest(attempt, tuple(argv), env, os.path.join(sd, "logs", f"attempt-{attempt.attempt}.log"), sd,
-                            dev.processes)
+        return LocalRequest(
+            attempt,
+            tuple(argv),
+            env,
+            os.path.join(sd, "logs", f"attempt-{attempt.attempt}.log"),
+            sd,
+            dev.processes,
+        )
 
     def _attempt_file(self, state_dir: str, n: int) -> str:
         return os.path.join(state_dir, "attempts", f"{n}.json")
@@ -158,13 +193,17 @@ class LocalBackend(Backend[LocalRequest]):
         env = dict(os.environ)
         env.update(request.env)
         if "XLA_FLAGS" in request.env and os.environ.get("XLA_FLAGS"):
-            other = [f for f in os.environ["XLA_FLAGS"].split() if "xla_force_host_platform_device_count" not in f]
+            other = [
+                f for f in os.environ["XLA_FLAGS"].split() if "xla_force_host_platform_device_count" not in f
+            ]
             env["XLA_FLAGS"] = " ".join(other + [request.env["XLA_FLAGS"]])
         coordinator = f"127.0.0.1:{free_port()}" if request.processes > 1 else None
         procs: list[subprocess.Popen] = []
         with open(request.log_path, "ab") as log:
-            log.write(f"=== attempt {a.attempt} on {a.device} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
-                      f": {' '.join(request.argv)}\n".encode())
+            log.write(
+                f"=== attempt {a.attempt} on {a.device} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+                f": {' '.join(request.argv)}\n".encode()
+            )
             log.flush()
             for h in range(request.processes):
                 # One process group per attempt, not the supervisor's: Ctrl-C in the supervisor's
@@ -172,21 +211,52 @@ class LocalBackend(Backend[LocalRequest]):
                 # workers) at once. One host: its own session too (no controlling terminal). Several:
                 # host 0 leads a new group in this session, the others join it (a group cannot span
                 # sessions).
-                group = {"start_new_session": True} if request.processes == 1 else {
-                    "process_group": procs[0].pid if procs else 0}
-                procs.append(subprocess.Popen(list(request.argv), stdout=log, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, env={**env, **request.host_env(h, coordinator)},
-                                              close_fds=True, **group))
+                group = (
+                    {"start_new_session": True}
+                    if request.processes == 1
+                    else {"process_group": procs[0].pid if procs else 0}
+                )
+                procs.append(
+                    subprocess.Popen(
+                        list(request.argv),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env={**env, **request.host_env(h, coordinator)},
+                        close_fds=True,
+                        **group,
+                    )
+                )
         for p in procs:
             self._procs[p.pid] = p
         hosts = [{"pid": p.pid, "start_time": proc_start_time(p.pid), "exit_code": None} for p in procs]
-        info = {"pid": procs[0].pid, "pgid": procs[0].pid, "start_time": hosts[0]["start_time"],
-                "host": socket.gethostname(), "argv": list(request.argv), "log": request.log_path, "run_dir": a.run_dir,
-                "started": time.time(), "exit_code": None, "hosts": hosts, "coordinator": coordinator}
+        info = {
+            "pid": procs[0].pid,
+            "pgid": procs[0].pid,
+            "start_time": hosts[0]["start_time"],
+            "host": socket.gethostname(),
+            "argv": list(request.argv),
+            "log": request.log_path,
+            "run_dir": a.run_dir,
+            "started": time.time(),
+            "exit_code": None,
+            "hosts": hosts,
+            "coordinator": coordinator,
+        }
         self._write_json(self._attempt_file(request.state_dir, a.attempt), info)
-        return Handle("local", str(procs[0].pid), a.attempt,
-                      {"pid": procs[0].pid, "start_time": info["start_time"], "state_dir": request.state_dir,
-                       "log": request.log_path, "run_dir": a.run_dir, "pids": [p.pid for p in procs]})
+        return Handle(
+            "local",
+            str(procs[0].pid),
+            a.attempt,
+            {
+                "pid": procs[0].pid,
+                "start_time": info["start_time"],
+                "state_dir": request.state_dir,
+                "log": request.log_path,
+                "run_dir": a.run_dir,
+                "pids": [p.pid for p in procs],
+            },
+        )
 
     @staticmethod
     def _write_json(path: str, d: dict) -> None:
@@ -207,8 +277,18 @@ class LocalBackend(Backend[LocalRequest]):
         """The attempt's processes: `hosts` in the attempt file (one entry for an older single-host file)."""
         if info.get("hosts"):
             return info["hosts"]
-        pid = info.get("pid") or (handle.data.get("pid") if handle else None) or (handle.name if handle else None)
-        return [{"pid": int(pid) if pid else None, "start_time": info.get("start_time"), "exit_code": info.get("exit_code")}]
+        pid = (
+            info.get("pid")
+            or (handle.data.get("pid") if handle else None)
+            or (handle.name if handle else None)
+        )
+        return [
+            {
+                "pid": int(pid) if pid else None,
+                "start_time": info.get("start_time"),
+                "exit_code": info.get("exit_code"),
+            }
+        ]
 
     def _host_alive(self, info: dict, h: dict) -> bool:
         """Alive AND our trainer: same start time, `olmo_ctl.trainer` with this run dir on its command line."""
@@ -253,9 +333,14 @@ class LocalBackend(Backend[LocalRequest]):
             pid = int(handle.data.get("pid") or handle.name)
             if failed:
                 first = min(failed, key=lambda h: h.get("ended", 0))
-                return AttemptStatus(State.RUNNING, f"host {hosts.index(first)} exited {first['exit_code']}: "
-                                     f"stopping the other hosts", "process")
-            what = f"pid {pid} running" if len(hosts) == 1 else f"{len(running)} of {len(hosts)} hosts running"
+                return AttemptStatus(
+                    State.RUNNING,
+                    f"host {hosts.index(first)} exited {first['exit_code']}: stopping the other hosts",
+                    "process",
+                )
+            what = (
+                f"pid {pid} running" if len(hosts) == 1 else f"{len(running)} of {len(hosts)} hosts running"
+            )
             return AttemptStatus(State.RUNNING, what, "process")
         if gone and not failed:  # ended while no process of ours was its parent: no exit code to read
             return self._ended_unwatched(handle, int(handle.data.get("pid") or handle.name))
@@ -276,10 +361,15 @@ class LocalBackend(Backend[LocalRequest]):
     def _ended(self, handle: Handle, code: int, hosts: list[dict]) -> AttemptStatus:
         state, reason = exit_state(code)
         if state == State.RUNNING:
-            return AttemptStatus(State.RUNNING, f"pid {handle.data.get('pid') or handle.name} running", "process")
+            return AttemptStatus(
+                State.RUNNING, f"pid {handle.data.get('pid') or handle.name} running", "process"
+            )
         if len(hosts) > 1 and code != 0:
-            first = min((h for h in hosts if h.get("exit_code") not in (None, 0)), key=lambda h: h.get("ended", 0),
-                        default=None)
+            first = min(
+                (h for h in hosts if h.get("exit_code") not in (None, 0)),
+                key=lambda h: h.get("ended", 0),
+                default=None,
+            )
             if first is not None:
                 reason = f"{reason} (first failed host: {hosts.index(first)})"
         return AttemptStatus(state, reason, "process exit code", code, tuple(self.logs(handle, 20)))
@@ -302,7 +392,11 @@ class LocalBackend(Backend[LocalRequest]):
     def _signal_hosts(self, info: dict, hosts: list[dict], sig: int) -> None:
         """Signal these hosts (each checked to be our live trainer) and their workers: the attempt's
         process group when every host of the attempt is meant, else each host's process."""
-        live = [h for h in hosts if h.get("pid") and (self._procs.get(h["pid"]) is not None or self._host_alive(info, h))]
+        live = [
+            h
+            for h in hosts
+            if h.get("pid") and (self._procs.get(h["pid"]) is not None or self._host_alive(info, h))
+        ]
         everyone = len(live) == len([h for h in self._hosts(info) if h.get("exit_code") is None])
         pgid = info.get("pgid")
         if live and everyone and pgid:
@@ -325,9 +419,13 @@ class LocalBackend(Backend[LocalRequest]):
         last = lines[-1].strip() if lines else ""
         why = f"pid {pid} exited (started by another process: exit code unknown)"
         if seen.committed is not None and seen.final is not None and seen.committed >= seen.final:
-            return AttemptStatus(State.SUCCEEDED, f"{why}; its log ends with `{last}`", "log", None, tuple(lines[-20:]))
+            return AttemptStatus(
+                State.SUCCEEDED, f"{why}; its log ends with `{last}`", "log", None, tuple(lines[-20:])
+            )
         if seen.committed is not None:
-            return AttemptStatus(State.PREEMPTED, f"{why}; its log ends with `{last}`", "log", None, tuple(lines[-20:]))
+            return AttemptStatus(
+                State.PREEMPTED, f"{why}; its log ends with `{last}`", "log", None, tuple(lines[-20:])
+            )
         return AttemptStatus(State.FAILED_INFRA, why, "process", None, tuple(lines[-20:]))
 
     def stop(self, handle: Handle, graceful: bool = True) -> None:
@@ -335,8 +433,12 @@ class LocalBackend(Backend[LocalRequest]):
         the grace period."""
         info = self._info(handle)
         hosts = self._hosts(info, handle)
-        live = [h for h in hosts if (self._procs.get(h.get("pid")) is not None
-                                     and self._procs[h["pid"]].poll() is None) or self._host_alive(info, h)]
+        live = [
+            h
+            for h in hosts
+            if (self._procs.get(h.get("pid")) is not None and self._procs[h["pid"]].poll() is None)
+            or self._host_alive(info, h)
+        ]
         if not live:
             self.status(handle)
             return
@@ -390,8 +492,9 @@ class LocalBackend(Backend[LocalRequest]):
         sd = self.state_dir(run)
         d = os.path.join(sd, "attempts")
         try:
-            names = sorted((int(n[:-5]) for n in os.listdir(d) if n.endswith(".json") and n[:-5].isdigit()),
-                           reverse=True)
+            names = sorted(
+                (int(n[:-5]) for n in os.listdir(d) if n.endswith(".json") and n[:-5].isdigit()), reverse=True
+            )
         except FileNotFoundError:
             names = []
         out = []
@@ -402,9 +505,21 @@ class LocalBackend(Backend[LocalRequest]):
             except (OSError, ValueError):
                 continue
             if info.get("exit_code") is None and self._is_ours(info):
-                out.append(Handle("local", str(info["pid"]), n, {
-                    "pid": info["pid"], "start_time": info.get("start_time"), "state_dir": sd, "log": info.get("log"),
-                    "run_dir": info.get("run_dir"), "pids": [h["pid"] for h in self._hosts(info)]}))
+                out.append(
+                    Handle(
+                        "local",
+                        str(info["pid"]),
+                        n,
+                        {
+                            "pid": info["pid"],
+                            "start_time": info.get("start_time"),
+                            "state_dir": sd,
+                            "log": info.get("log"),
+                            "run_dir": info.get("run_dir"),
+                            "pids": [h["pid"] for h in self._hosts(info)],
+                        },
+                    )
+                )
         return out
 
     def _find_unrecorded(self, run: str, sd: str) -> Handle | None:
@@ -433,13 +548,34 @@ class LocalBackend(Backend[LocalRequest]):
         procs = sorted(found[n])
         pid, start = procs[0][1], procs[0][2]
         log = os.path.join(sd, "logs", f"attempt-{n}.log")  # where submit sent its output
-        info = {"pid": pid, "pgid": os.getpgid(pid), "start_time": start, "host": socket.gethostname(),
-                "argv": _cmdline(pid), "log": log, "run_dir": run_dir, "started": time.time(), "exit_code": None,
-                "adopted": True, "hosts": [{"pid": p, "start_time": st, "exit_code": None} for _, p, st in procs]}
+        info = {
+            "pid": pid,
+            "pgid": os.getpgid(pid),
+            "start_time": start,
+            "host": socket.gethostname(),
+            "argv": _cmdline(pid),
+            "log": log,
+            "run_dir": run_dir,
+            "started": time.time(),
+            "exit_code": None,
+            "adopted": True,
+            "hosts": [{"pid": p, "start_time": st, "exit_code": None} for _, p, st in procs],
+        }
         os.makedirs(os.path.join(sd, "attempts"), exist_ok=True)
         self._write_json(self._attempt_file(sd, n), info)
-        return Handle("local", str(pid), n, {"pid": pid, "start_time": start, "state_dir": sd, "log": log,
-                                             "run_dir": run_dir, "pids": [p for _, p, _ in procs]})
+        return Handle(
+            "local",
+            str(pid),
+            n,
+            {
+                "pid": pid,
+                "start_time": start,
+                "state_dir": sd,
+                "log": log,
+                "run_dir": run_dir,
+                "pids": [p for _, p, _ in procs],
+            },
+        )
 
 
 def _host_of(pid: int) -> int:

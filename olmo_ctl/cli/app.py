@@ -13,8 +13,24 @@ import typer
 from typer.core import TyperGroup
 
 # `--help` lists commands in the order a user meets them, not alphabetically.
-COMMAND_ORDER = ("devices", "plan", "config", "doctor", "submit", "resume-until-done", "monitor", "compare",
-                 "resize", "smoke", "preflight", "data", "convert", "parity", "surgery", "sandbox")
+COMMAND_ORDER = (
+    "devices",
+    "plan",
+    "config",
+    "doctor",
+    "submit",
+    "resume-until-done",
+    "monitor",
+    "compare",
+    "resize",
+    "smoke",
+    "preflight",
+    "data",
+    "convert",
+    "parity",
+    "surgery",
+    "sandbox",
+)
 
 
 class _OrderedGroup(TyperGroup):
@@ -50,8 +66,13 @@ class ManifestOutput(str, Enum):
 
 
 # Options shared by every command that takes a recipe.
-StageOpt = Annotated[int | None, typer.Option("--stage", help="OLMo 3 stage: 1 (pre-training), 2 (mid-training) or 3 (long context).")]
-RecipeOpt = Annotated[str | None, typer.Option("--recipe", help="Recipe file or name from recipes/ (e.g. smoke).")]
+StageOpt = Annotated[
+    int | None,
+    typer.Option("--stage", help="OLMo 3 stage: 1 (pre-training), 2 (mid-training) or 3 (long context)."),
+]
+RecipeOpt = Annotated[
+    str | None, typer.Option("--recipe", help="Recipe file or name from recipes/ (e.g. smoke).")
+]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override a recipe value: --set key.sub=value (repeatable)."),

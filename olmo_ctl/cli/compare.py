@@ -10,12 +10,26 @@ from olmo_ctl.cli.monitor import _g
 
 @app.command()
 def compare(
-    a: Annotated[str, typer.Argument(help="Run directory (local or gs://) or a CSV/TSV curve of step,value.")],
-    b: Annotated[str, typer.Argument(help="Run directory or curve file compared against A (deltas are B - A).")],
-    tags: Annotated[list[str] | None, typer.Option("--tags", help="Tag to compare (repeatable); default train/CE loss.")] = None,
+    a: Annotated[
+        str, typer.Argument(help="Run directory (local or gs://) or a CSV/TSV curve of step,value.")
+    ],
+    b: Annotated[
+        str, typer.Argument(help="Run directory or curve file compared against A (deltas are B - A).")
+    ],
+    tags: Annotated[
+        list[str] | None, typer.Option("--tags", help="Tag to compare (repeatable); default train/CE loss.")
+    ] = None,
     bin_steps: Annotated[int, typer.Option("--bin", help="Steps per bin for binned means.")] = 2000,
-    threshold: Annotated[float | None, typer.Option("--threshold", help="|Δ| above which two curves diverge (default 0 for two runs, 0.05 against a curve file).")] = None,
-    per_step: Annotated[bool, typer.Option("--per-step", help="With -o json: every common step as [step, A, B, B-A].")] = False,
+    threshold: Annotated[
+        float | None,
+        typer.Option(
+            "--threshold",
+            help="|Δ| above which two curves diverge (default 0 for two runs, 0.05 against a curve file).",
+        ),
+    ] = None,
+    per_step: Annotated[
+        bool, typer.Option("--per-step", help="With -o json: every common step as [step, A, B, B-A].")
+    ] = False,
     output: OutputOpt = Output.table,
 ) -> None:
     """Step-aligned deltas between two runs (or a run and a reference curve): max |Δ|, binned means,
@@ -42,7 +56,13 @@ def compare(
         bins = r["bins"]
         shown = bins if len(bins) <= 40 else bins[:: max(1, len(bins) // 40)]
         for x in shown:
-            t.add_row(f"{x['start']}-{x['end']}", str(x["points"]), _g(x["mean_a"], ".5g"), _g(x["mean_b"], ".5g"),
-                      _g(x["mean_delta"], ".3g"), _g(x["max_abs_delta"], ".3g"))
+            t.add_row(
+                f"{x['start']}-{x['end']}",
+                str(x["points"]),
+                _g(x["mean_a"], ".5g"),
+                _g(x["mean_b"], ".5g"),
+                _g(x["mean_delta"], ".3g"),
+                _g(x["max_abs_delta"], ".3g"),
+            )
         con.print(t)
     con.print(f"verdict: {res['verdict']}")

@@ -1,4 +1,5 @@
 """`olmo-ctl convert`: Hugging Face Olmo3ForCausalLM <-> Orbax checkpoints."""
+
 from typing import Annotated
 
 import typer
@@ -13,9 +14,16 @@ convert_app = typer.Typer(
 )
 app.add_typer(convert_app, name="convert")
 
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing, non-empty destination.")]
-CkptRecipeOpt = Annotated[str | None, typer.Option(
-    "--recipe", help="For a training checkpoint (<run-dir>/checkpoints/<N>) without run.yaml: the recipe of its model.")]
+OverwriteOpt = Annotated[
+    bool, typer.Option("--overwrite", help="Replace an existing, non-empty destination.")
+]
+CkptRecipeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--recipe",
+        help="For a training checkpoint (<run-dir>/checkpoints/<N>) without run.yaml: the recipe of its model.",
+    ),
+]
 
 
 def _need(*modules: str, extra: str) -> None:
@@ -28,12 +36,23 @@ def _need(*modules: str, extra: str) -> None:
 
 @convert_app.command("hf-to-orbax")
 def hf_to_orbax(
-    hf_dir: Annotated[str, typer.Argument(help="Hugging Face model directory (config.json + safetensors), local or gs://.")],
+    hf_dir: Annotated[
+        str, typer.Argument(help="Hugging Face model directory (config.json + safetensors), local or gs://.")
+    ],
     orbax_dir: Annotated[str, typer.Argument(help="Destination Orbax directory, local or gs://.")],
-    vocab_size: Annotated[int | None, typer.Option(
-        "--vocab-size", help="Real vocabulary size when config.json's vocab_size is already padded.")] = None,
-    padded_vocab_size: Annotated[int | None, typer.Option(
-        "--padded-vocab-size", help="Embedding rows to train with (default: rounded up to a multiple of 128).")] = None,
+    vocab_size: Annotated[
+        int | None,
+        typer.Option(
+            "--vocab-size", help="Real vocabulary size when config.json's vocab_size is already padded."
+        ),
+    ] = None,
+    padded_vocab_size: Annotated[
+        int | None,
+        typer.Option(
+            "--padded-vocab-size",
+            help="Embedding rows to train with (default: rounded up to a multiple of 128).",
+        ),
+    ] = None,
     param_dtype: Annotated[str, typer.Option("--param-dtype", help="float32 or bfloat16.")] = "float32",
     overwrite: OverwriteOpt = False,
 ) -> None:
@@ -43,19 +62,35 @@ def hf_to_orbax(
         raise BadInput(f"--param-dtype {param_dtype} is not float32 or bfloat16")
     from olmo_ctl.trainer.convert import hf_to_orbax as run
 
-    cfg = run(hf_dir, orbax_dir, vocab_size=vocab_size, padded_vocab_size=padded_vocab_size,
-              param_dtype=param_dtype, overwrite=overwrite)
-    typer.echo(f"wrote {orbax_dir}: {cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size} "
-               f"(padded to {cfg.padded_vocab_size}), params {param_dtype}")
+    cfg = run(
+        hf_dir,
+        orbax_dir,
+        vocab_size=vocab_size,
+        padded_vocab_size=padded_vocab_size,
+        param_dtype=param_dtype,
+        overwrite=overwrite,
+    )
+    typer.echo(
+        f"wrote {orbax_dir}: {cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size} "
+        f"(padded to {cfg.padded_vocab_size}), params {param_dtype}"
+    )
 
 
 @convert_app.command("orbax-to-hf")
 def orbax_to_hf(
-    orbax_dir: Annotated[str, typer.Argument(
-        help="Orbax directory written by `convert hf-to-orbax`, or <run-dir>/checkpoints/<N>; local or gs://.")],
+    orbax_dir: Annotated[
+        str,
+        typer.Argument(
+            help="Orbax directory written by `convert hf-to-orbax`, or <run-dir>/checkpoints/<N>; local or gs://."
+        ),
+    ],
     hf_dir: Annotated[str, typer.Argument(help="Destination Hugging Face directory, local or gs://.")],
-    dtype: Annotated[str | None, typer.Option(
-        "--dtype", help="float32 or bfloat16 (default: the dtype the model was converted from).")] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype", help="float32 or bfloat16 (default: the dtype the model was converted from)."
+        ),
+    ] = None,
     recipe: CkptRecipeOpt = None,
     overwrite: OverwriteOpt = False,
 ) -> None:

@@ -13,10 +13,23 @@ app.add_typer(data_app, name="data")
 
 @data_app.command("prepare")
 def prepare(
-    files: Annotated[list[str], typer.Argument(help="Text files (byte-tokenized, one document each) or .npy token files.")],
-    out: Annotated[str, typer.Option("--out", help="Output directory, local or gs://; must not hold train/ or eval/ files.")],
-    held_out_fraction: Annotated[float, typer.Option("--held-out-fraction", help="Share of the inputs held out for eval/.")] = 0.05,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Check each split holds whole instances of this length; parts are cut at multiples of it.")] = 0,
+    files: Annotated[
+        list[str], typer.Argument(help="Text files (byte-tokenized, one document each) or .npy token files.")
+    ],
+    out: Annotated[
+        str,
+        typer.Option("--out", help="Output directory, local or gs://; must not hold train/ or eval/ files."),
+    ],
+    held_out_fraction: Annotated[
+        float, typer.Option("--held-out-fraction", help="Share of the inputs held out for eval/.")
+    ] = 0.05,
+    seq_len: Annotated[
+        int,
+        typer.Option(
+            "--seq-len",
+            help="Check each split holds whole instances of this length; parts are cut at multiples of it.",
+        ),
+    ] = 0,
     output: OutputOpt = Output.table,
 ) -> None:
     """Write OUT/train/part-NNNNN.npy, OUT/eval/part-NNNNN.npy (raw uint32 tokens) and OUT/manifest.json.
@@ -85,4 +98,6 @@ def info(
     for k, v in d.items():
         if k == "files" or v is None:
             continue  # the whole list is in -o json; first_file and last_file stand for it here
-        typer.echo(f"{k}: {f'{v:,}' if isinstance(v, int) and not isinstance(v, bool) and k != 'data_seed' else v}")
+        typer.echo(
+            f"{k}: {f'{v:,}' if isinstance(v, int) and not isinstance(v, bool) and k != 'data_seed' else v}"
+        )

@@ -28,7 +28,9 @@ def devices(
     elif generation in ("cpu", "gpu"):
         rows = [d for d in local if d.generation == generation]
     else:
-        raise BadInput(f"--generation `{generation}` is not a device generation", "use tpu7x, v5p, cpu or gpu")
+        raise BadInput(
+            f"--generation `{generation}` is not a device generation", "use tpu7x, v5p, cpu or gpu"
+        )
     if output == Output.json:
         print_json([d.to_dict() for d in rows])
         return
@@ -44,11 +46,22 @@ def devices(
             if out:
                 out.append("")
             if d.is_tpu:
-                out.append(f"{d.generation}: GKE accelerator {d.accelerator_label}, machine type {d.machine_type}")
+                out.append(
+                    f"{d.generation}: GKE accelerator {d.accelerator_label}, machine type {d.machine_type}"
+                )
             else:
                 out.append(f"{d.generation}: local backend, nominal peak (for MFU only)")
             out.append(line.format(*cols).rstrip())
-        out.append(line.format(d.name, d.topology or "-", d.chips or "-", d.vms, d.chips_per_vm or "-",
-                               d.devices, _fmt_num(d.peak_tflops_per_device),
-                               _fmt_num(d.hbm_gib_per_device)).rstrip())
+        out.append(
+            line.format(
+                d.name,
+                d.topology or "-",
+                d.chips or "-",
+                d.vms,
+                d.chips_per_vm or "-",
+                d.devices,
+                _fmt_num(d.peak_tflops_per_device),
+                _fmt_num(d.hbm_gib_per_device),
+            ).rstrip()
+        )
     sys.stdout.write("\n".join(out) + "\n")

@@ -15,8 +15,10 @@ from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_UNREACHABLE, Unreachable
 @app.command()
 @site_options(exclude=("backend", "run_root"))  # it checks a cluster, wherever the runs live
 def doctor(
-    device: Annotated[str | None, typer.Option("--device", help="TPU slice to check flavor, quota and node "
-                                                                "pools for, e.g. tpu7x-128.")] = None,
+    device: Annotated[
+        str | None,
+        typer.Option("--device", help="TPU slice to check flavor, quota and node pools for, e.g. tpu7x-128."),
+    ] = None,
     slices: Annotated[int, typer.Option("--slices", min=1, help="Number of slices of --device.")] = 1,
     output: OutputOpt = Output.table,
     *,
@@ -31,8 +33,10 @@ def doctor(
     settings = site.resolve()
     dev = get_device(device) if device is not None else None
     if dev is not None and not dev.is_tpu:
-        raise BadInput(f"`{dev.name}` is a local device; doctor checks a cluster for TPU slices",
-                       "pass a TPU device such as tpu7x-128")
+        raise BadInput(
+            f"`{dev.name}` is a local device; doctor checks a cluster for TPU slices",
+            "pass a TPU device such as tpu7x-128",
+        )
     client = make_api_client(context=settings.kube_context)
     try:
         checks = run_checks(client, settings, dev, slices)
@@ -48,7 +52,9 @@ def doctor(
             mark = "ok  " if c.ok and not c.message.startswith("warning:") else "warn" if c.ok else "FAIL"
             sys.stdout.write(f"{mark}  {c.name:<{width}}  {c.message}\n")
         where = client.configuration.host
-        sys.stdout.write(f"{'all checks passed' if code == 0 else 'cluster unreachable' if code == 3 else 'a check failed'}"
-                         f" ({where}, namespace {settings.namespace})\n")
+        sys.stdout.write(
+            f"{'all checks passed' if code == 0 else 'cluster unreachable' if code == 3 else 'a check failed'}"
+            f" ({where}, namespace {settings.namespace})\n"
+        )
     if code:
         raise typer.Exit(code)

@@ -66,45 +66,72 @@ def render(rep: dict):
     t.add_row("step", prog)
     lo = rep["loss"]
     t.add_row("train CE (smoothed / last)", f"{_g(lo['train_ce_smoothed'])} / {_g(lo['train_ce'])}")
-    t.add_row("eval lm_loss", "-" if lo["eval_lm_loss"] is None else f"{lo['eval_lm_loss']:.4g} @ step {lo['eval_step']:,}")
+    t.add_row(
+        "eval lm_loss",
+        "-" if lo["eval_lm_loss"] is None else f"{lo['eval_lm_loss']:.4g} @ step {lo['eval_step']:,}",
+    )
     tok = rep["tokens"]
     t.add_row("tokens seen", _fmt_n(tok["seen"]))
     t.add_row("tokens/s (now / run avg)", f"{_fmt_n(tok['per_s'])} / {_fmt_n(tok['per_s_run_avg'])}")
     th = rep["throughput"]
     dev = f" on {th['device']} ({th['devices']} devices)" if th.get("device") else ""
-    t.add_row("TFLOP/s per device", f"{_g(th['tflops_per_device'], '.4g')} / {_g(th['tflops_per_device_run_avg'], '.4g')} avg{dev}")
+    t.add_row(
+        "TFLOP/s per device",
+        f"{_g(th['tflops_per_device'], '.4g')} / {_g(th['tflops_per_device_run_avg'], '.4g')} avg{dev}",
+    )
     mfu = "-" if th["mfu"] is None else f"{th['mfu'] * 100:.1f}%"
     mfu_avg = "-" if th["mfu_run_avg"] is None else f"{th['mfu_run_avg'] * 100:.1f}%"
-    t.add_row("MFU (now / run avg)", f"{mfu} / {mfu_avg}" + (f"  [{th['flops_formula']} FLOPs]" if th.get("flops_formula") else ""))
+    t.add_row(
+        "MFU (now / run avg)",
+        f"{mfu} / {mfu_avg}" + (f"  [{th['flops_formula']} FLOPs]" if th.get("flops_formula") else ""),
+    )
     t.add_row("step time (now / median)", f"{_fmt_s(th['step_time_s'])} / {_fmt_s(th['step_time_median_s'])}")
     if rep["eta_s"] == 0 and final and step is not None and step >= final:
         t.add_row("ETA", "done: final step reached")
     else:
         t.add_row("ETA", "-" if rep["eta_s"] is None else f"{_fmt_s(rep['eta_s'])} ({rep['eta']})")
     sk = rep["skipped_steps"]
-    t.add_row("skipped steps", "-" if sk["total"] is None else f"{sk['total']} total, {sk['last_1000']} in the last 1000")
+    t.add_row(
+        "skipped steps",
+        "-" if sk["total"] is None else f"{sk['total']} total, {sk['last_1000']} in the last 1000",
+    )
     ck = rep["checkpoint"]
-    t.add_row("last checkpoint", "none committed yet" if ck["committed_step"] is None else f"step {ck['committed_step']:,}")
+    t.add_row(
+        "last checkpoint",
+        "none committed yet" if ck["committed_step"] is None else f"step {ck['committed_step']:,}",
+    )
     if ck["steps_at_risk"] is not None:
         t.add_row("steps at risk", f"{ck['steps_at_risk']:,}")
     at = rep["attempt"]
     if at.get("attempt") is not None:
-        t.add_row("attempt", f"#{at['attempt']} {at.get('device') or ''}: {at.get('state') or '?'}"
-                  + (f" — {at['reason']}" if at.get("reason") else "") + (f"  [{at['source']}]" if at.get("source") else ""))
+        t.add_row(
+            "attempt",
+            f"#{at['attempt']} {at.get('device') or ''}: {at.get('state') or '?'}"
+            + (f" — {at['reason']}" if at.get("reason") else "")
+            + (f"  [{at['source']}]" if at.get("source") else ""),
+        )
     else:
         t.add_row("attempt", at.get("source") or "-")
     gp = rep["goodput"]
     if gp["fraction"] is not None:
         lost = ", ".join(f"{k} {_fmt_s(v)}" for k, v in gp["lost_s"].items() if v)
-        t.add_row("goodput", f"{gp['fraction'] * 100:.1f}% of {_fmt_s(gp['wall_s'])}" + (f" (lost: {lost})" if lost else ""))
+        t.add_row(
+            "goodput",
+            f"{gp['fraction'] * 100:.1f}% of {_fmt_s(gp['wall_s'])}" + (f" (lost: {lost})" if lost else ""),
+        )
     if rep["replays"]["steps"]:
-        t.add_row("replayed steps", f"{rep['replays']['steps']} (mismatching values: {rep['replays']['mismatch_count']})")
+        t.add_row(
+            "replayed steps",
+            f"{rep['replays']['steps']} (mismatching values: {rep['replays']['mismatch_count']})",
+        )
     parts = [t]
     tl = timeline_summary(rep["timeline"])
     if not tl and len(rep.get("attempts_in_events") or []) > 1:  # no journal: the event files still tell
-        tl = [f"#{a['attempt']}: steps {a['first_step']:,}..{a['last_step']:,}"
-              + (f" ({a['replayed_steps']} replayed by a later attempt)" if a["replayed_steps"] else "")
-              for a in rep["attempts_in_events"]]
+        tl = [
+            f"#{a['attempt']}: steps {a['first_step']:,}..{a['last_step']:,}"
+            + (f" ({a['replayed_steps']} replayed by a later attempt)" if a["replayed_steps"] else "")
+            for a in rep["attempts_in_events"]
+        ]
     if tl:
         parts.append(Text("\n".join(tl[-8:])))
     if rep["warnings"]:
@@ -123,19 +150,42 @@ def _refreshed(src, last: dict, stall_after, backend: bool) -> dict:
     except OlmoCtlError as e:
         if e.exit_code != 3:
             raise
-        return {**last, "warnings": [f"refresh failed, showing the previous report: {e.one_line()}",
-                                     *[w for w in last["warnings"] if not w.startswith("refresh failed")]]}
+        return {
+            **last,
+            "warnings": [
+                f"refresh failed, showing the previous report: {e.one_line()}",
+                *[w for w in last["warnings"] if not w.startswith("refresh failed")],
+            ],
+        }
     return build_report(src, stall_after_s=stall_after, ask_backend=backend, status_of=handle_status)
 
 
 @app.command()
 def monitor(
-    run: Annotated[str, typer.Argument(help="Run directory, local or gs:// (or one holding only tensorboard/).")],
+    run: Annotated[
+        str, typer.Argument(help="Run directory, local or gs:// (or one holding only tensorboard/).")
+    ],
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh a live view until Ctrl-C.")] = False,
-    interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes with --watch.")] = 10.0,
-    plot: Annotated[str | None, typer.Option("--plot", help="Write a PNG: loss, LR, throughput/MFU, resumes.")] = None,
-    stall_after: Annotated[float | None, typer.Option("--stall-after", help="Seconds without a step before a running attempt is called stalled (default: max(300, 20 step times)).")] = None,
-    backend: Annotated[bool, typer.Option("--backend/--no-backend", help="Ask the backend (local processes, GKE) for the live attempt's state; --no-backend uses the journal only.")] = True,
+    interval: Annotated[
+        float, typer.Option("--interval", help="Seconds between refreshes with --watch.")
+    ] = 10.0,
+    plot: Annotated[
+        str | None, typer.Option("--plot", help="Write a PNG: loss, LR, throughput/MFU, resumes.")
+    ] = None,
+    stall_after: Annotated[
+        float | None,
+        typer.Option(
+            "--stall-after",
+            help="Seconds without a step before a running attempt is called stalled (default: max(300, 20 step times)).",
+        ),
+    ] = None,
+    backend: Annotated[
+        bool,
+        typer.Option(
+            "--backend/--no-backend",
+            help="Ask the backend (local processes, GKE) for the live attempt's state; --no-backend uses the journal only.",
+        ),
+    ] = True,
     output: OutputOpt = Output.table,
 ) -> None:
     """Progress, loss, throughput/MFU, checkpoints, attempts and goodput of a run.

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 KubeContextOpt = Annotated[str | None, typer.Option("--kube-context", help="kubeconfig context.")]
 NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Kubernetes namespace.")]
 QueueOpt = Annotated[str | None, typer.Option("--queue", help="Kueue LocalQueue name.")]
-PriorityClassOpt = Annotated[str | None, typer.Option("--priority-class", help="Kueue WorkloadPriorityClass.")]
+PriorityClassOpt = Annotated[
+    str | None, typer.Option("--priority-class", help="Kueue WorkloadPriorityClass.")
+]
 ImageOpt = Annotated[str | None, typer.Option("--image", help="Container image with olmo-ctl.")]
 RunRootOpt = Annotated[str | None, typer.Option("--run-root", help="Where run directories live (gs://...).")]
 ServiceAccountOpt = Annotated[
@@ -31,16 +33,30 @@ ServiceAccountOpt = Annotated[
 ]
 PlacementPolicyOpt = Annotated[
     str | None,
-    typer.Option("--placement-policy", help="Placement policy of multi-host Ironwood node pools ({topology} ok)."),
+    typer.Option(
+        "--placement-policy", help="Placement policy of multi-host Ironwood node pools ({topology} ok)."
+    ),
 ]
-AdmissionTimeoutOpt = Annotated[float | None, typer.Option(
-    "--admission-timeout", min=1, help="Stop an attempt admitted by Kueue whose pods are not all running after this "
-    "many seconds (pods refused, unschedulable) and count an infrastructure failure (default 1800; compile not "
-    "included).")]
-SlicesOpt = Annotated[int | None, typer.Option(
-    "--slices", min=1, help="Slices of --device joined over the data-center network (multislice, tpu7x and v5p "
-    "multi-host slices on GKE); the global batch is split over all of their devices. An existing run keeps its "
-    "own (default 1 for a new run); another count is a resize.")]
+AdmissionTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--admission-timeout",
+        min=1,
+        help="Stop an attempt admitted by Kueue whose pods are not all running after this "
+        "many seconds (pods refused, unschedulable) and count an infrastructure failure (default 1800; compile not "
+        "included).",
+    ),
+]
+SlicesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--slices",
+        min=1,
+        help="Slices of --device joined over the data-center network (multislice, tpu7x and v5p "
+        "multi-host slices on GKE); the global batch is split over all of their devices. An existing run keeps its "
+        "own (default 1 for a new run); another count is a resize.",
+    ),
+]
 BackendOpt = Annotated[str | None, typer.Option("--backend", help="gke or local.")]
 
 # Every site setting a command line may set, in the order `--help` lists them.
@@ -88,8 +104,10 @@ def site_options(*, exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn, eval_str=True)
         own = [p for p in sig.parameters.values() if p.name != "site"]
-        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=SITE_OPTIONS[n])
-                 for n in names]
+        added = [
+            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=SITE_OPTIONS[n])
+            for n in names
+        ]
 
         @functools.wraps(fn)
         def command(*args: Any, **kwargs: Any) -> Any:
@@ -97,21 +115,34 @@ def site_options(*, exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
             return fn(*args, site=flags, **kwargs)
 
         command.__signature__ = sig.replace(parameters=own + added)  # type: ignore[attr-defined]
-        command.__annotations__ = {**{p.name: p.annotation for p in own}, **{n: SITE_OPTIONS[n] for n in names}}
+        command.__annotations__ = {
+            **{p.name: p.annotation for p in own},
+            **{n: SITE_OPTIONS[n] for n in names},
+        }
         return command  # type: ignore[return-value]
 
     return wrap
+
+
 # Passed to the trainer of every attempt (see docs/running-on-gke.md, "Versions").
-AllowVersionChangeOpt = Annotated[bool, typer.Option(
-    "--allow-version-change", help="Restore although the trainer's Orbax version differs from the run's "
-    "(run.yaml `versions`) in a way its checkpoints may not read.")]
+AllowVersionChangeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-version-change",
+        help="Restore although the trainer's Orbax version differs from the run's "
+        "(run.yaml `versions`) in a way its checkpoints may not read.",
+    ),
+]
 
 
 def note(text: str) -> None:
     """A remark for the person at the terminal; stderr, so stdout stays machine-readable."""
     sys.stderr.write(f"note: {text}\n")
 
-TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1, help="Give up (exit 124) after this many seconds.")]
+
+TimeoutOpt = Annotated[
+    float, typer.Option("--timeout", min=1, help="Give up (exit 124) after this many seconds.")
+]
 
 
 def _echo(text: str) -> None:

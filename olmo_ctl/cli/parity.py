@@ -12,8 +12,12 @@ from olmo_ctl.core.errors import BadInput
 @app.command()
 def parity(
     hf_dir: Annotated[str, typer.Argument(help="Hugging Face Olmo3ForCausalLM directory, local or gs://.")],
-    orbax_dir: Annotated[str, typer.Argument(
-        help="Orbax directory with olmo_model.json, or <run-dir>/checkpoints/<N>; local or gs://.")],
+    orbax_dir: Annotated[
+        str,
+        typer.Argument(
+            help="Orbax directory with olmo_model.json, or <run-dir>/checkpoints/<N>; local or gs://."
+        ),
+    ],
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 256,
     batch: Annotated[int, typer.Option("--batch", help="Sequences.")] = 2,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32 or bf16.")] = "fp32",

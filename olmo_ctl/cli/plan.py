@@ -29,9 +29,12 @@ def _print_plan(r: dict) -> None:
         f" {r['devices']} devices",
         f"  global batch      {r['global_batch']} x {r['seq_len']} tokens = {r['tokens_per_step']:,} tokens/step",
         f"  per device        batch {r['per_device_batch']} x {r['grad_accum']} accumulation step(s)"
-        + (f" = {r['global_batch'] // r['devices']} instances per step" if r.get("seq_shards", 1) == 1 else
-           f" of 1/{r['seq_shards']} instance\n  seq_shards        {r['seq_shards']} (each sequence split over"
-           f" {r['seq_shards']} devices, {r['data_parallel']} groups)"),
+        + (
+            f" = {r['global_batch'] // r['devices']} instances per step"
+            if r.get("seq_shards", 1) == 1
+            else f" of 1/{r['seq_shards']} instance\n  seq_shards        {r['seq_shards']} (each sequence split over"
+            f" {r['seq_shards']} devices, {r['data_parallel']} groups)"
+        ),
         f"  memory estimate   {r['estimated_bytes_per_device'] / gib:.1f} GiB of {r['hbm_bytes_per_device'] / gib:.0f}"
         f" GiB HBM per device (remat {r['remat']})",
         f"  steps             {r['steps']:,} ({r['tokens']:,} tokens)",
@@ -46,29 +49,48 @@ def _print_plan(r: dict) -> None:
         return f"  {label:16}{a:>26}{b:>26}"
 
     lines.append(row("FLOPs per token", f"{f['olmo_core']:.3e}", f"{f['maxtext']:.3e}"))
-    lines.append(row("step time", _duration(e["olmo_core"]["step_time_s"]), _duration(e["maxtext"]["step_time_s"])))
-    lines.append(row("wall-clock", _duration(e["olmo_core"]["wall_clock_s"]),
-                     _duration(e["maxtext"]["wall_clock_s"])))
+    lines.append(
+        row("step time", _duration(e["olmo_core"]["step_time_s"]), _duration(e["maxtext"]["step_time_s"]))
+    )
+    lines.append(
+        row("wall-clock", _duration(e["olmo_core"]["wall_clock_s"]), _duration(e["maxtext"]["wall_clock_s"]))
+    )
     if r["chips"]:
-        lines.append(row("chip-hours", f"{e['olmo_core']['chip_hours']:,.0f}", f"{e['maxtext']['chip_hours']:,.0f}"))
+        lines.append(
+            row("chip-hours", f"{e['olmo_core']['chip_hours']:,.0f}", f"{e['maxtext']['chip_hours']:,.0f}")
+        )
     else:
-        lines.append(row("device-hours", f"{e['olmo_core']['device_hours']:.3g}",
-                         f"{e['maxtext']['device_hours']:.3g}"))
+        lines.append(
+            row(
+                "device-hours", f"{e['olmo_core']['device_hours']:.3g}", f"{e['maxtext']['device_hours']:.3g}"
+            )
+        )
     sys.stdout.write("\n".join(lines) + "\n")
 
 
 @app.command()
 def plan(
     device: DeviceOpt,
-    slices: Annotated[int, typer.Option("--slices", min=1, help="N slices of --device (multislice): the batch over all of their devices.")] = 1,
+    slices: Annotated[
+        int,
+        typer.Option(
+            "--slices", min=1, help="N slices of --device (multislice): the batch over all of their devices."
+        ),
+    ] = 1,
     stage: StageOpt = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
     mfu: Annotated[float, typer.Option("--mfu", help="Assumed MFU as a fraction (0.4 = 40%).")] = 0.4,
-    lr_at: Annotated[str | None, typer.Option(
-        "--lr-at", help="Comma-separated 1-based steps: print the learning rate each trains with.")] = None,
-    plot_lr: Annotated[str | None, typer.Option(
-        "--plot-lr", help="Write the learning-rate curve over the whole run to this .png file.")] = None,
+    lr_at: Annotated[
+        str | None,
+        typer.Option(
+            "--lr-at", help="Comma-separated 1-based steps: print the learning rate each trains with."
+        ),
+    ] = None,
+    plot_lr: Annotated[
+        str | None,
+        typer.Option("--plot-lr", help="Write the learning-rate curve over the whole run to this .png file."),
+    ] = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """Split the recipe's global batch over a device and estimate the compute it needs."""
@@ -114,11 +136,15 @@ def _plot_lr(recipe, path: str) -> None:
     ax.plot(xs, ys, lw=1.5)
     for p in schedule.parts(recipe.schedule)[:-1]:
         ax.axvline(p.last_step, color="grey", ls=":", lw=1)
-        ax.annotate(f"part ends at step {p.last_step:,}", (p.last_step, max(ys)), fontsize=8, ha="left", va="top")
+        ax.annotate(
+            f"part ends at step {p.last_step:,}", (p.last_step, max(ys)), fontsize=8, ha="left", va="top"
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("learning rate")
-    ax.set_title(f"{recipe.name}: {recipe.schedule.kind} schedule, peak {recipe.optimizer.lr:g},"
-                 f" {recipe.train.max_steps:,} steps")
+    ax.set_title(
+        f"{recipe.name}: {recipe.schedule.kind} schedule, peak {recipe.optimizer.lr:g},"
+        f" {recipe.train.max_steps:,} steps"
+    )
     ax.grid(alpha=0.3)
     fig.tight_layout()
     try:

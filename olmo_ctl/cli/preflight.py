@@ -20,14 +20,44 @@ class DoesNotFit(OlmoCtlError):
 
 
 def _row(r) -> dict:
-    keys = ("device", "topology", "devices", "per_device_batch", "grad_accum", "remat", "attention", "head_dim",
-            "n_layers", "hbm_bytes_per_device", "peak_bytes_per_device", "fits", "shortfall_bytes_per_device",
-            "argument_bytes_per_device", "temp_bytes_per_device", "xla_flops_per_step", "formula_flops_per_step",
-            "xla_vs_formula", "xla_dense_flops_per_step", "formula_dense_flops_per_step", "dense_xla_vs_formula",
-            "xla_attention_flops_per_step", "formula_attention_flops_per_step", "xla_recompute_flops_per_step",
-            "formula_olmo_core_flops_per_step", "compile_s", "cached", "param_count", "recipe",
-            "recipe_fingerprint", "trainer_version", "error", "notes", "largest_buffers", "kernel_flops_per_step",
-            "xla_flags")
+    keys = (
+        "device",
+        "topology",
+        "devices",
+        "per_device_batch",
+        "grad_accum",
+        "remat",
+        "attention",
+        "head_dim",
+        "n_layers",
+        "hbm_bytes_per_device",
+        "peak_bytes_per_device",
+        "fits",
+        "shortfall_bytes_per_device",
+        "argument_bytes_per_device",
+        "temp_bytes_per_device",
+        "xla_flops_per_step",
+        "formula_flops_per_step",
+        "xla_vs_formula",
+        "xla_dense_flops_per_step",
+        "formula_dense_flops_per_step",
+        "dense_xla_vs_formula",
+        "xla_attention_flops_per_step",
+        "formula_attention_flops_per_step",
+        "xla_recompute_flops_per_step",
+        "formula_olmo_core_flops_per_step",
+        "compile_s",
+        "cached",
+        "param_count",
+        "recipe",
+        "recipe_fingerprint",
+        "trainer_version",
+        "error",
+        "notes",
+        "largest_buffers",
+        "kernel_flops_per_step",
+        "xla_flags",
+    )
     d = r.to_dict()
     return {k: d[k] for k in keys}
 
@@ -46,19 +76,35 @@ def _print_table(results, recommended=None) -> None:
         t.add_column(col, no_wrap=True)
     for r in results:
         fits = "yes" if r.fits else f"no, {r.shortfall_gib:.2f} over"
-        flops = "-" if r.xla_flops_per_step is None else f"{_tflop(r.xla_flops_per_step)} / {_tflop(r.formula_flops_per_step)}"
-        t.add_row(r.remat, f"{r.per_device_batch}x{r.grad_accum}", f"{r.peak_gib:.2f}",
-                  f"{r.hbm_bytes_per_device / GIB:.2f}", fits, flops,
-                  f"{r.compile_s:.0f}" + ("*" if r.cached else ""))
+        flops = (
+            "-"
+            if r.xla_flops_per_step is None
+            else f"{_tflop(r.xla_flops_per_step)} / {_tflop(r.formula_flops_per_step)}"
+        )
+        t.add_row(
+            r.remat,
+            f"{r.per_device_batch}x{r.grad_accum}",
+            f"{r.peak_gib:.2f}",
+            f"{r.hbm_bytes_per_device / GIB:.2f}",
+            fits,
+            flops,
+            f"{r.compile_s:.0f}" + ("*" if r.cached else ""),
+        )
     c = console()
     first = results[0]
-    c.print(f"{first.recipe} on {first.device} ({first.topology}, {first.devices} devices), "
-            f"{first.n_layers} layers, head dim {first.head_dim}, {first.attention} attention, "
-            f"{len(first.xla_flags)} XLA flags", highlight=False)
+    c.print(
+        f"{first.recipe} on {first.device} ({first.topology}, {first.devices} devices), "
+        f"{first.n_layers} layers, head dim {first.head_dim}, {first.attention} attention, "
+        f"{len(first.xla_flags)} XLA flags",
+        highlight=False,
+    )
     c.print(t)
-    c.print("batch = micro-batch per device x accumulation; TFLOP/step = XLA (loops counted) / MaxText formula;"
-            " peak = arguments + temporaries + outputs - donated" + ("; * from the cache" if any(r.cached for r in results)
-                                                                  else ""), highlight=False)
+    c.print(
+        "batch = micro-batch per device x accumulation; TFLOP/step = XLA (loops counted) / MaxText formula;"
+        " peak = arguments + temporaries + outputs - donated"
+        + ("; * from the cache" if any(r.cached for r in results) else ""),
+        highlight=False,
+    )
     for r in results:
         for note in r.notes:
             c.print(f"note ({r.remat}): {note}")
@@ -75,14 +121,40 @@ def preflight(
     stage: StageOpt = None,
     recipe: RecipeOpt = None,
     device: DeviceOpt = "tpu7x-128",
-    slices: Annotated[int, typer.Option("--slices", min=1, help="Compile for N slices of --device (multislice: the slices on the outer data-parallel axis).")] = 1,
-    remat: Annotated[str | None, typer.Option("--remat", help="none | save_proj | full (default: the recipe's).")] = None,
-    head_dim: Annotated[int | None, typer.Option("--head-dim", help="128 or 256 (same parameters, fewer wider heads).")] = None,
-    search: Annotated[bool, typer.Option("--search", help="Try none, save_proj, full; recommend the first that fits.")] = False,
-    per_device_batch: Annotated[int | None, typer.Option("--per-device-batch", help="Force the micro-batch per device (default: the plan's).")] = None,
-    layers: Annotated[int | None, typer.Option("--layers", help="Compile a shallower model (quick checks; memory and FLOPs scale with depth).")] = None,
-    hbm_gib: Annotated[float | None, typer.Option("--hbm-gib", help="Judge the fit against this HBM per device instead of the device's.")] = None,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompile even when a cached result exists.")] = False,
+    slices: Annotated[
+        int,
+        typer.Option(
+            "--slices",
+            min=1,
+            help="Compile for N slices of --device (multislice: the slices on the outer data-parallel axis).",
+        ),
+    ] = 1,
+    remat: Annotated[
+        str | None, typer.Option("--remat", help="none | save_proj | full (default: the recipe's).")
+    ] = None,
+    head_dim: Annotated[
+        int | None, typer.Option("--head-dim", help="128 or 256 (same parameters, fewer wider heads).")
+    ] = None,
+    search: Annotated[
+        bool, typer.Option("--search", help="Try none, save_proj, full; recommend the first that fits.")
+    ] = False,
+    per_device_batch: Annotated[
+        int | None,
+        typer.Option("--per-device-batch", help="Force the micro-batch per device (default: the plan's)."),
+    ] = None,
+    layers: Annotated[
+        int | None,
+        typer.Option(
+            "--layers", help="Compile a shallower model (quick checks; memory and FLOPs scale with depth)."
+        ),
+    ] = None,
+    hbm_gib: Annotated[
+        float | None,
+        typer.Option("--hbm-gib", help="Judge the fit against this HBM per device instead of the device's."),
+    ] = None,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="Recompile even when a cached result exists.")
+    ] = False,
     overrides: SetOpt = None,
     output: OutputOpt = Output.table,
 ) -> None:
@@ -101,27 +173,39 @@ def preflight(
     r = load_recipe(recipe, stage, overrides or [])
     dev = get_device(device)
     if not dev.is_tpu:
-        raise BadInput(f"preflight compiles for TPU slices; `{dev.name}` is a local device",
-                       "pass a TPU device such as tpu7x-128 or v5p-256")
+        raise BadInput(
+            f"preflight compiles for TPU slices; `{dev.name}` is a local device",
+            "pass a TPU device such as tpu7x-128 or v5p-256",
+        )
     if search and remat is not None:
         raise BadInput("--search and --remat are exclusive", "--search tries every remat policy")
     if hbm_gib is not None and hbm_gib <= 0:
         raise BadInput("--hbm-gib must be positive")
-    kw = dict(head_dim=head_dim, n_layers=layers, per_device_batch=per_device_batch, slices=slices,
-              hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB), use_cache=not no_cache,
-              settings=resolve_settings())
+    kw = dict(
+        head_dim=head_dim,
+        n_layers=layers,
+        per_device_batch=per_device_batch,
+        slices=slices,
+        hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB),
+        use_cache=not no_cache,
+        settings=resolve_settings(),
+    )
     if search:
         tried, best = pf.search(r, dev, **kw)
         if output == Output.json:
-            print_json({"results": [_row(x) for x in tried], "recommended_remat": best.remat if best else None})
+            print_json(
+                {"results": [_row(x) for x in tried], "recommended_remat": best.remat if best else None}
+            )
         else:
             _print_table(tried, best)
         if best is None:
             last = tried[-1]
-            raise DoesNotFit(f"no remat policy fits {last.recipe} on {dev.name}: even remat=full needs "
-                             f"{last.peak_gib:.2f} GiB per device, {last.shortfall_gib:.2f} GiB over",
-                             f"use a smaller micro-batch (--per-device-batch {max(1, last.per_device_batch // 2)};"
-                             " in the recipe train.max_per_device_batch) or a larger slice")
+            raise DoesNotFit(
+                f"no remat policy fits {last.recipe} on {dev.name}: even remat=full needs "
+                f"{last.peak_gib:.2f} GiB per device, {last.shortfall_gib:.2f} GiB over",
+                f"use a smaller micro-batch (--per-device-batch {max(1, last.per_device_batch // 2)};"
+                " in the recipe train.max_per_device_batch) or a larger slice",
+            )
         return
     res = pf.run_preflight(r, dev, remat=remat, **kw)
     if output == Output.json:
@@ -129,6 +213,9 @@ def preflight(
     else:
         _print_table([res])
     if not res.fits:
-        raise DoesNotFit(res.verdict(), "try `--search` for a remat policy that fits, a smaller micro-batch"
-                         f" (--per-device-batch {max(1, res.per_device_batch // 2)}; in the recipe"
-                         " train.max_per_device_batch), or a larger slice")
+        raise DoesNotFit(
+            res.verdict(),
+            "try `--search` for a remat policy that fits, a smaller micro-batch"
+            f" (--per-device-batch {max(1, res.per_device_batch // 2)}; in the recipe"
+            " train.max_per_device_batch), or a larger slice",
+        )

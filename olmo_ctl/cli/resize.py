@@ -13,17 +13,31 @@ from olmo_ctl.core.errors import BadInput
 @app.command()
 @site_options()
 def resize(
-    run: Annotated[str, typer.Argument(metavar="RUN", help="The run to resize (its name under the run root).")],
+    run: Annotated[
+        str, typer.Argument(metavar="RUN", help="The run to resize (its name under the run root).")
+    ],
     device: DeviceOpt,
     slices: SlicesOpt = None,
-    at_next_checkpoint: Annotated[bool, typer.Option(
-        "--at-next-checkpoint", help="Wait for the next scheduled checkpoint to commit, then stop.")] = False,
-    now: Annotated[bool, typer.Option(
-        "--now", help="Stop at once: the trainer checkpoints its last completed step (the default).")] = False,
+    at_next_checkpoint: Annotated[
+        bool,
+        typer.Option(
+            "--at-next-checkpoint", help="Wait for the next scheduled checkpoint to commit, then stop."
+        ),
+    ] = False,
+    now: Annotated[
+        bool,
+        typer.Option(
+            "--now", help="Stop at once: the trainer checkpoints its last completed step (the default)."
+        ),
+    ] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     timeout: TimeoutOpt = 3600.0,
-    no_preflight: Annotated[bool, typer.Option(
-        "--no-preflight", help="Skip compiling the step for the new slice before stopping anything.")] = False,
+    no_preflight: Annotated[
+        bool,
+        typer.Option(
+            "--no-preflight", help="Skip compiling the step for the new slice before stopping anything."
+        ),
+    ] = False,
     *,
     site: SiteFlags,
 ) -> None:
@@ -51,8 +65,10 @@ def resize(
         note(line)
     # The new attempt is checked as submit checks one, before anything is stopped.
     check_attempt(be, plan.new_attempt, preflight=not no_preflight, log=note)
-    lines = [f"resize run `{run}`: attempt {plan.from_attempt} on {on(plan.old)} -> attempt {plan.to_attempt} "
-             f"on {on(plan.new)} ({mode})"] + ["  " + ln for ln in plan.plan_lines()]
+    lines = [
+        f"resize run `{run}`: attempt {plan.from_attempt} on {on(plan.old)} -> attempt {plan.to_attempt} "
+        f"on {on(plan.new)} ({mode})"
+    ] + ["  " + ln for ln in plan.plan_lines()]
     typer.echo("\n".join(lines))
     diff = plan.manifest_diff()
     if diff:
@@ -61,7 +77,9 @@ def resize(
         typer.echo("a live supervisor drives this run: the resize is recorded for it to carry out")
     if not yes:
         if not sys.stdin.isatty():
-            raise BadInput("resize needs a confirmation and there is no terminal to ask on", "pass -y to confirm")
+            raise BadInput(
+                "resize needs a confirmation and there is no terminal to ask on", "pass -y to confirm"
+            )
         if not typer.confirm(f"Resize `{run}` to {on(plan.new)}?", default=False):
             _echo("not resized; nothing changed")
             raise typer.Exit(130)
@@ -71,7 +89,9 @@ def resize(
     if res.action == "requested":
         typer.echo(f"resize request {res.request['id']} recorded for the supervisor of `{run}`")
     else:
-        typer.echo(f"resized `{run}`: attempt {res.attempt} on {on(plan.new)} from committed step "
-                   f"{res.committed_step} (global batch {plan.new.global_batch}, per-device batch "
-                   f"{plan.old.per_device_batch} -> {plan.new.per_device_batch}, accumulation "
-                   f"{plan.old.grad_accum} -> {plan.new.grad_accum})")
+        typer.echo(
+            f"resized `{run}`: attempt {res.attempt} on {on(plan.new)} from committed step "
+            f"{res.committed_step} (global batch {plan.new.global_batch}, per-device batch "
+            f"{plan.old.per_device_batch} -> {plan.new.per_device_batch}, accumulation "
+            f"{plan.old.grad_accum} -> {plan.new.grad_accum})"
+        )

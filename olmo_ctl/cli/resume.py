@@ -23,33 +23,66 @@ from olmo_ctl.core.recipe import load_recipe
 @site_options()
 def resume_until_done(
     run_name: Annotated[str | None, typer.Argument(metavar="RUN", help="Run name (or --run).")] = None,
-    run: Annotated[str | None, typer.Option("--run", help="Run name (default: from the recipe name).")] = None,
+    run: Annotated[
+        str | None, typer.Option("--run", help="Run name (default: from the recipe name).")
+    ] = None,
     stage: StageOpt = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
-    device: Annotated[str | None, typer.Option("--device", help="Device of a new run (e.g. cpu-1, tpu7x-128).")] = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="Device of a new run (e.g. cpu-1, tpu7x-128).")
+    ] = None,
     slices: SlicesOpt = None,
-    retry_backoff: Annotated[float | None, typer.Option(
-        "--retry-backoff", help="Base backoff before a resubmission, seconds [env OLMO_CTL_RETRY_BACKOFF_SECONDS; "
-        "300 on GKE, 5 locally]; doubles per attempt without progress, with jitter, up to a cap.")] = None,
-    max_retries: Annotated[int | None, typer.Option(
-        "--max-retries", help="Attempts in a row without a new committed step before giving up "
-        "[env OLMO_CTL_MAX_RETRIES, 5]; progress refills it.")] = None,
-    retry_user_errors: Annotated[bool, typer.Option(
-        "--retry-user-errors", help="Retry deterministic training failures (exit 1/2) too.")] = False,
-    stop_on_exit: Annotated[bool, typer.Option(
-        "--stop-on-exit", help="On Ctrl-C stop the attempt instead of leaving it running.")] = False,
+    retry_backoff: Annotated[
+        float | None,
+        typer.Option(
+            "--retry-backoff",
+            help="Base backoff before a resubmission, seconds [env OLMO_CTL_RETRY_BACKOFF_SECONDS; "
+            "300 on GKE, 5 locally]; doubles per attempt without progress, with jitter, up to a cap.",
+        ),
+    ] = None,
+    max_retries: Annotated[
+        int | None,
+        typer.Option(
+            "--max-retries",
+            help="Attempts in a row without a new committed step before giving up "
+            "[env OLMO_CTL_MAX_RETRIES, 5]; progress refills it.",
+        ),
+    ] = None,
+    retry_user_errors: Annotated[
+        bool,
+        typer.Option("--retry-user-errors", help="Retry deterministic training failures (exit 1/2) too."),
+    ] = False,
+    stop_on_exit: Annotated[
+        bool, typer.Option("--stop-on-exit", help="On Ctrl-C stop the attempt instead of leaving it running.")
+    ] = False,
     poll: Annotated[float, typer.Option("--poll", help="Seconds between status checks.")] = 10.0,
-    lease_ttl: Annotated[float | None, typer.Option(
-        "--lease-ttl", help="Seconds without a heartbeat before another supervisor may take the run over "
-        "[default: max(300, 6 x --poll)]; it watches the lease that long on its own clock first.")] = None,
-    stall_factor: Annotated[float, typer.Option(
-        "--stall-factor", help="Stalled after this many median step intervals without progress.")] = 20.0,
-    stall_min: Annotated[float, typer.Option("--stall-min", help="Never stalled sooner than this (s).")] = 300.0,
-    startup_timeout: Annotated[float, typer.Option(
-        "--startup-timeout", help="Longest start-up/compile before the first step (s).")] = 1800.0,
-    no_preflight: Annotated[bool, typer.Option(
-        "--no-preflight", help="Skip compiling the step for the slice before the first submission.")] = False,
+    lease_ttl: Annotated[
+        float | None,
+        typer.Option(
+            "--lease-ttl",
+            help="Seconds without a heartbeat before another supervisor may take the run over "
+            "[default: max(300, 6 x --poll)]; it watches the lease that long on its own clock first.",
+        ),
+    ] = None,
+    stall_factor: Annotated[
+        float,
+        typer.Option(
+            "--stall-factor", help="Stalled after this many median step intervals without progress."
+        ),
+    ] = 20.0,
+    stall_min: Annotated[
+        float, typer.Option("--stall-min", help="Never stalled sooner than this (s).")
+    ] = 300.0,
+    startup_timeout: Annotated[
+        float, typer.Option("--startup-timeout", help="Longest start-up/compile before the first step (s).")
+    ] = 1800.0,
+    no_preflight: Annotated[
+        bool,
+        typer.Option(
+            "--no-preflight", help="Skip compiling the step for the slice before the first submission."
+        ),
+    ] = False,
     allow_version_change: AllowVersionChangeOpt = False,
     admission_timeout: AdmissionTimeoutOpt = None,
     *,
@@ -79,14 +112,23 @@ def resume_until_done(
     if poll <= 0:
         raise BadInput(f"--poll {poll} must be positive")
     if lease_ttl is not None and lease_ttl < 2 * poll:
-        raise BadInput(f"--lease-ttl {lease_ttl:g} must be at least twice --poll ({poll:g})",
-                       "the supervisor renews its lease once per poll")
+        raise BadInput(
+            f"--lease-ttl {lease_ttl:g} must be at least twice --poll ({poll:g})",
+            "the supervisor renews its lease once per poll",
+        )
     extra_args = ("--allow-version-change",) if allow_version_change else ()
     # The next attempt, resolved and checked as submit checks it, before run.yaml exists.
     prep = prepare(settings, name, recipe=r, device=device, slices=slices, extra_args=extra_args)
-    policy = RetryPolicy.from_env(retry_backoff, max_retries, default_backoff_s=prep.backend.retry_backoff_s,
-                                  retry_user_errors=retry_user_errors, stall_factor=stall_factor, stall_min_s=stall_min,
-                                  startup_limit_s=startup_timeout, admission_timeout_s=admission_timeout)
+    policy = RetryPolicy.from_env(
+        retry_backoff,
+        max_retries,
+        default_backoff_s=prep.backend.retry_backoff_s,
+        retry_user_errors=retry_user_errors,
+        stall_factor=stall_factor,
+        stall_min_s=stall_min,
+        startup_limit_s=startup_timeout,
+        admission_timeout_s=admission_timeout,
+    )
     for line in prep.notes:
         note(line)
     if not prep.complete:
@@ -94,8 +136,18 @@ def resume_until_done(
     create_run(prep)
     rundir, be = prep.rundir, prep.backend
     hint = f"olmo-ctl resume-until-done {name} --run-root {prep.settings.run_root} --backend {be.name}"
-    sup = Supervisor(rundir, be, policy, device=device, poll_s=poll, stop_on_exit=stop_on_exit, reattach_hint=hint,
-                     lease_ttl_s=lease_ttl, slices=slices, extra_args=extra_args)
+    sup = Supervisor(
+        rundir,
+        be,
+        policy,
+        device=device,
+        poll_s=poll,
+        stop_on_exit=stop_on_exit,
+        reattach_hint=hint,
+        lease_ttl_s=lease_ttl,
+        slices=slices,
+        extra_args=extra_args,
+    )
     sup.out.line(f"run directory: {rundir.path}")
 
     def on_term(signum, frame):  # a terminating supervisor detaches like Ctrl-C

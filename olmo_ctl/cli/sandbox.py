@@ -15,20 +15,42 @@ from olmo_ctl.cli.app import app
 
 @app.command()
 def sandbox(
-    kubeconfig: Annotated[Path, typer.Option("--kubeconfig", help="Write a kubeconfig for the sandbox here "
-                                             "(its current context points at it); it exists once the sandbox "
-                                             "serves.")],
+    kubeconfig: Annotated[
+        Path,
+        typer.Option(
+            "--kubeconfig",
+            help="Write a kubeconfig for the sandbox here "
+            "(its current context points at it); it exists once the sandbox "
+            "serves.",
+        ),
+    ],
     namespace: Annotated[str, typer.Option("--namespace", help="Namespace of the LocalQueue.")] = "default",
     queue: Annotated[str, typer.Option("--queue", help="Name of the LocalQueue.")] = "multislice-queue",
-    slices: Annotated[list[str] | None, typer.Option(
-        "--slices", help="DEVICE=N: nodes, a ResourceFlavor and quota for N slices of DEVICE (repeatable).")] = None,
-    priority_class: Annotated[list[str] | None, typer.Option(
-        "--priority-class", help="NAME or NAME=VALUE: a Kueue WorkloadPriorityClass (repeatable).")] = None,
-    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port on 127.0.0.1 (0: a free one).")] = 0,
-    run_pods: Annotated[bool, typer.Option(
-        "--run-pods/--no-run-pods", help="Run each bound pod's container command as a local process, each TPU "
-                                         "VM as host CPU devices (default); without: pods stay Running, no "
-                                         "program runs.")] = True,
+    slices: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--slices",
+            help="DEVICE=N: nodes, a ResourceFlavor and quota for N slices of DEVICE (repeatable).",
+        ),
+    ] = None,
+    priority_class: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--priority-class", help="NAME or NAME=VALUE: a Kueue WorkloadPriorityClass (repeatable)."
+        ),
+    ] = None,
+    port: Annotated[
+        int, typer.Option("--port", min=0, max=65535, help="Port on 127.0.0.1 (0: a free one).")
+    ] = 0,
+    run_pods: Annotated[
+        bool,
+        typer.Option(
+            "--run-pods/--no-run-pods",
+            help="Run each bound pod's container command as a local process, each TPU "
+            "VM as host CPU devices (default); without: pods stay Running, no "
+            "program runs.",
+        ),
+    ] = True,
 ) -> None:
     """Serve a sandbox Kubernetes API with JobSet and Kueue on localhost until SIGTERM or Ctrl-C."""
     from olmo_ctl.core.config import resolve_settings
@@ -49,8 +71,9 @@ def sandbox(
             sys.stderr.flush()
 
         runner = ProcessRunner(log=say)
-    sb = Sandbox(namespace=namespace, queue=queue, slices=devices, priority_classes=classes, port=port,
-                 runner=runner)
+    sb = Sandbox(
+        namespace=namespace, queue=queue, slices=devices, priority_classes=classes, port=port, runner=runner
+    )
     try:
         sb.start()
         try:
@@ -61,9 +84,11 @@ def sandbox(
             raise BadInput(f"cannot write --kubeconfig `{kubeconfig}`: {e.strerror}") from None
         what = ", ".join(f"{n} x {d}" for d, n in devices.items()) or "no TPU slices"
         what += "; pods run as local processes" if run_pods else "; pods run no program"
-        sys.stderr.write(f"sandbox serving at {sb.url} ({what}; LocalQueue {namespace}/{queue})\n"
-                         f"kubeconfig: {kubeconfig} (context olmo-ctl-sandbox)\n"
-                         f"try: KUBECONFIG={kubeconfig} olmo-ctl doctor\n")
+        sys.stderr.write(
+            f"sandbox serving at {sb.url} ({what}; LocalQueue {namespace}/{queue})\n"
+            f"kubeconfig: {kubeconfig} (context olmo-ctl-sandbox)\n"
+            f"try: KUBECONFIG={kubeconfig} olmo-ctl doctor\n"
+        )
         sys.stderr.flush()
         try:
             while not stop.wait(0.5):

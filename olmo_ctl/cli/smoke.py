@@ -16,8 +16,12 @@ from olmo_ctl.core.errors import BadInput
 def smoke(
     device: DeviceOpt,
     timeout: TimeoutOpt = 1800.0,
-    junit: Annotated[Path | None, typer.Option("--junit", help="Write JUnit XML (one test case per check).")] = None,
-    keep: Annotated[bool, typer.Option("--keep", help="Keep the smoke run directories after a pass.")] = False,
+    junit: Annotated[
+        Path | None, typer.Option("--junit", help="Write JUnit XML (one test case per check).")
+    ] = None,
+    keep: Annotated[
+        bool, typer.Option("--keep", help="Keep the smoke run directories after a pass.")
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
     *,
     site: SiteFlags,
@@ -41,8 +45,12 @@ def smoke(
     else:
         root = settings.run_root
     be = make_backend(settings, root)
-    cfg = SmokeConfig(device, max_steps=kind.smoke.max_steps, poll_s=kind.smoke.poll_s,
-                      fault=os.environ.get(FAULT_ENV) or None)
+    cfg = SmokeConfig(
+        device,
+        max_steps=kind.smoke.max_steps,
+        poll_s=kind.smoke.poll_s,
+        fault=os.environ.get(FAULT_ENV) or None,
+    )
     report = run_smoke(be, root, cfg, timeout, log=_echo)
     for line in report.summary_lines():
         _echo(line)

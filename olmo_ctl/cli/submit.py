@@ -38,13 +38,20 @@ def _write_manifest(path: Path, text: str) -> None:
 @app.command()
 @site_options()
 def submit(
-    device: Annotated[str | None, typer.Option(
-        "--device", help="Device type of a new run, e.g. tpu7x-128, v5p-256, cpu-4 (an existing run: its own).")] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            help="Device type of a new run, e.g. tpu7x-128, v5p-256, cpu-4 (an existing run: its own).",
+        ),
+    ] = None,
     slices: SlicesOpt = None,
     stage: StageOpt = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
-    run: Annotated[str | None, typer.Option("--run", help="Run name (default: from the recipe name).")] = None,
+    run: Annotated[
+        str | None, typer.Option("--run", help="Run name (default: from the recipe name).")
+    ] = None,
     attempt: Annotated[
         int | None,
         typer.Option("--attempt", min=0, help="Attempt number (default: the next one; 1 for --dry-run)."),
@@ -52,7 +59,9 @@ def submit(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the JobSet (local: the command line); submit nothing.")
     ] = False,
-    output: Annotated[ManifestOutput, typer.Option("--output", "-o", help="yaml or json.")] = ManifestOutput.yaml,
+    output: Annotated[
+        ManifestOutput, typer.Option("--output", "-o", help="yaml or json.")
+    ] = ManifestOutput.yaml,
     output_manifest: Annotated[
         Path | None, typer.Option("--output-manifest", help="Write the manifest to FILE instead of stdout.")
     ] = None,
@@ -72,7 +81,11 @@ def submit(
 
     # Every cheap check (names, site settings, run root, image, queue, plan) before any compile or cluster call.
     settings = site.resolve()
-    r = load_recipe(recipe, stage, set_ or ()) if (recipe is not None or stage is not None or dry_run) else None
+    r = (
+        load_recipe(recipe, stage, set_ or ())
+        if (recipe is not None or stage is not None or dry_run)
+        else None
+    )
     if r is None and set_:
         raise BadInput("--set needs --recipe or --stage", "an existing run keeps its recipe (run.yaml)")
     if run is None and r is None:
@@ -92,30 +105,45 @@ def submit(
     extra_args = ("--allow-version-change",) if allow_version_change else ()
     if dry_run:
         if device is None:
-            raise BadInput("--dry-run renders a new run's attempt: it needs --device", "e.g. --device tpu7x-128")
+            raise BadInput(
+                "--dry-run renders a new run's attempt: it needs --device", "e.g. --device tpu7x-128"
+            )
         assert r is not None
         be, request, notes = render_dry_run(settings, run_name, r, device, slices, attempt, extra_args)
         for line in notes:
             note(line)
         show(be.printable(be.render(request)))
         return
-    prep = prepare(settings, run_name, recipe=r, device=device, slices=slices, attempt=attempt,
-                   extra_args=extra_args)
+    prep = prepare(
+        settings, run_name, recipe=r, device=device, slices=slices, attempt=attempt, extra_args=extra_args
+    )
     for line in prep.notes:
         note(line)
-    done = submit_run(prep, preflight=not no_preflight, log=note, show=show if output_manifest is not None else None,
-                      admission_timeout_s=admission_timeout, numbered=attempt is not None)
+    done = submit_run(
+        prep,
+        preflight=not no_preflight,
+        log=note,
+        show=show if output_manifest is not None else None,
+        admission_timeout_s=admission_timeout,
+        numbered=attempt is not None,
+    )
     rd = prep.rundir
     out = typer.echo
     out(f"run directory: {rd.path}")
     if done.handle is None:
-        out(f"run `{rd.name}` is complete (checkpoint {prep.committed_step} of "
-            f"{prep.request.recipe.train.max_steps} committed): nothing submitted")
+        out(
+            f"run `{rd.name}` is complete (checkpoint {prep.committed_step} of "
+            f"{prep.request.recipe.train.max_steps} committed): nothing submitted"
+        )
         out("next: read it with")
         out(f"  olmo-ctl monitor {rd.path}")
         return
-    out(f"attempt {done.handle.attempt} of run `{rd.name}` submitted on {prep.on} "
-        f"({prep.backend.name}: {done.handle.name})")
+    out(
+        f"attempt {done.handle.attempt} of run `{rd.name}` submitted on {prep.on} "
+        f"({prep.backend.name}: {done.handle.name})"
+    )
     out("next: supervise it until the final step with")
-    out(f"  olmo-ctl resume-until-done {rd.name} --run-root {prep.settings.run_root} --backend {prep.backend.name}")
+    out(
+        f"  olmo-ctl resume-until-done {rd.name} --run-root {prep.settings.run_root} --backend {prep.backend.name}"
+    )
     out(f"  olmo-ctl monitor {rd.path}")

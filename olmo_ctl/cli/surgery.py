@@ -6,13 +6,17 @@ import typer
 
 from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
 
-surgery_app = typer.Typer(help="Checkpoint surgery: stage-2 warm-Adam init, parameter soups.", no_args_is_help=True)
+surgery_app = typer.Typer(
+    help="Checkpoint surgery: stage-2 warm-Adam init, parameter soups.", no_args_is_help=True
+)
 app.add_typer(surgery_app, name="surgery")
 
 
 @surgery_app.command("warm-adam")
 def warm_adam(
-    src_checkpoint: Annotated[str, typer.Argument(help="Committed checkpoint step dir: <run>/checkpoints/<N>.")],
+    src_checkpoint: Annotated[
+        str, typer.Argument(help="Committed checkpoint step dir: <run>/checkpoints/<N>.")
+    ],
     dst_run_dir: Annotated[str, typer.Argument(help="New run directory for stage 2 (local or gs://).")],
     output: OutputOpt = Output.table,
 ) -> None:
@@ -23,8 +27,10 @@ def warm_adam(
     if output == Output.json:
         print_json(out)
         return
-    typer.echo(f"wrote {out['out']}: parameters and Adam moments of step {out['source_step']}"
-               f" (Adam count {out['adam_count']}), step 0, fresh data state")
+    typer.echo(
+        f"wrote {out['out']}: parameters and Adam moments of step {out['source_step']}"
+        f" (Adam count {out['adam_count']}), step 0, fresh data state"
+    )
 
 
 @surgery_app.command("soup")

@@ -108,8 +108,11 @@ def _seq_candidates(recipe: Recipe, devices: int) -> list[int]:
     """Sequence shard counts the model and slice allow, smallest first (`devices`: one slice's)."""
     t, m = recipe.train, recipe.model
     dp = t.data_parallel if t.mesh == "hybrid" else 1
-    return [s for s in range(1, devices + 1)
-            if devices % (s * dp) == 0 and t.seq_len % s == 0 and m.n_heads % s == 0 and m.n_kv_heads % s == 0]
+    return [
+        s
+        for s in range(1, devices + 1)
+        if devices % (s * dp) == 0 and t.seq_len % s == 0 and m.n_heads % s == 0 and m.n_kv_heads % s == 0
+    ]
 
 
 def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
@@ -138,7 +141,8 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
                 f"train.seq_shards {t.seq_shards} does not fit {device.name}: it must divide the {device.devices} "
                 f"devices (with train.data_parallel), train.seq_len ({t.seq_len}) and the heads ({m.n_heads}, "
                 f"{m.n_kv_heads})",
-                f"choose one of {', '.join(map(str, allowed))}, or 0 to let the plan choose")
+                f"choose one of {', '.join(map(str, allowed))}, or 0 to let the plan choose",
+            )
         candidates = [t.seq_shards]
     else:
         candidates = allowed
@@ -152,7 +156,11 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
         raise BadInput(
             f"global batch {t.global_batch} cannot be split exactly over the {devices} devices of {where}"
             f" (per-device batch would be {t.global_batch / devices:g}"
-            + (f" with seq_shards {t.seq_shards})" if t.seq_shards else ", and no sequence sharding evens it out)"),
+            + (
+                f" with seq_shards {t.seq_shards})"
+                if t.seq_shards
+                else ", and no sequence sharding evens it out)"
+            ),
             f"{hint}, or change train.global_batch (the recipe's batch is never changed silently)",
         )
     for seq in split:
@@ -190,6 +198,7 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
         slices=slices,
         seq_shards=seq,
     )
+
 
 DEFAULT_MFU = 0.4
 

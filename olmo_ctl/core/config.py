@@ -37,15 +37,23 @@ DESCRIPTIONS = {
     "backend": "gke or local",
     "xla_flags": "XLA/libtpu flags merged over the launch template's and the recipe's (space-separated --name=value)",
     "host_network": "pods on the host network (multislice DCN performance); Workload Identity then does not "
-                    "apply: the pods use the node's service account (true or false)",
+    "apply: the pods use the node's service account (true or false)",
 }
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0", "")
 
 # What an attempt is rendered with and a run keeps: recorded with each `submitted` journal line, and
 # taken from there by a later command of the same run that does not choose them itself (the kube
 # context and the run root are this machine's, the backend is recorded on its own).
-RUN_SITE_SETTINGS = ("namespace", "queue", "priority_class", "image", "service_account", "placement_policy",
-                     "xla_flags", "host_network")
+RUN_SITE_SETTINGS = (
+    "namespace",
+    "queue",
+    "priority_class",
+    "image",
+    "service_account",
+    "placement_policy",
+    "xla_flags",
+    "host_network",
+)
 
 
 @dataclass(frozen=True)
@@ -102,34 +110,46 @@ def _check(name: str, value: str, src: str) -> None:
         raise BadInput(f"{where}: the value contains control characters (a newline?)")
     if name == "namespace":
         if len(value) > 63 or not _DNS1123_LABEL.match(value):
-            raise BadInput(f"{where}: `{value}` is not a valid namespace name",
-                           "use lowercase letters, digits and '-', at most 63 characters")
+            raise BadInput(
+                f"{where}: `{value}` is not a valid namespace name",
+                "use lowercase letters, digits and '-', at most 63 characters",
+            )
     elif name in ("queue", "priority_class", "service_account"):
         if len(value) > 253 or not _DNS1123_SUBDOMAIN.match(value):
-            raise BadInput(f"{where}: `{value}` is not a valid Kubernetes object name",
-                           "use lowercase letters, digits, '-' and '.'")
+            raise BadInput(
+                f"{where}: `{value}` is not a valid Kubernetes object name",
+                "use lowercase letters, digits, '-' and '.'",
+            )
         if name != "service_account" and len(value) > 63:
             raise BadInput(f"{where}: `{value}` is longer than 63 characters", "it is used as a label value")
     elif name == "placement_policy":
         try:
             sample = value.format(device="tpu7x-128", topology="4x4x4", generation="tpu7x")
         except (KeyError, IndexError, ValueError):
-            raise BadInput(f"{where}: `{value}` has an unknown placeholder",
-                           f"allowed: {', '.join('{' + p + '}' for p in _PLACEHOLDERS)}") from None
+            raise BadInput(
+                f"{where}: `{value}` has an unknown placeholder",
+                f"allowed: {', '.join('{' + p + '}' for p in _PLACEHOLDERS)}",
+            ) from None
         if len(sample) > 63 or not _LABEL_VALUE.match(sample):
-            raise BadInput(f"{where}: `{value}` does not make a valid label value",
-                           "use letters, digits, '-', '_' and '.', at most 63 characters")
+            raise BadInput(
+                f"{where}: `{value}` does not make a valid label value",
+                "use letters, digits, '-', '_' and '.', at most 63 characters",
+            )
     elif name == "backend":
         if value not in BACKENDS:
             raise BadInput(f"{where}: `{value}` is not a backend", "use gke or local")
     elif name == "image":
         if not value or any(c.isspace() for c in value):
-            raise BadInput(f"{where}: `{value}` is not an image reference", "e.g. us-docker.pkg.dev/p/r/olmo-ctl:0.1.0")
+            raise BadInput(
+                f"{where}: `{value}` is not an image reference", "e.g. us-docker.pkg.dev/p/r/olmo-ctl:0.1.0"
+            )
     elif name == "run_root":
         if not value.strip():
             raise BadInput(f"{where}: the run root is empty", "e.g. gs://my-bucket/runs")
         if "://" in value and not value.startswith("gs://"):
-            raise BadInput(f"{where}: `{value}` is not a gs:// URL or a local path", "e.g. gs://my-bucket/runs")
+            raise BadInput(
+                f"{where}: `{value}` is not a gs:// URL or a local path", "e.g. gs://my-bucket/runs"
+            )
     elif name == "kube_context":
         if not value.strip():
             raise BadInput(f"{where}: the kube context is empty", "leave it unset to use the current context")
@@ -150,12 +170,15 @@ def _load_file(path: Path) -> dict[str, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise BadInput(f"config file `{path}` must be a YAML mapping of settings",
-                       f"keys: {', '.join(setting_names())}")
+        raise BadInput(
+            f"config file `{path}` must be a YAML mapping of settings", f"keys: {', '.join(setting_names())}"
+        )
     names = setting_names()
     for k, v in raw.items():
         if k not in names:
-            raise BadInput(f"config file `{path}`: unknown setting `{k}`", f"known settings: {', '.join(names)}")
+            raise BadInput(
+                f"config file `{path}`: unknown setting `{k}`", f"known settings: {', '.join(names)}"
+            )
         if v is not None and not isinstance(v, str) and not (k == "host_network" and isinstance(v, bool)):
             raise BadInput(f"config file `{path}`: setting `{k}` must be a string, got {v!r}")
     return raw

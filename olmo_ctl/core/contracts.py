@@ -85,11 +85,21 @@ _STEP_LINE = re.compile(r"(?:^|\s)step (\d+)/(\d+) loss (\S+)")
 _COMMITTED_LINE = re.compile(r"committed step (\d+)")
 
 
-def step_line(step: int, final: int, loss: float, grad_norm: float, lr: float, tps: float, mfu: float,
-              skipped: bool = False) -> str:
+def step_line(
+    step: int,
+    final: int,
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    tps: float,
+    mfu: float,
+    skipped: bool = False,
+) -> str:
     """The line the trainer prints for a logged step."""
-    return (f"step {step}/{final} loss {loss:.4f} grad_norm {grad_norm:.4f} lr {lr:.3e}"
-            f" tps/device {tps:.0f} mfu {100 * mfu:.2f}%" + (" skipped" if skipped else ""))
+    return (
+        f"step {step}/{final} loss {loss:.4f} grad_norm {grad_norm:.4f} lr {lr:.3e}"
+        f" tps/device {tps:.0f} mfu {100 * mfu:.2f}%" + (" skipped" if skipped else "")
+    )
 
 
 def committed_line(step: int) -> str:
@@ -135,9 +145,14 @@ def log_progress(lines: list[str]) -> LogProgress:
     last = next((ln for ln in reversed(lines) if ln.strip()), "")
     newest = steps[-1] if steps else None
     slow = tuple(dict.fromkeys(s.message() for s in map(parse_slow_host_line, lines) if s is not None))
-    return LogProgress(newest.step if newest else None, newest.final if newest else None,
-                       newest.loss if newest else None, parse_committed_line(last),
-                       max(s.step for s in steps) if steps else None, slow)
+    return LogProgress(
+        newest.step if newest else None,
+        newest.final if newest else None,
+        newest.loss if newest else None,
+        parse_committed_line(last),
+        max(s.step for s in steps) if steps else None,
+        slow,
+    )
 
 
 # ---------------------------------------------------------------- event file names

@@ -135,17 +135,29 @@ MAX_LOCAL = 64
 def _local_device(kind: str, n: int, processes: int = 0) -> Device:
     """`cpu-N` (one process), `cpu-PxD` (`processes` = P trainer processes of n = D devices each)."""
     if kind == "cpu" and processes:
-        return Device(f"cpu-{processes}x{n}", "cpu", None, 0, processes, 0, processes * n, CPU_PEAK_TFLOPS,
-                      CPU_MEM_GIB, platform="cpu")
+        return Device(
+            f"cpu-{processes}x{n}",
+            "cpu",
+            None,
+            0,
+            processes,
+            0,
+            processes * n,
+            CPU_PEAK_TFLOPS,
+            CPU_MEM_GIB,
+            platform="cpu",
+        )
     if kind == "cpu":
         return Device(f"cpu-{n}", "cpu", None, 0, 1, 0, n, CPU_PEAK_TFLOPS, CPU_MEM_GIB, platform="cpu")
     return Device(f"gpu-{n}", "gpu", None, 0, 1, 0, n, GPU_PEAK_TFLOPS, GPU_HBM_GIB, platform="gpu")
 
 
 def local_catalog() -> list[Device]:
-    return ([_local_device("cpu", n) for n in (1, 2, 4, 8)]
-            + [_local_device("cpu", d, p) for p, d in ((2, 1), (2, 2), (1, 4), (4, 1))]
-            + [_local_device("gpu", n) for n in (1, 8)])
+    return (
+        [_local_device("cpu", n) for n in (1, 2, 4, 8)]
+        + [_local_device("cpu", d, p) for p, d in ((2, 1), (2, 2), (1, 4), (4, 1))]
+        + [_local_device("gpu", n) for n in (1, 8)]
+    )
 
 
 def get_device(name: str) -> Device:
@@ -164,7 +176,9 @@ def get_device(name: str) -> Device:
             raise BadInput(f"`{name}` is not a device type: {gen}-N takes 1 <= N <= {MAX_LOCAL}", hint)
         return _local_device(gen, n)
     if gen not in GENERATIONS:
-        raise BadInput(f"`{name}` is not a device type: unknown generation `{gen}` (tpu7x, v5p, cpu, gpu)", hint)
+        raise BadInput(
+            f"`{name}` is not a device type: unknown generation `{gen}` (tpu7x, v5p, cpu, gpu)", hint
+        )
     if n < MIN_TPU_CORES or n > MAX_TPU_CORES or n & (n - 1):
         raise BadInput(
             f"`{name}` is not a device type: {gen} sizes are powers of two from -{MIN_TPU_CORES} to -{MAX_TPU_CORES}",
@@ -186,20 +200,26 @@ def check_slices(device: Device, slices: int) -> int:
     if slices == 1:
         return 1
     if not device.is_tpu:
-        raise BadInput(f"--slices {slices}: `{device.name}` is a local device; multislice joins TPU slices on GKE",
-                       "use a TPU device such as tpu7x-128 (--backend gke), or --slices 1")
+        raise BadInput(
+            f"--slices {slices}: `{device.name}` is a local device; multislice joins TPU slices on GKE",
+            "use a TPU device such as tpu7x-128 (--backend gke), or --slices 1",
+        )
     if device.vms < 2:
-        raise BadInput(f"--slices {slices}: `{device.name}` is a single-host slice; GKE runs multislice only on "
-                       "multi-host TPU node pools",
-                       f"use a multi-host slice ({device.generation}-16 or larger), or --slices 1")
+        raise BadInput(
+            f"--slices {slices}: `{device.name}` is a single-host slice; GKE runs multislice only on "
+            "multi-host TPU node pools",
+            f"use a multi-host slice ({device.generation}-16 or larger), or --slices 1",
+        )
     return slices
 
 
 def _multi_host_cpu(name: str, count: str, hint: str) -> Device:
     p, _, d = count.partition("x")
     if not (p.isdigit() and d.isdigit()) or p.startswith("0") or d.startswith("0"):
-        raise BadInput(f"`{name}` is not a device type: the multi-host twin is cpu-PxD (P processes x D devices)",
-                       "e.g. cpu-2x2")
+        raise BadInput(
+            f"`{name}` is not a device type: the multi-host twin is cpu-PxD (P processes x D devices)",
+            "e.g. cpu-2x2",
+        )
     if not 1 <= int(p) * int(d) <= MAX_LOCAL:
         raise BadInput(f"`{name}` is not a device type: cpu-PxD takes 1 <= P x D <= {MAX_LOCAL}", hint)
     return _local_device("cpu", int(d), int(p))

@@ -22,18 +22,38 @@ class Knob:
     does: str  # what it does, one line (the docs table says the same)
 
 
-HANG_AT_STEP = Knob("OLMO_CTL_FAULT_HANG_AT_STEP", "N[:H]", "trainer",
-                    "host H (default every host) hangs before step N: the watchdog ends it with exit 3")
-SLOW_DATA = Knob("OLMO_CTL_FAULT_SLOW_DATA", "H:MS", "trainer",
-                 "host H's data loading is MS milliseconds slower per step: a straggler")
-DATA_SHIFT = Knob("OLMO_CTL_TEST_DATA_SHIFT", "N", "trainer",
-                  "a restored run resumes its data N batches off (+ or -): the resume check must catch it")
-PAUSE_BEFORE_CREATE = Knob("OLMO_CTL_FAULT_PAUSE_BEFORE_CREATE", "1", "supervisor",
-                           "the supervisor stops itself (SIGSTOP) after its last lease check, before it "
-                           "creates the attempt (once per process)")
-SMOKE_FAULT = Knob("OLMO_CTL_SMOKE_FAULT", "lr,data-shift", "olmo-ctl smoke",
-                   "`lr` trains with a learning rate of 1e-9 (the loss cannot fall); `data-shift` resumes "
-                   "attempt 2 one batch off (sets OLMO_CTL_TEST_DATA_SHIFT=1 for it)")
+HANG_AT_STEP = Knob(
+    "OLMO_CTL_FAULT_HANG_AT_STEP",
+    "N[:H]",
+    "trainer",
+    "host H (default every host) hangs before step N: the watchdog ends it with exit 3",
+)
+SLOW_DATA = Knob(
+    "OLMO_CTL_FAULT_SLOW_DATA",
+    "H:MS",
+    "trainer",
+    "host H's data loading is MS milliseconds slower per step: a straggler",
+)
+DATA_SHIFT = Knob(
+    "OLMO_CTL_TEST_DATA_SHIFT",
+    "N",
+    "trainer",
+    "a restored run resumes its data N batches off (+ or -): the resume check must catch it",
+)
+PAUSE_BEFORE_CREATE = Knob(
+    "OLMO_CTL_FAULT_PAUSE_BEFORE_CREATE",
+    "1",
+    "supervisor",
+    "the supervisor stops itself (SIGSTOP) after its last lease check, before it "
+    "creates the attempt (once per process)",
+)
+SMOKE_FAULT = Knob(
+    "OLMO_CTL_SMOKE_FAULT",
+    "lr,data-shift",
+    "olmo-ctl smoke",
+    "`lr` trains with a learning rate of 1e-9 (the loss cannot fall); `data-shift` resumes "
+    "attempt 2 one batch off (sets OLMO_CTL_TEST_DATA_SHIFT=1 for it)",
+)
 KNOBS = (HANG_AT_STEP, SLOW_DATA, DATA_SHIFT, PAUSE_BEFORE_CREATE, SMOKE_FAULT)
 
 

@@ -325,7 +325,9 @@ def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
             return tuple(_coerce(v, args[0], f"{key}[{i}]", src) for i, v in enumerate(value))
         if len(value) != len(args):
             raise BadInput(f"{src}: `{key}` must have {len(args)} items, got {len(value)}")
-        return tuple(_coerce(v, a, f"{key}[{i}]", src) for i, (v, a) in enumerate(zip(value, args, strict=True)))
+        return tuple(
+            _coerce(v, a, f"{key}[{i}]", src) for i, (v, a) in enumerate(zip(value, args, strict=True))
+        )
     if tp is bool:
         if not isinstance(value, bool):
             raise BadInput(f"{src}: `{key}` must be true or false, got {value!r}")
@@ -352,18 +354,26 @@ def _build(cls: type, raw: dict, prefix: str, src: str):
     for k, v in raw.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         kwargs[k] = _coerce(v, hints[k], key, src)
-    missing = [f.name for f in fields(cls) if f.name not in raw
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [
+        f.name
+        for f in fields(cls)
+        if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         key = f"{prefix}.{missing[0]}" if prefix else missing[0]
         more = f" (and {len(missing) - 1} more: {', '.join(missing[1:])})" if len(missing) > 1 else ""
         if cls is Recipe and missing[0] == "model":
-            raise BadInput(f"{src}: the recipe has no model",
-                           f"name a model file with `model: NAME` (shipped: {', '.join(shipped_models())}) "
-                           "or a recipe with `base: NAME`")
-        raise BadInput(f"{src}: `{key}` is missing{more}",
-                       "a model's values come from a model file: `model: NAME` (recipes/models/)"
-                       if prefix == "model" else None)
+            raise BadInput(
+                f"{src}: the recipe has no model",
+                f"name a model file with `model: NAME` (shipped: {', '.join(shipped_models())}) "
+                "or a recipe with `base: NAME`",
+            )
+        raise BadInput(
+            f"{src}: `{key}` is missing{more}",
+            "a model's values come from a model file: `model: NAME` (recipes/models/)"
+            if prefix == "model"
+            else None,
+        )
     return cls(**kwargs)
 
 
@@ -387,7 +397,9 @@ def _section_type(tp: Any) -> type | None:
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return tp
     if typing.get_origin(tp) in (types.UnionType, typing.Union):
-        return next((a for a in typing.get_args(tp) if isinstance(a, type) and dataclasses.is_dataclass(a)), None)
+        return next(
+            (a for a in typing.get_args(tp) if isinstance(a, type) and dataclasses.is_dataclass(a)), None
+        )
     return None
 
 
@@ -434,25 +446,48 @@ def validate(r: Recipe, src: str) -> None:
             raise BadInput(f"{src}: `{key}` {why}")
 
     need(r.stage in (0, 1, 2, 3), "stage", f"must be 0, 1, 2 or 3, got {r.stage}")
-    for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "vocab_size",
-              "padded_vocab_size", "sliding_window", "full_attention_every"):
+    for k in (
+        "n_layers",
+        "d_model",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "mlp_hidden",
+        "vocab_size",
+        "padded_vocab_size",
+        "sliding_window",
+        "full_attention_every",
+    ):
         need(getattr(m, k) > 0, f"model.{k}", f"must be positive, got {getattr(m, k)}")
     need(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads ({m.n_heads})")
-    need(m.padded_vocab_size >= m.vocab_size, "model.padded_vocab_size",
-         f"must be >= model.vocab_size ({m.vocab_size})")
+    need(
+        m.padded_vocab_size >= m.vocab_size,
+        "model.padded_vocab_size",
+        f"must be >= model.vocab_size ({m.vocab_size})",
+    )
     need(m.rope_theta > 0, "model.rope_theta", "must be positive")
     if m.rope_scaling is not None:
         rs = m.rope_scaling
         need(rs.factor >= 1, "model.rope_scaling.factor", f"must be >= 1, got {rs.factor}")
-        need(rs.beta_fast > 0 and rs.beta_slow > 0, "model.rope_scaling.beta_fast",
-             "and beta_slow must be positive")
+        need(
+            rs.beta_fast > 0 and rs.beta_slow > 0,
+            "model.rope_scaling.beta_fast",
+            "and beta_slow must be positive",
+        )
         need(rs.original_context > 0, "model.rope_scaling.original_context", "must be positive")
     need(m.rms_norm_eps > 0, "model.rms_norm_eps", "must be positive")
     need(m.init_std > 0, "model.init_std", "must be positive")
-    need(m.sliding_window <= t.seq_len, "model.sliding_window",
-         f"({m.sliding_window}) must not exceed train.seq_len ({t.seq_len})")
-    need(0 <= m.eos_token_id < m.vocab_size, "model.eos_token_id", "must be a token id below model.vocab_size")
-    need(0 <= m.pad_token_id < m.vocab_size, "model.pad_token_id", "must be a token id below model.vocab_size")
+    need(
+        m.sliding_window <= t.seq_len,
+        "model.sliding_window",
+        f"({m.sliding_window}) must not exceed train.seq_len ({t.seq_len})",
+    )
+    need(
+        0 <= m.eos_token_id < m.vocab_size, "model.eos_token_id", "must be a token id below model.vocab_size"
+    )
+    need(
+        0 <= m.pad_token_id < m.vocab_size, "model.pad_token_id", "must be a token id below model.vocab_size"
+    )
     need(t.seq_len > 1, "train.seq_len", f"must be > 1, got {t.seq_len}")
     need(t.global_batch > 0, "train.global_batch", f"must be positive, got {t.global_batch}")
     need(t.max_steps > 0, "train.max_steps", f"must be positive, got {t.max_steps}")
@@ -460,18 +495,31 @@ def validate(r: Recipe, src: str) -> None:
     need(t.data_parallel >= 1, "train.data_parallel", "must be >= 1")
     need(t.seq_shards >= 0, "train.seq_shards", "must be >= 0 (0: the plan chooses)")
     if t.seq_shards > 1:
-        need(t.seq_len % t.seq_shards == 0, "train.seq_shards", f"({t.seq_shards}) must divide train.seq_len ({t.seq_len})")
-        need(m.n_heads % t.seq_shards == 0 and m.n_kv_heads % t.seq_shards == 0, "train.seq_shards",
-             f"({t.seq_shards}) must divide model.n_heads and n_kv_heads ({m.n_heads}, {m.n_kv_heads}): "
-             "attention runs each sequence's heads split over its shards")
+        need(
+            t.seq_len % t.seq_shards == 0,
+            "train.seq_shards",
+            f"({t.seq_shards}) must divide train.seq_len ({t.seq_len})",
+        )
+        need(
+            m.n_heads % t.seq_shards == 0 and m.n_kv_heads % t.seq_shards == 0,
+            "train.seq_shards",
+            f"({t.seq_shards}) must divide model.n_heads and n_kv_heads ({m.n_heads}, {m.n_kv_heads}): "
+            "attention runs each sequence's heads split over its shards",
+        )
     d = r.data
     need(d.source_group_size >= 1, "data.source_group_size", "must be >= 1")
     if d.packed:
-        need(t.seq_len & (t.seq_len - 1) == 0, "train.seq_len",
-             f"must be a power of two for data.packed (OLMo-core's packer), got {t.seq_len}")
+        need(
+            t.seq_len & (t.seq_len - 1) == 0,
+            "train.seq_len",
+            f"must be a power of two for data.packed (OLMo-core's packer), got {t.seq_len}",
+        )
     if t.mesh == "hybrid":
-        need(t.global_batch % t.data_parallel == 0, "train.global_batch",
-             f"({t.global_batch}) must be a multiple of train.data_parallel ({t.data_parallel})")
+        need(
+            t.global_batch % t.data_parallel == 0,
+            "train.global_batch",
+            f"({t.global_batch}) must be a multiple of train.data_parallel ({t.data_parallel})",
+        )
     need(o.lr > 0, "optimizer.lr", f"must be positive, got {o.lr}")
     need(all(0 <= b < 1 for b in o.betas), "optimizer.betas", "must be in [0, 1)")
     need(o.eps > 0, "optimizer.eps", "must be positive")
@@ -480,8 +528,11 @@ def validate(r: Recipe, src: str) -> None:
     need(o.z_loss >= 0, "optimizer.z_loss", "must be >= 0")
     ss = o.skip_step
     need(ss.window >= 2, "optimizer.skip_step.window", "must be >= 2")
-    need(2 <= ss.min_history <= ss.window, "optimizer.skip_step.min_history",
-         "must be between 2 and optimizer.skip_step.window")
+    need(
+        2 <= ss.min_history <= ss.window,
+        "optimizer.skip_step.min_history",
+        "must be between 2 and optimizer.skip_step.window",
+    )
     need(ss.sigma > 0, "optimizer.skip_step.sigma", "must be positive")
     _validate_schedule(s, t.max_steps, need)
     need(r.checkpoint.interval > 0, "checkpoint.interval", "must be positive")
@@ -496,16 +547,26 @@ def validate(r: Recipe, src: str) -> None:
     need(r.runtime.watchdog_min_s > 0, "runtime.watchdog_min_s", "must be positive")
     need(r.data.prefetch_workers >= 0, "data.prefetch_workers", "must be >= 0")
     if r.data.mix:
-        need(r.data.mix in MIXES, "data.mix", f"must be one of {', '.join(sorted(MIXES))}, got {r.data.mix!r}")
-        need(not r.data.train, "data.train", "must be empty when data.mix names the training files (--set data.train=[])")
+        need(
+            r.data.mix in MIXES, "data.mix", f"must be one of {', '.join(sorted(MIXES))}, got {r.data.mix!r}"
+        )
+        need(
+            not r.data.train,
+            "data.train",
+            "must be empty when data.mix names the training files (--set data.train=[])",
+        )
     else:
-        need(len(r.data.train) > 0, "data.train", "must list at least one token file or glob (or set data.mix)")
+        need(
+            len(r.data.train) > 0, "data.train", "must list at least one token file or glob (or set data.mix)"
+        )
 
 
 def _validate_schedule(s: ScheduleConfig, max_steps: int, need) -> None:
     items: list[tuple[str, SchedulePart | ScheduleConfig]]
     if s.kind == "stitched":
-        need(len(s.parts) >= 1, "schedule.parts", "must list at least one part when schedule.kind is stitched")
+        need(
+            len(s.parts) >= 1, "schedule.parts", "must list at least one part when schedule.kind is stitched"
+        )
         items = [(f"schedule.parts[{i}]", p) for i, p in enumerate(s.parts)]
     else:
         need(not s.parts, "schedule.parts", "is only for schedule.kind: stitched (--set schedule.parts=[])")
@@ -515,15 +576,21 @@ def _validate_schedule(s: ScheduleConfig, max_steps: int, need) -> None:
         t_max = p.t_max or max_steps
         need(p.warmup_steps >= 0, f"{key}.warmup_steps", "must be >= 0")
         need(p.t_max >= 0, f"{key}.t_max", "must be >= 0 (0 = train.max_steps)")
-        need(p.warmup_steps < t_max, f"{key}.warmup_steps",
-             f"({p.warmup_steps}) must be below the horizon ({key}.t_max or train.max_steps: {t_max})")
+        need(
+            p.warmup_steps < t_max,
+            f"{key}.warmup_steps",
+            f"({p.warmup_steps}) must be below the horizon ({key}.t_max or train.max_steps: {t_max})",
+        )
         need(0 <= p.alpha <= 1, f"{key}.alpha", "must be in [0, 1]")
         if s.kind != "stitched":
             continue
         assert isinstance(p, SchedulePart)  # stitched: the items are the parts
         if i < len(items) - 1:
-            need(p.last_step > prev_last, f"{key}.last_step",
-                 f"must be a step after the previous part's last step ({prev_last})")
+            need(
+                p.last_step > prev_last,
+                f"{key}.last_step",
+                f"must be a step after the previous part's last step ({prev_last})",
+            )
             prev_last = p.last_step
         else:
             need(p.last_step == 0, f"{key}.last_step", "must be 0 on the last part (it runs to the end)")
@@ -552,7 +619,9 @@ def resolve_recipe_path(recipe: str | None = None, stage: int | None = None) -> 
     p = Path(recipe)
     if p.suffix in (".yaml", ".yml") or p.exists() or "/" in recipe:
         if not p.exists():
-            raise BadInput(f"recipe file `{recipe}` does not exist", "pass a YAML file or a name from recipes/")
+            raise BadInput(
+                f"recipe file `{recipe}` does not exist", "pass a YAML file or a name from recipes/"
+            )
         return p
     named = RECIPES_DIR / f"{recipe}.yaml"
     if not named.exists():
@@ -591,18 +660,24 @@ def load_raw(path: Path, what: str = "recipe") -> dict:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise BadInput(f"{what} `{src}` is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x})",
-                       "pass a recipe YAML file (UTF-8), e.g. recipes/smoke.yaml, or a name such as smoke") from None
+        raise BadInput(
+            f"{what} `{src}` is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x})",
+            "pass a recipe YAML file (UTF-8), e.g. recipes/smoke.yaml, or a name such as smoke",
+        ) from None
     except OSError as e:
         raise BadInput(f"cannot read {what} `{src}`: {e.strerror}") from None
     if "\x00" in text:
-        raise BadInput(f"{what} `{src}` is a binary file, not YAML",
-                       "pass a recipe YAML file (UTF-8), e.g. recipes/smoke.yaml, or a name such as smoke")
+        raise BadInput(
+            f"{what} `{src}` is a binary file, not YAML",
+            "pass a recipe YAML file (UTF-8), e.g. recipes/smoke.yaml, or a name such as smoke",
+        )
     try:
         raw = yaml.load(text, Loader=_Loader)
     except _KeyTwice as e:
-        raise BadInput(f"{src}: `{e.key}` is set twice in one mapping (lines {e.first_line} and {e.line})",
-                       "keep one of them") from None
+        raise BadInput(
+            f"{src}: `{e.key}` is set twice in one mapping (lines {e.first_line} and {e.line})",
+            "keep one of them",
+        ) from None
     except yaml.YAMLError as e:
         first = str(e).splitlines()[0] if str(e) else "syntax error"
         raise BadInput(f"{src}: not valid YAML ({first})") from None
@@ -620,22 +695,29 @@ def _reference(ref: Any, key: str, src: str, where: Path | None) -> Path:
     file that names it."""
     shipped, kind = (shipped_recipes(), "recipe") if key == "base" else (shipped_models(), "model")
     if not isinstance(ref, str) or not ref:
-        raise BadInput(f"{src}: `{key}` must name a {kind} or a file, got {ref!r}",
-                       f"shipped: {', '.join(shipped)}")
+        raise BadInput(
+            f"{src}: `{key}` must name a {kind} or a file, got {ref!r}", f"shipped: {', '.join(shipped)}"
+        )
     if not (ref.endswith((".yaml", ".yml")) or "/" in ref):
         p = (RECIPES_DIR if key == "base" else MODELS_DIR) / f"{ref}.yaml"
         if not p.exists():
-            raise BadInput(f"{src}: `{key}: {ref}` is not a shipped {kind}",
-                           f"shipped: {', '.join(shipped)}; or give a file path")
+            raise BadInput(
+                f"{src}: `{key}: {ref}` is not a shipped {kind}",
+                f"shipped: {', '.join(shipped)}; or give a file path",
+            )
         return p
     p = Path(ref)
     if not p.is_absolute():
         if where is None:
-            raise BadInput(f"{src}: `{key}: {ref}` is a relative path, but `{src}` is not a local file",
-                           f"give an absolute path or a shipped name ({', '.join(shipped)})")
+            raise BadInput(
+                f"{src}: `{key}: {ref}` is a relative path, but `{src}` is not a local file",
+                f"give an absolute path or a shipped name ({', '.join(shipped)})",
+            )
         p = where / p
     if not p.is_file():
-        raise BadInput(f"{src}: `{key}: {ref}`: `{p}` does not exist", f"a path is relative to `{src}`'s directory")
+        raise BadInput(
+            f"{src}: `{key}: {ref}`: `{p}` does not exist", f"a path is relative to `{src}`'s directory"
+        )
     return p
 
 
@@ -657,8 +739,10 @@ def _set_twice(model: dict, own: dict, prefix: str, src: str, model_src: str) ->
         if isinstance(v, dict) and isinstance(model[k], dict):
             _set_twice(model[k], v, key, src, model_src)
         elif v != model[k]:
-            raise BadInput(f"{src}: `{key}` is set twice: {v!r} here and {model[k]!r} in its model `{model_src}`",
-                           f"drop it here, name another model file, or pass --set {key}=... (the command line wins)")
+            raise BadInput(
+                f"{src}: `{key}` is set twice: {v!r} here and {model[k]!r} in its model `{model_src}`",
+                f"drop it here, name another model file, or pass --set {key}=... (the command line wins)",
+            )
 
 
 def load_layers(raw: dict, src: str, where: Path | None, _chain: tuple[str, ...] = ()) -> dict:
@@ -681,8 +765,10 @@ def load_layers(raw: dict, src: str, where: Path | None, _chain: tuple[str, ...]
     if isinstance(model, str):
         model = {"from": model}
     if model is not None and not isinstance(model, dict):
-        raise BadInput(f"{src}: `model` must be a model name, a file or a mapping, got {model!r}",
-                       f"shipped models: {', '.join(shipped_models())}")
+        raise BadInput(
+            f"{src}: `model` must be a model name, a file or a mapping, got {model!r}",
+            f"shipped models: {', '.join(shipped_models())}",
+        )
     if model is not None:
         model = dict(model)
         if "from" in model:
@@ -695,8 +781,9 @@ def load_layers(raw: dict, src: str, where: Path | None, _chain: tuple[str, ...]
     return _merge(merged, own)
 
 
-def recipe_from_dict(raw: dict, src: str = "<recipe>", overrides: list[str] | tuple[str, ...] = (),
-                     where: Path | None = None) -> Recipe:
+def recipe_from_dict(
+    raw: dict, src: str = "<recipe>", overrides: list[str] | tuple[str, ...] = (), where: Path | None = None
+) -> Recipe:
     """A Recipe from a mapping: its layers (load_layers), then `--set` overrides, validated."""
     raw = apply_overrides(load_layers(raw, src, where), overrides, src)
     r = _build(Recipe, raw, "", src)

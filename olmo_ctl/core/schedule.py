@@ -92,7 +92,12 @@ def lr_curve(recipe, points: int = 2000) -> tuple[list[int], list[float]]:
     stride = max(1, T // points)
     steps = set(range(1, T + 1, stride)) | {T}
     for p in parts(recipe.schedule):
-        for s in (p.warmup_steps - 1, p.warmup_steps, getattr(p, "last_step", 0), getattr(p, "last_step", 0) + 1):
+        for s in (
+            p.warmup_steps - 1,
+            p.warmup_steps,
+            getattr(p, "last_step", 0),
+            getattr(p, "last_step", 0) + 1,
+        ):
             if 1 <= s <= T:
                 steps.add(s)
     xs = sorted(steps)

@@ -24,15 +24,25 @@ import re
 
 from olmo_ctl.core.errors import Unreachable
 
-TRANSIENT_NAME_PARTS = ("Connect", "Timeout", "ServiceUnavailable", "TooManyRequests", "InternalServerError",
-                        "GatewayTimeout", "DeadlineExceeded", "RetryError")
+TRANSIENT_NAME_PARTS = (
+    "Connect",
+    "Timeout",
+    "ServiceUnavailable",
+    "TooManyRequests",
+    "InternalServerError",
+    "GatewayTimeout",
+    "DeadlineExceeded",
+    "RetryError",
+)
 CLIENT_MODULES = ("google.", "requests", "urllib3", "http.")
 
 # A multi-host runtime error that means another host (or the coordination service) went away: a
 # preempted or failed peer, not a bug here.
-PEER_LOST = re.compile(r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED)\b|coordination service|heartbeat|"
-                       r"barrier timed out|connection reset|socket closed|task .* (?:failed|disconnected)",
-                       re.IGNORECASE)
+PEER_LOST = re.compile(
+    r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED)\b|coordination service|heartbeat|"
+    r"barrier timed out|connection reset|socket closed|task .* (?:failed|disconnected)",
+    re.IGNORECASE,
+)
 
 
 def is_transient(e: BaseException) -> bool:

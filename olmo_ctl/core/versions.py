@@ -34,8 +34,11 @@ def installed(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
 def changes(recorded: dict, current: dict) -> list[tuple[str, str | None, str | None]]:
     """(package, recorded, current) for each package whose version differs; packages the record does not
     name are not compared (a record written before a package was tracked)."""
-    return [(name, recorded.get(name), current.get(name)) for name in current
-            if name in recorded and recorded.get(name) != current.get(name)]
+    return [
+        (name, recorded.get(name), current.get(name))
+        for name in current
+        if name in recorded and recorded.get(name) != current.get(name)
+    ]
 
 
 def _major_minor(v: str | None) -> tuple[str, ...] | None:

@@ -42,8 +42,18 @@ BYTE_VOCAB = 258
 SMOKE_ROOT = "builtin://smoke"
 SMOKE_VERSION = "v1"
 # Fixed, ordered stdlib modules: text every Python install has (content fixed for a Python version).
-SMOKE_TRAIN_MODULES = ("argparse", "dataclasses", "enum", "functools", "heapq", "statistics", "fractions",
-                       "csv", "string", "threading")
+SMOKE_TRAIN_MODULES = (
+    "argparse",
+    "dataclasses",
+    "enum",
+    "functools",
+    "heapq",
+    "statistics",
+    "fractions",
+    "csv",
+    "string",
+    "threading",
+)
 SMOKE_EVAL_MODULES = ("textwrap", "calendar")
 SMOKE_TRAIN_PARTS = 4
 SMOKE_MIN_TRAIN_TOKENS = 300 * 8 * 128  # ~300 global batches of the smoke recipe in one epoch
@@ -92,7 +102,7 @@ def glob_to_regex(pattern: str) -> re.Pattern:
                 out.append(re.escape(c))
                 i += 1
             else:
-                body = pattern[i + 1:j]
+                body = pattern[i + 1 : j]
                 if body.startswith("!"):
                     body = "^" + body[1:]
                 out.append(f"[{body}]")
@@ -108,7 +118,9 @@ def _expand(pattern: str) -> list[storage.ObjectInfo]:
     gcs = storage.is_gcs(pattern)
     if not _has_glob(pattern):
         if not gcs:
-            return [storage.ObjectInfo(pattern, os.path.getsize(pattern), 0)] if os.path.isfile(pattern) else []
+            return (
+                [storage.ObjectInfo(pattern, os.path.getsize(pattern), 0)] if os.path.isfile(pattern) else []
+            )
         info = storage.store_for(pattern).stat(pattern)
         return [] if info is None else [info]
     # List under the longest directory prefix without glob characters; recursively only when the
@@ -117,7 +129,7 @@ def _expand(pattern: str) -> list[storage.ObjectInfo]:
     base = head[: head.rfind("/") + 1]
     if not base and not gcs:
         base, pattern = "./", "./" + pattern
-    recursive = "/" in pattern[len(base):]
+    recursive = "/" in pattern[len(base) :]
     rx = glob_to_regex(pattern)
     if gcs:
         files, _ = storage.store_for(pattern).list(base, recursive=recursive)
@@ -137,30 +149,34 @@ def _expand_checked(pattern: str) -> list[storage.ObjectInfo]:
         return _expand(pattern)
     except Exception as e:
         if type(e).__name__ == "DefaultCredentialsError":  # google.auth: no credentials on this machine
-            raise BadInput(f"no Google Cloud credentials to list `{pattern}`",
-                           "run `gcloud auth application-default login`, or set STORAGE_EMULATOR_HOST for an emulator") from None
+            raise BadInput(
+                f"no Google Cloud credentials to list `{pattern}`",
+                "run `gcloud auth application-default login`, or set STORAGE_EMULATOR_HOST for an emulator",
+            ) from None
         raise
 
 
 def _logical_name(path: str, root: str) -> str:
     root = root.rstrip("/")
     if root and path.startswith(root + "/"):
-        return path[len(root) + 1:]
+        return path[len(root) + 1 :]
     return path
 
 
-def resolve_paths(patterns: list[str] | tuple[str, ...], root: str = "", what: str = "data") -> list[TokenFile]:
+def resolve_paths(
+    patterns: list[str] | tuple[str, ...], root: str = "", what: str = "data"
+) -> list[TokenFile]:
     """Expand `{root}` and globs; keep the recipe's order (each glob sorted), drop repeats, check sizes."""
     root = root.rstrip("/")
     physical_root = root
     if root == SMOKE_ROOT or root.startswith(SMOKE_ROOT + "/"):
-        physical_root = str(ensure_smoke_data()) + root[len(SMOKE_ROOT):]
+        physical_root = str(ensure_smoke_data()) + root[len(SMOKE_ROOT) :]
     out: list[TokenFile] = []
     seen: set[str] = set()
     for raw in patterns:
         pattern = raw.replace("{root}", physical_root)
         if pattern.startswith(SMOKE_ROOT):
-            pattern = str(ensure_smoke_data()) + pattern[len(SMOKE_ROOT):]
+            pattern = str(ensure_smoke_data()) + pattern[len(SMOKE_ROOT) :]
         hits = _expand_checked(pattern)
         if not hits:
             hint = "check data.root and the path; `olmo-ctl data prepare` makes token files from text"
@@ -170,8 +186,10 @@ def resolve_paths(patterns: list[str] | tuple[str, ...], root: str = "", what: s
                 continue
             seen.add(h.path)
             if h.size % TOKEN_BYTES:
-                raise BadInput(f"{what}: `{h.path}` is {h.size} bytes, not a whole number of uint32 tokens",
-                               "token files are raw little-endian uint32 (OLMo-core layout)")
+                raise BadInput(
+                    f"{what}: `{h.path}` is {h.size} bytes, not a whole number of uint32 tokens",
+                    "token files are raw little-endian uint32 (OLMo-core layout)",
+                )
             out.append(TokenFile(h.path, _logical_name(h.path, physical_root), h.size))
     _check_raw(out, what)
     return out
@@ -193,8 +211,10 @@ def resolve_mix(name: str, root: str, what: str = "data.mix") -> list[TokenFile]
 
     root = root.rstrip("/")
     if not root:
-        raise BadInput(f"{what} `{name}` needs data.root: the base directory holding its `preprocessed/...` files",
-                       "for example --set data.root=gs://my-bucket (OLMo-core's mix_base_dir)")
+        raise BadInput(
+            f"{what} `{name}` needs data.root: the base directory holding its `preprocessed/...` files",
+            "for example --set data.root=gs://my-bucket (OLMo-core's mix_base_dir)",
+        )
     entries = load_mix(name)
     paths = mix_paths(name, root)
     if storage.is_gcs(root):
@@ -205,14 +225,18 @@ def resolve_mix(name: str, root: str, what: str = "data.mix") -> list[TokenFile]
     missing = [p for p, n in zip(paths, sizes, strict=True) if n is None]
     if missing:
         more = f" (and {len(missing) - 1} more of its {len(paths)} files)" if len(missing) > 1 else ""
-        raise BadInput(f"{what} `{name}`: `{missing[0]}` does not exist{more}",
-                       "download the mix under data.root keeping its paths, or point data.root at the directory holding"
-                       " `preprocessed/`")
+        raise BadInput(
+            f"{what} `{name}`: `{missing[0]}` does not exist{more}",
+            "download the mix under data.root keeping its paths, or point data.root at the directory holding"
+            " `preprocessed/`",
+        )
     out = []
     for e, p, n in zip(entries, paths, sizes, strict=True):
         if n % TOKEN_BYTES:
-            raise BadInput(f"{what}: `{p}` is {n} bytes, not a whole number of uint32 tokens",
-                           "token files are raw little-endian uint32 (OLMo-core layout)")
+            raise BadInput(
+                f"{what}: `{p}` is {n} bytes, not a whole number of uint32 tokens",
+                "token files are raw little-endian uint32 (OLMo-core layout)",
+            )
         out.append(TokenFile(p, e.path, n))
     _check_raw(out, what)
     return out
@@ -224,8 +248,10 @@ def _listing(prefix: str) -> list[storage.ObjectInfo]:
         return files
     except Exception as e:
         if type(e).__name__ == "DefaultCredentialsError":
-            raise BadInput(f"no Google Cloud credentials to list `{prefix}`",
-                           "run `gcloud auth application-default login`, or set STORAGE_EMULATOR_HOST for an emulator") from None
+            raise BadInput(
+                f"no Google Cloud credentials to list `{prefix}`",
+                "run `gcloud auth application-default login`, or set STORAGE_EMULATOR_HOST for an emulator",
+            ) from None
         raise
 
 
@@ -234,8 +260,10 @@ def _check_raw(out: list[TokenFile], what: str) -> None:
     if out and out[0].size >= len(NUMPY_MAGIC):
         head = storage.store_for(out[0].path).read_range(out[0].path, 0, len(NUMPY_MAGIC))
         if head == NUMPY_MAGIC:
-            raise BadInput(f"{what}: `{out[0].path}` is a NumPy .npy file with a header, not raw uint32 tokens",
-                           "convert it with `olmo-ctl data prepare FILE --out DIR`")
+            raise BadInput(
+                f"{what}: `{out[0].path}` is a NumPy .npy file with a header, not raw uint32 tokens",
+                "convert it with `olmo-ctl data prepare FILE --out DIR`",
+            )
 
 
 def resolve_files(recipe, split: str = "train") -> list[TokenFile]:
@@ -247,7 +275,9 @@ def resolve_files(recipe, split: str = "train") -> list[TokenFile]:
     else:
         patterns = recipe.data.train if split == "train" else recipe.data.eval
         if not patterns:
-            raise BadInput(f"recipe `{recipe.name}` lists no data.{split} files", f"add data.{split} paths to the recipe")
+            raise BadInput(
+                f"recipe `{recipe.name}` lists no data.{split} files", f"add data.{split} paths to the recipe"
+            )
         files = resolve_paths(patterns, recipe.data.root, what=f"data.{split}")
     if split == "train":
         files = permute_sources(files, recipe.data.source_permutation_seed)
@@ -299,7 +329,12 @@ def _fields(fp: str) -> dict[str, str]:
 
 def describe_fingerprint_change(saved: str, current: str) -> str:
     a, b = _fields(saved), _fields(current)
-    labels = {"seq": "train.seq_len", "seed": "data.seed", "files": "number of token files", "tokens": "total tokens"}
+    labels = {
+        "seq": "train.seq_len",
+        "seed": "data.seed",
+        "files": "number of token files",
+        "tokens": "total tokens",
+    }
     changed = [f"{labels[k]} {a[k]} -> {b[k]}" for k in labels if k in a and k in b and a[k] != b[k]]
     if not changed:
         if a and b:
@@ -320,7 +355,9 @@ def check_fingerprint(saved: str | None, current: str, allow_change: bool = Fals
     msg = f"the training data changed since the checkpoint was written ({what})"
     if allow_change:
         return msg + "; continuing because of --allow-data-change (the data order is not the original one)"
-    raise BadInput(msg, "restore the original files and settings, or pass --allow-data-change to continue with this data")
+    raise BadInput(
+        msg, "restore the original files and settings, or pass --allow-data-change to continue with this data"
+    )
 
 
 # ---------------------------------------------------------------- writing token files
@@ -353,8 +390,10 @@ def _raw_tokens_from_npy(path: str, data: bytes) -> bytes:
     """A token file's bytes as raw uint32: raw files as they are, NumPy-format .npy converted."""
     if not data.startswith(NUMPY_MAGIC):
         if len(data) % TOKEN_BYTES:
-            raise BadInput(f"`{path}` is {len(data)} bytes, not a whole number of uint32 tokens",
-                           "pass raw uint32 token files (OLMo-core layout) or text files")
+            raise BadInput(
+                f"`{path}` is {len(data)} bytes, not a whole number of uint32 tokens",
+                "pass raw uint32 token files (OLMo-core layout) or text files",
+            )
         return data
     import io
 
@@ -375,7 +414,9 @@ def _check_out_dir(out: str) -> None:
         p = os.path.dirname(p)
     if not os.path.isdir(p):
         what = f"--out `{out}` is a file" if p == os.path.abspath(out) else f"--out `{out}`: `{p}` is a file"
-        raise BadInput(f"{what}, not a directory", "choose a directory (created if missing), e.g. --out data/mine")
+        raise BadInput(
+            f"{what}, not a directory", "choose a directory (created if missing), e.g. --out data/mine"
+        )
 
 
 def _split_dir_is_empty(out: str, split: str) -> bool:
@@ -395,7 +436,7 @@ def _write(path: str, data: bytes) -> None:
 def _write_stream(out: str, split: str, stream: np.ndarray, part_tokens: int) -> list[dict]:
     entries = []
     for i, start in enumerate(range(0, len(stream), part_tokens)):
-        part = stream[start:start + part_tokens]
+        part = stream[start : start + part_tokens]
         rel = f"{split}/part-{i:05d}.npy"
         _write(storage.join(out, rel), part.astype(TOKEN_DTYPE, copy=False).tobytes())
         entries.append({"path": rel, "tokens": int(len(part))})
@@ -431,13 +472,17 @@ def prepare(
     npy = [p for p in inputs if p.endswith(".npy")]
     text = [p for p in inputs if not p.endswith(".npy")]
     if npy and text:
-        raise BadInput("both text files and .npy token files given",
-                       "their vocabularies differ (bytes vs the files' tokenizer); prepare them separately")
+        raise BadInput(
+            "both text files and .npy token files given",
+            "their vocabularies differ (bytes vs the files' tokenizer); prepare them separately",
+        )
     _check_out_dir(out)
     for split in ("train", "eval"):
         if not _split_dir_is_empty(out, split):
-            raise BadInput(f"`{storage.join(out, split)}` already holds files",
-                           "choose an empty --out directory (old part files would be mixed in)")
+            raise BadInput(
+                f"`{storage.join(out, split)}` already holds files",
+                "choose an empty --out directory (old part files would be mixed in)",
+            )
     if held_out is not None:
         missing = [h for h in held_out if h not in inputs]
         if missing:
@@ -447,10 +492,16 @@ def prepare(
         eval_idx = held_out_indices(len(inputs), held_out_fraction)
         if npy and held_out_fraction > 0 and not eval_idx:
             n = len(inputs)
-            hint = (f"hold out one whole file with --held-out-fraction {1 / n:.2f}, or none with 0" if n > 1
-                    else "pass more files, or --held-out-fraction 0")
-            raise BadInput(f"{n} token file{'s' if n > 1 else ''} cannot be split {1 - held_out_fraction:.0%} / "
-                           f"{held_out_fraction:.0%} by whole files (token files are copied as they are)", hint)
+            hint = (
+                f"hold out one whole file with --held-out-fraction {1 / n:.2f}, or none with 0"
+                if n > 1
+                else "pass more files, or --held-out-fraction 0"
+            )
+            raise BadInput(
+                f"{n} token file{'s' if n > 1 else ''} cannot be split {1 - held_out_fraction:.0%} / "
+                f"{held_out_fraction:.0%} by whole files (token files are copied as they are)",
+                hint,
+            )
     manifest: dict = {
         "format": "raw little-endian uint32 tokens, no header (OLMo-core numpy layout)",
         "held_out_fraction": held_out_fraction,
@@ -458,8 +509,14 @@ def prepare(
         "sources": {"train": [], "eval": []},
     }
     if text:
-        manifest.update({"tokenizer": "bytes", "vocab_size": BYTE_VOCAB, "eos_token_id": BYTE_EOS,
-                         "pad_token_id": BYTE_PAD})
+        manifest.update(
+            {
+                "tokenizer": "bytes",
+                "vocab_size": BYTE_VOCAB,
+                "eos_token_id": BYTE_EOS,
+                "pad_token_id": BYTE_PAD,
+            }
+        )
         docs = [byte_tokens(_read_input(p)) for p in inputs]
         if not eval_idx and held_out_fraction > 0:
             # Too few documents to hold out whole ones: hold out the tail of the token stream.
@@ -468,12 +525,14 @@ def prepare(
             if seq_len > 1:
                 n_eval = -(-n_eval // seq_len) * seq_len
             if n_eval >= len(stream):
-                raise BadInput(f"{len(stream)} tokens are too few for a held-out split",
-                               "give more text, a smaller --seq-len or --held-out-fraction 0")
+                raise BadInput(
+                    f"{len(stream)} tokens are too few for a held-out split",
+                    "give more text, a smaller --seq-len or --held-out-fraction 0",
+                )
             train_stream, eval_stream = stream[:-n_eval], stream[-n_eval:]
             ends = np.cumsum([len(d) for d in docs])
             first_eval = int(np.searchsorted(ends, len(stream) - n_eval, side="right"))
-            manifest["sources"] = {"train": list(inputs[:first_eval + 1]), "eval": list(inputs[first_eval:])}
+            manifest["sources"] = {"train": list(inputs[: first_eval + 1]), "eval": list(inputs[first_eval:])}
             manifest["held_out"] = f"the last {n_eval} tokens"
         else:
             train_docs = [d for i, d in enumerate(docs) if i not in eval_idx]
@@ -481,13 +540,17 @@ def prepare(
             empty = np.zeros(0, TOKEN_DTYPE)
             train_stream = np.concatenate(train_docs) if train_docs else empty
             eval_stream = np.concatenate(eval_docs) if eval_docs else empty
-            manifest["sources"] = {"train": [p for i, p in enumerate(inputs) if i not in eval_idx],
-                                   "eval": [inputs[i] for i in eval_idx]}
+            manifest["sources"] = {
+                "train": [p for i, p in enumerate(inputs) if i not in eval_idx],
+                "eval": [inputs[i] for i in eval_idx],
+            }
         if seq_len > 1:
             for split, s in (("train", train_stream), ("eval", eval_stream)):
                 if len(s) and len(s) < seq_len:
-                    raise BadInput(f"the {split} split has {len(s)} tokens, fewer than one instance of {seq_len}",
-                                   "give more text, a smaller --seq-len or another --held-out-fraction")
+                    raise BadInput(
+                        f"the {split} split has {len(s)} tokens, fewer than one instance of {seq_len}",
+                        "give more text, a smaller --seq-len or another --held-out-fraction",
+                    )
         manifest["train"] = _write_stream(out, "train", train_stream, part_tokens)
         manifest["eval"] = _write_stream(out, "eval", eval_stream, part_tokens)
     else:
@@ -545,18 +608,24 @@ def ensure_smoke_data() -> Path:
         return final
     train, evals = smoke_source_files()
     if not evals:
-        raise BadInput("cannot make the smoke dataset: this Python has none of its held-out stdlib files",
-                       f"expected {', '.join(m + '.py' for m in SMOKE_EVAL_MODULES)} in {sysconfig.get_paths()['stdlib']}")
+        raise BadInput(
+            "cannot make the smoke dataset: this Python has none of its held-out stdlib files",
+            f"expected {', '.join(m + '.py' for m in SMOKE_EVAL_MODULES)} in {sysconfig.get_paths()['stdlib']}",
+        )
     total = sum(os.path.getsize(p) for p in train)
     if total < SMOKE_MIN_TRAIN_TOKENS:
-        raise BadInput(f"cannot make the smoke dataset: only {total} bytes of stdlib text found",
-                       f"this Python's stdlib ({sysconfig.get_paths()['stdlib']}) looks stripped")
+        raise BadInput(
+            f"cannot make the smoke dataset: only {total} bytes of stdlib text found",
+            f"this Python's stdlib ({sysconfig.get_paths()['stdlib']}) looks stripped",
+        )
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-")
     except OSError as e:
-        raise BadInput(f"cannot make the smoke dataset in `{final.parent}`: {e.strerror}",
-                       "set OLMO_CTL_CACHE to a writable directory") from None
+        raise BadInput(
+            f"cannot make the smoke dataset in `{final.parent}`: {e.strerror}",
+            "set OLMO_CTL_CACHE to a writable directory",
+        ) from None
     try:
         os.chmod(tmp, 0o755)
         part_tokens = -(-(total + len(train)) // SMOKE_TRAIN_PARTS)

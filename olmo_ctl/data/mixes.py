@@ -19,6 +19,7 @@ from olmo_ctl.core.mixes import MIXES  # noqa: F401  (re-exported: the catalog o
 MIXES_DIR = Path(__file__).resolve().parent / "mixes"
 TOKENIZER_ID = "allenai/dolma3-tokenizer"
 
+
 @dataclass(frozen=True)
 class MixEntry:
     label: str  # the source group (e.g. common_crawl_adult_content)

@@ -96,8 +96,14 @@ def frame_records(buf: bytes, arr: np.ndarray) -> Frame:
         # Speculate: the sizes of the last records repeat with a short period. Verify a block of
         # repetitions at once on a 2-D view (each header is 12 known bytes: the length and its CRC).
         sizes = seq_lens[-48:]
-        period = next((p for p in range(1, min(24, len(sizes) // 3) + 1)
-                       if sizes[-p:] == sizes[-2 * p : -p] == sizes[-3 * p : -2 * p]), 0)
+        period = next(
+            (
+                p
+                for p in range(1, min(24, len(sizes) // 3) + 1)
+                if sizes[-p:] == sizes[-2 * p : -p] == sizes[-3 * p : -2 * p]
+            ),
+            0,
+        )
         if not period:
             continue
         pat = np.array(sizes[-period:], dtype=np.int64)
@@ -271,7 +277,9 @@ def decode_records(buf: bytes, arr: np.ndarray, fr: Frame) -> Batch:
     return out
 
 
-def _decode_scattered(buf: bytes, arr: np.ndarray, offs: np.ndarray, lens: np.ndarray, out: Batch, emit) -> None:
+def _decode_scattered(
+    buf: bytes, arr: np.ndarray, offs: np.ndarray, lens: np.ndarray, out: Batch, emit
+) -> None:
     """Records at arbitrary offsets: grouped by length, each group decoded by templates."""
     data_offs = offs + 12
     crc_pos = data_offs + lens
@@ -306,7 +314,9 @@ def _decode_scattered(buf: bytes, arr: np.ndarray, offs: np.ndarray, lens: np.nd
                 remaining = remaining[1:]
                 continue
             base = data_offs[remaining]
-            ok, s, w, vals = _apply_template(dec, rec, lambda j, base=base: arr[base + j], stored_all[remaining])
+            ok, s, w, vals = _apply_template(
+                dec, rec, lambda j, base=base: arr[base + j], stored_all[remaining]
+            )
             emit(offs[remaining[ok]], s, w, vals)
             remaining = remaining[~ok]
     for i in slow:
@@ -322,6 +332,9 @@ def _decode_scattered(buf: bytes, arr: np.ndarray, offs: np.ndarray, lens: np.nd
             out.bad_records += 1
             continue
         one = np.array([offs[i]])
-        emit(one, np.array([dec.step], dtype=np.int64), np.array([dec.wall_time]),
-             [(tag, np.array([val])) for tag, val, _k, _o in dec.values])
-
+        emit(
+            one,
+            np.array([dec.step], dtype=np.int64),
+            np.array([dec.wall_time]),
+            [(tag, np.array([val])) for tag, val, _k, _o in dec.values],
+        )

@@ -87,18 +87,32 @@ def _f(x) -> float | None:
     return None if x is None or not math.isfinite(float(x)) else float(x)
 
 
-def compare_series(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], *, bin_steps: int = 2000,
-                   threshold: float = 0.0, per_step: bool = False) -> dict:
+def compare_series(
+    a: tuple[np.ndarray, np.ndarray],
+    b: tuple[np.ndarray, np.ndarray],
+    *,
+    bin_steps: int = 2000,
+    threshold: float = 0.0,
+    per_step: bool = False,
+) -> dict:
     sa, va = a
     sb, vb = b
     common, ia, ib = np.intersect1d(sa, sb, assume_unique=True, return_indices=True)
-    out: dict[str, Any] = {"common_steps": int(len(common)), "only_a": int(len(sa) - len(common)),
-                           "only_b": int(len(sb) - len(common)),
-                           "first_step": int(common[0]) if len(common) else None,
-                           "last_step": int(common[-1]) if len(common) else None,
-                           "max_abs_delta": None, "max_abs_delta_step": None, "mean_abs_delta": None,
-                           "mean_delta": None, "first_exceed_step": None, "first_exceed_delta": None,
-                           "threshold": threshold, "bins": []}
+    out: dict[str, Any] = {
+        "common_steps": int(len(common)),
+        "only_a": int(len(sa) - len(common)),
+        "only_b": int(len(sb) - len(common)),
+        "first_step": int(common[0]) if len(common) else None,
+        "last_step": int(common[-1]) if len(common) else None,
+        "max_abs_delta": None,
+        "max_abs_delta_step": None,
+        "mean_abs_delta": None,
+        "mean_delta": None,
+        "first_exceed_step": None,
+        "first_exceed_delta": None,
+        "threshold": threshold,
+        "bins": [],
+    }
     if not len(common):
         out["verdict"] = "no common steps to compare"
         return out
@@ -129,10 +143,17 @@ def compare_series(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.nda
     for j, u in enumerate(uniq):
         lo = int(u) * bin_steps + (1 if common[0] >= 1 else 0)
         n = n_ok[j]
-        out["bins"].append({"start": lo, "end": lo + bin_steps - 1, "points": int(cnt[j]),
-                            "mean_a": _f(sum_a[j] / n) if n else None, "mean_b": _f(sum_b[j] / n) if n else None,
-                            "mean_delta": _f((sum_b[j] - sum_a[j]) / n) if n else None,
-                            "max_abs_delta": _f(max_b[j])})
+        out["bins"].append(
+            {
+                "start": lo,
+                "end": lo + bin_steps - 1,
+                "points": int(cnt[j]),
+                "mean_a": _f(sum_a[j] / n) if n else None,
+                "mean_b": _f(sum_b[j] / n) if n else None,
+                "mean_delta": _f((sum_b[j] - sum_a[j]) / n) if n else None,
+                "max_abs_delta": _f(max_b[j]),
+            }
+        )
     if per_step:
         out["steps"] = [[int(st), _f(x), _f(y), _f(y - x)] for st, x, y in zip(common, xa, xb, strict=True)]
     out["verdict"] = _verdict(out)
@@ -152,12 +173,21 @@ def _verdict(o: dict) -> str:
     mxs = _g(mx)
     if o["first_exceed_step"] is None:
         return f"within {o['threshold']:g}: max |Δ| = {mxs} at step {o['max_abs_delta_step']} on {n} common steps"
-    return (f"diverge at step {o['first_exceed_step']} (Δ = {_g(o['first_exceed_delta'])}, threshold "
-            f"{o['threshold']:g}); max |Δ| = {mxs} at step {o['max_abs_delta_step']} ({n} common steps, {span})")
+    return (
+        f"diverge at step {o['first_exceed_step']} (Δ = {_g(o['first_exceed_delta'])}, threshold "
+        f"{o['threshold']:g}); max |Δ| = {mxs} at step {o['max_abs_delta_step']} ({n} common steps, {span})"
+    )
 
 
-def compare(a: str, b: str, tags: list[str] | None = None, *, bin_steps: int = 2000,
-            threshold: float | None = None, per_step: bool = False) -> dict:
+def compare(
+    a: str,
+    b: str,
+    tags: list[str] | None = None,
+    *,
+    bin_steps: int = 2000,
+    threshold: float | None = None,
+    per_step: bool = False,
+) -> dict:
     if bin_steps < 1:
         raise BadInput(f"--bin {bin_steps} must be at least 1")
     for src in (a, b):
@@ -184,7 +214,9 @@ def compare(a: str, b: str, tags: list[str] | None = None, *, bin_steps: int = 2
     if not results:
         raise BadInput("no tag to compare", "pass --tags 'train/CE loss'")
     # one line over all tags: the earliest divergence wins
-    diverged = [(r["first_exceed_step"], t) for t, r in results.items() if r.get("first_exceed_step") is not None]
+    diverged = [
+        (r["first_exceed_step"], t) for t, r in results.items() if r.get("first_exceed_step") is not None
+    ]
     missing = [t for t, r in results.items() if r.get("common_steps", 0) == 0]
     if diverged:
         step, tag = min(diverged)

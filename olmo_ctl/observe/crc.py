@@ -62,4 +62,3 @@ def position_tables(length: int) -> np.ndarray:
             tab[j] = r
         _pos_tables[length] = tab
     return tab
-

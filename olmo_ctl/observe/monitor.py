@@ -48,9 +48,16 @@ SLOW_FRACTION = 0.85  # warn when recent throughput is below this fraction of th
 
 # journal event -> the state it leaves an attempt in (used when no backend can be asked)
 _EVENT_STATE = {
-    "submitted": "queued", "queued": "queued", "admitted": "admitted", "running": "running",
-    "reattached": "running", "preempted": "preempted", "failed": "failed", "succeeded": "succeeded",
-    "stalled": "running", "stopped": "preempted",
+    "submitted": "queued",
+    "queued": "queued",
+    "admitted": "admitted",
+    "running": "running",
+    "reattached": "running",
+    "preempted": "preempted",
+    "failed": "failed",
+    "succeeded": "succeeded",
+    "stalled": "running",
+    "stopped": "preempted",
 }
 
 
@@ -99,8 +106,10 @@ def storage_guard(path: str, fn):
             from olmo_ctl.core.errors import Unreachable
 
             detail = " ".join(str(e).split())[:200]
-            raise Unreachable(f"storage unreachable for `{path}`: {type(e).__name__}: {detail}",
-                              "check the bucket name, credentials and network") from None
+            raise Unreachable(
+                f"storage unreachable for `{path}`: {type(e).__name__}: {detail}",
+                "check the bucket name, credentials and network",
+            ) from None
         raise
 
 
@@ -122,11 +131,15 @@ def _load(path: str) -> Sources:
         files, dirs = st.list(path)
     except storage.NotFound:
         bucket = storage.split_gcs(path)[0] if storage.is_gcs(path) else path
-        raise BadInput(f"bucket `{bucket}` does not exist (reading {path})",
-                       "check the bucket name and the project of your credentials") from None
+        raise BadInput(
+            f"bucket `{bucket}` does not exist (reading {path})",
+            "check the bucket name and the project of your credentials",
+        ) from None
     names = {f.path.rsplit("/", 1)[-1] for f in files}
     dnames = {d.rstrip("/").rsplit("/", 1)[-1] for d in dirs}
-    is_run = "run.yaml" in names or "journal.jsonl" in names or "tensorboard" in dnames or "checkpoints" in dnames
+    is_run = (
+        "run.yaml" in names or "journal.jsonl" in names or "tensorboard" in dnames or "checkpoints" in dnames
+    )
     if is_run:
         tb = storage.join(path, "tensorboard")
     elif any("tfevents" in n for n in names):
@@ -137,8 +150,10 @@ def _load(path: str) -> Sources:
 
             if not os.path.exists(path):
                 raise BadInput(f"`{path}` does not exist", "give a run directory (local or gs://)")
-        raise BadInput(f"`{path}` is not a run directory (no run.yaml, journal.jsonl, tensorboard/ or checkpoints/)",
-                       "give the run's directory, e.g. gs://BUCKET/runs/NAME")
+        raise BadInput(
+            f"`{path}` is not a run directory (no run.yaml, journal.jsonl, tensorboard/ or checkpoints/)",
+            "give the run's directory, e.g. gs://BUCKET/runs/NAME",
+        )
     run_doc = None
     if "run.yaml" in names:
         import yaml
@@ -176,7 +191,7 @@ def _f(x) -> float | None:
 def _ema(values: np.ndarray, alpha: float = EMA_ALPHA) -> float | None:
     if not len(values):
         return None
-    v = values[-min(len(values), 2000):]
+    v = values[-min(len(values), 2000) :]
     v = v[np.isfinite(v)]
     if not len(v):
         return None
@@ -257,8 +272,14 @@ def _device(name: str | None):
 
 
 def _live_attempt(path: str, journal: list | None, status_of: StatusOf | None) -> dict:
-    out: dict[str, Any] = {"attempt": None, "state": None, "reason": "", "source": "", "device": None,
-                           "backend": None}
+    out: dict[str, Any] = {
+        "attempt": None,
+        "state": None,
+        "reason": "",
+        "source": "",
+        "device": None,
+        "backend": None,
+    }
     if not journal:
         out["source"] = "no journal (the run was not started by olmo-ctl, or has not started)"
         return out
@@ -317,7 +338,9 @@ def timeline_summary(timeline: list[dict]) -> list[str]:
             if parts and parts[-1].split(" ")[0] == ev:
                 continue
             why = r.get("reason") or ""
-            parts.append(f"{ev} ({why})" if why and ev in ("preempted", "failed", "stalled", "resized") else ev)
+            parts.append(
+                f"{ev} ({why})" if why and ev in ("preempted", "failed", "stalled", "resized") else ev
+            )
         lines.append(f"#{n} {dev}: " + " → ".join(parts))
     return lines
 
@@ -326,8 +349,14 @@ def timeline_summary(timeline: list[dict]) -> list[str]:
 # the report
 
 
-def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = True,
-                 stall_after_s: float | None = None, status_of: StatusOf | None = None) -> dict:
+def build_report(
+    src: Sources,
+    *,
+    now: float | None = None,
+    ask_backend: bool = True,
+    stall_after_s: float | None = None,
+    status_of: StatusOf | None = None,
+) -> dict:
     """The report dict (schema `docs/monitor-schema.json`); each section comes from one function below.
     With `ask_backend` and `status_of` (the CLI passes `supervise.attempts.handle_status`), the live
     attempt's state comes from its backend; otherwise from the journal."""
@@ -350,9 +379,16 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
     mism = r.mismatches()
     problems = r.problems()
     hosts, host_warnings = _hosts_section(r)
-    warnings = [*times.warnings, *skipped_warnings, *_loss_spike_warning(loss), *host_warnings,
-                *_stall_warning(live, loss, times.median, now, stall_after_s), *_mismatch_warning(mism), *problems,
-                *_versions_warning(journal)]
+    warnings = [
+        *times.warnings,
+        *skipped_warnings,
+        *_loss_spike_warning(loss),
+        *host_warnings,
+        *_stall_warning(live, loss, times.median, now, stall_after_s),
+        *_mismatch_warning(mism),
+        *problems,
+        *_versions_warning(journal),
+    ]
     files = r.files.values()
     return {
         "schema": SCHEMA_ID,
@@ -364,8 +400,12 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
         "progress_pct": _f(pct),
         "last": {k: _f(v) for k, v in r.last().items()},
         "loss": _loss_section(r, loss),
-        "tokens": {"seen": tokens_seen, "per_step": tokens_per_step,
-                   "per_s": _f(times.tps_recent), "per_s_run_avg": _f(times.tps_avg)},
+        "tokens": {
+            "seen": tokens_seen,
+            "per_step": tokens_per_step,
+            "per_s": _f(times.tps_recent),
+            "per_s_run_avg": _f(times.tps_avg),
+        },
         "throughput": throughput,
         "eta_s": _f(eta_s),
         "eta": _iso(now + eta_s) if eta_s is not None else None,
@@ -375,12 +415,19 @@ def build_report(src: Sources, *, now: float | None = None, ask_backend: bool = 
         "timeline": _timeline(journal),
         "goodput": _goodput(journal, times.per_attempt, times.median, replayed, loss, r, now, live),
         "attempts_in_events": _attempts_in_events(r, times.per_attempt),
-        "replays": {"steps": replayed, "mismatch_count": len(mism),
-                    "mismatches": [{**m.__dict__, "earlier": _f(m.earlier), "later": _f(m.later)} for m in mism[:20]]},
+        "replays": {
+            "steps": replayed,
+            "mismatch_count": len(mism),
+            "mismatches": [{**m.__dict__, "earlier": _f(m.earlier), "later": _f(m.later)} for m in mism[:20]],
+        },
         "hosts": hosts,
         "warnings": warnings,
-        "reader": {"files": len(r.files), "records": sum(f.records for f in files),
-                   "bytes": sum(f.offset for f in files), "problems": problems},
+        "reader": {
+            "files": len(r.files),
+            "records": sum(f.records for f in files),
+            "bytes": sum(f.offset for f in files),
+            "problems": problems,
+        },
     }
 
 
@@ -406,11 +453,23 @@ def _hosts_section(r: EventReader) -> tuple[list[dict], list[str]]:
         if any(k not in by for k in ("step_time_s", "data_wait_s", "compute_s")):
             continue
         n = min(len(by["data_wait_s"]), len(by["compute_s"]), stragglers.RECENT)
-        windows[h] = [{"data_wait_s": float(by["data_wait_s"].values[-n + i]),
-                       "compute_s": float(by["compute_s"].values[-n + i])} for i in range(n)]
-        rows.append({"host": h, "step": int(by["step_time_s"].steps[-1]),
-                     "step_time_s": _f(by["step_time_s"].values[-1]), "data_wait_s": _f(by["data_wait_s"].values[-1]),
-                     "compute_s": _f(by["compute_s"].values[-1]), "slow": []})
+        windows[h] = [
+            {
+                "data_wait_s": float(by["data_wait_s"].values[-n + i]),
+                "compute_s": float(by["compute_s"].values[-n + i]),
+            }
+            for i in range(n)
+        ]
+        rows.append(
+            {
+                "host": h,
+                "step": int(by["step_time_s"].steps[-1]),
+                "step_time_s": _f(by["step_time_s"].values[-1]),
+                "data_wait_s": _f(by["data_wait_s"].values[-1]),
+                "compute_s": _f(by["compute_s"].values[-1]),
+                "slow": [],
+            }
+        )
     # Judge only hosts that still report (a host of an earlier, larger slice has stopped).
     current = {h: w for h, w in windows.items() if int(series[h]["step_time_s"].steps[-1]) == latest}
     warnings = []
@@ -461,10 +520,14 @@ def _per_attempt(loss: Series) -> dict[int, dict]:
         w = loss.wall_times[m]
         st_a = loss.steps[m]
         first_fetch = st_a[w == w[0]]
-        out[int(a)] = {"first_wall": float(w.min()), "last_wall": float(w.max()),
-                       "first_step": int(st_a[0]), "last_step": int(st_a[-1]),
-                       "first_fetch_steps": int(first_fetch[-1] - st_a[0] + 1),
-                       "points": int(m.sum())}
+        out[int(a)] = {
+            "first_wall": float(w.min()),
+            "last_wall": float(w.max()),
+            "first_step": int(st_a[0]),
+            "last_step": int(st_a[-1]),
+            "first_fetch_steps": int(first_fetch[-1] - st_a[0] + 1),
+            "points": int(m.sum()),
+        }
     return out
 
 
@@ -478,8 +541,13 @@ def _step_times(loss: Series | None, tokens_per_step: int | None) -> _StepTimes:
         return out
     out.median = float(np.median(per_step_s))
     live_mask = loss.attempts == loss.attempts[-1]  # the attempt that wrote the latest step
-    live_series = Series(loss.tag, loss.steps[live_mask], loss.wall_times[live_mask], loss.values[live_mask],
-                         loss.attempts[live_mask])
+    live_series = Series(
+        loss.tag,
+        loss.steps[live_mask],
+        loss.wall_times[live_mask],
+        loss.values[live_mask],
+        loss.attempts[live_mask],
+    )
     recent_s = _intervals(live_series)[1][-RECENT_POINTS:]
     if len(recent_s):
         out.last = float(np.median(recent_s))
@@ -497,7 +565,8 @@ def _step_times(loss: Series | None, tokens_per_step: int | None) -> _StepTimes:
         out.warnings.append(
             f"throughput below the run's median: {out.last:.3g} s/step recently vs "
             f"{out.median:.3g} s/step median ({out.median / out.last:.0%}); "
-            "a slow host or a throttled device?")
+            "a slow host or a throttled device?"
+        )
     return out
 
 
@@ -512,23 +581,38 @@ def _flops_per_token(recipe) -> float | None:
         return None
 
 
-def _run_avg_across_attempts(journal: list | None, per_attempt: dict, tokens_per_step: int,
-                             flops_tok: float) -> tuple[float | None, float | None] | None:
+def _run_avg_across_attempts(
+    journal: list | None, per_attempt: dict, tokens_per_step: int, flops_tok: float
+) -> tuple[float | None, float | None] | None:
     """(TFLOP/s per device, MFU) over the run when its attempts ran on different devices (a resize):
     each attempt weighted by its device-seconds. None when the run has one attempt or an unknown device."""
-    att_dev = {int(x["attempt"]): _device(x.get("device")) for x in journal or []
-               if x.get("attempt") is not None and x.get("device")}
+    att_dev = {
+        int(x["attempt"]): _device(x.get("device"))
+        for x in journal or []
+        if x.get("attempt") is not None and x.get("device")
+    }
     if len(per_attempt) <= 1 or not all(att_dev.get(a) for a in per_attempt):
         return None
-    flops = sum((i["last_step"] - i["first_step"] + 1) for i in per_attempt.values()) * tokens_per_step * flops_tok
+    flops = (
+        sum((i["last_step"] - i["first_step"] + 1) for i in per_attempt.values())
+        * tokens_per_step
+        * flops_tok
+    )
     dev_s = sum(i["span_s"] * att_dev[a].devices for a, i in per_attempt.items())
-    peak_s = sum(i["span_s"] * att_dev[a].devices * att_dev[a].peak_tflops_per_device
-                 for a, i in per_attempt.items())
+    peak_s = sum(
+        i["span_s"] * att_dev[a].devices * att_dev[a].peak_tflops_per_device for a, i in per_attempt.items()
+    )
     return (flops / dev_s / 1e12 if dev_s > 0 else None), (flops / 1e12 / peak_s if peak_s > 0 else None)
 
 
-def _throughput(r: EventReader, recipe, device_name: str | None, journal: list | None, times: _StepTimes,
-                tokens_per_step: int | None) -> dict:
+def _throughput(
+    r: EventReader,
+    recipe,
+    device_name: str | None,
+    journal: list | None,
+    times: _StepTimes,
+    tokens_per_step: int | None,
+) -> dict:
     """The `throughput` section: step times, TFLOP/s and MFU (computed, else what the trainer logged)."""
     dev = _device(device_name)
     flops_tok = _flops_per_token(recipe)
@@ -542,8 +626,11 @@ def _throughput(r: EventReader, recipe, device_name: str | None, journal: list |
             tflops_avg = times.tps_avg / n_devices * flops_tok / 1e12
             mfu_avg = tflops_avg / peak if peak else None
             # tps_avg is known only with tokens_per_step
-            across = (_run_avg_across_attempts(journal, times.per_attempt, tokens_per_step, flops_tok)
-                      if tokens_per_step else None)
+            across = (
+                _run_avg_across_attempts(journal, times.per_attempt, tokens_per_step, flops_tok)
+                if tokens_per_step
+                else None
+            )
             if across is not None:
                 tflops_avg, mfu_avg = across
         if peak:
@@ -594,8 +681,10 @@ def _skipped_steps(r: EventReader, window: int = 1000) -> tuple[dict, list[str]]
             span_before = max(1, int(sk.steps[earlier][-1] - sk.steps[0] + 1))
             rate_before = float(np.nansum(sk.values[earlier])) / span_before
             if skipped_recent / window > 3 * rate_before:
-                warnings.append(f"skipped steps rising: {skipped_recent} in the last {window} steps "
-                                f"(earlier rate {rate_before * window:.2f} per {window})")
+                warnings.append(
+                    f"skipped steps rising: {skipped_recent} in the last {window} steps "
+                    f"(earlier rate {rate_before * window:.2f} per {window})"
+                )
     return {"total": skipped_total, "last_1000": skipped_recent}, warnings
 
 
@@ -615,16 +704,19 @@ def _loss_spike_warning(loss: Series | None) -> list[str]:
     return []
 
 
-def _stall_warning(live: dict, loss: Series | None, step_time_median: float | None, now: float,
-                   stall_after_s: float | None) -> list[str]:
+def _stall_warning(
+    live: dict, loss: Series | None, step_time_median: float | None, now: float, stall_after_s: float | None
+) -> list[str]:
     """A warning when the attempt is running but no new step was logged for a while."""
     last_wall = float(loss.wall_times.max()) if loss is not None and len(loss) else None
     if live.get("state") != "running" or last_wall is None:
         return []
     limit = stall_after_s or max(300.0, 20 * (step_time_median or 0))
     if now - last_wall > limit:
-        return [f"stalled: no new step for {now - last_wall:.0f} s while the attempt is running "
-                f"(limit {limit:.0f} s)"]
+        return [
+            f"stalled: no new step for {now - last_wall:.0f} s while the attempt is running "
+            f"(limit {limit:.0f} s)"
+        ]
     return []
 
 
@@ -632,8 +724,10 @@ def _mismatch_warning(mism: list) -> list[str]:
     if not mism:
         return []
     m0 = mism[0]
-    return [f"{len(mism)} replayed value(s) differ after a resume; first: {m0.tag} step {m0.step}: "
-            f"{m0.earlier!r} (attempt {m0.earlier_attempt}) vs {m0.later!r} (attempt {m0.later_attempt})"]
+    return [
+        f"{len(mism)} replayed value(s) differ after a resume; first: {m0.tag} step {m0.step}: "
+        f"{m0.earlier!r} (attempt {m0.earlier_attempt}) vs {m0.later!r} (attempt {m0.later_attempt})"
+    ]
 
 
 def _eta(step: int | None, final_step: int | None, step_time_last: float | None) -> tuple:
@@ -661,21 +755,43 @@ def _versions_warning(journal) -> list[str]:
     if not changed:
         return []
     rec = changed[-1]
-    return [f"attempt {rec.get('attempt')}: {rec.get('reason')}" + (" (refused to restore)" if rec.get("refused") else "")]
+    return [
+        f"attempt {rec.get('attempt')}: {rec.get('reason')}"
+        + (" (refused to restore)" if rec.get("refused") else "")
+    ]
 
 
 def _attempts_in_events(r: EventReader, per_attempt: dict) -> list[dict]:
     replayed = r.replayed_by_attempt(LOSS_TAG)
-    return [{"attempt": a, "first_step": i["first_step"], "last_step": i["last_step"],
-             "first_time": _iso(i["first_wall"]), "last_time": _iso(i["last_wall"]),
-             "replayed_steps": replayed.get(a, 0)}
-            for a, i in sorted(per_attempt.items())]
+    return [
+        {
+            "attempt": a,
+            "first_step": i["first_step"],
+            "last_step": i["last_step"],
+            "first_time": _iso(i["first_wall"]),
+            "last_time": _iso(i["last_wall"]),
+            "replayed_steps": replayed.get(a, 0),
+        }
+        for a, i in sorted(per_attempt.items())
+    ]
 
 
-def _goodput(journal, per_attempt: dict, step_s: float | None, replayed: int, loss: Series | None,
-             reader: EventReader, now: float, live: dict) -> dict:
-    out: dict[str, Any] = {"fraction": None, "wall_s": None, "productive_s": None,
-                           "lost_s": {"queueing": None, "startup": None, "recomputed": None, "checkpoint": None, "other": None}}
+def _goodput(
+    journal,
+    per_attempt: dict,
+    step_s: float | None,
+    replayed: int,
+    loss: Series | None,
+    reader: EventReader,
+    now: float,
+    live: dict,
+) -> dict:
+    out: dict[str, Any] = {
+        "fraction": None,
+        "wall_s": None,
+        "productive_s": None,
+        "lost_s": {"queueing": None, "startup": None, "recomputed": None, "checkpoint": None, "other": None},
+    }
     if not per_attempt or step_s is None:
         return out
     # logged interval (metrics_every): replayed points stand for that many steps each
@@ -697,15 +813,19 @@ def _goodput(journal, per_attempt: dict, step_s: float | None, replayed: int, lo
             end = max(end, max(times))
         for n, info in per_attempt.items():
             recs = [r for r in journal if r.get("attempt") == n]
-            t = {ev: _parse_time(next((r.get("time") for r in recs if r.get("event") == ev), None))
-                 for ev in ("submitted", "queued", "admitted", "running")}
+            t = {
+                ev: _parse_time(next((r.get("time") for r in recs if r.get("event") == ev), None))
+                for ev in ("submitted", "queued", "admitted", "running")
+            }
             t_sub = t["submitted"] or t["queued"]
             t_adm = t["admitted"] or t["running"]
             if t_sub and t_adm and t_adm > t_sub:
                 queue_s += t_adm - t_sub
             t_start = t["running"] or t["admitted"] or t_sub
             if t_start:
-                startup_s += max(0.0, info["first_wall"] - info.get("first_fetch_steps", 1) * step_s - t_start)
+                startup_s += max(
+                    0.0, info["first_wall"] - info.get("first_fetch_steps", 1) * step_s - t_start
+                )
     if live.get("state") in ("running", "queued", "admitted"):
         end = max(end, now)
     wall = max(end - start, 1e-9)
@@ -713,8 +833,13 @@ def _goodput(journal, per_attempt: dict, step_s: float | None, replayed: int, lo
     productive = max(0.0, stepping - ckpt_s)
     other = max(0.0, wall - productive - recomputed_s - ckpt_s - queue_s - startup_s)
     out.update(fraction=productive / wall, wall_s=wall, productive_s=productive)
-    out["lost_s"] = {"queueing": queue_s, "startup": startup_s, "recomputed": recomputed_s,
-                     "checkpoint": ckpt_s, "other": other}
+    out["lost_s"] = {
+        "queueing": queue_s,
+        "startup": startup_s,
+        "recomputed": recomputed_s,
+        "checkpoint": ckpt_s,
+        "other": other,
+    }
     return out
 
 

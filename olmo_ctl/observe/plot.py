@@ -51,14 +51,16 @@ def write_plot(src: Sources, report: dict, out_path: str) -> str:
         k = max(2, min(50, len(loss) // 20))  # a running mean that still shows the start of a short run
         if len(loss) > k:
             sm = np.convolve(loss.values, np.ones(k) / k, mode="valid")
-            ax_loss.plot(loss.steps[k - 1:][::stride], sm[::stride], lw=1.4, label=f"train CE ({k}-pt mean)")
+            ax_loss.plot(loss.steps[k - 1 :][::stride], sm[::stride], lw=1.4, label=f"train CE ({k}-pt mean)")
     ev = r.series(EVAL_TAG)
     if ev is not None and len(ev):
         ax_loss.plot(ev.steps, ev.values, "o-", ms=3, lw=1.2, label="held-out lm_loss")
     ax_loss.set_ylabel("loss")
     ax_loss.legend(loc="upper right", fontsize=8)
-    ax_loss.set_title(f"{report.get('run')}  step {report.get('step')}"
-                      + (f" / {report['final_step']}" if report.get("final_step") else ""))
+    ax_loss.set_title(
+        f"{report.get('run')}  step {report.get('step')}"
+        + (f" / {report['final_step']}" if report.get("final_step") else "")
+    )
 
     for tag in LR_TAGS:
         s = r.series(tag)
@@ -91,11 +93,27 @@ def write_plot(src: Sources, report: dict, out_path: str) -> str:
         for step, _lab in resizes:
             ax.axvline(step, color="tab:purple", ls="-.", lw=1.0)
     for step, lab in resumes:
-        ax_loss.annotate(f"resume ({lab})", (step, 1), xycoords=("data", "axes fraction"), rotation=90,
-                         va="top", ha="right", fontsize=7, color="tab:orange")
+        ax_loss.annotate(
+            f"resume ({lab})",
+            (step, 1),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            color="tab:orange",
+        )
     for step, lab in resizes:
-        ax_loss.annotate(f"resize {lab}", (step, 1), xycoords=("data", "axes fraction"), rotation=90,
-                         va="top", ha="right", fontsize=7, color="tab:purple")
+        ax_loss.annotate(
+            f"resize {lab}",
+            (step, 1),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            color="tab:purple",
+        )
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)
     plt.close(fig)

@@ -187,4 +187,3 @@ def decode_event(b, start: int, end: int) -> Decoded:
                 if tag is not None and val is not None:
                     values.append((tag, float(val[0]), val[1], val[2]))
     return Decoded(wall, step, values, wall_off, step_off, step_len)
-

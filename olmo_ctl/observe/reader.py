@@ -72,7 +72,10 @@ class EventReader:
 
     def _list(self) -> list:
         infos, _dirs = self.store.list(self.logdir, recursive=True)
-        return sorted((i for i in infos if is_event_file(i.path.rsplit("/", 1)[-1])), key=lambda i: file_order_key(i.path))
+        return sorted(
+            (i for i in infos if is_event_file(i.path.rsplit("/", 1)[-1])),
+            key=lambda i: file_order_key(i.path),
+        )
 
     def refresh(self) -> RefreshStats:
         import time
@@ -82,8 +85,9 @@ class EventReader:
         infos = self._list()
         new = [i for i in infos if i.path not in self.files]
         replaced = any(self._replaced(self.files[i.path], i) for i in infos if i.path in self.files)
-        if replaced or (new and self._max_key is not None
-                        and min(file_order_key(i.path) for i in new) < self._max_key):
+        if replaced or (
+            new and self._max_key is not None and min(file_order_key(i.path) for i in new) < self._max_key
+        ):
             # a file that sorts before ones already read, or one rewritten under its name: rebuild, so
             # that "the later record wins" and what we hold still matches the files
             self._reset()
@@ -164,7 +168,9 @@ class EventReader:
                 fs.corrupt = fr.corrupt
                 break
             if fr.need:
-                if end >= fs.size:  # an incomplete record at the end: wait for the writer (or it is truncated)
+                if (
+                    end >= fs.size
+                ):  # an incomplete record at the end: wait for the writer (or it is truncated)
                     fs.pending_bytes = fs.size - fs.offset
                     break
                 # a record crosses the chunk boundary: the next read starts at it and holds all of it
@@ -215,7 +221,9 @@ class EventReader:
             if fs.bad_records:
                 out.append(f"{name}: {fs.bad_records} record(s) failed their checksum and were skipped")
             if fs.pending_bytes:
-                out.append(f"{name}: last record incomplete ({fs.pending_bytes} bytes; truncated or still being written)")
+                out.append(
+                    f"{name}: last record incomplete ({fs.pending_bytes} bytes; truncated or still being written)"
+                )
         return out
 
 

@@ -89,8 +89,15 @@ def _dedup_last(s, w, v, a):
 
 
 # Tags that measure time or speed: a replayed step legitimately logs another value for them.
-VOLATILE_TAG_PREFIXES = ("throughput/device/", "perf/step_time", "checkpoint/", "timing/", "time/", "system/",
-                         "hosts/")
+VOLATILE_TAG_PREFIXES = (
+    "throughput/device/",
+    "perf/step_time",
+    "checkpoint/",
+    "timing/",
+    "time/",
+    "system/",
+    "hosts/",
+)
 
 
 def is_volatile(tag: str) -> bool:
@@ -118,7 +125,9 @@ class TagSeries:
         diff = np.flatnonzero(~_same(old_v, new_v))
         for i in diff[: 1000 - len(self.mismatches)]:
             self.mismatches.append(
-                Mismatch(self.tag, int(steps[i]), float(old_v[i]), float(new_v[i]), int(old_a[i]), int(new_a[i]))
+                Mismatch(
+                    self.tag, int(steps[i]), float(old_v[i]), float(new_v[i]), int(old_a[i]), int(new_a[i])
+                )
             )
 
     def add(self, s, w, v, attempt: int) -> None:
@@ -178,4 +187,3 @@ def file_order_key(path: str) -> tuple:
 
 def attempt_of(path: str) -> int:
     return file_order_key(path)[0]
-

@@ -38,12 +38,27 @@ def cache_dir() -> Path:
     return base / "preflight"
 
 
-def cache_key(recipe: Recipe, device: Device, per_device_batch: int, version: str,
-              xla_flags: list[str] | tuple[str, ...] = (), slices: int = 1) -> str:
-    blob = json.dumps({"schema": CACHE_SCHEMA, "recipe": recipe.fingerprint(), "device": device.name,
-                       "remat": recipe.model.remat, "batch": per_device_batch, "trainer": version,
-                       **({"xla_flags": list(xla_flags)} if xla_flags else {}),
-                       **({"slices": slices} if slices > 1 else {})}, sort_keys=True)
+def cache_key(
+    recipe: Recipe,
+    device: Device,
+    per_device_batch: int,
+    version: str,
+    xla_flags: list[str] | tuple[str, ...] = (),
+    slices: int = 1,
+) -> str:
+    blob = json.dumps(
+        {
+            "schema": CACHE_SCHEMA,
+            "recipe": recipe.fingerprint(),
+            "device": device.name,
+            "remat": recipe.model.remat,
+            "batch": per_device_batch,
+            "trainer": version,
+            **({"xla_flags": list(xla_flags)} if xla_flags else {}),
+            **({"slices": slices} if slices > 1 else {}),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

@@ -119,18 +119,23 @@ class PreflightResult:
     def verdict(self) -> str:
         hbm = self.hbm_bytes_per_device / GIB
         if self.fits:
-            return (f"{self.recipe} fits on {self.device} with remat={self.remat}: {self.peak_gib:.2f} GiB of "
-                    f"{hbm:.2f} GiB HBM per device ({hbm - self.peak_gib:.2f} GiB free)")
-        return (f"{self.recipe} does not fit on {self.device} with remat={self.remat}, per-device batch "
-                f"{self.per_device_batch}: needs {self.peak_gib:.2f} GiB of {hbm:.2f} GiB HBM per device, "
-                f"{self.shortfall_gib:.2f} GiB over")
+            return (
+                f"{self.recipe} fits on {self.device} with remat={self.remat}: {self.peak_gib:.2f} GiB of "
+                f"{hbm:.2f} GiB HBM per device ({hbm - self.peak_gib:.2f} GiB free)"
+            )
+        return (
+            f"{self.recipe} does not fit on {self.device} with remat={self.remat}, per-device batch "
+            f"{self.per_device_batch}: needs {self.peak_gib:.2f} GiB of {hbm:.2f} GiB HBM per device, "
+            f"{self.shortfall_gib:.2f} GiB over"
+        )
 
 
 # ----------------------------------------------------------------------------- recipe variants
 
 
-def preflight_recipe(recipe: Recipe, *, remat: str | None = None, head_dim: int | None = None,
-                     n_layers: int | None = None) -> Recipe:
+def preflight_recipe(
+    recipe: Recipe, *, remat: str | None = None, head_dim: int | None = None, n_layers: int | None = None
+) -> Recipe:
     """The recipe as preflight compiles it: remat / head-dim / depth overrides applied.
 
     `head_dim=256` keeps d_model and the parameter count: heads = n_heads * head_dim / 256 (the
@@ -147,8 +152,10 @@ def preflight_recipe(recipe: Recipe, *, remat: str | None = None, head_dim: int 
             raise BadInput(f"--head-dim {head_dim} is not supported", "use 128 or 256")
         q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
         if q % head_dim or kv % head_dim:
-            raise BadInput(f"--head-dim {head_dim} does not divide the attention width {q}",
-                           "choose a head dim that divides n_heads * head_dim")
+            raise BadInput(
+                f"--head-dim {head_dim} does not divide the attention width {q}",
+                "choose a head dim that divides n_heads * head_dim",
+            )
         changes.update(head_dim=head_dim, n_heads=q // head_dim, n_kv_heads=kv // head_dim)
     if n_layers is not None:
         if n_layers < 1:
@@ -177,10 +184,15 @@ def plan_for(recipe: Recipe, device: Device, per_device_batch: int | None = None
     try:
         base = make_plan(relaxed, device, slices)
     except BadInput:  # the estimate says nothing fits: the compile is the judge here
-        base = make_plan(dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, n_layers=1)), device,
-                         slices)
-    return dataclasses.replace(base, per_device_batch=per_device_batch, grad_accum=share // per_device_batch,
-                               remat=recipe.model.remat)
+        base = make_plan(
+            dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, n_layers=1)), device, slices
+        )
+    return dataclasses.replace(
+        base,
+        per_device_batch=per_device_batch,
+        grad_accum=share // per_device_batch,
+        remat=recipe.model.remat,
+    )
 
 
 # ----------------------------------------------------------------------------- compile
@@ -190,8 +202,10 @@ def topology_devices(device: Device, slices: int = 1):
     """The slice's JAX devices from libtpu's topology description (no TPU attached); with `slices` > 1
     those of N such slices, each device carrying its `slice_index` (libtpu's `num_slices`)."""
     if not device.is_tpu:
-        raise BadInput(f"preflight compiles for TPU slices; `{device.name}` is a local device",
-                       "pass a TPU device such as tpu7x-128 or v5p-256")
+        raise BadInput(
+            f"preflight compiles for TPU slices; `{device.name}` is a local device",
+            "pass a TPU device such as tpu7x-128 or v5p-256",
+        )
     try:
         from jax.experimental import topologies
     except ImportError:  # pragma: no cover
@@ -205,8 +219,10 @@ def topology_devices(device: Device, slices: int = 1):
     topo = topologies.get_topology_desc(platform="tpu", topology_name=device.topology_name, **kw)
     devs = list(topo.devices)
     if len(devs) != device.devices * slices:
-        raise RuntimeError(f"libtpu topology {slices} x {device.topology_name} has {len(devs)} devices, the catalog"
-                           f" says {device.devices * slices}")
+        raise RuntimeError(
+            f"libtpu topology {slices} x {device.topology_name} has {len(devs)} devices, the catalog"
+            f" says {device.devices * slices}"
+        )
     return devs
 
 
@@ -227,13 +243,17 @@ def abstract_inputs(recipe: Recipe, mesh, grad_accum: int):
     state, state_shard = abstract_train_state(recipe, mesh)
     micro_shard = micro_batch_sharding(mesh)
     shape = (grad_accum, t.global_batch // grad_accum, t.seq_len)
-    keys = ("input_ids", "labels") + (("segment_ids",) if recipe.data.packed else ())  # packed: document masks
+    keys = ("input_ids", "labels") + (
+        ("segment_ids",) if recipe.data.packed else ()
+    )  # packed: document masks
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=micro_shard) for k in keys}
     return state, state_shard, batch
 
 
 _HBM_USED = re.compile(r"Used\s+([0-9.]+)([KMGT]?)\s+of\s+([0-9.]+)([KMGT]?)\s+hbm", re.I)
-_HBM_TEMPS = re.compile(r"HLO temporaries \(([0-9.]+)([KMGT]?)\) exceeds available HBM \(([0-9.]+)([KMGT]?)\)", re.I)
+_HBM_TEMPS = re.compile(
+    r"HLO temporaries \(([0-9.]+)([KMGT]?)\) exceeds available HBM \(([0-9.]+)([KMGT]?)\)", re.I
+)
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 
@@ -263,8 +283,14 @@ def argument_bytes(tree) -> int:
     return total
 
 
-def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | None = None,
-                 xla_options: dict[str, str] | None = None, libtpu_args: str = ""):
+def compile_step(
+    recipe: Recipe,
+    device: Device,
+    plan: Plan,
+    dump_dir: str | None = None,
+    xla_options: dict[str, str] | None = None,
+    libtpu_args: str = "",
+):
     """Lower and compile the trainer's step for the slice.
 
     Returns (compiled or None, compile_s, error message or None, argument bytes per device).
@@ -287,8 +313,9 @@ def compile_step(recipe: Recipe, device: Device, plan: Plan, dump_dir: str | Non
     t = recipe.train
     # The topology's mesh is made current only while tracing (not activated for the process): a
     # later trace in this process (the trainer, a test) must not pin activations to abstract TPU devices.
-    mesh = sharding.make_mesh(devs, t.mesh, t.data_parallel, activate=False, slices=plan.slices,
-                              seq_shards=plan.seq_shards)
+    mesh = sharding.make_mesh(
+        devs, t.mesh, t.data_parallel, activate=False, slices=plan.slices, seq_shards=plan.seq_shards
+    )
     state, state_shard, batch = abstract_inputs(recipe, mesh, plan.grad_accum)
     step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
     options = dict(xla_options or {})
@@ -341,8 +368,12 @@ def formula_flops_per_step(recipe: Recipe) -> dict[str, float]:
     tokens = recipe.tokens_per_step
     maxtext = flops_lib.flops_per_token_maxtext(m, t.seq_len) * tokens
     attention = m.n_layers * 6 * t.seq_len * m.n_heads * m.head_dim * tokens  # MaxText's causal-halved term
-    return {"maxtext": maxtext, "dense": maxtext - attention, "attention": float(attention),
-            "olmo_core": flops_lib.flops_per_token_olmo_core(m, t.seq_len) * tokens}
+    return {
+        "maxtext": maxtext,
+        "dense": maxtext - attention,
+        "attention": float(attention),
+        "olmo_core": flops_lib.flops_per_token_olmo_core(m, t.seq_len) * tokens,
+    }
 
 
 def _tpu_attention(recipe: Recipe) -> Recipe:
@@ -350,10 +381,14 @@ def _tpu_attention(recipe: Recipe) -> Recipe:
     on_tpu = {"auto": "splash", "cudnn": "blocked"}  # attention.resolve(..., platform="tpu")
     if recipe.model.attention not in on_tpu:
         return recipe
-    return dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, attention=on_tpu[recipe.model.attention]))
+    return dataclasses.replace(
+        recipe, model=dataclasses.replace(recipe.model, attention=on_tpu[recipe.model.attention])
+    )
 
 
-def pod_xla_flags(recipe: Recipe, device: Device, settings: Settings | None) -> tuple[list[str], dict[str, str]]:
+def pod_xla_flags(
+    recipe: Recipe, device: Device, settings: Settings | None
+) -> tuple[list[str], dict[str, str]]:
     """The XLA flags the slice's pods get and the subset preflight passes as compile options.
 
     Checked by libtpu first (`olmo_ctl.preflight.flags`): an unknown flag is bad input naming it.
@@ -370,10 +405,19 @@ def pod_xla_flags(recipe: Recipe, device: Device, settings: Settings | None) -> 
     return flags, {k: sources[k][0] for k in per_compile}
 
 
-def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, head_dim: int | None = None,
-                  n_layers: int | None = None, per_device_batch: int | None = None,
-                  hbm_bytes: int | None = None, use_cache: bool = True,
-                  settings: Settings | None = None, slices: int = 1) -> PreflightResult:
+def run_preflight(
+    recipe: Recipe,
+    device: Device,
+    *,
+    remat: str | None = None,
+    head_dim: int | None = None,
+    n_layers: int | None = None,
+    per_device_batch: int | None = None,
+    hbm_bytes: int | None = None,
+    use_cache: bool = True,
+    settings: Settings | None = None,
+    slices: int = 1,
+) -> PreflightResult:
     """Compile the train step of `recipe` for `slices` x `device` and report memory, FLOPs and compile time.
 
     `hbm_bytes` overrides the device's HBM per device for the verdict only (the compile always
@@ -401,8 +445,9 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="olmo-ctl-preflight-") as dump:
-        compiled, compile_s, error, arg_estimate = compile_step(recipe, device, plan, dump_dir=dump,
-                                                                xla_options=xla_options, libtpu_args=" ".join(flags))
+        compiled, compile_s, error, arg_estimate = compile_step(
+            recipe, device, plan, dump_dir=dump, xla_options=xla_options, libtpu_args=" ".join(flags)
+        )
         buffers = largest_buffers(dump)
     notes: list[str] = []
     xla_step = xla_once = ratio = dense = attention = recompute = dense_ratio = counted = kernel = None
@@ -416,8 +461,10 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
         xla_once = float(cost.get("flops", 0.0))
         counted = hlo_flops(compiled.as_text(), kernel_flops=splash_kernel_flops)
         if counted.unresolved_loops:
-            notes.append(f"{counted.unresolved_loops} of {counted.loops} loops had no inferable trip count"
-                         " (counted once)")
+            notes.append(
+                f"{counted.unresolved_loops} of {counted.loops} loops had no inferable trip count"
+                " (counted once)"
+            )
         # XLA's own count, plus the matmul FLOPs of every repeated loop iteration, plus the Pallas
         # kernels' (which XLA does not count).
         per_device = xla_once + (counted.with_trip_counts - counted.body_once) + counted.kernel
@@ -427,8 +474,10 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
         dense, recompute = counted.dense * n, counted.recompute * n
         attention = (counted.attention + counted.kernel) * n
         if counted.kernel:
-            notes.append(f"XLA's cost analysis does not count Pallas kernels: {kernel / 1e12:,.0f} TFLOP/step of"
-                         f" {m.attention} attention added, counted from its masks (the tiles it computes)")
+            notes.append(
+                f"XLA's cost analysis does not count Pallas kernels: {kernel / 1e12:,.0f} TFLOP/step of"
+                f" {m.attention} attention added, counted from its masks (the tiles it computes)"
+            )
         ratio = xla_step / formula["maxtext"]
         dense_ratio = dense / formula["dense"]
     else:
@@ -442,28 +491,58 @@ def run_preflight(recipe: Recipe, device: Device, *, remat: str | None = None, h
                 what = "temporaries"
             else:
                 peak, what = need, "in all"
-            notes.append(f"the TPU compiler refused the program: it needs {need / GIB:.2f} GiB ({what}) of"
-                         f" {cap / GIB:.2f} GiB HBM per device")
+            notes.append(
+                f"the TPU compiler refused the program: it needs {need / GIB:.2f} GiB ({what}) of"
+                f" {cap / GIB:.2f} GiB HBM per device"
+            )
     result = PreflightResult(
-        recipe=recipe.name, recipe_fingerprint=recipe.fingerprint(), device=device.name,
-        topology=device.topology_name, devices=plan.devices, per_device_batch=plan.per_device_batch,
-        seq_shards=plan.seq_shards, slices=plan.slices,
-        grad_accum=plan.grad_accum, seq_len=recipe.train.seq_len, remat=m.remat, head_dim=m.head_dim,
-        n_heads=m.n_heads, n_layers=m.n_layers, attention=m.attention, param_count=param_count(m),
-        hbm_bytes_per_device=device.hbm_bytes_per_device, argument_bytes_per_device=arg,
-        output_bytes_per_device=out, alias_bytes_per_device=alias, temp_bytes_per_device=temp,
-        generated_code_bytes_per_device=code, peak_bytes_per_device=peak, fits=compiled is not None,
-        shortfall_bytes_per_device=0, xla_flops_per_step=xla_step, xla_flops_per_device_body_once=xla_once,
-        formula_flops_per_step=formula["maxtext"], formula_olmo_core_flops_per_step=formula["olmo_core"],
-        xla_vs_formula=ratio, xla_dense_flops_per_step=dense, xla_attention_flops_per_step=attention,
-        xla_recompute_flops_per_step=recompute, formula_dense_flops_per_step=formula["dense"],
-        formula_attention_flops_per_step=formula["attention"], dense_xla_vs_formula=dense_ratio,
+        recipe=recipe.name,
+        recipe_fingerprint=recipe.fingerprint(),
+        device=device.name,
+        topology=device.topology_name,
+        devices=plan.devices,
+        per_device_batch=plan.per_device_batch,
+        seq_shards=plan.seq_shards,
+        slices=plan.slices,
+        grad_accum=plan.grad_accum,
+        seq_len=recipe.train.seq_len,
+        remat=m.remat,
+        head_dim=m.head_dim,
+        n_heads=m.n_heads,
+        n_layers=m.n_layers,
+        attention=m.attention,
+        param_count=param_count(m),
+        hbm_bytes_per_device=device.hbm_bytes_per_device,
+        argument_bytes_per_device=arg,
+        output_bytes_per_device=out,
+        alias_bytes_per_device=alias,
+        temp_bytes_per_device=temp,
+        generated_code_bytes_per_device=code,
+        peak_bytes_per_device=peak,
+        fits=compiled is not None,
+        shortfall_bytes_per_device=0,
+        xla_flops_per_step=xla_step,
+        xla_flops_per_device_body_once=xla_once,
+        formula_flops_per_step=formula["maxtext"],
+        formula_olmo_core_flops_per_step=formula["olmo_core"],
+        xla_vs_formula=ratio,
+        xla_dense_flops_per_step=dense,
+        xla_attention_flops_per_step=attention,
+        xla_recompute_flops_per_step=recompute,
+        formula_dense_flops_per_step=formula["dense"],
+        formula_attention_flops_per_step=formula["attention"],
+        dense_xla_vs_formula=dense_ratio,
         hlo_flops_per_device_body_once=counted.body_once if counted else None,
         hlo_loops=counted.loops if counted else None,
-        hlo_unresolved_loops=counted.unresolved_loops if counted else None, largest_buffers=buffers,
-        xla_flags=flags, kernel_flops_per_step=kernel,
-        compile_s=round(compile_s, 2), compiled_by_xla=compiled is not None, trainer_version=version,
-        error=None if compiled is not None else (error or "").strip().splitlines()[0][:500], notes=notes,
+        hlo_unresolved_loops=counted.unresolved_loops if counted else None,
+        largest_buffers=buffers,
+        xla_flags=flags,
+        kernel_flops_per_step=kernel,
+        compile_s=round(compile_s, 2),
+        compiled_by_xla=compiled is not None,
+        trainer_version=version,
+        error=None if compiled is not None else (error or "").strip().splitlines()[0][:500],
+        notes=notes,
     )
     store_cached(key, result.to_dict())
     return _with_hbm(result, hbm)
@@ -500,7 +579,9 @@ def splash_kernel_flops(ins) -> float:
 
 
 def usable_hbm_bytes(device: Device) -> int:
-    return min(device.hbm_bytes_per_device, COMPILER_HBM_BYTES.get(device.generation, device.hbm_bytes_per_device))
+    return min(
+        device.hbm_bytes_per_device, COMPILER_HBM_BYTES.get(device.generation, device.hbm_bytes_per_device)
+    )
 
 
 def _with_hbm(result: PreflightResult, hbm: int) -> PreflightResult:
@@ -528,8 +609,9 @@ def search(recipe: Recipe, device: Device, **kw) -> tuple[list[PreflightResult],
 # ----------------------------------------------------------------------------- submit's gate
 
 
-def submit_check(recipe: Recipe, device: Device, plan: Plan, *, log=print,
-                 settings: Settings | None = None) -> PreflightResult | None:
+def submit_check(
+    recipe: Recipe, device: Device, plan: Plan, *, log=print, settings: Settings | None = None
+) -> PreflightResult | None:
     """The preflight `submit` runs before queueing for a slice (skip it with `--no-preflight`).
 
     Runs only for TPU slices and only where libtpu is installed (else returns None): it compiles
@@ -542,26 +624,38 @@ def submit_check(recipe: Recipe, device: Device, plan: Plan, *, log=print,
     from olmo_ctl.backends.jobset import xla_flags_for
 
     r = _tpu_attention(recipe)
-    key = cache_key(r, device, plan.per_device_batch, trainer_version(), xla_flags_for(device, r, settings),
-                    plan.slices)
+    key = cache_key(
+        r, device, plan.per_device_batch, trainer_version(), xla_flags_for(device, r, settings), plan.slices
+    )
     what = device.name if plan.slices == 1 else f"{plan.slices} x {device.name}"
     if load_cached(key) is None:
-        log(f"preflight: compiling the train step for {what} ({device.topology_name}) on this machine;"
-            " this takes a few minutes once per recipe, device and trainer version (--no-preflight skips it)")
+        log(
+            f"preflight: compiling the train step for {what} ({device.topology_name}) on this machine;"
+            " this takes a few minutes once per recipe, device and trainer version (--no-preflight skips it)"
+        )
     try:
-        result = run_preflight(recipe, device, per_device_batch=plan.per_device_batch, settings=settings,
-                               slices=plan.slices)
+        result = run_preflight(
+            recipe, device, per_device_batch=plan.per_device_batch, settings=settings, slices=plan.slices
+        )
     except OlmoCtlError:
         raise
     except Exception as e:  # noqa: BLE001 - a step that does not compile would fail on the slice too
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise OlmoCtlError(f"the train step does not compile for {device.name}: {first}",
-                           "nothing was submitted; `olmo-ctl preflight` shows the details,"
-                           " --no-preflight skips the check", exit_code=EXIT_RUN_FAILED) from None
+        raise OlmoCtlError(
+            f"the train step does not compile for {device.name}: {first}",
+            "nothing was submitted; `olmo-ctl preflight` shows the details, --no-preflight skips the check",
+            exit_code=EXIT_RUN_FAILED,
+        ) from None
     if not result.fits:
-        raise BadInput(result.verdict(), f"nothing was submitted; try `olmo-ctl preflight --device {device.name}"
-                       " --search` for a remat policy that fits, a smaller micro-batch (--set"
-                       f" train.max_per_device_batch={max(1, plan.per_device_batch // 2)}: the rest becomes"
-                       " accumulation), a larger slice, or --no-preflight")
-    log(f"preflight: {result.verdict()}" + (" (cached)" if result.cached else f" (compiled in {result.compile_s:.0f} s)"))
+        raise BadInput(
+            result.verdict(),
+            f"nothing was submitted; try `olmo-ctl preflight --device {device.name}"
+            " --search` for a remat policy that fits, a smaller micro-batch (--set"
+            f" train.max_per_device_batch={max(1, plan.per_device_batch // 2)}: the rest becomes"
+            " accumulation), a larger slice, or --no-preflight",
+        )
+    log(
+        f"preflight: {result.verdict()}"
+        + (" (cached)" if result.cached else f" (compiled in {result.compile_s:.0f} s)")
+    )
     return result

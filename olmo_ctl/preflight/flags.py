@@ -36,8 +36,13 @@ def check(libtpu_args: str, topology: str) -> tuple[tuple[str, ...], tuple[str, 
     if not libtpu_args.strip():
         return (), ()
     env = dict(os.environ, LIBTPU_INIT_ARGS=libtpu_args, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, "-m", "olmo_ctl.preflight.flags", topology], capture_output=True,
-                       text=True, env=env, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "olmo_ctl.preflight.flags", topology],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     unknown = _UNKNOWN.search(p.stderr + p.stdout)
     if unknown:
         raise UnknownFlag(unknown.group(1))
@@ -60,9 +65,11 @@ class UnknownFlag(Exception):
 def refuse(name: str, sources: dict[str, tuple[str, str]]) -> BadInput:
     """The bad-input error for an unknown flag, naming where it was set."""
     where = sources.get(name, ("", "LIBTPU_INIT_ARGS"))[1]
-    return BadInput(f"XLA flag `--{name}` ({where}) is not known to this libtpu: it says `Unknown command line"
-                    f" flag '{name}'`", "check its spelling, or remove it from where it is set;"
-                    " nothing was compiled or submitted")
+    return BadInput(
+        f"XLA flag `--{name}` ({where}) is not known to this libtpu: it says `Unknown command line"
+        f" flag '{name}'`",
+        "check its spelling, or remove it from where it is set; nothing was compiled or submitted",
+    )
 
 
 def _child(topology: str) -> int:
@@ -76,7 +83,9 @@ def _child(topology: str) -> int:
     opts = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
     devs = list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
     mesh = Mesh(np.asarray(devs), ("x",))
-    x = jax.ShapeDtypeStruct((len(devs) * 8, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("x")))
+    x = jax.ShapeDtypeStruct(
+        (len(devs) * 8, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("x"))
+    )
     lowered = jax.jit(lambda a: jnp.sum(a @ a.T)).lower(x)
     startup: list[str] = []
     while True:

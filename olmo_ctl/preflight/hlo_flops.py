@@ -39,7 +39,7 @@ def _split_operands(rest: str) -> tuple[str, str]:
         elif ch in ")}":
             depth -= 1
             if depth == 0:
-                return rest[:i], rest[i + 1:]
+                return rest[:i], rest[i + 1 :]
     return rest, ""
 
 
@@ -65,7 +65,9 @@ def parse_hlo(text: str) -> tuple[dict[str, list[_Instr]], str | None]:
         name, shape_txt, op, rest = m.groups()
         ops_txt, attrs = _split_operands(rest)
         a = _ARRAY.match(shape_txt)
-        shape = tuple(int(x) for x in a.group(2).split(",") if x) if a and not shape_txt.startswith("(") else None
+        shape = (
+            tuple(int(x) for x in a.group(2).split(",") if x) if a and not shape_txt.startswith("(") else None
+        )
         cur.append(_Instr(name, shape, op, re.findall(r"%([\w.\-]+)", ops_txt), attrs, ops_txt))
     return comps, entry
 
@@ -79,7 +81,9 @@ def _dims(txt: str | None) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", txt or "")]
 
 
-def _valid_taps(out: int, size: int, stride: int, pad_lo: int, in_size: int, lhs_dil: int, rhs_dil: int) -> int:
+def _valid_taps(
+    out: int, size: int, stride: int, pad_lo: int, in_size: int, lhs_dil: int, rhs_dil: int
+) -> int:
     """Sum over output positions of the kernel taps that land on a real input element."""
     import numpy as np
 
@@ -118,8 +122,9 @@ def _conv_flops(ins: _Instr, shapes: dict[str, tuple[int, ...] | None]) -> float
     pads = [int(v.split("_")[0]) for v in pm.group(1).split("x")] if pm else [0] * len(spatial)
     taps = 1
     for i, c in enumerate(spatial):
-        taps *= _valid_taps(out[out_l.index(c)], sizes[i], strides[i], pads[i], lhs[lhs_l.index(c)],
-                            lhs_d[i], rhs_d[i])
+        taps *= _valid_taps(
+            out[out_l.index(c)], sizes[i], strides[i], pads[i], lhs[lhs_l.index(c)], lhs_d[i], rhs_d[i]
+        )
     non_spatial = out[out_l.index("b")] * out[out_l.index("f")]
     return 2.0 * non_spatial * in_feat * taps
 
@@ -140,7 +145,9 @@ def _trip_count(ins: _Instr, comps: dict[str, list[_Instr]]) -> int | None:
     if not cond:
         return None
     # JAX loops (scan, map, fori_loop) count an s32 index up from 0 while `index < N`.
-    consts = {c.name: int(c.args) for c in cond if c.op == "constant" and re.fullmatch(r"-?\d+", c.args.strip())}
+    consts = {
+        c.name: int(c.args) for c in cond if c.op == "constant" and re.fullmatch(r"-?\d+", c.args.strip())
+    }
     root = cond[-1]
     if root.op != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
         return None
@@ -246,5 +253,13 @@ def hlo_flops(text: str, kernel_flops=None) -> HloFlops:
         return HloFlops(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
     dense, attention, recompute, kernel = comp(entry, True)
     once = sum(comp(entry, False)[:3])
-    return HloFlops(dense + attention + recompute, once, dense, attention, recompute, kernel=kernel,
-                    loops=stats["loops"], unresolved_loops=stats["unresolved"])
+    return HloFlops(
+        dense + attention + recompute,
+        once,
+        dense,
+        attention,
+        recompute,
+        kernel=kernel,
+        loops=stats["loops"],
+        unresolved_loops=stats["unresolved"],
+    )

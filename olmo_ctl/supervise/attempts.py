@@ -53,7 +53,11 @@ def run_settings(settings: Settings, rundir: RunDir) -> Settings:
     values: dict[str, Any] = {}
     sources = dict(settings.sources)
     where = f"run {rundir.name} (attempt {last.get('attempt')})"
-    if "backend" not in chosen and last.get("backend") in ("gke", "local") and last["backend"] != settings.backend:
+    if (
+        "backend" not in chosen
+        and last.get("backend") in ("gke", "local")
+        and last["backend"] != settings.backend
+    ):
         values["backend"], sources["backend"] = last["backend"], where
     recorded = last.get("site")
     site: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
@@ -75,30 +79,73 @@ def handle_status(run_dir: str, handle: dict) -> AttemptStatus | None:
 # ---------------------------------------------------------------- attempt requests
 
 
-def new_request(run: str, run_dir: str, attempt: int, device: Device | str, recipe: Recipe,
-                settings: Settings | None = None, extra_args: tuple[str, ...] = (),
-                env: dict[str, str] | None = None, plan: Plan | None = None, slices: int = 1) -> Attempt:
+def new_request(
+    run: str,
+    run_dir: str,
+    attempt: int,
+    device: Device | str,
+    recipe: Recipe,
+    settings: Settings | None = None,
+    extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    plan: Plan | None = None,
+    slices: int = 1,
+) -> Attempt:
     """The attempt request every backend renders: resolved recipe, device, slices and plan (made here
     unless given)."""
     dev = get_device(device) if isinstance(device, str) else device
-    return Attempt(run=run, run_dir=run_dir, attempt=attempt, device=dev.name, extra_args=tuple(extra_args),
-                   recipe=recipe, plan=plan if plan is not None else make_plan(recipe, dev, slices), settings=settings,
-                   env=tuple((env or {}).items()), slices=slices)
+    return Attempt(
+        run=run,
+        run_dir=run_dir,
+        attempt=attempt,
+        device=dev.name,
+        extra_args=tuple(extra_args),
+        recipe=recipe,
+        plan=plan if plan is not None else make_plan(recipe, dev, slices),
+        settings=settings,
+        env=tuple((env or {}).items()),
+        slices=slices,
+    )
 
 
-def attempt_request(rundir: RunDir, attempt: int, device: str, recipe: Recipe | None = None,
-                    settings: Settings | None = None, extra_args: tuple[str, ...] = (),
-                    env: dict[str, str] | None = None, slices: int = 1) -> Attempt:
+def attempt_request(
+    rundir: RunDir,
+    attempt: int,
+    device: str,
+    recipe: Recipe | None = None,
+    settings: Settings | None = None,
+    extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    slices: int = 1,
+) -> Attempt:
     """The request of attempt `attempt` of an existing run (its recipe from run.yaml unless given)."""
-    return new_request(rundir.name, rundir.path, attempt, device, recipe if recipe is not None else rundir.recipe(),
-                       settings, extra_args, env, slices=slices)
+    return new_request(
+        rundir.name,
+        rundir.path,
+        attempt,
+        device,
+        recipe if recipe is not None else rundir.recipe(),
+        settings,
+        extra_args,
+        env,
+        slices=slices,
+    )
 
 
-def submit_next(rundir: RunDir, backend: Backend, request: Attempt, reason: str, *,
-                committed_step: int | None = None, t: float | None = None,
-                show: Callable[[Any], None] | None = None, first: tuple[str, dict] | None = None,
-                fence: Lease | None = None, admission_timeout_s: float | None = None,
-                numbered: bool = False) -> Handle:
+def submit_next(
+    rundir: RunDir,
+    backend: Backend,
+    request: Attempt,
+    reason: str,
+    *,
+    committed_step: int | None = None,
+    t: float | None = None,
+    show: Callable[[Any], None] | None = None,
+    first: tuple[str, dict] | None = None,
+    fence: Lease | None = None,
+    admission_timeout_s: float | None = None,
+    numbered: bool = False,
+) -> Handle:
     """Render `request` as the run's next attempt, send it and journal `submitted` (with the device,
     the slice count and the site settings it was rendered with; the caller checked liveness).
 
@@ -129,10 +176,23 @@ def submit_next(rundir: RunDir, backend: Backend, request: Attempt, reason: str,
     site = {k: getattr(settings, k) for k in RUN_SITE_SETTINGS} if settings is not None else None
     try:
         if first is not None:
-            rundir.append(first[0], fence=fence, **{**first[1], **({"attempt": n} if "attempt" in first[1] else {})})
-        rundir.append("submitted", attempt=n, device=request.device, slices=request.slices, committed_step=committed,
-                      reason=reason, handle=handle.to_dict(), backend=backend.name, t=t, fence=fence,
-                      admission_timeout_s=admission_timeout_s, site=site)
+            rundir.append(
+                first[0], fence=fence, **{**first[1], **({"attempt": n} if "attempt" in first[1] else {})}
+            )
+        rundir.append(
+            "submitted",
+            attempt=n,
+            device=request.device,
+            slices=request.slices,
+            committed_step=committed,
+            reason=reason,
+            handle=handle.to_dict(),
+            backend=backend.name,
+            t=t,
+            fence=fence,
+            admission_timeout_s=admission_timeout_s,
+            site=site,
+        )
     except LeaseLost:
         # Taken over while creating it: the new holder owns the run, so what we just made goes away.
         backend.stop(handle, graceful=False)
@@ -155,14 +215,23 @@ def _fault_pause_before_create() -> None:
 # ---------------------------------------------------------------- stopping, and the live attempt
 
 
-def stop_and_wait(backend: Backend, handle: Handle, *, graceful: bool = True, timeout_s: float = 600.0,
-                  poll_s: float = 2.0, heartbeat: Callable[[], None] = lambda: None) -> bool:
+def stop_and_wait(
+    backend: Backend,
+    handle: Handle,
+    *,
+    graceful: bool = True,
+    timeout_s: float = 600.0,
+    poll_s: float = 2.0,
+    heartbeat: Callable[[], None] = lambda: None,
+) -> bool:
     """Stop the attempt and wait until it is gone (pods still checkpointing through their grace
     period), renewing the caller's lease meanwhile. False when `timeout_s` passed first."""
     backend.stop(handle, graceful=graceful)
     deadline = time.monotonic() + timeout_s
     while True:
-        if backend.wait_gone(handle, timeout_s=min(30.0, max(0.0, deadline - time.monotonic())), poll_s=poll_s):
+        if backend.wait_gone(
+            handle, timeout_s=min(30.0, max(0.0, deadline - time.monotonic())), poll_s=poll_s
+        ):
             return True
         heartbeat()
         if time.monotonic() >= deadline:
@@ -208,10 +277,14 @@ def check_run(rundir: RunDir, recipe, device: str | None, *, fingerprint: bool =
     data fingerprint of a new run (None without `fingerprint`: only the arguments are checked)."""
     if not rundir.exists():
         if recipe is None:
-            raise BadInput(f"run `{rundir.name}` does not exist at {rundir.path}",
-                           "create it: pass --recipe or --stage (and --device)")
+            raise BadInput(
+                f"run `{rundir.name}` does not exist at {rundir.path}",
+                "create it: pass --recipe or --stage (and --device)",
+            )
         if device is None:
-            raise BadInput(f"run `{rundir.name}` is new: it needs a device", "pass --device, e.g. cpu-1 or tpu7x-128")
+            raise BadInput(
+                f"run `{rundir.name}` is new: it needs a device", "pass --device, e.g. cpu-1 or tpu7x-128"
+            )
         return data_fingerprint(recipe) if fingerprint else None
     if recipe is not None:
         rundir.check_matches(recipe.fingerprint(), data_fingerprint(recipe), recipe)
@@ -232,8 +305,10 @@ def run_device(rundir: RunDir, requested: str | None) -> str:
     last = rundir.last_attempt()
     current = (last or {}).get("device") or rundir.read_run().get("device")
     if requested is not None and current is not None and requested != current:
-        raise BadInput(f"run `{rundir.name}` runs on {current}, not {requested}",
-                       f"to move it, use `olmo-ctl resize {rundir.name} --device {requested}` (same global batch)")
+        raise BadInput(
+            f"run `{rundir.name}` runs on {current}, not {requested}",
+            f"to move it, use `olmo-ctl resize {rundir.name} --device {requested}` (same global batch)",
+        )
     device = requested or current
     if not device:
         raise BadInput(f"run `{rundir.name}` records no device", "pass --device, e.g. cpu-1 or tpu7x-128")
@@ -250,7 +325,9 @@ def run_slices(rundir: RunDir, requested: int | None) -> int:
     current = int(current or 1)
     if requested is not None and requested != current:
         device = last.get("device") or rundir.read_run().get("device")
-        raise BadInput(f"run `{rundir.name}` runs on {current} x {device}, not {requested}",
-                       f"to change the slice count, use `olmo-ctl resize {rundir.name} --device {device} "
-                       f"--slices {requested}` (same global batch)")
+        raise BadInput(
+            f"run `{rundir.name}` runs on {current} x {device}, not {requested}",
+            f"to change the slice count, use `olmo-ctl resize {rundir.name} --device {device} "
+            f"--slices {requested}` (same global batch)",
+        )
     return current

@@ -59,12 +59,21 @@ class RetryPolicy:
     admission_timeout_s: float | None = None
 
     @classmethod
-    def from_env(cls, retry_backoff_s: float | None = None, max_retries: int | None = None, *,
-                 default_backoff_s: float = DEFAULT_BACKOFF_S, **kw) -> RetryPolicy:
+    def from_env(
+        cls,
+        retry_backoff_s: float | None = None,
+        max_retries: int | None = None,
+        *,
+        default_backoff_s: float = DEFAULT_BACKOFF_S,
+        **kw,
+    ) -> RetryPolicy:
         """Flags win over env (`OLMO_CTL_RETRY_BACKOFF_SECONDS`, `OLMO_CTL_MAX_RETRIES`; the unprefixed
         names too), which win over the defaults (`default_backoff_s`: the backend's own)."""
-        base = retry_backoff_s if retry_backoff_s is not None else _env_number(
-            "RETRY_BACKOFF_SECONDS", float, default_backoff_s)
+        base = (
+            retry_backoff_s
+            if retry_backoff_s is not None
+            else _env_number("RETRY_BACKOFF_SECONDS", float, default_backoff_s)
+        )
         n = max_retries if max_retries is not None else _env_number("MAX_RETRIES", int, DEFAULT_MAX_RETRIES)
         if base < 0:
             raise BadInput(f"--retry-backoff {base} must be >= 0")
@@ -92,15 +101,27 @@ class RetryPolicy:
         """
         st = outcome.state
         if outcome.committed >= outcome.final:
-            reason = outcome.reason if st == State.SUCCEEDED else f"final step committed ({st.value}: {outcome.reason})"
+            reason = (
+                outcome.reason
+                if st == State.SUCCEEDED
+                else f"final step committed ({st.value}: {outcome.reason})"
+            )
             return Action(DONE, "succeeded", reason, history, exit_code=EXIT_OK)
         if outcome.config_error:
-            return Action(STOP, "failed", f"configuration error: {outcome.config_error}", history,
-                          exit_code=EXIT_BAD_INPUT)
+            return Action(
+                STOP,
+                "failed",
+                f"configuration error: {outcome.config_error}",
+                history,
+                exit_code=EXIT_BAD_INPUT,
+            )
         if outcome.stalled:
             what, reason = "stalled", outcome.stalled
         elif st == State.SUCCEEDED:
-            what, reason = "failed", f"exited cleanly at committed step {outcome.committed} < final {outcome.final}"
+            what, reason = (
+                "failed",
+                f"exited cleanly at committed step {outcome.committed} < final {outcome.final}",
+            )
         elif st == State.PREEMPTED:
             what, reason = "preempted", outcome.reason
         else:
@@ -109,10 +130,19 @@ class RetryPolicy:
             return Action(STOP, what, reason, history, exit_code=EXIT_RUN_FAILED)
         after = history.after(outcome.committed)
         if after.failures_in_row >= self.max_retries:
-            diag = (f"{after.failures_in_row} attempts in a row ended without a new committed step "
-                    f"(still {outcome.committed}/{outcome.final}); last: {reason}")
-            return Action(GIVE_UP, what, reason, after, journal=not outcome.stalled, exit_code=EXIT_GAVE_UP,
-                          gave_up=f"crash loop: {diag}")
+            diag = (
+                f"{after.failures_in_row} attempts in a row ended without a new committed step "
+                f"(still {outcome.committed}/{outcome.final}); last: {reason}"
+            )
+            return Action(
+                GIVE_UP,
+                what,
+                reason,
+                after,
+                journal=not outcome.stalled,
+                exit_code=EXIT_GAVE_UP,
+                gave_up=f"crash loop: {diag}",
+            )
         return Action(RETRY, what, reason, after, journal=not outcome.stalled)
 
     def backoff_s(self, failures_in_row: int, rng: random.Random | None = None) -> float:

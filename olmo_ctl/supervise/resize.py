@@ -36,8 +36,16 @@ from olmo_ctl.rundir import LeaseHeld, _holder_process_dead, utc_now_iso
 from olmo_ctl.supervise.attempts import attempt_request, last_handle, new_request, stop_and_wait, submit_next
 
 MODES = ("now", "at-next-checkpoint")
-PLAN_FIELDS = ("device", "devices", "global_batch", "per_device_batch", "grad_accum", "seq_len", "tokens_per_step",
-               "estimated_bytes_per_device")
+PLAN_FIELDS = (
+    "device",
+    "devices",
+    "global_batch",
+    "per_device_batch",
+    "grad_accum",
+    "seq_len",
+    "tokens_per_step",
+    "estimated_bytes_per_device",
+)
 LEASE_TTL_S = 600.0  # resize may block in a graceful stop (the trainer writing its checkpoint)
 
 
@@ -73,14 +81,21 @@ class ResizePlan:
         return out
 
     def manifest_diff(self) -> str:
-        return request_diff(self.old_request, self.new_request,
-                            f"attempt {self.from_attempt} ({on(self.old)})",
-                            f"attempt {self.to_attempt} ({on(self.new)})")
+        return request_diff(
+            self.old_request,
+            self.new_request,
+            f"attempt {self.from_attempt} ({on(self.old)})",
+            f"attempt {self.to_attempt} ({on(self.new)})",
+        )
 
     def to_dict(self) -> dict:
-        return {"run": self.run, "from_attempt": self.from_attempt, "to_attempt": self.to_attempt,
-                "old": {f: getattr(self.old, f) for f in ("slices", *PLAN_FIELDS)},
-                "new": {f: getattr(self.new, f) for f in ("slices", *PLAN_FIELDS)}}
+        return {
+            "run": self.run,
+            "from_attempt": self.from_attempt,
+            "to_attempt": self.to_attempt,
+            "old": {f: getattr(self.old, f) for f in ("slices", *PLAN_FIELDS)},
+            "new": {f: getattr(self.new, f) for f in ("slices", *PLAN_FIELDS)},
+        }
 
 
 def on(plan: Plan) -> str:
@@ -88,16 +103,29 @@ def on(plan: Plan) -> str:
     return plan.device if plan.slices == 1 else f"{plan.slices} x {plan.device}"
 
 
-def plan_resize(recipe, old_device, new_device, run: str, from_attempt: int, to_attempt: int,
-                old_slices: int = 1, new_slices: int = 1) -> ResizePlan:
+def plan_resize(
+    recipe,
+    old_device,
+    new_device,
+    run: str,
+    from_attempt: int,
+    to_attempt: int,
+    old_slices: int = 1,
+    new_slices: int = 1,
+) -> ResizePlan:
     """The old and new plans of a resize (from `old_slices` x `old_device` to `new_slices` x
     `new_device`); BadInput when the new one cannot hold the global batch."""
     if old_device.name == new_device.name and old_slices == new_slices:
         where = new_device.name if new_slices == 1 else f"{new_slices} x {new_device.name}"
-        raise BadInput(f"run `{run}` already runs on {where}", "name another device or slice count (--slices)")
+        raise BadInput(
+            f"run `{run}` already runs on {where}", "name another device or slice count (--slices)"
+        )
     if old_device.is_tpu != new_device.is_tpu:
-        raise BadInput(f"cannot resize `{run}` from {old_device.name} to {new_device.name}: one is a TPU slice, "
-                       "the other a local device", "a resize stays on the run's backend (TPU <-> TPU, local <-> local)")
+        raise BadInput(
+            f"cannot resize `{run}` from {old_device.name} to {new_device.name}: one is a TPU slice, "
+            "the other a local device",
+            "a resize stays on the run's backend (TPU <-> TPU, local <-> local)",
+        )
     old = make_plan(recipe, old_device, old_slices)
     new = make_plan(recipe, new_device, new_slices)
     # make_plan holds these by construction; a resize that changed them would silently change the run.
@@ -147,16 +175,27 @@ def prepare(rundir, backend, to_device: str, to_slices: int | None = None) -> Re
         raise BadInput(f"run `{rundir.name}` records no device", "submit it first")
     done = rundir.committed_step()
     if done >= recipe.train.max_steps:
-        raise BadInput(f"run `{rundir.name}` is complete (checkpoint {done} of {recipe.train.max_steps} committed)",
-                       "there is nothing left to run on another device")
+        raise BadInput(
+            f"run `{rundir.name}` is complete (checkpoint {done} of {recipe.train.max_steps} committed)",
+            "there is nothing left to run on another device",
+        )
     nxt = max(attempt, rundir.next_attempt_number() - 1) + 1
     slices = current_slices(rundir)
     to_slices = slices if to_slices is None else to_slices
-    rp = plan_resize(recipe, get_device(device), get_device(to_device), rundir.name, attempt, nxt, slices, to_slices)
-    old_req = (backend.render(new_request(rundir.name, rundir.path, max(attempt, 1), device, recipe, plan=rp.old,
-                                          slices=slices)) if attempt else None)
+    rp = plan_resize(
+        recipe, get_device(device), get_device(to_device), rundir.name, attempt, nxt, slices, to_slices
+    )
+    old_req = (
+        backend.render(
+            new_request(rundir.name, rundir.path, max(attempt, 1), device, recipe, plan=rp.old, slices=slices)
+        )
+        if attempt
+        else None
+    )
     new_att = new_request(rundir.name, rundir.path, nxt, to_device, recipe, plan=rp.new, slices=to_slices)
-    return ResizePlan(rp.run, rp.from_attempt, rp.to_attempt, rp.old, rp.new, old_req, backend.render(new_att), new_att)
+    return ResizePlan(
+        rp.run, rp.from_attempt, rp.to_attempt, rp.old, rp.new, old_req, backend.render(new_att), new_att
+    )
 
 
 # ---------------------------------------------------------------- requests for a supervisor
@@ -179,13 +218,24 @@ def record_request(rundir, device: str, mode: str, plan: ResizePlan | None = Non
     """Write `<run>/resize.json` for the supervisor and journal `resize_requested`."""
     if mode not in MODES:
         raise BadInput(f"resize mode `{mode}` is not one of {', '.join(MODES)}")
-    doc: dict[str, object] = {"device": device, "mode": mode, "reason": f"resize to {on(plan.new) if plan else device} ({mode})",
-           "time": utc_now_iso(), "id": uuid.uuid4().hex[:8]}
+    doc: dict[str, object] = {
+        "device": device,
+        "mode": mode,
+        "reason": f"resize to {on(plan.new) if plan else device} ({mode})",
+        "time": utc_now_iso(),
+        "id": uuid.uuid4().hex[:8],
+    }
     if plan is not None:
         doc["slices"] = plan.new.slices
     rundir.store.write_text(rundir.p("resize.json"), json.dumps(doc))
-    rundir.append("resize_requested", device=device, reason=doc["reason"], request=doc["id"], mode=mode,
-                  plan=plan.to_dict() if plan else None)
+    rundir.append(
+        "resize_requested",
+        device=device,
+        reason=doc["reason"],
+        request=doc["id"],
+        mode=mode,
+        plan=plan.to_dict() if plan else None,
+    )
     return doc
 
 
@@ -201,13 +251,17 @@ def wait_for_request(rundir, request_id: str, timeout_s: float, poll_s: float = 
             if rec.get("event") == "resize_refused":
                 return rec
             # `resized` is journaled just before the new attempt's `submitted`: wait for both.
-            if rec.get("event") == "resized" and any(r.get("event") == "submitted" and r.get("attempt") == rec.get(
-                    "attempt") for r in journal[i + 1:]):
+            if rec.get("event") == "resized" and any(
+                r.get("event") == "submitted" and r.get("attempt") == rec.get("attempt")
+                for r in journal[i + 1 :]
+            ):
                 return rec
         if time.monotonic() >= deadline:
-            raise ResizeTimeout(f"the supervisor has not carried out resize request {request_id} within "
-                                f"{timeout_s:g} s; it stays recorded in {rundir.p('resize.json')}",
-                                "watch `olmo-ctl monitor`; the supervisor carries it out at its next poll")
+            raise ResizeTimeout(
+                f"the supervisor has not carried out resize request {request_id} within "
+                f"{timeout_s:g} s; it stays recorded in {rundir.p('resize.json')}",
+                "watch `olmo-ctl monitor`; the supervisor carries it out at its next poll",
+            )
         time.sleep(poll_s)
 
 
@@ -229,15 +283,30 @@ class ResizeResult:
 
 def _stop_and_wait(backend, handle, deadline: float, heartbeat: Callable[[], None]) -> None:
     """Stop the attempt and block until it can no longer write to the run directory."""
-    if not stop_and_wait(backend, handle, graceful=True, timeout_s=max(0.0, deadline - time.monotonic()), poll_s=1.0,
-                         heartbeat=heartbeat):
-        raise ResizeTimeout(f"attempt {handle.attempt} ({handle.name}) did not stop in time",
-                            "it is still terminating; run the same resize again to continue once it is gone")
+    if not stop_and_wait(
+        backend,
+        handle,
+        graceful=True,
+        timeout_s=max(0.0, deadline - time.monotonic()),
+        poll_s=1.0,
+        heartbeat=heartbeat,
+    ):
+        raise ResizeTimeout(
+            f"attempt {handle.attempt} ({handle.name}) did not stop in time",
+            "it is still terminating; run the same resize again to continue once it is gone",
+        )
 
 
-def stop_for_resize(rundir, backend, handle, mode: str, deadline: float,
-                    heartbeat: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda s: None,
-                    poll_s: float = 2.0) -> tuple[int, str]:
+def stop_for_resize(
+    rundir,
+    backend,
+    handle,
+    mode: str,
+    deadline: float,
+    heartbeat: Callable[[], None] = lambda: None,
+    log: Callable[[str], None] = lambda s: None,
+    poll_s: float = 2.0,
+) -> tuple[int, str]:
     """Make sure the latest state is committed and the attempt `handle` has stopped.
 
     Returns (committed step after the stop, how the attempt ended). `at-next-checkpoint` waits for a
@@ -250,8 +319,10 @@ def stop_for_resize(rundir, backend, handle, mode: str, deadline: float,
         log(f"waiting for the next checkpoint after step {before} of attempt {handle.attempt}")
         while status.state.live and rundir.committed_step() <= before:
             if time.monotonic() >= deadline:
-                raise ResizeTimeout(f"no new checkpoint after step {before} before the time limit; nothing was stopped",
-                                    "use --now (the trainer checkpoints on SIGTERM) or a longer --timeout")
+                raise ResizeTimeout(
+                    f"no new checkpoint after step {before} before the time limit; nothing was stopped",
+                    "use --now (the trainer checkpoints on SIGTERM) or a longer --timeout",
+                )
             heartbeat()
             time.sleep(poll_s)
             status = backend.status(handle)
@@ -271,22 +342,56 @@ def stop_for_resize(rundir, backend, handle, mode: str, deadline: float,
     return after, how
 
 
-def submit_resized(rundir, backend, plan: ResizePlan, committed_step: int, mode: str,
-                   request_id: str | None = None, fence=None):
+def submit_resized(
+    rundir,
+    backend,
+    plan: ResizePlan,
+    committed_step: int,
+    mode: str,
+    request_id: str | None = None,
+    fence=None,
+):
     """Submit attempt `plan.to_attempt` on the new device and journal `resized` and `submitted`."""
-    resized = dict(attempt=plan.to_attempt, device=plan.new.device, committed_step=committed_step,
-                   reason=f"{on(plan.old)} -> {on(plan.new)} ({mode})", from_device=plan.old.device,
-                   slices=plan.new.slices, from_slices=plan.old.slices,
-                   from_attempt=plan.from_attempt, request=request_id, mode=mode,
-                   global_batch=plan.new.global_batch, tokens_per_step=plan.new.tokens_per_step,
-                   old_plan=plan.to_dict()["old"], new_plan=plan.to_dict()["new"])
-    request = plan.new_attempt or attempt_request(rundir, plan.to_attempt, plan.new.device, slices=plan.new.slices)
-    return submit_next(rundir, backend, request, f"resize from {on(plan.old)}", numbered=True,
-                       committed_step=committed_step, first=("resized", resized), fence=fence)
+    resized = dict(
+        attempt=plan.to_attempt,
+        device=plan.new.device,
+        committed_step=committed_step,
+        reason=f"{on(plan.old)} -> {on(plan.new)} ({mode})",
+        from_device=plan.old.device,
+        slices=plan.new.slices,
+        from_slices=plan.old.slices,
+        from_attempt=plan.from_attempt,
+        request=request_id,
+        mode=mode,
+        global_batch=plan.new.global_batch,
+        tokens_per_step=plan.new.tokens_per_step,
+        old_plan=plan.to_dict()["old"],
+        new_plan=plan.to_dict()["new"],
+    )
+    request = plan.new_attempt or attempt_request(
+        rundir, plan.to_attempt, plan.new.device, slices=plan.new.slices
+    )
+    return submit_next(
+        rundir,
+        backend,
+        request,
+        f"resize from {on(plan.old)}",
+        numbered=True,
+        committed_step=committed_step,
+        first=("resized", resized),
+        fence=fence,
+    )
 
 
-def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: float = 3600.0,
-               log: Callable[[str], None] = lambda s: None, wait: bool = True) -> ResizeResult:
+def resize_run(
+    rundir,
+    backend,
+    plan: ResizePlan,
+    mode: str = "now",
+    timeout_s: float = 3600.0,
+    log: Callable[[str], None] = lambda s: None,
+    wait: bool = True,
+) -> ResizeResult:
     """Carry out a confirmed resize: hand it to the run's supervisor, or do it under the run's lease."""
     if mode not in MODES:
         raise BadInput(f"resize mode `{mode}` is not one of {', '.join(MODES)}")
@@ -306,9 +411,14 @@ def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: 
             rec = wait_for_request(rundir, res.request["id"], max(0.0, deadline - time.monotonic()))
             if rec.get("event") != "resized":
                 raise OlmoCtlError(f"the supervisor refused the resize: {rec.get('reason')}", exit_code=1)
-            res.action, res.attempt, res.committed_step = "resized", rec.get("attempt"), rec.get("committed_step")
+            res.action, res.attempt, res.committed_step = (
+                "resized",
+                rec.get("attempt"),
+                rec.get("committed_step"),
+            )
         return res
     try:
+
         def beat():
             rundir.heartbeat(lease)
 
@@ -337,9 +447,16 @@ def resize_run(rundir, backend, plan: ResizePlan, mode: str = "now", timeout_s: 
 # ---------------------------------------------------------------- the supervisor's side
 
 
-def carry_out_request(rundir, backend, handle, request: dict, deadline_s: float | None = None,
-                      heartbeat: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda s: None,
-                      fence=None):
+def carry_out_request(
+    rundir,
+    backend,
+    handle,
+    request: dict,
+    deadline_s: float | None = None,
+    heartbeat: Callable[[], None] = lambda: None,
+    log: Callable[[str], None] = lambda s: None,
+    fence=None,
+):
     """For a supervisor holding the lease: stop `handle` for the recorded `request`, submit the next
     attempt on the requested device and clear the request. Returns the new handle, or None when
     nothing changed (the request was refused and journalled `resize_refused`, or was already carried

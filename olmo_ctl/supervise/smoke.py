@@ -57,9 +57,18 @@ FAULTS = {
 }
 BROKEN_LR = "1e-9"
 # The event tags every step must carry (docs/CONTRACTS.md), and those checked per step.
-STEP_TAGS = ("train/CE loss", "train/PPL", "train/Z loss", "optim/total grad norm", "optim/LR (group 0)",
-             "optim/step skipped", "throughput/total tokens", "perf/total_tokens", "throughput/device/TPS",
-             "perf/step_time_s")
+STEP_TAGS = (
+    "train/CE loss",
+    "train/PPL",
+    "train/Z loss",
+    "optim/total grad norm",
+    "optim/LR (group 0)",
+    "optim/step skipped",
+    "throughput/total tokens",
+    "perf/total_tokens",
+    "throughput/device/TPS",
+    "perf/step_time_s",
+)
 EXACT_TAGS = ("train/CE loss", "train/Z loss", "optim/total grad norm", "optim/LR (group 0)")
 LOSS_TAG = "train/CE loss"
 LOSS_WINDOW = 3  # steps averaged at each end for `loss_fell`
@@ -120,21 +129,33 @@ class SmokeReport:
         return EXIT_RUN_FAILED if self.failed else EXIT_OK
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "backend": self.backend, "run_dirs": self.run_dirs,
-                "exit_code": self.exit_code, "timed_out": self.timed_out, "seconds": round(self.seconds, 1),
-                "failed": self.failed, "checks": [c.to_dict() for c in self.checks], "facts": self.facts}
+        return {
+            "device": self.device,
+            "backend": self.backend,
+            "run_dirs": self.run_dirs,
+            "exit_code": self.exit_code,
+            "timed_out": self.timed_out,
+            "seconds": round(self.seconds, 1),
+            "failed": self.failed,
+            "checks": [c.to_dict() for c in self.checks],
+            "facts": self.facts,
+        }
 
     def summary_lines(self) -> list[str]:
         out = [f"{'PASS' if c.passed else 'FAIL'} {c.name}: {c.message}" for c in self.checks]
         if self.timed_out:
             out.append(f"smoke on {self.device} ({self.backend}): TIMED OUT after {self.seconds:.0f} s")
         elif self.failed:
-            out.append(f"smoke on {self.device} ({self.backend}): FAILED {', '.join(self.failed)} "
-                       f"({len(self.checks) - len(self.failed)}/{len(self.checks)} checks passed, "
-                       f"{self.seconds:.0f} s)")
+            out.append(
+                f"smoke on {self.device} ({self.backend}): FAILED {', '.join(self.failed)} "
+                f"({len(self.checks) - len(self.failed)}/{len(self.checks)} checks passed, "
+                f"{self.seconds:.0f} s)"
+            )
         else:
-            out.append(f"smoke on {self.device} ({self.backend}): all {len(self.checks)} checks passed "
-                       f"({self.seconds:.0f} s)")
+            out.append(
+                f"smoke on {self.device} ({self.backend}): all {len(self.checks)} checks passed "
+                f"({self.seconds:.0f} s)"
+            )
         return out
 
 
@@ -144,21 +165,43 @@ class SmokeReport:
 def junit_xml(report: SmokeReport) -> str:
     """One <testsuite> with one <testcase> per check; a failed check carries a <failure>, a check the
     time limit cut short an <error>."""
-    suite = ET.Element("testsuite", {
-        "name": f"olmo-ctl smoke {report.device}", "tests": str(len(report.checks)),
-        "failures": str(sum(1 for c in report.checks if not c.passed and not (report.timed_out
-                                                                                and c.message.startswith("timed out")))),
-        "errors": str(sum(1 for c in report.checks if not c.passed and report.timed_out
-                          and c.message.startswith("timed out"))),
-        "time": f"{report.seconds:.3f}",
-    })
+    suite = ET.Element(
+        "testsuite",
+        {
+            "name": f"olmo-ctl smoke {report.device}",
+            "tests": str(len(report.checks)),
+            "failures": str(
+                sum(
+                    1
+                    for c in report.checks
+                    if not c.passed and not (report.timed_out and c.message.startswith("timed out"))
+                )
+            ),
+            "errors": str(
+                sum(
+                    1
+                    for c in report.checks
+                    if not c.passed and report.timed_out and c.message.startswith("timed out")
+                )
+            ),
+            "time": f"{report.seconds:.3f}",
+        },
+    )
     props = ET.SubElement(suite, "properties")
     for k, v in [("device", report.device), ("backend", report.backend)] + sorted(
-            (k, str(v)) for k, v in report.facts.items()):
+        (k, str(v)) for k, v in report.facts.items()
+    ):
         ET.SubElement(props, "property", {"name": k, "value": str(v)})
     for c in report.checks:
-        case = ET.SubElement(suite, "testcase", {"classname": f"smoke.{report.backend}.{report.device}",
-                                                 "name": c.name, "time": f"{c.seconds:.3f}"})
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            {
+                "classname": f"smoke.{report.backend}.{report.device}",
+                "name": c.name,
+                "time": f"{c.seconds:.3f}",
+            },
+        )
         if not c.passed:
             tag = "error" if report.timed_out and c.message.startswith("timed out") else "failure"
             el = ET.SubElement(case, tag, {"message": c.message})
@@ -212,18 +255,43 @@ class _Driver:
             raise SmokeTimeout()
         time.sleep(min(self.poll_s, max(0.0, self.remaining())))
 
-    def start(self, rundir, attempt: int, device: str, extra_args: tuple[str, ...] = (),
-              env: dict[str, str] | None = None):
-        handle = submit_next(rundir, self.backend, self.request(rundir, attempt, device, extra_args, env), "smoke",
-                             numbered=True)
+    def start(
+        self,
+        rundir,
+        attempt: int,
+        device: str,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ):
+        handle = submit_next(
+            rundir,
+            self.backend,
+            self.request(rundir, attempt, device, extra_args, env),
+            "smoke",
+            numbered=True,
+        )
         self.live.append(handle)
         self.log(f"{rundir.name}: attempt {attempt} on {device} submitted ({handle.name})")
         return handle
 
-    def request(self, rundir, attempt: int, device: str, extra_args: tuple[str, ...] = (),
-                env: dict[str, str] | None = None):
-        return new_request(rundir.name, rundir.path, attempt, device, self.recipe, extra_args=extra_args, env=env,
-                           plan=self.plan)
+    def request(
+        self,
+        rundir,
+        attempt: int,
+        device: str,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ):
+        return new_request(
+            rundir.name,
+            rundir.path,
+            attempt,
+            device,
+            self.recipe,
+            extra_args=extra_args,
+            env=env,
+            plan=self.plan,
+        )
 
     def wait_for_step(self, handle, step: int) -> tuple[bool, int | None]:
         """Poll the attempt's log until it logs `step` (True) or ends first (False)."""
@@ -237,8 +305,13 @@ class _Driver:
 
     def stop(self, handle) -> None:
         # GKE: the JobSet is gone once its pods have checkpointed and exited.
-        if not stop_and_wait(self.backend, handle, graceful=True, timeout_s=max(1.0, self.remaining()),
-                             poll_s=max(self.poll_s, 1.0)):
+        if not stop_and_wait(
+            self.backend,
+            handle,
+            graceful=True,
+            timeout_s=max(1.0, self.remaining()),
+            poll_s=max(self.poll_s, 1.0),
+        ):
             raise SmokeTimeout()
 
     def wait_end(self, handle, rundir) -> _Outcome:
@@ -252,10 +325,12 @@ class _Driver:
         tail = list(st.last_log_lines) or self.backend.logs(handle, 200)
         # MISSING: the backend deleted the attempt as asked (GKE: the JobSet is gone with its exit codes).
         event = {State.SUCCEEDED: "succeeded", State.PREEMPTED: "preempted", State.MISSING: "stopped"}.get(
-            st.state, "failed")
+            st.state, "failed"
+        )
         committed = rundir.committed_step()
-        rundir.append(event, attempt=handle.attempt, reason=st.reason, committed_step=committed,
-                      exit_code=st.exit_code)
+        rundir.append(
+            event, attempt=handle.attempt, reason=st.reason, committed_step=committed, exit_code=st.exit_code
+        )
         return _Outcome(st.state.value, st.reason, st.exit_code, last_logged_step(tail), committed, tail)
 
     def abort(self) -> None:
@@ -276,8 +351,10 @@ def _check_loss_fell(series) -> CheckResult:
     v = series.values
     first, last = float(v[:LOSS_WINDOW].mean()), float(v[-LOSS_WINDOW:].mean())
     s = series.steps
-    text = (f"mean CE {first:.4f} (steps {s[0]}-{s[LOSS_WINDOW - 1]}) -> {last:.4f} "
-            f"(steps {s[-LOSS_WINDOW]}-{s[-1]})")
+    text = (
+        f"mean CE {first:.4f} (steps {s[0]}-{s[LOSS_WINDOW - 1]}) -> {last:.4f} "
+        f"(steps {s[-LOSS_WINDOW]}-{s[-1]})"
+    )
     if not (math.isfinite(first) and math.isfinite(last)):
         return CheckResult("loss_fell", False, f"loss is not finite: {text}")
     if last < first * (1 - MIN_LOSS_DROP):
@@ -296,8 +373,12 @@ def _check_resume_exact(main_reader, twin_reader, first: int, last: int) -> Chec
         a, b = _by_step(main_reader.series(tag)), _by_step(twin_reader.series(tag))
         for s in range(1, last + 1):
             if s not in a or s not in b:
-                return CheckResult("resume_exact", False, f"step {s} of `{tag}` is missing from "
-                                   f"{'the resumed run' if s not in a else 'the uninterrupted twin'}")
+                return CheckResult(
+                    "resume_exact",
+                    False,
+                    f"step {s} of `{tag}` is missing from "
+                    f"{'the resumed run' if s not in a else 'the uninterrupted twin'}",
+                )
             compared += 1
             if a[s] != b[s] and not (math.isnan(a[s]) and math.isnan(b[s])):
                 if worst is None or s < worst[1]:
@@ -305,10 +386,18 @@ def _check_resume_exact(main_reader, twin_reader, first: int, last: int) -> Chec
     if worst:
         tag, s, x, y = worst
         where = "after the resume" if s >= first else "before the stop"
-        return CheckResult("resume_exact", False, f"first difference {where} at step {s}: `{tag}` "
-                           f"{x!r} (stopped and resumed) vs {y!r} (uninterrupted)")
-    return CheckResult("resume_exact", True, f"steps {first}..{last} after the resume and 1..{first - 1} before it "
-                       f"equal the uninterrupted twin bit for bit ({compared} values, {len(EXACT_TAGS)} tags)")
+        return CheckResult(
+            "resume_exact",
+            False,
+            f"first difference {where} at step {s}: `{tag}` "
+            f"{x!r} (stopped and resumed) vs {y!r} (uninterrupted)",
+        )
+    return CheckResult(
+        "resume_exact",
+        True,
+        f"steps {first}..{last} after the resume and 1..{first - 1} before it "
+        f"equal the uninterrupted twin bit for bit ({compared} values, {len(EXACT_TAGS)} tags)",
+    )
 
 
 def _check_events(reader, final_step: int, tokens_per_step: int) -> CheckResult:
@@ -322,26 +411,44 @@ def _check_events(reader, final_step: int, tokens_per_step: int) -> CheckResult:
         if steps != want:
             missing = sorted(set(want) - set(steps))[:5]
             extra = sorted(set(steps) - set(want))[:5]
-            return CheckResult("events_readable", False, f"`{tag}`: steps {steps[:3]}...{steps[-3:]}, "
-                               f"missing {missing}, unexpected {extra} (want 1..{final_step})")
+            return CheckResult(
+                "events_readable",
+                False,
+                f"`{tag}`: steps {steps[:3]}...{steps[-3:]}, "
+                f"missing {missing}, unexpected {extra} (want 1..{final_step})",
+            )
     tok = _by_step(reader.series("throughput/total tokens"))
     bad = [s for s in want if tok[s] != s * tokens_per_step]
     if bad:
         s = bad[0]
-        return CheckResult("events_readable", False, f"total tokens at step {s} is {tok[s]:.0f}, "
-                           f"want {s} x {tokens_per_step} = {s * tokens_per_step}")
+        return CheckResult(
+            "events_readable",
+            False,
+            f"total tokens at step {s} is {tok[s]:.0f}, want {s} x {tokens_per_step} = {s * tokens_per_step}",
+        )
     replays = reader.replayed_by_attempt(LOSS_TAG)
     if any(replays.values()):
-        return CheckResult("events_readable", False, f"steps of `{LOSS_TAG}` written again by a later attempt "
-                           f"({replays}): a step was repeated")
+        return CheckResult(
+            "events_readable",
+            False,
+            f"steps of `{LOSS_TAG}` written again by a later attempt ({replays}): a step was repeated",
+        )
     mism = reader.mismatches()
     if mism:
         m = mism[0]
-        return CheckResult("events_readable", False, f"step {m.step} of `{m.tag}` written twice with different "
-                           f"values ({m.earlier} by attempt {m.earlier_attempt}, {m.later} by {m.later_attempt})")
+        return CheckResult(
+            "events_readable",
+            False,
+            f"step {m.step} of `{m.tag}` written twice with different "
+            f"values ({m.earlier} by attempt {m.earlier_attempt}, {m.later} by {m.later_attempt})",
+        )
     n_files = len(reader.files)
-    return CheckResult("events_readable", True, f"{n_files} event files, {len(reader.tags())} tags, "
-                       f"steps 1..{final_step} once each, total tokens = step x {tokens_per_step}")
+    return CheckResult(
+        "events_readable",
+        True,
+        f"{n_files} event files, {len(reader.tags())} tags, "
+        f"steps 1..{final_step} once each, total tokens = step x {tokens_per_step}",
+    )
 
 
 # ---------------------------------------------------------------- the smoke run
@@ -358,8 +465,14 @@ def new_run_name(device: str) -> str:
     return f"smoke-{device}-{time.strftime('%m%d%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
 
 
-def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
-              log: Callable[[str], None] = lambda s: None, run_name: str | None = None) -> SmokeReport:
+def run_smoke(
+    backend,
+    run_root: str,
+    cfg: SmokeConfig,
+    timeout_s: float,
+    log: Callable[[str], None] = lambda s: None,
+    run_name: str | None = None,
+) -> SmokeReport:
     """Run the smoke attempts on `backend` under `run_root` and return the checked report."""
     faults = cfg.faults()
     if faults - set(FAULTS):
@@ -379,8 +492,12 @@ def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
     main = RunDir.of(run_root, name)
     twin = RunDir.of(run_root, f"{name}-twin")
     report = SmokeReport(device.name, backend.name, [main.path, twin.path])
-    report.facts.update(global_batch=plan.global_batch, per_device_batch=plan.per_device_batch,
-                        grad_accum=plan.grad_accum, tokens_per_step=plan.tokens_per_step)
+    report.facts.update(
+        global_batch=plan.global_batch,
+        per_device_batch=plan.per_device_batch,
+        grad_accum=plan.grad_accum,
+        tokens_per_step=plan.tokens_per_step,
+    )
     if faults:
         report.facts["fault"] = ",".join(sorted(faults))
         log(f"FAULT INJECTION ({FAULT_ENV}={cfg.fault}): {'; '.join(FAULTS[f] for f in sorted(faults))}")
@@ -416,15 +533,27 @@ def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
         if not reached:
             fail_rest(f"attempt 1 ended before the stop at step {cfg.stop_after_step}: {o1.describe()}")
             raise _Abort()
-        ok = (o1.state in ("preempted", "missing") and o1.exit_code in (None, 143) and n == logged1
-              and n >= cfg.stop_after_step)
-        how = (f"exit {o1.exit_code}" if o1.exit_code is not None else
-               "attempt deleted, its pods signalled" if o1.state == "missing" else o1.reason)
+        ok = (
+            o1.state in ("preempted", "missing")
+            and o1.exit_code in (None, 143)
+            and n == logged1
+            and n >= cfg.stop_after_step
+        )
+        how = (
+            f"exit {o1.exit_code}"
+            if o1.exit_code is not None
+            else "attempt deleted, its pods signalled"
+            if o1.state == "missing"
+            else o1.reason
+        )
         results["forced_stop"] = CheckResult(
-            "forced_stop", ok,
-            f"stopped after step {seen} was logged: {how}, checkpoint {n} = last logged step {logged1}" if ok else
-            f"after the stop: {o1.describe()}; committed step {n}, last step in the events {logged1}",
-            time.monotonic() - c_t)
+            "forced_stop",
+            ok,
+            f"stopped after step {seen} was logged: {how}, checkpoint {n} = last logged step {logged1}"
+            if ok
+            else f"after the stop: {o1.describe()}; committed step {n}, last step in the events {logged1}",
+            time.monotonic() - c_t,
+        )
         if n < 1:
             fail_rest(f"no checkpoint after the stop: {o1.describe()}")
             raise _Abort()
@@ -440,9 +569,13 @@ def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
         steps = main.committed_steps()
         ok = o2.state == "succeeded" and n in steps and f in steps
         results["checkpoint_committed"] = CheckResult(
-            "checkpoint_committed", ok,
-            f"checkpoints {n} (forced stop) and {f} (final) committed; committed steps {steps}" if ok else
-            f"committed steps {steps}, want {n} and {f}; attempt 2: {o2.describe()}", time.monotonic() - c_t)
+            "checkpoint_committed",
+            ok,
+            f"checkpoints {n} (forced stop) and {f} (final) committed; committed steps {steps}"
+            if ok
+            else f"committed steps {steps}, want {n} and {f}; attempt 2: {o2.describe()}",
+            time.monotonic() - c_t,
+        )
         if o2.state != "succeeded":
             fail_rest(f"the resumed attempt 2 did not finish: {o2.describe()}")
             raise _Abort()
@@ -454,7 +587,9 @@ def run_smoke(backend, run_root: str, cfg: SmokeConfig, timeout_s: float,
         if ot.state != "succeeded":
             fail_rest(f"the uninterrupted twin did not finish: {ot.describe()}")
             raise _Abort()
-        results["resume_exact"] = _check_resume_exact(reader, read_scalars(join(twin.path, "tensorboard")), n + 1, f)
+        results["resume_exact"] = _check_resume_exact(
+            reader, read_scalars(join(twin.path, "tensorboard")), n + 1, f
+        )
         results["resume_exact"].seconds = time.monotonic() - c_t
         report.facts.update(final_step=f)
     except _Abort:

@@ -60,8 +60,12 @@ class Prepared:
     @property
     def complete(self) -> bool:
         """The run's final step is committed: there is nothing left to submit."""
-        return (not self.new_run and self.committed_step is not None and self.request.recipe is not None
-                and self.committed_step >= int(self.request.recipe.train.max_steps))
+        return (
+            not self.new_run
+            and self.committed_step is not None
+            and self.request.recipe is not None
+            and self.committed_step >= int(self.request.recipe.train.max_steps)
+        )
 
     @property
     def on(self) -> str:
@@ -69,17 +73,28 @@ class Prepared:
         return r.device if r.slices == 1 else f"{r.slices} x {r.device}"
 
 
-def prepare(settings: Settings, run: str, *, recipe: Recipe | None = None, device: str | None = None,
-            slices: int | None = None, attempt: int | None = None, extra_args: tuple[str, ...] = (),
-            env: dict[str, str] | None = None, backend: Backend | None = None) -> Prepared:
+def prepare(
+    settings: Settings,
+    run: str,
+    *,
+    recipe: Recipe | None = None,
+    device: str | None = None,
+    slices: int | None = None,
+    attempt: int | None = None,
+    extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    backend: Backend | None = None,
+) -> Prepared:
     """The run's next attempt: a new run from `recipe` on `device` (and `slices`), or an existing
     run's next attempt, on its own device and slice count (another one is a resize: refused), from its
     run.yaml (a `recipe` given must be that one). `backend`: this one instead of the settings' own."""
     from olmo_ctl.rundir import RunDir
 
     if settings.placeholders():  # before the placeholder run root is read
-        raise BadInput(f"site settings still hold placeholders ({', '.join(settings.placeholders())})",
-                       "see `olmo-ctl config show`; `submit --dry-run` works without them")
+        raise BadInput(
+            f"site settings still hold placeholders ({', '.join(settings.placeholders())})",
+            "see `olmo-ctl config show`; `submit --dry-run` works without them",
+        )
     if device is not None:
         get_device(device)  # a mistyped device is named before the run directory is read
         # What this command's backend refuses on the command line alone (a device it cannot run, a run
@@ -102,29 +117,48 @@ def prepare(settings: Settings, run: str, *, recipe: Recipe | None = None, devic
     dev = get_device(device)
     plan = make_plan(run_recipe, dev, slices or 1)
     n = attempt if attempt is not None else (1 if new else rundir.next_attempt_number())
-    request = new_request(rundir.name, rundir.path, n, dev, run_recipe, settings, extra_args, env, plan, plan.slices)
+    request = new_request(
+        rundir.name, rundir.path, n, dev, run_recipe, settings, extra_args, env, plan, plan.slices
+    )
     backend.validate(request)
     # Last, what may read the data (a new run's fingerprint; an existing run's check of `recipe`).
     fingerprint = check_run(rundir, recipe, device)
     return Prepared(rundir, backend, request, settings, new, fingerprint, committed, backend.notes(request))
 
 
-def dry_run(settings: Settings, run: str, recipe: Recipe, device: str, slices: int | None = None,
-            attempt: int | None = None, extra_args: tuple[str, ...] = ()) -> tuple[Backend, Attempt, list[str]]:
+def dry_run(
+    settings: Settings,
+    run: str,
+    recipe: Recipe,
+    device: str,
+    slices: int | None = None,
+    attempt: int | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> tuple[Backend, Attempt, list[str]]:
     """What `submit --dry-run` renders: attempt `attempt` (1) of `run` from the command line alone,
     placeholders allowed; (backend, request, notes)."""
     backend = make_backend(settings)
     dev = get_device(device)
     plan = make_plan(recipe, dev, slices or 1)
     run_dir = f"{settings.run_root.rstrip('/')}/{run}"
-    request = new_request(run, run_dir, 1 if attempt is None else attempt, dev, recipe, settings, extra_args,
-                          plan=plan, slices=plan.slices)
+    request = new_request(
+        run,
+        run_dir,
+        1 if attempt is None else attempt,
+        dev,
+        recipe,
+        settings,
+        extra_args,
+        plan=plan,
+        slices=plan.slices,
+    )
     backend.validate(request, render_only=True)
     return backend, request, backend.notes(request, render_only=True)
 
 
-def check_attempt(backend: Backend, request: Attempt, *, preflight: bool = True,
-                  log: Callable[[str], None] = lambda s: None) -> None:
+def check_attempt(
+    backend: Backend, request: Attempt, *, preflight: bool = True, log: Callable[[str], None] = lambda s: None
+) -> None:
     """Everything that can refuse an attempt before it is queued: the backend's checks, then the
     preflight compile of its step (TPU slices where libtpu is installed; cached per recipe, device and
     trainer). BadInput (exit 2) or a compile failure (exit 1); nothing is written."""
@@ -132,8 +166,13 @@ def check_attempt(backend: Backend, request: Attempt, *, preflight: bool = True,
     if preflight and request.recipe is not None and request.plan is not None:
         from olmo_ctl.preflight.compile import submit_check
 
-        submit_check(request.recipe, get_device(request.device), request.plan, log=log,
-                     settings=request.settings or getattr(backend, "settings", None))
+        submit_check(
+            request.recipe,
+            get_device(request.device),
+            request.plan,
+            log=log,
+            settings=request.settings or getattr(backend, "settings", None),
+        )
 
 
 def create_run(prep: Prepared) -> None:
@@ -141,7 +180,9 @@ def create_run(prep: Prepared) -> None:
     if prep.new_run:
         r = prep.request
         assert r.recipe is not None and prep.data_fingerprint is not None
-        prep.rundir.create_run(r.recipe.to_dict(), r.recipe.fingerprint(), prep.data_fingerprint, r.device, r.slices)
+        prep.rundir.create_run(
+            r.recipe.to_dict(), r.recipe.fingerprint(), prep.data_fingerprint, r.device, r.slices
+        )
 
 
 @dataclass(frozen=True)
@@ -152,10 +193,16 @@ class Submitted:
     handle: Handle | None  # None: the run is complete, nothing was submitted
 
 
-def submit_run(prep: Prepared, *, checks: bool = True, preflight: bool = True,
-               log: Callable[[str], None] = lambda s: None,
-               show: Callable[[Any], None] | None = None, admission_timeout_s: float | None = None,
-               numbered: bool = False) -> Submitted:
+def submit_run(
+    prep: Prepared,
+    *,
+    checks: bool = True,
+    preflight: bool = True,
+    log: Callable[[str], None] = lambda s: None,
+    show: Callable[[Any], None] | None = None,
+    admission_timeout_s: float | None = None,
+    numbered: bool = False,
+) -> Submitted:
     """`olmo-ctl submit`: check the attempt, create the run, then submit it under the run's lease
     (a supervisor running the run refuses us, exit 2). A complete run submits nothing."""
     if prep.complete:
@@ -168,15 +215,25 @@ def submit_run(prep: Prepared, *, checks: bool = True, preflight: bool = True,
     try:
         h, st = live_attempt(rundir, backend)
         if h is not None:
-            raise BadInput(f"attempt {h.attempt} of run `{rundir.name}` is still {st.state.value} ({h.name})",
-                           f"supervise it with `olmo-ctl resume-until-done {rundir.name}`; "
-                           "a second attempt would write the same checkpoints")
+            raise BadInput(
+                f"attempt {h.attempt} of run `{rundir.name}` is still {st.state.value} ({h.name})",
+                f"supervise it with `olmo-ctl resume-until-done {rundir.name}`; "
+                "a second attempt would write the same checkpoints",
+            )
         ended = last_handle(rundir, backend.name)
         if ended is not None:
             # An ended attempt is deleted first (it holds its name, perhaps quota), with its grace period.
             backend.stop(ended, graceful=True)
-        handle = submit_next(rundir, backend, prep.request, "first attempt" if prep.new_run else "submitted by hand",
-                             show=show, fence=lease, admission_timeout_s=admission_timeout_s, numbered=numbered)
+        handle = submit_next(
+            rundir,
+            backend,
+            prep.request,
+            "first attempt" if prep.new_run else "submitted by hand",
+            show=show,
+            fence=lease,
+            admission_timeout_s=admission_timeout_s,
+            numbered=numbered,
+        )
     finally:
         rundir.release_lease(lease)
     return Submitted(prep, handle)

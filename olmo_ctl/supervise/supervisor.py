@@ -102,13 +102,19 @@ def _config_hint(error: str | None) -> str:
     """What to do about a queue set-up that Kueue can never admit."""
     text = error or ""
     if "WorkloadPriorityClass" in text:
-        return ("create it (`kubectl get workloadpriorityclasses`), or pick an existing one with --priority-class "
-                "(an empty value for none); then run the same command again")
+        return (
+            "create it (`kubectl get workloadpriorityclasses`), or pick an existing one with --priority-class "
+            "(an empty value for none); then run the same command again"
+        )
     if ("LocalQueue" in text or "ClusterQueue" in text) and "doesn't exist" in text:
-        return ("create the queue, or pick an existing one with --queue (`kubectl get localqueues -n NAMESPACE`); "
-                "then run the same command again")
-    return ("the ClusterQueue has no ResourceFlavor with quota for this slice's accelerator and topology: ask the "
-            "cluster admin to add one (`kubectl get clusterqueues -o yaml`), or use another --queue or --device")
+        return (
+            "create the queue, or pick an existing one with --queue (`kubectl get localqueues -n NAMESPACE`); "
+            "then run the same command again"
+        )
+    return (
+        "the ClusterQueue has no ResourceFlavor with quota for this slice's accelerator and topology: ask the "
+        "cluster admin to add one (`kubectl get clusterqueues -o yaml`), or use another --queue or --device"
+    )
 
 
 def _fmt_s(s: float) -> str:
@@ -128,11 +134,24 @@ class Watched:
 
 
 class Supervisor:
-    def __init__(self, rundir: RunDir, backend, policy: RetryPolicy, *, device: str | None = None,
-                 poll_s: float = 10.0, lease_ttl_s: float | None = None, stop_on_exit: bool = False,
-                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 printer: Printer | None = None, rng: random.Random | None = None, reattach_hint: str = "",
-                 extra_args: tuple[str, ...] = (), slices: int | None = None):
+    def __init__(
+        self,
+        rundir: RunDir,
+        backend,
+        policy: RetryPolicy,
+        *,
+        device: str | None = None,
+        poll_s: float = 10.0,
+        lease_ttl_s: float | None = None,
+        stop_on_exit: bool = False,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+        printer: Printer | None = None,
+        rng: random.Random | None = None,
+        reattach_hint: str = "",
+        extra_args: tuple[str, ...] = (),
+        slices: int | None = None,
+    ):
         self.rd = rundir
         self.extra_args = tuple(extra_args)  # trainer flags for every attempt (e.g. --allow-version-change)
         self.backend = backend
@@ -213,14 +232,21 @@ class Supervisor:
         self.slices = run_slices(self.rd, self.slices)
         committed = self.rd.committed_step()
         history = History(best_step=committed)
-        self._say("supervisor_started", f"committed step {committed}/{self.final}; holder {self.lease.holder if self.lease else '-'}",
-                  committed_step=committed, attempt=None)
+        self._say(
+            "supervisor_started",
+            f"committed step {committed}/{self.final}; holder {self.lease.holder if self.lease else '-'}",
+            committed_step=committed,
+            attempt=None,
+        )
         self.handle, st = live_attempt(self.rd, self.backend)
         # The previous attempt, over: deleted before a successor is submitted.
         ended = last_handle(self.rd, self.backend.name) if self.handle is None else None
         if self.handle is not None:
-            self._say("reattached", f"attempt {self.handle.attempt} is {st.state.value} ({self.handle.name})",
-                      committed_step=committed)
+            self._say(
+                "reattached",
+                f"attempt {self.handle.attempt} is {st.state.value} ({self.handle.name})",
+                committed_step=committed,
+            )
         last_failure: str | None = None
         while True:
             committed = self.rd.committed_step()
@@ -229,12 +255,22 @@ class Supervisor:
                     return self._done(committed)
                 if last_failure is not None:
                     delay = self.policy.backoff_s(history.failures_in_row, self.rng)
-                    self._say("backoff", f"waiting {delay:.0f} s before the next attempt after {last_failure}",
-                              committed_step=committed, delay_s=round(delay, 3), attempt=None)
+                    self._say(
+                        "backoff",
+                        f"waiting {delay:.0f} s before the next attempt after {last_failure}",
+                        committed_step=committed,
+                        delay_s=round(delay, 3),
+                        attempt=None,
+                    )
                     self._wait(delay)
                     committed = self.rd.committed_step()
-                reason = "first attempt" if self.rd.last_attempt() is None else (
-                    f"resume from step {committed}" + (f" after {last_failure}" if last_failure else ""))
+                reason = (
+                    "first attempt"
+                    if self.rd.last_attempt() is None
+                    else (
+                        f"resume from step {committed}" + (f" after {last_failure}" if last_failure else "")
+                    )
+                )
                 req = self.rd.pending_resize()
                 if req is not None:  # recorded while no attempt ran: the next attempt goes to its device
                     self.handle = self._resize(None, req)
@@ -243,18 +279,44 @@ class Supervisor:
                         self._retire(ended)
                         ended = None
                     self._beat()  # a supervisor that lost its lease must not submit
-                    request = new_request(self.rd.name, self.rd.path, 0, self.device, self.recipe,
-                                          extra_args=self.extra_args, slices=self.slices)
-                    self.handle = submit_next(self.rd, self.backend, request, reason, committed_step=committed,
-                                              t=self.clock(), fence=self.lease,
-                                              admission_timeout_s=self.policy.admission_timeout_s)
-                    self.out.line(f"submitted attempt {self.handle.attempt} on {self._on()} ({self.handle.name}): "
-                                  f"{reason}")
+                    request = new_request(
+                        self.rd.name,
+                        self.rd.path,
+                        0,
+                        self.device,
+                        self.recipe,
+                        extra_args=self.extra_args,
+                        slices=self.slices,
+                    )
+                    self.handle = submit_next(
+                        self.rd,
+                        self.backend,
+                        request,
+                        reason,
+                        committed_step=committed,
+                        t=self.clock(),
+                        fence=self.lease,
+                        admission_timeout_s=self.policy.admission_timeout_s,
+                    )
+                    self.out.line(
+                        f"submitted attempt {self.handle.attempt} on {self._on()} ({self.handle.name}): "
+                        f"{reason}"
+                    )
             watched = self._watch(self.handle)
             st = watched.status
             committed = self.rd.committed_step()
-            action = self.policy.decide(Outcome(st.state, st.reason, committed, self.final, watched.stalled,
-                                                st.exit_code, watched.config_error), history)
+            action = self.policy.decide(
+                Outcome(
+                    st.state,
+                    st.reason,
+                    committed,
+                    self.final,
+                    watched.stalled,
+                    st.exit_code,
+                    watched.config_error,
+                ),
+                history,
+            )
             history = action.history
             if action.kind == DONE:
                 self._say(action.event, action.reason, committed_step=committed)
@@ -263,21 +325,40 @@ class Supervisor:
                 self._say(action.event, action.reason, committed_step=committed, state=st.state.value)
                 self._retire(self.handle)  # nothing of it runs; gone, so the next try renders anew
                 self.handle = None
-                raise BadInput(f"run `{self.rd.name}`: {watched.config_error}", _config_hint(watched.config_error))
+                raise BadInput(
+                    f"run `{self.rd.name}`: {watched.config_error}", _config_hint(watched.config_error)
+                )
             if action.kind == STOP:
-                self._say(action.event, action.reason, committed_step=committed, state=st.state.value,
-                          exit_code=st.exit_code, last_log_lines=list(st.last_log_lines[-20:]))
+                self._say(
+                    action.event,
+                    action.reason,
+                    committed_step=committed,
+                    state=st.state.value,
+                    exit_code=st.exit_code,
+                    last_log_lines=list(st.last_log_lines[-20:]),
+                )
                 self._show_logs(st)
-                self.out.line("stopped: a deterministic failure of the training program is not retried "
-                              "(fix it, or pass --retry-user-errors)")
+                self.out.line(
+                    "stopped: a deterministic failure of the training program is not retried "
+                    "(fix it, or pass --retry-user-errors)"
+                )
                 self.handle = None
                 return int(action.exit_code or 0)
             if action.journal:
-                self._say(action.event, action.reason, committed_step=committed, state=st.state.value,
-                          exit_code=st.exit_code)
+                self._say(
+                    action.event,
+                    action.reason,
+                    committed_step=committed,
+                    state=st.state.value,
+                    exit_code=st.exit_code,
+                )
             if action.kind == GIVE_UP:
-                self._say("gave_up", action.gave_up, committed_step=committed,
-                          last_log_lines=list(st.last_log_lines[-20:]))
+                self._say(
+                    "gave_up",
+                    action.gave_up,
+                    committed_step=committed,
+                    last_log_lines=list(st.last_log_lines[-20:]),
+                )
                 self._show_logs(st)
                 self.handle = None
                 return int(action.exit_code or 0)
@@ -288,15 +369,29 @@ class Supervisor:
     def _retire(self, h: Handle) -> None:
         """Make sure an ended attempt is gone before the next one is submitted (a terminal JobSet
         still holds its name and may hold quota), with its pods' grace period: never grace 0."""
-        if not stop_and_wait(self.backend, h, graceful=True, timeout_s=60 * min(30.0, 3 * self.poll_s),
-                             poll_s=min(2.0, self.poll_s), heartbeat=self._beat):
-            raise OlmoCtlError(f"attempt {h.attempt} ({h.name}) is still being deleted",
-                               f"check it, then run `{self.reattach_hint}` again", EXIT_UNREACHABLE)
+        if not stop_and_wait(
+            self.backend,
+            h,
+            graceful=True,
+            timeout_s=60 * min(30.0, 3 * self.poll_s),
+            poll_s=min(2.0, self.poll_s),
+            heartbeat=self._beat,
+        ):
+            raise OlmoCtlError(
+                f"attempt {h.attempt} ({h.name}) is still being deleted",
+                f"check it, then run `{self.reattach_hint}` again",
+                EXIT_UNREACHABLE,
+            )
 
     def _done(self, committed: int) -> int:
         loss = self._last_loss()
-        self._say("done", f"final step {committed}/{self.final} committed" + (f", loss {loss}" if loss else ""),
-                  committed_step=committed, attempt=None, loss=loss)
+        self._say(
+            "done",
+            f"final step {committed}/{self.final} committed" + (f", loss {loss}" if loss else ""),
+            committed_step=committed,
+            attempt=None,
+            loss=loss,
+        )
         return EXIT_OK
 
     def _last_loss(self) -> str | None:
@@ -324,13 +419,20 @@ class Supervisor:
         if h is not None and self.stop_on_exit:
             self.out.line(f"interrupted: stopping attempt {h.attempt} (--stop-on-exit)")
             self.backend.stop(h, graceful=True)
-            self._journal("stopped", "interrupted with --stop-on-exit", committed_step=self.rd.committed_step())
+            self._journal(
+                "stopped", "interrupted with --stop-on-exit", committed_step=self.rd.committed_step()
+            )
         else:
-            self._journal("supervisor_detached", "interrupted; the attempt keeps running" if h else "interrupted",
-                          committed_step=self.rd.committed_step())
+            self._journal(
+                "supervisor_detached",
+                "interrupted; the attempt keeps running" if h else "interrupted",
+                committed_step=self.rd.committed_step(),
+            )
             if h is not None:
-                self.out.line(f"detached: attempt {h.attempt} keeps running ({h.name}); reattach with: "
-                              f"{self.reattach_hint}")
+                self.out.line(
+                    f"detached: attempt {h.attempt} keeps running ({h.name}); reattach with: "
+                    f"{self.reattach_hint}"
+                )
             else:
                 self.out.line(f"interrupted; continue with: {self.reattach_hint}")
         return EXIT_INTERRUPTED
@@ -345,7 +447,9 @@ class Supervisor:
         t0_step, t0 = self.rd.committed_step(), self.clock()
         last = self.rd.last_attempt() or {}
         # Event segments are named by their writer's start time: this attempt's are newer than its submission.
-        since = parse_iso(last["time"]) - 300 if last.get("attempt") == h.attempt and last.get("time") else 0.0
+        since = (
+            parse_iso(last["time"]) - 300 if last.get("attempt") == h.attempt and last.get("time") else 0.0
+        )
         admission_limit = self._admission_limit(h, last)
         while True:
             self._beat()
@@ -378,12 +482,20 @@ class Supervisor:
                 admitted_at = now if admitted_at is None else admitted_at
                 if now - admitted_at > admission_limit:
                     cause = st.details.get("cause") or st.reason
-                    limit_why = (f"admitted but not running after {now - admitted_at:.0f} s (--admission-timeout "
-                                 f"{admission_limit:.0f} s): {cause}")
+                    limit_why = (
+                        f"admitted but not running after {now - admitted_at:.0f} s (--admission-timeout "
+                        f"{admission_limit:.0f} s): {cause}"
+                    )
                     self.out.line(f"stopping attempt {h.attempt}: {limit_why}")
                     self.backend.stop(h, graceful=True)
-                    return Watched(AttemptStatus(State.FAILED_INFRA, limit_why, "supervisor --admission-timeout",
-                                                 details=dict(st.details)))
+                    return Watched(
+                        AttemptStatus(
+                            State.FAILED_INFRA,
+                            limit_why,
+                            "supervisor --admission-timeout",
+                            details=dict(st.details),
+                        )
+                    )
             else:
                 admitted_at = None
             if st.state == State.RUNNING and stall is not None:
@@ -417,8 +529,12 @@ class Supervisor:
         self._strays_checked = now
         for other in self.backend.live_attempts(self.rd.name):
             if other.attempt != h.attempt:
-                self._say("stray_stopped", f"attempt {other.attempt} ({other.name}) runs beside attempt {h.attempt}: "
-                          "created by a supervisor that lost the lease; stopped", attempt=other.attempt)
+                self._say(
+                    "stray_stopped",
+                    f"attempt {other.attempt} ({other.name}) runs beside attempt {h.attempt}: "
+                    "created by a supervisor that lost the lease; stopped",
+                    attempt=other.attempt,
+                )
                 self.backend.stop(other, graceful=False)
 
     def _name_slow_hosts(self, h: Handle, messages: tuple[str, ...]) -> None:
@@ -441,8 +557,9 @@ class Supervisor:
 
     def _resize(self, h: Handle | None, req: dict) -> Handle | None:
         self.out.line(f"resize request {req.get('id')}: to {req.get('device')}")
-        new = resize.carry_out_request(self.rd, self.backend, h, req, heartbeat=self._beat, log=self.out.line,
-                                       fence=self.lease)
+        new = resize.carry_out_request(
+            self.rd, self.backend, h, req, heartbeat=self._beat, log=self.out.line, fence=self.lease
+        )
         if new is None:
             return h
         self.device = req.get("device") or self.device

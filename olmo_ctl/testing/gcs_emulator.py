@@ -29,8 +29,15 @@ import urllib.request
 from olmo_ctl import storage
 from olmo_ctl.ports import free_port
 
-ENV_KEYS = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
-            "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GOOGLE_CLOUD_PROJECT", "FSSPEC_GCS_TOKEN", "NO_GCE_CHECK")
+ENV_KEYS = (
+    "STORAGE_EMULATOR_HOST",
+    "TENSORSTORE_GCS_HTTP_URL",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+    "GOOGLE_CLOUD_PROJECT",
+    "FSSPEC_GCS_TOKEN",
+    "NO_GCE_CHECK",
+)
 
 
 def emulator_env(url: str) -> dict[str, str]:
@@ -49,8 +56,10 @@ def emulator_env(url: str) -> dict[str, str]:
 
 def create_bucket(url: str, bucket: str) -> None:
     req = urllib.request.Request(
-        f"{url}/storage/v1/b?project=local", data=json.dumps({"name": bucket}).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
+        f"{url}/storage/v1/b?project=local",
+        data=json.dumps({"name": bucket}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
     )
     with urllib.request.urlopen(req, timeout=10) as r:
         r.read()
@@ -83,8 +92,21 @@ def fake_gcs_server(backend: str = "memory"):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     root = tempfile.mkdtemp(prefix="fake-gcs-")
-    cmd = [str(_get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-           "-external-url", url, "-backend", backend, "-log-level", "error"]
+    cmd = [
+        str(_get_binary_path()),
+        "-scheme",
+        "http",
+        "-host",
+        "127.0.0.1",
+        "-port",
+        str(port),
+        "-external-url",
+        url,
+        "-backend",
+        backend,
+        "-log-level",
+        "error",
+    ]
     if backend == "filesystem":
         cmd += ["-filesystem-root", root]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -78,11 +78,25 @@ CLUSTERQUEUE_CRD = "kueue.x-k8s.io_clusterqueues.v0.17.1.yaml"
 RESOURCEFLAVOR_CRD = "kueue.x-k8s.io_resourceflavors.v0.17.1.yaml"
 WPC_CRD = "kueue.x-k8s.io_workloadpriorityclasses.v0.17.1.yaml"
 
-OBJECT_META_FIELDS = frozenset({
-    "name", "generateName", "namespace", "labels", "annotations", "ownerReferences", "finalizers", "uid",
-    "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds",
-    "managedFields", "selfLink",
-})
+OBJECT_META_FIELDS = frozenset(
+    {
+        "name",
+        "generateName",
+        "namespace",
+        "labels",
+        "annotations",
+        "ownerReferences",
+        "finalizers",
+        "uid",
+        "resourceVersion",
+        "generation",
+        "creationTimestamp",
+        "deletionTimestamp",
+        "deletionGracePeriodSeconds",
+        "managedFields",
+        "selfLink",
+    }
+)
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123_SUB = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -154,7 +168,9 @@ def _drop_paths(obj: dict, paths: list[str]) -> None:
 def schema_errors(obj: dict, filename: str, version: str) -> list[str]:
     v = _validator(filename, version)
     out = []
-    for e in sorted(v.iter_errors({k: x for k, x in obj.items() if k != "metadata"}), key=lambda e: list(e.path)):
+    for e in sorted(
+        v.iter_errors({k: x for k, x in obj.items() if k != "metadata"}), key=lambda e: list(e.path)
+    ):
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.path).lstrip(".")
         out.append(f"{path or '<root>'}: Invalid value: {e.message}")
     return out
@@ -193,15 +209,43 @@ BUILTIN = (
     Resource("jobset.x-k8s.io", ("v1alpha2",), "jobsets", "JobSet", JOBSET_CRD, short_names=("js",)),
     Resource(KUEUE, KUEUE_VERSIONS, "workloads", "Workload", WORKLOAD_CRD, short_names=("wl",)),
     Resource(KUEUE, KUEUE_VERSIONS, "localqueues", "LocalQueue", LOCALQUEUE_CRD, short_names=("lq", "queue")),
-    Resource(KUEUE, KUEUE_VERSIONS, "clusterqueues", "ClusterQueue", CLUSTERQUEUE_CRD, namespaced=False,
-             short_names=("cq",)),
-    Resource(KUEUE, KUEUE_VERSIONS, "resourceflavors", "ResourceFlavor", RESOURCEFLAVOR_CRD, namespaced=False,
-             short_names=("rf", "flavor")),
-    Resource(KUEUE, KUEUE_VERSIONS, "workloadpriorityclasses", "WorkloadPriorityClass", WPC_CRD, has_status=False,
-             namespaced=False),
+    Resource(
+        KUEUE,
+        KUEUE_VERSIONS,
+        "clusterqueues",
+        "ClusterQueue",
+        CLUSTERQUEUE_CRD,
+        namespaced=False,
+        short_names=("cq",),
+    ),
+    Resource(
+        KUEUE,
+        KUEUE_VERSIONS,
+        "resourceflavors",
+        "ResourceFlavor",
+        RESOURCEFLAVOR_CRD,
+        namespaced=False,
+        short_names=("rf", "flavor"),
+    ),
+    Resource(
+        KUEUE,
+        KUEUE_VERSIONS,
+        "workloadpriorityclasses",
+        "WorkloadPriorityClass",
+        WPC_CRD,
+        has_status=False,
+        namespaced=False,
+    ),
     Resource("batch", ("v1",), "jobs", "Job"),
-    Resource("scheduling.k8s.io", ("v1",), "priorityclasses", "PriorityClass", has_status=False, namespaced=False,
-             short_names=("pc",)),
+    Resource(
+        "scheduling.k8s.io",
+        ("v1",),
+        "priorityclasses",
+        "PriorityClass",
+        has_status=False,
+        namespaced=False,
+        short_names=("pc",),
+    ),
     Resource("", ("v1",), "pods", "Pod", short_names=("po",)),
     Resource("", ("v1",), "events", "Event", has_status=False, short_names=("ev",)),
     Resource("", ("v1",), "namespaces", "Namespace", namespaced=False, short_names=("ns",)),
@@ -212,20 +256,33 @@ KIND_TO_RESOURCE = {r.kind: r for r in BUILTIN}
 
 
 class ApiError(Exception):
-    def __init__(self, code: int, reason: str, message: str, details: dict | None = None,
-                 headers: dict | None = None):
+    def __init__(
+        self, code: int, reason: str, message: str, details: dict | None = None, headers: dict | None = None
+    ):
         super().__init__(message)
         self.code, self.reason, self.message, self.details = code, reason, message, details or {}
         self.headers = headers or {}
 
     def status(self) -> dict:
-        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": self.message,
-                "reason": self.reason, "details": self.details, "code": self.code}
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "details": self.details,
+            "code": self.code,
+        }
 
 
 def not_found(res: Resource, name: str) -> ApiError:
-    return ApiError(404, "NotFound", f'{res.qualified} "{name}" not found',
-                    {"name": name, "group": res.group, "kind": res.plural})
+    return ApiError(
+        404,
+        "NotFound",
+        f'{res.qualified} "{name}" not found',
+        {"name": name, "group": res.group, "kind": res.plural},
+    )
 
 
 # ---------------------------------------------------------------- selectors
@@ -256,7 +313,9 @@ def parse_label_selector(sel: str) -> Callable[[dict], bool]:
         if m:
             vals = {v.strip() for v in m.group(3).split(",") if v.strip()}
             key, op = m.group(1), m.group(2)
-            reqs.append(lambda lab, k=key, o=op, vs=vals: (lab.get(k) in vs) if o == "in" else (lab.get(k) not in vs))
+            reqs.append(
+                lambda lab, k=key, o=op, vs=vals: (lab.get(k) in vs) if o == "in" else (lab.get(k) not in vs)
+            )
             continue
         m = re.fullmatch(r"([^\s!=]+)\s*(==|=|!=)\s*([^\s,]*)", term)
         if m:
@@ -367,8 +426,9 @@ class Store:
     """Objects by (resource key, namespace, name); one lock; a global resourceVersion counter; the
     deletion rules (finalizers, propagation, grace periods) and the garbage collector."""
 
-    def __init__(self, resources: dict[tuple[str, str], Resource] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, resources: dict[tuple[str, str], Resource] | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.resources = dict(resources or RESOURCES)
@@ -397,8 +457,11 @@ class Store:
         return (res.key, ns if res.namespaced else "", name)
 
     def resource_of(self, obj: dict) -> Resource:
-        return next(r for r in self.resources.values() if r.kind == obj.get("kind")
-                    and r.group == (obj.get("apiVersion") or "").rpartition("/")[0])
+        return next(
+            r
+            for r in self.resources.values()
+            if r.kind == obj.get("kind") and r.group == (obj.get("apiVersion") or "").rpartition("/")[0]
+        )
 
     def get(self, res: Resource, ns: str, name: str) -> dict | None:
         return self.objects.get(self.key(res, ns, name))
@@ -419,8 +482,11 @@ class Store:
         return obj
 
     def items(self, res: Resource, ns: str | None = None) -> list[dict]:
-        return [o for (rk, ons, _), o in sorted(self.objects.items(), key=lambda kv: kv[0])
-                if rk == res.key and (ns is None or not res.namespaced or ons == ns)]
+        return [
+            o
+            for (rk, ons, _), o in sorted(self.objects.items(), key=lambda kv: kv[0])
+            if rk == res.key and (ns is None or not res.namespaced or ons == ns)
+        ]
 
     def all(self) -> Iterable[tuple[Resource, dict]]:
         for (rk, _, _), o in sorted(self.objects.items(), key=lambda kv: kv[0]):
@@ -428,13 +494,23 @@ class Store:
 
     def dependents(self, obj: dict) -> list[tuple[Resource, dict]]:
         uid, ns = obj["metadata"].get("uid"), obj["metadata"].get("namespace", "")
-        return [(r, o) for r, o in self.all() if o is not obj
-                and any(ref.get("uid") == uid for ref in o["metadata"].get("ownerReferences") or [])
-                and (not r.namespaced or o["metadata"].get("namespace", "") == ns or not ns)]
+        return [
+            (r, o)
+            for r, o in self.all()
+            if o is not obj
+            and any(ref.get("uid") == uid for ref in o["metadata"].get("ownerReferences") or [])
+            and (not r.namespaced or o["metadata"].get("namespace", "") == ns or not ns)
+        ]
 
     # -- deletion, as kube-apiserver and the garbage collector do it
-    def delete(self, res: Resource, obj: dict, policy: str = "Background", grace_s: int | None = None,
-               collect: bool = True) -> None:
+    def delete(
+        self,
+        res: Resource,
+        obj: dict,
+        policy: str = "Background",
+        grace_s: int | None = None,
+        collect: bool = True,
+    ) -> None:
         """Ask for `obj` to go: it gets a deletionTimestamp; it is removed once its finalizers are
         gone (and, for a pod, once its containers stopped). Foreground: the owner keeps the
         `foregroundDeletion` finalizer until its dependents are gone; Orphan: they lose the reference."""
@@ -442,7 +518,9 @@ class Store:
         if res.plural == "pods":
             if grace_s is None:
                 grace_s = int((obj.get("spec") or {}).get("terminationGracePeriodSeconds", 30))
-            if md.get("deletionTimestamp") is None or grace_s < int(md.get("deletionGracePeriodSeconds") or 0):
+            if md.get("deletionTimestamp") is None or grace_s < int(
+                md.get("deletionGracePeriodSeconds") or 0
+            ):
                 md["deletionGracePeriodSeconds"] = grace_s
                 md["deletionTimestamp"] = self.now_iso(grace_s)
                 self.put(res, obj)
@@ -454,8 +532,9 @@ class Store:
             md["deletionGracePeriodSeconds"] = 0
             if policy == "Orphan":
                 for dres, dep in self.dependents(obj):
-                    dep["metadata"]["ownerReferences"] = [r for r in dep["metadata"]["ownerReferences"]
-                                                          if r.get("uid") != md.get("uid")]
+                    dep["metadata"]["ownerReferences"] = [
+                        r for r in dep["metadata"]["ownerReferences"] if r.get("uid") != md.get("uid")
+                    ]
                     self.put(dres, dep)
             elif policy == "Foreground" and self.dependents(obj):
                 md["finalizers"] = list(md.get("finalizers") or []) + [FOREGROUND]
@@ -501,8 +580,9 @@ class Store:
                     continue
                 if fins:
                     continue
-                if res.plural == "pods" and not (int(md.get("deletionGracePeriodSeconds") or 0) == 0
-                                                 or self.pod_stopped(obj)):
+                if res.plural == "pods" and not (
+                    int(md.get("deletionGracePeriodSeconds") or 0) == 0 or self.pod_stopped(obj)
+                ):
                     continue
                 self._remove(res, obj)
                 changed = True
@@ -556,10 +636,13 @@ class _Handler(BaseHTTPRequestHandler):
             elif fault.delay_s:
                 time.sleep(fault.delay_s)
             if isinstance(fault.status, int) and fault.status:
-                err = ApiError(fault.status, "TooManyRequests" if fault.status == 429 else "InternalError",
-                               "the server has received too many requests and has asked us to try again later"
-                               if fault.status == 429 else "an error on the server (\"injected\") has prevented "
-                               "the request from succeeding")
+                err = ApiError(
+                    fault.status,
+                    "TooManyRequests" if fault.status == 429 else "InternalError",
+                    "the server has received too many requests and has asked us to try again later"
+                    if fault.status == 429
+                    else 'an error on the server ("injected") has prevented the request from succeeding',
+                )
                 headers = {"Retry-After": str(fault.retry_after_s)} if fault.retry_after_s is not None else {}
                 self._send(fault.status, err.status(), headers)
                 return
@@ -570,7 +653,9 @@ class _Handler(BaseHTTPRequestHandler):
         except ApiError as e:
             code, payload, headers, text = e.code, e.status(), e.headers, False
         except Exception as e:  # a bug in the test server: say so loudly
-            self._send(500, ApiError(500, "InternalError", f"test server bug: {type(e).__name__}: {e}").status())
+            self._send(
+                500, ApiError(500, "InternalError", f"test server bug: {type(e).__name__}: {e}").status()
+            )
             raise
         if fault is not None and fault.status == "lost":  # done, but the answer never arrives
             self._hang_up()
@@ -651,7 +736,9 @@ class Api:
 
     def allowed(self, verb: str, group: str, resource: str, subresource: str | None = None) -> bool:
         what = f"{resource}/{subresource}" if subresource else resource
-        return not any(v in (verb, "*") and g in (group, "*") and r in (what, "*") for v, g, r in self.forbidden)
+        return not any(
+            v in (verb, "*") and g in (group, "*") and r in (what, "*") for v, g, r in self.forbidden
+        )
 
     # -- routing and discovery
     def resource(self, group: str, plural: str, version: str) -> Resource:
@@ -664,8 +751,9 @@ class Api:
         m = re.fullmatch(r"/api/v1(?:/namespaces/([^/]+))?/([^/]+)(?:/([^/]+))?(?:/([^/]+))?", path)
         group, version = "", "v1"
         if not m:
-            m2 = re.fullmatch(r"/apis/([^/]+)/([^/]+)(?:/namespaces/([^/]+))?/([^/]+)(?:/([^/]+))?(?:/([^/]+))?",
-                              path)
+            m2 = re.fullmatch(
+                r"/apis/([^/]+)/([^/]+)(?:/namespaces/([^/]+))?/([^/]+)(?:/([^/]+))?(?:/([^/]+))?", path
+            )
             if not m2:
                 raise ApiError(404, "NotFound", "the server could not find the requested resource")
             group, version = m2.group(1), m2.group(2)
@@ -673,8 +761,11 @@ class Api:
         else:
             ns, plural, name, sub = m.groups()
         res = self.resource(group, plural, version)
-        if sub not in (None, "status", "log") or (sub == "log" and plural != "pods") or \
-                (sub == "status" and not res.has_status):
+        if (
+            sub not in (None, "status", "log")
+            or (sub == "log" and plural != "pods")
+            or (sub == "status" and not res.has_status)
+        ):
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         if not res.namespaced:
             if ns is not None:
@@ -689,28 +780,44 @@ class Api:
             for v in r.versions:
                 by_gv.setdefault((r.group, v), []).append(r)
         if path == "/api":
-            return {"kind": "APIVersions", "versions": ["v1"],
-                    "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}
+            return {
+                "kind": "APIVersions",
+                "versions": ["v1"],
+                "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}],
+            }
         if path == "/apis":
             groups: dict[str, list[str]] = {views.AUTHZ_GROUP: [views.AUTHZ_VERSION]}
             for g, v in by_gv:
                 if g:
                     groups.setdefault(g, []).append(v)
-            return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
-                {"name": g, "versions": [{"groupVersion": f"{g}/{v}", "version": v} for v in vs],
-                 "preferredVersion": {"groupVersion": f"{g}/{vs[0]}", "version": vs[0]}}
-                for g, vs in sorted(groups.items())]}
+            return {
+                "kind": "APIGroupList",
+                "apiVersion": "v1",
+                "groups": [
+                    {
+                        "name": g,
+                        "versions": [{"groupVersion": f"{g}/{v}", "version": v} for v in vs],
+                        "preferredVersion": {"groupVersion": f"{g}/{vs[0]}", "version": vs[0]},
+                    }
+                    for g, vs in sorted(groups.items())
+                ],
+            }
         if path == f"/apis/{views.AUTHZ_GROUP}/{views.AUTHZ_VERSION}":
             return views.authz_discovery()
         m = re.fullmatch(r"/apis/([^/]+)", path)
         if m:  # one group (APIGroup)
-            vs = [v for g, v in by_gv if g == m.group(1)] or \
-                ([views.AUTHZ_VERSION] if m.group(1) == views.AUTHZ_GROUP else [])
+            vs = [v for g, v in by_gv if g == m.group(1)] or (
+                [views.AUTHZ_VERSION] if m.group(1) == views.AUTHZ_GROUP else []
+            )
             if not vs:
                 raise ApiError(404, "NotFound", "the server could not find the requested resource")
-            return {"kind": "APIGroup", "apiVersion": "v1", "name": m.group(1),
-                    "versions": [{"groupVersion": f"{m.group(1)}/{v}", "version": v} for v in vs],
-                    "preferredVersion": {"groupVersion": f"{m.group(1)}/{vs[0]}", "version": vs[0]}}
+            return {
+                "kind": "APIGroup",
+                "apiVersion": "v1",
+                "name": m.group(1),
+                "versions": [{"groupVersion": f"{m.group(1)}/{v}", "version": v} for v in vs],
+                "preferredVersion": {"groupVersion": f"{m.group(1)}/{vs[0]}", "version": vs[0]},
+            }
         m = re.fullmatch(r"/api/(v1)|/apis/([^/]+)/([^/]+)", path)
         if not m:
             return None
@@ -720,21 +827,56 @@ class Api:
         verbs = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
         out = []
         for r in by_gv[gv]:
-            out.append({"name": r.plural, "singularName": r.kind.lower(), "namespaced": r.namespaced,
-                        "kind": r.kind, "verbs": verbs, "shortNames": list(r.short_names)})
+            out.append(
+                {
+                    "name": r.plural,
+                    "singularName": r.kind.lower(),
+                    "namespaced": r.namespaced,
+                    "kind": r.kind,
+                    "verbs": verbs,
+                    "shortNames": list(r.short_names),
+                }
+            )
             if r.has_status:
-                out.append({"name": f"{r.plural}/status", "singularName": "", "namespaced": r.namespaced,
-                            "kind": r.kind, "verbs": ["get", "patch", "update"]})
+                out.append(
+                    {
+                        "name": f"{r.plural}/status",
+                        "singularName": "",
+                        "namespaced": r.namespaced,
+                        "kind": r.kind,
+                        "verbs": ["get", "patch", "update"],
+                    }
+                )
             if r.plural == "pods":
-                out.append({"name": "pods/log", "singularName": "", "namespaced": True, "kind": "Pod",
-                            "verbs": ["get"]})
-        return {"kind": "APIResourceList", "apiVersion": "v1",
-                "groupVersion": f"{gv[0]}/{gv[1]}" if gv[0] else "v1", "resources": out}
+                out.append(
+                    {
+                        "name": "pods/log",
+                        "singularName": "",
+                        "namespaced": True,
+                        "kind": "Pod",
+                        "verbs": ["get"],
+                    }
+                )
+        return {
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": f"{gv[0]}/{gv[1]}" if gv[0] else "v1",
+            "resources": out,
+        }
 
     def dispatch(self, method: str, path: str, query: dict, body: bytes, ctype: str):
         if path in ("/version", "/version/"):
-            return 200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0-olmo-ctl-test",
-                         "platform": "linux/amd64"}, {}, False
+            return (
+                200,
+                {
+                    "major": "1",
+                    "minor": "33",
+                    "gitVersion": "v1.33.0-olmo-ctl-test",
+                    "platform": "linux/amd64",
+                },
+                {},
+                False,
+            )
         if path in ("/healthz", "/readyz", "/livez"):
             return 200, "ok", {}, True
         if method == "GET" and path.startswith("/openapi/v3"):
@@ -742,7 +884,10 @@ class Api:
             if doc is None:
                 raise ApiError(404, "NotFound", "the server could not find the requested resource")
             return 200, doc, {}, False
-        if path.rstrip("/") == f"/apis/{views.AUTHZ_GROUP}/{views.AUTHZ_VERSION}/{views.SSAR}" and method == "POST":
+        if (
+            path.rstrip("/") == f"/apis/{views.AUTHZ_GROUP}/{views.AUTHZ_VERSION}/{views.SSAR}"
+            and method == "POST"
+        ):
             if ctype.startswith("application/vnd.kubernetes.protobuf"):
                 try:
                     review = views.decode_access_review(body)
@@ -760,9 +905,12 @@ class Api:
             res, version, ns, name, sub = self.route(path)
             verb = views.verb_of(method, name, query)
             if not self.allowed(verb, res.group, res.plural, sub):
-                raise ApiError(403, "Forbidden", views.forbidden_message(verb, res.group, res.plural, sub,
-                                                                         ns or None, name),
-                               {"name": name or "", "group": res.group, "kind": res.plural})
+                raise ApiError(
+                    403,
+                    "Forbidden",
+                    views.forbidden_message(verb, res.group, res.plural, sub, ns or None, name),
+                    {"name": name or "", "group": res.group, "kind": res.plural},
+                )
             if method == "GET" and name is None and query.get("watch") in ("true", "1"):
                 return 200, self.watch(res, version, ns, query), {}, "watch"
             if method == "GET" and name is None:
@@ -836,8 +984,12 @@ class Api:
     def list(self, res: Resource, version: str, ns: str | None, query: dict) -> dict:
         sel = self._selected(query)
         items = [self.out(res, version, o) for o in self.store.items(res, ns) if sel(o)]
-        return {"apiVersion": res.api_version(version), "kind": f"{res.kind}List",
-                "metadata": {"resourceVersion": self.store.rv}, "items": items}
+        return {
+            "apiVersion": res.api_version(version),
+            "kind": f"{res.kind}List",
+            "metadata": {"resourceVersion": self.store.rv},
+            "items": items,
+        }
 
     def watch(self, res: Resource, version: str, ns: str | None, query: dict):
         """A generator of watch lines: ADDED/MODIFIED/DELETED after `resourceVersion` (all objects as
@@ -871,8 +1023,12 @@ class Api:
                         self.store.changed.wait(min(remaining, 0.25))
                         continue
                     last = evs[-1][0]
-                    out = [(k, self.out(res, version, o)) for _, k, _, o in evs
-                           if (ns is None or not res.namespaced or o["metadata"].get("namespace") == ns) and sel(o)]
+                    out = [
+                        (k, self.out(res, version, o))
+                        for _, k, _, o in evs
+                        if (ns is None or not res.namespaced or o["metadata"].get("namespace") == ns)
+                        and sel(o)
+                    ]
                 for k, o in out:
                     yield line(k, o)
 
@@ -884,7 +1040,9 @@ class Api:
             raise ApiError(400, "BadRequest", "the request body is not a JSON object")
         md = obj.get("metadata")
         if not isinstance(md, dict):
-            raise ApiError(422, "Invalid", f'{res.kind}.{res.group} "{name_hint}" is invalid: metadata: Required value')
+            raise ApiError(
+                422, "Invalid", f'{res.kind}.{res.group} "{name_hint}" is invalid: metadata: Required value'
+            )
         name = md.get("name") or name_hint
         errors: list[str] = []
         warnings: list[str] = []
@@ -893,13 +1051,21 @@ class Api:
         if res.crd:
             schema = crd_versions(res.crd)[version]
             body_schema = dict(schema)
-            body_schema["properties"] = {k: v for k, v in schema.get("properties", {}).items() if k != "metadata"}
-            unknown += [p for p in unknown_fields({k: v for k, v in obj.items() if k != "metadata"}, body_schema)]
+            body_schema["properties"] = {
+                k: v for k, v in schema.get("properties", {}).items() if k != "metadata"
+            }
+            unknown += [
+                p for p in unknown_fields({k: v for k, v in obj.items() if k != "metadata"}, body_schema)
+            ]
         if unknown:
             if mode == "Strict":
-                raise ApiError(400, "BadRequest", f'{res.kind} in version "{version}" cannot be handled as a '
-                               f'{res.kind}: strict decoding error: '
-                               + ", ".join(f'unknown field "{u}"' for u in unknown))
+                raise ApiError(
+                    400,
+                    "BadRequest",
+                    f'{res.kind} in version "{version}" cannot be handled as a '
+                    f"{res.kind}: strict decoding error: "
+                    + ", ".join(f'unknown field "{u}"' for u in unknown),
+                )
             if mode != "Ignore":
                 warnings += [f'unknown field "{u}"' for u in unknown]
             _drop_paths(obj, unknown)
@@ -907,29 +1073,48 @@ class Api:
             errors.append("metadata.name: Required value: name or generateName is required")
         elif res.plural == "jobsets":
             if not _DNS1035.match(name) or len(name) > 63:
-                errors.append(f'metadata.name: Invalid value: "{name}": a lowercase RFC 1035 label must consist of '
-                              "lower case alphanumeric characters or '-', start with an alphabetic character, "
-                              "and end with an alphanumeric character (at most 63 characters)")
+                errors.append(
+                    f'metadata.name: Invalid value: "{name}": a lowercase RFC 1035 label must consist of '
+                    "lower case alphanumeric characters or '-', start with an alphabetic character, "
+                    "and end with an alphanumeric character (at most 63 characters)"
+                )
         elif not _DNS1123_SUB.match(name) or len(name) > 253:
-            errors.append(f'metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain is required')
+            errors.append(
+                f'metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain is required'
+            )
         for k, v in (md.get("labels") or {}).items():
             key_name = k.rsplit("/", 1)[-1]
             if not _LABEL_NAME.match(key_name) or len(key_name) > 63:
                 errors.append(f'metadata.labels: Invalid value: "{k}": name part must be a valid label key')
             if not isinstance(v, str) or not _LABEL_VALUE.match(v) or len(v) > 63:
-                errors.append(f'metadata.labels: Invalid value: "{v}": a valid label must be an empty string or '
-                              "consist of alphanumeric characters, '-', '_' or '.', at most 63 characters")
+                errors.append(
+                    f'metadata.labels: Invalid value: "{v}": a valid label must be an empty string or '
+                    "consist of alphanumeric characters, '-', '_' or '.', at most 63 characters"
+                )
         for k, v in (md.get("annotations") or {}).items():
             if not isinstance(v, str):
                 errors.append(f"metadata.annotations.{k}: Invalid value: must be a string")
         if res.crd:
             errors += schema_errors(obj, res.crd, version)
-            if obj.get("apiVersion") not in (None, res.api_version(version)) or obj.get("kind") not in (None, res.kind):
-                errors.append(f"apiVersion/kind: Invalid value: expected {res.api_version(version)} {res.kind}")
+            if obj.get("apiVersion") not in (None, res.api_version(version)) or obj.get("kind") not in (
+                None,
+                res.kind,
+            ):
+                errors.append(
+                    f"apiVersion/kind: Invalid value: expected {res.api_version(version)} {res.kind}"
+                )
         if errors:
-            raise ApiError(422, "Invalid", f'{res.kind}.{res.group or "core"} "{name}" is invalid: ' + "; ".join(errors),
-                           {"name": name, "group": res.group, "kind": res.kind,
-                            "causes": [{"message": e} for e in errors]})
+            raise ApiError(
+                422,
+                "Invalid",
+                f'{res.kind}.{res.group or "core"} "{name}" is invalid: ' + "; ".join(errors),
+                {
+                    "name": name,
+                    "group": res.group,
+                    "kind": res.kind,
+                    "causes": [{"message": e} for e in errors],
+                },
+            )
         return warnings
 
     # -- verbs
@@ -938,15 +1123,22 @@ class Api:
         if isinstance(obj, dict) and isinstance(obj.get("metadata"), dict):
             md = obj["metadata"]
             if res.namespaced and md.get("namespace") not in (None, ns):
-                raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the "
-                                                  "namespace sent on the request")
+                raise ApiError(
+                    400,
+                    "BadRequest",
+                    "the namespace of the provided object does not match the namespace sent on the request",
+                )
             if not md.get("name") and md.get("generateName"):
                 md["name"] = md["generateName"] + secrets.token_hex(3)[:5]
         warnings = self.validate(res, version, obj, query)
         md = obj["metadata"]
         if self.store.get(res, ns, md["name"]) is not None:
-            raise ApiError(409, "AlreadyExists", f'{res.qualified} "{md["name"]}" already exists',
-                           {"name": md["name"], "group": res.group, "kind": res.plural})
+            raise ApiError(
+                409,
+                "AlreadyExists",
+                f'{res.qualified} "{md["name"]}" already exists',
+                {"name": md["name"], "group": res.group, "kind": res.plural},
+            )
         md.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=self.store.now_iso())
         if res.namespaced:
             md["namespace"] = ns
@@ -961,8 +1153,9 @@ class Api:
         self.store.put(res, obj)
         return obj, warnings
 
-    def replace(self, res: Resource, version: str, ns: str, name: str, sub: str | None, new: Any,
-                query: dict) -> tuple[dict, list[str]]:
+    def replace(
+        self, res: Resource, version: str, ns: str, name: str, sub: str | None, new: Any, query: dict
+    ) -> tuple[dict, list[str]]:
         cur = self.store.get(res, ns, name)
         if cur is None:
             raise not_found(res, name)
@@ -970,12 +1163,17 @@ class Api:
         warnings = self.validate(res, version, new, query, name)
         rv = new["metadata"].get("resourceVersion")
         if rv and rv != cur["metadata"]["resourceVersion"]:
-            raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {res.qualified} "{name}": the object '
-                           "has been modified; please apply your changes to the latest version and try again")
+            raise ApiError(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on {res.qualified} "{name}": the object '
+                "has been modified; please apply your changes to the latest version and try again",
+            )
         return self._commit(res, cur, new, sub), warnings
 
-    def patch(self, res: Resource, version: str, ns: str, name: str, sub: str | None, body: bytes,
-              ctype: str) -> dict:
+    def patch(
+        self, res: Resource, version: str, ns: str, name: str, sub: str | None, body: bytes, ctype: str
+    ) -> dict:
         cur = self.store.get(res, ns, name)
         if cur is None:
             raise not_found(res, name)
@@ -983,15 +1181,22 @@ class Api:
         doc = self._json(body)
         if ct in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
             if ct.startswith("application/strategic") and res.crd:
-                raise ApiError(415, "UnsupportedMediaType", "strategic merge patch is not supported for "
-                                                            "custom resources; use merge-patch")
+                raise ApiError(
+                    415,
+                    "UnsupportedMediaType",
+                    "strategic merge patch is not supported for custom resources; use merge-patch",
+                )
             new = merge_patch(cur, doc)
         elif ct == "application/json-patch+json":
             new = json_patch(cur, doc)
         else:
-            raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - "
-                                                        f"accepted media types include: application/json-patch+json, "
-                                                        f"application/merge-patch+json (got {ct!r})")
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                f"the body of the request was in an unknown format - "
+                f"accepted media types include: application/json-patch+json, "
+                f"application/merge-patch+json (got {ct!r})",
+            )
         new["metadata"]["name"] = name
         if res.namespaced:
             new["metadata"]["namespace"] = ns
@@ -1009,8 +1214,9 @@ class Api:
                 merged["status"] = copy.deepcopy(cur.get("status"))
             for k in ("uid", "creationTimestamp", "generation", "namespace", "name"):
                 merged["metadata"][k] = md.get(k)
-            if {k: v for k, v in merged.items() if k not in ("metadata", "status")} != \
-                    {k: v for k, v in cur.items() if k not in ("metadata", "status")}:
+            if {k: v for k, v in merged.items() if k not in ("metadata", "status")} != {
+                k: v for k, v in cur.items() if k not in ("metadata", "status")
+            }:
                 merged["metadata"]["generation"] = int(md.get("generation") or 1) + 1
         if merged.get("status") is None:
             merged.pop("status", None)
@@ -1029,8 +1235,11 @@ class Api:
         opts = opts if isinstance(opts, dict) else {}
         policy = query.get("propagationPolicy") or opts.get("propagationPolicy") or "Background"
         if policy not in ("Foreground", "Background", "Orphan"):
-            raise ApiError(400, "BadRequest", f"propagationPolicy {policy!r} is not one of Foreground, "
-                                              "Background, Orphan")
+            raise ApiError(
+                400,
+                "BadRequest",
+                f"propagationPolicy {policy!r} is not one of Foreground, Background, Orphan",
+            )
         grace = query.get("gracePeriodSeconds", opts.get("gracePeriodSeconds"))
         cur = self.store.get(res, ns, name)
         if cur is None:
@@ -1040,9 +1249,13 @@ class Api:
             want = pre.get(field)
             if want and want != cur["metadata"].get(field):
                 what = "UID" if field == "uid" else "ResourceVersion"
-                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {res.qualified} "{name}": '
-                               f"Precondition failed: {what} in precondition: {want}, {what} in object meta: "
-                               f"{cur['metadata'].get(field)}")
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on {res.qualified} "{name}": '
+                    f"Precondition failed: {what} in precondition: {want}, {what} in object meta: "
+                    f"{cur['metadata'].get(field)}",
+                )
         self.deleted.append((res.kind, name, policy))
         self.store.delete(res, cur, policy, None if grace is None else int(grace))
         out = self.out(res, version, cur)
@@ -1053,8 +1266,14 @@ class Api:
     def delete_collection(self, res: Resource, version: str, ns: str, query: dict, body: bytes) -> dict:
         gone = self.list(res, version, ns, query)
         for o in gone["items"]:
-            self.delete(res, version, ns, o["metadata"]["name"], {k: v for k, v in query.items()
-                                                                   if k in ("propagationPolicy", "gracePeriodSeconds")}, body)
+            self.delete(
+                res,
+                version,
+                ns,
+                o["metadata"]["name"],
+                {k: v for k, v in query.items() if k in ("propagationPolicy", "gracePeriodSeconds")},
+                body,
+            )
         return gone
 
     def pod_log(self, ns: str, name: str, query: dict) -> str:
@@ -1064,22 +1283,27 @@ class Api:
         containers = [c["name"] for c in (pod.get("spec") or {}).get("containers") or []]
         cname = query.get("container") or (containers[0] if len(containers) == 1 else None)
         if cname is None:
-            raise ApiError(400, "BadRequest", f"a container name must be specified for pod {name}, choose one of: "
-                                              f"{containers}")
+            raise ApiError(
+                400,
+                "BadRequest",
+                f"a container name must be specified for pod {name}, choose one of: {containers}",
+            )
         if cname not in containers:
             raise ApiError(400, "BadRequest", f"container {cname} is not valid for pod {name}")
         for cs in (pod.get("status") or {}).get("containerStatuses") or []:
             w = (cs.get("state") or {}).get("waiting")
             if cs.get("name") == cname and w:
-                raise ApiError(400, "BadRequest", f'container "{cname}" in pod "{name}" is waiting to start: '
-                                                  f"{w.get('reason', 'ContainerCreating')}")
+                raise ApiError(
+                    400,
+                    "BadRequest",
+                    f'container "{cname}" in pod "{name}" is waiting to start: '
+                    f"{w.get('reason', 'ContainerCreating')}",
+                )
         lines = list(self.store.logs.get((ns, name), []))
         if "tailLines" in query:
             n = int(query["tailLines"])
             lines = lines[-n:] if n > 0 else []
         return "".join(line + "\n" for line in lines)
-
-
 
 
 # ---------------------------------------------------------------- the server object
@@ -1088,8 +1312,13 @@ class Api:
 class ApiServer:
     """`with ApiServer() as srv:` a Kubernetes API on 127.0.0.1, with `hooks` for controllers."""
 
-    def __init__(self, namespace: str = "default", port: int = 0, hooks: Hooks | None = None,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        namespace: str = "default",
+        port: int = 0,
+        hooks: Hooks | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.store = Store(clock=clock)
         self.api = Api(self.store, hooks)
         self.namespace = namespace
@@ -1102,11 +1331,21 @@ class ApiServer:
         self.received: list[tuple[str, str, Any]] = []  # (method, path, JSON body) of each write, as sent
         with self.store.lock:
             for ns in dict.fromkeys((namespace, "default", "kube-system")):
-                self.store.put(RESOURCES[("", "namespaces")], {
-                    "apiVersion": "v1", "kind": "Namespace",
-                    "metadata": {"name": ns, "uid": str(uuid.uuid4()), "creationTimestamp": self.store.now_iso(),
-                                 "labels": {"kubernetes.io/metadata.name": ns}},
-                    "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}})
+                self.store.put(
+                    RESOURCES[("", "namespaces")],
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Namespace",
+                        "metadata": {
+                            "name": ns,
+                            "uid": str(uuid.uuid4()),
+                            "creationTimestamp": self.store.now_iso(),
+                            "labels": {"kubernetes.io/metadata.name": ns},
+                        },
+                        "spec": {"finalizers": ["kubernetes"]},
+                        "status": {"phase": "Active"},
+                    },
+                )
 
     # -- lifecycle
     def start(self) -> ApiServer:
@@ -1115,7 +1354,9 @@ class ApiServer:
         httpd.kube = self  # type: ignore[attr-defined]
         self._port = httpd.server_address[1]
         self._httpd = httpd
-        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self._thread.start()
         return self
 
@@ -1148,8 +1389,14 @@ class ApiServer:
         return f"http://127.0.0.1:{self._port}"
 
     # -- faults
-    def fail_next(self, count: int, status: int | str = 500, retry_after_s: int | None = None,
-                  match: str | None = None, delay_s: float = 0.0) -> None:
+    def fail_next(
+        self,
+        count: int,
+        status: int | str = 500,
+        retry_after_s: int | None = None,
+        match: str | None = None,
+        delay_s: float = 0.0,
+    ) -> None:
         """The next `count` requests (whose "METHOD /path" contains `match`, if given) answer `status`
         (an HTTP code; "drop": the connection closes unanswered; "lost": the request is carried out,
         then the connection closes unanswered), after `delay_s`."""

@@ -94,8 +94,13 @@ class ScriptedWorld(World):
 class Cluster:
     """The scripted causes of the old test cluster, each now the cause that produces its outcome."""
 
-    def __init__(self, world: ScriptedWorld, server: ApiServer, cluster_queue: str = "cluster-queue",
-                 flavor: str = "tpu-flavor"):
+    def __init__(
+        self,
+        world: ScriptedWorld,
+        server: ApiServer,
+        cluster_queue: str = "cluster-queue",
+        flavor: str = "tpu-flavor",
+    ):
         self.world, self.server = world, server
         self.store = world.store
         self.namespace = world.namespace
@@ -187,15 +192,19 @@ class Cluster:
             self.world.reconcile()
             wl = self._wl(name)
             if wl is None:
-                raise AssertionError(f"Kueue built no Workload for {name}: "
-                                     f"{self.world.reconcile_errors.get(js['metadata']['uid'])}")
+                raise AssertionError(
+                    f"Kueue built no Workload for {name}: "
+                    f"{self.world.reconcile_errors.get(js['metadata']['uid'])}"
+                )
             for _ in range(5):
                 if kueue.has_quota_reservation(wl):
                     break
                 _lq, cq = kueue.cluster_queue_for(self.world, wl)
                 if cq is None:
-                    raise AssertionError(f"{name} cannot be admitted: " +
-                                         (kueue.find_cond(wl, "QuotaReserved") or {}).get("message", ""))
+                    raise AssertionError(
+                        f"{name} cannot be admitted: "
+                        + (kueue.find_cond(wl, "QuotaReserved") or {}).get("message", "")
+                    )
                 used = kueue.usage(self.world, cq["metadata"]["name"])
                 for _ps, need in self.world.requests_of(wl):
                     for res, q in need.items():
@@ -226,8 +235,13 @@ class Cluster:
                             return kueue.quantity(r["nominalQuota"])
         return 0.0
 
-    def evict(self, name: str, reason: str = "Preempted", preempted_reason: str | None = "InClusterQueue",
-              message: str | None = None) -> None:
+    def evict(
+        self,
+        name: str,
+        reason: str = "Preempted",
+        preempted_reason: str | None = "InClusterQueue",
+        message: str | None = None,
+    ) -> None:
         """Preempted (InClusterQueue): a workload of higher priority that needs this one's quota
         arrives in the same ClusterQueue. Another reason: Kueue evicts with it (Deactivated: the
         workload is deactivated)."""
@@ -237,11 +251,17 @@ class Cluster:
                 raise KeyError(f"JobSet {name!r} has no Workload (no queue label?)")
             if reason == "Preempted":
                 if preempted_reason not in ("InClusterQueue", None) or message is not None:
-                    raise AssertionError("only preemption within the ClusterQueue is modelled; Kueue writes "
-                                         "the message itself")
-                pre = self.world.arrive(f"high-priority-{secrets.token_hex(3)}", wl["spec"]["queueName"],
-                                        kueue.priority(wl) + 1000, wl["spec"]["podSets"][0]["template"],
-                                        wl["spec"]["podSets"][0]["count"], wl["metadata"]["namespace"])
+                    raise AssertionError(
+                        "only preemption within the ClusterQueue is modelled; Kueue writes the message itself"
+                    )
+                pre = self.world.arrive(
+                    f"high-priority-{secrets.token_hex(3)}",
+                    wl["spec"]["queueName"],
+                    kueue.priority(wl) + 1000,
+                    wl["spec"]["podSets"][0]["template"],
+                    wl["spec"]["podSets"][0]["count"],
+                    wl["metadata"]["namespace"],
+                )
                 pre["spec"]["podSets"] = copy.deepcopy(wl["spec"]["podSets"])
                 self.world.save("Workload", pre)
             elif reason.startswith("Deactivated"):
@@ -250,11 +270,17 @@ class Cluster:
             else:
                 if reason in ("PodsReadyTimeout", "AdmissionCheck"):
                     kueue.update_requeue_state(self.world, wl)
-                kueue.evict(self.world, wl, reason, message or {
-                    "PodsReadyTimeout": f"Exceeded the PodsReady timeout {wl['metadata']['namespace']}/"
-                                        f"{wl['metadata']['name']}",
-                    "NodeFailures": "Workload was evicted as there was no replacement for a failed node",
-                }.get(reason, f"The workload was evicted: {reason}"))
+                kueue.evict(
+                    self.world,
+                    wl,
+                    reason,
+                    message
+                    or {
+                        "PodsReadyTimeout": f"Exceeded the PodsReady timeout {wl['metadata']['namespace']}/"
+                        f"{wl['metadata']['name']}",
+                        "NodeFailures": "Workload was evicted as there was no replacement for a failed node",
+                    }.get(reason, f"The workload was evicted: {reason}"),
+                )
             self.world.reconcile()
 
     # -- the nodes and the containers
@@ -269,41 +295,71 @@ class Cluster:
     def log(self, name: str, index: int, lines: list[str] | tuple[str, ...]) -> None:
         with self.store.lock:
             pod = self.world.jobset_pods(name)[index]
-            self.store.logs.setdefault((pod["metadata"]["namespace"], pod["metadata"]["name"]), []).extend(lines)
+            self.store.logs.setdefault((pod["metadata"]["namespace"], pod["metadata"]["name"]), []).extend(
+                lines
+            )
 
-    def pod_exit(self, name: str, index: int, code: int, log_lines: list[str] | tuple[str, ...] = (),
-                 reason: str | None = None, disruption: str | None = None) -> str:
+    def pod_exit(
+        self,
+        name: str,
+        index: int,
+        code: int,
+        log_lines: list[str] | tuple[str, ...] = (),
+        reason: str | None = None,
+        disruption: str | None = None,
+    ) -> str:
         """Pod `index`'s container exits with `code` (started first if it had not); returns its name.
         `disruption` adds a DisruptionTarget condition with that reason."""
         with self.store.lock:
             pod = self.world.jobset_pods(name)[index]
             if not pod["spec"].get("nodeName"):
                 self.world.start_pod(pod, f"gke-tpu-{index:04d}")
-            self.world.container_exit(pod, code, log_lines, reason,
-                                      (disruption, DISRUPTION_MESSAGES.get(disruption, disruption))
-                                      if disruption else None)
+            self.world.container_exit(
+                pod,
+                code,
+                log_lines,
+                reason,
+                (disruption, DISRUPTION_MESSAGES.get(disruption, disruption)) if disruption else None,
+            )
             self.world.reconcile()
             return pod["metadata"]["name"]
 
-    def unschedulable(self, name: str, message: str = "0/16 nodes are available: 16 Insufficient google.com/tpu. "
-                                                      "preemption: 0/16 nodes are available: 16 No preemption "
-                                                      "victims found for incoming pod.") -> None:
+    def unschedulable(
+        self,
+        name: str,
+        message: str = "0/16 nodes are available: 16 Insufficient google.com/tpu. "
+        "preemption: 0/16 nodes are available: 16 No preemption "
+        "victims found for incoming pod.",
+    ) -> None:
         with self.store.lock:
             for pod in self.world.jobset_pods(name, live_only=True):
                 pod["status"]["phase"] = "Pending"
-                pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                                "message": message, "lastTransitionTime": self.world.now()}]
+                pod["status"]["conditions"] = [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": message,
+                        "lastTransitionTime": self.world.now(),
+                    }
+                ]
                 self.world.save("Pod", pod)
                 self.world.event(pod, "FailedScheduling", message, "Warning", source="default-scheduler")
             self.world.reconcile()
 
-    def image_pull_error(self, name: str, index: int = 0, reason: str = "ErrImagePull",
-                         message: str = 'failed to pull and unpack image "us-docker.pkg.dev/p/r/olmo:missing": '
-                                        "not found") -> None:
+    def image_pull_error(
+        self,
+        name: str,
+        index: int = 0,
+        reason: str = "ErrImagePull",
+        message: str = 'failed to pull and unpack image "us-docker.pkg.dev/p/r/olmo:missing": not found',
+    ) -> None:
         with self.store.lock:
             pod = self.world.jobset_pods(name)[index]
             for cs in pod["status"]["containerStatuses"]:
-                cs.update(ready=False, started=False, state={"waiting": {"reason": reason, "message": message}})
+                cs.update(
+                    ready=False, started=False, state={"waiting": {"reason": reason, "message": message}}
+                )
             self.world.save("Pod", pod)
             self.world.event(pod, "Failed", f"Failed to pull image: {message}", "Warning")
             self.world.reconcile()
@@ -314,9 +370,15 @@ class Cluster:
         removes it once the Job controller has counted it. Returns its name."""
         with self.store.lock:
             pod = self.world.jobset_pods(name)[index]
-            self.world.event(pod, "TaintManagerEviction", f"Marking for deletion Pod {pod['metadata']['namespace']}/"
-                             f"{pod['metadata']['name']}", source="taint-eviction-controller")
-            self.world.add_disruption(pod, "DeletionByTaintManager", DISRUPTION_MESSAGES["DeletionByTaintManager"])
+            self.world.event(
+                pod,
+                "TaintManagerEviction",
+                f"Marking for deletion Pod {pod['metadata']['namespace']}/{pod['metadata']['name']}",
+                source="taint-eviction-controller",
+            )
+            self.world.add_disruption(
+                pod, "DeletionByTaintManager", DISRUPTION_MESSAGES["DeletionByTaintManager"]
+            )
             pod["status"]["phase"] = "Failed"
             for c in pod["status"].get("conditions") or []:
                 if c["type"] in ("Ready", "ContainersReady"):
@@ -332,10 +394,13 @@ class Cluster:
         and exits 143, and the pod ends Failed with reason Terminated. Returns its name."""
         with self.store.lock:
             pod = self.world.jobset_pods(name)[index]
-            self.world.add_disruption(pod, "TerminationByKubelet", DISRUPTION_MESSAGES["TerminationByKubelet"])
+            self.world.add_disruption(
+                pod, "TerminationByKubelet", DISRUPTION_MESSAGES["TerminationByKubelet"]
+            )
             self.world.container_exit(pod, self.world.sigterm_exit_code)
-            pod["status"].update(reason="Terminated", message="Pod was terminated in response to imminent node "
-                                                             "shutdown.")
+            pod["status"].update(
+                reason="Terminated", message="Pod was terminated in response to imminent node shutdown."
+            )
             self.world.save("Pod", pod)
             self.world.reconcile()
             return pod["metadata"]["name"]
@@ -370,7 +435,9 @@ class Cluster:
                 self.world.reconcile()
             raise AssertionError(f"{name} did not complete: {self._js(name).get('status')}")
 
-    def fail(self, name: str, reason: str | None = None, message: str | None = None, exit_code: int = 143) -> None:
+    def fail(
+        self, name: str, reason: str | None = None, message: str | None = None, exit_code: int = 143
+    ) -> None:
         """Containers exit with `exit_code`, one at a time, until the JobSet has failed (restarts may
         come first, as its failure policy says). `reason`/`message`: what upstream must have written."""
         with self.store.lock:
@@ -387,50 +454,92 @@ class Cluster:
             if not c or c["status"] != "True":
                 raise AssertionError(f"{name} did not fail")
             if reason is not None and c["reason"] != reason:
-                raise AssertionError(f"under upstream's rules {name} failed with {c['reason']}: {c['message']!r}, "
-                                     f"not {reason}")
+                raise AssertionError(
+                    f"under upstream's rules {name} failed with {c['reason']}: {c['message']!r}, not {reason}"
+                )
             if message is not None and c["message"] != message:
-                raise AssertionError(f"under upstream's rules {name} failed with {c['message']!r}, not {message!r}")
+                raise AssertionError(
+                    f"under upstream's rules {name} failed with {c['message']!r}, not {message!r}"
+                )
 
 
 class KubeServer(ApiServer):
     """`with KubeServer() as srv:` a Kubernetes API on 127.0.0.1 with a cluster behind it."""
 
-    def __init__(self, namespace: str = "default", port: int = 0, clock: Callable[[], float] = time.time,
-                 queues: tuple[str, ...] = DEFAULT_QUEUES):
+    def __init__(
+        self,
+        namespace: str = "default",
+        port: int = 0,
+        clock: Callable[[], float] = time.time,
+        queues: tuple[str, ...] = DEFAULT_QUEUES,
+    ):
         super().__init__(namespace, port, clock=clock)
         self.world = ScriptedWorld(self.store, namespace)
         self.api.hooks = self.world
         with self.store.lock:
             for q in queues:
-                self.world.ensure_queue(q, "cluster-queue", "tpu-flavor",
-                                        {"google.com/tpu": 0, "cpu": 0, "memory": 0})
+                self.world.ensure_queue(
+                    q, "cluster-queue", "tpu-flavor", {"google.com/tpu": 0, "cpu": 0, "memory": 0}
+                )
         self.cluster = Cluster(self.world, self)
 
 
-
-
-def tiny_jobset(name: str, run: str = "test-run", attempt: int = 1, namespace: str = "default",
-                queue: str | None = "user-queue", workers: int = 2, image: str = "python:3.12-slim",
-                script: str = "print('step 1/1 loss 1.0')", max_restarts: int = 0) -> dict:
+def tiny_jobset(
+    name: str,
+    run: str = "test-run",
+    attempt: int = 1,
+    namespace: str = "default",
+    queue: str | None = "user-queue",
+    workers: int = 2,
+    image: str = "python:3.12-slim",
+    script: str = "print('step 1/1 loss 1.0')",
+    max_restarts: int = 0,
+) -> dict:
     """A small JobSet shaped like olmo-ctl's (labels, one `slice` replicated job, a `trainer`
     container) that any cluster can run: `workers` CPU pods running `python -c script`."""
     labels = {"olmo-ctl/run": run, "olmo-ctl/attempt": str(attempt)}
     if queue:
         labels[QUEUE_LABEL] = queue
     return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
         "metadata": {"name": name, "namespace": namespace, "labels": labels},
         "spec": {
             "failurePolicy": {"maxRestarts": max_restarts},
-            "replicatedJobs": [{"name": "slice", "replicas": 1, "template": {"spec": {
-                "parallelism": workers, "completions": workers, "completionMode": "Indexed", "backoffLimit": 0,
-                "template": {"metadata": {"labels": {"olmo-ctl/run": run, "olmo-ctl/attempt": str(attempt)}},
-                             "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 5,
-                                      "containers": [{
-                                          "name": "trainer", "image": image, "command": ["python", "-c", script],
-                                          "terminationMessagePolicy": "FallbackToLogsOnError",
-                                          "resources": {"requests": {"cpu": "100m", "memory": "64Mi"},
-                                                        "limits": {"cpu": "500m", "memory": "256Mi"}}}]}}}}}],
+            "replicatedJobs": [
+                {
+                    "name": "slice",
+                    "replicas": 1,
+                    "template": {
+                        "spec": {
+                            "parallelism": workers,
+                            "completions": workers,
+                            "completionMode": "Indexed",
+                            "backoffLimit": 0,
+                            "template": {
+                                "metadata": {
+                                    "labels": {"olmo-ctl/run": run, "olmo-ctl/attempt": str(attempt)}
+                                },
+                                "spec": {
+                                    "restartPolicy": "Never",
+                                    "terminationGracePeriodSeconds": 5,
+                                    "containers": [
+                                        {
+                                            "name": "trainer",
+                                            "image": image,
+                                            "command": ["python", "-c", script],
+                                            "terminationMessagePolicy": "FallbackToLogsOnError",
+                                            "resources": {
+                                                "requests": {"cpu": "100m", "memory": "64Mi"},
+                                                "limits": {"cpu": "500m", "memory": "256Mi"},
+                                            },
+                                        }
+                                    ],
+                                },
+                            },
+                        }
+                    },
+                }
+            ],
         },
     }

@@ -39,19 +39,24 @@ def verb_of(method: str, name: str | None, query: dict) -> str:
         if name is None:
             return "watch" if query.get("watch") in ("true", "1") else "list"
         return "get"
-    return {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(method, "deletecollection" if name is None
-                                                                   else "delete")
+    return {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(
+        method, "deletecollection" if name is None else "delete"
+    )
 
 
-def forbidden_message(verb: str, group: str, plural: str, sub: str | None, ns: str | None, name: str | None) -> str:
+def forbidden_message(
+    verb: str, group: str, plural: str, sub: str | None, ns: str | None, name: str | None
+) -> str:
     """kube-apiserver's Forbidden message (endpoints/handlers/responsewriters.forbiddenMessage)."""
     resource = f"{plural}/{sub}" if sub else plural
-    what = f'{plural}.{group}' if group else plural
+    what = f"{plural}.{group}" if group else plural
     if name:
         what += f' "{name}"'
     where = f' in the namespace "{ns}"' if ns else " at the cluster scope"
-    return (f'{what} is forbidden: User "{USER}" cannot {verb} resource "{resource}" in API group "{group}"'
-            f"{where}")
+    return (
+        f'{what} is forbidden: User "{USER}" cannot {verb} resource "{resource}" in API group "{group}"'
+        f"{where}"
+    )
 
 
 def access_review(body: Any, allowed) -> dict:
@@ -59,15 +64,26 @@ def access_review(body: Any, allowed) -> dict:
     if not isinstance(body, dict) or not isinstance((body.get("spec") or {}).get("resourceAttributes"), dict):
         from olmo_ctl.testing.kube_api import ApiError
 
-        raise ApiError(422, "Invalid", 'SelfSubjectAccessReview.authorization.k8s.io "" is invalid: '
-                       "spec.resourceAttributes: Required value (this server answers resource attributes only)")
+        raise ApiError(
+            422,
+            "Invalid",
+            'SelfSubjectAccessReview.authorization.k8s.io "" is invalid: '
+            "spec.resourceAttributes: Required value (this server answers resource attributes only)",
+        )
     ra = body["spec"]["resourceAttributes"]
-    ok = allowed(ra.get("verb", ""), ra.get("group", ""), ra.get("resource", ""), ra.get("subresource") or None)
+    ok = allowed(
+        ra.get("verb", ""), ra.get("group", ""), ra.get("resource", ""), ra.get("subresource") or None
+    )
     status: dict[str, Any] = {"allowed": ok}
     if not ok:
         status["reason"] = "forbidden by the test server's policy"
-    return {"kind": "SelfSubjectAccessReview", "apiVersion": f"{AUTHZ_GROUP}/{AUTHZ_VERSION}",
-            "metadata": {"creationTimestamp": None}, "spec": body["spec"], "status": status}
+    return {
+        "kind": "SelfSubjectAccessReview",
+        "apiVersion": f"{AUTHZ_GROUP}/{AUTHZ_VERSION}",
+        "metadata": {"creationTimestamp": None},
+        "spec": body["spec"],
+        "status": status,
+    }
 
 
 def _pb_fields(buf: bytes):
@@ -90,7 +106,7 @@ def _pb_fields(buf: bytes):
         number, wire = key >> 3, key & 7
         if wire == 2:
             n = varint()
-            yield number, buf[i:i + n]
+            yield number, buf[i : i + n]
             i += n
         elif wire == 0:
             yield number, varint()
@@ -110,14 +126,28 @@ def decode_access_review(body: bytes) -> dict:
     attrs_pb = next((v for n, v in _pb_fields(spec) if n == 1), b"")
     names = {1: "namespace", 2: "verb", 3: "group", 4: "version", 5: "resource", 6: "subresource", 7: "name"}
     attrs = {names[n]: v.decode() for n, v in _pb_fields(attrs_pb) if n in names and isinstance(v, bytes)}
-    return {"apiVersion": f"{AUTHZ_GROUP}/{AUTHZ_VERSION}", "kind": "SelfSubjectAccessReview",
-            "spec": {"resourceAttributes": attrs}}
+    return {
+        "apiVersion": f"{AUTHZ_GROUP}/{AUTHZ_VERSION}",
+        "kind": "SelfSubjectAccessReview",
+        "spec": {"resourceAttributes": attrs},
+    }
 
 
 def authz_discovery() -> dict:
-    return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{AUTHZ_GROUP}/{AUTHZ_VERSION}",
-            "resources": [{"name": SSAR, "singularName": "selfsubjectaccessreview", "namespaced": False,
-                           "kind": "SelfSubjectAccessReview", "verbs": ["create"]}]}
+    return {
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": f"{AUTHZ_GROUP}/{AUTHZ_VERSION}",
+        "resources": [
+            {
+                "name": SSAR,
+                "singularName": "selfsubjectaccessreview",
+                "namespaced": False,
+                "kind": "SelfSubjectAccessReview",
+                "verbs": ["create"],
+            }
+        ],
+    }
 
 
 # ---------------------------------------------------------------- JSONPath (the subset printer columns use)
@@ -173,7 +203,9 @@ def age(ts: str | None, now: float | None = None) -> str:
     """kubectl's duration (apimachinery duration.HumanDuration, short form)."""
     if not ts:
         return "<unknown>"
-    s = int((now or time.time()) - datetime.strptime(ts, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp())
+    s = int(
+        (now or time.time()) - datetime.strptime(ts, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    )
     if s < 0:
         return "0s"
     if s < 120:
@@ -191,8 +223,13 @@ def age(ts: str | None, now: float | None = None) -> str:
 
 
 def _col(name: str, type_: str = "string", description: str = "", priority: int = 0, fmt: str = "") -> dict:
-    return {"name": name, "type": type_, "format": fmt or ("name" if name == "Name" else ""),
-            "description": description, "priority": priority}
+    return {
+        "name": name,
+        "type": type_,
+        "format": fmt or ("name" if name == "Name" else ""),
+        "description": description,
+        "priority": priority,
+    }
 
 
 def _pod_cells(o: dict, now: float) -> list:
@@ -202,59 +239,117 @@ def _pod_cells(o: dict, now: float) -> list:
     reason = st.get("reason") or st.get("phase") or "Unknown"
     for c in css:  # printPod: a waiting or terminated container's reason wins over the phase
         state = c.get("state") or {}
-        if state.get("waiting", {}).get("reason") and state["waiting"]["reason"] != "ContainerCreating" \
-                or (state.get("waiting") and reason == "Pending"):
+        if (
+            state.get("waiting", {}).get("reason")
+            and state["waiting"]["reason"] != "ContainerCreating"
+            or (state.get("waiting") and reason == "Pending")
+        ):
             reason = state["waiting"].get("reason") or reason
         elif state.get("terminated"):
             t = state["terminated"]
-            reason = t.get("reason") or (f"Signal:{t['signal']}" if t.get("signal") else
-                                         f"ExitCode:{t.get('exitCode')}")
+            reason = t.get("reason") or (
+                f"Signal:{t['signal']}" if t.get("signal") else f"ExitCode:{t.get('exitCode')}"
+            )
     if o["metadata"].get("deletionTimestamp") and reason not in ("Completed", "Error", "Succeeded", "Failed"):
         reason = "Terminating"
     restarts = sum(int(c.get("restartCount") or 0) for c in css)
     spec = o.get("spec") or {}
-    return [o["metadata"]["name"], f"{ready}/{len(spec.get('containers') or css)}", reason, restarts,
-            age(o["metadata"].get("creationTimestamp"), now), st.get("podIP") or "<none>",
-            spec.get("nodeName") or "<none>"]
+    return [
+        o["metadata"]["name"],
+        f"{ready}/{len(spec.get('containers') or css)}",
+        reason,
+        restarts,
+        age(o["metadata"].get("creationTimestamp"), now),
+        st.get("podIP") or "<none>",
+        spec.get("nodeName") or "<none>",
+    ]
 
 
 def _event_cells(o: dict, now: float) -> list:
     io = o.get("involvedObject") or {}
     last = o.get("lastTimestamp") or o.get("eventTime") or o["metadata"].get("creationTimestamp")
-    return [age(last, now), o.get("type", ""), o.get("reason", ""), f"{(io.get('kind') or '').lower()}/{io.get('name')}",
-            o.get("message", "").strip(), o["metadata"]["name"]]
+    return [
+        age(last, now),
+        o.get("type", ""),
+        o.get("reason", ""),
+        f"{(io.get('kind') or '').lower()}/{io.get('name')}",
+        o.get("message", "").strip(),
+        o["metadata"]["name"],
+    ]
 
 
 def _job_cells(o: dict, now: float) -> list:
     st, spec = o.get("status") or {}, o.get("spec") or {}
     conds = {c["type"]: c for c in st.get("conditions") or [] if c.get("status") == "True"}
-    status = next((t for t in ("Failed", "Complete", "Suspended", "FailureTarget") if t in conds), None) or \
-        ("Terminating" if o["metadata"].get("deletionTimestamp") else "Running")
-    return [o["metadata"]["name"], status, f"{st.get('succeeded', 0)}/{spec.get('completions', 1)}", "",
-            age(o["metadata"].get("creationTimestamp"), now)]
+    status = next((t for t in ("Failed", "Complete", "Suspended", "FailureTarget") if t in conds), None) or (
+        "Terminating" if o["metadata"].get("deletionTimestamp") else "Running"
+    )
+    return [
+        o["metadata"]["name"],
+        status,
+        f"{st.get('succeeded', 0)}/{spec.get('completions', 1)}",
+        "",
+        age(o["metadata"].get("creationTimestamp"), now),
+    ]
 
 
 def _node_cells(o: dict, now: float) -> list:
-    ready = next((c.get("status") for c in (o.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"),
-                 "Unknown")
-    return [o["metadata"]["name"], "Ready" if ready == "True" else "NotReady", "<none>",
-            age(o["metadata"].get("creationTimestamp"), now),
-            ((o.get("status") or {}).get("nodeInfo") or {}).get("kubeletVersion", "")]
+    ready = next(
+        (c.get("status") for c in (o.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"),
+        "Unknown",
+    )
+    return [
+        o["metadata"]["name"],
+        "Ready" if ready == "True" else "NotReady",
+        "<none>",
+        age(o["metadata"].get("creationTimestamp"), now),
+        ((o.get("status") or {}).get("nodeInfo") or {}).get("kubeletVersion", ""),
+    ]
 
 
 BUILTIN_COLUMNS: dict[str, tuple[list[dict], Any]] = {
-    "pods": ([_col("Name"), _col("Ready"), _col("Status"), _col("Restarts", "string"), _col("Age"),
-              _col("IP", priority=1), _col("Node", priority=1)], _pod_cells),
-    "events": ([_col("Last Seen"), _col("Type"), _col("Reason"), _col("Object"), _col("Message"),
-                _col("Name", priority=1)], _event_cells),
+    "pods": (
+        [
+            _col("Name"),
+            _col("Ready"),
+            _col("Status"),
+            _col("Restarts", "string"),
+            _col("Age"),
+            _col("IP", priority=1),
+            _col("Node", priority=1),
+        ],
+        _pod_cells,
+    ),
+    "events": (
+        [
+            _col("Last Seen"),
+            _col("Type"),
+            _col("Reason"),
+            _col("Object"),
+            _col("Message"),
+            _col("Name", priority=1),
+        ],
+        _event_cells,
+    ),
     "jobs": ([_col("Name"), _col("Status"), _col("Completions"), _col("Duration"), _col("Age")], _job_cells),
     "nodes": ([_col("Name"), _col("Status"), _col("Roles"), _col("Age"), _col("Version")], _node_cells),
-    "namespaces": ([_col("Name"), _col("Status"), _col("Age")],
-                   lambda o, now: [o["metadata"]["name"], (o.get("status") or {}).get("phase", "Active"),
-                                   age(o["metadata"].get("creationTimestamp"), now)]),
-    "priorityclasses": ([_col("Name"), _col("Value", "integer"), _col("Global-Default", "boolean"), _col("Age")],
-                        lambda o, now: [o["metadata"]["name"], o.get("value", 0), bool(o.get("globalDefault")),
-                                        age(o["metadata"].get("creationTimestamp"), now)]),
+    "namespaces": (
+        [_col("Name"), _col("Status"), _col("Age")],
+        lambda o, now: [
+            o["metadata"]["name"],
+            (o.get("status") or {}).get("phase", "Active"),
+            age(o["metadata"].get("creationTimestamp"), now),
+        ],
+    ),
+    "priorityclasses": (
+        [_col("Name"), _col("Value", "integer"), _col("Global-Default", "boolean"), _col("Age")],
+        lambda o, now: [
+            o["metadata"]["name"],
+            o.get("value", 0),
+            bool(o.get("globalDefault")),
+            age(o["metadata"].get("creationTimestamp"), now),
+        ],
+    ),
 }
 
 
@@ -263,7 +358,9 @@ def _cell(values: list[Any], type_: str) -> Any:
         return None
     v = values[0] if len(values) == 1 else ",".join(str(x) for x in values)
     if type_ == "string" and not isinstance(v, str):
-        return json.dumps(v) if isinstance(v, dict | list) else str(v).lower() if isinstance(v, bool) else str(v)
+        return (
+            json.dumps(v) if isinstance(v, dict | list) else str(v).lower() if isinstance(v, bool) else str(v)
+        )
     return v
 
 
@@ -274,8 +371,16 @@ def table(res: Resource, version: str, payload: dict, now: float | None = None) 
     if res.crd:
         cols = [c for c in printer_columns(res.crd, version)]
         defs = [_col("Name", description="Name must be unique within a namespace.")]
-        defs += [_col(c["name"], c.get("type", "string"), c.get("description", ""), int(c.get("priority", 0)),
-                      c.get("format", "")) for c in cols]
+        defs += [
+            _col(
+                c["name"],
+                c.get("type", "string"),
+                c.get("description", ""),
+                int(c.get("priority", 0)),
+                c.get("format", ""),
+            )
+            for c in cols
+        ]
 
         def cells(o: dict, now: float) -> list:
             out: list[Any] = [o["metadata"]["name"]]
@@ -286,6 +391,7 @@ def table(res: Resource, version: str, payload: dict, now: float | None = None) 
                 else:
                     out.append(_cell(vals, c.get("type", "string")))
             return out
+
         if not cols:
             defs.append(_col("Age", description="CreationTimestamp"))
 
@@ -298,11 +404,26 @@ def table(res: Resource, version: str, payload: dict, now: float | None = None) 
 
         def cells(o: dict, now: float) -> list:
             return [o["metadata"]["name"], age(o["metadata"].get("creationTimestamp"), now)]
-    rows = [{"cells": cells(o, now), "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
-                                                 "metadata": o["metadata"]}} for o in items]
+
+    rows = [
+        {
+            "cells": cells(o, now),
+            "object": {
+                "kind": "PartialObjectMetadata",
+                "apiVersion": "meta.k8s.io/v1",
+                "metadata": o["metadata"],
+            },
+        }
+        for o in items
+    ]
     meta = {"resourceVersion": (payload.get("metadata") or {}).get("resourceVersion", "")}
-    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": meta, "columnDefinitions": defs,
-            "rows": rows}
+    return {
+        "kind": "Table",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": meta,
+        "columnDefinitions": defs,
+        "rows": rows,
+    }
 
 
 def wants_table(accept: str) -> bool:
@@ -327,13 +448,15 @@ def openapi_v3(resources: dict, path: str) -> dict | None:
     for r in resources.values():
         for v in r.versions:
             by_gv.setdefault((r.group, v), []).append(r)
-    rest = path[len("/openapi/v3"):].strip("/")
+    rest = path[len("/openapi/v3") :].strip("/")
     if not rest:
         paths = {}
         for (g, v), rs in sorted(by_gv.items()):
             doc = json.dumps(_gv_doc(g, v, tuple(rs)), sort_keys=True).encode()
-            paths[_gv_path(g, v)] = {"serverRelativeURL": f"/openapi/v3/{_gv_path(g, v)}?hash="
-                                                          f"{hashlib.sha512(doc).hexdigest()[:64].upper()}"}
+            paths[_gv_path(g, v)] = {
+                "serverRelativeURL": f"/openapi/v3/{_gv_path(g, v)}?hash="
+                f"{hashlib.sha512(doc).hexdigest()[:64].upper()}"
+            }
         return {"paths": paths}
     for (g, v), rs in by_gv.items():
         if rest == _gv_path(g, v):
@@ -342,7 +465,13 @@ def openapi_v3(resources: dict, path: str) -> dict | None:
 
 
 def _param(name: str, where: str = "query", required: bool = False) -> dict:
-    return {"name": name, "in": where, "required": required, "schema": {"type": "string"}, "uniqueItems": True}
+    return {
+        "name": name,
+        "in": where,
+        "required": required,
+        "schema": {"type": "string"},
+        "uniqueItems": True,
+    }
 
 
 @functools.cache
@@ -357,25 +486,55 @@ def _gv_doc(group: str, version: str, rs: tuple) -> dict:
         ref = {"$ref": f"#/components/schemas/{name}"}
         body = {"content": {"application/json": {"schema": ref}}}
         ok = {"200": {"description": "OK", "content": {"application/json": {"schema": ref}}}}
-        base = f"/{_gv_path(group, version)}" + ("/namespaces/{namespace}" if r.namespaced else "") + f"/{r.plural}"
+        base = (
+            f"/{_gv_path(group, version)}"
+            + ("/namespaces/{namespace}" if r.namespaced else "")
+            + f"/{r.plural}"
+        )
         ns_param = [_param("namespace", "path", True)] if r.namespaced else []
         ext = {"x-kubernetes-group-version-kind": gvk}
         write_params = [_param("dryRun"), _param("fieldManager"), _param("fieldValidation")]
         paths[base] = {
             "get": {"operationId": f"list{r.kind}", "responses": ok, **ext, "x-kubernetes-action": "list"},
-            "post": {"operationId": f"create{r.kind}", "requestBody": body, "responses": ok, **ext,
-                     "x-kubernetes-action": "post", "parameters": write_params},
+            "post": {
+                "operationId": f"create{r.kind}",
+                "requestBody": body,
+                "responses": ok,
+                **ext,
+                "x-kubernetes-action": "post",
+                "parameters": write_params,
+            },
             "parameters": ns_param,
         }
         paths[base + "/{name}"] = {
             "get": {"operationId": f"read{r.kind}", "responses": ok, **ext, "x-kubernetes-action": "get"},
-            "put": {"operationId": f"replace{r.kind}", "requestBody": body, "responses": ok, **ext,
-                    "x-kubernetes-action": "put", "parameters": write_params},
-            "patch": {"operationId": f"patch{r.kind}", "requestBody": {"content": {
-                "application/merge-patch+json": {"schema": {"type": "object"}},
-                "application/json-patch+json": {"schema": {"type": "object"}}}},
-                "responses": ok, **ext, "x-kubernetes-action": "patch", "parameters": [*write_params, _param("force")]},
-            "delete": {"operationId": f"delete{r.kind}", "responses": ok, **ext, "x-kubernetes-action": "delete"},
+            "put": {
+                "operationId": f"replace{r.kind}",
+                "requestBody": body,
+                "responses": ok,
+                **ext,
+                "x-kubernetes-action": "put",
+                "parameters": write_params,
+            },
+            "patch": {
+                "operationId": f"patch{r.kind}",
+                "requestBody": {
+                    "content": {
+                        "application/merge-patch+json": {"schema": {"type": "object"}},
+                        "application/json-patch+json": {"schema": {"type": "object"}},
+                    }
+                },
+                "responses": ok,
+                **ext,
+                "x-kubernetes-action": "patch",
+                "parameters": [*write_params, _param("force")],
+            },
+            "delete": {
+                "operationId": f"delete{r.kind}",
+                "responses": ok,
+                **ext,
+                "x-kubernetes-action": "delete",
+            },
             "parameters": [_param("name", "path", True), *ns_param],
         }
         schema: dict[str, Any] = {"type": "object"}
@@ -386,5 +545,9 @@ def _gv_doc(group: str, version: str, rs: tuple) -> dict:
             schema["x-kubernetes-preserve-unknown-fields"] = True
         schema["x-kubernetes-group-version-kind"] = [gvk]
         schemas[name] = schema
-    return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.33.0"}, "paths": paths,
-            "components": {"schemas": schemas}}
+    return {
+        "openapi": "3.0.0",
+        "info": {"title": "Kubernetes", "version": "v1.33.0"},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }

@@ -75,7 +75,8 @@ def node_devices(node: dict | None) -> int | None:
     lab = labels(node)
     chips = ((node.get("status") or {}).get("allocatable") or {}).get(TPU)
     gen = GENERATIONS.get(lab.get(GENERATION_LABEL, "")) or next(
-        (g for g in GENERATIONS.values() if g.accelerator_label == lab.get(ACCELERATOR_LABEL)), None)
+        (g for g in GENERATIONS.values() if g.accelerator_label == lab.get(ACCELERATOR_LABEL)), None
+    )
     if chips is None:
         return None
     return int(float(chips)) * (gen.devices_per_chip if gen else 1)
@@ -83,15 +84,23 @@ def node_devices(node: dict | None) -> int | None:
 
 def _field_ref(pod: dict, path: str) -> str:
     md = pod["metadata"]
-    simple = {"metadata.name": md.get("name"), "metadata.namespace": md.get("namespace"),
-              "metadata.uid": md.get("uid"), "spec.nodeName": pod["spec"].get("nodeName"),
-              "spec.serviceAccountName": pod["spec"].get("serviceAccountName"),
-              "status.podIP": pod["status"].get("podIP"), "status.hostIP": pod["status"].get("hostIP")}
+    simple = {
+        "metadata.name": md.get("name"),
+        "metadata.namespace": md.get("namespace"),
+        "metadata.uid": md.get("uid"),
+        "spec.nodeName": pod["spec"].get("nodeName"),
+        "spec.serviceAccountName": pod["spec"].get("serviceAccountName"),
+        "status.podIP": pod["status"].get("podIP"),
+        "status.hostIP": pod["status"].get("hostIP"),
+    }
     if path in simple:
         return str(simple[path] or "")
-    for prefix, src in (("metadata.labels", md.get("labels")), ("metadata.annotations", md.get("annotations"))):
+    for prefix, src in (
+        ("metadata.labels", md.get("labels")),
+        ("metadata.annotations", md.get("annotations")),
+    ):
         if path.startswith(prefix + "['") and path.endswith("']"):
-            return str((src or {}).get(path[len(prefix) + 2:-2], ""))
+            return str((src or {}).get(path[len(prefix) + 2 : -2], ""))
     return ""
 
 
@@ -113,8 +122,13 @@ class ProcessRunner:
     """The sandbox's kubelet for real processes (the scripted `sandbox.PodRunner` keeps pods Running
     without a program). `attach` is called by `SandboxWorld`; `close` kills what is left."""
 
-    def __init__(self, log: Callable[[str], None] | None = None, poll_s: float = 0.2, cwd: str | None = None,
-                 base_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        log: Callable[[str], None] | None = None,
+        poll_s: float = 0.2,
+        cwd: str | None = None,
+        base_env: dict[str, str] | None = None,
+    ):
         self._say = log or (lambda line: None)
         self.lines: list[str] = []  # what it said: starts, signals, exits
         self.poll_s = poll_s
@@ -146,9 +160,16 @@ class ProcessRunner:
         try:
             cmd = self.command(container)
             env = self.environment(world, pod, container)
-            p = subprocess.Popen(cmd, env=env, cwd=container.get("workingDir") or self.cwd,
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 start_new_session=True, close_fds=True)
+            p = subprocess.Popen(
+                cmd,
+                env=env,
+                cwd=container.get("workingDir") or self.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
         except (OSError, ValueError) as e:
             msg = f"failed to start container {container.get('name')!r}: {e}"
             world.container_exit(pod, START_ERROR_EXIT, [msg], reason="StartError")
@@ -185,7 +206,9 @@ class ProcessRunner:
             code = proc.popen.poll()
             if code is None:
                 if pod is None or pod_terminal(pod):
-                    self._kill(proc, "the pod is gone" if pod is None else "the pod ended without it: a lost node")
+                    self._kill(
+                        proc, "the pod is gone" if pod is None else "the pod ended without it: a lost node"
+                    )
                 elif deleting(pod):
                     if proc.sigterm_at is None:
                         self.stop(world, pod)
@@ -225,8 +248,10 @@ class ProcessRunner:
 
     def coordinator(self, pod: dict) -> str:
         lab = labels(pod)
-        key = (lab.get("jobset.sigs.k8s.io/jobset-uid") or lab.get(JOBSET_NAME_LABEL) or pod["metadata"]["uid"],
-               lab.get(RESTARTS_LABEL, "0"))
+        key = (
+            lab.get("jobset.sigs.k8s.io/jobset-uid") or lab.get(JOBSET_NAME_LABEL) or pod["metadata"]["uid"],
+            lab.get(RESTARTS_LABEL, "0"),
+        )
         if key not in self.ports:
             self.ports[key] = free_port()
         return f"127.0.0.1:{self.ports[key]}"
@@ -247,7 +272,9 @@ class ProcessRunner:
         env["JAX_PLATFORMS"] = "cpu"
         devices = node_devices(world.get("Node", "", pod["spec"].get("nodeName") or ""))
         if devices:
-            other = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+            other = [
+                f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
+            ]
             env["XLA_FLAGS"] = " ".join(other + [f"--xla_force_host_platform_device_count={devices}"])
         env[COORDINATOR_ENV] = self.coordinator(pod)
         return env
@@ -269,8 +296,11 @@ class ProcessRunner:
         slices = int(lab.get("jobset.sigs.k8s.io/replicatedjob-replicas", "1") or 1)
         if slices > 1:
             js, rjob = lab.get(JOBSET_NAME_LABEL, ""), lab.get("jobset.sigs.k8s.io/replicatedjob-name", "")
-            multi = {"MEGASCALE_NUM_SLICES": str(slices), "MEGASCALE_SLICE_ID": lab.get(JOB_INDEX_LABEL, "0"),
-                     "MEGASCALE_COORDINATOR_ADDRESS": f"{js}-{rjob}-0-0" + (f".{sub}" if sub else "")}
+            multi = {
+                "MEGASCALE_NUM_SLICES": str(slices),
+                "MEGASCALE_SLICE_ID": lab.get(JOB_INDEX_LABEL, "0"),
+                "MEGASCALE_COORDINATOR_ADDRESS": f"{js}-{rjob}-0-0" + (f".{sub}" if sub else ""),
+            }
             env.update({k: v for k, v in multi.items() if k not in own})
         return env
 
@@ -287,7 +317,7 @@ class ProcessRunner:
                 lines = store.logs.setdefault(key, [])
                 lines.append(line)
                 if len(lines) > MAX_LOG_LINES:
-                    del lines[:len(lines) - MAX_LOG_LINES]
+                    del lines[: len(lines) - MAX_LOG_LINES]
         proc.popen.stdout.close()
 
     def _kill(self, proc: _Proc, why: str) -> None:
@@ -335,4 +365,3 @@ class ProcessRunner:
             if proc.reader is not None:
                 proc.reader.join(1.0)
         self.procs.clear()
-

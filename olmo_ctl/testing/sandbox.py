@@ -67,7 +67,9 @@ def parse_slices(items: list[str] | tuple[str, ...]) -> dict[str, int]:
         except ValueError:
             count = 0
         if count < 1:
-            raise BadInput(f"--slices {item}: the number of slices must be a positive integer", "e.g. tpu7x-128=2")
+            raise BadInput(
+                f"--slices {item}: the number of slices must be a positive integer", "e.g. tpu7x-128=2"
+            )
         out[dev.name] = out.get(dev.name, 0) + count
     return out
 
@@ -78,13 +80,21 @@ def parse_priority_classes(items: list[str] | tuple[str, ...]) -> dict[str, int]
     for item in items:
         name, eq, value = item.partition("=")
         name = name.strip()
-        if not name or name != name.lower() or any(c not in "abcdefghijklmnopqrstuvwxyz0123456789-." for c in name):
-            raise BadInput(f"--priority-class {item}: `{name}` is not a valid object name",
-                           "use lowercase letters, digits, '-' and '.', e.g. --priority-class high=750")
+        if (
+            not name
+            or name != name.lower()
+            or any(c not in "abcdefghijklmnopqrstuvwxyz0123456789-." for c in name)
+        ):
+            raise BadInput(
+                f"--priority-class {item}: `{name}` is not a valid object name",
+                "use lowercase letters, digits, '-' and '.', e.g. --priority-class high=750",
+            )
         try:
             out[name] = int(value) if eq else XPK_PRIORITIES.get(name, 0)
         except ValueError:
-            raise BadInput(f"--priority-class {item}: the value must be an integer", "e.g. high=750") from None
+            raise BadInput(
+                f"--priority-class {item}: the value must be an integer", "e.g. high=750"
+            ) from None
     return out
 
 
@@ -147,13 +157,21 @@ class SandboxWorld(ScriptedWorld):
           lose `kueue.x-k8s.io/resource-in-use` (workload.RemoveFinalizer)."""
         changed = False
         uids = {o["metadata"]["uid"] for kind in ("Job", "JobSet") for o in self.items(kind, None)}
-        for kind, fin, owner_kind in (("Pod", JOB_TRACKING_FINALIZER, "Job"),
-                                      ("Workload", RESOURCE_IN_USE_FINALIZER, "JobSet")):
+        for kind, fin, owner_kind in (
+            ("Pod", JOB_TRACKING_FINALIZER, "Job"),
+            ("Workload", RESOURCE_IN_USE_FINALIZER, "JobSet"),
+        ):
             for o in self.items(kind, None):
-                refs = [r for r in o["metadata"].get("ownerReferences") or [] if r.get("kind") == owner_kind
-                        and r.get("controller")]
-                if refs and fin in (o["metadata"].get("finalizers") or []) and \
-                        not any(r.get("uid") in uids for r in refs):
+                refs = [
+                    r
+                    for r in o["metadata"].get("ownerReferences") or []
+                    if r.get("kind") == owner_kind and r.get("controller")
+                ]
+                if (
+                    refs
+                    and fin in (o["metadata"].get("finalizers") or [])
+                    and not any(r.get("uid") in uids for r in refs)
+                ):
                     o["metadata"]["finalizers"] = [f for f in o["metadata"]["finalizers"] if f != fin]
                     self.save(kind, o)
                     changed = True
@@ -171,8 +189,10 @@ class SandboxWorld(ScriptedWorld):
 
     def _free(self) -> dict[str, float]:
         """Unrequested google.com/tpu per node."""
-        free = {n["metadata"]["name"]: quantity(((n.get("status") or {}).get("allocatable") or {}).get(TPU, 0))
-                for n in self.items("Node", None)}
+        free = {
+            n["metadata"]["name"]: quantity(((n.get("status") or {}).get("allocatable") or {}).get(TPU, 0))
+            for n in self.items("Node", None)
+        }
         for p in self.items("Pod", None):
             node = p["spec"].get("nodeName")
             if node in free and not pod_terminal(p):
@@ -183,8 +203,11 @@ class SandboxWorld(ScriptedWorld):
         """The default scheduler, for what a training pod asks: a node whose labels match the pod's
         nodeSelector with enough unrequested google.com/tpu. A pod that fits nowhere gets
         PodScheduled=False (Unschedulable) and a FailedScheduling event, once."""
-        pending = [p for p in self.items("Pod", None) if not p["spec"].get("nodeName") and not pod_terminal(p)
-                   and not deleting(p)]
+        pending = [
+            p
+            for p in self.items("Pod", None)
+            if not p["spec"].get("nodeName") and not pod_terminal(p) and not deleting(p)
+        ]
         if not pending:
             return False
         nodes = {n["metadata"]["name"]: n for n in self.items("Node", None)}
@@ -193,25 +216,39 @@ class SandboxWorld(ScriptedWorld):
         for pod in sorted(pending, key=lambda p: (p["metadata"]["creationTimestamp"], p["metadata"]["name"])):
             sel = pod["spec"].get("nodeSelector") or {}
             need = pod_requests({"spec": pod["spec"]}).get(TPU, 0.0)
-            fits = [name for name, n in sorted(nodes.items())
-                    if all((n["metadata"].get("labels") or {}).get(k) == v for k, v in sel.items())
-                    and free.get(name, 0.0) >= need - 1e-9]
+            fits = [
+                name
+                for name, n in sorted(nodes.items())
+                if all((n["metadata"].get("labels") or {}).get(k) == v for k, v in sel.items())
+                and free.get(name, 0.0) >= need - 1e-9
+            ]
             if fits:
                 free[fits[0]] -= need
                 self.runner.start(self, pod, fits[0])
                 changed = True
                 continue
-            cond = next((c for c in pod["status"].get("conditions") or [] if c["type"] == "PodScheduled"), None)
+            cond = next(
+                (c for c in pod["status"].get("conditions") or [] if c["type"] == "PodScheduled"), None
+            )
             if cond is None or cond.get("status") != "False":
                 total = len(nodes)
-                msg = (f"0/{total} nodes are available: {total} node(s) didn't match Pod's node affinity/selector "
-                       f"or had insufficient {TPU}. preemption: 0/{total} nodes are available: {total} Preemption "
-                       "is not helpful for scheduling.")
-                pod["status"]["conditions"] = [c for c in pod["status"].get("conditions") or []
-                                               if c["type"] != "PodScheduled"]
-                pod["status"]["conditions"].append({"type": "PodScheduled", "status": "False",
-                                                    "reason": "Unschedulable", "message": msg,
-                                                    "lastTransitionTime": self.now()})
+                msg = (
+                    f"0/{total} nodes are available: {total} node(s) didn't match Pod's node affinity/selector "
+                    f"or had insufficient {TPU}. preemption: 0/{total} nodes are available: {total} Preemption "
+                    "is not helpful for scheduling."
+                )
+                pod["status"]["conditions"] = [
+                    c for c in pod["status"].get("conditions") or [] if c["type"] != "PodScheduled"
+                ]
+                pod["status"]["conditions"].append(
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": msg,
+                        "lastTransitionTime": self.now(),
+                    }
+                )
                 self.save("Pod", pod)
                 self.event(pod, "FailedScheduling", msg, "Warning", source="default-scheduler")
                 changed = True
@@ -221,24 +258,51 @@ class SandboxWorld(ScriptedWorld):
         """A TPU node pool for one slice of `device`: `vms` nodes with its labels."""
         for i in range(device.vms):
             name = f"gke-{pool}-{i:04d}"
-            self.save("Node", {"metadata": {"name": name, "labels": {
-                **flavor_labels(device), NODEPOOL_LABEL: pool, "kubernetes.io/hostname": name,
-                "cloud.google.com/machine-family": device.generation, "node.kubernetes.io/instance-type":
-                    device.machine_type or ""}},
-                "spec": {"taints": [{"key": TPU, "value": "present", "effect": "NoSchedule"}]},
-                "status": {"capacity": {TPU: str(device.chips_per_vm)},
-                           "allocatable": {TPU: str(device.chips_per_vm)},
-                           "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                                           "lastTransitionTime": self.now()}],
-                           "nodeInfo": {"kubeletVersion": "v1.33.0-gke"}}}, new=True)
+            self.save(
+                "Node",
+                {
+                    "metadata": {
+                        "name": name,
+                        "labels": {
+                            **flavor_labels(device),
+                            NODEPOOL_LABEL: pool,
+                            "kubernetes.io/hostname": name,
+                            "cloud.google.com/machine-family": device.generation,
+                            "node.kubernetes.io/instance-type": device.machine_type or "",
+                        },
+                    },
+                    "spec": {"taints": [{"key": TPU, "value": "present", "effect": "NoSchedule"}]},
+                    "status": {
+                        "capacity": {TPU: str(device.chips_per_vm)},
+                        "allocatable": {TPU: str(device.chips_per_vm)},
+                        "conditions": [
+                            {
+                                "type": "Ready",
+                                "status": "True",
+                                "reason": "KubeletReady",
+                                "lastTransitionTime": self.now(),
+                            }
+                        ],
+                        "nodeInfo": {"kubeletVersion": "v1.33.0-gke"},
+                    },
+                },
+                new=True,
+            )
 
 
 class Sandbox:
     """The sandbox cluster. `with Sandbox(slices={"tpu7x-128": 2}) as sb:` serves it on 127.0.0.1;
     `sb.write_kubeconfig(path)` points a kubeconfig's current context at it."""
 
-    def __init__(self, namespace: str = "default", queue: str = LOCAL_QUEUE, slices: dict[str, int] | None = None,
-                 priority_classes: dict[str, int] | None = None, port: int = 0, runner: PodRunner | None = None):
+    def __init__(
+        self,
+        namespace: str = "default",
+        queue: str = LOCAL_QUEUE,
+        slices: dict[str, int] | None = None,
+        priority_classes: dict[str, int] | None = None,
+        port: int = 0,
+        runner: PodRunner | None = None,
+    ):
         self.server = KubeServer(namespace=namespace, port=port, queues=())
         world = SandboxWorld(self.server.store, namespace, runner=runner)
         world.callbacks = self.server.world.callbacks
@@ -258,26 +322,58 @@ class Sandbox:
         for name, n in self.slices.items():
             dev = get_device(name)
             fname = flavor_name(dev, n)
-            w.save("ResourceFlavor", {"metadata": {"name": fname}, "spec": {"nodeLabels": flavor_labels(dev)}},
-                   new=True)
+            w.save(
+                "ResourceFlavor",
+                {"metadata": {"name": fname}, "spec": {"nodeLabels": flavor_labels(dev)}},
+                new=True,
+            )
             flavors.append(fname)
             quota.append({"name": fname, "resources": [{"name": TPU, "nominalQuota": str(n * dev.chips)}]})
             for s in range(n):
                 w.add_node_pool(dev, f"{dev.name}-np-{s}")
-        groups = [{"coveredResources": [TPU], "flavors": quota}] if quota else [
-            {"coveredResources": [TPU], "flavors": []}]
-        w.save("ClusterQueue", {"metadata": {"name": CLUSTER_QUEUE}, "spec": {
-            "namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
-            "preemption": {"reclaimWithinCohort": "Never", "withinClusterQueue": "LowerPriority"},
-            "resourceGroups": groups}}, new=True)
-        w.save("LocalQueue", {"metadata": {"name": self.queue, "namespace": self.namespace},
-                              "spec": {"clusterQueue": CLUSTER_QUEUE}}, new=True)
+        groups = (
+            [{"coveredResources": [TPU], "flavors": quota}]
+            if quota
+            else [{"coveredResources": [TPU], "flavors": []}]
+        )
+        w.save(
+            "ClusterQueue",
+            {
+                "metadata": {"name": CLUSTER_QUEUE},
+                "spec": {
+                    "namespaceSelector": {},
+                    "queueingStrategy": "BestEffortFIFO",
+                    "preemption": {"reclaimWithinCohort": "Never", "withinClusterQueue": "LowerPriority"},
+                    "resourceGroups": groups,
+                },
+            },
+            new=True,
+        )
+        w.save(
+            "LocalQueue",
+            {
+                "metadata": {"name": self.queue, "namespace": self.namespace},
+                "spec": {"clusterQueue": CLUSTER_QUEUE},
+            },
+            new=True,
+        )
         for name, value in XPK_PRIORITIES.items():
-            w.save("PriorityClass", {"metadata": {"name": name}, "value": value, "globalDefault": False,
-                                     "description": name.replace("-", " ").capitalize()}, new=True)
+            w.save(
+                "PriorityClass",
+                {
+                    "metadata": {"name": name},
+                    "value": value,
+                    "globalDefault": False,
+                    "description": name.replace("-", " ").capitalize(),
+                },
+                new=True,
+            )
         for name, value in self.priority_classes.items():
-            w.save("WorkloadPriorityClass", {"metadata": {"name": name}, "value": value,
-                                             "description": f"{name} (olmo-ctl sandbox)"}, new=True)
+            w.save(
+                "WorkloadPriorityClass",
+                {"metadata": {"name": name}, "value": value, "description": f"{name} (olmo-ctl sandbox)"},
+                new=True,
+            )
 
     # -- lifecycle
     def start(self) -> Sandbox:
@@ -299,12 +395,20 @@ class Sandbox:
         return self.server.url
 
     def kubeconfig(self) -> dict:
-        return {"apiVersion": "v1", "kind": "Config", "preferences": {},
-                "clusters": [{"name": CONTEXT, "cluster": {"server": self.url}}],
-                "users": [{"name": CONTEXT, "user": {}}],
-                "contexts": [{"name": CONTEXT, "context": {"cluster": CONTEXT, "user": CONTEXT,
-                                                           "namespace": self.namespace}}],
-                "current-context": CONTEXT}
+        return {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "preferences": {},
+            "clusters": [{"name": CONTEXT, "cluster": {"server": self.url}}],
+            "users": [{"name": CONTEXT, "user": {}}],
+            "contexts": [
+                {
+                    "name": CONTEXT,
+                    "context": {"cluster": CONTEXT, "user": CONTEXT, "namespace": self.namespace},
+                }
+            ],
+            "current-context": CONTEXT,
+        }
 
     def write_kubeconfig(self, path: str | os.PathLike) -> Path:
         """Write the kubeconfig atomically (it appears complete or not at all)."""
@@ -325,7 +429,9 @@ def check_kubeconfig_path(path: Path) -> None:
     import yaml
 
     if path.is_dir():
-        raise BadInput(f"--kubeconfig `{path}` is a directory", "give a file name, e.g. /tmp/sandbox.kubeconfig")
+        raise BadInput(
+            f"--kubeconfig `{path}` is a directory", "give a file name, e.g. /tmp/sandbox.kubeconfig"
+        )
     if not path.parent.is_dir():
         raise BadInput(f"--kubeconfig: directory `{path.parent}` does not exist", "create it first")
     if path.exists():
@@ -333,11 +439,16 @@ def check_kubeconfig_path(path: Path) -> None:
             cfg = yaml.safe_load(path.read_text()) or {}
         except (OSError, yaml.YAMLError):
             cfg = None
-        names = {c.get("name") for c in (cfg or {}).get("contexts") or [] if isinstance(c, dict)} \
-            if isinstance(cfg, dict) else {None}
+        names = (
+            {c.get("name") for c in (cfg or {}).get("contexts") or [] if isinstance(c, dict)}
+            if isinstance(cfg, dict)
+            else {None}
+        )
         if names and names != {CONTEXT}:
-            raise BadInput(f"--kubeconfig `{path}` exists and is not a sandbox kubeconfig",
-                           "give a new file; the sandbox never overwrites a real kubeconfig")
+            raise BadInput(
+                f"--kubeconfig `{path}` exists and is not a sandbox kubeconfig",
+                "give a new file; the sandbox never overwrites a real kubeconfig",
+            )
 
 
 def start_subprocess(kubeconfig: Path, *args: str, env: dict | None = None, timeout_s: float = 60.0):
@@ -347,8 +458,13 @@ def start_subprocess(kubeconfig: Path, *args: str, env: dict | None = None, time
     import sys
     import time
 
-    p = subprocess.Popen([sys.executable, "-m", "olmo_ctl", "sandbox", "--kubeconfig", str(kubeconfig), *args],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "olmo_ctl", "sandbox", "--kubeconfig", str(kubeconfig), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + timeout_s
     while not Path(kubeconfig).exists():
         if p.poll() is not None:

@@ -16,18 +16,35 @@ import sys
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m olmo_ctl.trainer", description="OLMo 3 trainer (JAX).")
-    p.add_argument("--recipe", help="recipe file, name from recipes/, or gs:// URL (default: <run-dir>/run.yaml)")
+    p.add_argument(
+        "--recipe", help="recipe file, name from recipes/, or gs:// URL (default: <run-dir>/run.yaml)"
+    )
     p.add_argument("--run-dir", required=True, help="run directory (local path or gs://)")
     p.add_argument("--device", help="device type, e.g. v5p-256, tpu7x-128, cpu-4")
     p.add_argument("--slices", type=int, default=1, help="slices of --device (multislice, joined over DCN)")
     p.add_argument("--attempt", type=int, default=0, help="attempt number (names the event segments)")
-    p.add_argument("--stop-at-step", type=int, default=None, help="stop after step N with checkpoint N committed")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe value (repeatable)")
-    p.add_argument("--allow-data-change", action="store_true", help="resume although the data fingerprint changed")
-    p.add_argument("--init-from", help="initialise parameters from this converted checkpoint when the run has none")
-    p.add_argument("--allow-version-change", action="store_true",
-                   help="restore although the Orbax version differs from the run's (run.yaml `versions`)")
+    p.add_argument(
+        "--stop-at-step", type=int, default=None, help="stop after step N with checkpoint N committed"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe value (repeatable)",
+    )
+    p.add_argument(
+        "--allow-data-change", action="store_true", help="resume although the data fingerprint changed"
+    )
+    p.add_argument(
+        "--init-from", help="initialise parameters from this converted checkpoint when the run has none"
+    )
+    p.add_argument(
+        "--allow-version-change",
+        action="store_true",
+        help="restore although the Orbax version differs from the run's (run.yaml `versions`)",
+    )
     return p.parse_args(argv)
 
 
@@ -77,8 +94,13 @@ def _check_versions(ns: argparse.Namespace) -> None:
     rd = RunDir(ns.run_dir)
     if not rd.exists():
         return
-    line = rd.check_versions(installed(), attempt=ns.attempt, restoring=bool(rd.committed_steps()),
-                             allow_change=ns.allow_version_change, write=primary)
+    line = rd.check_versions(
+        installed(),
+        attempt=ns.attempt,
+        restoring=bool(rd.committed_steps()),
+        allow_change=ns.allow_version_change,
+        write=primary,
+    )
     if line:
         print(f"warning: {line}", flush=True)
 
@@ -103,9 +125,17 @@ def _main(ns: argparse.Namespace) -> int:
         _prepare_env(ns.device)
         from olmo_ctl.trainer.train import TrainArgs, load_run_recipe, main_run
 
-        args = TrainArgs(run_dir=ns.run_dir, recipe=ns.recipe, device=ns.device, slices=ns.slices, attempt=ns.attempt,
-                         stop_at_step=ns.stop_at_step, overrides=list(ns.overrides),
-                         allow_data_change=ns.allow_data_change, init_from=ns.init_from)
+        args = TrainArgs(
+            run_dir=ns.run_dir,
+            recipe=ns.recipe,
+            device=ns.device,
+            slices=ns.slices,
+            attempt=ns.attempt,
+            stop_at_step=ns.stop_at_step,
+            overrides=list(ns.overrides),
+            allow_data_change=ns.allow_data_change,
+            init_from=ns.init_from,
+        )
         recipe = load_run_recipe(args)
         if ns.device:
             from olmo_ctl.core.devices import get_device

@@ -60,7 +60,9 @@ SPLASH_BLOCKS = {
 }
 SPLASH_FUSED_BWD = True  # one backward kernel for dq, dk and dv (MaxText's default)
 
-_TARGET: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("attention_target", default=None)
+_TARGET: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
+    "attention_target", default=None
+)
 
 
 def generation_of(device_kind: str) -> str:
@@ -101,11 +103,14 @@ def cudnn_available() -> bool:
     try:
         x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
         jax.jit(partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")).lower(
-            x, x, x).compile()
+            x, x, x
+        ).compile()
         return True
     except Exception as e:  # noqa: BLE001 - missing cuDNN, too old a GPU, ...: fall back
-        log.warning("cuDNN fused attention is unavailable (%s); using the blocked kernel",
-                    str(e).splitlines()[0][:200])
+        log.warning(
+            "cuDNN fused attention is unavailable (%s); using the blocked kernel",
+            str(e).splitlines()[0][:200],
+        )
         return False
 
 
@@ -127,8 +132,9 @@ def resolve(impl: str, platform: str | None = None, cudnn: bool | None = None) -
     return impl
 
 
-def attend(q, k, v, *, window: int | None, impl: str = "reference", block: int = DEFAULT_BLOCK,
-           segment_ids=None):
+def attend(
+    q, k, v, *, window: int | None, impl: str = "reference", block: int = DEFAULT_BLOCK, segment_ids=None
+):
     """Causal (optionally sliding-window) attention; returns [B, T, H, D] in q's dtype.
 
     `segment_ids` [B, T] (optional): a query sees only keys of its own segment.
@@ -176,7 +182,9 @@ def reference_attention(q, k, v, *, window: int | None, segment_ids=None):
         mask = mask & _same_segment(segment_ids, segment_ids)
     s = jnp.where(mask, s, _NEG)
     p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(
+        q.dtype
+    )
 
 
 # ----------------------------------------------------------------------------- blocked (flash-style)
@@ -261,12 +269,17 @@ def _forward(q, k, v, seg, window, blk):
 
             return jax.lax.cond(j >= 0, visit, lambda c: c, carry)
 
-        init = (jnp.full((B, H, blk), _NEG, jnp.float32), jnp.zeros((B, H, blk), jnp.float32),
-                jnp.zeros((B, H, blk, D), jnp.float32))
+        init = (
+            jnp.full((B, H, blk), _NEG, jnp.float32),
+            jnp.zeros((B, H, blk), jnp.float32),
+            jnp.zeros((B, H, blk, D), jnp.float32),
+        )
         m, denom, acc = _loop(0, span, kv_step, init)
         o_i = (acc / denom[..., None]).astype(q.dtype)
-        return (jax.lax.dynamic_update_slice_in_dim(o_all, o_i, i * blk, axis=2),
-                jax.lax.dynamic_update_slice_in_dim(lse_all, m + jnp.log(denom), i * blk, axis=2))
+        return (
+            jax.lax.dynamic_update_slice_in_dim(o_all, o_i, i * blk, axis=2),
+            jax.lax.dynamic_update_slice_in_dim(lse_all, m + jnp.log(denom), i * blk, axis=2),
+        )
 
     out = (jnp.zeros((B, H, Tp, D), q.dtype), jnp.zeros((B, H, Tp), jnp.float32))
     return _loop(0, n, q_block, out)
@@ -305,8 +318,13 @@ def _flash_bwd(window, blk, res, do):
                 p = probs(qi, kj, i, j)
                 dp = jnp.einsum("bhqd,bhkd->bhqk", doi, vj, preferred_element_type=jnp.float32)
                 ds = p * (dp - di[..., None])
-                return dq + jnp.einsum("bhqk,bhkd->bhqd", ds.astype(k.dtype), kj,
-                                       preferred_element_type=jnp.float32) * scale
+                return (
+                    dq
+                    + jnp.einsum(
+                        "bhqk,bhkd->bhqd", ds.astype(k.dtype), kj, preferred_element_type=jnp.float32
+                    )
+                    * scale
+                )
 
             return jax.lax.cond(j >= 0, visit, lambda x: x, dq)
 
@@ -324,19 +342,28 @@ def _flash_bwd(window, blk, res, do):
                 dk, dv = c
                 qi, doi, di = _tile(q, i, blk), _tile(do, i, blk), _tile(delta, i, blk)
                 p = probs(qi, kj, i, j)
-                dv = dv + jnp.einsum("bhqk,bhqd->bhkd", p.astype(do.dtype), doi, preferred_element_type=jnp.float32)
+                dv = dv + jnp.einsum(
+                    "bhqk,bhqd->bhkd", p.astype(do.dtype), doi, preferred_element_type=jnp.float32
+                )
                 dp = jnp.einsum("bhqd,bhkd->bhqk", doi, vj, preferred_element_type=jnp.float32)
                 ds = p * (dp - di[..., None])
-                dk = dk + jnp.einsum("bhqk,bhqd->bhkd", ds.astype(q.dtype), qi,
-                                     preferred_element_type=jnp.float32) * scale
+                dk = (
+                    dk
+                    + jnp.einsum(
+                        "bhqk,bhqd->bhkd", ds.astype(q.dtype), qi, preferred_element_type=jnp.float32
+                    )
+                    * scale
+                )
                 return dk, dv
 
             return jax.lax.cond(i < n, visit, lambda x: x, c)
 
         zeros = jnp.zeros((B, H, blk, D), jnp.float32)
         dk, dv = _loop(0, span, step, (zeros, zeros))
-        return (jax.lax.dynamic_update_slice_in_dim(dk_all, dk.astype(k.dtype), j * blk, axis=2),
-                jax.lax.dynamic_update_slice_in_dim(dv_all, dv.astype(v.dtype), j * blk, axis=2))
+        return (
+            jax.lax.dynamic_update_slice_in_dim(dk_all, dk.astype(k.dtype), j * blk, axis=2),
+            jax.lax.dynamic_update_slice_in_dim(dv_all, dv.astype(v.dtype), j * blk, axis=2),
+        )
 
     dq = _loop(0, n, dq_block, jnp.zeros_like(q))
     dk, dv = _loop(0, n, dkv_block, (jnp.zeros_like(k), jnp.zeros_like(v)))
@@ -374,14 +401,22 @@ def splash_mask(seq_len: int, window: int | None):
     return sa.LocalMask((seq_len, seq_len), window_size=(window - 1, 0), offset=0)
 
 
-def _splash_kernel(seq_len: int, n_heads: int, window: int | None, blocks: tuple[int, int, int],
-                   interpret: bool):
+def _splash_kernel(
+    seq_len: int, n_heads: int, window: int | None, blocks: tuple[int, int, int], interpret: bool
+):
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     bq, bkv, bkvc = blocks
-    sizes = sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkvc, block_q_dkv=bq, block_kv_dkv=bkv,
-                          block_kv_dkv_compute=bkvc, use_fused_bwd_kernel=SPLASH_FUSED_BWD,
-                          **({} if SPLASH_FUSED_BWD else {"block_q_dq": bq, "block_kv_dq": bkv}))
+    sizes = sa.BlockSizes(
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=bkvc,
+        block_q_dkv=bq,
+        block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkvc,
+        use_fused_bwd_kernel=SPLASH_FUSED_BWD,
+        **({} if SPLASH_FUSED_BWD else {"block_q_dq": bq, "block_kv_dq": bkv}),
+    )
     mask = sa.MultiHeadMask([splash_mask(seq_len, window)] * n_heads)
     # Built inside each trace: the mask's block tables become constants of that program (a kernel
     # cached across traces would carry one trace's values into another).
@@ -411,8 +446,17 @@ def splash_scope(seq_len: int, window: int | None, blocks: tuple[int, int, int])
     return f"splash_T{seq_len}_W{window or 0}_Q{blocks[0]}_K{blocks[1]}"
 
 
-def splash_attention(q, k, v, *, window: int | None, segment_ids=None, generation: str | None = None,
-                     interpret: bool | None = None, blocks: tuple[int, int, int] | None = None):
+def splash_attention(
+    q,
+    k,
+    v,
+    *,
+    window: int | None,
+    segment_ids=None,
+    generation: str | None = None,
+    interpret: bool | None = None,
+    blocks: tuple[int, int, int] | None = None,
+):
     """Splash attention (see the module doc). Off TPU it runs in interpret mode unless told otherwise.
 
     `blocks` (block_q, block_kv, block_kv_compute) overrides the generation's `SPLASH_BLOCKS`.
@@ -446,7 +490,9 @@ def splash_attention(q, k, v, *, window: int | None, segment_ids=None, generatio
     kh, vh = heads_first(k), heads_first(v)
     args = [qh, kh, vh]
     if segment_ids is not None:
-        args.append(jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=_PAD_SEGMENT))
+        args.append(
+            jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=_PAD_SEGMENT)
+        )
 
     def run(qh, kh, vh, seg=None):
         if seg is None:
@@ -455,7 +501,9 @@ def splash_attention(q, k, v, *, window: int | None, segment_ids=None, generatio
 
     if shard:
         spec4 = jax.sharding.PartitionSpec(sharding.AXES, sharding.SEQ if seq > 1 else None, None, None)
-        specs = (spec4, spec4, spec4) + ((jax.sharding.PartitionSpec(sharding.AXES, None),) if len(args) == 4 else ())
+        specs = (spec4, spec4, spec4) + (
+            (jax.sharding.PartitionSpec(sharding.AXES, None),) if len(args) == 4 else ()
+        )
         run = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=spec4, check_vma=False)
     with jax.named_scope(splash_scope(Tp, window, blocks)):
         o = run(*args)
@@ -474,5 +522,12 @@ def cudnn_attention(q, k, v, *, window: int | None, segment_ids=None, implementa
     """
     mask = None if segment_ids is None else _same_segment(segment_ids, segment_ids)
     return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]),
-        local_window_size=None if window is None else (window - 1, 0), implementation=implementation)
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=True,
+        scale=1.0 / math.sqrt(q.shape[-1]),
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation=implementation,
+    )

@@ -29,8 +29,13 @@ def emulator_env_defaults() -> None:
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     if not emulator:
         return
-    for k, v in (("TENSORSTORE_GCS_HTTP_URL", emulator), ("FSSPEC_GCS_TOKEN", "anon"), ("NO_GCE_CHECK", "true"),
-                 ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false"), ("GOOGLE_AUTH_TOKEN_FOR_TESTING", "dummy")):
+    for k, v in (
+        ("TENSORSTORE_GCS_HTTP_URL", emulator),
+        ("FSSPEC_GCS_TOKEN", "anon"),
+        ("NO_GCE_CHECK", "true"),
+        ("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false"),
+        ("GOOGLE_AUTH_TOKEN_FOR_TESTING", "dummy"),
+    ):
         os.environ.setdefault(k, v)
 
 
@@ -61,7 +66,8 @@ class Checkpointer:
             read_only=read_only,
         )
         self._mngr = ocp.CheckpointManager(
-            self.directory, options=options,
+            self.directory,
+            options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
         )
         self.last_save_s = 0.0
@@ -98,7 +104,9 @@ class Checkpointer:
         ocp = _ocp()
         out = self._mngr.restore(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+            ),
         )
         return out["state"], dict(out["meta"] or {})
 
@@ -143,7 +151,9 @@ def open_step(path: str) -> tuple[Checkpointer, int]:
     parent, step = split_step_dir(path)
     ckpt = Checkpointer(parent, read_only=True, async_save=False)
     if step not in ckpt.committed_steps():
-        raise BadInput(f"`{path}` is not a committed checkpoint", f"committed steps: {ckpt.committed_steps()}")
+        raise BadInput(
+            f"`{path}` is not a committed checkpoint", f"committed steps: {ckpt.committed_steps()}"
+        )
     return ckpt, step
 
 
@@ -158,14 +168,18 @@ def load_init_params(path: str, abstract_params, p_shard):
     import numpy as np
 
     ocp = _ocp()
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, p_shard)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, p_shard
+    )
     name = path.rstrip("/").rpartition("/")[2]
     if name.isdigit():
         ck, step = open_step(path)
         tree, _ = ck.restore_host(step)
         params = tree["params"] if "params" in tree else tree
         _check_same_tree(params, abstract_params, path)
-        return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x).astype(s.dtype), s.sharding), params, target)
+        return jax.tree.map(
+            lambda x, s: jax.device_put(np.asarray(x).astype(s.dtype), s.sharding), params, target
+        )
     p = _path(path)
     meta = ocp.StandardCheckpointer().metadata(p)
     tree = getattr(meta, "item_metadata", meta)
@@ -197,9 +211,14 @@ def _check_same_tree(tree, abstract_params, path: str) -> None:
 
     from olmo_ctl.core.errors import BadInput
 
-    want = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(abstract_params)}
+    want = {
+        jax.tree_util.keystr(k): tuple(v.shape)
+        for k, v in jax.tree_util.tree_leaves_with_path(abstract_params)
+    }
     got = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
     if want != got:
         diff = sorted(set(want.items()) ^ set(got.items()))[:4]
-        raise BadInput(f"`{path}` does not hold parameters of this recipe's model (differences: {diff})",
-                       "convert the checkpoint for the same model configuration")
+        raise BadInput(
+            f"`{path}` does not hold parameters of this recipe's model (differences: {diff})",
+            "convert the checkpoint for the same model configuration",
+        )

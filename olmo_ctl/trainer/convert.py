@@ -46,8 +46,14 @@ META_FILE = "olmo_model.json"
 VOCAB_MULTIPLE = 128
 SHARD_BYTES = 5 * 1024**3
 
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
-              "I32": "int32"}
+_ST_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+}
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 # (HF name inside model.layers.{i}., our path under blocks, transpose)
@@ -90,7 +96,7 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
         if info["dtype"] not in _ST_DTYPES:
             raise BadInput(f"{path}: tensor `{name}` has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
-        buf = raw[base + start: base + end]
+        buf = raw[base + start : base + end]
         out[name] = np.frombuffer(buf, dtype=_np_dtype(_ST_DTYPES[info["dtype"]])).reshape(info["shape"])
     return out
 
@@ -100,8 +106,11 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata
     offset = 0
     for name, t in tensors.items():
         nbytes = t.size * t.dtype.itemsize
-        header[name] = {"dtype": _ST_NAMES[str(t.dtype)], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _ST_NAMES[str(t.dtype)],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned
@@ -130,7 +139,7 @@ def local_copy(path: str):
     prefix = path.rstrip("/") + "/"
     with tempfile.TemporaryDirectory(prefix="olmo-ctl-") as tmp:
         for f in files:
-            rel = f.path[len(prefix):]
+            rel = f.path[len(prefix) :]
             dst = Path(tmp, rel)
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(store.read_bytes(f.path))
@@ -155,7 +164,9 @@ def output_dir(path: str, overwrite: bool = False):
         return
     if os.path.exists(path) and os.listdir(path):
         if not overwrite:
-            raise BadInput(f"`{path}` already exists and is not empty", "choose a new path or pass --overwrite")
+            raise BadInput(
+                f"`{path}` already exists and is not empty", "choose a new path or pass --overwrite"
+            )
         shutil.rmtree(path)
     yield os.path.abspath(path)
 
@@ -168,10 +179,14 @@ def _full_every(layer_types: list[str]) -> int:
     layer to full attention); BadInput when the pattern is not of that form."""
     n = len(layer_types)
     for p in range(1, n + 2):
-        if all((t == "full_attention") == ((i + 1) % p == 0 or i == n - 1) for i, t in enumerate(layer_types)):
+        if all(
+            (t == "full_attention") == ((i + 1) % p == 0 or i == n - 1) for i, t in enumerate(layer_types)
+        ):
             return p
-    raise BadInput(f"layer_types {layer_types} is not a `full every P-th layer, and the last` pattern",
-                   "OLMo 3 uses 3 sliding : 1 full (full where (i+1) % 4 == 0, and on the last layer)")
+    raise BadInput(
+        f"layer_types {layer_types} is not a `full every P-th layer, and the last` pattern",
+        "OLMo 3 uses 3 sliding : 1 full (full where (i+1) % 4 == 0, and on the last layer)",
+    )
 
 
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}
@@ -182,15 +197,23 @@ def _yarn_from_hf(params: dict, full_layers_only: bool) -> RopeScalingConfig:
     orig = params.get("original_max_position_embeddings")
     if not orig:
         raise BadInput(f"YaRN RoPE settings {params} have no original_max_position_embeddings")
-    rs = RopeScalingConfig(factor=factor, beta_fast=float(params.get("beta_fast") or _YARN_DEFAULTS["beta_fast"]),
-                           beta_slow=float(params.get("beta_slow") or _YARN_DEFAULTS["beta_slow"]),
-                           original_context=int(orig), full_layers_only=full_layers_only)
+    rs = RopeScalingConfig(
+        factor=factor,
+        beta_fast=float(params.get("beta_fast") or _YARN_DEFAULTS["beta_fast"]),
+        beta_slow=float(params.get("beta_slow") or _YARN_DEFAULTS["beta_slow"]),
+        original_context=int(orig),
+        full_layers_only=full_layers_only,
+    )
     af = params.get("attention_factor")
     unsupported = {k for k in ("mscale", "mscale_all_dim") if params.get(k)} | (
-        {"truncate"} if params.get("truncate") is False else set())
+        {"truncate"} if params.get("truncate") is False else set()
+    )
     if unsupported or (af is not None and abs(float(af) - rs.attention_factor) > 1e-12):
-        raise BadInput(f"YaRN RoPE settings {params} are not OLMo-core's (attention factor 0.1 ln(factor) + 1,"
-                       " truncated correction range)", "OLMo 3 stage 3 uses factor 8, beta_fast 32, beta_slow 1")
+        raise BadInput(
+            f"YaRN RoPE settings {params} are not OLMo-core's (attention factor 0.1 ln(factor) + 1,"
+            " truncated correction range)",
+            "OLMo 3 stage 3 uses factor 8, beta_fast 32, beta_slow 1",
+        )
     return rs
 
 
@@ -211,14 +234,19 @@ def _rope_from_hf(hf: dict) -> tuple[float, RopeScalingConfig | None]:
     thetas = {v.get("rope_theta") for v in per_type.values()}
     kinds = {t: v.get("rope_type", "default") or "default" for t, v in per_type.items()}
     if len(thetas) != 1 or set(kinds.values()) - {"default", "yarn"}:
-        raise BadInput(f"RoPE settings {rp or hf.get('rope_scaling')} are not OLMo 3's (one theta; plain RoPE,"
-                       " or YaRN on the full-attention layers)",
-                       "stages 1-2 use default RoPE, theta 500000 on every layer; stage 3 adds YaRN on full layers")
+        raise BadInput(
+            f"RoPE settings {rp or hf.get('rope_scaling')} are not OLMo 3's (one theta; plain RoPE,"
+            " or YaRN on the full-attention layers)",
+            "stages 1-2 use default RoPE, theta 500000 on every layer; stage 3 adds YaRN on full layers",
+        )
     theta = float(thetas.pop() or 500000.0)
     full_yarn, sliding_yarn = kinds.get("full_attention") == "yarn", kinds.get("sliding_attention") == "yarn"
     if sliding_yarn and (not full_yarn or per_type["full_attention"] != per_type["sliding_attention"]):
-        raise BadInput("YaRN RoPE on the sliding layers only, or different YaRN settings per layer type, is not"
-                       " OLMo 3's", "OLMo 3 stage 3 uses YaRN on the full-attention layers only")
+        raise BadInput(
+            "YaRN RoPE on the sliding layers only, or different YaRN settings per layer type, is not"
+            " OLMo 3's",
+            "OLMo 3 stage 3 uses YaRN on the full-attention layers only",
+        )
     if not full_yarn:
         return theta, None
     return theta, _yarn_from_hf(per_type["full_attention"], full_layers_only=not sliding_yarn)
@@ -230,14 +258,25 @@ def _rope_parameters(cfg: ModelConfig) -> dict:
     rs = cfg.rope_scaling
     if rs is None:
         return {"full_attention": dict(plain), "sliding_attention": dict(plain)}
-    yarn = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": rs.factor,
-            "original_max_position_embeddings": rs.original_context, "beta_fast": rs.beta_fast,
-            "beta_slow": rs.beta_slow, "attention_factor": rs.attention_factor}
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": cfg.rope_theta,
+        "factor": rs.factor,
+        "original_max_position_embeddings": rs.original_context,
+        "beta_fast": rs.beta_fast,
+        "beta_slow": rs.beta_slow,
+        "attention_factor": rs.attention_factor,
+    }
     return {"full_attention": yarn, "sliding_attention": dict(yarn) if not rs.full_layers_only else plain}
 
 
-def model_config_from_hf(hf: dict, vocab_size: int | None = None, padded_vocab_size: int | None = None,
-                         param_dtype: str = "float32", name: str = "olmo3-hf") -> ModelConfig:
+def model_config_from_hf(
+    hf: dict,
+    vocab_size: int | None = None,
+    padded_vocab_size: int | None = None,
+    param_dtype: str = "float32",
+    name: str = "olmo3-hf",
+) -> ModelConfig:
     if hf.get("model_type") not in (None, "olmo3"):
         raise BadInput(f"config.json is a `{hf.get('model_type')}` model, not olmo3")
     if hf.get("attention_bias"):
@@ -247,7 +286,8 @@ def model_config_from_hf(hf: dict, vocab_size: int | None = None, padded_vocab_s
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     n_layers = hf["num_hidden_layers"]
     layer_types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)]
+        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)
+    ]
     every = _full_every(layer_types)
     theta, scaling = _rope_from_hf(hf)
     window = hf.get("sliding_window")
@@ -259,8 +299,10 @@ def model_config_from_hf(hf: dict, vocab_size: int | None = None, padded_vocab_s
     vocab = vocab_size or v_hf
     padded = padded_vocab_size or -(-max(vocab, v_hf) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     if vocab > v_hf or padded < max(vocab, v_hf):
-        raise BadInput(f"vocab sizes do not fit: HF has {v_hf} rows, vocab_size {vocab}, padded {padded}",
-                       "need vocab_size <= HF rows <= padded_vocab_size")
+        raise BadInput(
+            f"vocab sizes do not fit: HF has {v_hf} rows, vocab_size {vocab}, padded {padded}",
+            "need vocab_size <= HF rows <= padded_vocab_size",
+        )
 
     def token(key: str, default: int) -> int:
         t = hf.get(key)
@@ -268,13 +310,25 @@ def model_config_from_hf(hf: dict, vocab_size: int | None = None, padded_vocab_s
         return t if isinstance(t, int) and 0 <= t < vocab else default
 
     return ModelConfig(
-        name=name, n_layers=n_layers, d_model=d, n_heads=heads,
+        name=name,
+        n_layers=n_layers,
+        d_model=d,
+        n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or d // heads, mlp_hidden=hf["intermediate_size"],
-        vocab_size=vocab, padded_vocab_size=padded, sliding_window=int(window), full_attention_every=every,
-        rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        init_std=float(hf.get("initializer_range", 0.02)), param_dtype=param_dtype,
-        compute_dtype="float32", remat="none", eos_token_id=token("eos_token_id", min(vocab - 1, 100257)),
+        head_dim=hf.get("head_dim") or d // heads,
+        mlp_hidden=hf["intermediate_size"],
+        vocab_size=vocab,
+        padded_vocab_size=padded,
+        sliding_window=int(window),
+        full_attention_every=every,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        param_dtype=param_dtype,
+        compute_dtype="float32",
+        remat="none",
+        eos_token_id=token("eos_token_id", min(vocab - 1, 100257)),
         pad_token_id=token("pad_token_id", min(vocab - 1, 100277)),
     )
 
@@ -282,40 +336,47 @@ def model_config_from_hf(hf: dict, vocab_size: int | None = None, padded_vocab_s
 def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
     """config.json for `cfg`; fields of `base` (the original config.json) not derived from cfg are kept."""
     hf = dict(base or {})
-    hf.update({
-        "architectures": ["Olmo3ForCausalLM"],
-        "model_type": "olmo3",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.mlp_hidden,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "sliding_window": cfg.sliding_window,
-        "layer_types": ["full_attention" if cfg.layer_is_full(i) else "sliding_attention"
-                        for i in range(cfg.n_layers)],
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-    })
+    hf.update(
+        {
+            "architectures": ["Olmo3ForCausalLM"],
+            "model_type": "olmo3",
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.mlp_hidden,
+            "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads,
+            "hidden_act": "silu",
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "sliding_window": cfg.sliding_window,
+            "layer_types": [
+                "full_attention" if cfg.layer_is_full(i) else "sliding_attention" for i in range(cfg.n_layers)
+            ],
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+        }
+    )
     if cfg.head_dim != cfg.d_model // cfg.n_heads or "head_dim" in hf:
         hf["head_dim"] = cfg.head_dim
     if not base or _rope_from_hf(hf) != (cfg.rope_theta, cfg.rope_scaling):  # else keep base's RoPE fields
-        hf.update({
-            "rope_parameters": _rope_parameters(cfg),
-            "rope_theta": cfg.rope_theta,  # what transformers 4.57-4.x reads
-            "rope_scaling": None,
-        })
+        hf.update(
+            {
+                "rope_parameters": _rope_parameters(cfg),
+                "rope_theta": cfg.rope_theta,  # what transformers 4.57-4.x reads
+                "rope_scaling": None,
+            }
+        )
     if not base:
-        hf.update({
-            "max_position_embeddings": 65536,
-            "initializer_range": cfg.init_std,
-            "eos_token_id": cfg.eos_token_id,
-            "pad_token_id": cfg.pad_token_id,
-            "bos_token_id": None,
-            "dtype": dtype,
-        })
+        hf.update(
+            {
+                "max_position_embeddings": 65536,
+                "initializer_range": cfg.init_std,
+                "eos_token_id": cfg.eos_token_id,
+                "pad_token_id": cfg.pad_token_id,
+                "bos_token_id": None,
+                "dtype": dtype,
+            }
+        )
     return hf
 
 
@@ -396,7 +457,9 @@ def _check_shapes(params, cfg: ModelConfig) -> None:
     flat_g = dict(jax.tree_util.tree_flatten_with_path(got, is_leaf=lambda x: isinstance(x, tuple))[0])
     for path, shape in flat_w:
         if flat_g.get(path) != shape:
-            raise BadInput(f"tensor {jax.tree_util.keystr(path)} has shape {flat_g.get(path)}, the config says {shape}")
+            raise BadInput(
+                f"tensor {jax.tree_util.keystr(path)} has shape {flat_g.get(path)}, the config says {shape}"
+            )
 
 
 # ----------------------------------------------------------------------------- directories
@@ -454,7 +517,9 @@ def _hf_dtype(state: dict[str, np.ndarray]) -> str:
     return str(state["model.embed_tokens.weight"].dtype)
 
 
-def save_hf_dir(out: str, cfg: ModelConfig, hf_config: dict, state: dict[str, np.ndarray], dtype: str) -> None:
+def save_hf_dir(
+    out: str, cfg: ModelConfig, hf_config: dict, state: dict[str, np.ndarray], dtype: str
+) -> None:
     os.makedirs(out, exist_ok=True)
     Path(out, "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     shards: list[dict[str, np.ndarray]] = [{}]
@@ -475,11 +540,18 @@ def save_hf_dir(out: str, cfg: ModelConfig, hf_config: dict, state: dict[str, np
         weight_map.update(dict.fromkeys(shard, fn))
     total = sum(t.nbytes for t in state.values())
     Path(out, "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
 
 
-def save_orbax(out: str, params, cfg: ModelConfig, hf_config: dict | None = None, hf_dtype: str | None = None,
-               overwrite: bool = False) -> None:
+def save_orbax(
+    out: str,
+    params,
+    cfg: ModelConfig,
+    hf_config: dict | None = None,
+    hf_dtype: str | None = None,
+    overwrite: bool = False,
+) -> None:
     """Orbax writes local and gs:// paths itself (its own commit protocol); the metadata goes through Store."""
     import orbax.checkpoint as ocp
 
@@ -490,7 +562,9 @@ def save_orbax(out: str, params, cfg: ModelConfig, hf_config: dict | None = None
     else:
         out = os.path.abspath(out)
         if os.path.exists(out) and os.listdir(out) and not overwrite:
-            raise BadInput(f"`{out}` already exists and is not empty", "choose a new path or pass --overwrite")
+            raise BadInput(
+                f"`{out}` already exists and is not empty", "choose a new path or pass --overwrite"
+            )
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(out, {"params": params}, force=True)
     ckpt.wait_until_finished()
@@ -502,7 +576,9 @@ def read_meta(orbax_dir: str) -> dict:
     store = store_for(orbax_dir)
     path = join(orbax_dir, META_FILE)
     if not store.exists(path):
-        raise BadInput(f"`{orbax_dir}` has no {META_FILE}", "convert a model with `olmo-ctl convert hf-to-orbax`")
+        raise BadInput(
+            f"`{orbax_dir}` has no {META_FILE}", "convert a model with `olmo-ctl convert hf-to-orbax`"
+        )
     return read_json_object(path, "convert the model again with `olmo-ctl convert hf-to-orbax`")
 
 
@@ -510,8 +586,10 @@ def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None, recipe: str | 
     """(params as numpy on the host, ModelConfig, meta) from ORBAX_DIR (local or gs://): a directory
     written by `hf_to_orbax`, or a training checkpoint `<run-dir>/checkpoints/<N>` (its model comes
     from `recipe` or else `<run-dir>/run.yaml`)."""
-    if not store_for(orbax_dir).exists(join(orbax_dir, META_FILE)) and \
-            orbax_dir.rstrip("/").rpartition("/")[2].isdigit():
+    if (
+        not store_for(orbax_dir).exists(join(orbax_dir, META_FILE))
+        and orbax_dir.rstrip("/").rpartition("/")[2].isdigit()
+    ):
         return _load_run_checkpoint(orbax_dir, cfg_overrides, recipe)
     meta = read_meta(orbax_dir)
     import orbax.checkpoint as ocp  # after the cheap checks above
@@ -538,9 +616,13 @@ def _load_run_checkpoint(step_dir: str, cfg_overrides: dict | None = None, recip
         run_yaml = join(step_dir.rstrip("/").rsplit("/", 2)[0], "run.yaml")
         store = store_for(run_yaml)
         if not store.exists(run_yaml):
-            raise BadInput(f"`{step_dir}` has no {META_FILE} and `{run_yaml}` does not exist",
-                           "pass --recipe with the run's model, or a directory written by `convert hf-to-orbax`")
-        model = RunDir(step_dir.rstrip("/").rsplit("/", 2)[0]).recipe().model  # BadInput unless a run description
+            raise BadInput(
+                f"`{step_dir}` has no {META_FILE} and `{run_yaml}` does not exist",
+                "pass --recipe with the run's model, or a directory written by `convert hf-to-orbax`",
+            )
+        model = (
+            RunDir(step_dir.rstrip("/").rsplit("/", 2)[0]).recipe().model
+        )  # BadInput unless a run description
     cfg = dataclasses.replace(model, **(cfg_overrides or {}))
     open_step(step_dir)[0].close()  # BadInput unless it is a committed step
     params = _restore_state_params(join(step_dir, "state"))
@@ -561,20 +643,35 @@ def _restore_state_params(state_dir: str):
     if not isinstance(tree, dict) or "params" not in tree:
         raise BadInput(f"`{state_dir}` holds no `params`", "pass a checkpoint written by the trainer")
     cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    target = {k: (jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=cpu), v)
-                  if k == "params" else jax.tree.map(lambda _: ocp.PLACEHOLDER, v))
-              for k, v in tree.items()}
+    target = {
+        k: (
+            jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=cpu), v)
+            if k == "params"
+            else jax.tree.map(lambda _: ocp.PLACEHOLDER, v)
+        )
+        for k, v in tree.items()
+    }
     restored = ocp.PyTreeCheckpointer().restore(
-        path, args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+        path,
+        args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+        ),
+    )
     return _to_numpy(restored["params"])
 
 
 # ----------------------------------------------------------------------------- the two commands
 
 
-def hf_to_orbax(hf_dir: str, orbax_dir: str, *, vocab_size: int | None = None,
-                padded_vocab_size: int | None = None, param_dtype: str = "float32",
-                overwrite: bool = False) -> ModelConfig:
+def hf_to_orbax(
+    hf_dir: str,
+    orbax_dir: str,
+    *,
+    vocab_size: int | None = None,
+    padded_vocab_size: int | None = None,
+    param_dtype: str = "float32",
+    overwrite: bool = False,
+) -> ModelConfig:
     read_hf_config(hf_dir)  # a directory that is not a model fails here, before any download
     with local_copy(hf_dir) as src:
         hf, state = load_hf_dir(src)
@@ -586,8 +683,14 @@ def hf_to_orbax(hf_dir: str, orbax_dir: str, *, vocab_size: int | None = None,
     return cfg
 
 
-def orbax_to_hf(orbax_dir: str, hf_dir: str, *, dtype: str | None = None, overwrite: bool = False,
-                recipe: str | None = None) -> ModelConfig:
+def orbax_to_hf(
+    orbax_dir: str,
+    hf_dir: str,
+    *,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    recipe: str | None = None,
+) -> ModelConfig:
     params, cfg, meta = load_orbax(orbax_dir, recipe=recipe)
     dtype = dtype or meta.get("hf_dtype") or "float32"
     hf_config = hf_config_from_model(cfg, meta.get("hf_config"), dtype)

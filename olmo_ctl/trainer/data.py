@@ -84,8 +84,12 @@ def _longest_true_run(mask: np.ndarray) -> int:
     return int((np.flatnonzero(d == -1) - np.flatnonzero(d == 1)).max())
 
 
-def has_repetition(tokens: np.ndarray, min_period: int = NGRAM_MIN_PERIOD, max_period: int = NGRAM_MAX_PERIOD,
-                   min_repeats: int = NGRAM_MIN_REPEATS) -> bool:
+def has_repetition(
+    tokens: np.ndarray,
+    min_period: int = NGRAM_MIN_PERIOD,
+    max_period: int = NGRAM_MAX_PERIOD,
+    min_repeats: int = NGRAM_MIN_REPEATS,
+) -> bool:
     """Whether some `p`-token pattern (min_period <= p <= max_period) occurs `min_repeats` times back to back.
 
     A window of `p * min_repeats` tokens is p-periodic exactly when `x[i] == x[i+p]` holds on a run
@@ -106,8 +110,13 @@ def has_repetition(tokens: np.ndarray, min_period: int = NGRAM_MIN_PERIOD, max_p
 class TokenDataset:
     """Fixed-length instances over raw uint32 token files (local: memory-mapped; gs://: ranged reads)."""
 
-    def __init__(self, files: list[TokenFile | str], seq_len: int, ngram_filter: bool = False,
-                 vocab_size: int | None = None):
+    def __init__(
+        self,
+        files: list[TokenFile | str],
+        seq_len: int,
+        ngram_filter: bool = False,
+        vocab_size: int | None = None,
+    ):
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}")
         self.files = [f if isinstance(f, TokenFile) else _stat_file(f) for f in files]
@@ -156,8 +165,11 @@ class TokenDataset:
     def _instance(self, i: int) -> tuple[np.ndarray, np.ndarray, bool]:
         toks = self.tokens(i)
         if self.vocab_size is not None and len(toks) and int(toks.max()) >= self.vocab_size:
-            raise BadInput(f"instance {i} holds token id {int(toks.max())}, outside the model's vocab "
-                           f"({self.vocab_size})", "the data was made with another tokenizer than the recipe's model")
+            raise BadInput(
+                f"instance {i} holds token id {int(toks.max())}, outside the model's vocab "
+                f"({self.vocab_size})",
+                "the data was made with another tokenizer than the recipe's model",
+            )
         input_ids = toks.astype(np.int32)
         labels = np.empty_like(input_ids)
         labels[:-1] = input_ids[1:]
@@ -204,13 +216,25 @@ class BatchLoader:
     batch of an epoch the next epoch starts (the remainder of the shuffled order is not used).
     """
 
-    def __init__(self, dataset: TokenDataset, global_batch: int, seed: int, process_index: int = 0,
-                 process_count: int = 1, *, prefetch_workers: int = 0, prefetch_buffer: int = 2,
-                 fingerprint: str | None = None, order_dir: str | None = None):
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        global_batch: int,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+        *,
+        prefetch_workers: int = 0,
+        prefetch_buffer: int = 2,
+        fingerprint: str | None = None,
+        order_dir: str | None = None,
+    ):
         if process_count < 1 or not 0 <= process_index < process_count:
             raise ValueError(f"bad process {process_index} of {process_count}")
         if global_batch < 1 or global_batch % process_count:
-            raise BadInput(f"global batch {global_batch} is not a multiple of the {process_count} data-loading processes")
+            raise BadInput(
+                f"global batch {global_batch} is not a multiple of the {process_count} data-loading processes"
+            )
         self.dataset = dataset
         self.global_batch = int(global_batch)
         self.seed = int(seed)
@@ -219,8 +243,11 @@ class BatchLoader:
         self.local_batch = self.global_batch // self.process_count
         self.batches_per_epoch = len(dataset) // self.global_batch
         if self.batches_per_epoch == 0:
-            raise BadInput(f"the training data holds {len(dataset)} instances of {dataset.seq_len} tokens, "
-                           f"fewer than one global batch ({global_batch})", "add data or lower train.global_batch")
+            raise BadInput(
+                f"the training data holds {len(dataset)} instances of {dataset.seq_len} tokens, "
+                f"fewer than one global batch ({global_batch})",
+                "add data or lower train.global_batch",
+            )
         self.fingerprint = fingerprint or dataset.fingerprint(self.seed)
         self.prefetch_workers = int(prefetch_workers)
         self.prefetch_buffer = max(1, int(prefetch_buffer))
@@ -230,7 +257,11 @@ class BatchLoader:
         self._tokens = 0
         self.order_dir = order_dir
         self._orders: dict = {}
-        self._pool = ThreadPoolExecutor(self.prefetch_workers, thread_name_prefix="data") if self.prefetch_workers else None
+        self._pool = (
+            ThreadPoolExecutor(self.prefetch_workers, thread_name_prefix="data")
+            if self.prefetch_workers
+            else None
+        )
         self._pending: deque[tuple[tuple[int, int], Future]] = deque()
 
     # -- order and positions (main thread only)
@@ -242,8 +273,14 @@ class BatchLoader:
         if o is None:
             if self.order_dir:
                 # One host computes and stores it; the others wait for it and read their rows.
-                o = stored_order(self.order_dir, self.fingerprint, len(self.dataset), self.seed, epoch,
-                                 build=self.process_index == 0)
+                o = stored_order(
+                    self.order_dir,
+                    self.fingerprint,
+                    len(self.dataset),
+                    self.seed,
+                    epoch,
+                    build=self.process_index == 0,
+                )
             else:
                 o = epoch_order(len(self.dataset), self.seed, epoch, self.global_batch)
             self._orders = {e: v for e, v in self._orders.items() if e >= epoch - 1}
@@ -318,7 +355,10 @@ class BatchLoader:
         """Continue from `state` (from `state()`). Returns a message when a data change was allowed."""
         missing = [k for k in STATE_KEYS if k not in state]
         if missing:
-            raise BadInput(f"data loader state lacks {', '.join(missing)}", "the checkpoint was not written by this trainer")
+            raise BadInput(
+                f"data loader state lacks {', '.join(missing)}",
+                "the checkpoint was not written by this trainer",
+            )
         msg = check_fingerprint(state["fingerprint"], self.fingerprint, allow_data_change)
         epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])
         if epoch < 1 or batch < 0:
@@ -328,9 +368,11 @@ class BatchLoader:
             # Same order, same place in it: instance offset batch * saved_gb of this epoch.
             offset = batch * saved_gb
             if offset % self.global_batch and not allow_data_change:
-                raise BadInput(f"the global batch changed from {saved_gb} to {self.global_batch} at instance "
-                               f"{offset} of epoch {epoch}, which is not a whole number of new global batches",
-                               "keep train.global_batch, or pass --allow-data-change to skip to the next whole batch")
+                raise BadInput(
+                    f"the global batch changed from {saved_gb} to {self.global_batch} at instance "
+                    f"{offset} of epoch {epoch}, which is not a whole number of new global batches",
+                    "keep train.global_batch, or pass --allow-data-change to skip to the next whole batch",
+                )
             batch = -(-offset // self.global_batch)
         if batch >= self.batches_per_epoch:  # the epoch got shorter (other data or global batch)
             epoch, batch = epoch + 1, 0
@@ -360,15 +402,25 @@ class BatchLoader:
 # ---------------------------------------------------------------- recipe helpers
 
 
-def make_train_loader(recipe, process_index: int = 0, process_count: int = 1,
-                      order_dir: str | None = None) -> BatchLoader:
+def make_train_loader(
+    recipe, process_index: int = 0, process_count: int = 1, order_dir: str | None = None
+) -> BatchLoader:
     """The recipe's training loader: its files, seq_len, data seed, n-gram switch and prefetch settings;
     with `order_dir`, epoch orders are stored there and read back by later attempts and other hosts."""
     files = resolve_files(recipe, "train")
-    ds = make_train_dataset(recipe, files, cache_dir=f"{order_dir.rstrip('/')}/packing" if order_dir else None)
-    return BatchLoader(ds, recipe.train.global_batch, recipe.data.seed, process_index, process_count,
-                       prefetch_workers=recipe.data.prefetch_workers, prefetch_buffer=recipe.data.prefetch_buffer,
-                       order_dir=order_dir)
+    ds = make_train_dataset(
+        recipe, files, cache_dir=f"{order_dir.rstrip('/')}/packing" if order_dir else None
+    )
+    return BatchLoader(
+        ds,
+        recipe.train.global_batch,
+        recipe.data.seed,
+        process_index,
+        process_count,
+        prefetch_workers=recipe.data.prefetch_workers,
+        prefetch_buffer=recipe.data.prefetch_buffer,
+        order_dir=order_dir,
+    )
 
 
 def make_train_dataset(recipe, files, cache_dir: str | None = None):
@@ -377,31 +429,52 @@ def make_train_dataset(recipe, files, cache_dir: str | None = None):
     if recipe.data.packed:
         from olmo_ctl.trainer.packed import PackedDataset
 
-        return PackedDataset(files, recipe.train.seq_len, eos_token_id=recipe.model.eos_token_id,
-                             pad_token_id=recipe.model.pad_token_id, source_group_size=recipe.data.source_group_size,
-                             ngram_filter=recipe.data.ngram_filter, vocab_size=recipe.model.vocab_size,
-                             cache_dir=cache_dir, source_permutation_seed=recipe.data.source_permutation_seed)
-    return TokenDataset(files, recipe.train.seq_len, ngram_filter=recipe.data.ngram_filter,
-                        vocab_size=recipe.model.vocab_size)
+        return PackedDataset(
+            files,
+            recipe.train.seq_len,
+            eos_token_id=recipe.model.eos_token_id,
+            pad_token_id=recipe.model.pad_token_id,
+            source_group_size=recipe.data.source_group_size,
+            ngram_filter=recipe.data.ngram_filter,
+            vocab_size=recipe.model.vocab_size,
+            cache_dir=cache_dir,
+            source_permutation_seed=recipe.data.source_permutation_seed,
+        )
+    return TokenDataset(
+        files, recipe.train.seq_len, ngram_filter=recipe.data.ngram_filter, vocab_size=recipe.model.vocab_size
+    )
 
 
 def eval_indices(n_instances: int, n_batches: int, batch_size: int) -> np.ndarray:
     """`n_batches * batch_size` distinct held-out instances spread evenly over the files (no randomness)."""
     total = n_batches * batch_size
     if n_instances < total:
-        raise BadInput(f"the held-out data holds {n_instances} instances, fewer than eval.batches x batch size "
-                       f"({n_batches} x {batch_size})", "lower eval.batches or eval.batch_size, or add held-out data")
+        raise BadInput(
+            f"the held-out data holds {n_instances} instances, fewer than eval.batches x batch size "
+            f"({n_batches} x {batch_size})",
+            "lower eval.batches or eval.batch_size, or add held-out data",
+        )
     return np.arange(total, dtype=np.int64) * n_instances // total
 
 
-def eval_batches(recipe, n: int, batch_size: int = 0, process_index: int = 0, process_count: int = 1,
-                 dataset: TokenDataset | None = None) -> list[dict[str, np.ndarray]]:
+def eval_batches(
+    recipe,
+    n: int,
+    batch_size: int = 0,
+    process_index: int = 0,
+    process_count: int = 1,
+    dataset: TokenDataset | None = None,
+) -> list[dict[str, np.ndarray]]:
     """The same `n` held-out batches every time: this process's slice of each (batch_size 0 = global batch)."""
     bs = batch_size or recipe.train.global_batch
     if bs % process_count:
-        raise BadInput(f"eval batch size {bs} is not a multiple of the {process_count} data-loading processes")
-    ds = dataset or TokenDataset(resolve_files(recipe, "eval"), recipe.train.seq_len, vocab_size=recipe.model.vocab_size)
+        raise BadInput(
+            f"eval batch size {bs} is not a multiple of the {process_count} data-loading processes"
+        )
+    ds = dataset or TokenDataset(
+        resolve_files(recipe, "eval"), recipe.train.seq_len, vocab_size=recipe.model.vocab_size
+    )
     idx = eval_indices(len(ds), n, bs).reshape(n, bs)
     local = bs // process_count
     lo = process_index * local
-    return [ds.batch(row[lo:lo + local]) for row in idx]
+    return [ds.batch(row[lo : lo + local]) for row in idx]

@@ -26,9 +26,13 @@ def detect_device(name: str | None, slices: int = 1) -> Device:
             dev = get_device(f"{platform}-{jax.device_count()}")
     what = dev.name if slices == 1 else f"{slices} x {dev.name}"
     if dev.devices * slices != jax.device_count():
-        raise BadInput(f"--device {what} has {dev.devices * slices} devices but JAX sees {jax.device_count()}",
-                       f"run with the matching device (e.g. cpu-{jax.device_count()})")
+        raise BadInput(
+            f"--device {what} has {dev.devices * slices} devices but JAX sees {jax.device_count()}",
+            f"run with the matching device (e.g. cpu-{jax.device_count()})",
+        )
     if dev.processes * slices != jax.process_count():
-        raise BadInput(f"--device {what} runs {dev.processes * slices} processes but JAX joined {jax.process_count()}",
-                       "start every host of the slice with the same --device (and --slices)")
+        raise BadInput(
+            f"--device {what} runs {dev.processes * slices} processes but JAX joined {jax.process_count()}",
+            "start every host of the slice with the same --device (and --slices)",
+        )
     return dev

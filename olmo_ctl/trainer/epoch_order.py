@@ -76,7 +76,7 @@ def compute_into(buf: np.ndarray, seed: int, epoch: int) -> None:
 def _chunk_crcs(buf: np.ndarray) -> list[int]:
     mv = memoryview(buf).cast("B")
     step = CHUNK_ENTRIES * buf.dtype.itemsize
-    return [zlib.crc32(mv[s:s + step]) for s in range(0, len(mv), step)]
+    return [zlib.crc32(mv[s : s + step]) for s in range(0, len(mv), step)]
 
 
 class OrderFile:
@@ -105,8 +105,16 @@ class OrderFile:
             header = json.loads(text)
         except ValueError:
             raise _corrupt(directory, "its header is not JSON") from None
-        want = {"format": FORMAT, "fingerprint": fingerprint, "n": n, "seed": seed, "epoch": epoch,
-                "dtype": _dtype(n).str, "chunk_entries": CHUNK_ENTRIES, "part_entries": PART_ENTRIES}
+        want = {
+            "format": FORMAT,
+            "fingerprint": fingerprint,
+            "n": n,
+            "seed": seed,
+            "epoch": epoch,
+            "dtype": _dtype(n).str,
+            "chunk_entries": CHUNK_ENTRIES,
+            "part_entries": PART_ENTRIES,
+        }
         if not isinstance(header, dict):
             raise _corrupt(directory, "its header is not an object")
         bad = [k for k, v in want.items() if header.get(k) != v]
@@ -148,7 +156,7 @@ class OrderFile:
             c, off = divmod(i, CHUNK_ENTRIES)
             chunk = self._chunk(c)
             take = min(stop - i, len(chunk) - off)
-            out[i - start:i - start + take] = chunk[off:off + take]
+            out[i - start : i - start + take] = chunk[off : off + take]
             i += take
         return out
 
@@ -160,12 +168,15 @@ class OrderFile:
 
 
 def _corrupt(directory: str, why: str) -> BadInput:
-    return BadInput(f"the stored epoch order `{directory}` is unusable: {why}",
-                    "delete that directory; the next start computes it again")
+    return BadInput(
+        f"the stored epoch order `{directory}` is unusable: {why}",
+        "delete that directory; the next start computes it again",
+    )
 
 
-def build_order(directory: str, fingerprint: str, n: int, seed: int, epoch: int,
-                scratch_dir: str | None = None) -> None:
+def build_order(
+    directory: str, fingerprint: str, n: int, seed: int, epoch: int, scratch_dir: str | None = None
+) -> None:
     """Compute the order and store it under `directory` (no-op result if another writer won)."""
     dt = _dtype(n)
     nbytes = n * dt.itemsize
@@ -183,14 +194,24 @@ def build_order(directory: str, fingerprint: str, n: int, seed: int, epoch: int,
             part_bytes = PART_ENTRIES * dt.itemsize
             for k, s in enumerate(range(0, max(nbytes, 1), part_bytes)):
                 path = storage.join(directory, _part_name(k))
-                storage.store_for(path).write_bytes(path, bytes(raw[s:s + part_bytes]))
+                storage.store_for(path).write_bytes(path, bytes(raw[s : s + part_bytes]))
             del raw, buf
-        header = {"format": FORMAT, "fingerprint": fingerprint, "n": n, "seed": seed, "epoch": epoch,
-                  "dtype": dt.str, "chunk_entries": CHUNK_ENTRIES, "part_entries": PART_ENTRIES,
-                  "chunk_crc32": crcs}
+        header = {
+            "format": FORMAT,
+            "fingerprint": fingerprint,
+            "n": n,
+            "seed": seed,
+            "epoch": epoch,
+            "dtype": dt.str,
+            "chunk_entries": CHUNK_ENTRIES,
+            "part_entries": PART_ENTRIES,
+            "chunk_crc32": crcs,
+        }
         path = storage.join(directory, "header.json")
         try:
-            storage.store_for(path).write_text(path, json.dumps(header, separators=(",", ":")), if_generation_match=0)
+            storage.store_for(path).write_text(
+                path, json.dumps(header, separators=(",", ":")), if_generation_match=0
+            )
         except storage.PreconditionFailed:
             pass  # another writer finished first; its parts are the same bytes
     finally:
@@ -201,8 +222,16 @@ def build_order(directory: str, fingerprint: str, n: int, seed: int, epoch: int,
 WAIT_FOR_BUILDER_S = 3600.0  # how long a host waits for host 0 to store an epoch's order
 
 
-def stored_order(order_dir: str, fingerprint: str, n: int, seed: int, epoch: int, build: bool = True,
-                 wait_s: float = WAIT_FOR_BUILDER_S, poll_s: float = 1.0) -> OrderFile:
+def stored_order(
+    order_dir: str,
+    fingerprint: str,
+    n: int,
+    seed: int,
+    epoch: int,
+    build: bool = True,
+    wait_s: float = WAIT_FOR_BUILDER_S,
+    poll_s: float = 1.0,
+) -> OrderFile:
     """The epoch's stored order under `order_dir`, computed and stored first if it is not there yet.
 
     With `build=False` (every host of a slice but host 0) this process does not compute it: it waits
@@ -219,14 +248,19 @@ def stored_order(order_dir: str, fingerprint: str, n: int, seed: int, epoch: int
             if time.monotonic() >= end:
                 from olmo_ctl.core.errors import OlmoCtlError
 
-                raise OlmoCtlError(f"host 0 stored no epoch-{epoch} order in `{directory}` within {wait_s:.0f} s",
-                                   "the attempt can be retried", exit_code=3)
+                raise OlmoCtlError(
+                    f"host 0 stored no epoch-{epoch} order in `{directory}` within {wait_s:.0f} s",
+                    "the attempt can be retried",
+                    exit_code=3,
+                )
             time.sleep(poll_s)
             found = OrderFile.open(directory, fingerprint, n, seed, epoch)
     if found is None:
         build_order(directory, fingerprint, n, seed, epoch)
         found = OrderFile.open(directory, fingerprint, n, seed, epoch)
         if found is None:
-            raise BadInput(f"the epoch order written to `{directory}` cannot be read back",
-                           "check that the run directory is writable")
+            raise BadInput(
+                f"the epoch order written to `{directory}` cannot be read back",
+                "check that the run directory is writable",
+            )
     return found

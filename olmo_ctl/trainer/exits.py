@@ -45,8 +45,13 @@ def exit_code_of(run: Callable[[], int]) -> int:
             return denied.exit_code
 
         traceback.print_exc()
-        what = ("storage, network or a peer host unreachable" if is_transient(e)
-                else "an unexpected runtime error, not proven deterministic")
-        sys.stderr.write(f"error: {what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                         "exit 3: the attempt can be restarted\n")
+        what = (
+            "storage, network or a peer host unreachable"
+            if is_transient(e)
+            else "an unexpected runtime error, not proven deterministic"
+        )
+        sys.stderr.write(
+            f"error: {what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "exit 3: the attempt can be restarted\n"
+        )
         return EXIT_RESTART

@@ -39,7 +39,9 @@ from olmo_ctl.trainer.exits import TrainingFailed
 class Window:
     """One fetch of the device metrics of finished steps (a logging window)."""
 
-    steps: list[tuple[int, dict, float]]  # (step, its metrics on the host, its data loading seconds), in order
+    steps: list[
+        tuple[int, dict, float]
+    ]  # (step, its metrics on the host, its data loading seconds), in order
     step_time_s: float  # per step, over the window
     elapsed_s: float  # since this attempt's clock started
     wall: float  # unix time of the fetch
@@ -162,7 +164,9 @@ class EvalHook(Hook):
 
         from olmo_ctl.trainer.step import make_eval_step
 
-        return cls(jax.jit(make_eval_step(recipe)), _eval_batches(recipe, mesh, proc, n_proc), recipe.eval.interval)
+        return cls(
+            jax.jit(make_eval_step(recipe)), _eval_batches(recipe, mesh, proc, n_proc), recipe.eval.interval
+        )
 
     def post_step(self, loop) -> None:
         if not self.eval_sets or loop.step % self.interval:
@@ -196,8 +200,10 @@ class StopHook(Hook):
     def on_step_metrics(self, loop, w: Window, step: int, m: dict, load_s: float) -> None:
         ce, grad_norm = float(m["ce"]), float(m["grad_norm"])
         if not math.isfinite(ce) or not math.isfinite(grad_norm):
-            raise TrainingFailed(f"loss is not finite at step {step} (CE {ce}, grad norm {grad_norm})",
-                                 "lower the learning rate or check the data; restarting would fail again")
+            raise TrainingFailed(
+                f"loss is not finite at step {step} (CE {ce}, grad norm {grad_norm})",
+                "lower the learning rate or check the data; restarting would fail again",
+            )
 
 
 class CheckpointHook(Hook):
@@ -226,8 +232,14 @@ class CheckpointHook(Hook):
     @staticmethod
     def meta(loop) -> dict:
         r = loop.s.recipe
-        return {"data": loop.loader.state(), "data_fingerprint": loop.loader.fingerprint, "seed": r.train.seed,
-                "recipe": r.name, "recipe_fingerprint": r.fingerprint(), "step": loop.step}
+        return {
+            "data": loop.loader.state(),
+            "data_fingerprint": loop.loader.fingerprint,
+            "seed": r.train.seed,
+            "recipe": r.name,
+            "recipe_fingerprint": r.fingerprint(),
+            "step": loop.step,
+        }
 
     def post_train(self, loop, ok: bool) -> None:
         loop.ckpt.close()  # waits for an async save in flight
@@ -254,9 +266,11 @@ class StragglerHook(Hook):
             return
         values = {}
         for h, (st, dw, comp) in enumerate(rows):
-            values.update({f"hosts/{h}/step_time_s": st, f"hosts/{h}/data_wait_s": dw, f"hosts/{h}/compute_s": comp})
+            values.update(
+                {f"hosts/{h}/step_time_s": st, f"hosts/{h}/data_wait_s": dw, f"hosts/{h}/compute_s": comp}
+            )
             self.host_windows.setdefault(h, []).append({"data_wait_s": dw, "compute_s": comp})
-            del self.host_windows[h][:-stragglers.RECENT]
+            del self.host_windows[h][: -stragglers.RECENT]
         loop.events.scalars(w.steps[-1][0], values, w.wall)
         for slow in stragglers.slow_hosts(self.host_windows):
             if (slow.host, slow.part) not in self.named:
@@ -291,18 +305,28 @@ class MetricsHook(Hook):
         mfu = flops.mfu(flops.tflops_per_device(tps, self.fpt), self.device)
         mfu_avg = flops.mfu(flops.tflops_per_device(tps_avg, self.fpt), self.device)
         values = {
-            "train/CE loss": ce, "train/PPL": math.exp(min(ce, 80.0)), "train/Z loss": float(m["z"]),
-            "optim/total grad norm": grad_norm, "optim/LR (group 0)": lr,
-            "optim/LR (group 1)": lr, "optim/step skipped": float(m["skipped"]),
-            "optim/step_skipped": float(m["skipped"]), "throughput/total tokens": float(step * tokens_per_step),
-            "perf/total_tokens": float(step * tokens_per_step), "throughput/device/TPS": tps,
-            "throughput/device/TPS (actual avg)": tps_avg, "throughput/device/MFU": mfu,
-            "throughput/device/MFU (actual avg)": mfu_avg, "throughput/device/data loading (s)": load_s,
+            "train/CE loss": ce,
+            "train/PPL": math.exp(min(ce, 80.0)),
+            "train/Z loss": float(m["z"]),
+            "optim/total grad norm": grad_norm,
+            "optim/LR (group 0)": lr,
+            "optim/LR (group 1)": lr,
+            "optim/step skipped": float(m["skipped"]),
+            "optim/step_skipped": float(m["skipped"]),
+            "throughput/total tokens": float(step * tokens_per_step),
+            "perf/total_tokens": float(step * tokens_per_step),
+            "throughput/device/TPS": tps,
+            "throughput/device/TPS (actual avg)": tps_avg,
+            "throughput/device/MFU": mfu,
+            "throughput/device/MFU (actual avg)": mfu_avg,
+            "throughput/device/data loading (s)": load_s,
             "perf/step_time_s": w.step_time_s,
         }
         loop.events.scalars(step, values, w.wall)
-        print(step_line(step, self.recipe.train.max_steps, ce, grad_norm, lr, tps, mfu, bool(m["skipped"])),
-              flush=True)
+        print(
+            step_line(step, self.recipe.train.max_steps, ce, grad_norm, lr, tps, mfu, bool(m["skipped"])),
+            flush=True,
+        )
 
     def post_train(self, loop, ok: bool) -> None:
         loop.flush(gather=ok)
@@ -334,15 +358,23 @@ def upload_events(loop) -> None:
     try:
         loop.events.upload()
     except Exception as e:  # noqa: BLE001 - storage errors come in many types (requests, api_core, OSError)
-        print(f"warning: event upload to {loop.events.dir} failed ({e}); retrying at the next upload", flush=True)
+        print(
+            f"warning: event upload to {loop.events.dir} failed ({e}); retrying at the next upload",
+            flush=True,
+        )
 
 
 def default_hooks(s, signals: StopSignals) -> list[Hook]:
     """The trainer's hooks in the order they act (see the module docstring); `s` is the run's setup."""
     r = s.recipe
-    return [EvalHook.for_recipe(r, s.mesh, s.proc, s.n_proc), StragglerHook(), StopHook(signals, s.final_step),
-            CheckpointHook(r.checkpoint.interval), MetricsHook(r, s.plan, s.device, r.logging.metrics_every),
-            EventsHook(r.logging.upload_every_s)]
+    return [
+        EvalHook.for_recipe(r, s.mesh, s.proc, s.n_proc),
+        StragglerHook(),
+        StopHook(signals, s.final_step),
+        CheckpointHook(r.checkpoint.interval),
+        MetricsHook(r, s.plan, s.device, r.logging.metrics_every),
+        EventsHook(r.logging.upload_every_s),
+    ]
 
 
 # ---------------------------------------------------------------- evaluation
@@ -362,8 +394,14 @@ def _eval_batches(recipe, mesh, proc: int, n_proc: int) -> list[dict[str, Any]]:
     shard = sharding.batch_sharding(mesh)
     out = []
     for b in data_lib.eval_batches(recipe, recipe.eval.batches, bs, proc, n_proc):
-        out.append({k: jax.make_array_from_process_local_data(
-            shard, np.asarray(b[k], np.int32), (bs, recipe.train.seq_len)) for k in ("input_ids", "labels")})
+        out.append(
+            {
+                k: jax.make_array_from_process_local_data(
+                    shard, np.asarray(b[k], np.int32), (bs, recipe.train.seq_len)
+                )
+                for k in ("input_ids", "labels")
+            }
+        )
     return out
 
 

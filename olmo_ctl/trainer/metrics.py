@@ -25,11 +25,24 @@ from olmo_ctl.storage import join, store_for
 
 # The OLMo-core tag names plus the TPU case study's parity tags (docs/CONTRACTS.md).
 TAGS = (
-    "train/CE loss", "train/PPL", "train/Z loss", "optim/total grad norm", "optim/LR (group 0)",
-    "optim/LR (group 1)", "optim/step skipped", "optim/step_skipped", "throughput/total tokens",
-    "perf/total_tokens", "throughput/device/TPS", "throughput/device/TPS (actual avg)",
-    "throughput/device/MFU", "throughput/device/MFU (actual avg)", "throughput/device/data loading (s)",
-    "perf/step_time_s", "checkpoint/save_duration_s", "eval/lm_loss",
+    "train/CE loss",
+    "train/PPL",
+    "train/Z loss",
+    "optim/total grad norm",
+    "optim/LR (group 0)",
+    "optim/LR (group 1)",
+    "optim/step skipped",
+    "optim/step_skipped",
+    "throughput/total tokens",
+    "perf/total_tokens",
+    "throughput/device/TPS",
+    "throughput/device/TPS (actual avg)",
+    "throughput/device/MFU",
+    "throughput/device/MFU (actual avg)",
+    "throughput/device/data loading (s)",
+    "perf/step_time_s",
+    "checkpoint/save_duration_s",
+    "eval/lm_loss",
 )
 
 
@@ -46,7 +59,9 @@ def _event_bytes(events) -> bytes:
 class EventLog:
     """Buffers scalars and uploads them as a new immutable segment on `upload()`."""
 
-    def __init__(self, run_dir: str, attempt: int = 0, host: str | None = None, start_time: int | None = None):
+    def __init__(
+        self, run_dir: str, attempt: int = 0, host: str | None = None, start_time: int | None = None
+    ):
         self.dir = join(run_dir, "tensorboard")
         self.attempt = attempt
         self.host = host or socket.gethostname().split(".")[0]
@@ -69,7 +84,9 @@ class EventLog:
         its last checkpoint, which this attempt replays)."""
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-        self._pending.append(Event(wall_time=time.time(), step=int(step), session_log=SessionLog(status=SessionLog.START)))
+        self._pending.append(
+            Event(wall_time=time.time(), step=int(step), session_log=SessionLog(status=SessionLog.START))
+        )
 
     def due(self, every_s: float) -> bool:
         return bool(self._pending) and time.monotonic() - self._last_upload >= every_s
@@ -88,4 +105,3 @@ class EventLog:
         self._pending = []
         self._last_upload = time.monotonic()
         return path
-

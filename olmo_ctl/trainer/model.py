@@ -54,8 +54,14 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return {
         "embed": (V, d),
         "blocks": {
-            "attn": {"wq": (L, d, q), "wk": (L, d, kv), "wv": (L, d, kv), "wo": (L, q, d),
-                     "q_norm": (L, q), "k_norm": (L, kv)},
+            "attn": {
+                "wq": (L, d, q),
+                "wk": (L, d, kv),
+                "wv": (L, d, kv),
+                "wo": (L, q, d),
+                "q_norm": (L, q),
+                "k_norm": (L, kv),
+            },
             "attn_norm": (L, d),
             "mlp_norm": (L, d),
             "mlp": {"w1": (L, d, h), "w3": (L, d, h), "w2": (L, h, d)},
@@ -116,7 +122,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None):
         return inv_freq, 1.0
 
     def dim_for(rotations: float) -> float:
-        return head_dim * math.log(scaling.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return (
+            head_dim * math.log(scaling.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        )
 
     half = head_dim // 2
     low = max(math.floor(dim_for(scaling.beta_fast)), 0)
@@ -178,8 +186,11 @@ def mlp_block(p, x):
 
 def block(p, x, cos, sin, cfg: ModelConfig, window: int | None, attention: str, segment_ids=None):
     """One reordered-norm OLMo 3 block; p holds one layer's weights (no layer axis)."""
-    h = x + rms_norm(attention_block(p["attn"], x, cos, sin, cfg, window, attention, segment_ids), p["attn_norm"],
-                     cfg.rms_norm_eps)
+    h = x + rms_norm(
+        attention_block(p["attn"], x, cos, sin, cfg, window, attention, segment_ids),
+        p["attn_norm"],
+        cfg.rms_norm_eps,
+    )
     h = _constrain_batch(h)
     out = h + rms_norm(mlp_block(p["mlp"], h), p["mlp_norm"], cfg.rms_norm_eps)
     return _constrain_batch(out)
@@ -269,8 +280,10 @@ def forward(params, tokens, cfg: ModelConfig, *, attention: str | None = None, s
     blocks = params["blocks"]
 
     # A group is P consecutive layers: P-1 sliding then one full (positions fixed by (i+1) % P == 0).
-    layer_fns = [_remat(partial(_layer, cfg=cfg, window=layer_window(cfg, j), attention=impl), cfg.remat)
-                 for j in range(P)]
+    layer_fns = [
+        _remat(partial(_layer, cfg=cfg, window=layer_window(cfg, j), attention=impl), cfg.remat)
+        for j in range(P)
+    ]
 
     def group_step(h, group_params):
         for j in range(P):
@@ -285,7 +298,7 @@ def forward(params, tokens, cfg: ModelConfig, *, attention: str | None = None, s
         # always full attention (OLMo-core's force_full_attention_on_last_layer).
         first = n_groups * P
         if n_tail > 1:
-            tail = jax.tree.map(lambda w: w[first: L - 1], blocks)
+            tail = jax.tree.map(lambda w: w[first : L - 1], blocks)
             x, _ = jax.lax.scan(lambda h, p: (layer_fns[0](p, h, *rope(first), segment_ids), None), x, tail)
         x = layer_fns[P - 1](jax.tree.map(lambda w: w[L - 1], blocks), x, *rope(L - 1), segment_ids)
 

@@ -61,20 +61,29 @@ def join(device, runtime) -> bool:
         return False
     import jax
 
-    kwargs = {"initialization_timeout": int(runtime.init_timeout_s),
-              "heartbeat_timeout_seconds": int(runtime.peer_timeout_s)}
+    kwargs = {
+        "initialization_timeout": int(runtime.init_timeout_s),
+        "heartbeat_timeout_seconds": int(runtime.peer_timeout_s),
+    }
     if device.platform == "cpu":
         missing = [k for k in (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV) if not os.environ.get(k)]
         if missing:
-            raise JoinFailed(f"--device {device.name} runs {device.processes} processes but {', '.join(missing)} "
-                             "is not set", "start it through `olmo-ctl submit --backend local`, which sets them")
+            raise JoinFailed(
+                f"--device {device.name} runs {device.processes} processes but {', '.join(missing)} "
+                "is not set",
+                "start it through `olmo-ctl submit --backend local`, which sets them",
+            )
         n = int(os.environ[NUM_PROCESSES_ENV])
         if n != device.processes:
-            raise JoinFailed(f"--device {device.name} has {device.processes} processes but "
-                             f"{NUM_PROCESSES_ENV}={n}")
+            raise JoinFailed(
+                f"--device {device.name} has {device.processes} processes but {NUM_PROCESSES_ENV}={n}"
+            )
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        kwargs.update(coordinator_address=os.environ[COORDINATOR_ENV], num_processes=n,
-                      process_id=int(os.environ[PROCESS_ID_ENV]))
+        kwargs.update(
+            coordinator_address=os.environ[COORDINATOR_ENV],
+            num_processes=n,
+            process_id=int(os.environ[PROCESS_ID_ENV]),
+        )
     elif device.is_tpu and emulated_slice():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs.update(_emulated_slice_params(device))
@@ -83,16 +92,21 @@ def join(device, runtime) -> bool:
     try:
         jax.distributed.initialize(**kwargs)
     except Exception as e:  # noqa: BLE001 - the runtime raises many types; all mean "could not join"
-        raise JoinFailed(f"could not join the {device.processes} hosts of {device.name} "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
-                         "a peer or the coordinator did not answer; the attempt will be restarted") from None
+        raise JoinFailed(
+            f"could not join the {device.processes} hosts of {device.name} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+            "a peer or the coordinator did not answer; the attempt will be restarted",
+        ) from None
     finally:
         _state["joining"] = None
     if jax.process_count() != device.processes:
         raise JoinFailed(f"joined {jax.process_count()} processes, but {device.name} has {device.processes}")
     _state["joined"] = True
-    print(f"joined {jax.process_count()} hosts as process {jax.process_index()} "
-          f"({jax.local_device_count()} local devices, {jax.device_count()} in all)", flush=True)
+    print(
+        f"joined {jax.process_count()} hosts as process {jax.process_index()} "
+        f"({jax.local_device_count()} local devices, {jax.device_count()} in all)",
+        flush=True,
+    )
     return True
 
 
@@ -107,20 +121,34 @@ def _emulated_slice_params(device) -> dict:
     coordinator the sandbox serves for the JobSet (OLMO_CTL_COORDINATOR_ADDRESS). On a real TPU,
     JAX detects all of it by itself and this is never used."""
     hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
-    missing = [k for k, ok in (("TPU_WORKER_ID", os.environ.get("TPU_WORKER_ID", "").isdigit()),
-                               ("TPU_WORKER_HOSTNAMES", bool(hosts)),
-                               (COORDINATOR_ENV, bool(os.environ.get(COORDINATOR_ENV)))) if not ok]
+    missing = [
+        k
+        for k, ok in (
+            ("TPU_WORKER_ID", os.environ.get("TPU_WORKER_ID", "").isdigit()),
+            ("TPU_WORKER_HOSTNAMES", bool(hosts)),
+            (COORDINATOR_ENV, bool(os.environ.get(COORDINATOR_ENV))),
+        )
+        if not ok
+    ]
     if missing:
-        raise JoinFailed(f"--device {device.name} on the CPU platform is an emulated slice, but "
-                         f"{', '.join(missing)} is not set", "run it as a pod of `olmo-ctl sandbox`, which sets them")
+        raise JoinFailed(
+            f"--device {device.name} on the CPU platform is an emulated slice, but "
+            f"{', '.join(missing)} is not set",
+            "run it as a pod of `olmo-ctl sandbox`, which sets them",
+        )
     slices = int(os.environ.get("MEGASCALE_NUM_SLICES", "1") or 1)
     slice_id = int(os.environ.get("MEGASCALE_SLICE_ID", "0") or 0)
     n = len(hosts) * slices
     if n != device.processes:
-        raise JoinFailed(f"--device {device.name} has {device.processes} hosts but TPU_WORKER_HOSTNAMES names "
-                         f"{len(hosts)}" + (f" in each of {slices} slices" if slices > 1 else ""))
-    return {"coordinator_address": os.environ[COORDINATOR_ENV], "num_processes": n,
-            "process_id": slice_id * len(hosts) + int(os.environ["TPU_WORKER_ID"])}
+        raise JoinFailed(
+            f"--device {device.name} has {device.processes} hosts but TPU_WORKER_HOSTNAMES names "
+            f"{len(hosts)}" + (f" in each of {slices} slices" if slices > 1 else "")
+        )
+    return {
+        "coordinator_address": os.environ[COORDINATOR_ENV],
+        "num_processes": n,
+        "process_id": slice_id * len(hosts) + int(os.environ["TPU_WORKER_ID"]),
+    }
 
 
 # ---------------------------------------------------------------- a lost peer: SIGABRT -> exit 3
@@ -132,9 +160,11 @@ _keep: list = []  # the C callback must outlive this module's functions
 def _on_abort(signum: int) -> None:
     fd = _state["out_fd"] if _state["out_fd"] is not None else 2
     prefix = os.environ.get(LOG_PREFIX_ENV, "").encode()
-    why = (f"{_state['joining']} (the distributed runtime gave up: a peer or the coordinator did not answer)"
-           if _state.get("joining") else
-           "the distributed runtime aborted (a peer host was lost or the coordination service failed)")
+    why = (
+        f"{_state['joining']} (the distributed runtime gave up: a peer or the coordinator did not answer)"
+        if _state.get("joining")
+        else "the distributed runtime aborted (a peer host was lost or the coordination service failed)"
+    )
     try:
         os.write(fd, prefix + f"error: {why}; exiting 3 so that the attempt is restarted\n".encode())
     finally:
@@ -226,7 +256,9 @@ def drain_output(timeout: float = 5.0) -> None:
         pass
     for fd in (1, 2):
         try:
-            os.dup2(_state["out_fd"], fd)  # later writes go straight to the log; the pipe's last writer closes
+            os.dup2(
+                _state["out_fd"], fd
+            )  # later writes go straight to the log; the pipe's last writer closes
         except OSError:
             pass
     t.join(timeout)

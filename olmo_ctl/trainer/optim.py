@@ -110,7 +110,9 @@ def check_fp32_state(params, adam: AdamState, param_dtype: str = "float32") -> N
     if bad:
         raise OptimizerDtypeError(
             "optimizer state has the wrong dtype (Adam moments must be fp32; a demoted moment silently"
-            " degrades training): " + "; ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            " degrades training): "
+            + "; ".join(bad[:5])
+            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         )
 
 

@@ -67,7 +67,7 @@ CACHED_GROUPS = 16
 
 def chunked(items: list, n: int) -> list[list]:
     """Consecutive groups of `n` (the last may be shorter), as OLMo-core's `chunked` (utils.py:730)."""
-    return [list(items[i:i + n]) for i in range(0, len(items), n)]
+    return [list(items[i : i + n]) for i in range(0, len(items), n)]
 
 
 def document_spans(tokens: np.ndarray, eos_token_id: int, seq_len: int) -> np.ndarray:
@@ -144,7 +144,9 @@ class InstancePacker:
         return self.instance_bins, spans
 
 
-def pack_group(token_arrays: list[np.ndarray], seq_len: int, eos_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pack_group(
+    token_arrays: list[np.ndarray], seq_len: int, eos_token_id: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Pack the files of one source group as one concatenated file.
 
     Returns (spans [n_docs, 2] int64 of document (start, end) in the group's concatenated token
@@ -177,12 +179,24 @@ def segment_ids(input_ids: np.ndarray, eos_token_id: int) -> np.ndarray:
 class PackedDataset:
     """OLMo-core's packed FSL dataset over raw uint32 token files (already in source order)."""
 
-    def __init__(self, files: list[TokenFile], seq_len: int, *, eos_token_id: int, pad_token_id: int,
-                 source_group_size: int = 1, ngram_filter: bool = False, vocab_size: int | None = None,
-                 cache_dir: str | None = None, source_permutation_seed: int | None = None):
+    def __init__(
+        self,
+        files: list[TokenFile],
+        seq_len: int,
+        *,
+        eos_token_id: int,
+        pad_token_id: int,
+        source_group_size: int = 1,
+        ngram_filter: bool = False,
+        vocab_size: int | None = None,
+        cache_dir: str | None = None,
+        source_permutation_seed: int | None = None,
+    ):
         if seq_len < 2 or seq_len & (seq_len - 1):
-            raise BadInput(f"a packed dataset needs train.seq_len to be a power of two, got {seq_len}",
-                           "OLMo-core's packer (a segment tree over the lengths) requires it")
+            raise BadInput(
+                f"a packed dataset needs train.seq_len to be a power of two, got {seq_len}",
+                "OLMo-core's packer (a segment tree over the lengths) requires it",
+            )
         if source_group_size < 1:
             raise BadInput(f"data.source_group_size must be >= 1, got {source_group_size}")
         self.files = list(files)
@@ -204,8 +218,10 @@ class PackedDataset:
         return int(self._ends[-1]) if len(self._ends) else 0
 
     def __repr__(self) -> str:
-        return (f"PackedDataset({len(self.files)} files in {len(self.groups)} groups, seq_len={self.seq_len}, "
-                f"instances={len(self)})")
+        return (
+            f"PackedDataset({len(self.files)} files in {len(self.groups)} groups, seq_len={self.seq_len}, "
+            f"instances={len(self)})"
+        )
 
     @property
     def tokens_per_epoch(self) -> int:
@@ -231,8 +247,14 @@ class PackedDataset:
     def _cache_path(self, g: int) -> str | None:
         if not self.cache_dir:
             return None
-        key = json.dumps({"format": PACKING_FORMAT, "seq_len": self.seq_len, "eos": self.eos,
-                          "files": [(self.files[i].name, int(self.files[i].size)) for i in self.groups[g]]})
+        key = json.dumps(
+            {
+                "format": PACKING_FORMAT,
+                "seq_len": self.seq_len,
+                "eos": self.eos,
+                "files": [(self.files[i].name, int(self.files[i].size)) for i in self.groups[g]],
+            }
+        )
         return storage.join(self.cache_dir, hashlib.sha256(key.encode()).hexdigest()[:24] + ".npy")
 
     def _group(self, g: int) -> tuple[np.ndarray, np.ndarray]:
@@ -248,13 +270,15 @@ class PackedDataset:
             if store.exists(path):
                 flat = np.load(io.BytesIO(store.read_bytes(path)))
                 n_spans = int(flat[0])
-                packed = (flat[1:1 + 2 * n_spans].reshape(-1, 2), flat[1 + 2 * n_spans:])
+                packed = (flat[1 : 1 + 2 * n_spans].reshape(-1, 2), flat[1 + 2 * n_spans :])
         if packed is None:
             arrays = [self._file_tokens(fi) for fi in self.groups[g]]
             packed = pack_group(arrays, self.seq_len, self.eos)
             if path is not None:
                 buf = io.BytesIO()
-                np.save(buf, np.concatenate([[len(packed[0])], packed[0].reshape(-1), packed[1]]).astype(np.int64))
+                np.save(
+                    buf, np.concatenate([[len(packed[0])], packed[0].reshape(-1), packed[1]]).astype(np.int64)
+                )
                 storage.store_for(path).write_bytes(path, buf.getvalue())
         with self._lock:
             self._packed[g] = packed
@@ -279,7 +303,7 @@ class PackedDataset:
         sizes = np.asarray([self.files[fi].tokens for fi in files], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(sizes)])
         out = []
-        for s, e in spans[offsets[k]:offsets[k + 1]]:
+        for s, e in spans[offsets[k] : offsets[k + 1]]:
             j = int(np.searchsorted(starts, s, side="right")) - 1  # the file the document starts in
             out.append(self._read(files[j], int(s - starts[j]), int(e - starts[j])))
         return out
@@ -289,7 +313,7 @@ class PackedDataset:
         docs = self.documents(i)
         toks = np.concatenate(docs) if docs else np.zeros(0, TOKEN_DTYPE)
         out = np.full(self.seq_len, self.pad, dtype=np.int64)
-        out[:len(toks)] = toks
+        out[: len(toks)] = toks
         return out, len(toks)
 
     def _instance(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
@@ -297,12 +321,15 @@ class PackedDataset:
 
         toks, n_real = self.tokens(i)
         if self.vocab_size is not None and n_real and int(toks[:n_real].max()) >= self.vocab_size:
-            raise BadInput(f"instance {i} holds token id {int(toks[:n_real].max())}, outside the model's vocab "
-                           f"({self.vocab_size})", "the data was made with another tokenizer than the recipe's model")
+            raise BadInput(
+                f"instance {i} holds token id {int(toks[:n_real].max())}, outside the model's vocab "
+                f"({self.vocab_size})",
+                "the data was made with another tokenizer than the recipe's model",
+            )
         input_ids = toks.astype(np.int32)
         labels = np.full_like(input_ids, IGNORE_INDEX)
         if n_real > 1:
-            labels[:n_real - 1] = input_ids[1:n_real]  # -100 where the target is padding, and at the end
+            labels[: n_real - 1] = input_ids[1:n_real]  # -100 where the target is padding, and at the end
         kept = not (self.ngram_filter and has_repetition(input_ids))
         if not kept:
             labels[:] = IGNORE_INDEX

@@ -72,8 +72,17 @@ def our_logits(params, cfg, tokens: np.ndarray, dtype: str = "fp32", attention: 
     return np.asarray(fn(params, jax.numpy.asarray(tokens, jax.numpy.int32)))
 
 
-def run_parity(hf_dir: str, orbax_dir: str, *, seq_len: int = 256, batch: int = 2, dtype: str = "fp32",
-               seed: int = 0, attention: str = "auto", recipe: str | None = None) -> dict:
+def run_parity(
+    hf_dir: str,
+    orbax_dir: str,
+    *,
+    seq_len: int = 256,
+    batch: int = 2,
+    dtype: str = "fp32",
+    seed: int = 0,
+    attention: str = "auto",
+    recipe: str | None = None,
+) -> dict:
     from olmo_ctl.trainer.convert import load_orbax, read_hf_config
 
     if dtype not in DTYPES:
@@ -86,8 +95,10 @@ def run_parity(hf_dir: str, orbax_dir: str, *, seq_len: int = 256, batch: int = 
     tokens = rng.integers(0, cfg.vocab_size, size=(batch, seq_len), dtype=np.int64)
     ref = hf_logits(hf_dir, tokens, dtype)
     if ref.shape[:2] != tokens.shape or ref.shape[-1] < cfg.vocab_size:
-        raise BadInput(f"the HF model returned logits {ref.shape}; expected [{batch}, {seq_len}, >= {cfg.vocab_size}]",
-                       "HF_DIR and ORBAX_DIR must be the same architecture")
+        raise BadInput(
+            f"the HF model returned logits {ref.shape}; expected [{batch}, {seq_len}, >= {cfg.vocab_size}]",
+            "HF_DIR and ORBAX_DIR must be the same architecture",
+        )
     if attention == "auto" and seq_len > LONG_SEQ:
         attention = "blocked"  # the reference path would hold a [T, T] fp32 score matrix per head
     ours = our_logits(params, cfg, tokens, dtype, attention)

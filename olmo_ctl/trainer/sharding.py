@@ -35,8 +35,14 @@ SEQ = "seq"  # the sequence axis, present only when sequences are sharded
 _active: Mesh | None = None
 
 
-def make_mesh(devices=None, kind: str = "fsdp", data_parallel: int = 1, activate: bool = True,
-              slices: int = 1, seq_shards: int = 1) -> Mesh:
+def make_mesh(
+    devices=None,
+    kind: str = "fsdp",
+    data_parallel: int = 1,
+    activate: bool = True,
+    slices: int = 1,
+    seq_shards: int = 1,
+) -> Mesh:
     """The ("data", "fsdp") mesh, or ("data", "fsdp", "seq") with `seq_shards` > 1 (consecutive
     devices share an instance). With `activate` the model traced afterwards pins its activations to
     batch sharding on this mesh (see `activation_mesh`); without that XLA may keep weights sharded and
@@ -61,7 +67,9 @@ def make_mesh(devices=None, kind: str = "fsdp", data_parallel: int = 1, activate
     if seq_shards > 1:
         rows, cols = arr.shape
         if cols % seq_shards:
-            raise ValueError(f"seq_shards={seq_shards} does not divide the {cols} devices of each data replica")
+            raise ValueError(
+                f"seq_shards={seq_shards} does not divide the {cols} devices of each data replica"
+            )
         mesh = Mesh(arr.reshape(rows, cols // seq_shards, seq_shards), AXES + (SEQ,))
     else:
         mesh = Mesh(arr, AXES)
@@ -86,7 +94,7 @@ def _slice_groups(devices: list, slices: int) -> list[list]:
             raise ValueError(f"slices of unequal size: {[len(g) for g in groups]} devices")
         return groups
     per = n // slices
-    return [devices[i * per:(i + 1) * per] for i in range(slices)]
+    return [devices[i * per : (i + 1) * per] for i in range(slices)]
 
 
 def multislice_devices(devices: list, kind: str, data_parallel: int, slices: int) -> np.ndarray:
@@ -102,7 +110,9 @@ def multislice_devices(devices: list, kind: str, data_parallel: int, slices: int
         raise ValueError(f"unknown mesh kind {kind!r} (fsdp or hybrid)")
     if dp < 1 or per % dp:
         raise ValueError(f"data_parallel={dp} does not divide the {per} devices of a slice")
-    if all(getattr(d, "platform", None) == "tpu" and getattr(d, "slice_index", None) is not None for d in devices):
+    if all(
+        getattr(d, "platform", None) == "tpu" and getattr(d, "slice_index", None) is not None for d in devices
+    ):
         from jax.experimental import mesh_utils
 
         return mesh_utils.create_hybrid_device_mesh((dp, per // dp), (slices, 1), devices)
@@ -146,7 +156,9 @@ def param_partition_specs(params_or_shapes, mesh: Mesh):
     parameters are sharded over ("fsdp", "seq") together."""
     s = seq_shards(mesh)
     fsdp, axis = (mesh.shape["fsdp"] * s, ("fsdp", SEQ)) if s > 1 else (mesh.shape["fsdp"], "fsdp")
-    return jax.tree_util.tree_map_with_path(lambda p, x: _spec_for(p, tuple(x.shape), fsdp, axis), params_or_shapes)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: _spec_for(p, tuple(x.shape), fsdp, axis), params_or_shapes
+    )
 
 
 def param_shardings(params_or_shapes, mesh: Mesh):

@@ -77,10 +77,18 @@ def make_train_step(recipe: Recipe):
         adam = optim.AdamState(**state["opt"])
         window = optim.SkipWindow(**state["skip"])
         step_number = state["step"] + 1  # this is the (step+1)-th step; it produces checkpoint step+1
-        params, adam, window, info = optim.optimizer_step(params, grads, adam, window, ce_loss, step_number, recipe)
+        params, adam, window, info = optim.optimizer_step(
+            params, grads, adam, window, ce_loss, step_number, recipe
+        )
         new_state = {"step": step_number, "params": params, "opt": adam._asdict(), "skip": window._asdict()}
-        metrics = {"ce": ce_loss, "z": z_coef * z_loss, "grad_norm": info["grad_norm"], "lr": info["lr"],
-                   "skipped": info["skipped"].astype(jnp.float32), "tokens": n_tokens}
+        metrics = {
+            "ce": ce_loss,
+            "z": z_coef * z_loss,
+            "grad_norm": info["grad_norm"],
+            "lr": info["lr"],
+            "skipped": info["skipped"].astype(jnp.float32),
+            "tokens": n_tokens,
+        }
         return new_state, metrics
 
     return step
@@ -88,8 +96,11 @@ def make_train_step(recipe: Recipe):
 
 def make_eval_step(recipe: Recipe):
     """params, batch {input_ids, labels[, segment_ids]: [B, T]} -> (CE sum, token count)."""
+
     def step(params, batch):
-        ce, _, n = token_losses(params, batch["input_ids"], batch["labels"], recipe.model, batch.get("segment_ids"))
+        ce, _, n = token_losses(
+            params, batch["input_ids"], batch["labels"], recipe.model, batch.get("segment_ids")
+        )
         return ce, n
 
     return step
@@ -117,7 +128,8 @@ def fresh_state(recipe: Recipe, state_shard, params=None):
 
     if params is None:
         params = jax.jit(lambda k: model.init_params(recipe.model, k), out_shardings=state_shard["params"])(
-            jax.random.PRNGKey(recipe.train.seed))
+            jax.random.PRNGKey(recipe.train.seed)
+        )
     return jax.jit(lambda p: init_state(recipe, p), out_shardings=state_shard)(params)
 
 
@@ -129,15 +141,21 @@ def abstract_train_state(recipe: Recipe, mesh):
 
     from olmo_ctl.trainer import model, sharding
 
-    abstract_params = jax.eval_shape(lambda k: model.init_params(recipe.model, k), jax.random.PRNGKey(recipe.train.seed))
+    abstract_params = jax.eval_shape(
+        lambda k: model.init_params(recipe.model, k), jax.random.PRNGKey(recipe.train.seed)
+    )
     p_shard = sharding.param_shardings(abstract_params, mesh)
     rep = sharding.replicated(mesh)
     abstract_state = jax.eval_shape(lambda p: init_state(recipe, p), abstract_params)
     state_shard = {
-        "step": rep, "params": p_shard, "opt": {"mu": p_shard, "nu": p_shard, "count": rep},
+        "step": rep,
+        "params": p_shard,
+        "opt": {"mu": p_shard, "nu": p_shard, "count": rep},
         "skip": jax.tree.map(lambda _: rep, abstract_state["skip"]),
     }
-    state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_state, state_shard)
+    state = jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_state, state_shard
+    )
     return state, state_shard
 
 
@@ -181,14 +199,23 @@ def device_batch(batch: dict, recipe: Recipe, plan, mesh, local_devices: int, mi
 
     accum, t = plan.grad_accum, recipe.train
     rows_per_proc = local_devices // plan.seq_shards  # devices of one row share it over its seq shards
-    local = {k: micro_layout(np.asarray(batch[k], np.int32), rows_per_proc, accum)
-             for k in ("input_ids", "labels", "segment_ids") if k in batch}
+    local = {
+        k: micro_layout(np.asarray(batch[k], np.int32), rows_per_proc, accum)
+        for k in ("input_ids", "labels", "segment_ids")
+        if k in batch
+    }
     if recipe.data.ngram_filter:
-        local["instance_mask"] = micro_layout(np.asarray(batch["instance_mask"], np.int32)[:, None],
-                                              rows_per_proc, accum)
-    return {k: jax.make_array_from_process_local_data(micro_row_sharding(mesh) if k == "instance_mask" else micro_shard,
-                                                      v, (accum, t.global_batch // accum, v.shape[-1]))
-            for k, v in local.items()}
+        local["instance_mask"] = micro_layout(
+            np.asarray(batch["instance_mask"], np.int32)[:, None], rows_per_proc, accum
+        )
+    return {
+        k: jax.make_array_from_process_local_data(
+            micro_row_sharding(mesh) if k == "instance_mask" else micro_shard,
+            v,
+            (accum, t.global_batch // accum, v.shape[-1]),
+        )
+        for k, v in local.items()
+    }
 
 
 def jit_train_step(recipe: Recipe, state_shard):

@@ -33,8 +33,11 @@ def _quiet_orbax() -> None:
 
 def _fresh_window(src_skip: dict) -> dict:
     size = int(np.asarray(src_skip["losses"]).shape[0])
-    return {"losses": np.zeros(size, np.float32), "grad_norms": np.zeros(size, np.float32),
-            "recorded": np.zeros((), np.int32)}
+    return {
+        "losses": np.zeros(size, np.float32),
+        "grad_norms": np.zeros(size, np.float32),
+        "recorded": np.zeros((), np.int32),
+    }
 
 
 def _host(tree):
@@ -48,8 +51,10 @@ def _empty_destination(run_dir: str):
 
     dst = Checkpointer.for_run(run_dir, keep=0, async_save=False)
     if dst.committed_steps():
-        raise BadInput(f"`{run_dir}` already holds checkpoints {dst.committed_steps()}",
-                       "write to a new run directory (surgery never overwrites a run)")
+        raise BadInput(
+            f"`{run_dir}` already holds checkpoints {dst.committed_steps()}",
+            "write to a new run directory (surgery never overwrites a run)",
+        )
     return dst
 
 
@@ -63,13 +68,27 @@ def warm_adam(src_checkpoint: str, dst_run_dir: str) -> dict:
     state = _host(state)
     for k in ("params", "opt", "skip"):
         if k not in state:
-            raise BadInput(f"`{src_checkpoint}` has no `{k}`: it is not a training checkpoint of this trainer")
+            raise BadInput(
+                f"`{src_checkpoint}` has no `{k}`: it is not a training checkpoint of this trainer"
+            )
     dst = _empty_destination(dst_run_dir)
-    new = {"step": np.zeros((), np.int32), "params": state["params"], "opt": state["opt"],
-           "skip": _fresh_window(state["skip"])}
-    new_meta = {"data": None, "data_fingerprint": None, "step": 0,
-                "surgery": {"kind": "warm-adam", "source": src_checkpoint, "source_step": step,
-                            "source_recipe": meta.get("recipe")}}
+    new = {
+        "step": np.zeros((), np.int32),
+        "params": state["params"],
+        "opt": state["opt"],
+        "skip": _fresh_window(state["skip"]),
+    }
+    new_meta = {
+        "data": None,
+        "data_fingerprint": None,
+        "step": 0,
+        "surgery": {
+            "kind": "warm-adam",
+            "source": src_checkpoint,
+            "source_step": step,
+            "source_recipe": meta.get("recipe"),
+        },
+    }
     dst.save(0, new, new_meta)
     dst.close()
     return {"source_step": step, "adam_count": int(state["opt"]["count"]), "out": dst.directory + "/0"}
@@ -100,18 +119,34 @@ def soup(checkpoints: list[str], out_dir: str) -> dict:
             total = jax.tree.map(lambda x: x.astype(np.float64), params)
             continue
         if shapes != structure:
-            raise BadInput(f"`{path}` holds a different model than `{checkpoints[0]}`",
-                           "soup only checkpoints of the same model")
+            raise BadInput(
+                f"`{path}` holds a different model than `{checkpoints[0]}`",
+                "soup only checkpoints of the same model",
+            )
         total = jax.tree.map(lambda a, x: a + x.astype(np.float64), total, params)
     n = len(checkpoints)
     mean = jax.tree.map(lambda a, x: (a / n).astype(x.dtype), total, first)
     dst = _empty_destination(out_dir)
     zeros = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), mean)
-    new = {"step": np.zeros((), np.int32), "params": mean,
-           "opt": {"mu": zeros, "nu": jax.tree.map(np.copy, zeros), "count": np.zeros((), np.int32)},
-           "skip": {"losses": np.zeros(window, np.float32), "grad_norms": np.zeros(window, np.float32),
-                    "recorded": np.zeros((), np.int32)}}
-    dst.save(0, new, {"data": None, "data_fingerprint": None, "step": 0,
-                      "surgery": {"kind": "soup", "sources": list(checkpoints)}})
+    new = {
+        "step": np.zeros((), np.int32),
+        "params": mean,
+        "opt": {"mu": zeros, "nu": jax.tree.map(np.copy, zeros), "count": np.zeros((), np.int32)},
+        "skip": {
+            "losses": np.zeros(window, np.float32),
+            "grad_norms": np.zeros(window, np.float32),
+            "recorded": np.zeros((), np.int32),
+        },
+    }
+    dst.save(
+        0,
+        new,
+        {
+            "data": None,
+            "data_fingerprint": None,
+            "step": 0,
+            "surgery": {"kind": "soup", "sources": list(checkpoints)},
+        },
+    )
     dst.close()
     return {"sources": n, "out": dst.directory + "/0"}

@@ -60,8 +60,12 @@ class TokenFiles:
         f = self.files[fi]
         if not storage.is_gcs(f.path):
             return np.asarray(self.tokens(fi)[start:end])
-        out = np.frombuffer(storage.store_for(f.path).read_range(f.path, start * TOKEN_BYTES, end * TOKEN_BYTES),
-                            dtype=TOKEN_DTYPE)
+        out = np.frombuffer(
+            storage.store_for(f.path).read_range(f.path, start * TOKEN_BYTES, end * TOKEN_BYTES),
+            dtype=TOKEN_DTYPE,
+        )
         if len(out) != end - start:
-            raise BadInput(f"`{f.path}` is shorter than when the dataset was listed", "token files must not change")
+            raise BadInput(
+                f"`{f.path}` is shorter than when the dataset was listed", "token files must not change"
+            )
         return out

@@ -98,8 +98,10 @@ def load_run_recipe(args: TrainArgs) -> Recipe:
     path = join(args.run_dir, "run.yaml")
     rd = RunDir(args.run_dir)
     if not rd.exists():
-        raise BadInput(f"no --recipe given and `{path}` does not exist",
-                       "pass --recipe FILE|NAME or submit the run first")
+        raise BadInput(
+            f"no --recipe given and `{path}` does not exist",
+            "pass --recipe FILE|NAME or submit the run first",
+        )
     return run_recipe(rd.read_run(), path, args.overrides)  # garbage in run.yaml: one line, exit 2
 
 
@@ -134,10 +136,19 @@ def _setup(args: TrainArgs) -> _Setup:
     final_step = t.max_steps if args.stop_at_step is None else min(args.stop_at_step, t.max_steps)
     if args.stop_at_step is not None and args.stop_at_step < 0:
         raise BadInput("--stop-at-step must be >= 0")
-    mesh = sharding.make_mesh(jax.devices(), t.mesh, t.data_parallel, slices=args.slices,
-                              seq_shards=plan.seq_shards)
-    return _Setup(recipe, device, plan, mesh, final_step, jax.process_index(), jax.process_count(),
-                  jax.local_device_count())
+    mesh = sharding.make_mesh(
+        jax.devices(), t.mesh, t.data_parallel, slices=args.slices, seq_shards=plan.seq_shards
+    )
+    return _Setup(
+        recipe,
+        device,
+        plan,
+        mesh,
+        final_step,
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+    )
 
 
 def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
@@ -170,7 +181,9 @@ def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
             params = load_init_params(args.init_from, abstract_state["params"], state_shard["params"])
             print(f"initialised parameters from {args.init_from}", flush=True)
         state = fresh_state(recipe, state_shard, params)
-        print(f"initialised from seed {t.seed}" if not args.init_from else "fresh optimizer state", flush=True)
+        print(
+            f"initialised from seed {t.seed}" if not args.init_from else "fresh optimizer state", flush=True
+        )
     try:
         optim.check_fp32_state(state["params"], optim.AdamState(**state["opt"]), recipe.model.param_dtype)
     except optim.OptimizerDtypeError as e:
@@ -231,8 +244,15 @@ class _Loop:
         now = time.monotonic()
         step_time = (now - self.t_last) / len(items)
         self.t_last = now
-        w = hooks_lib.Window([(st, m, ld) for (st, _, ld), m in zip(items, host, strict=True)], step_time,
-                             now - self.t_start, time.time(), self.windows + 1, self.steps_run, gather)
+        w = hooks_lib.Window(
+            [(st, m, ld) for (st, _, ld), m in zip(items, host, strict=True)],
+            step_time,
+            now - self.t_start,
+            time.time(),
+            self.windows + 1,
+            self.steps_run,
+            gather,
+        )
         self.windows += 1
         if self.windows > 1:  # the first window of an attempt holds the compile
             self.watchdog.step_times(step_time, len(items))
@@ -244,8 +264,11 @@ class _Loop:
         hooks_lib.pre_train(self.hooks, self)
         self.t_start = self.t_last = time.monotonic()
         self.watchdog.start()
-        print(f"training steps {self.step + 1}..{s.final_step} of {s.recipe.train.max_steps} on {s.device.name}: "
-              f"per-device batch {s.plan.per_device_batch} x {s.plan.grad_accum} accumulation", flush=True)
+        print(
+            f"training steps {self.step + 1}..{s.final_step} of {s.recipe.train.max_steps} on {s.device.name}: "
+            f"per-device batch {s.plan.per_device_batch} x {s.plan.grad_accum} accumulation",
+            flush=True,
+        )
         ok = False
         try:
             code = self._train()
@@ -279,7 +302,9 @@ def run(args: TrainArgs) -> int:
     s = _setup(args)
     # Epoch orders are stored in the run directory: later attempts and other hosts read their rows of it.
     loader = data_lib.make_train_loader(s.recipe, s.proc, s.n_proc, order_dir=join(args.run_dir, ORDER_DIR))
-    ckpt = Checkpointer.for_run(args.run_dir, keep=s.recipe.checkpoint.keep, async_save=s.recipe.checkpoint.async_save)
+    ckpt = Checkpointer.for_run(
+        args.run_dir, keep=s.recipe.checkpoint.keep, async_save=s.recipe.checkpoint.async_save
+    )
     events = EventLog(args.run_dir, attempt=args.attempt)
     state, state_shard, step = _restore_or_init(args, s, ckpt, loader)
     if step >= s.final_step:
@@ -305,8 +330,10 @@ def _slow_data_s(proc: int) -> float:
     """The slow-host fault knob (core/faults.py SLOW_DATA): seconds added to this host's data loading."""
     ms = faults.slow_data_ms(os.environ, proc)
     if ms:
-        print(f"FAULT INJECTION: data loading on host {proc} slowed by {ms:g} ms per step ({faults.SLOW_DATA.name})",
-              flush=True)
+        print(
+            f"FAULT INJECTION: data loading on host {proc} slowed by {ms:g} ms per step ({faults.SLOW_DATA.name})",
+            flush=True,
+        )
     return ms / 1000.0
 
 

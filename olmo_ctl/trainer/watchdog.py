@@ -85,9 +85,11 @@ class Watchdog:
                 waited, step = time.monotonic() - self._last, self._step
                 median = statistics.median(self._times) if self._times else 0.0
             if waited > allowed:
-                self.on_hang(f"watchdog: no progress for {waited:.1f} s after step {step} (allowed {allowed:.1f} s: "
-                             f"{self.factor:g} x the median step time {median:.3f} s, at least {self.min_s:g} s); "
-                             "the stacks of every thread follow, then exit 3 so that the attempt is restarted")
+                self.on_hang(
+                    f"watchdog: no progress for {waited:.1f} s after step {step} (allowed {allowed:.1f} s: "
+                    f"{self.factor:g} x the median step time {median:.3f} s, at least {self.min_s:g} s); "
+                    "the stacks of every thread follow, then exit 3 so that the attempt is restarted"
+                )
                 return
 
 

@@ -12,8 +12,16 @@ import shutil
 
 import numpy as np
 
-TAGS = ["train/CE loss", "train/PPL", "optim/LR (group 0)", "optim/LR (group 1)", "optim/step skipped",
-        "throughput/total tokens", "throughput/device/TPS", "perf/step_time_s"]
+TAGS = [
+    "train/CE loss",
+    "train/PPL",
+    "optim/LR (group 0)",
+    "optim/LR (group 1)",
+    "optim/step skipped",
+    "throughput/total tokens",
+    "throughput/device/TPS",
+    "perf/step_time_s",
+]
 T0 = 1_767_225_600.0
 
 
@@ -25,8 +33,19 @@ def value(tag: str, step: int, attempt: int = 1, desync: int | None = None) -> f
     return float(np.float32(base))
 
 
-def write_segment(tb_dir, steps, *, attempt: int = 1, segment: int = 0, tags=TAGS, wall0: float = T0,
-                  step_s: float = 1.0, values=None, start_time: int = 1767225600, extra_events=()):
+def write_segment(
+    tb_dir,
+    steps,
+    *,
+    attempt: int = 1,
+    segment: int = 0,
+    tags=TAGS,
+    wall0: float = T0,
+    step_s: float = 1.0,
+    values=None,
+    start_time: int = 1767225600,
+    extra_events=(),
+):
     """One contract-named segment written with EventFileWriter (classic simple_value scalars).
     Returns its path. `values(tag, step)` overrides the default values."""
     from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -40,11 +59,18 @@ def write_segment(tb_dir, steps, *, attempt: int = 1, segment: int = 0, tags=TAG
     for step in steps:
         for tag in tags:
             x = values(tag, step) if values else value(tag, step, attempt)
-            w.add_event(event_pb2.Event(wall_time=wall0 + step * step_s, step=step, summary=summary_pb2.Summary(
-                value=[summary_pb2.Summary.Value(tag=tag, simple_value=x)])))
+            w.add_event(
+                event_pb2.Event(
+                    wall_time=wall0 + step * step_s,
+                    step=step,
+                    summary=summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=x)]),
+                )
+            )
     w.close()
     (src,) = [os.path.join(tmp, f) for f in os.listdir(tmp)]
-    dst = os.path.join(str(tb_dir), f"events.out.tfevents.{start_time:010d}.host-0.a{attempt:04d}.s{segment:05d}")
+    dst = os.path.join(
+        str(tb_dir), f"events.out.tfevents.{start_time:010d}.host-0.a{attempt:04d}.s{segment:05d}"
+    )
     os.replace(src, dst)
     shutil.rmtree(tmp)
     return dst

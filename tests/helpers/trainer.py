@@ -19,13 +19,24 @@ import numpy as np
 TAGS = ("train/CE loss", "optim/total grad norm")
 
 
-def train(run_dir: Path, *extra: str, device: str = "cpu-1", env: dict | None = None,
-          expect: int | None = 0) -> subprocess.CompletedProcess:
+def train(
+    run_dir: Path, *extra: str, device: str = "cpu-1", env: dict | None = None, expect: int | None = 0
+) -> subprocess.CompletedProcess:
     """The smoke recipe's trainer on `run_dir`; asserts exit `expect` (None: any) and returns the process."""
     base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # --device decides the device count
     base["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(run_dir),
-           "--device", device, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "olmo_ctl.trainer",
+        "--recipe",
+        "smoke",
+        "--run-dir",
+        str(run_dir),
+        "--device",
+        device,
+        *extra,
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**base, **(env or {})}, timeout=900)
     if expect is not None:
         assert p.returncode == expect, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
@@ -61,4 +72,3 @@ def same_steps(a: dict, b: dict, steps) -> list[str]:
             if a[tag][s].tobytes() != b[tag][s].tobytes():
                 bad.append(f"{tag} step {s}: {a[tag][s]!r} != {b[tag][s]!r}")
     return bad
-

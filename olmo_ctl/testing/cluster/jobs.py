@@ -39,28 +39,36 @@ def match_pod_failure_policy(job: dict, pod: dict) -> tuple[str | None, str]:
     pod (None: no rule matched, the failure counts) and, for FailJob, the Job's failure message."""
     rules = ((job["spec"].get("podFailurePolicy") or {}).get("rules")) or []
     ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
-    statuses = list((pod.get("status") or {}).get("initContainerStatuses") or []) + \
-        list((pod.get("status") or {}).get("containerStatuses") or [])
+    statuses = list((pod.get("status") or {}).get("initContainerStatuses") or []) + list(
+        (pod.get("status") or {}).get("containerStatuses") or []
+    )
     for i, rule in enumerate(rules):
         action = rule["action"]
         on_codes = rule.get("onExitCodes")
         if on_codes:
             for cs in statuses:
                 term = (cs.get("state") or {}).get("terminated")
-                if not term or (on_codes.get("containerName") and on_codes["containerName"] != cs.get("name")):
+                if not term or (
+                    on_codes.get("containerName") and on_codes["containerName"] != cs.get("name")
+                ):
                     continue
                 code = int(term.get("exitCode", 0))
                 if code == 0:
                     continue  # matchOnExitCodes: a zero exit code never matches
                 values = {int(v) for v in on_codes.get("values") or []}
                 if (code in values) == (on_codes.get("operator", "In") == "In"):
-                    msg = (f"Container {cs.get('name')} for pod {ns}/{name} failed with exit code {code} "
-                           f"matching {action} rule at index {i}")
+                    msg = (
+                        f"Container {cs.get('name')} for pod {ns}/{name} failed with exit code {code} "
+                        f"matching {action} rule at index {i}"
+                    )
                     return action, msg
         for pat in rule.get("onPodConditions") or []:
             c = find_cond(pod, pat["type"])
             if c and c.get("status") == pat.get("status", "True"):
-                return action, f"Pod {ns}/{name} has condition {pat['type']} matching {action} rule at index {i}"
+                return (
+                    action,
+                    f"Pod {ns}/{name} has condition {pat['type']} matching {action} rule at index {i}",
+                )
     return None, ""
 
 
@@ -128,14 +136,19 @@ def reconcile(w: World, job: dict) -> bool:
             end = ("Complete",) + COMPLETIONS_REACHED
         if end:
             kind, reason, message = end
-            _set_job_condition(w, job, "FailureTarget" if kind == "Failed" else "SuccessCriteriaMet", "True",
-                               reason, message)
+            _set_job_condition(
+                w, job, "FailureTarget" if kind == "Failed" else "SuccessCriteriaMet", "True", reason, message
+            )
             _set_job_condition(w, job, kind, "True", reason, message)
             if kind == "Complete":
                 st["completionTime"] = w.now()
-            w.event(job, reason if kind == "Failed" else "Completed",
-                    message if kind == "Failed" else "Job completed", "Warning" if kind == "Failed" else "Normal",
-                    source="job-controller")
+            w.event(
+                job,
+                reason if kind == "Failed" else "Completed",
+                message if kind == "Failed" else "Job completed",
+                "Warning" if kind == "Failed" else "Normal",
+                source="job-controller",
+            )
             changed = True
     live = [p for p in pods if not pod_terminal(p) and not deleting(p)]
     if job_finished(job):
@@ -175,8 +188,13 @@ def reconcile(w: World, job: dict) -> bool:
                 key = (job["metadata"]["uid"], i, refused)
                 if key not in w.failed_creates:
                     w.failed_creates.add(key)
-                    w.event(job, "FailedCreate", f"Error creating: pods \"{job['metadata']['name']}-{i}-\" is "
-                            f"forbidden: {refused}", "Warning", source="job-controller")
+                    w.event(
+                        job,
+                        "FailedCreate",
+                        f'Error creating: pods "{job["metadata"]["name"]}-{i}-" is forbidden: {refused}',
+                        "Warning",
+                        source="job-controller",
+                    )
                 continue
             w.save("Pod", pod, new=True)
             changed = True
@@ -185,7 +203,8 @@ def reconcile(w: World, job: dict) -> bool:
         "active": sum(1 for p in pods if not pod_terminal(p) and not deleting(p)),
         "ready": sum(1 for p in pods if not pod_terminal(p) and not deleting(p) and is_true(p, "Ready")),
         "terminating": sum(1 for p in pods if not pod_terminal(p) and deleting(p)),
-        "failed": failed, "succeeded": len(done_idx),
+        "failed": failed,
+        "succeeded": len(done_idx),
     }
     if any(st.get(k, 0) != v for k, v in counts.items()):
         st.update(counts)
@@ -200,21 +219,47 @@ def new_pod(w: World, job: dict, index: int) -> dict:
     tmpl = job["spec"]["template"]
     jname = job["metadata"]["name"]
     lab = dict((tmpl.get("metadata") or {}).get("labels") or {})
-    lab.update({"batch.kubernetes.io/controller-uid": job["metadata"]["uid"], "controller-uid": job["metadata"]["uid"],
-                "batch.kubernetes.io/job-name": jname, "job-name": jname, COMPLETION_INDEX: str(index)})
+    lab.update(
+        {
+            "batch.kubernetes.io/controller-uid": job["metadata"]["uid"],
+            "controller-uid": job["metadata"]["uid"],
+            "batch.kubernetes.io/job-name": jname,
+            "job-name": jname,
+            COMPLETION_INDEX: str(index),
+        }
+    )
     ann = dict((tmpl.get("metadata") or {}).get("annotations") or {})
     ann[COMPLETION_INDEX] = str(index)
     spec = w.copy(tmpl.get("spec") or {})
     spec.setdefault("hostname", f"{jname}-{index}")
     return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": f"{jname}-{index}-{secrets.token_hex(3)[:5]}", "namespace": job["metadata"]["namespace"],
-                     "uid": str(uuid.uuid4()), "creationTimestamp": w.now(), "labels": lab, "annotations": ann,
-                     "finalizers": [JOB_TRACKING_FINALIZER],
-                     "ownerReferences": [owner_ref(job, "batch/v1", "Job")]},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{jname}-{index}-{secrets.token_hex(3)[:5]}",
+            "namespace": job["metadata"]["namespace"],
+            "uid": str(uuid.uuid4()),
+            "creationTimestamp": w.now(),
+            "labels": lab,
+            "annotations": ann,
+            "finalizers": [JOB_TRACKING_FINALIZER],
+            "ownerReferences": [owner_ref(job, "batch/v1", "Job")],
+        },
         "spec": spec,
-        "status": {"phase": "Pending", "conditions": [], "containerStatuses": [
-            {"name": c["name"], "image": c.get("image", ""), "imageID": "", "ready": False, "restartCount": 0,
-             "started": False, "state": {"waiting": {"reason": "ContainerCreating"}}}
-            for c in spec.get("containers") or []]},
+        "status": {
+            "phase": "Pending",
+            "conditions": [],
+            "containerStatuses": [
+                {
+                    "name": c["name"],
+                    "image": c.get("image", ""),
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "started": False,
+                    "state": {"waiting": {"reason": "ContainerCreating"}},
+                }
+                for c in spec.get("containers") or []
+            ],
+        },
     }

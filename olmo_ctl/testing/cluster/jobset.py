@@ -38,8 +38,10 @@ SUSPENDED = ("SuspendedJobs", "jobset is suspended")
 RESUMED = ("ResumeJobs", "jobset is resumed")
 FAIL_JOBSET_ACTION = ("FailJobSetFailurePolicyAction", "applying FailJobSet failure policy action")
 RESTART_ACTION = ("RestartJobSetFailurePolicyAction", "applying RestartJobSet failure policy action")
-RESTART_IGNORE_MAX_ACTION = ("RestartJobSetAndIgnoreMaxRestartsFailurePolicyAction",
-                             "applying RestartJobSetAndIgnoreMaxRestarts failure policy action")
+RESTART_IGNORE_MAX_ACTION = (
+    "RestartJobSetAndIgnoreMaxRestartsFailurePolicyAction",
+    "applying RestartJobSetAndIgnoreMaxRestarts failure policy action",
+)
 
 
 def message_with_first_failed_job(msg: str, job: str) -> str:
@@ -47,8 +49,9 @@ def message_with_first_failed_job(msg: str, job: str) -> str:
     return f"{msg} (first failed job: {job})"
 
 
-def update_condition(w: World, js: dict, ctype: str, status: str, reason: str, message: str,
-                     event_type: str = "Normal") -> bool:
+def update_condition(
+    w: World, js: dict, ctype: str, status: str, reason: str, message: str, event_type: str = "Normal"
+) -> bool:
     """jobset_controller.go updateCondition + setCondition: an existing condition changes only when
     its status does; a False condition is never added; each change emits an event with the
     condition's reason and message."""
@@ -58,7 +61,13 @@ def update_condition(w: World, js: dict, ctype: str, status: str, reason: str, m
         return False
     if c is None and status != "True":
         return False
-    new = {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": w.now()}
+    new = {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": w.now(),
+    }
     if c is None:
         conds.append(new)
     else:
@@ -94,7 +103,9 @@ def rule_is_applicable(rule: dict, job: dict) -> bool:
     return not targets or parent in targets
 
 
-def find_first_failed_policy_rule_and_job(rules: list[dict], failed: list[dict]) -> tuple[dict | None, dict | None]:
+def find_first_failed_policy_rule_and_job(
+    rules: list[dict], failed: list[dict]
+) -> tuple[dict | None, dict | None]:
     """failure_policy.go findFirstFailedPolicyRuleAndJob: the first rule matching any failed Job,
     with the earliest-failed Job it matches."""
     for rule in rules:
@@ -115,7 +126,9 @@ def execute_failure_policy(w: World, js: dict, failed: list[dict]) -> None:
     policy = js["spec"].get("failurePolicy")
     if policy is None:
         first = find_first_failed_job(failed)
-        set_failed(w, js, FAILED_JOBS[0], message_with_first_failed_job(FAILED_JOBS[1], first["metadata"]["name"]))
+        set_failed(
+            w, js, FAILED_JOBS[0], message_with_first_failed_job(FAILED_JOBS[1], first["metadata"]["name"])
+        )
         return
     rule, job = find_first_failed_policy_rule_and_job(policy.get("rules") or [], failed)
     if rule is None:
@@ -128,13 +141,21 @@ def execute_failure_policy(w: World, js: dict, failed: list[dict]) -> None:
         set_failed(w, js, FAIL_JOBSET_ACTION[0], message_with_first_failed_job(FAIL_JOBSET_ACTION[1], name))
     elif action == "RestartJobSet":  # restartJobSetActionApplier
         if int(st.get("restartsCountTowardsMax") or 0) >= int(policy.get("maxRestarts") or 0):
-            set_failed(w, js, REACHED_MAX_RESTARTS[0],
-                       message_with_first_failed_job(REACHED_MAX_RESTARTS[1], name))
+            set_failed(
+                w, js, REACHED_MAX_RESTARTS[0], message_with_first_failed_job(REACHED_MAX_RESTARTS[1], name)
+            )
         else:
-            recreate_all(w, js, True, RESTART_ACTION[0], message_with_first_failed_job(RESTART_ACTION[1], name))
+            recreate_all(
+                w, js, True, RESTART_ACTION[0], message_with_first_failed_job(RESTART_ACTION[1], name)
+            )
     elif action == "RestartJobSetAndIgnoreMaxRestarts":  # restartJobSetAndIgnoreMaxRestartsActionApplier
-        recreate_all(w, js, False, RESTART_IGNORE_MAX_ACTION[0],
-                     message_with_first_failed_job(RESTART_IGNORE_MAX_ACTION[1], name))
+        recreate_all(
+            w,
+            js,
+            False,
+            RESTART_IGNORE_MAX_ACTION[0],
+            message_with_first_failed_job(RESTART_IGNORE_MAX_ACTION[1], name),
+        )
 
 
 def recreate_all(w: World, js: dict, counts_towards_max: bool, reason: str, message: str) -> None:
@@ -153,8 +174,11 @@ def num_jobs_expected_to_succeed(js: dict) -> int:
     targets = sp.get("targetReplicatedJobs") or []
     if sp.get("operator", "All") == "Any":
         return 1
-    return sum(int(rj.get("replicas", 1)) for rj in js["spec"]["replicatedJobs"]
-               if not targets or rj["name"] in targets)
+    return sum(
+        int(rj.get("replicas", 1))
+        for rj in js["spec"]["replicatedJobs"]
+        if not targets or rj["name"] in targets
+    )
 
 
 def execute_success_policy(w: World, js: dict, successful: list[dict]) -> bool:
@@ -186,8 +210,10 @@ def child_jobs(w: World, js: dict) -> dict[str, list[dict]]:
 
 def replicated_job_statuses(js: dict, owned: dict[str, list[dict]]) -> list[dict]:
     """jobset_controller.go calculateReplicatedJobStatuses."""
-    out = {rj["name"]: {"name": rj["name"], "ready": 0, "succeeded": 0, "failed": 0, "active": 0, "suspended": 0}
-           for rj in js["spec"]["replicatedJobs"]}
+    out = {
+        rj["name"]: {"name": rj["name"], "ready": 0, "succeeded": 0, "failed": 0, "active": 0, "suspended": 0}
+        for rj in js["spec"]["replicatedJobs"]
+    }
     for job in owned["active"]:
         s, spec = job.get("status") or {}, job["spec"]
         pods = int(spec.get("parallelism", 1))
@@ -223,14 +249,20 @@ def construct_job(w: World, js: dict, rj: dict, idx: int) -> dict:
             break
         before += int(r.get("replicas", 1))
     group = rj.get("groupName", "default")
-    tags = {JOBSET_NAME_LABEL: js["metadata"]["name"], "jobset.sigs.k8s.io/jobset-uid": js["metadata"]["uid"],
-            RJOB_LABEL: rj["name"], RESTARTS_LABEL: str(int(js["status"].get("restarts") or 0)),
-            "jobset.sigs.k8s.io/replicatedjob-replicas": str(int(rj.get("replicas", 1))),
-            "jobset.sigs.k8s.io/global-replicas": str(total), JOB_INDEX_LABEL: str(idx),
-            "jobset.sigs.k8s.io/job-key": hashlib.sha1(f"{ns}/{name}".encode()).hexdigest(),
-            "jobset.sigs.k8s.io/job-global-index": str(before + idx),
-            "jobset.sigs.k8s.io/group-name": group,
-            "jobset.sigs.k8s.io/group-replicas": str(total), "jobset.sigs.k8s.io/job-group-index": str(before + idx)}
+    tags = {
+        JOBSET_NAME_LABEL: js["metadata"]["name"],
+        "jobset.sigs.k8s.io/jobset-uid": js["metadata"]["uid"],
+        RJOB_LABEL: rj["name"],
+        RESTARTS_LABEL: str(int(js["status"].get("restarts") or 0)),
+        "jobset.sigs.k8s.io/replicatedjob-replicas": str(int(rj.get("replicas", 1))),
+        "jobset.sigs.k8s.io/global-replicas": str(total),
+        JOB_INDEX_LABEL: str(idx),
+        "jobset.sigs.k8s.io/job-key": hashlib.sha1(f"{ns}/{name}".encode()).hexdigest(),
+        "jobset.sigs.k8s.io/job-global-index": str(before + idx),
+        "jobset.sigs.k8s.io/group-name": group,
+        "jobset.sigs.k8s.io/group-replicas": str(total),
+        "jobset.sigs.k8s.io/job-group-index": str(before + idx),
+    }
     tmpl = w.copy(rj["template"])
     spec = tmpl.get("spec") or {}
     pod_tmpl = spec.setdefault("template", {})
@@ -242,17 +274,25 @@ def construct_job(w: World, js: dict, rj: dict, idx: int) -> dict:
         ann["alpha.jobset.sigs.k8s.io/exclusive-topology"] = excl
     pod_md["annotations"] = ann
     if (js["spec"].get("network") or {}).get("enableDNSHostnames"):
-        pod_tmpl.setdefault("spec", {})["subdomain"] = (js["spec"].get("network") or {}).get("subdomain") \
-            or js["metadata"]["name"]
+        pod_tmpl.setdefault("spec", {})["subdomain"] = (js["spec"].get("network") or {}).get(
+            "subdomain"
+        ) or js["metadata"]["name"]
     spec["suspend"] = bool(js["spec"].get("suspend"))
     spec.setdefault("completionMode", "NonIndexed")
     spec.setdefault("backoffLimit", 6)
-    return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": name, "namespace": ns, "labels": {**((tmpl.get("metadata") or {}).get("labels") or {}),
-                                                                    **tags},
-                         "annotations": {**((tmpl.get("metadata") or {}).get("annotations") or {}), **tags},
-                         "ownerReferences": [owner_ref(js, JOBSET_API, "JobSet")]},
-            "spec": spec, "status": {}}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "labels": {**((tmpl.get("metadata") or {}).get("labels") or {}), **tags},
+            "annotations": {**((tmpl.get("metadata") or {}).get("annotations") or {}), **tags},
+            "ownerReferences": [owner_ref(js, JOBSET_API, "JobSet")],
+        },
+        "spec": spec,
+        "status": {},
+    }
 
 
 def reconcile(w: World, js: dict) -> bool:
@@ -307,10 +347,15 @@ def reconcile(w: World, js: dict) -> bool:
                 jt = job["spec"]["template"]
                 jt.setdefault("metadata", {})
                 for k in ("labels", "annotations"):
-                    jt["metadata"][k] = {**(jt["metadata"].get(k) or {}), **((src.get("metadata") or {}).get(k) or {})}
+                    jt["metadata"][k] = {
+                        **(jt["metadata"].get(k) or {}),
+                        **((src.get("metadata") or {}).get(k) or {}),
+                    }
                 jspec = jt.setdefault("spec", {})
-                jspec["nodeSelector"] = {**(jspec.get("nodeSelector") or {}),
-                                         **((src.get("spec") or {}).get("nodeSelector") or {})}
+                jspec["nodeSelector"] = {
+                    **(jspec.get("nodeSelector") or {}),
+                    **((src.get("spec") or {}).get("nodeSelector") or {}),
+                }
                 if not jspec["nodeSelector"]:
                     jspec.pop("nodeSelector")
                 job["spec"]["suspend"] = False

@@ -40,8 +40,10 @@ if TYPE_CHECKING:
     from olmo_ctl.testing.cluster.world import World
 
 NO_REQUEUE_BACKOFF = ("PodsReadyTimeout", "AdmissionCheck")
-HUMAN_PREEMPTION_REASONS = {"InClusterQueue": "prioritization in the ClusterQueue",
-                            "InCohortReclamation": "reclamation within the cohort"}
+HUMAN_PREEMPTION_REASONS = {
+    "InClusterQueue": "prioritization in the ClusterQueue",
+    "InCohortReclamation": "reclamation within the cohort",
+}
 
 
 # ---------------------------------------------------------------- pkg/workload/workload.go
@@ -68,7 +70,9 @@ def sync_admitted_condition(w: World, wl: dict) -> bool:
         return False
     if want:
         return set_status_condition(wl, "Admitted", "True", "Admitted", "The workload is admitted", w.now())
-    return set_status_condition(wl, "Admitted", "False", "NoReservation", "The workload has no reservation", w.now())
+    return set_status_condition(
+        wl, "Admitted", "False", "NoReservation", "The workload has no reservation", w.now()
+    )
 
 
 def unset_quota_reservation(w: World, wl: dict, reason: str, message: str) -> bool:
@@ -94,8 +98,14 @@ def reset_active_condition(w: World, wl: dict, ctype: str, reason: str) -> None:
 def set_quota_reservation(w: World, wl: dict, admission: dict) -> None:
     """workload.go SetQuotaReservation."""
     wl.setdefault("status", {})["admission"] = admission
-    set_status_condition(wl, "QuotaReserved", "True", "QuotaReserved",
-                         f"Quota reserved in ClusterQueue {admission['clusterQueue']}", w.now())
+    set_status_condition(
+        wl,
+        "QuotaReserved",
+        "True",
+        "QuotaReserved",
+        f"Quota reserved in ClusterQueue {admission['clusterQueue']}",
+        w.now(),
+    )
     reset_active_condition(w, wl, "Evicted", "QuotaReserved")
     reset_active_condition(w, wl, "Preempted", "QuotaReserved")
 
@@ -103,17 +113,23 @@ def set_quota_reservation(w: World, wl: dict, admission: dict) -> None:
 def evict(w: World, wl: dict, reason: str, message: str, underlying_cause: str = "") -> None:
     """workload.go Evict + prepareForEviction + reportEvictedWorkload: Evicted=True and the event
     `EvictedDueTo<reason>` (Deactivated with a cause: `EvictedDueToDeactivatedDueTo<cause>`)."""
-    ev_reason = reason if not (reason == "Deactivated" and underlying_cause) else f"{reason}DueTo{underlying_cause}"
+    ev_reason = (
+        reason if not (reason == "Deactivated" and underlying_cause) else f"{reason}DueTo{underlying_cause}"
+    )
     set_status_condition(wl, "Evicted", "True", ev_reason, message, w.now())
     counts = wl["status"].setdefault("schedulingStats", {}).setdefault("evictions", [])
-    row = next((r for r in counts if r["reason"] == reason and r.get("underlyingCause", "") == underlying_cause), None)
+    row = next(
+        (r for r in counts if r["reason"] == reason and r.get("underlyingCause", "") == underlying_cause),
+        None,
+    )
     if row is None:
         counts.append({"reason": reason, "underlyingCause": underlying_cause, "count": 1})
     else:
         row["count"] += 1
     if wl["status"].get("admission"):
-        event = f"EvictedDueTo{reason}" + (f"DueTo{underlying_cause}" if reason == "Deactivated" and underlying_cause
-                                          else "")
+        event = f"EvictedDueTo{reason}" + (
+            f"DueTo{underlying_cause}" if reason == "Deactivated" and underlying_cause else ""
+        )
         w.event(wl, event, message, source="kueue-admission")
     w.save("Workload", wl)
 
@@ -145,44 +161,70 @@ def extract_priority(w: World, js: dict) -> tuple[dict, int]:
         wpc = w.get("WorkloadPriorityClass", "", name)
         if wpc is None:
             raise LookupError(f'workloadpriorityclasses.kueue.x-k8s.io "{name}" not found')
-        return {"priorityClassName": name, "priorityClassSource": "kueue.x-k8s.io/workloadpriorityclass"}, \
-            int(wpc.get("value") or 0)
-    pcs = [rj["template"]["spec"]["template"].get("spec", {}).get("priorityClassName")
-           for rj in js["spec"]["replicatedJobs"]]
+        return {
+            "priorityClassName": name,
+            "priorityClassSource": "kueue.x-k8s.io/workloadpriorityclass",
+        }, int(wpc.get("value") or 0)
+    pcs = [
+        rj["template"]["spec"]["template"].get("spec", {}).get("priorityClassName")
+        for rj in js["spec"]["replicatedJobs"]
+    ]
     pc_name = next((p for p in pcs if p), None)
     if pc_name:
         pc = w.get("PriorityClass", "", pc_name)
         if pc is None:
             raise LookupError(f'priorityclasses.scheduling.k8s.io "{pc_name}" not found')
-        return {"priorityClassName": pc_name, "priorityClassSource": "scheduling.k8s.io/priorityclass"}, \
-            int(pc.get("value") or 0)
+        return {"priorityClassName": pc_name, "priorityClassSource": "scheduling.k8s.io/priorityclass"}, int(
+            pc.get("value") or 0
+        )
     defaults = [pc for pc in w.items("PriorityClass", "") if pc.get("globalDefault")]
     if defaults:
         pc = min(defaults, key=lambda p: int(p.get("value") or 0))
-        return {"priorityClassName": pc["metadata"]["name"],
-                "priorityClassSource": "scheduling.k8s.io/priorityclass"}, int(pc.get("value") or 0)
+        return {
+            "priorityClassName": pc["metadata"]["name"],
+            "priorityClassSource": "scheduling.k8s.io/priorityclass",
+        }, int(pc.get("value") or 0)
     return {}, 0
 
 
 def construct_workload(w: World, js: dict) -> dict:
     """reconciler.go ConstructWorkload + the JobSet integration's PodSets + prepareWorkload."""
     ref, prio = extract_priority(w, js)
-    pod_sets = [{"name": rj["name"],
-                 "count": int(rj.get("replicas", 1)) * int(rj["template"]["spec"].get("parallelism", 1)),
-                 "template": w.copy(rj["template"]["spec"]["template"])}
-                for rj in js["spec"]["replicatedJobs"]]
+    pod_sets = [
+        {
+            "name": rj["name"],
+            "count": int(rj.get("replicas", 1)) * int(rj["template"]["spec"].get("parallelism", 1)),
+            "template": w.copy(rj["template"]["spec"]["template"]),
+        }
+        for rj in js["spec"]["replicatedJobs"]
+    ]
     return {
-        "apiVersion": KUEUE_API, "kind": "Workload",
-        "metadata": {"name": workload_name(js), "namespace": js["metadata"]["namespace"], "uid": str(uuid.uuid4()),
-                     "generation": 1, "creationTimestamp": w.now(), "labels": {JOB_UID_LABEL: js["metadata"]["uid"]},
-                     "ownerReferences": [owner_ref(js, JOBSET_API, "JobSet")]},
-        "spec": {"queueName": labels(js)[QUEUE_LABEL], "podSets": pod_sets, "priority": prio, "active": True, **ref},
+        "apiVersion": KUEUE_API,
+        "kind": "Workload",
+        "metadata": {
+            "name": workload_name(js),
+            "namespace": js["metadata"]["namespace"],
+            "uid": str(uuid.uuid4()),
+            "generation": 1,
+            "creationTimestamp": w.now(),
+            "labels": {JOB_UID_LABEL: js["metadata"]["uid"]},
+            "ownerReferences": [owner_ref(js, JOBSET_API, "JobSet")],
+        },
+        "spec": {
+            "queueName": labels(js)[QUEUE_LABEL],
+            "podSets": pod_sets,
+            "priority": prio,
+            "active": True,
+            **ref,
+        },
     }
 
 
 def job_active(js: dict) -> bool:
     """The JobSet integration's IsActive: some replicated job has active Jobs."""
-    return any(int(r.get("active", 0)) > 0 for r in (js.get("status") or {}).get("replicatedJobsStatus") or [])
+    return any(
+        int(r.get("active", 0)) > 0 for r in (js.get("status") or {}).get("replicatedJobsStatus") or []
+    )
 
 
 def finished_message(js: dict) -> tuple[str, bool, bool]:
@@ -205,8 +247,9 @@ def stop_job(w: World, js: dict, wl: dict | None, message: str) -> bool:
             ps = by_name.get(rj["name"])
             if ps:
                 tmpl = rj["template"]["spec"]["template"]
-                tmpl.setdefault("spec", {})["nodeSelector"] = dict((ps["template"].get("spec") or {}).get(
-                    "nodeSelector") or {})
+                tmpl.setdefault("spec", {})["nodeSelector"] = dict(
+                    (ps["template"].get("spec") or {}).get("nodeSelector") or {}
+                )
                 if not tmpl["spec"]["nodeSelector"]:
                     tmpl["spec"].pop("nodeSelector")
                 lab = (tmpl.get("metadata") or {}).get("labels") or {}
@@ -227,11 +270,16 @@ def start_job(w: World, js: dict, wl: dict) -> None:
             rf = w.get("ResourceFlavor", "", flavor)
             node_labels.update(((rf or {}).get("spec") or {}).get("nodeLabels") or {})
         if node_labels:
-            tmpl.setdefault("spec", {})["nodeSelector"] = {**(tmpl["spec"].get("nodeSelector") or {}), **node_labels}
+            tmpl.setdefault("spec", {})["nodeSelector"] = {
+                **(tmpl["spec"].get("nodeSelector") or {}),
+                **node_labels,
+            }
         tmpl.setdefault("metadata", {}).setdefault("labels", {})[PODSET_LABEL] = psa["name"]
     js["spec"]["suspend"] = False
     w.save("JobSet", js)
-    w.event(js, "Started", f"Admitted by clusterQueue {adm['clusterQueue']}", source="jobset-kueue-controller")
+    w.event(
+        js, "Started", f"Admitted by clusterQueue {adm['clusterQueue']}", source="jobset-kueue-controller"
+    )
 
 
 def reconcile_job(w: World, js: dict) -> bool:
@@ -244,24 +292,34 @@ def reconcile_job(w: World, js: dict) -> bool:
         changed = False
         for x in wls:
             if RESOURCE_IN_USE_FINALIZER in (x["metadata"].get("finalizers") or []):
-                x["metadata"]["finalizers"] = [f for f in x["metadata"]["finalizers"] if f != RESOURCE_IN_USE_FINALIZER]
+                x["metadata"]["finalizers"] = [
+                    f for f in x["metadata"]["finalizers"] if f != RESOURCE_IN_USE_FINALIZER
+                ]
                 w.save("Workload", x)
                 changed = True
         return changed
     wl = next((x for x in wls if not is_finished(x)), wls[0] if wls else None)
     if wl is not None and is_finished(wl):
         if RESOURCE_IN_USE_FINALIZER in (wl["metadata"].get("finalizers") or []):
-            wl["metadata"]["finalizers"] = [f for f in wl["metadata"]["finalizers"] if f != RESOURCE_IN_USE_FINALIZER]
+            wl["metadata"]["finalizers"] = [
+                f for f in wl["metadata"]["finalizers"] if f != RESOURCE_IN_USE_FINALIZER
+            ]
             w.save("Workload", wl)
             return True
         return False
     message, success, done = finished_message(js)
     if done:
         if wl is not None:
-            set_status_condition(wl, "Finished", "True", "Succeeded" if success else "Failed", message, w.now())
+            set_status_condition(
+                wl, "Finished", "True", "Succeeded" if success else "Failed", message, w.now()
+            )
             w.save("Workload", wl)
-            w.event(js, "FinishedWorkload", f"Workload '{ns}/{wl['metadata']['name']}' is declared finished",
-                    source="jobset-kueue-controller")
+            w.event(
+                js,
+                "FinishedWorkload",
+                f"Workload '{ns}/{wl['metadata']['name']}' is declared finished",
+                source="jobset-kueue-controller",
+            )
             return True
         return False
     if wl is None:  # handleJobWithNoWorkload
@@ -274,8 +332,12 @@ def reconcile_job(w: World, js: dict) -> bool:
             return False
         w.reconcile_errors.pop(js["metadata"]["uid"], None)
         w.save("Workload", wl, new=True)
-        w.event(js, "CreatedWorkload", f"Created Workload: {ns}/{wl['metadata']['name']}",
-                source="jobset-kueue-controller")
+        w.event(
+            js,
+            "CreatedWorkload",
+            f"Created Workload: {ns}/{wl['metadata']['name']}",
+            source="jobset-kueue-controller",
+        )
         return True
     ev = find_cond(wl, "Evicted")
     if ev and ev["status"] == "True":  # 6. handle eviction
@@ -315,8 +377,14 @@ def inactive_reason(w: World, cq: dict) -> tuple[str, str] | None:
     if (cq.get("spec") or {}).get("stopPolicy", "None") != "None":
         reasons.append("Stopped")
         messages.append("is stopped")
-    missing = sorted({f["name"] for g in (cq.get("spec") or {}).get("resourceGroups") or []
-                      for f in g.get("flavors") or [] if w.get("ResourceFlavor", "", f["name"]) is None})
+    missing = sorted(
+        {
+            f["name"]
+            for g in (cq.get("spec") or {}).get("resourceGroups") or []
+            for f in g.get("flavors") or []
+            if w.get("ResourceFlavor", "", f["name"]) is None
+        }
+    )
     if missing:
         reasons.append("FlavorNotFound")
         messages.append(f"references missing ResourceFlavor(s): {','.join(missing)}")
@@ -352,21 +420,33 @@ def reconcile_workload(w: World, wl: dict) -> bool:
             wl["status"].get("requeueState", {}).pop("requeueAt", None)
             set_requeued(w, wl, "BackoffFinished", "The workload backoff was finished", True)
     if not is_admitted(wl) and sync_admitted_condition(w, wl) and is_admitted(wl):
-        w.event(wl, "Admitted", f"Admitted by ClusterQueue {wl['status']['admission']['clusterQueue']}, "
-                "wait time since reservation was 0s", source="kueue-admission")
+        w.event(
+            wl,
+            "Admitted",
+            f"Admitted by ClusterQueue {wl['status']['admission']['clusterQueue']}, "
+            "wait time since reservation was 0s",
+            source="kueue-admission",
+        )
     if is_admitted(wl) and w.pods_ready_timeout_s is not None:
         check_pods_ready(w, wl)
     if not has_quota_reservation(wl):
         lq, cq = cluster_queue_for(w, wl)
         if lq is None:
-            unset_quota_reservation(w, wl, "Inadmissible", f"LocalQueue {wl['spec'].get('queueName')} doesn't exist")
+            unset_quota_reservation(
+                w, wl, "Inadmissible", f"LocalQueue {wl['spec'].get('queueName')} doesn't exist"
+            )
         elif lq.get("spec", {}).get("stopPolicy", "None") != "None":
-            unset_quota_reservation(w, wl, "Inadmissible", f"LocalQueue {wl['spec'].get('queueName')} is inactive")
+            unset_quota_reservation(
+                w, wl, "Inadmissible", f"LocalQueue {wl['spec'].get('queueName')} is inactive"
+            )
         elif cq is None:
-            unset_quota_reservation(w, wl, "Inadmissible", f"ClusterQueue {lq['spec'].get('clusterQueue')} doesn't "
-                                    "exist")
+            unset_quota_reservation(
+                w, wl, "Inadmissible", f"ClusterQueue {lq['spec'].get('clusterQueue')} doesn't exist"
+            )
         elif inactive_reason(w, cq) is not None:
-            unset_quota_reservation(w, wl, "Inadmissible", f"ClusterQueue {cq['metadata']['name']} is inactive")
+            unset_quota_reservation(
+                w, wl, "Inadmissible", f"ClusterQueue {cq['metadata']['name']} is inactive"
+            )
     return w.commit("Workload", wl, before)
 
 
@@ -374,19 +454,32 @@ def check_pods_ready(w: World, wl: dict) -> None:
     """waitForPodsReady: PodsReady from the JobSet's ready replicas (the integration's PodsReady);
     past the timeout the workload is evicted with PodsReadyTimeout and a requeue backoff."""
     js = w.owner_jobset(wl)
-    ready = js is not None and sum(int(r.get("ready", 0)) + int(r.get("succeeded", 0)) for r in
-                                   (js.get("status") or {}).get("replicatedJobsStatus") or []) == \
-        sum(int(rj.get("replicas", 1)) for rj in js["spec"]["replicatedJobs"])
+    ready = js is not None and sum(
+        int(r.get("ready", 0)) + int(r.get("succeeded", 0))
+        for r in (js.get("status") or {}).get("replicatedJobsStatus") or []
+    ) == sum(int(rj.get("replicas", 1)) for rj in js["spec"]["replicatedJobs"])
     if ready:
-        set_status_condition(wl, "PodsReady", "True", "PodsReady", "All pods reached readiness and the workload is "
-                             "running", w.now())
+        set_status_condition(
+            wl,
+            "PodsReady",
+            "True",
+            "PodsReady",
+            "All pods reached readiness and the workload is running",
+            w.now(),
+        )
         return
-    set_status_condition(wl, "PodsReady", "False", "WaitForStart", "Not all pods are ready or succeeded", w.now())
+    set_status_condition(
+        wl, "PodsReady", "False", "WaitForStart", "Not all pods are ready or succeeded", w.now()
+    )
     adm = find_cond(wl, "Admitted")
     if adm and not is_evicted(wl) and w.seconds_since(adm["lastTransitionTime"]) >= w.pods_ready_timeout_s:
         update_requeue_state(w, wl)
-        evict(w, wl, "PodsReadyTimeout", f"Exceeded the PodsReady timeout {wl['metadata']['namespace']}/"
-              f"{wl['metadata']['name']}")
+        evict(
+            w,
+            wl,
+            "PodsReadyTimeout",
+            f"Exceeded the PodsReady timeout {wl['metadata']['namespace']}/{wl['metadata']['name']}",
+        )
 
 
 # ---------------------------------------------------------------- pkg/scheduler
@@ -422,8 +515,11 @@ def assign_flavors(w: World, wl: dict, cq: dict, used: dict) -> tuple[dict | Non
             group = next((g for g in groups if res in (g.get("coveredResources") or [])), None)
             if group is None:
                 if need:
-                    return None, f"couldn't assign flavors to pod set {ps['name']}: resource {res} unavailable in " \
-                                 "ClusterQueue"
+                    return (
+                        None,
+                        f"couldn't assign flavors to pod set {ps['name']}: resource {res} unavailable in "
+                        "ClusterQueue",
+                    )
                 continue
             reasons = []
             for fq in group.get("flavors") or []:
@@ -433,19 +529,29 @@ def assign_flavors(w: World, wl: dict, cq: dict, used: dict) -> tuple[dict | Non
                 if any(k in selector and selector[k] != v for k, v in node_labels.items()):
                     reasons.append(f"flavor {fname} doesn't match node affinity")
                     continue
-                nominal = next((quantity(r.get("nominalQuota", 0)) for r in fq.get("resources") or []
-                                if r["name"] == res), 0.0)
+                nominal = next(
+                    (
+                        quantity(r.get("nominalQuota", 0))
+                        for r in fq.get("resources") or []
+                        if r["name"] == res
+                    ),
+                    0.0,
+                )
                 free = nominal - taken.get((fname, res), 0.0)
                 if need <= free + 1e-9:
                     flavors[res] = fname
                     usage_out[res] = format_quantity(res, need)
                     taken[(fname, res)] = taken.get((fname, res), 0.0) + need
                     break
-                reasons.append(f"insufficient unused quota for {res} in flavor {fname}, "
-                               f"{format_quantity(res, need - max(free, 0.0))} more needed")
+                reasons.append(
+                    f"insufficient unused quota for {res} in flavor {fname}, "
+                    f"{format_quantity(res, need - max(free, 0.0))} more needed"
+                )
             else:
                 return None, f"couldn't assign flavors to pod set {ps['name']}: " + ", ".join(reasons)
-        assignments.append({"name": ps["name"], "flavors": flavors, "resourceUsage": usage_out, "count": ps["count"]})
+        assignments.append(
+            {"name": ps["name"], "flavors": flavors, "resourceUsage": usage_out, "count": ps["count"]}
+        )
     return {"clusterQueue": cq_name, "podSetAssignments": assignments}, ""
 
 
@@ -465,7 +571,9 @@ def schedule(w: World) -> bool:
         if lq is None or cq is None or inactive_reason(w, cq) is not None:
             continue
         pending.append((wl, cq))
-    pending.sort(key=lambda p: (-priority(p[0]), p[0]["metadata"]["creationTimestamp"], p[0]["metadata"]["name"]))
+    pending.sort(
+        key=lambda p: (-priority(p[0]), p[0]["metadata"]["creationTimestamp"], p[0]["metadata"]["name"])
+    )
     for wl, cq in pending:
         before = w.snapshot(wl)
         cq_name = cq["metadata"]["name"]
@@ -476,8 +584,13 @@ def schedule(w: World) -> bool:
             if RESOURCE_IN_USE_FINALIZER not in fins:
                 fins.append(RESOURCE_IN_USE_FINALIZER)
             w.save("Workload", wl)
-            w.event(wl, "QuotaReserved", f"Quota reserved in ClusterQueue {cq_name}, wait time since queued was "
-                    f"{max(0, round(w.seconds_since(wl['metadata']['creationTimestamp'])))}s", source="kueue-admission")
+            w.event(
+                wl,
+                "QuotaReserved",
+                f"Quota reserved in ClusterQueue {cq_name}, wait time since queued was "
+                f"{max(0, round(w.seconds_since(wl['metadata']['creationTimestamp'])))}s",
+                source="kueue-admission",
+            )
             changed = True
             continue
         if preempt_for(w, wl, cq):
@@ -499,11 +612,22 @@ def preempt_for(w: World, preemptor: dict, cq: dict) -> bool:
     if policy not in ("LowerPriority", "LowerOrNewerEqualPriority"):
         return False
     cq_name = cq["metadata"]["name"]
-    candidates = [x for x in w.items("Workload", None) if has_quota_reservation(x) and not is_finished(x)
-                  and (x["status"].get("admission") or {}).get("clusterQueue") == cq_name
-                  and priority(x) < priority(preemptor)]
-    candidates.sort(key=lambda x: (priority(x), "" if not find_cond(x, "QuotaReserved") else
-                                   _neg(find_cond(x, "QuotaReserved")["lastTransitionTime"])))
+    candidates = [
+        x
+        for x in w.items("Workload", None)
+        if has_quota_reservation(x)
+        and not is_finished(x)
+        and (x["status"].get("admission") or {}).get("clusterQueue") == cq_name
+        and priority(x) < priority(preemptor)
+    ]
+    candidates.sort(
+        key=lambda x: (
+            priority(x),
+            ""
+            if not find_cond(x, "QuotaReserved")
+            else _neg(find_cond(x, "QuotaReserved")["lastTransitionTime"]),
+        )
+    )
     chosen: list[dict] = []
     for cand in candidates:
         chosen.append(cand)
@@ -518,16 +642,26 @@ def preempt_for(w: World, preemptor: dict, cq: dict) -> bool:
         if is_evicted(target):
             continue  # preemption ongoing
         jl = labels(preemptor).get(JOB_UID_LABEL) or "UNKNOWN"
-        message = (f"Preempted to accommodate a workload (UID: {preemptor['metadata']['uid']}, JobUID: {jl}) due to "
-                   f"{HUMAN_PREEMPTION_REASONS['InClusterQueue']}; preemptor path: {path}; preemptee path: {path}")
-        set_status_condition(target, "Preempted", "True", "InClusterQueue", message, w.now(), observed_generation=False)
+        message = (
+            f"Preempted to accommodate a workload (UID: {preemptor['metadata']['uid']}, JobUID: {jl}) due to "
+            f"{HUMAN_PREEMPTION_REASONS['InClusterQueue']}; preemptor path: {path}; preemptee path: {path}"
+        )
+        set_status_condition(
+            target, "Preempted", "True", "InClusterQueue", message, w.now(), observed_generation=False
+        )
         evict(w, target, "Preempted", message)
-        prio = (f"; preemptor effective priority: {priority(preemptor)} (base: {priority(preemptor)}, boost: 0); "
-                f"preemptee effective priority: {priority(target)} (base: {priority(target)}, boost: 0)")
+        prio = (
+            f"; preemptor effective priority: {priority(preemptor)} (base: {priority(preemptor)}, boost: 0); "
+            f"preemptee effective priority: {priority(target)} (base: {priority(target)}, boost: 0)"
+        )
         w.event(target, "Preempted", message + prio, source="kueue-admission")
-        w.event(preemptor, "PreemptedWorkload", f"Preempted workload {target['metadata']['namespace']}/"
-                f"{target['metadata']['name']} (UID: {target['metadata']['uid']}) in ClusterQueue {cq_name}{prio}",
-                source="kueue-admission")
+        w.event(
+            preemptor,
+            "PreemptedWorkload",
+            f"Preempted workload {target['metadata']['namespace']}/"
+            f"{target['metadata']['name']} (UID: {target['metadata']['uid']}) in ClusterQueue {cq_name}{prio}",
+            source="kueue-admission",
+        )
         changed = True
     return changed
 

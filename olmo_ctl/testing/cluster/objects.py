@@ -33,7 +33,9 @@ def labels(obj: dict) -> dict:
 def find_cond(obj: dict | None, ctype: str) -> dict | None:
     if not obj:
         return None
-    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == ctype), None)
+    return next(
+        (c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == ctype), None
+    )
 
 
 def is_true(obj: dict | None, ctype: str) -> bool:
@@ -41,8 +43,9 @@ def is_true(obj: dict | None, ctype: str) -> bool:
     return bool(c) and c.get("status") == "True"
 
 
-def set_status_condition(obj: dict, ctype: str, status: str, reason: str, message: str, now: str,
-                         observed_generation: bool = True) -> bool:
+def set_status_condition(
+    obj: dict, ctype: str, status: str, reason: str, message: str, now: str, observed_generation: bool = True
+) -> bool:
     """apimeta.SetStatusCondition: lastTransitionTime moves only when the status changes; returns
     whether anything changed."""
     conds = obj.setdefault("status", {}).setdefault("conditions", [])
@@ -62,13 +65,21 @@ def set_status_condition(obj: dict, ctype: str, status: str, reason: str, messag
 
 
 def owner_ref(owner: dict, api_version: str, kind: str, controller: bool = True) -> dict:
-    return {"apiVersion": api_version, "kind": kind, "name": owner["metadata"]["name"],
-            "uid": owner["metadata"]["uid"], "controller": controller, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "name": owner["metadata"]["name"],
+        "uid": owner["metadata"]["uid"],
+        "controller": controller,
+        "blockOwnerDeletion": True,
+    }
 
 
 def controlled_by(obj: dict, owner: dict) -> bool:
     uid = owner["metadata"].get("uid")
-    return any(r.get("uid") == uid and r.get("controller") for r in obj["metadata"].get("ownerReferences") or [])
+    return any(
+        r.get("uid") == uid and r.get("controller") for r in obj["metadata"].get("ownerReferences") or []
+    )
 
 
 def deleting(obj: dict) -> bool:

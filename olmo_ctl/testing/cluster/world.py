@@ -43,10 +43,14 @@ def pod_security_baseline(pod: dict) -> str | None:
     host = [f"{k}=true" for k in ("hostNetwork", "hostPID", "hostIPC") if spec.get(k)]
     if host:
         out.append(f"host namespaces ({', '.join(host)})")
-    priv = [c["name"] for c in spec.get("containers") or [] if (c.get("securityContext") or {}).get("privileged")]
+    priv = [
+        c["name"] for c in spec.get("containers") or [] if (c.get("securityContext") or {}).get("privileged")
+    ]
     if priv:
-        out.append(f"privileged ({', '.join(f'container {n!r}' for n in priv)} must not set "
-                   "securityContext.privileged=true)".replace("'", '"'))
+        out.append(
+            f"privileged ({', '.join(f'container {n!r}' for n in priv)} must not set "
+            "securityContext.privileged=true)".replace("'", '"')
+        )
     paths = [v["name"] for v in spec.get("volumes") or [] if "hostPath" in v]
     if paths:
         out.append(f"hostPath volumes (volumes {', '.join(repr(n) for n in paths)})".replace("'", '"'))
@@ -109,8 +113,9 @@ class World(Hooks):
             obj["metadata"].setdefault("creationTimestamp", self.now())
             obj["metadata"].setdefault("generation", 1)
         if res.crd:
-            errs = schema_errors({k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}, res.crd,
-                                 res.versions[0])
+            errs = schema_errors(
+                {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}, res.crd, res.versions[0]
+            )
             if errs:
                 raise AssertionError(f"the test cluster wrote an invalid {kind}: {errs}")
         obj["apiVersion"], obj["kind"] = res.api_version(), res.kind
@@ -133,14 +138,29 @@ class World(Hooks):
         md = obj["metadata"]
         ns = md.get("namespace") or self.namespace
         ev = {
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"name": f"{md['name']}.{secrets.token_hex(8)}", "namespace": ns,
-                         "uid": str(uuid.uuid4()), "creationTimestamp": self.now()},
-            "involvedObject": {"kind": obj.get("kind"), "name": md["name"], "namespace": ns,
-                               "uid": md.get("uid"), "apiVersion": obj.get("apiVersion")},
-            "reason": reason, "message": message, "type": type_, "count": 1,
-            "firstTimestamp": self.now(), "lastTimestamp": self.now(),
-            "source": {"component": source or "kubelet"}, "reportingComponent": source or "kubelet",
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                "name": f"{md['name']}.{secrets.token_hex(8)}",
+                "namespace": ns,
+                "uid": str(uuid.uuid4()),
+                "creationTimestamp": self.now(),
+            },
+            "involvedObject": {
+                "kind": obj.get("kind"),
+                "name": md["name"],
+                "namespace": ns,
+                "uid": md.get("uid"),
+                "apiVersion": obj.get("apiVersion"),
+            },
+            "reason": reason,
+            "message": message,
+            "type": type_,
+            "count": 1,
+            "firstTimestamp": self.now(),
+            "lastTimestamp": self.now(),
+            "source": {"component": source or "kubelet"},
+            "reportingComponent": source or "kubelet",
         }
         self.store.put(KIND_TO_RESOURCE["Event"], ev)
 
@@ -221,7 +241,9 @@ class World(Hooks):
     def _pod_stopped(self, pod: dict) -> bool:
         if pod_terminal(pod) or not pod["spec"].get("nodeName"):
             return True
-        return not any("running" in (cs.get("state") or {}) for cs in pod["status"].get("containerStatuses") or [])
+        return not any(
+            "running" in (cs.get("state") or {}) for cs in pod["status"].get("containerStatuses") or []
+        )
 
     def _kubelet(self) -> bool:
         """Deleting pods: SIGTERM, then the container exits after its `sigterm_exit_s`, or is killed
@@ -252,8 +274,14 @@ class World(Hooks):
                 changed = True
         return changed
 
-    def container_exit(self, pod: dict, code: int, log_lines=(), reason: str | None = None,
-                       disruption: tuple[str, str] | None = None) -> None:
+    def container_exit(
+        self,
+        pod: dict,
+        code: int,
+        log_lines=(),
+        reason: str | None = None,
+        disruption: tuple[str, str] | None = None,
+    ) -> None:
         """Every container of `pod` terminates with `code` (restartPolicy Never: the pod is done)."""
         key = (pod["metadata"]["namespace"], pod["metadata"]["name"])
         self.store.logs.setdefault(key, []).extend(log_lines)
@@ -263,8 +291,13 @@ class World(Hooks):
         policy = {c["name"]: c.get("terminationMessagePolicy") for c in pod["spec"].get("containers") or []}
         for cs in st.get("containerStatuses") or []:
             started = ((cs.get("state") or {}).get("running") or {}).get("startedAt") or self.now()
-            term = {"exitCode": code, "reason": reason, "startedAt": started, "finishedAt": self.now(),
-                    "containerID": f"containerd://{secrets.token_hex(16)}"}
+            term = {
+                "exitCode": code,
+                "reason": reason,
+                "startedAt": started,
+                "finishedAt": self.now(),
+                "containerID": f"containerd://{secrets.token_hex(16)}",
+            }
             if code != 0 and policy.get(cs["name"]) == "FallbackToLogsOnError":
                 term["message"] = "\n".join(self.store.logs.get(key, [])[-80:])
             cs.update(ready=False, started=False, state={"terminated": term})
@@ -278,8 +311,15 @@ class World(Hooks):
     def add_disruption(self, pod: dict, reason: str, message: str) -> None:
         conds = pod["status"].setdefault("conditions", [])
         if not any(c["type"] == "DisruptionTarget" for c in conds):
-            conds.append({"type": "DisruptionTarget", "status": "True", "reason": reason, "message": message,
-                          "lastTransitionTime": self.now()})
+            conds.append(
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": reason,
+                    "message": message,
+                    "lastTransitionTime": self.now(),
+                }
+            )
 
     def start_pod(self, pod: dict, node: str) -> None:
         """The scheduler binds the pod to `node`; the kubelet starts its containers."""
@@ -287,46 +327,94 @@ class World(Hooks):
         st = pod["status"]
         ip = f"10.0.{len(node) % 200}.{(sum(map(ord, node)) % 250) + 2}"
         st.update(phase="Running", hostIP=ip, podIP=ip, startTime=self.now())
-        st["conditions"] = [{"type": t, "status": "True", "lastTransitionTime": self.now()}
-                            for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]
+        st["conditions"] = [
+            {"type": t, "status": "True", "lastTransitionTime": self.now()}
+            for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+        ]
         for cs in st["containerStatuses"]:
             cs.update(ready=True, started=True, state={"running": {"startedAt": self.now()}})
         self.save("Pod", pod)
-        self.event(pod, "Scheduled", f"Successfully assigned {pod['metadata']['namespace']}/"
-                   f"{pod['metadata']['name']} to {node}", source="default-scheduler")
+        self.event(
+            pod,
+            "Scheduled",
+            f"Successfully assigned {pod['metadata']['namespace']}/{pod['metadata']['name']} to {node}",
+            source="default-scheduler",
+        )
 
     # -- queries
     def jobset_pods(self, name: str, ns: str | None = None, live_only: bool = False) -> list[dict]:
-        pods = [p for p in self.items("Pod", ns or self.namespace) if labels(p).get(JOBSET_NAME_LABEL) == name
-                and not (live_only and (pod_terminal(p) or deleting(p)))]
-        return sorted(pods, key=lambda p: (int(labels(p).get("jobset.sigs.k8s.io/job-index", 0)),
-                                           int(labels(p).get("batch.kubernetes.io/job-completion-index", 0)),
-                                           p["metadata"]["creationTimestamp"]))
+        pods = [
+            p
+            for p in self.items("Pod", ns or self.namespace)
+            if labels(p).get(JOBSET_NAME_LABEL) == name
+            and not (live_only and (pod_terminal(p) or deleting(p)))
+        ]
+        return sorted(
+            pods,
+            key=lambda p: (
+                int(labels(p).get("jobset.sigs.k8s.io/job-index", 0)),
+                int(labels(p).get("batch.kubernetes.io/job-completion-index", 0)),
+                p["metadata"]["creationTimestamp"],
+            ),
+        )
 
     def workload_of(self, js: dict) -> dict | None:
         wls = [w for w in self.items("Workload", js["metadata"]["namespace"]) if controlled_by(w, js)]
         return max(wls, key=lambda w: w["metadata"]["creationTimestamp"]) if wls else None
 
     # -- causes: Kueue's world
-    def ensure_queue(self, local_queue: str, cluster_queue: str, flavor: str, resources: dict[str, Any],
-                     node_labels: dict[str, str] | None = None, preemption: str = "LowerPriority",
-                     namespace: str | None = None) -> None:
+    def ensure_queue(
+        self,
+        local_queue: str,
+        cluster_queue: str,
+        flavor: str,
+        resources: dict[str, Any],
+        node_labels: dict[str, str] | None = None,
+        preemption: str = "LowerPriority",
+        namespace: str | None = None,
+    ) -> None:
         """A LocalQueue -> ClusterQueue -> ResourceFlavor chain as XPK configures it (preemption within
         the ClusterQueue of lower priorities, never across the cohort)."""
         ns = namespace or self.namespace
         if self.get("ResourceFlavor", "", flavor) is None:
-            self.save("ResourceFlavor", {"metadata": {"name": flavor},
-                                         "spec": {"nodeLabels": dict(node_labels or {})}}, new=True)
+            self.save(
+                "ResourceFlavor",
+                {"metadata": {"name": flavor}, "spec": {"nodeLabels": dict(node_labels or {})}},
+                new=True,
+            )
         if self.get("ClusterQueue", "", cluster_queue) is None:
-            self.save("ClusterQueue", {"metadata": {"name": cluster_queue}, "spec": {
-                "namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
-                "preemption": {"withinClusterQueue": preemption, "reclaimWithinCohort": "Never"},
-                "resourceGroups": [{"coveredResources": sorted(resources), "flavors": [
-                    {"name": flavor, "resources": [{"name": r, "nominalQuota": str(q)}
-                                                   for r, q in sorted(resources.items())]}]}]}}, new=True)
+            self.save(
+                "ClusterQueue",
+                {
+                    "metadata": {"name": cluster_queue},
+                    "spec": {
+                        "namespaceSelector": {},
+                        "queueingStrategy": "BestEffortFIFO",
+                        "preemption": {"withinClusterQueue": preemption, "reclaimWithinCohort": "Never"},
+                        "resourceGroups": [
+                            {
+                                "coveredResources": sorted(resources),
+                                "flavors": [
+                                    {
+                                        "name": flavor,
+                                        "resources": [
+                                            {"name": r, "nominalQuota": str(q)}
+                                            for r, q in sorted(resources.items())
+                                        ],
+                                    }
+                                ],
+                            }
+                        ],
+                    },
+                },
+                new=True,
+            )
         if self.get("LocalQueue", ns, local_queue) is None:
-            self.save("LocalQueue", {"metadata": {"name": local_queue, "namespace": ns},
-                                     "spec": {"clusterQueue": cluster_queue}}, new=True)
+            self.save(
+                "LocalQueue",
+                {"metadata": {"name": local_queue, "namespace": ns}, "spec": {"clusterQueue": cluster_queue}},
+                new=True,
+            )
 
     def add_quota(self, cluster_queue: str, flavor: str, resource: str, amount: float) -> None:
         """Capacity appears (amount > 0) or is withdrawn (< 0) in a ClusterQueue's flavor."""
@@ -343,18 +431,35 @@ class World(Hooks):
                     f["resources"].append(row)
                 from olmo_ctl.testing.cluster.objects import format_quantity
 
-                row["nominalQuota"] = format_quantity(resource, max(0.0, quantity(row["nominalQuota"]) + amount))
+                row["nominalQuota"] = format_quantity(
+                    resource, max(0.0, quantity(row["nominalQuota"]) + amount)
+                )
         self.save("ClusterQueue", cq)
 
-    def arrive(self, name: str, queue: str, priority: int, template: dict, count: int = 1,
-               namespace: str | None = None) -> dict:
+    def arrive(
+        self,
+        name: str,
+        queue: str,
+        priority: int,
+        template: dict,
+        count: int = 1,
+        namespace: str | None = None,
+    ) -> dict:
         """Another team's workload arrives in `queue` with `priority` (a bare Workload: its pods run
         elsewhere); Kueue admits it, preempting lower priorities if it must."""
-        wl = {"metadata": {"name": name, "namespace": namespace or self.namespace},
-              "spec": {"queueName": queue, "priority": priority, "active": True,
-                       "podSets": [{"name": "main", "count": count, "template": copy.deepcopy(template)}]}}
+        wl = {
+            "metadata": {"name": name, "namespace": namespace or self.namespace},
+            "spec": {
+                "queueName": queue,
+                "priority": priority,
+                "active": True,
+                "podSets": [{"name": "main", "count": count, "template": copy.deepcopy(template)}],
+            },
+        }
         return self.save("Workload", wl, new=True)
 
     def requests_of(self, wl: dict) -> list[tuple[dict, dict[str, float]]]:
-        return [(ps, {r: q * int(ps["count"]) for r, q in pod_requests(ps["template"]).items()})
-                for ps in wl["spec"]["podSets"]]
+        return [
+            (ps, {r: q * int(ps["count"]) for r, q in pod_requests(ps["template"]).items()})
+            for ps in wl["spec"]["podSets"]
+        ]
