@@ -249,19 +249,7 @@ class GKEBackend(Backend[dict]):
         ns = md.get("namespace") or self.namespace
         what = f"create JobSet {name} in {ns}"
         try:
-            obj = _json(
-                self._call(
-                    what,
-                    self._custom.create_namespaced_custom_object,
-                    JOBSET_GROUP,
-                    JOBSET_VERSION,
-                    ns,
-                    JOBSETS,
-                    request,
-                    field_validation="Strict",
-                    _preload_content=False,
-                )
-            )
+            obj = self._create(what, request, ns)
         except Exception as e:
             status = api_status(e)
             if status == 409:
@@ -282,24 +270,28 @@ class GKEBackend(Backend[dict]):
                 raise self._api_error(e, what) from e
         return self._handle(obj)
 
+    def _create(self, what: str, request: dict, ns: str) -> dict:
+        """Create the JobSet, unknown fields refused (strict field validation)."""
+        return _json(
+            self._call(
+                what,
+                self._custom.create_namespaced_custom_object,
+                JOBSET_GROUP,
+                JOBSET_VERSION,
+                ns,
+                JOBSETS,
+                request,
+                field_validation="Strict",
+                _preload_content=False,
+            )
+        )
+
     def _adopt(self, request: dict, ns: str) -> dict:
         """A JobSet with this name exists: adopt it when it is this attempt, refuse otherwise."""
         name = request["metadata"]["name"]
         existing = self._get_jobset(name, ns)
         if existing is None:  # deleted in between: create again, once
-            return _json(
-                self._call(
-                    f"create JobSet {name}",
-                    self._custom.create_namespaced_custom_object,
-                    JOBSET_GROUP,
-                    JOBSET_VERSION,
-                    ns,
-                    JOBSETS,
-                    request,
-                    field_validation="Strict",
-                    _preload_content=False,
-                )
-            )
+            return self._create(f"create JobSet {name}", request, ns)
         # Same labels (run, attempt, device, ...) and the same run directory: the same attempt.
         # Two run roots may hold runs of the same name; the run directory tells them apart.
         want = {
@@ -457,20 +449,20 @@ class GKEBackend(Backend[dict]):
         self._kueue_version = ""  # no Kueue API on this cluster
         return None
 
+    def _items(self, what: str, fn, ns: str, **selector) -> list[dict]:
+        """The items of one list call (`label_selector=` or `field_selector=`), decoded."""
+        return _json(self._call(what, fn, ns, _preload_content=False, **selector)).get("items") or []
+
     def _list_pods(self, ns: str, name: str) -> list[dict]:
         try:
-            data = _json(
-                self._call(
-                    f"list pods of {name}",
-                    self._core.list_namespaced_pod,
-                    ns,
-                    label_selector=f"{JOBSET_NAME_LABEL}={name}",
-                    _preload_content=False,
-                )
+            return self._items(
+                f"list pods of {name}",
+                self._core.list_namespaced_pod,
+                ns,
+                label_selector=f"{JOBSET_NAME_LABEL}={name}",
             )
         except Exception as e:
             raise self._api_error(e, f"list pods of {name}") from e
-        return data.get("items") or []
 
     def _events(self, ns: str, js: dict, wl: dict | None, pods: list[dict]) -> list[dict]:
         targets = [js["metadata"]["name"]] + ([wl["metadata"]["name"]] if wl else [])
@@ -485,20 +477,16 @@ class GKEBackend(Backend[dict]):
             out += self._failed_creates(ns, js)
         for target in targets:
             try:
-                data = _json(
-                    self._call(
-                        f"list events of {target}",
-                        self._core.list_namespaced_event,
-                        ns,
-                        field_selector=f"involvedObject.name={target}",
-                        _preload_content=False,
-                    )
+                out += self._items(
+                    f"list events of {target}",
+                    self._core.list_namespaced_event,
+                    ns,
+                    field_selector=f"involvedObject.name={target}",
                 )
             except Exception as e:
                 if api_status(e) in (403, 404):  # events are a nicety: their absence must not hide the state
                     continue
                 raise self._api_error(e, f"list events of {target}") from e
-            out += data.get("items") or []
         return out
 
     def _failed_creates(self, ns: str, js: dict) -> list[dict]:
@@ -511,20 +499,17 @@ class GKEBackend(Backend[dict]):
             for i in range(int(rj.get("replicas", 1)))
         }
         try:
-            data = _json(
-                self._call(
-                    "list FailedCreate events",
-                    self._core.list_namespaced_event,
-                    ns,
-                    field_selector="involvedObject.kind=Job,reason=FailedCreate",
-                    _preload_content=False,
-                )
+            events = self._items(
+                "list FailedCreate events",
+                self._core.list_namespaced_event,
+                ns,
+                field_selector="involvedObject.kind=Job,reason=FailedCreate",
             )
         except Exception as e:
             if api_status(e) in (400, 403, 404):  # events are a nicety: their absence must not hide the state
                 return []
             raise self._api_error(e, "list FailedCreate events") from e
-        return [e for e in data.get("items") or [] if (e.get("involvedObject") or {}).get("name") in jobs]
+        return [e for e in events if (e.get("involvedObject") or {}).get("name") in jobs]
 
     def _pod_log(self, ns: str, pod: str, container: str | None, tail: int) -> list[str]:
         try:

@@ -92,27 +92,18 @@ def write_plot(src: Sources, report: dict, out_path: str) -> str:
             ax.axvline(step, color="tab:orange", ls="--", lw=0.8)
         for step, _lab in resizes:
             ax.axvline(step, color="tab:purple", ls="-.", lw=1.0)
-    for step, lab in resumes:
+    marks = [(step, f"resume ({lab})", "tab:orange") for step, lab in resumes]
+    marks += [(step, f"resize {lab}", "tab:purple") for step, lab in resizes]
+    for step, text, color in marks:
         ax_loss.annotate(
-            f"resume ({lab})",
+            text,
             (step, 1),
             xycoords=("data", "axes fraction"),
             rotation=90,
             va="top",
             ha="right",
             fontsize=7,
-            color="tab:orange",
-        )
-    for step, lab in resizes:
-        ax_loss.annotate(
-            f"resize {lab}",
-            (step, 1),
-            xycoords=("data", "axes fraction"),
-            rotation=90,
-            va="top",
-            ha="right",
-            fontsize=7,
-            color="tab:purple",
+            color=color,
         )
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)
