@@ -199,3 +199,12 @@ def test_the_attempt_opens_with_a_session_start_at_its_first_step():
     loop = Loop(step=40)
     H.pre_train(hooks(), loop)
     assert loop.log == [("session_start", 41)]
+
+
+def test_the_training_loop_stays_short():
+    """The loop is a loop: what it does around a step lives in hooks.py and the modules named in its
+    docstring, not in train.py."""
+    from pathlib import Path
+
+    train = Path(__file__).resolve().parent.parent / "olmo_ctl" / "trainer" / "train.py"
+    assert len(train.read_text().splitlines()) <= 350

@@ -26,9 +26,9 @@ The step itself (pure, jitted; also compiled by preflight) is in `trainer/step.p
 the fetch of its metrics, and the hooks of `trainer/hooks.py` around them: evaluation, stop checks,
 checkpoints, metrics and MFU, per-host timings, event uploads, in that file's order). Where else:
 the device (`trainer/device.py`), `--init-from` (`trainer/checkpoint.py`), the exit code of each
-failure (`trainer/exits.py`), the fault knobs (`core/faults.py`). Epoch orders are stored under
-`<run-dir>/data_order/` (see `trainer/epoch_order.py`), so a restart reads its rows instead of
-recomputing the permutation.
+failure (`trainer/exits.py`), the fault knobs (`core/faults.py`, applied in `trainer/injected.py`).
+Epoch orders are stored under `<run-dir>/data_order/` (see `trainer/epoch_order.py`), so a restart
+reads its rows instead of recomputing the permutation.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import Recipe
 from olmo_ctl.storage import join
 from olmo_ctl.trainer import hooks as hooks_lib
+from olmo_ctl.trainer import injected
 from olmo_ctl.trainer.exits import TrainingFailed, exit_code_of
 from olmo_ctl.trainer.step import (  # noqa: F401 - IGNORE_INDEX, init_state, make_train_step, token_losses: re-exported
     IGNORE_INDEX,
@@ -173,7 +174,7 @@ def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
                 print(f"warning: {note}", flush=True)
             shift = faults.data_shift(os.environ)
             if shift:
-                _inject_data_shift(loader, shift)
+                injected.data_shift(loader, shift)
         print(f"restored checkpoint {latest} from {ckpt.directory}", flush=True)
     else:
         params = None
@@ -204,7 +205,7 @@ class _Loop:
         self.loader, self.ckpt, self.events = loader, ckpt, events
         rt = s.recipe.runtime
         self.watchdog = Watchdog(rt.watchdog_factor, rt.watchdog_min_s)
-        self.slow_data_s = _slow_data_s(s.proc)
+        self.slow_data_s = injected.slow_data_s(s.proc)
         self.micro_shard = micro_batch_sharding(s.mesh)
         self.train_step = jit_train_step(s.recipe, state_shard)
         self.hooks = hooks_lib.default_hooks(s, signals)
@@ -326,27 +327,7 @@ def replace_args(args: TrainArgs, **kw) -> TrainArgs:
     return dataclasses.replace(args, **kw)
 
 
-def _slow_data_s(proc: int) -> float:
-    """The slow-host fault knob (core/faults.py SLOW_DATA): seconds added to this host's data loading."""
-    ms = faults.slow_data_ms(os.environ, proc)
-    if ms:
-        print(
-            f"FAULT INJECTION: data loading on host {proc} slowed by {ms:g} ms per step ({faults.SLOW_DATA.name})",
-            flush=True,
-        )
-    return ms / 1000.0
-
-
 def _close_loader(loader) -> None:
     close = getattr(loader, "close", None)
     if close:
         close()
-
-
-def _inject_data_shift(loader, shift: int) -> None:
-    """The resume fault knob (core/faults.py DATA_SHIFT): resume the data `shift` batches off."""
-    state = dict(loader.state())
-    state["batch_in_epoch"] = max(0, int(state["batch_in_epoch"]) + shift)
-    state["batches_seen"] = max(0, int(state["batches_seen"]) + shift)
-    loader.restore(state)
-    print(f"FAULT INJECTION: data resumed {shift:+d} batch(es) off ({faults.DATA_SHIFT.name})", flush=True)

@@ -1,0 +1,28 @@
+"""The fault knobs of `core/faults.py` as the trainer applies them (tests only; never set in a real run):
+each prints one `FAULT INJECTION` line, so a log shows that the run was tampered with."""
+
+from __future__ import annotations
+
+import os
+
+from olmo_ctl.core import faults
+
+
+def slow_data_s(proc: int) -> float:
+    """The slow-host fault knob (core/faults.py SLOW_DATA): seconds added to this host's data loading."""
+    ms = faults.slow_data_ms(os.environ, proc)
+    if ms:
+        print(
+            f"FAULT INJECTION: data loading on host {proc} slowed by {ms:g} ms per step ({faults.SLOW_DATA.name})",
+            flush=True,
+        )
+    return ms / 1000.0
+
+
+def data_shift(loader, shift: int) -> None:
+    """The resume fault knob (core/faults.py DATA_SHIFT): resume the data `shift` batches off."""
+    state = dict(loader.state())
+    state["batch_in_epoch"] = max(0, int(state["batch_in_epoch"]) + shift)
+    state["batches_seen"] = max(0, int(state["batches_seen"]) + shift)
+    loader.restore(state)
+    print(f"FAULT INJECTION: data resumed {shift:+d} batch(es) off ({faults.DATA_SHIFT.name})", flush=True)
