@@ -180,7 +180,9 @@ def test_the_lease_holder_stops_a_stray_attempt(tmp_path):
             lambda: any(r["event"] == "stray_stopped" for r in rd.journal()), 60, "the stray to be stopped"
         )
         wait_for(lambda: live_attempts(root) == [1], 30, "the stray to be gone")
-        assert backend.status(stray).exit_code in (-9, 137)
+        # Its parent (this process) reads the exit code once the kill has landed and the child is reaped.
+        code = wait_for(lambda: backend.status(stray).exit_code, 30, "the stray's exit code")
+        assert code in (-9, 137)
         assert [r["attempt"] for r in rd.journal() if r["event"] == "stray_stopped"] == [7]
     finally:
         sup.kill()

@@ -270,7 +270,7 @@ def test_ctrl_c_detaches_then_stop_on_exit_stops(tmp_path):
         "--poll",
         "0.2",
         "--set",
-        "train.max_steps=500",
+        "train.max_steps=20000",  # never reached: the test stops it
         *SMOKE,
     )
     wait_for(lambda: log_has_steps(rdir, 1), 120, "attempt 1 training")

@@ -50,6 +50,11 @@ def slow_hosts(windows: dict[int, list[dict[str, float]]]) -> list[SlowHost]:
             m = statistics.median(others)
             if v > FACTOR * m and v - m > FLOOR_S:
                 out.append(SlowHost(h, name, v, m))
+    # The other hosts wait for a host slow at its data inside the step's collectives, which they time
+    # as compute: that compute is the data-slow host's, not theirs.
+    data_slow = {s.host for s in out if s.part == "data wait"}
+    if data_slow:
+        out = [s for s in out if s.part == "data wait" or s.host in data_slow]
     return out
 
 
