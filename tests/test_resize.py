@@ -475,6 +475,7 @@ def supervised(tmp_path, monkeypatch, srv, gcs):
         "tpu-queue",
         "--timeout",
         "60",
+        "--no-preflight",  # the 7B step's compile for each new slice is tests/test_preflight.py's
     ]
     yield srv, rd, sup, result, overlaps, args, out
     stop.set()
