@@ -276,7 +276,10 @@ def test_slow_host_rule():
     assert slow_hosts({0: [{"data_wait_s": 9.0, "compute_s": 9.0}]}) == []
     assert slow_hosts({0: clean[0][:1], 1: slow[1][:1]}) == []  # one window each is not enough to judge
     # The others wait for host 1's data in the step's collectives, timed as their compute: still host 1.
-    waiting = {0: [{"data_wait_s": 0.004, "compute_s": 0.2}] * 5, 1: [{"data_wait_s": 0.190, "compute_s": 0.01}] * 5}
+    waiting = {
+        0: [{"data_wait_s": 0.004, "compute_s": 0.2}] * 5,
+        1: [{"data_wait_s": 0.190, "compute_s": 0.01}] * 5,
+    }
     assert [(s.host, s.part) for s in slow_hosts(waiting)] == [(1, "data wait")]
 
 
