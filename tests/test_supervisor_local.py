@@ -29,6 +29,12 @@ from olmo_ctl.supervise.supervisor import Printer, Supervisor
 SMOKE = ["--set", "checkpoint.interval=5", "--set", "eval.interval=1000"]
 
 
+def _interruptible() -> None:
+    # A suite started in the background (`make test &`) ignores SIGINT, and a child inherits that:
+    # the command under test gets Ctrl-C's default, as at a terminal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
     e = dict(os.environ)
     e.update(env or {})
@@ -38,6 +44,7 @@ def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env=e,
+        preexec_fn=_interruptible,
         **kw,
     )
 
