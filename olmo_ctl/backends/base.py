@@ -115,6 +115,7 @@ class Backend(abc.ABC, Generic[Req]):
     # The base backoff before resubmitting a failed attempt: a cluster's capacity comes back in
     # minutes, a process on this machine restarts in seconds.
     retry_backoff_s: ClassVar[float] = 300.0
+    settings: Settings | None = None  # the site settings it was made from (recorded with each attempt)
 
     # ------------------------------------------------------------------ made from the site settings
     @classmethod

@@ -171,7 +171,7 @@ def check_attempt(
             get_device(request.device),
             request.plan,
             log=log,
-            settings=request.settings or getattr(backend, "settings", None),
+            settings=request.settings or backend.settings,
         )
 
 
