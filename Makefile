@@ -1,6 +1,7 @@
 # olmo-ctl: set-up, tests and the artefacts reviewed in diffs.
 #   make install   .venv with every extra (trainer, tpu, parity, dev), at the versions in constraints.txt
-#   make test      the everyday lane: every test but the chaos and tpu_compile lanes (minutes)
+#   make test      the everyday lane: every test but the chaos and tpu_compile lanes (about 6 min, 2 cores)
+#                  JOBS=N sets the pytest workers (default 2; JOBS=0: one process)
 #   make test-chaos       the chaos lane: long fault-injection runs
 #   make test-tpu-compile the tpu_compile lane: compiles for TPU topologies with libtpu
 #   make test-all  every lane in one run (what CI runs, after `make check`)
@@ -28,8 +29,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # The lanes (docs/testing.md). Each prints its 25 slowest tests. pytest exits 5 when it collects no
-# test: said out loud, not a failure of the build.
-PYTEST   := $(BIN)/pytest -q --durations=25
+# test: said out loud, not a failure of the build. JOBS pytest workers (pytest-xdist), each test file
+# on one worker (its module fixtures built once); JOBS=0 runs in this process, one test at a time.
+JOBS     ?= 2
+PYTEST   := $(BIN)/pytest -q --durations=25 -n $(JOBS) --dist loadfile
 EVERYDAY := not chaos and not tpu_compile
 define pytest_lane
 @$(PYTEST) $(1); rc=$$?; \
