@@ -104,15 +104,45 @@ def _divisors_desc(n: int) -> list[int]:
     return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
 
 
-def _seq_candidates(recipe: Recipe, devices: int) -> list[int]:
-    """Sequence shard counts the model and slice allow, smallest first (`devices`: one slice's)."""
+def _seq_candidates(recipe: Recipe, devices: int, host_devices: int) -> list[int]:
+    """Sequence shard counts the model and slice allow, smallest first (`devices`: one slice's;
+    `host_devices`: one trainer process's). A sequence-shard group stays on one host: the loader hands
+    each process whole instances, so the devices sharing an instance must be that process's own."""
     t, m = recipe.train, recipe.model
     dp = t.data_parallel if t.mesh == "hybrid" else 1
     return [
         s
         for s in range(1, devices + 1)
-        if devices % (s * dp) == 0 and t.seq_len % s == 0 and m.n_heads % s == 0 and m.n_kv_heads % s == 0
+        if devices % (s * dp) == 0
+        and host_devices % s == 0
+        and t.seq_len % s == 0
+        and m.n_heads % s == 0
+        and m.n_kv_heads % s == 0
     ]
+
+
+def check_loading(recipe: Recipe, device: Device, slices: int = 1) -> None:
+    """The data loader's rule: every trainer process loads a whole, equal share of each global batch
+    and of each eval batch (`trainer/data.py`). The plan applies it, so a layout the trainer would
+    refuse on the slice is refused here, before anything is queued."""
+    t = recipe.train
+    procs = device.processes * slices
+    where = device.name if slices == 1 else f"{slices} x {device.name}"
+    for what, batch, key in (
+        ("global batch", t.global_batch, "train.global_batch"),
+        ("eval batch", recipe.eval.batch_size or t.global_batch, "eval.batch_size"),
+    ):
+        if batch % procs:
+            hint = (
+                f"use a device with at most {batch} hosts"
+                if procs > batch
+                else f"use a device whose host count divides {batch}"
+            )
+            raise BadInput(
+                f"{what} {batch} cannot be loaded by the {procs} trainer processes (hosts) of {where}: "
+                f"each loads an equal share of whole instances ({batch / procs:g} here)",
+                f"{hint}, or change {key} (the recipe's batch is never changed silently)",
+            )
 
 
 def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
@@ -131,16 +161,17 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
             f"train.data_parallel ({t.data_parallel}) does not divide the {device.devices} devices of {device.name}",
             "choose a data_parallel that divides the device count",
         )
+    check_loading(recipe, device, slices)
     state = state_bytes_per_device(m, device.devices)  # sharded within a slice, one copy per slice
     per_instance = activation_bytes_per_instance(m, t.seq_len)
     usable = int(device.hbm_bytes_per_device * USABLE_HBM_FRACTION)
-    allowed = _seq_candidates(recipe, device.devices)
+    allowed = _seq_candidates(recipe, device.devices, device.devices_per_process)
     if t.seq_shards:
         if t.seq_shards not in allowed:
             raise BadInput(
                 f"train.seq_shards {t.seq_shards} does not fit {device.name}: it must divide the {device.devices} "
-                f"devices (with train.data_parallel), train.seq_len ({t.seq_len}) and the heads ({m.n_heads}, "
-                f"{m.n_kv_heads})",
+                f"devices (with train.data_parallel), the {device.devices_per_process} devices of each host, "
+                f"train.seq_len ({t.seq_len}) and the heads ({m.n_heads}, {m.n_kv_heads})",
                 f"choose one of {', '.join(map(str, allowed))}, or 0 to let the plan choose",
             )
         candidates = [t.seq_shards]
