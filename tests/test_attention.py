@@ -266,6 +266,28 @@ def test_auto_picks_by_platform_and_cudnn_falls_back():
     assert A.resolve("auto", platform="gpu", cudnn=False) == "blocked"  # no cuDNN: the blocked kernel
     assert A.resolve("auto", platform="cpu") == "blocked"
     assert A.resolve("cudnn", platform="cpu") == "blocked"
+
+
+@pytest.mark.parametrize(
+    "dtype,expect", [("bfloat16", "cudnn"), ("float16", "cudnn"), ("float32", "blocked")]
+)
+def test_auto_picks_cudnn_on_gpu_only_for_half_precision_compute(dtype, expect):
+    # cuDNN's fused attention raises NotImplementedError on float32 inputs (the smoke recipe computes
+    # in float32): `auto` and an explicit `cudnn` take the blocked kernel there instead of exit 3.
+    assert A.resolve("auto", platform="gpu", cudnn=True, dtype=jnp.dtype(dtype)) == expect
+    assert A.resolve("cudnn", platform="gpu", cudnn=True, dtype=dtype) == expect
+    assert A.resolve("auto", platform="tpu", dtype=dtype) == "splash"
+
+
+def test_attend_with_float32_inputs_never_reaches_cudnn_on_a_gpu_target(monkeypatch):
+    # attend() passes its inputs' dtype to resolve(): on a GPU target where cuDNN works, float32 q/k/v
+    # take the blocked kernel (here on the CPU the cuDNN call itself would raise, so a wrong choice fails).
+    monkeypatch.setattr(A, "cudnn_available", lambda: True)
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 16, 2, 8), jnp.float32)
+    with A.compile_target("gpu"):
+        out = A.attend(q, q, q, window=None, impl="auto", block=8)
+    ref = A.reference_attention(q, q, q, window=None)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     assert A.resolve("splash", platform="cpu") == "splash"  # explicit: interpret mode off TPU
     with A.compile_target("tpu", "tpu7x"):
         assert A.resolve("auto") == "splash" and A.target() == ("tpu", "tpu7x")

@@ -22,7 +22,8 @@ when both carry the same id, so attention never crosses a document boundary. Sof
   sliding layers, on NVIDIA GPUs. Where cuDNN is unavailable it falls back to `blocked`.
 
 `auto` resolves by the platform the step is compiled for (`target`): splash on TPU, cudnn on GPU
-(blocked where cuDNN is unavailable), blocked on CPU (measured faster than reference there: it skips
+for bf16/fp16 compute (blocked where cuDNN is unavailable or the compute dtype is float32, which
+cuDNN's fused attention does not take), blocked on CPU (measured faster than reference there: it skips
 the tiles a sliding window never reaches and builds no [B, H, T, T] score tensor to transpose;
 docs/trainer-performance.md). Preflight sets the target to the TPU slice it
 compiles for (`compile_target`), so `auto` and the block sizes follow the slice, not this machine.
@@ -114,10 +115,16 @@ def cudnn_available() -> bool:
         return False
 
 
-def resolve(impl: str, platform: str | None = None, cudnn: bool | None = None) -> str:
-    """The implementation that runs: `auto` by platform; `cudnn` without cuDNN falls back to `blocked`.
+# cuDNN's fused attention takes half-precision inputs only (float32 raises NotImplementedError).
+CUDNN_DTYPES = ("bfloat16", "float16")
 
-    `platform` defaults to the compile target's; `cudnn` to whether cuDNN attention works here.
+
+def resolve(impl: str, platform: str | None = None, cudnn: bool | None = None, dtype=None) -> str:
+    """The implementation that runs: `auto` by platform; `cudnn` falls back to `blocked` without cuDNN
+    or for a compute dtype cuDNN does not take (float32: the smoke recipe's).
+
+    `platform` defaults to the compile target's; `cudnn` to whether cuDNN attention works here;
+    `dtype` is the attention inputs' (None: not known yet, judged by platform alone).
     """
     if impl not in CHOICES:
         raise ValueError(f"unknown attention implementation {impl!r}; known: {', '.join(CHOICES)}")
@@ -126,6 +133,8 @@ def resolve(impl: str, platform: str | None = None, cudnn: bool | None = None) -
     if impl == "auto":
         impl = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform, "blocked")
     if impl == "cudnn":
+        if dtype is not None and jnp.dtype(dtype).name not in CUDNN_DTYPES:
+            return "blocked"
         ok = (platform in ("gpu", "cuda") and cudnn_available()) if cudnn is None else cudnn
         if not ok:
             return "blocked"
@@ -139,7 +148,7 @@ def attend(
 
     `segment_ids` [B, T] (optional): a query sees only keys of its own segment.
     """
-    impl = resolve(impl)
+    impl = resolve(impl, dtype=q.dtype)
     if window is not None and window >= q.shape[1]:
         window = None  # the window covers the whole sequence: plain causal attention
     if impl == "reference":
