@@ -2,7 +2,8 @@
 
 One file per (recipe fingerprint, device, remat, micro-batch, trainer version, XLA flags) under
 `~/.cache/olmo-ctl/preflight/` ($OLMO_CTL_CACHE_DIR overrides the root); the trainer version is the
-package version plus a hash of the trainer sources, so any change to the step recompiles. A cache that
+package version plus a hash of every trainer source, the preflight compiler and the jax / jaxlib /
+libtpu versions, so any change to the step or to the compilers recompiles. A cache that
 cannot be read or written only costs a recompile.
 """
 
@@ -16,19 +17,36 @@ from pathlib import Path
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.recipe import Recipe
 
-TRAINER_SOURCES = ("model.py", "attention.py", "sharding.py", "optim.py", "train.py")
-CACHE_SCHEMA = 1
+# What a compiled step depends on: every source of the trainer package (the model, attention, the step,
+# sharding, the optimizer and whatever they import from it), the preflight compiler that builds the step
+# around them, and the versions of the compilers. A file added to the trainer is covered by the glob.
+PREFLIGHT_SOURCES = ("preflight/compile.py", "core/batching.py")
+COMPILER_PACKAGES = ("jax", "jaxlib", "libtpu")
+CACHE_SCHEMA = 2
 
 
-def trainer_version() -> str:
+def _package_version(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def trainer_version(package_root: Path | None = None) -> str:
+    """`VERSION+HASH`: the package version and a hash of the sources and compiler versions above
+    (`package_root`: the `olmo_ctl` directory to read, this installation's by default)."""
     from olmo_ctl import __version__
 
+    root = package_root or Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    root = Path(__file__).resolve().parents[1] / "trainer"
-    for name in TRAINER_SOURCES:
-        p = root / name
-        h.update(name.encode())
+    files = sorted((root / "trainer").glob("*.py")) + [root / name for name in PREFLIGHT_SOURCES]
+    for p in files:
+        h.update(p.relative_to(root).as_posix().encode())
         h.update(p.read_bytes() if p.exists() else b"")
+    for name in COMPILER_PACKAGES:
+        h.update(f"{name}=={_package_version(name)}".encode())
     return f"{__version__}+{h.hexdigest()[:12]}"
 
 
