@@ -205,3 +205,47 @@ def test_linear_schedule_with_warmup(recipe):
     lr = lambda n: float(optim.learning_rate(s, 1.0, 110, n))  # noqa: E731
     assert lr(5) == pytest.approx(0.5) and lr(10) == pytest.approx(1.0)
     assert lr(60) == pytest.approx(0.5) and lr(110) == pytest.approx(0.0)
+
+
+def _olmo_core_skips(losses, norms, window=128, sigma=6.0):
+    """OLMo-core's SkipStepOptimizer rule, written out over Python lists (the reference): it keeps
+    `window` + 1 values and judges the latest against the mean and std of all the others, once
+    max(20, window // 2) values are held."""
+    hl, hn, out = [], [], []
+    for loss, norm in zip(losses, norms, strict=True):
+        hl.append(loss)
+        hn.append(norm)
+        del hl[: -(window + 1)], hn[: -(window + 1)]
+        if len(hl) < max(20, window // 2):
+            out.append(False)
+            continue
+        pl, pn = np.array(hl[:-1], np.float64), np.array(hn[:-1], np.float64)
+        ok = (loss - pl.mean()) <= sigma * pl.std(ddof=1) and (norm - pn.mean()) <= sigma * pn.std(ddof=1)
+        out.append(not ok)
+    return out
+
+
+def test_skip_decisions_match_olmo_core_over_the_128_previous_values():
+    # A huge value 128 steps back still counts (it inflates the std, so the moderate spike at the
+    # 129th value is applied); a window of the 127 previous values would skip it. Then a long random
+    # run with spikes: every decision equals the reference's.
+    losses = [100.0] + [3.0 + 0.01 * ((i * 7919) % 13 - 6) for i in range(127)] + [3.5, 3.0]
+    norms = [1.0 + 0.001 * (i % 5) for i in range(len(losses))]
+    rng = np.random.default_rng(3)
+    tail = 3.0 + 0.02 * rng.standard_normal(300)
+    tail[[150, 151, 220, 299]] += [1.0, 0.3, 5.0, 0.2]
+    tail_norms = 1.0 + 0.01 * rng.standard_normal(300)
+    tail_norms[[90, 260]] += 2.0
+    for ls, ns in ((losses, norms), (list(tail), list(tail_norms))):
+        window = optim.init_skip_window(128)
+        step = jax.jit(lambda w, a, b: optim.skip_decision(w, a, b, 64, 6.0))
+        ours = []
+        for a, b in zip(ls, ns, strict=True):
+            window, skip = step(window, jnp.float32(a), jnp.float32(b))
+            ours.append(bool(skip))
+        ref = _olmo_core_skips([float(np.float32(x)) for x in ls], [float(np.float32(x)) for x in ns])
+        assert ours == ref
+    assert any(ref)  # the random run's spikes are skipped
+    # the first case is decided by the 128th previous value: applied, where 127 would skip it
+    assert _olmo_core_skips(losses, norms)[128] is False
+    assert _olmo_core_skips(losses, norms, window=127)[128] is True

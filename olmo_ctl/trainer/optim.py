@@ -11,8 +11,9 @@ before it, so a restored run replays bit for bit.
   silently demote it (the +0.93 loss regression seen in the TPU case study); we keep our own state
   and `check_fp32_state` fails loudly if anything is not fp32.
 * Skip-step (OLMo-core `SkipStepOptimizer`): the current step's CE loss and pre-clip grad norm are
-  appended to a 128-long window; once it holds >= 64 values, the update is skipped when either value
-  exceeds mean + 6 * std (Bessel-corrected) of the *previous* values in the window. A skipped step
+  judged against the 128 values recorded before it; once 64 values are held (the current one
+  included), the update is skipped when either value exceeds mean + 6 * std (Bessel-corrected) of those
+  previous values; then the current values replace the oldest. A skipped step
   leaves parameters, both moments and the bias-correction count untouched (the spike still enters the
   window, and the LR schedule, which follows the global step, still advances).
 * Schedules are functions of the 1-based step number n (the n-th step, which produces checkpoint n),
@@ -129,22 +130,24 @@ def skip_decision(window: SkipWindow, loss, grad_norm, min_history: int, sigma: 
     loss = jnp.asarray(loss, jnp.float32)
     grad_norm = jnp.asarray(grad_norm, jnp.float32)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    pos = window.recorded % size
-    losses = jnp.where(finite, window.losses.at[pos].set(loss), window.losses)
-    norms = jnp.where(finite, window.grad_norms.at[pos].set(grad_norm), window.grad_norms)
-    recorded = window.recorded + finite.astype(jnp.int32)
-    held = jnp.minimum(recorded, size)  # values in the window, the current one included
-    idx = jnp.arange(size)
-    prev = (idx < held) & ((idx != pos) | ~finite)  # the previous values only
-    n_prev = jnp.maximum(jnp.sum(prev), 2).astype(jnp.float32)
+    # Judged against the window as it stands: the `size` values recorded before this step (OLMo-core
+    # keeps rolling_interval_length + 1 values and takes its statistics over all but the latest).
+    held = jnp.minimum(window.recorded, size)
+    prev = jnp.arange(size) < held
+    n_prev = jnp.maximum(held, 2).astype(jnp.float32)
 
     def exceeds(buf, x):
         mean = jnp.sum(jnp.where(prev, buf, 0.0)) / n_prev
         var = jnp.sum(jnp.where(prev, (buf - mean) ** 2, 0.0)) / (n_prev - 1.0)  # Bessel-corrected
         return ~((x - mean) <= sigma * jnp.sqrt(var))  # NaN counts as exceeding
 
-    active = held >= min_history
-    skip = active & (exceeds(losses, loss) | exceeds(norms, grad_norm))
+    # OLMo-core judges once it holds min_history values, the current one included.
+    active = held + finite.astype(jnp.int32) >= min_history
+    skip = active & (exceeds(window.losses, loss) | exceeds(window.grad_norms, grad_norm))
+    pos = window.recorded % size  # then the oldest value makes room for this one
+    losses = jnp.where(finite, window.losses.at[pos].set(loss), window.losses)
+    norms = jnp.where(finite, window.grad_norms.at[pos].set(grad_norm), window.grad_norms)
+    recorded = window.recorded + finite.astype(jnp.int32)
     return SkipWindow(losses, norms, recorded), skip
 
 
