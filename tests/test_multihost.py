@@ -170,8 +170,30 @@ def test_a_lost_peer_makes_the_others_exit_3_within_the_bound(tmp_path):
     codes = host_codes(backend, h)
     assert codes[1] in (-9, 137) and codes[0] == 3, (codes, log_lines(h)[-10:])
     assert took < 2 * bound + 10, took
-    assert any("peer host was lost" in ln for ln in host_lines(h, 0))
+    # either the runtime's heartbeat abort, or (sooner) the collective that lost its peer's connection:
+    # one error line and exit 3 in both cases
+    assert any(
+        "peer host was lost" in ln or (ln.startswith("error: ") and "exit 3" in ln) for ln in host_lines(h, 0)
+    ), log_lines(h)[-12:]
     assert st.state == State.PREEMPTED  # the first failure: a killed host; the supervisor restarts it
+
+
+def test_an_error_on_one_host_ends_every_host_within_the_peer_timeout(tmp_path):
+    """Host 1's data read fails before step 5 (the fault knob: an OSError, as a storage error raises):
+    host 1 exits 3 at once (no collective on its way out), host 0 sees a lost peer and exits 3; both
+    within runtime.peer_timeout_s + 30 s, never waiting for a watchdog."""
+    bound = 5
+    env = {"OLMO_CTL_FAULT_FAIL_AT_STEP": "5:1"}
+    backend, h = start(tmp_path, "cpu-2x2", 100000, "--set", f"runtime.peer_timeout_s={bound}", env=env)
+    wait_for(lambda: any("FAULT INJECTION" in ln for ln in host_lines(h, 1)), 240, "the injected error")
+    t0 = time.time()
+    st = wait_ended(backend, h, bound + 60)
+    took = time.time() - t0
+    codes = host_codes(backend, h)
+    assert codes == [3, 3], (codes, log_lines(h)[-20:])
+    assert took < bound + 30, took
+    assert last_step(h) == 4
+    assert st.state != State.SUCCEEDED
 
 
 def test_the_coordinator_host_lost_makes_the_other_exit_3(tmp_path):

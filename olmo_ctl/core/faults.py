@@ -28,6 +28,13 @@ HANG_AT_STEP = Knob(
     "trainer",
     "host H (default every host) hangs before step N: the watchdog ends it with exit 3",
 )
+FAIL_AT_STEP = Knob(
+    "OLMO_CTL_FAULT_FAIL_AT_STEP",
+    "N[:H]",
+    "trainer",
+    "host H (default every host) fails to read its data before step N (an OSError, as a storage error "
+    "raises): it exits 3 alone, and the others within runtime.peer_timeout_s",
+)
 SLOW_DATA = Knob(
     "OLMO_CTL_FAULT_SLOW_DATA",
     "H:MS",
@@ -54,12 +61,13 @@ SMOKE_FAULT = Knob(
     "`lr` trains with a learning rate of 1e-9 (the loss cannot fall); `data-shift` resumes "
     "attempt 2 one batch off (sets OLMO_CTL_TEST_DATA_SHIFT=1 for it)",
 )
-KNOBS = (HANG_AT_STEP, SLOW_DATA, DATA_SHIFT, PAUSE_BEFORE_CREATE, SMOKE_FAULT)
+KNOBS = (HANG_AT_STEP, FAIL_AT_STEP, SLOW_DATA, DATA_SHIFT, PAUSE_BEFORE_CREATE, SMOKE_FAULT)
 
 
-def hang_at_step(environ: Mapping[str, str]) -> tuple[int, int | None] | None:
-    """(step N, host H or None for every host) of `N[:H]`; None when unset or malformed."""
-    at, _, only = environ.get(HANG_AT_STEP.name, "").partition(":")
+def hang_at_step(environ: Mapping[str, str], knob: Knob = HANG_AT_STEP) -> tuple[int, int | None] | None:
+    """(step N, host H or None for every host) of `N[:H]` (HANG_AT_STEP's or FAIL_AT_STEP's); None when
+    unset or malformed."""
+    at, _, only = environ.get(knob.name, "").partition(":")
     if not at.isdigit() or (only and not only.isdigit()):
         return None
     return int(at), int(only) if only else None
@@ -68,6 +76,12 @@ def hang_at_step(environ: Mapping[str, str]) -> tuple[int, int | None] | None:
 def hangs(environ: Mapping[str, str], step: int, host: int) -> bool:
     """Whether host `host` must hang before step `step`."""
     knob = hang_at_step(environ)
+    return knob is not None and knob[0] == step and knob[1] in (None, host)
+
+
+def fails(environ: Mapping[str, str], step: int, host: int) -> bool:
+    """Whether host `host`'s data read must fail before step `step`."""
+    knob = hang_at_step(environ, FAIL_AT_STEP)
     return knob is not None and knob[0] == step and knob[1] in (None, host)
 
 

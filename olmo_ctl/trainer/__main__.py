@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
     multihost.prefix_output(os.environ.get(multihost.LOG_PREFIX_ENV, ""))
     try:
-        return _main(ns)
+        code = _main(ns)
+        multihost.exit_alone(code)  # one failing host of several: exit now, as the others can notice
+        return code
     finally:
         multihost.drain_output()
 

@@ -26,3 +26,14 @@ def data_shift(loader, shift: int) -> None:
     state["batches_seen"] = max(0, int(state["batches_seen"]) + shift)
     loader.restore(state)
     print(f"FAULT INJECTION: data resumed {shift:+d} batch(es) off ({faults.DATA_SHIFT.name})", flush=True)
+
+
+def maybe_fail(step: int, proc: int) -> None:
+    """The failing-host fault knob (core/faults.py FAIL_AT_STEP): this host's data read fails with the
+    OSError a storage error raises, on this host alone."""
+    if faults.fails(os.environ, step, proc):
+        print(
+            f"FAULT INJECTION: host {proc}'s data read fails before step {step} ({faults.FAIL_AT_STEP.name})",
+            flush=True,
+        )
+        raise OSError(f"injected data read error on host {proc} before step {step}")

@@ -185,6 +185,24 @@ def _exit_3_on_abort() -> None:
     libc.signal(signal.SIGABRT, cb)
 
 
+def exit_alone(code: int) -> None:
+    """End a process of several hosts that fails on its own (exit 1, 2 or 3) now, with its output
+    drained: Python's normal exit would run `jax.distributed.shutdown` (a barrier with the other hosts,
+    which wait inside the next step's collectives for this one) and join the loader's and Orbax's
+    threads; meanwhile this process keeps heartbeating, so the others never see it lost and the slice
+    hangs until the watchdogs fire. Exiting at once lets them notice within runtime.peer_timeout_s.
+    A checkpoint still being written is not lost: an uncommitted step is never read."""
+    if not joined() or code in (0, 143):
+        return
+    drain_output()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 # ---------------------------------------------------------------- a stop agreed by every host
 
 

@@ -219,6 +219,7 @@ class _Loop:
         from olmo_ctl.trainer.watchdog import maybe_hang
 
         maybe_hang(self.step + 1, self.s.proc)
+        injected.maybe_fail(self.step + 1, self.s.proc)
         t0 = time.monotonic()
         if self.slow_data_s:
             time.sleep(self.slow_data_s)
