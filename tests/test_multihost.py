@@ -157,6 +157,39 @@ def test_two_hosts_train_like_one_and_a_sigterm_to_one_host_stops_both_after_one
     assert any(f"restored checkpoint {stop}" in ln for ln in host_lines(h2, 1))
 
 
+def test_a_sigterm_during_start_up_stops_every_host_with_nothing_lost(tmp_path):
+    """A resumed attempt gets SIGTERM on one host during start-up: right after the join, while the
+    restore is slow (the fault knob), and after the loop started (the first compile). Every host stops
+    at the same step within seconds, exit 143: before training a step (nothing new to save) or after
+    one step, checkpointed; the run then continues with each step logged once. Before the stop was
+    primed with the committed step, the runtime agreed on step 1, which a resumed attempt never
+    reaches: the hosts trained on until SIGKILL."""
+    backend, h = start(tmp_path, "cpu-2x2", 100000, "--stop-at-step", "6")
+    assert wait_ended(backend, h, 240).state == State.SUCCEEDED, log_lines(h)[-10:]
+    committed = 6
+    for attempt, moment, env in (
+        (2, "joined 2 hosts", {"OLMO_CTL_FAULT_SLOW_START": "10"}),
+        (3, "training steps 7..", {}),
+    ):
+        backend, h = start(tmp_path, "cpu-2x2", 100000, attempt=attempt, env=env)
+        wait_for(lambda: any(ln.startswith(moment) for ln in host_lines(h, 1)), 240, moment)  # noqa: B023
+        os.kill(h.data["pids"][1], signal.SIGTERM)
+        t0 = time.time()
+        wait_ended(backend, h, 50)  # the grace period is 60 s: a lost stop ends only at SIGKILL
+        assert host_codes(backend, h) == [143, 143], (moment, log_lines(h)[-12:])
+        assert time.time() - t0 < 30 + 10 * (attempt == 2)
+        trained = last_step(h)
+        assert trained in ((0,) if env else (0, committed + 1)), (moment, trained)
+        committed = trained or committed
+        assert max(Checkpointer.for_run(str(tmp_path / "mh")).committed_steps()) == committed
+        stop_line = f"stop requested: every host stops after step {committed}"
+        assert all(any(stop_line in ln for ln in host_lines(h, i)) for i in (0, 1)), log_lines(h)[-12:]
+    backend, h = start(tmp_path, "cpu-2x2", 100000, "--stop-at-step", "12", attempt=4)
+    assert wait_ended(backend, h, 240).state == State.SUCCEEDED, log_lines(h)[-10:]
+    assert [s.step for s in map(parse_step_line, log_lines(h)) if s] == list(range(committed + 1, 13))
+    assert sorted(read_losses(str(tmp_path / "mh" / "tensorboard"))) == list(range(1, 13))
+
+
 def test_a_lost_peer_makes_the_others_exit_3_within_the_bound(tmp_path):
     """SIGKILL of host 1 (a lost VM): host 0 notices through the runtime's heartbeat and exits 3 within
     runtime.peer_timeout_s (plus slack), instead of hanging or aborting with 134."""

@@ -35,6 +35,12 @@ FAIL_AT_STEP = Knob(
     "host H (default every host) fails to read its data before step N (an OSError, as a storage error "
     "raises): it exits 3 alone, and the others within runtime.peer_timeout_s",
 )
+SLOW_START = Knob(
+    "OLMO_CTL_FAULT_SLOW_START",
+    "S",
+    "trainer",
+    "every host's start-up (after the join, before the restore) takes S seconds longer: a slow restore",
+)
 SLOW_DATA = Knob(
     "OLMO_CTL_FAULT_SLOW_DATA",
     "H:MS",
@@ -61,7 +67,7 @@ SMOKE_FAULT = Knob(
     "`lr` trains with a learning rate of 1e-9 (the loss cannot fall); `data-shift` resumes "
     "attempt 2 one batch off (sets OLMO_CTL_TEST_DATA_SHIFT=1 for it)",
 )
-KNOBS = (HANG_AT_STEP, FAIL_AT_STEP, SLOW_DATA, DATA_SHIFT, PAUSE_BEFORE_CREATE, SMOKE_FAULT)
+KNOBS = (HANG_AT_STEP, FAIL_AT_STEP, SLOW_START, SLOW_DATA, DATA_SHIFT, PAUSE_BEFORE_CREATE, SMOKE_FAULT)
 
 
 def hang_at_step(environ: Mapping[str, str], knob: Knob = HANG_AT_STEP) -> tuple[int, int | None] | None:
@@ -83,6 +89,12 @@ def fails(environ: Mapping[str, str], step: int, host: int) -> bool:
     """Whether host `host`'s data read must fail before step `step`."""
     knob = hang_at_step(environ, FAIL_AT_STEP)
     return knob is not None and knob[0] == step and knob[1] in (None, host)
+
+
+def slow_start_s(environ: Mapping[str, str]) -> float:
+    """Seconds added to every host's start-up; 0 when unset or malformed."""
+    v = environ.get(SLOW_START.name, "")
+    return float(v) if v.replace(".", "", 1).isdigit() else 0.0
 
 
 def slow_data_ms(environ: Mapping[str, str], host: int) -> float:

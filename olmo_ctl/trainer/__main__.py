@@ -94,15 +94,23 @@ def _check_versions(ns: argparse.Namespace) -> None:
     rd = RunDir(ns.run_dir)
     if not rd.exists():
         return
+    committed = rd.committed_steps()
     line = rd.check_versions(
         installed(),
         attempt=ns.attempt,
-        restoring=bool(rd.committed_steps()),
+        restoring=bool(committed),
         allow_change=ns.allow_version_change,
         write=primary,
     )
     if line:
         print(f"warning: {line}", flush=True)
+
+
+def _latest_committed(run_dir: str) -> int:
+    """The run's latest committed step (0: none, or no run yet), read before the join."""
+    from olmo_ctl.rundir import RunDir
+
+    return max(RunDir(run_dir).committed_steps(), default=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,8 +150,12 @@ def _main(ns: argparse.Namespace) -> int:
         if ns.device:
             from olmo_ctl.core.devices import get_device
 
-            # Several hosts join before any other jax call (the TPU slice's VMs, or cpu-PxD's processes).
-            multihost.join(get_device(ns.device), recipe.runtime)
+            # Several hosts join before any other jax call (the TPU slice's VMs, or cpu-PxD's processes),
+            # and tell the runtime's stop agreement at once where this attempt starts.
+            dev = get_device(ns.device)
+            multihost.join(
+                dev, recipe.runtime, committed=_latest_committed(ns.run_dir) if dev.processes > 1 else 0
+            )
         _check_versions(ns)
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")

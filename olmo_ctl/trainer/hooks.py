@@ -187,9 +187,13 @@ class StopHook(Hook):
         self.signals, self.final_step = signals, final_step
 
     def pre_step(self, loop) -> int | None:
-        if not self.signals.hosts and self.signals.signal is not None and loop.steps_run == 0:
-            return EXIT_SIGTERM  # nothing new since the restored (or initial) state
-        return None
+        if loop.steps_run:
+            return None
+        # Before the first step: a stop requested during start-up ends the attempt with nothing new to
+        # save (on several hosts: the step the runtime agreed on, primed by multihost.prime_stop).
+        if self.signals.hosts:
+            return EXIT_SIGTERM if loop.step >= 1 and self.signals.requested(loop.step) else None
+        return EXIT_SIGTERM if self.signals.signal is not None else None
 
     def post_step(self, loop) -> None:
         if loop.step >= self.final_step:

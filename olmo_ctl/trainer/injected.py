@@ -37,3 +37,13 @@ def maybe_fail(step: int, proc: int) -> None:
             flush=True,
         )
         raise OSError(f"injected data read error on host {proc} before step {step}")
+
+
+def slow_start() -> None:
+    """The slow start-up fault knob (core/faults.py SLOW_START): a restore that takes longer."""
+    import time
+
+    secs = faults.slow_start_s(os.environ)
+    if secs:
+        print(f"FAULT INJECTION: start-up slowed by {secs:g} s ({faults.SLOW_START.name})", flush=True)
+        time.sleep(secs)

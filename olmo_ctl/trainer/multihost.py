@@ -55,8 +55,9 @@ def joined() -> bool:
     return _state["joined"]
 
 
-def join(device, runtime) -> bool:
-    """Join the slice's processes when the device has more than one; True when joined."""
+def join(device, runtime, committed: int = 0) -> bool:
+    """Join the slice's processes when the device has more than one; True when joined. `committed`
+    (the run's latest committed step) primes the agreed stop at once (`prime_stop`)."""
     if device.processes <= 1:
         return False
     import jax
@@ -102,6 +103,7 @@ def join(device, runtime) -> bool:
     if jax.process_count() != device.processes:
         raise JoinFailed(f"joined {jax.process_count()} processes, but {device.name} has {device.processes}")
     _state["joined"] = True
+    prime_stop(committed)
     print(
         f"joined {jax.process_count()} hosts as process {jax.process_index()} "
         f"({jax.local_device_count()} local devices, {jax.device_count()} in all)",
@@ -204,6 +206,18 @@ def exit_alone(code: int) -> None:
 
 
 # ---------------------------------------------------------------- a stop agreed by every host
+
+
+def prime_stop(committed: int) -> None:
+    """Right after the join, on every host: tell the preemption service where this attempt starts.
+
+    The runtime agrees on a stop step as one past the last step any host reported; before the first
+    report that is step 1, which a resumed attempt (starting after step N) never reaches: a SIGTERM
+    during restore, the data set-up or the compile was lost, and the hosts trained on until SIGKILL.
+    Reporting N - 1 here makes a notice during start-up agree on step N, which the loop asks about
+    before its first step (`StopHook.pre_step`): every host stops there with nothing new to save."""
+    if committed >= 1:
+        stop_agreed(committed - 1)
 
 
 def stop_agreed(step: int) -> bool:

@@ -308,6 +308,7 @@ def run(args: TrainArgs) -> int:
         args.run_dir, keep=s.recipe.checkpoint.keep, async_save=s.recipe.checkpoint.async_save
     )
     events = EventLog(args.run_dir, attempt=args.attempt)
+    injected.slow_start()
     state, state_shard, step = _restore_or_init(args, s, ckpt, loader)
     if step >= s.final_step:
         print(committed_line(step), flush=True)
