@@ -708,6 +708,10 @@ def test_plot_panels_legends_no_offset_and_a_restart_marked(tmp_path):
     src = load(str(run))
     rep = build_report(src, now=T0 + 60, ask_backend=False)
     assert _restart_marks(src) == [(21, "attempt 1")]
+    from olmo_ctl.observe.monitor import windows
+
+    win = windows(src)  # the restarted trainer's first window holds its start-up: no throughput point
+    assert list(win.steps) == [*range(2, 21), *range(22, 41)]
     fig = figure(src, rep)
     fig.canvas.draw()
     ax_loss, _ax_lr, ax_tps, ax_mfu = fig.axes

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from olmo_ctl import storage
-from olmo_ctl.core.contracts import EXITED_EVENT, exit_state, final_committed
+from olmo_ctl.core.contracts import EXITED_EVENT, exit_state, final_committed, parse_segment_name
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.transient import is_transient
 from olmo_ctl.observe.reader import EventReader
@@ -271,7 +271,12 @@ def _windows(
         return Windows(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), *[empty] * 5)
     idx = _fetch_ends(loss)
     st, wt, at = loss.steps[idx], loss.wall_times[idx], loss.attempts[idx]
-    k = np.flatnonzero((at[1:] == at[:-1]) & (st[1:] > st[:-1]) & (wt[1:] > wt[:-1])) + 1
+    keep = (at[1:] == at[:-1]) & (st[1:] > st[:-1]) & (wt[1:] > wt[:-1])
+    for attempt, step in restarts(
+        r
+    ):  # a restarted trainer's first window holds its start-up, like an attempt's
+        keep &= ~((at[1:] == attempt) & (st[:-1] < step) & (step <= st[1:]))
+    k = np.flatnonzero(keep) + 1
     steps, att = st[k], at[k]
     step_s = (wt[k] - wt[k - 1]) / (st[k] - st[k - 1])
     tps = tokens_per_step / step_s if tokens_per_step else np.full(len(k), np.nan)
@@ -285,6 +290,22 @@ def _windows(
     tflops = per_dev * flops_tok / 1e12 if flops_tok else _tag_at(r, TFLOPS_TAG, steps)
     mfu = np.where(np.isfinite(tflops) & np.isfinite(peak), tflops / peak, _tag_at(r, MFU_TAG, steps))
     return Windows(att.astype(np.int64), st[k - 1] + 1, steps, step_s, tps, per_dev, tflops, mfu)
+
+
+def restarts(r: EventReader) -> list[tuple[int, int]]:
+    """(attempt, step) where an attempt's trainer started again within the same attempt: a JobSet
+    restart recreates its pods, whose trainers keep the attempt number, so the attempt's event
+    segments carry a later writer start time than its first; the step is the first that writer logged."""
+    firsts: dict[int, dict[int, int]] = {}  # attempt -> writer start time -> its first step
+    for fs in r.files.values():
+        parsed = parse_segment_name(fs.path.rsplit("/", 1)[-1])
+        if parsed is None or parsed[2] is None or fs.first_step is None:
+            continue
+        by_start = firsts.setdefault(parsed[2], {})
+        by_start[parsed[0]] = min(by_start.get(parsed[0], fs.first_step), fs.first_step)
+    return sorted(
+        (attempt, by_start[start]) for attempt, by_start in firsts.items() for start in sorted(by_start)[1:]
+    )
 
 
 def windows(src: Sources) -> Windows:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from olmo_ctl.core.contracts import parse_segment_name
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.observe.monitor import EVAL_TAG, LOSS_TAG, LR_TAGS, Sources, windows
+from olmo_ctl.observe.monitor import EVAL_TAG, LOSS_TAG, LR_TAGS, Sources, restarts, windows
 
 
 def _resume_marks(src: Sources) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
@@ -38,23 +37,9 @@ def _resume_marks(src: Sources) -> tuple[list[tuple[int, str]], list[tuple[int, 
 
 
 def _restart_marks(src: Sources) -> list[tuple[int, str]]:
-    """(step, label) where an attempt's trainer started again within the same attempt (a JobSet restart
-    recreates its pods, whose trainers keep the attempt number): event segments of one attempt whose
-    writer start time is a later one than the attempt's first; the step is the first that writer logged."""
-    firsts: dict[int, dict[int, int]] = {}  # attempt -> writer start time -> its first step
-    for fs in src.reader.files.values():
-        parsed = parse_segment_name(fs.path.rsplit("/", 1)[-1])
-        if parsed is None or parsed[2] is None or fs.first_step is None:
-            continue
-        start, _host, attempt, _seg = parsed
-        assert attempt is not None
-        by_start = firsts.setdefault(attempt, {})
-        by_start[start] = min(by_start.get(start, fs.first_step), fs.first_step)
-    marks = []
-    for attempt, by_start in sorted(firsts.items()):
-        for start in sorted(by_start)[1:]:
-            marks.append((by_start[start], f"attempt {attempt}"))
-    return sorted(marks)
+    """(step, label) where an attempt's trainer started again within the same attempt (a JobSet
+    restart; `monitor.restarts`)."""
+    return [(step, f"attempt {attempt}") for attempt, step in restarts(src.reader)]
 
 
 def figure(src: Sources, report: dict):
@@ -137,8 +122,8 @@ def figure(src: Sources, report: dict):
             color=color,
         )
     for ax in axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper right", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # rates drawn from 0 leave room below the line
+            ax.legend(loc="lower right" if ax in (ax_tps, ax_mfu) else "upper right", fontsize=8)
     fig.tight_layout()
     return fig
 
