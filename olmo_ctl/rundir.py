@@ -64,6 +64,7 @@ JOURNAL_EVENTS = (
     "stopped",
     "lease_lost",
     "versions_changed",
+    "exited",
 )
 
 

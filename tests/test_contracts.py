@@ -20,10 +20,15 @@ from olmo_ctl.core.contracts import (
 
 
 def test_step_line_round_trips():
-    line = step_line(12, 100, 3.14159, 0.5, 1e-4, 12345.6, 0.4321, skipped=True)
-    assert line == "step 12/100 loss 3.1416 grad_norm 0.5000 lr 1.000e-04 tps/device 12346 mfu 43.21% skipped"
+    line = step_line(12, 100, 3.14159, 0.5, 1e-4, 24691.2, 12345.6, 0.4321, 0.33218, skipped=True)
+    assert line == (
+        "step 12/100 loss 3.1416 grad_norm 0.5000 lr 1.000e-04 tokens/s 24691 (12346/device) mfu 43.21%"
+        " step_time 332.2 ms skipped"
+    )
     p = parse_step_line(line)
     assert (p.step, p.final, p.loss) == (12, 100, "3.1416")
+    assert (p.tokens_per_s, p.tokens_per_s_per_device, p.mfu, p.step_time_s) == (24691, 12346, 0.4321, 0.3322)
+    assert parse_step_line("host 1: step 3/9 loss 2.0000").tokens_per_s is None  # a line without figures
     for other in ("training steps 1..10 of 10 on cpu-1", "eval step 5 lm_loss 2.0", "committed step 5", ""):
         assert parse_step_line(other) is None
 
@@ -35,7 +40,7 @@ def test_committed_line_round_trips():
 
 
 def test_log_progress_reads_a_tail():
-    lines = [step_line(s, 10, 2.0 - s / 10, 1, 1e-3, 1, 0.1) for s in (3, 4, 5)] + [committed_line(5)]
+    lines = [step_line(s, 10, 2.0 - s / 10, 1, 1e-3, 2, 1, 0.1, 0.5) for s in (3, 4, 5)] + [committed_line(5)]
     seen = log_progress(lines)
     assert (seen.step, seen.final, seen.loss, seen.committed, seen.max_step) == (5, 10, "1.5000", 5, 5)
     assert log_progress(lines[:-1]).committed is None  # only a last line counts

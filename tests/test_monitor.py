@@ -535,3 +535,190 @@ def test_rising_skipped_steps_warning(tmp_path):
     assert rep["skipped_steps"]["total"] == 3 and not any(
         "skipped steps rising" in w for w in rep["warnings"]
     )
+
+
+# ---------------------------------------------------------------- one definition per figure
+
+
+def _row(table: str, label: str) -> str:
+    return next(ln for ln in table.splitlines() if label in ln)
+
+
+def test_table_json_trainer_log_and_plot_agree_on_the_last_window(smoke_run):
+    """The session's smoke run (a trainer-only run directory, cpu-1): the trainer's last `step` line,
+    the scalars it logged for that window, `monitor -o json`, the table and the plot's last points give
+    one tokens/s, one MFU and one step time; TFLOP/s is known without run.yaml too."""
+    from helpers.runs import STEPS, trainer_log
+
+    from olmo_ctl.core.contracts import parse_step_line
+    from olmo_ctl.observe.plot import figure
+
+    line = [p for p in map(parse_step_line, trainer_log(smoke_run).read_text().splitlines()) if p][-1]
+    assert line.step == STEPS and line.tokens_per_s is not None
+    p = cli("monitor", str(smoke_run), "-o", "json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    import jsonschema
+
+    jsonschema.validate(rep, SCHEMA)
+    th, last = rep["throughput"], rep["last"]
+    from olmo_ctl.core.recipe import load_recipe
+
+    every = load_recipe(
+        "smoke"
+    ).logging.metrics_every  # one fetch, one window: its steps share the line's figures
+    assert th["window"] == {"attempt": 0, "first_step": STEPS - every + 1, "last_step": STEPS}
+    assert th["devices"] == 1
+    # the trainer prints tokens/s to the unit, MFU to 0.01 %, the step time to 0.1 ms
+    assert rep["tokens"]["per_s"] == pytest.approx(line.tokens_per_s, rel=2e-3)
+    assert th["tokens_per_s"] == rep["tokens"]["per_s"]
+    assert th["tokens_per_s_per_device"] == pytest.approx(line.tokens_per_s_per_device, rel=2e-3)
+    assert th["tokens_per_s_per_device"] == pytest.approx(last["throughput/device/TPS"], rel=2e-3)
+    assert th["mfu"] == pytest.approx(line.mfu, rel=2e-3, abs=5e-5)
+    assert th["mfu"] == pytest.approx(last["throughput/device/MFU"], rel=2e-3)
+    assert th["step_time_s"] == pytest.approx(line.step_time_s, rel=2e-3, abs=5e-5)
+    assert th["step_time_s"] == pytest.approx(last["perf/step_time_s"], rel=2e-3)
+    assert th["tflops_per_device"] == pytest.approx(last["throughput/device/TFLOPS"], rel=2e-3)
+    assert th["tflops_per_device_run_avg"] is not None and th["mfu_run_avg"] is not None
+    t = cli("monitor", str(smoke_run))
+    assert t.returncode == 0, t.stderr
+    assert f"steps {STEPS - every + 1}..{STEPS} (attempt 0)" in _row(t.stdout, "now = logging window")
+    assert f" {rep['tokens']['per_s'] / 1000:.2f}k / " in _row(t.stdout, "tokens/s (now / run avg)")
+    assert f"{th['mfu'] * 100:.1f}% /" in _row(t.stdout, "MFU (now / run avg)")
+    assert "- / -" not in _row(t.stdout, "TFLOP/s per device")
+    fig = figure(load(str(smoke_run)), rep)
+    ax_tps, ax_mfu = fig.axes[2], fig.axes[3]
+    assert ax_tps.lines[0].get_xdata()[-1] == STEPS
+    assert ax_tps.lines[0].get_ydata()[-1] == pytest.approx(rep["tokens"]["per_s"])
+    assert ax_mfu.lines[0].get_ydata()[-1] == pytest.approx(100 * th["mfu"])
+
+
+def test_now_is_the_last_window_not_a_median(tmp_path):
+    """60 one-second windows, then one of 3 s: "now" is that last window everywhere (the median of
+    recent windows gave 1 s while the trainer's last line and the plot said 3 s); the ETA keeps the
+    median of the attempt's recent windows."""
+    from olmo_ctl.observe.plot import figure
+
+    run = tmp_path / "slow-end"
+    write_run_yaml(run, max_steps=100)
+    walls = {s: T0 + s for s in range(1, 61)} | {61: T0 + 63}
+    write_segment(run / "tensorboard", range(1, 61), attempt=1, values=values)
+    write_segment(
+        run / "tensorboard", [61], attempt=1, segment=1, wall0=T0 - 61 * 2 + 2, step_s=3.0, values=values
+    )
+    journal(run, [(T0 - 2, "submitted", 1, "", None), (T0 - 1, "running", 1, "", None)])
+    src = load(str(run))
+    rep = build_report(src, now=walls[61] + 1, ask_backend=False)
+    th = rep["throughput"]
+    assert th["window"] == {"attempt": 1, "first_step": 61, "last_step": 61}
+    assert th["step_time_s"] == pytest.approx(3.0) and th["step_time_median_s"] == pytest.approx(1.0)
+    assert rep["tokens"]["per_s"] == pytest.approx(TOKENS_PER_STEP / 3)
+    assert th["tokens_per_s_per_device"] == pytest.approx(TOKENS_PER_STEP / 3 / 2)  # cpu-2
+    assert rep["eta_s"] == pytest.approx(39 * 1.0)
+    fig = figure(src, rep)
+    assert fig.axes[2].lines[0].get_ydata()[-1] == pytest.approx(TOKENS_PER_STEP / 3)
+    assert fig.axes[3].lines[0].get_ydata()[-1] == pytest.approx(100 * th["mfu"])
+
+
+# ---------------------------------------------------------------- goodput of a finished run
+
+
+def test_a_supervisor_run_again_on_a_finished_run_leaves_goodput_alone(tmp_path, smoke_run):
+    """`resume-until-done` on a run whose final step is committed journals `supervisor_started` and
+    `done` (here 1000 s later): the wall time still ends at the final commit."""
+    import io
+
+    from helpers.runs import STEPS, copy_run
+
+    from olmo_ctl.backends.local import LocalBackend
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.attempts import ensure_run
+    from olmo_ctl.supervise.policy import RetryPolicy
+    from olmo_ctl.supervise.supervisor import Printer, Supervisor
+
+    run = copy_run(smoke_run, tmp_path / "runs" / "done-run")
+    rd = RunDir(str(run))
+    ensure_run(rd, load_recipe("smoke", overrides=[f"train.max_steps={STEPS}"]), "cpu-1")
+    before = build_report(load(str(run)), ask_backend=False)["goodput"]
+    ck = load(str(run)).reader.series("checkpoint/save_duration_s")
+    final_commit = float(ck.wall_times[-1])
+    later = final_commit + 1000
+    sup = Supervisor(
+        rd,
+        LocalBackend(str(tmp_path / "runs")),
+        RetryPolicy(),
+        poll_s=0.05,
+        clock=lambda: later,
+        printer=Printer(rd.name, stream=io.StringIO(), clock=lambda: later),
+    )
+    assert sup.run() == 0
+    assert [r["event"] for r in rd.journal()] == ["supervisor_started", "done"]
+    after = build_report(load(str(run)), ask_backend=False, now=later + 5)["goodput"]
+    assert after == before
+    first_step_wall = float(load(str(run)).reader.series("train/CE loss").wall_times[0])
+    assert after["wall_s"] < final_commit - first_step_wall + 5  # it ends at the final commit
+
+
+# ---------------------------------------------------------------- attempts that end unwatched
+
+
+def test_an_unwatched_attempt_that_ends_cleanly_is_journaled_and_succeeded(tmp_path, smoke_run):
+    """An attempt nobody supervises (submitted, then left): its trainer journals its own exit, and
+    `monitor` calls it what the supervisor would: this one restored the final checkpoint, had nothing
+    to train and exited 0 (its log holds no step line, which read as `preempted`)."""
+    from helpers.runs import STEPS, copy_run
+
+    from olmo_ctl.backends.local import LocalBackend
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.attempts import attempt_request, ensure_run, submit_next
+
+    root = tmp_path / "runs"
+    run = copy_run(smoke_run, root / "unwatched")
+    rd = RunDir(str(run))
+    ensure_run(rd, load_recipe("smoke", overrides=[f"train.max_steps={STEPS}"]), "cpu-1")
+    be = LocalBackend(str(root))
+    h = submit_next(rd, be, attempt_request(rd, 0, "cpu-1"), "first attempt")
+    _, status = os.waitpid(int(h.data["pid"]), 0)  # reaped here: the backend never sees its exit code
+    assert os.waitstatus_to_exitcode(status) == 0
+    exited = [r for r in rd.journal() if r["event"] == "exited"]
+    assert len(exited) == 1, rd.journal()
+    assert (exited[0]["attempt"], exited[0]["exit_code"], exited[0]["committed_step"]) == (1, 0, STEPS)
+    p = cli("monitor", str(run), "-o", "json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert rep["attempt"]["state"] == "succeeded", rep["attempt"]
+    from olmo_ctl.observe.monitor import timeline_summary
+
+    assert timeline_summary(rep["timeline"]) == ["#1 cpu-1: submitted → exited (exit 0)"]
+
+
+def test_plot_panels_legends_no_offset_and_a_restart_marked(tmp_path):
+    """tokens/s and MFU each on their own axes with a legend; a near-constant v5p MFU shows plain
+    percents (no `1e-5` offset); a trainer started again within one attempt (a JobSet restart: same
+    attempt number, a new writer) is marked where the new writer's steps begin."""
+    from olmo_ctl.observe.plot import _restart_marks, figure
+
+    run = tmp_path / "v5p"
+    write_run_yaml(run, max_steps=100, device="v5p-8")
+    tb = run / "tensorboard"
+    write_segment(tb, range(1, 31), attempt=1, values=values)
+    write_segment(tb, range(21, 41), attempt=1, start_time=1767225700, wall0=T0 + 15, values=values)
+    src = load(str(run))
+    rep = build_report(src, now=T0 + 60, ask_backend=False)
+    assert _restart_marks(src) == [(21, "attempt 1")]
+    from olmo_ctl.observe.monitor import windows
+
+    win = windows(src)  # the restarted trainer's first window holds its start-up: no throughput point
+    assert list(win.steps) == [*range(2, 21), *range(22, 41)]
+    fig = figure(src, rep)
+    fig.canvas.draw()
+    ax_loss, _ax_lr, ax_tps, ax_mfu = fig.axes
+    assert len(fig.axes) == 4 and ax_tps.get_ylabel() == "tokens/s" and ax_mfu.get_ylabel() == "MFU %"
+    for ax in (ax_tps, ax_mfu):
+        assert ax.get_legend() is not None and len(ax.get_legend().get_texts()) == 1
+        assert ax.yaxis.get_offset_text().get_text() == ""
+    assert ax_mfu.get_legend().get_texts()[0].get_text() == "MFU (olmo_core FLOPs)"
+    assert ax_mfu.lines[0].get_ydata()[-1] == pytest.approx(100 * rep["throughput"]["mfu"])
+    assert "restart (attempt 1)" in [t.get_text() for t in ax_loss.texts]

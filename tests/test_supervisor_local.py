@@ -305,6 +305,9 @@ def test_ctrl_c_detaches_then_stop_on_exit_stops(tmp_path):
     j = journal(rdir)
     assert [r["event"] for r in j].count("submitted") == 1
     assert j[-1]["event"] == "stopped"
+    # the trainer journals its own end, stopped by SIGTERM after its checkpoint
+    (exited,) = [r for r in j if r["event"] == "exited"]
+    assert (exited["attempt"], exited["exit_code"], exited["reason"]) == (1, 143, "exit 143 (SIGTERM)")
 
 
 def test_submit_returns_once_submitted_and_never_doubles_a_live_attempt(tmp_path):

@@ -47,6 +47,7 @@ def test_smoke_recipe_learns_and_logs_eval(runs):
         "perf/total_tokens",
         "throughput/device/TPS",
         "throughput/device/TPS (actual avg)",
+        "throughput/device/TFLOPS",
         "throughput/device/MFU",
         "throughput/device/MFU (actual avg)",
         "throughput/device/data loading (s)",

@@ -72,8 +72,21 @@ def render(rep: dict):
     )
     tok = rep["tokens"]
     t.add_row("tokens seen", _fmt_n(tok["seen"]))
-    t.add_row("tokens/s (now / run avg)", f"{_fmt_n(tok['per_s'])} / {_fmt_n(tok['per_s_run_avg'])}")
     th = rep["throughput"]
+    win = th.get("window")
+    t.add_row(
+        "now = logging window",
+        "-" if not win else f"steps {win['first_step']:,}..{win['last_step']:,} (attempt {win['attempt']})",
+    )
+    t.add_row(
+        "tokens/s (now / run avg)",
+        f"{_fmt_n(tok['per_s'])} / {_fmt_n(tok['per_s_run_avg'])}"
+        + (
+            f"  ({_fmt_n(th['tokens_per_s_per_device'])} per device now)"
+            if th.get("tokens_per_s_per_device")
+            else ""
+        ),
+    )
     dev = f" on {th['device']} ({th['devices']} devices)" if th.get("device") else ""
     t.add_row(
         "TFLOP/s per device",

@@ -54,6 +54,12 @@ EXIT_SIGKILL = 137
 USER_EXIT_CODES = frozenset({EXIT_FAILED, EXIT_BAD_INPUT})  # the only user failures: never retried blindly
 
 
+# The journal record a trainer (process 0) of an olmo-ctl attempt writes as it exits, with its exit code
+# and the committed step: an attempt's end is recorded even when no supervisor watches it (detached,
+# `submit`), in the same words (`exit_state`) a supervisor's record uses.
+EXITED_EVENT = "exited"
+
+
 def exit_state(code: int | None) -> tuple[State, str]:
     """The state an attempt is in when its trainer exited with `code` (None: still running), and why.
 
@@ -91,14 +97,19 @@ def step_line(
     loss: float,
     grad_norm: float,
     lr: float,
-    tps: float,
+    tokens_per_s: float,
+    tokens_per_s_per_device: float,
     mfu: float,
+    step_time_s: float,
     skipped: bool = False,
 ) -> str:
-    """The line the trainer prints for a logged step."""
+    """The line the trainer prints for a logged step. The throughput figures are its logging window's
+    (the steps of one metrics fetch, timed from the previous fetch): tokens/s of the run (every device
+    of every slice) and per device, MFU (0..1, printed in %), seconds per step (printed in ms)."""
     return (
         f"step {step}/{final} loss {loss:.4f} grad_norm {grad_norm:.4f} lr {lr:.3e}"
-        f" tps/device {tps:.0f} mfu {100 * mfu:.2f}%" + (" skipped" if skipped else "")
+        f" tokens/s {tokens_per_s:.0f} ({tokens_per_s_per_device:.0f}/device) mfu {100 * mfu:.2f}%"
+        f" step_time {1000 * step_time_s:.1f} ms" + (" skipped" if skipped else "")
     )
 
 
@@ -111,11 +122,31 @@ class StepLine(NamedTuple):
     step: int
     final: int
     loss: str  # as printed
+    tokens_per_s: float | None = None  # the window's, as printed (None: a line without them)
+    tokens_per_s_per_device: float | None = None
+    mfu: float | None = None  # fraction 0..1
+    step_time_s: float | None = None
+
+
+_STEP_FIGURES = re.compile(r" tokens/s (\S+) \((\S+)/device\) mfu (\S+)% step_time (\S+) ms")
 
 
 def parse_step_line(line: str) -> StepLine | None:
     m = _STEP_LINE.search(line)
-    return StepLine(int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+    if not m:
+        return None
+    f = _STEP_FIGURES.search(line, m.end())
+    if not f:
+        return StepLine(int(m.group(1)), int(m.group(2)), m.group(3))
+    tps, per_dev, mfu, ms = (float(x) for x in f.groups())
+    return StepLine(int(m.group(1)), int(m.group(2)), m.group(3), tps, per_dev, mfu / 100, ms / 1000)
+
+
+def final_committed(committed_step: int | None, final_step: int | None) -> bool:
+    """The run's final step is committed. An attempt that is over then counts as succeeded, whatever its
+    exit (a SIGKILL after the final commit, a trainer that restored the final checkpoint and had nothing
+    to do): the supervisor's first rule (supervise/policy.py) and the monitor's."""
+    return committed_step is not None and final_step is not None and committed_step >= final_step
 
 
 _HOST_PREFIX = re.compile(r"^host \d+: ")  # a multi-host attempt's log (LOG_PREFIX_ENV)

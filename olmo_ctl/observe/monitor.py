@@ -17,6 +17,7 @@ N steps, so the steps at risk are `step - committed_step`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from olmo_ctl import storage
+from olmo_ctl.core.contracts import EXITED_EVENT, exit_state, final_committed, parse_segment_name
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.transient import is_transient
 from olmo_ctl.observe.reader import EventReader
@@ -42,8 +44,12 @@ LR_TAGS = ("optim/LR (group 0)",)
 TOKENS_TAGS = ("throughput/total tokens", "perf/total_tokens")
 SKIPPED_TAGS = ("optim/step skipped", "optim/step_skipped")
 CKPT_TAG = "checkpoint/save_duration_s"
+# what the trainer logs for each window (trainer/hooks.py MetricsHook), read where the monitor cannot compute it
+TPS_TAG = "throughput/device/TPS"
+TFLOPS_TAG = "throughput/device/TFLOPS"
+MFU_TAG = "throughput/device/MFU"
 EMA_ALPHA = 0.02  # smoothing of the train loss: an EMA over ~50 logged points
-RECENT_POINTS = 50  # "instantaneous" rates: over the last this-many logged intervals of the live attempt
+RECENT_POINTS = 50  # the ETA and the slow-throughput warning: the live attempt's last this-many windows
 SLOW_FRACTION = 0.85  # warn when recent throughput is below this fraction of the run's median
 
 # journal event -> the state it leaves an attempt in (used when no backend can be asked)
@@ -209,18 +215,129 @@ def _fetch_ends(s: Series) -> np.ndarray:
     return np.flatnonzero(end)
 
 
-def _intervals(s: Series) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Seconds per step between consecutive fetches of one attempt:
-    (steps covered, s/step, wall time at the end, step at the end)."""
-    idx = _fetch_ends(s)
-    if len(idx) < 2:
-        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0, np.int64)
-    st, wt, at = s.steps[idx], s.wall_times[idx], s.attempts[idx]
-    same = (at[1:] == at[:-1]) & (st[1:] > st[:-1])
-    dstep = (st[1:] - st[:-1])[same]
-    dwall = (wt[1:] - wt[:-1])[same]
-    ok = dwall > 0
-    return dstep[ok], dwall[ok] / dstep[ok], wt[1:][same][ok], st[1:][same][ok]
+@dataclass(frozen=True)
+class Windows:
+    """Throughput per logging window: the steps of one metrics fetch, timed from the attempt's previous
+    fetch to this one (all of it: steps, data wait, an evaluation or checkpoint save in between), which is
+    the window the trainer times for its `step N/M ...` line and `throughput/device/*` scalars. An
+    attempt's first window (restore and compile) has no fetch before it and is not here. The report's
+    "now" figures are the live attempt's last window; the plot draws every window."""
+
+    attempts: np.ndarray  # int: the attempt that logged the window
+    first_steps: np.ndarray  # int: the window's first step
+    steps: np.ndarray  # int: its last step
+    step_time_s: np.ndarray  # seconds per step
+    tokens_per_s: np.ndarray  # of the run: every device of every slice (nan: tokens per step unknown)
+    tokens_per_s_per_device: np.ndarray
+    tflops_per_device: np.ndarray
+    mfu: np.ndarray  # fraction 0..1 of the device's peak dense bf16 TFLOP/s (nan: unknown)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def of_attempt(self, attempt: int) -> Windows:
+        m = self.attempts == attempt
+        return Windows(*(getattr(self, f.name)[m] for f in dataclasses.fields(self)))
+
+    def row(self, i: int) -> dict:
+        return {f.name: getattr(self, f.name)[i].item() for f in dataclasses.fields(self)}
+
+
+def _tag_at(r: EventReader, tag: str, steps: np.ndarray) -> np.ndarray:
+    """The values `tag` logged at `steps` (nan where it logged none)."""
+    out = np.full(len(steps), np.nan)
+    s = r.series(tag)
+    if s is None or not len(s) or not len(steps):
+        return out
+    pos = np.minimum(np.searchsorted(s.steps, steps), len(s) - 1)
+    hit = s.steps[pos] == steps
+    out[hit] = s.values[pos[hit]]
+    return out
+
+
+def _windows(
+    r: EventReader,
+    loss: Series | None,
+    tokens_per_step: int | None,
+    flops_tok: float | None,
+    devices_of: Callable[[int], tuple[int, float] | None],
+) -> Windows:
+    """Every logging window's figures. Computed from the event wall times and the recipe where they are
+    known (`devices_of(attempt)`: the attempt's devices and peak TFLOP/s per device), else what the
+    trainer logged for the window (`throughput/device/TPS`, `/TFLOPS`, `/MFU`): the same formulas
+    (core/flops.py) on the same window."""
+    empty = np.zeros(0)
+    if loss is None or not len(loss):
+        return Windows(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), *[empty] * 5)
+    idx = _fetch_ends(loss)
+    st, wt, at = loss.steps[idx], loss.wall_times[idx], loss.attempts[idx]
+    keep = (at[1:] == at[:-1]) & (st[1:] > st[:-1]) & (wt[1:] > wt[:-1])
+    for attempt, step in restarts(
+        r
+    ):  # a restarted trainer's first window holds its start-up, like an attempt's
+        keep &= ~((at[1:] == attempt) & (st[:-1] < step) & (step <= st[1:]))
+    k = np.flatnonzero(keep) + 1
+    steps, att = st[k], at[k]
+    step_s = (wt[k] - wt[k - 1]) / (st[k] - st[k - 1])
+    tps = tokens_per_step / step_s if tokens_per_step else np.full(len(k), np.nan)
+    n_dev = np.full(len(k), np.nan)
+    peak = np.full(len(k), np.nan)
+    for a in np.unique(att):
+        d = devices_of(int(a))
+        if d is not None:
+            n_dev[att == a], peak[att == a] = d
+    per_dev = np.where(np.isfinite(n_dev) & np.isfinite(tps), tps / n_dev, _tag_at(r, TPS_TAG, steps))
+    tflops = per_dev * flops_tok / 1e12 if flops_tok else _tag_at(r, TFLOPS_TAG, steps)
+    mfu = np.where(np.isfinite(tflops) & np.isfinite(peak), tflops / peak, _tag_at(r, MFU_TAG, steps))
+    return Windows(att.astype(np.int64), st[k - 1] + 1, steps, step_s, tps, per_dev, tflops, mfu)
+
+
+def restarts(r: EventReader) -> list[tuple[int, int]]:
+    """(attempt, step) where an attempt's trainer started again within the same attempt: a JobSet
+    restart recreates its pods, whose trainers keep the attempt number, so the attempt's event
+    segments carry a later writer start time than its first; the step is the first that writer logged."""
+    firsts: dict[int, dict[int, int]] = {}  # attempt -> writer start time -> its first step
+    for fs in r.files.values():
+        parsed = parse_segment_name(fs.path.rsplit("/", 1)[-1])
+        if parsed is None or parsed[2] is None or fs.first_step is None:
+            continue
+        by_start = firsts.setdefault(parsed[2], {})
+        by_start[parsed[0]] = min(by_start.get(parsed[0], fs.first_step), fs.first_step)
+    return sorted(
+        (attempt, by_start[start]) for attempt, by_start in firsts.items() for start in sorted(by_start)[1:]
+    )
+
+
+def windows(src: Sources) -> Windows:
+    """The logging windows of a run directory (what `build_report` and the plot read)."""
+    recipe = _recipe(src.run_doc)
+    tokens_per_step, _seen = _tokens(src.reader, recipe, src.reader.max_step())
+    return _windows(
+        src.reader,
+        src.reader.series(LOSS_TAG),
+        tokens_per_step,
+        _flops_per_token(recipe),
+        _devices_of(src.journal, src.run_doc),
+    )
+
+
+def _devices_of(journal: list | None, run_doc: dict | None) -> Callable[[int], tuple[int, float] | None]:
+    """attempt -> (JAX devices of every slice it ran on, peak TFLOP/s per device), from its `submitted`
+    record, else run.yaml's device; None when neither names a known device."""
+    placed: dict[int, tuple[str, int]] = {}
+    recs = [r for r in journal or [] if r.get("attempt") is not None and r.get("device")]
+    for rec in sorted(recs, key=lambda r: r.get("event") == "submitted"):  # `submitted` says it last
+        placed[int(rec["attempt"])] = (rec["device"], int(rec.get("slices") or 1))
+    default = ((run_doc or {}).get("device"), int((run_doc or {}).get("slices") or 1))
+
+    def of(attempt: int) -> tuple[int, float] | None:
+        name, slices = placed.get(attempt, default)
+        dev = _device(name)
+        if dev is None:
+            return None
+        return dev.devices * slices, dev.peak_tflops_per_device
+
+    return of
 
 
 def _parse_time(x) -> float | None:
@@ -271,7 +388,17 @@ def _device(name: str | None):
 # the live attempt
 
 
-def _live_attempt(path: str, journal: list | None, status_of: StatusOf | None) -> dict:
+def _live_attempt(
+    path: str,
+    journal: list | None,
+    status_of: StatusOf | None,
+    committed_step: int | None = None,
+    final_step: int | None = None,
+) -> dict:
+    """The latest attempt's state: the journal's last word on it (a supervisor's record, or the
+    trainer's own `exited` record with its exit code), the backend's while it may be live; and, once it
+    is over with the final step committed, `succeeded` whatever its exit (`final_committed`, the
+    supervisor's rule)."""
     out: dict[str, Any] = {
         "attempt": None,
         "state": None,
@@ -290,15 +417,26 @@ def _live_attempt(path: str, journal: list | None, status_of: StatusOf | None) -
     mine = [r for r in attempts if int(r["attempt"]) == n]
     out["attempt"] = n
     out["device"] = next((r.get("device") for r in reversed(mine) if r.get("device")), None)
-    last_state = next((r for r in reversed(mine) if r.get("event") in _EVENT_STATE), None)
+    last_state = next(
+        (r for r in reversed(mine) if r.get("event") in _EVENT_STATE or _exit_of(r) is not None), None
+    )
+    exited = last_state is not None and _exit_of(last_state) is not None
     if last_state is not None:
-        out["state"] = _EVENT_STATE[last_state["event"]]
-        out["reason"] = last_state.get("reason") or ""
+        if exited:
+            state, why = exit_state(_exit_of(last_state))
+            out["state"], out["reason"] = state.value, f"the trainer's {why}"
+        else:
+            out["state"] = _EVENT_STATE[last_state["event"]]
+            out["reason"] = last_state.get("reason") or ""
         out["source"] = f"journal ({last_state.get('time', '?')})"
     handle = next((r.get("handle") for r in reversed(mine) if isinstance(r.get("handle"), dict)), None)
     # A terminal journal record (written by the supervisor, which saw the outcome) is final; the backend
-    # is asked only while the journal says the attempt may still be live.
-    if handle and status_of is not None and out["state"] in (None, "queued", "admitted", "running"):
+    # is asked while the journal says the attempt may still be live, and after a trainer's nonzero exit
+    # (a JobSet restarts its pods, Kueue requeues a preempted attempt: the same attempt runs on).
+    may_live = out["state"] in (None, "queued", "admitted", "running") or (
+        exited and out["state"] != "succeeded"
+    )
+    if handle and status_of is not None and may_live:
         out["backend"] = handle.get("backend")
         try:
             st = status_of(path, handle)
@@ -308,17 +446,34 @@ def _live_attempt(path: str, journal: list | None, status_of: StatusOf | None) -
         except Exception as e:  # a backend bug must not hide the rest of the report
             out["source"] += f"; backend status failed: {type(e).__name__}: {e}"
             st = None
-        if st is not None:
+        # a backend that saw the end but not its exit code (no process of its own was the trainer's
+        # parent) knows less than the trainer's `exited` record
+        if st is not None and not (exited and st.state.terminal and st.exit_code is None):
             out["state"] = st.state.value
             out["reason"] = st.reason or out["reason"]
             out["source"] = f"{handle.get('backend')} backend" + (f": {st.source}" if st.source else "")
+    if out["state"] not in (None, "queued", "admitted", "running", "succeeded") and final_committed(
+        committed_step, final_step
+    ):
+        out["reason"] = f"final step committed ({out['state']}: {out['reason']})"
+        out["state"] = "succeeded"
     return out
+
+
+def _exit_of(rec: dict) -> int | None:
+    """The exit code of a trainer's `exited` record (None for any other record)."""
+    if rec.get("event") != EXITED_EVENT or rec.get("exit_code") is None:
+        return None
+    try:
+        return int(rec["exit_code"])
+    except (TypeError, ValueError):
+        return None
 
 
 def _timeline(journal: list | None) -> list[dict]:
     if not journal:
         return []
-    keep = ("time", "event", "attempt", "device", "reason", "committed_step")
+    keep = ("time", "event", "attempt", "device", "reason", "committed_step", "exit_code")
     return [{k: r.get(k) for k in keep} for r in journal]
 
 
@@ -326,7 +481,7 @@ def timeline_summary(timeline: list[dict]) -> list[str]:
     """One line per attempt: `#2 cpu-4: queued → admitted → running → preempted (exit 143)`."""
     per: dict[int, list] = {}
     for r in timeline:
-        if r.get("attempt") is None or r.get("event") not in _EVENT_STATE and r.get("event") != "resized":
+        if r.get("attempt") is None or r.get("event") not in (*_EVENT_STATE, "resized", EXITED_EVENT):
             continue
         per.setdefault(int(r["attempt"]), []).append(r)
     lines = []
@@ -339,7 +494,9 @@ def timeline_summary(timeline: list[dict]) -> list[str]:
                 continue
             why = r.get("reason") or ""
             parts.append(
-                f"{ev} ({why})" if why and ev in ("preempted", "failed", "stalled", "resized") else ev
+                f"{ev} ({why})"
+                if why and ev in ("preempted", "failed", "stalled", "resized", EXITED_EVENT)
+                else ev
             )
         lines.append(f"#{n} {dev}: " + " → ".join(parts))
     return lines
@@ -367,14 +524,26 @@ def build_report(
     loss = r.series(LOSS_TAG)
     step = r.max_step()
     final_step = recipe.train.max_steps if recipe else None
-    live = _live_attempt(src.path, journal, status_of if ask_backend else None)
+    committed_step = (src.committed or [None])[-1]
+    live = _live_attempt(src.path, journal, status_of if ask_backend else None, committed_step, final_step)
     device_name = live.get("device") or (src.run_doc or {}).get("device")
 
     tokens_per_step, tokens_seen = _tokens(r, recipe, step)
-    times = _step_times(loss, tokens_per_step)
-    throughput = _throughput(r, recipe, device_name, journal, times, tokens_per_step)
+    flops_tok = _flops_per_token(recipe)
+    devices_of = _devices_of(journal, src.run_doc)
+    win = _windows(r, loss, tokens_per_step, flops_tok, devices_of)
+    times = _step_times(loss, win, tokens_per_step)
+    live_devices = devices_of(int(live["attempt"])) if live.get("attempt") is not None else devices_of(-1)
+    throughput = _throughput(
+        device_name,
+        live_devices[0] if live_devices else None,
+        times,
+        tokens_per_step,
+        flops_tok,
+        devices_of,
+    )
     skipped, skipped_warnings = _skipped_steps(r)
-    pct, eta_s = _eta(step, final_step, times.last)
+    pct, eta_s = _eta(step, final_step, times.recent)
     replayed = r.replays(LOSS_TAG)
     mism = r.mismatches()
     problems = r.problems()
@@ -403,7 +572,7 @@ def build_report(
         "tokens": {
             "seen": tokens_seen,
             "per_step": tokens_per_step,
-            "per_s": _f(times.tps_recent),
+            "per_s": throughput["tokens_per_s"],
             "per_s_run_avg": _f(times.tps_avg),
         },
         "throughput": throughput,
@@ -413,7 +582,9 @@ def build_report(
         "checkpoint": _checkpoint_section(src.committed or [], step),
         "attempt": live,
         "timeline": _timeline(journal),
-        "goodput": _goodput(journal, times.per_attempt, times.median, replayed, loss, r, now, live),
+        "goodput": _goodput(
+            journal, times.per_attempt, times.median, replayed, loss, r, now, live, final_step, src.committed
+        ),
         "attempts_in_events": _attempts_in_events(r, times.per_attempt),
         "replays": {
             "steps": replayed,
@@ -502,12 +673,12 @@ def _tokens(r: EventReader, recipe, step: int | None) -> tuple[int | None, int |
 
 @dataclass
 class _StepTimes:
-    """Step time and throughput from the loss points' wall times, within attempts."""
+    """Step time and throughput from the logging windows (`Windows`), within attempts."""
 
     per_attempt: dict[int, dict] = field(default_factory=dict)
-    last: float | None = None  # recent s/step of the live attempt
-    median: float | None = None  # s/step over the run
-    tps_recent: float | None = None
+    now: dict | None = None  # the live attempt's last window (`Windows.row`)
+    recent: float | None = None  # s/step: median of the live attempt's last RECENT_POINTS windows
+    median: float | None = None  # s/step: median over the run's windows
     tps_avg: float | None = None
     warnings: list[str] = field(default_factory=list)
 
@@ -531,40 +702,30 @@ def _per_attempt(loss: Series) -> dict[int, dict]:
     return out
 
 
-def _step_times(loss: Series | None, tokens_per_step: int | None) -> _StepTimes:
+def _step_times(loss: Series | None, win: Windows, tokens_per_step: int | None) -> _StepTimes:
     out = _StepTimes()
     if loss is None or not len(loss):
         return out
     out.per_attempt = per_attempt = _per_attempt(loss)
-    per_step_s = _intervals(loss)[1]
-    if not len(per_step_s):
+    if not len(win):
         return out
-    out.median = float(np.median(per_step_s))
-    live_mask = loss.attempts == loss.attempts[-1]  # the attempt that wrote the latest step
-    live_series = Series(
-        loss.tag,
-        loss.steps[live_mask],
-        loss.wall_times[live_mask],
-        loss.values[live_mask],
-        loss.attempts[live_mask],
-    )
-    recent_s = _intervals(live_series)[1][-RECENT_POINTS:]
-    if len(recent_s):
-        out.last = float(np.median(recent_s))
+    out.median = float(np.median(win.step_time_s))
+    live = win.of_attempt(int(loss.attempts[-1]))  # the attempt that wrote the latest step
+    if len(live):
+        out.now = live.row(len(live) - 1)
+        out.recent = float(np.median(live.step_time_s[-RECENT_POINTS:]))
     stepping_s = 0.0
     for info in per_attempt.values():
         info["span_s"] = info["last_wall"] - info["first_wall"] + info["first_fetch_steps"] * out.median
         stepping_s += info["span_s"]
     if tokens_per_step:
-        if out.last:
-            out.tps_recent = tokens_per_step / out.last
         done_steps = sum(i["last_step"] - i["first_step"] + 1 for i in per_attempt.values())
         out.tps_avg = tokens_per_step * done_steps / stepping_s if stepping_s > 0 else None
     # slow host: recent throughput well below the run's median
-    if out.last and len(per_step_s) >= 2 * RECENT_POINTS and out.median / out.last < SLOW_FRACTION:
+    if out.recent and len(win) >= 2 * RECENT_POINTS and out.median / out.recent < SLOW_FRACTION:
         out.warnings.append(
-            f"throughput below the run's median: {out.last:.3g} s/step recently vs "
-            f"{out.median:.3g} s/step median ({out.median / out.last:.0%}); "
+            f"throughput below the run's median: {out.recent:.3g} s/step recently vs "
+            f"{out.median:.3g} s/step median ({out.median / out.recent:.0%}); "
             "a slow host or a throttled device?"
         )
     return out
@@ -582,79 +743,71 @@ def _flops_per_token(recipe) -> float | None:
 
 
 def _run_avg_across_attempts(
-    journal: list | None, per_attempt: dict, tokens_per_step: int, flops_tok: float
+    per_attempt: dict,
+    devices_of: Callable[[int], tuple[int, float] | None],
+    tokens_per_step: int,
+    flops_tok: float,
 ) -> tuple[float | None, float | None] | None:
-    """(TFLOP/s per device, MFU) over the run when its attempts ran on different devices (a resize):
-    each attempt weighted by its device-seconds. None when the run has one attempt or an unknown device."""
-    att_dev = {
-        int(x["attempt"]): _device(x.get("device"))
-        for x in journal or []
-        if x.get("attempt") is not None and x.get("device")
-    }
-    if len(per_attempt) <= 1 or not all(att_dev.get(a) for a in per_attempt):
+    """(TFLOP/s per device, MFU) over the run: the FLOPs of every step over the device-seconds (and peak
+    FLOP-seconds) of every attempt, so attempts on different devices (a resize) weigh by their
+    device-seconds. None when an attempt ran on an unknown device."""
+    placed = {a: devices_of(a) for a in per_attempt}
+    if not all(placed.values()):
         return None
     flops = (
         sum((i["last_step"] - i["first_step"] + 1) for i in per_attempt.values())
         * tokens_per_step
         * flops_tok
     )
-    dev_s = sum(i["span_s"] * att_dev[a].devices for a, i in per_attempt.items())
-    peak_s = sum(
-        i["span_s"] * att_dev[a].devices * att_dev[a].peak_tflops_per_device for a, i in per_attempt.items()
-    )
+    dev_s = sum(i["span_s"] * placed[a][0] for a, i in per_attempt.items())  # type: ignore[index]
+    peak_s = sum(i["span_s"] * placed[a][0] * placed[a][1] for a, i in per_attempt.items())  # type: ignore[index]
     return (flops / dev_s / 1e12 if dev_s > 0 else None), (flops / 1e12 / peak_s if peak_s > 0 else None)
 
 
 def _throughput(
-    r: EventReader,
-    recipe,
     device_name: str | None,
-    journal: list | None,
+    devices: int | None,
     times: _StepTimes,
     tokens_per_step: int | None,
+    flops_tok: float | None,
+    devices_of: Callable[[int], tuple[int, float] | None],
 ) -> dict:
-    """The `throughput` section: step times, TFLOP/s and MFU (computed, else what the trainer logged)."""
-    dev = _device(device_name)
-    flops_tok = _flops_per_token(recipe)
-    tflops_recent = tflops_avg = mfu_recent = mfu_avg = None
-    n_devices = dev.devices if dev else None
-    if flops_tok and n_devices:
-        if times.tps_recent:
-            tflops_recent = times.tps_recent / n_devices * flops_tok / 1e12
-        peak = dev.peak_tflops_per_device
-        if times.tps_avg:
-            tflops_avg = times.tps_avg / n_devices * flops_tok / 1e12
-            mfu_avg = tflops_avg / peak if peak else None
-            # tps_avg is known only with tokens_per_step
-            across = (
-                _run_avg_across_attempts(journal, times.per_attempt, tokens_per_step, flops_tok)
-                if tokens_per_step
-                else None
-            )
-            if across is not None:
-                tflops_avg, mfu_avg = across
-        if peak:
-            mfu_recent = tflops_recent / peak if tflops_recent else None
-    if mfu_recent is None:  # fall back to what the trainer logged
-        mfu_recent = _last_value(r, "throughput/device/MFU")
-        mfu_avg = mfu_avg if mfu_avg is not None else _last_value(r, "throughput/device/MFU (actual avg)")
+    """The `throughput` section: "now" is the live attempt's last logging window (`Windows`); the run
+    average is every step's tokens (FLOPs) over the time spent stepping (its device-seconds)."""
+    now = times.now or {}
+    tps_now = _f(now.get("tokens_per_s"))
+    per_dev = _f(now.get("tokens_per_s_per_device"))
+    if devices is None and tps_now and per_dev:  # no device named (a trainer-only run directory)
+        devices = round(tps_now / per_dev)
+    tflops_now, mfu_now = _f(now.get("tflops_per_device")), _f(now.get("mfu"))
+    tflops_avg = mfu_avg = None
+    if times.tps_avg and tokens_per_step and flops_tok:
+        across = _run_avg_across_attempts(times.per_attempt, devices_of, tokens_per_step, flops_tok)
+        if across is not None:
+            tflops_avg, mfu_avg = across
+    if tflops_avg is None and times.tps_avg and tps_now:
+        # no device for an attempt: the same device throughout, so FLOP rates scale with tokens/s
+        scale = times.tps_avg / tps_now
+        tflops_avg = tflops_now * scale if tflops_now is not None else None
+        mfu_avg = mfu_now * scale if mfu_now is not None else None
+    window = None
+    if times.now:
+        window = {"attempt": now["attempts"], "first_step": now["first_steps"], "last_step": now["steps"]}
     return {
         "device": device_name,
-        "devices": n_devices,
-        "step_time_s": _f(times.last),
+        "devices": devices,
+        "window": window,
+        "step_time_s": _f(now.get("step_time_s")),
         "step_time_median_s": _f(times.median),
-        "tflops_per_device": _f(tflops_recent),
+        "tokens_per_s": tps_now,
+        "tokens_per_s_per_device": per_dev,
+        "tflops_per_device": tflops_now,
         "tflops_per_device_run_avg": _f(tflops_avg),
-        "mfu": _f(mfu_recent),
+        "mfu": mfu_now,
         "mfu_run_avg": _f(mfu_avg),
         "flops_formula": "olmo_core" if flops_tok else None,
         "flops_per_token": _f(flops_tok),
     }
-
-
-def _last_value(r: EventReader, tag: str) -> float | None:
-    s = r.series(tag)
-    return float(s.values[-1]) if s is not None and len(s) else None
 
 
 def _loss_section(r: EventReader, loss: Series | None) -> dict:
@@ -785,7 +938,13 @@ def _goodput(
     reader: EventReader,
     now: float,
     live: dict,
+    final_step: int | None = None,
+    committed: list | None = None,
 ) -> dict:
+    """Time on steps that count / wall time. The wall time runs from the first journal record (or the
+    first step) to now while an attempt may be live, else to the last record; once the final step is
+    committed it ends at that commit, so what came after (a supervisor run again on the finished run,
+    a no-op attempt) costs nothing."""
     out: dict[str, Any] = {
         "fraction": None,
         "wall_s": None,
@@ -805,6 +964,7 @@ def _goodput(
     last_wall = max(i["last_wall"] for i in per_attempt.values())
     start = min(i["first_wall"] - i.get("first_fetch_steps", 1) * step_s for i in per_attempt.values())
     end = last_wall
+    done_at = _final_commit_time(journal, reader, final_step, committed)
     queue_s = startup_s = 0.0
     if journal:
         times = [t for t in (_parse_time(r.get("time")) for r in journal) if t is not None]
@@ -826,7 +986,9 @@ def _goodput(
                 startup_s += max(
                     0.0, info["first_wall"] - info.get("first_fetch_steps", 1) * step_s - t_start
                 )
-    if live.get("state") in ("running", "queued", "admitted"):
+    if done_at is not None:
+        end = max(last_wall, done_at)
+    elif live.get("state") in ("running", "queued", "admitted"):
         end = max(end, now)
     wall = max(end - start, 1e-9)
     # spans come from the de-duplicated points: replayed occurrences are not in them, only in recomputed_s
@@ -841,6 +1003,27 @@ def _goodput(
         "other": other,
     }
     return out
+
+
+def _final_commit_time(
+    journal: list | None, reader: EventReader, final_step: int | None, committed: list | None
+) -> float | None:
+    """When the final step's checkpoint was committed (None: it is not, or the final step is unknown):
+    the trainer logs `checkpoint/save_duration_s` once the final save has committed; without that, the
+    first journal record that saw it committed."""
+    if not final_step or not committed or max(committed) < final_step:
+        return None
+    ck = reader.series(CKPT_TAG)
+    if ck is not None and len(ck) and ck.steps[-1] >= final_step:
+        return float(ck.wall_times[np.searchsorted(ck.steps, final_step)])
+    seen = [
+        t
+        for r in journal or []
+        if r.get("committed_step") is not None
+        and int(r["committed_step"]) >= final_step
+        and (t := _parse_time(r.get("time"))) is not None
+    ]
+    return min(seen) if seen else None
 
 
 def monitor(path: str, **kw) -> dict:

@@ -40,6 +40,7 @@ class FileState:
     corrupt: str | None = None
     attempt: int = 0
     generation: int = 0
+    first_step: int | None = None  # the smallest step of a scalar in the file (a writer's first step)
 
 
 @dataclass
@@ -158,6 +159,9 @@ class EventReader:
                 fs.bad_records += batch.bad_records
                 st.records += batch.records
                 for tag, (s, w, v) in batch.tags.items():
+                    if len(s):
+                        lo = int(s.min())
+                        fs.first_step = lo if fs.first_step is None else min(fs.first_step, lo)
                     ts = self._tags.get(tag)
                     if ts is None:
                         ts = self._tags[tag] = TagSeries(tag)

@@ -17,7 +17,7 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from olmo_ctl.core.contracts import State
+from olmo_ctl.core.contracts import State, final_committed
 from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_OK, EXIT_RUN_FAILED, BadInput
 
 DEFAULT_BACKOFF_S = 300.0
@@ -100,7 +100,7 @@ class RetryPolicy:
         again) and spends nothing; so is an attempt waiting for capacity.
         """
         st = outcome.state
-        if outcome.committed >= outcome.final:
+        if final_committed(outcome.committed, outcome.final):
             reason = (
                 outcome.reason
                 if st == State.SUCCEEDED

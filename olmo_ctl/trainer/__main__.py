@@ -160,7 +160,35 @@ def _main(ns: argparse.Namespace) -> int:
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")
         return EXIT_RESTART if e.exit_code == EXIT_RESTART else 2
-    return main_run(dataclasses.replace(args, loaded_recipe=recipe))
+    code = main_run(dataclasses.replace(args, loaded_recipe=recipe))
+    _journal_exit(ns, code)
+    return code
+
+
+def _journal_exit(ns: argparse.Namespace, code: int) -> None:
+    """Process 0 of an olmo-ctl attempt (one the run's journal records as submitted) journals how it
+    exited, so the attempt's end is recorded when no supervisor watches it (a detached supervisor,
+    `submit`). A storage hiccup here must not change the exit code."""
+    from olmo_ctl.core.contracts import EXITED_EVENT, exit_state
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.trainer import multihost
+
+    try:
+        if multihost.joined() and sys.modules["jax"].process_index() != 0:
+            return
+        rd = RunDir(ns.run_dir)
+        if not any(r.get("event") == "submitted" and r.get("attempt") == ns.attempt for r in rd.journal()):
+            return  # not an attempt of olmo-ctl's (a trainer started by hand): its run has no journal to keep
+        rd.append(
+            EXITED_EVENT,
+            attempt=ns.attempt,
+            device=ns.device,
+            reason=exit_state(code)[1],
+            committed_step=rd.committed_step(),
+            exit_code=code,
+        )
+    except Exception as e:  # noqa: BLE001 - storage errors come in many types
+        print(f"warning: could not journal this attempt's exit ({type(e).__name__}: {e})", flush=True)
 
 
 if __name__ == "__main__":

@@ -304,9 +304,14 @@ class MetricsHook(Hook):
             return
         tokens_per_step = self.recipe.tokens_per_step
         ce, grad_norm, lr = float(m["ce"]), float(m["grad_norm"]), float(m["lr"])
-        tps = tokens_per_step / w.step_time_s / self.plan.devices  # every slice's devices
+        # The window's figures (docs/monitoring-and-compare.md#throughput): `monitor` derives the same
+        # ones from the window's wall times, so the line, the scalars and the report agree.
+        run_tps = tokens_per_step / w.step_time_s
+        tps = run_tps / self.plan.devices  # every slice's devices
+        tflops = flops.tflops_per_device(tps, self.fpt)
+        mfu = flops.mfu(tflops, self.device)
+        # OLMo-core's "actual avg": this attempt's steps over its time since start (compile included)
         tps_avg = tokens_per_step * w.steps_run / max(w.elapsed_s, 1e-9) / self.plan.devices
-        mfu = flops.mfu(flops.tflops_per_device(tps, self.fpt), self.device)
         mfu_avg = flops.mfu(flops.tflops_per_device(tps_avg, self.fpt), self.device)
         values = {
             "train/CE loss": ce,
@@ -321,6 +326,7 @@ class MetricsHook(Hook):
             "perf/total_tokens": float(step * tokens_per_step),
             "throughput/device/TPS": tps,
             "throughput/device/TPS (actual avg)": tps_avg,
+            "throughput/device/TFLOPS": tflops,
             "throughput/device/MFU": mfu,
             "throughput/device/MFU (actual avg)": mfu_avg,
             "throughput/device/data loading (s)": load_s,
@@ -328,7 +334,18 @@ class MetricsHook(Hook):
         }
         loop.events.scalars(step, values, w.wall)
         print(
-            step_line(step, self.recipe.train.max_steps, ce, grad_norm, lr, tps, mfu, bool(m["skipped"])),
+            step_line(
+                step,
+                self.recipe.train.max_steps,
+                ce,
+                grad_norm,
+                lr,
+                run_tps,
+                tps,
+                mfu,
+                w.step_time_s,
+                bool(m["skipped"]),
+            ),
             flush=True,
         )
 

@@ -37,6 +37,7 @@ TAGS = (
     "perf/total_tokens",
     "throughput/device/TPS",
     "throughput/device/TPS (actual avg)",
+    "throughput/device/TFLOPS",
     "throughput/device/MFU",
     "throughput/device/MFU (actual avg)",
     "throughput/device/data loading (s)",
