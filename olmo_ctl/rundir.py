@@ -5,6 +5,7 @@
     <run>/journal.jsonl      one JSON line per event; see `append`
     <run>/lease.json         which supervisor drives the run (generation-match compare-and-swap)
     <run>/resize.json        a pending resize request (written by `resize`, consumed by the supervisor)
+    <run>/stop.json          a stop in progress (written by `stop`; a supervisor that sees it ends)
     <run>/checkpoints/<N>/   Orbax steps; only committed ones count (see `committed_steps`)
 
 Everything goes through `olmo_ctl.storage`, so the same code serves both kinds of path. GCS has no
@@ -54,6 +55,7 @@ JOURNAL_EVENTS = (
     "resized",
     "stalled",
     "resize_requested",
+    "stop_requested",
     "supervisor_started",
     "supervisor_detached",
     "supervisor_stopped",
@@ -633,3 +635,24 @@ class RunDir:
 
     def clear_resize(self) -> None:
         self.store.delete(self.p("resize.json"))
+
+    # ------------------------------------------------------------------ stop requests
+
+    def request_stop(self, reason: str = "", attempt: int | None = None) -> dict:
+        """Record that the run is being stopped on purpose (`olmo-ctl stop`): a supervisor that sees
+        `stop.json` ends instead of submitting the next attempt."""
+        doc = {"reason": reason, "time": utc_now_iso(), "id": uuid.uuid4().hex[:8], "attempt": attempt}
+        self.store.write_text(self.p("stop.json"), json.dumps(doc))
+        self.append("stop_requested", attempt=attempt, reason=reason or "stop requested", request=doc["id"])
+        return doc
+
+    def pending_stop(self) -> dict | None:
+        try:
+            return json.loads(self.store.read_text(self.p("stop.json")))
+        except NotFound:
+            return None
+        except ValueError:
+            return {"reason": "stop.json is unreadable", "id": "?"}
+
+    def clear_stop(self) -> None:
+        self.store.delete(self.p("stop.json"))
