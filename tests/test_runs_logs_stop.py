@@ -225,6 +225,30 @@ def test_logs_of_a_gke_attempt_read_each_pod_and_the_journal_once_pods_are_gone(
     assert "log is gone" in gone.stderr and "as the supervisor journaled them" in gone.stderr
 
 
+def test_logs_follow_a_gke_pod_until_its_jobset_completes(gke_run, srv):
+    import threading
+
+    rd, h, env, args = gke_run
+    srv.cluster.log(h.name, 1, ["step 1/20"])
+
+    def later() -> None:
+        time.sleep(0.6)
+        srv.cluster.log(h.name, 1, ["step 2/20", "committed step 20"])
+        time.sleep(0.4)
+        srv.cluster.complete(h.name)
+
+    t = threading.Thread(target=later)
+    t0 = time.time()
+    t.start()
+    try:
+        f = cli("logs", "gk", *args, "--host", "1", "-f", "--interval", "0.1", env=env)
+    finally:
+        t.join()
+    assert f.returncode == 0, f.stderr
+    assert f.stdout.splitlines() == ["step 1/20", "step 2/20", "committed step 20"]
+    assert time.time() - t0 >= 1.0  # it followed until the JobSet completed
+
+
 def test_stop_deletes_a_running_gke_attempt_and_runs_shows_it_stopped(gke_run, srv):
     rd, h, env, args = gke_run
     p = cli("stop", "gk", *args, "-o", "json", env=env)
@@ -417,7 +441,7 @@ def test_a_failed_run_notifies_and_a_failing_notifier_changes_nothing(tmp_path):
 
     from olmo_ctl.supervise.notify import Notifier
     from olmo_ctl.supervise.policy import RetryPolicy
-    from olmo_ctl.supervise.supervisor import Printer, Supervisor
+    from olmo_ctl.supervise.supervisor import JsonlPrinter, Supervisor
 
     rd = new_run(tmp_path, "nan")
     be = LocalBackend(
@@ -425,11 +449,12 @@ def test_a_failed_run_notifies_and_a_failing_notifier_changes_nothing(tmp_path):
     )
     hook = _Hook(status=500)
     said: list[str] = []
+    out = io.StringIO()
     notifier = Notifier(hook.url, "echo nope >&2; exit 3", log=said.append, sleep=lambda s: None)
     try:
         sup = Supervisor(
             rd, be, RetryPolicy(backoff_base_s=0), device="cpu-1", poll_s=0.05,
-            printer=Printer(rd.name, stream=io.StringIO()), notify=notifier,
+            printer=JsonlPrinter(rd.name, stream=out), notify=notifier,
         )  # fmt: skip
         rc = sup.run()
     finally:
@@ -442,6 +467,11 @@ def test_a_failed_run_notifies_and_a_failing_notifier_changes_nothing(tmp_path):
         f"notification `failed` to {hook.url} failed: HTTP 500 Internal Server Error",
         "notification command for `failed` exited 3: nope",
     ]
+    # -o jsonl: the submission and the failure as their journal records, the log lines as one object
+    objs = {o["event"]: o for o in map(json.loads, out.getvalue().splitlines())}
+    assert objs["submitted"]["attempt"] == 1 and objs["submitted"]["handle"]["backend"] == "local"
+    assert objs["failed"]["exit_code"] == 1 and objs["failed"]["run"] == "nan"
+    assert objs["log_lines"]["lines"][-1] == "ValueError: loss is NaN at step 2"
 
 
 def test_a_notify_webhook_that_is_not_a_url_is_refused_in_one_line(tmp_path):

@@ -408,9 +408,10 @@ class Supervisor:
                         fence=self.lease,
                         admission_timeout_s=self.policy.admission_timeout_s,
                     )
-                    self.out.line(
+                    self.out.record(
+                        self.rd.last_attempt() or {"event": "submitted", "attempt": self.handle.attempt},
                         f"submitted attempt {self.handle.attempt} on {self._on()} ({self.handle.name}): "
-                        f"{reason}"
+                        f"{reason}",
                     )
             watched = self._watch(self.handle)
             st = watched.status
