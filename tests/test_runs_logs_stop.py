@@ -134,6 +134,12 @@ def test_logs_of_a_local_multi_host_attempt_whole_per_host_and_followed(tmp_path
         assert bad.returncode == 2 and says in bad.stderr and len(bad.stderr.splitlines()) == 1, bad.stderr
     nope = cli("logs", "ghost", "--run-root", str(root), "--backend", "local")
     assert nope.returncode == 2 and "does not exist" in nope.stderr
+    new_run(root, "unborn")  # never submitted: neither command asks a backend (here the default, gke)
+    none = cli("logs", "unborn", "--run-root", str(root))
+    assert none.returncode == 2 and "run `unborn` has no submitted attempt yet" in none.stderr
+    idle = cli("stop", "unborn", "--run-root", str(root))
+    assert idle.returncode == 0 and "has no live attempt and no supervisor: nothing to stop" in idle.stdout
+    assert not (root / "unborn" / "journal.jsonl").exists()  # nothing written
 
     # -f: the lines as they come, until the attempt ends (a second attempt that writes for ~1 s)
     be2 = LocalBackend(

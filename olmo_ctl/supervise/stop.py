@@ -47,8 +47,10 @@ def stop_run(
 ) -> StopResult:
     final = int(rundir.recipe().train.max_steps)  # BadInput (exit 2) for a run that does not exist
     committed = rundir.committed_step()
-    handle, _ = live_attempt(rundir, backend)
     lease = supervisor_alive(rundir)
+    if rundir.last_attempt() is None and lease is None:  # never submitted: no backend to ask
+        return StopResult("complete" if committed >= final else "idle", committed, final)
+    handle, _ = live_attempt(rundir, backend)
     if handle is None and lease is None:
         return StopResult("complete" if committed >= final else "idle", committed, final)
     deadline = time.monotonic() + timeout_s
