@@ -588,17 +588,43 @@ class RunDir:
 
     def _lease_write(self, lease: Lease, now: float, released: bool) -> None:
         path = self.p("lease.json")
+        for _ in range(2):
+            try:
+                cur = json.loads(self.store.read_text(path))
+            except NotFound:
+                raise LeaseLost(self.name, "lease.json was deleted") from None
+            cur.update(heartbeat=utc_now_iso(now), heartbeat_unix=now, released=released)
+            try:
+                lease.generation = self.store.write_text(
+                    path, json.dumps(cur, indent=1), if_generation_match=lease.generation
+                )
+                return
+            except PreconditionFailed:
+                if not self._adopt_own_write(lease):
+                    break
+        raise LeaseLost(self.name, f"now held by {cur.get('holder', '?')}")
+
+    def _adopt_own_write(self, lease: Lease) -> bool:
+        """True (and `lease.generation` updated) when lease.json changed since our last recorded write
+        but is still ours: same holder token and epoch. That is a write of ours whose new generation
+        never reached us (Ctrl-C landed between the write and its answer); any other writer put its
+        own token there. The generation is read before the document, so a takeover in between reads
+        as someone else's."""
+        path = self.p("lease.json")
+        info = self.store.stat(path)
         try:
             cur = json.loads(self.store.read_text(path))
-        except NotFound:
-            raise LeaseLost(self.name, "lease.json was deleted") from None
-        cur.update(heartbeat=utc_now_iso(now), heartbeat_unix=now, released=released)
-        try:
-            lease.generation = self.store.write_text(
-                path, json.dumps(cur, indent=1), if_generation_match=lease.generation
-            )
-        except PreconditionFailed:
-            raise LeaseLost(self.name, f"now held by {cur.get('holder', '?')}") from None
+        except (NotFound, ValueError):
+            return False
+        token = lease.holder.rsplit(" ", 1)[-1]
+        if (
+            info is None
+            or (cur.get("process") or {}).get("token") != token
+            or int(cur.get("epoch", 0)) != lease.epoch
+        ):
+            return False
+        lease.generation = info.generation
+        return True
 
     def heartbeat(self, lease: Lease, now: float | None = None) -> None:
         """Renew the lease; LeaseLost if anyone else wrote it since our last write."""
