@@ -5,6 +5,7 @@
     <run>/journal.jsonl      one JSON line per event; see `append`
     <run>/lease.json         which supervisor drives the run (generation-match compare-and-swap)
     <run>/resize.json        a pending resize request (written by `resize`, consumed by the supervisor)
+    <run>/stop.json          a stop in progress (written by `stop`; a supervisor that sees it ends)
     <run>/checkpoints/<N>/   Orbax steps; only committed ones count (see `committed_steps`)
 
 Everything goes through `olmo_ctl.storage`, so the same code serves both kinds of path. GCS has no
@@ -54,6 +55,7 @@ JOURNAL_EVENTS = (
     "resized",
     "stalled",
     "resize_requested",
+    "stop_requested",
     "supervisor_started",
     "supervisor_detached",
     "supervisor_stopped",
@@ -587,17 +589,43 @@ class RunDir:
 
     def _lease_write(self, lease: Lease, now: float, released: bool) -> None:
         path = self.p("lease.json")
+        for _ in range(2):
+            try:
+                cur = json.loads(self.store.read_text(path))
+            except NotFound:
+                raise LeaseLost(self.name, "lease.json was deleted") from None
+            cur.update(heartbeat=utc_now_iso(now), heartbeat_unix=now, released=released)
+            try:
+                lease.generation = self.store.write_text(
+                    path, json.dumps(cur, indent=1), if_generation_match=lease.generation
+                )
+                return
+            except PreconditionFailed:
+                if not self._adopt_own_write(lease):
+                    break
+        raise LeaseLost(self.name, f"now held by {cur.get('holder', '?')}")
+
+    def _adopt_own_write(self, lease: Lease) -> bool:
+        """True (and `lease.generation` updated) when lease.json changed since our last recorded write
+        but is still ours: same holder token and epoch. That is a write of ours whose new generation
+        never reached us (Ctrl-C landed between the write and its answer); any other writer put its
+        own token there. The generation is read before the document, so a takeover in between reads
+        as someone else's."""
+        path = self.p("lease.json")
+        info = self.store.stat(path)
         try:
             cur = json.loads(self.store.read_text(path))
-        except NotFound:
-            raise LeaseLost(self.name, "lease.json was deleted") from None
-        cur.update(heartbeat=utc_now_iso(now), heartbeat_unix=now, released=released)
-        try:
-            lease.generation = self.store.write_text(
-                path, json.dumps(cur, indent=1), if_generation_match=lease.generation
-            )
-        except PreconditionFailed:
-            raise LeaseLost(self.name, f"now held by {cur.get('holder', '?')}") from None
+        except (NotFound, ValueError):
+            return False
+        token = lease.holder.rsplit(" ", 1)[-1]
+        if (
+            info is None
+            or (cur.get("process") or {}).get("token") != token
+            or int(cur.get("epoch", 0)) != lease.epoch
+        ):
+            return False
+        lease.generation = info.generation
+        return True
 
     def heartbeat(self, lease: Lease, now: float | None = None) -> None:
         """Renew the lease; LeaseLost if anyone else wrote it since our last write."""
@@ -634,3 +662,24 @@ class RunDir:
 
     def clear_resize(self) -> None:
         self.store.delete(self.p("resize.json"))
+
+    # ------------------------------------------------------------------ stop requests
+
+    def request_stop(self, reason: str = "", attempt: int | None = None) -> dict:
+        """Record that the run is being stopped on purpose (`olmo-ctl stop`): a supervisor that sees
+        `stop.json` ends instead of submitting the next attempt."""
+        doc = {"reason": reason, "time": utc_now_iso(), "id": uuid.uuid4().hex[:8], "attempt": attempt}
+        self.store.write_text(self.p("stop.json"), json.dumps(doc))
+        self.append("stop_requested", attempt=attempt, reason=reason or "stop requested", request=doc["id"])
+        return doc
+
+    def pending_stop(self) -> dict | None:
+        try:
+            return json.loads(self.store.read_text(self.p("stop.json")))
+        except NotFound:
+            return None
+        except ValueError:
+            return {"reason": "stop.json is unreadable", "id": "?"}
+
+    def clear_stop(self) -> None:
+        self.store.delete(self.p("stop.json"))

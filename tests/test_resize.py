@@ -490,6 +490,8 @@ def _start(sup, result):
 @pytest.mark.gcs
 def test_running_supervisor_adopts_the_new_device_with_no_double_attempt(supervised, capsys):
     srv, rd, sup, result, overlaps, args, out = supervised
+    told: list[dict] = []  # what the supervisor hands its notifier (supervise.notify)
+    sup.notify = told.append
     t = _start(sup, result)
     _wait(
         lambda: any(r["event"] == "running" and r["attempt"] == 1 for r in rd.journal()),
@@ -552,6 +554,12 @@ def test_running_supervisor_adopts_the_new_device_with_no_double_attempt(supervi
     assert {r["tokens_per_step"] for r in resized} == {512 * 8192}
     assert [r["event"] for r in j if r["event"] in ("preempted", "failed", "backoff", "gave_up")] == []
     assert j[-1]["event"] == "done"
+    # A resize is a notification (the run moved to another slice), and so is the finish.
+    assert [(m["event"], m["device"], m["attempt"]) for m in told] == [
+        ("resized", "tpu7x-128", 2),
+        ("resized", "v5p-256", 3),
+        ("finished", "v5p-256", None),
+    ]
 
 
 @pytest.mark.gcs

@@ -165,6 +165,25 @@ def test_lease_one_holder_and_takeover_after_expiry(rd):
     rd.acquire_lease(ttl_s=60, now=1103.0)  # a released lease is free
 
 
+def test_a_lease_write_whose_answer_was_lost_is_still_ours(rd):
+    """Ctrl-C between a heartbeat's write and its answer leaves the lease object one generation behind
+    its own write: the next heartbeat (the journal line of the Ctrl-C) must not read it as a takeover."""
+    import copy
+
+    lease = rd.acquire_lease(ttl_s=60, now=1000.0)
+    rd.heartbeat(copy.copy(lease), now=1010.0)  # written, but the new generation never reached `lease`
+    rd.heartbeat(lease, now=1020.0)
+    assert rd.read_lease()["heartbeat_unix"] == 1020.0
+    rd.append("supervisor_detached", reason="interrupted", fence=lease)
+    assert rd.journal()[-1]["event"] == "supervisor_detached"
+    # Another holder's write (its own token) is still a takeover.
+    held = dict(rd.read_lease())
+    held["process"] = {**held["process"], "token": "someone-else"}
+    rd.store.write_text(rd.p("lease.json"), json.dumps(held))
+    with pytest.raises(LeaseLost):
+        rd.heartbeat(lease, now=1030.0)
+
+
 def test_lease_of_a_dead_local_process_is_free(tmp_path):
     rd = RunDir.of(str(tmp_path), "r2")
     code = (

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from olmo_ctl.core.contracts import LogProgress, State
+from olmo_ctl.core.errors import BadInput
 
 if TYPE_CHECKING:  # pure modules, but a backend that only reads status needs none of them
     from olmo_ctl.core.batching import Plan
@@ -174,6 +175,15 @@ class Backend(abc.ABC, Generic[Req]):
 
     @abc.abstractmethod
     def logs(self, handle: Handle, tail: int = 50) -> list[str]: ...
+
+    def read_log(self, handle: Handle, host: int | None = None) -> tuple[str, list[str]]:
+        """The attempt's whole log so far, for `olmo-ctl logs`: (where it was read, its lines). `host`:
+        that host's lines only (BadInput when the attempt has no such host); None: every host's where
+        the backend keeps them in one place, else the first failed host's, else host 0's. No lines
+        when the attempt's logs are gone."""
+        if host not in (None, 0):
+            raise BadInput(f"the {self.name} backend keeps one log per attempt", "leave out --host")
+        return "", self.logs(handle, 0)
 
     def progress(self, handle: Handle) -> LogProgress:
         """What the backend sees of the trainer's progress (step lines, a committed step) at no extra

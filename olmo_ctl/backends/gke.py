@@ -511,7 +511,7 @@ class GKEBackend(Backend[dict]):
             raise self._api_error(e, "list FailedCreate events") from e
         return [e for e in events if (e.get("involvedObject") or {}).get("name") in jobs]
 
-    def _pod_log(self, ns: str, pod: str, container: str | None, tail: int) -> list[str]:
+    def _pod_log(self, ns: str, pod: str, container: str | None, tail: int | None) -> list[str]:
         try:
             resp = self._call(
                 f"read the log of pod {pod}",
@@ -527,6 +527,8 @@ class GKEBackend(Backend[dict]):
                 return []
             raise self._api_error(e, f"read the log of pod {pod}") from e
         text = (resp.data or b"").decode("utf-8", "replace")
+        if tail is None:  # the whole log
+            return text.splitlines()
         return text.splitlines()[-tail:] if tail else []
 
     # ------------------------------------------------------------------ stop / logs / find_live
@@ -610,24 +612,43 @@ class GKEBackend(Backend[dict]):
 
     def logs(self, handle: Handle, tail: int = LOG_TAIL) -> list[str]:
         """The last lines of the failed pod if one failed, else of worker 0 of slice 0."""
+        return self._log_of(handle, None, tail)[1]
+
+    def read_log(self, handle: Handle, host: int | None = None) -> tuple[str, list[str]]:
+        """One pod's whole log: host `h` is the h-th pod in (slice, worker) order (the TPU VMs of
+        slice 0, then of slice 1, ...); None: the failed pod if one failed, else host 0."""
+        return self._log_of(handle, host, None)
+
+    def _log_of(self, handle: Handle, host: int | None, tail: int | None) -> tuple[str, list[str]]:
         ns = self._ns(handle)
         pods = self._list_pods(ns, handle.name)
         if not pods:
-            return []
+            return "", []
         from olmo_ctl.backends.gke_status import container_exits
-
-        exits = container_exits(pods)
-        if exits:
-            return self._pod_log(ns, exits[0].pod, exits[0].container, tail)
 
         def order(p):
             lab = _labels(p)
             return (int(lab.get(JOB_INDEX_LABEL, 0) or 0), int(lab.get(COMPLETION_INDEX_LABEL, 0) or 0))
 
-        first = min(pods, key=order)
-        containers = [c["name"] for c in (first.get("spec") or {}).get("containers") or []]
-        container = "trainer" if "trainer" in containers else (containers[0] if containers else None)
-        return self._pod_log(ns, first["metadata"]["name"], container, tail)
+        def container_of(pod: dict) -> str | None:
+            containers = [c["name"] for c in (pod.get("spec") or {}).get("containers") or []]
+            return "trainer" if "trainer" in containers else (containers[0] if containers else None)
+
+        if host is None:
+            exits = container_exits(pods)
+            if exits:
+                return f"pod {exits[0].pod}", self._pod_log(ns, exits[0].pod, exits[0].container, tail)
+            host = 0
+        ordered = sorted(pods, key=order)
+        if not 0 <= host < len(ordered):
+            raise BadInput(
+                f"attempt {handle.attempt} ({handle.name}) has {len(ordered)} pod(s) now (hosts "
+                f"0..{len(ordered) - 1}), not host {host}",
+                "pass a host in that range, or leave out --host",
+            )
+        pod = ordered[host]
+        name = pod["metadata"]["name"]
+        return f"pod {name}", self._pod_log(ns, name, container_of(pod), tail)
 
     def find_live(self, run: str) -> Handle | None:
         """The newest attempt of `run` that is still live (queued, admitted or running), if any."""

@@ -476,6 +476,27 @@ class LocalBackend(Backend[LocalRequest]):
             return []
         return lines[-tail:] if tail else lines
 
+    def read_log(self, handle: Handle, host: int | None = None) -> tuple[str, list[str]]:
+        """The attempt log (`logs/attempt-<N>.log`), whole; with `host`, that host's lines (their
+        `host <h>: ` prefix dropped)."""
+        path = handle.data.get("log") or ""
+        hosts = len(handle.data.get("pids") or self._hosts(self._info(handle), handle))
+        if host is not None and not 0 <= host < hosts:
+            raise BadInput(
+                f"attempt {handle.attempt} has {hosts} host{'s' if hosts != 1 else ''} (0..{hosts - 1}), "
+                f"not host {host}",
+                "pass --host 0" if hosts == 1 else f"pass --host 0..{hosts - 1}, or leave it out for all",
+            )
+        try:
+            with open(path, "rb") as f:
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return path, []
+        if host is None or hosts == 1:
+            return path, lines
+        prefix = f"host {host}: "
+        return path, [ln[len(prefix) :] for ln in lines if ln.startswith(prefix)]
+
     def progress(self, handle: Handle) -> LogProgress:
         """The trainer's step and committed lines, from the tail of its log file."""
         return log_progress(self.logs(handle, 50))

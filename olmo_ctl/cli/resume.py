@@ -1,6 +1,7 @@
 """`olmo-ctl resume-until-done`: supervise a run until its final step is committed."""
 
 import signal
+from enum import Enum
 from typing import Annotated
 
 import typer
@@ -17,6 +18,11 @@ from olmo_ctl.cli.options import (
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import default_run_name, validate_run_name
 from olmo_ctl.core.recipe import load_recipe
+
+
+class LinesOutput(str, Enum):
+    table = "table"  # one timestamped line per change (a progress bar on a terminal)
+    jsonl = "jsonl"  # one JSON object per line, for log shippers
 
 
 @app.command("resume-until-done")
@@ -85,17 +91,29 @@ def resume_until_done(
     ] = False,
     allow_version_change: AllowVersionChangeOpt = False,
     admission_timeout: AdmissionTimeoutOpt = None,
+    output: Annotated[
+        LinesOutput,
+        typer.Option(
+            "--output",
+            "-o",
+            help="table (one line per change) or jsonl (one JSON object per line: each journaled decision "
+            "with its journal fields, for log shippers).",
+        ),
+    ] = LinesOutput.table,
     *,
     site: SiteFlags,
 ) -> int:
     """Submit attempts of a run until its final step is committed: reattaches to a live attempt, waits
     while queued (a preempted attempt is requeued by Kueue), resubmits after a failure with backoff, stops
     on a user error (1), a queue set-up Kueue can never admit (2) or a crash loop (4).
-    Ctrl-C detaches (130) and leaves the attempt running."""
+    Ctrl-C detaches (130) and leaves the attempt running; `olmo-ctl stop` ends it (130).
+    The site settings' notify_webhook / notify_command hear when the run finishes, fails, is resized or
+    gives up."""
     # The supervision layer (with its event reader) loads only for this command.
+    from olmo_ctl.supervise.notify import Notifier
     from olmo_ctl.supervise.policy import RetryPolicy
     from olmo_ctl.supervise.submit import check_attempt, create_run, prepare
-    from olmo_ctl.supervise.supervisor import Supervisor
+    from olmo_ctl.supervise.supervisor import JsonlPrinter, Supervisor
 
     if run_name and run and run_name != run:
         raise BadInput(f"two run names: `{run_name}` and --run `{run}`", "give one")
@@ -147,6 +165,8 @@ def resume_until_done(
         lease_ttl_s=lease_ttl,
         slices=slices,
         extra_args=extra_args,
+        printer=JsonlPrinter(name) if output == LinesOutput.jsonl else None,
+        notify=Notifier.from_settings(prep.settings, log=note),
     )
     sup.out.line(f"run directory: {rundir.path}")
 

@@ -38,6 +38,10 @@ DESCRIPTIONS = {
     "xla_flags": "XLA/libtpu flags merged over the launch template's and the recipe's (space-separated --name=value)",
     "host_network": "pods on the host network (multislice DCN performance); Workload Identity then does not "
     "apply: the pods use the node's service account (true or false)",
+    "notify_webhook": "URL that resume-until-done POSTs a JSON message to when a run finishes, fails, "
+    "is resized (falls back) or gives up (empty: none)",
+    "notify_command": "shell command resume-until-done runs on the same events, the message as JSON on "
+    "its stdin and OLMO_CTL_NOTIFY_* in its environment (empty: none)",
 }
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0", "")
 
@@ -69,6 +73,8 @@ class Settings:
     backend: str = "gke"
     xla_flags: str | None = None
     host_network: bool = False
+    notify_webhook: str | None = None
+    notify_command: str | None = None
     # Where each value came from: "flag", "env OLMO_CTL_X", "file <path>" or "default".
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -150,6 +156,11 @@ def _check(name: str, value: str, src: str) -> None:
             raise BadInput(
                 f"{where}: `{value}` is not a gs:// URL or a local path", "e.g. gs://my-bucket/runs"
             )
+    elif name == "notify_webhook":
+        if not re.match(r"^https?://[^\s/]+", value):
+            raise BadInput(
+                f"{where}: `{value}` is not an http:// or https:// URL", "e.g. https://hooks.example.com/olmo"
+            )
     elif name == "kube_context":
         if not value.strip():
             raise BadInput(f"{where}: the kube context is empty", "leave it unset to use the current context")
@@ -196,7 +207,14 @@ def resolve_settings(**flag_values: str | None) -> Settings:
         raise TypeError(f"unknown settings {sorted(unknown)}")  # a programming error, not a user one
     path = config_path()
     from_file = _load_file(path)
-    optional = {"kube_context", "priority_class", "placement_policy", "xla_flags"}
+    optional = {
+        "kube_context",
+        "priority_class",
+        "placement_policy",
+        "xla_flags",
+        "notify_webhook",
+        "notify_command",
+    }
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     value: Any  # a string from a flag, the environment or the file; host_network may be a YAML bool

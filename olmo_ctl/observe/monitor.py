@@ -63,7 +63,7 @@ _EVENT_STATE = {
     "failed": "failed",
     "succeeded": "succeeded",
     "stalled": "running",
-    "stopped": "preempted",
+    "stopped": "stopped",  # on request: `olmo-ctl stop`, or Ctrl-C with --stop-on-exit
 }
 
 

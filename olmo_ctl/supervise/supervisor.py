@@ -19,10 +19,15 @@ with its reason:
       ├─ admitted, not running past --admission-timeout ─► stopped (grace period), failed-infra ─┐
       ├─ preempted (terminal) / failed-infra / missing / stalled ─► retry budget ◄──────────────┘
       │                                     progress refills it; N in a row without it ─► gave up (exit 4)
+      ├─ a stop request (`olmo-ctl stop`: stop.json) ─► ends without resubmitting (exit 130)
       └─ Ctrl-C ──► detach (exit 130, the attempt keeps running) or stop it (--stop-on-exit)
 
 An attempt is deleted only once it is terminal, or when asked (resize, --stop-on-exit, a stall or
 the admission deadline), and always with its pods' grace period (they checkpoint on SIGTERM).
+
+The run finishing, failing, being resized (falling back to another device) or giving up is handed
+to `notify` (the site settings' webhook and command, `supervise.notify`). Output is one line per
+change (`Printer`) or one JSON object per line (`JsonlPrinter`, `-o jsonl`, for log shippers).
 
 Storage or cluster unreachable past the backends' own retries raises `Unreachable` (exit 3): the
 attempt is left untouched. The clock and sleep are injectable, so tests drive it with a fake clock.
@@ -30,6 +35,7 @@ attempt is left untouched. The clock and sleep are injectable, so tests drive it
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import time
@@ -39,6 +45,7 @@ from dataclasses import dataclass
 from olmo_ctl.backends.base import AttemptStatus, Handle, State
 from olmo_ctl.core.errors import (
     EXIT_BAD_INPUT,
+    EXIT_GAVE_UP,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_UNREACHABLE,
@@ -46,7 +53,7 @@ from olmo_ctl.core.errors import (
     OlmoCtlError,
 )
 from olmo_ctl.observe.reader import read_scalars
-from olmo_ctl.rundir import Lease, LeaseLost, RunDir, parse_iso
+from olmo_ctl.rundir import Lease, LeaseLost, RunDir, parse_iso, utc_now_iso
 from olmo_ctl.supervise import resize
 from olmo_ctl.supervise.attempts import (
     last_handle,
@@ -87,6 +94,17 @@ class Printer:
         self.stream.write(f"{ts} {self.run}: {text}\n")
         self.stream.flush()
 
+    def record(self, rec: dict, text: str) -> None:
+        """A journaled decision (`rec` is its journal record): one line."""
+        self.line(text)
+
+    def block(self, title: str, lines: list[str]) -> None:
+        """A titled block of lines (a failed attempt's last log lines), indented under its line."""
+        self.line(title)
+        for ln in lines:
+            self.stream.write(f"    {ln}\n")
+        self.stream.flush()
+
     def progress(self, step: int, final: int, eta_s: float | None) -> None:
         if not self.tty or final <= 0:
             return
@@ -96,6 +114,37 @@ class Printer:
         self.stream.write(f"\r\033[K[{'#' * done}{'.' * (width - done)}] step {step}/{final} ETA {eta}")
         self.stream.flush()
         self._bar = True
+
+
+class JsonlPrinter(Printer):
+    """`-o jsonl`: one JSON object per line and nothing else, for log shippers. A journaled decision is
+    its journal record plus `run` and `text` (the line the table output prints); any other line is
+    `{"time", "run", "event": "message", "text"}`; log lines are `{"event": "log_lines", "lines"}`."""
+
+    def __init__(self, run: str, stream=None, clock: Callable[[], float] = time.time):
+        super().__init__(run, stream, clock)
+        self.tty = False  # no progress bar
+
+    def _emit(self, obj: dict) -> None:
+        self.stream.write(json.dumps(obj, default=str) + "\n")
+        self.stream.flush()
+
+    def line(self, text: str) -> None:
+        self._emit({"time": utc_now_iso(self.clock()), "run": self.run, "event": "message", "text": text})
+
+    def record(self, rec: dict, text: str) -> None:
+        self._emit({**rec, "run": self.run, "text": text})
+
+    def block(self, title: str, lines: list[str]) -> None:
+        self._emit(
+            {
+                "time": utc_now_iso(self.clock()),
+                "run": self.run,
+                "event": "log_lines",
+                "text": title,
+                "lines": lines,
+            }
+        )
 
 
 def _config_hint(error: str | None) -> str:
@@ -151,8 +200,10 @@ class Supervisor:
         reattach_hint: str = "",
         extra_args: tuple[str, ...] = (),
         slices: int | None = None,
+        notify: Callable[[dict], None] | None = None,
     ):
         self.rd = rundir
+        self.notify = notify  # told when the run finishes, fails, is resized or gives up
         self.extra_args = tuple(extra_args)  # trainer flags for every attempt (e.g. --allow-version-change)
         self.backend = backend
         self.policy = policy
@@ -173,16 +224,63 @@ class Supervisor:
 
     # ------------------------------------------------------------------ helpers
 
-    def _journal(self, event: str, reason: str, **kw) -> None:
+    def _journal(self, event: str, reason: str, **kw) -> dict:
         kw.setdefault("attempt", self.handle.attempt if self.handle else None)
         kw.setdefault("device", self.device)
-        self.rd.append(event, reason=reason, t=self.clock(), fence=self.lease, **kw)
+        return self.rd.append(event, reason=reason, t=self.clock(), fence=self.lease, **kw)
 
-    def _say(self, event: str, reason: str, **kw) -> None:
+    def _say(self, event: str, reason: str, **kw) -> dict:
         """A decision: journaled and printed as one line."""
-        self._journal(event, reason, **kw)
+        rec = self._journal(event, reason, **kw)
         a = kw.get("attempt", self.handle.attempt if self.handle else None)
-        self.out.line(f"{event}" + (f" (attempt {a})" if a else "") + (f": {reason}" if reason else ""))
+        self.out.record(
+            rec, f"{event}" + (f" (attempt {a})" if a else "") + (f": {reason}" if reason else "")
+        )
+        return rec
+
+    def _tell(self, what: str, rec: dict, exit_code: int | None = None) -> None:
+        """Hand a run-level outcome (finished, failed, resized, gave_up) to the notifier; a notifier
+        never changes the run's outcome (supervise.notify reports its own failures)."""
+        if self.notify is None:
+            return
+        final = getattr(self, "final", None)
+        step = rec.get("committed_step")
+        text = (
+            f"run {self.rd.name} {what.replace('_', ' ')}"
+            + (f" at step {step}/{final}" if step is not None and final else "")
+            + (f": {rec['reason']}" if rec.get("reason") else "")
+        )
+        self.notify(
+            {
+                "run": self.rd.name,
+                "event": what,
+                "time": rec.get("time"),
+                "run_dir": self.rd.path,
+                "attempt": rec.get("attempt"),
+                "device": rec.get("device"),
+                "committed_step": step,
+                "final_step": final,
+                "reason": rec.get("reason", ""),
+                "exit_code": exit_code,
+                "text": text,
+            }
+        )
+
+    def _stop_requested(self) -> dict | None:
+        """A stop in progress (`olmo-ctl stop` wrote stop.json): the supervisor ends, submitting nothing."""
+        return self.rd.pending_stop()
+
+    def _stopped_on_request(self, req: dict, committed: int) -> int:
+        self._say(
+            "supervisor_stopped",
+            f"stop requested ({req.get('reason') or 'olmo-ctl stop'}); no further attempt",
+            committed_step=committed,
+        )
+        self.handle = None
+        self.out.line(
+            f"stopped on request at committed step {committed}/{self.final}; continue with: {self.reattach_hint}"
+        )
+        return EXIT_INTERRUPTED
 
     def _on(self) -> str:
         return f"{self.device}" if (self.slices or 1) == 1 else f"{self.slices} x {self.device}"
@@ -200,6 +298,8 @@ class Supervisor:
                 return
             self.sleep(min(left, self.poll_s))
             self._beat()
+            if self._stop_requested() is not None:
+                return  # the loop ends the run instead of submitting
 
     # ------------------------------------------------------------------ the loop
 
@@ -228,6 +328,10 @@ class Supervisor:
     def _run(self) -> int:
         self.recipe = self.rd.recipe()  # read once: every attempt of this supervisor renders from it
         self.final = int(self.recipe.train.max_steps)
+        if self._stop_requested() is not None:
+            # Left by a stop that ran while no supervisor did (or did not finish): starting a supervisor
+            # continues the run on purpose.
+            self.rd.clear_stop()
         self.device = run_device(self.rd, self.device)
         self.slices = run_slices(self.rd, self.slices)
         committed = self.rd.committed_step()
@@ -253,6 +357,9 @@ class Supervisor:
             if self.handle is None:
                 if committed >= self.final:
                     return self._done(committed)
+                stop = self._stop_requested()
+                if stop is not None:
+                    return self._stopped_on_request(stop, committed)
                 if last_failure is not None:
                     delay = self.policy.backoff_s(history.failures_in_row, self.rng)
                     self._say(
@@ -264,6 +371,9 @@ class Supervisor:
                     )
                     self._wait(delay)
                     committed = self.rd.committed_step()
+                    stop = self._stop_requested()
+                    if stop is not None:
+                        return self._stopped_on_request(stop, committed)
                 reason = (
                     "first attempt"
                     if self.rd.last_attempt() is None
@@ -298,13 +408,17 @@ class Supervisor:
                         fence=self.lease,
                         admission_timeout_s=self.policy.admission_timeout_s,
                     )
-                    self.out.line(
+                    self.out.record(
+                        self.rd.last_attempt() or {"event": "submitted", "attempt": self.handle.attempt},
                         f"submitted attempt {self.handle.attempt} on {self._on()} ({self.handle.name}): "
-                        f"{reason}"
+                        f"{reason}",
                     )
             watched = self._watch(self.handle)
             st = watched.status
             committed = self.rd.committed_step()
+            stop = self._stop_requested()
+            if stop is not None and committed < self.final:
+                return self._stopped_on_request(stop, committed)  # `stop` journals how the attempt ended
             action = self.policy.decide(
                 Outcome(
                     st.state,
@@ -322,14 +436,15 @@ class Supervisor:
                 self._say(action.event, action.reason, committed_step=committed)
                 return self._done(committed)
             if action.kind == STOP and action.exit_code == EXIT_BAD_INPUT:
-                self._say(action.event, action.reason, committed_step=committed, state=st.state.value)
+                rec = self._say(action.event, action.reason, committed_step=committed, state=st.state.value)
+                self._tell("failed", rec, EXIT_BAD_INPUT)
                 self._retire(self.handle)  # nothing of it runs; gone, so the next try renders anew
                 self.handle = None
                 raise BadInput(
                     f"run `{self.rd.name}`: {watched.config_error}", _config_hint(watched.config_error)
                 )
             if action.kind == STOP:
-                self._say(
+                rec = self._say(
                     action.event,
                     action.reason,
                     committed_step=committed,
@@ -337,6 +452,7 @@ class Supervisor:
                     exit_code=st.exit_code,
                     last_log_lines=list(st.last_log_lines[-20:]),
                 )
+                self._tell("failed", rec, action.exit_code)
                 self._show_logs(st)
                 self.out.line(
                     "stopped: a deterministic failure of the training program is not retried "
@@ -353,12 +469,13 @@ class Supervisor:
                     exit_code=st.exit_code,
                 )
             if action.kind == GIVE_UP:
-                self._say(
+                rec = self._say(
                     "gave_up",
                     action.gave_up,
                     committed_step=committed,
                     last_log_lines=list(st.last_log_lines[-20:]),
                 )
+                self._tell("gave_up", rec, EXIT_GAVE_UP)
                 self._show_logs(st)
                 self.handle = None
                 return int(action.exit_code or 0)
@@ -385,13 +502,14 @@ class Supervisor:
 
     def _done(self, committed: int) -> int:
         loss = self._last_loss()
-        self._say(
+        rec = self._say(
             "done",
             f"final step {committed}/{self.final} committed" + (f", loss {loss}" if loss else ""),
             committed_step=committed,
             attempt=None,
             loss=loss,
         )
+        self._tell("finished", rec, EXIT_OK)
         return EXIT_OK
 
     def _last_loss(self) -> str | None:
@@ -409,10 +527,7 @@ class Supervisor:
     def _show_logs(self, st: AttemptStatus) -> None:
         lines = list(st.last_log_lines) or (self.backend.logs(self.handle, 20) if self.handle else [])
         if lines:
-            self.out.line("last log lines:")
-            for ln in lines[-20:]:
-                self.out.stream.write(f"    {ln}\n")
-            self.out.stream.flush()
+            self.out.block("last log lines:", lines[-20:])
 
     def _interrupted(self) -> int:
         h = self.handle
@@ -566,4 +681,14 @@ class Supervisor:
         if req.get("slices") is not None:
             self.slices = int(req["slices"])
         self.out.line(f"resized: attempt {new.attempt} on {self._on()}")
+        self._tell(
+            "resized",
+            {
+                "time": utc_now_iso(self.clock()),
+                "attempt": new.attempt,
+                "device": self.device,
+                "committed_step": self.rd.committed_step(),
+                "reason": f"continues on {self._on()}" + (f" ({req['reason']})" if req.get("reason") else ""),
+            },
+        )
         return new

@@ -1,0 +1,73 @@
+"""`olmo-ctl runs`: the runs under a run root, one line each."""
+
+from typing import Annotated
+
+import typer
+
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.options import SiteFlags, site_options
+
+
+def _loss(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+@app.command()
+@site_options(
+    exclude=(
+        "kube_context",
+        "namespace",
+        "queue",
+        "priority_class",
+        "image",
+        "service_account",
+        "placement_policy",
+    )
+)
+def runs(
+    backend_status: Annotated[
+        bool,
+        typer.Option(
+            "--backend-status/--no-backend-status",
+            help="Ask the backend about attempts the journal says may be live (--no-backend-status: "
+            "the journal only, no cluster calls).",
+        ),
+    ] = True,
+    output: OutputOpt = Output.table,
+    *,
+    site: SiteFlags,
+) -> None:
+    """List the runs under the run root: name, stage, device, committed step / final step, state, last
+    loss and when each last changed.
+
+    Example: olmo-ctl runs --run-root runs -o json
+
+    Exit codes: 0 ok, 2 the run root does not exist, 3 storage unreachable.
+    """
+    from olmo_ctl.observe.runs import list_runs
+    from olmo_ctl.supervise.attempts import handle_status
+
+    settings = site.resolve()
+    rows = list_runs(settings.run_root, handle_status if backend_status else None)
+    if output == Output.json:
+        print_json({"run_root": settings.run_root, "runs": [r.to_dict() for r in rows]})
+        return
+    if not rows:
+        typer.echo(f"no runs under {settings.run_root}")
+        return
+    head = ("RUN", "STAGE", "DEVICE", "STEP", "STATE", "LOSS", "UPDATED")
+    table = [
+        (
+            r.name,
+            str(r.stage) if r.stage else "-",
+            r.device or "-",
+            f"{r.step}/{r.final_step}" if r.final_step is not None else str(r.step),
+            r.state,
+            _loss(r.last_loss),
+            (r.updated or "-")[:19].replace("T", " "),
+        )
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in (head, *table)) for i in range(len(head))]
+    for row in (head, *table):
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())

@@ -1,0 +1,141 @@
+"""`olmo-ctl runs`: one row per run directory under a run root, read from the run directories only.
+
+A row is what a person scanning their runs asks first: name, stage, device, committed step of the
+final one, state, last loss, and when the run last changed. The state is the run's, in this order:
+
+  done       the final step is committed
+  new        run.yaml exists, no attempt was ever submitted
+  gave up    the supervisor's last word after the newest submission was `gave_up` (a crash loop)
+  otherwise  the newest attempt's state as `monitor` derives it (`observe.monitor`, one rule):
+             queued / admitted / running (asking the backend while the journal says it may be live),
+             preempted, failed, succeeded, stopped (`olmo-ctl stop`), ...
+
+The last loss is the `done` line's, else the newest TensorBoard segments' last `train/CE loss`
+(a few files, not the run's whole history). `updated` is the journal's newest line (else run.yaml's
+`created`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from olmo_ctl import storage
+from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.observe.monitor import LOSS_TAG, StatusOf, _live_attempt
+from olmo_ctl.observe.reader import EventReader
+from olmo_ctl.rundir import RunDir
+
+NEWEST_SEGMENTS = 4  # event files read for the last loss
+
+
+@dataclass
+class RunRow:
+    name: str
+    path: str
+    stage: int | None
+    device: str | None
+    step: int
+    final_step: int | None
+    state: str
+    last_loss: float | None
+    updated: str | None
+    reason: str = ""  # what the state's journal line (or the backend) says
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _NewestSegments(EventReader):
+    """An EventReader of the newest few event files only."""
+
+    def _list(self) -> list:
+        return super()._list()[-NEWEST_SEGMENTS:]
+
+
+def run_paths(run_root: str) -> list[str]:
+    """The run directories directly under `run_root` (those holding run.yaml or journal.jsonl), by name."""
+    store = storage.store_for(run_root)
+    if not storage.is_gcs(run_root) and not os.path.isdir(run_root):
+        what = "is a file, not a directory" if os.path.exists(run_root) else "does not exist"
+        raise BadInput(f"run root `{run_root}` {what}", "pass --run-root DIR or gs://BUCKET/PATH")
+    _files, dirs = store.list(run_root)
+    out = []
+    for d in dirs:
+        path = d.rstrip("/")
+        if store.exists(storage.join(path, "run.yaml")) or store.exists(storage.join(path, "journal.jsonl")):
+            out.append(path)
+    return sorted(out, key=lambda p: p.rsplit("/", 1)[-1])
+
+
+def _last_loss(rd: RunDir, journal: list[dict]) -> float | None:
+    done = next((r for r in reversed(journal) if r.get("event") == "done" and r.get("loss")), None)
+    if done is not None:
+        try:
+            return float(done["loss"])
+        except (TypeError, ValueError):
+            pass
+    r = _NewestSegments(rd.p("tensorboard"))
+    try:
+        r.refresh()
+    except (OlmoCtlError, OSError):
+        return None
+    s = r.series(LOSS_TAG)
+    return float(s.values[-1]) if s is not None and len(s) else None
+
+
+def run_row(path: str, status_of: StatusOf | None = None) -> RunRow:
+    rd = RunDir(path)
+    journal = rd.journal()
+    committed = rd.committed_step()
+    stage = final = None
+    device: str | None = None
+    created = None
+    try:
+        doc = rd.read_run()
+        recipe = rd.recipe()
+        stage, final = int(recipe.stage), int(recipe.train.max_steps)
+        device, created = doc.get("device"), doc.get("created")
+    except BadInput as e:
+        if rd.exists():  # a run.yaml this version cannot read: say so in the row, list the others
+            return RunRow(
+                rd.name, rd.path, None, None, committed, None, "unreadable", None, None, e.one_line()
+            )
+    subs = [i for i, r in enumerate(journal) if r.get("event") == "submitted"]
+    last = journal[subs[-1]] if subs else {}
+    if last.get("device"):
+        device = str(last["device"])
+        if int(last.get("slices") or 1) > 1:
+            device = f"{last['slices']} x {device}"
+    updated = journal[-1].get("time") if journal else created
+    reason = ""
+    if final is not None and committed >= final:
+        state = "done"
+    elif not subs:
+        state = "new"
+    else:
+        after = journal[subs[-1] + 1 :]
+        gave_up = next((r for r in reversed(after) if r.get("event") == "gave_up"), None)
+        if gave_up is not None:
+            state, reason = "gave up", gave_up.get("reason") or ""
+        else:
+            live = _live_attempt(rd.path, journal, status_of)
+            state, reason = live.get("state") or "submitted", live.get("reason") or ""
+    return RunRow(
+        rd.name,
+        rd.path,
+        stage or None,
+        device,
+        committed,
+        final,
+        state,
+        _last_loss(rd, journal),
+        updated,
+        reason,
+    )
+
+
+def list_runs(run_root: str, status_of: StatusOf | None = None) -> list[RunRow]:
+    """A row per run under `run_root`, by name (`status_of`: ask the backend about live attempts)."""
+    return [run_row(p, status_of) for p in run_paths(run_root)]
