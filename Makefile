@@ -72,6 +72,9 @@ demo: $(STAMP)
 	rm -rf $(DEMO_ROOT)/smoke-demo
 	$(BIN)/olmo-ctl resume-until-done --recipe smoke --device cpu-1 --backend local \
 		--run smoke-demo --run-root $(DEMO_ROOT) --poll 2
+	@echo "next: put olmo-ctl on PATH (source $(BIN)/activate), then look at the run:"
+	@echo "  olmo-ctl monitor $(DEMO_ROOT)/smoke-demo"
+	@echo "  olmo-ctl monitor $(DEMO_ROOT)/smoke-demo --plot smoke-demo.png"
 
 image:
 	docker build -f launch_templates/Dockerfile -t $(IMAGE) .

@@ -60,6 +60,9 @@ CASES = {
     "missing --device": (["submit", "--stage", "1", "--dry-run"], "--device"),
     "unknown option": (["plan", "--stage", "1", "--device", "v5p-8", "--fast"], "--fast"),
     "unknown command": (["launch"], "launch"),
+    # preflight compiles only what it is told to: no silent default recipe or device.
+    "preflight without --device": (["preflight", "--stage", "1"], "--device"),
+    "preflight without a recipe": (["preflight", "--device", "v5p-8"], "no recipe given"),
     "submit with placeholders": (["submit", "--stage", "1", "--device", "v5p-8"], "placeholders"),
     # Refused before the preflight compile (minutes for the 7B step) and before any cluster call.
     "submit to a local run root on gke": (

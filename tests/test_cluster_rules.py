@@ -593,3 +593,32 @@ def test_pods_refused_at_creation_are_reported_with_the_cause():
             '0/1 pods created; FailedCreate: Job p-a1-slice-0: Error creating: pods "p-a1-slice-0-0-" '
             'is forbidden: violates PodSecurity "baseline:latest": host namespaces (hostNetwork=true)'
         )
+
+
+def test_queue_status_counts_pending_and_admitted_workloads_for_kubectl_get(srv):
+    """localqueue_controller.go / clusterqueue_controller.go status: pendingWorkloads,
+    reservingWorkloads, admittedWorkloads, which `kubectl get localqueue,clusterqueue` prints through
+    the CRDs' printer columns (PENDING WORKLOADS, ADMITTED WORKLOADS); a finished workload counts in none."""
+    a = running(srv, "qa-a1", replicas=1, workers=1)
+    make(srv, "qb-a1")  # no capacity for it: pending
+
+    def counts(kind, ns, name):
+        path = {
+            "LocalQueue": f"/apis/kueue.x-k8s.io/v1beta2/namespaces/{ns}/localqueues",
+            "ClusterQueue": "/apis/kueue.x-k8s.io/v1beta2/clusterqueues",
+        }[kind]
+        with srv.store.lock:
+            items = srv.world.items(kind, ns or None)
+            table = srv.api.as_table(path, {"kind": f"{kind}List", "items": items})
+        names = [c["name"] for c in table["columnDefinitions"]]
+        (row,) = [r["cells"] for r in table["rows"] if r["cells"][0] == name]
+        return {k: row[names.index(k)] for k in ("Pending Workloads", "Admitted Workloads")}
+
+    assert counts("LocalQueue", "default", "user-queue") == {"Pending Workloads": 1, "Admitted Workloads": 1}
+    assert counts("ClusterQueue", "", "cluster-queue") == {"Pending Workloads": 1, "Admitted Workloads": 1}
+    srv.cluster.pod_exit(a, 0, 0)  # qa finishes
+    assert cond(srv.cluster.workload(a), "Finished")[0] == "True"
+    assert counts("LocalQueue", "default", "user-queue") == {"Pending Workloads": 1, "Admitted Workloads": 0}
+    srv.cluster.admit("qb-a1")  # capacity for qb appears
+    assert counts("LocalQueue", "default", "user-queue") == {"Pending Workloads": 0, "Admitted Workloads": 1}
+    assert counts("ClusterQueue", "", "cluster-queue") == {"Pending Workloads": 0, "Admitted Workloads": 1}

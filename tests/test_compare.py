@@ -101,3 +101,16 @@ def test_bad_inputs(tmp_path):
 # The bundled trainer's resumed run against its uninterrupted twin, and a desynchronised resume named at
 # its first step: test_trainer_resume.py::test_compare_finds_the_resume_exact_and_names_a_desynchronised_one
 # (on the runs that test already trains).
+
+
+def test_a_bin_covers_only_the_steps_the_runs_have(tmp_path):
+    """A 100-step run at the default --bin 2000: one bin, steps 1-100 (not 1-2000)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_segment(a / "tensorboard", range(1, 101))
+    write_segment(b / "tensorboard", range(1, 101))
+    (r,) = compare(str(a), str(b))["tags"].values()
+    assert [(x["start"], x["end"], x["points"]) for x in r["bins"]] == [(1, 100, 100)]
+    t = cli("compare", str(a), str(b))
+    assert t.returncode == 0 and "1-100" in t.stdout and "2000" not in t.stdout
+    r = compare(str(a), str(b), bin_steps=40)["tags"]["train/CE loss"]
+    assert [(x["start"], x["end"]) for x in r["bins"]] == [(1, 40), (41, 80), (81, 100)]

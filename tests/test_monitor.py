@@ -722,3 +722,30 @@ def test_plot_panels_legends_no_offset_and_a_restart_marked(tmp_path):
     assert ax_mfu.get_legend().get_texts()[0].get_text() == "MFU (olmo_core FLOPs)"
     assert ax_mfu.lines[0].get_ydata()[-1] == pytest.approx(100 * rep["throughput"]["mfu"])
     assert "restart (attempt 1)" in [t.get_text() for t in ax_loss.texts]
+
+
+def test_the_table_shows_each_hosts_latest_window_and_the_slow_one(tmp_path):
+    """A multi-host run's `hosts` list (each host's last window: step time, data wait, compute) is in
+    the table as in -o json, and the slow host's slow part is named in both."""
+    run = tmp_path / "mh"
+    write_run_yaml(run, device="cpu-2x1")
+    timing = {"step_time_s": 0.61, "compute_s": 0.4}
+    host_tags = [f"hosts/{h}/{k}" for h in (0, 1) for k in ("step_time_s", "data_wait_s", "compute_s")]
+
+    def vals(tag, step):
+        if not tag.startswith("hosts/"):
+            return values(tag, step)
+        _, h, k = tag.split("/")
+        return timing.get(k, 0.21 if h == "1" else 0.004)
+
+    write_segment(run / "tensorboard", range(1, 31), tags=[*TAGS, *host_tags], values=vals)
+    rep = json.loads(cli("monitor", str(run), "-o", "json").stdout)
+    assert [(h["host"], h["step"], h["data_wait_s"], h["slow"]) for h in rep["hosts"]] == [
+        (0, 30, pytest.approx(0.004), []),
+        (1, 30, pytest.approx(0.21), ["data wait"]),
+    ]
+    t = cli("monitor", str(run), env={"COLUMNS": "200"})
+    assert t.returncode == 0, t.stderr
+    lines = [ln.strip("│ ") for ln in t.stdout.splitlines()]
+    assert "host 0  step 30  step time 610 ms  data wait 4 ms  compute 400 ms" in lines
+    assert "host 1  step 30  step time 610 ms  data wait 210 ms  compute 400 ms  slow: data wait" in lines

@@ -162,3 +162,71 @@ def test_multislice_refusals_are_bad_input():
     for bad in (0, -1, 65, True):
         with pytest.raises(BadInput, match="slice count"):
             make_plan(r, get_device("tpu7x-128"), bad)
+
+
+def _plan(tmp_path, *args, prices=None, env_prices=None):
+    """`olmo-ctl plan ARGS` in this process with its own config file (holding `prices`, if given)."""
+    import yaml
+    from helpers.cli import clean_env, invoke
+
+    env = clean_env(tmp_path / "xdg")
+    if prices is not None:
+        cfg = tmp_path / "xdg" / "olmo-ctl" / "config.yaml"
+        cfg.parent.mkdir(parents=True, exist_ok=True)
+        cfg.write_text(yaml.safe_dump({"prices": prices}))
+    if env_prices is not None:
+        env["OLMO_CTL_PRICES"] = env_prices
+    return invoke("plan", *args, env=env)
+
+
+def test_dollars_beside_chip_hours_at_the_users_prices(tmp_path):
+    prices = {"tpu7x": {"on_demand": 10.0, "spot": 4.0}, "v5p": {"on_demand": 8.0}}
+    args = ("--stage", "1", "--device", "tpu7x-128")
+    r = json.loads(_plan(tmp_path, *args, "-o", "json", prices=prices).stdout)
+    assert r["usd_per_chip_hour"] == {"on_demand": 10.0, "spot": 4.0}
+    for f in ("olmo_core", "maxtext"):
+        e = r["estimate"][f]
+        assert e["usd"] == {"on_demand": e["chip_hours"] * 10.0, "spot": e["chip_hours"] * 4.0}
+    t = _plan(tmp_path, *args, prices=prices).stdout.splitlines()
+    e = r["estimate"]
+    (od,) = [ln for ln in t if ln.startswith("  USD on demand")]
+    assert od.split()[-2:] == [
+        f"${e['olmo_core']['usd']['on_demand']:,.0f}",
+        f"${e['maxtext']['usd']['on_demand']:,.0f}",
+    ]
+    assert any(ln.startswith("  USD spot") for ln in t)
+    # v5p has only an on-demand price; OLMO_CTL_PRICES wins over the file.
+    v5p = json.loads(
+        _plan(tmp_path, "--stage", "1", "--device", "v5p-256", "-o", "json", prices=prices).stdout
+    )
+    assert set(v5p["estimate"]["maxtext"]["usd"]) == {"on_demand"}
+    env_first = _plan(tmp_path, *args, "-o", "json", prices=prices, env_prices="{tpu7x: {spot: 1}}")
+    assert json.loads(env_first.stdout)["usd_per_chip_hour"] == {"spot": 1.0}
+
+
+def test_no_prices_no_dollars(tmp_path):
+    r = json.loads(_plan(tmp_path, "--stage", "1", "--device", "tpu7x-128", "-o", "json").stdout)
+    assert r["usd_per_chip_hour"] is None and r["estimate"]["olmo_core"]["usd"] is None
+    assert "USD" not in _plan(tmp_path, "--stage", "1", "--device", "tpu7x-128").stdout
+    local = _plan(
+        tmp_path, "--recipe", "smoke", "--device", "cpu-1", "-o", "json", prices={"v5p": {"spot": 2}}
+    )
+    assert json.loads(local.stdout)["usd_per_chip_hour"] is None
+
+
+@pytest.mark.parametrize(
+    "prices,says",
+    [
+        ({"v6e": {"spot": 1.0}}, "`v6e` is not a TPU generation"),
+        ({"v5p": {"list": 3.0}}, "`v5p.list` is not a price kind"),
+        ({"v5p": {"spot": -1}}, "`v5p.spot` must be a non-negative number"),
+        ({"v5p": {"spot": "cheap"}}, "`v5p.spot` must be a non-negative number"),
+        ({"v5p": 4.2}, "`v5p` must map on_demand and/or spot"),
+        ([1, 2], "must be a mapping"),
+    ],
+)
+def test_bad_prices_are_one_line_and_exit_2(tmp_path, prices, says):
+    p = _plan(tmp_path, "--stage", "1", "--device", "v5p-256", prices=prices)
+    assert p.returncode == 2 and p.stdout == ""
+    (line,) = p.stderr.splitlines()
+    assert line.startswith("error: setting `prices` (file ") and says in line, line

@@ -59,7 +59,8 @@ def test_smoke_local_passes_and_writes_one_junit_case_per_check(tmp_path):
         "cpu-1",
         "--junit",
         str(junit),
-        "--json",
+        "-o",
+        "json",
         "--run-root",
         str(root),
     )

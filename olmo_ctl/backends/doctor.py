@@ -95,6 +95,13 @@ class Forbidden(Exception):
     """The account may not read this (403)."""
 
 
+# Doctor only reads (and dry-runs): nothing of its own is left on the cluster to find again.
+DOCTOR_UNREACHABLE_HINT = (
+    "check the kube context (`--kube-context`, `kubectl config current-context`) and "
+    "`kubectl cluster-info`, then run `olmo-ctl doctor` again"
+)
+
+
 class Cluster:
     """Raw GETs and POSTs through the one retry policy (`kube.call`); 404 -> None, 403 -> Forbidden."""
 
@@ -133,7 +140,15 @@ class Cluster:
     ) -> Any:
         try:
             return call(
-                self._once, method, path, body, query, policy=policy or self.policy, what=what, host=self.host
+                self._once,
+                method,
+                path,
+                body,
+                query,
+                policy=policy or self.policy,
+                what=what,
+                host=self.host,
+                hint=DOCTOR_UNREACHABLE_HINT,
             )
         except Unreachable:
             raise

@@ -112,16 +112,24 @@ def status_message(exc: BaseException) -> str:
     return str(getattr(exc, "reason", "") or "")
 
 
+# What a command that submits and supervises attempts says when the API stays unreachable.
+UNREACHABLE_HINT = (
+    "jobs on the cluster were left as they are; check `kubectl cluster-info`, then run the command again "
+    "(it finds the attempt it submitted)"
+)
+
+
 def call(
     fn: Callable[..., T],
     *args: Any,
     policy: KubeRetryPolicy = DEFAULT_POLICY,
     what: str = "Kubernetes call",
     host: str = "",
+    hint: str = UNREACHABLE_HINT,
     **kwargs: Any,
 ) -> T:
     """Run `fn(*args, **kwargs)` under `policy`. Non-retryable errors propagate unchanged;
-    a retryable one that outlives the budget becomes `Unreachable`."""
+    a retryable one that outlives the budget becomes `Unreachable` (with `hint`: what to do)."""
     import tenacity
 
     start = time.monotonic()
@@ -157,8 +165,7 @@ def call(
         raise Unreachable(
             f"{what}: no usable answer from the Kubernetes API{where} after {tries} over {elapsed:.1f} s "
             f"(last: {describe_error(exc)})",
-            "jobs on the cluster were left as they are; check `kubectl cluster-info`, then run the command again "
-            "(it finds the attempt it submitted)",
+            hint,
         ) from exc
 
 

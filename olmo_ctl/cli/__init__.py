@@ -28,6 +28,7 @@ from olmo_ctl.cli import (  # noqa: F401
     parity,
     plan,
     preflight,
+    recipes,
     resize,
     resume,
     runs,
@@ -41,6 +42,16 @@ from olmo_ctl.cli.app import app
 from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, OlmoCtlError
 
 
+def usage_line(message: str) -> str:
+    """Click's usage error as the start of one line that ends in `see ...`: "No such command 'x'."
+    -> "No such command 'x'; see", "... Did you mean 'resize'?" -> "...; did you mean 'resize'? see"."""
+    msg = " ".join(message.split()).rstrip(".")
+    head, sep, guess = msg.partition(". Did you mean ")
+    if sep:
+        return f"{head}; did you mean {guess} see"
+    return f"{msg}; see"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
@@ -48,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")
         return e.exit_code
-    except click_exc.NoArgsIsHelpError:
-        return 0  # the help text is already printed
+    except click_exc.NoArgsIsHelpError as e:  # `olmo-ctl` or a group alone: its help, as -h shows it
+        sys.stdout.write(e.format_message() + "\n")
+        return 0
     except click_exc.UsageError as e:
         cmd = e.ctx.command_path if e.ctx else "olmo-ctl"
-        msg = " ".join(e.format_message().split())
-        sys.stderr.write(f"error: {msg}; see `{cmd} --help`\n")
+        sys.stderr.write(f"error: {usage_line(e.format_message())} `{cmd} --help`\n")
         return EXIT_BAD_INPUT
     except typer.Abort:
         sys.stderr.write("aborted\n")

@@ -4,17 +4,21 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, console, print_json
+from olmo_ctl.cli.app import Output, OutputOpt, app, console, print_data
 from olmo_ctl.cli.monitor import _g
 
 
-@app.command()
+@app.command(example="olmo-ctl compare runs/smoke-straight runs/smoke-resumed")
 def compare(
     a: Annotated[
-        str, typer.Argument(help="Run directory (local or gs://) or a CSV/TSV curve of step,value.")
+        str,
+        typer.Argument(metavar="A", help="Run directory (local or gs://) or a CSV/TSV curve of step,value."),
     ],
     b: Annotated[
-        str, typer.Argument(help="Run directory or curve file compared against A (deltas are B - A).")
+        str,
+        typer.Argument(
+            metavar="B", help="Run directory or curve file compared against A (deltas are B - A)."
+        ),
     ],
     tags: Annotated[
         list[str] | None, typer.Option("--tags", help="Tag to compare (repeatable); default train/CE loss.")
@@ -32,16 +36,18 @@ def compare(
     ] = False,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Step-aligned deltas between two runs (or a run and a reference curve): max |Δ|, binned means,
-    the first step where |Δ| passes the threshold, and a one-line verdict.
+    """Compare two runs (or a run and a reference curve) step by step.
+
+    Reports max |Δ|, binned means, the first step where |Δ| passes the threshold, and a one-line
+    verdict.
 
     Exit codes: 0 compared (whatever the verdict), 2 bad input, 3 storage unreachable.
     """
     from olmo_ctl.observe.compare import compare as do_compare
 
     res = do_compare(a, b, tags, bin_steps=bin_steps, threshold=threshold, per_step=per_step)
-    if output == Output.json:
-        print_json(res)
+    if output != Output.table:
+        print_data(res, output)
         return
     from rich.table import Table
 

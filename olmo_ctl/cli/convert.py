@@ -4,15 +4,17 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import app
+from olmo_ctl.cli.app import OlmoTyper, app
 from olmo_ctl.core.errors import BadInput
 
-convert_app = typer.Typer(
-    help="Convert between a Hugging Face Olmo3ForCausalLM directory and Orbax parameters.",
-    no_args_is_help=True,
-    rich_markup_mode=None,
+convert_app = OlmoTyper(
+    help="Convert between a Hugging Face Olmo3ForCausalLM directory and Orbax parameters."
 )
-app.add_typer(convert_app, name="convert")
+app.add_typer(
+    convert_app,
+    name="convert",
+    example="olmo-ctl convert hf-to-orbax ./Olmo-3-1025-7B gs://my-bucket/init/olmo3-7b",
+)
 
 OverwriteOpt = Annotated[
     bool, typer.Option("--overwrite", help="Replace an existing, non-empty destination.")
@@ -34,7 +36,9 @@ def _need(*modules: str, extra: str) -> None:
             raise BadInput(f"`{m}` is not installed", f"pip install 'olmo-ctl[{extra}]'")
 
 
-@convert_app.command("hf-to-orbax")
+@convert_app.command(
+    "hf-to-orbax", example="olmo-ctl convert hf-to-orbax ./Olmo-3-1025-7B gs://my-bucket/init/olmo3-7b"
+)
 def hf_to_orbax(
     hf_dir: Annotated[
         str, typer.Argument(help="Hugging Face model directory (config.json + safetensors), local or gs://.")
@@ -56,7 +60,10 @@ def hf_to_orbax(
     param_dtype: Annotated[str, typer.Option("--param-dtype", help="float32 or bfloat16.")] = "float32",
     overwrite: OverwriteOpt = False,
 ) -> None:
-    """Convert a Hugging Face Olmo3ForCausalLM checkpoint into Orbax parameters (+ olmo_model.json)."""
+    """Convert a Hugging Face Olmo3ForCausalLM checkpoint into Orbax parameters (+ olmo_model.json).
+
+    Exit codes: 0 written, 2 bad input (a destination that is not empty: --overwrite).
+    """
     _need("jax", "orbax.checkpoint", extra="trainer")
     if param_dtype not in ("float32", "bfloat16"):
         raise BadInput(f"--param-dtype {param_dtype} is not float32 or bfloat16")
@@ -76,7 +83,10 @@ def hf_to_orbax(
     )
 
 
-@convert_app.command("orbax-to-hf")
+@convert_app.command(
+    "orbax-to-hf",
+    example="olmo-ctl convert orbax-to-hf gs://my-bucket/runs/olmo3-7b-s1/checkpoints/2000 ./olmo3-7b-s1-2000",
+)
 def orbax_to_hf(
     orbax_dir: Annotated[
         str,
@@ -94,7 +104,10 @@ def orbax_to_hf(
     recipe: CkptRecipeOpt = None,
     overwrite: OverwriteOpt = False,
 ) -> None:
-    """Convert Orbax parameters back to a Hugging Face Olmo3ForCausalLM directory (vocab truncated)."""
+    """Convert Orbax parameters back to a Hugging Face Olmo3ForCausalLM directory (vocab truncated).
+
+    Exit codes: 0 written, 2 bad input (a destination that is not empty: --overwrite).
+    """
     _need("jax", "orbax.checkpoint", extra="trainer")
     if dtype not in (None, "float32", "bfloat16"):
         raise BadInput(f"--dtype {dtype} is not float32 or bfloat16")

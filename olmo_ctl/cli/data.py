@@ -4,14 +4,17 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, RecipeOpt, SetOpt, StageOpt, app, print_json
+from olmo_ctl.cli.app import OlmoTyper, Output, OutputOpt, RecipeOpt, SetOpt, StageOpt, app, print_data
 from olmo_ctl.core.recipe import load_recipe
 
-data_app = typer.Typer(help="Make and inspect training data (token files).", no_args_is_help=True)
-app.add_typer(data_app, name="data")
+data_app = OlmoTyper(help="Make and inspect training data (token files).")
+app.add_typer(data_app, name="data", example="olmo-ctl data info --recipe smoke -o json")
 
 
-@data_app.command("prepare")
+@data_app.command(
+    "prepare",
+    example="olmo-ctl data prepare books/*.txt --out gs://my-bucket/books --held-out-fraction 0.05 --seq-len 128",
+)
 def prepare(
     files: Annotated[
         list[str], typer.Argument(help="Text files (byte-tokenized, one document each) or .npy token files.")
@@ -32,16 +35,18 @@ def prepare(
     ] = 0,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Write OUT/train/part-NNNNN.npy, OUT/eval/part-NNNNN.npy (raw uint32 tokens) and OUT/manifest.json.
+    """Make token files from text (or .npy token files), with a held-out split.
 
-    Text is tokenized byte by byte (tokens 0-255, EOS 256 after each file; vocab 258 as in the
-    smoke recipe). Pre-tokenized .npy files (e.g. dolma2) are copied as they are.
+    Writes OUT/train/part-NNNNN.npy, OUT/eval/part-NNNNN.npy (raw uint32 tokens) and
+    OUT/manifest.json. Text is tokenized byte by byte (tokens 0-255, EOS 256 after each file; vocab
+    258 as in the smoke recipe). Pre-tokenized .npy files (e.g. dolma2) are copied as they are.
+    Exit codes: 0 written, 2 bad input, 3 storage unreachable.
     """
     from olmo_ctl.data.files import prepare as do_prepare
 
     manifest = do_prepare(list(files), out, held_out_fraction=held_out_fraction, seq_len=seq_len)
-    if output == Output.json:
-        print_json(manifest)
+    if output != Output.table:
+        print_data(manifest, output)
         return
     for split in ("train", "eval"):
         n = len(manifest[split])
@@ -83,21 +88,28 @@ def data_report(recipe) -> dict:
     return d
 
 
-@data_app.command("info")
+@data_app.command("info", example="olmo-ctl data info --recipe smoke -o json")
 def info(
     stage: StageOpt = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Resolve a recipe's data: files, tokens, instances, batches per epoch, and the dataset fingerprint."""
+    """Resolve a recipe's data: files, tokens, instances, batches per epoch and the dataset fingerprint.
+
+    Exit codes: 0 shown, 2 bad input, 3 storage unreachable.
+    """
     d = data_report(load_recipe(recipe, stage, set_ or []))
-    if output == Output.json:
-        print_json(d)
+    if output != Output.table:
+        print_data(d, output)
         return
     for k, v in d.items():
         if k == "files" or v is None:
             continue  # the whole list is in -o json; first_file and last_file stand for it here
-        typer.echo(
-            f"{k}: {f'{v:,}' if isinstance(v, int) and not isinstance(v, bool) and k != 'data_seed' else v}"
-        )
+        if isinstance(v, float):
+            shown = f"{v:.3g}"  # a ratio such as epochs_for_max_steps; -o json has every digit
+        elif isinstance(v, int) and not isinstance(v, bool) and k != "data_seed":
+            shown = f"{v:,}"
+        else:
+            shown = str(v)
+        typer.echo(f"{k}: {shown}")

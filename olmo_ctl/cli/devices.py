@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
 from olmo_ctl.core import devices as dev
 from olmo_ctl.core.errors import BadInput
 
@@ -14,12 +14,15 @@ def _fmt_num(x: float) -> str:
     return f"{x:g}"
 
 
-@app.command()
+@app.command(example="olmo-ctl devices --generation v5p")
 def devices(
     generation: Annotated[str | None, typer.Option("--generation", help="tpu7x, v5p, cpu or gpu.")] = None,
     output: OutputOpt = Output.table,
 ) -> None:
-    """List TPU slice types (and the local backend's cpu-N / gpu-N)."""
+    """List TPU slice types and the local backend's devices (cpu-N, cpu-PxD, gpu-N).
+
+    Exit codes: 0 listed, 2 an unknown --generation.
+    """
     local = dev.local_catalog()
     if generation is None:
         rows = dev.tpu_catalog() + local
@@ -31,8 +34,8 @@ def devices(
         raise BadInput(
             f"--generation `{generation}` is not a device generation", "use tpu7x, v5p, cpu or gpu"
         )
-    if output == Output.json:
-        print_json([d.to_dict() for d in rows])
+    if output != Output.table:
+        print_data([d.to_dict() for d in rows], output)
         return
     # Fits an 80-column terminal; the GKE label and machine type go in each generation's heading.
     cols = ("NAME", "TOPOLOGY", "CHIPS", "VMS", "CHIPS/VM", "DEVICES", "TFLOP/S/DEV", "HBM GIB/DEV")

@@ -7,12 +7,12 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
 from olmo_ctl.cli.options import SiteFlags, site_options
 from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_UNREACHABLE, Unreachable
 
 
-@app.command()
+@app.command(example="olmo-ctl doctor --device tpu7x-128 --priority-class high")
 @site_options(exclude=("backend", "run_root"))  # it checks a cluster, wherever the runs live
 def doctor(
     device: Annotated[
@@ -24,7 +24,11 @@ def doctor(
     *,
     site: SiteFlags,
 ) -> None:
-    """Check that the cluster can run olmo-ctl's JobSets: exit 0 all passed, 2 a check failed, 3 unreachable."""
+    """Check that a cluster can run olmo-ctl's JobSets, one line per check with what to do.
+
+    Checks the CRDs, queues, flavor and quota, priority class, RBAC, node pools and image.
+    Exit codes: 0 all passed, 2 a check failed, 3 the cluster is unreachable.
+    """
     from olmo_ctl.backends.doctor import Check, run_checks
     from olmo_ctl.backends.kube import make_api_client
     from olmo_ctl.core.devices import get_device
@@ -44,8 +48,8 @@ def doctor(
     except Unreachable as e:
         checks = [Check("cluster", False, e.one_line())]
         code = EXIT_UNREACHABLE
-    if output == Output.json:
-        print_json({"ok": code == 0, "checks": [c.to_dict() for c in checks]})
+    if output != Output.table:
+        print_data({"ok": code == 0, "checks": [c.to_dict() for c in checks]}, output)
     else:
         width = max(len(c.name) for c in checks)
         for c in checks:

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, console, print_json
+from olmo_ctl.cli.app import Output, OutputOpt, app, console, plural, print_data
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 
 
@@ -42,6 +42,19 @@ def _fmt_n(x, unit: str = "") -> str:
 
 def _g(x, fmt: str = ".4g") -> str:
     return "-" if x is None else format(float(x), fmt)
+
+
+def host_lines(hosts: list[dict]) -> list[str]:
+    """The `hosts` list (each host's latest logging window) as the table shows it."""
+    out = ["hosts (latest window):"]
+    for h in hosts:
+        slow = ", ".join(h.get("slow") or [])  # "data wait", "compute"
+        out.append(
+            f"  host {h['host']}  step {h['step']:,}  step time {_fmt_s(h['step_time_s'])}"
+            f"  data wait {_fmt_s(h['data_wait_s'])}  compute {_fmt_s(h['compute_s'])}"
+            + (f"  slow: {slow}" if slow else "")
+        )
+    return out
 
 
 def render(rep: dict):
@@ -87,7 +100,7 @@ def render(rep: dict):
             else ""
         ),
     )
-    dev = f" on {th['device']} ({th['devices']} devices)" if th.get("device") else ""
+    dev = f" on {th['device']} ({plural(th['devices'], 'device')})" if th.get("device") else ""
     t.add_row(
         "TFLOP/s per device",
         f"{_g(th['tflops_per_device'], '.4g')} / {_g(th['tflops_per_device_run_avg'], '.4g')} avg{dev}",
@@ -138,6 +151,8 @@ def render(rep: dict):
             f"{rep['replays']['steps']} (mismatching values: {rep['replays']['mismatch_count']})",
         )
     parts = [t]
+    if rep.get("hosts"):
+        parts.append(Text("\n".join(host_lines(rep["hosts"]))))
     tl = timeline_summary(rep["timeline"])
     if not tl and len(rep.get("attempts_in_events") or []) > 1:  # no journal: the event files still tell
         tl = [
@@ -173,10 +188,13 @@ def _refreshed(src, last: dict, stall_after, backend: bool) -> dict:
     return build_report(src, stall_after_s=stall_after, ask_backend=backend, status_of=handle_status)
 
 
-@app.command()
+@app.command(example="olmo-ctl monitor gs://my-bucket/runs/olmo3-7b-s1 --watch")
 def monitor(
     run: Annotated[
-        str, typer.Argument(help="Run directory, local or gs:// (or one holding only tensorboard/).")
+        str,
+        typer.Argument(
+            metavar="RUN_DIR", help="Run directory, local or gs:// (or one holding only tensorboard/)."
+        ),
     ],
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh a live view until Ctrl-C.")] = False,
     interval: Annotated[
@@ -201,7 +219,7 @@ def monitor(
     ] = True,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Progress, loss, throughput/MFU, checkpoints, attempts and goodput of a run.
+    """Show a run's progress, loss, throughput and MFU, checkpoints, attempts and goodput.
 
     Exit codes: 0 ok, 2 not a run directory, 3 storage unreachable.
     """
@@ -217,17 +235,21 @@ def monitor(
 
         write_plot(src, rep, plot)
     if not watch:
-        if output == Output.json:
-            print_json(rep)
+        if output != Output.table:
+            print_data(rep, output)
         else:
             console().print(render(rep))
             if plot:
                 sys.stderr.write(f"wrote {plot}\n")
         return
     try:
-        if output == Output.json:
-            while True:
-                sys.stdout.write(json.dumps(rep, default=str) + "\n")
+        if output != Output.table:
+            while True:  # one JSON object per line per refresh; YAML: one document per refresh
+                if output == Output.json:
+                    sys.stdout.write(json.dumps(rep, default=str) + "\n")
+                else:
+                    sys.stdout.write("---\n")
+                    print_data(rep, output)
                 sys.stdout.flush()
                 time.sleep(interval)
                 rep = _refreshed(src, rep, stall_after, backend)

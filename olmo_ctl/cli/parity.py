@@ -4,18 +4,23 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
 from olmo_ctl.cli.convert import CkptRecipeOpt, _need
 from olmo_ctl.core.errors import BadInput
 
 
-@app.command()
+@app.command(
+    example="olmo-ctl parity ./Olmo-3-1025-7B gs://my-bucket/init/olmo3-7b --seq-len 8192 --batch 1 --dtype bf16"
+)
 def parity(
-    hf_dir: Annotated[str, typer.Argument(help="Hugging Face Olmo3ForCausalLM directory, local or gs://.")],
+    hf_dir: Annotated[
+        str, typer.Argument(metavar="HF_DIR", help="Hugging Face Olmo3ForCausalLM directory, local or gs://.")
+    ],
     orbax_dir: Annotated[
         str,
         typer.Argument(
-            help="Orbax directory with olmo_model.json, or <run-dir>/checkpoints/<N>; local or gs://."
+            metavar="ORBAX_DIR",
+            help="Orbax directory with olmo_model.json, or <run-dir>/checkpoints/<N>; local or gs://.",
         ),
     ],
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 256,
@@ -25,7 +30,10 @@ def parity(
     recipe: CkptRecipeOpt = None,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Run both models on the same random tokens; report KL(HF || ours), top-1 and top-10 agreement."""
+    """Compare the logits of the Hugging Face model and ours on the same random tokens.
+
+    Reports KL(HF || ours), top-1 and top-10 agreement. Exit codes: 0 compared, 2 bad input.
+    """
     if dtype not in ("fp32", "bf16"):
         raise BadInput(f"--dtype {dtype} is not fp32 or bf16")
     _need("jax", "orbax.checkpoint", extra="trainer")
@@ -33,8 +41,8 @@ def parity(
     from olmo_ctl.trainer.parity import run_parity
 
     res = run_parity(hf_dir, orbax_dir, seq_len=seq_len, batch=batch, dtype=dtype, seed=seed, recipe=recipe)
-    if output == Output.json:
-        print_json(res)
+    if output != Output.table:
+        print_data(res, output)
         return
     typer.echo(f"parity {dtype}, {res['tokens']} tokens (seq {seq_len})")
     typer.echo(f"  KL(HF || ours)  mean {res['kl_mean']:.3e}  max {res['kl_max']:.3e}")

@@ -5,7 +5,17 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import DeviceOpt, Output, OutputOpt, RecipeOpt, SetOpt, StageOpt, app, print_json
+from olmo_ctl.cli.app import (
+    DeviceOpt,
+    Output,
+    OutputOpt,
+    RecipeOpt,
+    SetOpt,
+    StageOpt,
+    app,
+    plural,
+    print_data,
+)
 from olmo_ctl.core import schedule
 from olmo_ctl.core.batching import plan_report
 from olmo_ctl.core.devices import get_device
@@ -25,8 +35,8 @@ def _duration(s: float) -> str:
 def _print_plan(r: dict) -> None:
     gib = 1024**3
     lines = [
-        f"{r['recipe']} on {r['device'] if r['slices'] == 1 else str(r['slices']) + ' x ' + r['device']}: {r['chips']} chips, {r['vms']} VM{'s' if r['vms'] != 1 else ''},"
-        f" {r['devices']} devices",
+        f"{r['recipe']} on {r['device'] if r['slices'] == 1 else str(r['slices']) + ' x ' + r['device']}: "
+        f"{plural(r['chips'], 'chip')}, {plural(r['vms'], 'VM')}, {plural(r['devices'], 'device')}",
         f"  global batch      {r['global_batch']} x {r['seq_len']} tokens = {r['tokens_per_step']:,} tokens/step",
         f"  per device        batch {r['per_device_batch']} x {r['grad_accum']} accumulation step(s)"
         + (
@@ -59,6 +69,17 @@ def _print_plan(r: dict) -> None:
         lines.append(
             row("chip-hours", f"{e['olmo_core']['chip_hours']:,.0f}", f"{e['maxtext']['chip_hours']:,.0f}")
         )
+        for kind in r.get("usd_per_chip_hour") or {}:
+            label = f"USD {kind.replace('_', ' ')}"
+            lines.append(
+                row(label, f"${e['olmo_core']['usd'][kind]:,.0f}", f"${e['maxtext']['usd'][kind]:,.0f}")
+            )
+        if r.get("usd_per_chip_hour"):
+            lines.append(
+                "  at your prices per chip-hour: "
+                + ", ".join(f"{k.replace('_', ' ')} ${v:g}" for k, v in r["usd_per_chip_hour"].items())
+                + " (site setting `prices`)"
+            )
     else:
         lines.append(
             row(
@@ -68,7 +89,7 @@ def _print_plan(r: dict) -> None:
     sys.stdout.write("\n".join(lines) + "\n")
 
 
-@app.command()
+@app.command(example="olmo-ctl plan --stage 1 --device tpu7x-128")
 def plan(
     device: DeviceOpt,
     slices: Annotated[
@@ -93,7 +114,13 @@ def plan(
     ] = None,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Split the recipe's global batch over a device and estimate the compute it needs."""
+    """Split a recipe's global batch over a device and estimate the compute it needs.
+
+    Prints the per-device batch and gradient accumulation, a memory estimate, and step time,
+    wall-clock and chip-hours at --mfu by two FLOPs formulas; with your prices per chip-hour in the
+    site settings (`prices`), the dollars on demand and spot. Exit codes: 0 planned, 2 bad input (an
+    unknown device or recipe, a batch that cannot be split, a model that does not fit).
+    """
     if not 0 < mfu <= 1:
         raise BadInput(f"--mfu {mfu:g} is not a fraction in (0, 1]", "for 40% pass --mfu 0.4")
     steps = None
@@ -104,14 +131,16 @@ def plan(
             raise BadInput(f"--lr-at: {e}", "for example --lr-at 1,2000,596048") from None
     if plot_lr is not None and not plot_lr.lower().endswith(".png"):
         raise BadInput(f"--plot-lr `{plot_lr}` must name a .png file")
+    from olmo_ctl.core.config import resolve_settings
+
     r = load_recipe(recipe, stage, set_ or ())
-    report = plan_report(r, get_device(device), mfu, slices)
+    report = plan_report(r, get_device(device), mfu, slices, prices=resolve_settings().prices)
     if steps is not None:
         report["lr_at"] = {str(s): schedule.lr_at(r, s) for s in steps}
     if plot_lr is not None:
         _plot_lr(r, plot_lr)
-    if output == Output.json:
-        print_json(report)
+    if output != Output.table:
+        print_data(report, output)
     else:
         _print_plan(report)
         if steps is not None:

@@ -6,7 +6,17 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import DeviceOpt, Output, OutputOpt, RecipeOpt, SetOpt, StageOpt, app, print_json
+from olmo_ctl.cli.app import (
+    DeviceOpt,
+    Output,
+    OutputOpt,
+    RecipeOpt,
+    SetOpt,
+    StageOpt,
+    app,
+    plural,
+    print_data,
+)
 from olmo_ctl.core.errors import EXIT_RUN_FAILED, OlmoCtlError
 
 GIB = 1024**3
@@ -93,7 +103,7 @@ def _print_table(results, recommended=None) -> None:
     c = console()
     first = results[0]
     c.print(
-        f"{first.recipe} on {first.device} ({first.topology}, {first.devices} devices), "
+        f"{first.recipe} on {first.device} ({first.topology}, {plural(first.devices, 'device')}), "
         f"{first.n_layers} layers, head dim {first.head_dim}, {first.attention} attention, "
         f"{len(first.xla_flags)} XLA flags",
         highlight=False,
@@ -116,11 +126,11 @@ def _print_table(results, recommended=None) -> None:
         c.print(f"recommended: --remat {recommended.remat} (the cheapest recompute that fits)")
 
 
-@app.command()
+@app.command(example="olmo-ctl preflight --stage 1 --device tpu7x-128 --search")
 def preflight(
+    device: DeviceOpt,
     stage: StageOpt = None,
     recipe: RecipeOpt = None,
-    device: DeviceOpt = "tpu7x-128",
     slices: Annotated[
         int,
         typer.Option(
@@ -158,9 +168,10 @@ def preflight(
     overrides: SetOpt = None,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Compile the real train step for a TPU slice on this machine: per-device memory vs HBM, FLOPs, compile time.
+    """Compile the real train step for a TPU slice on this machine and check that it fits in HBM.
 
-    Exit 0 when it fits, 1 when it does not (by how many GiB), 2 on bad input.
+    Reports per-device memory against HBM, FLOPs and compile time, for the recipe given by --stage
+    or --recipe. Exit codes: 0 it fits, 1 it does not (by how many GiB), 2 bad input.
     """
     from olmo_ctl.core.config import resolve_settings
     from olmo_ctl.core.devices import get_device
@@ -168,8 +179,6 @@ def preflight(
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.preflight import compile as pf
 
-    if stage is None and recipe is None:
-        stage = 1
     r = load_recipe(recipe, stage, overrides or [])
     dev = get_device(device)
     if not dev.is_tpu:
@@ -192,9 +201,10 @@ def preflight(
     )
     if search:
         tried, best = pf.search(r, dev, **kw)
-        if output == Output.json:
-            print_json(
-                {"results": [_row(x) for x in tried], "recommended_remat": best.remat if best else None}
+        if output != Output.table:
+            print_data(
+                {"results": [_row(x) for x in tried], "recommended_remat": best.remat if best else None},
+                output,
             )
         else:
             _print_table(tried, best)
@@ -208,8 +218,8 @@ def preflight(
             )
         return
     res = pf.run_preflight(r, dev, remat=remat, **kw)
-    if output == Output.json:
-        print_json(_row(res))
+    if output != Output.table:
+        print_data(_row(res), output)
     else:
         _print_table([res])
     if not res.fits:

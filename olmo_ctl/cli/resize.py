@@ -10,7 +10,7 @@ from olmo_ctl.cli.options import SiteFlags, SlicesOpt, TimeoutOpt, _echo, note, 
 from olmo_ctl.core.errors import BadInput
 
 
-@app.command()
+@app.command(example="olmo-ctl resize olmo3-7b-s1 --device v5p-256 -y --at-next-checkpoint")
 @site_options()
 def resize(
     run: Annotated[
@@ -41,8 +41,13 @@ def resize(
     *,
     site: SiteFlags,
 ) -> None:
-    """Continue RUN on DEVICE (and --slices N) at the same global batch: commit the latest state, stop the
-    attempt, submit the next one on DEVICE. With a live supervisor, the request is recorded for it to carry out."""
+    """Continue a run on another device (or slice count) at the same global batch.
+
+    Commits the latest state, stops the attempt and submits the next one on --device (and --slices).
+    With a live supervisor, the request is recorded for it to carry out. Exit codes: 0 resized, 1 the
+    supervisor refused the request, 2 bad input (nothing stopped), 3 unreachable, 124 timed out
+    waiting, 130 declined at the prompt.
+    """
     from olmo_ctl.backends import make_backend
     from olmo_ctl.backends.base import Attempt
     from olmo_ctl.rundir import RunDir

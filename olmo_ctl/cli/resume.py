@@ -25,7 +25,10 @@ class LinesOutput(str, Enum):
     jsonl = "jsonl"  # one JSON object per line, for log shippers
 
 
-@app.command("resume-until-done")
+@app.command(
+    "resume-until-done",
+    example="olmo-ctl resume-until-done --recipe smoke --device cpu-1 --backend local --run demo --run-root runs",
+)
 @site_options()
 def resume_until_done(
     run_name: Annotated[str | None, typer.Argument(metavar="RUN", help="Run name (or --run).")] = None,
@@ -103,12 +106,15 @@ def resume_until_done(
     *,
     site: SiteFlags,
 ) -> int:
-    """Submit attempts of a run until its final step is committed: reattaches to a live attempt, waits
-    while queued (a preempted attempt is requeued by Kueue), resubmits after a failure with backoff, stops
-    on a user error (1), a queue set-up Kueue can never admit (2) or a crash loop (4).
-    Ctrl-C detaches (130) and leaves the attempt running; `olmo-ctl stop` ends it (130).
-    The site settings' notify_webhook / notify_command hear when the run finishes, fails, is resized or
-    gives up."""
+    """Supervise a run until its final step is committed.
+
+    Reattaches to a live attempt, waits while queued (a preempted attempt is requeued by Kueue),
+    resubmits after a failure with backoff. Exit codes: 0 the final step is committed, 1 a user error
+    in training, 2 bad input or a queue set-up Kueue can never admit, 3 unreachable, 4 gave up (a
+    crash loop, retries exhausted), 130 Ctrl-C (detaches and leaves the attempt running) or
+    `olmo-ctl stop` (ends it). The site settings' notify_webhook / notify_command hear when the run
+    finishes, fails, is resized or gives up.
+    """
     # The supervision layer (with its event reader) loads only for this command.
     from olmo_ctl.supervise.notify import Notifier
     from olmo_ctl.supervise.policy import RetryPolicy

@@ -13,7 +13,7 @@ import typer
 from olmo_ctl.cli.app import app
 
 
-@app.command()
+@app.command(example="olmo-ctl sandbox --kubeconfig /tmp/sandbox.kubeconfig --slices tpu7x-128=2")
 def sandbox(
     kubeconfig: Annotated[
         Path,
@@ -52,7 +52,11 @@ def sandbox(
         ),
     ] = True,
 ) -> None:
-    """Serve a sandbox Kubernetes API with JobSet and Kueue on localhost until SIGTERM or Ctrl-C."""
+    """Serve a sandbox Kubernetes API with JobSet and Kueue on localhost until SIGTERM or Ctrl-C.
+
+    Configured as XPK configures a GKE cluster; its pods run as local processes, so GKE mode runs on
+    this machine. Exit codes: 0 stopped, 2 bad input.
+    """
     from olmo_ctl.core.config import resolve_settings
     from olmo_ctl.testing.sandbox import Sandbox, check_kubeconfig_path, parse_priority_classes, parse_slices
 

@@ -6,12 +6,12 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import DeviceOpt, app, print_json
+from olmo_ctl.cli.app import DeviceOpt, Output, OutputOpt, app, print_data
 from olmo_ctl.cli.options import SiteFlags, TimeoutOpt, _echo, note, site_options
 from olmo_ctl.core.errors import BadInput
 
 
-@app.command()
+@app.command(example="olmo-ctl smoke --backend local --device cpu-1 --junit smoke.xml")
 @site_options()
 def smoke(
     device: DeviceOpt,
@@ -22,12 +22,17 @@ def smoke(
     keep: Annotated[
         bool, typer.Option("--keep", help="Keep the smoke run directories after a pass.")
     ] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    output: OutputOpt = Output.table,
+    json_out: Annotated[bool, typer.Option("--json", hidden=True, help="The same as -o json.")] = False,
     *,
     site: SiteFlags,
 ) -> None:
-    """Run the smoke recipe briefly on DEVICE and check it: loss fell, checkpoint committed, a forced
-    stop/resume replays exactly, events readable. Exit 0 / 1 (a check failed, named) / 124 (timeout)."""
+    """Run the smoke recipe briefly on a device through a backend and check it.
+
+    Checks that the loss fell, a checkpoint committed, a forced stop/resume replays exactly and the
+    events are readable; the summary goes to stderr, -o json|yaml prints the report on stdout.
+    Exit codes: 0 every check passed, 1 a check failed (named), 2 bad input, 124 timed out.
+    """
     import shutil
     import tempfile
 
@@ -55,7 +60,9 @@ def smoke(
     for line in report.summary_lines():
         _echo(line)
     if json_out:
-        print_json(report.to_dict())
+        output = Output.json
+    if output != Output.table:
+        print_data(report.to_dict(), output)
     if junit is not None:
         junit.write_text(junit_xml(report))
         note(f"wrote {junit}")

@@ -35,7 +35,7 @@ def _write_manifest(path: Path, text: str) -> None:
         raise BadInput(f"cannot write --output-manifest `{path}`: {e.strerror}") from None
 
 
-@app.command()
+@app.command(example="olmo-ctl submit --stage 1 --device tpu7x-128 --dry-run")
 @site_options()
 def submit(
     device: Annotated[
@@ -73,9 +73,13 @@ def submit(
     *,
     site: SiteFlags,
 ) -> None:
-    """Submit one attempt of a run (a JobSet queued by Kueue); --dry-run prints exactly what is applied.
-    An existing run's next attempt takes its recipe, device and slice count from the run; a complete
-    run submits nothing (exit 0)."""
+    """Create a run or its next attempt and submit it; --dry-run prints exactly what is applied.
+
+    On GKE an attempt is a JobSet queued by Kueue; locally, trainer processes. An existing run's
+    next attempt takes its recipe, device and slice count from the run; a complete run submits
+    nothing. Exit codes: 0 submitted (or nothing to do), 2 bad input (nothing submitted),
+    3 cluster or storage unreachable.
+    """
     from olmo_ctl.supervise.submit import dry_run as render_dry_run
     from olmo_ctl.supervise.submit import prepare, submit_run
 

@@ -31,6 +31,7 @@ activation estimate is the instance's divided by seq_shards.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import BadInput
@@ -234,11 +235,19 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
 DEFAULT_MFU = 0.4
 
 
-def plan_report(recipe: Recipe, device: Device, mfu: float = DEFAULT_MFU, slices: int = 1) -> dict:
+def plan_report(
+    recipe: Recipe,
+    device: Device,
+    mfu: float = DEFAULT_MFU,
+    slices: int = 1,
+    prices: dict[str, dict[str, float]] | None = None,
+) -> dict:
     """The plan plus a compute estimate at an assumed MFU, by both FLOPs formulas (named).
 
     step time = FLOPs/token x tokens/step / (devices x peak per device x MFU); wall-clock = step
-    time x steps; chip-hours = wall-clock x chips. What `olmo-ctl plan` prints.
+    time x steps; chip-hours = wall-clock x chips; dollars = chip-hours x the user's price per
+    chip-hour of the device's generation (`prices`, the site setting), on demand and spot, where one
+    is given. What `olmo-ctl plan` prints.
     """
     from olmo_ctl.core import flops  # only `plan` estimates compute
 
@@ -248,7 +257,7 @@ def plan_report(recipe: Recipe, device: Device, mfu: float = DEFAULT_MFU, slices
     chips = device.chips * plan.slices
     fpt = {f: flops.flops_per_token(recipe.model, plan.seq_len, f) for f in flops.FORMULAS}
     sustained = device.peak_tflops_per_device * 1e12 * mfu * plan.devices  # FLOP/s over the slice
-    estimate = {}
+    estimate: dict[str, dict[str, Any]] = {}
     for f, per_token in fpt.items():
         step_s = per_token * plan.tokens_per_step / sustained
         wall_s = step_s * plan.max_steps
@@ -260,6 +269,9 @@ def plan_report(recipe: Recipe, device: Device, mfu: float = DEFAULT_MFU, slices
             "chip_hours": wall_s * chips / 3600 if chips else None,
             "tokens_per_s_per_device": plan.tokens_per_step / step_s / plan.devices,
         }
+    price = (prices or {}).get(device.generation) if chips else None
+    for e in estimate.values():
+        e["usd"] = {kind: e["chip_hours"] * usd for kind, usd in price.items()} if price else None
     return {
         **plan.to_dict(),
         "chips": chips,
@@ -270,5 +282,6 @@ def plan_report(recipe: Recipe, device: Device, mfu: float = DEFAULT_MFU, slices
         "tokens": plan.tokens_per_step * plan.max_steps,
         "mfu": mfu,
         "peak_tflops_per_device": device.peak_tflops_per_device,
+        "usd_per_chip_hour": dict(price) if price else None,
         "estimate": estimate,
     }

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from olmo_ctl.core.devices import GENERATIONS
 from olmo_ctl.core.errors import BadInput
 
 ENV_PREFIX = "OLMO_CTL_"
@@ -42,7 +43,10 @@ DESCRIPTIONS = {
     "is resized (falls back) or gives up (empty: none)",
     "notify_command": "shell command resume-until-done runs on the same events, the message as JSON on "
     "its stdin and OLMO_CTL_NOTIFY_* in its environment (empty: none)",
+    "prices": "your USD per chip-hour by TPU generation, on_demand and spot, for the dollar estimate of "
+    "`plan` (a mapping; none ship with olmo-ctl)",
 }
+PRICE_KINDS = ("on_demand", "spot")
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0", "")
 
 # What an attempt is rendered with and a run keeps: recorded with each `submitted` journal line, and
@@ -75,6 +79,9 @@ class Settings:
     host_network: bool = False
     notify_webhook: str | None = None
     notify_command: str | None = None
+    # generation -> {"on_demand": USD, "spot": USD} per chip-hour: the user's own prices (file or
+    # OLMO_CTL_PRICES as a YAML mapping; no flag). Not compared: it never changes what a run does.
+    prices: dict[str, dict[str, float]] = field(default_factory=dict, compare=False)
     # Where each value came from: "flag", "env OLMO_CTL_X", "file <path>" or "default".
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -166,6 +173,44 @@ def _check(name: str, value: str, src: str) -> None:
             raise BadInput(f"{where}: the kube context is empty", "leave it unset to use the current context")
 
 
+def _check_prices(value: Any, src: str) -> dict[str, dict[str, float]]:
+    """`prices` as a mapping generation -> {on_demand, spot} of non-negative USD per chip-hour."""
+    where = f"setting `prices` ({src})"
+    example = "e.g. prices: {v5p: {on_demand: 4.0, spot: 2.0}} (USD per chip-hour, your own prices)"
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadInput(f"{where} must be a mapping of TPU generations to prices", example)
+    out: dict[str, dict[str, float]] = {}
+    for gen, kinds in value.items():
+        if gen not in GENERATIONS:
+            raise BadInput(f"{where}: `{gen}` is not a TPU generation", f"use {' or '.join(GENERATIONS)}")
+        if not isinstance(kinds, dict) or not kinds:
+            raise BadInput(f"{where}: `{gen}` must map on_demand and/or spot to a price", example)
+        out[gen] = {}
+        for kind, price in kinds.items():
+            if kind not in PRICE_KINDS:
+                raise BadInput(f"{where}: `{gen}.{kind}` is not a price kind", "use on_demand or spot")
+            if isinstance(price, bool) or not isinstance(price, int | float) or not price >= 0:
+                raise BadInput(
+                    f"{where}: `{gen}.{kind}` must be a non-negative number of USD per chip-hour, got {price!r}"
+                )
+            out[gen][kind] = float(price)
+    return out
+
+
+def _parse_prices_env(text: str, src: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        raise BadInput(
+            f"setting `prices` ({src}) is not a YAML mapping",
+            "e.g. OLMO_CTL_PRICES='{v5p: {on_demand: 4.0, spot: 2.0}}'",
+        ) from None
+
+
 def _load_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
@@ -190,6 +235,8 @@ def _load_file(path: Path) -> dict[str, Any]:
             raise BadInput(
                 f"config file `{path}`: unknown setting `{k}`", f"known settings: {', '.join(names)}"
             )
+        if k == "prices":
+            continue  # a mapping, checked where it is resolved
         if v is not None and not isinstance(v, str) and not (k == "host_network" and isinstance(v, bool)):
             raise BadInput(f"config file `{path}`: setting `{k}` must be a string, got {v!r}")
     return raw
@@ -220,6 +267,17 @@ def resolve_settings(**flag_values: str | None) -> Settings:
     value: Any  # a string from a flag, the environment or the file; host_network may be a YAML bool
     for name in ["backend"] + [n for n in names if n != "backend"]:  # run_root's default depends on it
         env_name = ENV_PREFIX + name.upper()
+        if name == "prices":  # a mapping: the environment or the file, no flag
+            if env_name in os.environ:
+                src = f"env {env_name}"
+                values[name] = _check_prices(_parse_prices_env(os.environ[env_name], src), src)
+            elif from_file.get(name) is not None:
+                src = f"file {path}"
+                values[name] = _check_prices(from_file[name], src)
+            else:
+                src = "default"
+            sources[name] = src
+            continue
         if flag_values.get(name) is not None:
             value, src = flag_values[name], "flag --" + name.replace("_", "-")
         elif env_name in os.environ:

@@ -144,9 +144,9 @@ def compare_series(
         lo = int(u) * bin_steps + (1 if common[0] >= 1 else 0)
         n = n_ok[j]
         out["bins"].append(
-            {
-                "start": lo,
-                "end": lo + bin_steps - 1,
+            {  # the steps the bin covers, within the common ones (a 100-step run's bin is 1-100)
+                "start": max(lo, int(common[0])),
+                "end": min(lo + bin_steps - 1, int(common[-1])),
                 "points": int(cnt[j]),
                 "mean_a": _f(sum_a[j] / n) if n else None,
                 "mean_b": _f(sum_b[j] / n) if n else None,

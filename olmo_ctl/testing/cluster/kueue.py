@@ -393,15 +393,47 @@ def inactive_reason(w: World, cq: dict) -> tuple[str, str] | None:
     return reasons[0], f"Can't admit new workloads: {', '.join(messages)}."
 
 
+def queue_counts(wls: list[dict]) -> dict[str, int]:
+    """The workload counts a queue's status reports (queue.Manager Pending, the cache's reserving
+    and admitted workloads): what `kubectl get localqueue,clusterqueue` prints as PENDING WORKLOADS
+    and ADMITTED WORKLOADS. Finished and deactivated workloads count in none."""
+    live = [wl for wl in wls if not is_finished(wl) and not deleting(wl)]
+    return {
+        "pendingWorkloads": sum(
+            1 for wl in live if not has_quota_reservation(wl) and wl["spec"].get("active") is not False
+        ),
+        "reservingWorkloads": sum(1 for wl in live if has_quota_reservation(wl)),
+        "admittedWorkloads": sum(1 for wl in live if is_admitted(wl)),
+    }
+
+
 def reconcile_cluster_queue(w: World, cq: dict) -> bool:
-    """clusterqueue_controller.go: the Active condition from the cache's view of the queue."""
+    """clusterqueue_controller.go: the Active condition from the cache's view of the queue, and
+    updateCqStatusIfChanged's workload counts."""
     before = w.snapshot(cq)
     why = inactive_reason(w, cq)
     if why is None:
         set_status_condition(cq, "Active", "True", "Ready", "Can admit new workloads", w.now())
     else:
         set_status_condition(cq, "Active", "False", why[0], why[1], w.now())
+    name = cq["metadata"]["name"]
+    mine = [
+        wl
+        for wl in w.items("Workload", None)
+        if ((wl.get("status") or {}).get("admission") or {}).get("clusterQueue") == name
+        or (cluster_queue_for(w, wl)[1] or {}).get("metadata", {}).get("name") == name
+    ]
+    cq.setdefault("status", {}).update(queue_counts(mine))
     return w.commit("ClusterQueue", cq, before)
+
+
+def reconcile_local_queue(w: World, lq: dict) -> bool:
+    """localqueue_controller.go: the workload counts of the queue (its Workloads' spec.queueName)."""
+    before = w.snapshot(lq)
+    ns, name = lq["metadata"]["namespace"], lq["metadata"]["name"]
+    mine = [wl for wl in w.items("Workload", ns) if wl["spec"].get("queueName") == name]
+    lq.setdefault("status", {}).update(queue_counts(mine))
+    return w.commit("LocalQueue", lq, before)
 
 
 def reconcile_workload(w: World, wl: dict) -> bool:

@@ -198,6 +198,8 @@ class World(Hooks):
                     for wl in self.items("Workload", None):
                         changed |= kueue.reconcile_workload(self, wl)
                     changed |= kueue.schedule(self)
+                    for lq in self.items("LocalQueue", None):
+                        changed |= kueue.reconcile_local_queue(self, lq)
                     for js in self.items("JobSet", None):
                         changed |= jobsetctl.reconcile(self, js)
                     for job in self.items("Job", None):

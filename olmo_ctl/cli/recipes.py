@@ -1,0 +1,76 @@
+"""`olmo-ctl recipes`: the shipped recipes, one line each."""
+
+import sys
+
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
+from olmo_ctl.core.batching import param_count
+from olmo_ctl.core.recipe import STAGE_RECIPES, load_recipe, shipped_recipes
+
+
+def _tokens(n: int) -> str:
+    for div, suf in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.3g}{suf}"
+    return str(n)
+
+
+def recipe_rows() -> list[dict]:
+    """Every shipped recipe (recipes/*.yaml), resolved: what `--recipe NAME` and `--stage N` run."""
+    by_stage = {name: stage for stage, name in STAGE_RECIPES.items()}
+    rows = []
+    for name in shipped_recipes():
+        r = load_recipe(name)
+        t = r.train
+        rows.append(
+            {
+                "name": r.name,
+                "stage": r.stage,
+                "stage_option": f"--stage {by_stage[name]}" if name in by_stage else None,
+                "model": r.model.name,
+                "params": param_count(r.model),
+                "seq_len": t.seq_len,
+                "global_batch": t.global_batch,
+                "max_steps": t.max_steps,
+                "tokens": t.max_steps * t.global_batch * t.seq_len,
+                "description": r.description,
+                "file": r.source,
+            }
+        )
+    return rows
+
+
+@app.command(example="olmo-ctl recipes -o json")
+def recipes(output: OutputOpt = Output.table) -> None:
+    """List the shipped recipes: stage, model, sequence length, global batch, steps and tokens.
+
+    Each is what `--recipe NAME` loads (`--stage 1|2|3` names the stage's own); docs/recipes.md gives
+    where every value comes from. Exit codes: 0.
+    """
+    rows = recipe_rows()
+    if output != Output.table:
+        print_data(rows, output)
+        return
+    cols = ("NAME", "STAGE", "PARAMS", "SEQ", "BATCH", "STEPS", "TOKENS", "DESCRIPTION")
+    table = [
+        (
+            r["name"],
+            str(r["stage"] or "-"),
+            _tokens(r["params"]),
+            f"{r['seq_len']:,}",
+            str(r["global_batch"]),
+            f"{r['max_steps']:,}",
+            _tokens(r["tokens"]),
+            r["description"],
+        )
+        for r in rows
+    ]
+    widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
+    right = {"PARAMS", "SEQ", "BATCH", "STEPS", "TOKENS"}
+
+    def line(cells) -> str:
+        return "  ".join(
+            f"{c:>{w}}" if col in right else f"{c:<{w}}"
+            for c, w, col in zip(cells, widths, cols, strict=True)
+        ).rstrip()
+
+    sys.stdout.write("\n".join([line(cols), *(line(row) for row in table)]) + "\n")
