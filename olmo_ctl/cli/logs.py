@@ -11,7 +11,7 @@ from olmo_ctl.cli.run_arg import RunArg, open_run
 from olmo_ctl.core.errors import BadInput
 
 
-@app.command()
+@app.command(example="olmo-ctl logs olmo3-7b-s1 --attempt 3 --host 1 -f")
 @site_options(exclude=("queue", "priority_class", "image", "service_account", "placement_policy"))
 def logs(
     run: RunArg,

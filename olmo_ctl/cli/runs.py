@@ -12,7 +12,7 @@ def _loss(x: float | None) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
-@app.command()
+@app.command(example="olmo-ctl runs --run-root runs -o json")
 @site_options(
     exclude=(
         "kube_context",

@@ -9,7 +9,7 @@ from olmo_ctl.cli.options import SiteFlags, TimeoutOpt, _echo, site_options
 from olmo_ctl.cli.run_arg import RunArg, open_run
 
 
-@app.command()
+@app.command(example="olmo-ctl stop olmo3-7b-s1")
 @site_options(exclude=("queue", "priority_class", "image", "service_account", "placement_policy"))
 def stop(
     run: RunArg,
