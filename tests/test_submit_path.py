@@ -196,6 +196,42 @@ def test_a_flag_wins_over_the_runs_own_site_setting(sandbox, gcs):
     assert got.sources["queue"] == "run own (attempt 1)"
 
 
+@pytest.mark.gcs
+def test_a_run_of_the_same_name_from_another_run_root_is_refused_and_never_mistaken_for_ours(sandbox, capsys):
+    """JobSet names are `<run>-a<attempt>`: a second run `twin` from another run root in the same
+    namespace is refused at submit in one line, nothing written; and the first run's supervisor never
+    takes the other's JobSets for its own (reattach, stray stop), telling them apart by run directory."""
+    from olmo_ctl.backends.gke import GKEBackend
+    from olmo_ctl.rundir import RunDir
+
+    sb, root = sandbox
+    other = root + "-elsewhere"
+    site = ["--backend", "gke", "--no-preflight", "--image", IMAGE]
+    assert (
+        _cli("submit", "--recipe", "smoke", "--device", "v5p-16", "--run", "twin", "--run-root", root, *site)
+        == 0
+    )
+    capsys.readouterr()
+    rc = _cli(
+        "submit", "--recipe", "smoke", "--device", "v5p-16", "--run", "twin", "--run-root", other, *site
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "already holds run `twin` of another run directory" in err and f"{root}/twin" in err
+    assert not RunDir.of(other, "twin").exists()
+    assert [js["metadata"]["name"] for js in sb.world.items("JobSet", None)] == ["twin-a1"]
+    b = GKEBackend.from_settings(resolve_settings_for_test(root))
+    assert b.find_live("twin", f"{root}/twin").name == "twin-a1"
+    assert b.find_live("twin", f"{other}/twin") is None  # another run's attempt is not this run's
+    assert b.live_attempts("twin", f"{other}/twin") == []
+
+
+def resolve_settings_for_test(root: str):
+    from olmo_ctl.core.config import resolve_settings
+
+    return resolve_settings(run_root=root, backend="gke", image=IMAGE)
+
+
 # ---------------------------------------------------------------- an existing run's next attempt
 
 

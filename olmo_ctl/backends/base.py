@@ -191,11 +191,13 @@ class Backend(abc.ABC, Generic[Req]):
         return LogProgress()
 
     @abc.abstractmethod
-    def find_live(self, run: str) -> Handle | None:  # a live attempt of this run, if any (reattach)
+    def find_live(self, run: str, run_dir: str | None = None) -> Handle | None:
+        """A live attempt of this run, if any (reattach). `run_dir` is the run's identity: an attempt
+        of another run of the same name (another run root) is never this run's."""
         ...
 
-    def live_attempts(self, run: str) -> list[Handle]:
+    def live_attempts(self, run: str, run_dir: str | None = None) -> list[Handle]:
         """Every live attempt of this run, newest first: the lease holder stops any but its own (one a
         supervisor that lost the lease created anyway). By default only the newest is known."""
-        h = self.find_live(run)
+        h = self.find_live(run, run_dir)
         return [h] if h is not None else []

@@ -58,6 +58,13 @@ def _annotations(obj: dict) -> dict:
     return (obj.get("metadata") or {}).get("annotations") or {}
 
 
+def _same_run_dir(jobset: dict, run_dir: str) -> bool:
+    """Whether a JobSet belongs to the run in `run_dir`: its `olmo-ctl/run-dir` annotation names it
+    (a JobSet without the annotation is taken as this run's: nothing says otherwise)."""
+    theirs = _annotations(jobset).get(RUN_DIR_ANNOTATION)
+    return theirs is None or theirs.rstrip("/") == run_dir.rstrip("/")
+
+
 def _json(resp: Any) -> Any:
     return json.loads(resp.data or b"null")
 
@@ -135,6 +142,21 @@ class GKEBackend(Backend[dict]):
         from olmo_ctl.backends.doctor import submit_checks
 
         submit_checks(self.api_client, self._settings(attempt), get_device(attempt.device), attempt.slices)
+        self._check_run_name(attempt)
+
+    def _check_run_name(self, attempt: Attempt) -> None:
+        """JobSet names are `<run>-a<attempt>`: a run of the same name from another run directory in
+        this namespace would share them, and its attempts would look like ours. Refused before
+        anything is written, naming the other run."""
+        ns = self._settings(attempt).namespace or self.namespace
+        for js in self._run_jobsets(attempt.run, ns):
+            if not _same_run_dir(js, attempt.run_dir):
+                raise BadInput(
+                    f"namespace `{ns}` already holds run `{attempt.run}` of another run directory "
+                    f"({_annotations(js).get(RUN_DIR_ANNOTATION)}; JobSet {js['metadata']['name']})",
+                    "choose another --run name or --namespace, or delete that run's JobSets "
+                    f"(`kubectl delete jobset -n {ns} -l {RUN_LABEL}={attempt.run}`)",
+                )
 
     def notes(self, attempt: Attempt, *, render_only: bool = False) -> list[str]:
         settings = self._settings(attempt)
@@ -650,16 +672,19 @@ class GKEBackend(Backend[dict]):
         name = pod["metadata"]["name"]
         return f"pod {name}", self._pod_log(ns, name, container_of(pod), tail)
 
-    def find_live(self, run: str) -> Handle | None:
-        """The newest attempt of `run` that is still live (queued, admitted or running), if any."""
-        live = self._live(run, first_only=True)
+    def find_live(self, run: str, run_dir: str | None = None) -> Handle | None:
+        """The newest attempt of `run` that is still live (queued, admitted or running), if any; with
+        `run_dir`, only JobSets of that run directory (their `olmo-ctl/run-dir` annotation)."""
+        live = self._live(run, first_only=True, run_dir=run_dir)
         return live[0] if live else None
 
-    def live_attempts(self, run: str) -> list[Handle]:
+    def live_attempts(self, run: str, run_dir: str | None = None) -> list[Handle]:
         """Every live attempt of `run`, newest first (one list call, a status per JobSet)."""
-        return self._live(run, first_only=False)
+        return self._live(run, first_only=False, run_dir=run_dir)
 
-    def _live(self, run: str, first_only: bool) -> list[Handle]:
+    def _run_jobsets(self, run: str, ns: str | None = None) -> list[dict]:
+        """Every JobSet labelled with this run name in the namespace (any run directory), not deleting."""
+        ns = ns or self.namespace
         try:
             data = _json(
                 self._call(
@@ -667,7 +692,7 @@ class GKEBackend(Backend[dict]):
                     self._custom.list_namespaced_custom_object,
                     JOBSET_GROUP,
                     JOBSET_VERSION,
-                    self.namespace,
+                    ns,
                     JOBSETS,
                     label_selector=f"{RUN_LABEL}={run}",
                     _preload_content=False,
@@ -675,7 +700,10 @@ class GKEBackend(Backend[dict]):
             )
         except Exception as e:
             raise self._api_error(e, f"list JobSets of run {run}") from e
-        candidates = [j for j in data.get("items") or [] if not j["metadata"].get("deletionTimestamp")]
+        return [j for j in data.get("items") or [] if not j["metadata"].get("deletionTimestamp")]
+
+    def _live(self, run: str, first_only: bool, run_dir: str | None = None) -> list[Handle]:
+        candidates = [j for j in self._run_jobsets(run) if run_dir is None or _same_run_dir(j, run_dir)]
 
         def attempt_no(j):
             try:

@@ -501,11 +501,12 @@ class LocalBackend(Backend[LocalRequest]):
         """The trainer's step and committed lines, from the tail of its log file."""
         return log_progress(self.logs(handle, 50))
 
-    def find_live(self, run: str) -> Handle | None:
+    def find_live(self, run: str, run_dir: str | None = None) -> Handle | None:
+        # (the state directory lies under this backend's own run root: one run per name there)
         live = self._recorded_live(run)
         return live[0] if live else self._find_unrecorded(run, self.state_dir(run))
 
-    def live_attempts(self, run: str) -> list[Handle]:
+    def live_attempts(self, run: str, run_dir: str | None = None) -> list[Handle]:
         return self._recorded_live(run) or [h for h in [self._find_unrecorded(run, self.state_dir(run))] if h]
 
     def _recorded_live(self, run: str) -> list[Handle]:

@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
 from olmo_ctl.cli.options import SiteFlags, note, site_options
 from olmo_ctl.cli.run_arg import RunArg, open_run
 from olmo_ctl.core.errors import BadInput
@@ -50,24 +50,26 @@ def logs(
 
     if interval <= 0:
         raise BadInput(f"--interval {interval:g} must be positive")
-    if follow_ and output == Output.json:
-        raise BadInput("-f prints lines as they come", "leave out -o json, or -f")
+    if follow_ and output != Output.table:
+        raise BadInput("-f prints lines as they come", f"leave out -o {output.value}, or -f")
     rundir, settings, backend = open_run(run, site)
     handle = attempt_handle(rundir, attempt)
-    if handle.backend != backend.name:
-        backend = backend_class(handle.backend).from_settings(settings)
+    cls = backend_class(handle.backend)  # the backend that made the attempt reads its log
+    if not isinstance(backend, cls):
+        backend = cls.from_settings(settings)
     if not follow_:
         got = read_attempt_log(rundir, backend, handle, host)
         lines = got.lines[-tail:] if tail else ([] if tail == 0 else got.lines)
-        if output == Output.json:
-            print_json(
+        if output != Output.table:
+            print_data(
                 {
                     "run": rundir.name,
                     "attempt": got.attempt,
                     "host": host,
                     "source": got.where,
                     "lines": lines,
-                }
+                },
+                output,
             )
             return
         if got.note:

@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
 from olmo_ctl.cli.options import SiteFlags, site_options
 
 
@@ -49,8 +49,8 @@ def runs(
 
     settings = site.resolve()
     rows = list_runs(settings.run_root, handle_status if backend_status else None)
-    if output == Output.json:
-        print_json({"run_root": settings.run_root, "runs": [r.to_dict() for r in rows]})
+    if output != Output.table:
+        print_data({"run_root": settings.run_root, "runs": [r.to_dict() for r in rows]}, output)
         return
     if not rows:
         typer.echo(f"no runs under {settings.run_root}")

@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_json
+from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
 from olmo_ctl.cli.options import SiteFlags, TimeoutOpt, _echo, site_options
 from olmo_ctl.cli.run_arg import RunArg, open_run
 
@@ -32,8 +32,8 @@ def stop(
 
     rundir, _settings, backend = open_run(run, site)
     res = stop_run(rundir, backend, timeout_s=timeout, poll_s=poll, log=_echo)
-    if output == Output.json:
-        print_json(
+    if output != Output.table:
+        print_data(
             {
                 "run": rundir.name,
                 "action": res.action,
@@ -41,7 +41,8 @@ def stop(
                 "supervisor": res.supervisor,
                 "committed_step": res.committed_step,
                 "final_step": res.final_step,
-            }
+            },
+            output,
         )
         return
     if res.action == "complete":

@@ -254,7 +254,7 @@ def live_attempt(rundir: RunDir, backend: Backend) -> tuple[Handle | None, Any]:
         st = backend.status(h)
         if st.state.live:
             return h, st
-    h = backend.find_live(rundir.name)
+    h = backend.find_live(rundir.name, rundir.path)
     if h is not None:
         st = backend.status(h)
         if st.state.live:

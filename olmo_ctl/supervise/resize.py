@@ -425,7 +425,7 @@ def resize_run(
         _, _, handle = current_attempt(rundir)
         live = handle if handle is not None and backend.status(handle).state.live else None
         if live is None:
-            live = backend.find_live(rundir.name)
+            live = backend.find_live(rundir.name, rundir.path)
         if live is not None:
             res.committed_step, how = stop_for_resize(rundir, backend, live, mode, deadline, beat, log)
             res.notes.append(f"attempt {live.attempt} ended: {how}")

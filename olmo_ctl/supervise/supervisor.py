@@ -642,7 +642,7 @@ class Supervisor:
         if now - self._strays_checked < min(60.0, 10 * self.poll_s):  # a list call and a status per attempt
             return
         self._strays_checked = now
-        for other in self.backend.live_attempts(self.rd.name):
+        for other in self.backend.live_attempts(self.rd.name, self.rd.path):
             if other.attempt != h.attempt:
                 self._say(
                     "stray_stopped",
