@@ -400,11 +400,8 @@ class Sandbox:
             quota.append({"name": fname, "resources": [{"name": TPU, "nominalQuota": str(n * dev.chips)}]})
             for s in range(n):
                 w.add_node_pool(dev, f"{dev.name}-np-{s}")
-        groups = (
-            [{"coveredResources": [TPU], "flavors": quota}]
-            if quota
-            else [{"coveredResources": [TPU], "flavors": []}]
-        )
+        # No slices: no resource group (one must name at least one flavor), so nothing is admitted.
+        groups = [{"coveredResources": [TPU], "flavors": quota}] if quota else []
         w.save(
             "ClusterQueue",
             {
