@@ -38,6 +38,16 @@ class _OrderedGroup(TyperGroup):
         rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
         return sorted(super().list_commands(ctx), key=lambda n: (rank.get(n, len(rank)), n))
 
+    def invoke(self, ctx):
+        # Typer turns a Ctrl-C it sees into a silent exit 130; a command that did not handle it still
+        # says so in one line (core.errors.Interrupted).
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            from olmo_ctl.core.errors import Interrupted
+
+            raise Interrupted() from None
+
 
 app = typer.Typer(
     cls=_OrderedGroup,

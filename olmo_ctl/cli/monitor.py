@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import Output, OutputOpt, app, console, print_json
-from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.core.errors import BadInput, Interrupted, OlmoCtlError
 
 
 def _fmt_s(s) -> str:
@@ -190,7 +190,8 @@ def monitor(
 ) -> None:
     """Progress, loss, throughput/MFU, checkpoints, attempts and goodput of a run.
 
-    Exit codes: 0 ok, 2 not a run directory, 3 storage unreachable.
+    Exit codes: 0 ok, 2 not a run directory, 3 storage unreachable; with --watch 130 on Ctrl-C (the
+    run is untouched).
     """
     from olmo_ctl.observe.monitor import build_report, load
     from olmo_ctl.supervise.attempts import handle_status
@@ -228,4 +229,5 @@ def monitor(
                     write_plot(src, rep, plot)
                 live.update(render(rep))
     except KeyboardInterrupt:
-        return  # leaving the view never touches the run
+        # Leaving the view never touches the run.
+        raise Interrupted(f"stopped watching {run}; the run is untouched") from None

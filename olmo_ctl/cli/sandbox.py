@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import app
-from olmo_ctl.core.errors import EXIT_INTERRUPTED, BadInput, OlmoCtlError
+from olmo_ctl.core.errors import BadInput, Interrupted, OlmoCtlError
 
 SANDBOX_PID_ENV = "OLMO_CTL_SANDBOX_PID"  # exported by --detach: `kill $OLMO_CTL_SANDBOX_PID` stops it
 READY_TIMEOUT_S = 120.0  # a detached sandbox serves within a few seconds; the emulator's start included
@@ -192,9 +192,9 @@ def _serve(
                 pass
         except KeyboardInterrupt:
             interrupted = True
-    sys.stderr.write("sandbox stopped" + (" (interrupted)\n" if interrupted else "\n"))
     if interrupted:
-        raise typer.Exit(EXIT_INTERRUPTED)
+        raise Interrupted("sandbox stopped: its pods' processes killed, its kubeconfig removed")
+    sys.stderr.write("sandbox stopped\n")
 
 
 def _unlink(path: Path) -> None:

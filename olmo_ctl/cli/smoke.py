@@ -8,7 +8,7 @@ import typer
 
 from olmo_ctl.cli.app import DeviceOpt, app, print_json
 from olmo_ctl.cli.options import SiteFlags, TimeoutOpt, _echo, note, site_options
-from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.errors import BadInput, Interrupted
 
 
 @app.command()
@@ -27,17 +27,21 @@ def smoke(
     site: SiteFlags,
 ) -> None:
     """Run the smoke recipe briefly on DEVICE and check it: loss fell, checkpoint committed, a forced
-    stop/resume replays exactly, events readable. Exit 0 / 1 (a check failed, named) / 124 (timeout)."""
+    stop/resume replays exactly, events readable. Exit 0 / 1 (a check failed, named) / 124 (timeout) /
+    130 (Ctrl-C: its attempts stopped, its scratch run directories removed unless --keep)."""
     import shutil
     import tempfile
 
     from olmo_ctl.backends import backend_class, make_backend
-    from olmo_ctl.supervise.smoke import FAULT_ENV, SmokeConfig, junit_xml, run_smoke
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.storage import join
+    from olmo_ctl.supervise.smoke import FAULT_ENV, SmokeConfig, junit_xml, new_run_name, run_smoke
 
     settings = site.resolve()
     if junit is not None and (junit.is_dir() or not junit.parent.is_dir()):
         raise BadInput(f"--junit `{junit}`: not a file in an existing directory", "e.g. --junit smoke.xml")
     kind = backend_class(settings.backend)
+    name = new_run_name(get_device(device).name)
     temp_root = None
     if kind.trains_here and site.run_root is None:  # runs on this machine: a scratch root of their own
         temp_root = tempfile.mkdtemp(prefix="olmo-ctl-smoke-")
@@ -51,7 +55,16 @@ def smoke(
         poll_s=kind.smoke.poll_s,
         fault=os.environ.get(FAULT_ENV) or None,
     )
-    report = run_smoke(be, root, cfg, timeout, log=_echo)
+    try:
+        report = run_smoke(be, root, cfg, timeout, log=_echo, run_name=name)
+    except KeyboardInterrupt:  # run_smoke stopped its attempts on the way out
+        if temp_root and not keep:
+            shutil.rmtree(temp_root, ignore_errors=True)
+            raise Interrupted(
+                f"smoke stopped its attempts and removed its run directories ({temp_root})"
+            ) from None
+        dirs = ", ".join(join(root, n) for n in (name, f"{name}-twin"))
+        raise Interrupted(f"smoke stopped its attempts; its run directories are kept: {dirs}") from None
     for line in report.summary_lines():
         _echo(line)
     if json_out:
