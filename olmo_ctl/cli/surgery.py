@@ -21,6 +21,9 @@ def warm_adam(
     output: OutputOpt = Output.table,
 ) -> None:
     """Start a stage-2 run from SRC's parameters and Adam moments, at step 0 with a fresh data order."""
+    from olmo_ctl.trainer.quiet import cpu_only
+
+    cpu_only()  # before JAX loads: no TPU runtime noise
     from olmo_ctl.trainer.surgery import warm_adam as run
 
     out = run(src_checkpoint, dst_run_dir)
@@ -40,6 +43,9 @@ def soup(
     output: OutputOpt = Output.table,
 ) -> None:
     """Average the parameters of several checkpoints into OUT/checkpoints/0."""
+    from olmo_ctl.trainer.quiet import cpu_only
+
+    cpu_only()  # before JAX loads: no TPU runtime noise
     from olmo_ctl.trainer.surgery import soup as run
 
     res = run(list(checkpoints), out)
