@@ -267,3 +267,16 @@ def test_two_slices_compile_ahead_of_time(cache):
     assert two.error is None and two.fits
     assert (one.devices, two.devices) == (8, 16) and (one.per_device_batch, two.per_device_batch) == (2, 1)
     assert two.argument_bytes_per_device < one.argument_bytes_per_device  # half the batch rows per device
+
+
+def test_a_compile_says_what_it_compiles_and_that_it_still_runs(cache, monkeypatch):
+    """Off a terminal too: a start line, a `still compiling` line every HEARTBEAT_S, the compile time."""
+    from helpers.cli import invoke
+
+    monkeypatch.setattr(pf, "HEARTBEAT_S", 0.2)
+    r = invoke("preflight", "--recipe", "smoke", "--device", DEVICE, "--no-cache", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("preflight: compiling the train step of smoke for v5p-8 (2x2x1), remat ")
+    assert any(ln.startswith("preflight: still compiling (") for ln in lines[1:-1]), lines
+    assert lines[-1] == f"preflight: compiled in {json.loads(r.stdout)['compile_s']:.0f} s"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,6 @@ from olmo_ctl.testing.pod_processes import ProcessRunner
 from olmo_ctl.testing.sandbox import Sandbox, start_subprocess, stop_subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-IMAGE = "us-docker.pkg.dev/p/r/olmo-ctl:0.1.0"
 
 
 def v5p16_jobset(name: str, script: str, grace_s: int = 5, env: list[dict] | None = None) -> dict:
@@ -272,71 +272,197 @@ def test_the_sandbox_command_runs_pods_as_processes(tmp_path):
     assert "pods run as local processes" in err and "exited 0" in err
 
 
-# ---------------------------------------------------------------- the Done-when, end to end
+# ---------------------------------------------------------------- a JobSet this machine cannot hold
+
+
+def golden(name: str) -> dict:
+    import yaml
+
+    return yaml.safe_load((ROOT / "tests" / "goldens" / name).read_text())
+
+
+def test_a_jobset_whose_model_cannot_fit_this_machine_is_refused_when_created():
+    """`submit --stage 1 --device tpu7x-128 --dry-run -o yaml | kubectl apply` would start 16 7B trainers
+    here: the sandbox refuses the JobSet at creation, naming the model, the need, and what to use."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    from olmo_ctl.backends.kube import make_api_client
+
+    runner = ProcessRunner(poll_s=0.05, memory_bytes=64 * 1024**3)
+    js = golden("tpu7x-128-stage1.yaml")  # the rendered manifest, as `submit --dry-run` prints it
+    with Sandbox(namespace="olmo", queue="tpu-queue", slices={"tpu7x-128": 1}, runner=runner) as sb:
+        api = client.CustomObjectsApi(make_api_client(host=sb.url))
+        with pytest.raises(ApiException) as e:
+            api.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", "olmo", "jobsets", js)
+        assert e.value.status == 400
+        msg = json.loads(e.value.body)["message"]
+        assert msg.startswith('admission webhook "pods-as-processes.sandbox.olmo-ctl" denied the request: ')
+        assert "JobSet olmo3-7b-stage1-a1 trains olmo3-7b-stage1 (model olmo3-7b, 7.3 B parameters)" in msg
+        assert "as 16 trainer processes on this machine: they need at least " in msg
+        assert "and it has 64 GiB" in msg
+        assert "--recipe smoke" in msg and "--no-run-pods" in msg
+        assert sb.server.cluster.jobset("olmo3-7b-stage1-a1") is None
+        assert not sb.world.items("Pod", None)
+        assert not runner.procs
+
+
+def test_the_fit_rule_counts_the_model_its_copies_per_slice_a_micro_batch_and_the_processes():
+    from olmo_ctl.core.batching import STATE_BYTES_PER_PARAM, activation_bytes_per_instance, param_count
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.testing.pod_processes import GIB, refuse_unfit, trainer_need
+
+    r = load_recipe("olmo3-7b-stage1")
+    one, two = golden("tpu7x-128-stage1.yaml"), golden("2xtpu7x-128-stage1.yaml")
+    n1, n2 = trainer_need(one), trainer_need(two)
+    assert n1 is not None and n2 is not None
+    assert (n1.processes, n2.processes) == (16, 32)  # a tpu7x-128 slice is 16 VMs
+    assert n1.params == param_count(r.model) and n2.state_bytes == 2 * n1.state_bytes
+    assert n1.state_bytes == n1.params * STATE_BYTES_PER_PARAM
+    # the plan annotation's micro-batch: global_batch / grad_accum instances in flight
+    assert n1.activation_bytes == 512 * activation_bytes_per_instance(r.model, r.train.seq_len)
+    assert n1.bytes == n1.state_bytes + n1.activation_bytes + 16 * GIB
+    assert refuse_unfit(one, n1.bytes) is None and refuse_unfit(one, n1.bytes - 1) is not None
+    smoke = golden("tpu7x-128-smoke.yaml")
+    assert refuse_unfit(smoke, 20 * GIB) is None  # the smoke model fits a laptop
+    assert trainer_need(v5p16_jobset("other", "print(1)")) is None  # not olmo-ctl's trainer: not judged
+
+
+# ---------------------------------------------------------------- GKE mode on one machine
+
+
+def _exports(text: str) -> dict[str, str]:
+    import shlex
+
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("export "):
+            k, _, v = line[len("export ") :].partition("=")
+            out[k] = shlex.split(v)[0] if v else ""
+    return out
+
+
+def _gone(pid: int, timeout_s: float = 30.0) -> None:
+    wait_for(lambda: not alive(pid), timeout_s, f"pid {pid} to exit")
+
+
+def _clean_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
+    env.update(PYTHONPATH=str(ROOT), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    for k in ("KUBECONFIG", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.mark.gcs
+def test_a_detached_sandbox_prints_the_environment_of_gke_mode_and_doctor_passes_with_it(tmp_path):
+    import urllib.request
+
+    from helpers.cli import invoke
+
+    kc = tmp_path / "sb.kubeconfig"
+    env = _clean_env(tmp_path)
+    p = subprocess.run(
+        [sys.executable, "-m", "olmo_ctl", "sandbox", "--kubeconfig", str(kc), "--slices", "v5p-8=1"]
+        + ["--gcs-bucket", "bkt", "--no-run-pods", "--detach"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    ex = _exports(p.stdout)
+    pid = int(ex["OLMO_CTL_SANDBOX_PID"])
+    try:
+        assert ex["KUBECONFIG"] == str(kc.resolve()) and kc.exists()
+        assert ex["OLMO_CTL_BACKEND"] == "gke" and ex["OLMO_CTL_RUN_ROOT"] == "gs://bkt/runs"
+        assert ex["OLMO_CTL_IMAGE"] == "localhost/olmo-ctl:0.1.0"
+        assert ex["STORAGE_EMULATOR_HOST"] == ex["TENSORSTORE_GCS_HTTP_URL"]
+        with urllib.request.urlopen(f"{ex['STORAGE_EMULATOR_HOST']}/storage/v1/b/bkt", timeout=5) as r:
+            assert json.loads(r.read())["name"] == "bkt"  # the bucket exists on the sandbox's emulator
+        assert (tmp_path / "sb.kubeconfig.env").read_text() in p.stdout  # `. FILE` in another shell
+        d = invoke("doctor", "--device", "v5p-8", "-o", "json", env={**env, **ex})
+        assert d.returncode == 0, d.stdout + d.stderr
+        checks = {c["name"]: c for c in json.loads(d.stdout)["checks"]}
+        assert checks["image"]["ok"] and not checks["image"]["message"].startswith("warning")
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        _gone(pid)
+    assert not kc.exists() and not (tmp_path / "sb.kubeconfig.env").exists()
+    assert "sandbox stopped" in (tmp_path / "sb.kubeconfig.log").read_text()
+
+
+def test_a_bad_bucket_name_is_one_line_exit_2_and_nothing_written(tmp_path):
+    from helpers.cli import invoke
+
+    kc = tmp_path / "k"
+    r = invoke("sandbox", "--kubeconfig", str(kc), "--gcs-bucket", "No_Such!", "--detach")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: --gcs-bucket `No_Such!` is not a bucket name")
+    assert list(tmp_path.iterdir()) == []
+
+
+def doc_commands() -> list[str]:
+    """The lines docs/sandbox-and-doctor.md shows under its `gke-mode-on-one-machine` marker."""
+    text = (ROOT / "docs" / "sandbox-and-doctor.md").read_text().splitlines()
+    i = next(n for n, ln in enumerate(text) if "gke-mode-on-one-machine" in ln)
+    assert text[i + 1].startswith("```")
+    end = next(n for n in range(i + 2, len(text)) if text[n].startswith("```"))
+    return [ln for ln in text[i + 2 : end] if ln.strip()]
 
 
 @pytest.mark.chaos
 @pytest.mark.gcs
-def test_gke_smoke_on_v5p_16_passes_against_the_sandbox_and_a_gcs_emulator(tmp_path, gcs):
-    """`olmo-ctl sandbox --kubeconfig K --slices v5p-16=1 &` then `KUBECONFIG=K olmo-ctl smoke --backend gke
-    --device v5p-16 --run-root gs://...`: the rendered JobSet, the upstream controller rules, two trainer
-    processes of 4 CPU devices per attempt joined by jax.distributed, checkpoints and events on the
-    emulator. Every check passes."""
-    kc = tmp_path / "kubeconfig"
-    base = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
-    base.update(PYTHONPATH=str(ROOT), XDG_CONFIG_HOME=str(tmp_path / "config"))
-    box = start_subprocess(kc, "--slices", "v5p-16=1", env=base)
+def test_gke_mode_on_one_machine_is_the_three_commands_the_docs_show(tmp_path):
+    """The Done-when of GKE mode on one machine: the doc's lines, as they stand, in a shell, from an empty
+    directory: the sandbox with a v5p-16 slice and a GCS emulator bucket, doctor, and `smoke --backend
+    gke --device v5p-16`, whose attempts each run as 2 trainer processes of 4 CPU devices joined by
+    jax.distributed. Every doctor and every smoke check passes."""
+    lines = doc_commands()
+    assert len(lines) <= 3 and "--detach" in lines[0], lines
+    bin_dir = tmp_path / "bin"  # `olmo-ctl` on the PATH, as `pip install -e .` puts it there
+    bin_dir.mkdir()
+    shim = bin_dir / "olmo-ctl"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m olmo_ctl "$@"\n')
+    shim.chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = _clean_env(tmp_path)
+    env["PATH"] = f"{bin_dir}:{env.get('PATH', '')}"
+    script = "set -e\n" + "\n".join(lines) + '\necho "sandbox pid: $OLMO_CTL_SANDBOX_PID"\n'
+    p = subprocess.run(
+        ["bash", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=1200
+    )
+    pid = next((int(ln.split()[-1]) for ln in p.stdout.splitlines() if ln.startswith("sandbox pid: ")), None)
+    ex = _exports((work / "sandbox.kubeconfig.env").read_text()) if pid else {}
+    log = (work / "sandbox.kubeconfig.log").read_text() if (work / "sandbox.kubeconfig.log").exists() else ""
     try:
-        junit = tmp_path / "smoke.xml"
-        p = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "olmo_ctl",
-                "smoke",
-                "--backend",
-                "gke",
-                "--device",
-                "v5p-16",
-                "--run-root",
-                f"gs://{gcs.bucket}/smoke",
-                "--junit",
-                str(junit),
-                "--json",
-                "--timeout",
-                "900",
-            ],
-            env={**base, "KUBECONFIG": str(kc), "OLMO_CTL_IMAGE": IMAGE},
-            capture_output=True,
-            text=True,
-            timeout=960,
-        )
-    finally:
-        rc, err = stop_subprocess(box)
-    assert rc == 0, err[-3000:]
-    assert p.returncode == 0, p.stderr[-4000:] + "\n--- sandbox ---\n" + err[-4000:]
-    report = json.loads(p.stdout)
-    assert report["failed"] == [] and [c["name"] for c in report["checks"]] == [
-        "loss_fell",
-        "checkpoint_committed",
-        "forced_stop",
-        "resume_exact",
-        "events_readable",
-    ]
-    assert report["facts"]["per_device_batch"] == 1 and report["facts"]["global_batch"] == 8  # 8 devices
-    assert "all 5 checks passed" in p.stderr
-    # Each attempt ran as 2 pods (2 TPU VMs), each a trainer process of 4 devices that joined the other.
-    starts = [ln for ln in err.splitlines() if "olmo_ctl.trainer" in ln and ": pid " in ln]
-    assert len(starts) == 6, "\n".join(starts)  # attempt 1, attempt 2 and the twin, 2 pods each
-    assert all("--device v5p-16" in ln for ln in starts)
-    # Process 0 wrote every host's timings: two hosts joined in each run.
-    from olmo_ctl.observe.reader import read_scalars
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-4000:] + "\n--- sandbox ---\n" + log[-4000:]
+        assert pid is not None
+        assert "FAIL" not in p.stdout  # doctor: every check passed
+        assert "all 5 checks passed" in p.stderr
+        # Each attempt ran as 2 pods (2 TPU VMs), each a trainer process of 4 devices that joined the other.
+        starts = [ln for ln in log.splitlines() if "olmo_ctl.trainer" in ln and ": pid " in ln]
+        assert len(starts) == 6, "\n".join(starts)  # attempt 1, attempt 2 and the twin, 2 pods each
+        assert all("--device v5p-16" in ln for ln in starts)
+        # Process 0 wrote every host's timings in the emulator's bucket: two hosts joined in each run.
+        from olmo_ctl import storage
+        from olmo_ctl.observe.reader import read_scalars
+        from olmo_ctl.testing.gcs_emulator import use_emulator
 
-    for run_dir in report["run_dirs"]:
-        tags = read_scalars(f"{run_dir}/tensorboard").tags()
-        assert {"hosts/0/step_time_s", "hosts/1/step_time_s"} <= set(
-            tags
-        ) and "hosts/2/step_time_s" not in tags
+        with use_emulator(ex["STORAGE_EMULATOR_HOST"]):
+            _, dirs = storage.store_for("gs://sandbox/runs").list("gs://sandbox/runs")
+            runs = sorted(d.rstrip("/").rsplit("/", 1)[1] for d in dirs)
+            assert len(runs) == 2 and runs[1] == runs[0] + "-twin", runs
+            for run in runs:
+                tags = read_scalars(f"gs://sandbox/runs/{run}/tensorboard").tags()
+                assert {"hosts/0/step_time_s", "hosts/1/step_time_s"} <= set(tags)
+                assert "hosts/2/step_time_s" not in tags
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+            _gone(pid)
+    assert not (work / "sandbox.kubeconfig").exists()
 
 
 def test_the_trainer_joins_an_emulated_slice_from_the_webhook_variables(monkeypatch):

@@ -196,7 +196,7 @@ def test_local_backend_never_mistakes_another_process_for_its_trainer(tmp_path):
     ]
 
 
-def test_output_is_one_timestamped_line_per_change_and_a_bar_only_on_a_tty():
+def test_output_is_one_timestamped_line_per_change_with_a_bar_on_a_tty_and_progress_lines_elsewhere():
     class Tty(io.StringIO):
         def isatty(self):
             return True
@@ -209,11 +209,28 @@ def test_output_is_one_timestamped_line_per_change_and_a_bar_only_on_a_tty():
         p.line("preempted (attempt 1): exit -9 (SIGKILL)")
     assert pipe.getvalue() == (
         "2027-01-15T08:00:00Z r1: running (attempt 1): pid 7\n"
+        "2027-01-15T08:00:00Z r1: step 40/100 (40.0%), ETA 2m05s\n"
         "2027-01-15T08:00:00Z r1: preempted (attempt 1): exit -9 (SIGKILL)\n"
     )
     bar = tty.getvalue().split("\n")[1]
     assert "step 40/100 ETA 2m05s" in bar and bar.startswith("\r\x1b[K[############")
     assert bar.endswith("\r\x1b[K2027-01-15T08:00:00Z r1: preempted (attempt 1): exit -9 (SIGKILL)")
+
+
+def test_off_a_terminal_progress_is_a_line_at_most_every_interval_and_only_when_the_step_moved():
+    now = [1_800_000_000.0]
+    pipe = io.StringIO()
+    p = Printer("r1", stream=pipe, clock=lambda: now[0], progress_every_s=60.0)
+    for t, step in ((0, 10), (30, 20), (70, 10), (71, 30), (100, 40), (131, 50)):
+        now[0] = 1_800_000_000.0 + t
+        p.progress(step, 100, None)
+    assert pipe.getvalue().splitlines() == [
+        "2027-01-15T08:00:00Z r1: step 10/100 (10.0%), ETA ?",  # the first step seen
+        # 30 s: too soon; 70 s: the step is the one last printed
+        "2027-01-15T08:01:11Z r1: step 30/100 (30.0%), ETA ?",
+        # 100 s: too soon after 71 s
+        "2027-01-15T08:02:11Z r1: step 50/100 (50.0%), ETA ?",
+    ]
 
 
 # ---------------------------------------------------------------- the real trainer
@@ -282,8 +299,11 @@ def test_ctrl_c_detaches_then_stop_on_exit_stops(tmp_path):
     )
     wait_for(lambda: log_has_steps(rdir, 1), 120, "attempt 1 training")
     a.send_signal(signal.SIGINT)
-    out, _ = a.communicate(timeout=60)
-    assert a.returncode == 130 and "detached" in out and "resume-until-done detach" in out
+    out, err = a.communicate(timeout=60)
+    # Ctrl-C is one line on stderr (core.errors.Interrupted), the attempt named and how to reattach.
+    last = err.strip().splitlines()[-1]
+    assert a.returncode == 130 and last.startswith("interrupted: detached: attempt 1 keeps running"), err
+    assert "resume-until-done detach" in last and "detached" not in out
     pid = attempt_info(rdir, 1)["pid"]
     assert proc_start_time(pid) is not None  # the attempt keeps running
     b = cli(
@@ -299,8 +319,9 @@ def test_ctrl_c_detaches_then_stop_on_exit_stops(tmp_path):
     )
     wait_for(lambda: any(r["event"] == "reattached" for r in journal(rdir)), 60, "reattach")
     b.send_signal(signal.SIGINT)
-    out, _ = b.communicate(timeout=120)
+    out, err = b.communicate(timeout=120)
     assert b.returncode == 130 and "stopping attempt 1" in out
+    assert err.strip().splitlines()[-1].startswith("interrupted: attempt 1 stopped (--stop-on-exit)"), err
     assert proc_start_time(pid) is None
     j = journal(rdir)
     assert [r["event"] for r in j].count("submitted") == 1

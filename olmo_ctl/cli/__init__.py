@@ -39,7 +39,7 @@ from olmo_ctl.cli import (  # noqa: F401
     surgery,
 )
 from olmo_ctl.cli.app import app
-from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, OlmoCtlError
+from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, Interrupted, OlmoCtlError
 
 
 def usage_line(message: str) -> str:
@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         rv = app(args=args, prog_name="olmo-ctl", standalone_mode=False)
+    except Interrupted as e:  # Ctrl-C: one line saying what was left, from whoever caught it
+        text = e.one_line()
+        sys.stderr.write(f"interrupted: {text}\n" if text else "interrupted\n")
+        return e.exit_code
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")
         return e.exit_code

@@ -118,6 +118,16 @@ class OlmoGroup(TyperGroup):
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
 
+    def invoke(self, ctx):
+        # Typer turns a Ctrl-C it sees into a silent exit 130; a command that did not handle it still
+        # says so in one line (core.errors.Interrupted).
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            from olmo_ctl.core.errors import Interrupted
+
+            raise Interrupted() from None
+
     def format_options(self, ctx, formatter) -> None:
         _format_params(self, ctx, formatter)
         self.format_commands(ctx, formatter)

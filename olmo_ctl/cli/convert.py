@@ -67,6 +67,9 @@ def hf_to_orbax(
     _need("jax", "orbax.checkpoint", extra="trainer")
     if param_dtype not in ("float32", "bfloat16"):
         raise BadInput(f"--param-dtype {param_dtype} is not float32 or bfloat16")
+    from olmo_ctl.trainer.quiet import cpu_only
+
+    cpu_only()  # before JAX loads: no TPU runtime noise
     from olmo_ctl.trainer.convert import hf_to_orbax as run
 
     cfg = run(
@@ -111,6 +114,9 @@ def orbax_to_hf(
     _need("jax", "orbax.checkpoint", extra="trainer")
     if dtype not in (None, "float32", "bfloat16"):
         raise BadInput(f"--dtype {dtype} is not float32 or bfloat16")
+    from olmo_ctl.trainer.quiet import cpu_only
+
+    cpu_only()  # before JAX loads: no TPU runtime noise
     from olmo_ctl.trainer.convert import orbax_to_hf as run
 
     cfg = run(orbax_dir, hf_dir, dtype=dtype, overwrite=overwrite, recipe=recipe)

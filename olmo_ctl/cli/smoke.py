@@ -8,7 +8,7 @@ import typer
 
 from olmo_ctl.cli.app import DeviceOpt, Output, OutputOpt, app, print_data
 from olmo_ctl.cli.options import SiteFlags, TimeoutOpt, _echo, note, site_options
-from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.errors import BadInput, Interrupted
 
 
 @app.command(example="olmo-ctl smoke --backend local --device cpu-1 --junit smoke.xml")
@@ -31,18 +31,22 @@ def smoke(
 
     Checks that the loss fell, a checkpoint committed, a forced stop/resume replays exactly and the
     events are readable; the summary goes to stderr, -o json|yaml prints the report on stdout.
-    Exit codes: 0 every check passed, 1 a check failed (named), 2 bad input, 124 timed out.
+    Exit codes: 0 every check passed, 1 a check failed (named), 2 bad input, 124 timed out, 130 Ctrl-C
+    (its attempts stopped, its scratch run directories removed unless --keep).
     """
     import shutil
     import tempfile
 
     from olmo_ctl.backends import backend_class, make_backend
-    from olmo_ctl.supervise.smoke import FAULT_ENV, SmokeConfig, junit_xml, run_smoke
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.storage import join
+    from olmo_ctl.supervise.smoke import FAULT_ENV, SmokeConfig, junit_xml, new_run_name, run_smoke
 
     settings = site.resolve()
     if junit is not None and (junit.is_dir() or not junit.parent.is_dir()):
         raise BadInput(f"--junit `{junit}`: not a file in an existing directory", "e.g. --junit smoke.xml")
     kind = backend_class(settings.backend)
+    name = new_run_name(get_device(device).name)
     temp_root = None
     if kind.trains_here and site.run_root is None:  # runs on this machine: a scratch root of their own
         temp_root = tempfile.mkdtemp(prefix="olmo-ctl-smoke-")
@@ -56,7 +60,16 @@ def smoke(
         poll_s=kind.smoke.poll_s,
         fault=os.environ.get(FAULT_ENV) or None,
     )
-    report = run_smoke(be, root, cfg, timeout, log=_echo)
+    try:
+        report = run_smoke(be, root, cfg, timeout, log=_echo, run_name=name)
+    except KeyboardInterrupt:  # run_smoke stopped its attempts on the way out
+        if temp_root and not keep:
+            shutil.rmtree(temp_root, ignore_errors=True)
+            raise Interrupted(
+                f"smoke stopped its attempts and removed its run directories ({temp_root})"
+            ) from None
+        dirs = ", ".join(join(root, n) for n in (name, f"{name}-twin"))
+        raise Interrupted(f"smoke stopped its attempts; its run directories are kept: {dirs}") from None
     for line in report.summary_lines():
         _echo(line)
     if json_out:

@@ -32,6 +32,9 @@ def warm_adam(
 
     Exit codes: 0 written, 2 bad input.
     """
+    from olmo_ctl.trainer.quiet import cpu_only
+
+    cpu_only()  # before JAX loads: no TPU runtime noise
     from olmo_ctl.trainer.surgery import warm_adam as run
 
     out = run(src_checkpoint, dst_run_dir)
@@ -58,6 +61,9 @@ def soup(
 
     Exit codes: 0 written, 2 bad input.
     """
+    from olmo_ctl.trainer.quiet import cpu_only
+
+    cpu_only()  # before JAX loads: no TPU runtime noise
     from olmo_ctl.trainer.surgery import soup as run
 
     res = run(list(checkpoints), out)

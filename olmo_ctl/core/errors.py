@@ -37,3 +37,11 @@ class Unreachable(OlmoCtlError):
 
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message, hint, EXIT_UNREACHABLE)
+
+
+class Interrupted(OlmoCtlError):
+    """Ctrl-C, handled: the CLI prints `interrupted: <message>` as one line on stderr and exits 130. The
+    message says what was left (a running attempt, run directories) and how to go on."""
+
+    def __init__(self, message: str = "", hint: str | None = None):
+        super().__init__(message, hint, EXIT_INTERRUPTED)

@@ -24,11 +24,14 @@ Results are cached as JSON per (recipe fingerprint, device, remat, batch, traine
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,6 +46,7 @@ from olmo_ctl.preflight.hlo_flops import hlo_flops
 
 # Cheapest recompute first: `--search` takes the first one that fits.
 REMAT_POLICIES = ("none", "save_proj", "full")
+HEARTBEAT_S = 30.0  # while a compile runs, a "still compiling" line this often (off a terminal too)
 HEAD_DIMS = (128, 256)
 # HBM the TPU compiler lets one program use per device (libtpu 0.0.42.1, from its "exceeds available
 # HBM (X)" refusals): a little below the chip's HBM on Ironwood. The verdict uses the smaller of this
@@ -405,6 +409,28 @@ def pod_xla_flags(
     return flags, {k: sources[k][0] for k in per_compile}
 
 
+@contextlib.contextmanager
+def _heartbeat(log: Callable[[str], None] | None, every_s: float):
+    """`log("preflight: still compiling (N s)")` every `every_s` until the block ends."""
+    if log is None:
+        yield
+        return
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            log(f"preflight: still compiling ({time.monotonic() - t0:.0f} s)")
+
+    t = threading.Thread(target=beat, name="preflight-heartbeat", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+
+
 def run_preflight(
     recipe: Recipe,
     device: Device,
@@ -417,8 +443,12 @@ def run_preflight(
     use_cache: bool = True,
     settings: Settings | None = None,
     slices: int = 1,
+    log: Callable[[str], None] | None = None,
 ) -> PreflightResult:
     """Compile the train step of `recipe` for `slices` x `device` and report memory, FLOPs and compile time.
+
+    With `log`, a compile (not a cache hit) says what it compiles when it starts, that it still runs
+    every HEARTBEAT_S, and how long it took: the 7B step takes minutes of CPU.
 
     `hbm_bytes` overrides the device's HBM per device for the verdict only (the compile always
     targets the real chip). `settings` (site settings) may add XLA flags (`xla_flags`); the step
@@ -444,11 +474,31 @@ def run_preflight(
     formula = formula_flops_per_step(recipe)
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="olmo-ctl-preflight-") as dump:
+    what = device.name if plan.slices == 1 else f"{plan.slices} x {device.name}"
+    if log is not None:
+        log(
+            f"preflight: compiling the train step of {recipe.name} for {what} ({device.topology}), "
+            f"remat {recipe.model.remat}, micro-batch {plan.per_device_batch} x {plan.grad_accum}; "
+            "this takes minutes on a CPU, once per recipe, device and trainer version"
+        )
+    from olmo_ctl.trainer.quiet import cpu_only_while
+
+    # JAX on the CPU, libtpu only for the topology: no TPU runtime noise (trainer/quiet.py).
+    with (
+        tempfile.TemporaryDirectory(prefix="olmo-ctl-preflight-") as dump,
+        _heartbeat(log, HEARTBEAT_S),
+        cpu_only_while(),
+    ):
         compiled, compile_s, error, arg_estimate = compile_step(
             recipe, device, plan, dump_dir=dump, xla_options=xla_options, libtpu_args=" ".join(flags)
         )
         buffers = largest_buffers(dump)
+    if log is not None:
+        log(
+            f"preflight: compiled in {compile_s:.0f} s"
+            if error is None
+            else f"preflight: the compiler refused the program after {compile_s:.0f} s"
+        )
     notes: list[str] = []
     xla_step = xla_once = ratio = dense = attention = recompute = dense_ratio = counted = kernel = None
     if compiled is not None:

@@ -41,6 +41,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 from olmo_ctl.backends.base import AttemptStatus, Handle, State
 from olmo_ctl.core.errors import (
@@ -50,6 +51,7 @@ from olmo_ctl.core.errors import (
     EXIT_OK,
     EXIT_UNREACHABLE,
     BadInput,
+    Interrupted,
     OlmoCtlError,
 )
 from olmo_ctl.observe.reader import read_scalars
@@ -75,16 +77,27 @@ from olmo_ctl.supervise.policy import (
     StallWatch,
 )
 
+PROGRESS_EVERY_S = 60.0  # off a terminal: a progress line at most this often, and only when the step moved
+
 
 class Printer:
-    """One timestamped line per state change; on a TTY a progress bar with step and ETA."""
+    """One timestamped line per state change; on a TTY a progress bar with step and ETA, elsewhere (a
+    pipe, a `nohup` log) a progress line when the step moved, at most every `progress_every_s`."""
 
-    def __init__(self, run: str, stream=None, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        run: str,
+        stream=None,
+        clock: Callable[[], float] = time.time,
+        progress_every_s: float = PROGRESS_EVERY_S,
+    ):
         self.run = run
         self.stream = stream or sys.stdout
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.clock = clock
+        self.progress_every_s = progress_every_s
         self._bar = False
+        self._last_progress: tuple[float, int] | None = None  # (when, step) of the last progress line
 
     def line(self, text: str) -> None:
         if self._bar:
@@ -106,11 +119,19 @@ class Printer:
         self.stream.flush()
 
     def progress(self, step: int, final: int, eta_s: float | None) -> None:
-        if not self.tty or final <= 0:
+        if final <= 0:
+            return
+        eta = "?" if eta_s is None else _fmt_s(eta_s)
+        if not self.tty:
+            now = self.clock()
+            last = self._last_progress
+            if last is not None and (step == last[1] or now - last[0] < self.progress_every_s):
+                return
+            self._last_progress = (now, step)
+            self.line(f"step {step}/{final} ({100 * min(step, final) / final:.1f}%), ETA {eta}")
             return
         width = 30
         done = int(width * min(step, final) / final)
-        eta = "?" if eta_s is None else _fmt_s(eta_s)
         self.stream.write(f"\r\033[K[{'#' * done}{'.' * (width - done)}] step {step}/{final} ETA {eta}")
         self.stream.flush()
         self._bar = True
@@ -529,7 +550,8 @@ class Supervisor:
         if lines:
             self.out.block("last log lines:", lines[-20:])
 
-    def _interrupted(self) -> int:
+    def _interrupted(self) -> NoReturn:
+        """Ctrl-C: journaled, then one line (Interrupted: stderr, exit 130) saying what keeps running."""
         h = self.handle
         if h is not None and self.stop_on_exit:
             self.out.line(f"interrupted: stopping attempt {h.attempt} (--stop-on-exit)")
@@ -537,20 +559,19 @@ class Supervisor:
             self._journal(
                 "stopped", "interrupted with --stop-on-exit", committed_step=self.rd.committed_step()
             )
-        else:
-            self._journal(
-                "supervisor_detached",
-                "interrupted; the attempt keeps running" if h else "interrupted",
-                committed_step=self.rd.committed_step(),
+            raise Interrupted(
+                f"attempt {h.attempt} stopped (--stop-on-exit); continue with: {self.reattach_hint}"
             )
-            if h is not None:
-                self.out.line(
-                    f"detached: attempt {h.attempt} keeps running ({h.name}); reattach with: "
-                    f"{self.reattach_hint}"
-                )
-            else:
-                self.out.line(f"interrupted; continue with: {self.reattach_hint}")
-        return EXIT_INTERRUPTED
+        self._journal(
+            "supervisor_detached",
+            "interrupted; the attempt keeps running" if h else "interrupted",
+            committed_step=self.rd.committed_step(),
+        )
+        if h is not None:
+            raise Interrupted(
+                f"detached: attempt {h.attempt} keeps running ({h.name}); reattach with: {self.reattach_hint}"
+            )
+        raise Interrupted(f"nothing is running; continue with: {self.reattach_hint}")
 
     # ------------------------------------------------------------------ watching one attempt
 

@@ -24,6 +24,11 @@ process group; a pod that ends without its process exiting (a lost node, a force
 has its process group SIGKILLed at once, and so is what the main process leaves behind when it
 exits (a container ends with its main process). A command that cannot start fails the pod with exit
 128 (`StartError`).
+
+Every pod of a JobSet runs on this one machine, so a JobSet of olmo-ctl's trainer whose model cannot
+fit here is refused when it is created (`admit`, as a validating webhook refuses it: `kubectl apply`
+and `olmo-ctl submit` print why), rather than started as dozens of trainer processes that exhaust the
+machine's memory: the stage-1 tpu7x-128 JobSet would be 16 processes of a 7B model.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from olmo_ctl.core.batching import STATE_BYTES_PER_PARAM, param_count
 from olmo_ctl.core.contracts import COORDINATOR_ENV, LOG_PREFIX_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 from olmo_ctl.core.devices import GENERATIONS
 from olmo_ctl.ports import free_port
@@ -61,6 +67,9 @@ GENERATION_LABEL = "cloud.google.com/machine-family"
 START_ERROR_EXIT = 128
 MAX_LOG_LINES = 20000  # per pod: older lines are dropped, as a node rotates container logs
 _DROPPED_ENV = (PROCESS_ID_ENV, NUM_PROCESSES_ENV, LOG_PREFIX_ENV, COORDINATOR_ENV, "KUBECONFIG")
+GIB = 1024**3
+PROCESS_BYTES = GIB  # a trainer process before its model: Python, JAX, XLA's CPU client
+WEBHOOK = "pods-as-processes.sandbox.olmo-ctl"
 
 
 def exit_code_of(returncode: int) -> int:
@@ -104,6 +113,113 @@ def _field_ref(pod: dict, path: str) -> str:
     return ""
 
 
+def machine_memory_bytes() -> int:
+    """This machine's physical memory."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 0
+
+
+def _trainer_recipe(jobset: dict):
+    """The recipe an olmo-ctl JobSet trains: its run's run.yaml where that can be read without a network
+    probe (a local run directory, or gs:// with a GCS emulator set), else the shipped recipe its
+    annotation names; None for another program's JobSet or a recipe that cannot be found."""
+    from olmo_ctl.backends.jobset import ANNOTATION_RECIPE, ANNOTATION_RUN_DIR
+    from olmo_ctl.core.errors import OlmoCtlError
+    from olmo_ctl.core.recipe import load_recipe, shipped_recipes
+
+    ann = (jobset.get("metadata") or {}).get("annotations") or {}
+    name, run_dir = ann.get(ANNOTATION_RECIPE), ann.get(ANNOTATION_RUN_DIR)
+    if not name:
+        return None
+    if run_dir and (os.environ.get("STORAGE_EMULATOR_HOST") or not run_dir.startswith("gs://")):
+        from olmo_ctl.rundir import RunDir
+
+        try:
+            return RunDir(run_dir).recipe()
+        except (OlmoCtlError, OSError, ValueError):
+            pass  # not created yet (a `submit --dry-run` manifest applied by hand): the named recipe
+    if name in shipped_recipes():
+        try:
+            return load_recipe(name)
+        except OlmoCtlError:
+            return None
+    return None
+
+
+@dataclass(frozen=True)
+class TrainerNeed:
+    """What an olmo-ctl JobSet's trainer processes need of one machine's memory, at least."""
+
+    recipe: str
+    model: str
+    params: int
+    processes: int
+    state_bytes: int  # STATE_BYTES_PER_PARAM per parameter, one copy per slice
+    activation_bytes: int  # one micro-batch (global batch / accumulation) of activations
+    bytes: int  # the two, plus PROCESS_BYTES per process
+
+
+def trainer_need(jobset: dict) -> TrainerNeed | None:
+    """The memory the JobSet's trainers need together, at least (None for another program's JobSet):
+    the training state (sharded over a slice's devices, one copy per slice), one micro-batch of
+    activations (`olmo-ctl/plan`'s global batch / grad accumulation instances), PROCESS_BYTES each."""
+    from olmo_ctl.backends.jobset import ANNOTATION_PLAN
+    from olmo_ctl.core.batching import activation_bytes_per_instance
+
+    recipe = _trainer_recipe(jobset)
+    if recipe is None:
+        return None
+    jobs = (jobset.get("spec") or {}).get("replicatedJobs") or []
+    slices = sum(int(j.get("replicas") or 1) for j in jobs) or 1
+    processes = sum(
+        int(j.get("replicas") or 1)
+        * int(((j.get("template") or {}).get("spec") or {}).get("parallelism") or 1)
+        for j in jobs
+    )
+    plan = dict(
+        kv.split("=", 1)
+        for kv in (
+            ((jobset.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_PLAN) or ""
+        ).split()
+        if "=" in kv
+    )
+    try:
+        instances = max(1, int(plan["global_batch"]) // max(1, int(plan.get("grad_accum", "1"))))
+    except (KeyError, ValueError):
+        instances = 1
+    params = param_count(recipe.model)
+    state = params * STATE_BYTES_PER_PARAM * slices
+    acts = activation_bytes_per_instance(recipe.model, recipe.train.seq_len) * instances
+    return TrainerNeed(
+        recipe.name,
+        recipe.model.name,
+        params,
+        processes,
+        state,
+        acts,
+        state + acts + PROCESS_BYTES * processes,
+    )
+
+
+def refuse_unfit(jobset: dict, memory_bytes: int) -> str | None:
+    """Why this JobSet's trainer processes cannot all run on a machine of `memory_bytes`, or None."""
+    need = trainer_need(jobset)
+    if need is None or memory_bytes <= 0 or need.bytes <= memory_bytes:
+        return None
+    name = (jobset.get("metadata") or {}).get("name")
+    n = need.processes
+    return (
+        f"JobSet {name} trains {need.recipe} (model {need.model}, {need.params / 1e9:.1f} B parameters) as "
+        f"{n} trainer process{'es' if n != 1 else ''} on this machine: they need at least "
+        f"{need.bytes / GIB:,.0f} GiB (training state {need.state_bytes / GIB:,.0f} GiB, one micro-batch of "
+        f"activations {need.activation_bytes / GIB:,.0f} GiB) and it has {memory_bytes / GIB:,.0f} GiB. "
+        "The sandbox runs pods as local processes: use a model that fits (e.g. --recipe smoke), or start "
+        "the sandbox with --no-run-pods to apply JobSets without running their pods"
+    )
+
+
 @dataclass
 class _Proc:
     uid: str
@@ -128,8 +244,10 @@ class ProcessRunner:
         poll_s: float = 0.2,
         cwd: str | None = None,
         base_env: dict[str, str] | None = None,
+        memory_bytes: int | None = None,
     ):
         self._say = log or (lambda line: None)
+        self.memory_bytes = machine_memory_bytes() if memory_bytes is None else memory_bytes
         self.lines: list[str] = []  # what it said: starts, signals, exits
         self.poll_s = poll_s
         self.cwd = cwd
@@ -152,6 +270,16 @@ class ProcessRunner:
         world.sigterm_exit_s = None
         self._loop = threading.Thread(target=self._run_loop, name="sandbox-kubelet", daemon=True)
         self._loop.start()
+
+    def admit(self, world: SandboxWorld, jobset: dict) -> None:
+        """A JobSet is created: refused (400, as a validating webhook's denial) when its trainer processes
+        cannot fit in this machine's memory."""
+        from olmo_ctl.testing.kube_api import ApiError
+
+        why = refuse_unfit(jobset, self.memory_bytes)
+        if why:
+            self.log(f"refused {why}")
+            raise ApiError(400, "BadRequest", f'admission webhook "{WEBHOOK}" denied the request: {why}')
 
     def start(self, world: SandboxWorld, pod: dict, node: str) -> None:
         world.start_pod(pod, node)

@@ -26,10 +26,13 @@ ProcessRunner` runs each pod as a local process (`olmo-ctl sandbox` by default).
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from olmo_ctl import __version__
 from olmo_ctl.core.devices import Device, get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.testing.cluster.objects import (
@@ -52,6 +55,9 @@ CONTEXT = "olmo-ctl-sandbox"
 # XPK's kueue_config.yaml.j2 PriorityClasses (scheduling.k8s.io), also the default values of the
 # WorkloadPriorityClasses the sandbox is asked for by name.
 XPK_PRIORITIES = {"very-low": 100, "low": 250, "medium": 500, "high": 750, "very-high": 1000}
+# What the pods' image is set to: pinned (doctor accepts it) and never pulled (pods run this checkout).
+IMAGE = f"localhost/olmo-ctl:{__version__}"
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9_.-]{1,61}[a-z0-9]$")
 
 
 def parse_slices(items: list[str] | tuple[str, ...]) -> dict[str, int]:
@@ -98,6 +104,61 @@ def parse_priority_classes(items: list[str] | tuple[str, ...]) -> dict[str, int]
     return out
 
 
+def check_bucket_name(name: str) -> str:
+    """A GCS bucket name: 3-63 lowercase letters, digits, '-', '_' and '.', starting and ending alphanumeric."""
+    if not _BUCKET.match(name) or ".." in name:
+        raise BadInput(
+            f"--gcs-bucket `{name}` is not a bucket name",
+            "use 3-63 lowercase letters, digits, '-', '_' or '.', e.g. --gcs-bucket sandbox",
+        )
+    return name
+
+
+def gke_mode_env(
+    kubeconfig: Path, namespace: str, queue: str, gcs_url: str | None = None, bucket: str | None = None
+) -> dict[str, str]:
+    """The environment in which olmo-ctl's commands use the sandbox as their GKE cluster: its
+    kubeconfig, the GKE backend, its namespace and queue, an image doctor accepts, and with a GCS
+    emulator its bucket as the run root plus the variables every storage client needs."""
+    from olmo_ctl.core.config import ENV_PREFIX
+
+    env = {
+        "KUBECONFIG": str(Path(kubeconfig).resolve()),
+        f"{ENV_PREFIX}BACKEND": "gke",
+        f"{ENV_PREFIX}NAMESPACE": namespace,
+        f"{ENV_PREFIX}QUEUE": queue,
+        f"{ENV_PREFIX}IMAGE": IMAGE,
+    }
+    if gcs_url is not None and bucket is not None:
+        from olmo_ctl.testing.gcs_emulator import emulator_env
+
+        env[f"{ENV_PREFIX}RUN_ROOT"] = f"gs://{bucket}/runs"
+        env.update(emulator_env(gcs_url))
+    return env
+
+
+def export_lines(env: dict[str, str]) -> str:
+    """`export NAME=value` lines a POSIX shell evaluates."""
+    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+
+
+def env_file_for(kubeconfig: Path) -> Path:
+    """Where the sandbox writes its `export` lines, beside its kubeconfig (removed with it)."""
+    return kubeconfig.with_name(kubeconfig.name + ".env")
+
+
+def log_file_for(kubeconfig: Path) -> Path:
+    """Where a detached sandbox writes what it says (kept after it stops)."""
+    return kubeconfig.with_name(kubeconfig.name + ".log")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def flavor_name(device: Device, slices: int) -> str:
     """XPK's main flavor name: `<num_slices>x<device type>`."""
     return f"{slices}x{device.name}"
@@ -117,6 +178,9 @@ class PodRunner:
 
     def attach(self, world: SandboxWorld) -> None:
         """The world this runner serves (called once, by SandboxWorld)."""
+
+    def admit(self, world: SandboxWorld, jobset: dict) -> None:
+        """A JobSet is being created; raise `kube_api.ApiError` to refuse it (no program runs here: none)."""
 
     def start(self, world: SandboxWorld, pod: dict, node: str) -> None:
         world.start_pod(pod, node)
@@ -140,6 +204,11 @@ class SandboxWorld(ScriptedWorld):
         self.runner = runner or PodRunner()
         self._stopping: set[str] = set()
         self.runner.attach(self)
+
+    def admit(self, res: Any, obj: dict) -> None:
+        if res.kind == "JobSet":
+            self.runner.admit(self, obj)
+        super().admit(res, obj)
 
     def reconcile(self) -> None:
         with self.store.lock:
@@ -331,11 +400,8 @@ class Sandbox:
             quota.append({"name": fname, "resources": [{"name": TPU, "nominalQuota": str(n * dev.chips)}]})
             for s in range(n):
                 w.add_node_pool(dev, f"{dev.name}-np-{s}")
-        groups = (
-            [{"coveredResources": [TPU], "flavors": quota}]
-            if quota
-            else [{"coveredResources": [TPU], "flavors": []}]
-        )
+        # No slices: no resource group (one must name at least one flavor), so nothing is admitted.
+        groups = [{"coveredResources": [TPU], "flavors": quota}] if quota else []
         w.save(
             "ClusterQueue",
             {
