@@ -17,7 +17,9 @@ SANDBOX_PID_ENV = "OLMO_CTL_SANDBOX_PID"  # exported by --detach: `kill $OLMO_CT
 READY_TIMEOUT_S = 120.0  # a detached sandbox serves within a few seconds; the emulator's start included
 
 
-@app.command(example="olmo-ctl sandbox --kubeconfig /tmp/sandbox.kubeconfig --slices tpu7x-128=2")
+@app.command(
+    example="olmo-ctl sandbox --kubeconfig sandbox.kubeconfig --slices v5p-16=1 --gcs-bucket sandbox --detach"
+)
 def sandbox(
     kubeconfig: Annotated[
         Path,
