@@ -71,7 +71,9 @@ def golden_cases() -> dict[str, list[str]]:
             cases[f"{dev}-stage2"] = stage2
         # The smoke model on a slice: one instance per device where its global batch of 8 cannot split.
         smoke = ["--recipe", "smoke", "--device", dev, "--run", f"smoke-{dev}"]
-        cases[f"{dev}-smoke"] = smoke + (["--set", f"train.global_batch={devices}"] if devices > 8 else [])
+        # (and an eval batch every host can load its share of: the smoke recipe's is 8)
+        big = ["--set", f"train.global_batch={devices}", "--set", f"eval.batch_size={devices}"]
+        cases[f"{dev}-smoke"] = smoke + (big if devices > 8 else [])
     for dev in MULTISLICE:
         cases[f"2x{dev}-stage1"] = [
             "--stage",

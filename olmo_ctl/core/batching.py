@@ -162,7 +162,6 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
             f"train.data_parallel ({t.data_parallel}) does not divide the {device.devices} devices of {device.name}",
             "choose a data_parallel that divides the device count",
         )
-    check_loading(recipe, device, slices)
     state = state_bytes_per_device(m, device.devices)  # sharded within a slice, one copy per slice
     per_instance = activation_bytes_per_instance(m, t.seq_len)
     usable = int(device.hbm_bytes_per_device * USABLE_HBM_FRACTION)
@@ -180,6 +179,8 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
         candidates = allowed
     split = [s for s in candidates if (t.global_batch * s) % devices == 0]
     if not split:
+        if device.processes * slices > t.global_batch:
+            check_loading(recipe, device, slices)  # more hosts than instances: the hosts are the limit
         hint = (
             f"use a slice with at most {t.global_batch} devices"
             if devices > t.global_batch
@@ -195,6 +196,7 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
             ),
             f"{hint}, or change train.global_batch (the recipe's batch is never changed silently)",
         )
+    check_loading(recipe, device, slices)  # the devices can split it; can the hosts load it?
     for seq in split:
         share = t.global_batch * seq // devices  # instance shards per device per step
         shard_bytes = -(-per_instance // seq)
