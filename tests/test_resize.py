@@ -4,12 +4,12 @@ mid-flight compared with its un-resized twin (real trainer processes and Orbax c
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from helpers.kube import write_kubeconfig
 
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
@@ -56,24 +56,6 @@ def test_plan_refuses_what_would_change_the_run():
 # ---------------------------------------------------------------- GKE against the test server
 
 
-def _kubeconfig(path: Path, url: str) -> str:
-    path.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "test",
-                "clusters": [{"name": "test", "cluster": {"server": url}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [
-                    {"name": "test", "context": {"cluster": "test", "user": "u", "namespace": "default"}}
-                ],
-            }
-        )
-    )
-    return str(path)
-
-
 def _commit(run_dir: str, step: int) -> None:
     """A committed checkpoint as the run directory sees it on gs:// (the Orbax commit marker)."""
     from olmo_ctl.storage import store_for
@@ -93,7 +75,7 @@ def gke(tmp_path, monkeypatch, srv, gcs):
     for k in [k for k in __import__("os").environ if k.startswith("OLMO_CTL_")]:
         monkeypatch.delenv(k)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path / "kubeconfig", srv.url))
+    monkeypatch.setenv("KUBECONFIG", write_kubeconfig(tmp_path / "kubeconfig", srv.url))
     root = f"gs://{bucket}/runs"
     recipe = load_recipe("olmo3-7b-stage1")
     rd = RunDir.of(root, "s1")
@@ -421,7 +403,7 @@ def supervised(tmp_path, monkeypatch, srv, gcs):
     for k in [k for k in os.environ if k.startswith("OLMO_CTL_")]:
         monkeypatch.delenv(k)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path / "kubeconfig", srv.url))
+    monkeypatch.setenv("KUBECONFIG", write_kubeconfig(tmp_path / "kubeconfig", srv.url))
     root = f"gs://{bucket}/runs"
     recipe = load_recipe("olmo3-7b-stage1", overrides=["train.max_steps=200", "schedule.warmup_steps=10"])
     rd = RunDir.of(root, "s1")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers.cli import invoke
+from helpers.kube import write_kubeconfig
 from helpers.runs import STEPS, copy_run
 from helpers.trainer import scalars
 from helpers.waiting import wait_for
@@ -160,24 +161,6 @@ def test_logs_of_a_local_multi_host_attempt_whole_per_host_and_followed(tmp_path
 # ---------------------------------------------------------------- logs and stop (GKE)
 
 
-def _kubeconfig(path: Path, url: str) -> str:
-    path.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "test",
-                "clusters": [{"name": "test", "cluster": {"server": url}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [
-                    {"name": "test", "context": {"cluster": "test", "user": "u", "namespace": "default"}}
-                ],
-            }
-        )
-    )
-    return str(path)
-
-
 @pytest.fixture
 def gke_run(tmp_path, srv, gcs):
     """Attempt 1 of a smoke run on tpu7x-16 (two TPU VMs: two pods) running in the test cluster."""
@@ -193,7 +176,7 @@ def gke_run(tmp_path, srv, gcs):
     rd.append("submitted", attempt=1, device="tpu7x-16", handle=h.to_dict(), backend="gke")
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)
-    env = {"KUBECONFIG": _kubeconfig(tmp_path / "kubeconfig", srv.url)}
+    env = {"KUBECONFIG": write_kubeconfig(tmp_path / "kubeconfig", srv.url)}
     args = ("--run-root", root, "--backend", "gke")
     return rd, h, env, args
 
