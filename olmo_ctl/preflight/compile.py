@@ -410,6 +410,22 @@ def pod_xla_flags(
 
 
 @contextlib.contextmanager
+def _no_persistent_compilation_cache():
+    """JAX's persistent compilation cache off for a topology compile: an executable compiled for a
+    TPU slice that is not here can be stored but never loaded without that slice's client (JAX warns
+    `PjRtCompiler must be constructed with a Client` on every read). Preflight keeps its own cache
+    of results (`preflight/cache.py`)."""
+    import jax
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+
+
+@contextlib.contextmanager
 def _heartbeat(log: Callable[[str], None] | None, every_s: float):
     """`log("preflight: still compiling (N s)")` every `every_s` until the block ends."""
     if log is None:
@@ -488,6 +504,7 @@ def run_preflight(
         tempfile.TemporaryDirectory(prefix="olmo-ctl-preflight-") as dump,
         _heartbeat(log, HEARTBEAT_S),
         cpu_only_while(),
+        _no_persistent_compilation_cache(),
     ):
         compiled, compile_s, error, arg_estimate = compile_step(
             recipe, device, plan, dump_dir=dump, xla_options=xla_options, libtpu_args=" ".join(flags)
