@@ -9,45 +9,24 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-from helpers.waiting import wait_for
+from helpers.cli import spawn
+from helpers.waiting import alive, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _interruptible() -> None:
-    # A suite started in the background ignores SIGINT, and a child inherits that: give the command
-    # Ctrl-C's default, as at a terminal.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def start(*args: str, env: dict | None = None) -> subprocess.Popen:
     e = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
     e.update(PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.Popen(
-        [sys.executable, "-m", "olmo_ctl", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=e,
-        preexec_fn=_interruptible,
-    )
+    return spawn(*args, env=e)
 
 
 def interrupt(p: subprocess.Popen, timeout_s: float = 60.0) -> tuple[str, str]:
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=timeout_s)
     return out, err
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _pid(path: Path) -> int | None:

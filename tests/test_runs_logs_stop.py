@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers.cli import invoke
+from helpers.cli import invoke, spawn
 from helpers.kube import write_kubeconfig
 from helpers.runs import STEPS, copy_run
 from helpers.trainer import scalars
@@ -295,10 +292,6 @@ def test_stop_ends_a_supervisor_that_backs_off_between_attempts(tmp_path):
 # ---------------------------------------------------------------- stop (local, a real trainer and supervisor)
 
 
-def _interruptible() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_stop_checkpoints_ends_the_supervisor_and_a_later_submit_continues(tmp_path):
     root = tmp_path / "runs"
     rdir = root / "halt"
@@ -313,10 +306,9 @@ def test_stop_checkpoints_ends_the_supervisor_and_a_later_submit_continues(tmp_p
         "--set",
         "eval.interval=1000",
     ]
-    sup = subprocess.Popen(
-        [sys.executable, "-m", "olmo_ctl", "resume-until-done", "--recipe", "smoke", "--device", "cpu-1",
-         "--run", "halt", *common, "--poll", "0.2", *recipe_set],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_interruptible,
+    sup = spawn(
+        "resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--run", "halt", *common,
+        "--poll", "0.2", *recipe_set, env=env,
     )  # fmt: skip
     try:
         log = rdir / "logs" / "attempt-1.log"

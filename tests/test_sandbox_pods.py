@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.waiting import alive
 
 from olmo_ctl.testing.kube_server import tiny_jobset
 from olmo_ctl.testing.pod_processes import ProcessRunner
@@ -88,14 +89,6 @@ def exit_code(pod: dict) -> int | None:
 
 def pod_log(sb, name: str) -> str:
     return core(sb).read_namespaced_pod_log(name, "default")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 ENV_SCRIPT = (

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.cli import spawn
 from helpers.waiting import wait_for
 
 from olmo_ctl.backends.base import Handle, State
@@ -29,24 +30,8 @@ from olmo_ctl.supervise.supervisor import Printer, Supervisor
 SMOKE = ["--set", "checkpoint.interval=5", "--set", "eval.interval=1000"]
 
 
-def _interruptible() -> None:
-    # A suite started in the background (`make test &`) ignores SIGINT, and a child inherits that:
-    # the command under test gets Ctrl-C's default, as at a terminal.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.Popen(
-        [sys.executable, "-m", "olmo_ctl", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=e,
-        preexec_fn=_interruptible,
-        **kw,
-    )
+    return spawn(*args, env={**os.environ, **(env or {})}, **kw)
 
 
 def journal(run_dir: str) -> list[dict]:

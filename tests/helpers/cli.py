@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,3 +68,23 @@ def invoke(*args: str, env: dict[str, str] | None = None, cwd: Path | str = ROOT
             os.chdir(here)
             storage.reset_clients()
     return Result(rc, out.getvalue(), err.getvalue())
+
+
+def _interruptible() -> None:
+    # A suite started in the background (`make test &`) ignores SIGINT, and a child inherits that:
+    # the command under test gets Ctrl-C's default, as at a terminal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def spawn(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    """`python -m olmo_ctl ARGS` as a real process (text pipes for stdout and stderr) that Ctrl-C
+    (SIGINT) reaches as at a terminal. `env` is its whole environment (None: this one)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "olmo_ctl", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ) if env is None else env,
+        preexec_fn=_interruptible,
+        **kw,
+    )

@@ -24,3 +24,12 @@ def kill_stopped_or_running(*procs) -> None:
         if p is not None and p.poll() is None:
             os.kill(p.pid, signal.SIGCONT)
             p.kill()
+
+
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a zombie counts until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
