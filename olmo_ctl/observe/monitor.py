@@ -388,7 +388,7 @@ def _device(name: str | None):
 # the live attempt
 
 
-def _live_attempt(
+def live_attempt_of(
     path: str,
     journal: list | None,
     status_of: StatusOf | None,
@@ -525,7 +525,7 @@ def build_report(
     step = r.max_step()
     final_step = recipe.train.max_steps if recipe else None
     committed_step = (src.committed or [None])[-1]
-    live = _live_attempt(src.path, journal, status_of if ask_backend else None, committed_step, final_step)
+    live = live_attempt_of(src.path, journal, status_of if ask_backend else None, committed_step, final_step)
     device_name = live.get("device") or (src.run_doc or {}).get("device")
 
     tokens_per_step, tokens_seen = _tokens(r, recipe, step)

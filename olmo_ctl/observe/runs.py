@@ -23,7 +23,7 @@ from typing import Any
 
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
-from olmo_ctl.observe.monitor import LOSS_TAG, StatusOf, _live_attempt
+from olmo_ctl.observe.monitor import LOSS_TAG, StatusOf, live_attempt_of
 from olmo_ctl.observe.reader import EventReader
 from olmo_ctl.rundir import RunDir
 
@@ -120,7 +120,7 @@ def run_row(path: str, status_of: StatusOf | None = None) -> RunRow:
         if gave_up is not None:
             state, reason = "gave up", gave_up.get("reason") or ""
         else:
-            live = _live_attempt(rd.path, journal, status_of)
+            live = live_attempt_of(rd.path, journal, status_of)
             state, reason = live.get("state") or "submitted", live.get("reason") or ""
     return RunRow(
         rd.name,

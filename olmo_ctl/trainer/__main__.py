@@ -81,7 +81,7 @@ def _prepare_env(device: str | None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _check_versions(ns: argparse.Namespace) -> None:
+def _check_versions(ns: argparse.Namespace, committed: list[int]) -> None:
     """run.yaml's `versions` against this environment's (see RunDir.check_versions): recorded by the first
     attempt, a change reported in one line, a restore refused when its checkpoint format may not read."""
     from olmo_ctl.core.versions import installed
@@ -94,7 +94,6 @@ def _check_versions(ns: argparse.Namespace) -> None:
     rd = RunDir(ns.run_dir)
     if not rd.exists():
         return
-    committed = rd.committed_steps()
     line = rd.check_versions(
         installed(),
         attempt=ns.attempt,
@@ -104,13 +103,6 @@ def _check_versions(ns: argparse.Namespace) -> None:
     )
     if line:
         print(f"warning: {line}", flush=True)
-
-
-def _latest_committed(run_dir: str) -> int:
-    """The run's latest committed step (0: none, or no run yet), read before the join."""
-    from olmo_ctl.rundir import RunDir
-
-    return max(RunDir(run_dir).committed_steps(), default=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(ns: argparse.Namespace) -> int:
     from olmo_ctl.core.contracts import EXIT_RESTART
     from olmo_ctl.core.errors import OlmoCtlError
+    from olmo_ctl.rundir import RunDir
     from olmo_ctl.trainer import multihost
 
     try:
@@ -147,16 +140,14 @@ def _main(ns: argparse.Namespace) -> int:
             init_from=ns.init_from,
         )
         recipe = load_run_recipe(args)
+        committed = RunDir(ns.run_dir).committed_steps()  # listed once: the join and the version check
         if ns.device:
             from olmo_ctl.core.devices import get_device
 
             # Several hosts join before any other jax call (the TPU slice's VMs, or cpu-PxD's processes),
             # and tell the runtime's stop agreement at once where this attempt starts.
-            dev = get_device(ns.device)
-            multihost.join(
-                dev, recipe.runtime, committed=_latest_committed(ns.run_dir) if dev.processes > 1 else 0
-            )
-        _check_versions(ns)
+            multihost.join(get_device(ns.device), recipe.runtime, committed=max(committed, default=0))
+        _check_versions(ns, committed)
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")
         return EXIT_RESTART if e.exit_code == EXIT_RESTART else 2
