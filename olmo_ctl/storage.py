@@ -5,6 +5,13 @@ Everything the CLI and the trainer persist goes through `Store`: whole-object re
 discovery in one or two calls), and writes conditioned on the object's generation (the lease's
 compare-and-swap). The GCS client is imported only when a gs:// path is used. With
 `STORAGE_EMULATOR_HOST` set, the client talks to that emulator with anonymous credentials.
+
+Every GCS request has a deadline (`set_deadline`; the trainer sets `runtime.storage_timeout_s`): each
+try waits at most a quarter of it for an answer, and the client's retries of 429, 5xx and connection
+errors stop once it has passed, so an endpoint that accepts and never answers is an `Unreachable`
+(exit 3) after about 1.25 x the deadline, never a silent wait. `create` writes an object only if it
+does not exist yet (the epoch order's header, the packing of a source group): one writer wins, the
+others learn that it exists.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from olmo_ctl.core.errors import BadInput, OlmoCtlError, Unreachable
+from olmo_ctl.core.recipe import RuntimeConfig
 from olmo_ctl.core.transient import is_transient
 
 _UMASK = os.umask(0)
@@ -108,6 +116,24 @@ def _metadata_identity() -> str | None:
         return None
 
 
+_deadline = {"s": float(RuntimeConfig.storage_timeout_s)}
+
+
+def set_deadline(seconds: float) -> None:
+    """How long one storage operation may take, its retries included (`runtime.storage_timeout_s`)."""
+    _deadline["s"] = float(seconds)
+
+
+def deadline_s() -> float:
+    return _deadline["s"]
+
+
+def try_timeout_s() -> float:
+    """How long one try of a storage request waits for an answer: a quarter of the deadline, so that
+    the retries that fit in it have room."""
+    return max(1.0, _deadline["s"] / 4)
+
+
 class NotFound(OlmoCtlError):
     def __init__(self, path: str):
         super().__init__(f"`{path}` does not exist", exit_code=2)
@@ -172,6 +198,16 @@ class Store(abc.ABC):
 
     def write_text(self, path: str, text: str, if_generation_match: int | None = None) -> int:
         return self.write_bytes(path, text.encode(), if_generation_match)
+
+    def create(self, path: str, data: bytes) -> bool:
+        """Write `path` only if it does not exist (a does-not-exist precondition): True when this call
+        wrote it, False when it was there already. A retried try whose first try landed reads as there
+        already, which is right for what this writes: bytes every writer computes alike."""
+        try:
+            self.write_bytes(path, data, if_generation_match=0)
+        except PreconditionFailed:
+            return False
+        return True
 
 
 def _glob_regex(glob: str) -> re.Pattern:
@@ -299,6 +335,9 @@ class GCSStore(Store):
         from google.cloud import storage
 
         self._exc = gexc
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        self._default_retry = DEFAULT_RETRY
         if os.environ.get("STORAGE_EMULATOR_HOST"):
             from google.auth.credentials import AnonymousCredentials
 
@@ -318,6 +357,10 @@ class GCSStore(Store):
         bucket, name = split_gcs(url)
         return self._client.bucket(bucket).blob(name)
 
+    def _bounded(self) -> dict:
+        """The timeout of one try and the retry policy, both within the deadline (`set_deadline`)."""
+        return {"timeout": try_timeout_s(), "retry": self._default_retry.with_timeout(deadline_s())}
+
     def _call(self, url: str, fn):
         exc = self._exc
         try:
@@ -334,7 +377,7 @@ class GCSStore(Store):
             raise
 
     def read_bytes(self, path: str) -> bytes:
-        return self._call(path, lambda: self._blob(path).download_as_bytes())
+        return self._call(path, lambda: self._blob(path).download_as_bytes(**self._bounded()))
 
     def read_range(self, path: str, start: int, end: int | None = None) -> bytes:
         if end is not None and end <= start:
@@ -342,14 +385,16 @@ class GCSStore(Store):
         # download_as_bytes' `end` is inclusive.
         return self._call(
             path,
-            lambda: self._blob(path).download_as_bytes(start=start, end=None if end is None else end - 1),
+            lambda: self._blob(path).download_as_bytes(
+                start=start, end=None if end is None else end - 1, **self._bounded()
+            ),
         )
 
     def write_bytes(self, path: str, data: bytes, if_generation_match: int | None = None) -> int:
         blob = self._blob(path)
 
         def up():
-            blob.upload_from_string(data, if_generation_match=if_generation_match)
+            blob.upload_from_string(data, if_generation_match=if_generation_match, **self._bounded())
             return int(blob.generation or 0)
 
         return self._call(path, up)
@@ -358,7 +403,7 @@ class GCSStore(Store):
         bucket, name = split_gcs(path)
 
         def get():
-            b = self._client.bucket(bucket).get_blob(name)
+            b = self._client.bucket(bucket).get_blob(name, **self._bounded())
             return None if b is None else ObjectInfo(path, int(b.size or 0), int(b.generation or 0))
 
         return self._call(path, get)
@@ -369,7 +414,9 @@ class GCSStore(Store):
             name += "/"
 
         def ls():
-            it = self._client.list_blobs(bucket, prefix=name, delimiter=None if recursive else "/")
+            it = self._client.list_blobs(
+                bucket, prefix=name, delimiter=None if recursive else "/", **self._bounded()
+            )
             files = [
                 ObjectInfo(f"gs://{bucket}/{b.name}", int(b.size or 0), int(b.generation or 0)) for b in it
             ]
@@ -391,7 +438,7 @@ class GCSStore(Store):
                 kw["start_offset"] = name + start_offset
             return [
                 ObjectInfo(f"gs://{bucket}/{b.name}", int(b.size or 0), int(b.generation or 0))
-                for b in self._client.list_blobs(bucket, prefix=name, **kw)
+                for b in self._client.list_blobs(bucket, prefix=name, **kw, **self._bounded())
             ]
 
         found = self._call(prefix, ls)
@@ -407,7 +454,7 @@ class GCSStore(Store):
 
     def delete(self, path: str) -> None:
         try:
-            self._call(path, lambda: self._blob(path).delete())
+            self._call(path, lambda: self._blob(path).delete(**self._bounded()))
         except NotFound:
             pass
 

@@ -64,7 +64,9 @@ class Loop:
             upload=lambda: log.append(("upload",)),
             session_start=lambda st: log.append(("session_start", st)),
         )
-        self.watchdog = SimpleNamespace(paused=contextlib.nullcontext)
+        self.watchdog = SimpleNamespace(
+            paused=contextlib.nullcontext, judged=lambda what, seconds: contextlib.nullcontext()
+        )
 
     def flush(self, gather: bool = True) -> None:
         self.log.append(("flush", len(self.pending), gather))

@@ -130,7 +130,7 @@ def test_packing_is_cached_and_read_back(tmp_path):
     fs = [_file(tmp_path, "a.npy", [1, 2, 3, 0, 4, 0, 5, 6, 7, 8, 9, 0])]
     cache = str(tmp_path / "cache")
     a = PackedDataset(fs, 8, eos_token_id=0, pad_token_id=-1, cache_dir=cache)
-    stored = list((tmp_path / "cache").iterdir())
+    stored = list((tmp_path / "cache").glob("*.npy"))  # (a local create-only write keeps a .lock beside)
     assert len(stored) == 1
     b = PackedDataset(fs, 8, eos_token_id=0, pad_token_id=-1, cache_dir=cache)
     assert [b.instance(i)[0].tolist() for i in range(len(b))] == [
@@ -145,3 +145,69 @@ def test_packed_needs_a_power_of_two_and_fingerprint_names_packing(tmp_path):
     fp = PackedDataset(fs, 8, eos_token_id=0, pad_token_id=-1, source_group_size=8).fingerprint(1)
     assert ":packed=g8:" in fp
     assert fp != PackedDataset(fs, 8, eos_token_id=0, pad_token_id=-1).fingerprint(1)
+
+
+def test_only_the_builder_packs_and_the_others_wait_and_read(tmp_path):
+    """Host 0 (`build=True`) packs and stores each group with a create-only write; another host
+    (`build=False`) waits for the objects and reads them, never the source files; a second builder
+    finds them stored and rewrites nothing."""
+    import threading
+    import time
+
+    rng = np.random.default_rng(1)
+    fs = []
+    for j in range(4):
+        docs = [np.append(rng.integers(1, 50, int(n)), 0) for n in rng.integers(1, 40, 20)]
+        fs.append(_file(tmp_path, f"{j}.npy", np.concatenate(docs)))
+    cache = tmp_path / "packing"
+    got: dict = {}
+    beats: list[float] = []
+
+    def other_host():
+        got["ds"] = PackedDataset(
+            fs,
+            64,
+            eos_token_id=0,
+            pad_token_id=99,
+            source_group_size=2,
+            cache_dir=str(cache),
+            build=False,
+            progress=lambda: beats.append(time.monotonic()),
+            poll_s=0.05,
+        )
+
+    t = threading.Thread(target=other_host)
+    t.start()
+    time.sleep(0.3)  # the other host waits: nothing is stored yet
+    assert "ds" not in got and beats
+    host0 = PackedDataset(fs, 64, eos_token_id=0, pad_token_id=99, source_group_size=2, cache_dir=str(cache))
+    t.join(10)
+    other = got["ds"]
+    stored = sorted(cache.glob("*.npy"))
+    assert len(stored) == 2  # one object per group
+    assert host0.bytes_read == sum(f.size for f in fs)  # the builder read every source file once
+    assert other.bytes_read == sum(p.stat().st_size for p in stored)  # the other: only the packing
+    assert [other.instance(i)[0].tolist() for i in range(len(other))] == [
+        host0.instance(i)[0].tolist() for i in range(len(host0))
+    ]
+    mtimes = [p.stat().st_mtime_ns for p in stored]
+    again = PackedDataset(fs, 64, eos_token_id=0, pad_token_id=99, source_group_size=2, cache_dir=str(cache))
+    assert again.bytes_read == other.bytes_read and [p.stat().st_mtime_ns for p in stored] == mtimes
+
+
+def test_a_host_waiting_for_a_packing_that_never_comes_exits_3(tmp_path):
+    from olmo_ctl.core.errors import OlmoCtlError
+
+    fs = [_file(tmp_path, "a.npy", [1, 2, 3, 0, 4, 0])]
+    with pytest.raises(OlmoCtlError) as e:
+        PackedDataset(
+            fs,
+            8,
+            eos_token_id=0,
+            pad_token_id=-1,
+            cache_dir=str(tmp_path / "c"),
+            build=False,
+            wait_s=0.2,
+            poll_s=0.05,
+        )
+    assert e.value.exit_code == 3 and "host 0 stored no packing of source group 0" in str(e.value)

@@ -190,6 +190,9 @@ class RuntimeConfig:
     init_timeout_s: int = 300  # joining the slice's hosts; past it exit 3 (restart)
     watchdog_factor: float = 10.0  # a step longer than this x the median step time is a hang: exit 3
     watchdog_min_s: float = 300.0  # ... and never shorter than this
+    # One storage operation (GCS through google-cloud-storage, gcsfs or tensorstore), its retries
+    # included, gives up after about this long: exit 3 instead of a silent wait (docs/multi-host.md).
+    storage_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -545,6 +548,7 @@ def validate(r: Recipe, src: str) -> None:
     need(r.runtime.init_timeout_s > 0, "runtime.init_timeout_s", "must be positive")
     need(r.runtime.watchdog_factor > 1, "runtime.watchdog_factor", "must be > 1")
     need(r.runtime.watchdog_min_s > 0, "runtime.watchdog_min_s", "must be positive")
+    need(r.runtime.storage_timeout_s >= 4, "runtime.storage_timeout_s", "must be at least 4 (seconds)")
     need(r.data.prefetch_workers >= 0, "data.prefetch_workers", "must be >= 0")
     if r.data.mix:
         need(

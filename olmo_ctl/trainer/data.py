@@ -27,6 +27,7 @@ numpy only: no jax import here.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -228,6 +229,7 @@ class BatchLoader:
         prefetch_buffer: int = 2,
         fingerprint: str | None = None,
         order_dir: str | None = None,
+        progress: Callable[[], None] | None = None,
     ):
         if process_count < 1 or not 0 <= process_index < process_count:
             raise ValueError(f"bad process {process_index} of {process_count}")
@@ -256,6 +258,7 @@ class BatchLoader:
         self._seen = 0
         self._tokens = 0
         self.order_dir = order_dir
+        self.progress = progress  # called while waiting for host 0's epoch order (the watchdog's beat)
         self._orders: dict = {}
         self._pool = (
             ThreadPoolExecutor(self.prefetch_workers, thread_name_prefix="data")
@@ -280,6 +283,7 @@ class BatchLoader:
                     self.seed,
                     epoch,
                     build=self.process_index == 0,
+                    progress=self.progress,
                 )
             else:
                 o = epoch_order(len(self.dataset), self.seed, epoch, self.global_batch)
@@ -403,13 +407,23 @@ class BatchLoader:
 
 
 def make_train_loader(
-    recipe, process_index: int = 0, process_count: int = 1, order_dir: str | None = None
+    recipe,
+    process_index: int = 0,
+    process_count: int = 1,
+    order_dir: str | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> BatchLoader:
     """The recipe's training loader: its files, seq_len, data seed, n-gram switch and prefetch settings;
-    with `order_dir`, epoch orders are stored there and read back by later attempts and other hosts."""
+    with `order_dir`, epoch orders (and a packed dataset's packing) are stored there by process 0 and
+    read back by later attempts and the other processes. `progress` is called as the set-up advances
+    (a group packed or read, a wait for process 0 answered): the watchdog's beat."""
     files = resolve_files(recipe, "train")
     ds = make_train_dataset(
-        recipe, files, cache_dir=f"{order_dir.rstrip('/')}/packing" if order_dir else None
+        recipe,
+        files,
+        cache_dir=f"{order_dir.rstrip('/')}/packing" if order_dir else None,
+        build=process_index == 0,
+        progress=progress,
     )
     return BatchLoader(
         ds,
@@ -423,9 +437,16 @@ def make_train_loader(
     )
 
 
-def make_train_dataset(recipe, files, cache_dir: str | None = None):
+def make_train_dataset(
+    recipe,
+    files,
+    cache_dir: str | None = None,
+    build: bool = True,
+    progress: Callable[[], None] | None = None,
+):
     """The recipe's training dataset: fixed-length instances cut from each file, or with `data.packed`
-    OLMo-core's packed instances (`packed.PackedDataset`, documents masked from each other)."""
+    OLMo-core's packed instances (`packed.PackedDataset`, documents masked from each other; with
+    `cache_dir` and `build=False`, the packing process 0 stores is waited for and read)."""
     if recipe.data.packed:
         from olmo_ctl.trainer.packed import PackedDataset
 
@@ -439,6 +460,8 @@ def make_train_dataset(recipe, files, cache_dir: str | None = None):
             vocab_size=recipe.model.vocab_size,
             cache_dir=cache_dir,
             source_permutation_seed=recipe.data.source_permutation_seed,
+            build=build,
+            progress=progress,
         )
     return TokenDataset(
         files, recipe.train.seq_len, ngram_filter=recipe.data.ngram_filter, vocab_size=recipe.model.vocab_size

@@ -208,12 +208,8 @@ def build_order(
             "chunk_crc32": crcs,
         }
         path = storage.join(directory, "header.json")
-        try:
-            storage.store_for(path).write_text(
-                path, json.dumps(header, separators=(",", ":")), if_generation_match=0
-            )
-        except storage.PreconditionFailed:
-            pass  # another writer finished first; its parts are the same bytes
+        # Create-only: another writer that finished first wins; its parts are the same bytes.
+        storage.store_for(path).create(path, json.dumps(header, separators=(",", ":")).encode())
     finally:
         os.close(fd)
         os.unlink(scratch)
@@ -231,12 +227,14 @@ def stored_order(
     build: bool = True,
     wait_s: float = WAIT_FOR_BUILDER_S,
     poll_s: float = 1.0,
+    progress=None,
 ) -> OrderFile:
     """The epoch's stored order under `order_dir`, computed and stored first if it is not there yet.
 
     With `build=False` (every host of a slice but host 0) this process does not compute it: it waits
     for the header host 0 writes last, then reads its rows, so a slice of P hosts computes and uploads
-    the order once, not P times. A host 0 that dies meanwhile is a lost peer (the others exit 3)."""
+    the order once, not P times. A host 0 that dies meanwhile is a lost peer (the others exit 3).
+    `progress` is called after each poll storage answered (the watchdog's beat)."""
     import time
 
     directory = storage.join(order_dir, order_key(fingerprint, epoch))
@@ -255,6 +253,8 @@ def stored_order(
                 )
             time.sleep(poll_s)
             found = OrderFile.open(directory, fingerprint, n, seed, epoch)
+            if progress is not None:
+                progress()
     if found is None:
         build_order(directory, fingerprint, n, seed, epoch)
         found = OrderFile.open(directory, fingerprint, n, seed, epoch)

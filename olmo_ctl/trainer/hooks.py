@@ -224,8 +224,13 @@ class CheckpointHook(Hook):
             self.save(loop, final=False)
 
     def save(self, loop, final: bool) -> None:
+        from olmo_ctl.trainer.watchdog import storage_phase_s
+
         loop.flush()  # a non-finite loss stops here, before it is checkpointed
-        with loop.watchdog.paused():
+        # Judged with an absolute bound (a save that stalls on storage is exit 3, never a silent wait).
+        with loop.watchdog.judged(
+            f"the checkpoint write of step {loop.step}", storage_phase_s(loop.s.recipe.runtime)
+        ):
             secs = loop.ckpt.save(loop.step, loop.state, self.meta(loop))
             if final:
                 loop.ckpt.wait()
@@ -246,7 +251,10 @@ class CheckpointHook(Hook):
         }
 
     def post_train(self, loop, ok: bool) -> None:
-        loop.ckpt.close()  # waits for an async save in flight
+        from olmo_ctl.trainer.watchdog import storage_phase_s
+
+        with loop.watchdog.judged("the last checkpoint's commit", storage_phase_s(loop.s.recipe.runtime)):
+            loop.ckpt.close()  # waits for an async save in flight
 
 
 class StragglerHook(Hook):

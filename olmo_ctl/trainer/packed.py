@@ -40,7 +40,12 @@ OLMo 3, and its context-parallel path still uses the instance positions.
 
 Packing a group reads its files once; with `cache_dir` (the trainer passes `<run-dir>/data_order/
 packing`), each group's packing is stored as one `.npy` (document spans in packed order and
-instance offsets) and read back by later attempts and other hosts.
+instance offsets) and read back by later attempts and other hosts. Built once, as the epoch order
+is: only the builder (`build=True`, host 0) packs and writes, with a create-only precondition (a
+second writer, a retried try, learns the object exists: the bytes are the same); the other hosts
+(`build=False`) wait for each group's object and read it, so they never download the source files
+whole. A builder that dies meanwhile is a lost peer (the others exit 3); one that never writes is
+waited for at most `WAIT_FOR_PACKER_S` (exit 3).
 
 numpy only: no jax import here.
 """
@@ -63,6 +68,7 @@ from olmo_ctl.trainer.token_files import TokenFiles
 IGNORE_INDEX = -100
 PACKING_FORMAT = "olmo-ctl-packing-v1"
 CACHED_GROUPS = 16
+WAIT_FOR_PACKER_S = 3600.0  # how long a host waits for host 0 to store a group's packing
 
 
 def chunked(items: list, n: int) -> list[list]:
@@ -191,6 +197,10 @@ class PackedDataset:
         vocab_size: int | None = None,
         cache_dir: str | None = None,
         source_permutation_seed: int | None = None,
+        build: bool = True,
+        progress=None,
+        wait_s: float = WAIT_FOR_PACKER_S,
+        poll_s: float = 1.0,
     ):
         if seq_len < 2 or seq_len & (seq_len - 1):
             raise BadInput(
@@ -207,6 +217,10 @@ class PackedDataset:
         self.ngram_filter = bool(ngram_filter)
         self.vocab_size = vocab_size
         self.cache_dir = cache_dir
+        self.build = bool(build) or not cache_dir  # without a store to wait on, every host packs
+        self.progress = progress  # called after each group packed or read, and each wait answered
+        self.wait_s, self.poll_s = float(wait_s), float(poll_s)
+        self.bytes_read = 0  # of source files and stored packings, for the start-up figures
         self.groups = chunked(list(range(len(self.files))), self.source_group_size)
         self._lock = threading.Lock()
         self.token_files = TokenFiles(self.files)  # local maps and gs:// files, a bounded number kept open
@@ -237,7 +251,9 @@ class PackedDataset:
     # -- reading
 
     def _file_tokens(self, fi: int) -> np.ndarray:
-        return self.token_files.tokens(fi)
+        toks = self.token_files.tokens(fi)
+        self.bytes_read += toks.nbytes
+        return toks
 
     def _read(self, fi: int, start: int, end: int) -> np.ndarray:
         return self.token_files.read(fi, start, end)
@@ -264,13 +280,9 @@ class PackedDataset:
                 self._packed.move_to_end(g)
                 return hit
         path = self._cache_path(g)
-        packed = None
-        if path is not None:
-            store = storage.store_for(path)
-            if store.exists(path):
-                flat = np.load(io.BytesIO(store.read_bytes(path)))
-                n_spans = int(flat[0])
-                packed = (flat[1 : 1 + 2 * n_spans].reshape(-1, 2), flat[1 + 2 * n_spans :])
+        packed = None if path is None else self._load(path)
+        if packed is None and path is not None and not self.build:
+            packed = self._wait_for(path, g)
         if packed is None:
             arrays = [self._file_tokens(fi) for fi in self.groups[g]]
             packed = pack_group(arrays, self.seq_len, self.eos)
@@ -279,12 +291,51 @@ class PackedDataset:
                 np.save(
                     buf, np.concatenate([[len(packed[0])], packed[0].reshape(-1), packed[1]]).astype(np.int64)
                 )
-                storage.store_for(path).write_bytes(path, buf.getvalue())
+                storage.store_for(path).create(path, buf.getvalue())  # created once: the bytes are the same
+        if self.progress is not None:
+            self.progress()
         with self._lock:
             self._packed[g] = packed
             while len(self._packed) > CACHED_GROUPS:
                 self._packed.popitem(last=False)
         return packed
+
+    def _load(self, path: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """A stored packing, or None when it is not there (yet)."""
+        try:
+            raw = storage.store_for(path).read_bytes(path)
+        except storage.NotFound:
+            return None
+        self.bytes_read += len(raw)
+        flat = np.load(io.BytesIO(raw))
+        n_spans = int(flat[0])
+        return flat[1 : 1 + 2 * n_spans].reshape(-1, 2), flat[1 + 2 * n_spans :]
+
+    def _wait_for(self, path: str, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host 0's packing of group `g`, polled for until it is stored."""
+        import time
+
+        from olmo_ctl.core.errors import OlmoCtlError
+
+        if g == 0:
+            print(
+                f"waiting for host 0 to store the packing of {len(self.groups)} groups in {self.cache_dir}",
+                flush=True,
+            )
+        end = time.monotonic() + self.wait_s
+        while True:
+            packed = self._load(path)
+            if packed is not None:
+                return packed
+            if self.progress is not None:
+                self.progress()  # storage answered: the wait is alive (host 0's own watchdog judges it)
+            if time.monotonic() >= end:
+                raise OlmoCtlError(
+                    f"host 0 stored no packing of source group {g} in `{path}` within {self.wait_s:.0f} s",
+                    "the attempt can be retried",
+                    exit_code=3,
+                )
+            time.sleep(self.poll_s)
 
     # -- instances
 

@@ -19,7 +19,7 @@ to any one host stops them all after the same step with one checkpoint.
 
 Each host times its steps (data wait, compute) per logging window; process 0 writes every host's
 figures as `hosts/<h>/...` scalars, which `monitor` reads to name a slow host. A hang watchdog
-(`trainer/watchdog.py`) ends a host that stops making progress with exit 3.
+(`trainer/watchdog.py`) ends a host that stops making progress with exit 3, from the data set-up on.
 
 The step itself (pure, jitted; also compiled by preflight) is in `trainer/step.py`. Here: `_setup`
 (recipe, device, plan, mesh), `_restore_or_init` (the state and loader position) and `_Loop` (a step,
@@ -198,13 +198,10 @@ def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
 class _Loop:
     """Steps and the fetch of their metrics; everything else is a hook (`trainer/hooks.py`), in its order."""
 
-    def __init__(self, s: _Setup, state, state_shard, step: int, loader, ckpt, events, signals):
-        from olmo_ctl.trainer.watchdog import Watchdog
-
+    def __init__(self, s: _Setup, state, state_shard, step: int, loader, ckpt, events, signals, watchdog):
         self.s, self.state, self.step = s, state, step
         self.loader, self.ckpt, self.events = loader, ckpt, events
-        rt = s.recipe.runtime
-        self.watchdog = Watchdog(rt.watchdog_factor, rt.watchdog_min_s)
+        self.watchdog = watchdog  # started by run(), which closes it after the last commit
         self.slow_data_s = injected.slow_data_s(s.proc)
         self.micro_shard = micro_batch_sharding(s.mesh)
         self.train_step = jit_train_step(s.recipe, state_shard)
@@ -216,7 +213,7 @@ class _Loop:
         self.t_start = self.t_last = time.monotonic()
 
     def train_one(self) -> None:
-        from olmo_ctl.trainer.watchdog import maybe_hang
+        from olmo_ctl.trainer.watchdog import maybe_hang, storage_phase_s
 
         maybe_hang(self.step + 1, self.s.proc)
         injected.maybe_fail(self.step + 1, self.s.proc)
@@ -224,9 +221,14 @@ class _Loop:
         if self.slow_data_s:
             time.sleep(self.slow_data_s)
         s = self.s
-        batch = device_batch(self.loader.next(), s.recipe, s.plan, s.mesh, s.local_devices, self.micro_shard)
+        first = self.steps_run == 0  # its batch reads the epoch order; its dispatch compiles the step
+        with self.watchdog.first_batch(first, storage_phase_s(s.recipe.runtime)):
+            batch = device_batch(
+                self.loader.next(), s.recipe, s.plan, s.mesh, s.local_devices, self.micro_shard
+            )
         load_s = time.monotonic() - t0
-        self.state, m = self.train_step(self.state, batch)
+        with self.watchdog.first_dispatch(first):
+            self.state, m = self.train_step(self.state, batch)
         self.step += 1
         self.pending.append((self.step, m, load_s))
         self.steps_run += 1
@@ -265,7 +267,6 @@ class _Loop:
         s = self.s
         hooks_lib.pre_train(self.hooks, self)
         self.t_start = self.t_last = time.monotonic()
-        self.watchdog.start()
         print(
             f"training steps {self.step + 1}..{s.final_step} of {s.recipe.train.max_steps} on {s.device.name}: "
             f"per-device batch {s.plan.per_device_batch} x {s.plan.grad_accum} accumulation",
@@ -277,7 +278,6 @@ class _Loop:
             ok = True
             return code
         finally:
-            self.watchdog.close()
             hooks_lib.post_train(self.hooks, self, ok, lambda: _close_loader(self.loader))
 
     def _train(self) -> int:
@@ -296,28 +296,41 @@ class _Loop:
 def run(args: TrainArgs) -> int:
     """Restore or initialise, train to the final step (or a signal), checkpoint; the exit code."""
     from olmo_ctl.trainer import data as data_lib
+    from olmo_ctl.trainer import deadlines
     from olmo_ctl.trainer.checkpoint import Checkpointer
     from olmo_ctl.trainer.metrics import EventLog
+    from olmo_ctl.trainer.watchdog import Watchdog, storage_phase_s
 
     signals = hooks_lib.StopSignals()
     signals.install()
     s = _setup(args)
-    # Epoch orders are stored in the run directory: later attempts and other hosts read their rows of it.
-    loader = data_lib.make_train_loader(s.recipe, s.proc, s.n_proc, order_dir=join(args.run_dir, ORDER_DIR))
-    ckpt = Checkpointer.for_run(
-        args.run_dir, keep=s.recipe.checkpoint.keep, async_save=s.recipe.checkpoint.async_save
-    )
-    events = EventLog(args.run_dir, attempt=args.attempt)
-    injected.slow_start()
-    state, state_shard, step = _restore_or_init(args, s, ckpt, loader)
-    if step >= s.final_step:
-        print(committed_line(step), flush=True)
-        ckpt.close()
-        return 0
-    loop = _Loop(s, state, state_shard, step, loader, ckpt, events, signals)
-    exit_code = loop.run()
-    print(committed_line(loop.step), flush=True)
-    return exit_code
+    rt = s.recipe.runtime
+    deadlines.apply(rt.storage_timeout_s)  # before the first Orbax call: tensorstore and gcsfs read it then
+    watchdog, phase_s = Watchdog(rt.watchdog_factor, rt.watchdog_min_s).start(), storage_phase_s(rt)
+    try:
+        with watchdog.judged("the data set-up", phase_s):  # the packing is stored in the run directory too
+            loader = data_lib.make_train_loader(
+                s.recipe, s.proc, s.n_proc, join(args.run_dir, ORDER_DIR), watchdog.progress
+            )
+        with watchdog.judged("the checkpoint listing", phase_s):
+            ckpt = Checkpointer.for_run(
+                args.run_dir, keep=s.recipe.checkpoint.keep, async_save=s.recipe.checkpoint.async_save
+            )
+        events = EventLog(args.run_dir, attempt=args.attempt)
+        injected.slow_start()
+        with watchdog.judged("restore", phase_s):
+            state, state_shard, step = _restore_or_init(args, s, ckpt, loader)
+        if step >= s.final_step:
+            print(committed_line(step), flush=True)
+            with watchdog.judged("a checkpoint write", phase_s):
+                ckpt.close()
+            return 0
+        loop = _Loop(s, state, state_shard, step, loader, ckpt, events, signals, watchdog)
+        exit_code = loop.run()
+        print(committed_line(loop.step), flush=True)
+        return exit_code
+    finally:
+        watchdog.close()
 
 
 def main_run(args: TrainArgs) -> int:
