@@ -94,6 +94,19 @@ def test_storage_that_stops_answering_during_restore_exits_3_in_bound(gcs, clien
 
 
 @pytest.mark.gcs
+def test_storage_that_never_answers_from_the_start_exits_3_in_bound(gcs):
+    """google-cloud-storage's first listing (the committed steps, before the hosts join) already has the
+    recipe's deadline."""
+    run = f"gs://{gcs.bucket}/runs/never"
+    with StallingProxy(gcs.url) as proxy:
+        proxy.hold()
+        p = _trainer(run, proxy, "--stop-at-step", "2")
+        code, after_s, text = _ended_after_hold(p, proxy, 400)
+    assert code == 3, text[-4000:]
+    assert "storage unreachable" in text and after_s <= BOUND_S, f"{after_s:.0f} s\n{text[-3000:]}"
+
+
+@pytest.mark.gcs
 def test_storage_that_stops_answering_during_a_save_exits_3_in_bound(gcs):
     run = _committed_run(gcs, "save", 2)
     with StallingProxy(gcs.url) as proxy:

@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(ns: argparse.Namespace) -> int:
+    from olmo_ctl import storage
     from olmo_ctl.core.contracts import EXIT_RESTART
     from olmo_ctl.core.errors import OlmoCtlError
     from olmo_ctl.rundir import RunDir
@@ -140,6 +141,7 @@ def _main(ns: argparse.Namespace) -> int:
             init_from=ns.init_from,
         )
         recipe = load_run_recipe(args)
+        storage.set_deadline(recipe.runtime.storage_timeout_s)  # from the first listing on (deadlines.py)
         committed = RunDir(ns.run_dir).committed_steps()  # listed once: the join and the version check
         if ns.device:
             from olmo_ctl.core.devices import get_device

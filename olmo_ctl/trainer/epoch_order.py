@@ -175,9 +175,16 @@ def _corrupt(directory: str, why: str) -> BadInput:
 
 
 def build_order(
-    directory: str, fingerprint: str, n: int, seed: int, epoch: int, scratch_dir: str | None = None
+    directory: str,
+    fingerprint: str,
+    n: int,
+    seed: int,
+    epoch: int,
+    scratch_dir: str | None = None,
+    progress=None,
 ) -> None:
-    """Compute the order and store it under `directory` (no-op result if another writer won)."""
+    """Compute the order and store it under `directory` (no-op result if another writer won);
+    `progress` is called after each part is stored (the watchdog's beat)."""
     dt = _dtype(n)
     nbytes = n * dt.itemsize
     if scratch_dir is None:
@@ -195,6 +202,8 @@ def build_order(
             for k, s in enumerate(range(0, max(nbytes, 1), part_bytes)):
                 path = storage.join(directory, _part_name(k))
                 storage.store_for(path).write_bytes(path, bytes(raw[s : s + part_bytes]))
+                if progress is not None:
+                    progress()
             del raw, buf
         header = {
             "format": FORMAT,
@@ -234,7 +243,7 @@ def stored_order(
     With `build=False` (every host of a slice but host 0) this process does not compute it: it waits
     for the header host 0 writes last, then reads its rows, so a slice of P hosts computes and uploads
     the order once, not P times. A host 0 that dies meanwhile is a lost peer (the others exit 3).
-    `progress` is called after each poll storage answered (the watchdog's beat)."""
+    `progress` is called after each poll storage answered and each part stored (the watchdog's beat)."""
     import time
 
     directory = storage.join(order_dir, order_key(fingerprint, epoch))
@@ -256,7 +265,7 @@ def stored_order(
             if progress is not None:
                 progress()
     if found is None:
-        build_order(directory, fingerprint, n, seed, epoch)
+        build_order(directory, fingerprint, n, seed, epoch, progress=progress)
         found = OrderFile.open(directory, fingerprint, n, seed, epoch)
         if found is None:
             raise BadInput(
