@@ -53,21 +53,36 @@ def record_name(attempt: int, restored: int, process: int, processes: int, first
     return f"a{attempt:04d}-r{restored:09d}-p{process:04d}of{processes:04d}-s{first:09d}-{last:09d}.npz"
 
 
-class Recorder:
-    """What this host trained since its last write; `write(step)` stores it beside checkpoint `step`."""
+class RecordedLoader:
+    """The training loader, recording what each `next()` hands out: one step's batch. `first_step` is the
+    step the next batch is for (the trainer sets it once it has restored); `write_record()` stores what
+    this host trained since its last write, before the checkpoint of those steps is saved."""
 
-    def __init__(self, run_dir: str, attempt: int, restored: int, process: int, processes: int, loader):
-        self.run_dir, self.attempt, self.restored = run_dir, int(attempt), int(restored)
+    def __init__(self, loader, run_dir: str, attempt: int, process: int, processes: int):
+        self.loader, self.run_dir, self.attempt = loader, run_dir, int(attempt)
         self.process, self.processes = int(process), int(processes)
-        self.loader = loader
+        self.first_step = 1
         self.rows: list[tuple[int, int, int, np.ndarray]] = []  # (step, epoch, batch, ids)
 
-    def add(self, step: int, position: tuple[int, int], batch: dict) -> None:
-        """Step `step` read the loader's batch at `position` (epoch, batch in the epoch): `batch`'s ids."""
-        ids = np.asarray(batch["instance_ids"], np.int64).reshape(-1).copy()
-        self.rows.append((int(step), int(position[0]), int(position[1]), ids))
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)  # state, restore, close, fingerprint, ...
 
-    def write(self) -> str | None:
+    def next(self) -> dict:
+        st = self.loader.state()
+        batch = self.loader.next()
+        step = self.first_step + len(self.rows) + self._written
+        ids = np.asarray(batch["instance_ids"], np.int64).reshape(-1).copy()
+        self.rows.append((step, int(st["epoch"]), int(st["batch_in_epoch"]), ids))
+        return batch
+
+    __next__ = next
+
+    def __iter__(self):
+        return self
+
+    _written = 0  # steps of this launch already written
+
+    def write_record(self) -> str | None:
         """Store the steps held (the caller saves their checkpoint next); the path, or None if none."""
         if not self.rows:
             return None
@@ -85,12 +100,17 @@ class Recorder:
             fingerprint=np.array(self.loader.fingerprint),
         )
         name = record_name(
-            self.attempt, self.restored, self.process, self.processes, int(steps[0]), int(steps[-1])
+            self.attempt, self.first_step - 1, self.process, self.processes, int(steps[0]), int(steps[-1])
         )
         path = storage.join(self.run_dir, AUDIT_DIR, name)
         storage.store_for(path).write_bytes(path, buf.getvalue())
+        self._written += len(self.rows)
         self.rows = []
         return path
+
+
+def recorded(loader, run_dir: str, attempt: int, process: int, processes: int) -> RecordedLoader:
+    return RecordedLoader(loader, run_dir, attempt, process, processes)
 
 
 def read_records(run_dir: str) -> list[Record]:

@@ -225,9 +225,8 @@ class CheckpointHook(Hook):
 
     def save(self, loop, final: bool) -> None:
         loop.flush()  # a non-finite loss stops here, before it is checkpointed
+        getattr(loop.loader, "write_record", lambda: None)()  # the instances of the steps it commits
         with loop.watchdog.paused():
-            if getattr(loop, "audit", None) is not None:
-                loop.audit.write()  # the instances of the steps this checkpoint commits
             secs = loop.ckpt.save(loop.step, loop.state, self.meta(loop))
             if final:
                 loop.ckpt.wait()

@@ -49,12 +49,12 @@ def slow_start() -> None:
         time.sleep(secs)
 
 
-def double_shard(loader) -> None:
+def double_shard(loader):
     """The loader-bug fault knob (core/faults.py DOUBLE_SHARD): this host's rows of each global batch,
     already its share, are strided again by the host index and repeated to fill the batch, so with 2+
     hosts each host reads some of its instances twice and never reads the others."""
     if not faults.double_shard(os.environ):
-        return
+        return loader
     import numpy as np
 
     n_proc, proc, correct = loader.process_count, loader.process_index, loader.local_indices
@@ -68,3 +68,4 @@ def double_shard(loader) -> None:
         f"FAULT INJECTION: host {proc} strides its share of each batch again ({faults.DOUBLE_SHARD.name})",
         flush=True,
     )
+    return loader

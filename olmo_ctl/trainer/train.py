@@ -44,8 +44,8 @@ from olmo_ctl.core.contracts import committed_line
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import Recipe
 from olmo_ctl.storage import join
+from olmo_ctl.trainer import audit, injected
 from olmo_ctl.trainer import hooks as hooks_lib
-from olmo_ctl.trainer import injected
 from olmo_ctl.trainer.exits import TrainingFailed, exit_code_of
 from olmo_ctl.trainer.step import (  # noqa: F401 - IGNORE_INDEX, init_state, make_train_step, token_losses: re-exported
     IGNORE_INDEX,
@@ -198,12 +198,11 @@ def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
 class _Loop:
     """Steps and the fetch of their metrics; everything else is a hook (`trainer/hooks.py`), in its order."""
 
-    def __init__(self, s: _Setup, state, state_shard, step: int, loader, ckpt, events, signals, audit=None):
+    def __init__(self, s: _Setup, state, state_shard, step: int, loader, ckpt, events, signals):
         from olmo_ctl.trainer.watchdog import Watchdog
 
         self.s, self.state, self.step = s, state, step
         self.loader, self.ckpt, self.events = loader, ckpt, events
-        self.audit = audit  # trainer/audit.py Recorder: the instances of each step, written with checkpoints
         rt = s.recipe.runtime
         self.watchdog = Watchdog(rt.watchdog_factor, rt.watchdog_min_s)
         self.slow_data_s = injected.slow_data_s(s.proc)
@@ -225,11 +224,7 @@ class _Loop:
         if self.slow_data_s:
             time.sleep(self.slow_data_s)
         s = self.s
-        position = _position(self.loader)
-        host_batch = self.loader.next()
-        if self.audit is not None:
-            self.audit.add(self.step + 1, position, host_batch)
-        batch = device_batch(host_batch, s.recipe, s.plan, s.mesh, s.local_devices, self.micro_shard)
+        batch = device_batch(self.loader.next(), s.recipe, s.plan, s.mesh, s.local_devices, self.micro_shard)
         load_s = time.monotonic() - t0
         self.state, m = self.train_step(self.state, batch)
         self.step += 1
@@ -309,21 +304,19 @@ def run(args: TrainArgs) -> int:
     s = _setup(args)
     # Epoch orders are stored in the run directory: later attempts and other hosts read their rows of it.
     loader = data_lib.make_train_loader(s.recipe, s.proc, s.n_proc, order_dir=join(args.run_dir, ORDER_DIR))
-    injected.double_shard(loader)
+    loader = audit.recorded(injected.double_shard(loader), args.run_dir, args.attempt, s.proc, s.n_proc)
     ckpt = Checkpointer.for_run(
         args.run_dir, keep=s.recipe.checkpoint.keep, async_save=s.recipe.checkpoint.async_save
     )
     events = EventLog(args.run_dir, attempt=args.attempt)
     injected.slow_start()
     state, state_shard, step = _restore_or_init(args, s, ckpt, loader)
+    loader.first_step = step + 1  # the data-coverage record numbers the steps from here
     if step >= s.final_step:
         print(committed_line(step), flush=True)
         ckpt.close()
         return 0
-    from olmo_ctl.trainer.audit import Recorder
-
-    audit = Recorder(args.run_dir, args.attempt, step, s.proc, s.n_proc, loader)
-    loop = _Loop(s, state, state_shard, step, loader, ckpt, events, signals, audit)
+    loop = _Loop(s, state, state_shard, step, loader, ckpt, events, signals)
     exit_code = loop.run()
     print(committed_line(loop.step), flush=True)
     return exit_code
@@ -336,12 +329,6 @@ def main_run(args: TrainArgs) -> int:
 
 def replace_args(args: TrainArgs, **kw) -> TrainArgs:
     return dataclasses.replace(args, **kw)
-
-
-def _position(loader) -> tuple[int, int]:
-    """The loader's next batch: (epoch, batch in the epoch), as its state names them."""
-    st = loader.state()
-    return int(st["epoch"]), int(st["batch_in_epoch"])
 
 
 def _close_loader(loader) -> None:
