@@ -1,5 +1,6 @@
 """`olmo-ctl data prepare`: token files (OLMo-core raw uint32 layout) from text, with a held-out split."""
 
+import os
 from typing import Annotated
 
 import typer
@@ -113,3 +114,60 @@ def info(
         else:
             shown = str(v)
         typer.echo(f"{k}: {shown}")
+
+
+@data_app.command("audit", example="olmo-ctl data audit my-run -o json")
+def audit(
+    run: Annotated[
+        str,
+        typer.Argument(
+            metavar="RUN", help="Run name under the run root, or a run directory (local or gs://)."
+        ),
+    ],
+    run_root: Annotated[
+        str | None, typer.Option("--run-root", help="Where run directories live (gs://...).")
+    ] = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Check that the run read every instance of its data order once, in order, over every attempt.
+
+    Replays the epoch order against the instances each host recorded at each committed step, across
+    SIGKILLs, resizes and changes of process count: instances read, distinct, read twice, skipped, and
+    the first step that departs from the order.
+    Exit codes: 0 every step read its batch of the order, 1 a departure (named), 2 bad input (no such run,
+    no committed step, no records), 3 storage unreachable.
+    """
+    from olmo_ctl import storage
+    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.observe.audit import audit_run
+
+    if "/" in run or storage.is_gcs(run):
+        path = run if storage.is_gcs(run) else os.path.abspath(run)
+    else:
+        path = storage.join(resolve_settings(run_root=run_root).run_root, run)
+    rep = audit_run(path)
+    if output != Output.table:
+        print_data(rep.to_dict(), output)
+    else:
+        typer.echo(
+            f"{path}: steps 1..{rep.committed_step}: {rep.instances:,} instances read, {rep.distinct:,} distinct, "
+            f"{rep.repeated:,} read twice, {rep.skipped:,} skipped"
+        )
+        for la in rep.launches:
+            typer.echo(
+                f"  attempt {la['attempt']} (restored step {la['restored_step']}, {la['processes']} processes): "
+                f"steps {la['first_step']}..{la['last_step']}"
+            )
+        d = rep.first_departure
+        if d:
+            typer.echo(f"DEPARTS at step {d['step']}: {d['reason']}")
+        r = rep.first_repeat
+        if r:
+            typer.echo(
+                f"first repeat: instance {r['instance']} of epoch {r['epoch']} at step {r['step']} "
+                f"(first read at step {r['first_read_step']})"
+            )
+        if rep.ok:
+            typer.echo("ok: every step read its batch of the order")
+    if not rep.ok:
+        raise typer.Exit(1)

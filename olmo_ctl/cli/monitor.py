@@ -167,7 +167,7 @@ def render(rep: dict):
     return Panel(Group(*parts), title=f"{rep['run']}  ({rep['path']})", subtitle=rep.get("generated_at"))
 
 
-def _refreshed(src, last: dict, stall_after, backend: bool) -> dict:
+def _refreshed(src, last: dict, stall_after, backend: bool, reference: dict | None = None) -> dict:
     """The next report; when storage is briefly unreachable, the last one with a warning (a watch that
     runs for days must ride out a transient outage; the next refresh tries again)."""
     from olmo_ctl.observe.monitor import build_report
@@ -185,7 +185,9 @@ def _refreshed(src, last: dict, stall_after, backend: bool) -> dict:
                 *[w for w in last["warnings"] if not w.startswith("refresh failed")],
             ],
         }
-    return build_report(src, stall_after_s=stall_after, ask_backend=backend, status_of=handle_status)
+    return build_report(
+        src, stall_after_s=stall_after, ask_backend=backend, status_of=handle_status, reference=reference
+    )
 
 
 @app.command(example="olmo-ctl monitor gs://my-bucket/runs/olmo3-7b-s1 --watch")
@@ -217,6 +219,29 @@ def monitor(
             help="Ask the backend (local processes, GKE) for the live attempt's state; --no-backend uses the journal only.",
         ),
     ] = True,
+    reference: Annotated[
+        str | None,
+        typer.Option(
+            "--reference",
+            help="A reference run directory (or step,value curve of its training loss): warn when this run's "
+            "training loss runs below it while its held-out loss does not (memorization).",
+        ),
+    ] = None,
+    reference_heldout: Annotated[
+        str | None,
+        typer.Option(
+            "--reference-heldout",
+            help="The reference's held-out loss as a step,value curve (or run directory), when --reference is a curve.",
+        ),
+    ] = None,
+    memorization_threshold: Annotated[
+        float | None,
+        typer.Option(
+            "--memorization-threshold",
+            min=0,
+            help="Nats the training loss must run below the reference for the alarm (default 0.02).",
+        ),
+    ] = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """Show a run's progress, loss, throughput and MFU, checkpoints, attempts and goodput.
@@ -229,8 +254,15 @@ def monitor(
 
     if interval <= 0:
         raise BadInput(f"--interval {interval} must be positive")
+    from olmo_ctl.observe.monitor import reference_curves
+
+    if reference_heldout and not reference:
+        raise BadInput("--reference-heldout needs --reference", "give the reference's training loss too")
+    ref = reference_curves(reference, reference_heldout, memorization_threshold) if reference else None
     src = load(run)
-    rep = build_report(src, stall_after_s=stall_after, ask_backend=backend, status_of=handle_status)
+    rep = build_report(
+        src, stall_after_s=stall_after, ask_backend=backend, status_of=handle_status, reference=ref
+    )
     if plot:
         from olmo_ctl.observe.plot import write_plot
 
@@ -253,13 +285,13 @@ def monitor(
                     print_data(rep, output)
                 sys.stdout.flush()
                 time.sleep(interval)
-                rep = _refreshed(src, rep, stall_after, backend)
+                rep = _refreshed(src, rep, stall_after, backend, ref)
         from rich.live import Live
 
         with Live(render(rep), refresh_per_second=2, screen=False) as live:
             while True:
                 time.sleep(interval)
-                rep = _refreshed(src, rep, stall_after, backend)
+                rep = _refreshed(src, rep, stall_after, backend, ref)
                 if plot:
                     write_plot(src, rep, plot)
                 live.update(render(rep))

@@ -53,6 +53,14 @@ DATA_SHIFT = Knob(
     "trainer",
     "a restored run resumes its data N batches off (+ or -): the resume check must catch it",
 )
+DOUBLE_SHARD = Knob(
+    "OLMO_CTL_FAULT_DOUBLE_SHARD",
+    "1",
+    "trainer",
+    "each host strides its rows of each global batch (already its share) again by the host index and "
+    "repeats them to fill the batch (the case study's loader bug): with 2+ hosts some instances are read "
+    "twice and others never; `data audit` must catch it",
+)
 PAUSE_BEFORE_CREATE = Knob(
     "OLMO_CTL_FAULT_PAUSE_BEFORE_CREATE",
     "1",
@@ -67,7 +75,16 @@ SMOKE_FAULT = Knob(
     "`lr` trains with a learning rate of 1e-9 (the loss cannot fall); `data-shift` resumes "
     "attempt 2 one batch off (sets OLMO_CTL_TEST_DATA_SHIFT=1 for it)",
 )
-KNOBS = (HANG_AT_STEP, FAIL_AT_STEP, SLOW_START, SLOW_DATA, DATA_SHIFT, PAUSE_BEFORE_CREATE, SMOKE_FAULT)
+KNOBS = (
+    HANG_AT_STEP,
+    FAIL_AT_STEP,
+    SLOW_START,
+    SLOW_DATA,
+    DATA_SHIFT,
+    DOUBLE_SHARD,
+    PAUSE_BEFORE_CREATE,
+    SMOKE_FAULT,
+)
 
 
 def hang_at_step(environ: Mapping[str, str], knob: Knob = HANG_AT_STEP) -> tuple[int, int | None] | None:
@@ -109,6 +126,11 @@ def slow_data_ms(environ: Mapping[str, str], host: int) -> float:
 def data_shift(environ: Mapping[str, str]) -> int:
     """Batches the restored data position is shifted by (0: none)."""
     return int(environ.get(DATA_SHIFT.name, "0") or 0)
+
+
+def double_shard(environ: Mapping[str, str]) -> bool:
+    """Whether the loader shards its share a second time (DOUBLE_SHARD)."""
+    return environ.get(DOUBLE_SHARD.name, "") == "1"
 
 
 def smoke_faults(value: str | None) -> set[str]:

@@ -30,6 +30,8 @@ from olmo_ctl import storage
 from olmo_ctl.core.contracts import EXITED_EVENT, exit_state, final_committed, parse_segment_name
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.transient import is_transient
+from olmo_ctl.observe.memorization import DEFAULT_THRESHOLD, HELDOUT_TAGS, TRAIN_TAG, memorization
+from olmo_ctl.observe.memorization import warning_lines as memorization_warnings
 from olmo_ctl.observe.reader import EventReader
 from olmo_ctl.observe.series import Series
 from olmo_ctl.rundir import RunDir, run_recipe
@@ -513,6 +515,7 @@ def build_report(
     ask_backend: bool = True,
     stall_after_s: float | None = None,
     status_of: StatusOf | None = None,
+    reference: dict | None = None,
 ) -> dict:
     """The report dict (schema `docs/monitor-schema.json`); each section comes from one function below.
     With `ask_backend` and `status_of` (the CLI passes `supervise.attempts.handle_status`), the live
@@ -548,6 +551,7 @@ def build_report(
     mism = r.mismatches()
     problems = r.problems()
     hosts, host_warnings = _hosts_section(r)
+    memo = _memorization(r, reference)
     warnings = [
         *times.warnings,
         *skipped_warnings,
@@ -557,6 +561,7 @@ def build_report(
         *_mismatch_warning(mism),
         *problems,
         *_versions_warning(journal),
+        *memorization_warnings(memo),
     ]
     files = r.files.values()
     return {
@@ -592,6 +597,7 @@ def build_report(
             "mismatches": [{**m.__dict__, "earlier": _f(m.earlier), "later": _f(m.later)} for m in mism[:20]],
         },
         "hosts": hosts,
+        "memorization": memo,
         "warnings": warnings,
         "reader": {
             "files": len(r.files),
@@ -600,6 +606,56 @@ def build_report(
             "problems": problems,
         },
     }
+
+
+def reference_curves(src: str, heldout_src: str | None = None, threshold: float | None = None) -> dict:
+    """The reference of the memorization alarm: a run directory (its training and held-out loss) or a
+    curve file of its training loss, with `heldout_src` a run directory or curve of its held-out loss."""
+    from olmo_ctl.observe.compare import Side
+
+    side = Side(src)
+    held_side = Side(heldout_src) if heldout_src else side
+    held = None
+    if held_side.curve is not None and heldout_src:
+        held = held_side.curve
+    elif held_side.reader is not None:
+        held = next((c for c in (held_side.get(t) for t in HELDOUT_TAGS) if c is not None), None)
+    train = side.get(TRAIN_TAG)
+    if train is None:
+        raise BadInput(
+            f"reference `{src}` has no {TRAIN_TAG} curve", "give a run directory or a step,value file"
+        )
+    return {
+        "src": src,
+        "heldout_src": heldout_src or (src if held is not None else None),
+        "train": train,
+        "heldout": held,
+        "threshold": DEFAULT_THRESHOLD if threshold is None else threshold,
+    }
+
+
+def _memorization(r: EventReader, reference: dict | None) -> dict | None:
+    """The memorization alarm against `reference` (`reference_curves`), or None without one."""
+    if reference is None:
+        return None
+    own_train = r.series(TRAIN_TAG)
+    own_held = next((s for s in (r.series(t) for t in HELDOUT_TAGS) if s is not None and len(s)), None)
+    if own_train is None or not len(own_train):
+        return {
+            "reference": reference["src"],
+            "judged": False,
+            "alarm": False,
+            "ranges": [],
+            "reason": "no training loss yet",
+        }
+    m = memorization(
+        (own_train.steps, own_train.values),
+        (own_held.steps, own_held.values) if own_held is not None else None,
+        reference["train"],
+        reference["heldout"],
+        threshold=reference["threshold"],
+    )
+    return {"reference": reference["src"], "heldout_reference": reference["heldout_src"], **m}
 
 
 def _hosts_section(r: EventReader) -> tuple[list[dict], list[str]]:

@@ -231,6 +231,7 @@ class CheckpointHook(Hook):
         with loop.watchdog.judged(
             f"the checkpoint write of step {loop.step}", storage_phase_s(loop.s.recipe.runtime)
         ):
+            getattr(loop.loader, "write_record", lambda: None)()  # the instances of the steps it commits
             secs = loop.ckpt.save(loop.step, loop.state, self.meta(loop))
             if final:
                 loop.ckpt.wait()

@@ -47,3 +47,25 @@ def slow_start() -> None:
     if secs:
         print(f"FAULT INJECTION: start-up slowed by {secs:g} s ({faults.SLOW_START.name})", flush=True)
         time.sleep(secs)
+
+
+def double_shard(loader):
+    """The loader-bug fault knob (core/faults.py DOUBLE_SHARD): this host's rows of each global batch,
+    already its share, are strided again by the host index and repeated to fill the batch, so with 2+
+    hosts each host reads some of its instances twice and never reads the others."""
+    if not faults.double_shard(os.environ):
+        return loader
+    import numpy as np
+
+    n_proc, proc, correct = loader.process_count, loader.process_index, loader.local_indices
+
+    def local_indices(epoch: int, batch_in_epoch: int) -> np.ndarray:
+        rows = correct(epoch, batch_in_epoch)  # sharded once: this host's rows
+        return np.resize(rows[proc::n_proc], len(rows))  # ... and again, repeated to the batch's shape
+
+    loader.local_indices = local_indices
+    print(
+        f"FAULT INJECTION: host {proc} strides its share of each batch again ({faults.DOUBLE_SHARD.name})",
+        flush=True,
+    )
+    return loader

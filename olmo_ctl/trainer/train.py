@@ -44,8 +44,8 @@ from olmo_ctl.core.contracts import committed_line
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import Recipe
 from olmo_ctl.storage import join
+from olmo_ctl.trainer import audit, injected
 from olmo_ctl.trainer import hooks as hooks_lib
-from olmo_ctl.trainer import injected
 from olmo_ctl.trainer.exits import TrainingFailed, exit_code_of
 from olmo_ctl.trainer.step import (  # noqa: F401 - IGNORE_INDEX, init_state, make_train_step, token_losses: re-exported
     IGNORE_INDEX,
@@ -312,6 +312,7 @@ def run(args: TrainArgs) -> int:
             loader = data_lib.make_train_loader(
                 s.recipe, s.proc, s.n_proc, join(args.run_dir, ORDER_DIR), watchdog.progress
             )
+        loader = audit.recorded(injected.double_shard(loader), args.run_dir, args.attempt, s.proc, s.n_proc)
         with watchdog.judged("the checkpoint listing", phase_s):
             ckpt = Checkpointer.for_run(
                 args.run_dir, keep=s.recipe.checkpoint.keep, async_save=s.recipe.checkpoint.async_save
@@ -320,6 +321,7 @@ def run(args: TrainArgs) -> int:
         injected.slow_start()
         with watchdog.judged("restore", phase_s):
             state, state_shard, step = _restore_or_init(args, s, ckpt, loader)
+        loader.first_step = step + 1  # the data-coverage record numbers the steps from here
         if step >= s.final_step:
             print(committed_line(step), flush=True)
             with watchdog.judged("a checkpoint write", phase_s):
