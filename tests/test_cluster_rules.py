@@ -458,6 +458,7 @@ def golden(name="g-a1", host_network=True):
     js = yaml.safe_load((pathlib.Path(__file__).parent / "goldens" / "v5p-8-smoke.yaml").read_text())
     js["metadata"].update(name=name, namespace="default")
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    pod["serviceAccountName"] = "olmo-ctl"  # the test server's account (the goldens name another)
     if host_network:  # the site setting host_network (off in the goldens)
         pod.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
     else:

@@ -90,7 +90,9 @@ def test_all_checks_pass_for_a_configured_queue_and_device(sandbox, tmp_path):
         "cluster-queue",
         "resource-flavor",
         "priority-class",
+        "capacity",
         "rbac",
+        "service-account",
         "node-pools",
         "image",
     ]

@@ -49,6 +49,7 @@ SITE = [
 ]
 DEVICES = ("tpu7x-128", "tpu7x-512", "v5p-256", "v5p-8")
 MULTISLICE = ("tpu7x-128", "v5p-256")  # 2 slices of each: `2x<device>-stage1`
+CAPACITY_CASES = (("tpu7x-128", "spot"), ("tpu7x-128", "flex-start"), ("v5p-256", "reservation:olmo-v5p"))
 
 
 def golden_cases() -> dict[str, list[str]]:
@@ -74,6 +75,32 @@ def golden_cases() -> dict[str, list[str]]:
         # (and an eval batch every host can load its share of: the smoke recipe's is 8)
         big = ["--set", f"train.global_batch={devices}", "--set", f"eval.batch_size={devices}"]
         cases[f"{dev}-smoke"] = smoke + (big if devices > 8 else [])
+    # Capacity types as XPK names them (test_capacity.py checks their node selectors against XPK's).
+    for dev, capacity in CAPACITY_CASES:
+        cases[f"{dev}-stage1-{capacity.partition(':')[0]}"] = [
+            "--stage",
+            "1",
+            "--device",
+            dev,
+            "--capacity",
+            capacity,
+            "--run",
+            f"olmo3-7b-s1-{capacity.partition(':')[0]}",
+        ]
+    # A slice XPK offers that the doubling rule does not (named by its topology): the smoke model,
+    # one instance per device.
+    cases["v5p-4x4x12-smoke"] = [
+        "--recipe",
+        "smoke",
+        "--device",
+        "v5p-4x4x12",
+        "--run",
+        "smoke-v5p-4x4x12",
+        "--set",
+        "train.global_batch=192",
+        "--set",
+        "eval.batch_size=192",
+    ]
     for dev in MULTISLICE:
         cases[f"2x{dev}-stage1"] = [
             "--stage",
@@ -226,6 +253,7 @@ def _site_settings(args: list[str]) -> Settings:
             "--service-account",
             "--placement-policy",
             "--priority-class",
+            "--capacity",
         )
     }
     return Settings(**kw)

@@ -137,6 +137,8 @@ def test_a_resize_renders_the_site_options_the_run_was_submitted_with(sandbox, c
     does not name it renders it again."""
     sb, root = sandbox
     site = ["--backend", "gke", "--run-root", root, "--no-preflight"]
+    with sb.server.store.lock:  # submit refuses a service account the namespace does not have
+        sb.world.ensure_service_account("sa-of-the-run")
     assert (
         _cli(
             "submit",

@@ -31,6 +31,7 @@ from olmo_ctl.backends.gke import (
     KUEUE_VERSIONS,
     WORKLOADS,
 )
+from olmo_ctl.backends.jobset import host_network, pod_node_selector
 from olmo_ctl.backends.kube import KubeRetryPolicy, api_status, call, parse_quantity, status_message
 from olmo_ctl.core.config import PLACEHOLDER_IMAGE
 from olmo_ctl.core.devices import Device
@@ -480,8 +481,9 @@ def check_rbac(kube: Cluster, ns: str) -> Check:
     return Check("rbac", True, f"may {len(TOOL_ACCESS)} verbs olmo-ctl uses in namespace {ns}")
 
 
-def check_nodes(kube: Cluster, device: Device, slices: int) -> Check:
-    labels = device_labels(device)
+def check_nodes(kube: Cluster, device: Device, slices: int, selector: dict[str, str] | None = None) -> Check:
+    """Node pools with the slice's labels and the site's extra node selector (capacity type included)."""
+    labels = {**device_labels(device), **(selector or {})}
     sel = ",".join(f"{k}={v}" for k, v in labels.items())
     try:
         nodes = kube.get("/api/v1/nodes", "list nodes", query={"labelSelector": sel}) or {}
@@ -511,6 +513,87 @@ def check_nodes(kube: Cluster, device: Device, slices: int) -> Check:
         False,
         f"{len(whole)} complete node pool(s) with {sel} ({device.vms} nodes each); "
         f"{slices} needed: add node pools or wait for repairs",
+    )
+
+
+WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
+# Kueue's ProvisioningRequest admission check (pkg/controller/admissionchecks/provisioning): what
+# `xpk cluster create --flex` puts on the ClusterQueue (AdmissionCheck `dws-prov`,
+# src/xpk/templates/kueue_config.yaml.j2) so flex-start slices are provisioned before admission.
+PROVISIONING_CONTROLLER = "kueue.x-k8s.io/provisioning-request"
+
+
+def check_service_account(kube: Cluster, ns: str, name: str, host_network: bool = False) -> Check:
+    """The pods' service account exists (the ServiceAccount admission plugin refuses every pod naming a
+    missing one: the Job controller retries FailedCreate forever while the slice's quota is held), and
+    is bound to a GCP service account for Workload Identity (else GCS refuses the trainer)."""
+    try:
+        sa = kube.get(f"/api/v1/namespaces/{ns}/serviceaccounts/{name}", f"read service account {ns}/{name}")
+    except Forbidden:
+        return _warn("service-account", f"cannot read service account {ns}/{name} (forbidden)")
+    if sa is None:
+        return Check(
+            "service-account",
+            False,
+            f"service account {ns}/{name} does not exist: every pod would be refused; create it "
+            f"(kubectl create serviceaccount {name} -n {ns}) and bind it for Workload Identity, or set "
+            "--service-account to one that exists (kubectl get serviceaccounts)",
+        )
+    gcp = ((sa.get("metadata") or {}).get("annotations") or {}).get(WORKLOAD_IDENTITY_ANNOTATION)
+    if host_network:
+        return _warn(
+            "service-account",
+            f"{ns}/{name} exists, but host_network is on: pods reach GCS as the node pool's service account",
+        )
+    if not gcp:
+        return _warn(
+            "service-account",
+            f"service account {ns}/{name} has no {WORKLOAD_IDENTITY_ANNOTATION} annotation: without Workload "
+            "Identity the trainer reaches GCS as the node's service account; annotate it with a GCP "
+            "service account that may read and write the run root",
+        )
+    return Check("service-account", True, f"{ns}/{name} -> {gcp} (Workload Identity)")
+
+
+def check_capacity(kube: Cluster, version: str, cq: dict | None, capacity: str) -> Check:
+    """What the capacity type needs of the cluster beyond node pools of the right kind (which
+    `node-pools` checks with the capacity's node selector): flex-start needs Kueue's ProvisioningRequest
+    admission check on the ClusterQueue, or its slices are never provisioned."""
+    if capacity != "flex-start":
+        return Check("capacity", True, f"{capacity}: node pools checked with its node selector")
+    if cq is None:
+        return _warn("capacity", "flex-start: no readable ClusterQueue to check its admission checks")
+    spec = cq.get("spec") or {}
+    names = list(spec.get("admissionChecks") or []) + [
+        r.get("name") for r in (spec.get("admissionChecksStrategy") or {}).get("admissionChecks") or []
+    ]
+    for name in names:
+        try:
+            ac = _kueue(kube, version, "admissionchecks", name)
+        except Forbidden:
+            return _warn("capacity", f"flex-start: cannot read AdmissionCheck {name} (forbidden)")
+        if ac and (ac.get("spec") or {}).get("controllerName") == PROVISIONING_CONTROLLER:
+            active = next(
+                (c for c in (ac.get("status") or {}).get("conditions") or [] if c.get("type") == "Active"),
+                None,
+            )
+            if active is not None and active.get("status") != "True":
+                return Check(
+                    "capacity",
+                    False,
+                    f"flex-start: AdmissionCheck {name} is not active ({active.get('message') or active.get('reason')})",
+                )
+            return Check(
+                "capacity",
+                True,
+                f"flex-start: ClusterQueue {cq['metadata']['name']} has AdmissionCheck {name}",
+            )
+    return Check(
+        "capacity",
+        False,
+        f"flex-start: ClusterQueue {cq['metadata']['name']} has no {PROVISIONING_CONTROLLER} admission check, so "
+        "no slice is ever provisioned; add one as `xpk cluster create --flex` does (AdmissionCheck dws-prov with "
+        "a ProvisioningRequestConfig of class queued-provisioning.gke.io)",
     )
 
 
@@ -558,11 +641,13 @@ def run_checks(api_client: Any, settings: Any, device: Device | None, slices: in
         elif device is not None:
             checks.append(_warn("resource-flavor", "not checked: no readable ClusterQueue (see above)"))
         checks.append(check_priority_class(kube, version, settings.priority_class))
+        checks.append(check_capacity(kube, version, cq, settings.capacity))
     if device is None:
         checks.append(Check("resource-flavor", True, "skipped: pass --device to check flavor and quota"))
     checks.append(check_rbac(kube, ns))
+    checks.append(check_service_account(kube, ns, settings.service_account, host_network(settings)))
     if device is not None:
-        checks.append(check_nodes(kube, device, slices))
+        checks.append(check_nodes(kube, device, slices, pod_node_selector(settings)))
     checks.append(check_image(settings.image))
     return checks
 
@@ -576,7 +661,11 @@ def submit_checks(api_client: Any, settings: Any, device: Device, slices: int = 
     if version is None:
         raise BadInput(f"the cluster serves no {KUEUE_GROUP} API", KUEUE_INSTALL)
     qs, cq = check_queues(kube, version, settings.namespace, settings.queue)
-    checks = [*qs, check_priority_class(kube, version, settings.priority_class)]
+    checks = [
+        *qs,
+        check_priority_class(kube, version, settings.priority_class),
+        check_service_account(kube, settings.namespace, settings.service_account, host_network(settings)),
+    ]
     if cq is not None and not [c for c in qs if not c.ok]:
         fits = flavors_for(kube, version, cq, device)
         if not fits:

@@ -209,6 +209,31 @@ def placement_policy_for(device: Device, settings: Settings) -> str | None:
     )
 
 
+# The node selector of each capacity type: XPK's `get_capacity_node_selectors_from_capacity_type`
+# (src/xpk/core/capacity.py). GKE labels the nodes of spot, reservation and flex-start (queued
+# provisioning) node pools so; on-demand pools carry no such label and need no selector.
+CAPACITY_SELECTOR_KEYS = {
+    "spot": "cloud.google.com/gke-spot",
+    "reservation": "cloud.google.com/reservation-name",
+    "flex-start": "cloud.google.com/gke-queued",
+}
+
+
+def capacity_node_selector(capacity: str) -> dict[str, str]:
+    """The pods' node selector for a capacity type (`on-demand`, `spot`, `reservation:NAME`, `flex-start`)."""
+    kind, _, reservation = capacity.partition(":")
+    if kind == "on-demand":
+        return {}
+    if kind == "reservation":
+        return {CAPACITY_SELECTOR_KEYS["reservation"]: reservation}
+    return {CAPACITY_SELECTOR_KEYS[kind]: "true"}
+
+
+def pod_node_selector(settings: Settings) -> dict[str, str]:
+    """What the site adds to the slice's node selector: the capacity type's, then `node_selectors`."""
+    return {**capacity_node_selector(settings.capacity), **settings.node_selectors}
+
+
 def host_network(settings: Settings | None) -> bool:
     """Whether the pods run on the host network (the site setting `host_network`; off by default)."""
     return bool(getattr(settings, "host_network", False))
@@ -328,6 +353,7 @@ def render_jobset(
         "user_error_exit_codes": v["user_error_exit_codes"],
     }
     jobset = _fill(template["jobset"], values)
+    _add_site_pod_fields(jobset, settings)
     jobset["metadata"]["annotations"].update(
         {
             ANNOTATION_RECIPE: recipe.name,
@@ -340,6 +366,29 @@ def render_jobset(
     if leftover:
         raise ValueError(f"unfilled placeholder {leftover.group(0)} in the launch template")
     return jobset
+
+
+def _add_site_pod_fields(jobset: dict, settings: Settings) -> None:
+    """What the site adds to every pod (capacity selector, extra selectors, tolerations, annotations,
+    pull secrets, priority class) and to the JobSet (ttlSecondsAfterFinished), after the template's own."""
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    spec = pod["spec"]
+    selector = pod_node_selector(settings)
+    if selector:
+        spec["nodeSelector"] = {**spec.get("nodeSelector", {}), **selector}
+    if settings.tolerations:
+        spec["tolerations"] = [*spec.get("tolerations", []), *settings.tolerations]
+    if settings.pod_annotations:
+        pod["metadata"]["annotations"] = {
+            **pod["metadata"].get("annotations", {}),
+            **settings.pod_annotations,
+        }
+    if settings.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in settings.image_pull_secrets]
+    if settings.pod_priority_class:
+        spec["priorityClassName"] = settings.pod_priority_class
+    if settings.ttl_seconds_after_finished is not None:
+        jobset["spec"]["ttlSecondsAfterFinished"] = settings.ttl_seconds_after_finished
 
 
 # ---------------------------------------------------------------- output

@@ -27,7 +27,15 @@ def _shown(name: str, value) -> str:
             if value
             else "-"
         )
-    return "-" if value is None else str(value)
+    if value is None or value in ({}, []):
+        return "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(
+            item if isinstance(item, str) else " ".join(f"{k}={v}" for k, v in item.items()) for item in value
+        )
+    return str(value)
 
 
 @config_app.command("show", example="olmo-ctl config show -o json")
@@ -57,8 +65,9 @@ def config_show(
         )
         return
     lines = [f"config file: {path}{'' if path.exists() else ' (not present)'}", ""]
+    width = max(len(n) for n in setting_names())
     for name in setting_names():
-        lines.append(f"{name:16}  {_shown(name, getattr(s, name))}  ({s.sources[name]})")
+        lines.append(f"{name:{width}}  {_shown(name, getattr(s, name))}  ({s.sources[name]})")
     sys.stdout.write("\n".join(lines) + "\n")
     for name in s.placeholders():
         note(

@@ -41,10 +41,12 @@ def devices(
     cols = ("NAME", "TOPOLOGY", "CHIPS", "VMS", "CHIPS/VM", "DEVICES", "TFLOP/S/DEV", "HBM GIB/DEV")
     widths = (10, 8, 5, 4, 8, 7, 11, 11)
     line = "  ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths))
-    out = []
+    out: list[str] = []
     heading = None
     for d in rows:
         if d.generation != heading:
+            if heading in dev.GENERATIONS:
+                out.append(_by_topology(dev.GENERATIONS[heading]))
             heading = d.generation
             if out:
                 out.append("")
@@ -67,4 +69,14 @@ def devices(
                 _fmt_num(d.hbm_gib_per_device),
             ).rstrip()
         )
+    if heading in dev.GENERATIONS:
+        out.append(_by_topology(dev.GENERATIONS[heading]))
     sys.stdout.write("\n".join(out) + "\n")
+
+
+def _by_topology(gen: dev.Generation) -> str:
+    """The line under a generation's rows: the other slice shapes it offers, named by topology."""
+    return (
+        f"and {gen.name}-AxBxC for other shapes (e.g. {gen.name}-4x4x12, {gen.name}-4x8x12):\n"
+        f"  axes multiples of 4, A <= B <= C, at most {gen.max_cubes} cubes of 4x4x4"
+    )

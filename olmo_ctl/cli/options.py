@@ -37,6 +37,14 @@ PlacementPolicyOpt = Annotated[
         "--placement-policy", help="Placement policy of multi-host Ironwood node pools ({topology} ok)."
     ),
 ]
+CapacityOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--capacity",
+        help="Capacity type of the node pools: on-demand, spot, reservation:NAME or flex-start (the node "
+        "selector XPK renders for it).",
+    ),
+]
 AdmissionTimeoutOpt = Annotated[
     float | None,
     typer.Option(
@@ -70,6 +78,7 @@ SITE_OPTIONS: dict[str, Any] = {
     "image": ImageOpt,
     "service_account": ServiceAccountOpt,
     "placement_policy": PlacementPolicyOpt,
+    "capacity": CapacityOpt,
 }
 
 
@@ -86,6 +95,7 @@ class SiteFlags:
     image: str | None = None
     service_account: str | None = None
     placement_policy: str | None = None
+    capacity: str | None = None
 
     def resolve(self) -> Settings:
         """Flags > OLMO_CTL_* environment > config file > defaults (`core.config.resolve_settings`)."""

@@ -22,6 +22,7 @@ def _loss(x: float | None) -> str:
         "image",
         "service_account",
         "placement_policy",
+        "capacity",
     )
 )
 def runs(

@@ -45,6 +45,15 @@ DESCRIPTIONS = {
     "its stdin and OLMO_CTL_NOTIFY_* in its environment (empty: none)",
     "prices": "your USD per chip-hour by TPU generation, on_demand and spot, for the dollar estimate of "
     "`plan` (a mapping; none ship with olmo-ctl)",
+    "capacity": "the node pools' capacity type: on-demand, spot, reservation:NAME or flex-start (the node "
+    "selector XPK renders for it)",
+    "node_selectors": "extra pod node selectors (a mapping of label to value)",
+    "tolerations": "extra pod tolerations (a list of {key, operator, value, effect})",
+    "pod_annotations": "extra annotations on every pod (a mapping)",
+    "image_pull_secrets": "names of Secrets the pods pull the image with (a list)",
+    "pod_priority_class": "the pods' scheduling.k8s.io PriorityClass (priorityClassName; empty: none)",
+    "ttl_seconds_after_finished": "seconds JobSet keeps a finished attempt before deleting it (at least "
+    "600; empty: kept until olmo-ctl retires it)",
 }
 PRICE_KINDS = ("on_demand", "spot")
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0", "")
@@ -61,7 +70,23 @@ RUN_SITE_SETTINGS = (
     "placement_policy",
     "xla_flags",
     "host_network",
+    "capacity",
+    "node_selectors",
+    "tolerations",
+    "pod_annotations",
+    "image_pull_secrets",
+    "pod_priority_class",
+    "ttl_seconds_after_finished",
 )
+
+# Settings that are YAML structures (a mapping or a list): from the environment (as YAML) or the
+# config file, never a flag.
+STRUCTURED = ("prices", "node_selectors", "tolerations", "pod_annotations", "image_pull_secrets")
+
+# XPK's capacity types (src/xpk/core/capacity.py CapacityType) as `--capacity` spells them.
+CAPACITY_TYPES = ("on-demand", "spot", "reservation:NAME", "flex-start")
+# A JobSet finished attempt read by the supervisor must outlive one poll and a slow API server.
+MIN_TTL_AFTER_FINISHED_S = 600
 
 
 @dataclass(frozen=True)
@@ -79,6 +104,13 @@ class Settings:
     host_network: bool = False
     notify_webhook: str | None = None
     notify_command: str | None = None
+    capacity: str = "on-demand"
+    node_selectors: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, str]] = field(default_factory=list)
+    pod_annotations: dict[str, str] = field(default_factory=dict)
+    image_pull_secrets: list[str] = field(default_factory=list)
+    pod_priority_class: str | None = None
+    ttl_seconds_after_finished: int | None = None
     # generation -> {"on_demand": USD, "spot": USD} per chip-hour: the user's own prices (file or
     # OLMO_CTL_PRICES as a YAML mapping; no flag). Not compared: it never changes what a run does.
     prices: dict[str, dict[str, float]] = field(default_factory=dict, compare=False)
@@ -127,13 +159,32 @@ def _check(name: str, value: str, src: str) -> None:
                 f"{where}: `{value}` is not a valid namespace name",
                 "use lowercase letters, digits and '-', at most 63 characters",
             )
-    elif name in ("queue", "priority_class", "service_account"):
+    elif name == "capacity":
+        kind, _, reservation = value.partition(":")
+        if kind == "reservation":
+            if len(reservation) > 63 or not re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", reservation):
+                raise BadInput(
+                    f"{where}: `{value}` does not name a reservation",
+                    "use reservation:NAME, NAME as gcloud lists it (lowercase letters, digits and '-'); for "
+                    "a reservation shared from another project add node_selectors "
+                    "{cloud.google.com/reservation-project: PROJECT}",
+                )
+        elif value not in CAPACITY_TYPES:
+            raise BadInput(f"{where}: `{value}` is not a capacity type", f"use {', '.join(CAPACITY_TYPES)}")
+    elif name == "ttl_seconds_after_finished":
+        if not value.isdigit() or int(value) < MIN_TTL_AFTER_FINISHED_S:
+            raise BadInput(
+                f"{where}: `{value}` is not a number of seconds >= {MIN_TTL_AFTER_FINISHED_S}",
+                "the supervisor reads a finished attempt before JobSet may delete it; leave it unset to keep "
+                "finished attempts until olmo-ctl retires them",
+            )
+    elif name in ("queue", "priority_class", "service_account", "pod_priority_class"):
         if len(value) > 253 or not _DNS1123_SUBDOMAIN.match(value):
             raise BadInput(
                 f"{where}: `{value}` is not a valid Kubernetes object name",
                 "use lowercase letters, digits, '-' and '.'",
             )
-        if name != "service_account" and len(value) > 63:
+        if name in ("queue", "priority_class") and len(value) > 63:
             raise BadInput(f"{where}: `{value}` is longer than 63 characters", "it is used as a label value")
     elif name == "placement_policy":
         try:
@@ -199,15 +250,139 @@ def _check_prices(value: Any, src: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def _parse_prices_env(text: str, src: str) -> Any:
+# Label keys the launch template sets itself; an extra node selector may not override them.
+_OWN_SELECTORS = (
+    "cloud.google.com/gke-tpu-accelerator",
+    "cloud.google.com/gke-tpu-topology",
+    "cloud.google.com/placement-policy-name",
+    "cloud.google.com/gke-spot",
+    "cloud.google.com/reservation-name",
+    "cloud.google.com/gke-queued",
+)
+_QUALIFIED_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+_TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
+_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+_EXAMPLES = {
+    "prices": "e.g. prices: {v5p: {on_demand: 4.0, spot: 2.0}} (USD per chip-hour, your own prices)",
+    "node_selectors": "e.g. node_selectors: {cloud.google.com/gke-nodepool: tpu-pool-a}",
+    "tolerations": "e.g. tolerations: [{key: dedicated, operator: Equal, value: ml, effect: NoSchedule}]",
+    "pod_annotations": 'e.g. pod_annotations: {gke-gcsfuse/volumes: "true"}',
+    "image_pull_secrets": "e.g. image_pull_secrets: [registry-credentials]",
+}
+
+_ENV_EXAMPLES = {
+    "prices": "{v5p: {on_demand: 4.0, spot: 2.0}}",
+    "node_selectors": "{cloud.google.com/gke-nodepool: tpu-pool-a}",
+    "tolerations": "[{key: dedicated, operator: Exists, effect: NoSchedule}]",
+    "pod_annotations": "{example.com/team: pretraining}",
+    "image_pull_secrets": "[registry-credentials]",
+}
+
+
+def _check_mapping(name: str, value: Any, src: str) -> dict[str, str]:
+    """A mapping of label-style keys (`prefix/name`) to strings: node selectors, pod annotations."""
+    where = f"setting `{name}` ({src})"
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadInput(f"{where} must be a mapping", _EXAMPLES[name])
+    out: dict[str, str] = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or len(k.rpartition("/")[2]) > 63 or not _QUALIFIED_NAME.match(k):
+            raise BadInput(
+                f"{where}: `{k}` is not a valid key", "prefix/name, the name at most 63 characters"
+            )
+        if not isinstance(v, str | int | float) or isinstance(v, bool):
+            raise BadInput(f"{where}: the value of `{k}` must be a string, got {v!r}", "quote it")
+        v = str(v)
+        if name == "node_selectors":
+            if k in _OWN_SELECTORS:
+                raise BadInput(
+                    f"{where}: `{k}` is set by olmo-ctl",
+                    "the device, placement_policy and capacity settings choose it",
+                )
+            if len(v) > 63 or not _LABEL_VALUE.match(v):
+                raise BadInput(f"{where}: `{v}` (for `{k}`) is not a valid label value")
+        out[k] = v
+    return out
+
+
+def _check_tolerations(value: Any, src: str) -> list[dict[str, str]]:
+    """Kubernetes tolerations: key, operator (Equal or Exists), value (Equal only), effect."""
+    where = f"setting `tolerations` ({src})"
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise BadInput(f"{where} must be a list", _EXAMPLES["tolerations"])
+    out = []
+    for i, t in enumerate(value):
+        if not isinstance(t, dict):
+            raise BadInput(f"{where}: item {i + 1} is not a mapping", _EXAMPLES["tolerations"])
+        unknown = sorted(set(t) - set(_TOLERATION_KEYS))
+        if unknown:
+            raise BadInput(
+                f"{where}: item {i + 1} has unknown keys {unknown}", f"known: {', '.join(_TOLERATION_KEYS)}"
+            )
+        op = t.get("operator", "Equal")
+        if op not in ("Equal", "Exists"):
+            raise BadInput(f"{where}: item {i + 1}: operator `{op}` is not Equal or Exists")
+        if op == "Exists" and t.get("value") not in (None, ""):
+            raise BadInput(f"{where}: item {i + 1}: operator Exists takes no value")
+        if not t.get("key") and op != "Exists":
+            raise BadInput(f"{where}: item {i + 1}: a toleration without a key needs operator Exists")
+        if t.get("effect") not in (None, *_EFFECTS):
+            raise BadInput(f"{where}: item {i + 1}: effect `{t['effect']}` is not {', '.join(_EFFECTS)}")
+        seconds = t.get("tolerationSeconds")
+        if seconds is not None and (
+            isinstance(seconds, bool) or not isinstance(seconds, int) or t.get("effect") != "NoExecute"
+        ):
+            raise BadInput(
+                f"{where}: item {i + 1}: tolerationSeconds is an integer, with effect NoExecute only"
+            )
+        item: dict[str, Any] = {
+            k: str(t[k]) for k in ("key", "operator", "value", "effect") if t.get(k) not in (None, "")
+        }
+        if seconds is not None:
+            item["tolerationSeconds"] = seconds
+        out.append(item)
+    return out
+
+
+def _check_secrets(value: Any, src: str) -> list[str]:
+    where = f"setting `image_pull_secrets` ({src})"
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadInput(f"{where} must be a list of Secret names", _EXAMPLES["image_pull_secrets"])
+    for v in value:
+        if len(v) > 253 or not _DNS1123_SUBDOMAIN.match(v):
+            raise BadInput(
+                f"{where}: `{v}` is not a valid Secret name", "use lowercase letters, digits, '-' and '.'"
+            )
+    return list(value)
+
+
+def _check_structured(name: str, value: Any, src: str) -> Any:
+    if name == "prices":
+        return _check_prices(value, src)
+    if name == "tolerations":
+        return _check_tolerations(value, src)
+    if name == "image_pull_secrets":
+        return _check_secrets(value, src)
+    return _check_mapping(name, value, src)
+
+
+def _parse_env_yaml(name: str, text: str, src: str) -> Any:
     import yaml
 
     try:
         return yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         raise BadInput(
-            f"setting `prices` ({src}) is not a YAML mapping",
-            "e.g. OLMO_CTL_PRICES='{v5p: {on_demand: 4.0, spot: 2.0}}'",
+            f"setting `{name}` ({src}) is not valid YAML",
+            f"e.g. OLMO_CTL_{name.upper()}='{_ENV_EXAMPLES[name]}'",
         ) from None
 
 
@@ -235,9 +410,14 @@ def _load_file(path: Path) -> dict[str, Any]:
             raise BadInput(
                 f"config file `{path}`: unknown setting `{k}`", f"known settings: {', '.join(names)}"
             )
-        if k == "prices":
-            continue  # a mapping, checked where it is resolved
-        if v is not None and not isinstance(v, str) and not (k == "host_network" and isinstance(v, bool)):
+        if k in STRUCTURED:
+            continue  # a mapping or a list, checked where it is resolved
+        if (
+            v is not None
+            and not isinstance(v, str)
+            and not (k == "host_network" and isinstance(v, bool))
+            and not (k == "ttl_seconds_after_finished" and isinstance(v, int) and not isinstance(v, bool))
+        ):
             raise BadInput(f"config file `{path}`: setting `{k}` must be a string, got {v!r}")
     return raw
 
@@ -261,19 +441,21 @@ def resolve_settings(**flag_values: str | None) -> Settings:
         "xla_flags",
         "notify_webhook",
         "notify_command",
+        "pod_priority_class",
+        "ttl_seconds_after_finished",
     }
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     value: Any  # a string from a flag, the environment or the file; host_network may be a YAML bool
     for name in ["backend"] + [n for n in names if n != "backend"]:  # run_root's default depends on it
         env_name = ENV_PREFIX + name.upper()
-        if name == "prices":  # a mapping: the environment or the file, no flag
+        if name in STRUCTURED:  # a mapping or a list: the environment or the file, no flag
             if env_name in os.environ:
                 src = f"env {env_name}"
-                values[name] = _check_prices(_parse_prices_env(os.environ[env_name], src), src)
+                values[name] = _check_structured(name, _parse_env_yaml(name, os.environ[env_name], src), src)
             elif from_file.get(name) is not None:
                 src = f"file {path}"
-                values[name] = _check_prices(from_file[name], src)
+                values[name] = _check_structured(name, from_file[name], src)
             else:
                 src = "default"
             sources[name] = src
@@ -297,13 +479,13 @@ def resolve_settings(**flag_values: str | None) -> Settings:
                 raise BadInput(f"setting `host_network` ({src}): `{value}` is not true or false")
             values[name], sources[name] = word in _TRUE, src
             continue
-        value = value.strip()
+        value = str(value).strip()
         if value == "" and name in optional:
             values[name] = None
         else:
             _check(name, value, src)
             if name == "run_root" and not value.startswith("gs://"):
                 value = os.path.abspath(os.path.expanduser(value))  # every process sees the same directory
-            values[name] = value
+            values[name] = int(value) if name == "ttl_seconds_after_finished" else value
         sources[name] = src
     return Settings(**values, sources={n: sources[n] for n in names})

@@ -2,7 +2,8 @@
 
 A device name is `{generation}-{N}`. For TPUs N counts TensorCores (chips x 2): the topology
 follows from the chip count by doubling the axes in the order z, y, x starting from 2x2x1 (the
-single-host slice), hosts have 4 chips. Ironwood exposes both TensorCores of a chip as JAX devices;
+single-host slice), hosts have 4 chips. Slices of other shapes (XPK's `4x4x12`, `4x8x12`, ...) are
+named by their topology, `{generation}-{AxBxC}`, under XPK's rule for what a generation offers. Ironwood exposes both TensorCores of a chip as JAX devices;
 v5p runs them as one megacore device. Local devices (`cpu-N`, `gpu-N`) are the local backend's;
 `cpu-PxD` is the multi-host twin: P trainer processes with D host devices each (`cpu-N` is 1 x N).
 """
@@ -24,13 +25,21 @@ class Generation:
     devices_per_chip: int
     peak_tflops_per_chip: float  # dense bf16
     hbm_gib_per_chip: float
+    # Most 4x4x4 cubes in a slice named by its topology (XPK's `generate_tpu_topologies(max_cubes=N)`
+    # for the generation's 4-chip machine type, src/xpk/core/system_characteristics.py).
+    max_cubes: int
     chips_per_vm: int = 4
 
 
 GENERATIONS: dict[str, Generation] = {
-    "tpu7x": Generation("tpu7x", "tpu7x", "tpu7x-standard-4t", 2, 2307.0, 192.0),
-    "v5p": Generation("v5p", "tpu-v5p-slice", "ct5p-hightpu-4t", 1, 459.0, 95.0),
+    "tpu7x": Generation("tpu7x", "tpu7x", "tpu7x-standard-4t", 2, 2307.0, 192.0, max_cubes=144),
+    "v5p": Generation("v5p", "tpu-v5p-slice", "ct5p-hightpu-4t", 1, 459.0, 95.0, max_cubes=140),
 }
+
+# The sub-cube topologies every generation offers; larger slices are whole 4x4x4 cubes.
+SUB_CUBE_TOPOLOGIES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4")
+# XPK's largest axis (`generate_tpu_topologies`: A, B, C in 4..256).
+MAX_TOPOLOGY_AXIS = 256
 
 # Smallest and largest slice (in TensorCores) the catalog lists.
 MIN_TPU_CORES = 8
@@ -94,13 +103,60 @@ def tpu_topology(chips: int) -> str:
     return "x".join(str(d) for d in dims)
 
 
-def _tpu_device(gen: Generation, cores: int) -> Device:
+def topology_problem(gen: Generation, topology: str) -> str | None:
+    """Why `topology` is not a slice `gen` offers (None when it is), by XPK's rule: one of the
+    sub-cube shapes, or A x B x C with each axis a multiple of 4 (at most 256), A <= B <= C, and at
+    most `gen.max_cubes` 4x4x4 cubes."""
+    if topology in SUB_CUBE_TOPOLOGIES:
+        return None
+    parts = topology.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and not p.startswith("0") for p in parts):
+        return "a topology is AxBxC"
+    a, b, c = (int(p) for p in parts)
+    if any(d % 4 or d > MAX_TOPOLOGY_AXIS for d in (a, b, c)):
+        return f"each axis is a multiple of 4 up to {MAX_TOPOLOGY_AXIS} (or one of {', '.join(SUB_CUBE_TOPOLOGIES)})"
+    if not a <= b <= c:
+        return f"axes go from smallest to largest ({'x'.join(map(str, sorted((a, b, c))))})"
+    if (a // 4) * (b // 4) * (c // 4) > gen.max_cubes:
+        return f"{gen.name} slices hold at most {gen.max_cubes} 4x4x4 cubes"
+    return None
+
+
+def topologies_of(gen: Generation, chips: int) -> list[str]:
+    """Every topology of `chips` chips that `gen` offers, the most cube-like (shortest longest axis) first."""
+    if chips % 64:
+        return [t for t in SUB_CUBE_TOPOLOGIES if _chips(t) == chips]
+    out = []
+    for a in range(4, MAX_TOPOLOGY_AXIS + 1, 4):
+        for b in range(a, MAX_TOPOLOGY_AXIS + 1, 4):
+            c, rest = divmod(chips, a * b)
+            if c < b:
+                break
+            t = f"{a}x{b}x{c}"
+            if not rest and topology_problem(gen, t) is None:
+                out.append(t)
+    return sorted(out, key=lambda t: int(t.rsplit("x", 1)[1]))
+
+
+def _chips(topology: str) -> int:
+    a, b, c = (int(p) for p in topology.split("x"))
+    return a * b * c
+
+
+def _tpu_device(gen: Generation, cores: int, topology: str | None = None) -> Device:
+    """The slice of `cores` TensorCores; `topology` names a shape other than the doubling rule's,
+    and then names the device too (`v5p-4x4x12`)."""
     chips = cores // 2
     devices = chips * gen.devices_per_chip
+    power_of_two = chips >= 4 and not chips & (chips - 1)
+    if topology is None or (power_of_two and topology == tpu_topology(chips)):
+        name, topology = f"{gen.name}-{cores}", tpu_topology(chips)
+    else:
+        name = f"{gen.name}-{topology}"
     return Device(
-        name=f"{gen.name}-{cores}",
+        name=name,
         generation=gen.name,
-        topology=tpu_topology(chips),
+        topology=topology,
         chips=chips,
         vms=max(1, chips // gen.chips_per_vm),
         chips_per_vm=min(chips, gen.chips_per_vm),
@@ -168,6 +224,8 @@ def get_device(name: str) -> Device:
     gen, _, count = name.rpartition("-")
     if gen == "cpu" and "x" in count:
         return _multi_host_cpu(name, count, hint)
+    if gen in GENERATIONS and "x" in count:
+        return _topology_device(name, GENERATIONS[gen], count, hint)
     if not count.isdigit() or count.startswith("0"):
         raise BadInput(f"`{name}` is not a device type", hint)
     n = int(count)
@@ -180,9 +238,12 @@ def get_device(name: str) -> Device:
             f"`{name}` is not a device type: unknown generation `{gen}` (tpu7x, v5p, cpu, gpu)", hint
         )
     if n < MIN_TPU_CORES or n > MAX_TPU_CORES or n & (n - 1):
+        shapes = topologies_of(GENERATIONS[gen], n // 2) if n % 2 == 0 else []
         raise BadInput(
             f"`{name}` is not a device type: {gen} sizes are powers of two from -{MIN_TPU_CORES} to -{MAX_TPU_CORES}",
-            hint,
+            f"{n} TensorCores is {' or '.join(f'{gen}-{t}' for t in shapes[:3])}; {hint}"
+            if shapes
+            else f"name other shapes by their topology, e.g. {gen}-4x4x12; {hint}",
         )
     return _tpu_device(GENERATIONS[gen], n)
 
@@ -211,6 +272,15 @@ def check_slices(device: Device, slices: int) -> int:
             f"use a multi-host slice ({device.generation}-16 or larger), or --slices 1",
         )
     return slices
+
+
+def _topology_device(name: str, gen: Generation, topology: str, hint: str) -> Device:
+    """`v5p-4x4x12`: a slice named by its topology; a shape the doubling rule gives has one name,
+    `v5p-4x4x8` is `v5p-256`."""
+    problem = topology_problem(gen, topology)
+    if problem:
+        raise BadInput(f"`{name}` is not a device type: {problem}", f"e.g. {gen.name}-4x4x12; {hint}")
+    return _tpu_device(gen, _chips(topology) * 2, topology)
 
 
 def _multi_host_cpu(name: str, count: str, hint: str) -> Device:

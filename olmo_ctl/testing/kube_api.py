@@ -77,6 +77,7 @@ LOCALQUEUE_CRD = "kueue.x-k8s.io_localqueues.v0.17.1.yaml"
 CLUSTERQUEUE_CRD = "kueue.x-k8s.io_clusterqueues.v0.17.1.yaml"
 RESOURCEFLAVOR_CRD = "kueue.x-k8s.io_resourceflavors.v0.17.1.yaml"
 WPC_CRD = "kueue.x-k8s.io_workloadpriorityclasses.v0.17.1.yaml"
+ADMISSIONCHECK_CRD = "kueue.x-k8s.io_admissionchecks.v0.17.1.yaml"
 
 OBJECT_META_FIELDS = frozenset(
     {
@@ -121,11 +122,26 @@ def crd_versions(filename: str) -> dict[str, dict]:
     return {v["name"]: v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v.get("served")}
 
 
+def _python_patterns(node: Any) -> Any:
+    """The schema's `pattern`s as Python's `re` reads them: RE2 (the API server's) takes a flag group
+    after `^` (`^(?i)[a-z]...`, Kueue's AdmissionCheck), Python only at the start (`(?i)^[a-z]...`)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "pattern" and isinstance(v, str):
+                node[k] = re.sub(r"^\^\((\?[a-z]+)\)", r"(\1)^", v)
+            else:
+                _python_patterns(v)
+    elif isinstance(node, list):
+        for v in node:
+            _python_patterns(v)
+    return node
+
+
 @functools.cache
 def _validator(filename: str, version: str):
     import jsonschema
 
-    schema = copy.deepcopy(crd_versions(filename)[version])
+    schema = _python_patterns(copy.deepcopy(crd_versions(filename)[version]))
     # ObjectMeta is validated by the server itself, as kube-apiserver does.
     schema.get("properties", {}).pop("metadata", None)
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
@@ -236,6 +252,14 @@ BUILTIN = (
         has_status=False,
         namespaced=False,
     ),
+    Resource(
+        KUEUE,
+        KUEUE_VERSIONS,
+        "admissionchecks",
+        "AdmissionCheck",
+        ADMISSIONCHECK_CRD,
+        namespaced=False,
+    ),
     Resource("batch", ("v1",), "jobs", "Job"),
     Resource(
         "scheduling.k8s.io",
@@ -249,6 +273,7 @@ BUILTIN = (
     Resource("", ("v1",), "pods", "Pod", short_names=("po",)),
     Resource("", ("v1",), "events", "Event", has_status=False, short_names=("ev",)),
     Resource("", ("v1",), "namespaces", "Namespace", namespaced=False, short_names=("ns",)),
+    Resource("", ("v1",), "serviceaccounts", "ServiceAccount", has_status=False, short_names=("sa",)),
     Resource("", ("v1",), "nodes", "Node", namespaced=False, short_names=("no",)),
 )
 RESOURCES = {r.key: r for r in BUILTIN}

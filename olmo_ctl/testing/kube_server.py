@@ -49,7 +49,7 @@ from typing import Any
 
 from olmo_ctl.testing.cluster import kueue
 from olmo_ctl.testing.cluster.objects import QUEUE_LABEL, deleting, pod_terminal
-from olmo_ctl.testing.cluster.world import World
+from olmo_ctl.testing.cluster.world import OLMO_CTL_SERVICE_ACCOUNT, SANDBOX_GCP_ACCOUNT, World
 from olmo_ctl.testing.kube_api import (  # noqa: F401  (re-exported: tests and tools import them from here)
     JOBSET_CRD,
     WORKLOAD_CRD,
@@ -481,6 +481,7 @@ class KubeServer(ApiServer):
                 self.world.ensure_queue(
                     q, "cluster-queue", "tpu-flavor", {"google.com/tpu": 0, "cpu": 0, "memory": 0}
                 )
+            self.world.ensure_service_account(OLMO_CTL_SERVICE_ACCOUNT, gcp_account=SANDBOX_GCP_ACCOUNT)
         self.cluster = Cluster(self.world, self)
 
 

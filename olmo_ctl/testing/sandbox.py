@@ -43,6 +43,7 @@ from olmo_ctl.testing.cluster.objects import (
     pod_terminal,
     quantity,
 )
+from olmo_ctl.testing.cluster.world import OLMO_CTL_SERVICE_ACCOUNT, SANDBOX_GCP_ACCOUNT
 from olmo_ctl.testing.kube_server import KubeServer, ScriptedWorld
 
 TPU = "google.com/tpu"
@@ -423,6 +424,8 @@ class Sandbox:
             },
             new=True,
         )
+        # The service account docs/running-on-gke.md has a cluster create, bound for Workload Identity.
+        w.ensure_service_account(OLMO_CTL_SERVICE_ACCOUNT, self.namespace, gcp_account=SANDBOX_GCP_ACCOUNT)
         for name, value in XPK_PRIORITIES.items():
             w.save(
                 "PriorityClass",

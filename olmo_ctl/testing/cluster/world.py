@@ -33,6 +33,10 @@ from olmo_ctl.testing.cluster.objects import (
 from olmo_ctl.testing.kube_api import KIND_TO_RESOURCE, Hooks, Store, schema_errors
 
 SIGTERM_EXIT, SIGKILL_EXIT = 143, 137
+WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
+# The service account a cluster set up for olmo-ctl has (docs/running-on-gke.md), and its GCP binding.
+OLMO_CTL_SERVICE_ACCOUNT = "olmo-ctl"
+SANDBOX_GCP_ACCOUNT = "olmo-ctl@sandbox-project.iam.gserviceaccount.com"
 
 
 def pod_security_baseline(pod: dict) -> str | None:
@@ -228,6 +232,15 @@ class World(Hooks):
         """Why the API server would refuse to create `pod` (Pod Security admission, then any
         scripted refusal such as an exceeded ResourceQuota), or None."""
         ns = self.get("Namespace", "", pod["metadata"]["namespace"])
+        # The ServiceAccount admission plugin (plugin/pkg/admission/serviceaccount/admission.go): a pod
+        # naming a service account that does not exist is forbidden. `default` exists in every namespace
+        # (the ServiceAccount controller creates it).
+        account = pod["spec"].get("serviceAccountName") or "default"
+        if account != "default" and self.get("ServiceAccount", pod["metadata"]["namespace"], account) is None:
+            return (
+                f"error looking up service account {pod['metadata']['namespace']}/{account}: "
+                f'serviceaccount "{account}" not found'
+            )
         level = labels(ns or {"metadata": {}}).get("pod-security.kubernetes.io/enforce", "privileged")
         if level in ("baseline", "restricted"):
             why = pod_security_baseline(pod)
@@ -417,6 +430,18 @@ class World(Hooks):
                 {"metadata": {"name": local_queue, "namespace": ns}, "spec": {"clusterQueue": cluster_queue}},
                 new=True,
             )
+
+    def ensure_service_account(
+        self, name: str, namespace: str | None = None, gcp_account: str | None = None
+    ) -> None:
+        """A Kubernetes service account, bound to a GCP one for Workload Identity when `gcp_account` is
+        given (the `iam.gke.io/gcp-service-account` annotation GKE reads)."""
+        ns = namespace or self.namespace
+        if self.get("ServiceAccount", ns, name) is None:
+            meta: dict[str, Any] = {"name": name, "namespace": ns}
+            if gcp_account:
+                meta["annotations"] = {WORKLOAD_IDENTITY_ANNOTATION: gcp_account}
+            self.save("ServiceAccount", {"metadata": meta}, new=True)
 
     def add_quota(self, cluster_queue: str, flavor: str, resource: str, amount: float) -> None:
         """Capacity appears (amount > 0) or is withdrawn (< 0) in a ClusterQueue's flavor."""
