@@ -289,7 +289,8 @@ class Cluster:
         with self.store.lock:
             for k, pod in enumerate(self.world.jobset_pods(name)):
                 if not pod["spec"].get("nodeName") and not pod_terminal(pod) and not deleting(pod):
-                    self.world.start_pod(pod, f"gke-tpu-{k:04d}")
+                    if self.world.pull_image(pod, f"gke-tpu-{k:04d}"):  # an image pull fault may hold it
+                        self.world.start_pod(pod, f"gke-tpu-{k:04d}")
             self.world.reconcile()
 
     def log(self, name: str, index: int, lines: list[str] | tuple[str, ...]) -> None:
