@@ -36,7 +36,9 @@ its namespace, backed by ClusterQueue `cluster-queue` whose flavor `tpu-flavor` 
         c.jobset(name), c.workload(name), c.pods(name), c.events(), c.jobset_names(), c.deleted
         c.world                        the World (more causes: add_quota, arrive, advance, held/settle,
                                        pod_admission, pods_ready_timeout_s; Pod Security from the
-                                       namespace's pod-security.kubernetes.io/enforce label)
+                                       namespace's pod-security.kubernetes.io/enforce label; the
+                                       faults image_pull_fault, kubelet_down: docs/test-cluster.md)
+        srv.outage(mode, for_s)        the API server refuses, answers 503 or hangs (kube_api)
 """
 
 from __future__ import annotations
