@@ -257,15 +257,21 @@ def test_oom_kill_is_an_infrastructure_failure(srv):
     assert "[OOMKilled]" in st.reason
 
 
-def test_image_pull_error_is_an_infrastructure_failure(srv):
+def test_image_pull_backoff_is_a_wait_and_a_missing_image_a_configuration_error(srv):
     b = _backend(srv)
     h = b.send(tiny_jobset("i1-a1", run="i1"))
     srv.cluster.admit(h.name)
     srv.cluster.image_pull_error(h.name, 0, "ImagePullBackOff", 'Back-off pulling image "olmo:missing"')
     st = b.status(h)
-    assert st.state == State.FAILED_INFRA
+    assert st.state == State.ADMITTED
     assert st.reason.endswith('ImagePullBackOff: Back-off pulling image "olmo:missing"')
+    assert (st.details["waiting"], st.details["image"]) == ("image-pull", "python:3.12-slim")
+    assert "config_error" not in st.details
     assert b.logs(h) == []  # the container never started: no log, no error
+    srv.cluster.image_pull_error(h.name, 1)  # the registry: not found
+    st = b.status(h)
+    assert st.details["config_error"].startswith("image python:3.12-slim cannot be pulled: ErrImagePull: ")
+    assert st.details["config_error"].endswith(": not found")
 
 
 def test_unschedulable_while_admitted_keeps_the_state_and_says_why(srv):

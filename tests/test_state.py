@@ -391,7 +391,7 @@ CASES = [
         ADMITTED_WL,
         [pod(0, "Pending", waiting=("ErrImagePull", 'rpc error: pull access denied for "olmo:bad"')), pod(1)],
         [],
-        State.FAILED_INFRA,
+        State.ADMITTED,  # live: the supervisor reads details["config_error"] (a permanent pull error)
         "pod run-a1-slice-0-0-abcde container trainer: ErrImagePull: rpc error: pull access denied "
         'for "olmo:bad"',
         "pod run-a1-slice-0-0-abcde container status",

@@ -183,22 +183,6 @@ def test_api_error_bursts_are_retried_and_a_lost_create_is_not_doubled(tmp_path,
     assert len(srv.cluster.jobset_names()) == 1
 
 
-def test_api_unreachable_past_the_budget_exits_3_and_leaves_the_job(tmp_path, srv, gcs):
-    rd, be = setup(tmp_path, srv, gcs.bucket)
-    script = Script(srv, rd, {1: [(60, admit_run), (120, lambda s, n: s.srv.go_down())]})
-    with pytest.raises(OlmoCtlError) as ei:
-        supervise(rd, be, script, backoff_base_s=1, max_retries=5)
-    assert ei.value.exit_code == 3
-    srv.come_back()
-    name = rd.last_attempt()["handle"]["name"]
-    assert srv.cluster.jobset_names() == [name]  # untouched
-    assert srv.cluster.jobset(name)["metadata"].get("deletionTimestamp") is None
-    j = rd.journal()
-    assert j[-1]["event"] == "supervisor_stopped" and "unreachable" in j[-1]["reason"]
-    assert not [r for r in j if r["event"] in ("failed", "preempted")]
-    assert rd.read_lease()["released"] is True
-
-
 def test_preemption_lets_kueue_resume_the_same_jobset(tmp_path, srv, gcs):
     """Issue 12, break 1: a preemption at step 10 + 5 resumes from 15 (the checkpoint the pods wrote
     on SIGTERM through their grace period), not from 10; preemptions spend no retry budget."""

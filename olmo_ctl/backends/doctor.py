@@ -621,6 +621,60 @@ def check_image(image: str) -> Check:
     return Check("image", True, f"{image}")
 
 
+# JobSet's release manifests install its controller as this Deployment (config/default: namespace
+# jobset-system, namePrefix jobset-); the image tag is the release.
+JOBSET_CONTROLLER = ("jobset-system", "jobset-controller-manager")
+# kubernetes-sigs/jobset#1088: with exclusive placement, a follower pod created while its leader's node
+# is gone gets the node selector `cloud.google.com/gke-nodepool: ""` and never schedules (v0.10.1
+# pod_mutating_webhook.go topologyFromPod ignores NotFound). Fixed by #1089 (commit d189133f), first
+# released in v0.11.0.
+JOBSET_1088_FIXED = (0, 11, 0)
+_RELEASE = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
+
+
+def jobset_release(image: str) -> tuple[int, int, int] | None:
+    """The release in a JobSet controller image's tag (`registry.k8s.io/jobset/jobset:v0.10.1`), or None."""
+    tag = image.split("@", 1)[0].rsplit("/", 1)[-1].partition(":")[2]
+    m = _RELEASE.match(tag)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def check_jobset_controller(kube: Cluster) -> Check:
+    """The JobSet controller's version, from its Deployment's image tag; a warning before the
+    jobset#1088 fix (v0.11.0) or when it cannot be read."""
+    ns, name = JOBSET_CONTROLLER
+    try:
+        dep = kube.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}", f"read Deployment {ns}/{name}")
+    except Forbidden:
+        return _warn(
+            "jobset-version", f"cannot read Deployment {ns}/{name} (forbidden): JobSet's version unknown"
+        )
+    if dep is None:
+        return _warn(
+            "jobset-version",
+            f"no Deployment {ns}/{name}: JobSet's version unknown (installed another way?); "
+            "v0.11.0 or later has the fix for jobset#1088",
+        )
+    images = [
+        c.get("image") or ""
+        for c in ((dep.get("spec") or {}).get("template") or {}).get("spec", {}).get("containers") or []
+    ]
+    image = next((i for i in images if "jobset" in i), images[0] if images else "")
+    release = jobset_release(image)
+    if release is None:
+        return _warn("jobset-version", f"JobSet controller image {image or '?'} names no release")
+    version = "v" + ".".join(map(str, release))
+    if release < JOBSET_1088_FIXED:
+        fixed = "v" + ".".join(map(str, JOBSET_1088_FIXED))
+        return _warn(
+            "jobset-version",
+            f"JobSet controller {version} ({image}) predates {fixed}, the first release with the fix for "
+            'jobset#1088: a follower pod created while its leader\'s node is gone gets gke-nodepool="" and never '
+            f"schedules (the slice stays admitted, not running, until --admission-timeout); upgrade JobSet to {fixed} or later",
+        )
+    return Check("jobset-version", True, f"JobSet controller {version} ({image})")
+
+
 def probe(kube: Cluster) -> None:
     """Unreachable (exit 3) when the API does not answer /version."""
     kube.request("GET", "/version", "reach the Kubernetes API", policy=PROBE)
@@ -630,6 +684,8 @@ def run_checks(api_client: Any, settings: Any, device: Device | None, slices: in
     kube = Cluster(api_client)
     probe(kube)
     checks, version = check_apis(kube)
+    if checks and checks[0].name == "jobset-crd" and checks[0].ok:
+        checks.insert(1, check_jobset_controller(kube))
     ns = settings.namespace
     checks.append(check_namespace(kube, ns))
     cq = None

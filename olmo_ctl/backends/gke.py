@@ -199,6 +199,12 @@ class GKEBackend(Backend[dict]):
 
         return client.CoreV1Api(self.api_client)
 
+    @property
+    def _batch(self):
+        from kubernetes import client
+
+        return client.BatchV1Api(self.api_client)
+
     def _call(self, what: str, fn, *args, **kwargs):
         kwargs.setdefault("_request_timeout", self.retry.request_timeout)
         where = self.host or (self.api_client.configuration.host if self._api_client is not None else "")
@@ -531,7 +537,24 @@ class GKEBackend(Backend[dict]):
             if api_status(e) in (400, 403, 404):  # events are a nicety: their absence must not hide the state
                 return []
             raise self._api_error(e, "list FailedCreate events") from e
-        return [e for e in events if (e.get("involvedObject") or {}).get("name") in jobs]
+        mine = [e for e in events if (e.get("involvedObject") or {}).get("name") in jobs]
+        if not mine:
+            return []
+        from olmo_ctl.backends.gke_status import current_failed_creates
+
+        # A restart recreates the Jobs under the same names: only events about the Jobs of now count.
+        try:
+            now = self._items(
+                f"list Jobs of {name}",
+                self._batch.list_namespaced_job,
+                ns,
+                label_selector=f"{JOBSET_NAME_LABEL}={name}",
+            )
+        except Exception as e:
+            if api_status(e) in (403, 404):  # cannot tell the restarts apart: the names must do
+                return mine
+            raise self._api_error(e, f"list Jobs of {name}") from e
+        return [dict(e) for e in current_failed_creates(mine, now)]
 
     def _pod_log(self, ns: str, pod: str, container: str | None, tail: int | None) -> list[str]:
         try:

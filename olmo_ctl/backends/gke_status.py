@@ -33,10 +33,20 @@ Precedence, first match wins:
     "untolerated taint", "> maximum capacity"), and no Workload at all because an object Kueue
     needs to build it is missing (`missing`, e.g. the WorkloadPriorityClass: the backend looks)
  8. Admitted and not finished: the pods decide
-      a container waiting on ErrImagePull / ImagePullBackOff / InvalidImageName -> FAILED_INFRA
+      a container that cannot get its image (`image_pull_error`):
+        permanent (InvalidImageName, ErrImageNeverPull, the registry says not found / denied /
+        unauthorized)                             -> ADMITTED with details["config_error"] naming the
+                                                     image (the supervisor exits 2 at once)
+        anything else (ErrImagePull / ImagePullBackOff after a 429, a timeout, a reset)
+                                                  -> ADMITTED with details["waiting"] = "image-pull" and
+                                                     details["image"]: the kubelet retries with its
+                                                     backoff; the supervisor waits (bounded)
       fewer pods than expected and a Job FailedCreate event (Pod Security, a ResourceQuota, an
         admission webhook refused them)                                          -> ADMITTED, with
-        the event's message and details["not_created"] = True
+        the event's message and details["not_created"] = True; except JobSet's own exclusive-
+        placement refusals of follower pods until their leader is scheduled ("this is an expected,
+        transient error", pod_admission_webhook.go v0.10.1), which are not a cause: the leader's
+        own state (Unschedulable, Pending) is
       a pod Unschedulable (PodScheduled=False or a FailedScheduling event)       -> ADMITTED, with the
         scheduler's message and details["unschedulable"] = True
       (the supervisor stops an attempt admitted but not running past --admission-timeout)
@@ -60,6 +70,19 @@ from olmo_ctl.backends.base import AttemptStatus, State
 from olmo_ctl.core.contracts import EXIT_SIGKILL, EXIT_SIGTERM, exit_state
 
 IMAGE_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+# Waiting reasons the kubelet never retries past: the image reference or the pull policy is wrong.
+PERMANENT_IMAGE_ERRORS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
+# A registry's answers that no retry changes (the tag or repository does not exist, the node's
+# account may not read it), as containerd and Artifact Registry word them. A 429, a timeout or a
+# reset is none of these: the kubelet's next pull may succeed.
+_PERMANENT_PULL = re.compile(
+    r"\bnot found\b|manifest unknown|name unknown|repository does not exist|pull access denied"
+    r"|\bdenied\b|\bunauthorized\b|\b401\b|\b403 Forbidden\b",
+    re.IGNORECASE,
+)
+# JobSet v0.10.1 pkg/webhooks/pod_admission_webhook.go: follower pods are refused until the leader
+# pod of their Job is scheduled (or while it is being replaced); the Job controller retries them.
+TRANSIENT_REFUSALS = ("this is an expected, transient error",)
 # Kueue `Evicted` reasons after which Kueue requeues the same workload and resumes its JobSet: no blame.
 NO_BLAME_EVICTIONS = frozenset(
     {"Preempted", "NodeFailures", "ClusterQueueStopped", "LocalQueueStopped", "WorkloadSliceReplaced"}
@@ -222,6 +245,84 @@ def container_exits(pods: Sequence[Mapping], events: Sequence[Mapping] = ()) -> 
 
     # An unknown finish time sorts last: it cannot be shown to be the first failure.
     return sorted(out, key=lambda e: (e.finished_at or "~", evidence(e), e.pod))
+
+
+@dataclass(frozen=True)
+class ImagePullError:
+    pod: str
+    container: str
+    image: str
+    reason: str  # the container's waiting reason (ErrImagePull, ImagePullBackOff, InvalidImageName, ...)
+    message: str  # its waiting message; a bare "Back-off pulling image" with the last pull failure event
+    permanent: bool
+
+    def describe(self) -> str:
+        return f"pod {self.pod} container {self.container}: {self.reason}" + (
+            f": {self.message}" if self.message else ""
+        )
+
+
+def image_pull_error(pod: Mapping, events: Sequence[Mapping] = ()) -> ImagePullError | None:
+    """The first container of `pod` waiting for an image it cannot get, or None. Permanent: the
+    kubelet's InvalidImageName / ErrImageNeverPull, or a registry answer no retry changes
+    (`_PERMANENT_PULL`) in the waiting message or the pod's latest pull failure event (an
+    ImagePullBackOff message may only say "Back-off pulling image")."""
+    md = pod.get("metadata") or {}
+    name = md.get("name", "?")
+    st = pod.get("status") or {}
+    images = {c.get("name"): c.get("image") for c in (pod.get("spec") or {}).get("containers") or []}
+    images.update(
+        {c.get("name"): c.get("image") for c in (pod.get("spec") or {}).get("initContainers") or []}
+    )
+    for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+        w = (cs.get("state") or {}).get("waiting") or {}
+        reason = w.get("reason")
+        if reason not in IMAGE_ERRORS:
+            continue
+        msg = (w.get("message") or "").strip()
+        pulls = [
+            e
+            for e in _events_about(events, "Pod", name)
+            if e.get("reason") == "Failed" and (e.get("message") or "").startswith("Failed to pull image")
+        ]
+        last = (pulls[-1].get("message") or "").strip() if pulls else ""
+        told = (
+            f"{msg} ({last})"
+            if msg.startswith("Back-off") and last and last not in msg and msg not in last
+            else (msg or last)
+        )
+        permanent = reason in PERMANENT_IMAGE_ERRORS or bool(_PERMANENT_PULL.search(told))
+        return ImagePullError(
+            name,
+            cs.get("name", "?"),
+            images.get(cs.get("name")) or cs.get("image") or "?",
+            reason,
+            told,
+            permanent,
+        )
+    return None
+
+
+def current_failed_creates(events: Sequence[Mapping], jobs: Sequence[Mapping]) -> list[Mapping]:
+    """The FailedCreate events of the Jobs that exist now. A JobSet restart recreates its Jobs
+    under the same names (new uids): an event about an earlier Job of the same name is history.
+    An event that names no uid counts when its Job name exists now."""
+    uids = {(j.get("metadata") or {}).get("uid") for j in jobs}
+    names = {(j.get("metadata") or {}).get("name") for j in jobs}
+    out = []
+    for e in events:
+        io = e.get("involvedObject") or {}
+        if io.get("kind") != "Job" or e.get("reason") != "FailedCreate":
+            continue
+        if (io.get("uid") in uids) if io.get("uid") else (io.get("name") in names):
+            out.append(e)
+    return out
+
+
+def transient_refusal(message: str) -> bool:
+    """A pod refusal its source calls transient (JobSet's exclusive placement before the leader is
+    scheduled): the Job controller retries it, nothing needs fixing."""
+    return any(t in (message or "") for t in TRANSIENT_REFUSALS)
 
 
 def _pod_done(pod: Mapping) -> bool:
@@ -440,26 +541,27 @@ def _classify_pods(
     live = [p for p in pods if deleting or not (p.get("metadata") or {}).get("deletionTimestamp")]
     running = sum(1 for p in live if (p.get("status") or {}).get("phase") == "Running")
     details.update(pods_expected=want, pods_running=running, pods_seen=len(live))
-    for pod in live:
-        name = pod["metadata"]["name"]
-        for cs in ((pod.get("status") or {}).get("initContainerStatuses") or []) + (
-            (pod.get("status") or {}).get("containerStatuses") or []
-        ):
-            w = (cs.get("state") or {}).get("waiting") or {}
-            if w.get("reason") in IMAGE_ERRORS:
-                details.update(pod=name, container=cs.get("name"))
-                text = f"pod {name} container {cs.get('name')}: {w['reason']}"
-                if w.get("message"):
-                    text += f": {w['message']}"
-                return AttemptStatus(
-                    State.FAILED_INFRA, text, f"pod {name} container status", details=details
-                )
+    pulls = [e for e in (image_pull_error(p, events) for p in live) if e is not None]
+    # One pod that can never get its image decides, whatever the others wait for.
+    for pull in sorted(pulls, key=lambda e: not e.permanent)[:1]:
+        details.update(pod=pull.pod, container=pull.container, image=pull.image)
+        if pull.permanent:
+            details["config_error"] = f"image {pull.image} cannot be pulled: {pull.reason}" + (
+                f": {pull.message}" if pull.message else ""
+            )
+        else:
+            details.update(waiting="image-pull", cause=f"image {pull.image}: {pull.reason}: {pull.message}")
+        return AttemptStatus(
+            State.ADMITTED, pull.describe(), f"pod {pull.pod} container status", details=details
+        )
     if len(live) < want:
         # Pods the API server refused: the Job controller records FailedCreate and retries forever.
         refused = [
             e
             for e in events
-            if (e.get("involvedObject") or {}).get("kind") == "Job" and e.get("reason") == "FailedCreate"
+            if (e.get("involvedObject") or {}).get("kind") == "Job"
+            and e.get("reason") == "FailedCreate"
+            and not transient_refusal(e.get("message") or "")
         ]
         if refused:
             ev = max(refused, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
@@ -496,6 +598,13 @@ def _classify_pods(
         details.update(pod=exits[0].pod, failed_exit_code=exits[0].exit_code)
     if details["restarts"]:
         note += f"; JobSet restarts: {details['restarts']}"
+    if len(live) < want and any(
+        (e.get("involvedObject") or {}).get("kind") == "Job"
+        and e.get("reason") == "FailedCreate"
+        and transient_refusal(e.get("message") or "")
+        for e in events
+    ):
+        note += "; follower pods wait for their leader pod to be scheduled (JobSet exclusive placement)"
     if want and running >= want:
         return AttemptStatus(State.RUNNING, f"{running}/{want} pods running{note}", "pods", details=details)
     return AttemptStatus(State.ADMITTED, f"{running}/{want} pods running{note}", "pods", details=details)

@@ -3,7 +3,8 @@
 Retried (tenacity): connection errors (refused, reset, timed out, TLS), 429 (waiting at least the
 server's Retry-After) and 5xx, with capped exponential backoff, full jitter and a total time budget.
 Never retried: other 4xx (a 404, 409 or 422 is an answer, not a hiccup). When the budget is spent
-the call raises `Unreachable` (exit 3) and nothing else is attempted: a running job is left alone.
+the call raises `ApiUnreachable` (an `Unreachable`, exit 3) and nothing else is attempted: a running
+job is left alone. `resume-until-done` does not exit on it: it waits for the API to answer again.
 
 The `kubernetes` package is imported only inside functions, so importing this module is cheap.
 urllib3's own retries are switched off so that this policy is the only one and its budget is honest.
@@ -112,6 +113,11 @@ def status_message(exc: BaseException) -> str:
     return str(getattr(exc, "reason", "") or "")
 
 
+class ApiUnreachable(Unreachable):
+    """The Kubernetes API gave no usable answer within the retry budget (exit 3 for a command that
+    makes one call; the supervisor waits it out instead: `supervise.supervisor.PatientBackend`)."""
+
+
 # What a command that submits and supervises attempts says when the API stays unreachable.
 UNREACHABLE_HINT = (
     "jobs on the cluster were left as they are; check `kubectl cluster-info`, then run the command again "
@@ -162,7 +168,7 @@ def call(
         attempts = retrying.statistics.get("attempt_number", 1)
         where = f" at {host}" if host else ""
         tries = f"{attempts} attempt" + ("s" if attempts != 1 else "")
-        raise Unreachable(
+        raise ApiUnreachable(
             f"{what}: no usable answer from the Kubernetes API{where} after {tries} over {elapsed:.1f} s "
             f"(last: {describe_error(exc)})",
             hint,

@@ -94,6 +94,16 @@ def resume_until_done(
     ] = False,
     allow_version_change: AllowVersionChangeOpt = False,
     admission_timeout: AdmissionTimeoutOpt = None,
+    image_pull_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--image-pull-timeout",
+            min=1,
+            help="Wait this many seconds for the kubelet's image pull backoff (a registry's 429, a timeout) "
+            "before stopping with exit 2 naming the image (default 21600, or OLMO_CTL_IMAGE_PULL_TIMEOUT_SECONDS); "
+            "a pull no retry fixes (not found, denied, InvalidImageName) exits 2 at once.",
+        ),
+    ] = None,
     output: Annotated[
         LinesOutput,
         typer.Option(
@@ -110,7 +120,8 @@ def resume_until_done(
 
     Reattaches to a live attempt, waits while queued (a preempted attempt is requeued by Kueue),
     resubmits after a failure with backoff. Exit codes: 0 the final step is committed, 1 a user error
-    in training, 2 bad input or a queue set-up Kueue can never admit, 3 unreachable, 4 gave up (a
+    in training, 2 bad input, a queue set-up Kueue can never admit or an image no node can pull, 3 storage
+    unreachable (an unreachable Kubernetes API is waited out), 4 gave up (a
     crash loop, retries exhausted), 130 Ctrl-C (detaches and leaves the attempt running) or
     `olmo-ctl stop` (ends it). The site settings' notify_webhook / notify_command hear when the run
     finishes, fails, is resized or gives up.
@@ -152,6 +163,7 @@ def resume_until_done(
         stall_min_s=stall_min,
         startup_limit_s=startup_timeout,
         admission_timeout_s=admission_timeout,
+        image_pull_timeout_s=image_pull_timeout,
     )
     for line in prep.notes:
         note(line)

@@ -23,6 +23,9 @@ from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_OK, EXIT_RUN
 DEFAULT_BACKOFF_S = 300.0
 DEFAULT_MAX_RETRIES = 5
 DEFAULT_ADMISSION_TIMEOUT_S = 1800.0  # admitted (quota granted) until every pod runs; compile not included
+# The kubelet backing off an image pull (a registry's 429 while a whole slice pulls after a repair):
+# waited for this long before the run stops with exit 2 naming the image.
+DEFAULT_IMAGE_PULL_TIMEOUT_S = 6 * 3600.0
 
 
 def _env_number(name: str, kind: type, default):
@@ -57,6 +60,8 @@ class RetryPolicy:
     # Admitted but not every pod running for longer than this: stopped, an infrastructure failure.
     # None: the value `submit --admission-timeout` recorded for the attempt, else the default.
     admission_timeout_s: float | None = None
+    # Pods waiting on ImagePullBackOff for longer than this: the run stops, exit 2 naming the image.
+    image_pull_timeout_s: float = DEFAULT_IMAGE_PULL_TIMEOUT_S
 
     @classmethod
     def from_env(
@@ -75,6 +80,10 @@ class RetryPolicy:
             else _env_number("RETRY_BACKOFF_SECONDS", float, default_backoff_s)
         )
         n = max_retries if max_retries is not None else _env_number("MAX_RETRIES", int, DEFAULT_MAX_RETRIES)
+        if kw.get("image_pull_timeout_s") is None:
+            kw["image_pull_timeout_s"] = _env_number(
+                "IMAGE_PULL_TIMEOUT_SECONDS", float, DEFAULT_IMAGE_PULL_TIMEOUT_S
+            )
         if base < 0:
             raise BadInput(f"--retry-backoff {base} must be >= 0")
         if n < 1:
@@ -88,7 +97,9 @@ class RetryPolicy:
         | outcome                                            | event     | action  | exit |
         | final step committed (whatever the exit)           | succeeded | DONE    | 0    |
         | a configuration error (a queue, class or flavor    | failed    | STOP    | 2    |
-        |   missing: Kueue would never admit the attempt)    |           |         |      |
+        |   missing: Kueue would never admit the attempt;    |           |         |      |
+        |   an image no node can pull, or not pulled within  |           |         |      |
+        |   --image-pull-timeout)                            |           |         |      |
         | failed-user, not stalled, user errors not retried  | failed    | STOP    | 1    |
         | stalled (journaled when it was stopped)            | stalled   | RETRY   |      |
         | succeeded before the final step                    | failed    | RETRY   |      |

@@ -29,8 +29,18 @@ The run finishing, failing, being resized (falling back to another device) or gi
 to `notify` (the site settings' webhook and command, `supervise.notify`). Output is one line per
 change (`Printer`) or one JSON object per line (`JsonlPrinter`, `-o jsonl`, for log shippers).
 
-Storage or cluster unreachable past the backends' own retries raises `Unreachable` (exit 3): the
-attempt is left untouched. The clock and sleep are injectable, so tests drive it with a fake clock.
+Waits are not failures, and each is journaled once when it starts (`waiting`, with its `cause`) and
+once when it ends (`waited`, with `cause` and `seconds`):
+  - `api-unreachable`: a Kubernetes call found no answer within its retry budget (a control-plane
+    upgrade, an outage). Every backend call goes through `PatientBackend`, which waits with capped
+    exponential backoff and calls again; the supervisor never exits because the API is down;
+  - `image-pull`: the kubelet backs off pulling the image (a registry's 429, a timeout); bounded by
+    `--image-pull-timeout` (exit 2 naming the image). A pull no retry fixes (InvalidImageName,
+    ErrImageNeverPull, not found, denied, unauthorized) exits 2 at once, naming the image;
+  - `deletion`: an ended attempt is still being deleted (its pods Terminating on a NotReady node
+    until the node returns); the next attempt waits for it to be gone.
+Storage unreachable past its own retries raises `Unreachable` (exit 3): the attempt is left
+untouched. The clock and sleep are injectable, so tests drive it with a fake clock.
 """
 
 from __future__ import annotations
@@ -41,9 +51,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, cast
 
-from olmo_ctl.backends.base import AttemptStatus, Handle, State
+from olmo_ctl.backends.base import AttemptStatus, Backend, Handle, State
+from olmo_ctl.backends.kube import ApiUnreachable
 from olmo_ctl.core.errors import (
     EXIT_BAD_INPUT,
     EXIT_GAVE_UP,
@@ -77,6 +88,7 @@ from olmo_ctl.supervise.policy import (
     StallWatch,
 )
 
+API_BACKOFF_CAP_S = 300.0  # the longest pause between calls while the Kubernetes API is unreachable
 PROGRESS_EVERY_S = 60.0  # off a terminal: a progress line at most this often, and only when the step moved
 
 
@@ -168,9 +180,43 @@ class JsonlPrinter(Printer):
         )
 
 
+class PatientBackend:
+    """The backend, with every call that finds the Kubernetes API unreachable (`ApiUnreachable`, after
+    the call's own retry budget) handed to `down(error, failures_in_row)`, which waits, and then made
+    again; `up()` is told when a call answers. Other attributes are the backend's own."""
+
+    def __init__(self, backend, down: Callable[[ApiUnreachable, int], None], up: Callable[[], None]):
+        self._backend, self._down, self._up = backend, down, up
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._backend, name)
+        if not callable(attr):
+            return attr
+
+        def patient(*args, **kwargs):
+            failures = 0
+            while True:
+                try:
+                    out = attr(*args, **kwargs)
+                except ApiUnreachable as e:
+                    failures += 1
+                    self._down(e, failures)
+                    continue
+                self._up()
+                return out
+
+        return patient
+
+
 def _config_hint(error: str | None) -> str:
-    """What to do about a queue set-up that Kueue can never admit."""
+    """What to do about a queue set-up that Kueue can never admit, or an image no node can pull."""
     text = error or ""
+    if text.startswith("image "):
+        return (
+            "check that the image exists and that the nodes may pull it (`gcloud artifacts docker images "
+            "describe IMAGE`; the node pool's service account needs Artifact Registry Reader), or set "
+            "another with --image or `image:` in the site settings; then run the same command again"
+        )
     if "WorkloadPriorityClass" in text:
         return (
             "create it (`kubectl get workloadpriorityclasses`), or pick an existing one with --priority-class "
@@ -222,11 +268,12 @@ class Supervisor:
         extra_args: tuple[str, ...] = (),
         slices: int | None = None,
         notify: Callable[[dict], None] | None = None,
+        delete_patience_s: float | None = None,
     ):
         self.rd = rundir
         self.notify = notify  # told when the run finishes, fails, is resized or gives up
         self.extra_args = tuple(extra_args)  # trainer flags for every attempt (e.g. --allow-version-change)
-        self.backend = backend
+        self.backend = cast(Backend, PatientBackend(backend, self._api_down, self._api_up))
         self.policy = policy
         self.device = device
         self.slices = slices  # None: the run's own (1 for a new run)
@@ -242,6 +289,9 @@ class Supervisor:
         self.handle: Handle | None = None
         self._slow_named: set[tuple] = set()  # (attempt, host, part) already journaled
         self._strays_checked = float("-inf")
+        self._waits: dict[str, float] = {}  # cause -> since when the run waits for it
+        # An ended attempt not gone after this long is journaled as a `deletion` wait (and waited for).
+        self.delete_patience_s = delete_patience_s or 60 * min(30.0, 3 * poll_s)
 
     # ------------------------------------------------------------------ helpers
 
@@ -302,6 +352,29 @@ class Supervisor:
             f"stopped on request at committed step {committed}/{self.final}; continue with: {self.reattach_hint}"
         )
         return EXIT_INTERRUPTED
+
+    def _wait_started(self, cause: str, reason: str) -> float:
+        """The run waits for `cause`: journaled (`waiting`) once, when it starts; returns since when."""
+        if cause not in self._waits:
+            self._waits[cause] = self.clock()
+            self._say("waiting", reason, cause=cause, committed_step=self.rd.committed_step())
+        return self._waits[cause]
+
+    def _wait_ended(self, cause: str) -> None:
+        """The wait for `cause` is over: journaled (`waited`, with its duration) once."""
+        since = self._waits.pop(cause, None)
+        if since is not None:
+            seconds = round(self.clock() - since, 1)
+            self._say("waited", f"{cause} over after {_fmt_s(seconds)}", cause=cause, seconds=seconds)
+
+    def _api_down(self, error: ApiUnreachable, failures: int) -> None:
+        """A Kubernetes call found no answer: wait (capped exponential backoff), renewing the lease."""
+        self._wait_started("api-unreachable", f"the Kubernetes API is unreachable, waiting: {error.message}")
+        self._wait(min(API_BACKOFF_CAP_S, max(self.poll_s, 1.0) * 2 ** min(failures - 1, 16)))
+
+    def _api_up(self) -> None:
+        if "api-unreachable" in self._waits:
+            self._wait_ended("api-unreachable")
 
     def _on(self) -> str:
         return f"{self.device}" if (self.slices or 1) == 1 else f"{self.slices} x {self.device}"
@@ -506,20 +579,25 @@ class Supervisor:
 
     def _retire(self, h: Handle) -> None:
         """Make sure an ended attempt is gone before the next one is submitted (a terminal JobSet
-        still holds its name and may hold quota), with its pods' grace period: never grace 0."""
-        if not stop_and_wait(
+        still holds its name and may hold quota), with its pods' grace period: never grace 0. A delete
+        that takes longer than `delete_patience_s` (pods Terminating on a NotReady node stay so until
+        the node returns) is a `deletion` wait, never an error."""
+        while not stop_and_wait(
             self.backend,
             h,
             graceful=True,
-            timeout_s=60 * min(30.0, 3 * self.poll_s),
+            timeout_s=self.delete_patience_s,
             poll_s=min(2.0, self.poll_s),
             heartbeat=self._beat,
         ):
-            raise OlmoCtlError(
-                f"attempt {h.attempt} ({h.name}) is still being deleted",
-                f"check it, then run `{self.reattach_hint}` again",
-                EXIT_UNREACHABLE,
+            self._wait_started(
+                "deletion",
+                f"attempt {h.attempt} ({h.name}) is still being deleted after {_fmt_s(self.delete_patience_s)} "
+                "(its pods are Terminating: a node that is NotReady finishes them when it returns); "
+                "the next attempt waits until it is gone",
             )
+            self._wait(self.poll_s)
+        self._wait_ended("deletion")
 
     def _done(self, committed: int) -> int:
         loss = self._last_loss()
@@ -609,12 +687,25 @@ class Supervisor:
                 return Watched(st)
             if st.details.get("config_error"):
                 return Watched(st, config_error=st.details["config_error"])
+            if st.details.get("waiting") == "image-pull":
+                since = self._wait_started(
+                    "image-pull", f"the kubelet backs off pulling the image: {st.reason}"
+                )
+                limit = self.policy.image_pull_timeout_s
+                if now - since > limit:
+                    return Watched(
+                        st,
+                        config_error=f"image {st.details.get('image')} not pulled after {_fmt_s(now - since)} "
+                        f"(--image-pull-timeout {limit:.0f} s): {st.reason}",
+                    )
+            elif "image-pull" in self._waits:
+                self._wait_ended("image-pull")
             if st.state != State.RUNNING:
                 stall, sig = None, None  # a requeue or a restart starts over: start-up and compile again
             elif stall is None:
                 p = self.policy
                 stall = StallWatch(p.stall_factor, p.stall_min_s, p.startup_limit_s, started_at=now)
-            if st.state == State.ADMITTED and not st.details.get("evicted"):
+            if st.state == State.ADMITTED and not st.details.get("evicted") and not st.details.get("waiting"):
                 admitted_at = now if admitted_at is None else admitted_at
                 if now - admitted_at > admission_limit:
                     cause = st.details.get("cause") or st.reason

@@ -45,6 +45,9 @@ create (an admission webhook), learn of every write, and say when a deleting pod
         srv.fail_next(1, status="lost", match="POST ")  # do the request, then close without an answer
         srv.fail_next(1, status=0, delay_s=2.0)         # a correct answer, 2 s late (client read timeouts)
         srv.go_down(); srv.come_back()                  # refuse connections, then listen again (same port)
+        srv.outage("refuse", for_s=600)                 # a control-plane outage: connections refused for 600 s;
+        srv.outage("unavailable", 600)                  #   every request answers 503 (Retry-After: 5);
+        srv.outage("hang", 600); srv.end_outage()       #   requests accepted and never answered; over now
         srv.requests                   # [(method, path, query dict, content type)] in arrival order
         srv.received                   # [(method, path, JSON body)] of each POST/PUT/PATCH/DELETE, as sent
 """
@@ -261,6 +264,7 @@ BUILTIN = (
         namespaced=False,
     ),
     Resource("batch", ("v1",), "jobs", "Job"),
+    Resource("apps", ("v1",), "deployments", "Deployment", short_names=("deploy",)),
     Resource(
         "scheduling.k8s.io",
         ("v1",),
@@ -651,6 +655,15 @@ class _Handler(BaseHTTPRequestHandler):
         ctype = self.headers.get("Content-Type", "")
         accept = self.headers.get("Accept", "")
         srv._record(method, parts.path, query, ctype, body)
+        mode = srv.outage_mode()
+        if mode == "hang":  # accepted, never answered: the client's read timeout ends it
+            srv._outage_over.wait()
+            self._hang_up()
+            return
+        if mode == "unavailable":
+            err = ApiError(503, "ServiceUnavailable", "the server is currently unable to handle the request")
+            self._send(503, err.status(), {"Retry-After": "5"})
+            return
         fault = srv._take_fault(f"{method} {parts.path}")
         if fault is not None:
             if fault.status == "drop":
@@ -1354,6 +1367,10 @@ class ApiServer:
         self._fault_lock = threading.Lock()
         self.requests: list[tuple[str, str, dict, str]] = []
         self.received: list[tuple[str, str, Any]] = []  # (method, path, JSON body) of each write, as sent
+        self._outage: tuple[str, float | None] | None = None  # (mode, until on time.monotonic)
+        self._outage_over = threading.Event()
+        self._outage_over.set()
+        self._outage_timer: threading.Timer | None = None
         with self.store.lock:
             for ns in dict.fromkeys((namespace, "default", "kube-system")):
                 self.store.put(
@@ -1397,6 +1414,11 @@ class ApiServer:
             self.start()
 
     def stop(self) -> None:
+        timer, self._outage_timer = self._outage_timer, None
+        if timer is not None:
+            timer.cancel()
+        self._outage = None
+        self._outage_over.set()
         self.go_down()
 
     def __enter__(self):
@@ -1427,6 +1449,50 @@ class ApiServer:
         then the connection closes unanswered), after `delay_s`."""
         with self._fault_lock:
             self._faults.append(Fault(status, count, retry_after_s, match, delay_s))
+
+    OUTAGE_MODES = ("refuse", "unavailable", "hang")
+
+    def outage(self, mode: str, for_s: float | None = None) -> None:
+        """The control plane is out for `for_s` seconds of wall time (None: until `end_outage`), as in a
+        zonal cluster's upgrade: `refuse`: connections are refused (nothing listens on the port);
+        `unavailable`: every request answers 503 ServiceUnavailable (Retry-After 5); `hang`: every
+        request is accepted and never answered (the client's read timeout ends it; the connection
+        closes when the outage ends). The objects and the world behind them are kept."""
+        from olmo_ctl.core.errors import BadInput
+
+        if mode not in self.OUTAGE_MODES:
+            raise BadInput(f"API outage `{mode}` is not one of {', '.join(self.OUTAGE_MODES)}")
+        if for_s is not None and for_s <= 0:
+            raise BadInput(f"an API outage lasts a positive time, not {for_s} s")
+        self.end_outage()
+        self._outage = (mode, None if for_s is None else time.monotonic() + for_s)
+        self._outage_over.clear()
+        if mode == "refuse":
+            self.go_down()
+        if for_s is not None:
+            self._outage_timer = threading.Timer(for_s, self.end_outage)
+            self._outage_timer.daemon = True
+            self._outage_timer.start()
+
+    def outage_mode(self) -> str | None:
+        """The outage now in force, or None."""
+        out = self._outage
+        if out is None:
+            return None
+        if out[1] is not None and time.monotonic() >= out[1]:
+            self.end_outage()
+            return None
+        return out[0]
+
+    def end_outage(self) -> None:
+        """The control plane answers again (on the same port)."""
+        timer, self._outage_timer = self._outage_timer, None
+        if timer is not None and timer is not threading.current_thread():
+            timer.cancel()
+        was, self._outage = self._outage, None
+        self._outage_over.set()
+        if was is not None and was[0] == "refuse":
+            self.come_back()
 
     def forbid(self, verb: str, resource: str, group: str = "") -> None:
         """RBAC says no: `verb` ("get", "list", ..., or "*") on `resource` (a plural such as "nodes",

@@ -36,7 +36,9 @@ its namespace, backed by ClusterQueue `cluster-queue` whose flavor `tpu-flavor` 
         c.jobset(name), c.workload(name), c.pods(name), c.events(), c.jobset_names(), c.deleted
         c.world                        the World (more causes: add_quota, arrive, advance, held/settle,
                                        pod_admission, pods_ready_timeout_s; Pod Security from the
-                                       namespace's pod-security.kubernetes.io/enforce label)
+                                       namespace's pod-security.kubernetes.io/enforce label; the
+                                       faults image_pull_fault, kubelet_down: docs/test-cluster.md)
+        srv.outage(mode, for_s)        the API server refuses, answers 503 or hangs (kube_api)
 """
 
 from __future__ import annotations
@@ -289,7 +291,8 @@ class Cluster:
         with self.store.lock:
             for k, pod in enumerate(self.world.jobset_pods(name)):
                 if not pod["spec"].get("nodeName") and not pod_terminal(pod) and not deleting(pod):
-                    self.world.start_pod(pod, f"gke-tpu-{k:04d}")
+                    if self.world.pull_image(pod, f"gke-tpu-{k:04d}"):  # an image pull fault may hold it
+                        self.world.start_pod(pod, f"gke-tpu-{k:04d}")
             self.world.reconcile()
 
     def log(self, name: str, index: int, lines: list[str] | tuple[str, ...]) -> None:

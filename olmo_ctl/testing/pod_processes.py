@@ -338,6 +338,8 @@ class ProcessRunner:
                         proc, "the pod is gone" if pod is None else "the pod ended without it: a lost node"
                     )
                 elif deleting(pod):
+                    if world.node_down(pod["spec"].get("nodeName")):
+                        continue  # its kubelet is not there to stop it: it runs on, Terminating
                     if proc.sigterm_at is None:
                         self.stop(world, pod)
                     ts = pod["metadata"].get("deletionTimestamp")

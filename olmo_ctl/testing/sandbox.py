@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from olmo_ctl import __version__
+from olmo_ctl.backends.doctor import JOBSET_CONTROLLER
 from olmo_ctl.core.devices import Device, get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.testing.cluster.objects import (
@@ -58,6 +59,8 @@ CONTEXT = "olmo-ctl-sandbox"
 XPK_PRIORITIES = {"very-low": 100, "low": 250, "medium": 500, "high": 750, "very-high": 1000}
 # What the pods' image is set to: pinned (doctor accepts it) and never pulled (pods run this checkout).
 IMAGE = f"localhost/olmo-ctl:{__version__}"
+# The JobSet release whose rules the test cluster follows, as its controller Deployment names it.
+JOBSET_IMAGE = "registry.k8s.io/jobset/jobset:v0.10.1"
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9_.-]{1,61}[a-z0-9]$")
 
 
@@ -204,6 +207,7 @@ class SandboxWorld(ScriptedWorld):
         super().__init__(*a, **kw)
         self.runner = runner or PodRunner()
         self._stopping: set[str] = set()
+        self.exclusive_placement_webhook = True  # the sandbox schedules: JobSet's pod webhooks apply
         self.runner.attach(self)
 
     def admit(self, res: Any, obj: dict) -> None:
@@ -252,10 +256,18 @@ class SandboxWorld(ScriptedWorld):
     def _kubelet(self) -> bool:
         for pod in self.items("Pod", None):
             uid = pod["metadata"]["uid"]
-            if deleting(pod) and uid not in self._stopping and not self._pod_stopped(pod):
+            if (
+                deleting(pod)
+                and uid not in self._stopping
+                and not self._pod_stopped(pod)
+                and not self.node_down(pod["spec"].get("nodeName"))
+            ):
                 self._stopping.add(uid)
                 self.runner.stop(self, pod)
         return self.runner.sync(self) | super()._kubelet()
+
+    def start_containers(self, pod: dict, node: str) -> None:
+        self.runner.start(self, pod, node)
 
     def _free(self) -> dict[str, float]:
         """Unrequested google.com/tpu per node."""
@@ -291,10 +303,12 @@ class SandboxWorld(ScriptedWorld):
                 for name, n in sorted(nodes.items())
                 if all((n["metadata"].get("labels") or {}).get(k) == v for k, v in sel.items())
                 and free.get(name, 0.0) >= need - 1e-9
+                and not self.node_down(name)  # NotReady: tainted unreachable:NoSchedule
             ]
             if fits:
                 free[fits[0]] -= need
-                self.runner.start(self, pod, fits[0])
+                if self.pull_image(pod, fits[0]):  # else it waits on the node for its image
+                    self.runner.start(self, pod, fits[0])
                 changed = True
                 continue
             cond = next(
@@ -426,6 +440,29 @@ class Sandbox:
         )
         # The service account docs/running-on-gke.md has a cluster create, bound for Workload Identity.
         w.ensure_service_account(OLMO_CTL_SERVICE_ACCOUNT, self.namespace, gcp_account=SANDBOX_GCP_ACCOUNT)
+        # JobSet's controller as its release manifests install it (doctor reads the version here).
+        ns, dep = JOBSET_CONTROLLER
+        w.save(
+            "Namespace",
+            {"metadata": {"name": ns}, "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}},
+            new=True,
+        )
+        w.save(
+            "Deployment",
+            {
+                "metadata": {"name": dep, "namespace": ns, "labels": {"control-plane": "controller-manager"}},
+                "spec": {
+                    "replicas": 1,
+                    "selector": {"matchLabels": {"control-plane": "controller-manager"}},
+                    "template": {
+                        "metadata": {"labels": {"control-plane": "controller-manager"}},
+                        "spec": {"containers": [{"name": "manager", "image": JOBSET_IMAGE}]},
+                    },
+                },
+                "status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1},
+            },
+            new=True,
+        )
         for name, value in XPK_PRIORITIES.items():
             w.save(
                 "PriorityClass",

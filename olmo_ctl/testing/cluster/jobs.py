@@ -191,7 +191,9 @@ def reconcile(w: World, job: dict) -> bool:
                     w.event(
                         job,
                         "FailedCreate",
-                        f'Error creating: pods "{job["metadata"]["name"]}-{i}-" is forbidden: {refused}',
+                        f"Error creating: {refused}"
+                        if refused.startswith("admission webhook ")
+                        else f'Error creating: pods "{job["metadata"]["name"]}-{i}-" is forbidden: {refused}',
                         "Warning",
                         source="job-controller",
                     )

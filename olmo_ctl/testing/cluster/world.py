@@ -11,12 +11,14 @@ rules compute. Time is `clock` (real time by default; a test may pass a fake one
 from __future__ import annotations
 
 import copy
+import re
 import secrets
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from olmo_ctl.core.errors import BadInput
 from olmo_ctl.testing.cluster import jobs as jobctl
 from olmo_ctl.testing.cluster import jobset as jobsetctl
 from olmo_ctl.testing.cluster import kueue
@@ -37,6 +39,47 @@ WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
 # The service account a cluster set up for olmo-ctl has (docs/running-on-gke.md), and its GCP binding.
 OLMO_CTL_SERVICE_ACCOUNT = "olmo-ctl"
 SANDBOX_GCP_ACCOUNT = "olmo-ctl@sandbox-project.iam.gserviceaccount.com"
+NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
+# kubelet.go: imageBackOff := flowcontrol.NewBackOff(backOffPeriod, MaxContainerBackOff): the first
+# retry of a failed pull after 10 s, doubling, at most every 300 s.
+IMAGE_BACKOFF_S, IMAGE_BACKOFF_MAX_S = 10.0, 300.0
+IMAGE_PULL_KINDS = ("transient", "permanent")
+# What containerd (and Artifact Registry behind it) answers for each cause of a failed pull.
+PULL_ERRORS = {
+    "too-many-requests": 'rpc error: code = Unknown desc = failed to pull and unpack image "{ref}": failed to copy: '
+    "httpReadSeeker: failed open: unexpected status code https://{host}/v2/{path}/manifests/{tag}: "
+    "429 Too Many Requests",
+    "not-found": 'rpc error: code = NotFound desc = failed to pull and unpack image "{ref}": failed to resolve '
+    'reference "{ref}": {ref}: not found',
+    "denied": 'rpc error: code = Unknown desc = failed to pull and unpack image "{ref}": failed to resolve '
+    'reference "{ref}": failed to authorize: failed to fetch oauth token: unexpected status from GET request '
+    "to https://{host}/v2/token: 403 Forbidden",
+    "unauthorized": 'rpc error: code = Unknown desc = failed to pull and unpack image "{ref}": failed to '
+    'resolve reference "{ref}": pulling from host {host} failed with status code [manifests {tag}]: '
+    "401 Unauthorized",
+}
+PERMANENT_CAUSES = ("not-found", "denied", "unauthorized")
+# distribution/reference's grammar, enough to tell a reference the kubelet can parse from one it cannot.
+_IMAGE_REF = re.compile(
+    r"^(?:[a-zA-Z0-9](?:[a-zA-Z0-9.-]*[a-zA-Z0-9])?(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+    r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*(?::[\w][\w.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"
+)
+
+
+def _image_parts(ref: str) -> dict[str, str]:
+    name, _, tag = ref.rpartition(":") if ":" in ref.rsplit("/", 1)[-1] else (ref, "", "latest")
+    first = name.split("/", 1)[0]
+    registry = "/" in name and ("." in first or ":" in first or first == "localhost")
+    host, _, path = (
+        name.partition("/")
+        if registry
+        else (
+            "registry-1.docker.io",
+            "",
+            name,
+        )
+    )
+    return {"ref": ref, "host": host, "path": path, "tag": tag}
 
 
 def pod_security_baseline(pod: dict) -> str | None:
@@ -86,6 +129,13 @@ class World(Hooks):
         # Security (the namespace's pod-security.kubernetes.io/enforce label).
         self.pod_admission: list[Callable[[dict], str | None]] = []
         self.failed_creates: set[tuple] = set()
+        # JobSet v0.10.1's pod webhooks for exclusive placement (followers refused until their
+        # leader is scheduled, then pinned to its node pool). Off in the bare test cluster, whose
+        # pods get nodes only when a test says so; the sandbox, which schedules, turns them on.
+        self.exclusive_placement_webhook = False
+        self.image_faults: list[dict] = []  # see image_pull_fault
+        self._pulls: dict[str, dict] = {}  # pod uid -> its failed pull: cause, backoff, when to retry
+        self.kubelets_down: list[dict] = []  # see kubelet_down
         self._offset = 0.0
         base = store.clock
         store.clock = lambda: base() + self._offset
@@ -246,10 +296,50 @@ class World(Hooks):
             why = pod_security_baseline(pod)
             if why:
                 return f'violates PodSecurity "{level}:latest": {why}'
+        why = self._exclusive_placement(pod)
+        if why:
+            return why
         for check in self.pod_admission:
             why = check(pod)
             if why:
                 return why
+        return None
+
+    def _exclusive_placement(self, pod: dict) -> str | None:
+        """JobSet v0.10.1 pkg/webhooks: for a pod annotated `alpha.jobset.sigs.k8s.io/exclusive-
+        topology`, the mutating webhook (pod_mutating_webhook.go setNodeSelector) gives a follower
+        (completion index != 0) a nodeSelector for its leader's topology, read from the leader's node
+        labels, "" when that node is not found (topologyFromPod ignores NotFound: jobset#1088, fixed
+        in v0.11.0 by #1089); the validating one (pod_admission_webhook.go ValidateCreate) refuses a
+        follower while its Job has no single live leader, or the leader has no node yet."""
+        key = ((pod["metadata"].get("annotations")) or {}).get("alpha.jobset.sigs.k8s.io/exclusive-topology")
+        if not self.exclusive_placement_webhook or not key:
+            return None
+        idx = (pod["metadata"].get("annotations") or {}).get("batch.kubernetes.io/job-completion-index")
+        if idx in (None, "0"):
+            return None
+        owner = next((r for r in pod["metadata"].get("ownerReferences") or [] if r.get("kind") == "Job"), {})
+        leader_name = f"{owner.get('name')}-0"  # genLeaderPodName: <jobset>-<replicated job>-<job index>-0
+        leaders = [
+            p
+            for p in self.items("Pod", pod["metadata"]["namespace"])
+            if any(r.get("uid") == owner.get("uid") for r in p["metadata"].get("ownerReferences") or [])
+            and labels(p).get("batch.kubernetes.io/job-completion-index") == "0"
+            and not deleting(p)
+        ]
+        deny = 'admission webhook "vpod.kb.io" denied the request: '
+        if len(leaders) != 1:
+            return deny + (
+                f"expected 1 leader pod ({leader_name}), but got {len(leaders)}. this is an expected, transient error"
+            )
+        node = leaders[0]["spec"].get("nodeName")
+        if not node:
+            return (
+                deny
+                + "leader pod not yet scheduled, not creating follower pod. this is an expected, transient error"
+            )
+        node_obj = self.get("Node", "", node)
+        pod["spec"].setdefault("nodeSelector", {})[key] = labels(node_obj).get(key, "") if node_obj else ""
         return None
 
     # -- the kubelet
@@ -262,10 +352,14 @@ class World(Hooks):
 
     def _kubelet(self) -> bool:
         """Deleting pods: SIGTERM, then the container exits after its `sigterm_exit_s`, or is killed
-        (137) when the grace period ends."""
-        changed = False
+        (137) when the grace period ends. Nothing of this happens on a node whose kubelet is down
+        (`kubelet_down`): its pods stay Terminating until it returns. Failed image pulls are retried
+        when their backoff ends."""
+        changed = self._kubelets_return() | self._retry_pulls()
         now = self.store.clock()
         for pod in self.items("Pod", None):
+            if self.node_down(pod["spec"].get("nodeName")):
+                continue
             if deleting(pod) and not pod_terminal(pod) and not pod["spec"].get("nodeName"):
                 # pod GC (gcUnscheduledTerminating): an unscheduled terminating pod is marked Failed
                 pod["status"]["phase"] = "Failed"
@@ -355,6 +449,227 @@ class World(Hooks):
             f"Successfully assigned {pod['metadata']['namespace']}/{pod['metadata']['name']} to {node}",
             source="default-scheduler",
         )
+
+    # -- causes: the nodes
+    def node_pool(self, node: str | None) -> str | None:
+        obj = self.get("Node", "", node) if node else None
+        return labels(obj).get(NODEPOOL_LABEL) if obj else None
+
+    def in_pool(self, node: str | None, pool: str | None) -> bool:
+        """Whether `node` is in `pool`: a node pool's name, or a device type meaning all of its pools
+        (the sandbox names them `<device>-np-<slice>`); None: every node."""
+        if pool is None:
+            return True
+        have = self.node_pool(node)
+        return have is not None and (have == pool or have.startswith(f"{pool}-np-"))
+
+    def _pools_exist(self, pool: str | None) -> None:
+        if pool is not None and not any(
+            self.in_pool(n["metadata"]["name"], pool) for n in self.items("Node", None)
+        ):
+            pools = sorted(
+                {self.node_pool(n["metadata"]["name"]) or "" for n in self.items("Node", None)} - {""}
+            )
+            raise BadInput(
+                f"no node pool `{pool}` in this cluster",
+                f"pools: {', '.join(pools) or 'none'}; a device type given to --slices means all of its pools",
+            )
+
+    def image_pull_fault(
+        self, pool: str | None, kind: str, for_s: float | None = None, cause: str | None = None
+    ) -> None:
+        """Pulls of any image on `pool`'s nodes (None: every node) fail from now, for `for_s` seconds
+        (None: until `clear_image_pull_faults`). `transient`: the registry answers 429 Too Many
+        Requests (cause `too-many-requests`); `permanent`: it answers `not-found` (the default),
+        `denied` or `unauthorized`. Outcomes are the kubelet's: a pod bound to such a node waits
+        with ErrImagePull, then ImagePullBackOff, retried after 10 s, doubling to 300 s; it starts at
+        the first retry after the fault ends. A container with imagePullPolicy Never gets
+        ErrImageNeverPull (the image is not on the node), and an image reference the kubelet cannot
+        parse is InvalidImageName whatever the registry does (neither is retried)."""
+        if kind not in IMAGE_PULL_KINDS:
+            raise BadInput(f"image pull fault `{kind}` is not one of {', '.join(IMAGE_PULL_KINDS)}")
+        cause = cause or ("too-many-requests" if kind == "transient" else "not-found")
+        allowed = ("too-many-requests",) if kind == "transient" else PERMANENT_CAUSES
+        if cause not in allowed:
+            raise BadInput(f"a {kind} image pull fault is {' or '.join(allowed)}, not `{cause}`")
+        if for_s is not None and for_s <= 0:
+            raise BadInput(f"an image pull fault lasts a positive time, not {for_s} s")
+        with self.store.lock:
+            self._pools_exist(pool)
+            until = None if for_s is None else self.store.clock() + for_s
+            self.image_faults.append({"pool": pool, "kind": kind, "cause": cause, "until": until})
+            self.reconcile()
+
+    def clear_image_pull_faults(self, pool: str | None = None) -> None:
+        """The registry answers again (on `pool`'s nodes; None: everywhere): the next retry pulls."""
+        with self.store.lock:
+            self.image_faults = [f for f in self.image_faults if pool is not None and f["pool"] != pool]
+            self.reconcile()
+
+    def _image_fault(self, node: str) -> dict | None:
+        now = self.store.clock()
+        self.image_faults = [f for f in self.image_faults if f["until"] is None or now < f["until"]]
+        return next((f for f in reversed(self.image_faults) if self.in_pool(node, f["pool"])), None)
+
+    def _bind(self, pod: dict, node: str) -> None:
+        """The scheduler binds the pod; its containers wait for their image."""
+        pod["spec"]["nodeName"] = node
+        pod["status"]["conditions"] = [
+            c for c in pod["status"].get("conditions") or [] if c["type"] != "PodScheduled"
+        ] + [{"type": "PodScheduled", "status": "True", "lastTransitionTime": self.now()}]
+        self.event(
+            pod,
+            "Scheduled",
+            f"Successfully assigned {pod['metadata']['namespace']}/{pod['metadata']['name']} to {node}",
+            source="default-scheduler",
+        )
+
+    def _waiting(self, pod: dict, reason: str, message: str) -> None:
+        for cs in pod["status"].get("containerStatuses") or []:
+            cs.update(ready=False, started=False, state={"waiting": {"reason": reason, "message": message}})
+        self.save("Pod", pod)
+
+    def pull_image(self, pod: dict, node: str) -> bool:
+        """The kubelet of `node` pulls the pod's image: True when its containers can start; else the
+        pod is bound to `node` and waits as the kubelet reports it (container waiting reason,
+        message and events)."""
+        c = (pod["spec"].get("containers") or [{}])[0]
+        image, uid = str(c.get("image") or ""), pod["metadata"]["uid"]
+        now = self.store.clock()
+        valid = bool(_IMAGE_REF.match(image))
+        fault = self._image_fault(node) if valid else None
+        if valid and fault is None:
+            self._pulls.pop(uid, None)
+            return True
+        if not pod["spec"].get("nodeName"):
+            self._bind(pod, node)
+        if not valid:
+            msg = f'Failed to apply default image tag "{image}": couldn\'t parse image reference "{image}": invalid reference format'
+            self._pulls[uid] = {"permanent": True}
+            self.event(pod, "InspectFailed", msg, "Warning")
+            self.event(pod, "Failed", "Error: InvalidImageName", "Warning")
+            self._waiting(pod, "InvalidImageName", msg)
+            return False
+        assert fault is not None
+        if c.get("imagePullPolicy") == "Never":
+            msg = f'Container image "{image}" is not present with pull policy of Never'
+            self._pulls[uid] = {"permanent": True}
+            self.event(pod, "ErrImageNeverPull", msg, "Warning")
+            self.event(pod, "Failed", "Error: ErrImageNeverPull", "Warning")
+            self._waiting(pod, "ErrImageNeverPull", msg)
+            return False
+        prev = self._pulls.get(uid) or {}
+        backoff = min(IMAGE_BACKOFF_MAX_S, prev["backoff"] * 2) if "backoff" in prev else IMAGE_BACKOFF_S
+        self._pulls[uid] = {"backoff": backoff, "failed_at": now, "next": now + backoff, "node": node}
+        msg = PULL_ERRORS[fault["cause"]].format(**_image_parts(image))
+        self.event(pod, "Pulling", f'Pulling image "{image}"')
+        self.event(pod, "Failed", f'Failed to pull image "{image}": {msg}', "Warning")
+        self.event(pod, "Failed", "Error: ErrImagePull", "Warning")
+        self._waiting(pod, "ErrImagePull", msg)
+        return False
+
+    def start_containers(self, pod: dict, node: str) -> None:
+        """The kubelet starts the pod's containers (the sandbox's runner runs them as processes)."""
+        self.start_pod(pod, node)
+
+    def _retry_pulls(self) -> bool:
+        """kuberuntime: within the backoff a failed pull is ImagePullBackOff; after it, pulled again."""
+        changed = False
+        now = self.store.clock()
+        for pod in self.items("Pod", None):
+            uid = pod["metadata"]["uid"]
+            pull = self._pulls.get(uid)
+            node = pod["spec"].get("nodeName")
+            if pull is None or pull.get("permanent") or not node:
+                continue
+            if pod_terminal(pod) or deleting(pod):
+                self._pulls.pop(uid, None)
+                continue
+            if self.node_down(node):
+                continue
+            if now >= pull["next"]:
+                if self.pull_image(pod, node):
+                    self.start_containers(pod, node)
+                changed = True
+            elif not pull.get("backing_off") and now - pull["failed_at"] >= 1.0:  # the pod's next sync
+                pull["backing_off"] = True
+                image = (pod["spec"].get("containers") or [{}])[0].get("image")
+                self.event(pod, "BackOff", f'Back-off pulling image "{image}"')
+                self.event(pod, "Failed", "Error: ImagePullBackOff", "Warning")
+                self._waiting(pod, "ImagePullBackOff", f'Back-off pulling image "{image}"')
+                changed = True
+        return changed
+
+    def kubelet_down(self, pool: str | None, for_s: float | None = None) -> None:
+        """The kubelets of `pool`'s nodes (None: every node) stop answering for `for_s` seconds
+        (None: until `kubelet_back`): the node lifecycle controller marks them NotReady (Ready
+        Unknown, NodeStatusUnknown) and tainted unreachable:NoSchedule, nothing new is scheduled
+        there, and nothing on them is carried out: a pod deleted meanwhile stays Terminating (its
+        container runs on) until the node returns, when its kubelet sends SIGTERM, or SIGKILL if
+        the grace period is over. The NoExecute eviction after 300 s is not part of this cause."""
+        if for_s is not None and for_s <= 0:
+            raise BadInput(f"a node outage lasts a positive time, not {for_s} s")
+        with self.store.lock:
+            self._pools_exist(pool)
+            until = None if for_s is None else self.store.clock() + for_s
+            self.kubelets_down.append({"pool": pool, "until": until})
+            self._mark_nodes()
+            self.reconcile()
+
+    def kubelet_back(self, pool: str | None = None) -> None:
+        """The kubelets of `pool` (None: all) answer again."""
+        with self.store.lock:
+            self.kubelets_down = [d for d in self.kubelets_down if pool is not None and d["pool"] != pool]
+            self._mark_nodes()
+            self.reconcile()
+
+    def node_down(self, node: str | None) -> bool:
+        if not node or not self.kubelets_down:
+            return False
+        now = self.store.clock()
+        return any(
+            (d["until"] is None or now < d["until"]) and self.in_pool(node, d["pool"])
+            for d in self.kubelets_down
+        )
+
+    def _kubelets_return(self) -> bool:
+        now = self.store.clock()
+        gone = [d for d in self.kubelets_down if d["until"] is not None and now >= d["until"]]
+        if not gone:
+            return False
+        self.kubelets_down = [d for d in self.kubelets_down if d not in gone]
+        return self._mark_nodes()
+
+    def _mark_nodes(self) -> bool:
+        """Node conditions and taints as the node lifecycle controller keeps them."""
+        changed = False
+        taint = {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"}
+        for n in self.items("Node", None):
+            down = self.node_down(n["metadata"]["name"])
+            ready = next(
+                (c for c in (n.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"), None
+            )
+            if ready is None:
+                continue
+            want = (
+                ("Unknown", "NodeStatusUnknown", "Kubelet stopped posting node status.")
+                if down
+                else (
+                    "True",
+                    "KubeletReady",
+                    "kubelet is posting ready status",
+                )
+            )
+            if (ready["status"], ready.get("reason")) == want[:2]:
+                continue
+            ready.update(status=want[0], reason=want[1], message=want[2], lastTransitionTime=self.now())
+            taints = [t for t in (n.get("spec") or {}).get("taints") or [] if t.get("key") != taint["key"]]
+            n.setdefault("spec", {})["taints"] = taints + (
+                [dict(taint, timeAdded=self.now())] if down else []
+            )
+            self.save("Node", n)
+            changed = True
+        return changed
 
     # -- queries
     def jobset_pods(self, name: str, ns: str | None = None, live_only: bool = False) -> list[dict]:
