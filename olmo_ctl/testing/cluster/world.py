@@ -240,6 +240,10 @@ class World(Hooks):
         return None
 
     # -- the kubelet
+    def node_unreachable(self, pod: dict) -> bool:
+        """The kubelet of the pod's node posts nothing (a world with nodes says; this one has none)."""
+        return False
+
     def _pod_stopped(self, pod: dict) -> bool:
         if pod_terminal(pod) or not pod["spec"].get("nodeName"):
             return True
@@ -260,8 +264,8 @@ class World(Hooks):
                 self.save("Pod", pod)
                 changed = True
                 continue
-            if not deleting(pod) or self._pod_stopped(pod):
-                continue
+            if not deleting(pod) or self._pod_stopped(pod) or self.node_unreachable(pod):
+                continue  # an unreachable node's kubelet learns of the deletion when it is back
             uid = pod["metadata"]["uid"]
             if uid not in self._sigterm:
                 self._sigterm[uid] = now

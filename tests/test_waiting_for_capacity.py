@@ -1,0 +1,191 @@
+"""Waiting for capacity is not failing (issue 19, items 1 and 6): resume-until-done with the GKE
+backend against the sandbox cluster (nodes, Kueue, JobSet, Jobs under upstream's rules), on a fake
+clock that also moves the cluster's clock, so hours of outage take a second or two.
+
+The causes are the sandbox's faults (`sandbox_faults.parse_fault`, what `olmo-ctl sandbox fault`
+sends); what the pods, Jobs, JobSets and Workloads do follows from the rules. The test plays the
+trainer by committing checkpoints into the run directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+
+from olmo_ctl.backends.gke import GKEBackend
+from olmo_ctl.backends.kube import KubeRetryPolicy
+from olmo_ctl.core.config import Settings
+from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.rundir import COMMIT_MARKER, RunDir
+from olmo_ctl.supervise.policy import RetryPolicy
+from olmo_ctl.supervise.supervisor import Printer, Supervisor
+from olmo_ctl.testing.cluster.objects import find_cond
+from olmo_ctl.testing.sandbox import Sandbox
+from olmo_ctl.testing.sandbox_faults import parse_fault
+
+FAST = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=3.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+DEVICE = "tpu7x-8"
+POOL = f"{DEVICE}-np-0"
+
+
+class Clock:
+    """The supervisor's clock and sleep; each sleep moves the sandbox's world on as much and runs
+    the script: [(seconds after the first sleep, action(clock))]."""
+
+    def __init__(self, sb: Sandbox, script: list):
+        self.sb, self.script = sb, sorted(script, key=lambda a: a[0])
+        self.t = 1_800_000_000.0
+        self.t0: float | None = None
+        self.seen: list[dict] = []  # what the cluster showed at each sleep (for assertions)
+
+    def time(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t0 = self.t if self.t0 is None else self.t0
+        self.t += s
+        self.sb.world.advance(s)
+        while self.script and self.t - self.t0 >= self.script[0][0]:
+            self.script.pop(0)[1](self)
+
+    def fault(self, **keys) -> str:
+        return self.sb.fault(parse_fault(keys))
+
+
+@pytest.fixture
+def sandbox():
+    with Sandbox(slices={DEVICE: 1}) as sb:
+        yield sb
+
+
+def setup(tmp_path, sb, bucket, steps=20):
+    rd = RunDir.of(f"gs://{bucket}/{tmp_path.name}", "wt")
+    r = load_recipe("smoke", overrides=[f"train.max_steps={steps}"])
+    rd.create_run(r.to_dict(), r.fingerprint(), "fp", DEVICE)
+    settings = Settings(
+        image="registry.example.com/olmo-ctl:test", run_root=f"gs://{bucket}", queue="multislice-queue"
+    )
+    return rd, GKEBackend(namespace="default", host=sb.url, retry=FAST, settings=settings)
+
+
+def supervise(rd, be, clock, **policy):
+    buf = io.StringIO()
+    sup = Supervisor(
+        rd,
+        be,
+        RetryPolicy(**policy),
+        poll_s=60,
+        clock=clock.time,
+        sleep=clock.sleep,
+        printer=Printer(rd.name, stream=buf, clock=clock.time),
+    )
+    return sup.run(), buf.getvalue()
+
+
+def commit(rd: RunDir, step: int) -> None:
+    rd.store.write_bytes(rd.p("checkpoints", str(step), "state", "x"), b"x")
+    rd.store.write_bytes(rd.p("checkpoints", str(step), COMMIT_MARKER), b"ok")
+
+
+def pods(sb: Sandbox) -> list[dict]:
+    """Copies of the attempt's pods as they are now."""
+    return copy.deepcopy(
+        [p for p in sb.world.items("Pod", "default") if p["metadata"]["name"].startswith("wt-a1-")]
+    )
+
+
+def live_pod(sb: Sandbox) -> dict:
+    (p,) = [
+        p
+        for p in pods(sb)
+        if p["status"].get("phase") in ("Pending", "Running") and not p["metadata"].get("deletionTimestamp")
+    ]
+    return p
+
+
+def finish(c: Clock, rd: RunDir) -> None:
+    commit(rd, 20)
+    c.sb.server.cluster.complete("wt-a1")
+
+
+def waits(rd: RunDir) -> list[tuple]:
+    return [
+        (r["event"], r["cause"], r.get("seconds"))
+        for r in rd.journal()
+        if r["event"] in ("waiting", "waited")
+    ]
+
+
+def test_a_capacity_outage_longer_than_admission_timeout_times_retries_is_waited_out(tmp_path, sandbox, gcs):
+    """The pool loses its nodes for 3 h (admission timeout 600 s x 2 retries is 20 min): the pods are
+    deleted by pod GC (DisruptionTarget DeletionByPodGC), the Job's Ignore rule replaces them, the
+    replacement stays Unschedulable while the Workload keeps its quota. One wait, no retry spent, the
+    same attempt runs on when the nodes are back and the run finishes."""
+    rd, be = setup(tmp_path, sandbox, gcs.bucket)
+    seen: dict = {}
+
+    def outage(c: Clock) -> None:
+        commit(rd, 10)
+        seen["before"] = live_pod(c.sb)["metadata"]["uid"]
+        c.fault(kind="capacity", pool=POOL, nodes=0, **{"for": "3h"})
+        seen["nodes"] = len(c.sb.world.items("Node", None))
+
+    def during(c: Clock) -> None:
+        seen["pending"] = live_pod(c.sb)
+
+    clock = Clock(sandbox, [(600, outage), (3600, during), (3 * 3600 + 1800, lambda c: finish(c, rd))])
+    rc, out = supervise(rd, be, clock, backoff_base_s=60, max_retries=2, admission_timeout_s=600)
+    assert rc == 0, out
+    assert seen["nodes"] == 0
+    # Pod GC removed the pod of the deleted node; the Job's Ignore rule (DisruptionTarget
+    # DeletionByPodGC) replaced it without a JobSet restart, and the replacement waits for a node.
+    assert seen["pending"]["metadata"]["uid"] != seen["before"]
+    assert find_cond(seen["pending"], "PodScheduled")["reason"] == "Unschedulable"
+    assert (sandbox.server.cluster.jobset("wt-a1")["status"].get("restarts") or 0) == 0
+    j = rd.journal()
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
+    assert not [r for r in j if r["event"] in ("failed", "backoff", "gave_up", "stalled")]
+    w = [x for x in waits(rd) if x[1] == "unschedulable"]
+    assert [x[0] for x in w] == ["waiting", "waited"], waits(rd)
+    assert 3 * 3600 - 120 <= w[1][2] <= 3 * 3600 + 240  # the nodes came back after 3 h
+    assert "waited 3h" in out or "3h0" in out
+    assert j[-1]["event"] == "done" and j[-1]["committed_step"] == 20
+
+
+def test_a_host_event_is_a_wait_and_the_slice_comes_back_without_a_new_attempt(tmp_path, sandbox, gcs):
+    """Every host of the slice goes down for 20 min: node lifecycle marks the node Unknown and its pod
+    not ready (NodeNotReady), taint eviction deletes the pod after its 300 s toleration, the pod stays
+    Terminating until the kubelet is back, which reports the container ContainerStatusUnknown 137;
+    the Job's Ignore rule replaces the pod and the attempt runs on: a wait (node-not-ready)."""
+    rd, be = setup(tmp_path, sandbox, gcs.bucket)
+    seen: dict = {}
+
+    def event(c: Clock) -> None:
+        commit(rd, 10)
+        c.fault(kind="host-event", pool=DEVICE, **{"for": "20m"})
+
+    def at_10m(c: Clock) -> None:
+        (node,) = c.sb.world.items("Node", None)
+        seen["ready"] = find_cond(node, "Ready")["status"]
+        seen["taints"] = sorted((t["key"], t["effect"]) for t in node["spec"]["taints"])
+        (p,) = pods(c.sb)
+        seen["pod"] = p
+
+    clock = Clock(sandbox, [(600, event), (1200, at_10m), (3600, lambda c: finish(c, rd))])
+    rc, out = supervise(rd, be, clock, backoff_base_s=60, max_retries=1, admission_timeout_s=300)
+    assert rc == 0, out
+    assert seen["ready"] == "Unknown"
+    assert ("node.kubernetes.io/unreachable", "NoExecute") in seen["taints"]
+    assert seen["pod"]["metadata"].get("deletionTimestamp")  # evicted, stuck Terminating
+    assert find_cond(seen["pod"], "DisruptionTarget")["reason"] == "DeletionByTaintManager"
+    j = rd.journal()
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
+    assert not [r for r in j if r["event"] in ("failed", "backoff", "gave_up", "stalled")]
+    w = [x for x in waits(rd) if x[1] == "node-not-ready"]
+    assert [x[0] for x in w] == ["waiting", "waited"], waits(rd)
+    assert 20 * 60 - 120 <= w[1][2] <= 20 * 60 + 240
+    assert j[-1]["event"] == "done"
+    # The evicted pod was replaced (the Job's Ignore rule on DisruptionTarget): no JobSet restart.
+    assert (sandbox.server.cluster.jobset("wt-a1")["status"].get("restarts") or 0) == 0
