@@ -189,3 +189,99 @@ def test_a_host_event_is_a_wait_and_the_slice_comes_back_without_a_new_attempt(t
     assert j[-1]["event"] == "done"
     # The evicted pod was replaced (the Job's Ignore rule on DisruptionTarget): no JobSet restart.
     assert (sandbox.server.cluster.jobset("wt-a1")["status"].get("restarts") or 0) == 0
+
+
+def workload(sb: Sandbox) -> dict:
+    js = sb.world.get("JobSet", "default", "wt-a1")
+    assert js is not None
+    wl = sb.world.workload_of(js)
+    assert wl is not None
+    return copy.deepcopy(wl)
+
+
+def test_a_pods_ready_timeout_requeue_is_a_wait_on_the_same_workload(tmp_path, sandbox, gcs):
+    """waitForPodsReady (600 s): with no node the pods never get ready, Kueue evicts the Workload
+    (PodsReadyTimeout), suspends the JobSet and requeues the same Workload after its backoff, again and
+    again; when the nodes are back it runs. Nothing deleted, one attempt, no retry spent."""
+    sandbox.world.pods_ready_timeout_s = 600
+    sandbox.fault(parse_fault({"kind": "capacity", "pool": POOL, "nodes": 0}))
+    rd, be = setup(tmp_path, sandbox, gcs.bucket)
+    seen: dict = {}
+
+    def before(c: Clock) -> None:
+        seen["wl"] = workload(c.sb)
+
+    def back(c: Clock) -> None:
+        seen["wl_back"] = workload(c.sb)
+        c.fault(kind="capacity", pool=POOL, nodes=1)
+
+    clock = Clock(sandbox, [(60, before), (2 * 3600, back), (2 * 3600 + 1200, lambda c: finish(c, rd))])
+    rc, out = supervise(rd, be, clock, backoff_base_s=60, max_retries=1, admission_timeout_s=300)
+    assert rc == 0, out
+    wl = seen["wl_back"]
+    assert wl["metadata"]["uid"] == seen["wl"]["metadata"]["uid"]  # the same Workload throughout
+    evictions = {e["reason"]: e["count"] for e in wl["status"]["schedulingStats"]["evictions"]}
+    assert evictions["PodsReadyTimeout"] >= 2, evictions
+    j = rd.journal()
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
+    assert not [r for r in j if r["event"] in ("failed", "backoff", "gave_up", "stalled")]
+    req = [r for r in j if r["event"] == "requeued"]
+    assert req and req[0]["reason"].startswith("PodsReadyTimeout: Exceeded the PodsReady timeout")
+    assert not [d for d in sandbox.server.cluster.deleted if d[0] == "JobSet"]
+    w = waits(rd)
+    assert w[0][:2] == ("waiting", "unschedulable") and w[-1][:2] == ("waited", "unschedulable"), w
+    assert len(w) == 2 and w[-1][2] >= 2 * 3600 - 120  # one wait across the requeues
+    assert j[-1]["event"] == "done"
+
+
+def test_kueue_deactivating_past_its_requeuing_limit_stops_with_one_line(tmp_path, sandbox, gcs):
+    """requeuingStrategy.backoffLimitCount 2: the third PodsReadyTimeout deactivates the Workload
+    (DeactivatedDueToRequeuingLimitExceeded). The supervisor respects it: one line naming Kueue and
+    why, `deactivated` journaled, exit 130, no new attempt, nothing deleted."""
+    sandbox.world.pods_ready_timeout_s = 600
+    sandbox.world.requeuing_backoff_limit_count = 2
+    sandbox.fault(parse_fault({"kind": "capacity", "pool": POOL, "nodes": 0}))
+    rd, be = setup(tmp_path, sandbox, gcs.bucket)
+    clock = Clock(sandbox, [])
+    rc, out = supervise(rd, be, clock, backoff_base_s=60, max_retries=5)
+    assert rc == 130, out
+    j = rd.journal()
+    (d,) = [r for r in j if r["event"] == "deactivated"]
+    assert d["reason"].startswith(
+        "Kueue (requeuingStrategy.backoffLimitCount exceeded): The workload is deactivated due to "
+        "exceeding the maximum number of re-queuing retries"
+    ), d
+    assert d["workload"] == workload(sandbox)["metadata"]["name"]
+    last = out.strip().splitlines()[-1]
+    assert "stopped: Workload" in last and "deactivated by Kueue" in last and "kubectl patch workload" in last
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
+    assert not [r for r in j if r["event"] in ("failed", "backoff", "gave_up")]
+    assert not [x for x in sandbox.server.cluster.deleted if x[0] == "JobSet"]
+    assert waits(rd)[-1][:2] == ("waited", "unschedulable")
+
+
+def test_an_admin_hold_stops_the_run_and_a_reattach_respects_it(tmp_path, sandbox, gcs):
+    """Someone sets spec.active=false on the running attempt's Workload (an admin hold): Kueue evicts
+    it (Deactivated) and suspends the JobSet; the supervisor stops with one line (exit 130), submits
+    nothing, deletes nothing; a second supervisor stops the same way while the hold lasts."""
+    rd, be = setup(tmp_path, sandbox, gcs.bucket)
+
+    def hold(c: Clock) -> None:
+        commit(rd, 10)
+        with c.sb.server.store.lock:
+            wl = c.sb.world.workload_of(c.sb.world.get("JobSet", "default", "wt-a1"))
+            wl["spec"]["active"] = False
+            c.sb.world.save("Workload", wl)
+            c.sb.world.reconcile()
+
+    rc, out = supervise(rd, be, Clock(sandbox, [(600, hold)]))
+    assert rc == 130, out
+    (d,) = [r for r in rd.journal() if r["event"] == "deactivated"]
+    assert d["reason"].startswith("someone outside Kueue set spec.active=false on Workload jobset-wt-a1-"), d
+    assert "Deactivated: The workload is deactivated" in d["reason"]
+    assert sandbox.server.cluster.jobset("wt-a1")["spec"]["suspend"] is True
+    rc2, out2 = supervise(rd, be, Clock(sandbox, []))
+    assert rc2 == 130, out2
+    assert [r["event"] for r in rd.journal()].count("deactivated") == 2
+    assert [r["attempt"] for r in rd.journal() if r["event"] == "submitted"] == [1]
+    assert not [x for x in sandbox.server.cluster.deleted if x[0] in ("JobSet", "Pod")]

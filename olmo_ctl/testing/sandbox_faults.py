@@ -170,7 +170,11 @@ def wired() -> list[str]:
 
 
 def _capacity(w: SandboxWorld, f: Fault, nodes: list[str]) -> None:
-    w.nodes.set_capacity(nodes, int(f.nodes or 0), f.for_s)
+    """--nodes is per pool: a device type's pools each keep that many."""
+    for pool_nodes_ in w.nodes.pools().values():
+        mine = [n for n in pool_nodes_ if n in nodes]
+        if mine:
+            w.nodes.set_capacity(mine, int(f.nodes or 0), f.for_s)
 
 
 # The one place a kind meets the world. image-pull and api-outage: connect them here (and drop them

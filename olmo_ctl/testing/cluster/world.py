@@ -71,6 +71,9 @@ class World(Hooks):
         self.removed_by_suspend: set[str] = set()
         self.reconcile_errors: dict[str, str] = {}  # JobSet uid -> why Kueue could not build its Workload
         self.pods_ready_timeout_s: float | None = None  # Kueue waitForPodsReady (off by default, as in XPK)
+        # waitForPodsReady.requeuingStrategy.backoffLimitCount (None: requeued without end, Kueue's default)
+        self.requeuing_backoff_limit_count: int | None = None
+        self.deactivation_causes: dict[str, tuple[str, str]] = {}  # Workload uid -> (reason, why) by Kueue
         # Seconds a container takes to exit after SIGTERM (None: it uses its whole grace period).
         self.sigterm_exit_s: float | None = 0.0
         self.sigterm_exit_code = SIGTERM_EXIT

@@ -1,0 +1,242 @@
+"""`olmo-ctl sandbox fault` against a sandbox running as its own process, `sandbox --faults FILE`, and
+the node rules the faults set off (`olmo_ctl.testing.cluster.nodes`), read back through the API."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+import yaml
+from helpers.cli import invoke
+
+from olmo_ctl.core.durations import format_duration, parse_duration
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.testing.cluster.objects import find_cond
+from olmo_ctl.testing.sandbox import Sandbox, start_subprocess, stop_subprocess
+from olmo_ctl.testing.sandbox_faults import CONTROL_PATH, KINDS, NOT_WIRED, parse_fault
+
+
+def get(kc_path, path: str) -> dict:
+    cfg = yaml.safe_load(kc_path.read_text())
+    url = cfg["clusters"][0]["cluster"]["server"] + path
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def nodes(kc_path) -> dict[str, dict]:
+    return {n["metadata"]["name"]: n for n in get(kc_path, "/api/v1/nodes")["items"]}
+
+
+@pytest.fixture
+def running(tmp_path):
+    """`olmo-ctl sandbox` with two v5p-8 slices (one node each), no programs, as a subprocess."""
+    kc = tmp_path / "sb.kubeconfig"
+    p = start_subprocess(kc, "--slices", "v5p-8=2", "--no-run-pods")
+    try:
+        yield kc
+    finally:
+        stop_subprocess(p)
+
+
+def fault(kc, *args: str):
+    return invoke("sandbox", "fault", *args, "--kubeconfig", str(kc))
+
+
+def test_sandbox_fault_changes_what_the_running_sandboxs_api_reports(running):
+    kc = running
+    assert sorted(nodes(kc)) == ["gke-v5p-8-np-0-0000", "gke-v5p-8-np-1-0000"]
+    r = fault(kc, "capacity", "--pool", "v5p-8-np-1", "--nodes", "0")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.startswith("applied capacity on v5p-8-np-1, 0 node(s) (1 node(s): gke-v5p-8-np-1-0000)")
+    assert sorted(nodes(kc)) == ["gke-v5p-8-np-0-0000"]  # returned at once, already applied
+    r = fault(kc, "host-event", "--pool", "v5p-8", "--for", "2h")  # a device type: all of its pools
+    assert r.returncode == 0, r.stderr
+    (node,) = nodes(kc).values()
+    assert find_cond(node, "Ready")["status"] == "Unknown"
+    assert find_cond(node, "Ready")["reason"] == "NodeStatusUnknown"
+    assert {(t["key"], t["effect"]) for t in node["spec"]["taints"]} >= {
+        ("node.kubernetes.io/unreachable", "NoSchedule"),
+        ("node.kubernetes.io/unreachable", "NoExecute"),
+    }
+    r = fault(kc, "capacity", "--pool", "v5p-8", "--nodes", "1")  # capacity back: healthy nodes again
+    assert r.returncode == 0, r.stderr
+    got = nodes(kc)
+    assert sorted(got) == ["gke-v5p-8-np-0-0000", "gke-v5p-8-np-1-0000"]
+    assert all(find_cond(n, "Ready")["status"] == "True" for n in got.values())
+    assert not [
+        t for n in got.values() for t in n["spec"].get("taints") or [] if "node.kubernetes.io" in t["key"]
+    ]
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["meteor"], "error: sandbox fault: `meteor` is not a fault kind; one of capacity, host-event,"),
+        (["repair", "--for", "ten minutes"], "error: sandbox fault: --for `ten minutes` is not a duration"),
+        (["capacity", "--pool", "v5p-8"], "error: sandbox fault: capacity needs --nodes"),
+        (
+            ["capacity", "--pool", "tpu7x-8", "--nodes", "0"],
+            "error: --pool `tpu7x-8` is not a node pool of this sandbox; pools: v5p-8-np-0, v5p-8-np-1",
+        ),
+        (
+            ["image-pull", "--image-error", "transient"],
+            "error: fault image-pull is not available in this sandbox",
+        ),
+        (["api-outage", "--for", "10m"], "error: fault api-outage is not available in this sandbox"),
+    ],
+)
+def test_bad_input_to_sandbox_fault_is_one_line_exit_2_and_changes_nothing(running, args, line):
+    before = nodes(running)
+    r = fault(running, *args)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.startswith(line) and r.stderr.count("\n") == 1, r.stderr
+    after = nodes(running)
+    assert {k: v["metadata"]["resourceVersion"] for k, v in after.items()} == {
+        k: v["metadata"]["resourceVersion"] for k, v in before.items()
+    }
+
+
+def test_the_control_path_needs_the_kubeconfigs_token(running):
+    cfg = yaml.safe_load(running.read_text())
+    url = cfg["clusters"][0]["cluster"]["server"] + CONTROL_PATH
+    body = json.dumps({"kind": "capacity", "nodes": 0}).encode()
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+        req = urllib.request.Request(url, data=body, method="POST", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 401
+    assert len(nodes(running)) == 2
+
+
+def test_no_sandbox_serving_is_exit_3_and_a_real_kubeconfig_is_refused(tmp_path):
+    with Sandbox(slices={"v5p-8": 1}) as sb:
+        kc = sb.write_kubeconfig(tmp_path / "gone.kubeconfig")
+    r = fault(kc, "host-event")
+    assert r.returncode == 3 and r.stderr.startswith("error: no sandbox serves at http://127.0.0.1:"), (
+        r.stderr
+    )
+    real = tmp_path / "real.kubeconfig"
+    real.write_text(yaml.safe_dump({"contexts": [{"name": "gke_prod"}], "clusters": [], "users": []}))
+    r = fault(real, "host-event")
+    assert r.returncode == 2 and "is not a sandbox kubeconfig" in r.stderr
+
+
+def test_a_fault_timeline_runs_from_the_sandboxs_start(tmp_path):
+    timeline = tmp_path / "faults.yaml"
+    timeline.write_text("- {at: 0s, kind: capacity, pool: v5p-8-np-0, nodes: 0}\n")
+    kc = tmp_path / "sb.kubeconfig"
+    p = start_subprocess(kc, "--slices", "v5p-8=2", "--no-run-pods", "--faults", str(timeline))
+    try:
+        import time
+
+        deadline = time.monotonic() + 30
+        while len(nodes(kc)) != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sorted(nodes(kc)) == ["gke-v5p-8-np-1-0000"]
+    finally:
+        code, err = stop_subprocess(p)
+    assert code == 0 and "sandbox: fault at 0 s: capacity on v5p-8-np-0, 0 node(s)" in err, err
+
+
+@pytest.mark.parametrize(
+    "text,line",
+    [
+        ("- {kind: host-event}\n", "error: --faults {f}: fault 1 has no `at`"),
+        ("- {at: soon, kind: host-event}\n", "error: --faults {f}: fault 1: at `soon` is not a duration"),
+        (
+            "- {at: 1m, kind: host-event, pool: nope}\n",
+            "error: --pool `nope` is not a node pool of this sandbox; pools: v5p-8-np-0",
+        ),
+        ("kind: host-event\n", "error: --faults {f}: must be a list of faults"),
+    ],
+)
+def test_a_bad_timeline_is_one_line_exit_2_before_the_sandbox_serves(tmp_path, text, line):
+    f = tmp_path / "faults.yaml"
+    f.write_text(text)
+    kc = tmp_path / "sb.kubeconfig"
+    r = invoke("sandbox", "--kubeconfig", str(kc), "--slices", "v5p-8=1", "--no-run-pods", "--faults", str(f))
+    assert r.returncode == 2 and r.stderr.startswith(line.format(f=f)), r.stderr
+    assert r.stderr.count("\n") == 1 and not kc.exists()
+
+
+def test_every_kind_is_in_the_table_and_the_unwired_ones_are_named():
+    assert list(KINDS) == [
+        "capacity",
+        "host-event",
+        "node-not-ready",
+        "repair",
+        "admission-error",
+        "image-pull",
+        "api-outage",
+        "spot-reclaim",
+    ]
+    assert NOT_WIRED == {"image-pull", "api-outage"}
+    assert parse_fault({"kind": "repair", "for": "1h30m"}).for_s == 5400
+    with pytest.raises(BadInput, match="takes no --nodes"):
+        parse_fault({"kind": "host-event", "nodes": 1})
+
+
+@pytest.mark.parametrize(
+    "text,seconds", [("90s", 90), ("30m", 1800), ("2h", 7200), ("1h30m", 5400), ("45", 45)]
+)
+def test_durations_are_read_one_way(text, seconds):
+    assert parse_duration(text) == seconds
+    assert parse_duration(format_duration(seconds)) == seconds
+
+
+def test_a_node_not_ready_past_its_toleration_evicts_and_a_repair_drains_and_removes():
+    """Taint eviction after the 300 s DefaultTolerationSeconds; a repair cordons, evicts through the
+    Eviction API, removes the node once drained, and recreates it after --for."""
+    from olmo_ctl.testing.kube_server import tiny_jobset
+
+    with Sandbox(slices={"v5p-8": 1}) as sb:
+        w = sb.world
+        js = tiny_jobset("t", queue="multislice-queue", workers=1)
+        pod_spec = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        pod_spec["containers"][0]["resources"] = {
+            "requests": {"google.com/tpu": "4"},
+            "limits": {"google.com/tpu": "4"},
+        }
+        pod_spec["nodeSelector"] = {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice"}
+        pod_spec["tolerations"] = [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}]
+        # As the launch template has it: a disrupted pod is replaced, not counted.
+        js["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"] = {
+            "rules": [
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+            ]
+        }
+        with sb.server.store.lock:
+            w.save("JobSet", js, new=True)
+            w.reconcile()
+        (pod,) = w.jobset_pods("t", live_only=True)
+        assert pod["status"]["phase"] == "Running", pod["status"]
+        sb.fault(parse_fault({"kind": "node-not-ready", "pool": "v5p-8"}))
+        w.advance(299)
+        (pod,) = w.jobset_pods("t")
+        assert not pod["metadata"].get("deletionTimestamp") and find_cond(pod, "Ready")["status"] == "False"
+        w.advance(2)
+        (pod,) = w.jobset_pods("t")
+        # Evicted, and Terminating while the kubelet is away; with a podFailurePolicy the Job replaces
+        # a pod only once it is terminal (podReplacementPolicy Failed).
+        assert pod["metadata"].get("deletionTimestamp") and pod["status"]["phase"] == "Running"
+        assert find_cond(pod, "DisruptionTarget")["reason"] == "DeletionByTaintManager"
+        sb.fault(parse_fault({"kind": "capacity", "pool": "v5p-8", "nodes": 1}))  # the kubelet is back
+        (new,) = w.jobset_pods("t")
+        assert new["metadata"]["uid"] != pod["metadata"]["uid"] and new["status"]["phase"] == "Running"
+
+        sb.fault(parse_fault({"kind": "repair", "pool": "v5p-8", "for": "1h"}))
+        assert w.items("Node", None) == []  # drained (the scripted container exits on SIGTERM), removed
+        (pending,) = w.jobset_pods("t", live_only=True)
+        assert find_cond(pending, "PodScheduled")["reason"] == "Unschedulable"
+        # The nodes come back from their repair with a kubelet whose device plugin is not ready yet.
+        sb.fault(parse_fault({"kind": "admission-error", "pool": "v5p-8", "for": "2h"}))
+        w.advance(3601)
+        assert len(w.items("Node", None)) == 1
+        (refused,) = [
+            p for p in w.jobset_pods("t") if p["status"].get("reason") == "UnexpectedAdmissionError"
+        ]
+        assert refused["status"]["phase"] == "Failed" and refused["spec"]["nodeName"] == "gke-v5p-8-np-0-0000"
+        assert refused["status"]["message"].startswith("Allocate failed due to requested number of devices")
+        assert find_cond(refused, "DisruptionTarget") is None  # counts towards the Job's backoffLimit
