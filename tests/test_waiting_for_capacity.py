@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import copy
 import io
+import json
+from pathlib import Path
 
+import jsonschema
 import pytest
+from rich.console import Console
 
 from olmo_ctl.backends.gke import GKEBackend
 from olmo_ctl.backends.kube import KubeRetryPolicy
+from olmo_ctl.cli.monitor import render
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.observe.monitor import build_report, load
 from olmo_ctl.rundir import COMMIT_MARKER, RunDir
 from olmo_ctl.supervise.policy import RetryPolicy
 from olmo_ctl.supervise.supervisor import Printer, Supervisor
@@ -26,6 +32,7 @@ from olmo_ctl.testing.sandbox import Sandbox
 from olmo_ctl.testing.sandbox_faults import parse_fault
 
 FAST = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=3.0, connect_timeout_s=1.0, read_timeout_s=5.0)
+SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "docs" / "monitor-schema.json").read_text())
 DEVICE = "tpu7x-8"
 POOL = f"{DEVICE}-np-0"
 
@@ -134,6 +141,7 @@ def test_a_capacity_outage_longer_than_admission_timeout_times_retries_is_waited
 
     def during(c: Clock) -> None:
         seen["pending"] = live_pod(c.sb)
+        seen["report"] = build_report(load(rd.path), now=c.t, ask_backend=False)
 
     clock = Clock(sandbox, [(600, outage), (3600, during), (3 * 3600 + 1800, lambda c: finish(c, rd))])
     rc, out = supervise(rd, be, clock, backoff_base_s=60, max_retries=2, admission_timeout_s=600)
@@ -144,6 +152,21 @@ def test_a_capacity_outage_longer_than_admission_timeout_times_retries_is_waited
     assert seen["pending"]["metadata"]["uid"] != seen["before"]
     assert find_cond(seen["pending"], "PodScheduled")["reason"] == "Unschedulable"
     assert (sandbox.server.cluster.jobset("wt-a1")["status"].get("restarts") or 0) == 0
+    # monitor, during the outage: the state, since when, why (in -o json, and in its table)
+    rep = seen["report"]
+    jsonschema.validate(rep, SCHEMA)
+    w = rep["attempt"]["waiting"]
+    assert w["cause"] == "unschedulable" and w["reason"].startswith("Unschedulable: pod wt-a1-slice-0-0-")
+    assert 2900 <= w["seconds"] <= 3000 and w["since"] == next(
+        r["time"] for r in rd.journal() if r["event"] == "waiting" and r["cause"] == "unschedulable"
+    )
+    table = io.StringIO()
+    Console(file=table, width=200).print(render(rep))
+    text = " ".join(table.getvalue().split())
+    assert (
+        f"waiting for capacity (unschedulable) since {w['since']}, {w['seconds'] / 60:.1f} min: Unschedulable"
+        in text
+    ), text
     j = rd.journal()
     assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
     assert not [r for r in j if r["event"] in ("failed", "backoff", "gave_up", "stalled")]
