@@ -240,3 +240,82 @@ def test_a_node_not_ready_past_its_toleration_evicts_and_a_repair_drains_and_rem
         assert refused["status"]["phase"] == "Failed" and refused["spec"]["nodeName"] == "gke-v5p-8-np-0-0000"
         assert refused["status"]["message"].startswith("Allocate failed due to requested number of devices")
         assert find_cond(refused, "DisruptionTarget") is None  # counts towards the Job's backoffLimit
+
+
+def _one_pod_jobset(sb: Sandbox) -> None:
+    from olmo_ctl.testing.kube_server import tiny_jobset
+
+    js = tiny_jobset("t", queue="multislice-queue", workers=1)
+    job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    spec = job["template"]["spec"]
+    spec["containers"][0]["resources"] = {
+        "requests": {"google.com/tpu": "4"},
+        "limits": {"google.com/tpu": "4"},
+    }
+    spec["nodeSelector"] = {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice"}
+    spec["tolerations"] = [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}]
+    job["podFailurePolicy"] = {
+        "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    }
+    with sb.server.store.lock:
+        sb.world.save("JobSet", js, new=True)
+        sb.world.reconcile()
+
+
+def test_a_spot_reclaim_shuts_the_node_down_gracefully_then_the_vm_is_gone_until_it_returns():
+    with Sandbox(slices={"v5p-8": 1}) as sb:
+        w = sb.world
+        _one_pod_jobset(sb)
+        (pod,) = w.jobset_pods("t", live_only=True)
+        sb.fault(parse_fault({"kind": "spot-reclaim", "pool": "v5p-8", "for": "1h"}))
+        (old,) = [p for p in w.jobset_pods("t") if p["metadata"]["uid"] == pod["metadata"]["uid"]]
+        assert old["status"]["phase"] == "Failed" and old["status"]["reason"] == "Terminated"
+        assert find_cond(old, "DisruptionTarget")["reason"] == "TerminationByKubelet"
+        assert old["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 143
+        assert len(w.items("Node", None)) == 1  # GCE's notice: the VM is there for 30 s
+        w.advance(31)
+        assert w.items("Node", None) == []
+        (pending,) = w.jobset_pods("t", live_only=True)  # replaced (Ignore), waiting for a node
+        assert find_cond(pending, "PodScheduled")["reason"] == "Unschedulable"
+        w.advance(3600)
+        (node,) = w.items("Node", None)
+        assert find_cond(node, "Ready")["status"] == "True"
+        (running,) = w.jobset_pods("t", live_only=True)
+        assert (
+            running["status"]["phase"] == "Running"
+            and running["spec"]["nodeName"] == node["metadata"]["name"]
+        )
+
+
+def test_the_status_names_each_wait_for_capacity_and_the_policy_calls_them_waits():
+    """gke_status: a pod on a NotReady node and a pod the kubelet refused are waits (`wait_cause`), a
+    pod the API server refused is not (a configuration); policy.waiting_for reads them."""
+    from test_state import ADMITTED_WL, jobset, pod
+
+    from olmo_ctl.backends.base import State
+    from olmo_ctl.backends.gke_status import classify
+    from olmo_ctl.supervise.policy import waiting_for
+
+    with Sandbox(slices={"v5p-8": 1}) as sb:
+        w = sb.world
+        _one_pod_jobset(sb)
+        sb.fault(parse_fault({"kind": "node-not-ready", "pool": "v5p-8", "for": "5m"}))
+        js = w.get("JobSet", "default", "t")
+        st = classify(js, w.workload_of(js), w.jobset_pods("t"), w.items("Event", "default"))
+        assert st.state == State.ADMITTED and st.details["wait_cause"] == "node-not-ready", st
+        assert st.reason.startswith("0/1 pods running; 1 pod(s) on NotReady nodes (pod t-slice-0-0-")
+        assert waiting_for(st.state, st.details, st.reason) == ("node-not-ready", st.reason)
+    refused = pod(0, "Failed", pod_reason="UnexpectedAdmissionError")
+    refused["status"]["message"] = (
+        "Allocate failed due to requested number of devices unavailable for google.com/tpu"
+    )
+    st = classify(jobset(), ADMITTED_WL, [refused, pod(1)], [])
+    assert st.state == State.ADMITTED and st.details["wait_cause"] == "kubelet-admission"
+    assert st.reason == (
+        "1/2 pods running; the kubelet refused pod run-a1-slice-0-0-abcde: UnexpectedAdmissionError: "
+        "Allocate failed due to requested number of devices unavailable for google.com/tpu"
+    )
+    assert waiting_for(st.state, st.details, st.reason) == ("kubelet-admission", st.reason)
+    assert waiting_for(State.ADMITTED, {"not_created": True, "cause": "FailedCreate: ..."}) is None
+    assert waiting_for(State.QUEUED, {"deactivated": "someone"}) is None
+    assert waiting_for(State.QUEUED, {"evicted": "PodsReadyTimeout"}, "x") == ("requeued", "x")
