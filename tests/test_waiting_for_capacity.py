@@ -308,3 +308,29 @@ def test_an_admin_hold_stops_the_run_and_a_reattach_respects_it(tmp_path, sandbo
     assert [r["event"] for r in rd.journal()].count("deactivated") == 2
     assert [r["attempt"] for r in rd.journal() if r["event"] == "submitted"] == [1]
     assert not [x for x in sandbox.server.cluster.deleted if x[0] in ("JobSet", "Pod")]
+
+
+def test_a_wait_is_journaled_once_across_a_detach_and_a_reattach(tmp_path, sandbox, gcs):
+    """Ctrl-C while waiting detaches (exit 130, the attempt keeps waiting); the next supervisor
+    carries the same wait on: one `waiting`, one `waited` whose seconds count from the first."""
+    from olmo_ctl.core.errors import Interrupted
+
+    rd, be = setup(tmp_path, sandbox, gcs.bucket)
+
+    def ctrl_c(c: Clock) -> None:
+        raise KeyboardInterrupt
+
+    clock = Clock(
+        sandbox,
+        [(300, lambda c: c.fault(kind="capacity", pool=POOL, nodes=0, **{"for": "2h"})), (1800, ctrl_c)],
+    )
+    with pytest.raises(Interrupted):
+        supervise(rd, be, clock)
+    assert [x[:2] for x in waits(rd)] == [("waiting", "unschedulable")]
+    clock.script = [(2 * 3600 + 900, lambda c: finish(c, rd))]
+    rc, out = supervise(rd, be, clock)
+    assert rc == 0, out
+    w = waits(rd)
+    assert [x[:2] for x in w] == [("waiting", "unschedulable"), ("waited", "unschedulable")], w
+    assert 2 * 3600 - 120 <= w[1][2] <= 2 * 3600 + 240  # from the first supervisor's start of it
+    assert [r["attempt"] for r in rd.journal() if r["event"] == "submitted"] == [1]
