@@ -319,3 +319,83 @@ def test_the_status_names_each_wait_for_capacity_and_the_policy_calls_them_waits
     assert waiting_for(State.ADMITTED, {"not_created": True, "cause": "FailedCreate: ..."}) is None
     assert waiting_for(State.QUEUED, {"deactivated": "someone"}) is None
     assert waiting_for(State.QUEUED, {"evicted": "PodsReadyTimeout"}, "x") == ("requeued", "x")
+
+
+def test_with_pods_as_processes_a_host_event_kills_them_and_a_silent_kubelet_lets_them_run():
+    """ProcessRunner: a host event kills the pod's process at once, but the pod reads Running until
+    the kubelet is back and reports ContainerStatusUnknown 137; a node-not-ready pod's process runs
+    on through its taint eviction and gets SIGTERM only when its kubelet is back."""
+    import time
+
+    from helpers.waiting import alive
+
+    from olmo_ctl.testing.pod_processes import ProcessRunner
+
+    script = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); print('up', flush=True); time.sleep(600)"
+    runner = ProcessRunner(poll_s=0.05)
+    with Sandbox(slices={"v5p-8": 1}, runner=runner) as sb:
+        w = sb.world
+
+        def started(name: str) -> int:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                with sb.server.store.lock:
+                    pods = w.jobset_pods(name, live_only=True)
+                    pid = runner.pid("default", pods[0]["metadata"]["name"]) if pods else None
+                if pid:
+                    return pid
+                time.sleep(0.05)
+            raise AssertionError(f"{name}'s pod did not start")
+
+        def create(name: str) -> None:
+            from olmo_ctl.testing.kube_server import tiny_jobset
+
+            js = tiny_jobset(name, queue="multislice-queue", workers=1, script=script)
+            spec = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+            spec["containers"][0]["command"] = ["python", "-c", script]
+            spec["containers"][0]["resources"] = {
+                "requests": {"google.com/tpu": "4"},
+                "limits": {"google.com/tpu": "4"},
+            }
+            spec["nodeSelector"] = {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice"}
+            with sb.server.store.lock:
+                w.save("JobSet", js, new=True)
+                w.reconcile()
+
+        create("a")
+        pid = started("a")
+        sb.fault(parse_fault({"kind": "host-event", "pool": "v5p-8", "for": "1h"}))
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(pid)
+        time.sleep(0.3)  # a few kubelet passes: none reports the exit while the node is away
+        with sb.server.store.lock:
+            (pod,) = w.jobset_pods("a")
+            assert pod["status"]["phase"] == "Running"
+        sb.fault(parse_fault({"kind": "capacity", "pool": "v5p-8", "nodes": 1}))
+        with sb.server.store.lock:
+            old = next(p for p in w.jobset_pods("a") if p["metadata"]["uid"] == pod["metadata"]["uid"])
+            term = old["status"]["containerStatuses"][0]["state"]["terminated"]
+            assert (term["exitCode"], term["reason"]) == (137, "ContainerStatusUnknown")
+            for o in w.items("JobSet", "default"):
+                w.delete("JobSet", o, policy="Foreground", grace_s=0)
+            w.reconcile()
+
+        create("b")
+        pid = started("b")
+        sb.fault(parse_fault({"kind": "node-not-ready", "pool": "v5p-8", "for": "1h"}))
+        w.advance(301)  # past the toleration: evicted, Terminating
+        time.sleep(0.3)
+        with sb.server.store.lock:
+            (pod,) = [p for p in w.jobset_pods("b") if p["metadata"].get("deletionTimestamp")]
+            assert pod["status"]["phase"] == "Running"
+        assert alive(pid)  # its kubelet never heard of the deletion
+        sb.fault(parse_fault({"kind": "capacity", "pool": "v5p-8", "nodes": 1}))  # back
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(pid)
+        assert any(f"SIGTERM to pid {pid}" in ln or f"SIGKILL to pid {pid}" in ln for ln in runner.lines), (
+            runner.lines
+        )
