@@ -334,3 +334,29 @@ def test_a_wait_is_journaled_once_across_a_detach_and_a_reattach(tmp_path, sandb
     assert [x[:2] for x in w] == [("waiting", "unschedulable"), ("waited", "unschedulable")], w
     assert 2 * 3600 - 120 <= w[1][2] <= 2 * 3600 + 240  # from the first supervisor's start of it
     assert [r["attempt"] for r in rd.journal() if r["event"] == "submitted"] == [1]
+
+
+def test_an_admission_check_eviction_is_a_requeue_of_the_same_workload(tmp_path, sandbox, gcs):
+    """An AdmissionCheck eviction (a ProvisioningRequest check retracting, as for flex-start): Kueue
+    suspends the JobSet and requeues the same Workload after UpdateRequeueState's backoff; the
+    supervisor waits (`requeued`) and the same attempt runs on."""
+    rd, be = setup(tmp_path, sandbox, gcs.bucket)
+    seen: dict = {}
+
+    def evict(c: Clock) -> None:
+        commit(rd, 10)
+        seen["uid"] = workload(c.sb)["metadata"]["uid"]
+        c.sb.server.cluster.evict("wt-a1", reason="AdmissionCheck", preempted_reason=None)
+
+    clock = Clock(sandbox, [(600, evict), (1800, lambda c: finish(c, rd))])
+    rc, out = supervise(rd, be, clock, backoff_base_s=60, max_retries=1, admission_timeout_s=300)
+    assert rc == 0, out
+    j = rd.journal()
+    (req,) = [r for r in j if r["event"] == "requeued"]
+    assert req["reason"].startswith("AdmissionCheck: The workload was evicted: AdmissionCheck")
+    assert [x[:2] for x in waits(rd)] == [("waiting", "requeued"), ("waited", "requeued")]
+    assert workload(sandbox)["metadata"]["uid"] == seen["uid"]
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
+    assert not [r for r in j if r["event"] in ("failed", "backoff", "gave_up")]
+    assert not [x for x in sandbox.server.cluster.deleted if x[0] == "JobSet"]
+    assert j[-1]["event"] == "done"
