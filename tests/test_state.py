@@ -305,8 +305,8 @@ CASES = [
         ),
         [],
         [],
-        State.FAILED_INFRA,
-        "PodsReadyTimeout: Exceeded the PodsReady timeout default/jobset-run-a1",
+        State.QUEUED,  # Kueue requeues the same Workload (after a backoff): a wait, not a failure
+        "PodsReadyTimeout: Exceeded the PodsReady timeout default/jobset-run-a1; requeued by Kueue",
         "Workload condition Evicted",
     ),
     (
@@ -325,7 +325,7 @@ CASES = [
         ),
         [],
         [],
-        State.FAILED_INFRA,
+        State.QUEUED,  # kept by Kueue until someone reactivates it; details["deactivated"] says who
         "DeactivatedDueToRequeuingLimitExceeded: The workload is deactivated due to "
         "exceeding the maximum number of re-queuing retries",
         "Workload condition Evicted",

@@ -88,7 +88,12 @@ def supervise(rd, be, script, **policy):
 
 
 def events(rd, attempt=None):
-    return [r for r in rd.journal() if attempt is None or r.get("attempt") == attempt]
+    """The journal of `attempt` (all: None), without the waits for capacity (tests of their own)."""
+    return [
+        r
+        for r in rd.journal()
+        if (attempt is None or r.get("attempt") == attempt) and r["event"] not in ("waiting", "waited")
+    ]
 
 
 def test_long_queue_spends_nothing_and_a_preemption_requeues_the_same_attempt(tmp_path, srv, gcs):
@@ -253,30 +258,20 @@ def test_preemption_lets_kueue_resume_the_same_jobset(tmp_path, srv, gcs):
 QUOTA = "exceeded quota: tpu-quota, requested: google.com/tpu=4, used: google.com/tpu=0, limited: google.com/tpu=0"
 
 
-def test_admitted_pods_never_created_are_stopped_after_the_admission_timeout(tmp_path, srv, gcs):
-    """Issue 12, break 5: a ResourceQuota refuses the pods (Job FailedCreate); the attempt holds its
-    quota, admitted, until --admission-timeout, then it is stopped with its grace period and counted
-    as an infrastructure failure with the cause; the next attempt runs."""
+def test_pods_the_api_server_refuses_exit_2_naming_why_after_the_admission_timeout(tmp_path, srv, gcs):
+    """Issue 12, break 5, and issue 19: a ResourceQuota refuses the pods (Job FailedCreate), a
+    configuration no retry changes. The attempt holds its quota, admitted, until --admission-timeout;
+    then it is stopped with its grace period and the supervisor exits 2 naming the refusal: no second
+    attempt, no retry budget spent on it."""
     rd, be = setup(tmp_path, srv, gcs.bucket)
     srv.world.pod_admission.append(lambda pod: QUOTA)
-
-    def quota_raised(s, n):
-        s.srv.world.pod_admission.clear()
-
-    def finish(s, n):
-        s.commit(20)
-        s.srv.cluster.complete(n)
-
-    script = Script(
-        srv,
-        rd,
-        {
-            1: [(60, lambda s, n: s.srv.cluster.admit(n))],
-            2: [(10, quota_raised), (60, admit_run), (120, finish)],
-        },
-    )
-    rc, out = supervise(rd, be, script, backoff_base_s=60, max_retries=2, admission_timeout_s=600)
-    assert rc == 0, out
+    script = Script(srv, rd, {1: [(60, lambda s, n: s.srv.cluster.admit(n))]})
+    with pytest.raises(OlmoCtlError) as e:
+        supervise(rd, be, script, backoff_base_s=60, max_retries=2, admission_timeout_s=600)
+    assert e.value.exit_code == 2
+    line = e.value.one_line()
+    assert "pods refused: admitted but not running after" in line and "(--admission-timeout 600 s)" in line
+    assert QUOTA in line and "ResourceQuota" in line, line
     j = rd.journal()
     adm = next(r for r in j if r["event"] == "admitted" and r["attempt"] == 1)
     assert adm["reason"].startswith(
@@ -284,18 +279,16 @@ def test_admitted_pods_never_created_are_stopped_after_the_admission_timeout(tmp
         '"gk-a1-slice-0-0-" is forbidden: exceeded quota: tpu-quota'
     ), adm
     (failed,) = [r for r in j if r["event"] == "failed"]
-    assert failed["attempt"] == 1 and failed["state"] == "failed-infra"
-    assert (
-        "admitted but not running after" in failed["reason"]
-        and "(--admission-timeout 600 s)" in failed["reason"]
-    )
-    assert QUOTA in failed["reason"]
+    assert failed["attempt"] == 1 and failed["reason"].startswith("configuration error: pods refused")
     assert 600 <= parse_iso(failed["time"]) - parse_iso(adm["time"]) <= 700
-    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1, 2]
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
+    assert not [r for r in j if r["event"] in ("backoff", "gave_up")]
+    # Queued for a minute is a wait; refused pods are not (it ends when admitted)
+    waits = [(r["event"], r["cause"]) for r in j if r["event"] in ("waiting", "waited")]
+    assert waits == [("waiting", "queued"), ("waited", "queued")]
     # Stopped through the API with the grace period: the JobSet (Foreground), never its pods at grace 0.
     assert ("JobSet", "gk-a1", "Foreground") in srv.cluster.deleted
     assert not [d for d in srv.cluster.deleted if d[0] == "Pod"]
-    assert j[-1]["event"] == "done"
 
 
 def test_the_admission_timeout_submit_recorded_is_the_attempts_own(tmp_path, srv, gcs):
@@ -305,10 +298,9 @@ def test_the_admission_timeout_submit_recorded_is_the_attempts_own(tmp_path, srv
     srv.world.pod_admission.append(lambda pod: QUOTA)
     submit_next(rd, be, attempt_request(rd, 1, "tpu7x-8"), "submitted by hand", admission_timeout_s=300, t=T0)
     script = Script(srv, rd, {1: [(30, lambda s, n: s.srv.cluster.admit(n))]})
-    rc, out = supervise(rd, be, script, backoff_base_s=60, max_retries=1)
-    assert rc == 4, out  # one attempt without progress, max_retries 1: gave up
-    (failed,) = [r for r in rd.journal() if r["event"] == "failed"]
-    assert "(--admission-timeout 300 s)" in failed["reason"]
+    with pytest.raises(OlmoCtlError) as e:
+        supervise(rd, be, script, backoff_base_s=60, max_retries=1)
+    assert e.value.exit_code == 2 and "(--admission-timeout 300 s)" in e.value.one_line()
 
 
 @pytest.mark.parametrize(

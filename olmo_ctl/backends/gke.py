@@ -494,8 +494,17 @@ class GKEBackend(Backend[dict]):
 
     def _events(self, ns: str, js: dict, wl: dict | None, pods: list[dict]) -> list[dict]:
         targets = [js["metadata"]["name"]] + ([wl["metadata"]["name"]] if wl else [])
+        # Pods that are not plainly running: pending, failed, not ready (a NotReady node marks them so),
+        # or terminating (taint eviction): their events say why (FailedScheduling, NodeNotReady, ...).
         problem = [
-            p for p in pods if (p.get("status") or {}).get("phase") in ("Pending", "Failed", "Unknown")
+            p
+            for p in pods
+            if (p.get("status") or {}).get("phase") in ("Pending", "Failed", "Unknown")
+            or (p.get("metadata") or {}).get("deletionTimestamp")
+            or any(
+                c.get("type") == "Ready" and c.get("status") == "False"
+                for c in (p.get("status") or {}).get("conditions") or []
+            )
         ]
         targets += [p["metadata"]["name"] for p in problem[:MAX_POD_EVENT_READS]]
         out: list[dict] = []

@@ -16,14 +16,17 @@ Precedence, first match wins:
       137 OOMKilled, any other code                           -> FAILED_INFRA
       no pod left to tell                                     -> FAILED_INFRA with the JobSet's reason
  4. Workload condition Finished=True (JobSet not yet marked) -> SUCCEEDED / FAILED_INFRA by its reason
- 5. Workload deactivated (spec.active=false, or Evicted reason Deactivated*) -> FAILED_INFRA (Kueue gave up)
- 6. Workload condition Evicted=True:
-      Preempted, NodeFailures, ClusterQueueStopped, LocalQueueStopped, WorkloadSliceReplaced -> QUEUED
-        with details["evicted"] (the reason, e.g. "Preempted (InClusterQueue)"): Kueue suspended the
-        JobSet, its pods checkpoint through their grace period, and Kueue requeues this very JobSet
-        and resumes it on readmission (upstream reconciler.go, "handle eviction"); the reason says
-        how many pods are still terminating, then that it is requeued
-      PodsReadyTimeout, AdmissionCheck and anything else -> FAILED_INFRA
+ 5. Workload deactivated (spec.active=false, or Evicted reason Deactivated*) -> QUEUED with
+    details["deactivated"] naming who deactivated it and why (`deactivated_by`): Kueue keeps the
+    Workload and runs it again only once spec.active is true; the supervisor stops, the attempt kept
+ 6. Workload condition Evicted=True, any other reason (Preempted, NodeFailures, PodsReadyTimeout,
+    AdmissionCheck, ClusterQueueStopped, LocalQueueStopped, ...) -> QUEUED with details["evicted"]
+    (the reason, e.g. "Preempted (InClusterQueue)"): Kueue suspended the JobSet, its pods checkpoint
+    through their grace period, and Kueue requeues this very Workload and resumes its JobSet on
+    readmission (upstream reconciler.go, "handle eviction"; PodsReadyTimeout and AdmissionCheck after
+    workload.go UpdateRequeueState's backoff, and past requeuingStrategy.backoffLimitCount Kueue
+    deactivates it instead: row 5); the reason says how many pods are still terminating, then that it
+    is requeued
  7. Workload without QuotaReserved=True, or reserved but not yet Admitted (admission checks),
     or the JobSet suspended                               -> QUEUED with Kueue's own message:
     waiting for capacity is never a failure. Except a queue set-up no capacity will ever change,
@@ -48,7 +51,11 @@ Precedence, first match wins:
         transient error", pod_admission_webhook.go v0.10.1), which are not a cause: the leader's
         own state (Unschedulable, Pending) is
       a pod Unschedulable (PodScheduled=False or a FailedScheduling event)       -> ADMITTED, with the
-        scheduler's message and details["unschedulable"] = True
+        scheduler's message, details["unschedulable"] = True, details["wait_cause"] "unschedulable"
+      a pod on a NotReady node (Ready=False and NodeNotReady, or Terminating after taint eviction)
+                                                          -> ADMITTED, details["wait_cause"] "node-not-ready"
+      a pod the kubelet refused (UnexpectedAdmissionError) -> ADMITTED, "kubelet-admission"
+      (a wait_cause is waiting for capacity: the supervisor waits, no --admission-timeout)
       (the supervisor stops an attempt admitted but not running past --admission-timeout)
       every expected pod Running                                                -> RUNNING
       otherwise                                                                 -> ADMITTED ("k/n pods running")
@@ -83,7 +90,8 @@ _PERMANENT_PULL = re.compile(
 # JobSet v0.10.1 pkg/webhooks/pod_admission_webhook.go: follower pods are refused until the leader
 # pod of their Job is scheduled (or while it is being replaced); the Job controller retries them.
 TRANSIENT_REFUSALS = ("this is an expected, transient error",)
-# Kueue `Evicted` reasons after which Kueue requeues the same workload and resumes its JobSet: no blame.
+# Kueue `Evicted` reasons after which Kueue requeues the same workload at once (Requeued=True). The
+# others (PodsReadyTimeout, AdmissionCheck) requeue it too, after a backoff.
 NO_BLAME_EVICTIONS = frozenset(
     {"Preempted", "NodeFailures", "ClusterQueueStopped", "LocalQueueStopped", "WorkloadSliceReplaced"}
 )
@@ -122,6 +130,30 @@ def queue_config_error(qr: Mapping | None) -> str | None:
                 return None  # some pod set only waits for capacity (or says something we do not know)
         return msg
     return None
+
+
+# workload_controller.go / workload.go: the Evicted reasons of a deactivation Kueue itself decided.
+KUEUE_DEACTIVATIONS = {
+    "DeactivatedDueToRequeuingLimitExceeded": "Kueue (requeuingStrategy.backoffLimitCount exceeded)",
+    "DeactivatedDueToMaximumExecutionTimeExceeded": "Kueue (maximumExecutionTimeSeconds exceeded)",
+}
+
+
+def deactivated_by(workload: Mapping, ev: Mapping | None) -> str:
+    """Who set spec.active=false on this Workload, and why: Kueue with its reason, else whoever wrote
+    it (the field manager of spec.active in managedFields, when the server records them: kubectl,
+    an admin's tool), an admin hold."""
+    reason = (ev or {}).get("reason") or ""
+    msg = ((ev or {}).get("message") or "").strip()
+    if reason in KUEUE_DEACTIVATIONS:
+        return f"{KUEUE_DEACTIVATIONS[reason]}: {msg or reason}"
+    manager = ""
+    for mf in (workload.get("metadata") or {}).get("managedFields") or []:
+        spec = ((mf.get("fieldsV1") or {}).get("f:spec")) or {}
+        if "f:active" in spec and mf.get("manager"):
+            manager = str(mf["manager"])
+    who = f"`{manager}`" if manager else "someone outside Kueue"
+    return f"{who} set spec.active=false on Workload {(workload.get('metadata') or {}).get('name')} (a hold)"
 
 
 def condition(obj: Mapping | None, ctype: str) -> dict | None:
@@ -454,17 +486,18 @@ def _classify(
                 details=details,
             )
         ev = true_condition(workload, "Evicted")
-        # 5. deactivated: Kueue will not run it again
+        # 5. deactivated: Kueue runs it again only once someone sets spec.active=true
         active = (workload.get("spec") or {}).get("active", True)
         if active is False or (ev is not None and (ev.get("reason") or "").startswith("Deactivated")):
             text = _cond_text(ev) if ev is not None else "the Workload was deactivated (spec.active=false)"
+            details["deactivated"] = deactivated_by(workload, ev)
             return AttemptStatus(
-                State.FAILED_INFRA,
+                State.QUEUED,
                 text,
                 "Workload condition Evicted" if ev is not None else "Workload spec",
                 details=details,
             )
-        # 6. eviction
+        # 6. eviction: every reason but deactivation is a requeue of this same Workload
         if ev is not None:
             reason = ev.get("reason") or ""
             pre = true_condition(workload, "Preempted")
@@ -475,16 +508,18 @@ def _classify(
                 text += f": {ev['message']}"
             details["eviction_reason"] = reason
             details["requeued"] = is_true(workload, "Requeued")
-            if reason not in NO_BLAME_EVICTIONS:
-                return AttemptStatus(State.FAILED_INFRA, text, "Workload condition Evicted", details=details)
             # Kueue suspended the JobSet (its Jobs and pods are deleted, the pods checkpoint through
             # their grace period) and requeues this same JobSet once they are gone: still live.
             details["evicted"] = reason + (f" ({pre['reason']})" if pre and pre.get("reason") else "")
             terminating = sum(1 for p in pods if not _pod_done(p))
             details["pods_terminating"] = terminating
             qr = condition(workload, "QuotaReserved")
+            requeue = (workload.get("status") or {}).get("requeueState") or {}
             if terminating:
                 text += f"; {terminating} pod(s) terminating (checkpointing on SIGTERM)"
+            elif reason not in NO_BLAME_EVICTIONS and not details["requeued"] and requeue.get("requeueAt"):
+                # PodsReadyTimeout, AdmissionCheck: workload.go UpdateRequeueState's backoff first
+                text += f"; requeued by Kueue after its backoff (at {requeue['requeueAt']})"
             elif not (qr and qr.get("status") == "True"):
                 text += "; requeued by Kueue" + (
                     f", {_cond_text(qr)}"
@@ -527,6 +562,26 @@ def _classify(
     return _classify_pods(jobset, pods, events, logs, details)
 
 
+def _on_not_ready_node(pod: Mapping, events: Sequence[Mapping], any_ready: bool = False) -> bool:
+    """The node lifecycle controller marked this pod not ready because its node is (MarkPodsNotReady:
+    Ready=False and a NodeNotReady event); `any_ready`: whatever its Ready condition says now (a pod
+    deleted by taint eviction)."""
+    st = pod.get("status") or {}
+    if not any_ready:
+        if st.get("phase") != "Running":
+            return False
+        ready = next((c for c in st.get("conditions") or [] if c.get("type") == "Ready"), None)
+        if not ready or ready.get("status") == "True":
+            return False
+    name = (pod.get("metadata") or {}).get("name")
+    return any(
+        e.get("reason") == "NodeNotReady"
+        and (e.get("involvedObject") or {}).get("kind") == "Pod"
+        and (e.get("involvedObject") or {}).get("name") == name
+        for e in events
+    )
+
+
 def _classify_pods(
     jobset: Mapping,
     pods: Sequence[Mapping],
@@ -539,7 +594,12 @@ def _classify_pods(
     # While the JobSet itself is deleted they are all there is, still running their grace period.
     deleting = bool((jobset.get("metadata") or {}).get("deletionTimestamp"))
     live = [p for p in pods if deleting or not (p.get("metadata") or {}).get("deletionTimestamp")]
-    running = sum(1 for p in live if (p.get("status") or {}).get("phase") == "Running")
+    # On a NotReady node (node lifecycle: Ready=False, a NodeNotReady event) a pod's phase stays
+    # Running while nothing of it is known to run: not counted as running.
+    on_not_ready = [p for p in live if _on_not_ready_node(p, events)]
+    running = sum(
+        1 for p in live if (p.get("status") or {}).get("phase") == "Running" and p not in on_not_ready
+    )
     details.update(pods_expected=want, pods_running=running, pods_seen=len(live))
     pulls = [e for e in (image_pull_error(p, events) for p in live) if e is not None]
     # One pod that can never get its image decides, whatever the others wait for.
@@ -583,7 +643,10 @@ def _classify_pods(
         if (sched and sched.get("status") == "False" and sched.get("reason") == "Unschedulable") or fs:
             msg = (fs[-1].get("message") if fs else None) or (sched or {}).get("message") or ""
             details.update(
-                unschedulable=True, pod=name, cause=f"Unschedulable: pod {name}: {msg}".rstrip(": ")
+                unschedulable=True,
+                pod=name,
+                cause=f"Unschedulable: pod {name}: {msg}".rstrip(": "),
+                wait_cause="unschedulable",
             )
             return AttemptStatus(
                 State.ADMITTED,
@@ -591,6 +654,40 @@ def _classify_pods(
                 "pod events FailedScheduling" if fs else f"pod {name} condition PodScheduled",
                 details=details,
             )
+    # Node health: pods on NotReady nodes (taint eviction after the 300 s toleration leaves them
+    # Terminating until the kubelet is back), or refused by the kubelet of a just-repaired node.
+    stuck = on_not_ready + [
+        p
+        for p in pods
+        if not deleting
+        and (p.get("metadata") or {}).get("deletionTimestamp")
+        and not _pod_done(p)
+        and _on_not_ready_node(p, events, any_ready=True)
+    ]
+    if stuck:
+        name = stuck[0]["metadata"]["name"]
+        details.update(
+            pod=name, wait_cause="node-not-ready", cause=f"NodeNotReady: pod {name}: Node is not ready"
+        )
+        return AttemptStatus(
+            State.ADMITTED,
+            f"{running}/{want} pods running; {len(stuck)} pod(s) on NotReady nodes (pod {name}: Node is not ready)",
+            f"pod {name} events NodeNotReady",
+            details=details,
+        )
+    refused = [p for p in live if (p.get("status") or {}).get("reason") == "UnexpectedAdmissionError"]
+    if refused:
+        p0 = refused[0]
+        name, msg = p0["metadata"]["name"], (p0.get("status") or {}).get("message") or ""
+        details.update(
+            pod=name, wait_cause="kubelet-admission", cause=f"UnexpectedAdmissionError: pod {name}: {msg}"
+        )
+        return AttemptStatus(
+            State.ADMITTED,
+            f"{running}/{want} pods running; the kubelet refused pod {name}: UnexpectedAdmissionError: {msg}",
+            f"pod {name} status",
+            details=details,
+        )
     exits = container_exits(live, events)
     note = ""
     if exits:

@@ -138,6 +138,14 @@ def render(rep: dict):
         )
     else:
         t.add_row("attempt", at.get("source") or "-")
+    w = at.get("waiting")
+    if w:
+        t.add_row(
+            "waiting",
+            f"for capacity ({w['cause']}) since {w['since']}"
+            + (f", {_fmt_s(w['seconds'])}" if w.get("seconds") is not None else "")
+            + (f": {w['reason']}" if w.get("reason") else ""),
+        )
     gp = rep["goodput"]
     if gp["fraction"] is not None:
         lost = ", ".join(f"{k} {_fmt_s(v)}" for k, v in gp["lost_s"].items() if v)

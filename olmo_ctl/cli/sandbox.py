@@ -10,26 +10,33 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import app
+from olmo_ctl.cli.app import OlmoTyper, app
 from olmo_ctl.core.errors import BadInput, Interrupted, OlmoCtlError
 
 SANDBOX_PID_ENV = "OLMO_CTL_SANDBOX_PID"  # exported by --detach: `kill $OLMO_CTL_SANDBOX_PID` stops it
 READY_TIMEOUT_S = 120.0  # a detached sandbox serves within a few seconds; the emulator's start included
 
 
-@app.command(
-    example="olmo-ctl sandbox --kubeconfig sandbox.kubeconfig --slices v5p-16=1 --gcs-bucket sandbox --detach"
+sandbox_app = OlmoTyper(invoke_without_command=True)
+app.add_typer(
+    sandbox_app,
+    name="sandbox",
+    example="olmo-ctl sandbox --kubeconfig sandbox.kubeconfig --slices v5p-16=1 --gcs-bucket sandbox --detach",
 )
+
+
+@sandbox_app.callback()
 def sandbox(
+    ctx: typer.Context,
     kubeconfig: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--kubeconfig",
             help="Write a kubeconfig for the sandbox here "
             "(its current context points at it); it exists once the sandbox "
-            "serves.",
+            "serves. Required.",
         ),
-    ],
+    ] = None,
     namespace: Annotated[str, typer.Option("--namespace", help="Namespace of the LocalQueue.")] = "default",
     queue: Annotated[str, typer.Option("--queue", help="Name of the LocalQueue.")] = "multislice-queue",
     slices: Annotated[
@@ -73,14 +80,26 @@ def sandbox(
             'and return: eval "$(olmo-ctl sandbox ... --detach)".',
         ),
     ] = False,
+    faults: Annotated[
+        Path | None,
+        typer.Option(
+            "--faults",
+            help="A YAML timeline of faults, [{at: DURATION, kind, pool, for, nodes, image-error}], "
+            "applied that long after the sandbox starts serving (see `sandbox fault`).",
+        ),
+    ] = None,
 ) -> None:
     """Serve a sandbox Kubernetes API with JobSet and Kueue on localhost until SIGTERM or Ctrl-C.
 
     Configured as XPK configures a GKE cluster; its pods run as local processes, so GKE mode runs on
     this machine. Once it serves it prints (stdout) the environment that makes olmo-ctl use it as its
-    GKE cluster. Exit codes: 0 stopped by SIGTERM, 130 by Ctrl-C, 2 bad input, 3 a detached sandbox
-    did not start.
+    GKE cluster. `olmo-ctl sandbox fault` breaks a running one on purpose. Exit codes: 0 stopped by
+    SIGTERM, 130 by Ctrl-C, 2 bad input, 3 a detached sandbox did not start.
     """
+    if ctx.invoked_subcommand is not None:
+        return
+    if kubeconfig is None:
+        raise BadInput("olmo-ctl sandbox needs --kubeconfig FILE", "where to write the sandbox's kubeconfig")
     from olmo_ctl.core.config import resolve_settings
     from olmo_ctl.testing.sandbox import (
         check_bucket_name,
@@ -96,15 +115,83 @@ def sandbox(
     if gcs_bucket is not None:
         check_bucket_name(gcs_bucket)
         _emulator_binary()
+    timeline = _timeline(faults) if faults is not None else []
     if detach:
         args = ["--kubeconfig", str(kubeconfig), "--namespace", namespace, "--queue", queue]
         args += [f"--slices={s}" for s in slices or ()]
         args += [f"--priority-class={c}" for c in priority_class or ()]
         args += ["--port", str(port), "--run-pods" if run_pods else "--no-run-pods"]
         args += ["--gcs-bucket", gcs_bucket] if gcs_bucket is not None else []
+        args += ["--faults", str(faults.resolve())] if faults is not None else []
         _detach(kubeconfig, args)
         return
-    _serve(kubeconfig, namespace, queue, devices, classes, port, run_pods, gcs_bucket)
+    _serve(kubeconfig, namespace, queue, devices, classes, port, run_pods, gcs_bucket, timeline)
+
+
+def _timeline(path: Path) -> list:
+    from olmo_ctl.testing.sandbox_faults import parse_timeline
+
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise BadInput(f"--faults `{path}` cannot be read: {e.strerror}") from None
+    return parse_timeline(text, str(path))
+
+
+@sandbox_app.command(
+    "fault",
+    example="olmo-ctl sandbox fault host-event --kubeconfig sandbox.kubeconfig --pool v5p-16 --for 10m",
+)
+def fault(
+    kind: Annotated[
+        str,
+        typer.Argument(
+            metavar="KIND",
+            help="capacity, host-event, node-not-ready, repair, admission-error, image-pull, api-outage or "
+            "spot-reclaim.",
+        ),
+    ],
+    kubeconfig: Annotated[
+        Path, typer.Option("--kubeconfig", help="The kubeconfig a running `olmo-ctl sandbox` wrote.")
+    ],
+    pool: Annotated[
+        str | None,
+        typer.Option(
+            "--pool",
+            help="A node pool's name, or a device type given to --slices (all of its pools); default: all.",
+        ),
+    ] = None,
+    for_: Annotated[
+        str | None,
+        typer.Option(
+            "--for", help="How long it lasts (90s, 30m, 2h); default: until another fault restores it."
+        ),
+    ] = None,
+    nodes: Annotated[
+        str | None,
+        typer.Option(
+            "--nodes",
+            help="capacity: the nodes left in the pool; node-not-ready, repair, "
+            "admission-error: how many of its nodes.",
+        ),
+    ] = None,
+    image_error: Annotated[
+        str | None, typer.Option("--image-error", help="image-pull: transient or permanent.")
+    ] = None,
+) -> None:
+    """Apply one fault to a running sandbox and return at once.
+
+    The fault is a cause (nodes lost or back, hosts down, a kubelet silent, a repair); the sandbox's
+    controllers decide what the pods, Jobs, JobSets and Workloads do. It prints what was applied, one
+    line. Exit codes: 0 applied, 2 bad input (an unknown kind, pool or duration; nothing changed),
+    3 no sandbox serves at the kubeconfig's address.
+    """
+    from olmo_ctl.testing.sandbox_faults import parse_fault, send
+
+    raw = {"kind": kind, "pool": pool, "for": for_, "nodes": nodes, "image-error": image_error}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    parse_fault(raw, "sandbox fault")  # what can be checked here is, before anything is sent
+    sys.stdout.write(f"applied {send(kubeconfig, raw)}\n")
 
 
 def _emulator_binary() -> None:
@@ -127,8 +214,10 @@ def _serve(
     port: int,
     run_pods: bool,
     gcs_bucket: str | None,
+    timeline: list | None = None,
 ) -> None:
     import contextlib
+    import time
 
     from olmo_ctl.testing.sandbox import (
         Sandbox,
@@ -168,6 +257,13 @@ def _serve(
             port=port,
             runner=runner,
         )
+        pending = list(timeline or [])
+        if pending:
+            from olmo_ctl.testing.sandbox_faults import check
+
+            with sb.server.store.lock:
+                for f in pending:
+                    check(sb.world, f)  # an unknown pool: exit 2 before it serves
         stack.callback(_unlink, env_file)
         stack.callback(_unlink, kubeconfig)
         stack.callback(sb.stop)
@@ -191,9 +287,13 @@ def _serve(
             f"try: . {env_file} && olmo-ctl doctor\n"
         )
         sys.stderr.flush()
+        started = time.monotonic()
         try:
             while not stop.wait(0.5):
-                pass
+                while pending and time.monotonic() - started >= pending[0].at_s:
+                    sys.stderr.write(f"sandbox: fault at {pending[0].at_s:g} s: {sb.fault(pending.pop(0))}\n")
+                    sys.stderr.flush()
+                sb.tick()
         except KeyboardInterrupt:
             interrupted = True
     if interrupted:

@@ -66,7 +66,29 @@ _EVENT_STATE = {
     "succeeded": "succeeded",
     "stalled": "running",
     "stopped": "stopped",  # on request: `olmo-ctl stop`, or Ctrl-C with --stop-on-exit
+    "requeued": "queued",  # Kueue evicted it and requeues the same Workload
+    "deactivated": "queued",  # spec.active=false: Kueue keeps it, runs it once reactivated
 }
+
+
+def waiting_of(journal: list | None, attempt: int | None, now: float) -> dict | None:
+    """The attempt's wait for capacity in progress, from the supervisor's `waiting` record with no
+    `waited` after it: its cause, since when, for how long, and why (Kueue's or the scheduler's words)."""
+    if attempt is None:
+        return None
+    last = None
+    for r in journal or []:
+        if r.get("attempt") == attempt and r.get("event") in ("waiting", "waited"):
+            last = r
+    if last is None or last["event"] != "waiting":
+        return None
+    since = _parse_time(last.get("time"))
+    return {
+        "cause": last.get("cause"),
+        "since": last.get("time"),
+        "seconds": _f(max(0.0, now - since)) if since is not None else None,
+        "reason": last.get("reason") or "",
+    }
 
 
 @dataclass
@@ -529,6 +551,9 @@ def build_report(
     final_step = recipe.train.max_steps if recipe else None
     committed_step = (src.committed or [None])[-1]
     live = live_attempt_of(src.path, journal, status_of if ask_backend else None, committed_step, final_step)
+    live["waiting"] = (
+        waiting_of(journal, live.get("attempt"), now) if live.get("state") in ("queued", "admitted") else None
+    )
     device_name = live.get("device") or (src.run_doc or {}).get("device")
 
     tokens_per_step, tokens_seen = _tokens(r, recipe, step)

@@ -1,6 +1,9 @@
 """Retry and stall policy as data: pure functions of what happened, no clock or I/O of their own.
 
-The supervisor asks four questions, each answered once here:
+The supervisor asks five questions, each answered once here:
+  - `waiting_for`: is a live attempt waiting for capacity (queued, requeued by Kueue, admitted with
+    its pods Unschedulable, on NotReady nodes or refused by a just-repaired node's kubelet)? A wait
+    spends no retry budget and has no deadline: capacity comes back by itself;
   - `RetryPolicy.decide`: an attempt ended; what now (done, stop, give up, or retry)? The whole
     outcome -> action table;
   - `backoff_s`: how long to wait before the next attempt (exponential with jitter, capped);
@@ -165,6 +168,27 @@ class RetryPolicy:
         d = min(self.backoff_cap_s, self.backoff_base_s * (2 ** max(0, failures_in_row - 1)))
         r = (rng or random).random()
         return d * (1.0 - self.jitter * r)
+
+
+def waiting_for(state: State, details: dict, reason: str = "") -> tuple[str, str] | None:
+    """(cause, why) when a live attempt waits for capacity, else None. The causes:
+    `queued` (Kueue has not admitted it), `requeued` (Kueue evicted it and requeues the same Workload,
+    for any reason: Preempted, NodeFailures, PodsReadyTimeout, AdmissionCheck, ...), `admission-checks`
+    (quota reserved, checks pending), `unschedulable` (no node fits its pods: capacity), `node-not-ready`
+    (its pods sit on NotReady nodes), `kubelet-admission` (the kubelet of a just-repaired node refused a
+    pod). Not a wait: a deactivated Workload (a decision, not capacity) and pods refused by the API
+    server (a configuration: `--admission-timeout` applies, then exit 2)."""
+    if details.get("deactivated") or details.get("config_error"):
+        return None
+    if state == State.QUEUED:
+        if details.get("evicted"):
+            return "requeued", reason
+        if "admission checks" in reason:
+            return "admission-checks", reason
+        return "queued", reason
+    if state == State.ADMITTED and details.get("wait_cause"):
+        return str(details["wait_cause"]), reason
+    return None
 
 
 @dataclass(frozen=True)

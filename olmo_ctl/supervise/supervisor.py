@@ -11,12 +11,17 @@ with its reason:
       ▼                                                                 │
     backoff (only after a failed attempt) ──► submit ───────────────────┘
     watch: queued (waits, spends nothing) → admitted → running; stall check; resize requests;
+           waiting for capacity (queued, requeued by Kueue for any reason, admitted with pods
+           Unschedulable, on NotReady nodes or refused by a repaired node's kubelet): no budget, no
+           deadline, journaled once as `waiting` (cause) and once as `waited` (cause, seconds);
            preempted by Kueue → the same attempt is queued again (its pods checkpoint on SIGTERM,
            Kueue resumes the same JobSet on readmission): nothing deleted, no budget spent
       ├─ succeeded and final step committed ──────────────────────────────► done (exit 0)
       ├─ failed-user ─────────────────────────────► failed (exit 1, last log lines) unless retried
       ├─ a queue set-up Kueue can never admit ────► failed (exit 2, naming the missing object)
-      ├─ admitted, not running past --admission-timeout ─► stopped (grace period), failed-infra ─┐
+      ├─ the Workload deactivated (spec.active=false) ─► deactivated (exit 130, the attempt kept)
+      ├─ pods refused by the API server past --admission-timeout ─► failed (exit 2, naming why)
+      ├─ admitted, not running past --admission-timeout, no wait cause ─► stopped, failed-infra ─┐
       ├─ preempted (terminal) / failed-infra / missing / stalled ─► retry budget ◄──────────────┘
       │                                     progress refills it; N in a row without it ─► gave up (exit 4)
       ├─ a stop request (`olmo-ctl stop`: stop.json) ─► ends without resubmitting (exit 130)
@@ -86,6 +91,7 @@ from olmo_ctl.supervise.policy import (
     Outcome,
     RetryPolicy,
     StallWatch,
+    waiting_for,
 )
 
 API_BACKOFF_CAP_S = 300.0  # the longest pause between calls while the Kubernetes API is unreachable
@@ -217,6 +223,11 @@ def _config_hint(error: str | None) -> str:
             "describe IMAGE`; the node pool's service account needs Artifact Registry Reader), or set "
             "another with --image or `image:` in the site settings; then run the same command again"
         )
+    if text.startswith("pods refused"):
+        return (
+            "the API server refuses the attempt's pods (the message names what: a ResourceQuota, Pod "
+            "Security, an admission webhook); fix that, then run the same command again"
+        )
     if "WorkloadPriorityClass" in text:
         return (
             "create it (`kubectl get workloadpriorityclasses`), or pick an existing one with --priority-class "
@@ -247,6 +258,7 @@ class Watched:
     status: AttemptStatus
     stalled: str | None = None
     config_error: str | None = None
+    deactivated: str | None = None  # who set spec.active=false on the Workload, and why
 
 
 class Supervisor:
@@ -288,6 +300,7 @@ class Supervisor:
         self.lease: Lease | None = None
         self.handle: Handle | None = None
         self._slow_named: set[tuple] = set()  # (attempt, host, part) already journaled
+        self._capacity_wait: dict | None = None  # the wait for capacity in progress: attempt, cause, since
         self._strays_checked = float("-inf")
         self._waits: dict[str, float] = {}  # cause -> since when the run waits for it
         # An ended attempt not gone after this long is journaled as a `deletion` wait (and waited for).
@@ -510,6 +523,8 @@ class Supervisor:
             watched = self._watch(self.handle)
             st = watched.status
             committed = self.rd.committed_step()
+            if watched.deactivated:
+                return self._deactivated(watched, committed)
             stop = self._stop_requested()
             if stop is not None and committed < self.final:
                 return self._stopped_on_request(stop, committed)  # `stop` journals how the attempt ended
@@ -665,24 +680,34 @@ class Supervisor:
             parse_iso(last["time"]) - 300 if last.get("attempt") == h.attempt and last.get("time") else 0.0
         )
         admission_limit = self._admission_limit(h, last)
+        self._capacity_wait = self._open_wait(h)
         while True:
             self._beat()
             req = self.rd.pending_resize()
             if req is not None:
                 resized = self._resize(h, req)
                 assert resized is not None  # a live attempt's resize leaves an attempt (the old or the new)
+                if resized.attempt != h.attempt:
+                    self._end_wait(f"resized to attempt {resized.attempt}", attempt=h.attempt)
                 h = self.handle = resized
                 last_label, stall, sig, admitted_at = None, None, None, None
                 admission_limit = self._admission_limit(h, self.rd.last_attempt() or {})
             st = self.backend.status(h)
             now = self.clock()
             self._stop_strays(h)
-            # Preempted: Kueue evicted the attempt and requeues this same one; it is watched on.
-            label = "preempted" if st.details.get("evicted") else st.state.value
+            # Evicted: Kueue requeues this same attempt (any reason but a deactivation); watched on.
+            label = st.state.value
+            if st.details.get("evicted"):
+                label = "preempted" if st.details.get("eviction_reason") == "Preempted" else "requeued"
+            waiting = None if st.state.terminal else waiting_for(st.state, st.details, st.reason)
+            if waiting is None:  # a wait ends before the line of what ended it
+                self._end_wait("deactivated" if st.details.get("deactivated") else label)
             if label != last_label:
                 if st.state.live:
                     self._say(label, st.reason or label, committed_step=self.rd.committed_step())
                 last_label = label
+            if st.details.get("deactivated"):
+                return Watched(st, deactivated=str(st.details["deactivated"]))
             if st.state.terminal:
                 return Watched(st)
             if st.details.get("config_error"):
@@ -700,12 +725,20 @@ class Supervisor:
                     )
             elif "image-pull" in self._waits:
                 self._wait_ended("image-pull")
+            if waiting is not None:
+                self._start_wait(*waiting)
             if st.state != State.RUNNING:
                 stall, sig = None, None  # a requeue or a restart starts over: start-up and compile again
             elif stall is None:
                 p = self.policy
                 stall = StallWatch(p.stall_factor, p.stall_min_s, p.startup_limit_s, started_at=now)
-            if st.state == State.ADMITTED and not st.details.get("evicted") and not st.details.get("waiting"):
+            # The admission timeout is for what cannot fix itself; a wait (for capacity, an image) has none.
+            if (
+                st.state == State.ADMITTED
+                and not st.details.get("evicted")
+                and waiting is None
+                and not st.details.get("waiting")
+            ):
                 admitted_at = now if admitted_at is None else admitted_at
                 if now - admitted_at > admission_limit:
                     cause = st.details.get("cause") or st.reason
@@ -714,6 +747,10 @@ class Supervisor:
                         f"{admission_limit:.0f} s): {cause}"
                     )
                     self.out.line(f"stopping attempt {h.attempt}: {limit_why}")
+                    if st.details.get("not_created"):
+                        # The API server refuses the pods (a ResourceQuota, Pod Security, a webhook):
+                        # a configuration no retry changes. Exit 2 naming it; the attempt is retired.
+                        return Watched(st, config_error=f"pods refused: {limit_why}")
                     self.backend.stop(h, graceful=True)
                     return Watched(
                         AttemptStatus(
@@ -781,6 +818,61 @@ class Supervisor:
             return float(self.policy.admission_timeout_s)
         recorded = last.get("admission_timeout_s") if last.get("attempt") == h.attempt else None
         return float(recorded) if recorded is not None else DEFAULT_ADMISSION_TIMEOUT_S
+
+    # ------------------------------------------------------------------ waiting for capacity
+
+    def _open_wait(self, h: Handle) -> dict | None:
+        """A wait of this attempt journaled by an earlier supervisor and not ended (it detached or was
+        stopped while waiting): carried on, so a wait is journaled once however often one reattaches."""
+        last = None
+        for r in self.rd.journal():
+            if r.get("attempt") == h.attempt and r.get("event") in ("waiting", "waited"):
+                last = r
+        if last is None or last["event"] != "waiting":
+            return None
+        return {"attempt": h.attempt, "cause": last.get("cause"), "since": parse_iso(last["time"])}
+
+    def _start_wait(self, cause: str, why: str) -> None:
+        if self._capacity_wait is not None:
+            return  # one wait, however its cause changes (queued, then admitted and unschedulable)
+        assert self.handle is not None
+        self._say("waiting", why, cause=cause, committed_step=self.rd.committed_step())
+        self._capacity_wait = {"attempt": self.handle.attempt, "cause": cause, "since": self.clock()}
+
+    def _end_wait(self, ended_by: str, attempt: int | None = None) -> None:
+        w, self._capacity_wait = self._capacity_wait, None
+        if w is None:
+            return
+        seconds = max(0.0, self.clock() - w["since"])
+        self._say(
+            "waited",
+            f"{_fmt_s(seconds)} waiting for capacity ({w['cause']}); then {ended_by}",
+            cause=w["cause"],
+            seconds=round(seconds, 1),
+            attempt=attempt if attempt is not None else w["attempt"],
+            committed_step=self.rd.committed_step(),
+        )
+
+    def _deactivated(self, watched: Watched, committed: int) -> int:
+        """spec.active=false: Kueue keeps the Workload and never runs it until someone sets it true.
+        Respected: no new attempt, nothing deleted; one line naming who and why, exit 130."""
+        h = self.handle
+        assert h is not None
+        wl = watched.status.details.get("workload") or "-"
+        rec = self._say(
+            "deactivated",
+            f"{watched.deactivated}: {watched.status.reason}",
+            committed_step=committed,
+            workload=wl,
+        )
+        self._tell("failed", rec, EXIT_INTERRUPTED)
+        self.handle = None
+        self.out.line(
+            f"stopped: Workload {wl} of attempt {h.attempt} is deactivated by {watched.deactivated}; "
+            f"the attempt is kept and no new one submitted. To go on: kubectl patch workload {wl} "
+            f'--type merge -p \'{{"spec":{{"active":true}}}}\', then {self.reattach_hint}'
+        )
+        return EXIT_INTERRUPTED
 
     def _resize(self, h: Handle | None, req: dict) -> Handle | None:
         self.out.line(f"resize request {req.get('id')}: to {req.get('device')}")

@@ -623,6 +623,10 @@ class Store:
 # ---------------------------------------------------------------- the HTTP side
 
 
+# Paths no Kubernetes API has: a server's own control requests (`ApiServer.control`).
+CONTROL_PREFIX = "/olmo-ctl/"
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "olmo-ctl-kube-test/1"
     protocol_version = "HTTP/1.0"
@@ -654,6 +658,11 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._body()
         ctype = self.headers.get("Content-Type", "")
         accept = self.headers.get("Accept", "")
+        if srv.control is not None and parts.path.startswith(CONTROL_PREFIX):
+            # Served by whoever set `control` (the sandbox: its faults), before any injected fault.
+            code, answer = srv.control(method, parts.path, dict(self.headers.items()), body)
+            self._send(code, answer)
+            return
         srv._record(method, parts.path, query, ctype, body)
         mode = srv.outage_mode()
         if mode == "hang":  # accepted, never answered: the client's read timeout ends it
@@ -1366,6 +1375,8 @@ class ApiServer:
         self._faults: list[Fault] = []
         self._fault_lock = threading.Lock()
         self.requests: list[tuple[str, str, dict, str]] = []
+        # (method, path, headers, body) -> (code, JSON answer) for paths under CONTROL_PREFIX; None: 404s
+        self.control: Callable[[str, str, dict, bytes], tuple[int, Any]] | None = None
         self.received: list[tuple[str, str, Any]] = []  # (method, path, JSON body) of each write, as sent
         self._outage: tuple[str, float | None] | None = None  # (mode, until on time.monotonic)
         self._outage_over = threading.Event()

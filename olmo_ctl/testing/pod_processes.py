@@ -322,6 +322,16 @@ class ProcessRunner:
         except ProcessLookupError:
             pass
 
+    def shutdown(self, world: SandboxWorld, pod: dict) -> None:
+        """Graceful node shutdown: SIGTERM to the container's process, no deletion."""
+        self.stop(world, pod)
+
+    def kill(self, world: SandboxWorld, pod: dict) -> None:
+        """The host went down: the process dies now; its exit is reported when the node is back."""
+        proc = self.procs.get(pod["metadata"]["uid"])
+        if proc is not None:
+            self._kill(proc, "its host went down")
+
     def sync(self, world: SandboxWorld) -> bool:
         """One kubelet pass (inside the world's reconcile, under the store's lock): exits become the
         pods' state; a grace period's end, a lost node or a force delete SIGKILLs the process group."""
@@ -332,6 +342,8 @@ class ProcessRunner:
             if pod is not None and pod["metadata"]["uid"] != uid:
                 pod = None
             code = proc.popen.poll()
+            if pod is not None and not pod_terminal(pod) and world.node_unreachable(pod):
+                continue  # its kubelet neither hears of a deletion nor reports an exit until it is back
             if code is None:
                 if pod is None or pod_terminal(pod):
                     self._kill(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shlex
 import tempfile
 from pathlib import Path
@@ -192,6 +193,15 @@ class PodRunner:
     def stop(self, world: SandboxWorld, pod: dict) -> None:
         """The pod is being deleted: its containers got SIGTERM."""
 
+    def shutdown(self, world: SandboxWorld, pod: dict) -> None:
+        """Graceful node shutdown: the kubelet sends SIGTERM without a deletion; here the container
+        exits at once with the world's SIGTERM exit code."""
+        world.container_exit(pod, world.sigterm_exit_code)
+
+    def kill(self, world: SandboxWorld, pod: dict) -> None:
+        """The host went down with the container; nobody reports it until the kubelet is back (no
+        process here: nothing to kill)."""
+
     def sync(self, world: SandboxWorld) -> bool:
         """One kubelet pass; True when it changed the world."""
         return False
@@ -205,9 +215,12 @@ class SandboxWorld(ScriptedWorld):
 
     def __init__(self, *a: Any, runner: PodRunner | None = None, **kw: Any):
         super().__init__(*a, **kw)
+        from olmo_ctl.testing.cluster.nodes import NodeCauses
+
         self.runner = runner or PodRunner()
         self._stopping: set[str] = set()
         self.exclusive_placement_webhook = True  # the sandbox schedules: JobSet's pod webhooks apply
+        self.nodes = NodeCauses(self)  # what happens to the machines: `olmo-ctl sandbox fault`
         self.runner.attach(self)
 
     def admit(self, res: Any, obj: dict) -> None:
@@ -219,7 +232,7 @@ class SandboxWorld(ScriptedWorld):
         with self.store.lock:
             for _ in range(50):
                 super().reconcile()
-                if not (self.release_orphans() | self.schedule()):
+                if not (self.nodes.reconcile() | self.release_orphans() | self.schedule()):
                     return
 
     def release_orphans(self) -> bool:
@@ -253,9 +266,14 @@ class SandboxWorld(ScriptedWorld):
             self.store.collect()
         return changed
 
+    def node_unreachable(self, pod: dict) -> bool:
+        return self.nodes.unreachable(pod["spec"].get("nodeName"))
+
     def _kubelet(self) -> bool:
         for pod in self.items("Pod", None):
             uid = pod["metadata"]["uid"]
+            if self.node_unreachable(pod):
+                continue
             if (
                 deleting(pod)
                 and uid not in self._stopping
@@ -304,10 +322,13 @@ class SandboxWorld(ScriptedWorld):
                 if all((n["metadata"].get("labels") or {}).get(k) == v for k, v in sel.items())
                 and free.get(name, 0.0) >= need - 1e-9
                 and not self.node_down(name)  # NotReady: tainted unreachable:NoSchedule
+                and self.nodes.schedulable(n, pod)
             ]
             if fits:
                 free[fits[0]] -= need
-                if self.pull_image(pod, fits[0]):  # else it waits on the node for its image
+                if self.nodes.refuses(fits[0]):
+                    self.nodes.reject(pod, fits[0])
+                elif self.pull_image(pod, fits[0]):  # else it waits on the node for its image
                     self.runner.start(self, pod, fits[0])
                 changed = True
                 continue
@@ -393,6 +414,10 @@ class Sandbox:
         self.server.world = self.server.cluster.world = world
         self.server.api.hooks = world
         self.world = world
+        # The bearer token of this sandbox's kubeconfig: its control path (`sandbox fault`) asks for it.
+        self.token = secrets.token_urlsafe(24)
+        self.server.control = self._control
+        world.api_server = self.server  # `sandbox fault api-outage` acts on it
         self.namespace, self.queue = namespace, queue
         self.slices = dict(slices or {})
         self.priority_classes = dict(priority_classes or {})
@@ -481,6 +506,25 @@ class Sandbox:
                 new=True,
             )
 
+    # -- faults
+    def _control(self, method: str, path: str, headers: dict, body: bytes) -> tuple[int, dict]:
+        from olmo_ctl.testing.sandbox_faults import CONTROL_PATH, control
+
+        if path.rstrip("/") != CONTROL_PATH:
+            return 404, {"message": f"no control path {path}; faults are POSTed to {CONTROL_PATH}"}
+        return control(self.world, self.token, method, headers, body)
+
+    def fault(self, fault: Any) -> str:
+        """Apply one `sandbox_faults.Fault` now (what `olmo-ctl sandbox fault` asks for)."""
+        from olmo_ctl.testing.sandbox_faults import apply
+
+        return apply(self.world, fault)
+
+    def tick(self) -> None:
+        """Let what is due happen without a request (a fault's --for ending, a toleration running out)."""
+        with self.server.store.lock:
+            self.world.reconcile()
+
     # -- lifecycle
     def start(self) -> Sandbox:
         self.server.start()
@@ -506,7 +550,7 @@ class Sandbox:
             "kind": "Config",
             "preferences": {},
             "clusters": [{"name": CONTEXT, "cluster": {"server": self.url}}],
-            "users": [{"name": CONTEXT, "user": {}}],
+            "users": [{"name": CONTEXT, "user": {"token": self.token}}],
             "contexts": [
                 {
                     "name": CONTEXT,

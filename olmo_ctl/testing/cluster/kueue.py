@@ -443,7 +443,9 @@ def reconcile_workload(w: World, wl: dict) -> bool:
     before = w.snapshot(wl)
     if wl["spec"].get("active") is False:
         if not is_evicted(wl):
-            evict(w, wl, "Deactivated", "The workload is deactivated")
+            cause, why = w.deactivation_causes.get(wl["metadata"]["uid"], ("", ""))
+            msg = "The workload is deactivated" + (f" due to {why}" if why else "")
+            evict(w, wl, "Deactivated", msg, underlying_cause=cause)
         return w.commit("Workload", wl, before)
     rq = find_cond(wl, "Requeued")
     if rq and rq["status"] == "False" and rq["reason"] in NO_REQUEUE_BACKOFF:
@@ -505,6 +507,18 @@ def check_pods_ready(w: World, wl: dict) -> None:
     )
     adm = find_cond(wl, "Admitted")
     if adm and not is_evicted(wl) and w.seconds_since(adm["lastTransitionTime"]) >= w.pods_ready_timeout_s:
+        # workload_controller.go triggerDeactivationOrBackoffRequeue: past requeuingStrategy's
+        # backoffLimitCount the workload is deactivated (SetDeactivationTarget RequeuingLimitExceeded),
+        # then evicted as Deactivated with that cause; otherwise UpdateRequeueState and a requeue.
+        limit = w.requeuing_backoff_limit_count
+        count = int((wl["status"].get("requeueState") or {}).get("count") or 0)
+        if limit is not None and count + 1 > limit:
+            wl["spec"]["active"] = False
+            w.deactivation_causes[wl["metadata"]["uid"]] = (
+                "RequeuingLimitExceeded",
+                "exceeding the maximum number of re-queuing retries",
+            )
+            return
         update_requeue_state(w, wl)
         evict(
             w,

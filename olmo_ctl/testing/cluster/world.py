@@ -118,6 +118,9 @@ class World(Hooks):
         self.removed_by_suspend: set[str] = set()
         self.reconcile_errors: dict[str, str] = {}  # JobSet uid -> why Kueue could not build its Workload
         self.pods_ready_timeout_s: float | None = None  # Kueue waitForPodsReady (off by default, as in XPK)
+        # waitForPodsReady.requeuingStrategy.backoffLimitCount (None: requeued without end, Kueue's default)
+        self.requeuing_backoff_limit_count: int | None = None
+        self.deactivation_causes: dict[str, tuple[str, str]] = {}  # Workload uid -> (reason, why) by Kueue
         # Seconds a container takes to exit after SIGTERM (None: it uses its whole grace period).
         self.sigterm_exit_s: float | None = 0.0
         self.sigterm_exit_code = SIGTERM_EXIT
@@ -343,6 +346,10 @@ class World(Hooks):
         return None
 
     # -- the kubelet
+    def node_unreachable(self, pod: dict) -> bool:
+        """The kubelet of the pod's node posts nothing (a world with nodes says; this one has none)."""
+        return False
+
     def _pod_stopped(self, pod: dict) -> bool:
         if pod_terminal(pod) or not pod["spec"].get("nodeName"):
             return True
@@ -367,8 +374,8 @@ class World(Hooks):
                 self.save("Pod", pod)
                 changed = True
                 continue
-            if not deleting(pod) or self._pod_stopped(pod):
-                continue
+            if not deleting(pod) or self._pod_stopped(pod) or self.node_unreachable(pod):
+                continue  # an unreachable node's kubelet learns of the deletion when it is back
             uid = pod["metadata"]["uid"]
             if uid not in self._sigterm:
                 self._sigterm[uid] = now
