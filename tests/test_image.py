@@ -230,7 +230,7 @@ def test_the_sandbox_command_checks_its_image_runtime_in_one_line(tmp_path):
 
 # -- pods in an image (buildah)
 
-TEST_IMAGE = "localhost/olmo-ctl-test-runtime:1"
+TEST_IMAGE = f"localhost/olmo-ctl-test-runtime:{os.getpid()}"  # a test run's own: others may run
 
 
 @pytest.fixture(scope="module")
@@ -273,11 +273,11 @@ def image_box(small_image):
     with Sandbox(slices={"v5p-16": 1}, runner=runner) as sb:
         yield sb, runner
     left = subprocess.run(
-        ["buildah", "containers", "--format", "{{.ContainerName}}"], capture_output=True, text=True
-    )
-    assert not [
-        n for n in left.stdout.split() if n.startswith("olmo-ctl-pod-")
-    ]  # each pod's container removed
+        ["buildah", "containers", "--format", "{{.ContainerID}} {{.ContainerName}}"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert not set(runner.made) & set(left)  # each pod's working container removed
 
 
 def _jobset(name: str, script: str, image: str = TEST_IMAGE, grace_s: int = 5, env=()) -> dict:
@@ -404,8 +404,8 @@ def test_an_image_not_in_local_storage_is_err_image_pull(image_box):
 
 # -- the trainer's image: built, checked, run (chaos lane: minutes)
 
-BUILT = "localhost/olmo-ctl:test-image"
-NO_TRAINER = "localhost/olmo-ctl:test-no-trainer"
+BUILT = f"localhost/olmo-ctl:test-{os.getpid()}"
+NO_TRAINER = f"localhost/olmo-ctl:test-no-trainer-{os.getpid()}"
 
 
 def _make(*args: str, timeout_s: float = 1800) -> subprocess.CompletedProcess:

@@ -125,9 +125,11 @@ class ImageRunner(ProcessRunner):
     def __init__(self, log: Callable[[str], None] | None = None, **kw):
         super().__init__(log=log, **kw)
         self.containers: dict[str, str] = {}  # pod uid -> its working container
+        self.made: list[str] = []  # every working container it made (tests: each is removed)
         self.statuses: dict[str, int] = {}  # pod uid -> the exit code buildah reported
         self.main_pids: dict[str, int] = {}
         self._closing = False
+        self._removing: list[threading.Thread] = []
 
     def admit(self, world: SandboxWorld, jobset: dict) -> None:
         from olmo_ctl.backends.jobset import ANNOTATION_RUN_DIR
@@ -155,6 +157,7 @@ class ImageRunner(ProcessRunner):
             self.pull_failed(world, pod, node, image, e.message)
             return
         self.containers[md["uid"]] = ctr
+        self.made.append(ctr)
         super().start(world, pod, node)
         if md["uid"] not in self.procs:  # it did not start: StartError, already reported
             self._remove(md["uid"])
@@ -221,7 +224,9 @@ class ImageRunner(ProcessRunner):
             buildah.remove_container(ctr)
         elif ctr:
             # Off the store's lock: removing a container's layer takes a moment.
-            threading.Thread(target=buildah.remove_container, args=(ctr,), daemon=True).start()
+            t = threading.Thread(target=buildah.remove_container, args=(ctr,), daemon=True)
+            t.start()
+            self._removing.append(t)
 
     def _remove(self, uid: str) -> None:
         ctr = self.containers.pop(uid, None)
@@ -233,3 +238,5 @@ class ImageRunner(ProcessRunner):
         super().close(timeout_s)
         for uid in list(self.containers):
             self._remove(uid)
+        for t in self._removing:
+            t.join(timeout_s)
