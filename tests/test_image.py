@@ -153,6 +153,32 @@ def test_docker_builds_only_when_its_daemon_answers_else_buildah(tmp_path, monke
         image_build.choose_builder("podman")
 
 
+def test_with_a_docker_daemon_make_image_is_docker_build_and_prints_its_digest_and_size(
+    tmp_path, monkeypatch, capsys
+):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    docker = bin_dir / "docker"  # a daemon that answers: what it is asked is recorded
+    docker.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n'
+        '[ "$1 $2" = "image inspect" ] && echo "sha256:0123abcd 2021795370"\nexit 0\n'
+    )
+    docker.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    facts = image_build.build("reg.example/olmo:t1", base="python:3.11-slim@sha256:feed")
+    assert facts["builder"] == "docker" and facts["size_bytes"] == 2021795370
+    assert calls.read_text().splitlines() == [
+        "info",
+        "build -f launch_templates/Dockerfile --build-arg EXTRAS=trainer,tpu "
+        "--build-arg BASE_IMAGE=python:3.11-slim@sha256:feed -t reg.example/olmo:t1 .",
+        "image inspect --format {{.Id}} {{.Size}} reg.example/olmo:t1",
+    ]
+    out = capsys.readouterr().out
+    assert out.startswith("image reg.example/olmo:t1: built by docker in ")
+    assert out.rstrip().endswith("digest sha256:0123abcd; size 2.02 GB (2021795370 bytes)")
+
+
 def test_make_image_names_its_variables():
     p = subprocess.run(
         ["make", "-n", "image", "image-test", "IMAGE=reg.example/olmo:t1", "BASE_IMAGE=python:3.11-slim"],
@@ -377,6 +403,29 @@ def test_deleting_a_pod_in_its_image_is_sigterm_to_its_process_then_sigkill(imag
         10,
         f"exit {code}",
     )
+
+
+@needs_buildah
+def test_a_lost_node_kills_the_containers_processes_at_once(image_box):
+    from test_sandbox_pods import create, pod_log
+
+    sb, runner = image_box
+    create(sb, _jobset("lost", TERM_SCRIPT, grace_s=30, env=[{"name": "MODE", "value": "hang"}]))
+    c = sb.server.cluster
+    name, pid = wait_for(
+        lambda: (
+            (p := c.pods("lost"))
+            and (log := pod_log(sb, p[1]["metadata"]["name"]))
+            and "pid" in log
+            and (p[1]["metadata"]["name"], int(log.split()[1]))
+        ),
+        60,
+        "pod 1 to start",
+    )
+    t0 = time.monotonic()
+    assert c.node_lost("lost", 1) == name
+    wait_for(lambda: not alive(pid), 5, "the container's process to be killed")
+    assert time.monotonic() - t0 < 2.5  # SIGKILL to the group, no grace period
 
 
 @needs_buildah
