@@ -317,12 +317,12 @@ def _jobset(name: str, script: str, image: str = TEST_IMAGE, grace_s: int = 5, e
     return js
 
 
-ENV_SCRIPT = (
-    "import json, os, sys; keys = ['TPU_WORKER_ID', 'TPU_WORKER_HOSTNAMES', 'JAX_PLATFORMS', 'XLA_FLAGS', "
+ENV_SCRIPT = (  # pod 1 exits 7 after pod 0's 0: the failed Job ends a pod still running
+    "import json, os, sys, time; keys = ['TPU_WORKER_ID', 'TPU_WORKER_HOSTNAMES', 'JAX_PLATFORMS', 'XLA_FLAGS', "
     "'OLMO_CTL_COORDINATOR_ADDRESS', 'FROM_MANIFEST', 'MY_NODE', 'IMAGE_MARK', 'STORAGE_EMULATOR_HOST', "
     "'SANDBOX_MARK']; "
     "print(json.dumps({**{k: os.environ.get(k) for k in keys}, 'uid': os.getuid(), 'cwd': os.getcwd()})); "
-    "sys.exit(int(os.environ['TPU_WORKER_ID']) * 7)"
+    "time.sleep(3 * int(os.environ['TPU_WORKER_ID'])); sys.exit(int(os.environ['TPU_WORKER_ID']) * 7)"
 )
 
 
@@ -403,6 +403,23 @@ def test_deleting_a_pod_in_its_image_is_sigterm_to_its_process_then_sigkill(imag
         10,
         f"exit {code}",
     )
+
+
+@needs_buildah
+def test_a_command_in_an_image_past_its_timeout_is_killed_with_its_processes(small_image):
+    ctr = buildah.from_image(small_image)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(buildah.BuildahError, match="`sleep 61.2345` did not finish within 1 s"):
+            buildah.run(ctr, ["sleep", "61.2345"], timeout_s=1)
+        assert time.monotonic() - t0 < 10
+        # The container's process is this machine's: it is gone with buildah (its process group).
+        left = subprocess.run(["pgrep", "-f", "^sleep 61.2345$"], capture_output=True, text=True)
+        assert left.stdout.split() == []
+        p = buildah.run(ctr, ["id", "-un"], timeout_s=30)
+        assert (p.returncode, p.stdout.strip()) == (0, "tester")  # the image's USER by default
+    finally:
+        buildah.remove_container(ctr)
 
 
 @needs_buildah

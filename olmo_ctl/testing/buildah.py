@@ -10,7 +10,9 @@ without user-namespace rights refuses crun's setrlimit. Every call is a subproce
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 
@@ -30,11 +32,11 @@ def available() -> str | None:
         return "buildah is not installed (apt-get install -y buildah podman debootstrap)"
     p = subprocess.run([BUILDAH, "images", "--quiet"], capture_output=True, text=True)
     if p.returncode != 0:
-        return f"buildah cannot read its image storage: {_last_line(p.stderr)}"
+        return f"buildah cannot read its image storage: {last_line(p.stderr)}"
     return None
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return lines[-1] if lines else "(no output)"
 
@@ -42,7 +44,7 @@ def _last_line(text: str) -> str:
 def _call(args: Sequence[str], what: str) -> str:
     p = subprocess.run([BUILDAH, *args], capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if p.returncode != 0:
-        raise BuildahError(f"{what}: {_last_line(p.stderr)}")
+        raise BuildahError(f"{what}: {last_line(p.stderr)}")
     return p.stdout
 
 
@@ -106,11 +108,27 @@ def run_argv(
     return [*argv, container, "--", *command]
 
 
-def run(container: str, command: Sequence[str], **kw) -> subprocess.CompletedProcess:
-    """Run `command` in `container` to its end; stdout and stderr captured."""
-    return subprocess.run(
-        run_argv(container, command, **kw), capture_output=True, text=True, stdin=subprocess.DEVNULL
+def run(
+    container: str, command: Sequence[str], timeout_s: float | None = None, **kw
+) -> subprocess.CompletedProcess:
+    """Run `command` in `container` to its end, stdout and stderr captured; past `timeout_s` its whole
+    process group (buildah and the container's processes) is killed and BuildahError raised."""
+    argv = run_argv(container, command, **kw)
+    p = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise BuildahError(f"`{' '.join(command)}` did not finish within {timeout_s:.0f} s") from None
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)
 
 
 def remove_container(container: str) -> None:

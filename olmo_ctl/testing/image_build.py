@@ -139,7 +139,7 @@ def base_image(name: str = LOCAL_BASE, cache: str = DEFAULT_CACHE) -> str:
         ["podman", "import", "--change", "CMD=/bin/bash", str(tarball), name], capture_output=True, text=True
     )
     if p.returncode != 0:
-        raise OlmoCtlError(f"podman import of {tarball} failed: {buildah._last_line(p.stderr)}")
+        raise OlmoCtlError(f"podman import of {tarball} failed: {buildah.last_line(p.stderr)}")
     print(f"base image {name}: made in {time.monotonic() - started:.0f} s ({tarball})", file=sys.stderr)
     return name
 
@@ -191,7 +191,7 @@ def build(
         facts: dict[str, object] = {"id": out[0], "digest": out[0], "size_bytes": int(out[1])}
     else:
         facts = buildah.image_facts(image)
-    size = int(facts["size_bytes"])  # type: ignore[call-overload]
+    size = int(str(facts["size_bytes"]))
     print(
         f"image {image}: built by {which} in {seconds:.0f} s; id {facts['id']}; digest {facts['digest']}; "
         f"size {size / 1e9:.2f} GB ({size} bytes)"

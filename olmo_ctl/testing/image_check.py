@@ -38,6 +38,8 @@ SMOKE_STEPS = 5
 NOT_PINNED = frozenset({"pip", "olmo-ctl"})  # `make lock` leaves these out of constraints.txt
 RUNS_INSIDE = "/runs"
 SMOKE_RUN = "image-test"
+CHECK_TIMEOUT_S = 300.0  # one check; the smoke run: SMOKE_TIMEOUT_S
+SMOKE_TIMEOUT_S = 900.0
 
 
 class CheckFailed(OlmoCtlError):
@@ -136,9 +138,12 @@ class ImageCheck:
         self.say = say
         self.container: str | None = None
 
-    def run(self, command: list[str], what: str, **kw) -> str:
+    def run(self, command: list[str], what: str, timeout_s: float = CHECK_TIMEOUT_S, **kw) -> str:
         assert self.container is not None
-        p = buildah.run(self.container, command, **kw)
+        try:
+            p = buildah.run(self.container, command, timeout_s=timeout_s, **kw)
+        except buildah.BuildahError as e:
+            raise CheckFailed(f"{what} in image {self.image}: {e.message}") from None
         if p.returncode != 0:
             lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
             ours = [ln for ln in lines if not ln.startswith(("subprocess exited", "Error: exit status"))]
@@ -232,6 +237,7 @@ class ImageCheck:
                 "1",
             ],
             f"a {SMOKE_STEPS}-step local smoke run",
+            timeout_s=SMOKE_TIMEOUT_S,
             env={"JAX_PLATFORMS": "cpu"},
             volumes=[(str(runs_dir), RUNS_INSIDE)],
         )
