@@ -466,6 +466,12 @@ def test_an_image_not_in_local_storage_is_err_image_pull(image_box):
         assert pod["status"]["phase"] == "Pending"
     assert any(e["reason"] == "Failed" and "Failed to pull image" in e["message"] for e in c.events())
     assert not runner.procs  # nothing runs
+    # What olmo-ctl's GKE backend makes of it: an infrastructure failure naming the pull.
+    from olmo_ctl.backends.base import State
+    from olmo_ctl.backends.gke_status import classify
+
+    st = classify(c.jobset("nopull"), c.workload("nopull"), c.pods("nopull"), c.events())
+    assert st.state == State.FAILED_INFRA and "ErrImagePull" in st.reason, st
 
 
 # -- the trainer's image: built, checked, run (chaos lane: minutes)
