@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,10 +39,19 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PINS = parse_pins((ROOT / "constraints.txt").read_text())
 TRAINER_ONLY = ["optax", "orbax-checkpoint", "grain", "tensorboard", "matplotlib"]  # not in tpu's extra
 
-needs_buildah = pytest.mark.skipif(
-    buildah.available() is not None,
-    reason=f"needs buildah: {buildah.available()}",
-)
+
+def _why_no_images() -> str | None:
+    """Why images cannot be built and run here, or None."""
+    why = buildah.available()
+    if why is None and not buildah.image_exists(image_build.LOCAL_BASE):
+        lacking = [t for t in ("debootstrap", "podman") if shutil.which(t) is None]
+        if lacking:
+            why = f"{' and '.join(lacking)} not installed, and no local base image to build on"
+    return why
+
+
+WHY_NO_IMAGES = _why_no_images()
+needs_buildah = pytest.mark.skipif(WHY_NO_IMAGES is not None, reason=f"needs buildah: {WHY_NO_IMAGES}")
 
 
 # -- the lock file and the requirements
