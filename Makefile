@@ -9,7 +9,11 @@
 #   make goldens   regenerate tests/goldens/*.yaml and recipes.json (review the diff)
 #   make lint      ruff
 #   make check     the quality gates: ruff check, ruff format --check, mypy (each runs; any failure fails)
-#   make image     docker build of launch_templates/Dockerfile
+#   make image     build launch_templates/Dockerfile as $(IMAGE): docker when `docker info` answers,
+#                  else buildah on the local Debian base of `make base-image` (docs/image.md)
+#   make base-image the local Debian base (debootstrap; cached under $(IMAGE_CACHE))
+#   make image-test check $(IMAGE) from inside, as its user: trainer --help, pip check, versions equal
+#                  constraints.txt, a 5-step local smoke run to a mounted run directory
 #   make bench     CLI start-up latency
 #   make lock      rewrite constraints.txt from .venv (after the tests pass with new versions)
 
@@ -18,8 +22,16 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 IMAGE  ?= olmo-ctl:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+# The image's base (empty: the builder's default, python:3.11-slim with Docker, the local Debian base of
+# `make base-image` with buildah), the extras it installs, the builder (empty: docker if `docker info`
+# answers, else buildah) and where the local base's root file system is cached.
+BASE_IMAGE  ?=
+EXTRAS      ?= trainer,tpu
+BUILDER     ?=
+IMAGE_CACHE ?= /var/cache/olmo-ctl
 
-.PHONY: install test test-chaos test-tpu-compile test-all check lint goldens demo image bench lock
+.PHONY: install test test-chaos test-tpu-compile test-all check lint goldens demo image base-image image-test \
+	bench lock
 
 install: $(STAMP)
 
@@ -77,7 +89,15 @@ demo: $(STAMP)
 	@echo "  olmo-ctl monitor $(DEMO_ROOT)/smoke-demo --plot smoke-demo.png"
 
 image:
-	docker build -f launch_templates/Dockerfile -t $(IMAGE) .
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m olmo_ctl.testing.image_build build --image '$(IMAGE)' --base-image '$(BASE_IMAGE)' \
+		--extras '$(EXTRAS)' --builder '$(BUILDER)' --cache '$(IMAGE_CACHE)'
+
+base-image:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m olmo_ctl.testing.image_build base --cache '$(IMAGE_CACHE)' \
+		$(if $(BASE_IMAGE),--base-image '$(BASE_IMAGE)')
+
+image-test:
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m olmo_ctl.testing.image_check --image '$(IMAGE)'
 
 bench:
 	$(BIN)/python benchmarks/cli_latency.py

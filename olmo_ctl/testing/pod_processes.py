@@ -221,7 +221,9 @@ def refuse_unfit(jobset: dict, memory_bytes: int) -> str | None:
 
 
 @dataclass
-class _Proc:
+class PodProcess:
+    """A pod's container as a local process."""
+
     uid: str
     namespace: str
     name: str
@@ -252,7 +254,7 @@ class ProcessRunner:
         self.poll_s = poll_s
         self.cwd = cwd
         self.base_env = base_env
-        self.procs: dict[str, _Proc] = {}  # pod uid -> its process
+        self.procs: dict[str, PodProcess] = {}  # pod uid -> its process
         self.ports: dict[tuple[str, str], int] = {}  # (JobSet uid, restart attempt) -> coordinator port
         self.world: SandboxWorld | None = None
         self._stop = threading.Event()
@@ -286,12 +288,11 @@ class ProcessRunner:
         md = pod["metadata"]
         container = (pod["spec"].get("containers") or [{}])[0]
         try:
-            cmd = self.command(container)
-            env = self.environment(world, pod, container)
+            cmd, env, cwd = self.launch(world, pod, container)
             p = subprocess.Popen(
                 cmd,
                 env=env,
-                cwd=container.get("workingDir") or self.cwd,
+                cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -303,7 +304,7 @@ class ProcessRunner:
             world.container_exit(pod, START_ERROR_EXIT, [msg], reason="StartError")
             self.log(f"pod {md['name']}: {msg}")
             return
-        proc = _Proc(md["uid"], md["namespace"], md["name"], p, time.monotonic())
+        proc = PodProcess(md["uid"], md["namespace"], md["name"], p, time.monotonic())
         proc.reader = threading.Thread(target=self._read, args=(proc,), name=f"log-{md['name']}", daemon=True)
         self.procs[md["uid"]] = proc
         proc.reader.start()
@@ -316,9 +317,10 @@ class ProcessRunner:
             return
         proc.sigterm_at = time.monotonic()
         grace = pod["metadata"].get("deletionGracePeriodSeconds")
-        self.log(f"pod {proc.name}: SIGTERM to pid {proc.popen.pid} (grace period {grace} s)")
+        pid = self.main_pid(proc)
+        self.log(f"pod {proc.name}: SIGTERM to pid {pid} (grace period {grace} s)")
         try:
-            proc.popen.send_signal(signal.SIGTERM)
+            os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
 
@@ -369,15 +371,40 @@ class ProcessRunner:
                 continue  # its last lines reach the log before the pod ends (a child may hold the pipe)
             if not proc.reported:
                 proc.reported = True
-                exit_code = exit_code_of(code)
+                exit_code = self.exit_code(proc, code)
                 if pod is not None and not pod_terminal(pod) and pod["spec"].get("nodeName"):
                     world.container_exit(pod, exit_code)
                     changed = True
                 self.log(f"pod {proc.name}: pid {proc.popen.pid} exited {exit_code}")
             del self.procs[uid]
+            self.ended(proc)
         return changed
 
-    # -- the container
+    # -- the container (an image runtime changes these: pod_images.ImageRunner)
+    def launch(self, world: SandboxWorld, pod: dict, container: dict) -> tuple[list[str], dict, str | None]:
+        """The process that is the pod's container: its argv, environment and working directory."""
+        env = self.environment(world, pod, container)
+        return self.command(container), env, container.get("workingDir") or self.cwd
+
+    def host_env(self) -> dict[str, str]:
+        """What a pod's environment starts from: the sandbox's own (or `base_env`)."""
+        return dict(os.environ if self.base_env is None else self.base_env)
+
+    def main_pid(self, proc: PodProcess) -> int:
+        """The container's main process, which a pod's deletion sends SIGTERM."""
+        return proc.popen.pid
+
+    def exit_code(self, proc: PodProcess, returncode: int) -> int:
+        """The container's exit code, as a container runtime reports it."""
+        return exit_code_of(returncode)
+
+    def log_line(self, proc: PodProcess, line: str) -> str | None:
+        """A line of the process's output as the pod's log has it (None: not the container's)."""
+        return line
+
+    def ended(self, proc: PodProcess) -> None:
+        """The pod's process is gone and reported."""
+
     @staticmethod
     def command(container: dict) -> list[str]:
         argv = [str(a) for a in list(container.get("command") or []) + list(container.get("args") or [])]
@@ -399,7 +426,7 @@ class ProcessRunner:
         return f"127.0.0.1:{self.ports[key]}"
 
     def environment(self, world: SandboxWorld, pod: dict, container: dict) -> dict[str, str]:
-        env = dict(os.environ if self.base_env is None else self.base_env)
+        env = self.host_env()
         for k in _DROPPED_ENV:
             env.pop(k, None)
         own: dict[str, str] = {}
@@ -447,11 +474,13 @@ class ProcessRunner:
         return env
 
     # -- the process
-    def _read(self, proc: _Proc) -> None:
+    def _read(self, proc: PodProcess) -> None:
         store = self.world.store
         key = (proc.namespace, proc.name)
         for raw in iter(proc.popen.stdout.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
+            line = self.log_line(proc, raw.decode("utf-8", "replace").rstrip("\n"))
+            if line is None:
+                continue
             with store.lock:
                 pod = self.world.get("Pod", proc.namespace, proc.name)
                 if pod is None or pod["metadata"]["uid"] != proc.uid:
@@ -462,7 +491,7 @@ class ProcessRunner:
                     del lines[: len(lines) - MAX_LOG_LINES]
         proc.popen.stdout.close()
 
-    def _kill(self, proc: _Proc, why: str) -> None:
+    def _kill(self, proc: PodProcess, why: str) -> None:
         if proc.killed:
             return
         proc.killed = True
@@ -506,4 +535,5 @@ class ProcessRunner:
                 pass
             if proc.reader is not None:
                 proc.reader.join(1.0)
+            self.ended(proc)
         self.procs.clear()

@@ -1,0 +1,285 @@
+"""`make image-test`: the built trainer image checked from inside, as its user, before any slice runs it.
+
+    python -m olmo_ctl.testing.image_check --image NAME [--keep]
+
+In one working container of the local image (buildah), in this order, each check printed with its
+seconds, the first failure printed as one line `error: ...` naming what is wrong:
+
+1. `requirements`: every distribution olmo-ctl and its `trainer` and `tpu` extras require (from
+   pyproject.toml) is installed (`pip freeze --all`); one missing names them all, e.g. an image built
+   with EXTRAS=tpu lacks the trainer's optax, orbax-checkpoint, grain, tensorboard and matplotlib;
+2. `trainer --help`: the JobSet's entry point, `python -m olmo_ctl.trainer`, starts;
+3. `pip check`: the installed distributions' own requirements are met;
+4. `versions`: the image's installed versions equal constraints.txt's, and it installs nothing the lock
+   file does not pin (pip and olmo-ctl itself aside), every difference named;
+5. `writable`: the user can write HOME, its cache directory and /tmp;
+6. `smoke`: a 5-step local run of the smoke recipe (`olmo-ctl resume-until-done --backend local
+   --device cpu-1`) to a run directory mounted from this machine, whose committed step 5 this
+   machine then reads back.
+
+Exit codes: 0 every check passed, 1 a check failed (named), 2 the image or buildah is not there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.testing import buildah
+
+IMAGE_EXTRAS = ("trainer", "tpu")  # what a GKE attempt's container needs
+SMOKE_STEPS = 5
+NOT_PINNED = frozenset({"pip", "olmo-ctl"})  # `make lock` leaves these out of constraints.txt
+RUNS_INSIDE = "/runs"
+SMOKE_RUN = "image-test"
+CHECK_TIMEOUT_S = 300.0  # one check; the smoke run: SMOKE_TIMEOUT_S
+SMOKE_TIMEOUT_S = 900.0
+
+
+class CheckFailed(OlmoCtlError):
+    """A check of the image failed. Exit 1."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message, hint, exit_code=1)
+
+
+def canonical(name: str) -> str:
+    """A distribution's name as PEP 503 compares them."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _bare_version(version: str) -> str:
+    return version.split("+", 1)[0]  # a local label (+cpu): constraints.txt drops it
+
+
+def parse_pins(text: str) -> dict[str, str]:
+    """`name==version` lines (constraints.txt, or `pip freeze --all`) as {canonical name: version};
+    comments, options and editable lines are skipped, except pip's note naming an editable install."""
+    pins: dict[str, str] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        editable = re.match(r"^# Editable install.*\(([A-Za-z0-9_.-]+)==([^)\s]+)\)", line)
+        if editable:
+            pins[canonical(editable.group(1))] = editable.group(2)
+            continue
+        line = line.split("#", 1)[0].strip()
+        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9_.-]*)\s*==\s*([^\s;]+)", line)
+        if m:
+            pins[canonical(m.group(1))] = m.group(2)
+        elif (m := re.match(r"^([A-Za-z0-9][A-Za-z0-9_.-]*)\s*@\s*\S+", line)) is not None:
+            pins[canonical(m.group(1))] = ""  # a direct URL: installed, version unknown
+    return pins
+
+
+def _requirement_name(spec: str) -> str:
+    return canonical(re.split(r"[\s\[<>=!~;(]", spec.strip(), maxsplit=1)[0])
+
+
+def required(pyproject: dict, extras: tuple[str, ...] = IMAGE_EXTRAS) -> list[str]:
+    """The distributions olmo-ctl with `extras` requires directly (itself included), in order."""
+    project = pyproject["project"]
+    specs = list(project.get("dependencies") or [])
+    for extra in extras:
+        specs += (project.get("optional-dependencies") or {}).get(extra) or []
+    names = [canonical(project["name"])]
+    for spec in specs:
+        name = _requirement_name(spec)
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def missing(installed: dict[str, str], pyproject: dict, extras: tuple[str, ...] = IMAGE_EXTRAS) -> list[str]:
+    """What `required` names that is not installed."""
+    return [n for n in required(pyproject, extras) if n not in installed]
+
+
+def version_differences(installed: dict[str, str], pins: dict[str, str]) -> list[str]:
+    """Every way the installed versions differ from the lock file: a version other than its pin, or a
+    distribution it does not pin."""
+    out = []
+    for name, version in sorted(installed.items()):
+        if name in NOT_PINNED:
+            continue
+        if name not in pins:
+            out.append(f"{name} {version} (not in constraints.txt)")
+        elif _bare_version(version) != _bare_version(pins[name]):
+            out.append(f"{name} {version} (constraints.txt {pins[name]})")
+    return out
+
+
+# The writable-paths probe, run as the image's user: each must take a file.
+_WRITABLE_PROBE = """
+import os, tempfile
+for d in (os.environ["HOME"], os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+          tempfile.gettempdir()):
+    try:
+        os.makedirs(d, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        raise SystemExit(f"{d} is not writable by uid {os.getuid()}: {e.strerror}")
+print(os.getuid(), os.environ["HOME"], tempfile.gettempdir())
+"""
+
+
+class ImageCheck:
+    """The checks of one image, in one working container (removed at the end)."""
+
+    def __init__(self, image: str, repo: Path, say=print):
+        self.image = image
+        self.repo = repo
+        self.say = say
+        self.container: str | None = None
+
+    def run(self, command: list[str], what: str, timeout_s: float = CHECK_TIMEOUT_S, **kw) -> str:
+        assert self.container is not None
+        try:
+            p = buildah.run(self.container, command, timeout_s=timeout_s, **kw)
+        except buildah.BuildahError as e:
+            raise CheckFailed(f"{what} in image {self.image}: {e.message}") from None
+        if p.returncode != 0:
+            lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+            ours = [ln for ln in lines if not ln.startswith(("subprocess exited", "Error: exit status"))]
+            last = (ours or lines or ["(no output)"])[-1].strip()
+            raise CheckFailed(f"{what} failed in image {self.image} (exit {p.returncode}): {last}")
+        return p.stdout
+
+    def step(self, name: str, fn) -> None:
+        started = time.monotonic()
+        detail = fn()
+        self.say(f"ok   {name:<16} {time.monotonic() - started:6.1f} s  {detail or ''}".rstrip())
+
+    def check_all(self, runs_dir: Path) -> None:
+        pyproject = tomllib.loads((self.repo / "pyproject.toml").read_text())
+        pins = parse_pins((self.repo / "constraints.txt").read_text())
+        self.container = buildah.from_image(self.image)
+        try:
+            installed: dict[str, str] = {}
+
+            def requirements() -> str:
+                installed.update(
+                    parse_pins(self.run(["python", "-m", "pip", "freeze", "--all"], "pip freeze"))
+                )
+                lacking = missing(installed, pyproject)
+                if lacking:
+                    raise CheckFailed(
+                        f"image {self.image} lacks what olmo-ctl[{','.join(IMAGE_EXTRAS)}] requires: "
+                        + ", ".join(lacking),
+                        "rebuild it with make image (EXTRAS=trainer,tpu)",
+                    )
+                return f"{len(required(pyproject))} required distributions installed"
+
+            def versions() -> str:
+                diffs = version_differences(installed, pins)
+                if diffs:
+                    raise CheckFailed(
+                        f"image {self.image}'s installed versions differ from constraints.txt: "
+                        + "; ".join(diffs),
+                        "rebuild it with make image, or make lock after the tests pass with them",
+                    )
+                both = sum(1 for n in installed if n in pins)
+                return f"{both} distributions equal constraints.txt"
+
+            self.step("requirements", requirements)
+            self.step(
+                "trainer --help",
+                lambda: (
+                    self.run(
+                        ["python", "-m", "olmo_ctl.trainer", "--help"], "python -m olmo_ctl.trainer --help"
+                    )
+                    and ""
+                ),
+            )
+            self.step("pip check", lambda: self.run(["python", "-m", "pip", "check"], "pip check").strip())
+            self.step("versions", versions)
+            self.step(
+                "writable",
+                lambda: (
+                    "uid, HOME, tmp: "
+                    + self.run(["python", "-c", _WRITABLE_PROBE], "writing HOME, its cache and /tmp").strip()
+                ),
+            )
+            self.step("smoke", lambda: self.smoke(runs_dir))
+        finally:
+            buildah.remove_container(self.container)
+            self.container = None
+
+    def smoke(self, runs_dir: Path) -> str:
+        from olmo_ctl.rundir import RunDir
+
+        runs_dir.chmod(0o777)  # the image's user (uid 1000) writes it
+        self.run(
+            [
+                "olmo-ctl",
+                "resume-until-done",
+                "--recipe",
+                "smoke",
+                "--device",
+                "cpu-1",
+                "--backend",
+                "local",
+                "--run",
+                SMOKE_RUN,
+                "--run-root",
+                RUNS_INSIDE,
+                "--set",
+                f"train.max_steps={SMOKE_STEPS}",
+                "--set",
+                "schedule.warmup_steps=2",  # below the 5-step horizon
+                "--poll",
+                "1",
+            ],
+            f"a {SMOKE_STEPS}-step local smoke run",
+            timeout_s=SMOKE_TIMEOUT_S,
+            env={"JAX_PLATFORMS": "cpu"},
+            volumes=[(str(runs_dir), RUNS_INSIDE)],
+        )
+        step = RunDir(str(runs_dir / SMOKE_RUN)).committed_step()
+        if step != SMOKE_STEPS:
+            raise CheckFailed(
+                f"the smoke run in image {self.image} committed step {step}, not {SMOKE_STEPS}, "
+                f"to the mounted {runs_dir / SMOKE_RUN}"
+            )
+        return f"step {step} committed to the mounted run directory"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m olmo_ctl.testing.image_check")
+    ap.add_argument("--image", required=True)
+    ap.add_argument("--keep", action="store_true", help="keep the smoke run's directory")
+    a = ap.parse_args(argv)
+    from olmo_ctl.testing.image_build import repo_root
+
+    started = time.monotonic()
+    try:
+        why = buildah.available()
+        if why:
+            raise BadInput(why)
+        if not buildah.image_exists(a.image):
+            raise BadInput(f"image {a.image} is not in local storage", f"make image IMAGE={a.image}")
+        runs = Path(tempfile.mkdtemp(prefix="olmo-ctl-image-test-"))
+        try:
+            ImageCheck(a.image, repo_root()).check_all(runs)
+        finally:
+            if a.keep:
+                print(f"smoke run directory kept: {runs / SMOKE_RUN}", file=sys.stderr)
+            else:
+                import shutil
+
+                shutil.rmtree(runs, ignore_errors=True)
+    except OlmoCtlError as e:
+        print(f"error: {e.one_line()}", file=sys.stderr)
+        return e.exit_code
+    print(f"image {a.image}: every check passed in {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
