@@ -476,12 +476,14 @@ def test_an_image_not_in_local_storage_is_err_image_pull(image_box):
         assert pod["status"]["phase"] == "Pending"
     assert any(e["reason"] == "Failed" and "Failed to pull image" in e["message"] for e in c.events())
     assert not runner.procs  # nothing runs
-    # What olmo-ctl's GKE backend makes of it: an infrastructure failure naming the pull.
+    # What olmo-ctl's GKE backend makes of it: a pull no retry fixes (the image is not known), a
+    # configuration error naming the image (the supervisor exits 2 at once).
     from olmo_ctl.backends.base import State
     from olmo_ctl.backends.gke_status import classify
 
     st = classify(c.jobset("nopull"), c.workload("nopull"), c.pods("nopull"), c.events())
-    assert st.state == State.FAILED_INFRA and "ErrImagePull" in st.reason, st
+    assert st.state == State.ADMITTED and "ErrImagePull" in st.reason, st
+    assert "localhost/olmo-ctl-test-runtime:absent" in (st.details.get("config_error") or ""), st.details
 
 
 # -- the trainer's image: built, checked, run (chaos lane: minutes)
