@@ -104,6 +104,29 @@ def resume_until_done(
             "a pull no retry fixes (not found, denied, InvalidImageName) exits 2 at once.",
         ),
     ] = None,
+    fallback: Annotated[
+        str | None,
+        typer.Option(
+            "--fallback",
+            help="Devices (comma-separated, in order) to resize the run to when an attempt waits for capacity "
+            "longer than --fallback-after: the same global batch and data order, across TPU generations too.",
+        ),
+    ] = None,
+    fallback_after: Annotated[
+        str | None,
+        typer.Option(
+            "--fallback-after",
+            help="How long an attempt waits for capacity before the next --fallback device (90s, 30m, 2h; default 2h).",
+        ),
+    ] = None,
+    return_after: Annotated[
+        str | None,
+        typer.Option(
+            "--return-after",
+            help="How long the run trains on a fallback device before it tries the preferred one again "
+            "(its attempt checkpoints on SIGTERM; default: it stays).",
+        ),
+    ] = None,
     output: Annotated[
         LinesOutput,
         typer.Option(
@@ -151,6 +174,7 @@ def resume_until_done(
             f"--lease-ttl {lease_ttl:g} must be at least twice --poll ({poll:g})",
             "the supervisor renews its lease once per poll",
         )
+    fall = _fallback(fallback, fallback_after, return_after, device)
     extra_args = ("--allow-version-change",) if allow_version_change else ()
     # The next attempt, resolved and checked as submit checks it, before run.yaml exists.
     prep = prepare(settings, name, recipe=r, device=device, slices=slices, extra_args=extra_args)
@@ -165,6 +189,15 @@ def resume_until_done(
         admission_timeout_s=admission_timeout,
         image_pull_timeout_s=image_pull_timeout,
     )
+    if fall is not None and prep.request.recipe is not None:
+        from olmo_ctl.core.batching import make_plan
+        from olmo_ctl.core.devices import get_device
+
+        for d in fall.devices:  # a fallback the run cannot use is bad input now, not a refusal later
+            try:
+                make_plan(prep.request.recipe, get_device(d), prep.request.slices)
+            except BadInput as e:
+                raise BadInput(f"--fallback {d}: {e.message}", e.hint) from None
     for line in prep.notes:
         note(line)
     if not prep.complete:
@@ -185,6 +218,7 @@ def resume_until_done(
         extra_args=extra_args,
         printer=JsonlPrinter(name) if output == LinesOutput.jsonl else None,
         notify=Notifier.from_settings(prep.settings, log=note),
+        fallback=fall,
     )
     sup.out.line(f"run directory: {rundir.path}")
 
@@ -196,3 +230,35 @@ def resume_until_done(
         return sup.run()
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+DEFAULT_FALLBACK_AFTER = "2h"
+
+
+def _fallback(devices: str | None, after: str | None, back: str | None, device: str | None):
+    """The --fallback policy (`supervise.policy.Fallback`), or None; bad input before anything is written."""
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.durations import parse_duration
+    from olmo_ctl.supervise.policy import Fallback
+
+    if devices is None:
+        if after is not None or back is not None:
+            raise BadInput(
+                "--fallback-after and --return-after need --fallback",
+                "e.g. --fallback v5p-256 --fallback-after 2h",
+            )
+        return None
+    names = [d.strip() for d in devices.split(",") if d.strip()]
+    if not names:
+        raise BadInput("--fallback names no device", "e.g. --fallback v5p-256,tpu7x-64")
+    for n in names:
+        d = get_device(n)
+        if not d.is_tpu:
+            raise BadInput(f"--fallback {n}: a fallback is a TPU slice on GKE", "e.g. --fallback v5p-256")
+    if len(set(names)) != len(names) or (device is not None and device in names):
+        raise BadInput(f"--fallback {devices} names a device twice (or the run's own --device)")
+    after_s = parse_duration(after or DEFAULT_FALLBACK_AFTER, "--fallback-after")
+    back_s = parse_duration(back, "--return-after") if back is not None else None
+    if after_s <= 0 or (back_s is not None and back_s <= 0):
+        raise BadInput("--fallback-after and --return-after must be positive durations", "e.g. 30m, 2h")
+    return Fallback(tuple(names), after_s, back_s)

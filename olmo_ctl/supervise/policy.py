@@ -300,3 +300,42 @@ class StallWatch:
             why = f"{self.factor:g} x median interval {med:.1f} s" if med is not None else "minimum"
             return f"no new step, event or checkpoint for {idle:.0f} s (limit {limit:.0f} s: {why})"
         return None
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """`resume-until-done --fallback A,B --fallback-after D --return-after D`: the devices a run moves to
+    when its attempt has waited for capacity longer than `after_s` (each in turn, the same global batch
+    and data order through the resize path), and how long it trains on a fallback before it tries the
+    preferred device again at a checkpoint boundary (None: it stays)."""
+
+    devices: tuple[str, ...]
+    after_s: float
+    return_after_s: float | None = None
+
+    def chain(self, preferred: str) -> tuple[str, ...]:
+        return (preferred, *[d for d in self.devices if d != preferred])
+
+    def move(
+        self,
+        preferred: str,
+        current: str,
+        waiting_s: float | None,
+        on_fallback_s: float | None,
+        running: bool,
+    ) -> tuple[str, str] | None:
+        """("fallback", device) when the attempt has waited past `after_s` and a next device is left;
+        ("return", preferred) when it has trained on a fallback for `return_after_s`; else None."""
+        chain = self.chain(preferred)
+        if waiting_s is not None and waiting_s > self.after_s:
+            i = chain.index(current) if current in chain else 0
+            return ("fallback", chain[i + 1]) if i + 1 < len(chain) else None
+        if (
+            running
+            and current != preferred
+            and self.return_after_s is not None
+            and on_fallback_s is not None
+            and on_fallback_s >= self.return_after_s
+        ):
+            return ("return", preferred)
+        return None

@@ -87,6 +87,7 @@ from olmo_ctl.supervise.policy import (
     DONE,
     GIVE_UP,
     STOP,
+    Fallback,
     History,
     Outcome,
     RetryPolicy,
@@ -281,8 +282,10 @@ class Supervisor:
         slices: int | None = None,
         notify: Callable[[dict], None] | None = None,
         delete_patience_s: float | None = None,
+        fallback: Fallback | None = None,
     ):
         self.rd = rundir
+        self.fallback = fallback  # --fallback: the devices to move to when capacity stays away
         self.notify = notify  # told when the run finishes, fails, is resized or gives up
         self.extra_args = tuple(extra_args)  # trainer flags for every attempt (e.g. --allow-version-change)
         self.backend = cast(Backend, PatientBackend(backend, self._api_down, self._api_up))
@@ -441,6 +444,7 @@ class Supervisor:
             self.rd.clear_stop()
         self.device = run_device(self.rd, self.device)
         self.slices = run_slices(self.rd, self.slices)
+        self._preferred, self._fell_back_at = self._device_timeline()
         committed = self.rd.committed_step()
         history = History(best_step=committed)
         self._say(
@@ -727,6 +731,8 @@ class Supervisor:
                 self._wait_ended("image-pull")
             if waiting is not None:
                 self._start_wait(*waiting)
+            if self._fallback_move(st, now):
+                continue  # the resize it asked for is carried out at the top of the loop
             if st.state != State.RUNNING:
                 stall, sig = None, None  # a requeue or a restart starts over: start-up and compile again
             elif stall is None:
@@ -873,6 +879,59 @@ class Supervisor:
             f'--type merge -p \'{{"spec":{{"active":true}}}}\', then {self.reattach_hint}'
         )
         return EXIT_INTERRUPTED
+
+    # ------------------------------------------------------------------ fallback devices
+
+    def _device_timeline(self) -> tuple[str, float | None]:
+        """The preferred device (the one the run last fell back from while on it; else the current one)
+        and when the run fell back last (None: it is on the preferred device), from the journal."""
+        preferred, at = str(self.device), None
+        for r in self.rd.journal():
+            if r.get("event") == "fallback":
+                if at is None:  # a fallback from the preferred device starts a chain
+                    preferred = str(r.get("from") or preferred)
+                at = parse_iso(r["time"])
+            elif r.get("event") == "returned":
+                at = None
+        return preferred, (at if self.device != preferred else None)
+
+    def _fallback_move(self, st: AttemptStatus, now: float) -> bool:
+        """--fallback: when the attempt has waited for capacity past --fallback-after, ask to resize it to
+        the next device; when it has trained on a fallback for --return-after, ask to go back to the
+        preferred device (the fallback attempt checkpoints its last step on SIGTERM: a checkpoint
+        boundary). True when a resize was asked for."""
+        if self.fallback is None or self.rd.pending_resize() is not None:
+            return False
+        w = self._capacity_wait
+        waiting_s = now - w["since"] if w is not None else None
+        on_fallback_s = now - self._fell_back_at if self._fell_back_at is not None else None
+        move = self.fallback.move(
+            self._preferred, str(self.device), waiting_s, on_fallback_s, st.state == State.RUNNING
+        )
+        if move is None:
+            return False
+        kind, to = move
+        committed = self.rd.committed_step()
+        if kind == "fallback":
+            why = (
+                f"waited {_fmt_s(waiting_s or 0)} for capacity ({w['cause'] if w else '-'}) on {self.device}"
+            )
+            self._say(
+                "fallback",
+                f"{why}; continues on {to}",
+                committed_step=committed,
+                device=to,
+                to=to,
+                **{"from": self.device},
+            )
+            self._fell_back_at = now
+            resize.record_request(self.rd, to, "now")
+        else:
+            why = f"trained {_fmt_s(on_fallback_s or 0)} on fallback {self.device}; tries {to} again"
+            self._say("returned", why, committed_step=committed, device=to, to=to, **{"from": self.device})
+            self._fell_back_at = None
+            resize.record_request(self.rd, to, "now")
+        return True  # the resize it asks for journals `resized` and tells the notifier
 
     def _resize(self, h: Handle | None, req: dict) -> Handle | None:
         self.out.line(f"resize request {req.get('id')}: to {req.get('device')}")
