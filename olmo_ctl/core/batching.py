@@ -238,28 +238,25 @@ def eval_micro_batch(recipe: Recipe, plan: Plan) -> int:
     """Instances per forward pass of the eval step over the whole slice (the trainer and preflight).
 
     `eval.micro_batch` when set, else the train step's micro-batch (`global_batch / grad_accum`), whose
-    forward and backward the plan already fits, capped by the eval batch: the largest divisor of the
-    eval batch that is no larger and a multiple of the data-parallel rows. The eval step then holds one
-    micro-batch's fp32 logits at a time: micro / rows x seq_len x padded_vocab_size x 4 bytes per device.
-    A BadInput when the eval batch cannot be split over the rows.
+    forward and backward the plan already fits, capped by the eval batch rounded up to the rows. A
+    micro-batch is a multiple of the data-parallel rows; of those allowed, the one that pads the eval
+    batch least (the largest on a tie): an eval batch that is not a multiple of the micro-batch is
+    padded with rows whose labels are all ignored, which add nothing to the loss. The eval step holds
+    one micro-batch's fp32 logits at a time: micro / rows x seq_len x padded_vocab_size x 4 bytes per
+    device. A BadInput when `eval.micro_batch` is not a multiple of the rows.
     """
     e, rows = recipe.eval, plan.data_parallel
-    batch = e.batch_size or recipe.train.global_batch
-    if batch % rows:
-        raise BadInput(
-            f"the eval batch ({batch}) is not a multiple of the {rows} data-parallel rows of {plan.device}",
-            f"set eval.batch_size to a multiple of {rows}",
-        )
     if e.micro_batch:
-        if e.micro_batch % rows or batch % e.micro_batch:
+        if e.micro_batch % rows:
             raise BadInput(
-                f"eval.micro_batch {e.micro_batch} must divide the eval batch ({batch}) and be a multiple of"
-                f" the {rows} data-parallel rows of {plan.device}",
-                f"choose a multiple of {rows} that divides {batch}, or 0 for the train step's micro-batch",
+                f"eval.micro_batch {e.micro_batch} is not a multiple of the {rows} data-parallel rows of"
+                f" {plan.device}: each device takes an equal share of every forward pass",
+                f"choose a multiple of {rows}, or 0 for the train step's micro-batch",
             )
         return e.micro_batch
-    cap = max(rows, min(batch, plan.global_batch // plan.grad_accum))
-    return max(m for m in range(rows, cap + 1, rows) if batch % m == 0)
+    batch = e.batch_size or recipe.train.global_batch
+    cap = max(rows, min(plan.global_batch // plan.grad_accum, -(-batch // rows) * rows))
+    return min(range(rows, cap + 1, rows), key=lambda m: (-(-batch // m) * m - batch, -m))
 
 
 DEFAULT_MFU = 0.4

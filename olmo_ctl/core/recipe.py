@@ -544,13 +544,7 @@ def validate(r: Recipe, src: str) -> None:
     need(r.eval.interval > 0, "eval.interval", "must be positive")
     need(r.eval.batches >= 0, "eval.batches", "must be >= 0")
     need(r.eval.batch_size >= 0, "eval.batch_size", "must be >= 0")
-    need(r.eval.micro_batch >= 0, "eval.micro_batch", "must be >= 0")
-    eval_batch = r.eval.batch_size or t.global_batch
-    need(
-        r.eval.micro_batch == 0 or eval_batch % r.eval.micro_batch == 0,
-        "eval.micro_batch",
-        f"({r.eval.micro_batch}) must divide the eval batch ({eval_batch}: eval.batch_size, 0 = train.global_batch)",
-    )
+    need(r.eval.micro_batch >= 0, "eval.micro_batch", "must be >= 0 (0: the train step's micro-batch)")
     need(r.logging.metrics_every > 0, "logging.metrics_every", "must be positive")
     need(r.runtime.peer_timeout_s > 0, "runtime.peer_timeout_s", "must be positive")
     need(r.runtime.init_timeout_s > 0, "runtime.init_timeout_s", "must be positive")

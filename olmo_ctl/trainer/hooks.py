@@ -409,7 +409,7 @@ def _eval_batches(s) -> list[dict[str, Any]]:
         return []
     bs = recipe.eval.batch_size or recipe.train.global_batch
     return [
-        eval_device_batch(b, recipe, s.plan, s.mesh, s.local_devices)
+        eval_device_batch(b, recipe, s.plan, s.mesh, s.local_devices, s.n_proc)
         for b in data_lib.eval_batches(recipe, recipe.eval.batches, bs, s.proc, s.n_proc)
     ]
 

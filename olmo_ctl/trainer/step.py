@@ -125,30 +125,35 @@ def jit_eval_step(recipe: Recipe):
 
 
 def eval_layout(recipe: Recipe, plan) -> tuple[int, int]:
-    """(micro-batches, instances per micro-batch) of one eval batch on `plan`'s slice."""
+    """(micro-batches, instances per micro-batch) of one eval batch on `plan`'s slice; their product
+    may exceed the eval batch (the rest is padding: `eval_device_batch`)."""
     from olmo_ctl.core.batching import eval_micro_batch
 
     micro = eval_micro_batch(recipe, plan)
-    return (recipe.eval.batch_size or recipe.train.global_batch) // micro, micro
+    return -(-(recipe.eval.batch_size or recipe.train.global_batch) // micro), micro
 
 
-def eval_device_batch(batch: dict, recipe: Recipe, plan, mesh, local_devices: int) -> dict:
+def eval_device_batch(batch: dict, recipe: Recipe, plan, mesh, local_devices: int, n_proc: int = 1) -> dict:
     """This process's rows of one eval batch as global device arrays `[n_micro, micro, T]`, laid out as
-    the train step's micro-batches (each device's part of each micro-batch is its own rows)."""
+    the train step's micro-batches (each device's part of each micro-batch is its own rows). Each
+    process pads its rows up to its share of `n_micro x micro` with rows whose labels are all
+    IGNORE_INDEX: they add no CE and no tokens, so the loss is the unpadded batch's."""
     import jax
     import numpy as np
 
     n_micro, micro = eval_layout(recipe, plan)
     rows_per_proc = local_devices // plan.seq_shards
     shard = micro_batch_sharding(mesh)
-    return {
-        k: jax.make_array_from_process_local_data(
-            shard,
-            micro_layout(np.asarray(batch[k], np.int32), rows_per_proc, n_micro),
-            (n_micro, micro, recipe.train.seq_len),
+    fill = {"input_ids": recipe.model.pad_token_id, "labels": IGNORE_INDEX}
+    out = {}
+    for k in ("input_ids", "labels"):
+        x = np.asarray(batch[k], np.int32)
+        pad = n_micro * micro // n_proc - x.shape[0]
+        x = np.concatenate([x, np.full((pad, x.shape[1]), fill[k], np.int32)]) if pad else x
+        out[k] = jax.make_array_from_process_local_data(
+            shard, micro_layout(x, rows_per_proc, n_micro), (n_micro, micro, recipe.train.seq_len)
         )
-        for k in ("input_ids", "labels")
-    }
+    return out
 
 
 def abstract_eval_batch(recipe: Recipe, plan, mesh) -> dict:
