@@ -76,7 +76,7 @@ class Loop:
 def hooks(
     signals=None, final_step: int = 20, eval_every: int = 5, ckpt_every: int = 5, metrics_every: int = 4
 ):
-    evaluate = H.EvalHook(lambda params, batch: (6.0, 2.0), [{"input_ids": None}], eval_every)
+    evaluate = H.EvalHook(lambda params, batch: ([4.0, 2.0], [1.0, 1.0]), [{"input_ids": None}], eval_every)
     return [
         evaluate,
         H.StragglerHook(),

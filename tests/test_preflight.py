@@ -8,6 +8,7 @@ one cache directory per module; each takes ~30-80 s of CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -92,6 +93,27 @@ def test_compiles_and_reports_memory_and_plan(base, recipe):
         get_device(DEVICE).hbm_bytes_per_device, pf.COMPILER_HBM_BYTES["v5p"]
     )
     assert base.compile_s > 0
+
+
+def test_the_eval_step_is_compiled_beside_the_train_step_and_bounded_by_its_micro_batch(base, recipe):
+    # The eval batch (the global batch, 16) in the train step's micro-batches: 8 instances over 4 devices.
+    assert (base.eval_micro_batch, base.eval_peak_bytes_per_device > 0) == (8, True)
+    logits = recipe.train.seq_len * recipe.model.padded_vocab_size * 4  # one instance's fp32 logits
+    peaks = {}
+    for micro in (4, 16):
+        r = load_recipe(stage=1, overrides=[*SETS, f"eval.micro_batch={micro}"])
+        peaks[micro] = pf.run_preflight(r, get_device(DEVICE), n_layers=1, per_device_batch=BATCH)
+    assert [p.eval_micro_batch for p in peaks.values()] == [4, 16]
+    # One pass over the eval batch holds 4 instances' logits per device; micro-batches of 4 hold one.
+    assert peaks[16].eval_peak_bytes_per_device - peaks[4].eval_peak_bytes_per_device >= 3 * logits
+    assert peaks[4].peak_bytes_per_device == peaks[16].peak_bytes_per_device  # the train step is the same
+    # An eval step over HBM fails the verdict though the train step fits.
+    train = peaks[16].peak_bytes_per_device
+    over = dataclasses.replace(peaks[16], eval_peak_bytes_per_device=train + GIB)
+    tight = pf._with_hbm(over, train + GIB // 2)
+    assert (tight.fits, tight.shortfall_bytes_per_device) == (False, GIB - GIB // 2)
+    assert "trains but does not evaluate on v5p-8 with eval micro-batch 16" in tight.verdict()
+    assert "0.50 GiB over" in tight.verdict()
 
 
 def test_xla_flops_count_every_loop_iteration_and_match_the_formula(base, recipe):
@@ -181,6 +203,8 @@ def test_cli_json_and_exit_codes(base, cache):
         "remat",
         "hbm_bytes_per_device",
         "peak_bytes_per_device",
+        "eval_peak_bytes_per_device",
+        "eval_micro_batch",
         "fits",
         "xla_flops_per_step",
         "formula_flops_per_step",
@@ -188,6 +212,11 @@ def test_cli_json_and_exit_codes(base, cache):
     ):
         assert k in d
     assert d["cached"] and d["fits"] and d["peak_bytes_per_device"] == base.peak_bytes_per_device
+    assert d["eval_peak_bytes_per_device"] == base.eval_peak_bytes_per_device > 0
+    table = _cli(cache_dir=cache)
+    words = " ".join(table.stdout.split())
+    assert table.returncode == 0 and "eval = the eval step's peak, in micro-batches of 8 instances" in words
+    assert f"{base.eval_peak_bytes_per_device / GIB:.2f}" in table.stdout, table.stdout
     small = (base.peak_bytes_per_device - GIB // 2) / GIB
     p = _cli("--hbm-gib", str(small), cache_dir=cache)
     assert p.returncode == 1

@@ -43,6 +43,8 @@ def _row(r) -> dict:
         "n_layers",
         "hbm_bytes_per_device",
         "peak_bytes_per_device",
+        "eval_peak_bytes_per_device",
+        "eval_micro_batch",
         "fits",
         "shortfall_bytes_per_device",
         "argument_bytes_per_device",
@@ -83,7 +85,7 @@ def _print_table(results, recommended=None) -> None:
     from olmo_ctl.cli.app import console
 
     t = Table(show_edge=False)
-    for col in ("remat", "batch", "peak GiB", "HBM GiB", "fits", "TFLOP/step", "compile s"):
+    for col in ("remat", "batch", "peak GiB", "eval GiB", "HBM GiB", "fits", "TFLOP/step", "compile s"):
         t.add_column(col, no_wrap=True)
     for r in results:
         fits = "yes" if r.fits else f"no, {r.shortfall_gib:.2f} over"
@@ -96,6 +98,7 @@ def _print_table(results, recommended=None) -> None:
             r.remat,
             f"{r.per_device_batch}x{r.grad_accum}",
             f"{r.peak_gib:.2f}",
+            "-" if r.eval_peak_gib is None else f"{r.eval_peak_gib:.2f}",
             f"{r.hbm_bytes_per_device / GIB:.2f}",
             fits,
             flops,
@@ -112,7 +115,8 @@ def _print_table(results, recommended=None) -> None:
     c.print(t)
     c.print(
         "batch = micro-batch per device x accumulation; TFLOP/step = XLA (loops counted) / MaxText formula;"
-        " peak = arguments + temporaries + outputs - donated"
+        " peak = arguments + temporaries + outputs - donated; eval = the eval step's peak, in micro-batches"
+        f" of {first.eval_micro_batch} instances"
         + ("; * from the cache" if any(r.cached for r in results) else ""),
         highlight=False,
     )

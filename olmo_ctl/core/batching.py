@@ -234,6 +234,31 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
     )
 
 
+def eval_micro_batch(recipe: Recipe, plan: Plan) -> int:
+    """Instances per forward pass of the eval step over the whole slice (the trainer and preflight).
+
+    `eval.micro_batch` when set, else the train step's micro-batch (`global_batch / grad_accum`), whose
+    forward and backward the plan already fits, capped by the eval batch rounded up to the rows. A
+    micro-batch is a multiple of the data-parallel rows; of those allowed, the one that pads the eval
+    batch least (the largest on a tie): an eval batch that is not a multiple of the micro-batch is
+    padded with rows whose labels are all ignored, which add nothing to the loss. The eval step holds
+    one micro-batch's fp32 logits at a time: micro / rows x seq_len x padded_vocab_size x 4 bytes per
+    device. A BadInput when `eval.micro_batch` is not a multiple of the rows.
+    """
+    e, rows = recipe.eval, plan.data_parallel
+    if e.micro_batch:
+        if e.micro_batch % rows:
+            raise BadInput(
+                f"eval.micro_batch {e.micro_batch} is not a multiple of the {rows} data-parallel rows of"
+                f" {plan.device}: each device takes an equal share of every forward pass",
+                f"choose a multiple of {rows}, or 0 for the train step's micro-batch",
+            )
+        return e.micro_batch
+    batch = e.batch_size or recipe.train.global_batch
+    cap = max(rows, min(plan.global_batch // plan.grad_accum, -(-batch // rows) * rows))
+    return min(range(rows, cap + 1, rows), key=lambda m: (-(-batch // m) * m - batch, -m))
+
+
 DEFAULT_MFU = 0.4
 
 

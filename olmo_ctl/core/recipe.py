@@ -174,6 +174,10 @@ class EvalConfig:
     interval: int = 1000
     batches: int = 8
     batch_size: int = 0  # 0 = the training global batch
+    # Instances per forward pass of the eval step, over the whole slice; 0 = the train step's micro-batch
+    # (`core.batching.eval_micro_batch`). Bounds the eval step's logits: micro-batch / data-parallel
+    # rows x seq_len x padded_vocab_size fp32 values per device.
+    micro_batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -543,6 +547,7 @@ def validate(r: Recipe, src: str) -> None:
     need(r.eval.interval > 0, "eval.interval", "must be positive")
     need(r.eval.batches >= 0, "eval.batches", "must be >= 0")
     need(r.eval.batch_size >= 0, "eval.batch_size", "must be >= 0")
+    need(r.eval.micro_batch >= 0, "eval.micro_batch", "must be >= 0 (0: the train step's micro-batch)")
     need(r.logging.metrics_every > 0, "logging.metrics_every", "must be positive")
     need(r.runtime.peer_timeout_s > 0, "runtime.peer_timeout_s", "must be positive")
     need(r.runtime.init_timeout_s > 0, "runtime.init_timeout_s", "must be positive")

@@ -1,9 +1,9 @@
 """The preflight cache: compiled results as JSON, keyed by what can change them.
 
-One file per (recipe fingerprint, device, remat, micro-batch, trainer version, XLA flags) under
-`~/.cache/olmo-ctl/preflight/` ($OLMO_CTL_CACHE_DIR overrides the root); the trainer version is the
-package version plus a hash of every trainer source, the preflight compiler and the jax / jaxlib /
-libtpu versions, so any change to the step or to the compilers recompiles. A cache that
+One file per (recipe fingerprint, device, remat, micro-batch, eval micro-batch, trainer version, XLA
+flags) under `~/.cache/olmo-ctl/preflight/` ($OLMO_CTL_CACHE_DIR overrides the root); the trainer version is the
+package version plus a hash of every trainer and preflight source, every module of ours the steps
+import, and the jax / jaxlib / libtpu versions, so any change to the step or to the compilers recompiles. A cache that
 cannot be read or written only costs a recompile.
 """
 
@@ -17,12 +17,16 @@ from pathlib import Path
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.recipe import Recipe
 
-# What a compiled step depends on: every source of the trainer package (the model, attention, the step,
-# sharding, the optimizer and whatever they import from it), the preflight compiler that builds the step
-# around them, and the versions of the compilers. A file added to the trainer is covered by the glob.
-PREFLIGHT_SOURCES = ("preflight/compile.py", "core/batching.py")
+# What a compiled result depends on: every source of the trainer package (the model, attention, the
+# steps, sharding, the optimizer), the preflight package that builds the steps around them and reads
+# their memory and FLOPs, every module of ours the compile imports (the recipe's model config and its
+# methods, the LR schedule traced into the step, the eval micro-batch rule, the pods' XLA flags: found
+# by following the imports of ENTRY_MODULE, inside functions too, so a new dependency is covered
+# without being listed), and the versions of the compilers.
+SOURCE_GLOBS = ("trainer/*.py", "preflight/*.py")
+ENTRY_MODULE = "preflight/compile.py"
 COMPILER_PACKAGES = ("jax", "jaxlib", "libtpu")
-CACHE_SCHEMA = 2
+CACHE_SCHEMA = 3  # 3: results carry the eval step's peak
 
 
 def _package_version(name: str) -> str:
@@ -41,13 +45,42 @@ def trainer_version(package_root: Path | None = None) -> str:
 
     root = package_root or Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    files = sorted((root / "trainer").glob("*.py")) + [root / name for name in PREFLIGHT_SOURCES]
-    for p in files:
+    for p in hashed_sources(root):
         h.update(p.relative_to(root).as_posix().encode())
         h.update(p.read_bytes() if p.exists() else b"")
     for name in COMPILER_PACKAGES:
         h.update(f"{name}=={_package_version(name)}".encode())
     return f"{__version__}+{h.hexdigest()[:12]}"
+
+
+def hashed_sources(root: Path) -> list[Path]:
+    """The files of the `olmo_ctl` directory `root` that the trainer version hashes, sorted."""
+    seen: set[Path] = set()
+    todo = [root / ENTRY_MODULE]
+    while todo:
+        p = todo.pop()
+        if p not in seen and p.exists():
+            seen.add(p)
+            todo.extend(_imported_modules(p, root))
+    return sorted(seen | {p for g in SOURCE_GLOBS for p in root.glob(g)})
+
+
+def _imported_modules(path: Path, root: Path) -> list[Path]:
+    """Our modules `path` imports (`from olmo_ctl.a import b`, `import olmo_ctl.a.b`), at any depth of
+    the file (the heavy imports live inside functions)."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "olmo_ctl":
+            parts = node.module.split(".")[1:]
+            names = [parts + [a.name] for a in node.names] + [parts]
+        elif isinstance(node, ast.Import):
+            names = [a.name.split(".")[1:] for a in node.names if a.name.split(".")[0] == "olmo_ctl"]
+        else:
+            continue
+        out += [root.joinpath(*n).with_suffix(".py") for n in names if n]
+    return [p for p in out if p.exists()]
 
 
 def cache_dir() -> Path:
@@ -71,6 +104,8 @@ def cache_key(
             "device": device.name,
             "remat": recipe.model.remat,
             "batch": per_device_batch,
+            # The eval step's micro-batch: an `eval` key outside the fingerprint (Recipe.fingerprint).
+            "eval_micro_batch": recipe.eval.micro_batch,
             "trainer": version,
             **({"xla_flags": list(xla_flags)} if xla_flags else {}),
             **({"slices": slices} if slices > 1 else {}),

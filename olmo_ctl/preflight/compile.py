@@ -17,6 +17,8 @@ What comes back, per device:
   are counted as executed, so XLA's number is an upper bound on the attention part. Element-wise
   FLOPs inside loops are counted once (well under 1% of a transformer step).
 * the same numbers from our formulas (`olmo_ctl.core.flops`, MaxText and OLMo-core), and compile time.
+* the eval step's peak memory per device (`trainer/step.py:make_eval_step`, compiled beside the train
+  step in the trainer's eval micro-batches): the verdict needs both steps to fit.
 
 Results are cached as JSON per (recipe fingerprint, device, remat, batch, trainer version): see
 `olmo_ctl.preflight.cache`.
@@ -108,6 +110,11 @@ class PreflightResult:
     kernel_flops_per_step: float | None = None
     seq_shards: int = 1  # devices each instance's sequence is split over (the plan's)
     slices: int = 1
+    # The eval step (`trainer/step.py:make_eval_step`) compiled beside the train step: its peak per
+    # device (arguments + outputs + temporaries + code; None when the recipe evaluates nothing) and its
+    # micro-batch (instances per forward pass over the slice, `core.batching.eval_micro_batch`).
+    eval_peak_bytes_per_device: int | None = None
+    eval_micro_batch: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,8 +127,19 @@ class PreflightResult:
     def shortfall_gib(self) -> float:
         return self.shortfall_bytes_per_device / GIB
 
+    @property
+    def eval_peak_gib(self) -> float | None:
+        return None if self.eval_peak_bytes_per_device is None else self.eval_peak_bytes_per_device / GIB
+
     def verdict(self) -> str:
         hbm = self.hbm_bytes_per_device / GIB
+        eval_peak = self.eval_peak_bytes_per_device or 0
+        if self.compiled_by_xla and self.peak_bytes_per_device <= self.hbm_bytes_per_device < eval_peak:
+            return (
+                f"{self.recipe} trains but does not evaluate on {self.device} with eval micro-batch"
+                f" {self.eval_micro_batch}: the eval step needs {eval_peak / GIB:.2f} GiB of {hbm:.2f} GiB HBM"
+                f" per device, {self.shortfall_gib:.2f} GiB over"
+            )
         if self.fits:
             return (
                 f"{self.recipe} fits on {self.device} with remat={self.remat}: {self.peak_gib:.2f} GiB of "
@@ -339,6 +357,59 @@ def compile_step(
     return compiled, time.monotonic() - t0, None, argument_bytes((state, batch))
 
 
+def compile_eval_step(recipe: Recipe, device: Device, plan: Plan, xla_options: dict[str, str] | None = None):
+    """Lower and compile the trainer's eval step for the slice, in the micro-batches the trainer runs.
+
+    Returns (peak bytes per device or None, micro-batch, note or None): None and no note when the
+    recipe evaluates nothing (`eval.batches` 0); when the compiler refuses it for lack of HBM, its
+    "used X" and a note. Call after `compile_step` (libtpu is started).
+    """
+    import jax
+
+    from olmo_ctl.core.batching import eval_micro_batch
+    from olmo_ctl.trainer import attention as attn_lib
+    from olmo_ctl.trainer import sharding
+    from olmo_ctl.trainer.step import abstract_eval_batch, abstract_train_state, jit_eval_step
+
+    if recipe.eval.batches <= 0:
+        return None, None, None
+    micro = eval_micro_batch(recipe, plan)
+    t = recipe.train
+    mesh = sharding.make_mesh(
+        topology_devices(device, plan.slices),
+        t.mesh,
+        t.data_parallel,
+        activate=False,
+        slices=plan.slices,
+        seq_shards=plan.seq_shards,
+    )
+    state, _ = abstract_train_state(recipe, mesh)
+    params, batch = state["params"], abstract_eval_batch(recipe, plan, mesh)
+    try:
+        with jax.set_mesh(mesh), attn_lib.compile_target("tpu", device.generation):
+            lowered = jit_eval_step(recipe).lower(params, batch)
+        compiled = lowered.compile(compiler_options=xla_options or None)
+    except Exception as e:  # noqa: BLE001 - JaxRuntimeError's module moves between jax versions
+        used = parse_hbm_oom(str(e))
+        if "RESOURCE_EXHAUSTED" not in str(e) and used is None:
+            raise
+        need = 0 if used is None else used[0] + (argument_bytes((params, batch)) if used[2] else 0)
+        return (
+            need,
+            micro,
+            f"the TPU compiler refused the eval step: it needs {need / GIB:.2f} GiB per device",
+        )
+    mem = compiled.memory_analysis()
+    peak = (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        - mem.alias_size_in_bytes
+        + mem.temp_size_in_bytes
+        + mem.generated_code_size_in_bytes
+    )
+    return peak, micro, None
+
+
 _REPORT_ROW = re.compile(r"^\s*[0-9.]+\w+\(\s*\d+%\);\s*([0-9.]+\w+);\s*\d+;\s*\d+;\s*(.*)$")
 
 
@@ -510,13 +581,16 @@ def run_preflight(
             recipe, device, plan, dump_dir=dump, xla_options=xla_options, libtpu_args=" ".join(flags)
         )
         buffers = largest_buffers(dump)
+        t_eval = time.monotonic()
+        eval_peak, eval_micro, eval_note = compile_eval_step(recipe, device, plan, xla_options)
+        compile_s += time.monotonic() - t_eval
     if log is not None:
         log(
             f"preflight: compiled in {compile_s:.0f} s"
             if error is None
             else f"preflight: the compiler refused the program after {compile_s:.0f} s"
         )
-    notes: list[str] = []
+    notes: list[str] = [eval_note] if eval_note else []
     xla_step = xla_once = ratio = dense = attention = recompute = dense_ratio = counted = kernel = None
     if compiled is not None:
         mem = compiled.memory_analysis()
@@ -571,6 +645,8 @@ def run_preflight(
         per_device_batch=plan.per_device_batch,
         seq_shards=plan.seq_shards,
         slices=plan.slices,
+        eval_peak_bytes_per_device=eval_peak,
+        eval_micro_batch=eval_micro,
         grad_accum=plan.grad_accum,
         seq_len=recipe.train.seq_len,
         remat=m.remat,
@@ -652,13 +728,11 @@ def usable_hbm_bytes(device: Device) -> int:
 
 
 def _with_hbm(result: PreflightResult, hbm: int) -> PreflightResult:
-    """Set the verdict against `hbm` bytes per device."""
+    """Set the verdict against `hbm` bytes per device: the train step and the eval step must both fit."""
     result.hbm_bytes_per_device = hbm
-    if result.compiled_by_xla:
-        result.fits = result.peak_bytes_per_device <= hbm
-    else:
-        result.fits = False
-    result.shortfall_bytes_per_device = max(0, result.peak_bytes_per_device - hbm)
+    peak = max(result.peak_bytes_per_device, result.eval_peak_bytes_per_device or 0)
+    result.fits = result.compiled_by_xla and peak <= hbm
+    result.shortfall_bytes_per_device = max(0, peak - hbm)
     return result
 
 

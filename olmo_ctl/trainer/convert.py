@@ -551,8 +551,10 @@ def save_orbax(
     hf_config: dict | None = None,
     hf_dtype: str | None = None,
     overwrite: bool = False,
+    chunk_bytes: int = 0,
 ) -> None:
-    """Orbax writes local and gs:// paths itself (its own commit protocol); the metadata goes through Store."""
+    """Orbax writes local and gs:// paths itself (its own commit protocol); the metadata goes through Store.
+    `chunk_bytes`: the largest stored chunk of an array (0: `checkpoint.INIT_CHUNK_BYTES`)."""
     import orbax.checkpoint as ocp
 
     store = store_for(out)
@@ -565,8 +567,16 @@ def save_orbax(
             raise BadInput(
                 f"`{out}` already exists and is not empty", "choose a new path or pass --overwrite"
             )
+    import jax
+
+    from olmo_ctl.trainer.checkpoint import INIT_CHUNK_BYTES
+
+    # Arrays written in chunks of at most chunk_bytes (largest dimensions split first, as FSDP shards
+    # them): `--init-from` on N hosts then reads about 1/N of each array per host, not all of it.
+    chunk = chunk_bytes or INIT_CHUNK_BYTES
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=chunk), params)
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(out, {"params": params}, force=True)
+    ckpt.save(out, {"params": params}, save_args={"params": save_args}, force=True)
     ckpt.wait_until_finished()
     meta = {"model": dataclasses.asdict(cfg), "hf_config": hf_config or {}, "hf_dtype": hf_dtype}
     store.write_text(join(out, META_FILE), json.dumps(meta, indent=2) + "\n")

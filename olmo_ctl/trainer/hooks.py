@@ -159,14 +159,11 @@ class EvalHook(Hook):
         self.eval_step, self.eval_sets, self.interval = eval_step, eval_sets, interval
 
     @classmethod
-    def for_recipe(cls, recipe, mesh, proc: int, n_proc: int) -> EvalHook:
-        import jax
+    def for_recipe(cls, s) -> EvalHook:
+        """For the run's setup `s`: the eval step in micro-batches of `s.plan`'s layout."""
+        from olmo_ctl.trainer.step import jit_eval_step
 
-        from olmo_ctl.trainer.step import make_eval_step
-
-        return cls(
-            jax.jit(make_eval_step(recipe)), _eval_batches(recipe, mesh, proc, n_proc), recipe.eval.interval
-        )
+        return cls(jit_eval_step(s.recipe), _eval_batches(s), s.recipe.eval.interval)
 
     def post_step(self, loop) -> None:
         if not self.eval_sets or loop.step % self.interval:
@@ -398,7 +395,7 @@ def default_hooks(s, signals: StopSignals) -> list[Hook]:
     """The trainer's hooks in the order they act (see the module docstring); `s` is the run's setup."""
     r = s.recipe
     return [
-        EvalHook.for_recipe(r, s.mesh, s.proc, s.n_proc),
+        EvalHook.for_recipe(s),
         StragglerHook(),
         StopHook(signals, s.final_step),
         CheckpointHook(r.checkpoint.interval),
@@ -410,35 +407,27 @@ def default_hooks(s, signals: StopSignals) -> list[Hook]:
 # ---------------------------------------------------------------- evaluation
 
 
-def _eval_batches(recipe, mesh, proc: int, n_proc: int) -> list[dict[str, Any]]:
-    """The held-out batches, identical every time (device arrays, reused at each eval)."""
-    import jax
-    import numpy as np
-
+def _eval_batches(s) -> list[dict[str, Any]]:
+    """The held-out batches, identical every time (device arrays `[n_micro, micro, T]`, reused at each
+    eval)."""
     from olmo_ctl.trainer import data as data_lib
-    from olmo_ctl.trainer import sharding
+    from olmo_ctl.trainer.step import eval_device_batch
 
+    recipe = s.recipe
     if recipe.eval.batches <= 0 or not recipe.data.eval:
         return []
     bs = recipe.eval.batch_size or recipe.train.global_batch
-    shard = sharding.batch_sharding(mesh)
-    out = []
-    for b in data_lib.eval_batches(recipe, recipe.eval.batches, bs, proc, n_proc):
-        out.append(
-            {
-                k: jax.make_array_from_process_local_data(
-                    shard, np.asarray(b[k], np.int32), (bs, recipe.train.seq_len)
-                )
-                for k in ("input_ids", "labels")
-            }
-        )
-    return out
+    return [
+        eval_device_batch(b, recipe, s.plan, s.mesh, s.local_devices, s.n_proc)
+        for b in data_lib.eval_batches(recipe, recipe.eval.batches, bs, s.proc, s.n_proc)
+    ]
 
 
 def _evaluate(eval_step, params, eval_sets) -> float:
     import jax
 
+    # Per micro-batch sums, added on the host in float64 in a fixed order.
     host = jax.device_get([eval_step(params, b) for b in eval_sets])
-    ce = sum(float(c) for c, _ in host)
-    n = sum(float(k) for _, k in host)
+    ce = sum(float(c) for cs, _ in host for c in cs)
+    n = sum(float(k) for _, ks in host for k in ks)
     return ce / max(n, 1.0)

@@ -95,15 +95,76 @@ def make_train_step(recipe: Recipe):
 
 
 def make_eval_step(recipe: Recipe):
-    """params, batch {input_ids, labels[, segment_ids]: [B, T]} -> (CE sum, token count)."""
+    """params, batch {input_ids, labels[, segment_ids]: [n_micro, micro, T]} -> (CE sums, token counts),
+    one of each per micro-batch ([n_micro] fp32).
+
+    A `lax.scan` over the micro-batches, so one micro-batch's logits are live at a time
+    (`core.batching.eval_micro_batch` sizes it); each micro-batch's sums are reduced as a one-pass
+    forward of those rows would, and the caller adds them up on the host.
+    """
+    import jax
+
+    cfg = recipe.model
 
     def step(params, batch):
-        ce, _, n = token_losses(
-            params, batch["input_ids"], batch["labels"], recipe.model, batch.get("segment_ids")
-        )
+        def body(carry, mb):
+            ce, _, n = token_losses(params, mb["input_ids"], mb["labels"], cfg, mb.get("segment_ids"))
+            return carry, (ce, n)
+
+        _, (ce, n) = jax.lax.scan(body, None, batch)
         return ce, n
 
     return step
+
+
+def jit_eval_step(recipe: Recipe):
+    """The eval step as the trainer runs it and preflight compiles it."""
+    import jax
+
+    return jax.jit(make_eval_step(recipe))
+
+
+def eval_layout(recipe: Recipe, plan) -> tuple[int, int]:
+    """(micro-batches, instances per micro-batch) of one eval batch on `plan`'s slice; their product
+    may exceed the eval batch (the rest is padding: `eval_device_batch`)."""
+    from olmo_ctl.core.batching import eval_micro_batch
+
+    micro = eval_micro_batch(recipe, plan)
+    return -(-(recipe.eval.batch_size or recipe.train.global_batch) // micro), micro
+
+
+def eval_device_batch(batch: dict, recipe: Recipe, plan, mesh, local_devices: int, n_proc: int = 1) -> dict:
+    """This process's rows of one eval batch as global device arrays `[n_micro, micro, T]`, laid out as
+    the train step's micro-batches (each device's part of each micro-batch is its own rows). Each
+    process pads its rows up to its share of `n_micro x micro` with rows whose labels are all
+    IGNORE_INDEX: they add no CE and no tokens, so the loss is the unpadded batch's."""
+    import jax
+    import numpy as np
+
+    n_micro, micro = eval_layout(recipe, plan)
+    rows_per_proc = local_devices // plan.seq_shards
+    shard = micro_batch_sharding(mesh)
+    fill = {"input_ids": recipe.model.pad_token_id, "labels": IGNORE_INDEX}
+    out = {}
+    for k in ("input_ids", "labels"):
+        x = np.asarray(batch[k], np.int32)
+        pad = n_micro * micro // n_proc - x.shape[0]
+        x = np.concatenate([x, np.full((pad, x.shape[1]), fill[k], np.int32)]) if pad else x
+        out[k] = jax.make_array_from_process_local_data(
+            shard, micro_layout(x, rows_per_proc, n_micro), (n_micro, micro, recipe.train.seq_len)
+        )
+    return out
+
+
+def abstract_eval_batch(recipe: Recipe, plan, mesh) -> dict:
+    """One eval batch as sharded `ShapeDtypeStruct`s (what preflight compiles the eval step with)."""
+    import jax
+    import jax.numpy as jnp
+
+    n_micro, micro = eval_layout(recipe, plan)
+    shard = micro_batch_sharding(mesh)
+    shape = (n_micro, micro, recipe.train.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=shard) for k in ("input_ids", "labels")}
 
 
 def init_state(recipe: Recipe, params):

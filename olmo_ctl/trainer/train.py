@@ -161,7 +161,7 @@ def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
     import jax
 
     from olmo_ctl.trainer import optim
-    from olmo_ctl.trainer.checkpoint import load_init_params
+    from olmo_ctl.trainer.checkpoint import load_init_params, storage_bytes_read
 
     recipe, t = s.recipe, s.recipe.train
     abstract_state, state_shard = abstract_train_state(recipe, s.mesh)
@@ -179,8 +179,12 @@ def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
     else:
         params = None
         if args.init_from:
+            read0 = storage_bytes_read()
             params = load_init_params(args.init_from, abstract_state["params"], state_shard["params"])
-            print(f"initialised parameters from {args.init_from}", flush=True)
+            mib = (storage_bytes_read() - read0) / 2**20
+            print(
+                f"initialised parameters from {args.init_from} ({mib:.1f} MiB read by this host)", flush=True
+            )
         state = fresh_state(recipe, state_shard, params)
         print(
             f"initialised from seed {t.seed}" if not args.init_from else "fresh optimizer state", flush=True
