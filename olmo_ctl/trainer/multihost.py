@@ -72,6 +72,7 @@ def join(device, runtime, committed: int = 0, slices: int = 1) -> bool:
         "initialization_timeout": int(runtime.init_timeout_s),
         "heartbeat_timeout_seconds": int(runtime.peer_timeout_s),
     }
+    gloo = device.platform == "cpu" or (device.is_tpu and emulated_slice())
     if device.platform == "cpu":
         missing = [k for k in (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV) if not os.environ.get(k)]
         if missing:
@@ -114,6 +115,8 @@ def join(device, runtime, committed: int = 0, slices: int = 1) -> bool:
             else "every host of the slice must run with the same --device",
         )
     _state["joined"] = True
+    _state["gloo"] = gloo
+    _state["init_timeout_s"] = float(runtime.init_timeout_s)
     prime_stop(committed)
     print(
         f"joined {jax.process_count()} hosts as process {jax.process_index()} "
@@ -180,6 +183,41 @@ def _emulated_slice_params(device, slices: int = 1) -> dict:
         "num_processes": len(hosts) * slices,
         "process_id": slice_id * len(hosts) + worker,
     }
+
+
+def first_call_together(step):
+    """`step` (a jitted function), whose first call on a world joined by gloo (the CPU twin, the
+    sandbox's emulated slices) compiles ahead, waits for every host at a barrier of the coordination
+    service (within runtime.init_timeout_s), and only then runs; later calls run the same executable.
+
+    Gloo sets up each group of hosts at its first collective and gives a peer 30 s to arrive, fixed in
+    jaxlib. Hosts reach their first step that far apart when the set-up or the compile of one takes
+    longer (host 0 writes the epoch order the others wait for; 8 trainer processes compiling on 2
+    cores): 2 x v5p-16 in the sandbox then failed its first step with exit 3, attempt after attempt.
+    On a TPU nothing changes (its collectives wait as long as the runtime's own deadlines)."""
+    if not (joined() and _state.get("gloo")):
+        return step
+    compiled: list = []
+
+    def call(*args):
+        if not compiled:
+            exe = step.lower(*args).compile()
+            barrier("first-step", _state.get("init_timeout_s", 300.0))
+            compiled.append(exe)
+        return compiled[0](*args)
+
+    return call
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    """Wait until every host of the world reaches the barrier `name` (once per name and process): the
+    distributed runtime's coordination service, no collective (so no gloo group) involved."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    client.wait_at_barrier(f"olmo_ctl/{name}", int(timeout_s * 1000))
 
 
 # ---------------------------------------------------------------- a lost peer: SIGABRT -> exit 3

@@ -199,6 +199,7 @@ class _Loop:
     """Steps and the fetch of their metrics; everything else is a hook (`trainer/hooks.py`), in its order."""
 
     def __init__(self, s: _Setup, state, state_shard, step: int, loader, ckpt, events, signals):
+        from olmo_ctl.trainer import multihost
         from olmo_ctl.trainer.watchdog import Watchdog
 
         self.s, self.state, self.step = s, state, step
@@ -207,7 +208,7 @@ class _Loop:
         self.watchdog = Watchdog(rt.watchdog_factor, rt.watchdog_min_s)
         self.slow_data_s = injected.slow_data_s(s.proc)
         self.micro_shard = micro_batch_sharding(s.mesh)
-        self.train_step = jit_train_step(s.recipe, state_shard)
+        self.train_step = multihost.first_call_together(jit_train_step(s.recipe, state_shard))
         self.hooks = hooks_lib.default_hooks(s, signals)
         self.pending: list[tuple[int, Any, float]] = []  # (step, device metrics, data loading s), not fetched
         self.steps_run = 0  # steps run by this attempt
