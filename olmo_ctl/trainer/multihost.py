@@ -15,6 +15,8 @@ host devices each, with gloo collectives). This module holds what is specific to
   MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID and MEGASCALE_COORDINATOR_ADDRESS (slice 0's worker 0) to
   every pod; JAX numbers the processes slice by slice (process = slice id x hosts per slice + worker
   id), the emulated slice the same way. A world that is not N x the slice's hosts is `JoinFailed`.
+- The first step together (`first_call_together`): on a gloo world the first step is compiled ahead
+  and run after a coordination-service barrier, as gloo gives a late peer only 30 s.
 - A lost peer: the distributed runtime's heartbeat (`runtime.peer_timeout_s`) notices a host that
   died (SIGKILL, a lost VM); the runtime then aborts every other process (SIGABRT). A C-level SIGABRT
   handler turns that abort into exit 3 (restart) with one line saying why, instead of 134.
