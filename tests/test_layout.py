@@ -5,6 +5,8 @@ the slice is refused at plan time, exit 2, with the reason."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers.cli import clean_env, invoke
 
@@ -38,7 +40,10 @@ def test_a_sequence_shard_group_that_would_span_hosts_is_refused():
     twin = get_device("cpu-2x2")  # 2 hosts of 2 devices
     with pytest.raises(BadInput) as e:
         make_plan(load_recipe("smoke", overrides=["train.seq_shards=4"]), twin)
-    assert "the 2 devices of each host" in e.value.one_line()
+    assert e.value.one_line().startswith(
+        "train.seq_shards 4 on cpu-2x2: a sequence-shard group of 4 devices would span hosts "
+        "(each host of cpu-2x2 has 2)"
+    )
     # within a host it is a layout like any other
     p = make_plan(load_recipe("smoke", overrides=["train.seq_shards=2"]), twin)
     assert (p.seq_shards, p.devices, p.data_parallel) == (2, 4, 2)
@@ -70,3 +75,25 @@ def test_an_eval_batch_the_hosts_cannot_share_is_refused_with_its_key(tmp_path):
     )
     assert r.returncode == 2 and "eval batch 3 cannot be loaded by the 2 trainer processes" in r.stderr
     assert "eval.batch_size" in r.stderr
+
+
+def test_a_multislice_sequence_shard_group_that_would_span_hosts_is_refused_at_plan_time(tmp_path):
+    """2 x v5p-16 (4 hosts of 4 devices): 8-way sequence shards fit every other rule (16 devices, heads
+    8), but a group of 8 would need two hosts; plan refuses it with exit 2 before anything runs."""
+    args = ["--recipe", "smoke", "--device", "v5p-16", "--slices", "2"]
+    wide = ["--set", "model.n_heads=8", "--set", "model.n_kv_heads=8", "--set", "train.seq_shards=8"]
+    r = invoke("plan", *args, *wide, env=clean_env(tmp_path))
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1
+    assert r.stderr.startswith(
+        "error: train.seq_shards 8 on 2 x v5p-16: a sequence-shard group of 8 devices would span hosts "
+        "(each host of v5p-16 has 4)"
+    )
+    assert "choose one of 1, 2, 4, or 0" in r.stderr
+    # 4 (one host's devices) is a layout like any other, and the plan's own choice stays within a host
+    ok = invoke(
+        "plan", *args, *wide[:4], "--set", "train.seq_shards=4", "-o", "json", env=clean_env(tmp_path)
+    )
+    assert ok.returncode == 0, ok.stderr
+    own = invoke("plan", *args, "-o", "json", env=clean_env(tmp_path))
+    assert json.loads(own.stdout)["seq_shards"] == 2  # global batch 8 over 16 devices: each instance on 2

@@ -549,3 +549,80 @@ def test_multi_host_chaos_under_resume_until_done(tmp_path):
     # same run.
     worst = max(abs(as_float(got[s]) - as_float(want[s])) for s in range(1, steps + 1))
     assert worst < 1e-2, worst
+
+
+FIRST_STEP_SCRIPT = """
+import os, time
+from types import SimpleNamespace
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.trainer import multihost
+multihost.join(get_device("cpu-2x2"), SimpleNamespace(init_timeout_s=120, peer_timeout_s=60))
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from olmo_ctl.trainer import sharding
+mesh = sharding.make_mesh(jax.devices(), "hybrid", 2, activate=False)  # each host one data replica
+step = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, P()))
+if os.environ["TOGETHER"] == "1":
+    step = multihost.first_call_together(step)
+x = jax.make_array_from_process_local_data(
+    NamedSharding(mesh, P(("data", "fsdp"))), np.full((2,), jax.process_index() + 1.0, np.float32), (4,)
+)
+if jax.process_index() == 1:
+    time.sleep(float(os.environ["LATE_S"]))  # this host reaches its first step that much later
+try:
+    print("sum", float(step(x)), flush=True)
+except Exception as e:
+    print("failed:", type(e).__name__, str(e).splitlines()[0], flush=True)
+    os._exit(3)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_hosts_that_reach_the_first_step_far_apart_run_it_together(tmp_path, together):
+    """Gloo gives a peer 30 s to arrive at a group's first collective (fixed in jaxlib); a host 40 s
+    late (its set-up or compile slower) failed the first step. With `first_call_together` the first
+    call compiles, waits at a barrier of the coordination service, then runs on every host."""
+    import subprocess
+    import sys
+
+    from olmo_ctl.core.contracts import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+    from olmo_ctl.ports import free_port
+
+    script = tmp_path / "first_step.py"
+    script.write_text(FIRST_STEP_SCRIPT)
+    addr = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
+    env.update(
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+        TOGETHER="1" if together else "0",
+        LATE_S="40",
+    )
+    env[COORDINATOR_ENV], env[NUM_PROCESSES_ENV] = addr, "2"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, PROCESS_ID_ENV: str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        first = procs[0].communicate(timeout=240)[0]
+        if not together:  # the early host has given up; its late peer need not be waited for
+            procs[1].kill()
+        outs = [first, procs[1].communicate(timeout=240)[0]]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if together:
+        assert [p.returncode for p in procs] == [0, 0], outs
+        assert all("sum 6.0" in o for o in outs), outs  # 1 + 1 + 2 + 2 over both hosts' rows
+    else:  # what the barrier is for: the early host gives up on its late peer
+        assert procs[0].returncode == 3, outs
+        assert "Gloo context initialization failed" in outs[0], outs[0][-2000:]

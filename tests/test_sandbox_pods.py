@@ -2,7 +2,8 @@
 webhook injects, each TPU VM as host CPU devices; deletion is SIGTERM then SIGKILL after the grace
 period; a lost node is SIGKILL; the container's exit code is the pod's. And the Done-when of the
 multi-host work: `olmo-ctl sandbox --slices v5p-16=1` + `olmo-ctl smoke --backend gke --device v5p-16`
-on a GCS emulator passes every check, the v5p-16 JobSet running as 2 trainer processes x 4 devices."""
+on a GCS emulator passes every check, the v5p-16 JobSet running as 2 trainer processes x 4 devices;
+and of multislice: with `--slices v5p-16=2` and `smoke --slices 2`, 2 x 2 processes in one world."""
 
 from __future__ import annotations
 
@@ -458,9 +459,76 @@ def test_gke_mode_on_one_machine_is_the_three_commands_the_docs_show(tmp_path):
     assert not (work / "sandbox.kubeconfig").exists()
 
 
+@pytest.mark.chaos
+@pytest.mark.gcs
+def test_smoke_on_two_slices_runs_each_attempt_as_one_world_of_four_hosts(tmp_path):
+    """The Done-when of multislice: `olmo-ctl smoke --backend gke --device v5p-16 --slices 2` against
+    `olmo-ctl sandbox --slices v5p-16=2` and a GCS emulator bucket passes every check. Each attempt's
+    JobSet is 2 slices x 2 pods; the webhook gives every pod MEGASCALE_NUM_SLICES / MEGASCALE_SLICE_ID,
+    and the 4 trainer processes (4 CPU devices each) join one jax.distributed world. The smoke batch of
+    8 over 16 devices shards each sequence 2 ways, within one host."""
+    from helpers.cli import invoke
+
+    kc = tmp_path / "sb.kubeconfig"
+    env = _clean_env(tmp_path)
+    p = subprocess.run(
+        [sys.executable, "-m", "olmo_ctl", "sandbox", "--kubeconfig", str(kc), "--slices", "v5p-16=2"]
+        + ["--gcs-bucket", "sandbox", "--detach"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    ex = _exports(p.stdout)
+    pid = int(ex["OLMO_CTL_SANDBOX_PID"])
+    log_file = tmp_path / "sb.kubeconfig.log"
+    try:
+        r = invoke(
+            "smoke",
+            "--backend",
+            "gke",
+            "--device",
+            "v5p-16",
+            "--slices",
+            "2",
+            "--timeout",
+            "1500",
+            "-o",
+            "json",
+            env={**env, **ex},
+        )
+        log = log_file.read_text() if log_file.exists() else ""
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:] + "\n--- sandbox ---\n" + log[-4000:]
+        report = json.loads(r.stdout)
+        assert [c["passed"] for c in report["checks"]] == [True] * 5
+        assert report["facts"]["slices"] == 2 and report["facts"]["seq_shards"] == 2
+        assert "smoke on 2 x v5p-16 (gke): all 5 checks passed" in r.stderr
+        # Attempt 1, attempt 2 and the twin, each on both slices' nodes, 2 pods per slice.
+        starts = [ln for ln in log.splitlines() if "olmo_ctl.trainer" in ln and ": pid " in ln]
+        assert len(starts) == 12, "\n".join(starts)
+        assert all("--device v5p-16" in ln and "--slices 2" in ln for ln in starts)
+        nodes = {ln.split(" on ", 1)[1].split(":", 1)[0] for ln in starts}
+        assert nodes == {f"gke-v5p-16-np-{s}-000{v}" for s in (0, 1) for v in (0, 1)}
+        # Process 0 wrote every host's timings in the emulator's bucket: four hosts joined in each run.
+        from olmo_ctl.observe.reader import read_scalars
+        from olmo_ctl.testing.gcs_emulator import use_emulator
+
+        with use_emulator(ex["STORAGE_EMULATOR_HOST"]):
+            for run_dir in report["run_dirs"]:
+                tags = set(read_scalars(f"{run_dir}/tensorboard").tags())
+                assert {f"hosts/{h}/step_time_s" for h in range(4)} <= tags, run_dir
+                assert "hosts/4/step_time_s" not in tags
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        _gone(pid)
+    assert not kc.exists()
+
+
 def test_the_trainer_joins_an_emulated_slice_from_the_webhook_variables(monkeypatch):
     """JAX_PLATFORMS=cpu and a TPU device: process id and count from TPU_WORKER_ID / TPU_WORKER_HOSTNAMES
-    (and the slice from MEGASCALE_*), the coordinator from the sandbox; anything missing is exit 3."""
+    and, for several slices, MEGASCALE_NUM_SLICES / MEGASCALE_SLICE_ID; the coordinator from the
+    sandbox; anything missing or inconsistent with --slices is exit 3."""
     from olmo_ctl.core.devices import get_device
     from olmo_ctl.trainer import multihost
 
@@ -471,6 +539,7 @@ def test_the_trainer_joins_an_emulated_slice_from_the_webhook_variables(monkeypa
         "OLMO_CTL_COORDINATOR_ADDRESS",
         "MEGASCALE_NUM_SLICES",
         "MEGASCALE_SLICE_ID",
+        "MEGASCALE_COORDINATOR_ADDRESS",
     ):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
@@ -489,11 +558,31 @@ def test_the_trainer_joins_an_emulated_slice_from_the_webhook_variables(monkeypa
         "num_processes": 2,
         "process_id": 1,
     }
+    # Two slices: one world of 4 processes, numbered slice by slice as JAX numbers them on GKE.
     monkeypatch.setenv("MEGASCALE_NUM_SLICES", "2")
     monkeypatch.setenv("MEGASCALE_SLICE_ID", "1")
+    monkeypatch.setenv("MEGASCALE_COORDINATOR_ADDRESS", "j-slice-0-0.j")
+    assert multihost._emulated_slice_params(dev, slices=2) == {
+        "coordinator_address": "127.0.0.1:4000",  # the sandbox's, one for every slice of the JobSet
+        "num_processes": 4,
+        "process_id": 3,
+    }
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "0")
+    assert multihost._emulated_slice_params(dev, slices=2)["process_id"] == 1
+    # --slices that is not the JobSet's slice count, or a pod outside it: exit 3, naming the variable
+    with pytest.raises(multihost.JoinFailed, match="v5p-16 is 1 slice but MEGASCALE_NUM_SLICES=2"):
+        multihost._emulated_slice_params(dev)
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "2")
+    with pytest.raises(multihost.JoinFailed, match="MEGASCALE_SLICE_ID=2 is outside 2 x v5p-16"):
+        multihost._emulated_slice_params(dev, slices=2)
+    monkeypatch.delenv("MEGASCALE_SLICE_ID")
+    with pytest.raises(multihost.JoinFailed, match="MEGASCALE_SLICE_ID is not set"):
+        multihost._emulated_slice_params(dev, slices=2)
+    monkeypatch.setenv("MEGASCALE_SLICE_ID", "1")
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "j-slice-1-0.j")
     with pytest.raises(
-        multihost.JoinFailed, match="has 2 hosts but TPU_WORKER_HOSTNAMES names 2 in each of 2"
+        multihost.JoinFailed, match="has 2 hosts but TPU_WORKER_HOSTNAMES names 1 in each of 2 slices"
     ):
-        multihost._emulated_slice_params(dev)  # a v5p-16 trainer is one slice
+        multihost._emulated_slice_params(dev, slices=2)
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")
     assert not multihost.emulated_slice()  # a real TPU: JAX detects the slice itself

@@ -141,6 +141,13 @@ def test_multislice_puts_the_slices_on_the_outer_data_axis():
     # no slice_index (CPU): N equal consecutive groups
     grid = S.multislice_devices([_Dev(i) for i in range(8)], "fsdp", 1, 2)
     assert [[d.id for d in row] for row in grid] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # the sandbox's emulated slices: CPU devices all say slice_index 0; the slices are the processes
+    # as the join numbers them (slice 0: processes 0 and 1, slice 1: 2 and 3), in any listed order
+    emulated = [_Dev(i, slice_index=0) for i in range(8)]
+    for d in emulated:
+        d.process_index = (7 - d.id) // 2
+    grid = S.multislice_devices(emulated, "fsdp", 1, 2)
+    assert [sorted(d.process_index for d in row) for row in grid] == [[0, 0, 1, 1], [2, 2, 3, 3]]
     for bad, why in (
         ([_Dev(i, i % 3) for i in range(6)], "slice_index"),
         ([_Dev(i, 0 if i < 5 else 1) for i in range(8)], "unequal"),
@@ -188,3 +195,101 @@ def test_multislice_mesh_on_a_real_two_slice_tpu_topology():
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["fsdp"] == {"shape": {"data": 2, "fsdp": 8}, "slices": [[0], [1]], "batch": 2}
     assert out["hybrid"] == {"shape": {"data": 4, "fsdp": 4}, "slices": [[0], [0], [1], [1]], "batch": 2}
+
+
+# ---------------------------------------------------------------- a sequence-shard group on one host
+
+
+class _HostDev:
+    """A device of host `process_index` (what the mesh's host rule reads)."""
+
+    def __init__(self, i, process_index):
+        self.id, self.process_index = i, process_index
+
+    def __repr__(self):
+        return f"d{self.id}@h{self.process_index}"
+
+
+def test_sequence_shard_groups_are_laid_out_host_by_host():
+    import numpy as np
+
+    # A TPU torus row as create_hybrid_device_mesh orders it: consecutive devices on different hosts.
+    row = [_HostDev(i, i % 4) for i in range(16)]
+    arr = np.asarray(row, dtype=object).reshape(1, 16)
+    assert [d.process_index for d in arr[0, :4]] == [0, 1, 2, 3]
+    laid = S.host_major(arr)
+    assert [d.process_index for d in laid[0]] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert [d.id for d in laid[0, :4]] == [0, 4, 8, 12]  # each host's devices keep their order
+    for s in (2, 4):
+        S.check_seq_groups(laid, s, "fsdp", 1, 2)  # every group is one host's
+    # A row already host by host (the CPU twin) is unchanged.
+    twin = np.asarray([_HostDev(i, i // 2) for i in range(4)], dtype=object).reshape(1, 4)
+    assert [d.id for d in S.host_major(twin)[0]] == [0, 1, 2, 3]
+
+
+def test_a_layout_whose_sequence_shard_group_spans_hosts_is_refused_with_exit_2():
+    import numpy as np
+    import pytest
+
+    from olmo_ctl.core.errors import BadInput
+
+    # hybrid, 2 replicas of a torus order: each of a slice's 4 hosts has 2 devices in each replica, so
+    # a group of 4 needs two hosts however the replica is laid out
+    arr = np.asarray([_HostDev(i, i % 4 + 4 * (i // 8)) for i in range(16)], dtype=object).reshape(2, 8)
+    laid = S.host_major(arr)
+    S.check_seq_groups(laid, 2, "hybrid", 2, 1)
+    with pytest.raises(S.LayoutSpansHosts) as e:
+        S.check_seq_groups(laid, 4, "hybrid", 2, 1)
+    assert isinstance(e.value, BadInput) and e.value.exit_code == 2
+    assert e.value.one_line().startswith(
+        "train.seq_shards 4 with mesh hybrid (data_parallel 2) (2 data replicas of 8 devices): the "
+        "sequence-shard group of replica 0, devices 0..3, spans hosts 0, 1 (host 0 has 2 devices in that replica)"
+    )
+
+
+def test_multislice_sequence_shards_stay_on_one_host_of_a_real_two_slice_topology():
+    """libtpu's 2 x v5p-32 (compile-only devices): its torus order puts consecutive devices on four
+    different hosts; with seq_shards 2 and 4 make_mesh keeps every group on one host, each slice in its
+    own rows, and the mesh still holds every device once."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("needs libtpu (pip install 'olmo-ctl[tpu]')")
+    code = textwrap.dedent("""
+        import json
+        from jax.experimental import mesh_utils, topologies
+        from olmo_ctl.trainer import sharding as S
+        topo = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x4", num_slices=2)
+        devs = list(topo.devices)
+        torus = mesh_utils.create_hybrid_device_mesh((1, 16), (2, 1), devs)
+        out = {"torus_row": [d.process_index for d in torus[0][:4]]}
+        for kind, dp, s in (("fsdp", 1, 2), ("fsdp", 1, 4), ("hybrid", 2, 2)):
+            m = S.make_mesh(devs, kind, dp, activate=False, slices=2, seq_shards=s)
+            groups = m.devices.reshape(-1, s)
+            out[f"{kind}-{s}"] = {
+                "shape": dict(m.shape),
+                "hosts_per_group": sorted({len({d.process_index for d in g}) for g in groups}),
+                "devices": len({d.id for d in m.devices.flat}),
+                "slices": [sorted({d.slice_index for d in row.flat}) for row in m.devices],
+            }
+        print(json.dumps(out))
+    """)
+    env = {
+        **os.environ,
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_ACCELERATOR_TYPE": "v5p-32",
+    }
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["torus_row"] == [0, 1, 2, 3]  # what the mesh must not use as it is
+    assert out["fsdp-2"]["shape"] == {"data": 2, "fsdp": 8, "seq": 2}
+    assert out["fsdp-4"]["shape"] == {"data": 2, "fsdp": 4, "seq": 4}
+    assert out["hybrid-2"]["shape"] == {"data": 4, "fsdp": 4, "seq": 2}
+    for key in ("fsdp-2", "fsdp-4", "hybrid-2"):
+        assert out[key]["hosts_per_group"] == [1], key
+        assert out[key]["devices"] == 32, key
+    assert out["fsdp-4"]["slices"] == [[0], [1]] and out["hybrid-2"]["slices"] == [[0], [0], [1], [1]]

@@ -145,6 +145,8 @@ def test_timeout_exits_124_and_leaves_no_trainer_running(tmp_path):
         (("--backend", "local", "--device", "cpu-3"), "cannot be split exactly over the 3 devices"),
         (("--backend", "local", "--device", "v5p-8"), "is a TPU slice"),
         (("--backend", "gke", "--device", "cpu-1"), "is a local device"),
+        (("--backend", "local", "--device", "cpu-2x2", "--slices", "2"), "multislice joins TPU slices"),
+        (("--backend", "gke", "--device", "v5p-8", "--slices", "2"), "is a single-host slice"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, args, text):

@@ -15,6 +15,14 @@ from olmo_ctl.core.errors import BadInput, Interrupted
 @site_options()
 def smoke(
     device: DeviceOpt,
+    slices: Annotated[
+        int,
+        typer.Option(
+            "--slices",
+            min=1,
+            help="Slices of --device each attempt runs on (multislice, GKE TPU multi-host slices).",
+        ),
+    ] = 1,
     timeout: TimeoutOpt = 1800.0,
     junit: Annotated[
         Path | None, typer.Option("--junit", help="Write JUnit XML (one test case per check).")
@@ -38,7 +46,7 @@ def smoke(
     import tempfile
 
     from olmo_ctl.backends import backend_class, make_backend
-    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.devices import check_slices, get_device
     from olmo_ctl.storage import join
     from olmo_ctl.supervise.smoke import FAULT_ENV, SmokeConfig, junit_xml, new_run_name, run_smoke
 
@@ -46,7 +54,9 @@ def smoke(
     if junit is not None and (junit.is_dir() or not junit.parent.is_dir()):
         raise BadInput(f"--junit `{junit}`: not a file in an existing directory", "e.g. --junit smoke.xml")
     kind = backend_class(settings.backend)
-    name = new_run_name(get_device(device).name)
+    dev = get_device(device)
+    check_slices(dev, slices)  # a local device or a single-host slice: one line, exit 2
+    name = new_run_name(dev.name)
     temp_root = None
     if kind.trains_here and site.run_root is None:  # runs on this machine: a scratch root of their own
         temp_root = tempfile.mkdtemp(prefix="olmo-ctl-smoke-")
@@ -56,6 +66,7 @@ def smoke(
     be = make_backend(settings, root)
     cfg = SmokeConfig(
         device,
+        slices=slices,
         max_steps=kind.smoke.max_steps,
         poll_s=kind.smoke.poll_s,
         fault=os.environ.get(FAULT_ENV) or None,

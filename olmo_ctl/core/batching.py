@@ -167,6 +167,17 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
     usable = int(device.hbm_bytes_per_device * USABLE_HBM_FRACTION)
     allowed = _seq_candidates(recipe, device.devices, device.devices_per_process)
     if t.seq_shards:
+        if (
+            t.seq_shards in _seq_candidates(recipe, device.devices, t.seq_shards)
+            and t.seq_shards not in allowed
+        ):
+            # Everything else allows it: only the host's devices do not (the trainer's mesh would refuse it).
+            raise BadInput(
+                f"train.seq_shards {t.seq_shards} on {where}: a sequence-shard group of {t.seq_shards} "
+                f"devices would span hosts (each host of {device.name} has {device.devices_per_process}); "
+                "the loader hands each host whole instances, so an instance's shards must be one host's devices",
+                f"choose one of {', '.join(map(str, allowed))}, or 0 to let the plan choose",
+            )
         if t.seq_shards not in allowed:
             raise BadInput(
                 f"train.seq_shards {t.seq_shards} does not fit {device.name}: it must divide the {device.devices} "

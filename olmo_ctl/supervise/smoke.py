@@ -83,6 +83,7 @@ class SmokeTimeout(Exception):
 class SmokeConfig:
     device: str
     recipe: str = "smoke"
+    slices: int = 1  # slices of `device` (multislice: every attempt joins N x its hosts)
     stop_after_step: int = 5  # attempt 1 is stopped once this step is logged
     resume_steps: int = 6  # steps run past the stop by the resumed attempt and by the twin
     max_steps: int = 100  # the recipe's final step: attempt 1 must be stopped before it
@@ -143,17 +144,19 @@ class SmokeReport:
 
     def summary_lines(self) -> list[str]:
         out = [f"{'PASS' if c.passed else 'FAIL'} {c.name}: {c.message}" for c in self.checks]
+        n = int(self.facts.get("slices", 1))
+        where = self.device if n == 1 else f"{n} x {self.device}"
         if self.timed_out:
-            out.append(f"smoke on {self.device} ({self.backend}): TIMED OUT after {self.seconds:.0f} s")
+            out.append(f"smoke on {where} ({self.backend}): TIMED OUT after {self.seconds:.0f} s")
         elif self.failed:
             out.append(
-                f"smoke on {self.device} ({self.backend}): FAILED {', '.join(self.failed)} "
+                f"smoke on {where} ({self.backend}): FAILED {', '.join(self.failed)} "
                 f"({len(self.checks) - len(self.failed)}/{len(self.checks)} checks passed, "
                 f"{self.seconds:.0f} s)"
             )
         else:
             out.append(
-                f"smoke on {self.device} ({self.backend}): all {len(self.checks)} checks passed "
+                f"smoke on {where} ({self.backend}): all {len(self.checks)} checks passed "
                 f"({self.seconds:.0f} s)"
             )
         return out
@@ -240,6 +243,7 @@ class _Driver:
 
     def __init__(self, backend, recipe, plan, deadline: float, poll_s: float, log: Callable[[str], None]):
         self.backend = backend
+        self.slices = plan.slices
         self.recipe = recipe
         self.plan = plan
         self.deadline = deadline
@@ -271,7 +275,8 @@ class _Driver:
             numbered=True,
         )
         self.live.append(handle)
-        self.log(f"{rundir.name}: attempt {attempt} on {device} submitted ({handle.name})")
+        where = device if self.slices == 1 else f"{self.slices} x {device}"
+        self.log(f"{rundir.name}: attempt {attempt} on {where} submitted ({handle.name})")
         return handle
 
     def request(
@@ -291,6 +296,7 @@ class _Driver:
             extra_args=extra_args,
             env=env,
             plan=self.plan,
+            slices=self.slices,
         )
 
     def wait_for_step(self, handle, step: int) -> tuple[bool, int | None]:
@@ -454,11 +460,11 @@ def _check_events(reader, final_step: int, tokens_per_step: int) -> CheckResult:
 # ---------------------------------------------------------------- the smoke run
 
 
-def _create_run(rundir, recipe, device: str, local: bool = True) -> None:
+def _create_run(rundir, recipe, device: str, local: bool = True, slices: int = 1) -> None:
     """run.yaml for a smoke run. The builtin smoke data is made from the training machine's Python
     stdlib, so its fingerprint is only known here when this machine trains (local backend)."""
     fp = data_fingerprint(recipe) if local else ""
-    rundir.create_run(recipe.to_dict(), recipe.fingerprint(), fp, device)
+    rundir.create_run(recipe.to_dict(), recipe.fingerprint(), fp, device, slices)
 
 
 def new_run_name(device: str) -> str:
@@ -484,14 +490,16 @@ def run_smoke(
     t0 = time.monotonic()
     device = get_device(cfg.device)
     recipe = load_recipe(cfg.recipe, overrides=cfg.overrides())
-    plan = make_plan(recipe, device)  # a device that cannot hold the global batch is bad input
+    plan = make_plan(recipe, device, cfg.slices)  # a layout the slices cannot hold is bad input
     name = run_name or new_run_name(device.name)
     # What the backend refuses on the command line alone (a local device on GKE, a run root its pods
     # cannot see) before any storage is touched.
-    backend.validate(Attempt(name, join(run_root, name), 1, device.name))
+    backend.validate(Attempt(name, join(run_root, name), 1, device.name, slices=plan.slices))
     main = RunDir.of(run_root, name)
     twin = RunDir.of(run_root, f"{name}-twin")
     report = SmokeReport(device.name, backend.name, [main.path, twin.path])
+    if plan.slices > 1:
+        report.facts.update(slices=plan.slices, seq_shards=plan.seq_shards)
     report.facts.update(
         global_batch=plan.global_batch,
         per_device_batch=plan.per_device_batch,
@@ -516,7 +524,7 @@ def run_smoke(
     check_attempt(backend, first, preflight=False)
     try:
         for rd in (main, twin):
-            _create_run(rd, recipe, device.name, local=backend.trains_here)
+            _create_run(rd, recipe, device.name, local=backend.trains_here, slices=plan.slices)
 
         # Attempt 1: stopped mid-run the way a preemption or `resize --now` stops it.
         c_t = time.monotonic()

@@ -144,11 +144,17 @@ def _main(ns: argparse.Namespace) -> int:
         storage.set_deadline(recipe.runtime.storage_timeout_s)  # from the first listing on (deadlines.py)
         committed = RunDir(ns.run_dir).committed_steps()  # listed once: the join and the version check
         if ns.device:
-            from olmo_ctl.core.devices import get_device
+            from olmo_ctl.core.devices import check_slices, get_device
 
             # Several hosts join before any other jax call (the TPU slice's VMs, or cpu-PxD's processes),
             # and tell the runtime's stop agreement at once where this attempt starts.
-            multihost.join(get_device(ns.device), recipe.runtime, committed=max(committed, default=0))
+            dev = get_device(ns.device)
+            multihost.join(
+                dev,
+                recipe.runtime,
+                committed=max(committed, default=0),
+                slices=check_slices(dev, ns.slices),  # multislice: one world of every slice's hosts
+            )
         _check_versions(ns, committed)
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")

@@ -8,9 +8,15 @@ host devices each, with gloo collectives). This module holds what is specific to
   local twin's launcher sets `OLMO_CTL_COORDINATOR_ADDRESS`, `OLMO_CTL_NUM_PROCESSES` and
   `OLMO_CTL_PROCESS_ID`. A TPU device on the CPU platform (JAX_PLATFORMS=cpu: a pod of `olmo-ctl
   sandbox`, each TPU VM one process) joins from the webhook's TPU_WORKER_ID and TPU_WORKER_HOSTNAMES
-  and the sandbox's `OLMO_CTL_COORDINATOR_ADDRESS`, with gloo collectives. Any failure to join (a coordinator that never answers, a peer that never
-  arrives within `runtime.init_timeout_s`) raises `JoinFailed`, exit 3: the attempt is restarted, it
-  is not a user error.
+  and the sandbox's `OLMO_CTL_COORDINATOR_ADDRESS`, with gloo collectives. Any failure to join (a
+  coordinator that never answers, a peer that never arrives within `runtime.init_timeout_s`) raises
+  `JoinFailed`, exit 3: the attempt is restarted, it is not a user error.
+- Multislice (`--slices N`): one world of N x the slice's hosts. GKE's webhook adds
+  MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID and MEGASCALE_COORDINATOR_ADDRESS (slice 0's worker 0) to
+  every pod; JAX numbers the processes slice by slice (process = slice id x hosts per slice + worker
+  id), the emulated slice the same way. A world that is not N x the slice's hosts is `JoinFailed`.
+- The first step together (`first_call_together`): on a gloo world the first step is compiled ahead
+  and run after a coordination-service barrier, as gloo gives a late peer only 30 s.
 - A lost peer: the distributed runtime's heartbeat (`runtime.peer_timeout_s`) notices a host that
   died (SIGKILL, a lost VM); the runtime then aborts every other process (SIGABRT). A C-level SIGABRT
   handler turns that abort into exit 3 (restart) with one line saying why, instead of 134.
@@ -55,10 +61,12 @@ def joined() -> bool:
     return _state["joined"]
 
 
-def join(device, runtime, committed: int = 0) -> bool:
-    """Join the slice's processes when the device has more than one; True when joined. `committed`
-    (the run's latest committed step) primes the agreed stop at once (`prime_stop`)."""
-    if device.processes <= 1:
+def join(device, runtime, committed: int = 0, slices: int = 1) -> bool:
+    """Join the processes of `slices` x `device` when there is more than one; True when joined.
+    `committed` (the run's latest committed step) primes the agreed stop at once (`prime_stop`)."""
+    processes = device.processes * slices
+    what = device.name if slices == 1 else f"{slices} x {device.name}"
+    if processes <= 1:
         return False
     import jax
 
@@ -66,6 +74,7 @@ def join(device, runtime, committed: int = 0) -> bool:
         "initialization_timeout": int(runtime.init_timeout_s),
         "heartbeat_timeout_seconds": int(runtime.peer_timeout_s),
     }
+    gloo = device.platform == "cpu" or (device.is_tpu and emulated_slice())
     if device.platform == "cpu":
         missing = [k for k in (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV) if not os.environ.get(k)]
         if missing:
@@ -87,22 +96,29 @@ def join(device, runtime, committed: int = 0) -> bool:
         )
     elif device.is_tpu and emulated_slice():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        kwargs.update(_emulated_slice_params(device))
+        kwargs.update(_emulated_slice_params(device, slices))
     _exit_3_on_abort()
-    _state["joining"] = f"could not join the {device.processes} hosts of {device.name}"
+    _state["joining"] = f"could not join the {processes} hosts of {what}"
     try:
         jax.distributed.initialize(**kwargs)
     except Exception as e:  # noqa: BLE001 - the runtime raises many types; all mean "could not join"
         raise JoinFailed(
-            f"could not join the {device.processes} hosts of {device.name} "
+            f"could not join the {processes} hosts of {what} "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
             "a peer or the coordinator did not answer; the attempt will be restarted",
         ) from None
     finally:
         _state["joining"] = None
-    if jax.process_count() != device.processes:
-        raise JoinFailed(f"joined {jax.process_count()} processes, but {device.name} has {device.processes}")
+    if jax.process_count() != processes:
+        raise JoinFailed(
+            f"joined {jax.process_count()} processes, but {what} has {processes}",
+            "every pod of the attempt must run with the same --device and --slices"
+            if slices > 1
+            else "every host of the slice must run with the same --device",
+        )
     _state["joined"] = True
+    _state["gloo"] = gloo
+    _state["init_timeout_s"] = float(runtime.init_timeout_s)
     prime_stop(committed)
     print(
         f"joined {jax.process_count()} hosts as process {jax.process_index()} "
@@ -117,40 +133,93 @@ def emulated_slice() -> bool:
     return os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
 
 
-def _emulated_slice_params(device) -> dict:
+def _emulated_slice_params(device, slices: int = 1) -> dict:
     """Join an emulated slice explicitly, from what GKE's TPU webhook injects (TPU_WORKER_ID,
-    TPU_WORKER_HOSTNAMES, MEGASCALE_SLICE_ID / MEGASCALE_NUM_SLICES for several slices) and the
-    coordinator the sandbox serves for the JobSet (OLMO_CTL_COORDINATOR_ADDRESS). On a real TPU,
-    JAX detects all of it by itself and this is never used."""
+    TPU_WORKER_HOSTNAMES, and for several slices MEGASCALE_NUM_SLICES / MEGASCALE_SLICE_ID) and the
+    coordinator the sandbox serves for the JobSet, one for all its slices (OLMO_CTL_COORDINATOR_ADDRESS;
+    MEGASCALE_COORDINATOR_ADDRESS names a pod's DNS name, which only a cluster resolves). Processes are
+    numbered as JAX numbers them on GKE (jax/_src/clusters/cloud_tpu_cluster.py): slice id x hosts per
+    slice + worker id. On a real TPU, JAX detects all of it by itself and this is never used."""
     hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
-    missing = [
-        k
-        for k, ok in (
-            ("TPU_WORKER_ID", os.environ.get("TPU_WORKER_ID", "").isdigit()),
-            ("TPU_WORKER_HOSTNAMES", bool(hosts)),
-            (COORDINATOR_ENV, bool(os.environ.get(COORDINATOR_ENV))),
-        )
-        if not ok
+    multi = slices > 1 or os.environ.get("MEGASCALE_NUM_SLICES", "1").strip() not in ("", "1")
+    wanted = [
+        ("TPU_WORKER_ID", os.environ.get("TPU_WORKER_ID", "").isdigit()),
+        ("TPU_WORKER_HOSTNAMES", bool(hosts)),
+        (COORDINATOR_ENV, bool(os.environ.get(COORDINATOR_ENV))),
     ]
+    if multi:
+        wanted += [
+            ("MEGASCALE_NUM_SLICES", os.environ.get("MEGASCALE_NUM_SLICES", "").strip().isdigit()),
+            ("MEGASCALE_SLICE_ID", os.environ.get("MEGASCALE_SLICE_ID", "").strip().isdigit()),
+        ]
+    missing = [k for k, ok in wanted if not ok]
     if missing:
         raise JoinFailed(
-            f"--device {device.name} on the CPU platform is an emulated slice, but "
-            f"{', '.join(missing)} is not set",
+            f"--device {device.name}{f' --slices {slices}' if slices > 1 else ''} on the CPU platform is "
+            f"an emulated slice, but {', '.join(missing)} is not set",
             "run it as a pod of `olmo-ctl sandbox`, which sets them",
         )
-    slices = int(os.environ.get("MEGASCALE_NUM_SLICES", "1") or 1)
-    slice_id = int(os.environ.get("MEGASCALE_SLICE_ID", "0") or 0)
-    n = len(hosts) * slices
-    if n != device.processes:
+    n_slices = int(os.environ["MEGASCALE_NUM_SLICES"]) if multi else 1
+    slice_id = int(os.environ["MEGASCALE_SLICE_ID"]) if multi else 0
+    what = device.name if slices == 1 else f"{slices} x {device.name}"
+    if n_slices != slices:
+        raise JoinFailed(
+            f"--device {what} is {slices} slice{'s' if slices > 1 else ''} but MEGASCALE_NUM_SLICES={n_slices}",
+            "start every pod of the attempt with --slices equal to its JobSet's slice count",
+        )
+    if len(hosts) != device.processes:
         raise JoinFailed(
             f"--device {device.name} has {device.processes} hosts but TPU_WORKER_HOSTNAMES names "
             f"{len(hosts)}" + (f" in each of {slices} slices" if slices > 1 else "")
         )
+    worker = int(os.environ["TPU_WORKER_ID"])
+    if worker >= len(hosts) or slice_id >= slices:
+        raise JoinFailed(
+            f"TPU_WORKER_ID={worker}"
+            + (f", MEGASCALE_SLICE_ID={slice_id}" if multi else "")
+            + f" is outside {what} ({len(hosts)} hosts"
+            + (f" x {slices} slices)" if multi else ")")
+        )
     return {
         "coordinator_address": os.environ[COORDINATOR_ENV],
-        "num_processes": n,
-        "process_id": slice_id * len(hosts) + int(os.environ["TPU_WORKER_ID"]),
+        "num_processes": len(hosts) * slices,
+        "process_id": slice_id * len(hosts) + worker,
     }
+
+
+def first_call_together(step):
+    """`step` (a jitted function), whose first call on a world joined by gloo (the CPU twin, the
+    sandbox's emulated slices) compiles ahead, waits for every host at a barrier of the coordination
+    service (within runtime.init_timeout_s), and only then runs; later calls run the same executable.
+
+    Gloo sets up each group of hosts at its first collective and gives a peer 30 s to arrive, fixed in
+    jaxlib. Hosts reach their first step that far apart when the set-up or the compile of one takes
+    longer (host 0 writes the epoch order the others wait for; 8 trainer processes compiling on 2
+    cores): 2 x v5p-16 in the sandbox then failed its first step with exit 3, attempt after attempt.
+    On a TPU nothing changes (its collectives wait as long as the runtime's own deadlines)."""
+    if not (joined() and _state.get("gloo")):
+        return step
+    compiled: list = []
+
+    def call(*args):
+        if not compiled:
+            exe = step.lower(*args).compile()
+            barrier("first-step", _state.get("init_timeout_s", 300.0))
+            compiled.append(exe)
+        return compiled[0](*args)
+
+    return call
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    """Wait until every host of the world reaches the barrier `name` (once per name and process): the
+    distributed runtime's coordination service, no collective (so no gloo group) involved."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    client.wait_at_barrier(f"olmo_ctl/{name}", int(timeout_s * 1000))
 
 
 # ---------------------------------------------------------------- a lost peer: SIGABRT -> exit 3

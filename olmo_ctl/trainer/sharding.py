@@ -16,7 +16,12 @@ parameters are sharded over ("fsdp", "seq") together, and attention re-shards qu
 values from the sequence to the heads around the attention itself (an all-to-all each way, as
 DeepSpeed-Ulysses does): every device then attends over the whole sequence for n_heads / seq_shards
 heads, with the unchanged kernels, windows and document masks. With seq_shards 1 the mesh is the
-two-axis one above.
+two-axis one above. A sequence-shard group stays on one host: the loader hands each process whole
+instances (`step.device_batch`), so the devices sharing one must be that process's own. The TPU
+torus order (create_hybrid_device_mesh) interleaves hosts along a row (on 2 x v5p-32 the process
+of consecutive devices runs 0, 1, 2, 3, 0, ...), so with seq_shards > 1 each data replica's devices
+are laid out host by host (`host_major`); a layout where a group still spans hosts is refused
+(`LayoutSpansHosts`, exit 2). The plan refuses it first (core/batching.py `_seq_candidates`).
 
 A parameter is sharded on its largest axis divisible by the `fsdp` size, never on the leading layer
 axis of stacked block weights (scan slices that axis every layer). If no axis divides, it is replicated.
@@ -27,6 +32,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from olmo_ctl.core.errors import BadInput
 
 AXES = ("data", "fsdp")  # the batch axes
 SEQ = "seq"  # the sequence axis, present only when sequences are sharded
@@ -70,6 +77,8 @@ def make_mesh(
             raise ValueError(
                 f"seq_shards={seq_shards} does not divide the {cols} devices of each data replica"
             )
+        arr = host_major(arr)
+        check_seq_groups(arr, seq_shards, kind, data_parallel, slices)
         mesh = Mesh(arr.reshape(rows, cols // seq_shards, seq_shards), AXES + (SEQ,))
     else:
         mesh = Mesh(arr, AXES)
@@ -78,13 +87,69 @@ def make_mesh(
     return mesh
 
 
+class LayoutSpansHosts(BadInput):
+    """A sequence-shard group of the mesh would span hosts: the layout cannot be loaded (exit 2)."""
+
+
+def _host(d) -> int:
+    return int(getattr(d, "process_index", 0))
+
+
+def host_major(arr: np.ndarray) -> np.ndarray:
+    """Each data replica (row) of a [rows, cols] device array with its devices grouped host by host:
+    hosts in the order they first appear in the row, each host's devices in their own order. A row
+    already laid out so (the CPU twin, one process's devices) is unchanged."""
+    out = np.empty_like(arr)
+    for r, row in enumerate(arr):
+        order: dict[int, list] = {}
+        for d in row:
+            order.setdefault(_host(d), []).append(d)
+        out[r] = [d for ds in order.values() for d in ds]
+    return out
+
+
+def check_seq_groups(arr: np.ndarray, seq_shards: int, kind: str, data_parallel: int, slices: int) -> None:
+    """Refuse a [rows, cols] device array in which a group of `seq_shards` consecutive devices of a row
+    (one instance's sequence shards) belongs to more than one host."""
+    rows, cols = arr.shape
+    for r in range(rows):
+        for g in range(0, cols, seq_shards):
+            hosts = sorted({_host(d) for d in arr[r, g : g + seq_shards]})
+            if len(hosts) > 1:
+                per_host = sum(1 for d in arr[r] if _host(d) == hosts[0])
+                where = f"{slices} slices, " if slices > 1 else ""
+                raise LayoutSpansHosts(
+                    f"train.seq_shards {seq_shards} with mesh {kind}"
+                    + (f" (data_parallel {data_parallel})" if kind == "hybrid" else "")
+                    + f" ({where}{rows} data replicas of {cols} devices): the sequence-shard group of "
+                    f"replica {r}, devices {g}..{g + seq_shards - 1}, spans hosts "
+                    f"{', '.join(map(str, hosts))} (host {hosts[0]} has {per_host} devices in that replica)",
+                    "a sequence-shard group must stay on one host: choose a train.seq_shards that divides "
+                    "each host's devices in a replica, or 0 to let the plan choose",
+                )
+
+
 def _slice_groups(devices: list, slices: int) -> list[list]:
     """The devices of each slice, slice 0 first: by `slice_index` (the TPU runtime's, set on every
-    device of a multislice job), else in the order given (N equal consecutive groups)."""
+    device of a multislice job); where the runtime names one slice only (CPU devices say 0: the
+    sandbox's emulated slices), by process, as the join numbers them (slice s: processes s x P ..
+    (s + 1) x P - 1); else in the order given (N equal consecutive groups)."""
     n = len(devices)
     if slices < 1 or n % slices:
         raise ValueError(f"{slices} slices do not split the {n} devices")
     index = [getattr(d, "slice_index", None) for d in devices]
+    procs = [getattr(d, "process_index", None) for d in devices]
+    if slices > 1 and set(index) <= {0, None} and all(p is not None for p in procs):
+        hosts = sorted(set(procs))
+        if len(hosts) % slices:
+            raise ValueError(f"{slices} slices do not split the {len(hosts)} processes")
+        per_slice = len(hosts) // slices
+        groups = [
+            [d for d in devices if hosts.index(d.process_index) // per_slice == s] for s in range(slices)
+        ]
+        if len({len(g) for g in groups}) != 1:
+            raise ValueError(f"slices of unequal size: {[len(g) for g in groups]} devices")
+        return groups
     if all(i is not None for i in index):
         found = sorted(set(index))
         if found != list(range(slices)):

@@ -33,7 +33,6 @@ reads its rows instead of recomputing the permutation.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -203,12 +202,14 @@ class _Loop:
     """Steps and the fetch of their metrics; everything else is a hook (`trainer/hooks.py`), in its order."""
 
     def __init__(self, s: _Setup, state, state_shard, step: int, loader, ckpt, events, signals, watchdog):
+        from olmo_ctl.trainer import multihost
+
         self.s, self.state, self.step = s, state, step
         self.loader, self.ckpt, self.events = loader, ckpt, events
         self.watchdog = watchdog  # started by run(), which closes it after the last commit
         self.slow_data_s = injected.slow_data_s(s.proc)
         self.micro_shard = micro_batch_sharding(s.mesh)
-        self.train_step = jit_train_step(s.recipe, state_shard)
+        self.train_step = multihost.first_call_together(jit_train_step(s.recipe, state_shard))
         self.hooks = hooks_lib.default_hooks(s, signals)
         self.pending: list[tuple[int, Any, float]] = []  # (step, device metrics, data loading s), not fetched
         self.steps_run = 0  # steps run by this attempt
@@ -282,7 +283,7 @@ class _Loop:
             ok = True
             return code
         finally:
-            hooks_lib.post_train(self.hooks, self, ok, lambda: _close_loader(self.loader))
+            hooks_lib.post_train(self.hooks, self, ok, getattr(self.loader, "close", lambda: None))
 
     def _train(self) -> int:
         while self.step < self.s.final_step:
@@ -342,13 +343,3 @@ def run(args: TrainArgs) -> int:
 def main_run(args: TrainArgs) -> int:
     """`run(args)` and its exit code by cause (trainer/exits.py): 0, 143, 1, 2 or 3."""
     return exit_code_of(lambda: run(args))
-
-
-def replace_args(args: TrainArgs, **kw) -> TrainArgs:
-    return dataclasses.replace(args, **kw)
-
-
-def _close_loader(loader) -> None:
-    close = getattr(loader, "close", None)
-    if close:
-        close()
