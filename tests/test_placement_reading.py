@@ -191,3 +191,26 @@ def test_doctor_reports_the_jobset_version_and_warns_before_the_1088_fix():
             sb.world.reconcile()
         c = doctor.check_jobset_controller(kube)
         assert c.ok and c.message.startswith("warning: no Deployment jobset-system/jobset-controller-manager")
+
+
+def test_two_slices_leaders_take_two_node_pools_whatever_the_order():
+    """JobSet's leader pods carry a required anti-affinity to pods of its other Jobs in their topology
+    domain (pod_mutating_webhook.go setExclusiveAffinities): two slices' leaders never share a node
+    pool, even when the first free nodes in name order are both in one pool."""
+    with Sandbox(slices={"tpu7x-16": 2}) as sb:
+        be = GKEBackend(namespace="default", host=sb.url, retry=FAST)
+        js = slice_jobset("two-a1")
+        js["spec"]["replicatedJobs"][0]["replicas"] = 2
+        sb.world.kubelet_down(None)  # both leaders wait, then are scheduled in one pass
+        h = be.send(js)
+        sb.world.kubelet_back()
+        pods = sb.server.cluster.pods(h.name)
+        assert len(pods) == 4 and all(p["status"]["phase"] == "Running" for p in pods), [
+            (p["metadata"]["name"], p["status"]["phase"]) for p in pods
+        ]
+        by_job: dict[str, set] = {}
+        for p in pods:
+            job = next(r["name"] for r in p["metadata"]["ownerReferences"] if r["kind"] == "Job")
+            by_job.setdefault(job, set()).add(sb.world.node_pool(p["spec"]["nodeName"]))
+        assert sorted(len(v) for v in by_job.values()) == [1, 1]  # each slice on one pool
+        assert len(set.union(*by_job.values())) == 2  # and the two slices on two

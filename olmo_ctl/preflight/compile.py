@@ -583,7 +583,7 @@ def run_preflight(
         buffers = largest_buffers(dump)
         t_eval = time.monotonic()
         eval_peak, eval_micro, eval_note = compile_eval_step(recipe, device, plan, xla_options)
-        compile_s += time.monotonic() - t_eval
+        compile_s = round(compile_s + time.monotonic() - t_eval, 2)  # as -o json reports it
     if log is not None:
         log(
             f"preflight: compiled in {compile_s:.0f} s"

@@ -41,6 +41,7 @@ from olmo_ctl.testing.cluster.objects import (
     JOB_TRACKING_FINALIZER,
     RESOURCE_IN_USE_FINALIZER,
     deleting,
+    labels,
     pod_requests,
     pod_terminal,
     quantity,
@@ -299,6 +300,31 @@ class SandboxWorld(ScriptedWorld):
                 free[node] -= pod_requests({"spec": p["spec"]}).get(TPU, 0.0)
         return free
 
+    def _exclusive_domain_free(self, pod: dict, node: dict, nodes: dict[str, dict]) -> bool:
+        """The required pod anti-affinity JobSet v0.10.1 gives a leader pod under exclusive placement
+        (pod_mutating_webhook.go setExclusiveAffinities), as the scheduler evaluates it: no node of the
+        node's topology domain (its `alpha.jobset.sigs.k8s.io/exclusive-topology` label, e.g. the node
+        pool) holds a pod of another Job of a JobSet (`jobset.sigs.k8s.io/job-key`). Followers are pinned
+        to their leader's domain by the webhook."""
+        ann = pod["metadata"].get("annotations") or {}
+        key = ann.get("alpha.jobset.sigs.k8s.io/exclusive-topology")
+        if (
+            not self.exclusive_placement_webhook
+            or not key
+            or ann.get("batch.kubernetes.io/job-completion-index") != "0"
+        ):
+            return True
+        own = labels(pod).get("jobset.sigs.k8s.io/job-key")
+        domain = labels(node).get(key)
+        for other in self.items("Pod", None):
+            where = other["spec"].get("nodeName")
+            theirs = labels(other).get("jobset.sigs.k8s.io/job-key")
+            if not where or pod_terminal(other) or theirs is None or theirs == own:
+                continue
+            if labels(nodes.get(where) or {}).get(key) == domain:
+                return False
+        return True
+
     def schedule(self) -> bool:
         """The default scheduler, for what a training pod asks: a node whose labels match the pod's
         nodeSelector with enough unrequested google.com/tpu. A pod that fits nowhere gets
@@ -323,6 +349,7 @@ class SandboxWorld(ScriptedWorld):
                 and free.get(name, 0.0) >= need - 1e-9
                 and not self.node_down(name)  # NotReady: tainted unreachable:NoSchedule
                 and self.nodes.schedulable(n, pod)
+                and self._exclusive_domain_free(pod, n, nodes)
             ]
             if fits:
                 free[fits[0]] -= need
