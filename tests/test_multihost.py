@@ -578,6 +578,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.chaos  # two twins of two hosts each started far apart: 30-40 s each
 @pytest.mark.parametrize("together", [True, False])
 def test_hosts_that_reach_the_first_step_far_apart_run_it_together(tmp_path, together):
     """Gloo gives a peer 30 s to arrive at a group's first collective (fixed in jaxlib); a host 40 s

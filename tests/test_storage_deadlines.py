@@ -86,6 +86,7 @@ def _committed_run(gcs, name: str, steps: int) -> str:
 BOUND_S = STORAGE_TIMEOUT_S + 60
 
 
+@pytest.mark.chaos  # a real trainer against a stalled proxy: about 35 s each
 @pytest.mark.gcs
 @pytest.mark.parametrize(
     "client, phase",
@@ -116,6 +117,7 @@ def test_storage_that_never_answers_from_the_start_exits_3_in_bound(gcs):
     assert "storage unreachable" in text and after_s <= BOUND_S, f"{after_s:.0f} s\n{text[-3000:]}"
 
 
+@pytest.mark.chaos  # about a minute
 @pytest.mark.gcs
 def test_storage_that_stops_answering_during_a_save_exits_3_in_bound(gcs):
     run = _committed_run(gcs, "save", 2)
