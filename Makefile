@@ -1,6 +1,6 @@
 # olmo-ctl: set-up, tests and the artefacts reviewed in diffs.
 #   make install   .venv with every extra (trainer, tpu, parity, dev), at the versions in constraints.txt
-#   make test      the everyday lane: every test but the chaos and tpu_compile lanes (about 6 min, 2 cores)
+#   make test      the everyday lane: every test but the chaos and tpu_compile lanes (about 9 min, 2 cores)
 #                  JOBS=N sets the pytest workers (default 2; JOBS=0: one process)
 #   make test-chaos       the chaos lane: long fault-injection runs
 #   make test-tpu-compile the tpu_compile lane: compiles for TPU topologies with libtpu
