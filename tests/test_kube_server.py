@@ -295,7 +295,8 @@ def test_pods_logs_and_events(srv, apis):
             "default", field_selector=f"involvedObject.name={name}", _preload_content=False
         ).data
     )["items"]
-    assert [e["reason"] for e in evs] == ["Scheduled"] and evs[0]["involvedObject"]["kind"] == "Pod"
+    assert sorted(e["reason"] for e in evs) == ["Scheduled", "Started"]  # the scheduler's, the kubelet's
+    assert {e["involvedObject"]["kind"] for e in evs} == {"Pod"}
     running = core.list_namespaced_pod("default", field_selector="status.phase=Running")
     assert len(running.items) == 2
 

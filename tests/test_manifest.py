@@ -440,20 +440,37 @@ def test_pod_shape_and_failure_policy():
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
-    # User errors (trainer exit 1/2) fail at once; disruptions are not counted; the rest restarts.
-    rules = job["podFailurePolicy"]["rules"]
-    assert rules[0] == {
-        "action": "FailJob",
-        "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [1, 2]},
-    }
-    assert rules[1] == {
-        "action": "Ignore",
-        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
-    }
+    # User errors (trainer exit 1/2) fail at once; disruptions are not counted; exit 3 and pods that
+    # never ran restart without spending maxRestarts; any other exit spends one.
+    from olmo_ctl.core.contracts import EXIT_RESTART, USER_EXIT_CODES
+
+    def on_codes(op, values):
+        return {
+            "action": "FailJob",
+            "onExitCodes": {"containerName": "trainer", "operator": op, "values": values},
+        }
+
+    assert job["podFailurePolicy"]["rules"] == [
+        on_codes("In", sorted(USER_EXIT_CODES)),
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        on_codes("In", [EXIT_RESTART]),
+        on_codes("NotIn", sorted({*USER_EXIT_CODES, EXIT_RESTART})),
+    ]
     fp = js["spec"]["failurePolicy"]
     assert fp["maxRestarts"] >= 1
-    assert fp["rules"] == [
-        {"name": "FailOnUserError", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}
+    assert [
+        (r["name"], r["action"], r["onJobFailureReasons"], r.get("onJobFailureMessagePatterns"))
+        for r in fp["rules"]
+    ] == [
+        ("FailOnUserError", "FailJobSet", ["PodFailurePolicy"], ["matching FailJob rule at index 0$"]),
+        (
+            "RestartOnLostPeer",
+            "RestartJobSetAndIgnoreMaxRestarts",
+            ["PodFailurePolicy"],
+            ["matching FailJob rule at index 2$"],
+        ),
+        ("RestartOnPodNotStarted", "RestartJobSetAndIgnoreMaxRestarts", ["BackoffLimitExceeded"], None),
+        ("RestartOnCrash", "RestartJobSet", ["PodFailurePolicy"], None),
     ]
     assert schema_errors(js) == [] and metadata_errors(js) == []
 

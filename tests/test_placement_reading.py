@@ -184,6 +184,15 @@ def test_doctor_reports_the_jobset_version_and_warns_before_the_1088_fix():
         assert c == doctor.Check(
             "jobset-version", True, "JobSet controller v0.11.1 (registry.k8s.io/jobset/jobset:v0.11.1)"
         )
+        with sb.server.store.lock:  # before v0.10.0 the failure policy's message patterns are pruned
+            dep = sb.world.get("Deployment", "jobset-system", "jobset-controller-manager")
+            dep["spec"]["template"]["spec"]["containers"][0]["image"] = "registry.k8s.io/jobset/jobset:v0.9.1"
+            sb.world.save("Deployment", dep)
+        c = doctor.check_jobset_controller(kube)
+        assert not c.ok and c.message.startswith(
+            "JobSet controller v0.9.1 (registry.k8s.io/jobset/jobset:v0.9.1) predates v0.10.0: the launch "
+            "template's failure policy needs onJobFailureMessagePatterns"
+        )
         with sb.server.store.lock:
             sb.world.delete(
                 "Deployment", sb.world.get("Deployment", "jobset-system", "jobset-controller-manager")

@@ -164,3 +164,23 @@ def test_the_prefixed_names_win_and_each_backend_has_its_own_backoff(monkeypatch
     monkeypatch.setenv("OLMO_CTL_MAX_RETRIES", "x")
     with pytest.raises(BadInput, match="OLMO_CTL_MAX_RETRIES"):
         RetryPolicy.from_env()
+
+
+def test_a_restart_loop_is_counted_only_after_runs_and_reset_by_a_new_checkpoint():
+    from olmo_ctl.supervise.policy import RestartLoop
+
+    loop = RestartLoop(limit=3)
+    assert loop.observe(5, False, 10) is None  # restarts before the watch began are not a loop
+    for r in (6, 7, 8, 9):  # restarts of pods that never ran (a kubelet refusing them): not counted
+        assert loop.observe(r, False, 10) is None
+    assert loop.counted == 0
+    assert loop.observe(9, True, 10) is None
+    assert loop.observe(10, True, 10) is None and loop.counted == 1
+    assert loop.observe(11, True, 10) is None and loop.counted == 2
+    assert loop.observe(12, True, 20) is None and loop.counted == 1  # a new checkpoint: the count restarts
+    assert loop.observe(13, True, 20) is None
+    why = loop.observe(14, True, 20)
+    assert why == (
+        "the JobSet restarted 3 times after its trainers ran with no new checkpoint since step 20 "
+        "(a restart loop; limit 3)"
+    )

@@ -250,6 +250,9 @@ def test_a_node_not_ready_past_its_toleration_evicts_and_a_repair_drains_and_rem
         sb.fault(parse_fault({"kind": "admission-error", "pool": "v5p-8", "for": "2h"}))
         w.advance(3601)
         assert len(w.items("Node", None)) == 1
+        (bound,) = w.jobset_pods("t", live_only=True)  # bound; its kubelet decides at its next pod sync
+        assert bound["spec"]["nodeName"] and bound["status"]["phase"] == "Pending"
+        w.advance(1)
         (refused,) = [
             p for p in w.jobset_pods("t") if p["status"].get("reason") == "UnexpectedAdmissionError"
         ]

@@ -378,3 +378,47 @@ def test_a_multislice_run_keeps_its_slice_count_across_attempts(tmp_path, srv, g
     assert run_slices(rd, None) == 2 and run_slices(rd, 2) == 2
     with pytest.raises(OlmoCtlError, match=r"runs on 2 x tpu7x-16, not 1"):
         run_slices(rd, 1)
+
+
+def test_restarts_that_spend_no_max_restarts_are_bounded_by_progress(tmp_path, srv, gcs):
+    """Exit 3 again and again (the launch template's RestartOnLostPeer: no maxRestarts spent) with no
+    new checkpoint: after `restart_loop_limit` restarts that followed a run the supervisor stops the
+    attempt as a restart loop and starts another; restarts between checkpoints never add up."""
+
+    def lost_peer(s: Script, n: str) -> None:
+        s.srv.cluster.pod_exit(n, 0, 3)
+
+    def rerun(s: Script, n: str) -> None:
+        s.srv.cluster.run_pods(n)
+
+    cycle = []
+    for k in range(2):  # two restarts, a checkpoint after each: progress, no loop
+        t = 300 + 600 * k
+        cycle += [(t, lost_peer), (t + 60, rerun), (t + 300, lambda s, n, k=k: s.commit(2 * (k + 1)))]
+    for k in range(6):  # then six with nothing committed: a loop
+        t = 1500 + 300 * k
+        cycle += [(t, lost_peer), (t + 60, rerun)]
+    rd, be = setup(tmp_path, srv, gcs.bucket)
+    script = Script(
+        srv,
+        rd,
+        {
+            1: [(60, admit_run), *cycle],
+            2: [
+                (60, admit_run),
+                (300, lambda s, n: s.commit(20)),
+                (400, lambda s, n: s.srv.cluster.complete(n)),
+            ],
+        },
+    )
+    rc, out = supervise(rd, be, script, backoff_base_s=60, max_retries=2, stall_min_s=3600)
+    assert rc == 0, out
+    stalled = [r for r in events(rd, 1) if r["event"] == "stalled"]
+    assert len(stalled) == 1, out
+    assert stalled[0]["reason"] == (
+        "the JobSet restarted 6 times after its trainers ran with no new checkpoint since step 4 "
+        "(a restart loop; limit 6)"
+    )
+    assert srv.cluster.jobset(f"{rd.name}-a2") is not None
+    js1 = srv.cluster.jobset(f"{rd.name}-a1")
+    assert js1 is None or js1["status"].get("restartsCountTowardsMax", 0) == 0

@@ -360,3 +360,36 @@ def test_an_admission_check_eviction_is_a_requeue_of_the_same_workload(tmp_path,
     assert not [r for r in j if r["event"] in ("failed", "backoff", "gave_up")]
     assert not [x for x in sandbox.server.cluster.deleted if x[0] == "JobSet"]
     assert j[-1]["event"] == "done"
+
+
+def test_a_just_repaired_kubelet_refusing_pods_is_a_wait_that_spends_nothing(tmp_path, sandbox, gcs):
+    """A repair (20 min) after which the kubelet refuses pods for an hour (its device plugin not
+    ready; the admission timeout is 5 minutes): each pod is rejected at the kubelet's pod sync (UnexpectedAdmissionError), the Job fails
+    BackoffLimitExceeded and the launch template's RestartOnPodNotStarted restarts the JobSet without
+    spending maxRestarts, again and again; the supervisor waits (kubelet-admission) past the admission
+    timeout, and the same attempt runs on when the kubelet is ready."""
+    rd, be = setup(tmp_path, sandbox, gcs.bucket)
+
+    def repair(c: Clock) -> None:
+        commit(rd, 10)
+        c.fault(kind="repair", pool=DEVICE, **{"for": "20m"})
+        c.fault(kind="admission-error", pool=DEVICE, **{"for": "40m"})
+
+    seen: dict = {}
+
+    def probe(c: Clock) -> None:  # ten minutes into the refusals: what the status names
+        seen["status"] = be.status(be.find_live(rd.name, rd.path))
+
+    clock = Clock(sandbox, [(600, repair), (600 + 30 * 60, probe), (600 + 50 * 60, lambda c: finish(c, rd))])
+    rc, out = supervise(rd, be, clock, backoff_base_s=60, max_retries=1, admission_timeout_s=300)
+    assert rc == 0, out
+    j = rd.journal()
+    assert [r["attempt"] for r in j if r["event"] == "submitted"] == [1]
+    assert not [r for r in j if r["event"] in ("failed", "backoff", "gave_up", "stalled")], out
+    # One wait (it began as the repair's Unschedulable), through the repair and the refusals.
+    ((_, _, none), (_, _, seconds)) = waits(rd)
+    assert none is None and 40 * 60 - 120 <= seconds <= 40 * 60 + 240, waits(rd)
+    d = seen["status"].details
+    assert d["wait_cause"] == "kubelet-admission" and "UnexpectedAdmissionError" in d["cause"], d
+    st = sandbox.server.cluster.jobset("wt-a1")["status"]
+    assert st["restarts"] > 3 and (st.get("restartsCountTowardsMax") or 0) == 0

@@ -629,6 +629,10 @@ JOBSET_CONTROLLER = ("jobset-system", "jobset-controller-manager")
 # pod_mutating_webhook.go topologyFromPod ignores NotFound). Fixed by #1089 (commit d189133f), first
 # released in v0.11.0.
 JOBSET_1088_FIXED = (0, 11, 0)
+# The launch template's failure policy tells a user error from a lost peer by the Job's failure message
+# (`onJobFailureMessagePatterns`), first in v0.10.0 (api/jobset/v1alpha2/jobset_types.go). An older
+# API server prunes the field, and FailOnUserError would then fail the JobSet on every exit 3.
+JOBSET_MESSAGE_PATTERNS = (0, 10, 0)
 _RELEASE = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
 
 
@@ -640,8 +644,9 @@ def jobset_release(image: str) -> tuple[int, int, int] | None:
 
 
 def check_jobset_controller(kube: Cluster) -> Check:
-    """The JobSet controller's version, from its Deployment's image tag; a warning before the
-    jobset#1088 fix (v0.11.0) or when it cannot be read."""
+    """The JobSet controller's version, from its Deployment's image tag: a failure before v0.10.0 (the
+    failure policy's message patterns), a warning before the jobset#1088 fix (v0.11.0) or when it
+    cannot be read."""
     ns, name = JOBSET_CONTROLLER
     try:
         dep = kube.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}", f"read Deployment {ns}/{name}")
@@ -664,6 +669,15 @@ def check_jobset_controller(kube: Cluster) -> Check:
     if release is None:
         return _warn("jobset-version", f"JobSet controller image {image or '?'} names no release")
     version = "v" + ".".join(map(str, release))
+    if release < JOBSET_MESSAGE_PATTERNS:
+        need = "v" + ".".join(map(str, JOBSET_MESSAGE_PATTERNS))
+        return Check(
+            "jobset-version",
+            False,
+            f"JobSet controller {version} ({image}) predates {need}: the launch template's failure policy "
+            "needs onJobFailureMessagePatterns (without it every exit 3, a lost peer, would fail the JobSet); "
+            f"upgrade JobSet to {need} or later (v0.11.0 or later also has the fix for jobset#1088)",
+        )
     if release < JOBSET_1088_FIXED:
         fixed = "v" + ".".join(map(str, JOBSET_1088_FIXED))
         return _warn(

@@ -512,6 +512,9 @@ class GKEBackend(Backend[dict]):
 
         if not (js.get("spec") or {}).get("suspend") and len(pods) < expected_pods(js):
             out += self._failed_creates(ns, js)
+        restarted = int((js.get("status") or {}).get("restarts") or 0) > 0
+        if restarted and any((p.get("status") or {}).get("phase") == "Pending" for p in pods):
+            out += self._kubelet_decisions(ns, js)
         for target in targets:
             try:
                 out += self._items(
@@ -524,6 +527,29 @@ class GKEBackend(Backend[dict]):
                 if api_status(e) in (403, 404):  # events are a nicety: their absence must not hide the state
                     continue
                 raise self._api_error(e, f"list events of {target}") from e
+        return out
+
+    def _kubelet_decisions(self, ns: str, js: dict) -> list[dict]:
+        """The kubelets' refusals (`UnexpectedAdmissionError`) and container starts about any pod of this
+        JobSet, also of pods already gone: a refused pod is deleted by the restart it causes, and its
+        event is the one record of why the new pods wait (gke_status._current_rejection)."""
+        prefix = f"{js['metadata']['name']}-"
+        out: list[dict] = []
+        for reason in ("UnexpectedAdmissionError", "Started"):
+            try:
+                events = self._items(
+                    f"list {reason} events",
+                    self._core.list_namespaced_event,
+                    ns,
+                    field_selector=f"involvedObject.kind=Pod,reason={reason}",
+                )
+            except Exception as e:
+                if api_status(e) in (400, 403, 404):  # events are a nicety
+                    return []
+                raise self._api_error(e, f"list {reason} events") from e
+            out += [
+                e for e in events if str((e.get("involvedObject") or {}).get("name") or "").startswith(prefix)
+            ]
         return out
 
     def _failed_creates(self, ns: str, js: dict) -> list[dict]:

@@ -582,6 +582,28 @@ def _on_not_ready_node(pod: Mapping, events: Sequence[Mapping], any_ready: bool 
     )
 
 
+def _current_rejection(events: Sequence[Mapping], jobset_name: str) -> Mapping | None:
+    """The kubelet's latest `UnexpectedAdmissionError` about a pod of this JobSet when no container of
+    its pods started after it. The refused pod itself is usually gone already: the Job failed on it
+    and the JobSet's restart deleted it (the launch template's RestartOnPodNotStarted), and the new
+    pods wait for the kubelet's next decision."""
+
+    def when(ev: Mapping) -> str:
+        return ev.get("lastTimestamp") or ev.get("eventTime") or ev.get("firstTimestamp") or ""
+
+    ours = [
+        e
+        for e in events
+        if (e.get("involvedObject") or {}).get("kind") == "Pod"
+        and str((e.get("involvedObject") or {}).get("name") or "").startswith(f"{jobset_name}-")
+        and e.get("reason") in ("UnexpectedAdmissionError", "Started")
+    ]
+    if not ours:
+        return None
+    last = max(ours, key=lambda e: (when(e), e.get("reason") == "Started"))
+    return last if last.get("reason") == "UnexpectedAdmissionError" else None
+
+
 def _classify_pods(
     jobset: Mapping,
     pods: Sequence[Mapping],
@@ -676,16 +698,24 @@ def _classify_pods(
             details=details,
         )
     refused = [p for p in live if (p.get("status") or {}).get("reason") == "UnexpectedAdmissionError"]
-    if refused:
-        p0 = refused[0]
-        name, msg = p0["metadata"]["name"], (p0.get("status") or {}).get("message") or ""
+    rejection = None if refused or running >= want else _current_rejection(events, details["jobset"])
+    if refused or rejection is not None:
+        if refused:
+            p0 = refused[0]
+            name, msg = p0["metadata"]["name"], (p0.get("status") or {}).get("message") or ""
+        else:
+            assert rejection is not None
+            name, msg = (
+                (rejection.get("involvedObject") or {}).get("name", "?"),
+                rejection.get("message") or "",
+            )
         details.update(
             pod=name, wait_cause="kubelet-admission", cause=f"UnexpectedAdmissionError: pod {name}: {msg}"
         )
         return AttemptStatus(
             State.ADMITTED,
             f"{running}/{want} pods running; the kubelet refused pod {name}: UnexpectedAdmissionError: {msg}",
-            f"pod {name} status",
+            f"pod {name} status" if refused else f"pod {name} events UnexpectedAdmissionError",
             details=details,
         )
     exits = container_exits(live, events)

@@ -351,6 +351,8 @@ def render_jobset(
         "termination_grace_period_s": v["termination_grace_period_s"],
         "max_restarts": v["max_restarts"],
         "user_error_exit_codes": v["user_error_exit_codes"],
+        "restart_exit_codes": v["restart_exit_codes"],
+        "classified_exit_codes": sorted({*v["user_error_exit_codes"], *v["restart_exit_codes"]}),
     }
     jobset = _fill(template["jobset"], values)
     _add_site_pod_fields(jobset, settings)

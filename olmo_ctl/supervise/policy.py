@@ -1,6 +1,6 @@
 """Retry and stall policy as data: pure functions of what happened, no clock or I/O of their own.
 
-The supervisor asks five questions, each answered once here:
+The supervisor asks these questions, each answered once here:
   - `waiting_for`: is a live attempt waiting for capacity (queued, requeued by Kueue, admitted with
     its pods Unschedulable, on NotReady nodes or refused by a just-repaired node's kubelet)? A wait
     spends no retry budget and has no deadline: capacity comes back by itself;
@@ -10,7 +10,8 @@ The supervisor asks five questions, each answered once here:
   - `RetryBudget.record`: does the run still have retries (only attempts that made no progress spend
     one; a committed step that advances refills the budget; a run still queued spends nothing);
   - `StallWatch.stalled`: has a running attempt stopped making progress (no new step, event or
-    checkpoint for k x the median interval between them, or a start-up/compile over a limit)?
+    checkpoint for k x the median interval between them, or a start-up/compile over a limit)? And
+    `RestartLoop.observe`: has its JobSet restarted in place again and again without a new checkpoint?
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ DEFAULT_ADMISSION_TIMEOUT_S = 1800.0  # admitted (quota granted) until every pod
 # The kubelet backing off an image pull (a registry's 429 while a whole slice pulls after a repair):
 # waited for this long before the run stops with exit 2 naming the image.
 DEFAULT_IMAGE_PULL_TIMEOUT_S = 6 * 3600.0
+DEFAULT_RESTART_LOOP_LIMIT = 6
 
 
 def _env_number(name: str, kind: type, default):
@@ -65,6 +67,9 @@ class RetryPolicy:
     admission_timeout_s: float | None = None
     # Pods waiting on ImagePullBackOff for longer than this: the run stops, exit 2 naming the image.
     image_pull_timeout_s: float = DEFAULT_IMAGE_PULL_TIMEOUT_S
+    # In-place JobSet restarts that spend no maxRestarts, each after the trainers ran, with no new
+    # committed step: at this many the attempt is stopped as a restart loop (`RestartLoop`).
+    restart_loop_limit: int = DEFAULT_RESTART_LOOP_LIMIT
 
     @classmethod
     def from_env(
@@ -299,6 +304,38 @@ class StallWatch:
             med = self.median_interval_s()
             why = f"{self.factor:g} x median interval {med:.1f} s" if med is not None else "minimum"
             return f"no new step, event or checkpoint for {idle:.0f} s (limit {limit:.0f} s: {why})"
+        return None
+
+
+@dataclass
+class RestartLoop:
+    """In-place JobSet restarts of one attempt that spend no `maxRestarts` (a lost peer, a pod that
+    never started: the launch template's failure policy) are bounded here by progress instead: a
+    restart counts when the attempt's trainers ran since the previous one, and a new committed step
+    starts the count again. At `limit` the attempt is a restart loop (stopped like a stalled one)."""
+
+    limit: int
+    restarts: int = 0  # the JobSet's status.restarts when last seen
+    counted: int = 0  # restarts after a run, since the last new committed step
+    ran: bool = False  # the trainers ran since the last restart seen
+    committed: int | None = None
+
+    def observe(self, restarts: int, running: bool, committed: int) -> str | None:
+        """The JobSet's restart count, whether every pod runs now, and the committed step; a reason
+        when the attempt is in a restart loop, else None."""
+        if self.committed is None:  # restarts before the watch began are not known to be a loop
+            self.restarts, self.committed = restarts, committed
+        elif committed > self.committed:
+            self.counted, self.committed = 0, committed
+        if restarts > self.restarts:
+            self.counted += 1 if self.ran else 0
+            self.restarts, self.ran = restarts, False
+        self.ran = self.ran or running
+        if self.counted >= self.limit:
+            return (
+                f"the JobSet restarted {self.counted} times after its trainers ran with no new "
+                f"checkpoint since step {self.committed} (a restart loop; limit {self.limit})"
+            )
         return None
 
 

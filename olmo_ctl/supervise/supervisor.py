@@ -90,6 +90,7 @@ from olmo_ctl.supervise.policy import (
     Fallback,
     History,
     Outcome,
+    RestartLoop,
     RetryPolicy,
     StallWatch,
     waiting_for,
@@ -685,6 +686,7 @@ class Supervisor:
         )
         admission_limit = self._admission_limit(h, last)
         self._capacity_wait = self._open_wait(h)
+        loop = RestartLoop(self.policy.restart_loop_limit)
         while True:
             self._beat()
             req = self.rd.pending_resize()
@@ -696,6 +698,7 @@ class Supervisor:
                 h = self.handle = resized
                 last_label, stall, sig, admitted_at = None, None, None, None
                 admission_limit = self._admission_limit(h, self.rd.last_attempt() or {})
+                loop = RestartLoop(self.policy.restart_loop_limit)
             st = self.backend.status(h)
             now = self.clock()
             self._stop_strays(h)
@@ -716,6 +719,15 @@ class Supervisor:
                 return Watched(st)
             if st.details.get("config_error"):
                 return Watched(st, config_error=st.details["config_error"])
+            restarts = int(st.details.get("restarts") or 0)
+            # The committed step matters only when the JobSet restarted: listed then, not every poll.
+            listed = loop.committed is None or restarts != loop.restarts
+            committed_now = self.rd.committed_step() if listed else loop.committed
+            loop_why = loop.observe(restarts, st.state == State.RUNNING, committed_now or 0)
+            if loop_why:
+                self._say("stalled", loop_why, committed_step=loop.committed)
+                self.backend.stop(h, graceful=True)
+                return Watched(self.backend.status(h), stalled=loop_why)
             if st.details.get("waiting") == "image-pull":
                 since = self._wait_started(
                     "image-pull", f"the kubelet backs off pulling the image: {st.reason}"

@@ -354,7 +354,7 @@ class SandboxWorld(ScriptedWorld):
             if fits:
                 free[fits[0]] -= need
                 if self.nodes.refuses(fits[0]):
-                    self.nodes.reject(pod, fits[0])
+                    self.nodes.bind(pod, fits[0])  # its kubelet decides at its next pod sync
                 elif self.pull_image(pod, fits[0]):  # else it waits on the node for its image
                     self.runner.start(self, pod, fits[0])
                 changed = True

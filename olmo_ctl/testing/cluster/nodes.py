@@ -28,7 +28,9 @@ kubernetes/kubernetes (v1.33):
   and deleted at once;
 - kubelet admission (`pkg/kubelet/lifecycle/predicate.go`, the device manager's Allocate): a pod
   bound to a node whose device plugin has not registered its devices yet is rejected: phase Failed,
-  reason `UnexpectedAdmissionError`, no DisruptionTarget (what a just-repaired TPU node does);
+  reason `UnexpectedAdmissionError`, no DisruptionTarget (what a just-repaired TPU node does). The
+  kubelet admits a pod at its pod sync after the bind (`HandlePodAdditions`), `KUBELET_SYNC_S` later,
+  not at the bind itself;
 - graceful node shutdown (`pkg/kubelet/nodeshutdown/nodeshutdown_manager_linux.go`): on a spot VM's
   reclaim notice the kubelet marks each pod DisruptionTarget `TerminationByKubelet`, sends SIGTERM,
   and the pod ends Failed with reason `Terminated`; the VM goes away 30 s later (GCE's notice);
@@ -56,6 +58,7 @@ UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
 DEFAULT_TOLERATION_S = 300  # DefaultTolerationSeconds: not-ready and unreachable, NoExecute
+KUBELET_SYNC_S = 1.0  # from a pod's bind to its kubelet's admission decision (the pod sync)
 SPOT_NOTICE_S = 30.0  # GCE's preemption notice: the VM stops this long after it
 SPOT_NODE_SHUTDOWN_MESSAGE = "Pod was terminated in response to imminent node shutdown."
 DEVICE_ADMISSION_MESSAGE = (
@@ -85,6 +88,7 @@ class NodeCauses:
     states: dict[str, NodeState] = field(default_factory=dict)
     removed: dict[str, tuple[dict, float]] = field(default_factory=dict)  # name -> (node, recreate at)
     _dead_pods: set[str] = field(default_factory=set)  # uids of pods whose containers died with a host
+    _admitting: dict[str, float] = field(default_factory=dict)  # pod uid -> when its kubelet decides
 
     # -- where
     def pools(self) -> dict[str, list[str]]:
@@ -230,9 +234,10 @@ class NodeCauses:
                 changed |= self._kubelet_back(node, st)
             elif st.unreachable_until is not None:
                 changed |= self._unreachable(node)
+        changed |= self._admit(now)
         changed |= self._taint_eviction(now)
         changed |= self._pod_gc()
-        if not any(
+        if not self._admitting and not any(
             s.unreachable_until or s.refuse_pods_until or s.drain or s.remove_at for s in self.states.values()
         ):
             self.states = {k: s for k, s in self.states.items() if s.containers_dead}
@@ -246,6 +251,32 @@ class NodeCauses:
             and st.refuse_pods_until is not None
             and self.world.store.clock() < st.refuse_pods_until
         )
+
+    def bind(self, pod: dict, node_name: str) -> None:
+        """The scheduler bound `pod` to a node whose kubelet refuses pods now: the kubelet decides at
+        its next pod sync (`_admit`), when it may be ready again."""
+        self.world._bind(pod, node_name)
+        self.world.save("Pod", pod)
+        self._admitting[pod["metadata"]["uid"]] = self.world.store.clock() + KUBELET_SYNC_S
+
+    def _admit(self, now: float) -> bool:
+        """The kubelet's pod sync for the pods `bind` left it: rejected while it still refuses pods,
+        else its containers start (after their image) as the scheduler's path starts them."""
+        due = [uid for uid, at in self._admitting.items() if now >= at]
+        if not due:
+            return False
+        by_uid = {p["metadata"]["uid"]: p for p in self.world.items("Pod", None)}
+        for uid in due:
+            del self._admitting[uid]
+            pod = by_uid.get(uid)
+            if pod is None or deleting(pod) or pod_terminal(pod):
+                continue
+            node = pod["spec"]["nodeName"]
+            if self.refuses(node):
+                self.reject(pod, node)
+            elif self.world.pull_image(pod, node):
+                self.world.runner.start(self.world, pod, node)
+        return True
 
     def reject(self, pod: dict, node_name: str) -> None:
         """Kubelet admission refuses the pod on `node_name`: bound, then Failed UnexpectedAdmissionError."""

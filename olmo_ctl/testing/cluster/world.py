@@ -456,6 +456,8 @@ class World(Hooks):
             f"Successfully assigned {pod['metadata']['namespace']}/{pod['metadata']['name']} to {node}",
             source="default-scheduler",
         )
+        for cs in st["containerStatuses"]:  # the kubelet's event per container (kuberuntime_container.go)
+            self.event(pod, "Started", f"Started container {cs['name']}", source="kubelet")
 
     # -- causes: the nodes
     def node_pool(self, node: str | None) -> str | None:

@@ -1,0 +1,165 @@
+"""The launch template's failure policy on the sandbox's world: restarts that do not run out.
+
+The JobSet is the one olmo-ctl renders (smoke recipe, v5p-16: two hosts); the causes are physical
+(a spot reclaim, a node lost past its toleration, a repair's drain, a just-repaired kubelet) plus
+what the trainer does when a peer host is lost (it exits 3, `trainer/multihost.py`); the outcomes
+come from the ported Job, JobSet and node rules. No trainer runs: the whole file takes seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from olmo_ctl.backends.jobset import render_jobset
+from olmo_ctl.core.batching import make_plan
+from olmo_ctl.core.config import Settings
+from olmo_ctl.core.contracts import EXIT_RESTART
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.testing.cluster.objects import find_cond, is_true, pod_terminal
+from olmo_ctl.testing.sandbox import LOCAL_QUEUE, Sandbox, SandboxWorld
+from olmo_ctl.testing.sandbox_faults import parse_fault
+
+NAME = "smoke-a1"
+
+
+@pytest.fixture
+def sb():
+    with Sandbox(slices={"v5p-16": 1}) as sb:
+        recipe, dev = load_recipe("smoke"), get_device("v5p-16")
+        settings = Settings(run_root="gs://b/runs", queue=LOCAL_QUEUE, image="us-docker.pkg.dev/p/r/olmo:1")
+        js = render_jobset(recipe, make_plan(recipe, dev), dev, settings, "smoke", 1, "gs://b/runs/smoke")
+        assert js["metadata"]["name"] == NAME and js["spec"]["failurePolicy"]["maxRestarts"] == 3
+        with sb.server.store.lock:
+            sb.world.save("JobSet", js, new=True)
+            sb.world.reconcile()
+        assert len(running(sb.world)) == 2
+        yield sb
+
+
+def running(w: SandboxWorld) -> list[dict]:
+    return [p for p in w.jobset_pods(NAME, live_only=True) if p["status"].get("phase") == "Running"]
+
+
+def jobset(w: SandboxWorld) -> dict:
+    return w.get("JobSet", "default", NAME)
+
+
+def counts(w: SandboxWorld) -> tuple[int, int]:
+    st = jobset(w)["status"]
+    return int(st.get("restarts") or 0), int(st.get("restartsCountTowardsMax") or 0)
+
+
+def survivors_exit_3(w: SandboxWorld) -> None:
+    """The hosts whose peer is gone: the distributed runtime aborts them and the trainer exits 3."""
+    with w.store.lock:
+        for pod in running(w):
+            w.container_exit(pod, EXIT_RESTART)
+        w.reconcile()
+
+
+def node_of(pod: dict) -> str:
+    return pod["spec"]["nodeName"]
+
+
+def test_preemptions_host_events_repairs_and_kubelet_refusals_never_spend_max_restarts(sb):
+    """Five disruptions in a row on a JobSet with maxRestarts 3: each restarts it (RestartOnLostPeer or
+    RestartOnPodNotStarted: RestartJobSetAndIgnoreMaxRestarts, jobset failure_policy.go), none counts,
+    and it runs again on both hosts after each."""
+    w = sb.world
+    seen = 0
+
+    def restarted(why: str) -> None:
+        nonlocal seen
+        r, counted = counts(w)
+        assert r == seen + 1 and counted == 0, (why, jobset(w)["status"])
+        assert not is_true(jobset(w), "Failed"), why
+        seen = r
+
+    # 1. A spot reclaim of one host: the kubelet's graceful shutdown (DisruptionTarget, exit 143) is
+    # Ignored; the survivor exits 3. The VM is back an hour later.
+    victim = node_of(running(w)[0])
+    w.nodes.spot_reclaim([victim], 3600)
+    w.reconcile()
+    survivors_exit_3(w)
+    restarted("spot reclaim")
+    w.advance(31)  # GCE's notice ends: the VM is gone, for an hour
+    assert len(running(w)) == 1
+    w.advance(3600)
+    assert len(running(w)) == 2
+
+    # 2. One host's node stops answering (NotReady): the survivor exits 3 once the coordination service
+    # has missed the lost host's heartbeats; the pod on the silent node is evicted after its 300 s
+    # toleration (DeletionByTaintManager, Ignored) and stays Terminating until its kubelet is back.
+    lost, survivor = running(w)
+    w.nodes.not_ready([node_of(lost)], 600)
+    w.advance(61)
+    with w.store.lock:
+        w.container_exit(survivor, EXIT_RESTART)
+        w.reconcile()
+    w.advance(600)
+    restarted("node not ready")
+    assert len(running(w)) == 2
+
+    # 3. A repair of the slice: drained through the Eviction API (EvictionByEvictionAPI, Ignored), the
+    # nodes removed for 20 minutes; 4. they come back with a kubelet whose device plugin is not ready:
+    # the new pods are refused (UnexpectedAdmissionError, no exit code: RestartOnPodNotStarted).
+    sb.fault(parse_fault({"kind": "repair", "pool": "v5p-16", "for": "20m"}))
+    restarted_by_repair = counts(w)[0]
+    sb.fault(parse_fault({"kind": "admission-error", "pool": "v5p-16", "for": "30m"}))
+    w.advance(20 * 60 + 1)
+    w.advance(1)  # the kubelets' pod sync: refused
+    # The refused pods are gone with their Jobs by now (the restart deleted them): their events stay.
+    refused = [e for e in sb.server.cluster.events() if e["reason"] == "UnexpectedAdmissionError"]
+    assert refused and refused[0]["message"].startswith("Allocate failed due to requested number of devices")
+    assert counts(w)[0] > restarted_by_repair and counts(w)[1] == 0
+    seen = counts(w)[0]
+    sb.fault(parse_fault({"kind": "capacity", "pool": "v5p-16", "nodes": 2}))  # the device plugins are up
+    w.advance(2)
+    assert len(running(w)) == 2 and counts(w)[1] == 0
+
+    # 5. Another spot reclaim: still not counted, although the JobSet has restarted more than
+    # maxRestarts times by now.
+    w.nodes.spot_reclaim([node_of(running(w)[1])], 60)
+    w.reconcile()
+    survivors_exit_3(w)
+    restarted("second spot reclaim")
+    assert seen > 3
+    w.advance(31)
+    w.advance(60)
+    assert len(running(w)) == 2 and not is_true(jobset(w), "Failed")
+
+
+@pytest.mark.parametrize(
+    "code,reason",
+    [(137, "ReachedMaxRestarts"), (139, "ReachedMaxRestarts"), (1, "FailJobSetFailurePolicyAction")],
+)
+def test_a_crash_spends_max_restarts_and_a_user_error_fails_at_once(sb, code, reason):
+    """Pod rule 3 (any other exit: an OOM kill, a segfault) is RestartOnCrash, counted: the fourth fails
+    the JobSet ReachedMaxRestarts; exit 1 (pod rule 0) fails it at once."""
+    w = sb.world
+    for _ in range(5):
+        if is_true(jobset(w), "Failed"):
+            break
+        with w.store.lock:
+            w.container_exit(running(w)[0], code)
+            w.reconcile()
+        w.advance(60)  # the other host's pod finishes its grace period; the Jobs are recreated
+    c = find_cond(jobset(w), "Failed")
+    assert c is not None and c["reason"] == reason, jobset(w)["status"]
+    restarts, counted = counts(w)
+    assert (restarts, counted) == ((3, 3) if code != 1 else (0, 0))
+
+
+def test_a_crash_then_its_survivors_exit_3_counts_once(sb):
+    """The crashing host's pod fails first; the Job fails on it (pod rule 3, counted) and the survivors'
+    exit 3 comes from pods the restart is already deleting: one counted restart, not an uncounted one."""
+    w = sb.world
+    with w.store.lock:
+        crashed, survivor = running(w)
+        w.container_exit(crashed, 137)
+        w.reconcile()
+        if not pod_terminal(survivor):
+            w.container_exit(survivor, EXIT_RESTART)
+        w.reconcile()
+    assert counts(w) == (1, 1)
