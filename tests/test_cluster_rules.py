@@ -11,6 +11,8 @@ import copy
 
 import pytest
 
+from olmo_ctl.testing.cluster import jobs as jobctl
+from olmo_ctl.testing.cluster import jobset as jobsetctl
 from olmo_ctl.testing.cluster.objects import find_cond, is_true
 from olmo_ctl.testing.kube_server import KubeServer, tiny_jobset
 
@@ -126,6 +128,30 @@ def test_pod_failure_policy_failjob_on_exit_code(srv):
     ) in events(srv)
 
 
+def test_failed_waits_until_no_pod_is_terminating(srv):
+    """job_controller.go (Kubernetes >= 1.31, delayTerminalCondition: JobManagedBy or
+    JobPodReplacementPolicy on): syncJob adds FailureTarget and deletes the remaining pods;
+    enactJobFinished adds Failed, with FailureTarget's reason and message, only once none is
+    terminating (recordJobFinished's event then). The JobSet, which reads Failed, waits as long."""
+    n = running(srv, grace=300)
+    srv.cluster.hold_deletions = True  # the other worker uses its whole grace period (a checkpoint)
+    srv.cluster.pod_exit(n, 0, 1)
+    (job,) = jobs(srv, n)
+    st, reason, msg = cond(job, "FailureTarget")
+    assert (st, reason) == ("True", "PodFailurePolicy") and "exit code 1" in msg
+    assert find_cond(job, "Failed") is None and job["status"]["terminating"] == 1
+    assert not is_true(srv.cluster.jobset(n), "Failed")
+    assert not [e for e in events(srv, "Job") if e[1] == "PodFailurePolicy"]
+    srv.world.advance(299)
+    assert find_cond(jobs(srv, n)[0], "Failed") is None and srv.cluster.pods(n)
+    srv.world.advance(2)  # the grace period ends: SIGKILL, the last pod is terminal
+    (job,) = jobs(srv, n)
+    assert cond(job, "Failed") == ("True", "PodFailurePolicy", msg)
+    assert job["status"]["terminating"] == 0
+    assert ("Job", "PodFailurePolicy", msg) in events(srv)
+    assert cond(srv.cluster.jobset(n), "Failed")[:2] == ("True", "FailJobSetFailurePolicyAction")
+
+
 def test_pod_failure_policy_ignore_on_disruption_target_recreates_the_pod(srv):
     """pod_failure_policy.go (onPodConditions DisruptionTarget, Ignore): a lost node's pod does not
     count against backoffLimit; the Job replaces it and nothing fails."""
@@ -231,12 +257,21 @@ def test_restart_deletes_jobs_and_waits_for_pods_through_their_grace_period(srv)
     srv.cluster.hold_deletions = True  # containers take their whole grace period (a checkpoint)
     srv.cluster.pod_exit(n, 0, 3)
     (old,) = jobs(srv, n)
-    assert old["metadata"].get("deletionTimestamp") and "foregroundDeletion" in old["metadata"]["finalizers"]
     terminating = [p for p in srv.cluster.pods(n) if p["metadata"].get("deletionTimestamp")]
     assert len(terminating) == 1 and terminating[0]["metadata"]["deletionGracePeriodSeconds"] == 300
-    srv.world.advance(290)
+    srv.world.advance(290)  # the Job is not Failed while its pod terminates: the JobSet has no reason yet
     assert len(jobs(srv, n)) == 1 and jobs(srv, n)[0]["metadata"]["uid"] == old["metadata"]["uid"]
+    srv.world.held = True  # the kubelet alone; the controllers wait for settle()
     srv.world.advance(15)  # the grace period ends: SIGKILL
+    with srv.store.lock:  # step the controllers: the Job fails, then the JobSet's restart deletes it
+        jobctl.reconcile(srv.world, old)
+        assert cond(old, "Failed")[:2] == ("True", "BackoffLimitExceeded")
+        for _ in range(2):  # executeFailurePolicy (restarts + 1), then deleteJobs of the old attempt
+            jobsetctl.reconcile(srv.world, srv.world.get("JobSet", "default", n))
+        assert (
+            old["metadata"].get("deletionTimestamp") and "foregroundDeletion" in old["metadata"]["finalizers"]
+        )
+    srv.world.settle()
     (new,) = jobs(srv, n)
     assert new["metadata"]["uid"] != old["metadata"]["uid"]
     assert new["metadata"]["labels"]["jobset.sigs.k8s.io/restart-attempt"] == "1"
@@ -395,6 +430,136 @@ def test_preemption_by_priority_suspends_requeues_and_resumes_the_same_jobset(sr
     js = srv.cluster.jobset(n)
     assert js["metadata"]["uid"] == uid and js["spec"]["suspend"] is False
     assert cond(srv.cluster.workload(n), "Evicted")[:2] == ("False", "QuotaReserved")
+
+
+def pod_template(obj):
+    """The pod template of a JobSet's first replicated job, or of a Job."""
+    spec = (
+        obj["spec"]["replicatedJobs"][0]["template"]["spec"]
+        if "replicatedJobs" in obj["spec"]
+        else obj["spec"]
+    )
+    return spec["template"]
+
+
+def test_admission_merges_the_flavors_tolerations_and_eviction_restores_the_template(srv):
+    """podset.go FromAssignment + Merge (reconciler.go startJob, the JobSet integration's
+    RunWithPodSetsInfo): the flavor's nodeLabels join the nodeSelector and its tolerations the
+    tolerations, with the pod-set label; jobset_controller.go resumeJob carries them into the Jobs, so
+    the pods tolerate the flavor's taint. stopJob's RestorePodSetsInfo (podset.go RestorePodSpec)
+    sets the template back to the Workload's pod set."""
+    tol = {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}
+    with srv.store.lock:
+        rf = srv.world.get("ResourceFlavor", "", "tpu-flavor")
+        rf["spec"].update(nodeLabels={"cloud.google.com/gke-nodepool": "pool-a"}, tolerations=[tol])
+        srv.world.save("ResourceFlavor", rf)
+    n = make(srv)
+    original = copy.deepcopy(pod_template(srv.cluster.jobset(n)))
+    srv.cluster.admit(n)
+    srv.cluster.run_pods(n)
+    tmpl = pod_template(srv.cluster.jobset(n))
+    assert tmpl["spec"]["tolerations"] == [tol]
+    assert tmpl["spec"]["nodeSelector"] == {"cloud.google.com/gke-nodepool": "pool-a"}
+    assert tmpl["metadata"]["labels"]["kueue.x-k8s.io/podset"] == "slice"
+    (job,) = jobs(srv, n)
+    assert pod_template(job)["spec"]["tolerations"] == [tol]
+    pods = srv.cluster.pods(n)
+    assert len(pods) == 2 and all(p["spec"]["tolerations"] == [tol] for p in pods)
+    srv.cluster.evict(n)  # preempted: stopJob
+    js = srv.cluster.jobset(n)
+    assert js["spec"]["suspend"] is True
+    assert pod_template(js) == original == srv.cluster.workload(n)["spec"]["podSets"][0]["template"]
+
+
+def test_a_conflicting_pod_set_label_is_a_permanent_start_failure(srv):
+    """podset.go Merge (utilmaps.HaveConflict): a key the template already holds with another
+    value is BadPodSetsUpdateError, a permanent error: reconciler.go finishes the Workload
+    (FailedToStart) and the JobSet stays suspended, its template unchanged."""
+    js = tiny_jobset("p-a1", run="p")
+    pod_template(js)["metadata"]["labels"]["kueue.x-k8s.io/podset"] = "other"  # Kueue's own label
+    n = submit(srv, js)
+    before = copy.deepcopy(pod_template(srv.cluster.jobset(n)))
+    with srv.store.lock:
+        srv.world.add_quota("cluster-queue", "tpu-flavor", "cpu", 8)
+        srv.world.add_quota("cluster-queue", "tpu-flavor", "memory", 2**33)
+        srv.world.reconcile()
+    assert cond(srv.cluster.workload(n), "Finished") == (
+        "True",
+        "FailedToStart",
+        "invalid admission check PodSetUpdate: conflict for labels: conflict for "
+        "key=kueue.x-k8s.io/podset, value1=other, value2=slice",
+    )
+    js = srv.cluster.jobset(n)
+    assert js["spec"]["suspend"] is True and pod_template(js) == before
+
+
+def test_readmission_on_another_flavor_restores_then_merges(srv):
+    """reconciler.go stopJob (RestorePodSetsInfo) then startJob (FromAssignment + Merge) on the new
+    assignment: the JobSet's template holds only the second flavor's labels and toleration. Its
+    Jobs, suspended rather than deleted, are merged into by jobset_controller.go resumeJob
+    (collections.MergeMaps/MergeSlices, JobSet v0.10.1), which removes nothing: they keep the
+    first flavor's toleration and node label too (jobset#1294, open upstream)."""
+    tol_a = {"key": "pool", "operator": "Equal", "value": "a", "effect": "NoSchedule"}
+    tol_b = {"key": "pool", "operator": "Equal", "value": "b", "effect": "NoSchedule"}
+    with srv.store.lock:
+        for f, tol, label in (("flavor-a", tol_a, "zone-a"), ("flavor-b", tol_b, "zone-b")):
+            srv.world.save(
+                "ResourceFlavor",
+                {"metadata": {"name": f}, "spec": {"nodeLabels": {label: "true"}, "tolerations": [tol]}},
+                new=True,
+            )
+        quota = {"flavor-a": {"cpu": "1", "memory": "1Gi"}, "flavor-b": {"cpu": "0", "memory": "0"}}
+        srv.world.save(
+            "ClusterQueue",
+            {
+                "metadata": {"name": "two-cq"},
+                "spec": {
+                    "namespaceSelector": {},
+                    "resourceGroups": [
+                        {
+                            "coveredResources": ["cpu", "memory"],
+                            "flavors": [
+                                {
+                                    "name": f,
+                                    "resources": [{"name": r, "nominalQuota": q} for r, q in qs.items()],
+                                }
+                                for f, qs in quota.items()
+                            ],
+                        }
+                    ],
+                },
+            },
+            new=True,
+        )
+        srv.world.save(
+            "LocalQueue",
+            {"metadata": {"name": "two-queue", "namespace": "default"}, "spec": {"clusterQueue": "two-cq"}},
+            new=True,
+        )
+    n = make(srv, queue="two-queue")  # admitted on flavor-a, the first with quota
+    assert srv.cluster.workload(n)["status"]["admission"]["podSetAssignments"][0]["flavors"] == {
+        "cpu": "flavor-a",
+        "memory": "flavor-a",
+    }
+    with srv.store.lock:  # flavor-a's capacity goes to flavor-b; the running workload keeps its own
+        for res, q in (("cpu", 1), ("memory", 2**30)):
+            srv.world.add_quota("two-cq", "flavor-a", res, -q)
+            srv.world.add_quota("two-cq", "flavor-b", res, q)
+    srv.cluster.evict(n, reason="NodeFailures", preempted_reason=None)  # requeued at once, readmitted
+    wl, js = srv.cluster.workload(n), srv.cluster.jobset(n)
+    assert wl["status"]["admission"]["podSetAssignments"][0]["flavors"] == {
+        "cpu": "flavor-b",
+        "memory": "flavor-b",
+    }
+    assert js["spec"]["suspend"] is False
+    tmpl = pod_template(js)
+    assert tmpl["spec"]["tolerations"] == [tol_b] and tmpl["spec"]["nodeSelector"] == {"zone-b": "true"}
+    recorded = wl["spec"]["podSets"][0]["template"]  # what RestorePodSetsInfo went back to
+    assert tmpl["metadata"]["labels"] == {**recorded["metadata"]["labels"], "kueue.x-k8s.io/podset": "slice"}
+    assert "tolerations" not in recorded["spec"] and "nodeSelector" not in recorded["spec"]
+    (job,) = jobs(srv, n)
+    assert pod_template(job)["spec"]["tolerations"] == [tol_a, tol_b]
+    assert pod_template(job)["spec"]["nodeSelector"] == {"zone-a": "true", "zone-b": "true"}
 
 
 @pytest.mark.parametrize(

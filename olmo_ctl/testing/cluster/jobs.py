@@ -3,8 +3,10 @@
 Ported from kubernetes/kubernetes `pkg/controller/job/job_controller.go` (syncJob: counting
 terminated pods through the `batch.kubernetes.io/job-tracking` finalizer, `backoffLimit`,
 suspension, replacement pods, the FailureTarget → Failed and SuccessCriteriaMet → Complete
-conditions) and `pkg/controller/job/pod_failure_policy.go` (matchPodFailurePolicy: rules in order,
-`onExitCodes` In/NotIn over non-zero exit codes, `onPodConditions`, actions FailJob/Ignore/Count).
+conditions, the terminal one delayed until no pod is terminating: delayTerminalCondition and
+enactJobFinished, Kubernetes ≥ 1.31) and `pkg/controller/job/pod_failure_policy.go`
+(matchPodFailurePolicy: rules in order, `onExitCodes` In/NotIn over non-zero exit codes,
+`onPodConditions`, actions FailJob/Ignore/Count).
 """
 
 from __future__ import annotations
@@ -121,38 +123,39 @@ def reconcile(w: World, job: dict) -> bool:
         pod["metadata"]["finalizers"] = [f for f in fins if f != JOB_TRACKING_FINALIZER]
         w.save("Pod", pod)
         changed = True
-    failed = sum(1 for v in counted.values() if v == "failed")
     done_idx = {v.split(":", 1)[1] for v in counted.values() if v.startswith("succeeded:")}
     completions = int(spec.get("completions") or spec.get("parallelism") or 1)
     if deleting(job):
         return changed
+    end: tuple[str, str, str] | None = None
     if not job_finished(job):
-        end = None
-        if failure_target:
-            end = ("Failed",) + failure_target
-        elif failed > int(spec.get("backoffLimit", 6)):
-            end = ("Failed",) + BACKOFF_LIMIT_EXCEEDED
-        elif len(done_idx) >= completions:
-            end = ("Complete",) + COMPLETIONS_REACHED
+        # syncJob: an interim condition already set decides (SuccessCriteriaMet first, then
+        # FailureTarget: newFailedConditionForFailureTarget keeps its reason and message).
+        end = next(
+            (
+                (kind, c.get("reason") or "", c.get("message") or "")
+                for interim, kind in (("SuccessCriteriaMet", "Complete"), ("FailureTarget", "Failed"))
+                if (c := find_cond(job, interim)) and c.get("status") == "True"
+            ),
+            None,
+        )
+        failed = sum(1 for v in counted.values() if v == "failed")
+        if end is None:
+            if failure_target:
+                end = ("Failed",) + failure_target
+            elif failed > int(spec.get("backoffLimit", 6)):
+                end = ("Failed",) + BACKOFF_LIMIT_EXCEEDED
+            elif len(done_idx) >= completions:
+                end = ("Complete",) + COMPLETIONS_REACHED
+            if end:
+                kind, reason, message = end
+                interim = "FailureTarget" if kind == "Failed" else "SuccessCriteriaMet"
+                changed |= _set_job_condition(w, job, interim, "True", reason, message)
         if end:
-            kind, reason, message = end
-            _set_job_condition(
-                w, job, "FailureTarget" if kind == "Failed" else "SuccessCriteriaMet", "True", reason, message
-            )
-            _set_job_condition(w, job, kind, "True", reason, message)
-            if kind == "Complete":
-                st["completionTime"] = w.now()
-            w.event(
-                job,
-                reason if kind == "Failed" else "Completed",
-                message if kind == "Failed" else "Job completed",
-                "Warning" if kind == "Failed" else "Normal",
-                source="job-controller",
-            )
-            changed = True
+            changed |= _finish(w, job, pods, counted, *end)
     live = [p for p in pods if not pod_terminal(p) and not deleting(p)]
-    if job_finished(job):
-        for pod in live:  # a finished Job's remaining pods are deleted
+    if job_finished(job) or end:  # a finishing Job creates no pod; its remaining pods are deleted
+        for pod in live:
             w.delete("Pod", pod)
             changed = True
     elif spec.get("suspend"):
@@ -201,6 +204,7 @@ def reconcile(w: World, job: dict) -> bool:
             w.save("Pod", pod, new=True)
             changed = True
     pods = [p for p in w.items("Pod", job["metadata"]["namespace"]) if controlled_by(p, job)]
+    failed = sum(1 for v in counted.values() if v == "failed")
     counts = {
         "active": sum(1 for p in pods if not pod_terminal(p) and not deleting(p)),
         "ready": sum(1 for p in pods if not pod_terminal(p) and not deleting(p) and is_true(p, "Ready")),
@@ -214,6 +218,46 @@ def reconcile(w: World, job: dict) -> bool:
     if changed:
         w.save("Job", job)
     return changed
+
+
+def _finish(
+    w: World, job: dict, pods: list[dict], counted: dict, kind: str, reason: str, message: str
+) -> bool:
+    """The Job meets its end (FailureTarget or SuccessCriteriaMet is set): syncJob deletes the active
+    pods (deleteActivePods), trackJobStatusAndRemoveFinalizers lets every pod's tracking finalizer go
+    (canRemoveFinalizer: the Job has a finished condition), counting a not-yet-terminal pod as failed
+    when the Job fails; enactJobFinished adds Failed/Complete only once no pod is terminating, since
+    delayTerminalCondition() holds (JobManagedBy || JobPodReplacementPolicy, on by default: the
+    latter is beta from 1.29, and the delay itself came with 1.31). recordJobFinished: the event."""
+    changed = False
+    for pod in pods:
+        if not pod_terminal(pod) and not deleting(pod):
+            w.delete("Pod", pod)
+            changed = True
+        fins = pod["metadata"].get("finalizers") or []
+        if JOB_TRACKING_FINALIZER not in fins:
+            continue
+        uid = pod["metadata"]["uid"]
+        if uid not in counted and kind == "Failed" and not pod_terminal(pod):
+            action, _ = match_pod_failure_policy(job, pod)
+            counted[uid] = "ignored" if action == "Ignore" else "failed"
+        pod["metadata"]["finalizers"] = [f for f in fins if f != JOB_TRACKING_FINALIZER]
+        w.save("Pod", pod)
+        changed = True
+    # controller.CountTerminatingPods: a deletionTimestamp and a phase neither Succeeded nor Failed.
+    if any(deleting(p) and not pod_terminal(p) for p in pods):
+        return changed
+    _set_job_condition(w, job, kind, "True", reason, message)
+    if kind == "Complete":
+        job["status"]["completionTime"] = w.now()
+    w.event(
+        job,
+        reason if kind == "Failed" else "Completed",
+        message if kind == "Failed" else "Job completed",
+        "Warning" if kind == "Failed" else "Normal",
+        source="job-controller",
+    )
+    return True
 
 
 def new_pod(w: World, job: dict, index: int) -> dict:

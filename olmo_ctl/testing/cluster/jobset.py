@@ -3,7 +3,9 @@
 Each function names the upstream function it mirrors. Restarts work as upstream: `status.restarts`
 goes up, the Jobs of the previous attempt (label `jobset.sigs.k8s.io/restart-attempt` below it)
 are deleted with Foreground propagation, so their pods terminate through their grace period, and
-Jobs of the same names are created again only once the old ones are gone.
+Jobs of the same names are created again only once the old ones are gone. A Job reads as finished
+only by its Failed/Complete condition (JobFinished; the Job controller delays them until its pods
+are terminal). Resuming merges the JobSet's pod templates into the suspended Jobs (resumeJob).
 """
 
 from __future__ import annotations
@@ -339,7 +341,8 @@ def reconcile(w: World, js: dict) -> bool:
                 w.save("Job", job)
                 changed = True
         update_condition(w, js, "Suspended", "True", *SUSPENDED)
-    else:  # resumeJobsIfNecessary + resumeJob
+    else:  # resumeJobsIfNecessary + resumeJob: labels, annotations, node selector merged (MergeMaps),
+        # tolerations and scheduling gates (MergeSlices) from the replicated job's pod template
         templates = {rj["name"]: rj["template"]["spec"]["template"] for rj in js["spec"]["replicatedJobs"]}
         for job in owned["active"]:
             if job["spec"].get("suspend"):
@@ -358,6 +361,13 @@ def reconcile(w: World, js: dict) -> bool:
                 }
                 if not jspec["nodeSelector"]:
                     jspec.pop("nodeSelector")
+                # collections.MergeSlices: the union, nothing removed, so what an earlier admission
+                # added to a Job that outlived its suspension stays (jobset#1294, open upstream).
+                for field in ("tolerations", "schedulingGates"):
+                    merged = list(jspec.get(field) or [])
+                    merged += [x for x in (src.get("spec") or {}).get(field) or [] if x not in merged]
+                    if merged:
+                        jspec[field] = w.copy(merged)
                 job["spec"]["suspend"] = False
                 job.setdefault("status", {}).pop("startTime", None)
                 w.save("Job", job)

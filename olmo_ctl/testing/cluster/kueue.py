@@ -7,11 +7,15 @@
   ClusterQueue lookups, deactivation, the requeue backoff, the Admitted condition);
 - `schedule` mirrors pkg/scheduler (flavorassigner messages, quota reservation, preemption within
   the ClusterQueue by priority, pkg/scheduler/preemption/preemption.go IssuePreemptions);
+- `start_job` / `stop_job` mirror reconciler.go startJob / stopJob with pkg/podset/podset.go
+  (FromAssignment + Merge: the flavors' node labels and tolerations into the pod templates;
+  RestorePodSpec: the templates back to the Workload's pod sets);
 - condition helpers mirror pkg/workload/workload.go and admissionchecks.go.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import uuid
 from typing import TYPE_CHECKING
@@ -236,45 +240,99 @@ def finished_message(js: dict) -> tuple[str, bool, bool]:
     return "", False, False
 
 
+# ---------------------------------------------------------------- pkg/podset/podset.go
+class PodSetUpdateConflict(ValueError):
+    """podset.go BadPodSetsUpdateError (ErrInvalidPodSetUpdate, a permanent error)."""
+
+
+POD_SET_MAPS = (("metadata", "annotations"), ("metadata", "labels"), ("spec", "nodeSelector"))
+POD_SET_LISTS = (("spec", "tolerations"), ("spec", "schedulingGates"))
+
+
+def pod_set_info_from_assignment(w: World, psa: dict) -> dict:
+    """podset.go FromAssignment (each flavor once: its nodeLabels into the node selector, its
+    tolerations appended) + reconciler.go getPodSetsInfoFromStatus (the pod-set label). No
+    scheduling gate: that is TopologyAwareScheduling's, for a topology assignment only."""
+    info: dict = {
+        "annotations": {},
+        "labels": {PODSET_LABEL: psa["name"]},
+        "nodeSelector": {},
+        "tolerations": [],
+        "schedulingGates": [],
+    }
+    seen: set[str] = set()
+    for flavor in (psa.get("flavors") or {}).values():
+        if flavor in seen:
+            continue
+        seen.add(flavor)
+        spec = (w.get("ResourceFlavor", "", flavor) or {}).get("spec") or {}
+        info["nodeSelector"].update(spec.get("nodeLabels") or {})
+        info["tolerations"].extend(w.copy(spec.get("tolerations") or []))
+    return info
+
+
+def merge_pod_set_info(tmpl: dict, info: dict) -> None:
+    """podset.go Merge: annotations, labels and node selector added, a key already there with
+    another value a conflict (utilmaps.HaveConflict, raised before anything changes); tolerations
+    and scheduling gates appended unless an equal one is there."""
+    for part, field in POD_SET_MAPS:
+        have = (tmpl.get(part) or {}).get(field) or {}
+        for k, v in have.items():
+            if k in info[field] and info[field][k] != v:
+                raise PodSetUpdateConflict(
+                    f"invalid admission check PodSetUpdate: conflict for {field}: conflict for "
+                    f"key={k}, value1={v}, value2={info[field][k]}"
+                )
+    for part, field in POD_SET_MAPS:
+        if info[field]:
+            dst = tmpl.setdefault(part, {})
+            dst[field] = {**(dst.get(field) or {}), **info[field]}
+    for part, field in POD_SET_LISTS:
+        dst = tmpl.setdefault(part, {})
+        merged = list(dst.get(field) or [])
+        merged += [x for x in info[field] if x not in merged]
+        if merged:
+            dst[field] = merged
+
+
+def restore_pod_spec(tmpl: dict, ps_template: dict) -> None:
+    """podset.go FromPodSet + RestorePodSpec: annotations, labels, node selector, tolerations and
+    scheduling gates set back to what the Workload's pod set recorded (an empty one removed)."""
+    for part, field in POD_SET_MAPS + POD_SET_LISTS:
+        want = copy.deepcopy((ps_template.get(part) or {}).get(field))
+        if want:
+            tmpl.setdefault(part, {})[field] = want
+        else:
+            (tmpl.get(part) or {}).pop(field, None)
+
+
+# ---------------------------------------------------------------- jobframework/reconciler.go (start, stop)
 def stop_job(w: World, js: dict, wl: dict | None, message: str) -> bool:
-    """reconciler.go stopJob: suspend and restore the pod sets' info; event Stopped."""
+    """reconciler.go stopJob: suspend and RestorePodSetsInfo (the JobSet integration: each
+    replicated job's pod template from the Workload's pod set); event Stopped."""
     if js["spec"].get("suspend"):
         return False
     js["spec"]["suspend"] = True
-    if wl is not None:  # RestorePodSetsInfo
+    if wl is not None:
         by_name = {ps["name"]: ps for ps in wl["spec"]["podSets"]}
         for rj in js["spec"]["replicatedJobs"]:
             ps = by_name.get(rj["name"])
             if ps:
-                tmpl = rj["template"]["spec"]["template"]
-                tmpl.setdefault("spec", {})["nodeSelector"] = dict(
-                    (ps["template"].get("spec") or {}).get("nodeSelector") or {}
-                )
-                if not tmpl["spec"]["nodeSelector"]:
-                    tmpl["spec"].pop("nodeSelector")
-                lab = (tmpl.get("metadata") or {}).get("labels") or {}
-                lab.pop(PODSET_LABEL, None)
+                restore_pod_spec(rj["template"]["spec"]["template"], ps["template"])
     w.save("JobSet", js)
     w.event(js, "Stopped", message, source="jobset-kueue-controller")
     return True
 
 
 def start_job(w: World, js: dict, wl: dict) -> None:
-    """reconciler.go startJob + RunWithPodSetsInfo: the flavors' node labels and the pod-set label
-    go into the templates; unsuspended; event Started."""
+    """reconciler.go startJob + the JobSet integration's RunWithPodSetsInfo: podset.Merge of each
+    assignment's info into its replicated job's pod template, unsuspended; event Started. A
+    conflict raises PodSetUpdateConflict with the JobSet unchanged (the patch is not sent)."""
     adm = wl["status"]["admission"]
-    for rj, psa in zip(js["spec"]["replicatedJobs"], adm["podSetAssignments"], strict=False):
-        tmpl = rj["template"]["spec"]["template"]
-        node_labels: dict = {}
-        for flavor in (psa.get("flavors") or {}).values():
-            rf = w.get("ResourceFlavor", "", flavor)
-            node_labels.update(((rf or {}).get("spec") or {}).get("nodeLabels") or {})
-        if node_labels:
-            tmpl.setdefault("spec", {})["nodeSelector"] = {
-                **(tmpl["spec"].get("nodeSelector") or {}),
-                **node_labels,
-            }
-        tmpl.setdefault("metadata", {}).setdefault("labels", {})[PODSET_LABEL] = psa["name"]
+    merged = w.copy(js["spec"]["replicatedJobs"])
+    for rj, psa in zip(merged, adm["podSetAssignments"], strict=False):
+        merge_pod_set_info(rj["template"]["spec"]["template"], pod_set_info_from_assignment(w, psa))
+    js["spec"]["replicatedJobs"] = merged
     js["spec"]["suspend"] = False
     w.save("JobSet", js)
     w.event(
@@ -351,7 +409,11 @@ def reconcile_job(w: World, js: dict) -> bool:
         return changed
     if js["spec"].get("suspend"):  # 7. suspended: start once admitted
         if is_admitted(wl):
-            start_job(w, js, wl)
+            try:
+                start_job(w, js, wl)
+            except PodSetUpdateConflict as e:  # IsPermanent: workload.Finish, no point in retrying
+                set_status_condition(wl, "Finished", "True", "FailedToStart", str(e), w.now())
+                w.save("Workload", wl)
             return True
         if wl["spec"].get("queueName") != labels(js)[QUEUE_LABEL]:
             wl["spec"]["queueName"] = labels(js)[QUEUE_LABEL]
