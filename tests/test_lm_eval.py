@@ -336,3 +336,13 @@ def test_two_hosts_log_the_one_host_losses(tmp_path):
     assert wait_ended(backend, h, 300) and host_codes(backend, h) == [0, 0]
     one, two = (scalars(tmp_path / r)["eval/lm/smoke_eval/CE loss"][2] for r in ("one", "two"))
     assert float(two) == pytest.approx(float(one), rel=1e-5)
+
+
+def test_a_token_outside_the_vocab_is_refused_when_the_share_is_read(tmp_path):
+    path = _write(tmp_path / "a.npy", [[1, 2, 300]])
+    f = TokenFile(str(path), "a.npy", path.stat().st_size)
+    data = L.LMEvalData([L.LabelledFiles("a", (f,))], T, EOS, PAD, vocab_size=258)
+    with pytest.raises(
+        BadInput, match=r"eval.lm `a`: .*a.npy` holds token id 300, outside the model's vocab"
+    ):
+        data.cache_share(range(1))

@@ -145,23 +145,25 @@ class LMEvalData:
         for fi in np.unique(self.file_index[lo:hi]).tolist():
             rows = np.flatnonzero(self.file_index[lo:hi] == fi) + lo
             first, last = int(self.starts[rows[0]]), int(self.ends[rows[-1]])
-            self._cache[fi] = (first, np.array(self.token_files.read(fi, first, last)))
+            toks = np.array(self.token_files.read(fi, first, last))
+            if self.vocab_size is not None and len(toks) and int(toks.max()) >= self.vocab_size:
+                raise BadInput(
+                    f"eval.lm `{self.labels[self.label_index[rows[0]]]}`: `{self.token_files.files[fi].path}`"
+                    f" holds token id {int(toks.max())}, outside the model's vocab ({self.vocab_size})",
+                    "the data was made with another tokenizer than the recipe's model",
+                )
+            self._cache[fi] = (first, toks)
         # A fresh cache drops the scan's maps and whole gs:// files: only the share stays in memory.
         self.token_files = TokenFiles(self.token_files.files)
 
     def document(self, i: int) -> np.ndarray:
+        """Instance `i`'s tokens (at most `seq_len`): from the cached share, else read."""
         fi = int(self.file_index[i])
         if fi in self._cache:
             first, toks = self._cache[fi]
             doc = toks[int(self.starts[i]) - first : int(self.ends[i]) - first]
         else:
             doc = self.token_files.read(fi, int(self.starts[i]), int(self.ends[i]))
-        if self.vocab_size is not None and int(doc.max()) >= self.vocab_size:
-            raise BadInput(
-                f"eval.lm `{self.labels[self.label_index[i]]}`: a document holds token id {int(doc.max())},"
-                f" outside the model's vocab ({self.vocab_size})",
-                "the data was made with another tokenizer than the recipe's model",
-            )
         return doc
 
     def batch(self, indices, rows: int) -> dict[str, np.ndarray]:
