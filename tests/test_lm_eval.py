@@ -96,14 +96,8 @@ def _setup(recipe, proc: int = 0, n_proc: int = 1):
     from olmo_ctl.trainer import sharding as S
 
     plan = make_plan(recipe, get_device("cpu-8"))
-    return SimpleNamespace(
-        recipe=recipe,
-        plan=plan,
-        mesh=S.make_mesh(jax.devices()[:8]),
-        proc=proc,
-        n_proc=n_proc,
-        local_devices=8,
-    )
+    mesh = S.make_mesh(jax.devices()[:8], seq_shards=plan.seq_shards)
+    return SimpleNamespace(recipe=recipe, plan=plan, mesh=mesh, proc=proc, n_proc=n_proc, local_devices=8)
 
 
 @pytest.fixture(scope="module")
@@ -143,14 +137,20 @@ def _direct_losses(recipe, params) -> dict[str, float]:
     return {x: ce[x] / weight[x] for x in data.labels}
 
 
-def test_per_label_loss_equals_the_direct_computation(two_sets):
+@pytest.mark.parametrize("seq_shards", [1, 2])
+def test_per_label_loss_equals_the_direct_computation(two_sets, seq_shards):
+    """On 8 devices: 8 data-parallel rows, or 4 rows of sequences split over 2 devices each."""
+    import dataclasses
+
     import jax
 
     from olmo_ctl.trainer import model as M
     from olmo_ctl.trainer import sharding as S
 
+    recipe = dataclasses.replace(two_sets, train=dataclasses.replace(two_sets.train, seq_shards=seq_shards))
     params = M.init_params(two_sets.model, jax.random.PRNGKey(0))
-    s = _setup(two_sets)
+    s = _setup(recipe)
+    assert s.plan.seq_shards == seq_shards
     try:
         ev = L.LMEvaluator.for_recipe(s)
         assert ev is not None and len(ev.data) == 13 and ev.steps == 2  # 13 instances, 8 rows a step

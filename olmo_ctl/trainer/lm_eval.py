@@ -230,11 +230,14 @@ class LMEvaluator:
         from olmo_ctl.trainer.step import eval_device_batch
 
         s = self.s
+        # Every step dispatched before any result is read: the next rows are built while one runs.
+        sums = [
+            self.step_fn(params, eval_device_batch(b, s.recipe, s.plan, s.mesh, s.local_devices, s.n_proc))
+            for b in self.host_batches()
+        ]
         n = len(self.data.labels)
         ce, w = np.zeros(n, np.float64), np.zeros(n, np.float64)
-        for b in self.host_batches():
-            dev = eval_device_batch(b, s.recipe, s.plan, s.mesh, s.local_devices, s.n_proc)
-            c, k = jax.device_get(self.step_fn(params, dev))
+        for c, k in jax.device_get(sums):
             for m in range(len(c)):  # per micro-batch, in order
                 ce += np.asarray(c[m], np.float64)
                 w += np.asarray(k[m], np.float64)
