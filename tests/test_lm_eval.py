@@ -114,7 +114,7 @@ def two_sets(tmp_path_factory):
     return load_recipe("smoke", overrides=[*SETS, f"data.root={root}", sets, "eval.lm.interval=2"])
 
 
-def _direct_losses(recipe, params) -> dict[str, float]:
+def _direct_losses(recipe, params, instances) -> dict[str, float]:
     """Per label: sum of each instance's token CE (float64 from the logits of a one-row forward) over its
     targets, divided by the sum of its document lengths (OLMo-core's MeanMetric over label_mask)."""
     import jax
@@ -125,7 +125,7 @@ def _direct_losses(recipe, params) -> dict[str, float]:
     fwd = jax.jit(lambda p, x: forward(p, x, recipe.model))
     ce = {x: 0.0 for x in data.labels}
     weight = {x: 0 for x in data.labels}
-    for i in range(len(data)):
+    for i in instances:
         b = data.batch([i], rows=1)
         logits = np.asarray(fwd(params, b["input_ids"]), np.float64)[0]
         top = logits.max(-1, keepdims=True)
@@ -137,9 +137,10 @@ def _direct_losses(recipe, params) -> dict[str, float]:
     return {x: ce[x] / weight[x] for x in data.labels}
 
 
-@pytest.mark.parametrize("seq_shards", [1, 2])
-def test_per_label_loss_equals_the_direct_computation(two_sets, seq_shards):
-    """On 8 devices: 8 data-parallel rows, or 4 rows of sequences split over 2 devices each."""
+@pytest.mark.parametrize("seq_shards,whole_batches_of", [(1, 0), (2, 0), (1, 4)])
+def test_per_label_loss_equals_the_direct_computation(two_sets, seq_shards, whole_batches_of):
+    """On 8 devices: 8 data-parallel rows, or 4 rows of sequences split over 2 devices each; every
+    instance, or the 12 of 13 that OLMo-core's loader reads in whole batches of 4."""
     import dataclasses
 
     import jax
@@ -147,20 +148,27 @@ def test_per_label_loss_equals_the_direct_computation(two_sets, seq_shards):
     from olmo_ctl.trainer import model as M
     from olmo_ctl.trainer import sharding as S
 
-    recipe = dataclasses.replace(two_sets, train=dataclasses.replace(two_sets.train, seq_shards=seq_shards))
+    recipe = dataclasses.replace(
+        two_sets,
+        train=dataclasses.replace(two_sets.train, seq_shards=seq_shards),
+        eval=dataclasses.replace(
+            two_sets.eval, lm=dataclasses.replace(two_sets.eval.lm, whole_batches_of=whole_batches_of)
+        ),
+    )
     params = M.init_params(two_sets.model, jax.random.PRNGKey(0))
     s = _setup(recipe)
     assert s.plan.seq_shards == seq_shards
     try:
         ev = L.LMEvaluator.for_recipe(s)
         assert ev is not None and len(ev.data) == 13 and ev.steps == 2  # 13 instances, 8 rows a step
+        assert len(ev.instances) == (12 if whole_batches_of else 13)
         with jax.set_mesh(s.mesh):
             got = ev.evaluate(jax.device_put(params, S.replicated(s.mesh)))
             again = ev.evaluate(jax.device_put(params, S.replicated(s.mesh)))
     finally:
         S.deactivate()
     assert got == again  # deterministic
-    want = _direct_losses(two_sets, params)
+    want = _direct_losses(two_sets, params, L.evaluated_instances(13, whole_batches_of).tolist())
     assert sorted(got) == ["eval/lm/c4/CE loss", "eval/lm/c4/PPL", "eval/lm/wiki/CE loss", "eval/lm/wiki/PPL"]
     for label, loss in want.items():
         assert got[f"eval/lm/{label}/CE loss"] == pytest.approx(loss, rel=2e-6)
@@ -175,7 +183,7 @@ def test_two_hosts_read_disjoint_shares_that_cover_the_set(two_sets):
     for p in range(2):
         ev = L.LMEvaluator(L.LMEvalData(L.resolve_sets(two_sets), T, EOS, PAD), _setup(two_sets, p, 2))
         assert ev.rows_per_proc == 4 and ev.steps == 2  # shares of 6 and 7 instances in 4-row halves
-        assert set(ev.data._cache) <= set(ev.data.file_index[ev.share.start : ev.share.stop].tolist())
+        assert set(ev.data._cache) == set(ev.data.file_index[ev.share].tolist())  # only its files read
         hosts.append([b for b in ev.host_batches()])
     jax.clear_caches()
     rows = [
@@ -189,6 +197,33 @@ def test_two_hosts_read_disjoint_shares_that_cover_the_set(two_sets):
     assert sorted(rows) == sorted(
         (tuple(whole["input_ids"][r]), int(whole["label_index"][r])) for r in range(13)
     )
+
+
+def test_whole_batches_of_keeps_what_olmo_cores_eval_loader_reads():
+    """NumpyFSLDataLoader's global indices: `get_rng(seed + epoch).shuffle(arange(n))` with seed 0 and
+    epoch 1, cut to `instances_per_batch * (n // instances_per_batch)`."""
+    n, b = 1003, 64
+    order = np.arange(n, dtype=np.uint32)
+    np.random.Generator(np.random.PCG64(seed=1)).shuffle(order)
+    want = sorted(order[: n // b * b].tolist())
+    got = L.evaluated_instances(n, b)
+    assert got.tolist() == want and len(got) == 960
+    assert L.evaluated_instances(n, 0).tolist() == list(range(n))  # the default: every instance
+    assert L.evaluated_instances(10, 64).tolist() == []
+
+
+def test_instances_are_numbered_in_file_order_with_labels_by_file(tmp_path):
+    """A label may come back after another (OLMo-core numbers its dataset file by file)."""
+    rng = np.random.default_rng(2)
+    files = [_write(tmp_path / f"{i}.npy", _docs(rng, [3] * (i + 1))) for i in range(3)]
+    sets = [
+        L.LabelledFiles(x, (TokenFile(str(f), f.name, f.stat().st_size),))
+        for x, f in zip("aba", files, strict=True)
+    ]
+    data = L.LMEvalData(sets, T, EOS, PAD)
+    assert data.labels == ["a", "b"]
+    assert data.file_index.tolist() == [0, 1, 1, 2, 2, 2]
+    assert data.label_index.tolist() == [0, 1, 1, 0, 0, 0]
 
 
 def test_the_validation_mix_is_olmo_cores_and_its_tags_are_olmo_cores_names():
@@ -292,6 +327,7 @@ def test_the_mix_needs_its_files_under_data_root(tmp_path):
             "`eval.lm.sets` must be empty when eval.lm.mix is set",
         ),
         (["eval.lm.interval=0"], "`eval.lm.interval` must be positive"),
+        (["eval.lm.whole_batches_of=-1"], "`eval.lm.whole_batches_of` must be >= 0"),
     ],
 )
 def test_a_bad_eval_lm_is_one_error_line_and_exit_2_at_recipe_load(sets, message, tmp_path):

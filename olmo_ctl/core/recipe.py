@@ -185,6 +185,9 @@ class LMEvalConfig:
     mix: str = ""
     sets: tuple[LMEvalSet, ...] = ()
     interval: int = 10000  # AI2's (OLMo-3-1025-7B-pretrain-1.py: eval_interval=10_000)
+    # 0: every instance. B > 0: only those OLMo-core's eval loader reads, its shuffle (seed 0, epoch 1)
+    # cut to whole global eval batches of B instances (2 x its data-parallel ranks in AI2's scripts).
+    whole_batches_of: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -599,6 +602,7 @@ def validate(r: Recipe, src: str) -> None:
 
 def _validate_lm_eval(lm: LMEvalConfig, need) -> None:
     need(lm.interval > 0, "eval.lm.interval", f"must be positive, got {lm.interval}")
+    need(lm.whole_batches_of >= 0, "eval.lm.whole_batches_of", "must be >= 0 (0: every instance)")
     if lm.mix:
         need(
             lm.mix in EVAL_MIXES,

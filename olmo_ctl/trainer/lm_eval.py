@@ -17,10 +17,14 @@ What AI2's OLMo 3 runs log every 10,000 steps (`LMEvaluatorCallbackConfig` over 
   and ours. PPL = exp(CE) (`compute_metrics`).
 - Tags (src/olmo_core/train/callbacks/evaluator_callback.py): `eval/lm/<label>/CE loss` and
   `eval/lm/<label>/PPL`; a mix's label is its manifest's first column (`c4_en-validation`).
-- Every evaluation covers the whole set (OLMo-core's `eval_duration` of one epoch).
+- Every evaluation covers the whole set (OLMo-core's `eval_duration` of one epoch). OLMo-core's eval
+  loader itself reads its shuffle (seed 0, epoch 1) cut to whole global eval batches, so it leaves out
+  fewer than one batch of instances, which depend on its data-parallel size: `eval.lm.whole_batches_of`
+  selects exactly those (`evaluated_instances`); 0, the default, evaluates every instance.
 
-Hosts: the instances are numbered label by label, file by file, document by document; process `p`
-of `P` evaluates the contiguous share `host_share(n, p, P)` and reads only those instances' tokens.
+Hosts: the instances are numbered file by file, document by document (OLMo-core's dataset order); of
+the n evaluated (ascending), process `p` of `P` evaluates the contiguous share `host_share(n, p, P)`
+and reads only those instances' tokens.
 Each host finds the document boundaries itself, from the EOS positions (as each node of an OLMo-core
 job writes its own instance index). Every host runs the same number of eval steps (`steps_per_eval`),
 padding its last rows with weightless ones; the step sums CE and weights per label over the whole
@@ -81,17 +85,15 @@ class LabelledFiles:
 
 
 def resolve_sets(recipe) -> list[LabelledFiles]:
-    """`eval.lm`'s token files by label, in order: a validation mix's files under `data.root` (its
-    manifest's labels), or the recipe's `sets`. A missing file is a BadInput naming it."""
+    """`eval.lm`'s token files with their labels, in order: a validation mix's files under `data.root`
+    in its manifest's order, one entry per line (its label the line's), or the recipe's `sets`. A
+    missing file is a BadInput naming it."""
     lm, root = recipe.eval.lm, recipe.data.root
     if lm.mix:
         from olmo_ctl.data.mixes import load_mix
 
         files = resolve_mix(lm.mix, root, what="eval.lm.mix")
-        by_label: dict[str, list[TokenFile]] = {}
-        for e, f in zip(load_mix(lm.mix), files, strict=True):
-            by_label.setdefault(e.label, []).append(f)
-        return [LabelledFiles(k, tuple(v)) for k, v in by_label.items()]
+        return [LabelledFiles(e.label, (f,)) for e, f in zip(load_mix(lm.mix), files, strict=True)]
     return [
         LabelledFiles(s.label, tuple(resolve_paths(s.files, root, what=f"eval.lm `{s.label}`")))
         for s in lm.sets
@@ -99,8 +101,9 @@ def resolve_sets(recipe) -> list[LabelledFiles]:
 
 
 class LMEvalData:
-    """The padded-document instances of labelled token files, numbered label by label, file by file,
-    document by document; `batch(indices)` builds rows from this process's cached share."""
+    """The padded-document instances of labelled token files, numbered file by file (in `sets`'
+    order, as OLMo-core numbers its dataset's files), document by document; a label may hold several
+    files. `batch(indices)` builds rows, from this process's cached share once `cache_share` read it."""
 
     def __init__(
         self,
@@ -110,13 +113,14 @@ class LMEvalData:
         pad_token_id: int,
         vocab_size: int | None = None,
     ):
-        self.labels = [s.label for s in sets]
+        self.labels = list(dict.fromkeys(s.label for s in sets))  # first-seen order
         self.seq_len, self.pad_token_id, self.vocab_size = seq_len, pad_token_id, vocab_size
         files = [f for s in sets for f in s.files]
         self.token_files = TokenFiles(files)
         fi_parts, start_parts, end_parts, label_parts = [], [], [], []
         fi = 0
-        for li, s in enumerate(sets):
+        for s in sets:
+            li = self.labels.index(s.label)
             for f in s.files:
                 starts, ends = document_spans(self.token_files.tokens(fi), eos_token_id, seq_len)
                 if not len(starts):
@@ -137,13 +141,11 @@ class LMEvalData:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def cache_share(self, indices: range) -> None:
-        """Read the tokens of `indices` (contiguous) once: one range per file, kept in memory."""
-        if not len(indices):
-            return
-        lo, hi = indices.start, indices.stop
-        for fi in np.unique(self.file_index[lo:hi]).tolist():
-            rows = np.flatnonzero(self.file_index[lo:hi] == fi) + lo
+    def cache_share(self, indices) -> None:
+        """Read the tokens of `indices` (ascending) once: one range per file, kept in memory."""
+        idx = np.asarray(indices, np.int64)
+        for fi in np.unique(self.file_index[idx]).tolist():
+            rows = idx[self.file_index[idx] == fi]
             first, last = int(self.starts[rows[0]]), int(self.ends[rows[-1]])
             toks = np.array(self.token_files.read(fi, first, last))
             if self.vocab_size is not None and len(toks) and int(toks.max()) >= self.vocab_size:
@@ -182,6 +184,18 @@ class LMEvalData:
         return out
 
 
+def evaluated_instances(n_instances: int, whole_batches_of: int = 0) -> np.ndarray:
+    """The instances an evaluation covers, ascending: all of them, or with `whole_batches_of` B > 0
+    those OLMo-core's eval loader reads: `NumpyFSLDataLoader` (src/olmo_core/data/data_loader.py)
+    shuffles with `PCG64(seed 0 + epoch 1)` (`Evaluator.__iter__` pins epoch 1) and keeps only whole
+    global batches of B instances."""
+    if whole_batches_of <= 0:
+        return np.arange(n_instances, dtype=np.int64)
+    order = np.arange(n_instances, dtype=np.uint32)
+    np.random.Generator(np.random.PCG64(0 + 1)).shuffle(order)
+    return np.sort(order[: n_instances // whole_batches_of * whole_batches_of].astype(np.int64))
+
+
 def per_label_metrics(labels: list[str], ce_sums, weights) -> dict[str, float]:
     """OLMo-core's scalars from per-label CE sums and weights: `eval/lm/<label>/CE loss`, `.../PPL`."""
     import math
@@ -203,8 +217,17 @@ class LMEvaluator:
         self.data, self.s = data, s
         n_micro, micro = eval_layout(s.recipe, s.plan)
         self.rows_per_proc = n_micro * micro // s.n_proc
-        self.share = host_share(len(data), s.proc, s.n_proc)
-        self.steps = steps_per_eval(len(data), s.n_proc, self.rows_per_proc)
+        self.instances = evaluated_instances(len(data), s.recipe.eval.lm.whole_batches_of)
+        if not len(self.instances):
+            raise BadInput(
+                f"eval.lm: its {len(data)} instances make no whole batch of eval.lm.whole_batches_of "
+                f"({s.recipe.eval.lm.whole_batches_of})",
+                "lower eval.lm.whole_batches_of, or 0 to evaluate every instance",
+            )
+        n = len(self.instances)
+        mine = host_share(n, s.proc, s.n_proc)
+        self.share = self.instances[mine.start : mine.stop]  # this process's instances, ascending
+        self.steps = steps_per_eval(n, s.n_proc, self.rows_per_proc)
         self.step_fn = jit_lm_eval_step(s.recipe, len(data.labels), s.mesh)
         data.cache_share(self.share)
 
@@ -219,10 +242,9 @@ class LMEvaluator:
 
     def host_batches(self):
         """This process's rows of each eval step, in order (the last ones padded)."""
-        lo, hi = self.share.start, self.share.stop
+        r = self.rows_per_proc
         for k in range(self.steps):
-            a = min(lo + k * self.rows_per_proc, hi)
-            yield self.data.batch(range(a, min(a + self.rows_per_proc, hi)), self.rows_per_proc)
+            yield self.data.batch(self.share[k * r : (k + 1) * r], r)
 
     def evaluate(self, params) -> dict[str, float]:
         import jax
