@@ -92,6 +92,7 @@ def test_the_default_order():
     s = SimpleNamespace(recipe=no_eval, mesh=None, proc=0, n_proc=1, final_step=20, plan=PLAN, device=DEVICE)
     assert [type(h).__name__ for h in H.default_hooks(s, H.StopSignals())] == [
         "EvalHook",
+        "LMEvalHook",
         "StragglerHook",
         "StopHook",
         "CheckpointHook",

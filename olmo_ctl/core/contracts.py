@@ -2,7 +2,8 @@
 
 - its log lines: `step N/M loss X ...` per logged step and `committed step N` after a checkpoint
   commits (one formatter and one parser each);
-- its event file names: `events.out.tfevents.<start, 10 digits>.<host>.a<attempt>.s<segment>`;
+- its event file names: `events.out.tfevents.<start, 10 digits>.<host>.a<attempt>.s<segment>`, and
+  the LM evaluator's tags (`eval/lm/<label>/CE loss`, OLMo-core's names);
 - its exit codes, and the attempt state each one means (`exit_state`), which every backend reports.
 
 Pure and light: the trainer, the backends, the supervisor and the monitor all import it.
@@ -184,6 +185,18 @@ def log_progress(lines: list[str]) -> LogProgress:
         max(s.step for s in steps) if steps else None,
         slow,
     )
+
+
+# ---------------------------------------------------------------- tags of the LM evaluator
+
+# OLMo-core's `EvaluatorCallback.perform_eval` records `{prefix}/{evaluator.name}/{metric}` with prefix
+# `eval`, the LM evaluator's name `lm` and `LMEvaluator.compute_metrics`'s `<label>/CE loss`, `<label>/PPL`.
+LM_EVAL_PREFIX = "eval/lm/"
+
+
+def lm_eval_tags(label: str) -> tuple[str, str]:
+    """(CE loss tag, PPL tag) of one `eval.lm` label, as OLMo-core names them."""
+    return f"{LM_EVAL_PREFIX}{label}/CE loss", f"{LM_EVAL_PREFIX}{label}/PPL"
 
 
 # ---------------------------------------------------------------- event file names

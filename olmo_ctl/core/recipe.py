@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.core.mixes import MIXES
+from olmo_ctl.core.mixes import EVAL_MIXES, MIXES
 
 # Package data: `recipes/` at the top of the repository, `olmo_ctl/recipes` (a link to it) in a checkout,
 # real files in an installed wheel.
@@ -168,8 +168,36 @@ FINGERPRINTED_EVAL_KEYS = ("interval", "batches", "batch_size")
 
 
 @dataclass(frozen=True)
+class LMEvalSet:
+    """One labelled set of token files for `eval.lm` (`{root}` is `data.root`; globs allowed)."""
+
+    label: str = ""
+    files: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LMEvalConfig:
+    """OLMo-core's LM evaluator (`LMEvaluatorCallbackConfig` over a `NumpyPaddedFSLDataset`): one
+    instance per document, the whole set every `interval` steps, `eval/lm/<label>/CE loss` and `PPL`
+    (trainer/lm_eval.py). Off unless `mix` names a shipped validation mix (under `data.root`) or
+    `sets` lists labelled token files; not both."""
+
+    mix: str = ""
+    sets: tuple[LMEvalSet, ...] = ()
+    interval: int = 10000  # AI2's (OLMo-3-1025-7B-pretrain-1.py: eval_interval=10_000)
+    # 0: every instance. B > 0: only those OLMo-core's eval loader reads, its shuffle (seed 0, epoch 1)
+    # cut to whole global eval batches of B instances (2 x its data-parallel ranks in AI2's scripts).
+    whole_batches_of: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.mix or self.sets)
+
+
+@dataclass(frozen=True)
 class EvalConfig:
-    """Held-out loss every `interval` steps (on `data.eval`): evaluation, not training."""
+    """Held-out loss every `interval` steps (on `data.eval`): evaluation, not training. `lm`: the
+    per-label LM evaluator, apart from it."""
 
     interval: int = 1000
     batches: int = 8
@@ -178,6 +206,7 @@ class EvalConfig:
     # (`core.batching.eval_micro_batch`). Bounds the eval step's logits: micro-batch / data-parallel
     # rows x seq_len x padded_vocab_size fp32 values per device.
     micro_batch: int = 0
+    lm: LMEvalConfig = field(default_factory=LMEvalConfig)
 
 
 @dataclass(frozen=True)
@@ -548,6 +577,7 @@ def validate(r: Recipe, src: str) -> None:
     need(r.eval.batches >= 0, "eval.batches", "must be >= 0")
     need(r.eval.batch_size >= 0, "eval.batch_size", "must be >= 0")
     need(r.eval.micro_batch >= 0, "eval.micro_batch", "must be >= 0 (0: the train step's micro-batch)")
+    _validate_lm_eval(r.eval.lm, need)
     need(r.logging.metrics_every > 0, "logging.metrics_every", "must be positive")
     need(r.runtime.peer_timeout_s > 0, "runtime.peer_timeout_s", "must be positive")
     need(r.runtime.init_timeout_s > 0, "runtime.init_timeout_s", "must be positive")
@@ -568,6 +598,26 @@ def validate(r: Recipe, src: str) -> None:
         need(
             len(r.data.train) > 0, "data.train", "must list at least one token file or glob (or set data.mix)"
         )
+
+
+def _validate_lm_eval(lm: LMEvalConfig, need) -> None:
+    need(lm.interval > 0, "eval.lm.interval", f"must be positive, got {lm.interval}")
+    need(lm.whole_batches_of >= 0, "eval.lm.whole_batches_of", "must be >= 0 (0: every instance)")
+    if lm.mix:
+        need(
+            lm.mix in EVAL_MIXES,
+            "eval.lm.mix",
+            f"must be one of {', '.join(sorted(EVAL_MIXES))} (a validation mix), got {lm.mix!r}",
+        )
+        need(not lm.sets, "eval.lm.sets", "must be empty when eval.lm.mix is set (--set eval.lm.sets=[])")
+    seen: set[str] = set()
+    for i, s in enumerate(lm.sets):
+        key = f"eval.lm.sets[{i}]"
+        need(bool(s.label), f"{key}.label", "must name the set (its tags are eval/lm/<label>/...)")
+        need("/" not in s.label, f"{key}.label", f"must not hold `/` (a tag level), got {s.label!r}")
+        need(s.label not in seen, f"{key}.label", f"{s.label!r} is given twice: one set per label")
+        need(len(s.files) > 0, f"{key}.files", f"must list at least one token file for label {s.label!r}")
+        seen.add(s.label)
 
 
 def _validate_schedule(s: ScheduleConfig, max_steps: int, need) -> None:

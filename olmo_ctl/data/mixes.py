@@ -3,8 +3,10 @@
 Each manifest is OLMo-core's `src/olmo_core/data/mixes/<NAME>.txt` (snapshot fa6c5014): one
 `label,path` per line, `#` lines are comments, the line order is the file order (and so the instance
 numbering the shuffle permutes). Paths are built exactly as OLMo-core's `DataMix.build` builds them:
-`{TOKENIZER}` becomes `allenai/dolma3-tokenizer` (the dolma2 tokenizer under the name these mixes are
-stored with) and the result is appended to the mix base directory (`data.root`) after one `/`.
+`{TOKENIZER}` becomes `allenai/dolma3-tokenizer` (the dolma2 tokenizer under the name the training
+mixes are stored with; `dolma2-tokenizer` for the validation mix `v3-small-ppl-validation`, as
+`DataMix.build` names it there) and the result is appended to the mix base directory (`data.root`)
+after one `/`. The validation mixes (`EVAL_MIXES`) are what `eval.lm` names, never `data.mix`.
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.core.mixes import MIXES  # noqa: F401  (re-exported: the catalog of mix names)
+from olmo_ctl.core.mixes import EVAL_MIXES, MIXES
 
 MIXES_DIR = Path(__file__).resolve().parent / "mixes"
 TOKENIZER_ID = "allenai/dolma3-tokenizer"
+# OLMo-core's `DataMix.build` (src/olmo_core/data/mixes/__init__.py): the dolma2 tokenizer's directory
+# name for the mixes stored under another one.
+MIX_TOKENIZER_IDS = {"v3-small-ppl-validation": "dolma2-tokenizer"}
 
 
 @dataclass(frozen=True)
 class MixEntry:
-    label: str  # the source group (e.g. common_crawl_adult_content)
+    label: str  # the source group (common_crawl_adult_content); in a validation mix the evaluator's label
     path: str  # relative to the mix base directory, {TOKENIZER} substituted
 
 
@@ -30,11 +35,19 @@ def known_mixes() -> list[str]:
     return sorted(MIXES)
 
 
+def known_eval_mixes() -> list[str]:
+    return sorted(EVAL_MIXES)
+
+
 @functools.lru_cache(maxsize=8)
 def load_mix(name: str) -> tuple[MixEntry, ...]:
     """The mix's files in the manifest's order (BadInput for an unknown name or a bad line)."""
-    if name not in MIXES:
-        raise BadInput(f"`{name}` is not a data mix", f"known mixes: {', '.join(known_mixes())}")
+    if name not in MIXES and name not in EVAL_MIXES:
+        raise BadInput(
+            f"`{name}` is not a data mix",
+            f"known mixes: {', '.join(known_mixes())}; validation mixes: {', '.join(known_eval_mixes())}",
+        )
+    tokenizer_id = MIX_TOKENIZER_IDS.get(name, TOKENIZER_ID)
     src = MIXES_DIR / f"{name}.txt"
     out = []
     for i, line in enumerate(src.read_text().splitlines(), start=1):
@@ -44,7 +57,7 @@ def load_mix(name: str) -> tuple[MixEntry, ...]:
         label, sep, path = line.partition(",")
         if not sep or "," in path or "{TOKENIZER}" not in path:
             raise BadInput(f"{src}:{i}: not a `label,path` line with {{TOKENIZER}} in the path")
-        out.append(MixEntry(label, path.replace("{TOKENIZER}", TOKENIZER_ID)))
+        out.append(MixEntry(label, path.replace("{TOKENIZER}", tokenizer_id)))
     return tuple(out)
 
 

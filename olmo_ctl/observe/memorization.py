@@ -18,8 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 TRAIN_TAG = "train/CE loss"
-# The held-out loss a run logs: OLMo-core's C4 evaluator's name first, then the trainer's own held-out set.
-HELDOUT_TAGS = ("eval/lm/c4_en/CE loss", "eval/lm_loss")
+# The held-out loss a run logs: OLMo-core's C4 evaluator's name first (`c4_en-validation`, its label in
+# v3-small-ppl-validation; `c4_en` in older runs), then the trainer's own held-out set.
+HELDOUT_TAGS = ("eval/lm/c4_en-validation/CE loss", "eval/lm/c4_en/CE loss", "eval/lm_loss")
 DEFAULT_THRESHOLD = 0.02  # nats: well above step-to-step noise of a 1000-step window mean
 DEFAULT_MIN_POINTS = 2
 

@@ -8,6 +8,7 @@ success and on an exception alike). The loop calls the hooks of each kind in the
 `default_hooks` fixes that order; it is the order the trainer has always acted in:
 
   after a step   EvalHook        every `eval.interval` steps, the held-out loss (metrics fetched first)
+                 LMEvalHook      every `eval.lm.interval` steps, OLMo-core's per-label LM evaluator
                  StopHook        the final step, or a stop every host agreed on: the exit code (0 / 143)
                  CheckpointHook  stopping: the final save, committed; else every `checkpoint.interval`
                  MetricsHook     every `logging.metrics_every` steps, fetch the pending metrics
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from olmo_ctl.core import stragglers
-from olmo_ctl.core.contracts import EXIT_SIGTERM, step_line
+from olmo_ctl.core.contracts import EXIT_SIGTERM, lm_eval_tags, step_line
 from olmo_ctl.trainer.exits import TrainingFailed
 
 
@@ -174,6 +175,31 @@ class EvalHook(Hook):
         if loop.s.proc == 0:
             loop.events.scalars(loop.step, {"eval/lm_loss": loss})
         print(f"eval step {loop.step} lm_loss {loss:.4f}", flush=True)
+
+
+class LMEvalHook(Hook):
+    """OLMo-core's LM evaluator every `eval.lm.interval` steps: the whole `eval.lm` set, per-label CE
+    loss and PPL (`eval/lm/<label>/...`; trainer/lm_eval.py). Nothing without `eval.lm`."""
+
+    def __init__(self, evaluator, interval: int):
+        self.evaluator, self.interval = evaluator, interval
+
+    @classmethod
+    def for_recipe(cls, s) -> LMEvalHook:
+        from olmo_ctl.trainer.lm_eval import LMEvaluator
+
+        return cls(LMEvaluator.for_recipe(s), s.recipe.eval.lm.interval)
+
+    def post_step(self, loop) -> None:
+        if self.evaluator is None or loop.step % self.interval:
+            return
+        loop.flush()
+        with loop.watchdog.paused():
+            values = self.evaluator.evaluate(loop.state["params"])
+        if loop.s.proc == 0:
+            loop.events.scalars(loop.step, values)
+        losses = " ".join(f"{x} {values[lm_eval_tags(x)[0]]:.4f}" for x in self.evaluator.data.labels)
+        print(f"eval step {loop.step} lm {losses}", flush=True)
 
 
 class StopHook(Hook):
@@ -396,6 +422,7 @@ def default_hooks(s, signals: StopSignals) -> list[Hook]:
     r = s.recipe
     return [
         EvalHook.for_recipe(s),
+        LMEvalHook.for_recipe(s),
         StragglerHook(),
         StopHook(signals, s.final_step),
         CheckpointHook(r.checkpoint.interval),

@@ -23,6 +23,16 @@ def token_losses(params, input_ids, labels, cfg, segment_ids=None):
     still take part in the softmax and in the z-loss's logsumexp. `segment_ids` (packed data):
     attention stays within each document.
     """
+    import jax.numpy as jnp
+
+    ce_tok, lse, mask = _token_ce(params, input_ids, labels, cfg, segment_ids)
+    ce = jnp.sum(ce_tok)
+    z = jnp.sum(jnp.where(mask, lse * lse, 0.0))
+    return ce, z, jnp.sum(mask).astype(jnp.float32)
+
+
+def _token_ce(params, input_ids, labels, cfg, segment_ids=None):
+    """Per-token CE [B, T] (0 at ignored labels), the logsumexp [B, T] and the label mask; fp32."""
     import jax
     import jax.numpy as jnp
 
@@ -32,9 +42,7 @@ def token_losses(params, input_ids, labels, cfg, segment_ids=None):
     lse = jax.nn.logsumexp(logits, axis=-1)
     mask = labels != IGNORE_INDEX
     target = jnp.take_along_axis(logits, jnp.where(mask, labels, 0)[..., None], axis=-1)[..., 0]
-    ce = jnp.sum(jnp.where(mask, lse - target, 0.0))
-    z = jnp.sum(jnp.where(mask, lse * lse, 0.0))
-    return ce, z, jnp.sum(mask).astype(jnp.float32)
+    return jnp.where(mask, lse - target, 0.0), lse, mask
 
 
 def make_train_step(recipe: Recipe):
@@ -124,6 +132,40 @@ def jit_eval_step(recipe: Recipe):
     return jax.jit(make_eval_step(recipe))
 
 
+def make_lm_eval_step(recipe: Recipe, n_labels: int):
+    """The LM evaluator's step (trainer/lm_eval.py): params, batch {input_ids, labels: [n_micro, micro,
+    T], label_index, weight: [n_micro, micro]} -> (CE sums fp32, weights int32), each [n_micro,
+    n_labels]: per micro-batch, the CE of each label's rows and their weights (a row's label index
+    -1: a padding row, in no label). Sums are elementwise, never a matmul (TPU matmuls round fp32)."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = recipe.model
+
+    def step(params, batch):
+        def body(carry, mb):
+            ce_tok, _, _ = _token_ce(params, mb["input_ids"], mb["labels"], cfg)
+            onehot = mb["label_index"][:, None] == jnp.arange(n_labels)[None, :]  # [micro, n_labels]
+            ce_rows = jnp.sum(ce_tok, axis=-1)  # [micro]
+            ce = jnp.sum(jnp.where(onehot, ce_rows[:, None], 0.0), axis=0)
+            w = jnp.sum(jnp.where(onehot, mb["weight"][:, None], 0), axis=0)
+            return carry, (ce, w)
+
+        _, (ce, w) = jax.lax.scan(body, None, batch)
+        return ce, w
+
+    return step
+
+
+def jit_lm_eval_step(recipe: Recipe, n_labels: int, mesh):
+    """The LM evaluator's step, its sums replicated (every host reads them)."""
+    import jax
+
+    from olmo_ctl.trainer import sharding
+
+    return jax.jit(make_lm_eval_step(recipe, n_labels), out_shardings=sharding.replicated(mesh))
+
+
 def eval_layout(recipe: Recipe, plan) -> tuple[int, int]:
     """(micro-batches, instances per micro-batch) of one eval batch on `plan`'s slice; their product
     may exceed the eval batch (the rest is padding: `eval_device_batch`)."""
@@ -143,15 +185,18 @@ def eval_device_batch(batch: dict, recipe: Recipe, plan, mesh, local_devices: in
 
     n_micro, micro = eval_layout(recipe, plan)
     rows_per_proc = local_devices // plan.seq_shards
-    shard = micro_batch_sharding(mesh)
-    fill = {"input_ids": recipe.model.pad_token_id, "labels": IGNORE_INDEX}
+    # Per-row values of the LM evaluator (trainer/lm_eval.py) ride along, split over the rows only.
+    fill = {"input_ids": recipe.model.pad_token_id, "labels": IGNORE_INDEX, "label_index": -1, "weight": 0}
     out = {}
-    for k in ("input_ids", "labels"):
+    for k in (k for k in fill if k in batch):
         x = np.asarray(batch[k], np.int32)
         pad = n_micro * micro // n_proc - x.shape[0]
-        x = np.concatenate([x, np.full((pad, x.shape[1]), fill[k], np.int32)]) if pad else x
+        x = np.concatenate([x, np.full((pad, *x.shape[1:]), fill[k], np.int32)]) if pad else x
+        rows = x.ndim == 1
         out[k] = jax.make_array_from_process_local_data(
-            shard, micro_layout(x, rows_per_proc, n_micro), (n_micro, micro, recipe.train.seq_len)
+            micro_row_sharding(mesh) if rows else micro_batch_sharding(mesh),
+            micro_layout(x, rows_per_proc, n_micro),
+            (n_micro, micro) if rows else (n_micro, micro, recipe.train.seq_len),
         )
     return out
 
