@@ -16,7 +16,7 @@ from olmo_ctl.testing.cluster import jobset as jobsetctl
 from olmo_ctl.testing.cluster.objects import find_cond, is_true
 from olmo_ctl.testing.kube_server import KubeServer, tiny_jobset
 
-RENDERED_POLICY = {  # what olmo-ctl renders (tests/goldens): FailJob on 1/2, Ignore on DisruptionTarget
+RENDERED_POLICY = {  # the first two rules olmo-ctl renders (tests/test_failure_policy.py has all four)
     "podFailurePolicy": {
         "rules": [
             {

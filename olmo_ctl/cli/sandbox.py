@@ -97,6 +97,16 @@ def sandbox(
             "applied that long after the sandbox starts serving (see `sandbox fault`).",
         ),
     ] = None,
+    default_toleration_seconds: Annotated[
+        float,
+        typer.Option(
+            "--default-toleration-seconds",
+            min=0,
+            help="How long a pod stays on a NotReady or unreachable node before taint eviction, as "
+            "kube-apiserver's --default-not-ready-toleration-seconds and "
+            "--default-unreachable-toleration-seconds set it (shorter: a compressed soak).",
+        ),
+    ] = 300.0,
 ) -> None:
     """Serve a sandbox Kubernetes API with JobSet and Kueue on localhost until SIGTERM or Ctrl-C.
 
@@ -134,10 +144,21 @@ def sandbox(
         args += ["--gcs-bucket", gcs_bucket] if gcs_bucket is not None else []
         args += ["--faults", str(faults.resolve())] if faults is not None else []
         args += ["--image-runtime", image_runtime]
+        args += ["--default-toleration-seconds", f"{default_toleration_seconds:g}"]
         _detach(kubeconfig, args)
         return
     _serve(
-        kubeconfig, namespace, queue, devices, classes, port, run_pods, gcs_bucket, timeline, image_runtime
+        kubeconfig,
+        namespace,
+        queue,
+        devices,
+        classes,
+        port,
+        run_pods,
+        gcs_bucket,
+        timeline,
+        image_runtime,
+        default_toleration_seconds,
     )
 
 
@@ -251,6 +272,7 @@ def _serve(
     gcs_bucket: str | None,
     timeline: list | None = None,
     image_runtime: str = "process",
+    default_toleration_s: float = 300.0,
 ) -> None:
     import contextlib
     import time
@@ -297,6 +319,7 @@ def _serve(
             port=port,
             runner=runner,
         )
+        sb.world.nodes.default_toleration_s = default_toleration_s
         pending = list(timeline or [])
         if pending:
             from olmo_ctl.testing.sandbox_faults import check
@@ -337,7 +360,12 @@ def _serve(
         try:
             while not stop.wait(0.5):
                 while pending and time.monotonic() - started >= pending[0].at_s:
-                    sys.stderr.write(f"sandbox: fault at {pending[0].at_s:g} s: {sb.fault(pending.pop(0))}\n")
+                    due = pending.pop(0)
+                    try:
+                        said = sb.fault(due)
+                    except BadInput as e:  # the world changed since the timeline was checked
+                        said = f"not applied: {e}"
+                    sys.stderr.write(f"sandbox: fault at {due.at_s:g} s: {said}\n")
                     sys.stderr.flush()
                 sb.tick()
         except KeyboardInterrupt:

@@ -236,6 +236,9 @@ class SandboxWorld(ScriptedWorld):
                 if not (self.nodes.reconcile() | self.release_orphans() | self.schedule()):
                     return
 
+    def _pool_names(self) -> set[str]:
+        return set(self.nodes.pools())  # a pool whose nodes a repair or a stockout removed is still one
+
     def release_orphans(self) -> bool:
         """Finalizers nobody else would remove once an owner went without waiting (a Background delete,
         what `kubectl delete` does):

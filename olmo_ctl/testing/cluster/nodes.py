@@ -89,6 +89,9 @@ class NodeCauses:
     removed: dict[str, tuple[dict, float]] = field(default_factory=dict)  # name -> (node, recreate at)
     _dead_pods: set[str] = field(default_factory=set)  # uids of pods whose containers died with a host
     _admitting: dict[str, float] = field(default_factory=dict)  # pod uid -> when its kubelet decides
+    # kube-apiserver's --default-not-ready-toleration-seconds / --default-unreachable-toleration-seconds
+    # (the DefaultTolerationSeconds plugin's tolerationSeconds; both 300 by default).
+    default_toleration_s: float = DEFAULT_TOLERATION_S
 
     # -- where
     def pools(self) -> dict[str, list[str]]:
@@ -428,7 +431,7 @@ class NodeCauses:
             for t in node["spec"].get("taints") or []:
                 if t.get("effect") != "NoExecute" or "timeAdded" not in t:
                     continue
-                secs = _toleration_seconds(pod["spec"].get("tolerations") or [], t)
+                secs = _toleration_seconds(pod["spec"].get("tolerations") or [], t, self.default_toleration_s)
                 if secs is None or w.seconds_since(t["timeAdded"]) >= secs:
                     w.add_disruption(
                         pod, "DeletionByTaintManager", "Taint manager: deleting due to NoExecute taint"
@@ -474,13 +477,13 @@ def _tolerates(tolerations: list[dict], taint: dict) -> bool:
     return any(_matches(t, taint) for t in tolerations)
 
 
-def _toleration_seconds(tolerations: list[dict], taint: dict) -> float | None:
+def _toleration_seconds(tolerations: list[dict], taint: dict, default_s: float) -> float | None:
     """taint_eviction.go getMinTolerationTime over the matching tolerations (None: not tolerated,
     evicted at once; inf: tolerated forever). Pods without their own not-ready/unreachable
-    toleration have DefaultTolerationSeconds' 300 s."""
+    toleration have DefaultTolerationSeconds' (`default_s`, 300 s unless the API server says else)."""
     matching = [t for t in tolerations if _matches(t, taint)]
     if not matching and taint["key"] in (UNREACHABLE_TAINT, NOT_READY_TAINT):
-        return float(DEFAULT_TOLERATION_S)
+        return float(default_s)
     if not matching:
         return None
     secs = [t.get("tolerationSeconds") for t in matching]

@@ -1,0 +1,37 @@
+"""The soak (olmo_ctl.testing.soak, benchmarks/soak.py) under the shipped fault timeline: the run
+finishes by itself through every fault class, a fallback to v5p-8 and the return; its losses equal an
+uninterrupted twin's bit for bit up to the fallback; a step trained twice logs the same loss twice."""
+
+from __future__ import annotations
+
+import pytest
+
+from olmo_ctl.core.durations import parse_duration
+from olmo_ctl.testing.sandbox_faults import KINDS
+from olmo_ctl.testing.soak import load_timeline, run_soak
+
+
+def test_the_shipped_timeline_holds_every_fault_class():
+    timeline = load_timeline()
+    assert {f["kind"] for f in timeline} == set(KINDS)
+    assert all(parse_duration(str(f["at"])) > 0 for f in timeline)
+
+
+@pytest.mark.chaos  # about ten minutes: the soak, then its twin
+@pytest.mark.gcs
+def test_the_soak_finishes_by_itself_with_the_twins_losses(tmp_path):
+    r = run_soak(tmp_path / "soak", steps=200)
+    facts = r.to_dict()
+    assert r.rc == 0 and r.twin_rc == 0, f"{facts}\n{r.log_tail}"
+    assert r.final_committed == 200, facts
+    # Every fault happened while the run was going: it ended after the last one.
+    assert r.wall_s > max(f["at_s"] for f in r.faults), facts
+    assert r.devices[0] == "v5p-16" and "v5p-8" in r.devices and r.devices[-1] == "v5p-16", facts
+    assert r.journal_events.get("fallback") == 1 and r.journal_events.get("returned") == 1, facts
+    assert not {"gave_up", "failed"} & set(r.journal_events), facts
+    assert r.same_device_equal, r.first_difference
+    assert r.replay_mismatches == 0, facts
+    # On the v5p-8 the sums are ordered otherwise: its first step differs by rounding only.
+    assert r.diff_first_step_after_fallback is not None and r.diff_first_step_after_fallback < 1e-5, facts
+    assert r.max_diff_after_fallback is not None and r.max_diff_after_fallback < 1e-2, facts
+    assert 0 < r.goodput < 1 and sum(r.lost_s.values()) + r.train_s == pytest.approx(r.wall_s, rel=1e-6)
