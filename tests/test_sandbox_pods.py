@@ -20,7 +20,7 @@ from helpers.waiting import alive
 
 from olmo_ctl.testing.kube_server import tiny_jobset
 from olmo_ctl.testing.pod_processes import ProcessRunner
-from olmo_ctl.testing.sandbox import Sandbox, start_subprocess, stop_subprocess
+from olmo_ctl.testing.sandbox import Sandbox, parse_exports, start_subprocess, stop_subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -325,15 +325,7 @@ def test_the_fit_rule_counts_the_model_its_copies_per_slice_a_micro_batch_and_th
 # ---------------------------------------------------------------- GKE mode on one machine
 
 
-def _exports(text: str) -> dict[str, str]:
-    import shlex
-
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("export "):
-            k, _, v = line[len("export ") :].partition("=")
-            out[k] = shlex.split(v)[0] if v else ""
-    return out
+_exports = parse_exports  # test_image.py imports it from here
 
 
 def _gone(pid: int, timeout_s: float = 30.0) -> None:

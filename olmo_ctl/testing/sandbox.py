@@ -148,6 +148,16 @@ def export_lines(env: dict[str, str]) -> str:
     return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
 
 
+def parse_exports(text: str) -> dict[str, str]:
+    """The variables of `export_lines`' text (what `eval` would set)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("export "):
+            k, _, v = line[len("export ") :].partition("=")
+            out[k] = shlex.split(v)[0] if v else ""
+    return out
+
+
 def env_file_for(kubeconfig: Path) -> Path:
     """Where the sandbox writes its `export` lines, beside its kubeconfig (removed with it)."""
     return kubeconfig.with_name(kubeconfig.name + ".env")

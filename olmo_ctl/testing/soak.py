@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -45,6 +44,7 @@ from typing import Any
 import yaml
 
 from olmo_ctl.core.durations import parse_duration
+from olmo_ctl.testing.sandbox import parse_exports
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMELINE = ROOT / "benchmarks" / "soak_timeline.yaml"
@@ -115,15 +115,6 @@ def load_timeline(path: Path = TIMELINE) -> list[dict]:
     return sorted(faults, key=lambda f: parse_duration(str(f["at"])))
 
 
-def _exports(text: str) -> dict[str, str]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("export "):
-            k, _, v = line[len("export ") :].partition("=")
-            out[k] = shlex.split(v)[0] if v else ""
-    return out
-
-
 def _env(work: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
     for k in ("KUBECONFIG", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "XLA_FLAGS"):
@@ -176,7 +167,7 @@ def _sandbox(work: Path, name: str, env: dict, slices: list[str], extra: list[st
     )
     if p.returncode != 0:
         raise RuntimeError(f"the {name} sandbox did not start: {p.stderr[-2000:]}")
-    return _exports(p.stdout)
+    return parse_exports(p.stdout)
 
 
 def _stop_sandbox(ex: dict[str, str]) -> None:
