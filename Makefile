@@ -3,8 +3,9 @@
 #   make test      the everyday lane: every test but the chaos and tpu_compile lanes (about 9 min, 2 cores)
 #                  JOBS=N sets the pytest workers (default 2; JOBS=0: one process)
 #   make test-chaos       the chaos lane: long fault-injection runs
+#   make test-soak        the soak (about 10 min): every fault class in the sandbox; not in test-all
 #   make test-tpu-compile the tpu_compile lane: compiles for TPU topologies with libtpu
-#   make test-all  every lane in one run (what CI runs, after `make check`)
+#   make test-all  every lane but the soak in one run (what CI runs, after `make check`)
 #   make demo      set up, then train the smoke model locally under resume-until-done
 #   make goldens   regenerate tests/goldens/*.yaml and recipes.json (review the diff)
 #   make lint      ruff
@@ -30,7 +31,7 @@ EXTRAS      ?= trainer,tpu
 BUILDER     ?=
 IMAGE_CACHE ?= /var/cache/olmo-ctl
 
-.PHONY: install test test-chaos test-tpu-compile test-all check lint goldens demo image base-image image-test \
+.PHONY: install test test-chaos test-soak test-tpu-compile test-all check lint goldens demo image base-image image-test \
 	bench lock
 
 install: $(STAMP)
@@ -55,13 +56,16 @@ test:
 	$(call pytest_lane,-m "$(EVERYDAY)")
 
 test-chaos:
-	$(call pytest_lane,-m chaos)
+	$(call pytest_lane,-m "chaos and not soak")
+
+test-soak:
+	$(call pytest_lane,-m soak)
 
 test-tpu-compile:
 	$(call pytest_lane,-m tpu_compile)
 
 test-all:
-	$(call pytest_lane,)
+	$(call pytest_lane,-m "not soak")
 
 lint:
 	$(BIN)/ruff check .

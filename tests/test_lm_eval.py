@@ -90,13 +90,15 @@ def test_every_instance_is_evaluated_by_exactly_one_host(n, n_proc):
         assert steps == 0 or max(len(s) for s in shares) > (steps - 1) * rows  # and no step is wasted
 
 
-def _setup(recipe, proc: int = 0, n_proc: int = 1):
+def _setup(recipe, proc: int = 0, n_proc: int = 1, activate: bool = False):
+    """What the evaluator reads of the trainer's set-up. `activate`: the mesh constrains activations
+    until `sharding.deactivate()` (the process-wide state every later test in this worker would see)."""
     import jax
 
     from olmo_ctl.trainer import sharding as S
 
     plan = make_plan(recipe, get_device("cpu-8"))
-    mesh = S.make_mesh(jax.devices()[:8], seq_shards=plan.seq_shards)
+    mesh = S.make_mesh(jax.devices()[:8], seq_shards=plan.seq_shards, activate=activate)
     return SimpleNamespace(recipe=recipe, plan=plan, mesh=mesh, proc=proc, n_proc=n_proc, local_devices=8)
 
 
@@ -156,9 +158,9 @@ def test_per_label_loss_equals_the_direct_computation(two_sets, seq_shards, whol
         ),
     )
     params = M.init_params(two_sets.model, jax.random.PRNGKey(0))
-    s = _setup(recipe)
-    assert s.plan.seq_shards == seq_shards
+    s = _setup(recipe, activate=True)
     try:
+        assert s.plan.seq_shards == seq_shards
         ev = L.LMEvaluator.for_recipe(s)
         assert ev is not None and len(ev.data) == 13 and ev.steps == 2  # 13 instances, 8 rows a step
         assert len(ev.instances) == (12 if whole_batches_of else 13)

@@ -17,7 +17,8 @@ def test_the_shipped_timeline_holds_every_fault_class():
     assert all(parse_duration(str(f["at"])) > 0 for f in timeline)
 
 
-@pytest.mark.chaos  # about ten minutes: the soak, then its twin
+@pytest.mark.chaos
+@pytest.mark.soak  # about ten minutes, its own lane (make test-soak): CI's bound leaves no room for it
 @pytest.mark.gcs
 def test_the_soak_finishes_by_itself_with_the_twins_losses(tmp_path):
     r = run_soak(tmp_path / "soak", steps=200)
