@@ -212,3 +212,65 @@ def test_stage_1_carries_ai2s_downstream_tasks_every_10000_steps():
     assert ds.tasks == D.OLMO3_PRETRAIN_TASKS and len(ds.tasks) == 26 and ds.interval == 10000
     D.check_tasks(ds.tasks)  # every label is one ai2-olmo-eval builds
     assert not load_recipe("smoke").eval.downstream.tasks
+
+
+@pytest.mark.chaos  # a trainer process: about 30 s
+def test_the_trainer_logs_olmo_cores_downstream_tags_at_its_interval(tmp_path):
+    """A real trainer process (smoke recipe, cpu-1, the bytes tokenizer) with two ranked-classification
+    tasks every 2 steps: OLMo-core's tags at steps 2 and 4 (accuracy, BPB, ...), the evaluator's line."""
+    from helpers.trainer import scalars, train
+
+    tasks = "eval.downstream={tasks: [copycolors_10way, basic_skills_pattern_rc_5shot], interval: 2}"
+    p = train(
+        tmp_path / "run", "--stop-at-step", "4", "--set", "data.tokenizer=builtin://bytes", "--set", tasks
+    )
+    assert "eval step 2 downstream copycolors_10way " in p.stdout and "eval step 4 downstream " in p.stdout
+    got = scalars(tmp_path / "run")
+    acc = got["eval/downstream/copycolors_10way (accuracy)"]
+    bpb = got["eval/downstream/basic_skills_pattern_rc_5shot (BPB)"]
+    assert sorted(acc) == sorted(bpb) == [2, 4]
+    assert 0.0 <= acc[4] <= 1.0 and bpb[4] < bpb[2]  # the model learns bytes: BPB falls
+    assert "eval/downstream/basic_skills_pattern_rc_5shot (accuracy)" in got
+
+
+@pytest.mark.chaos  # a trainer process
+def test_a_trainer_without_its_tokenizer_file_stops_at_start_with_exit_2(tmp_path):
+    from helpers.trainer import train
+
+    p = train(
+        tmp_path / "run",
+        "--stop-at-step",
+        "1",
+        "--set",
+        f"data.tokenizer={tmp_path / 'missing'}",
+        "--set",
+        "eval.downstream=[copycolors_10way]",
+        expect=2,
+    )
+    assert "no " in p.stderr and "tokenizer.json" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+
+
+@pytest.mark.chaos  # a trainer and a two-host twin: about a minute
+def test_two_hosts_log_the_one_host_metrics(tmp_path):
+    """The multi-host twin (2 processes x 2 devices): each host scores its share of every task, every
+    row comes back with its instance index; the logged metrics are the one-device run's (to fp32
+    rounding of the trained params)."""
+    from helpers.trainer import scalars, train
+    from test_multihost import host_codes, start, wait_ended
+
+    sets = (
+        "--set",
+        "data.tokenizer=builtin://bytes",
+        "--set",
+        "eval.downstream={tasks: [copycolors_10way], interval: 2}",
+    )
+    train(tmp_path / "one", "--stop-at-step", "2", *sets)
+    backend, h = start(tmp_path, "cpu-2x2", 100, "--stop-at-step", "2", *sets, run="two")
+    assert wait_ended(backend, h, 300) and host_codes(backend, h) == [0, 0]
+    one, two = (scalars(tmp_path / r) for r in ("one", "two"))
+    for metric in ("accuracy", "BPB", "CE loss", "soft loss"):
+        tag = f"eval/downstream/copycolors_10way ({metric})"
+        assert float(two[tag][2]) == pytest.approx(float(one[tag][2]), rel=1e-5), tag

@@ -205,23 +205,19 @@ class LMEvalHook(Hook):
 
 class DownstreamHook(Hook):
     """OLMo-core's downstream evaluator every `eval.downstream.interval` steps: ai2-olmo-eval's tasks,
-    `eval/downstream/<task> (<metric>)` (trainer/downstream.py). The tokenizer and the task labels are
-    checked when the attempt starts; the tasks are built at the first evaluation (no start-up cost for
-    an attempt that ends before it). Nothing without `eval.downstream`."""
+    `eval/downstream/<task> (<metric>)` (trainer/downstream.py). The tasks are built when the attempt
+    starts, so a task the tokenizer or the sequence length cannot take stops it then (exit 2), not at
+    its first evaluation days later. Nothing without `eval.downstream`."""
 
-    def __init__(self, s, interval: int):
-        self.s, self.interval, self.evaluator = s, interval, None
+    def __init__(self, evaluator, interval: int):
+        self.evaluator, self.interval = evaluator, interval
 
     @classmethod
     def for_recipe(cls, s) -> DownstreamHook | None:
         from olmo_ctl.trainer import downstream
 
-        r = s.recipe
-        if not r.eval.downstream.tasks:
-            return None
-        downstream.check_tasks(r.eval.downstream.tasks)
-        downstream.tokenizer_path(downstream.tokenizer_spec(r))
-        return cls(s, r.eval.downstream.interval)
+        evaluator = downstream.DownstreamEvaluator.for_recipe(s)
+        return None if evaluator is None else cls(evaluator, s.recipe.eval.downstream.interval)
 
     def post_step(self, loop) -> None:
         from olmo_ctl.trainer import downstream
@@ -230,8 +226,6 @@ class DownstreamHook(Hook):
             return
         loop.flush()
         with loop.watchdog.paused():
-            if self.evaluator is None:
-                self.evaluator = downstream.DownstreamEvaluator.for_recipe(self.s)
             results = self.evaluator.evaluate(loop.state["params"])
         if loop.s.proc == 0:
             loop.events.scalars(loop.step, downstream.tagged(results))
