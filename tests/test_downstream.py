@@ -274,3 +274,20 @@ def test_two_hosts_log_the_one_host_metrics(tmp_path):
     for metric in ("accuracy", "BPB", "CE loss", "soft loss"):
         tag = f"eval/downstream/copycolors_10way ({metric})"
         assert float(two[tag][2]) == pytest.approx(float(one[tag][2]), rel=1e-5), tag
+
+
+@pytest.mark.gcs
+def test_a_tokenizer_directory_on_gcs_is_read_once_into_the_cache(gcs, tmp_path):
+    from olmo_ctl import storage
+
+    text = D.bytes_tokenizer_json()
+    url = f"gs://{gcs.bucket}/tokenizers/bytes"
+    storage.store_for(url).write_text(f"{url}/tokenizer.json", text)
+    local = D.tokenizer_path(url, str(tmp_path / "cache"))
+    assert Path(local).read_text() == text and Path(local).parent == tmp_path / "cache"
+    recipe = load_recipe(
+        "smoke", overrides=["data.tokenizer={root}/tokenizers/bytes", f"data.root=gs://{gcs.bucket}/"]
+    )
+    assert D.tokenizer_spec(recipe) == url
+    with pytest.raises(BadInput, match=r"no gs://.*/nothing/tokenizer.json"):
+        D.tokenizer_path(f"gs://{gcs.bucket}/nothing", str(tmp_path / "cache"))

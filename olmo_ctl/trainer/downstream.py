@@ -179,12 +179,15 @@ def tokenizer_path(spec: str, cache_dir: str | None = None) -> str:
         return path
     candidates = [spec] if spec.endswith(".json") else [spec.rstrip("/") + "/tokenizer.json"]
     for c in candidates:
-        if c.startswith("gs://"):
-            if storage.exists(c):
+        if storage.is_gcs(c):
+            store = storage.store_for(c)
+            if store.exists(c):
                 os.makedirs(cache, exist_ok=True)
                 local = os.path.join(cache, c[len("gs://") :].replace("/", "_"))
-                with open(local, "wb") as f:
-                    f.write(storage.read_bytes(c))
+                tmp = f"{local}.{os.getpid()}"
+                with open(tmp, "wb") as f:
+                    f.write(store.read_bytes(c))
+                os.replace(tmp, local)
                 return local
         elif os.path.isfile(c):
             return c
