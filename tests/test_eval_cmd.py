@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -146,6 +147,22 @@ def test_a_process_of_its_own_runs_on_the_devices_asked_for(smoke_run, smoke_rep
     assert p.stderr == "note: evaluating 1 LM set (2 documents) at seq_len 128 on cpu-2\n", p.stderr
     got, want = json.loads(p.stdout)["lm"]["smoke_eval"], smoke_report["lm"]["smoke_eval"]
     assert got["tokens"] == want["tokens"] and got["ce_loss"] == pytest.approx(want["ce_loss"], rel=1e-5)
+
+
+def test_lm_mix_reads_the_validation_mix_under_data_root(smoke_run, tmp_path, env):
+    """`--lm v3-small-ppl-validation --data-root DIR`: its 11 files under DIR, labelled as OLMo-core
+    labels them, in the manifest's order."""
+    from olmo_ctl.data.mixes import load_mix, mix_paths
+
+    rng = np.random.default_rng(3)
+    for path in mix_paths("v3-small-ppl-validation", str(tmp_path)):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.asarray([*rng.integers(0, 256, 20).tolist(), 256], "<u4").tofile(path)
+    ckpt = str(smoke_run / "checkpoints" / "40")
+    args = ["--recipe", "smoke", "--lm", "v3-small-ppl-validation", "--data-root", str(tmp_path)]
+    got = _report(ckpt, *args, env=env)["lm"]
+    assert list(got) == [e.label for e in load_mix("v3-small-ppl-validation")]
+    assert all(v["tokens"] == 21 and v["ce_loss"] > 0 for v in got.values())
 
 
 def test_a_forward_pass_takes_up_to_8_rows_and_bounded_logits():
