@@ -23,6 +23,7 @@ from olmo_ctl.cli import (  # noqa: F401
     data,
     devices,
     doctor,
+    evaluate,
     logs,
     monitor,
     parity,

@@ -38,6 +38,7 @@ COMMAND_ORDER = (
     "data",
     "convert",
     "parity",
+    "eval",
     "surgery",
     "sandbox",
 )

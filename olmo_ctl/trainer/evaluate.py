@@ -1,0 +1,308 @@
+"""`olmo-ctl eval`: one checkpoint's LM and downstream evaluation, in this process, on host CPU devices.
+
+The evaluators are the trainer's own (`lm_eval.LMEvaluator`, `downstream.DownstreamEvaluator`), on a
+mesh of the devices asked for, so a checkpoint scores here what its run logged in the loop. Three kinds
+of checkpoint: a run's step directory `<run-dir>/checkpoints/<N>` (its recipe from run.yaml, or
+`--recipe`, gives the defaults: `eval.downstream.tasks`, `eval.lm`, `data.tokenizer`,
+`train.seq_len`), an Orbax directory with olmo_model.json (`convert hf-to-orbax`), and a Hugging Face
+Olmo3ForCausalLM directory, converted in memory by `convert`'s code (its tokenizer.json is the default
+tokenizer). Everything that can be refused is refused in `prepare`, before any parameter is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import LMEvalConfig, ModelConfig, Recipe, load_recipe
+from olmo_ctl.storage import is_gcs, join, store_for
+
+DEFAULT_SEQ_LEN = 2048  # without a recipe (capped by config.json's max_position_embeddings)
+ROWS = 8  # instances per forward pass: up to this, a multiple of the devices
+LOGITS_BYTES = 2 * 2**30  # ... and their fp32 logits at most this, unless one row per device is more
+CHECKPOINT_HINT = (
+    "pass <run-dir>/checkpoints/<N>, an Orbax directory with olmo_model.json (`olmo-ctl convert"
+    " hf-to-orbax`) or a Hugging Face Olmo3ForCausalLM directory (config.json)"
+)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What CHECKPOINT is, read without its parameters."""
+
+    given: str  # as the user wrote it (the report's `checkpoint`)
+    path: str  # local paths absolute
+    kind: Literal["run", "orbax", "hf"]
+    step: int | None  # a run's step; None for the other kinds
+    model: ModelConfig
+    recipe: Recipe | None  # a run's recipe (kind "run")
+    recipe_name: str | None  # --recipe, for a run's step directory without run.yaml
+    max_positions: int | None  # config.json's max_position_embeddings (kinds "orbax", "hf")
+
+
+def open_checkpoint(path: str, recipe: str | None = None) -> Checkpoint:
+    """The checkpoint at `path` (local or gs://); a BadInput when it is none of the three kinds."""
+    from olmo_ctl.trainer.convert import META_FILE, model_config_from_hf, read_hf_config, read_meta
+
+    given = path
+    if not is_gcs(path):
+        if not os.path.isdir(path):
+            raise BadInput(f"checkpoint `{path}` does not exist", CHECKPOINT_HINT)
+        path = os.path.abspath(path)  # its run directory is two levels up, also from `checkpoints/40`
+    path = path.rstrip("/")
+    store = store_for(path)
+    if store.exists(join(path, META_FILE)):
+        from olmo_ctl.trainer.convert import model_from_meta
+
+        _no_recipe(recipe, given)
+        meta = read_meta(path)
+        hf = meta.get("hf_config") or {}
+        return Checkpoint(given, path, "orbax", None, model_from_meta(meta), None, None, _positions(hf))
+    if store.exists(join(path, "config.json")):
+        _no_recipe(recipe, given)
+        hf = read_hf_config(path)
+        name = os.path.basename(path) or "olmo3-hf"
+        cfg = model_config_from_hf(hf, name=name)
+        return Checkpoint(given, path, "hf", None, cfg, None, None, _positions(hf))
+    head, _, step = path.rpartition("/")
+    run_dir, _, parent = head.rpartition("/")
+    if not (step.isdigit() and parent == "checkpoints"):
+        raise BadInput(
+            f"`{given}` is not a checkpoint: no olmo_model.json, no config.json, not a step directory",
+            CHECKPOINT_HINT,
+        )
+    if recipe is not None:
+        r = load_recipe(recipe)
+    else:
+        from olmo_ctl.rundir import RunDir
+
+        rd = RunDir(run_dir)
+        if not rd.exists():
+            raise BadInput(
+                f"`{given}`: its run has no run.yaml (`{join(run_dir, 'run.yaml')}`)",
+                "pass --recipe with the run's recipe",
+            )
+        r = rd.recipe()
+    from olmo_ctl.trainer.checkpoint import open_step
+
+    open_step(path)[0].close()  # a BadInput unless it is a committed step
+    return Checkpoint(given, path, "run", int(step), r.model, r, recipe, None)
+
+
+def _no_recipe(recipe: str | None, path: str) -> None:
+    if recipe is not None:
+        raise BadInput(
+            f"--recipe is for a run's step directory without run.yaml; `{path}` carries its model",
+            "leave --recipe out",
+        )
+
+
+def _positions(hf: dict) -> int | None:
+    n = hf.get("max_position_embeddings")
+    return n if isinstance(n, int) and n > 1 else None
+
+
+@dataclass
+class EvalJob:
+    """An evaluation ready to run: the recipe the evaluators read (the checkpoint's model, the
+    sequence length, the tokenizer, the eval layout on the devices), the built tasks, the LM data."""
+
+    checkpoint: Checkpoint
+    recipe: Recipe
+    devices: int
+    tasks: list  # downstream.TaskSet, each cut to `limit` documents
+    lm_data: Any  # lm_eval.LMEvalData, or None
+    limit: int = 0
+
+
+def rows_per_pass(devices: int, seq_len: int, padded_vocab: int) -> int:
+    """Instances per forward pass: a multiple of the devices, up to `ROWS` (rounded up to the
+    devices) while their fp32 logits stay within `LOGITS_BYTES`; one per device at least."""
+    per_row = seq_len * padded_vocab * 4
+    return devices * max(1, min(-(-ROWS // devices), LOGITS_BYTES // (per_row * devices)))
+
+
+def eval_recipe(
+    ckpt: Checkpoint,
+    *,
+    tasks: tuple[str, ...] | None,
+    lm: LMEvalConfig | None,
+    tokenizer: str | None,
+    seq_len: int | None,
+    data_root: str | None,
+    devices: int,
+) -> Recipe:
+    """The recipe the evaluators read. Unset choices come from the run's recipe (a run's checkpoint)
+    or are off (no tasks, no LM sets; the tokenizer is a Hugging Face directory's own). The eval
+    layout: `rows_per_pass` instances per forward pass, one pass per step, no sequence sharding; the
+    train batch is set to it (the plan must split something)."""
+    from olmo_ctl.trainer import downstream as D
+
+    run = ckpt.recipe
+    base = run or load_recipe("smoke")  # the layout's other defaults; the model is the checkpoint's
+    if seq_len is None:
+        seq_len = run.train.seq_len if run else min(DEFAULT_SEQ_LEN, ckpt.max_positions or DEFAULT_SEQ_LEN)
+    if seq_len < 2:
+        raise BadInput(f"--seq-len {seq_len}: a sequence needs at least 2 tokens", "e.g. --seq-len 2048")
+    if tokenizer is None:
+        tokenizer = D.tokenizer_spec(run) if run else (ckpt.path if ckpt.kind == "hf" else "")
+    if data_root is None:
+        data_root = run.data.root if run else ""
+    rows = rows_per_pass(devices, seq_len, ckpt.model.padded_vocab_size)
+    t, e = base.train, base.eval
+    return dataclasses.replace(
+        base,
+        model=ckpt.model,
+        train=dataclasses.replace(
+            t, seq_len=seq_len, global_batch=rows, seq_shards=1, max_per_device_batch=0, mesh="fsdp"
+        ),
+        data=dataclasses.replace(base.data, root=data_root, tokenizer=tokenizer),
+        eval=dataclasses.replace(
+            e,
+            batch_size=rows,
+            micro_batch=rows,
+            lm=(run.eval.lm if run else LMEvalConfig()) if lm is None else lm,
+            downstream=dataclasses.replace(
+                e.downstream, tasks=(run.eval.downstream.tasks if run else ()) if tasks is None else tasks
+            ),
+        ),
+    )
+
+
+def prepare(
+    ckpt: Checkpoint,
+    *,
+    tasks: tuple[str, ...] | None = None,
+    lm: LMEvalConfig | None = None,
+    tokenizer: str | None = None,
+    seq_len: int | None = None,
+    data_root: str | None = None,
+    devices: int = 1,
+    limit: int = 0,
+) -> EvalJob:
+    """Every check that needs no parameters, in the order a user fixes them: something to evaluate,
+    the task labels, the tokenizer, each task built with it, the LM files and their documents."""
+    from olmo_ctl.trainer import downstream as D
+    from olmo_ctl.trainer.lm_eval import LMEvalData, resolve_sets
+
+    if limit < 0:
+        raise BadInput(f"--limit {limit} is negative", "0 evaluates every document")
+    r = eval_recipe(
+        ckpt, tasks=tasks, lm=lm, tokenizer=tokenizer, seq_len=seq_len, data_root=data_root, devices=devices
+    )
+    labels, lm_cfg = r.eval.downstream.tasks, r.eval.lm
+    if not labels and not lm_cfg.enabled:
+        where = "its run's recipe has" if ckpt.recipe else "a checkpoint without a recipe has"
+        raise BadInput(
+            f"nothing to evaluate: no downstream tasks and no LM sets ({where} none)",
+            "--tasks LABEL,... (e.g. --tasks olmo3) or --lm MIX|LABEL=PATH,...",
+        )
+    D.check_tasks(labels)
+    built = []
+    if labels:
+        if not r.data.tokenizer:
+            raise BadInput(
+                "the downstream tasks need the model's tokenizer, and this checkpoint names none",
+                "--tokenizer PATH (a Hugging Face tokenizer directory or tokenizer.json, local or gs://)",
+            )
+        try:
+            D.tokenizer_path(r.data.tokenizer)
+        except BadInput as err:
+            raise BadInput(
+                err.message,
+                "--tokenizer is a Hugging Face tokenizer directory (with tokenizer.json) or a"
+                f" tokenizer.json, local or gs://, or {D.BYTES_TOKENIZER} for byte-level models",
+            ) from None
+        tok = D.load_tokenizer(r.data.tokenizer, r.model)
+        for label in labels:
+            ts = D.build_task_set(label, tok, r.train.seq_len)
+            built.append(ts.first_documents(limit) if limit else ts)
+    data = None
+    if lm_cfg.enabled:
+        if lm_cfg.mix and not r.data.root:
+            raise BadInput(
+                f"--lm {lm_cfg.mix} reads its files under a data root, and none is set",
+                "--data-root DIR (the directory holding `eval-data/perplexity/...`, local or gs://)",
+            )
+        m = r.model
+        data = LMEvalData(resolve_sets(r), r.train.seq_len, m.eos_token_id, m.pad_token_id, m.vocab_size)
+    return EvalJob(ckpt, r, devices, built, data, limit)
+
+
+def load_params(ckpt: Checkpoint):
+    """The checkpoint's parameters as numpy arrays on the host (a Hugging Face directory converted
+    in memory, as `convert hf-to-orbax` converts it)."""
+    from olmo_ctl.trainer import convert
+
+    if ckpt.kind == "hf":
+        with convert.local_copy(ckpt.path) as d:
+            _, state = convert.load_hf_dir(d)
+            return convert.hf_state_to_params(state, ckpt.model)
+    params, _, _ = convert.load_orbax(ckpt.path, recipe=ckpt.recipe_name)
+    return params
+
+
+@dataclass
+class EvalSetup:
+    """What the evaluators read of a set-up (the trainer's `_Setup` fields they use): one process."""
+
+    recipe: Recipe
+    plan: Any
+    mesh: Any
+    proc: int = 0
+    n_proc: int = 1
+    local_devices: int = 1
+
+
+def _plain(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def run(job: EvalJob, devices=None) -> dict:
+    """The report: `{checkpoint, step, lm: {label: {ce_loss, ppl, tokens}}, downstream: {task:
+    {metric: value, ..., stderr}}}` (NaN, e.g. the standard error of one document, as None).
+    `devices`: the JAX devices (default: the first `job.devices` host CPU devices)."""
+    import jax
+
+    from olmo_ctl.core.batching import make_plan
+    from olmo_ctl.core.contracts import lm_eval_tags
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.trainer import sharding
+    from olmo_ctl.trainer.downstream import DownstreamEvaluator
+    from olmo_ctl.trainer.lm_eval import LMEvaluator, per_label_metrics
+    from olmo_ctl.trainer.quiet import cpu_devices
+
+    devs = list(devices) if devices is not None else cpu_devices(job.devices)
+    r = job.recipe
+    plan = make_plan(r, get_device(f"cpu-{len(devs)}"))
+    mesh = sharding.make_mesh(devs, seq_shards=plan.seq_shards, activate=False)
+    s = EvalSetup(r, plan, mesh, local_devices=len(devs))
+    host_params = load_params(job.checkpoint)
+    report: dict = {
+        "checkpoint": job.checkpoint.given,
+        "step": job.checkpoint.step,
+        "lm": {},
+        "downstream": {},
+    }
+    with jax.set_mesh(mesh):
+        params = jax.device_put(host_params, sharding.param_shardings(host_params, mesh))
+        if job.lm_data is not None:
+            ce, w = LMEvaluator(job.lm_data, s, job.limit).sums(params)
+            values = per_label_metrics(job.lm_data.labels, ce, w)
+            for label, tokens in zip(job.lm_data.labels, w, strict=True):
+                ce_tag, ppl_tag = lm_eval_tags(label)
+                report["lm"][label] = {
+                    "ce_loss": _plain(values[ce_tag]),
+                    "ppl": _plain(values[ppl_tag]),
+                    "tokens": int(tokens),
+                }
+        if job.tasks:
+            results = DownstreamEvaluator(job.tasks, s).evaluate(params)
+            report["downstream"] = {
+                task: {k: _plain(v) for k, v in metrics.items()} for task, metrics in results.items()
+            }
+    return report
