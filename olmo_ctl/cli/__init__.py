@@ -38,6 +38,7 @@ from olmo_ctl.cli import (  # noqa: F401
     stop,
     submit,
     surgery,
+    verify,
 )
 from olmo_ctl.cli.app import app
 from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, Interrupted, OlmoCtlError

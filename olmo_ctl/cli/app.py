@@ -39,6 +39,7 @@ COMMAND_ORDER = (
     "convert",
     "parity",
     "eval",
+    "verify",
     "surgery",
     "sandbox",
 )

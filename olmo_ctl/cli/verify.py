@@ -18,7 +18,9 @@ def _steps(text: str | None) -> list[int] | None:
     try:
         return sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise BadInput(f"--steps {text!r} is not a list of step numbers", "e.g. --steps 10000,20000") from None
+        raise BadInput(
+            f"--steps {text!r} is not a list of step numbers", "e.g. --steps 10000,20000"
+        ) from None
 
 
 def _plain(x):
@@ -38,7 +40,9 @@ def _path(p: str) -> str:
     return p if storage.is_gcs(p) else os.path.abspath(p)
 
 
-@app.command(example="olmo-ctl verify gs://b/runs/olmo3-7b-s1 --reference gs://b/ai2-reference --device cpu-8")
+@app.command(
+    example="olmo-ctl verify gs://b/runs/olmo3-7b-s1 --reference gs://b/ai2-reference --device cpu-8"
+)
 def verify(
     run: Annotated[str, typer.Argument(metavar="RUN", help="The run directory (local or gs://).")],
     reference: Annotated[
@@ -53,7 +57,9 @@ def verify(
     ] = None,
     tasks: Annotated[
         str | None,
-        typer.Option("--tasks", help="Downstream tasks LABEL,... or olmo3 (default: the run's eval.downstream)."),
+        typer.Option(
+            "--tasks", help="Downstream tasks LABEL,... or olmo3 (default: the run's eval.downstream)."
+        ),
     ] = None,
     lm: Annotated[
         str | None,
@@ -72,7 +78,13 @@ def verify(
     kl_tolerance: Annotated[
         float, typer.Option("--kl-tolerance", help="Mean KL (nats/token) above which it moved.")
     ] = 0.05,
-    device: Annotated[str, typer.Option("--device", help="cpu-N: N host CPU devices of this process.")] = "cpu-1",
+    device: Annotated[
+        str, typer.Option("--device", help="cpu-N: N host CPU devices of this process.")
+    ] = "cpu-1",
+    recipe: Annotated[
+        str | None,
+        typer.Option("--recipe", help="The run's recipe, for a run directory without run.yaml."),
+    ] = None,
     plot: Annotated[
         str | None, typer.Option("--plot", help="Write both runs' macro accuracy and the Δ band to this PNG.")
     ] = None,
@@ -99,7 +111,7 @@ def verify(
     from olmo_ctl.trainer.quiet import cpu_devices
 
     cpu_devices(n)  # before anything starts JAX
-    from olmo_ctl.trainer.verification import verify as do_verify
+    from olmo_ctl.observe.verify_run import verify as do_verify
 
     res = do_verify(
         _path(run),
@@ -113,6 +125,7 @@ def verify(
         lm_tolerance=lm_tolerance,
         sigmas=sigmas,
         kl_tolerance=kl_tolerance,
+        recipe_name=recipe,
         log=note,
     )
     if plot:

@@ -44,7 +44,7 @@ def checkpoints_of(path: str) -> dict[int, str]:
 
     store = storage.store_for(path)
     base = path.rstrip("/")
-    if store.exists(storage.join(base, "run.yaml")):
+    if store.exists(storage.join(base, "run.yaml")) or store.list(storage.join(base, "checkpoints") + "/")[1]:
         return {s: storage.join(base, "checkpoints", str(s)) for s in RunDir(base).committed_steps()}
     if not store.exists(base) and not store.list(base + "/")[1]:
         raise BadInput(

@@ -1,0 +1,124 @@
+"""`olmo-ctl verify` end to end on the CPU: real trainer runs of the smoke recipe, evaluated by `eval`'s
+machinery at their common checkpoints, with the token KL between them.
+
+A run against an identical run is Δ 0 and KL 0 at every landmark, exit 0, and a second verify reads
+every evaluation from the run directory. A run with the case study's loader bug planted (two hosts,
+each striding its share of every batch again: half the instances read twice, half never) against the
+same training without it: its KL and held-out loss move, and the verdict names the KL (exit 1); the
+bug-free two-host twin of a one-host run stays within noise. Bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from helpers.cli import clean_env, invoke
+
+from olmo_ctl.core import faults
+
+pytest.importorskip("olmo_eval", reason="the eval extra (ai2-olmo-eval) is not installed")
+
+LM = "smoke_eval={root}/eval/*.npy"  # the smoke held-out files as the LM surface
+ARGS = (
+    "--recipe",
+    "smoke",
+    "--tasks",
+    "copycolors_10way",
+    "--limit",
+    "20",
+    "--lm",
+    LM,
+    "--kl-tokens",
+    "2048",
+)
+
+
+def _verify(run, ref, *extra: str, env, expect: int = 0) -> dict:
+    p = invoke("verify", str(run), "--reference", str(ref), *ARGS, *extra, "-o", "json", env=env)
+    assert p.returncode == expect, p.stdout[-2000:] + p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+def test_a_run_against_itself_is_delta_zero_and_kl_zero_then_instant(smoke_run, tmp_path):
+    env = clean_env(tmp_path / "xdg")
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    shutil.copytree(smoke_run, run)
+    shutil.copytree(smoke_run, ref)
+    res = _verify(run, ref, "--plot", str(tmp_path / "v.png"), env=env)
+    assert [m["step"] for m in res["landmarks"]] == [20, 40]
+    for m in res["landmarks"]:
+        assert m["lm"] == {"smoke_eval": 0.0} and m["kl"] == 0.0
+        assert m["downstream"]["copycolors_10way"] == 0.0 and m["downstream"]["macro"] == 0.0
+        assert m["within_noise"] and m["verdict"] == "within noise"
+    assert res["verdict"] == "within noise at all 2 landmark(s)"
+    assert (res["evaluated"], res["cached"]) == (6, 0)  # 2 landmarks x (run, reference, KL)
+    assert (tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG"
+    again = _verify(run, ref, env=env)
+    assert (again["evaluated"], again["cached"]) == (0, 6) and again["landmarks"] == res["landmarks"]
+
+
+@pytest.mark.chaos  # three trainer runs (two of them two-host twins): a few minutes
+def test_the_planted_loader_bug_moves_held_out_loss_and_kl_and_the_verdict_names_them(smoke_run, tmp_path):
+    from test_multihost import host_codes, start, wait_ended
+
+    env = clean_env(tmp_path / "xdg")
+    ckpts = ("--stop-at-step", "40", "--set", "checkpoint.interval=20")
+    runs = {}
+    for name, fault in (("clean", {}), ("bug", {faults.DOUBLE_SHARD.name: "1"})):
+        runs[name] = start(tmp_path, "cpu-2x2", 100, *ckpts, env=fault, run=name)
+    for backend, h in runs.values():
+        assert wait_ended(backend, h, 600) and host_codes(backend, h) == [0, 0]
+    twin = _verify(tmp_path / "clean", smoke_run, env=env)  # two hosts against one, no bug
+    assert twin["verdict"] == "within noise at all 2 landmark(s)", twin
+    bug = _verify(tmp_path / "bug", tmp_path / "clean", env=env, expect=1)
+    last = bug["landmarks"][-1]
+    assert not last["within_noise"]
+    assert "KL (" in last["verdict"], last  # measured: 0.15 nats/token at step 40, the twin's 0.001
+    assert bug["verdict"].startswith("moved at ")
+    assert last["kl"] > 10 * max(m["kl"] for m in twin["landmarks"])
+    # the held-out loss moves the same way, by more than the twin's layout drift (+0.016 against -0.002)
+    assert last["lm"]["smoke_eval"] > 3 * max(abs(m["lm"]["smoke_eval"]) for m in twin["landmarks"])
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (("--steps", "30"), "step 30 is not a checkpoint of both the run and the reference"),
+        (("--tasks", "no_such_task"), "unknown downstream task 'no_such_task'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(smoke_run, tmp_path, extra, message):
+    env = clean_env(tmp_path / "xdg")
+    p = invoke("verify", str(smoke_run), "--reference", str(smoke_run), *ARGS, *extra, env=env)
+    assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
+    errors = [x for x in p.stderr.splitlines() if not x.startswith("note: ")]
+    assert len(errors) == 1 and message in errors[0], p.stderr
+
+
+def test_a_reference_without_a_common_step_and_a_missing_one_are_exit_2(smoke_run, tmp_path):
+    env = clean_env(tmp_path / "xdg")
+    ref = tmp_path / "ai2"
+    (ref / "stage1-step1000").mkdir(parents=True)
+    for reference, message in (
+        (ref, "have no checkpoint step in common"),
+        (tmp_path / "nowhere", "does not exist"),
+    ):
+        p = invoke("verify", str(smoke_run), "--reference", str(reference), *ARGS, env=env)
+        assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (smoke_run / "eval").exists()  # nothing written into the run
+
+
+def test_a_missing_tokenizer_is_exit_2_before_any_checkpoint_is_read(smoke_run, tmp_path):
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.rundir import RunDir
+
+    env = clean_env(tmp_path / "xdg")
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run, run)
+    r = load_recipe("smoke", overrides=[f"data.tokenizer={tmp_path / 'no-tokenizer'}"])
+    RunDir(str(run)).create_run(r.to_dict(), r.fingerprint(), "", "cpu-1")
+    args = ("--tasks", "copycolors_10way", "--lm", LM)
+    p = invoke("verify", str(run), "--reference", str(smoke_run), *args, env=env)
+    assert p.returncode == 2 and "no-tokenizer" in p.stderr and "tokenizer.json" in p.stderr, p.stderr
+    assert not (run / "eval").exists()
