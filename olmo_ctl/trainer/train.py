@@ -201,7 +201,9 @@ def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
 class _Loop:
     """Steps and the fetch of their metrics; everything else is a hook (`trainer/hooks.py`), in its order."""
 
-    def __init__(self, s: _Setup, state, state_shard, step: int, loader, ckpt, events, signals, watchdog):
+    def __init__(
+        self, s: _Setup, state, state_shard, step: int, loader, ckpt, events, signals, watchdog, run_dir=None
+    ):
         from olmo_ctl.trainer import multihost
 
         self.s, self.state, self.step = s, state, step
@@ -210,7 +212,7 @@ class _Loop:
         self.slow_data_s = injected.slow_data_s(s.proc)
         self.micro_shard = micro_batch_sharding(s.mesh)
         self.train_step = multihost.first_call_together(jit_train_step(s.recipe, state_shard))
-        self.hooks = hooks_lib.default_hooks(s, signals)
+        self.hooks = hooks_lib.default_hooks(s, signals, run_dir)
         self.pending: list[tuple[int, Any, float]] = []  # (step, device metrics, data loading s), not fetched
         self.steps_run = 0  # steps run by this attempt
         self.windows = 0  # windows fetched by this attempt (the first one holds the compile)
@@ -332,7 +334,7 @@ def run(args: TrainArgs) -> int:
             with watchdog.judged("a checkpoint write", phase_s):
                 ckpt.close()
             return 0
-        loop = _Loop(s, state, state_shard, step, loader, ckpt, events, signals, watchdog)
+        loop = _Loop(s, state, state_shard, step, loader, ckpt, events, signals, watchdog, args.run_dir)
         exit_code = loop.run()
         print(committed_line(loop.step), flush=True)
         return exit_code
