@@ -190,7 +190,7 @@ def test_a_fast_mc_task_with_multi_token_choices_is_one_clear_error():
 @pytest.mark.parametrize(
     "sets,message",
     [
-        (["eval.downstream=[arc_easy_test_mc_5shot_fast]"], "data.tokenizer"),
+        (["data.tokenizer=''", "eval.downstream=[arc_easy_test_mc_5shot_fast]"], "data.tokenizer"),
         (["data.tokenizer=builtin://bytes", "eval.downstream=[a, a]"], "names a task twice"),
         (["data.tokenizer=builtin://bytes", "eval.downstream={tasks: [x], interval: 0}"], "must be positive"),
     ],
@@ -265,14 +265,14 @@ def test_two_hosts_log_the_one_host_metrics(tmp_path):
         "--set",
         "data.tokenizer=builtin://bytes",
         "--set",
-        "eval.downstream={tasks: [copycolors_10way], interval: 2}",
+        "eval.downstream={tasks: [copa], interval: 2}",
     )
     train(tmp_path / "one", "--stop-at-step", "2", *sets)
     backend, h = start(tmp_path, "cpu-2x2", 100, "--stop-at-step", "2", *sets, run="two")
     assert wait_ended(backend, h, 300) and host_codes(backend, h) == [0, 0]
     one, two = (scalars(tmp_path / r) for r in ("one", "two"))
     for metric in ("accuracy", "BPB", "CE loss", "soft loss"):
-        tag = f"eval/downstream/copycolors_10way ({metric})"
+        tag = f"eval/downstream/copa ({metric})"
         assert float(two[tag][2]) == pytest.approx(float(one[tag][2]), rel=1e-5), tag
 
 
@@ -322,10 +322,10 @@ def test_a_built_task_round_trips_through_the_run_directory_cache(tmp_path):
 def test_a_second_attempt_reads_the_tasks_the_first_built(tmp_path):
     from helpers.trainer import scalars, train
 
-    tasks = "eval.downstream={tasks: [copycolors_10way], interval: 2}"
+    tasks = "eval.downstream={tasks: [copa], interval: 2}"
     first = train(tmp_path / "run", "--stop-at-step", "2", "--set", tasks)
-    assert "downstream: 1 tasks, 1,000 instances\n" in first.stdout
+    assert "downstream: 1 tasks, 200 instances\n" in first.stdout
     second = train(tmp_path / "run", "--stop-at-step", "4", "--set", tasks)
-    assert "downstream: 1 tasks, 1,000 instances (1 read from eval/downstream/)" in second.stdout
-    acc = scalars(tmp_path / "run")["eval/downstream/copycolors_10way (accuracy)"]
+    assert "downstream: 1 tasks, 200 instances (1 read from eval/downstream/)" in second.stdout
+    acc = scalars(tmp_path / "run")["eval/downstream/copa (accuracy)"]
     assert sorted(acc) == [2, 4]

@@ -201,7 +201,11 @@ def _boom(*a, **k):
     "case,args,message",
     [
         ("missing tokenizer", ["--tasks", "copycolors_10way", "--tokenizer", "{tmp}/nope"], "no {tmp}/nope"),
-        ("no tokenizer", ["--tasks", "copycolors_10way"], "the downstream tasks need the model's tokenizer"),
+        (
+            "no tokenizer",  # the smoke recipe names builtin://bytes: none given overrides it
+            ["--tasks", "copycolors_10way", "--tokenizer", ""],
+            "the downstream tasks need the model's tokenizer",
+        ),
         (
             "unknown task",
             ["--tasks", "copycolors_11way", "--tokenizer", D.BYTES_TOKENIZER],
