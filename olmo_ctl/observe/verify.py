@@ -175,11 +175,7 @@ def cached(path: str, compute) -> tuple[dict, bool]:
     if store.exists(path):
         return json.loads(store.read_text(path)), True
     out = compute()
-    if not storage.is_gcs(path):
-        import os
-
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    store.write_text(path, json.dumps(out, sort_keys=True))
+    store.write_text(path, json.dumps(out, sort_keys=True))  # a local store makes the directories
     return out, False
 
 

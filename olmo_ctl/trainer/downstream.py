@@ -444,13 +444,7 @@ class TaskCache:
             return
         path = self.path(ts.label)
         try:
-            import os
-
-            from olmo_ctl import storage
-
-            if not storage.is_gcs(path):
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-            self.store.create(path, task_set_bytes(ts))
+            self.store.create(path, task_set_bytes(ts))  # a local store makes the directories
         except Exception as e:  # noqa: BLE001 - storage errors come in many types; the next attempt builds
             print(f"warning: the built task {ts.label} was not kept in {self.dir} ({e})", flush=True)
 
