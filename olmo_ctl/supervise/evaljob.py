@@ -1,0 +1,231 @@
+"""`olmo-ctl eval --backend gke`: one checkpoint's evaluation as a job of its own on a single-host slice.
+
+An eval job is an attempt of a run of its own, `eval-<digest>`, whose run directory is the job's output
+directory (`--out`, default `<run root>/eval-jobs/eval-<digest>`). It renders from the launch templates
+like any attempt (the same image, the trainer's entry point with `--eval SPEC`, its own JobSet, queued
+by Kueue) and is sent through the backend's one submit path. The trainer evaluates SPEC on the slice's
+devices in one process and writes `<out>/result.json` (`{spec, devices, report}`, trainer/evaluate.py).
+
+The digest is of the spec and `--out`, so asking for the same evaluation again is the same job:
+  - a `result.json` of the same spec in the output directory is read, and nothing is submitted;
+  - a live JobSet of the job (after Ctrl-C or --timeout) is waited for again, not doubled;
+  - otherwise the next attempt is submitted (`<out>/journal.jsonl` numbers them).
+Waiting for capacity is not failing: a queued job is waited for until the timeout. An attempt that
+ended without a result for a reason of the infrastructure (preempted, an infrastructure failure, its
+JobSet deleted) is submitted again, up to `MAX_ATTEMPTS` in all; a failure of the evaluation (the
+trainer's exit 1 or 2) is not retried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State
+from olmo_ctl.core.config import Settings
+from olmo_ctl.core.devices import Device
+from olmo_ctl.core.errors import EXIT_GAVE_UP, EXIT_RUN_FAILED, EXIT_TIMEOUT, BadInput, OlmoCtlError
+from olmo_ctl.core.recipe import Recipe
+from olmo_ctl.rundir import RunDir
+from olmo_ctl.storage import is_gcs, join, store_for
+from olmo_ctl.supervise.attempts import new_request
+from olmo_ctl.trainer.evaluate import RESULT_FILE, EvalSpec
+
+JOB_PREFIX = "eval-"
+JOBS_DIR = "eval-jobs"  # under the run root: the default output directories
+MAX_ATTEMPTS = 3
+SUBMITTED = "submitted"
+
+
+def job_name(spec: EvalSpec, out: str | None) -> str:
+    """`eval-<10 hex digits>` of the spec and the output directory asked for (None: the default)."""
+    digest = hashlib.sha256(f"{spec.to_json()}\n{out or ''}".encode()).hexdigest()[:10]
+    return JOB_PREFIX + digest
+
+
+def out_dir(name: str, out: str | None, run_root: str) -> str:
+    return out.rstrip("/") if out else join(run_root, JOBS_DIR, name)
+
+
+def _seen_by_pods(path: str) -> bool:
+    return is_gcs(path) or path.startswith("builtin://")
+
+
+PODS_HINT = "copy it to gs://BUCKET/... (the pods read only GCS)"
+
+
+def check_slice(device: Device, spec: EvalSpec) -> None:
+    """What an eval job needs before anything is read: a TPU slice of one host (the evaluation is one
+    process) and a checkpoint on GCS (the pods cannot see this machine's files)."""
+    if not device.is_tpu:
+        raise BadInput(
+            f"`{device.name}` is a local device; an eval job runs on a TPU slice",
+            "--device v5p-8 or tpu7x-8, or --backend local for this machine's CPU devices",
+        )
+    if device.processes > 1:
+        raise BadInput(
+            f"an eval job runs as one process, and {device.name} has {device.processes} hosts",
+            "a single-host slice: --device v5p-8 or tpu7x-8",
+        )
+    if not is_gcs(spec.checkpoint):
+        raise BadInput(
+            f"checkpoint `{spec.checkpoint}` is on this machine, which the pods cannot see", PODS_HINT
+        )
+
+
+def check_paths(recipe: Recipe, out: str) -> None:
+    """Every other path the job reads (the tokenizer, the LM files) and the one it writes on GCS."""
+    if recipe.eval.downstream.tasks and not _seen_by_pods(recipe.data.tokenizer):
+        raise BadInput(
+            f"tokenizer `{recipe.data.tokenizer}` is on this machine, which the pods cannot see", PODS_HINT
+        )
+    lm = recipe.eval.lm
+    paths = [p.replace("{root}", recipe.data.root) for s in lm.sets for p in s.files]
+    if lm.mix:
+        paths.append(recipe.data.root)
+    for p in paths:
+        if not _seen_by_pods(p):
+            raise BadInput(f"LM file `{p}` is on this machine, which the pods cannot see", PODS_HINT)
+    if not is_gcs(out):
+        raise BadInput(
+            f"the eval job's output directory `{out}` is not on GCS",
+            "--out gs://BUCKET/PREFIX, or a gs:// run root (--run-root)",
+        )
+
+
+def result_path(out: str) -> str:
+    return join(out, RESULT_FILE)
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """One eval job, resolved: its spec, the recipe the evaluators read, where it runs and writes."""
+
+    name: str
+    spec: EvalSpec
+    recipe: Recipe  # trainer/evaluate.check's, for the device's count
+    device: Device
+    out: str
+    settings: Settings
+
+    def attempt(self, n: int) -> Attempt:
+        return new_request(
+            self.name,
+            self.out,
+            n,
+            self.device,
+            self.recipe,
+            self.settings,
+            extra_args=("--eval", self.spec.to_json()),
+        )
+
+
+def kept_result(out: str, spec: EvalSpec) -> dict | None:
+    """`<out>/result.json` when it holds this spec's evaluation, else None."""
+    store = store_for(out)
+    path = result_path(out)
+    if not store.exists(path):
+        return None
+    try:
+        record = json.loads(store.read_text(path))
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and record.get("spec") == spec.to_dict() else None
+
+
+def _next_attempt(rd: RunDir) -> int:
+    return 1 + max((int(r["attempt"]) for r in rd.journal() if r.get("event") == SUBMITTED), default=-1)
+
+
+def run_job(
+    backend: Backend,
+    job: EvalJob,
+    *,
+    timeout_s: float,
+    poll_s: float = 5.0,
+    backoff_s: float | None = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> tuple[dict, bool]:
+    """(the job's `result.json` record, whether it was already there). Raises OlmoCtlError: 2 the
+    evaluation's bad input, 1 its failure, 4 gave up after `MAX_ATTEMPTS`, 124 the timeout (the job
+    goes on; the same command waits for it again)."""
+    kept = kept_result(job.out, job.spec)
+    if kept is not None:
+        return kept, True
+    first = job.attempt(0)
+    backend.validate(first)
+    backend.checks(first)
+    rd = RunDir(job.out, job.name)
+    deadline = time.monotonic() + timeout_s
+    live = backend.live_attempts(job.name, job.out)
+    handle = live[0] if live else None
+    if handle is not None:
+        log(f"eval job {handle.name}: waiting for it again")
+    tries = 0
+    while True:
+        if handle is None:
+            n = _next_attempt(rd)
+            request = backend.render(job.attempt(n))
+            rd.append(SUBMITTED, attempt=n, device=job.device.name, backend=backend.name)
+            handle = backend.send(request)
+            log(f"eval job {handle.name} submitted ({job.device.name}); it writes {result_path(job.out)}")
+        tries += 1
+        st = _wait(backend, handle, deadline, poll_s, log)
+        if st.state == State.SUCCEEDED:
+            record = kept_result(job.out, job.spec)
+            if record is None:
+                raise OlmoCtlError(
+                    f"eval job {handle.name} succeeded but {result_path(job.out)} holds no result of it",
+                    "see `kubectl logs` of its pod",
+                    EXIT_RUN_FAILED,
+                )
+            return record, False
+        why = f"eval job {handle.name} {st.state.value}: {st.reason or 'no reason given'}"
+        if st.state == State.FAILED_USER:
+            last = f" (last line: {st.last_log_lines[-1]})" if st.last_log_lines else ""
+            if st.exit_code == 2:
+                raise BadInput(why + last, "the trainer refused the evaluation; fix what it names")
+            raise OlmoCtlError(why + last, "its pod's log: kubectl logs", EXIT_RUN_FAILED)
+        if tries >= MAX_ATTEMPTS:
+            raise OlmoCtlError(
+                why, f"gave up after {tries} attempts; the same command tries again", EXIT_GAVE_UP
+            )
+        wait = backend.retry_backoff_s if backoff_s is None else backoff_s
+        log(f"{why}; submitting it again in {wait:g} s")
+        _sleep_until(min(deadline, time.monotonic() + wait), deadline, handle)
+        handle = None
+
+
+def _sleep_until(t: float, deadline: float, handle: Handle) -> None:
+    while time.monotonic() < t:
+        time.sleep(min(1.0, t - time.monotonic()))
+    if time.monotonic() >= deadline:
+        raise _timeout(handle)
+
+
+def _timeout(handle: Handle) -> OlmoCtlError:
+    return OlmoCtlError(
+        f"timed out waiting for eval job {handle.name}; it goes on",
+        "run the same command again to wait for its result",
+        EXIT_TIMEOUT,
+    )
+
+
+def _wait(
+    backend: Backend, handle: Handle, deadline: float, poll_s: float, log: Callable[[str], None]
+) -> AttemptStatus:
+    """Poll until the attempt is terminal; each change of state logged once, with its reason."""
+    last: State | None = None
+    while True:
+        st = backend.status(handle)
+        if st.state != last:
+            log(f"eval job {handle.name}: {st.state.value}" + (f" ({st.reason})" if st.reason else ""))
+            last = st.state
+        if st.state.terminal:
+            return st
+        if time.monotonic() >= deadline:
+            raise _timeout(handle)
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
