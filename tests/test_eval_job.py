@@ -6,7 +6,7 @@ process; the refusals, each one line and exit 2 before anything is read or submi
 the sandbox cluster, whose v5p-8 pod runs the trainer as a local process on 4 CPU devices over a GCS
 emulator bucket: queued without a node past --timeout (124, the job goes on), waited for again by the
 same command, its result equal to `eval --device cpu-4` here, and read back the third time with
-nothing submitted."""
+nothing submitted; a job whose JobSet is deleted under it is submitted again (attempt 1)."""
 
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def test_an_eval_job_waits_for_capacity_is_waited_for_again_and_equals_eval_here
     ends the command with 124 while the job goes on. The node comes back; the same command waits for
     the same JobSet (nothing submitted again), whose pod (the trainer, 4 CPU devices) writes the
     report `eval --device cpu-4` gives here. Asked a third time, the result is read back and nothing
-    is submitted."""
+    is submitted. A fourth evaluation whose JobSet is deleted under it is submitted again."""
     from olmo_ctl.testing.pod_processes import ProcessRunner
     from olmo_ctl.testing.sandbox import Sandbox, gke_mode_env
     from olmo_ctl.testing.sandbox_faults import parse_fault
@@ -238,3 +238,51 @@ def test_an_eval_job_waits_for_capacity_is_waited_for_again_and_equals_eval_here
         assert third.returncode == 0 and third.stdout == second.stdout
         assert "note: kept by eval job " in third.stderr and "on 4 cpu devices" in third.stderr
         assert sb.server.cluster.jobset_names() == [name]
+
+        # Another evaluation (--limit 3), whose JobSet is deleted as soon as it is submitted (a
+        # person's `kubectl delete`): that attempt is missing, so attempt 1 is submitted and gives it.
+        lines, deleted, record = _deleted_once(sb, ckpt, gcs.bucket)
+        assert deleted == [f"{record['job']}-a0"]
+        assert f"eval job {record['job']}-a0 missing" in "\n".join(lines), lines
+        assert any(ln.endswith("submitting it again in 0 s") for ln in lines), lines
+        assert any(ln.startswith(f"eval job {record['job']}-a1 submitted (v5p-8)") for ln in lines), lines
+        assert [r["attempt"] for r in record["journal"]] == [0, 1]
+        assert record["report"]["downstream"][TASK]["acc_v1"] is not None
+
+
+def _deleted_once(sb, ckpt: str, bucket: str):
+    """`supervise.evaljob.run_job` with no backoff, deleting the first JobSet it submits."""
+    from kubernetes import client
+
+    from olmo_ctl.backends.gke import GKEBackend
+    from olmo_ctl.backends.kube import make_api_client
+    from olmo_ctl.core.config import Settings
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise import evaljob as J
+    from olmo_ctl.testing.sandbox import IMAGE
+    from olmo_ctl.trainer.evaluate import check, open_checkpoint
+
+    spec = EvalSpec(ckpt, "smoke", (TASK,), None, D.BYTES_TOKENIZER, limit=3)
+    settings = Settings(image=IMAGE, run_root=f"gs://{bucket}/runs", queue=sb.queue, namespace=sb.namespace)
+    recipe = check(open_checkpoint(ckpt, "smoke"), devices=4, **spec.options())
+    name = J.job_name(spec, None)
+    job = J.EvalJob(
+        name, spec, recipe, get_device("v5p-8"), J.out_dir(name, None, settings.run_root), settings
+    )
+    api = client.CustomObjectsApi(make_api_client(host=sb.url))
+    lines: list[str] = []
+    deleted: list[str] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if " submitted " in line and not deleted:
+            js = line.split()[2]
+            api.delete_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", sb.namespace, "jobsets", js)
+            deleted.append(js)
+
+    be = GKEBackend(namespace=sb.namespace, host=sb.url, settings=settings)
+    record, kept = J.run_job(be, job, timeout_s=600, poll_s=0.2, backoff_s=0, log=log)
+    assert not kept
+    journal = [r for r in RunDir(job.out).journal() if r["event"] == J.SUBMITTED]
+    return lines, deleted, {**record, "job": name, "journal": journal}
