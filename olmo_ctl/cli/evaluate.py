@@ -220,17 +220,16 @@ def evaluate(
         return
     if checkpoint is None:
         raise BadInput("CHECKPOINT is missing", "olmo-ctl eval CHECKPOINT [--tasks ...] [--lm ...]")
-    if backend not in ("local", "gke"):
-        raise BadInput(
-            f"--backend `{backend}` is not a backend eval runs on", "--backend local or --backend gke"
-        )
+    from olmo_ctl.backends import backend_class
+
+    kind = backend_class(backend)  # an unknown name: one line, exit 2
     task_labels = None if tasks is None else parse_tasks(tasks)
     lm_cfg = None if lm is None else parse_lm(lm)
-    if backend == "gke":
+    if not kind.trains_here:  # a cluster's backend: the evaluation is a job of its own there
         from olmo_ctl.trainer.evaluate import EvalSpec
 
         spec = EvalSpec(checkpoint, recipe, task_labels, lm_cfg, tokenizer, seq_len, data_root, limit)
-        settings = dataclasses.replace(site, backend="gke").resolve()
+        settings = dataclasses.replace(site, backend=backend).resolve()
         report = _on_cluster(spec, device, settings, out, dry_run, timeout, output)
         if report is not None:
             _show(report, output)
