@@ -220,6 +220,7 @@ def test_the_trainer_logs_the_same_eval_loss_in_micro_batches_and_refuses_a_bad_
     )
 
 
+@pytest.mark.chaos
 def test_two_hosts_pad_a_small_eval_batch_and_log_the_one_device_loss(tmp_path):
     """The multi-host twin (2 processes x 2 devices) with an eval batch of 2: each host pads its one
     instance with an ignored row to fill the 4 devices; the loss is that of the unpadded batch on one

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers.waiting import kill_stopped_or_running, wait_for
 
 from olmo_ctl.backends.local import LocalBackend
@@ -85,6 +86,7 @@ def live_attempts(root: str) -> list[int]:
     return sorted(h.attempt for h in LocalBackend(root).live_attempts("fenced"))
 
 
+@pytest.mark.chaos
 def test_a_supervisor_paused_before_its_create_creates_nothing_after_a_takeover(tmp_path):
     """A reserves attempt 1 under its lease, checks the lease one last time and is stopped (SIGSTOP)
     just before it creates the attempt. Past the lease's TTL, B takes the run over: attempt 1 was
@@ -116,6 +118,7 @@ def test_a_supervisor_paused_before_its_create_creates_nothing_after_a_takeover(
     assert live_attempts(root) == []
 
 
+@pytest.mark.chaos
 def test_a_supervisor_paused_while_watching_leaves_the_run_to_its_successor(tmp_path):
     """A is stopped while its attempt trains; B takes over and reattaches to the same attempt; A,
     continued, loses its lease at its next heartbeat and exits without journaling or touching it."""

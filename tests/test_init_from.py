@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import pytest
 from test_multihost import host_codes, host_lines, start, wait_ended
 
 from olmo_ctl.core.recipe import load_recipe
@@ -20,6 +21,7 @@ from olmo_ctl.trainer.checkpoint import Checkpointer, storage_bytes_read
 READ = re.compile(r"initialised parameters from (\S+) \(([0-9.]+) MiB read by this host\)")
 
 
+@pytest.mark.chaos
 def test_init_from_reads_only_this_hosts_parameter_shards_and_starts_fresh_adam(tmp_path):
     backend, src = start(tmp_path, "cpu-2x2", 100, "--stop-at-step", "3", run="src")
     assert wait_ended(backend, src, 300) and host_codes(backend, src) == [0, 0]

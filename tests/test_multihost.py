@@ -157,6 +157,7 @@ def test_two_hosts_train_like_one_and_a_sigterm_to_one_host_stops_both_after_one
     assert any(f"restored checkpoint {stop}" in ln for ln in host_lines(h2, 1))
 
 
+@pytest.mark.chaos
 def test_a_sigterm_during_start_up_stops_every_host_with_nothing_lost(tmp_path):
     """A resumed attempt gets SIGTERM on one host during start-up: right after the join, while the
     restore is slow (the fault knob), and after the loop started (the first compile). Every host stops
@@ -190,6 +191,7 @@ def test_a_sigterm_during_start_up_stops_every_host_with_nothing_lost(tmp_path):
     assert sorted(read_losses(str(tmp_path / "mh" / "tensorboard"))) == list(range(1, 13))
 
 
+@pytest.mark.chaos
 def test_a_lost_peer_makes_the_others_exit_3_within_the_bound(tmp_path):
     """SIGKILL of host 1 (a lost VM): host 0 notices through the runtime's heartbeat and exits 3 within
     runtime.peer_timeout_s (plus slack), instead of hanging or aborting with 134."""
@@ -211,6 +213,7 @@ def test_a_lost_peer_makes_the_others_exit_3_within_the_bound(tmp_path):
     assert st.state == State.PREEMPTED  # the first failure: a killed host; the supervisor restarts it
 
 
+@pytest.mark.chaos
 def test_an_error_on_one_host_ends_every_host_within_the_peer_timeout(tmp_path):
     """Host 1's data read fails before step 5 (the fault knob: an OSError, as a storage error raises):
     host 1 exits 3 at once (no collective on its way out), host 0 sees a lost peer and exits 3; both
@@ -229,6 +232,7 @@ def test_an_error_on_one_host_ends_every_host_within_the_peer_timeout(tmp_path):
     assert st.state != State.SUCCEEDED
 
 
+@pytest.mark.chaos
 def test_the_coordinator_host_lost_makes_the_other_exit_3(tmp_path):
     backend, h = start(tmp_path, "cpu-2x2", 100000, "--set", "runtime.peer_timeout_s=5")
     wait_for(lambda: last_step(h) >= 3, 240, "step 3")
@@ -274,6 +278,7 @@ def test_joining_hosts_that_never_arrive_exits_3(tmp_path):
     assert time.time() - t0 < 60
 
 
+@pytest.mark.chaos
 def test_watchdog_ends_a_hung_host_with_its_stacks_and_spares_the_compile(tmp_path):
     """A host hung before step 8 (the fault knob): exit 3 with every thread's stack in the log. The same
     settings with no hang finish: the first step's compile (seconds, far above the 0.5 s allowance) is
@@ -344,6 +349,7 @@ def test_slow_host_rule():
     assert [(s.host, s.part) for s in slow_hosts(waiting)] == [(1, "data wait")]
 
 
+@pytest.mark.chaos
 def test_a_slow_host_is_named_by_monitor_and_once_in_the_journal(tmp_path):
     """The slow-data knob on host 1 of a 2 x 2 run under resume-until-done: monitor names host 1's data
     wait within 20 steps, and the journal holds one slow_host event for the attempt."""

@@ -45,6 +45,7 @@ def _object(r: Request) -> str:
     return urllib.parse.unquote(name) if sep and "alt=media" in r.path else ""
 
 
+@pytest.mark.chaos
 def test_a_packed_start_on_the_twin_writes_each_packing_once_and_the_other_host_reads_it(tmp_path, gcs):
     data = _upload_smoke_data(gcs.bucket)
     run = f"gs://{gcs.bucket}/runs/packed"

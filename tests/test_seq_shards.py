@@ -175,6 +175,7 @@ PACKED = (
 )
 
 
+@pytest.mark.chaos
 def test_local_run_with_seq_shards_trains_resumes_bitwise_and_matches_unsharded(tmp_path):
     """The real trainer on cpu-4 over packed smoke data: seq_shards 2 against 1 (the plan's choice, FSDP
     over the 4 devices). Each resumes from checkpoint 3 bit for bit; the FSDP one with background

@@ -204,6 +204,7 @@ def test_every_client_gets_the_deadline():
         storage.set_deadline(saved)
 
 
+@pytest.mark.chaos
 def test_a_host_hung_in_its_first_window_exits_3_with_its_stacks(tmp_path):
     """A hang right after the first step (the first window: no step time yet, only the compile's) used to
     wait forever; now it is judged by the compile time, and ends with exit 3 and every thread's stack."""

@@ -221,6 +221,7 @@ def test_off_a_terminal_progress_is_a_line_at_most_every_interval_and_only_when_
 # ---------------------------------------------------------------- the real trainer
 
 
+@pytest.mark.chaos
 def test_reattach_after_supervisor_kill_and_second_supervisor_refused(tmp_path):
     root = str(tmp_path / "runs")
     rdir = os.path.join(root, "reattach")
