@@ -24,6 +24,7 @@ See docs/testing.md.
 from __future__ import annotations
 
 import os
+import sys
 import urllib.error
 import uuid
 from dataclasses import dataclass
@@ -60,6 +61,16 @@ class GcsEmulator:
             if e.code != 409:  # 409: it exists already (made by an earlier test)
                 raise
         return name
+
+
+@pytest.fixture(autouse=True)
+def _no_activation_mesh_left_behind():
+    """A test that made a mesh with `activate` (trainer.sharding) leaves no activation mesh to the next
+    test in its worker: the model traced there would pin its activations to another test's devices."""
+    yield
+    sharding = sys.modules.get("olmo_ctl.trainer.sharding")
+    if sharding is not None:
+        sharding.deactivate()
 
 
 @pytest.fixture(scope="session")

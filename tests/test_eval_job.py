@@ -117,7 +117,8 @@ def test_an_eval_job_runs_on_one_tpu_host(args, message, smoke_run, env):
 
 
 def test_what_the_pods_cannot_see_is_refused_before_anything_is_submitted(smoke_run, tmp_path, gcs, env):
-    """A local checkpoint, tokenizer, LM file or output directory: one line, exit 2, nothing written."""
+    """A local checkpoint, tokenizer, LM file, recipe file or output directory, or an unknown task: one
+    line, exit 2, nothing written."""
     env = {**env, "OLMO_CTL_RUN_ROOT": f"gs://{gcs.bucket}/runs", "OLMO_CTL_IMAGE": "registry.example/o:1"}
     local_ckpt = str(smoke_run / "checkpoints" / "40")
     ckpt = gcs_checkpoint(smoke_run, gcs.bucket)
@@ -130,6 +131,7 @@ def test_what_the_pods_cannot_see_is_refused_before_anything_is_submitted(smoke_
         ([ckpt, *ARGS, "--lm", f"x={lm_file}"], f"LM file `{lm_file}` is on this machine"),
         ([ckpt, *ARGS, "--out", str(tmp_path / "o")], f"the eval job's output directory `{tmp_path}/o`"),
         ([ckpt, *ARGS, "--tasks", "no_such_task"], "unknown downstream task 'no_such_task'"),
+        ([ckpt, *ARGS, "--recipe", "./mine.yaml"], "--recipe `./mine.yaml` is not a shipped recipe"),
     ]
     for args, message in cases:
         p = invoke("eval", *args, "--backend", "gke", "--device", "v5p-8", env=env)
@@ -266,7 +268,7 @@ def _deleted_once(sb, ckpt: str, bucket: str):
     spec = EvalSpec(ckpt, "smoke", (TASK,), None, D.BYTES_TOKENIZER, limit=3)
     settings = Settings(image=IMAGE, run_root=f"gs://{bucket}/runs", queue=sb.queue, namespace=sb.namespace)
     recipe = check(open_checkpoint(ckpt, "smoke"), devices=4, **spec.options())
-    name = J.job_name(spec, None)
+    name = J.job_name(spec, "v5p-8", None, settings.run_root)
     job = J.EvalJob(
         name, spec, recipe, get_device("v5p-8"), J.out_dir(name, None, settings.run_root), settings
     )

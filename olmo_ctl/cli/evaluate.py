@@ -205,9 +205,9 @@ def evaluate(
     devices; --backend gke runs the evaluation as a job on a single-host TPU slice, waits through
     Kueue's queue and prints the job's result (asked again, the same evaluation is read back, or its
     job waited for again). Exit codes: 0 evaluated, 1 the evaluation failed, 2 bad input (checked
-    before the model is loaded or a job submitted), 3 the cluster or storage unreachable, 4 gave up
-    (the job's attempts ended without a result), 124 timed out waiting (the job goes on), 130
-    interrupted (the job goes on).
+    before the model is loaded; for a job, before it is submitted, but for building the tasks, which
+    the job does), 3 the cluster or storage unreachable, 4 gave up (the job's attempts ended without
+    a result), 124 timed out waiting (the job goes on), 130 interrupted (the job goes on).
     """
     if list_tasks:
         from olmo_ctl.trainer.downstream import known_tasks
@@ -293,7 +293,7 @@ def _on_cluster(spec, device, settings, out, dry_run: bool, timeout: float, outp
     )
     if recipe.eval.downstream.tasks and not known:
         note("ai2-olmo-eval is not installed here (the eval extra): the job checks the task labels")
-    name = J.job_name(spec, out)
+    name = J.job_name(spec, dev.name, out, settings.run_root)
     job = J.EvalJob(name, spec, recipe, dev, J.out_dir(name, out, settings.run_root), settings)
     J.check_paths(recipe, job.out)
     be = make_backend(settings)

@@ -36,13 +36,16 @@ from olmo_ctl.trainer.evaluate import RESULT_FILE, EvalSpec
 
 JOB_PREFIX = "eval-"
 JOBS_DIR = "eval-jobs"  # under the run root: the default output directories
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 3  # per command
+MAX_RESTARTS = 3  # of one attempt's JobSet, which its own failure policy may not bound (exit 3)
 SUBMITTED = "submitted"
 
 
-def job_name(spec: EvalSpec, out: str | None) -> str:
-    """`eval-<10 hex digits>` of the spec and the output directory asked for (None: the default)."""
-    digest = hashlib.sha256(f"{spec.to_json()}\n{out or ''}".encode()).hexdigest()[:10]
+def job_name(spec: EvalSpec, device: str, out: str | None, run_root: str) -> str:
+    """`eval-<10 hex digits>` of the spec, the device and where the result goes (`--out`, else the
+    run root, under which the default output directory is named for the job)."""
+    where = f"out={out.rstrip('/')}" if out else f"root={run_root.rstrip('/')}"
+    digest = hashlib.sha256(f"{spec.to_json()}\n{device}\n{where}".encode()).hexdigest()[:10]
     return JOB_PREFIX + digest
 
 
@@ -74,6 +77,14 @@ def check_slice(device: Device, spec: EvalSpec) -> None:
         raise BadInput(
             f"checkpoint `{spec.checkpoint}` is on this machine, which the pods cannot see", PODS_HINT
         )
+    if spec.recipe is not None:
+        from olmo_ctl.core.recipe import shipped_recipes
+
+        if spec.recipe not in shipped_recipes():
+            raise BadInput(
+                f"--recipe `{spec.recipe}` is not a shipped recipe, and the pods cannot read this machine's files",
+                f"a shipped recipe's name ({', '.join(sorted(shipped_recipes()))}), or the run's own run.yaml",
+            )
 
 
 def check_paths(recipe: Recipe, out: str) -> None:
@@ -174,24 +185,24 @@ def run_job(
             log(f"eval job {handle.name} submitted ({job.device.name}); it writes {result_path(job.out)}")
         tries += 1
         st = _wait(backend, handle, deadline, poll_s, log)
-        if st.state == State.SUCCEEDED:
-            record = kept_result(job.out, job.spec)
-            if record is None:
-                raise OlmoCtlError(
-                    f"eval job {handle.name} succeeded but {result_path(job.out)} holds no result of it",
-                    "see `kubectl logs` of its pod",
-                    EXIT_RUN_FAILED,
-                )
+        record = kept_result(job.out, job.spec)  # also after an end that came once it was written
+        if record is not None:
             return record, False
+        if st.state == State.SUCCEEDED:
+            raise OlmoCtlError(
+                f"eval job {handle.name} succeeded but {result_path(job.out)} holds no result of it",
+                "see `kubectl logs` of its pod",
+                EXIT_RUN_FAILED,
+            )
         why = f"eval job {handle.name} {st.state.value}: {st.reason or 'no reason given'}"
+        last = f" (last line: {st.last_log_lines[-1]})" if st.last_log_lines else ""
         if st.state == State.FAILED_USER:
-            last = f" (last line: {st.last_log_lines[-1]})" if st.last_log_lines else ""
             if st.exit_code == 2:
                 raise BadInput(why + last, "the trainer refused the evaluation; fix what it names")
             raise OlmoCtlError(why + last, "its pod's log: kubectl logs", EXIT_RUN_FAILED)
         if tries >= MAX_ATTEMPTS:
             raise OlmoCtlError(
-                why, f"gave up after {tries} attempts; the same command tries again", EXIT_GAVE_UP
+                why + last, f"gave up after {tries} attempts; the same command tries again", EXIT_GAVE_UP
             )
         wait = backend.retry_backoff_s if backoff_s is None else backoff_s
         log(f"{why}; submitting it again in {wait:g} s")
@@ -203,7 +214,11 @@ def _sleep_until(t: float, deadline: float, handle: Handle) -> None:
     while time.monotonic() < t:
         time.sleep(min(1.0, t - time.monotonic()))
     if time.monotonic() >= deadline:
-        raise _timeout(handle)
+        raise OlmoCtlError(
+            f"timed out before submitting eval job {handle.name} again; no attempt of it is running",
+            "run the same command again to submit it",
+            EXIT_TIMEOUT,
+        )
 
 
 def _timeout(handle: Handle) -> OlmoCtlError:
@@ -217,7 +232,11 @@ def _timeout(handle: Handle) -> OlmoCtlError:
 def _wait(
     backend: Backend, handle: Handle, deadline: float, poll_s: float, log: Callable[[str], None]
 ) -> AttemptStatus:
-    """Poll until the attempt is terminal; each change of state logged once, with its reason."""
+    """Poll until the attempt is terminal, each change of state logged once with its reason. An
+    attempt that cannot run as it is (a configuration error the cluster reports: an image that does
+    not exist, a refused pod; a Kueue deactivation) or whose pod restarted `MAX_RESTARTS` times (the
+    trainer's restartable exit 3 does not end a JobSet) is stopped, and that is the end: it would
+    hold the slice until the timeout."""
     last: State | None = None
     while True:
         st = backend.status(handle)
@@ -226,6 +245,21 @@ def _wait(
             last = st.state
         if st.state.terminal:
             return st
+        config = st.details.get("config_error")
+        if config or st.details.get("deactivated"):
+            backend.stop(handle, graceful=False)
+            why = config or f"its Workload was deactivated ({st.details['deactivated']})"
+            raise BadInput(f"eval job {handle.name} cannot run: {why}", "fix it, then run the same command")
+        restarts = int(st.details.get("restarts") or 0)
+        if restarts >= MAX_RESTARTS:
+            backend.stop(handle, graceful=False)
+            lines = backend.logs(handle, 5)
+            tail = f" (last line: {lines[-1]})" if lines else ""
+            raise OlmoCtlError(
+                f"eval job {handle.name} restarted {restarts} times without a result{tail}",
+                "its pod's log: kubectl logs; the same command submits it again",
+                EXIT_GAVE_UP,
+            )
         if time.monotonic() >= deadline:
             raise _timeout(handle)
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))

@@ -127,13 +127,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _eval_main(ns: argparse.Namespace) -> int:
     """An eval job (`--eval SPEC`): one process on this host's devices evaluates SPEC's checkpoint and
-    writes `<run-dir>/result.json`. Exit 0 written, 2 bad input, 3 restartable (storage, a runtime
-    error), like training."""
-    from olmo_ctl.core.contracts import EXIT_RESTART
-    from olmo_ctl.core.errors import OlmoCtlError
+    writes `<run-dir>/result.json`. Exit codes as training's (`exits.exit_code_of`): 0 written, 2 bad
+    input, 1 an error proven deterministic, 3 restartable (storage, a runtime error)."""
+    from olmo_ctl.trainer.exits import exit_code_of
 
-    try:
+    def evaluate() -> int:
         _prepare_env(ns.device)
+        import json
+
+        from olmo_ctl.core.errors import BadInput
         from olmo_ctl.trainer.evaluate import EvalSpec, run_job
 
         spec = EvalSpec.from_json(ns.eval_spec)
@@ -142,8 +144,6 @@ def _eval_main(ns: argparse.Namespace) -> int:
 
             dev = get_device(ns.device)
             if dev.processes * ns.slices > 1:
-                from olmo_ctl.core.errors import BadInput
-
                 raise BadInput(
                     f"an eval job runs as one process, and {ns.device} x {ns.slices} has "
                     f"{dev.processes * ns.slices} hosts",
@@ -151,16 +151,15 @@ def _eval_main(ns: argparse.Namespace) -> int:
                 )
         import jax
 
-        record = run_job(spec, ns.run_dir, jax.devices())
-    except OlmoCtlError as e:
-        sys.stderr.write(f"error: {e.one_line()}\n")
-        return EXIT_RESTART if e.exit_code == EXIT_RESTART else 2
-    n = record["devices"]["count"]
-    print(
-        f"eval: wrote {ns.run_dir.rstrip('/')}/result.json ({n} {record['devices']['kind']} devices)",
-        flush=True,
-    )
-    return 0
+        # The spec as it was sent: the command that sent it recognises its result by it.
+        record = run_job(spec, ns.run_dir, jax.devices(), sent=json.loads(ns.eval_spec))
+        d = record["devices"]
+        print(
+            f"eval: wrote {ns.run_dir.rstrip('/')}/result.json ({d['count']} {d['kind']} devices)", flush=True
+        )
+        return 0
+
+    return exit_code_of(evaluate)
 
 
 def _main(ns: argparse.Namespace) -> int:

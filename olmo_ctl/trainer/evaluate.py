@@ -357,9 +357,10 @@ class EvalSpec:
         }
 
 
-def run_job(spec: EvalSpec, out_dir: str, devices) -> dict:
+def run_job(spec: EvalSpec, out_dir: str, devices, sent: dict | None = None) -> dict:
     """An eval job's work, on this process's `devices` (a single-host slice's chips): the spec's
-    evaluation, written to `<out_dir>/result.json` as `{spec, devices, report}`; returns that."""
+    evaluation, written to `<out_dir>/result.json` as `{spec, devices, report}` (`spec`: `sent`, the
+    spec as it came, else this one's dict); returns that."""
     import json
 
     devs = list(devices)
@@ -367,7 +368,7 @@ def run_job(spec: EvalSpec, out_dir: str, devices) -> dict:
     report = run(job, devs)
     d0 = devs[0]
     record = {
-        "spec": spec.to_dict(),
+        "spec": spec.to_dict() if sent is None else sent,
         "devices": {"platform": d0.platform, "kind": str(d0.device_kind), "count": len(devs)},
         "report": report,
     }
