@@ -69,6 +69,7 @@ def test_a_resume_one_batch_off_is_a_departure_with_a_skipped_batch(tmp_path):
     assert "DEPARTS at step 4: read batch [(1, 4)] of the order, expected epoch 1 batch 3" in p.stdout
 
 
+@pytest.mark.chaos
 def test_the_double_shard_bug_is_caught_and_its_first_repeat_named(tmp_path):
     """Two hosts, each striding its rows of the batch again (the case study's bug): the training runs
     and its loss falls, but half of every batch is read twice and half never."""

@@ -237,6 +237,7 @@ def resolve_settings_for_test(root: str):
 # ---------------------------------------------------------------- an existing run's next attempt
 
 
+@pytest.mark.chaos
 def test_submit_on_a_finished_run_submits_nothing_and_an_existing_run_needs_no_recipe(clean_env, capsys):
     """`submit --run R` continues R from its run.yaml (no --recipe or --set); on a complete run it says
     so and exits 0 with nothing submitted."""

@@ -317,6 +317,7 @@ def test_ctrl_c_detaches_then_stop_on_exit_stops(tmp_path):
     assert (exited["attempt"], exited["exit_code"], exited["reason"]) == (1, 143, "exit 143 (SIGTERM)")
 
 
+@pytest.mark.chaos
 def test_submit_returns_once_submitted_and_never_doubles_a_live_attempt(tmp_path):
     root = str(tmp_path / "runs")
     rdir = os.path.join(root, "sub")
@@ -357,6 +358,7 @@ def test_submit_returns_once_submitted_and_never_doubles_a_live_attempt(tmp_path
 
 
 @pytest.mark.gcs
+@pytest.mark.chaos
 def test_gs_run_dir_resumes_from_orbax_commit_markers(tmp_path, gcs):
     bucket = gcs.bucket
     root = f"gs://{bucket}/runs"

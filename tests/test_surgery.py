@@ -134,6 +134,7 @@ def test_init_from_a_converted_checkpoint(src, tmp_path):
     assert "does not hold parameters of this recipe's model" in p.stderr
 
 
+@pytest.mark.chaos
 def test_stage2_to_stage3_hand_off_with_packing_yarn_and_seq_shards(src, tmp_path):
     """Stage 3 as the recipe starts it, at smoke size: warm-Adam from the last checkpoint, then packed
     documents (groups of 8 files, permutation seed 123), YaRN, LinearWithWarmup, each sequence split

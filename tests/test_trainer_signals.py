@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers.trainer import scalars, train
 
 
@@ -68,6 +69,7 @@ def test_sigterm_checkpoints_the_completed_step_and_next_attempt_resumes(tmp_pat
     assert {x.split(".")[-2] for x in names} == {"a0001", "a0002"}
 
 
+@pytest.mark.chaos
 def test_non_finite_loss_exits_1_and_never_checkpoints_it(tmp_path):
     run = tmp_path / "run"
     p = train(

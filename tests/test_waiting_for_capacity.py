@@ -125,6 +125,7 @@ def waits(rd: RunDir) -> list[tuple]:
     ]
 
 
+@pytest.mark.chaos
 def test_a_capacity_outage_longer_than_admission_timeout_times_retries_is_waited_out(tmp_path, sandbox, gcs):
     """The pool loses its nodes for 3 h (admission timeout 600 s x 2 retries is 20 min): the pods are
     deleted by pod GC (DisruptionTarget DeletionByPodGC), the Job's Ignore rule replaces them, the
