@@ -27,6 +27,7 @@ def sandbox():
         yield sb
 
 
+@pytest.mark.chaos
 def test_a_long_wait_falls_back_returns_and_falls_back_again_when_the_preferred_does_not_start(
     tmp_path, sandbox, gcs
 ):

@@ -292,6 +292,7 @@ def test_stop_ends_a_supervisor_that_backs_off_between_attempts(tmp_path):
 # ---------------------------------------------------------------- stop (local, a real trainer and supervisor)
 
 
+@pytest.mark.chaos
 def test_stop_checkpoints_ends_the_supervisor_and_a_later_submit_continues(tmp_path):
     root = tmp_path / "runs"
     rdir = root / "halt"

@@ -96,6 +96,7 @@ def events(rd, attempt=None):
     ]
 
 
+@pytest.mark.chaos
 def test_long_queue_spends_nothing_and_a_preemption_requeues_the_same_attempt(tmp_path, srv, gcs):
     rd, be = setup(tmp_path, srv, gcs.bucket)
     t_pre = 3 * 3600 + 600
