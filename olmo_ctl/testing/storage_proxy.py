@@ -158,11 +158,12 @@ class StallingProxy:
                     with self._lock:
                         self.requests.append(req)
                     continue
-                upstream.sendall(head)
-                body_head = self._relay_body(reader, req.headers, upstream)
-                req.body_head = body_head
+                # Recorded before its body goes on, its body's head as it is relayed: the answer (and
+                # whatever the client does next) cannot come before the request is on the list.
                 with self._lock:
                     self.requests.append(req)
+                upstream.sendall(head)
+                self._relay_body(reader, req, upstream)
         except OSError:
             return
         finally:
@@ -190,12 +191,15 @@ class StallingProxy:
                 return True
             return False
 
-    def _relay_body(self, reader: _Reader, headers: dict[str, str], upstream: socket.socket) -> bytes:
+    def _relay_body(self, reader: _Reader, req: Request, upstream: socket.socket) -> bytes:
+        """The request's body to upstream; `req.body_head` holds its first bytes before they are sent."""
         kept = bytearray()
+        headers = req.headers
 
         def send(data: bytes) -> None:
             if len(kept) < BODY_HEAD:
                 kept.extend(data[: BODY_HEAD - len(kept)])
+                req.body_head = bytes(kept)
             upstream.sendall(data)
 
         if "chunked" in headers.get("transfer-encoding", "").lower():
