@@ -60,6 +60,7 @@ def local_report(ckpt: str, device: str, env) -> dict:
 # ---------------------------------------------------------------- the trainer's eval mode
 
 
+@pytest.mark.chaos
 def test_the_trainer_evaluates_a_spec_into_result_json_as_eval_does(smoke_run, tmp_path, env):
     """What the job's pod runs, as a process: `--eval SPEC --run-dir OUT --device cpu-2` writes
     OUT/result.json with the spec, the devices and the report `eval --device cpu-2` prints here; a

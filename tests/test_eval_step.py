@@ -198,6 +198,7 @@ def test_a_negative_micro_batch_is_refused_by_the_recipe():
         _recipe("eval.micro_batch=-1")
 
 
+@pytest.mark.chaos
 def test_the_trainer_logs_the_same_eval_loss_in_micro_batches_and_refuses_a_bad_one(tmp_path):
     """Real trainer processes on 4 CPU devices: the smoke recipe's 8-instance eval batch in one forward
     pass and in two of 4 log the same `eval/lm_loss`; a micro-batch that does not fit the rows is exit 2."""

@@ -194,6 +194,7 @@ def test_user_delta_recipes_from_the_wheel(installed):
     )
 
 
+@pytest.mark.chaos
 def test_resume_until_done_from_the_wheel(installed):
     pytest.importorskip("jax")
     root = installed["work"] / "runs"
