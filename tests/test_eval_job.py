@@ -1,12 +1,12 @@
 """`olmo-ctl eval --backend gke`: a checkpoint's evaluation as a job of its own on a single-host slice.
 
-The trainer's eval mode (`python -m olmo_ctl.trainer --eval SPEC`, what the job's pod runs) as a real
-process; the refusals, each one line and exit 2 before anything is read or submitted; the JobSet
-`--dry-run` prints, against the real JobSet CRD schema; and in the chaos lane the whole loop against
+Everyday: the refusals, each one line and exit 2 before anything is read or submitted, and the JobSet
+`--dry-run` prints, against the real JobSet CRD schema. Chaos: the trainer's eval mode (`python -m
+olmo_ctl.trainer --eval SPEC`, what the job's pod runs) as a real process, and the whole loop against
 the sandbox cluster, whose v5p-8 pod runs the trainer as a local process on 4 CPU devices over a GCS
 emulator bucket: queued without a node past --timeout (124, the job goes on), waited for again by the
-same command, its result equal to `eval --device cpu-4` here, and read back the third time with
-nothing submitted; a job whose JobSet is deleted under it is submitted again (attempt 1)."""
+same command, its result equal to `eval --device cpu-4` here, read back the third time with nothing
+submitted; a job whose JobSet is deleted under it is submitted again (attempt 1)."""
 
 from __future__ import annotations
 
