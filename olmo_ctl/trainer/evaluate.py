@@ -175,7 +175,7 @@ def eval_recipe(
     )
 
 
-def check(
+def _checked(
     ckpt: Checkpoint,
     *,
     tasks: tuple[str, ...] | None = None,
@@ -186,9 +186,9 @@ def check(
     devices: int = 1,
     limit: int = 0,
     known_labels: bool = True,
-) -> Recipe:
-    """The recipe the evaluators read, after every refusal that needs neither the parameters nor a
-    built task, in the order a user fixes them: something to evaluate, the task labels (not when
+) -> tuple[Recipe, list]:
+    """The recipe the evaluators read and the LM sets' files (none without eval.lm), after every
+    refusal that needs neither the parameters nor a built task, in the order a user fixes them: something to evaluate, the task labels (not when
     `known_labels` is False: ai2-olmo-eval is not installed here), the tokenizer, the LM files."""
     from olmo_ctl.trainer import downstream as D
     from olmo_ctl.trainer.lm_eval import resolve_sets
@@ -199,6 +199,7 @@ def check(
         ckpt, tasks=tasks, lm=lm, tokenizer=tokenizer, seq_len=seq_len, data_root=data_root, devices=devices
     )
     labels, lm_cfg = r.eval.downstream.tasks, r.eval.lm
+    sets: list = []
     if not labels and not lm_cfg.enabled:
         where = "its run's recipe has" if ckpt.recipe else "a checkpoint without a recipe has"
         raise BadInput(
@@ -227,8 +228,14 @@ def check(
                 f"--lm {lm_cfg.mix} reads its files under a data root, and none is set",
                 "--data-root DIR (the directory holding `eval-data/perplexity/...`, local or gs://)",
             )
-        resolve_sets(r)  # a missing file is named now
-    return r
+        sets = resolve_sets(r)  # a missing file is named now
+    return r, sets
+
+
+def check(ckpt: Checkpoint, **options) -> Recipe:
+    """`_checked`'s recipe: what an eval job checks before it is submitted (the keyword arguments
+    of `prepare`, and `known_labels`)."""
+    return _checked(ckpt, **options)[0]
 
 
 def prepare(
@@ -245,9 +252,9 @@ def prepare(
     """`check`, then the tasks built with the tokenizer (each cut to `limit` documents) and the LM
     sets' documents read: everything but the parameters."""
     from olmo_ctl.trainer import downstream as D
-    from olmo_ctl.trainer.lm_eval import LMEvalData, resolve_sets
+    from olmo_ctl.trainer.lm_eval import LMEvalData
 
-    r = check(
+    r, sets = _checked(
         ckpt,
         tasks=tasks,
         lm=lm,
@@ -266,7 +273,7 @@ def prepare(
     data = None
     if r.eval.lm.enabled:
         m = r.model
-        data = LMEvalData(resolve_sets(r), r.train.seq_len, m.eos_token_id, m.pad_token_id, m.vocab_size)
+        data = LMEvalData(sets, r.train.seq_len, m.eos_token_id, m.pad_token_id, m.vocab_size)
     return EvalJob(ckpt, r, devices, built, data, limit)
 
 
