@@ -341,7 +341,7 @@ class GCSStore(Store):
         if os.environ.get("STORAGE_EMULATOR_HOST"):
             from google.auth.credentials import AnonymousCredentials
 
-            self._client = storage.Client(project="local", credentials=AnonymousCredentials())
+            self._client = storage.Client(project="emulator", credentials=AnonymousCredentials())
         else:
             from google.auth.exceptions import DefaultCredentialsError
 

@@ -679,7 +679,7 @@ def test_a_missing_workload_priority_class_is_named_by_the_backend():
         assert srv.cluster.workload(h.name) is None  # upstream: no Workload without its priority class
         st = b.status(h)
         assert st.state.terminal or "high" in st.reason, st
-        assert st.details["config_error"] == (
+        assert st.config_error == (
             'Kueue cannot create the Workload: WorkloadPriorityClass "high" does '
             "not exist (label kueue.x-k8s.io/priority-class)"
         )
@@ -687,7 +687,7 @@ def test_a_missing_workload_priority_class_is_named_by_the_backend():
             srv.world.save("WorkloadPriorityClass", {"metadata": {"name": "high"}, "value": 1000}, new=True)
             srv.world.reconcile()
         st = b.status(h)
-        assert srv.cluster.workload(h.name) is not None and "config_error" not in st.details, st
+        assert srv.cluster.workload(h.name) is not None and st.config_error is None, st
 
 
 @pytest.mark.parametrize("case", ["no-local-queue", "no-cluster-queue", "no-flavor-for-the-slice"])
@@ -727,7 +727,7 @@ def test_a_queue_set_up_that_can_never_admit_is_named_by_the_backend(case):
                 )
                 js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "lq3"
         st = b.status(b.send(js))
-        assert st.state.live and st.details["config_error"] == want, st
+        assert st.state.live and st.config_error == want, st
         assert want in st.reason
 
 
@@ -739,7 +739,7 @@ def test_waiting_for_capacity_is_not_a_configuration_error():
     with KubeServer() as srv:
         b = GKEBackend(namespace="default", host=srv.url, retry=fast)
         st = b.status(b.send(golden("c-a1", host_network=False)))
-        assert "insufficient unused quota" in st.reason and "config_error" not in st.details, st
+        assert "insufficient unused quota" in st.reason and st.config_error is None, st
 
 
 def test_pods_refused_at_creation_are_reported_with_the_cause():
@@ -754,7 +754,7 @@ def test_pods_refused_at_creation_are_reported_with_the_cause():
         srv.cluster.admit(h.name)
         st = b.status(h)
         assert "hostNetwork" in st.reason or "FailedCreate" in st.reason, st
-        assert st.state.live and st.details["not_created"] is True
+        assert st.state.live and st.pods_refused is True
         assert st.reason == (
             '0/1 pods created; FailedCreate: Job p-a1-slice-0: Error creating: pods "p-a1-slice-0-0-" '
             'is forbidden: violates PodSecurity "baseline:latest": host namespaces (hostNetwork=true)'

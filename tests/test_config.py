@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from olmo_ctl.core.config import PLACEHOLDER_RUN_ROOT, resolve_settings
+from olmo_ctl.backends import placeholders, resolve_settings
+from olmo_ctl.core.config import PLACEHOLDER_RUN_ROOT
 from olmo_ctl.core.errors import BadInput
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +32,7 @@ def test_defaults_without_a_file(xdg):
     s = resolve_settings()
     assert s.run_root == PLACEHOLDER_RUN_ROOT and s.backend == "gke" and s.priority_class is None
     assert set(s.sources.values()) == {"default"}
-    assert s.placeholders() == ["run_root", "image"]
+    assert placeholders(s) == ["run_root", "image"]
 
 
 def test_precedence_flag_over_env_over_file(xdg, monkeypatch):
@@ -59,7 +60,7 @@ def test_precedence_flag_over_env_over_file(xdg, monkeypatch):
     assert s.sources["queue"] == "env OLMO_CTL_QUEUE"
     assert s.sources["run_root"] == f"file {xdg}"
     assert s.sources["image"] == "default"
-    assert s.placeholders() == ["image"]
+    assert placeholders(s) == ["image"]
 
 
 @pytest.mark.parametrize(
@@ -149,7 +150,7 @@ def test_config_show_and_dry_run_use_the_file(xdg):
 def test_local_backend_defaults_and_dry_run(xdg, tmp_path):
     s = resolve_settings(backend="local")
     assert s.run_root == os.path.abspath("runs") and s.sources["run_root"] == "default for the local backend"
-    assert s.placeholders() == []
+    assert placeholders(s) == []
     assert resolve_settings(backend="local", run_root="my-runs/").run_root == os.path.abspath("my-runs")
     pytest.importorskip("olmo_ctl.backends.local")
     p = subprocess.run(

@@ -159,7 +159,7 @@ def test_a_supervisor_paused_while_watching_leaves_the_run_to_its_successor(tmp_
 def test_the_lease_holder_stops_a_stray_attempt(tmp_path):
     """The backstop: an attempt of the run that is live but not the supervisor's (one a supervisor that
     lost the lease created and never removed) is killed and journaled `stray_stopped`."""
-    from olmo_ctl.backends.base import Attempt
+    from helpers.attempts import attempt
 
     root = str(tmp_path / "runs")
     sup = supervisor(root, "--set", "train.max_steps=400")
@@ -169,7 +169,7 @@ def test_the_lease_holder_stops_a_stray_attempt(tmp_path):
         backend = LocalBackend(root)
         stray = backend.send(
             backend.render(
-                Attempt(
+                attempt(
                     "fenced",
                     rd.path,
                     7,

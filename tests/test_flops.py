@@ -27,9 +27,9 @@ def test_olmo3_7b_maxtext_formula_at_8192():
 
 
 def test_mfu_on_ironwood():
-    assert flops.mfu(513.0, "tpu7x-128") == pytest.approx(0.445, abs=0.001)
+    assert flops.mfu(513.0, get_device("tpu7x-128")) == pytest.approx(0.445, abs=0.001)
     assert flops.mfu(513.0, get_device("tpu7x-8")) == pytest.approx(513 / 1153.5)
-    assert flops.mfu(263.0, "v5p-256") == pytest.approx(263 / 459)
+    assert flops.mfu(263.0, get_device("v5p-256")) == pytest.approx(263 / 459)
 
 
 def test_sliding_window_discounts_only_olmo_core():

@@ -216,7 +216,7 @@ def test_eviction_by_preemption_requeues_the_same_attempt_with_kueues_reason(srv
     srv.cluster.run_pods(h.name)
     srv.cluster.evict(h.name, "Preempted", "InClusterQueue")
     st = b.status(h)
-    assert st.state == State.QUEUED and st.details["evicted"] == "Preempted (InClusterQueue)"
+    assert st.state == State.QUEUED and st.evicted == "Preempted (InClusterQueue)"
     assert st.reason.startswith("Preempted (InClusterQueue): Preempted to accommodate a workload")
     assert (
         "; requeued by Kueue, Pending: couldn't assign flavors to pod set slice: insufficient unused quota"
@@ -265,13 +265,13 @@ def test_image_pull_backoff_is_a_wait_and_a_missing_image_a_configuration_error(
     st = b.status(h)
     assert st.state == State.ADMITTED
     assert st.reason.endswith('ImagePullBackOff: Back-off pulling image "olmo:missing"')
-    assert (st.details["waiting"], st.details["image"]) == ("image-pull", "python:3.12-slim")
+    assert st.image_pull == "python:3.12-slim"
     assert "config_error" not in st.details
     assert b.logs(h) == []  # the container never started: no log, no error
     srv.cluster.image_pull_error(h.name, 1)  # the registry: not found
     st = b.status(h)
-    assert st.details["config_error"].startswith("image python:3.12-slim cannot be pulled: ErrImagePull: ")
-    assert st.details["config_error"].endswith(": not found")
+    assert st.config_error.startswith("image python:3.12-slim cannot be pulled: ErrImagePull: ")
+    assert st.config_error.endswith(": not found")
 
 
 def test_unschedulable_while_admitted_keeps_the_state_and_says_why(srv):
@@ -380,6 +380,7 @@ def test_rendered_attempt_is_accepted_by_the_crd_schema(srv):
         image="us-docker.pkg.dev/p/r/olmo-ctl:1", run_root="gs://bucket/runs", queue="tpu-queue"
     )
     b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
+    from olmo_ctl.backends.base import Target
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.supervise.attempts import new_request
 
@@ -387,7 +388,7 @@ def test_rendered_attempt_is_accepted_by_the_crd_schema(srv):
         "olmo3-7b-s1",
         "gs://bucket/runs/olmo3-7b-s1",
         3,
-        "tpu7x-128",
+        Target.parse("tpu7x-128"),
         load_recipe("olmo3-7b-stage1"),
         extra_args=("--stop-at-step", "100"),
     )
@@ -439,6 +440,7 @@ def test_a_jobset_being_deleted_keeps_its_state_and_is_not_live_for_reattach(srv
 
 @pytest.mark.gcs
 def test_the_attempt_request_reads_the_recipe_from_run_yaml_on_gcs(srv, gcs):
+    from olmo_ctl.backends.base import Target
     from olmo_ctl.core.config import Settings
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.rundir import RunDir
@@ -450,7 +452,7 @@ def test_the_attempt_request_reads_the_recipe_from_run_yaml_on_gcs(srv, gcs):
     RunDir(run_dir).create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "v5p-256")
     settings = Settings(image="img:1", run_root=f"gs://{bucket}/runs")
     b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
-    js = b.render(attempt_request(RunDir(run_dir), 2, "v5p-256"))
+    js = b.render(attempt_request(RunDir(run_dir), 2, Target.parse("v5p-256")))
     from olmo_ctl.backends.jobset import ANNOTATION_PLAN
 
     # The recipe comes from run.yaml: stage 2's global batch 256 over v5p-256's 128 devices.
@@ -507,7 +509,7 @@ def test_a_jobset_restarting_itself_stays_live(srv):
     assert "exited 139" in st.reason and "it may restart" in st.reason
     srv.cluster.world.settle()  # the Job fails (backoffLimit 0), the JobSet restarts (maxRestarts 1)
     st = b.status(h)
-    assert (st.state, st.details["restarts"]) == (State.ADMITTED, 1)
+    assert (st.state, st.restarts) == (State.ADMITTED, 1)
     assert st.reason == "0/2 pods running; JobSet restarts: 1"
     srv.cluster.run_pods(h.name)
     assert b.status(h).state == State.RUNNING

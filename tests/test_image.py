@@ -580,7 +580,7 @@ def test_an_image_not_in_local_storage_is_err_image_pull(image_box):
 
     st = classify(c.jobset("nopull"), c.workload("nopull"), c.pods("nopull"), c.events())
     assert st.state == State.ADMITTED and "ErrImagePull" in st.reason, st
-    assert "localhost/olmo-ctl-test-runtime:absent" in (st.details.get("config_error") or ""), st.details
+    assert "localhost/olmo-ctl-test-runtime:absent" in (st.config_error or ""), st.details
 
 
 # -- the trainer's image: built, checked, run (chaos lane: minutes)

@@ -93,7 +93,7 @@ def test_a_permanent_pull_error_is_a_configuration_error_naming_the_image(srv, c
     }
     st = be.status(h)  # the cause is in the pod's events
     assert st.state == State.ADMITTED
-    err = st.details["config_error"]
+    err = st.config_error
     assert err.startswith("image python:3.12-slim cannot be pulled: ImagePullBackOff: ") and text in err, err
 
 
@@ -107,7 +107,7 @@ def test_an_image_reference_the_kubelet_cannot_parse_or_never_pulls_is_permanent
     pod = _pods(srv, h.name)[0]
     assert _waiting(pod)["reason"] == "InvalidImageName"
     st = be.status(h)
-    assert st.details["config_error"].startswith("image Olmo Ctl:1 cannot be pulled: InvalidImageName: ")
+    assert st.config_error.startswith("image Olmo Ctl:1 cannot be pulled: InvalidImageName: ")
     srv.world.advance(600)
     assert _waiting(_pods(srv, h.name)[0])["reason"] == "InvalidImageName"  # never retried
 
@@ -120,7 +120,7 @@ def test_an_image_reference_the_kubelet_cannot_parse_or_never_pulls_is_permanent
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)
     assert _waiting(_pods(srv, h.name)[0])["reason"] == "ErrImageNeverPull"
-    assert "ErrImageNeverPull" in be.status(h).details["config_error"]
+    assert "ErrImageNeverPull" in be.status(h).config_error
 
 
 def test_pull_errors_are_read_by_cause():

@@ -329,8 +329,8 @@ def test_schema_check_catches_unknown_and_mistyped_fields(env):
 
 
 def test_host_network_is_a_site_setting_and_names_the_identity(tmp_path, monkeypatch):
+    from olmo_ctl.backends import resolve_settings
     from olmo_ctl.backends.jobset import identity_note
-    from olmo_ctl.core.config import resolve_settings
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     for k in [k for k in os.environ if k.startswith("OLMO_CTL_")]:

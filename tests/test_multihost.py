@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.attempts import attempt as make_attempt
 from helpers.waiting import wait_for
 
-from olmo_ctl.backends.base import Attempt, State
+from olmo_ctl.backends.base import State
 from olmo_ctl.backends.local import LocalBackend
 from olmo_ctl.core.contracts import parse_committed_line, parse_step_line
 from olmo_ctl.core.devices import get_device
@@ -45,14 +46,14 @@ def start(
 ):
     backend = LocalBackend(str(tmp_path), stop_grace_s=60)
     run_dir = str(tmp_path / run)
-    a = Attempt(
+    a = make_attempt(
         run,
         run_dir,
         attempt,
         device,
         recipe_path="smoke",
         extra_args=("--set", f"train.max_steps={steps}", *SMOKE, *sets),
-        env=tuple((env or {}).items()),
+        env=env,
     )
     return backend, backend.send(backend.render(a))
 
@@ -117,7 +118,7 @@ def test_cpu_pxd_devices_and_the_rendered_launch():
     assert (d.processes, d.devices_per_process, d.devices) == (2, 2, 4)
     assert get_device("cpu-4").processes == 1 and get_device("cpu-1x4").devices_per_process == 4
     backend = LocalBackend("/tmp/x")
-    req = backend.render(Attempt("r", "/tmp/x/r", 1, "cpu-2x2", recipe_path="smoke"))
+    req = backend.render(make_attempt("r", "/tmp/x/r", 1, "cpu-2x2", recipe_path="smoke"))
     assert req.processes == 2 and req.env["OLMO_CTL_NUM_PROCESSES"] == "2"
     assert req.env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     assert req.host_env(1, "127.0.0.1:1")["OLMO_CTL_PROCESS_ID"] == "1"

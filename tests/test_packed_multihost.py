@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.attempts import attempt
 from helpers.waiting import wait_for
 
-from olmo_ctl.backends.base import Attempt, State
+from olmo_ctl.backends.base import State
 from olmo_ctl.backends.local import LocalBackend
 from olmo_ctl.data.files import TokenFile, ensure_smoke_data
 from olmo_ctl.storage import store_for
@@ -53,14 +54,14 @@ def test_a_packed_start_on_the_twin_writes_each_packing_once_and_the_other_host_
     sets += ["checkpoint.interval=1000", "eval.interval=1000", "logging.metrics_every=1"]
     with StallingProxy(gcs.url) as proxy:
         backend = LocalBackend(str(tmp_path), stop_grace_s=60)
-        a = Attempt(
+        a = attempt(
             "packed",
             run,
             1,
             "cpu-2x2",
             recipe_path="smoke",
             extra_args=("--stop-at-step", "3", *(x for s in sets for x in ("--set", s))),
-            env=tuple(emulator_env(proxy.url).items()),
+            env=emulator_env(proxy.url),
         )
         h = backend.send(backend.render(a))
         st = wait_for(

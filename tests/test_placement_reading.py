@@ -53,7 +53,7 @@ def test_followers_wait_for_their_leader_and_the_leaders_state_is_reported():
         assert st.reason.startswith(
             f"Unschedulable: pod {pods[0]['metadata']['name']}: 0/4 nodes are available"
         )
-        assert "not_created" not in st.details and st.details["unschedulable"] is True
+        assert not st.pods_refused and st.details["unschedulable"] is True
         sb.world.kubelet_back()  # the leader is scheduled; the follower is created on its node pool
         pods = sb.server.cluster.pods(h.name)
         assert [p["status"]["phase"] for p in pods] == ["Running", "Running"]
@@ -108,7 +108,7 @@ def test_the_leader_refusal_is_not_pods_refused():
     assert "follower pods wait for their leader pod to be scheduled" in st.reason
     quota = dict(refusal, message='Error creating: pods "r-a1-slice-0-1-" is forbidden: exceeded quota: q')
     st = classify(js, wl, [leader], [refusal, quota])
-    assert st.details["not_created"] is True and "exceeded quota" in st.reason
+    assert st.pods_refused is True and "exceeded quota" in st.reason
 
 
 def test_failed_creates_of_an_earlier_restart_are_history(srv):

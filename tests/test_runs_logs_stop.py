@@ -15,6 +15,7 @@ from helpers.runs import STEPS, copy_run
 from helpers.trainer import scalars
 from helpers.waiting import wait_for
 
+from olmo_ctl.backends.base import Target
 from olmo_ctl.backends.local import LocalBackend, proc_start_time
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.rundir import RunDir
@@ -44,7 +45,7 @@ def fake_python(tmp_path: Path, body: str) -> str:
 
 
 def start_attempt(rd: RunDir, be: LocalBackend, device: str = "cpu-1"):
-    req = new_request(rd.name, rd.path, 0, device, rd.recipe())
+    req = new_request(rd.name, rd.path, 0, Target.parse(device), rd.recipe())
     return submit_next(rd, be, req, "first attempt")
 
 
@@ -169,7 +170,7 @@ def gke_run(tmp_path, srv, gcs):
     rd = new_run(root, "gk", device="tpu7x-16")  # type: ignore[arg-type]
     settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
     be = GKEBackend(host=srv.url, settings=settings)
-    h = be.send(be.render(attempt_request(rd, 1, "tpu7x-16")))
+    h = be.send(be.render(attempt_request(rd, 1, Target.parse("tpu7x-16"))))
     rd.append("submitted", attempt=1, device="tpu7x-16", handle=h.to_dict(), backend="gke")
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)

@@ -311,7 +311,7 @@ def test_the_status_names_each_wait_for_capacity_and_the_policy_calls_them_waits
     pod the API server refused is not (a configuration); policy.waiting_for reads them."""
     from test_state import ADMITTED_WL, jobset, pod
 
-    from olmo_ctl.backends.base import State
+    from olmo_ctl.backends.base import AttemptStatus, State
     from olmo_ctl.backends.gke_status import classify
     from olmo_ctl.supervise.policy import waiting_for
 
@@ -321,23 +321,23 @@ def test_the_status_names_each_wait_for_capacity_and_the_policy_calls_them_waits
         sb.fault(parse_fault({"kind": "node-not-ready", "pool": "v5p-8", "for": "5m"}))
         js = w.get("JobSet", "default", "t")
         st = classify(js, w.workload_of(js), w.jobset_pods("t"), w.items("Event", "default"))
-        assert st.state == State.ADMITTED and st.details["wait_cause"] == "node-not-ready", st
+        assert st.state == State.ADMITTED and st.wait_cause == "node-not-ready", st
         assert st.reason.startswith("0/1 pods running; 1 pod(s) on NotReady nodes (pod t-slice-0-0-")
-        assert waiting_for(st.state, st.details, st.reason) == ("node-not-ready", st.reason)
+        assert waiting_for(st) == ("node-not-ready", st.reason)
     refused = pod(0, "Failed", pod_reason="UnexpectedAdmissionError")
     refused["status"]["message"] = (
         "Allocate failed due to requested number of devices unavailable for google.com/tpu"
     )
     st = classify(jobset(), ADMITTED_WL, [refused, pod(1)], [])
-    assert st.state == State.ADMITTED and st.details["wait_cause"] == "kubelet-admission"
+    assert st.state == State.ADMITTED and st.wait_cause == "kubelet-admission"
     assert st.reason == (
         "1/2 pods running; the kubelet refused pod run-a1-slice-0-0-abcde: UnexpectedAdmissionError: "
         "Allocate failed due to requested number of devices unavailable for google.com/tpu"
     )
-    assert waiting_for(st.state, st.details, st.reason) == ("kubelet-admission", st.reason)
-    assert waiting_for(State.ADMITTED, {"not_created": True, "cause": "FailedCreate: ..."}) is None
-    assert waiting_for(State.QUEUED, {"deactivated": "someone"}) is None
-    assert waiting_for(State.QUEUED, {"evicted": "PodsReadyTimeout"}, "x") == ("requeued", "x")
+    assert waiting_for(st) == ("kubelet-admission", st.reason)
+    assert waiting_for(AttemptStatus(State.ADMITTED, pods_refused=True, cause="FailedCreate: ...")) is None
+    assert waiting_for(AttemptStatus(State.QUEUED, deactivated="someone")) is None
+    assert waiting_for(AttemptStatus(State.QUEUED, "x", evicted="PodsReadyTimeout")) == ("requeued", "x")
 
 
 def test_with_pods_as_processes_a_host_event_kills_them_and_a_silent_kubelet_lets_them_run():

@@ -325,7 +325,7 @@ CASES = [
         ),
         [],
         [],
-        State.QUEUED,  # kept by Kueue until someone reactivates it; details["deactivated"] says who
+        State.QUEUED,  # kept by Kueue until someone reactivates it; `deactivated` says who
         "DeactivatedDueToRequeuingLimitExceeded: The workload is deactivated due to "
         "exceeding the maximum number of re-queuing retries",
         "Workload condition Evicted",
@@ -391,7 +391,7 @@ CASES = [
         ADMITTED_WL,
         [pod(0, "Pending", waiting=("ErrImagePull", 'rpc error: pull access denied for "olmo:bad"')), pod(1)],
         [],
-        State.ADMITTED,  # live: the supervisor reads details["config_error"] (a permanent pull error)
+        State.ADMITTED,  # live: the supervisor reads `config_error` (a permanent pull error)
         "pod run-a1-slice-0-0-abcde container trainer: ErrImagePull: rpc error: pull access denied "
         'for "olmo:bad"',
         "pod run-a1-slice-0-0-abcde container status",
@@ -619,16 +619,13 @@ def test_an_inadmissible_workload_is_queued_and_flagged():
 )
 def test_a_queue_set_up_that_can_never_admit_is_a_configuration_error(reason, msg, config):
     st = classify(jobset(suspend=True), workload([cond("QuotaReserved", "False", reason, msg)]))
-    assert st.state == State.QUEUED and st.details.get("config_error") == (msg if config else None)
+    assert st.state == State.QUEUED and st.config_error == (msg if config else None)
 
 
 def test_no_workload_for_a_missing_priority_class_is_a_configuration_error():
     st = classify(jobset(suspend=True), None, missing=('WorkloadPriorityClass "high" does not exist',))
     assert st.state == State.QUEUED and "high" in st.reason
-    assert (
-        st.details["config_error"]
-        == 'Kueue cannot create the Workload: WorkloadPriorityClass "high" does not exist'
-    )
+    assert st.config_error == 'Kueue cannot create the Workload: WorkloadPriorityClass "high" does not exist'
 
 
 def test_pods_refused_at_creation_are_named_from_the_jobs_failed_create_event():
@@ -640,7 +637,7 @@ def test_pods_refused_at_creation_are_named_from_the_jobs_failed_create_event():
         "exceeded quota: q, requested: google.com/tpu=4, used: google.com/tpu=0, limited: google.com/tpu=0",
     )
     st = classify(jobset(), ADMITTED_WL, [pod(0)], [ev])
-    assert st.state == State.ADMITTED and st.details["not_created"] is True
+    assert st.state == State.ADMITTED and st.pods_refused is True
     assert st.reason == f"1/2 pods created; FailedCreate: Job run-a1-slice-0: {ev['message']}"
     assert classify(jobset(), ADMITTED_WL, [pod(0), pod(1)], [ev]).state == State.RUNNING  # created after all
 

@@ -179,7 +179,7 @@ def test_a_resize_renders_the_site_options_the_run_was_submitted_with(sandbox, c
 
 @pytest.mark.gcs
 def test_a_flag_wins_over_the_runs_own_site_setting(sandbox, gcs):
-    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.backends import resolve_settings
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.supervise.attempts import run_settings
 
@@ -229,7 +229,7 @@ def test_a_run_of_the_same_name_from_another_run_root_is_refused_and_never_mista
 
 
 def resolve_settings_for_test(root: str):
-    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.backends import resolve_settings
 
     return resolve_settings(run_root=root, backend="gke", image=IMAGE)
 
@@ -276,12 +276,24 @@ def test_no_command_branches_on_a_backends_name():
         assert not hits, f"{path.name}: {hits}"
 
 
-def test_the_registry_names_every_backend_setting_and_each_class_by_its_name():
-    from olmo_ctl.backends import REGISTRY, backend_class
-    from olmo_ctl.backends.base import Backend
-    from olmo_ctl.core.config import BACKENDS
+def test_only_the_local_backend_and_the_registry_name_the_local_backend():
+    """A backend's name is its own and the registry's: no other module spells "local" (or asks for it)."""
+    allowed = {ROOT / "olmo_ctl" / "backends" / "local.py", ROOT / "olmo_ctl" / "backends" / "__init__.py"}
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "olmo_ctl").rglob("*.py"))
+        if path not in allowed
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if '"local"' in line
+    ]
+    assert not hits, hits
 
-    assert set(REGISTRY) == set(BACKENDS)
+
+def test_the_registry_names_every_backend_setting_and_each_class_by_its_name():
+    from olmo_ctl.backends import DEFAULT_RUN_ROOTS, REGISTRY, THIS_MACHINE, backend_class
+    from olmo_ctl.backends.base import Backend
+
+    assert set(REGISTRY) == set(DEFAULT_RUN_ROOTS) and backend_class(THIS_MACHINE).trains_here
     for name in REGISTRY:
         cls = backend_class(name)
         assert issubclass(cls, Backend) and cls.name == name

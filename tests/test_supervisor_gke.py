@@ -293,11 +293,19 @@ def test_pods_the_api_server_refuses_exit_2_naming_why_after_the_admission_timeo
 
 
 def test_the_admission_timeout_submit_recorded_is_the_attempts_own(tmp_path, srv, gcs):
+    from olmo_ctl.backends.base import Target
     from olmo_ctl.supervise.attempts import attempt_request, submit_next
 
     rd, be = setup(tmp_path, srv, gcs.bucket)
     srv.world.pod_admission.append(lambda pod: QUOTA)
-    submit_next(rd, be, attempt_request(rd, 1, "tpu7x-8"), "submitted by hand", admission_timeout_s=300, t=T0)
+    submit_next(
+        rd,
+        be,
+        attempt_request(rd, 1, Target.parse("tpu7x-8")),
+        "submitted by hand",
+        admission_timeout_s=300,
+        t=T0,
+    )
     script = Script(srv, rd, {1: [(30, lambda s, n: s.srv.cluster.admit(n))]})
     with pytest.raises(OlmoCtlError) as e:
         supervise(rd, be, script, backoff_base_s=60, max_retries=1)

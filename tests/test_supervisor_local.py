@@ -541,14 +541,12 @@ def test_chaos_kills_and_bitwise_identical_losses(tmp_path):
 def test_a_trainer_started_without_its_attempt_file_is_found_and_adopted(tmp_path):
     """A supervisor killed between starting a trainer and recording it: the next one finds the
     trainer by its command line instead of starting a second one."""
-    from olmo_ctl.backends.base import Attempt
+    from helpers.attempts import attempt
 
     root = str(tmp_path / "runs")
     backend = LocalBackend(root)
     run_dir = os.path.join(root, "orphan")
-    req = backend.render(
-        Attempt(run="orphan", run_dir=run_dir, attempt=3, device="cpu-1", recipe_path="smoke")
-    )
+    req = backend.render(attempt("orphan", run_dir, 3, "cpu-1", recipe_path="smoke"))
     os.makedirs(os.path.dirname(req.log_path), exist_ok=True)
     with open(req.log_path, "ab") as log:  # what submit does, minus the attempt file
         proc = subprocess.Popen(

@@ -390,7 +390,7 @@ def test_a_just_repaired_kubelet_refusing_pods_is_a_wait_that_spends_nothing(tmp
     # One wait (it began as the repair's Unschedulable), through the repair and the refusals.
     ((_, _, none), (_, _, seconds)) = waits(rd)
     assert none is None and 40 * 60 - 120 <= seconds <= 40 * 60 + 240, waits(rd)
-    d = seen["status"].details
-    assert d["wait_cause"] == "kubelet-admission" and "UnexpectedAdmissionError" in d["cause"], d
+    d = seen["status"]
+    assert d.wait_cause == "kubelet-admission" and "UnexpectedAdmissionError" in (d.cause or ""), d
     st = sandbox.server.cluster.jobset("wt-a1")["status"]
     assert st["restarts"] > 3 and (st.get("restartsCountTowardsMax") or 0) == 0

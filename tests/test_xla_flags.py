@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from olmo_ctl.backends import resolve_settings
 from olmo_ctl.backends.jobset import (
     libtpu_init_args,
     render_jobset,
@@ -17,7 +18,7 @@ from olmo_ctl.backends.jobset import (
     xla_flags_for,
 )
 from olmo_ctl.core.batching import make_plan
-from olmo_ctl.core.config import Settings, resolve_settings
+from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import load_recipe

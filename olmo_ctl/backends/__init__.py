@@ -21,6 +21,25 @@ REGISTRY: dict[str, str] = {
     "gke": "olmo_ctl.backends.gke:GKEBackend",
     "local": "olmo_ctl.backends.local:LocalBackend",
 }
+# Where each backend's runs live when no flag, environment variable or config file says: a path on
+# this machine for a backend whose trainer runs here (made absolute); None: the placeholder run root,
+# which a submit refuses (`Backend.placeholders`). Declared beside the registry, so that resolving
+# the site settings loads no backend module.
+DEFAULT_RUN_ROOTS: dict[str, str | None] = {"gke": None, "local": "runs"}
+# The backend whose trainer runs in processes of this machine: where `eval` evaluates by default.
+THIS_MACHINE = "local"
+
+
+def resolve_settings(**flag_values: str | None) -> Settings:
+    """The site settings of a command (`core.config.resolve_settings`), with the backends' declarations."""
+    from olmo_ctl.core.config import resolve_settings as resolve
+
+    return resolve(DEFAULT_RUN_ROOTS, **flag_values)
+
+
+def placeholders(settings: Settings) -> list[str]:
+    """The settings still holding placeholders that `settings.backend` cannot submit with."""
+    return backend_class(settings.backend).placeholders(settings)
 
 
 def backend_class(name: str) -> type[Backend]:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from olmo_ctl.core.contracts import LogProgress, State
+from olmo_ctl.core.devices import Device, check_slices, get_device
 from olmo_ctl.core.errors import BadInput
 
 if TYPE_CHECKING:  # pure modules, but a backend that only reads status needs none of them
@@ -46,35 +47,97 @@ if TYPE_CHECKING:  # pure modules, but a backend that only reads status needs no
     from olmo_ctl.core.config import Settings
     from olmo_ctl.core.recipe import Recipe
 
-__all__ = ["Attempt", "AttemptStatus", "Backend", "Handle", "LogProgress", "SmokeProfile", "State"]
+__all__ = ["Attempt", "AttemptStatus", "Backend", "Handle", "LogProgress", "SmokeProfile", "State", "Target"]
 
 
 @dataclass(frozen=True)
 class AttemptStatus:
+    """One attempt's normalised state, and the typed facts the supervisor, the policy and the eval job
+    decide on. A backend fills the fields its world has (a local process is never evicted); `details`
+    is the backend's own vocabulary (the pod, the container, the JobSet's reason), for people and the
+    backend itself: nothing above `backends/` reads it."""
+
     state: State
     reason: str = ""  # copied from the source: Kueue/JobSet condition, exit code, last log line
     source: str = ""  # where the reason came from, e.g. "Workload condition Evicted"
     exit_code: int | None = None
     last_log_lines: tuple[str, ...] = ()
+    # A live attempt admitted but waiting for capacity, and why: `unschedulable` (no node fits its
+    # pods), `node-not-ready` (its pods sit on NotReady nodes), `kubelet-admission` (a just-repaired
+    # node's kubelet refused a pod). Waiting is never failing: no admission timeout applies.
+    wait_cause: str | None = None
+    # A set-up no retry changes (a queue or image that does not exist, pods the API server refuses):
+    # the supervisor exits 2 naming it, with the backend's `hint`.
+    config_error: str | None = None
+    deactivated: str | None = None  # who deactivated its Workload and why: kept, never run again by us
+    evicted: str | None = None  # the eviction's reason: the same attempt is requeued and resumed
+    preempted: bool = False  # evicted by a higher-priority workload (rather than requeued for a fault)
+    image_pull: str | None = None  # the image the kubelet backs off pulling (a bounded wait)
+    pods_refused: bool = False  # fewer pods than expected: the API server refused to create them
+    cause: str | None = None  # what holds an admitted attempt, in the source's words
+    restarts: int = 0  # restarts of the attempt in place (JobSet status.restarts)
+    workload: str | None = None  # the queue's object for the attempt (Kueue Workload name)
     details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where an attempt runs: the catalog device and how many slices of it (multislice when > 1).
+    Parsed once from a name (`Target.parse`: the command line, the journal, run.yaml) and passed by
+    every layer as it is; nothing below reads a device name again."""
+
+    device: Device
+    slices: int = 1
+
+    @classmethod
+    def parse(cls, device: str, slices: int | None = 1) -> Target:
+        """The target `device` x `slices`; BadInput (with a hint) for a name the catalog does not know,
+        or a slice count the device cannot take."""
+        dev = get_device(device)
+        return cls(dev, check_slices(dev, 1 if slices is None else slices))
+
+    @property
+    def name(self) -> str:
+        return self.device.name
+
+    @property
+    def on(self) -> str:
+        """How a person reads it: `v5p-16`, or `2 x v5p-16` for two slices."""
+        return self.name if self.slices == 1 else f"{self.slices} x {self.name}"
 
 
 @dataclass(frozen=True)
 class Attempt:
     """One attempt of a run: everything a backend needs to render it, resolved once by the caller
-    (`supervise.attempts.new_request`)."""
+    (`supervise.attempts.new_request`): the target, the resolved recipe (what run.yaml holds) and its
+    one plan on that target are required."""
 
     run: str
     run_dir: str
     attempt: int
-    device: str
+    target: Target
+    recipe: Recipe
+    plan: Plan  # batching.Plan of `recipe` on `target`
+    settings: Settings | None = None  # site settings; None: the backend's own
     recipe_path: str | None = None  # None: the trainer reads <run_dir>/run.yaml
     extra_args: tuple[str, ...] = ()  # appended to the trainer's command line
-    recipe: Recipe | None = None  # the resolved Recipe (what run.yaml holds)
-    plan: Plan | None = None  # its batching.Plan on `slices` x `device`
-    settings: Settings | None = None  # site settings; None: the backend's own
     env: tuple[tuple[str, str], ...] = ()  # extra environment of the trainer (test fault injection)
-    slices: int = 1  # slices of `device` (multislice when > 1; GKE only)
+
+    def __post_init__(self) -> None:
+        p, t = self.plan, self.target
+        if p.device != t.name or p.slices != t.slices:
+            raise ValueError(
+                f"attempt {self.attempt} of {self.run}: its plan is for {p.device} x {p.slices}, not {t.on}"
+            )
+
+    @property
+    def device(self) -> str:
+        """The target's device name (what the journal and the trainer's `--device` carry)."""
+        return self.target.name
+
+    @property
+    def slices(self) -> int:
+        return self.target.slices
 
 
 @dataclass(frozen=True)
@@ -117,6 +180,9 @@ class Backend(abc.ABC, Generic[Req]):
     # minutes, a process on this machine restarts in seconds.
     retry_backoff_s: ClassVar[float] = 300.0
     settings: Settings | None = None  # the site settings it was made from (recorded with each attempt)
+    # The placeholder settings (`core.config.PLACEHOLDERS`) this backend cannot submit with: a cluster
+    # needs a real image and a bucket its pods see; processes on this machine need neither.
+    needs_real: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------------ made from the site settings
     @classmethod
@@ -131,10 +197,27 @@ class Backend(abc.ABC, Generic[Req]):
         refresh falls back to the journal instead of hanging."""
         raise NotImplementedError(f"backend {cls.name} cannot read back an attempt")
 
+    @classmethod
+    def placeholders(cls, settings: Settings) -> list[str]:
+        """The settings of `needs_real` that still hold their placeholder (a submit refuses them; a
+        dry run renders with them)."""
+        return settings.placeholders(cls.needs_real)
+
     # ------------------------------------------------------------------ before anything is written
+    def validate_target(
+        self, target: Target, settings: Settings | None, run_dir: str, *, render_only: bool = False
+    ) -> None:
+        """Refuse (BadInput) a target this backend cannot run, with these site settings and a run
+        directory there, without I/O: what a command can say from its command line alone, before it
+        reads the run directory. `render_only`: the attempt is only printed (--dry-run), so
+        placeholder settings are fine."""
+
     def validate(self, attempt: Attempt, *, render_only: bool = False) -> None:
-        """Refuse (BadInput) an attempt this backend cannot run, without I/O; `render_only`: the
-        attempt is only printed (--dry-run), so placeholder settings are fine."""
+        """Refuse (BadInput) an attempt this backend cannot run, without I/O (by default what
+        `validate_target` refuses)."""
+        self.validate_target(
+            attempt.target, attempt.settings or self.settings, attempt.run_dir, render_only=render_only
+        )
 
     def checks(self, attempt: Attempt) -> None:
         """Refuse (BadInput) an attempt that the backend's world cannot admit (objects it names that
@@ -175,6 +258,15 @@ class Backend(abc.ABC, Generic[Req]):
 
     @abc.abstractmethod
     def logs(self, handle: Handle, tail: int = 50) -> list[str]: ...
+
+    def hint(self, status: AttemptStatus) -> str:
+        """What to do about an attempt that cannot go on as it is (its `config_error`, a
+        deactivation, a failure), in this backend's own words and tools: one line for the terminal."""
+        if status.config_error:
+            return "fix what it names, then run the same command again"
+        if status.deactivated:
+            return "it is kept as it is; let it run again, then run the same command"
+        return f"see the attempt's log: olmo-ctl logs RUN (backend {self.name})"
 
     def read_log(self, handle: Handle, host: int | None = None) -> tuple[str, list[str]]:
         """The attempt's whole log so far, for `olmo-ctl logs`: (where it was read, its lines). `host`:

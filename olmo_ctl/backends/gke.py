@@ -17,7 +17,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, SmokeProfile, State
+from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, SmokeProfile, State, Target
 from olmo_ctl.backends.jobset import identity_note, placement_policy_for, render_jobset
 from olmo_ctl.backends.kube import (
     DEFAULT_POLICY,
@@ -27,7 +27,6 @@ from olmo_ctl.backends.kube import (
     make_api_client,
     status_message,
 )
-from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
 
 if TYPE_CHECKING:
@@ -75,6 +74,7 @@ class GKEBackend(Backend[dict]):
 
     name = "gke"
     smoke = SmokeProfile(max_steps=2000, poll_s=2.0)
+    needs_real = ("run_root", "image")
 
     def __init__(
         self,
@@ -113,24 +113,30 @@ class GKEBackend(Backend[dict]):
             )
         return settings
 
-    def validate(self, attempt: Attempt, *, render_only: bool = False) -> None:
+    def validate_target(
+        self, target: Target, settings: Settings | None, run_dir: str, *, render_only: bool = False
+    ) -> None:
         """A TPU slice, no placeholder settings (unless only rendering) and a run directory on GCS
         (TPU pods cannot see this machine's files)."""
-        dev = get_device(attempt.device)
+        dev = target.device
         if not dev.is_tpu:
             raise BadInput(
                 f"`{dev.name}` is a local device; the GKE backend runs on TPU slices",
                 "use --backend local, or a TPU device such as tpu7x-128",
             )
-        settings = self._settings(attempt)
-        if not render_only and settings.placeholders():
+        settings = settings or self.settings
+        if settings is None:
             raise BadInput(
-                f"site settings still hold placeholders ({', '.join(settings.placeholders())})",
+                "the GKE backend needs site settings to render a JobSet", "see `olmo-ctl config show`"
+            )
+        if not render_only and self.placeholders(settings):
+            raise BadInput(
+                f"site settings still hold placeholders ({', '.join(self.placeholders(settings))})",
                 "see `olmo-ctl config show`; --dry-run works without them",
             )
-        if not attempt.run_dir.startswith("gs://"):
+        if not run_dir.startswith("gs://"):
             raise BadInput(
-                f"run root `{attempt.run_dir.rsplit('/', 1)[0]}` is not on GCS; TPU pods cannot see "
+                f"run root `{run_dir.rsplit('/', 1)[0]}` is not on GCS; TPU pods cannot see "
                 "this machine's files",
                 "set the run root to gs://BUCKET/PREFIX (--run-root, OLMO_CTL_RUN_ROOT or run_root "
                 "in the config file)",
@@ -141,7 +147,7 @@ class GKEBackend(Backend[dict]):
         missing object), before anything is created."""
         from olmo_ctl.backends.doctor import submit_checks
 
-        submit_checks(self.api_client, self._settings(attempt), get_device(attempt.device), attempt.slices)
+        submit_checks(self.api_client, self._settings(attempt), attempt.target.device, attempt.slices)
         self._check_run_name(attempt)
 
     def _check_run_name(self, attempt: Attempt) -> None:
@@ -165,12 +171,12 @@ class GKEBackend(Backend[dict]):
         if ident:
             out.append(ident)
         if render_only:
-            for name in settings.placeholders():
+            for name in self.placeholders(settings):
                 out.append(
                     f"`{name}` is the placeholder `{getattr(settings, name)}`; set --{name.replace('_', '-')}, "
                     f"OLMO_CTL_{name.upper()} or `{name}:` in the config file (see `olmo-ctl config show`)"
                 )
-            dev = get_device(attempt.device)
+            dev = attempt.target.device
             if settings.placement_policy and placement_policy_for(dev, settings) is None:
                 out.append(
                     f"placement policy `{settings.placement_policy}` is not used: {dev.name} node pools "
@@ -251,14 +257,10 @@ class GKEBackend(Backend[dict]):
     def render(self, attempt: Attempt) -> dict:
         """The JobSet for this attempt: pure, from the resolved recipe and plan the attempt carries."""
         settings = self._settings(attempt)
-        if attempt.recipe is None or attempt.plan is None:
-            raise ValueError(
-                "a GKE attempt carries its resolved recipe and plan (supervise.attempts.new_request)"
-            )
         return render_jobset(
             attempt.recipe,
             attempt.plan,
-            get_device(attempt.device),
+            attempt.target.device,
             settings,
             attempt.run,
             attempt.attempt,
@@ -689,6 +691,41 @@ class GKEBackend(Backend[dict]):
             if time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)
+
+    def hint(self, status: AttemptStatus) -> str:
+        """What to do about a queue set-up Kueue can never admit, an image no node can pull, pods the
+        API server refuses, or a deactivated Workload, with the kubectl command that shows or fixes it."""
+        text = status.config_error or ""
+        if not text and status.deactivated:
+            wl = status.workload or "WORKLOAD"
+            return f'kubectl patch workload {wl} --type merge -p \'{{"spec":{{"active":true}}}}\''
+        if not text:
+            return "its pods' logs: olmo-ctl logs RUN --host N, or kubectl logs POD"
+        if text.startswith("image "):
+            return (
+                "check that the image exists and that the nodes may pull it (`gcloud artifacts docker images "
+                "describe IMAGE`; the node pool's service account needs Artifact Registry Reader), or set "
+                "another with --image or `image:` in the site settings; then run the same command again"
+            )
+        if text.startswith("pods refused"):
+            return (
+                "the API server refuses the attempt's pods (the message names what: a ResourceQuota, Pod "
+                "Security, an admission webhook); fix that, then run the same command again"
+            )
+        if "WorkloadPriorityClass" in text:
+            return (
+                "create it (`kubectl get workloadpriorityclasses`), or pick an existing one with --priority-class "
+                "(an empty value for none); then run the same command again"
+            )
+        if ("LocalQueue" in text or "ClusterQueue" in text) and "doesn't exist" in text:
+            return (
+                "create the queue, or pick an existing one with --queue (`kubectl get localqueues -n NAMESPACE`); "
+                "then run the same command again"
+            )
+        return (
+            "the ClusterQueue has no ResourceFlavor with quota for this slice's accelerator and topology: ask the "
+            "cluster admin to add one (`kubectl get clusterqueues -o yaml`), or use another --queue or --device"
+        )
 
     def logs(self, handle: Handle, tail: int = LOG_TAIL) -> list[str]:
         """The last lines of the failed pod if one failed, else of worker 0 of slice 0."""

@@ -418,7 +418,26 @@ def classify(
     st = _classify(jobset, workload, pods, events, logs, tuple(missing))
     if jobset and (jobset.get("metadata") or {}).get("deletionTimestamp"):
         st = replace(st, reason=f"being deleted; {st.reason}", details={**st.details, "deleting": True})
-    return st
+    return typed(st)
+
+
+def typed(st: AttemptStatus) -> AttemptStatus:
+    """The classifier's working vocabulary (`details`) as the contract's typed fields, which are what
+    the supervisor, the policy and the eval job read."""
+    d = st.details
+    return replace(
+        st,
+        wait_cause=str(d["wait_cause"]) if d.get("wait_cause") else None,
+        config_error=str(d["config_error"]) if d.get("config_error") else None,
+        deactivated=str(d["deactivated"]) if d.get("deactivated") else None,
+        evicted=str(d["evicted"]) if d.get("evicted") else None,
+        preempted=bool(d.get("evicted")) and d.get("eviction_reason") == "Preempted",
+        image_pull=str(d.get("image") or "") if d.get("waiting") == "image-pull" else None,
+        pods_refused=bool(d.get("not_created")),
+        cause=str(d["cause"]) if d.get("cause") else None,
+        restarts=int(d.get("restarts") or 0),
+        workload=str(d["workload"]) if d.get("workload") else None,
+    )
 
 
 def _classify(

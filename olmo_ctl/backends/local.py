@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from olmo_ctl import storage
-from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State
+from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State, Target
 from olmo_ctl.core.contracts import (
     COORDINATOR_ENV,
     LOG_PREFIX_ENV,
@@ -45,7 +45,6 @@ from olmo_ctl.core.contracts import (
     exit_state,
     log_progress,
 )
-from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.ports import free_port
 from olmo_ctl.rundir import proc_start_time  # noqa: F401 - also what callers import from here
@@ -131,9 +130,11 @@ class LocalBackend(Backend[LocalRequest]):
     def for_status(cls, handle: Handle, run_dir: str) -> LocalBackend:
         return cls(run_dir.rstrip("/").rsplit("/", 1)[0])
 
-    def validate(self, attempt: Attempt, *, render_only: bool = False) -> None:
+    def validate_target(
+        self, target: Target, settings: Settings | None, run_dir: str, *, render_only: bool = False
+    ) -> None:
         """The local backend runs cpu-N, cpu-PxD and gpu-N on this machine."""
-        dev = get_device(attempt.device)
+        dev = target.device
         if dev.is_tpu:
             raise BadInput(
                 f"`{dev.name}` is a TPU slice; the local backend runs cpu-N or gpu-N",
@@ -166,7 +167,7 @@ class LocalBackend(Backend[LocalRequest]):
             argv += ["--recipe", attempt.recipe_path]
         argv += list(attempt.extra_args)
         env = {"PYTHONUNBUFFERED": "1"}
-        dev = get_device(attempt.device)
+        dev = attempt.target.device
         if dev.platform == "cpu":
             env["JAX_PLATFORMS"] = "cpu"
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={dev.devices_per_process}"

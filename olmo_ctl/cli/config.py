@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from olmo_ctl.backends import placeholders
 from olmo_ctl.cli.app import OlmoTyper, Output, OutputOpt, app, print_data
 from olmo_ctl.cli.options import SiteFlags, note, site_options
 from olmo_ctl.core.config import DESCRIPTIONS, Settings, config_path, setting_names
@@ -59,7 +60,7 @@ def config_show(
                 "settings": s.to_dict(),
                 "sources": dict(s.sources),
                 "descriptions": DESCRIPTIONS,
-                "placeholders": s.placeholders(),
+                "placeholders": placeholders(s),
             },
             output,
         )
@@ -69,7 +70,7 @@ def config_show(
     for name in setting_names():
         lines.append(f"{name:{width}}  {_shown(name, getattr(s, name))}  ({s.sources[name]})")
     sys.stdout.write("\n".join(lines) + "\n")
-    for name in s.placeholders():
+    for name in placeholders(s):
         note(
             f"`{name}` is a placeholder: set --{name.replace('_', '-')}, OLMO_CTL_{name.upper()} or "
             f"`{name}:` in {path} before submitting"

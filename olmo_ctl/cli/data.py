@@ -138,7 +138,7 @@ def audit(
     no committed step, no records), 3 storage unreachable.
     """
     from olmo_ctl import storage
-    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.backends import resolve_settings
     from olmo_ctl.observe.audit import audit_run
 
     if "/" in run or storage.is_gcs(run):

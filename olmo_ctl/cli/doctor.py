@@ -29,13 +29,13 @@ def doctor(
     Checks the CRDs, queues, flavor and quota, priority class, RBAC, node pools and image.
     Exit codes: 0 all passed, 2 a check failed, 3 the cluster is unreachable.
     """
+    from olmo_ctl.backends.base import Target
     from olmo_ctl.backends.doctor import Check, run_checks
     from olmo_ctl.backends.kube import make_api_client
-    from olmo_ctl.core.devices import get_device
     from olmo_ctl.core.errors import BadInput
 
     settings = site.resolve()
-    dev = get_device(device) if device is not None else None
+    dev = Target.parse(device).device if device is not None else None
     if dev is not None and not dev.is_tpu:
         raise BadInput(
             f"`{dev.name}` is a local device; doctor checks a cluster for TPU slices",

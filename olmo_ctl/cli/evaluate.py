@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from olmo_ctl.backends import THIS_MACHINE
 from olmo_ctl.cli.app import Output, OutputOpt, app, plural, print_data
 from olmo_ctl.cli.convert import CkptRecipeOpt, _need
 from olmo_ctl.cli.options import SiteFlags, TimeoutOpt, _echo, note, site_options
@@ -52,9 +53,9 @@ def parse_lm(text: str) -> LMEvalConfig:
 
 def cpu_count(device: str) -> int:
     """N of `--device cpu-N`: the evaluation runs in this process, on its host CPU devices."""
-    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.backends.base import Target
 
-    d = get_device(device)
+    d = Target.parse(device).device
     if d.generation != "cpu" or d.processes != 1:
         raise BadInput(
             f"--device {device}: eval runs in this process on host CPU devices", "--device cpu-N, e.g. cpu-4"
@@ -180,7 +181,7 @@ def evaluate(
             help="local: in this process; gke: as a job of its own on the cluster (the trainer image). "
             "The backend site setting does not apply.",
         ),
-    ] = "local",
+    ] = THIS_MACHINE,
     out: Annotated[
         str | None,
         typer.Option(
@@ -274,15 +275,15 @@ def _on_cluster(spec, device, settings, out, dry_run: bool, timeout: float, outp
     import importlib.util
 
     from olmo_ctl.backends import make_backend
+    from olmo_ctl.backends.base import Target
     from olmo_ctl.backends.jobset import dump_json, dump_yaml
-    from olmo_ctl.core.devices import get_device
     from olmo_ctl.core.errors import Interrupted
     from olmo_ctl.supervise import evaljob as J
     from olmo_ctl.trainer.evaluate import check, open_checkpoint
 
     if device is None:
         raise BadInput("an eval job needs a slice", "--device v5p-8 or tpu7x-8")
-    dev = get_device(device)
+    dev = Target.parse(device).device
     J.check_slice(dev, spec)  # before anything is read
     known = importlib.util.find_spec("olmo_eval") is not None
     recipe = check(

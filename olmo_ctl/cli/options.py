@@ -99,7 +99,7 @@ class SiteFlags:
 
     def resolve(self) -> Settings:
         """Flags > OLMO_CTL_* environment > config file > defaults (`core.config.resolve_settings`)."""
-        from olmo_ctl.core.config import resolve_settings
+        from olmo_ctl.backends import resolve_settings
 
         return resolve_settings(**{f.name: getattr(self, f.name) for f in fields(self)})
 

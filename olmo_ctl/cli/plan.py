@@ -5,6 +5,7 @@ from typing import Annotated
 
 import typer
 
+from olmo_ctl.backends.base import Target
 from olmo_ctl.cli.app import (
     DeviceOpt,
     Output,
@@ -18,7 +19,6 @@ from olmo_ctl.cli.app import (
 )
 from olmo_ctl.core import schedule
 from olmo_ctl.core.batching import plan_report
-from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import load_recipe
 
@@ -131,10 +131,11 @@ def plan(
             raise BadInput(f"--lr-at: {e}", "for example --lr-at 1,2000,596048") from None
     if plot_lr is not None and not plot_lr.lower().endswith(".png"):
         raise BadInput(f"--plot-lr `{plot_lr}` must name a .png file")
-    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.backends import resolve_settings
 
     r = load_recipe(recipe, stage, set_ or ())
-    report = plan_report(r, get_device(device), mfu, slices, prices=resolve_settings().prices)
+    target = Target.parse(device, slices)
+    report = plan_report(r, target.device, mfu, target.slices, prices=resolve_settings().prices)
     if steps is not None:
         report["lr_at"] = {str(s): schedule.lr_at(r, s) for s in steps}
     if plot_lr is not None:

@@ -184,14 +184,14 @@ def preflight(
     Reports per-device memory against HBM, FLOPs and compile time, for the recipe given by --stage
     or --recipe. Exit codes: 0 it fits, 1 it does not (by how many GiB), 2 bad input.
     """
-    from olmo_ctl.core.config import resolve_settings
-    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.backends import resolve_settings
+    from olmo_ctl.backends.base import Target
     from olmo_ctl.core.errors import BadInput
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.preflight import compile as pf
 
     r = load_recipe(recipe, stage, overrides or [])
-    dev = get_device(device)
+    dev = Target.parse(device).device
     if not dev.is_tpu:
         raise BadInput(
             f"preflight compiles for TPU slices; `{dev.name}` is a local device",

@@ -49,7 +49,7 @@ def resize(
     waiting, 130 declined at the prompt.
     """
     from olmo_ctl.backends import make_backend
-    from olmo_ctl.backends.base import Attempt
+    from olmo_ctl.backends.base import Target
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.supervise.attempts import run_settings
     from olmo_ctl.supervise.resize import on, prepare, resize_run, supervisor_alive
@@ -62,7 +62,7 @@ def resize(
     rundir = RunDir.of(settings.run_root, run)
     settings = run_settings(settings, rundir)  # not chosen here: the run's own backend and site settings
     be = make_backend(settings)
-    be.validate(Attempt(run, rundir.path, 0, device, settings=settings))  # the device itself, first
+    be.validate_target(Target.parse(device, slices), settings, rundir.path)  # the device itself, first
     plan = prepare(rundir, be, device, slices)
     assert plan.new_attempt is not None
     be.validate(plan.new_attempt)

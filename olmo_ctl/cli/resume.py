@@ -189,13 +189,13 @@ def resume_until_done(
         admission_timeout_s=admission_timeout,
         image_pull_timeout_s=image_pull_timeout,
     )
-    if fall is not None and prep.request.recipe is not None:
+    if fall is not None:
+        from olmo_ctl.backends.base import Target
         from olmo_ctl.core.batching import make_plan
-        from olmo_ctl.core.devices import get_device
 
         for d in fall.devices:  # a fallback the run cannot use is bad input now, not a refusal later
             try:
-                make_plan(prep.request.recipe, get_device(d), prep.request.slices)
+                make_plan(prep.request.recipe, Target.parse(d).device, prep.request.slices)
             except BadInput as e:
                 raise BadInput(f"--fallback {d}: {e.message}", e.hint) from None
     for line in prep.notes:
@@ -237,7 +237,7 @@ DEFAULT_FALLBACK_AFTER = "2h"
 
 def _fallback(devices: str | None, after: str | None, back: str | None, device: str | None):
     """The --fallback policy (`supervise.policy.Fallback`), or None; bad input before anything is written."""
-    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.backends.base import Target
     from olmo_ctl.core.durations import parse_duration
     from olmo_ctl.supervise.policy import Fallback
 
@@ -252,7 +252,7 @@ def _fallback(devices: str | None, after: str | None, back: str | None, device: 
     if not names:
         raise BadInput("--fallback names no device", "e.g. --fallback v5p-256,tpu7x-64")
     for n in names:
-        d = get_device(n)
+        d = Target.parse(n).device
         if not d.is_tpu:
             raise BadInput(f"--fallback {n}: a fallback is a TPU slice on GKE", "e.g. --fallback v5p-256")
     if len(set(names)) != len(names) or (device is not None and device in names):

@@ -119,7 +119,7 @@ def sandbox(
         return
     if kubeconfig is None:
         raise BadInput("olmo-ctl sandbox needs --kubeconfig FILE", "where to write the sandbox's kubeconfig")
-    from olmo_ctl.core.config import resolve_settings
+    from olmo_ctl.backends import resolve_settings
     from olmo_ctl.testing.sandbox import (
         check_bucket_name,
         check_kubeconfig_path,

@@ -46,7 +46,7 @@ def smoke(
     import tempfile
 
     from olmo_ctl.backends import backend_class, make_backend
-    from olmo_ctl.core.devices import check_slices, get_device
+    from olmo_ctl.backends.base import Target
     from olmo_ctl.storage import join
     from olmo_ctl.supervise.smoke import FAULT_ENV, SmokeConfig, junit_xml, new_run_name, run_smoke
 
@@ -54,8 +54,7 @@ def smoke(
     if junit is not None and (junit.is_dir() or not junit.parent.is_dir()):
         raise BadInput(f"--junit `{junit}`: not a file in an existing directory", "e.g. --junit smoke.xml")
     kind = backend_class(settings.backend)
-    dev = get_device(device)
-    check_slices(dev, slices)  # a local device or a single-host slice: one line, exit 2
+    dev = Target.parse(device, slices).device  # a local device or a single-host slice: one line, exit 2
     name = new_run_name(dev.name)
     temp_root = None
     if kind.trains_here and site.run_root is None:  # runs on this machine: a scratch root of their own

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,7 @@ ENV_PREFIX = "OLMO_CTL_"
 # Placeholders shown (and used by --dry-run) until a real value is configured.
 PLACEHOLDER_RUN_ROOT = "gs://YOUR-BUCKET/runs"
 PLACEHOLDER_IMAGE = "us-docker.pkg.dev/YOUR-PROJECT/olmo-ctl/olmo-ctl:latest"
-
-BACKENDS = ("gke", "local")
+PLACEHOLDERS = {"run_root": PLACEHOLDER_RUN_ROOT, "image": PLACEHOLDER_IMAGE}
 
 # What each setting is, for `config show` and the docs.
 DESCRIPTIONS = {
@@ -35,7 +35,7 @@ DESCRIPTIONS = {
     "run_root": "where run directories live (gs://bucket/prefix; local path: local backend)",
     "service_account": "Kubernetes service account with Workload Identity",
     "placement_policy": "placement policy of multi-host Ironwood node pools ({topology} ok)",
-    "backend": "gke or local",
+    "backend": "where attempts run: a backend of `olmo_ctl.backends.REGISTRY` (gke, local)",
     "xla_flags": "XLA/libtpu flags merged over the launch template's and the recipe's (space-separated --name=value)",
     "host_network": "pods on the host network (multislice DCN performance); Workload Identity then does not "
     "apply: the pods use the node's service account (true or false)",
@@ -120,16 +120,10 @@ class Settings:
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in setting_names()}
 
-    def placeholders(self) -> list[str]:
-        """Settings still holding a placeholder value (rendering works; applying would not)."""
-        if self.backend == "local":
-            return []  # the local backend uses neither the image nor a gs:// run root
-        out = []
-        if self.run_root == PLACEHOLDER_RUN_ROOT:
-            out.append("run_root")
-        if self.image == PLACEHOLDER_IMAGE:
-            out.append("image")
-        return out
+    def placeholders(self, among: tuple[str, ...] = tuple(PLACEHOLDERS)) -> list[str]:
+        """Settings of `among` still holding their placeholder value (rendering works; applying would
+        not). Which of them matter is the backend's to say (`Backend.placeholders`)."""
+        return [name for name in among if getattr(self, name) == PLACEHOLDERS[name]]
 
 
 def setting_names() -> list[str]:
@@ -149,7 +143,7 @@ _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 _PLACEHOLDERS = ("device", "topology", "generation")
 
 
-def _check(name: str, value: str, src: str) -> None:
+def _check(name: str, value: str, src: str, backends: tuple[str, ...] = ()) -> None:
     where = f"setting `{name}` ({src})"
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise BadInput(f"{where}: the value contains control characters (a newline?)")
@@ -200,8 +194,8 @@ def _check(name: str, value: str, src: str) -> None:
                 "use letters, digits, '-', '_' and '.', at most 63 characters",
             )
     elif name == "backend":
-        if value not in BACKENDS:
-            raise BadInput(f"{where}: `{value}` is not a backend", "use gke or local")
+        if value not in backends:
+            raise BadInput(f"{where}: `{value}` is not a backend", f"use {' or '.join(backends)}")
     elif name == "image":
         if not value or any(c.isspace() for c in value):
             raise BadInput(
@@ -422,11 +416,13 @@ def _load_file(path: Path) -> dict[str, Any]:
     return raw
 
 
-def resolve_settings(**flag_values: str | None) -> Settings:
+def resolve_settings(default_run_roots: Mapping[str, str | None], **flag_values: str | None) -> Settings:
     """Settings from flags (non-None values win), then OLMO_CTL_<NAME> env, then the config file.
 
-    An empty string (from any source) clears an optional setting (kube_context, priority_class,
-    placement_policy) and is an error for the others.
+    `default_run_roots` is the backends' declaration (`olmo_ctl.backends.resolve_settings` passes it):
+    each backend's name, and the local path its runs default to when no source sets a run root (None:
+    the placeholder). An empty string (from any source) clears an optional setting (kube_context,
+    priority_class, placement_policy) and is an error for the others.
     """
     names = setting_names()
     unknown = set(flag_values) - set(names)
@@ -466,9 +462,13 @@ def resolve_settings(**flag_values: str | None) -> Settings:
             value, src = os.environ[env_name], f"env {env_name}"
         elif from_file.get(name) is not None:
             value, src = from_file[name], f"file {path}"
-        elif name == "run_root" and values.get("backend") == "local":
-            # The local backend's runs default to ./runs (absolute, so every process agrees).
-            values[name], sources[name] = os.path.abspath("runs"), "default for the local backend"
+        elif name == "run_root" and default_run_roots.get(values.get("backend", Settings.backend)):
+            # A backend whose runs live on this machine declares a local default (absolute, so every
+            # process agrees).
+            root = default_run_roots[values.get("backend", Settings.backend)]
+            assert root is not None
+            values[name] = os.path.abspath(root)
+            sources[name] = f"default for the {values.get('backend')} backend"
             continue
         else:
             sources[name] = "default"
@@ -483,7 +483,7 @@ def resolve_settings(**flag_values: str | None) -> Settings:
         if value == "" and name in optional:
             values[name] = None
         else:
-            _check(name, value, src)
+            _check(name, value, src, tuple(default_run_roots))
             if name == "run_root" and not value.startswith("gs://"):
                 value = os.path.abspath(os.path.expanduser(value))  # every process sees the same directory
             values[name] = int(value) if name == "ttl_seconds_after_finished" else value

@@ -15,7 +15,7 @@ multiply by 100. Pure Python: no jax, so `olmo-ctl plan` stays instant.
 
 from __future__ import annotations
 
-from olmo_ctl.core.devices import Device, get_device
+from olmo_ctl.core.devices import Device
 from olmo_ctl.core.recipe import ModelConfig
 
 FORMULAS = ("olmo_core", "maxtext")
@@ -70,7 +70,6 @@ def tflops_per_device(tokens_per_s_per_device: float, flops_per_tok: float) -> f
     return tokens_per_s_per_device * flops_per_tok / 1e12
 
 
-def mfu(tflops_per_device: float, device: Device | str) -> float:
+def mfu(tflops_per_device: float, device: Device) -> float:
     """Model FLOPs utilisation as a fraction of the device's peak dense bf16 TFLOP/s (per JAX device)."""
-    dev = get_device(device) if isinstance(device, str) else device
-    return tflops_per_device / dev.peak_tflops_per_device
+    return tflops_per_device / device.peak_tflops_per_device

@@ -401,9 +401,9 @@ def _device(name: str | None):
     if not name:
         return None
     try:
-        from olmo_ctl.core.devices import get_device
+        from olmo_ctl.backends.base import Target
 
-        return get_device(name)
+        return Target.parse(name).device
     except Exception:
         return None
 

@@ -27,12 +27,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from olmo_ctl.backends import backend_for_status
-from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle
+from olmo_ctl.backends import REGISTRY, backend_for_status
+from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, Target
 from olmo_ctl.core import faults
 from olmo_ctl.core.batching import Plan, make_plan
 from olmo_ctl.core.config import RUN_SITE_SETTINGS, Settings
-from olmo_ctl.core.devices import Device, get_device
 from olmo_ctl.core.errors import BadInput
 
 if TYPE_CHECKING:  # the run directory (and storage) load where a run is touched, not for --dry-run
@@ -53,11 +52,7 @@ def run_settings(settings: Settings, rundir: RunDir) -> Settings:
     values: dict[str, Any] = {}
     sources = dict(settings.sources)
     where = f"run {rundir.name} (attempt {last.get('attempt')})"
-    if (
-        "backend" not in chosen
-        and last.get("backend") in ("gke", "local")
-        and last["backend"] != settings.backend
-    ):
+    if "backend" not in chosen and last.get("backend") in REGISTRY and last["backend"] != settings.backend:
         values["backend"], sources["backend"] = last["backend"], where
     recorded = last.get("site")
     site: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
@@ -83,52 +78,47 @@ def new_request(
     run: str,
     run_dir: str,
     attempt: int,
-    device: Device | str,
+    target: Target,
     recipe: Recipe,
     settings: Settings | None = None,
     extra_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
     plan: Plan | None = None,
-    slices: int = 1,
 ) -> Attempt:
-    """The attempt request every backend renders: resolved recipe, device, slices and plan (made here
-    unless given)."""
-    dev = get_device(device) if isinstance(device, str) else device
+    """The attempt request every backend renders: resolved recipe, target and plan (made here unless
+    given)."""
     return Attempt(
         run=run,
         run_dir=run_dir,
         attempt=attempt,
-        device=dev.name,
-        extra_args=tuple(extra_args),
+        target=target,
         recipe=recipe,
-        plan=plan if plan is not None else make_plan(recipe, dev, slices),
+        plan=plan if plan is not None else make_plan(recipe, target.device, target.slices),
         settings=settings,
+        extra_args=tuple(extra_args),
         env=tuple((env or {}).items()),
-        slices=slices,
     )
 
 
 def attempt_request(
     rundir: RunDir,
     attempt: int,
-    device: str,
+    target: Target,
     recipe: Recipe | None = None,
     settings: Settings | None = None,
     extra_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
-    slices: int = 1,
 ) -> Attempt:
     """The request of attempt `attempt` of an existing run (its recipe from run.yaml unless given)."""
     return new_request(
         rundir.name,
         rundir.path,
         attempt,
-        device,
+        target,
         recipe if recipe is not None else rundir.recipe(),
         settings,
         extra_args,
         env,
-        slices=slices,
     )
 
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State
+from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State, Target
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import EXIT_GAVE_UP, EXIT_RUN_FAILED, EXIT_TIMEOUT, BadInput, OlmoCtlError
@@ -127,7 +127,7 @@ class EvalJob:
             self.name,
             self.out,
             n,
-            self.device,
+            Target(self.device),
             self.recipe,
             self.settings,
             extra_args=("--eval", self.spec.to_json()),
@@ -191,7 +191,7 @@ def run_job(
         if st.state == State.SUCCEEDED:
             raise OlmoCtlError(
                 f"eval job {handle.name} succeeded but {result_path(job.out)} holds no result of it",
-                "see `kubectl logs` of its pod",
+                backend.hint(st),
                 EXIT_RUN_FAILED,
             )
         why = f"eval job {handle.name} {st.state.value}: {st.reason or 'no reason given'}"
@@ -199,7 +199,7 @@ def run_job(
         if st.state == State.FAILED_USER:
             if st.exit_code == 2:
                 raise BadInput(why + last, "the trainer refused the evaluation; fix what it names")
-            raise OlmoCtlError(why + last, "its pod's log: kubectl logs", EXIT_RUN_FAILED)
+            raise OlmoCtlError(why + last, backend.hint(st), EXIT_RUN_FAILED)
         if tries >= MAX_ATTEMPTS:
             raise OlmoCtlError(
                 why + last, f"gave up after {tries} attempts; the same command tries again", EXIT_GAVE_UP
@@ -245,19 +245,18 @@ def _wait(
             last = st.state
         if st.state.terminal:
             return st
-        config = st.details.get("config_error")
-        if config or st.details.get("deactivated"):
+        if st.config_error or st.deactivated:
             backend.stop(handle, graceful=False)
-            why = config or f"its Workload was deactivated ({st.details['deactivated']})"
+            why = st.config_error or f"its Workload was deactivated ({st.deactivated})"
             raise BadInput(f"eval job {handle.name} cannot run: {why}", "fix it, then run the same command")
-        restarts = int(st.details.get("restarts") or 0)
+        restarts = st.restarts
         if restarts >= MAX_RESTARTS:
             backend.stop(handle, graceful=False)
             lines = backend.logs(handle, 5)
             tail = f" (last line: {lines[-1]})" if lines else ""
             raise OlmoCtlError(
                 f"eval job {handle.name} restarted {restarts} times without a result{tail}",
-                "its pod's log: kubectl logs; the same command submits it again",
+                f"{backend.hint(st)}; the same command submits it again",
                 EXIT_GAVE_UP,
             )
         if time.monotonic() >= deadline:

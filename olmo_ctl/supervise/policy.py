@@ -21,6 +21,7 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
+from olmo_ctl.backends.base import AttemptStatus
 from olmo_ctl.core.contracts import State, final_committed
 from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_OK, EXIT_RUN_FAILED, BadInput
 
@@ -175,7 +176,7 @@ class RetryPolicy:
         return d * (1.0 - self.jitter * r)
 
 
-def waiting_for(state: State, details: dict, reason: str = "") -> tuple[str, str] | None:
+def waiting_for(st: AttemptStatus) -> tuple[str, str] | None:
     """(cause, why) when a live attempt waits for capacity, else None. The causes:
     `queued` (Kueue has not admitted it), `requeued` (Kueue evicted it and requeues the same Workload,
     for any reason: Preempted, NodeFailures, PodsReadyTimeout, AdmissionCheck, ...), `admission-checks`
@@ -183,16 +184,16 @@ def waiting_for(state: State, details: dict, reason: str = "") -> tuple[str, str
     (its pods sit on NotReady nodes), `kubelet-admission` (the kubelet of a just-repaired node refused a
     pod). Not a wait: a deactivated Workload (a decision, not capacity) and pods refused by the API
     server (a configuration: `--admission-timeout` applies, then exit 2)."""
-    if details.get("deactivated") or details.get("config_error"):
+    if st.deactivated or st.config_error:
         return None
-    if state == State.QUEUED:
-        if details.get("evicted"):
-            return "requeued", reason
-        if "admission checks" in reason:
-            return "admission-checks", reason
-        return "queued", reason
-    if state == State.ADMITTED and details.get("wait_cause"):
-        return str(details["wait_cause"]), reason
+    if st.state == State.QUEUED:
+        if st.evicted:
+            return "requeued", st.reason
+        if "admission checks" in st.reason:
+            return "admission-checks", st.reason
+        return "queued", st.reason
+    if st.state == State.ADMITTED and st.wait_cause:
+        return st.wait_cause, st.reason
     return None
 
 

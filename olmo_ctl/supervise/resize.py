@@ -27,10 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from olmo_ctl.backends.base import Attempt, Backend, State
+from olmo_ctl.backends.base import Attempt, Backend, State, Target
 from olmo_ctl.backends.jobset import dump_yaml
 from olmo_ctl.core.batching import Plan, make_plan
-from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import EXIT_TIMEOUT, BadInput, OlmoCtlError
 from olmo_ctl.rundir import LeaseHeld, _holder_process_dead, utc_now_iso
 from olmo_ctl.supervise.attempts import attempt_request, last_handle, new_request, stop_and_wait, submit_next
@@ -182,17 +181,18 @@ def prepare(rundir, backend, to_device: str, to_slices: int | None = None) -> Re
     nxt = max(attempt, rundir.next_attempt_number() - 1) + 1
     slices = current_slices(rundir)
     to_slices = slices if to_slices is None else to_slices
+    old_target, new_target = Target.parse(device, slices), Target.parse(to_device, to_slices)
     rp = plan_resize(
-        recipe, get_device(device), get_device(to_device), rundir.name, attempt, nxt, slices, to_slices
+        recipe, old_target.device, new_target.device, rundir.name, attempt, nxt, slices, to_slices
     )
     old_req = (
         backend.render(
-            new_request(rundir.name, rundir.path, max(attempt, 1), device, recipe, plan=rp.old, slices=slices)
+            new_request(rundir.name, rundir.path, max(attempt, 1), old_target, recipe, plan=rp.old)
         )
         if attempt
         else None
     )
-    new_att = new_request(rundir.name, rundir.path, nxt, to_device, recipe, plan=rp.new, slices=to_slices)
+    new_att = new_request(rundir.name, rundir.path, nxt, new_target, recipe, plan=rp.new)
     return ResizePlan(
         rp.run, rp.from_attempt, rp.to_attempt, rp.old, rp.new, old_req, backend.render(new_att), new_att
     )
@@ -369,7 +369,7 @@ def submit_resized(
         new_plan=plan.to_dict()["new"],
     )
     request = plan.new_attempt or attempt_request(
-        rundir, plan.to_attempt, plan.new.device, slices=plan.new.slices
+        rundir, plan.to_attempt, Target.parse(plan.new.device, plan.new.slices)
     )
     return submit_next(
         rundir,

@@ -36,11 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from olmo_ctl.backends.base import Attempt, State
+from olmo_ctl.backends.base import State, Target
 from olmo_ctl.core import faults as fault_knobs
 from olmo_ctl.core.batching import make_plan
 from olmo_ctl.core.contracts import log_progress
-from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import EXIT_OK, EXIT_RUN_FAILED, EXIT_TIMEOUT, BadInput
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.observe.reader import read_scalars
@@ -291,12 +290,11 @@ class _Driver:
             rundir.name,
             rundir.path,
             attempt,
-            device,
+            Target.parse(device, self.slices),
             self.recipe,
             extra_args=extra_args,
             env=env,
             plan=self.plan,
-            slices=self.slices,
         )
 
     def wait_for_step(self, handle, step: int) -> tuple[bool, int | None]:
@@ -488,13 +486,14 @@ def run_smoke(
     if cfg.stop_after_step + cfg.resume_steps + 2 > cfg.max_steps:
         raise BadInput(f"max_steps {cfg.max_steps} leaves no room to stop attempt 1 before its end")
     t0 = time.monotonic()
-    device = get_device(cfg.device)
+    target = Target.parse(cfg.device, cfg.slices)
+    device = target.device
     recipe = load_recipe(cfg.recipe, overrides=cfg.overrides())
-    plan = make_plan(recipe, device, cfg.slices)  # a layout the slices cannot hold is bad input
+    plan = make_plan(recipe, device, target.slices)  # a layout the slices cannot hold is bad input
     name = run_name or new_run_name(device.name)
     # What the backend refuses on the command line alone (a local device on GKE, a run root its pods
     # cannot see) before any storage is touched.
-    backend.validate(Attempt(name, join(run_root, name), 1, device.name, slices=plan.slices))
+    backend.validate_target(target, backend.settings, join(run_root, name))
     main = RunDir.of(run_root, name)
     twin = RunDir.of(run_root, f"{name}-twin")
     report = SmokeReport(device.name, backend.name, [main.path, twin.path])

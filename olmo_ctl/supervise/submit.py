@@ -21,11 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from olmo_ctl.backends import make_backend
-from olmo_ctl.backends.base import Attempt, Backend, Handle
-from olmo_ctl.core.batching import make_plan
+from olmo_ctl.backends import make_backend, placeholders
+from olmo_ctl.backends.base import Attempt, Backend, Handle, Target
 from olmo_ctl.core.config import Settings
-from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import validate_run_name
 from olmo_ctl.supervise.attempts import (
@@ -63,14 +61,12 @@ class Prepared:
         return (
             not self.new_run
             and self.committed_step is not None
-            and self.request.recipe is not None
             and self.committed_step >= int(self.request.recipe.train.max_steps)
         )
 
     @property
     def on(self) -> str:
-        r = self.request
-        return r.device if r.slices == 1 else f"{r.slices} x {r.device}"
+        return self.request.target.on
 
 
 def prepare(
@@ -90,17 +86,17 @@ def prepare(
     run.yaml (a `recipe` given must be that one). `backend`: this one instead of the settings' own."""
     from olmo_ctl.rundir import RunDir
 
-    if settings.placeholders():  # before the placeholder run root is read
+    if placeholders(settings):  # before the placeholder run root is read
         raise BadInput(
-            f"site settings still hold placeholders ({', '.join(settings.placeholders())})",
+            f"site settings still hold placeholders ({', '.join(placeholders(settings))})",
             "see `olmo-ctl config show`; `submit --dry-run` works without them",
         )
     if device is not None:
-        get_device(device)  # a mistyped device is named before the run directory is read
-        # What this command's backend refuses on the command line alone (a device it cannot run, a run
-        # root its pods cannot see) is said before any storage is touched.
+        # A mistyped device, or one this command's backend refuses on the command line alone (a device
+        # it cannot run, a run root its pods cannot see), is named before any storage is touched.
         run_dir = f"{settings.run_root.rstrip('/')}/{validate_run_name(run)}"
-        (backend or make_backend(settings)).validate(Attempt(run, run_dir, 0, device, settings=settings))
+        target = Target.parse(device, slices)
+        (backend or make_backend(settings)).validate_target(target, settings, run_dir)
     rundir = RunDir.of(settings.run_root, run)
     settings = run_settings(settings, rundir)
     backend = backend or make_backend(settings)
@@ -114,12 +110,9 @@ def prepare(
         committed = rundir.committed_step()
     run_recipe = rundir.recipe() if recipe is None else recipe
     assert device is not None
-    dev = get_device(device)
-    plan = make_plan(run_recipe, dev, slices or 1)
+    target = Target.parse(device, slices)
     n = attempt if attempt is not None else (1 if new else rundir.next_attempt_number())
-    request = new_request(
-        rundir.name, rundir.path, n, dev, run_recipe, settings, extra_args, env, plan, plan.slices
-    )
+    request = new_request(rundir.name, rundir.path, n, target, run_recipe, settings, extra_args, env)
     backend.validate(request)
     # Last, what may read the data (a new run's fingerprint; an existing run's check of `recipe`).
     fingerprint = check_run(rundir, recipe, device)
@@ -138,19 +131,10 @@ def dry_run(
     """What `submit --dry-run` renders: attempt `attempt` (1) of `run` from the command line alone,
     placeholders allowed; (backend, request, notes)."""
     backend = make_backend(settings)
-    dev = get_device(device)
-    plan = make_plan(recipe, dev, slices or 1)
+    target = Target.parse(device, slices)
     run_dir = f"{settings.run_root.rstrip('/')}/{run}"
     request = new_request(
-        run,
-        run_dir,
-        1 if attempt is None else attempt,
-        dev,
-        recipe,
-        settings,
-        extra_args,
-        plan=plan,
-        slices=plan.slices,
+        run, run_dir, 1 if attempt is None else attempt, target, recipe, settings, extra_args
     )
     backend.validate(request, render_only=True)
     return backend, request, backend.notes(request, render_only=True)
@@ -163,12 +147,12 @@ def check_attempt(
     preflight compile of its step (TPU slices where libtpu is installed; cached per recipe, device and
     trainer). BadInput (exit 2) or a compile failure (exit 1); nothing is written."""
     backend.checks(request)
-    if preflight and request.recipe is not None and request.plan is not None:
+    if preflight:
         from olmo_ctl.preflight.compile import submit_check
 
         submit_check(
             request.recipe,
-            get_device(request.device),
+            request.target.device,
             request.plan,
             log=log,
             settings=request.settings or backend.settings,
@@ -179,7 +163,7 @@ def create_run(prep: Prepared) -> None:
     """run.yaml of a new run (nothing for an existing one)."""
     if prep.new_run:
         r = prep.request
-        assert r.recipe is not None and prep.data_fingerprint is not None
+        assert prep.data_fingerprint is not None
         prep.rundir.create_run(
             r.recipe.to_dict(), r.recipe.fingerprint(), prep.data_fingerprint, r.device, r.slices
         )

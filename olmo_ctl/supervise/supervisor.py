@@ -55,10 +55,10 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn, cast
 
-from olmo_ctl.backends.base import AttemptStatus, Backend, Handle, State
+from olmo_ctl.backends.base import AttemptStatus, Backend, Handle, State, Target
 from olmo_ctl.backends.kube import ApiUnreachable
 from olmo_ctl.core.errors import (
     EXIT_BAD_INPUT,
@@ -214,36 +214,6 @@ class PatientBackend:
                 return out
 
         return patient
-
-
-def _config_hint(error: str | None) -> str:
-    """What to do about a queue set-up that Kueue can never admit, or an image no node can pull."""
-    text = error or ""
-    if text.startswith("image "):
-        return (
-            "check that the image exists and that the nodes may pull it (`gcloud artifacts docker images "
-            "describe IMAGE`; the node pool's service account needs Artifact Registry Reader), or set "
-            "another with --image or `image:` in the site settings; then run the same command again"
-        )
-    if text.startswith("pods refused"):
-        return (
-            "the API server refuses the attempt's pods (the message names what: a ResourceQuota, Pod "
-            "Security, an admission webhook); fix that, then run the same command again"
-        )
-    if "WorkloadPriorityClass" in text:
-        return (
-            "create it (`kubectl get workloadpriorityclasses`), or pick an existing one with --priority-class "
-            "(an empty value for none); then run the same command again"
-        )
-    if ("LocalQueue" in text or "ClusterQueue" in text) and "doesn't exist" in text:
-        return (
-            "create the queue, or pick an existing one with --queue (`kubectl get localqueues -n NAMESPACE`); "
-            "then run the same command again"
-        )
-    return (
-        "the ClusterQueue has no ResourceFlavor with quota for this slice's accelerator and topology: ask the "
-        "cluster admin to add one (`kubectl get clusterqueues -o yaml`), or use another --queue or --device"
-    )
 
 
 def _fmt_s(s: float) -> str:
@@ -505,10 +475,9 @@ class Supervisor:
                         self.rd.name,
                         self.rd.path,
                         0,
-                        self.device,
+                        Target.parse(self.device, self.slices),
                         self.recipe,
                         extra_args=self.extra_args,
-                        slices=self.slices,
                     )
                     self.handle = submit_next(
                         self.rd,
@@ -555,7 +524,8 @@ class Supervisor:
                 self._retire(self.handle)  # nothing of it runs; gone, so the next try renders anew
                 self.handle = None
                 raise BadInput(
-                    f"run `{self.rd.name}`: {watched.config_error}", _config_hint(watched.config_error)
+                    f"run `{self.rd.name}`: {watched.config_error}",
+                    self.backend.hint(replace(watched.status, config_error=watched.config_error)),
                 )
             if action.kind == STOP:
                 rec = self._say(
@@ -704,22 +674,22 @@ class Supervisor:
             self._stop_strays(h)
             # Evicted: Kueue requeues this same attempt (any reason but a deactivation); watched on.
             label = st.state.value
-            if st.details.get("evicted"):
-                label = "preempted" if st.details.get("eviction_reason") == "Preempted" else "requeued"
-            waiting = None if st.state.terminal else waiting_for(st.state, st.details, st.reason)
+            if st.evicted:
+                label = "preempted" if st.preempted else "requeued"
+            waiting = None if st.state.terminal else waiting_for(st)
             if waiting is None:  # a wait ends before the line of what ended it
-                self._end_wait("deactivated" if st.details.get("deactivated") else label)
+                self._end_wait("deactivated" if st.deactivated else label)
             if label != last_label:
                 if st.state.live:
                     self._say(label, st.reason or label, committed_step=self.rd.committed_step())
                 last_label = label
-            if st.details.get("deactivated"):
-                return Watched(st, deactivated=str(st.details["deactivated"]))
+            if st.deactivated:
+                return Watched(st, deactivated=st.deactivated)
             if st.state.terminal:
                 return Watched(st)
-            if st.details.get("config_error"):
-                return Watched(st, config_error=st.details["config_error"])
-            restarts = int(st.details.get("restarts") or 0)
+            if st.config_error:
+                return Watched(st, config_error=st.config_error)
+            restarts = st.restarts
             # The committed step matters only when the JobSet restarted: listed then, not every poll.
             listed = loop.committed is None or restarts != loop.restarts
             committed_now = self.rd.committed_step() if listed else loop.committed
@@ -728,7 +698,7 @@ class Supervisor:
                 self._say("stalled", loop_why, committed_step=loop.committed)
                 self.backend.stop(h, graceful=True)
                 return Watched(self.backend.status(h), stalled=loop_why)
-            if st.details.get("waiting") == "image-pull":
+            if st.image_pull is not None:
                 since = self._wait_started(
                     "image-pull", f"the kubelet backs off pulling the image: {st.reason}"
                 )
@@ -736,7 +706,7 @@ class Supervisor:
                 if now - since > limit:
                     return Watched(
                         st,
-                        config_error=f"image {st.details.get('image')} not pulled after {_fmt_s(now - since)} "
+                        config_error=f"image {st.image_pull} not pulled after {_fmt_s(now - since)} "
                         f"(--image-pull-timeout {limit:.0f} s): {st.reason}",
                     )
             elif "image-pull" in self._waits:
@@ -751,21 +721,16 @@ class Supervisor:
                 p = self.policy
                 stall = StallWatch(p.stall_factor, p.stall_min_s, p.startup_limit_s, started_at=now)
             # The admission timeout is for what cannot fix itself; a wait (for capacity, an image) has none.
-            if (
-                st.state == State.ADMITTED
-                and not st.details.get("evicted")
-                and waiting is None
-                and not st.details.get("waiting")
-            ):
+            if st.state == State.ADMITTED and not st.evicted and waiting is None and st.image_pull is None:
                 admitted_at = now if admitted_at is None else admitted_at
                 if now - admitted_at > admission_limit:
-                    cause = st.details.get("cause") or st.reason
+                    cause = st.cause or st.reason
                     limit_why = (
                         f"admitted but not running after {now - admitted_at:.0f} s (--admission-timeout "
                         f"{admission_limit:.0f} s): {cause}"
                     )
                     self.out.line(f"stopping attempt {h.attempt}: {limit_why}")
-                    if st.details.get("not_created"):
+                    if st.pods_refused:
                         # The API server refuses the pods (a ResourceQuota, Pod Security, a webhook):
                         # a configuration no retry changes. Exit 2 naming it; the attempt is retired.
                         return Watched(st, config_error=f"pods refused: {limit_why}")
@@ -776,6 +741,8 @@ class Supervisor:
                             limit_why,
                             "supervisor --admission-timeout",
                             details=dict(st.details),
+                            restarts=st.restarts,
+                            workload=st.workload,
                         )
                     )
             else:
@@ -876,7 +843,7 @@ class Supervisor:
         Respected: no new attempt, nothing deleted; one line naming who and why, exit 130."""
         h = self.handle
         assert h is not None
-        wl = watched.status.details.get("workload") or "-"
+        wl = watched.status.workload or "-"
         rec = self._say(
             "deactivated",
             f"{watched.deactivated}: {watched.status.reason}",
@@ -887,8 +854,8 @@ class Supervisor:
         self.handle = None
         self.out.line(
             f"stopped: Workload {wl} of attempt {h.attempt} is deactivated by {watched.deactivated}; "
-            f"the attempt is kept and no new one submitted. To go on: kubectl patch workload {wl} "
-            f'--type merge -p \'{{"spec":{{"active":true}}}}\', then {self.reattach_hint}'
+            f"the attempt is kept and no new one submitted. To go on: {self.backend.hint(watched.status)}, "
+            f"then {self.reattach_hint}"
         )
         return EXIT_INTERRUPTED
 
