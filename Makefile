@@ -95,15 +95,15 @@ demo: $(STAMP)
 	@echo "  olmo-ctl monitor $(DEMO_ROOT)/smoke-demo --plot smoke-demo.png"
 
 image:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m olmo_ctl.testing.image_build build --image '$(IMAGE)' --base-image '$(BASE_IMAGE)' \
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m tools.image_build build --image '$(IMAGE)' --base-image '$(BASE_IMAGE)' \
 		--extras '$(EXTRAS)' --builder '$(BUILDER)' --cache '$(IMAGE_CACHE)'
 
 base-image:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m olmo_ctl.testing.image_build base --cache '$(IMAGE_CACHE)' \
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m tools.image_build base --cache '$(IMAGE_CACHE)' \
 		$(if $(BASE_IMAGE),--base-image '$(BASE_IMAGE)')
 
 image-test:
-	PYTHONPATH=$(CURDIR) $(BIN)/python -m olmo_ctl.testing.image_check --image '$(IMAGE)'
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m tools.image_check --image '$(IMAGE)'
 
 bench:
 	$(BIN)/python benchmarks/cli_latency.py

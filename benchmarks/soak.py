@@ -1,7 +1,7 @@
 """The soak: the smoke recipe on an emulated v5p-16 in the sandbox under the shipped fault timeline
 (benchmarks/soak_timeline.yaml: every fault class of `olmo-ctl sandbox fault` at least once, and a
 capacity outage that sends the run to a v5p-8 and back), left to `olmo-ctl resume-until-done`, then
-an uninterrupted twin. What it measures and how: olmo_ctl/testing/soak.py.
+an uninterrupted twin. What it measures and how: tests/helpers/soak.py.
 
     PYTHONPATH=. python benchmarks/soak.py [--steps 200] [--timeline FILE] [--work DIR]
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from olmo_ctl.testing.soak import main
+from tests.helpers.soak import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """A free TCP port on this machine, for a process we are about to start to listen on.
 
 Its users are the local backend (the coordinator of a multi-host attempt), the sandbox's pods (one
-coordinator per pod set) and the GCS emulator's helper: `backends/` and `testing/`. It sits beside
+coordinator per pod set) and the GCS emulator's helper: `backends/` and `sandbox/`. It sits beside
 `storage` in the layers (tests/test_layers.py), the lowest one that may do I/O (`core` is pure), so
 that any layer may import it, the trainer included.
 """

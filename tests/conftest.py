@@ -8,12 +8,12 @@ Set here before any test imports jax:
   process, such as a trainer on `cpu-1`, keeps deciding its own device count), so sharding tests
   run in-process.
 
-* `gcs_server` (session): one fake-gcs-server (olmo_ctl.testing.gcs_emulator) for the whole run; its URL.
+* `gcs_server` (session): one fake-gcs-server (olmo_ctl.sandbox.gcs_emulator) for the whole run; its URL.
 * `gcs` (per test): the environment pointed at that server for this test and the subprocesses it
   starts (restored afterwards), and an empty bucket of its own: `gcs.bucket`. `gcs.new_bucket(name)`
   creates a bucket with a given name (once per session: later calls return the existing one).
 * `kube_server` (per test; `srv` is the same): a fresh Kubernetes API server with its scripted cluster
-  (olmo_ctl.testing.kube_server.KubeServer). Every test gets its own: the cluster keeps state.
+  (olmo_ctl.sandbox.kube_server.KubeServer). Every test gets its own: the cluster keeps state.
 * `smoke_run` (session): the directory of a finished smoke run (40 steps on cpu-1, checkpoints 20 and
   40), trained once for every test that only needs one to read (helpers/runs.py; copy it with
   `helpers.runs.copy_run` to change it).
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from olmo_ctl.testing.gcs_emulator import create_bucket, fake_gcs_server, use_emulator
-from olmo_ctl.testing.kube_server import KubeServer
+from olmo_ctl.sandbox.gcs_emulator import create_bucket, fake_gcs_server, use_emulator
+from olmo_ctl.sandbox.kube_server import KubeServer
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST_DEVICES = 8  # the most a sharding test uses (test_seq_shards: a sequence split 4 ways x 2)

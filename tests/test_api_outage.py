@@ -18,9 +18,9 @@ from test_supervisor_gke import admit_run, setup
 from olmo_ctl.backends.gke import GKEBackend
 from olmo_ctl.backends.kube import ApiUnreachable, KubeRetryPolicy
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.sandbox.kube_server import tiny_jobset
 from olmo_ctl.supervise.policy import RetryPolicy
 from olmo_ctl.supervise.supervisor import Printer, Supervisor
-from olmo_ctl.testing.kube_server import tiny_jobset
 
 QUICK = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=1.0, connect_timeout_s=1.0, read_timeout_s=1.5)
 

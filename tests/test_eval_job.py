@@ -210,9 +210,9 @@ def test_an_eval_job_waits_for_capacity_is_waited_for_again_and_equals_eval_here
     the same JobSet (nothing submitted again), whose pod (the trainer, 4 CPU devices) writes the
     report `eval --device cpu-4` gives here. Asked a third time, the result is read back and nothing
     is submitted. A fourth evaluation whose JobSet is deleted under it is submitted again."""
-    from olmo_ctl.testing.pod_processes import ProcessRunner
-    from olmo_ctl.testing.sandbox import Sandbox, gke_mode_env
-    from olmo_ctl.testing.sandbox_faults import parse_fault
+    from olmo_ctl.sandbox.faults import parse_fault
+    from olmo_ctl.sandbox.pod_processes import ProcessRunner
+    from olmo_ctl.sandbox.sandbox import Sandbox, gke_mode_env
 
     ckpt = gcs_checkpoint(smoke_run, gcs.bucket)
     runner = ProcessRunner(poll_s=0.05)
@@ -262,8 +262,8 @@ def _deleted_once(sb, ckpt: str, bucket: str):
     from olmo_ctl.core.config import Settings
     from olmo_ctl.core.devices import get_device
     from olmo_ctl.rundir import RunDir
+    from olmo_ctl.sandbox.sandbox import IMAGE
     from olmo_ctl.supervise import evaljob as J
-    from olmo_ctl.testing.sandbox import IMAGE
     from olmo_ctl.trainer.evaluate import check, open_checkpoint
 
     spec = EvalSpec(ckpt, "smoke", (TASK,), None, D.BYTES_TOKENIZER, limit=3)

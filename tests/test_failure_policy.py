@@ -16,9 +16,9 @@ from olmo_ctl.core.config import Settings
 from olmo_ctl.core.contracts import EXIT_RESTART
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.recipe import load_recipe
-from olmo_ctl.testing.cluster.objects import find_cond, is_true, pod_terminal
-from olmo_ctl.testing.sandbox import LOCAL_QUEUE, Sandbox, SandboxWorld
-from olmo_ctl.testing.sandbox_faults import parse_fault
+from olmo_ctl.sandbox.cluster.objects import find_cond, is_true, pod_terminal
+from olmo_ctl.sandbox.faults import parse_fault
+from olmo_ctl.sandbox.sandbox import LOCAL_QUEUE, Sandbox, SandboxWorld
 
 NAME = "smoke-a1"
 

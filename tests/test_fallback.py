@@ -14,9 +14,9 @@ from olmo_ctl.backends.gke import GKEBackend
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.rundir import RunDir, parse_iso
+from olmo_ctl.sandbox.sandbox import Sandbox
 from olmo_ctl.supervise.policy import Fallback, RetryPolicy
 from olmo_ctl.supervise.supervisor import Printer, Supervisor
-from olmo_ctl.testing.sandbox import Sandbox
 
 PREFERRED, FALLBACK = "tpu7x-8", "v5p-8"
 

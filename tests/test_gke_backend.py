@@ -18,7 +18,7 @@ from olmo_ctl.backends.base import Handle, State
 from olmo_ctl.backends.gke import GKEBackend
 from olmo_ctl.backends.kube import KubeRetryPolicy
 from olmo_ctl.core.errors import EXIT_UNREACHABLE, BadInput, Unreachable
-from olmo_ctl.testing.kube_server import KubeServer, tiny_jobset
+from olmo_ctl.sandbox.kube_server import KubeServer, tiny_jobset
 
 FAST = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
 REAL_KUBECONFIG = os.environ.get("OLMO_CTL_TEST_KUBECONFIG")

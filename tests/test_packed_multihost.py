@@ -1,6 +1,6 @@
 """Packed data built once on a slice: a stage-3-shaped start (packed, source groups, data and run
 directory on gs://) on the 2 x 2 CPU twin (two real trainer processes joined by jax.distributed)
-over the GCS emulator, every request seen by a proxy in front of it (olmo_ctl.testing.storage_proxy).
+over the GCS emulator, every request seen by a proxy in front of it (tests/helpers/storage_proxy.py).
 
 Host 0 writes each group's packing once, with a create-only precondition; host 1 waits for the
 objects and reads them, and never downloads a source file whole (its instance reads are ranged). An
@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.attempts import attempt
+from helpers.storage_proxy import Request, StallingProxy
 from helpers.waiting import wait_for
 
 from olmo_ctl.backends.base import State
 from olmo_ctl.backends.local import LocalBackend
 from olmo_ctl.data.files import TokenFile, ensure_smoke_data
+from olmo_ctl.sandbox.gcs_emulator import emulator_env
 from olmo_ctl.storage import store_for
-from olmo_ctl.testing.gcs_emulator import emulator_env
-from olmo_ctl.testing.storage_proxy import Request, StallingProxy
 
 pytestmark = pytest.mark.gcs
 
@@ -86,7 +86,7 @@ def test_a_packed_start_on_the_twin_writes_each_packing_once_and_the_other_host_
 @pytest.mark.parametrize("status", [429, 503])
 def test_a_packing_upload_answered_429_or_5xx_is_retried_and_lands_once(gcs, tmp_path, status):
     from olmo_ctl import storage
-    from olmo_ctl.testing.gcs_emulator import use_emulator
+    from olmo_ctl.sandbox.gcs_emulator import use_emulator
     from olmo_ctl.trainer.packed import PackedDataset
 
     files = []

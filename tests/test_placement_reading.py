@@ -12,8 +12,8 @@ from olmo_ctl.backends.gke import GKEBackend
 from olmo_ctl.backends.gke_status import classify, current_failed_creates
 from olmo_ctl.backends.kube import KubeRetryPolicy, make_api_client
 from olmo_ctl.core.contracts import State
-from olmo_ctl.testing.kube_server import tiny_jobset
-from olmo_ctl.testing.sandbox import NODEPOOL_LABEL, Sandbox
+from olmo_ctl.sandbox.kube_server import tiny_jobset
+from olmo_ctl.sandbox.sandbox import NODEPOOL_LABEL, Sandbox
 
 FAST = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=3.0)
 EXCLUSIVE = "alpha.jobset.sigs.k8s.io/exclusive-topology"

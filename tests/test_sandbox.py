@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from olmo_ctl.testing.cluster import kueue
-from olmo_ctl.testing.kube_server import tiny_jobset
-from olmo_ctl.testing.sandbox import (
+from olmo_ctl.sandbox.cluster import kueue
+from olmo_ctl.sandbox.kube_server import tiny_jobset
+from olmo_ctl.sandbox.sandbox import (
     Sandbox,
     parse_priority_classes,
     parse_slices,

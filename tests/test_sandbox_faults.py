@@ -1,5 +1,5 @@
 """`olmo-ctl sandbox fault` against a sandbox running as its own process, `sandbox --faults FILE`, and
-the node rules the faults set off (`olmo_ctl.testing.cluster.nodes`), read back through the API."""
+the node rules the faults set off (`olmo_ctl.sandbox.cluster.nodes`), read back through the API."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from helpers.cli import invoke
 
 from olmo_ctl.core.durations import format_duration, parse_duration
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.testing.cluster.objects import find_cond
-from olmo_ctl.testing.sandbox import Sandbox, start_subprocess, stop_subprocess
-from olmo_ctl.testing.sandbox_faults import CONTROL_PATH, KINDS, parse_fault
+from olmo_ctl.sandbox.cluster.objects import find_cond
+from olmo_ctl.sandbox.faults import CONTROL_PATH, KINDS, parse_fault
+from olmo_ctl.sandbox.sandbox import Sandbox, start_subprocess, stop_subprocess
 
 
 def get(kc_path, path: str) -> dict:
@@ -205,7 +205,7 @@ def test_durations_are_read_one_way(text, seconds):
 def test_a_node_not_ready_past_its_toleration_evicts_and_a_repair_drains_and_removes():
     """Taint eviction after the 300 s DefaultTolerationSeconds; a repair cordons, evicts through the
     Eviction API, removes the node once drained, and recreates it after --for."""
-    from olmo_ctl.testing.kube_server import tiny_jobset
+    from olmo_ctl.sandbox.kube_server import tiny_jobset
 
     with Sandbox(slices={"v5p-8": 1}) as sb:
         w = sb.world
@@ -262,7 +262,7 @@ def test_a_node_not_ready_past_its_toleration_evicts_and_a_repair_drains_and_rem
 
 
 def _one_pod_jobset(sb: Sandbox) -> None:
-    from olmo_ctl.testing.kube_server import tiny_jobset
+    from olmo_ctl.sandbox.kube_server import tiny_jobset
 
     js = tiny_jobset("t", queue="multislice-queue", workers=1)
     job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
@@ -348,7 +348,7 @@ def test_with_pods_as_processes_a_host_event_kills_them_and_a_silent_kubelet_let
 
     from helpers.waiting import alive
 
-    from olmo_ctl.testing.pod_processes import ProcessRunner
+    from olmo_ctl.sandbox.pod_processes import ProcessRunner
 
     script = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); print('up', flush=True); time.sleep(600)"
     runner = ProcessRunner(poll_s=0.05)
@@ -367,7 +367,7 @@ def test_with_pods_as_processes_a_host_event_kills_them_and_a_silent_kubelet_let
             raise AssertionError(f"{name}'s pod did not start")
 
         def create(name: str) -> None:
-            from olmo_ctl.testing.kube_server import tiny_jobset
+            from olmo_ctl.sandbox.kube_server import tiny_jobset
 
             js = tiny_jobset(name, queue="multislice-queue", workers=1, script=script)
             spec = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from helpers.waiting import alive
 
-from olmo_ctl.testing.kube_server import tiny_jobset
-from olmo_ctl.testing.pod_processes import ProcessRunner
-from olmo_ctl.testing.sandbox import Sandbox, parse_exports, start_subprocess, stop_subprocess
+from olmo_ctl.sandbox.kube_server import tiny_jobset
+from olmo_ctl.sandbox.pod_processes import ProcessRunner
+from olmo_ctl.sandbox.sandbox import Sandbox, parse_exports, start_subprocess, stop_subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -304,7 +304,7 @@ def test_a_jobset_whose_model_cannot_fit_this_machine_is_refused_when_created():
 def test_the_fit_rule_counts_the_model_its_copies_per_slice_a_micro_batch_and_the_processes():
     from olmo_ctl.core.batching import STATE_BYTES_PER_PARAM, activation_bytes_per_instance, param_count
     from olmo_ctl.core.recipe import load_recipe
-    from olmo_ctl.testing.pod_processes import GIB, refuse_unfit, trainer_need
+    from olmo_ctl.sandbox.pod_processes import GIB, refuse_unfit, trainer_need
 
     r = load_recipe("olmo3-7b-stage1")
     one, two = golden("tpu7x-128-stage1.yaml"), golden("2xtpu7x-128-stage1.yaml")
@@ -434,7 +434,7 @@ def test_gke_mode_on_one_machine_is_the_three_commands_the_docs_show(tmp_path):
         # Process 0 wrote every host's timings in the emulator's bucket: two hosts joined in each run.
         from olmo_ctl import storage
         from olmo_ctl.observe.reader import read_scalars
-        from olmo_ctl.testing.gcs_emulator import use_emulator
+        from olmo_ctl.sandbox.gcs_emulator import use_emulator
 
         with use_emulator(ex["STORAGE_EMULATOR_HOST"]):
             _, dirs = storage.store_for("gs://sandbox/runs").list("gs://sandbox/runs")
@@ -504,7 +504,7 @@ def test_smoke_on_two_slices_runs_each_attempt_as_one_world_of_four_hosts(tmp_pa
         assert nodes == {f"gke-v5p-16-np-{s}-000{v}" for s in (0, 1) for v in (0, 1)}
         # Process 0 wrote every host's timings in the emulator's bucket: four hosts joined in each run.
         from olmo_ctl.observe.reader import read_scalars
-        from olmo_ctl.testing.gcs_emulator import use_emulator
+        from olmo_ctl.sandbox.gcs_emulator import use_emulator
 
         with use_emulator(ex["STORAGE_EMULATOR_HOST"]):
             for run_dir in report["run_dirs"]:

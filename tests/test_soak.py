@@ -1,14 +1,14 @@
-"""The soak (olmo_ctl.testing.soak, benchmarks/soak.py) under the shipped fault timeline: the run
+"""The soak (tests/helpers/soak.py, benchmarks/soak.py) under the shipped fault timeline: the run
 finishes by itself through every fault class, a fallback to v5p-8 and the return; its losses equal an
 uninterrupted twin's bit for bit up to the fallback; a step trained twice logs the same loss twice."""
 
 from __future__ import annotations
 
 import pytest
+from helpers.soak import load_timeline, run_soak
 
 from olmo_ctl.core.durations import parse_duration
-from olmo_ctl.testing.sandbox_faults import KINDS
-from olmo_ctl.testing.soak import load_timeline, run_soak
+from olmo_ctl.sandbox.faults import KINDS
 
 
 def test_the_shipped_timeline_holds_every_fault_class():

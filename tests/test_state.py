@@ -12,7 +12,7 @@ import pytest
 
 from olmo_ctl.backends.base import State
 from olmo_ctl.backends.gke_status import classify, container_exits
-from olmo_ctl.testing.kube_server import JOBSET_CRD, WORKLOAD_CRD, schema_errors
+from olmo_ctl.sandbox.kube_server import JOBSET_CRD, WORKLOAD_CRD, schema_errors
 
 T0 = "2026-11-30T01:00:00Z"
 T1 = "2026-11-30T01:00:01Z"

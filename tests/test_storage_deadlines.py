@@ -2,7 +2,7 @@
 (a save, whose arrays and metadata go through two clients in a row: 2 x storage_timeout_s + 60 s).
 
 A real trainer process on an emulator bucket, its clients pointed at a proxy in front of the emulator
-(olmo_ctl.testing.storage_proxy) that, from a chosen request on, accepts and never answers: during
+(tests/helpers/storage_proxy.py) that, from a chosen request on, accepts and never answers: during
 restore (Orbax's listing of the committed steps over gcsfs, then the arrays over tensorstore) and
 during a save (tensorstore's writes). Nothing committed is lost: the committed steps are the same
 after. The watchdog's absolute bounds (the first window, the storage phases) are tested in-process.
@@ -17,10 +17,10 @@ import threading
 import time
 
 import pytest
+from helpers.storage_proxy import StallingProxy
 
 from olmo_ctl.rundir import RunDir
-from olmo_ctl.testing.gcs_emulator import emulator_env
-from olmo_ctl.testing.storage_proxy import StallingProxy
+from olmo_ctl.sandbox.gcs_emulator import emulator_env
 from olmo_ctl.trainer.watchdog import Watchdog, storage_phase_s
 
 STORAGE_TIMEOUT_S = 12

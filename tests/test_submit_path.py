@@ -32,7 +32,7 @@ def clean_env(tmp_path, monkeypatch):
 def sandbox(clean_env, monkeypatch, gcs):
     """The sandbox cluster (XPK's Kueue set-up, pods kept running by the scripted runner) with a v5p-16
     and a v5p-8 slice, kubectl's environment pointed at it, and a run root on the GCS emulator."""
-    from olmo_ctl.testing.sandbox import Sandbox, parse_slices
+    from olmo_ctl.sandbox.sandbox import Sandbox, parse_slices
 
     with Sandbox(slices=parse_slices(["v5p-16=1", "v5p-8=1"])) as sb:
         monkeypatch.setenv("KUBECONFIG", str(sb.write_kubeconfig(clean_env / "kubeconfig")))

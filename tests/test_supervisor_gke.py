@@ -17,9 +17,9 @@ from olmo_ctl.core.config import Settings
 from olmo_ctl.core.errors import OlmoCtlError
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.rundir import COMMIT_MARKER, RunDir, parse_iso
+from olmo_ctl.sandbox.kube_server import KubeServer
 from olmo_ctl.supervise.policy import RetryPolicy
 from olmo_ctl.supervise.supervisor import Printer, Supervisor
-from olmo_ctl.testing.kube_server import KubeServer
 
 FAST = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=3.0, connect_timeout_s=1.0, read_timeout_s=5.0)
 T0 = 1_800_000_000.0

@@ -2,7 +2,7 @@
 backend against the sandbox cluster (nodes, Kueue, JobSet, Jobs under upstream's rules), on a fake
 clock that also moves the cluster's clock, so hours of outage take a second or two.
 
-The causes are the sandbox's faults (`sandbox_faults.parse_fault`, what `olmo-ctl sandbox fault`
+The causes are the sandbox's faults (`sandbox.faults.parse_fault`, what `olmo-ctl sandbox fault`
 sends); what the pods, Jobs, JobSets and Workloads do follows from the rules. The test plays the
 trainer by committing checkpoints into the run directory.
 """
@@ -25,11 +25,11 @@ from olmo_ctl.core.config import Settings
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.observe.monitor import build_report, load
 from olmo_ctl.rundir import COMMIT_MARKER, RunDir
+from olmo_ctl.sandbox.cluster.objects import find_cond
+from olmo_ctl.sandbox.faults import parse_fault
+from olmo_ctl.sandbox.sandbox import Sandbox
 from olmo_ctl.supervise.policy import RetryPolicy
 from olmo_ctl.supervise.supervisor import Printer, Supervisor
-from olmo_ctl.testing.cluster.objects import find_cond
-from olmo_ctl.testing.sandbox import Sandbox
-from olmo_ctl.testing.sandbox_faults import parse_fault
 
 FAST = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=3.0, connect_timeout_s=1.0, read_timeout_s=5.0)
 SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "docs" / "monitor-schema.json").read_text())

@@ -137,9 +137,10 @@ def test_wheel_carries_recipes_and_templates(installed):
         assert f"olmo_ctl/recipes/models/{name}.yaml" in names
     for name in ("common", "tpu7x", "v5p"):
         assert f"olmo_ctl/launch_templates/{name}.yaml" in names
-    assert "olmo_ctl/testing/crds/jobset.x-k8s.io_jobsets.v0.10.1.yaml" in names
+    assert "olmo_ctl/sandbox/crds/jobset.x-k8s.io_jobsets.v0.10.1.yaml" in names
     assert "olmo_ctl/py.typed" in names  # the package's annotations are for type checkers of its users too
     assert not any(n.endswith("Dockerfile") for n in names)
+    assert not any(n.startswith(("tools/", "tests/")) for n in names)  # release tooling, test doubles
 
 
 def test_installed_copy_is_what_runs(installed):

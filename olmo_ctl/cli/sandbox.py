@@ -120,7 +120,7 @@ def sandbox(
     if kubeconfig is None:
         raise BadInput("olmo-ctl sandbox needs --kubeconfig FILE", "where to write the sandbox's kubeconfig")
     from olmo_ctl.backends import resolve_settings
-    from olmo_ctl.testing.sandbox import (
+    from olmo_ctl.sandbox.sandbox import (
         check_bucket_name,
         check_kubeconfig_path,
         parse_priority_classes,
@@ -163,7 +163,7 @@ def sandbox(
 
 
 def _timeline(path: Path) -> list:
-    from olmo_ctl.testing.sandbox_faults import parse_timeline
+    from olmo_ctl.sandbox.faults import parse_timeline
 
     try:
         text = path.read_text()
@@ -220,7 +220,7 @@ def fault(
     line. Exit codes: 0 applied, 2 bad input (an unknown kind, pool or duration; nothing changed),
     3 no sandbox serves at the kubeconfig's address.
     """
-    from olmo_ctl.testing.sandbox_faults import parse_fault, send
+    from olmo_ctl.sandbox.faults import parse_fault, send
 
     raw = {"kind": kind, "pool": pool, "for": for_, "nodes": nodes, "image-error": image_error}
     raw = {k: v for k, v in raw.items() if v is not None}
@@ -243,7 +243,7 @@ def _check_image_runtime(runtime: str, run_pods: bool, gcs_bucket: str | None) -
             "--image-runtime buildah needs --gcs-bucket: a container sees runs on the GCS emulator, "
             "not this machine's files"
         )
-    from olmo_ctl.testing import buildah
+    from olmo_ctl.sandbox import buildah
 
     why = buildah.available()
     if why:
@@ -277,7 +277,7 @@ def _serve(
     import contextlib
     import time
 
-    from olmo_ctl.testing.sandbox import (
+    from olmo_ctl.sandbox.sandbox import (
         Sandbox,
         env_file_for,
         export_lines,
@@ -289,7 +289,7 @@ def _serve(
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     runner = None
     if run_pods:
-        from olmo_ctl.testing.pod_processes import ProcessRunner
+        from olmo_ctl.sandbox.pod_processes import ProcessRunner
 
         def say(line: str) -> None:
             sys.stderr.write(f"sandbox: {line}\n")
@@ -297,7 +297,7 @@ def _serve(
 
         runner = ProcessRunner(log=say)
         if image_runtime == "buildah":
-            from olmo_ctl.testing.pod_images import ImageRunner
+            from olmo_ctl.sandbox.pod_images import ImageRunner
 
             runner = ImageRunner(log=say)
     env_file = env_file_for(kubeconfig)
@@ -306,7 +306,7 @@ def _serve(
         stack.callback(signal.signal, signal.SIGTERM, previous)
         gcs_url = None
         if gcs_bucket is not None:
-            from olmo_ctl.testing.gcs_emulator import create_bucket, fake_gcs_server, use_emulator
+            from olmo_ctl.sandbox.gcs_emulator import create_bucket, fake_gcs_server, use_emulator
 
             # Set in this process's environment, so every pod's process inherits it.
             gcs_url = stack.enter_context(use_emulator(stack.enter_context(fake_gcs_server())))
@@ -322,7 +322,7 @@ def _serve(
         sb.world.nodes.default_toleration_s = default_toleration_s
         pending = list(timeline or [])
         if pending:
-            from olmo_ctl.testing.sandbox_faults import check
+            from olmo_ctl.sandbox.faults import check
 
             with sb.server.store.lock:
                 for f in pending:
@@ -388,7 +388,7 @@ def _detach(kubeconfig: Path, args: list[str]) -> None:
     import subprocess
     import time
 
-    from olmo_ctl.testing.sandbox import env_file_for, log_file_for
+    from olmo_ctl.sandbox.sandbox import env_file_for, log_file_for
 
     env_file, log_file = env_file_for(kubeconfig), log_file_for(kubeconfig)
     _unlink(env_file)  # a sandbox that was killed left it: only the new one's counts

@@ -19,10 +19,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.testing.cluster import jobs as jobctl
-from olmo_ctl.testing.cluster import jobset as jobsetctl
-from olmo_ctl.testing.cluster import kueue
-from olmo_ctl.testing.cluster.objects import (
+from olmo_ctl.sandbox.cluster import jobs as jobctl
+from olmo_ctl.sandbox.cluster import jobset as jobsetctl
+from olmo_ctl.sandbox.cluster import kueue
+from olmo_ctl.sandbox.cluster.objects import (
     JOBSET_NAME_LABEL,
     QUEUE_LABEL,
     controlled_by,
@@ -32,7 +32,7 @@ from olmo_ctl.testing.cluster.objects import (
     pod_terminal,
     quantity,
 )
-from olmo_ctl.testing.kube_api import KIND_TO_RESOURCE, Hooks, Store, schema_errors
+from olmo_ctl.sandbox.kube_api import KIND_TO_RESOURCE, Hooks, Store, schema_errors
 
 SIGTERM_EXIT, SIGKILL_EXIT = 143, 137
 WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
@@ -780,7 +780,7 @@ class World(Hooks):
                 if row is None:
                     row = {"name": resource, "nominalQuota": "0"}
                     f["resources"].append(row)
-                from olmo_ctl.testing.cluster.objects import format_quantity
+                from olmo_ctl.sandbox.cluster.objects import format_quantity
 
                 row["nominalQuota"] = format_quantity(
                     resource, max(0.0, quantity(row["nominalQuota"]) + amount)

@@ -48,7 +48,7 @@ from olmo_ctl.core.batching import STATE_BYTES_PER_PARAM, param_count
 from olmo_ctl.core.contracts import COORDINATOR_ENV, LOG_PREFIX_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 from olmo_ctl.core.devices import GENERATIONS
 from olmo_ctl.ports import free_port
-from olmo_ctl.testing.cluster.objects import (
+from olmo_ctl.sandbox.cluster.objects import (
     COMPLETION_INDEX,
     JOB_INDEX_LABEL,
     JOBSET_NAME_LABEL,
@@ -59,7 +59,7 @@ from olmo_ctl.testing.cluster.objects import (
 )
 
 if TYPE_CHECKING:
-    from olmo_ctl.testing.sandbox import SandboxWorld
+    from olmo_ctl.sandbox.sandbox import SandboxWorld
 
 TPU = "google.com/tpu"
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
@@ -276,7 +276,7 @@ class ProcessRunner:
     def admit(self, world: SandboxWorld, jobset: dict) -> None:
         """A JobSet is created: refused (400, as a validating webhook's denial) when its trainer processes
         cannot fit in this machine's memory."""
-        from olmo_ctl.testing.kube_api import ApiError
+        from olmo_ctl.sandbox.kube_api import ApiError
 
         why = refuse_unfit(jobset, self.memory_bytes)
         if why:

@@ -14,8 +14,8 @@ import hashlib
 import re
 from typing import TYPE_CHECKING
 
-from olmo_ctl.testing.cluster import jobs as jobctl
-from olmo_ctl.testing.cluster.objects import (
+from olmo_ctl.sandbox.cluster import jobs as jobctl
+from olmo_ctl.sandbox.cluster.objects import (
     JOB_INDEX_LABEL,
     JOBSET_API,
     JOBSET_NAME_LABEL,
@@ -30,7 +30,7 @@ from olmo_ctl.testing.cluster.objects import (
 )
 
 if TYPE_CHECKING:
-    from olmo_ctl.testing.cluster.world import World
+    from olmo_ctl.sandbox.cluster.world import World
 
 # pkg/constants/constants.go
 REACHED_MAX_RESTARTS = ("ReachedMaxRestarts", "jobset failed due to reaching max number of restarts")

@@ -15,7 +15,7 @@ import secrets
 import uuid
 from typing import TYPE_CHECKING
 
-from olmo_ctl.testing.cluster.objects import (
+from olmo_ctl.sandbox.cluster.objects import (
     COMPLETION_INDEX,
     JOB_TRACKING_FINALIZER,
     controlled_by,
@@ -28,7 +28,7 @@ from olmo_ctl.testing.cluster.objects import (
 )
 
 if TYPE_CHECKING:
-    from olmo_ctl.testing.cluster.world import World
+    from olmo_ctl.sandbox.cluster.world import World
 
 # pkg/controller/job/job_controller.go: the reasons and messages of the Job's terminal conditions.
 BACKOFF_LIMIT_EXCEEDED = ("BackoffLimitExceeded", "Job has reached the specified backoff limit")

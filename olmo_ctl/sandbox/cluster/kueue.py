@@ -20,7 +20,7 @@ import hashlib
 import uuid
 from typing import TYPE_CHECKING
 
-from olmo_ctl.testing.cluster.objects import (
+from olmo_ctl.sandbox.cluster.objects import (
     JOB_UID_LABEL,
     JOBSET_API,
     KUEUE_API,
@@ -41,7 +41,7 @@ from olmo_ctl.testing.cluster.objects import (
 )
 
 if TYPE_CHECKING:
-    from olmo_ctl.testing.cluster.world import World
+    from olmo_ctl.sandbox.cluster.world import World
 
 NO_REQUEUE_BACKOFF = ("PodsReadyTimeout", "AdmissionCheck")
 HUMAN_PREEMPTION_REASONS = {

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from olmo_ctl.testing.kube_api import Resource
+    from olmo_ctl.sandbox.kube_api import Resource
 
 AUTHZ_GROUP, AUTHZ_VERSION, SSAR = "authorization.k8s.io", "v1", "selfsubjectaccessreviews"
 USER = "system:anonymous"
@@ -62,7 +62,7 @@ def forbidden_message(
 def access_review(body: Any, allowed) -> dict:
     """The SelfSubjectAccessReview, answered: `allowed(verb, group, resource, subresource)`."""
     if not isinstance(body, dict) or not isinstance((body.get("spec") or {}).get("resourceAttributes"), dict):
-        from olmo_ctl.testing.kube_api import ApiError
+        from olmo_ctl.sandbox.kube_api import ApiError
 
         raise ApiError(
             422,
@@ -188,7 +188,7 @@ def _dotted(obj: dict, path: str) -> Any:
 def printer_columns(crd_file: str, version: str) -> tuple[dict, ...]:
     import yaml
 
-    from olmo_ctl.testing.kube_api import CRD_DIR
+    from olmo_ctl.sandbox.kube_api import CRD_DIR
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     with open(CRD_DIR / crd_file) as f:
@@ -476,7 +476,7 @@ def _param(name: str, where: str = "query", required: bool = False) -> dict:
 
 @functools.cache
 def _gv_doc(group: str, version: str, rs: tuple) -> dict:
-    from olmo_ctl.testing.kube_api import crd_versions
+    from olmo_ctl.sandbox.kube_api import crd_versions
 
     paths: dict[str, dict] = {}
     schemas: dict[str, dict] = {}

@@ -2,7 +2,7 @@
 
 One table, `KINDS`: each kind's name, what it does to the world, and which keys it takes. A fault is
 a cause (machines lost or back, a kubelet silent, a repair); the test cluster's rules decide what the
-pods, Jobs, JobSets and Workloads do (`olmo_ctl.testing.cluster.nodes`). `parse_fault` checks one
+pods, Jobs, JobSets and Workloads do (`olmo_ctl.sandbox.cluster.nodes`). `parse_fault` checks one
 fault as given (on the command line or in a timeline) and `apply` acts on a `SandboxWorld`, under its
 store's lock. The command reaches a sandbox running in another process through its API server:
 `POST /olmo-ctl/sandbox/v1/faults` (CONTROL_PATH), a path only the sandbox serves, with the bearer
@@ -24,7 +24,7 @@ from olmo_ctl.core.durations import parse_duration
 from olmo_ctl.core.errors import BadInput
 
 if TYPE_CHECKING:
-    from olmo_ctl.testing.sandbox import SandboxWorld
+    from olmo_ctl.sandbox.sandbox import SandboxWorld
 
 CONTROL_PATH = "/olmo-ctl/sandbox/v1/faults"
 IMAGE_ERRORS = ("transient", "permanent")
@@ -227,7 +227,7 @@ def send(kubeconfig: str | Any, raw: Mapping[str, Any], timeout_s: float = 30.0)
     import yaml
 
     from olmo_ctl.core.errors import Unreachable
-    from olmo_ctl.testing.sandbox import CONTEXT
+    from olmo_ctl.sandbox.sandbox import CONTEXT
 
     path = Path(kubeconfig)
     try:

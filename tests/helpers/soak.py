@@ -44,7 +44,7 @@ from typing import Any
 import yaml
 
 from olmo_ctl.core.durations import parse_duration
-from olmo_ctl.testing.sandbox import parse_exports
+from olmo_ctl.sandbox.sandbox import parse_exports
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMELINE = ROOT / "benchmarks" / "soak_timeline.yaml"
@@ -191,7 +191,7 @@ def run_soak(
     at the same time, in a sandbox of its own without faults."""
     from olmo_ctl.observe.reader import read_scalars
     from olmo_ctl.rundir import RunDir, parse_iso
-    from olmo_ctl.testing.gcs_emulator import use_emulator
+    from olmo_ctl.sandbox.gcs_emulator import use_emulator
 
     work.mkdir(parents=True, exist_ok=True)
     faults = load_timeline(timeline)
@@ -301,7 +301,7 @@ def _by_step(series) -> dict[int, float]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description="The soak (olmo_ctl.testing.soak): prints its figures as JSON.")
+    ap = argparse.ArgumentParser(description="The soak (tests/helpers/soak.py): prints its figures as JSON.")
     ap.add_argument("--steps", type=int, default=200, help="the smoke recipe's train.max_steps")
     ap.add_argument("--timeline", type=Path, default=TIMELINE, help="the sandbox's fault timeline (YAML)")
     ap.add_argument("--work", type=Path, default=None, help="where the sandbox's files and logs go")

@@ -19,7 +19,7 @@ Everything else is the test cluster's rules (Jobs, JobSet v0.10.1, Kueue v0.17.1
 Kueue object anyone applies through the API takes part in admission and preemption like ours. Pods
 that Kueue admits are bound to a free node matching their nodeSelector by `SandboxWorld.schedule`, and
 their containers are started and stopped by a `PodRunner`: the scripted one here keeps them running
-until a cause of the world ends them (the tests of the cluster rules); `olmo_ctl.testing.pod_processes.
+until a cause of the world ends them (the tests of the cluster rules); `olmo_ctl.sandbox.pod_processes.
 ProcessRunner` runs each pod as a local process (`olmo-ctl sandbox` by default).
 """
 
@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from olmo_ctl import __version__
+from olmo_ctl.backends.base import Target
 from olmo_ctl.backends.doctor import JOBSET_CONTROLLER
-from olmo_ctl.core.devices import Device, get_device
+from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.testing.cluster.objects import (
+from olmo_ctl.sandbox.cluster.objects import (
     JOB_TRACKING_FINALIZER,
     RESOURCE_IN_USE_FINALIZER,
     deleting,
@@ -46,8 +47,8 @@ from olmo_ctl.testing.cluster.objects import (
     pod_terminal,
     quantity,
 )
-from olmo_ctl.testing.cluster.world import OLMO_CTL_SERVICE_ACCOUNT, SANDBOX_GCP_ACCOUNT
-from olmo_ctl.testing.kube_server import KubeServer, ScriptedWorld
+from olmo_ctl.sandbox.cluster.world import OLMO_CTL_SERVICE_ACCOUNT, SANDBOX_GCP_ACCOUNT
+from olmo_ctl.sandbox.kube_server import KubeServer, ScriptedWorld
 
 TPU = "google.com/tpu"
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
@@ -71,7 +72,7 @@ def parse_slices(items: list[str] | tuple[str, ...]) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in items:
         name, _, n = item.partition("=")
-        dev = get_device(name.strip())
+        dev = Target.parse(name.strip()).device
         if not dev.is_tpu:
             raise BadInput(f"--slices {item}: `{dev.name}` is not a TPU slice", "e.g. --slices tpu7x-128=2")
         try:
@@ -136,7 +137,7 @@ def gke_mode_env(
         f"{ENV_PREFIX}IMAGE": IMAGE,
     }
     if gcs_url is not None and bucket is not None:
-        from olmo_ctl.testing.gcs_emulator import emulator_env
+        from olmo_ctl.sandbox.gcs_emulator import emulator_env
 
         env[f"{ENV_PREFIX}RUN_ROOT"] = f"gs://{bucket}/runs"
         env.update(emulator_env(gcs_url))
@@ -190,7 +191,7 @@ class PodRunner:
     containers run (Ready) until a cause of the world ends them; `stop` (SIGTERM on deletion) leaves
     the exit to the world's kubelet (`World.sigterm_exit_s`, then SIGKILL at the grace period's end).
     The tests of the cluster rules use it; `olmo-ctl sandbox` runs pods as processes with
-    `olmo_ctl.testing.pod_processes.ProcessRunner` (unless `--no-run-pods`)."""
+    `olmo_ctl.sandbox.pod_processes.ProcessRunner` (unless `--no-run-pods`)."""
 
     def attach(self, world: SandboxWorld) -> None:
         """The world this runner serves (called once, by SandboxWorld)."""
@@ -226,7 +227,7 @@ class SandboxWorld(ScriptedWorld):
 
     def __init__(self, *a: Any, runner: PodRunner | None = None, **kw: Any):
         super().__init__(*a, **kw)
-        from olmo_ctl.testing.cluster.nodes import NodeCauses
+        from olmo_ctl.sandbox.cluster.nodes import NodeCauses
 
         self.runner = runner or PodRunner()
         self._stopping: set[str] = set()
@@ -469,7 +470,7 @@ class Sandbox:
         w = self.world
         flavors, quota = [], []
         for name, n in self.slices.items():
-            dev = get_device(name)
+            dev = Target.parse(name).device
             fname = flavor_name(dev, n)
             w.save(
                 "ResourceFlavor",
@@ -548,15 +549,15 @@ class Sandbox:
 
     # -- faults
     def _control(self, method: str, path: str, headers: dict, body: bytes) -> tuple[int, dict]:
-        from olmo_ctl.testing.sandbox_faults import CONTROL_PATH, control
+        from olmo_ctl.sandbox.faults import CONTROL_PATH, control
 
         if path.rstrip("/") != CONTROL_PATH:
             return 404, {"message": f"no control path {path}; faults are POSTed to {CONTROL_PATH}"}
         return control(self.world, self.token, method, headers, body)
 
     def fault(self, fault: Any) -> str:
-        """Apply one `sandbox_faults.Fault` now (what `olmo-ctl sandbox fault` asks for)."""
-        from olmo_ctl.testing.sandbox_faults import apply
+        """Apply one `sandbox.faults.Fault` now (what `olmo-ctl sandbox fault` asks for)."""
+        from olmo_ctl.sandbox.faults import apply
 
         return apply(self.world, fault)
 

@@ -48,10 +48,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from olmo_ctl.testing.cluster.objects import deleting, labels, pod_terminal, set_status_condition
+from olmo_ctl.sandbox.cluster.objects import deleting, labels, pod_terminal, set_status_condition
 
 if TYPE_CHECKING:
-    from olmo_ctl.testing.sandbox import SandboxWorld
+    from olmo_ctl.sandbox.sandbox import SandboxWorld
 
 NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
 UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
@@ -283,7 +283,7 @@ class NodeCauses:
 
     def reject(self, pod: dict, node_name: str) -> None:
         """Kubelet admission refuses the pod on `node_name`: bound, then Failed UnexpectedAdmissionError."""
-        from olmo_ctl.testing.cluster.objects import pod_requests
+        from olmo_ctl.sandbox.cluster.objects import pod_requests
 
         w = self.world
         need = int(pod_requests({"spec": pod["spec"]}).get("google.com/tpu", 0))

@@ -7,8 +7,8 @@ debootstrap (`localhost/olmo-ctl-base:bookworm`: Debian bookworm's Python 3.11 a
 its root file system kept as a tarball under the cache directory so a removed base is imported again in
 seconds. Either way it prints the image's name, id, digest, size and the seconds it took.
 
-    python -m olmo_ctl.testing.image_build base [--base-image NAME] [--cache DIR]
-    python -m olmo_ctl.testing.image_build build --image NAME [--base-image NAME] [--extras E]
+    python -m tools.image_build base [--base-image NAME] [--cache DIR]
+    python -m tools.image_build build --image NAME [--base-image NAME] [--extras E]
         [--builder docker|buildah]
 
 Exit codes: 0 built, 2 it could not be (one line saying why).
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
-from olmo_ctl.testing import buildah
+from olmo_ctl.sandbox import buildah
 
 DOCKERFILE = "launch_templates/Dockerfile"
 IGNOREFILE = "launch_templates/Dockerfile.dockerignore"
@@ -38,7 +38,7 @@ DEFAULT_EXTRAS = "trainer,tpu,eval"  # the Dockerfile's and the Makefile's defau
 
 
 def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+    return Path(__file__).resolve().parents[1]
 
 
 def docker_works() -> bool:
@@ -200,7 +200,7 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m olmo_ctl.testing.image_build")
+    ap = argparse.ArgumentParser(prog="python -m tools.image_build")
     sub = ap.add_subparsers(dest="what", required=True)
     b = sub.add_parser("base", help="make the local Debian base image (debootstrap, cached)")
     b.add_argument("--base-image", default=LOCAL_BASE)

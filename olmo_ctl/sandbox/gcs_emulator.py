@@ -46,7 +46,7 @@ def emulator_env(url: str) -> dict[str, str]:
         "TENSORSTORE_GCS_HTTP_URL": url,
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
         "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy",
-        "GOOGLE_CLOUD_PROJECT": "local",
+        "GOOGLE_CLOUD_PROJECT": "emulator",
         # gcsfs (Orbax's metadata files, TensorBoard's reader) must not look for credentials: its
         # default chain probes the GCE metadata server, which stalls or hangs off Google Cloud.
         "FSSPEC_GCS_TOKEN": "anon",
@@ -56,7 +56,7 @@ def emulator_env(url: str) -> dict[str, str]:
 
 def create_bucket(url: str, bucket: str) -> None:
     req = urllib.request.Request(
-        f"{url}/storage/v1/b?project=local",
+        f"{url}/storage/v1/b?project=emulator",
         data=json.dumps({"name": bucket}).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
@@ -71,7 +71,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 15.0) -> No
         if proc.poll() is not None:
             raise RuntimeError(f"fake-gcs-server exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"{url}/storage/v1/b?project=local", timeout=1) as r:
+            with urllib.request.urlopen(f"{url}/storage/v1/b?project=emulator", timeout=1) as r:
                 r.read()
             return
         except OSError:

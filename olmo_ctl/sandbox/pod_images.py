@@ -28,12 +28,12 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from olmo_ctl.testing import buildah
-from olmo_ctl.testing.gcs_emulator import ENV_KEYS as GCS_ENV_KEYS
-from olmo_ctl.testing.pod_processes import WEBHOOK, PodProcess, ProcessRunner
+from olmo_ctl.sandbox import buildah
+from olmo_ctl.sandbox.gcs_emulator import ENV_KEYS as GCS_ENV_KEYS
+from olmo_ctl.sandbox.pod_processes import WEBHOOK, PodProcess, ProcessRunner
 
 if TYPE_CHECKING:
-    from olmo_ctl.testing.sandbox import SandboxWorld
+    from olmo_ctl.sandbox.sandbox import SandboxWorld
 
 # buildah's own lines on the container's stderr: the exit status it saw, then its error.
 _STATUS = re.compile(r"^subprocess exited (?:with status (\d+)|on (.+))$")
@@ -133,7 +133,7 @@ class ImageRunner(ProcessRunner):
 
     def admit(self, world: SandboxWorld, jobset: dict) -> None:
         from olmo_ctl.backends.jobset import ANNOTATION_RUN_DIR
-        from olmo_ctl.testing.kube_api import ApiError
+        from olmo_ctl.sandbox.kube_api import ApiError
 
         run_dir = ((jobset.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RUN_DIR)
         if run_dir and not run_dir.startswith("gs://"):

@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from olmo_ctl.testing import kube_views as views
+from olmo_ctl.sandbox import kube_views as views
 
 CRD_DIR = Path(__file__).resolve().parent / "crds"
 JOBSET_CRD = "jobset.x-k8s.io_jobsets.v0.10.1.yaml"

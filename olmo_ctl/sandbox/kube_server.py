@@ -1,7 +1,7 @@
 """The Kubernetes API test server with a cluster behind it: `KubeServer`.
 
-`olmo_ctl.testing.kube_api` is the generic API server (REST, discovery, watch, CRD schemas, deletion
-and garbage collection); `olmo_ctl.testing.cluster` is the world behind it, where the controllers'
+`olmo_ctl.sandbox.kube_api` is the generic API server (REST, discovery, watch, CRD schemas, deletion
+and garbage collection); `olmo_ctl.sandbox.cluster` is the world behind it, where the controllers'
 rules (batch/v1 Jobs, JobSet v0.10.1, Kueue v0.17.1) decide every outcome from causes. A JobSet with
 the label `kueue.x-k8s.io/queue-name` is created suspended; Kueue builds its Workload
 `jobset-<name>-<5 hex>` (controller ownerReference, label `kueue.x-k8s.io/job-uid`), which waits
@@ -49,10 +49,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from olmo_ctl.testing.cluster import kueue
-from olmo_ctl.testing.cluster.objects import QUEUE_LABEL, deleting, pod_terminal
-from olmo_ctl.testing.cluster.world import OLMO_CTL_SERVICE_ACCOUNT, SANDBOX_GCP_ACCOUNT, World
-from olmo_ctl.testing.kube_api import (  # noqa: F401  (re-exported: tests and tools import them from here)
+from olmo_ctl.sandbox.cluster import kueue
+from olmo_ctl.sandbox.cluster.objects import QUEUE_LABEL, deleting, pod_terminal
+from olmo_ctl.sandbox.cluster.world import OLMO_CTL_SERVICE_ACCOUNT, SANDBOX_GCP_ACCOUNT, World
+from olmo_ctl.sandbox.kube_api import (  # noqa: F401  (re-exported: tests and tools import them from here)
     JOBSET_CRD,
     WORKLOAD_CRD,
     ApiError,

@@ -1,6 +1,6 @@
 """`make image-test`: the built trainer image checked from inside, as its user, before any slice runs it.
 
-    python -m olmo_ctl.testing.image_check --image NAME [--keep]
+    python -m tools.image_check --image NAME [--keep]
 
 In one working container of the local image (buildah), in this order, each check printed with its
 seconds, the first failure printed as one line `error: ...` naming what is wrong:
@@ -34,7 +34,7 @@ import tomllib
 from pathlib import Path
 
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
-from olmo_ctl.testing import buildah
+from olmo_ctl.sandbox import buildah
 
 IMAGE_EXTRAS = ("trainer", "tpu", "eval")  # what a GKE attempt's container needs
 # Distributions installed after an extra without their declared requirements (`pip install --no-deps`):
@@ -312,11 +312,11 @@ class ImageCheck:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m olmo_ctl.testing.image_check")
+    ap = argparse.ArgumentParser(prog="python -m tools.image_check")
     ap.add_argument("--image", required=True)
     ap.add_argument("--keep", action="store_true", help="keep the smoke run's directory")
     a = ap.parse_args(argv)
-    from olmo_ctl.testing.image_build import repo_root
+    from tools.image_build import repo_root
 
     started = time.monotonic()
     try:

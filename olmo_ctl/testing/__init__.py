@@ -1,1 +1,0 @@
-"""Test support shipped with olmo-ctl: `kube_server`, a Kubernetes API test server with a scripted cluster."""
