@@ -8,6 +8,7 @@ import typer
 from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
 from olmo_ctl.core import devices as dev
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.generations import generation_names
 
 
 def _fmt_num(x: float) -> str:
@@ -16,7 +17,9 @@ def _fmt_num(x: float) -> str:
 
 @app.command(example="olmo-ctl devices --generation v5p")
 def devices(
-    generation: Annotated[str | None, typer.Option("--generation", help="tpu7x, v5p, cpu or gpu.")] = None,
+    generation: Annotated[
+        str | None, typer.Option("--generation", help=f"{generation_names()}, cpu or gpu.")
+    ] = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """List TPU slice types and the local backend's devices (cpu-N, cpu-PxD, gpu-N).
@@ -32,7 +35,7 @@ def devices(
         rows = [d for d in local if d.generation == generation]
     else:
         raise BadInput(
-            f"--generation `{generation}` is not a device generation", "use tpu7x, v5p, cpu or gpu"
+            f"--generation `{generation}` is not a device generation", f"use {generation_names()}, cpu or gpu"
         )
     if output != Output.table:
         print_data([d.to_dict() for d in rows], output)

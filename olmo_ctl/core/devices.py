@@ -3,8 +3,9 @@
 A device name is `{generation}-{N}`. For TPUs N counts TensorCores (chips x 2): the topology
 follows from the chip count by doubling the axes in the order z, y, x starting from 2x2x1 (the
 single-host slice), hosts have 4 chips. Slices of other shapes (XPK's `4x4x12`, `4x8x12`, ...) are
-named by their topology, `{generation}-{AxBxC}`, under XPK's rule for what a generation offers. Ironwood exposes both TensorCores of a chip as JAX devices;
-v5p runs them as one megacore device. Local devices (`cpu-N`, `gpu-N`) are the local backend's;
+named by their topology, `{generation}-{AxBxC}`, under XPK's rule for what a generation offers. A
+generation's rule (devices per chip, chips per VM, most cubes, sub-cube shapes) is its profile's
+(`core/generations.py`). Local devices (`cpu-N`, `gpu-N`) are the local backend's;
 `cpu-PxD` is the multi-host twin: P trainer processes with D host devices each (`cpu-N` is 1 x N).
 """
 
@@ -13,31 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.generations import GENERATIONS, GIB, Generation, generation_names
 
-GIB = 1024**3
-
-
-@dataclass(frozen=True)
-class Generation:
-    name: str
-    accelerator_label: str  # cloud.google.com/gke-tpu-accelerator
-    machine_type: str
-    devices_per_chip: int
-    peak_tflops_per_chip: float  # dense bf16
-    hbm_gib_per_chip: float
-    # Most 4x4x4 cubes in a slice named by its topology (XPK's `generate_tpu_topologies(max_cubes=N)`
-    # for the generation's 4-chip machine type, src/xpk/core/system_characteristics.py).
-    max_cubes: int
-    chips_per_vm: int = 4
-
-
-GENERATIONS: dict[str, Generation] = {
-    "tpu7x": Generation("tpu7x", "tpu7x", "tpu7x-standard-4t", 2, 2307.0, 192.0, max_cubes=144),
-    "v5p": Generation("v5p", "tpu-v5p-slice", "ct5p-hightpu-4t", 1, 459.0, 95.0, max_cubes=140),
-}
-
-# The sub-cube topologies every generation offers; larger slices are whole 4x4x4 cubes.
-SUB_CUBE_TOPOLOGIES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4")
 # XPK's largest axis (`generate_tpu_topologies`: A, B, C in 4..256).
 MAX_TOPOLOGY_AXIS = 256
 
@@ -49,7 +27,7 @@ MAX_TPU_CORES = 8192
 @dataclass(frozen=True)
 class Device:
     name: str
-    generation: str  # tpu7x | v5p | cpu | gpu
+    generation: str  # a TPU generation's profile name (core/generations.py), cpu or gpu
     topology: str | None
     chips: int
     vms: int
@@ -107,14 +85,14 @@ def topology_problem(gen: Generation, topology: str) -> str | None:
     """Why `topology` is not a slice `gen` offers (None when it is), by XPK's rule: one of the
     sub-cube shapes, or A x B x C with each axis a multiple of 4 (at most 256), A <= B <= C, and at
     most `gen.max_cubes` 4x4x4 cubes."""
-    if topology in SUB_CUBE_TOPOLOGIES:
+    if topology in gen.sub_cube_topologies:
         return None
     parts = topology.split("x")
     if len(parts) != 3 or not all(p.isdigit() and not p.startswith("0") for p in parts):
         return "a topology is AxBxC"
     a, b, c = (int(p) for p in parts)
     if any(d % 4 or d > MAX_TOPOLOGY_AXIS for d in (a, b, c)):
-        return f"each axis is a multiple of 4 up to {MAX_TOPOLOGY_AXIS} (or one of {', '.join(SUB_CUBE_TOPOLOGIES)})"
+        return f"each axis is a multiple of 4 up to {MAX_TOPOLOGY_AXIS} (or one of {', '.join(gen.sub_cube_topologies)})"
     if not a <= b <= c:
         return f"axes go from smallest to largest ({'x'.join(map(str, sorted((a, b, c))))})"
     if (a // 4) * (b // 4) * (c // 4) > gen.max_cubes:
@@ -125,7 +103,7 @@ def topology_problem(gen: Generation, topology: str) -> str | None:
 def topologies_of(gen: Generation, chips: int) -> list[str]:
     """Every topology of `chips` chips that `gen` offers, the most cube-like (shortest longest axis) first."""
     if chips % 64:
-        return [t for t in SUB_CUBE_TOPOLOGIES if _chips(t) == chips]
+        return [t for t in gen.sub_cube_topologies if _chips(t) == chips]
     out = []
     for a in range(4, MAX_TOPOLOGY_AXIS + 1, 4):
         for b in range(a, MAX_TOPOLOGY_AXIS + 1, 4):
@@ -235,7 +213,8 @@ def get_device(name: str) -> Device:
         return _local_device(gen, n)
     if gen not in GENERATIONS:
         raise BadInput(
-            f"`{name}` is not a device type: unknown generation `{gen}` (tpu7x, v5p, cpu, gpu)", hint
+            f"`{name}` is not a device type: unknown generation `{gen}` ({generation_names()}, cpu, gpu)",
+            hint,
         )
     if n < MIN_TPU_CORES or n > MAX_TPU_CORES or n & (n - 1):
         shapes = topologies_of(GENERATIONS[gen], n // 2) if n % 2 == 0 else []

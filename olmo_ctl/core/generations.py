@@ -1,0 +1,158 @@
+"""One profile per TPU generation: everything a generation implies, in one record.
+
+The device catalog (`core/devices.py`) derives slices from a profile's catalog rule; the JobSet
+renderer loads the launch template it names; the trainer picks splash attention's blocks from it and
+recognises its chips by the `device_kind` JAX reports; preflight judges a step against its compiler
+HBM; the pods and preflight get its XLA flags (`core/xla_flags.py`). Nothing else keeps a table per
+generation, so a new generation is one profile here, one launch template and their tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+# The sub-cube topologies a generation offers unless its profile says otherwise; larger slices are
+# whole 4x4x4 cubes.
+SUB_CUBE_TOPOLOGIES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4")
+# Splash attention's (block_q, block_kv, block_kv_compute) where a generation has no measured set:
+# MaxText's default.
+DEFAULT_SPLASH_BLOCKS = (512, 512, 512)
+
+
+@dataclass(frozen=True)
+class Generation:
+    name: str  # the device-name prefix: `tpu7x` in `tpu7x-128`
+    # Catalog rule: a slice of C chips has C x devices_per_chip JAX devices on C / chips_per_vm VMs.
+    devices_per_chip: int
+    # Most 4x4x4 cubes in a slice named by its topology (XPK's `generate_tpu_topologies(max_cubes=N)`
+    # for the generation's 4-chip machine type, src/xpk/core/system_characteristics.py).
+    max_cubes: int
+    accelerator_label: str  # cloud.google.com/gke-tpu-accelerator
+    machine_type: str
+    peak_tflops_per_chip: float  # dense bf16
+    hbm_gib_per_chip: float
+    # HBM the TPU compiler lets one program use per device, from its "exceeds available HBM (X)"
+    # refusals; preflight judges a step against the smaller of this and the catalog's HBM per device.
+    # None: the catalog's.
+    compiler_hbm_gib: float | None
+    # The `device_kind` strings JAX reports for the generation's devices.
+    device_kinds: tuple[str, ...]
+    # XLA/libtpu flags (`--name=value`), the pods' LIBTPU_INIT_ARGS before the recipe's and the site's.
+    xla_flags: tuple[str, ...] = ()
+    # Splash attention's (block_q, block_kv, block_kv_compute) for every pass (forward, dq, dkv).
+    splash_blocks: tuple[int, int, int] = DEFAULT_SPLASH_BLOCKS
+    chips_per_vm: int = 4
+    sub_cube_topologies: tuple[str, ...] = SUB_CUBE_TOPOLOGIES
+    # The launch template merged over `common.yaml`: a file of launch_templates/ (an absolute path
+    # names one elsewhere); default `<name>.yaml`.
+    template: str = ""
+
+    @property
+    def template_file(self) -> str:
+        return self.template or f"{self.name}.yaml"
+
+    @property
+    def compiler_hbm_bytes(self) -> int | None:
+        return None if self.compiler_hbm_gib is None else int(self.compiler_hbm_gib * GIB)
+
+
+GENERATIONS: dict[str, Generation] = {
+    # Ironwood: both TensorCores of a chip are JAX devices (no megacore).
+    "tpu7x": Generation(
+        name="tpu7x",
+        devices_per_chip=2,
+        max_cubes=144,
+        accelerator_label="tpu7x",
+        machine_type="tpu7x-standard-4t",
+        peak_tflops_per_chip=2307.0,
+        hbm_gib_per_chip=192.0,
+        compiler_hbm_gib=94.75,  # libtpu 0.0.42.1: a little below the chip's HBM per TensorCore
+        device_kinds=("TPU7x",),
+        # SparseCore offload of the FSDP collectives (all-gather, 2D all-gather, reduce-scatter,
+        # all-reduce): the case study credits Ironwood-specific flags like these with 41% -> 44.5% MFU,
+        # loss-neutral. From MaxText benchmarks/xla_flags_library.py,
+        # ENABLE_SPARSECORE_OFFLOADING_FOR_RS_AG_AR and ENABLE_SPARSECORE_OFFLOADING_BASE_FLAGS, plus
+        # the 2D all-gather offload its Ironwood recipes add. Each one is documented in
+        # docs/attention-and-xla-flags.md.
+        xla_flags=(
+            # The offloaded collectives are not fused into TensorCore async-collective fusions (either
+            # continuation fusion or SparseCore offload handles a collective, not both).
+            "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false",
+            "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=false",
+            "--xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter=false",
+            # Run all-gather (1D and 2D), reduce-scatter and all-reduce on the SparseCores, overlapping
+            # the TensorCores' matmuls: FSDP's weight gathers and gradient reductions.
+            "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+            "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true",
+            "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
+            "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
+            # Name the offloaded collectives in profiles (no effect on the program).
+            "--xla_tpu_enable_all_gather_offload_tracing=true",
+            "--xla_tpu_enable_reduce_scatter_offload_tracing=true",
+            "--xla_tpu_enable_all_reduce_offload_tracing=true",
+            # Base flags SparseCore offload needs: TensorCore device shapes on the SparseCore, no
+            # SparseCore instruction fusion, shared SparseCore memory, no megacore partitioning.
+            "--xla_tpu_use_tc_device_shape_on_sc=true",
+            "--xla_sc_enable_instruction_fusion=false",
+            "--xla_sc_disjoint_spmem=false",
+            "--xla_sc_disable_megacore_partitioning=true",
+        ),
+        # The largest blocks that compile for the 7B attention shape, fewest temporaries
+        # (docs/attention-and-xla-flags.md, "Splash block sizes").
+        splash_blocks=(2048, 2048, 512),
+    ),
+    # v5p: the two TensorCores of a chip run as one megacore JAX device.
+    "v5p": Generation(
+        name="v5p",
+        devices_per_chip=1,
+        max_cubes=140,
+        accelerator_label="tpu-v5p-slice",
+        machine_type="ct5p-hightpu-4t",
+        peak_tflops_per_chip=459.0,
+        hbm_gib_per_chip=95.0,
+        compiler_hbm_gib=95.74,  # libtpu 0.0.42.1
+        # JAX names a v5p device `TPU v5` (its own tests tell v5p by that ending); `TPU v5p` too.
+        device_kinds=("TPU v5", "TPU v5p"),
+        # MaxText's v5p training configs (benchmarks/maxtext_v5p_model_configs.py) pass
+        # CF_FOR_ALL_GATHER and DATA_PARALLEL_OVERLAP from benchmarks/xla_flags_library.py. Each one is
+        # documented in docs/attention-and-xla-flags.md.
+        xla_flags=(
+            # Continuation fusion: FSDP's all-gathers run asynchronously, fused with and overlapped by
+            # the matmuls that consume them, over several steps.
+            "--xla_tpu_enable_async_collective_fusion=true",
+            "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+            "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+            "--xla_tpu_overlap_compute_collective_tc=true",
+            "--xla_enable_async_all_gather=true",
+            # Data-parallel overlap: optimise and pipeline the DCN all-reduces of data-parallel (hybrid
+            # mesh, multislice) gradients, also when they differ in size.
+            "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
+            "--xla_tpu_data_parallel_opt_different_sized_ops=true",
+        ),
+        # 2048 is refused by the v5p compiler (`CompileTimeScopedVmemOom`: the tiles do not fit the
+        # scoped VMEM).
+        splash_blocks=(1024, 1024, 512),
+    ),
+}
+
+
+def generation_names() -> str:
+    """`tpu7x, v5p`: the generations, for messages and help."""
+    return ", ".join(GENERATIONS)
+
+
+def generation_of_device_kind(device_kind: str) -> str | None:
+    """The generation whose profile names `device_kind` (`TPU7x` -> `tpu7x`), None for any other."""
+    kind = device_kind.strip().lower()
+    for gen in GENERATIONS.values():
+        if kind in (k.lower() for k in gen.device_kinds):
+            return gen.name
+    return None
+
+
+def splash_blocks_of(generation: str) -> tuple[int, int, int]:
+    """Splash attention's blocks on `generation`; MaxText's default for one without a profile."""
+    gen = GENERATIONS.get(generation)
+    return gen.splash_blocks if gen is not None else DEFAULT_SPLASH_BLOCKS
