@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from olmo_ctl.core.generations import DEFAULT_SPLASH_BLOCKS
 from olmo_ctl.trainer import attention as A
 
 CASES = [
@@ -249,12 +250,12 @@ def test_splash_masks_follow_olmo3_window():
 
 
 def test_splash_blocks_per_generation():
-    assert A.splash_blocks("tpu7x", 8192) == (A.SPLASH_BLOCKS["tpu7x"], 8192)
-    assert A.splash_blocks("v5p", 8192) == (A.SPLASH_BLOCKS["v5p"], 8192)
+    assert A.splash_blocks("tpu7x", 8192) == ((2048, 2048, 512), 8192)  # the profiles' (core/generations.py)
+    assert A.splash_blocks("v5p", 8192) == ((1024, 1024, 512), 8192)
     (bq, bkv, bkvc), tp = A.splash_blocks("tpu7x", 1000)  # cut to the sequence, padded to the block
     assert bq == bkv == 1024 and tp == 1024 and bkv % bkvc == 0
     (bq, bkv, _), tp = A.splash_blocks("unknown", 8192)
-    assert (bq, bkv) == A.SPLASH_BLOCKS["default"][:2] and tp == 8192
+    assert (bq, bkv) == DEFAULT_SPLASH_BLOCKS[:2] and tp == 8192
 
 
 # ----------------------------------------------------------------------------- choice by platform

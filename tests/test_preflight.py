@@ -18,6 +18,7 @@ import pytest
 
 from olmo_ctl.core.batching import param_count
 from olmo_ctl.core.devices import GIB, get_device
+from olmo_ctl.core.generations import GENERATIONS
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.preflight import compile as pf
 
@@ -90,7 +91,7 @@ def test_compiles_and_reports_memory_and_plan(base, recipe):
         + base.generated_code_bytes_per_device
     )
     assert base.fits and base.hbm_bytes_per_device == min(
-        get_device(DEVICE).hbm_bytes_per_device, pf.COMPILER_HBM_BYTES["v5p"]
+        get_device(DEVICE).hbm_bytes_per_device, GENERATIONS["v5p"].compiler_hbm_bytes
     )
     assert base.compile_s > 0
 
@@ -256,7 +257,7 @@ def test_parse_compiler_refusal():
 def test_splash_compiles_and_its_flops_are_counted_from_the_mask(cache, recipe):
     """`auto` on a TPU slice is splash; XLA counts none of the Pallas kernel's FLOPs, preflight adds
     them from the mask: forward 2 and fused backward 5 matmuls per computed tile, per head and sequence."""
-    from olmo_ctl.backends.jobset import xla_flags_for
+    from olmo_ctl.core.xla_flags import xla_flags_for
     from olmo_ctl.trainer import attention as A
 
     auto = load_recipe(stage=1, overrides=[*SETS, "model.attention=auto"])

@@ -1,4 +1,4 @@
-"""Per-generation XLA flags: the launch templates' sets, recipe and site overrides, LIBTPU_INIT_ARGS.
+"""Per-generation XLA flags: the generation profiles' sets, recipe and site overrides, LIBTPU_INIT_ARGS.
 
 Pure (no libtpu): preflight's check of the flags with libtpu is in tests/test_preflight.py.
 """
@@ -11,17 +11,13 @@ import pytest
 import yaml
 
 from olmo_ctl.backends import resolve_settings
-from olmo_ctl.backends.jobset import (
-    libtpu_init_args,
-    render_jobset,
-    xla_flag_sources,
-    xla_flags_for,
-)
+from olmo_ctl.backends.jobset import render_jobset
 from olmo_ctl.core.batching import make_plan
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.core.xla_flags import libtpu_init_args, xla_flag_sources, xla_flags_for
 
 SPARSECORE = ("all_gather", "2d_all_gather", "reduce_scatter", "all_reduce")
 
@@ -62,7 +58,10 @@ def test_recipe_then_site_override_by_name_and_pods_get_exactly_that():
         src["xla_tpu_enable_sparse_core_collective_offload_all_reduce"][1]
         == "recipe olmo3-7b-stage1 (xla_flags)"
     )
-    assert src["xla_tpu_enable_sparse_core_collective_offload_all_gather"][1] == "launch_templates/tpu7x.yaml"
+    assert (
+        src["xla_tpu_enable_sparse_core_collective_offload_all_gather"][1]
+        == "generation tpu7x (core/generations.py)"
+    )
     js = render_jobset(recipe, make_plan(recipe, dev), dev, settings, "r1", 1, "gs://b/r/r1")
     assert _env(js)["LIBTPU_INIT_ARGS"] == " ".join(flags) == libtpu_init_args(dev, recipe, settings)
 

@@ -1,9 +1,10 @@
 """JobSet rendering: one attempt of a run on one TPU slice (or N: multislice), from `launch_templates/`. Pure.
 
 `launch_templates/common.yaml` holds the JobSet's shape and its tunable `vars`; the generation's
-file (`tpu7x.yaml`, `v5p.yaml`) is merged over it. Placeholders (`${name}`) are filled on the parsed
-tree, never in YAML text, so a value cannot change the manifest's structure. The result is a plain
-dict: what `submit --dry-run` prints and exactly what the GKE backend applies.
+file, the one its profile names (`core/generations.py`: `tpu7x.yaml`, `v5p.yaml`), is merged over
+it. Placeholders (`${name}`) are filled on the parsed tree, never in YAML text, so a value cannot
+change the manifest's structure. The result is a plain dict: what `submit --dry-run` prints and
+exactly what the GKE backend applies.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from olmo_ctl.core.batching import Plan
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import Device, check_slices
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.generations import GENERATIONS
 from olmo_ctl.core.names import validate_run_name
 from olmo_ctl.core.recipe import Recipe
+from olmo_ctl.core.xla_flags import libtpu_init_args
 
 # Package data: `launch_templates/` at the top of the repository, `olmo_ctl/launch_templates` (a link to
 # it) in a checkout, real files in an installed wheel.
@@ -78,14 +81,11 @@ def _merge(base: Any, over: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_template(generation: str) -> dict:
+def _load_template(path: Path) -> dict:
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: start-up time
     common = yaml.load((TEMPLATES_DIR / "common.yaml").read_text(), Loader=loader)
-    path = TEMPLATES_DIR / f"{generation}.yaml"
-    if not path.exists():
-        raise BadInput(f"no launch template for TPU generation `{generation}`", f"expected {path}")
     specific = yaml.load(path.read_text(), Loader=loader) or {}
     unknown = set(specific.get("vars", {})) - set(common["vars"])
     if unknown:
@@ -93,9 +93,17 @@ def _load_template(generation: str) -> dict:
     return _merge(common, specific)
 
 
+def template_path(generation: str) -> Path:
+    """The launch template a TPU generation's profile names (`launch_templates/<generation>.yaml`)."""
+    return TEMPLATES_DIR / GENERATIONS[generation].template_file
+
+
 def launch_template(generation: str) -> dict:
     """The merged template `{vars: ..., jobset: ...}` for a TPU generation (a fresh copy)."""
-    return copy.deepcopy(_load_template(generation))
+    path = template_path(generation)
+    if not path.exists():
+        raise BadInput(f"no launch template for TPU generation `{generation}`", f"expected {path}")
+    return copy.deepcopy(_load_template(path))
 
 
 def _fill(node: Any, values: dict[str, Any]) -> Any:
@@ -122,61 +130,6 @@ def _fill(node: Any, values: dict[str, Any]) -> Any:
 
         return _PLACEHOLDER.sub(text, node)
     return node
-
-
-# ---------------------------------------------------------------- XLA flags (LIBTPU_INIT_ARGS)
-
-_XLA_FLAG = re.compile(r"^--([A-Za-z0-9_]+)=(\S+)$")
-
-
-def parse_xla_flags(flags, where: str) -> dict[str, str]:
-    """`--name=value` strings -> {name: value}; anything else is bad input naming the flag and its source."""
-    out: dict[str, str] = {}
-    for flag in flags:
-        m = _XLA_FLAG.match(str(flag).strip())
-        if not m:
-            raise BadInput(
-                f"{where}: XLA flag `{flag}` is not of the form --name=value",
-                "for example --xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
-            )
-        out[m.group(1)] = m.group(2)
-    return out
-
-
-def xla_flag_sources(
-    device: Device, recipe: Recipe | None, settings: Settings | None
-) -> dict[str, tuple[str, str]]:
-    """{name: (value, where it came from)}: the launch template's flags for the generation, then the
-    recipe's `xla_flags`, then the site setting `xla_flags`, each merged over the last by flag name."""
-    merged: dict[str, tuple[str, str]] = {}
-    if not device.is_tpu:
-        return merged
-    layers = [
-        (
-            launch_template(device.generation)["vars"].get("xla_flags") or [],
-            f"launch_templates/{device.generation}.yaml",
-        )
-    ]
-    if recipe is not None and recipe.xla_flags:
-        layers.append((recipe.xla_flags, f"recipe {recipe.name} (xla_flags)"))
-    if settings is not None and settings.xla_flags:
-        src = settings.sources.get("xla_flags", "site setting") if settings.sources else "site setting"
-        layers.append((settings.xla_flags.split(), f"site setting xla_flags ({src})"))
-    for flags, where in layers:
-        for name, value in parse_xla_flags(flags, where).items():
-            merged.pop(name, None)  # a later layer's flag moves to the end, where libtpu reads it last
-            merged[name] = (value, where)
-    return merged
-
-
-def xla_flags_for(device: Device, recipe: Recipe | None, settings: Settings | None) -> list[str]:
-    """The XLA flags a slice's trainer gets, as `--name=value` strings (what preflight compiles with)."""
-    return [f"--{k}={v}" for k, (v, _) in xla_flag_sources(device, recipe, settings).items()]
-
-
-def libtpu_init_args(device: Device, recipe: Recipe | None, settings: Settings | None) -> str:
-    """The pod's LIBTPU_INIT_ARGS: `xla_flags_for` joined by spaces ("" when there are none)."""
-    return " ".join(xla_flags_for(device, recipe, settings))
 
 
 # ---------------------------------------------------------------- rendering

@@ -42,7 +42,9 @@ from olmo_ctl.core.batching import Plan, make_plan, param_count
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import GIB, Device
 from olmo_ctl.core.errors import EXIT_RUN_FAILED, BadInput, OlmoCtlError
+from olmo_ctl.core.generations import GENERATIONS
 from olmo_ctl.core.recipe import Recipe
+from olmo_ctl.core.xla_flags import xla_flag_sources, xla_flags_for
 from olmo_ctl.preflight.cache import cache_key, load_cached, store_cached, trainer_version
 from olmo_ctl.preflight.hlo_flops import hlo_flops
 
@@ -50,10 +52,6 @@ from olmo_ctl.preflight.hlo_flops import hlo_flops
 REMAT_POLICIES = ("none", "save_proj", "full")
 HEARTBEAT_S = 30.0  # while a compile runs, a "still compiling" line this often (off a terminal too)
 HEAD_DIMS = (128, 256)
-# HBM the TPU compiler lets one program use per device (libtpu 0.0.42.1, from its "exceeds available
-# HBM (X)" refusals): a little below the chip's HBM on Ironwood. The verdict uses the smaller of this
-# and the device catalog's HBM, so a step judged to fit is not refused on the slice.
-COMPILER_HBM_BYTES = {"tpu7x": int(94.75 * GIB), "v5p": int(95.74 * GIB)}
 _LIBTPU_ARGS_AT_START: str | None = None  # LIBTPU_INIT_ARGS this process's libtpu started with
 
 
@@ -468,7 +466,6 @@ def pod_xla_flags(
 
     Checked by libtpu first (`olmo_ctl.preflight.flags`): an unknown flag is bad input naming it.
     """
-    from olmo_ctl.backends.jobset import xla_flag_sources
     from olmo_ctl.preflight import flags as flags_lib
 
     sources = xla_flag_sources(device, recipe, settings)
@@ -722,9 +719,11 @@ def splash_kernel_flops(ins) -> float:
 
 
 def usable_hbm_bytes(device: Device) -> int:
-    return min(
-        device.hbm_bytes_per_device, COMPILER_HBM_BYTES.get(device.generation, device.hbm_bytes_per_device)
-    )
+    """HBM per device a step may use: the smaller of the catalog's and the compiler's (the generation
+    profile's `compiler_hbm_gib`), so a step judged to fit is not refused on the slice."""
+    gen = GENERATIONS.get(device.generation)
+    compiler = gen.compiler_hbm_bytes if gen is not None else None
+    return device.hbm_bytes_per_device if compiler is None else min(device.hbm_bytes_per_device, compiler)
 
 
 def _with_hbm(result: PreflightResult, hbm: int) -> PreflightResult:
@@ -762,8 +761,6 @@ def submit_check(
     """
     if not device.is_tpu or not libtpu_available():
         return None
-    from olmo_ctl.backends.jobset import xla_flags_for
-
     r = _tpu_attention(recipe)
     key = cache_key(
         r, device, plan.per_device_batch, trainer_version(), xla_flags_for(device, r, settings), plan.slices

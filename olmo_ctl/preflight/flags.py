@@ -2,9 +2,9 @@
 
 libtpu reads LIBTPU_INIT_ARGS once, when it starts, and stops the process on a flag it does not know
 (`ERROR: Unknown command line flag 'x'`). So the check starts libtpu in a child process with exactly
-the pod's LIBTPU_INIT_ARGS (`olmo_ctl.backends.jobset.libtpu_init_args`, the same function that
-renders the JobSet) and compiles a tiny program for the slice's topology with every flag also given as
-a compile option. A flag libtpu refuses is bad input (exit 2) naming the flag and where it came from.
+the pod's LIBTPU_INIT_ARGS (`olmo_ctl.core.xla_flags.libtpu_init_args`, the same function the
+JobSet renderer calls) and compiles a tiny program for the slice's topology with every flag also
+given as a compile option. A flag libtpu refuses is bad input (exit 2) naming the flag and where it came from.
 Flags that libtpu takes at start-up but not per compile (`No such compile option`) are reported as
 start-up flags; the rest are the compile options preflight's own compile of the step uses, so the
 step compiles with the pod's flags even when this process started libtpu with other ones.

@@ -15,9 +15,10 @@ when both carry the same id, so attention never crosses a document boundary. Sof
   so CI checks it against `reference` on CPU.
 * `splash`: the Pallas TPU kernel MaxText uses (`jax.experimental.pallas.ops.tpu.splash_attention`),
   with a `LocalMask` for sliding layers and a `CausalMask` for full ones; it computes only the
-  (block_q, block_kv) tiles its mask touches. Block sizes per TPU generation: `SPLASH_BLOCKS`. On a
-  ("data", "fsdp") mesh it runs under `shard_map`, one batch shard per device (a Pallas call cannot
-  be partitioned by XLA). Off TPU it runs in Pallas interpret mode (slow: tests only).
+  (block_q, block_kv) tiles its mask touches. Block sizes per TPU generation: its profile's
+  `splash_blocks` (`core/generations.py`). On a ("data", "fsdp") mesh it runs under `shard_map`,
+  one batch shard per device (a Pallas call cannot be partitioned by XLA). Off TPU it runs in
+  Pallas interpret mode (slow: tests only).
 * `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` with `local_window_size` for
   sliding layers, on NVIDIA GPUs. Where cuDNN is unavailable it falls back to `blocked`.
 
@@ -44,6 +45,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from olmo_ctl.core.generations import generation_of_device_kind, splash_blocks_of
+
 IMPLEMENTATIONS = ("reference", "blocked", "splash", "cudnn")
 CHOICES = ("auto", *IMPLEMENTATIONS)
 DEFAULT_BLOCK = 512
@@ -51,30 +54,11 @@ _NEG = -1e30  # finite "minus infinity": a fully masked tile never produces NaN
 _PAD_SEGMENT = -1  # segment id of padding: a padded query always sees itself, never a real key
 log = logging.getLogger(__name__)
 
-# Splash block sizes per TPU generation: (block_q, block_kv, block_kv_compute) for every pass
-# (forward, dq, dkv). Chosen by compiling a forward + backward of the 7B attention shape for each
-# generation's topology with libtpu (docs/attention-and-xla-flags.md, "Splash block sizes").
-SPLASH_BLOCKS = {
-    "tpu7x": (2048, 2048, 512),
-    "v5p": (1024, 1024, 512),
-    "default": (512, 512, 512),
-}
 SPLASH_FUSED_BWD = True  # one backward kernel for dq, dk and dv (MaxText's default)
 
 _TARGET: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
     "attention_target", default=None
 )
-
-
-def generation_of(device_kind: str) -> str:
-    """A TPU device kind (`TPU7x`, `TPU v5p`, ...) as a device-catalog generation (`tpu7x`, `v5p`)."""
-    kind = device_kind.lower().replace(" ", "")
-    if "7x" in kind:
-        return "tpu7x"
-    for gen in ("v6e", "v5p", "v5e", "v5lite", "v4"):
-        if gen in kind:
-            return "v5e" if gen == "v5lite" else gen
-    return kind
 
 
 def target() -> tuple[str, str]:
@@ -83,7 +67,9 @@ def target() -> tuple[str, str]:
     if t is not None:
         return t
     platform = jax.default_backend()
-    return platform, generation_of(jax.devices()[0].device_kind) if platform == "tpu" else ""
+    if platform != "tpu":
+        return platform, ""
+    return platform, generation_of_device_kind(jax.devices()[0].device_kind) or ""
 
 
 @contextlib.contextmanager
@@ -391,7 +377,7 @@ def splash_blocks(generation: str, seq_len: int) -> tuple[tuple[int, int, int], 
     Blocks are cut to the sequence (rounded up to the 128-lane width); the sequence is padded to a
     multiple of both blocks (padding sits after the real tokens: causality hides it).
     """
-    bq, bkv, bkvc = SPLASH_BLOCKS.get(generation, SPLASH_BLOCKS["default"])
+    bq, bkv, bkvc = splash_blocks_of(generation)
     t128 = -(-seq_len // 128) * 128
     bq, bkv = min(bq, t128), min(bkv, t128)
     bkvc = min(bkvc, bkv)
@@ -468,7 +454,7 @@ def splash_attention(
 ):
     """Splash attention (see the module doc). Off TPU it runs in interpret mode unless told otherwise.
 
-    `blocks` (block_q, block_kv, block_kv_compute) overrides the generation's `SPLASH_BLOCKS`.
+    `blocks` (block_q, block_kv, block_kv_compute) overrides the generation's profile's `splash_blocks`.
     """
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 

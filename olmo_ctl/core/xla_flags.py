@@ -1,0 +1,64 @@
+"""The XLA flags a slice's pods get (LIBTPU_INIT_ARGS): the generation's, the recipe's, the site's.
+
+The JobSet renderer puts them in every trainer container; preflight compiles with exactly them. Both
+read this module, so what preflight checked is what the pods run with. Pure.
+"""
+
+from __future__ import annotations
+
+import re
+
+from olmo_ctl.core.config import Settings
+from olmo_ctl.core.devices import Device
+from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.generations import GENERATIONS
+from olmo_ctl.core.recipe import Recipe
+
+_XLA_FLAG = re.compile(r"^--([A-Za-z0-9_]+)=(\S+)$")
+
+
+def parse_xla_flags(flags, where: str) -> dict[str, str]:
+    """`--name=value` strings -> {name: value}; anything else is bad input naming the flag and its source."""
+    out: dict[str, str] = {}
+    for flag in flags:
+        m = _XLA_FLAG.match(str(flag).strip())
+        if not m:
+            raise BadInput(
+                f"{where}: XLA flag `{flag}` is not of the form --name=value",
+                "for example --xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+            )
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def xla_flag_sources(
+    device: Device, recipe: Recipe | None, settings: Settings | None
+) -> dict[str, tuple[str, str]]:
+    """{name: (value, where it came from)}: the generation profile's flags, then the recipe's
+    `xla_flags`, then the site setting `xla_flags`, each merged over the last by flag name."""
+    merged: dict[str, tuple[str, str]] = {}
+    if not device.is_tpu:
+        return merged
+    layers = [
+        (GENERATIONS[device.generation].xla_flags, f"generation {device.generation} (core/generations.py)")
+    ]
+    if recipe is not None and recipe.xla_flags:
+        layers.append((recipe.xla_flags, f"recipe {recipe.name} (xla_flags)"))
+    if settings is not None and settings.xla_flags:
+        src = settings.sources.get("xla_flags", "site setting") if settings.sources else "site setting"
+        layers.append((tuple(settings.xla_flags.split()), f"site setting xla_flags ({src})"))
+    for flags, where in layers:
+        for name, value in parse_xla_flags(flags, where).items():
+            merged.pop(name, None)  # a later layer's flag moves to the end, where libtpu reads it last
+            merged[name] = (value, where)
+    return merged
+
+
+def xla_flags_for(device: Device, recipe: Recipe | None, settings: Settings | None) -> list[str]:
+    """The XLA flags a slice's trainer gets, as `--name=value` strings (what preflight compiles with)."""
+    return [f"--{k}={v}" for k, (v, _) in xla_flag_sources(device, recipe, settings).items()]
+
+
+def libtpu_init_args(device: Device, recipe: Recipe | None, settings: Settings | None) -> str:
+    """The pod's LIBTPU_INIT_ARGS: `xla_flags_for` joined by spaces ("" when there are none)."""
+    return " ".join(xla_flags_for(device, recipe, settings))
