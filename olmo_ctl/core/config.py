@@ -36,7 +36,7 @@ DESCRIPTIONS = {
     "service_account": "Kubernetes service account with Workload Identity",
     "placement_policy": "placement policy of multi-host Ironwood node pools ({topology} ok)",
     "backend": "where attempts run: a backend of `olmo_ctl.backends.REGISTRY` (gke, local)",
-    "xla_flags": "XLA/libtpu flags merged over the launch template's and the recipe's (space-separated --name=value)",
+    "xla_flags": "XLA/libtpu flags merged over the generation's and the recipe's (space-separated --name=value)",
     "host_network": "pods on the host network (multislice DCN performance); Workload Identity then does not "
     "apply: the pods use the node's service account (true or false)",
     "notify_webhook": "URL that resume-until-done POSTs a JSON message to when a run finishes, fails, "

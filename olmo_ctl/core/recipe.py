@@ -271,7 +271,7 @@ class Recipe:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    # XLA/libtpu flags (`--name=value`) merged over the launch template's for this run's slices
+    # XLA/libtpu flags (`--name=value`) merged over the generation profile's for this run's slices
     # (docs/attention-and-xla-flags.md). Performance only: not part of the fingerprint, so an attempt
     # may change them.
     xla_flags: tuple[str, ...] = ()
