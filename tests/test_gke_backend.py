@@ -13,6 +13,7 @@ import time
 import uuid
 
 import pytest
+from helpers.attempts import attempt, attempt_of
 
 from olmo_ctl.backends.base import Handle, State
 from olmo_ctl.backends.gke import GKEBackend
@@ -380,16 +381,14 @@ def test_rendered_attempt_is_accepted_by_the_crd_schema(srv):
         image="us-docker.pkg.dev/p/r/olmo-ctl:1", run_root="gs://bucket/runs", queue="tpu-queue"
     )
     b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
-    from olmo_ctl.backends.base import Target
     from olmo_ctl.core.recipe import load_recipe
-    from olmo_ctl.supervise.attempts import new_request
 
-    att = new_request(
+    att = attempt(
         "olmo3-7b-s1",
         "gs://bucket/runs/olmo3-7b-s1",
         3,
-        Target.parse("tpu7x-128"),
-        load_recipe("olmo3-7b-stage1"),
+        "tpu7x-128",
+        recipe=load_recipe("olmo3-7b-stage1"),
         extra_args=("--stop-at-step", "100"),
     )
     js = b.render(att)
@@ -440,11 +439,9 @@ def test_a_jobset_being_deleted_keeps_its_state_and_is_not_live_for_reattach(srv
 
 @pytest.mark.gcs
 def test_the_attempt_request_reads_the_recipe_from_run_yaml_on_gcs(srv, gcs):
-    from olmo_ctl.backends.base import Target
     from olmo_ctl.core.config import Settings
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.rundir import RunDir
-    from olmo_ctl.supervise.attempts import attempt_request
 
     recipe = load_recipe("olmo3-7b-stage2")
     bucket = gcs.bucket
@@ -452,7 +449,7 @@ def test_the_attempt_request_reads_the_recipe_from_run_yaml_on_gcs(srv, gcs):
     RunDir(run_dir).create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "v5p-256")
     settings = Settings(image="img:1", run_root=f"gs://{bucket}/runs")
     b = GKEBackend(namespace="default", host=srv.url, retry=FAST, settings=settings)
-    js = b.render(attempt_request(RunDir(run_dir), 2, Target.parse("v5p-256")))
+    js = b.render(attempt_of(RunDir(run_dir), 2, "v5p-256"))
     from olmo_ctl.backends.jobset import ANNOTATION_PLAN
 
     # The recipe comes from run.yaml: stage 2's global batch 256 over v5p-256's 128 devices.

@@ -278,7 +278,7 @@ def test_dry_run_is_what_a_real_submit_sends(example_bucket):
     from olmo_ctl.backends.kube import KubeRetryPolicy
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.sandbox.kube_server import KubeServer
-    from olmo_ctl.supervise.submit import prepare, submit_run
+    from olmo_ctl.supervise.submit import prepare_run, submit_run
 
     fast = KubeRetryPolicy(base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0)
     for case, args in sorted(golden_cases().items()):
@@ -300,7 +300,9 @@ def test_dry_run_is_what_a_real_submit_sends(example_bucket):
 
             srv.api.dispatch = spy
             backend = GKEBackend(namespace=settings.namespace, host=srv.url, retry=fast, settings=settings)
-            prep = prepare(settings, run, device=dev.name, slices=slices, attempt=attempt, backend=backend)
+            prep = prepare_run(
+                settings, run, device=dev.name, slices=slices, attempt=attempt, backend=backend
+            )
             # No Kueue objects in this test server and no preflight: the rendering is what is checked.
             handle = submit_run(prep, checks=False, numbered=attempt is not None).handle
         assert handle.attempt == attempt

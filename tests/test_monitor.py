@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from helpers.attempts import attempt_of
 from helpers.cli import invoke
 from helpers.events import T0, TAGS, value, write_segment
 
@@ -669,18 +670,17 @@ def test_an_unwatched_attempt_that_ends_cleanly_is_journaled_and_succeeded(tmp_p
     to train and exited 0 (its log holds no step line, which read as `preempted`)."""
     from helpers.runs import STEPS, copy_run
 
-    from olmo_ctl.backends.base import Target
     from olmo_ctl.backends.local import LocalBackend
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.rundir import RunDir
-    from olmo_ctl.supervise.attempts import attempt_request, ensure_run, submit_next
+    from olmo_ctl.supervise.attempts import ensure_run, submit_next
 
     root = tmp_path / "runs"
     run = copy_run(smoke_run, root / "unwatched")
     rd = RunDir(str(run))
     ensure_run(rd, load_recipe("smoke", overrides=[f"train.max_steps={STEPS}"]), "cpu-1")
     be = LocalBackend(str(root))
-    h = submit_next(rd, be, attempt_request(rd, 0, Target.parse("cpu-1")), "first attempt")
+    h = submit_next(rd, be, attempt_of(rd, 0, "cpu-1"), "first attempt")
     _, status = os.waitpid(int(h.data["pid"]), 0)  # reaped here: the backend never sees its exit code
     assert os.waitstatus_to_exitcode(status) == 0
     exited = [r for r in rd.journal() if r["event"] == "exited"]

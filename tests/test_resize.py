@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.attempts import attempt_of
 from helpers.kube import write_kubeconfig
 
 from olmo_ctl.core.devices import get_device
@@ -66,11 +67,9 @@ def _commit(run_dir: str, step: int) -> None:
 @pytest.fixture
 def gke(tmp_path, monkeypatch, srv, gcs):
     """A stage-1 run on the GCS emulator, attempt 1 running on tpu7x-512 in the test cluster."""
-    from olmo_ctl.backends.base import Target
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.core.config import Settings
     from olmo_ctl.rundir import RunDir
-    from olmo_ctl.supervise.attempts import attempt_request
 
     bucket = gcs.bucket
     for k in [k for k in __import__("os").environ if k.startswith("OLMO_CTL_")]:
@@ -83,7 +82,7 @@ def gke(tmp_path, monkeypatch, srv, gcs):
     rd.create_run(recipe.to_dict(), recipe.fingerprint(), "v1:test", "tpu7x-512")
     settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
     be = GKEBackend(host=srv.url, settings=settings)
-    h = be.send(be.render(attempt_request(rd, 1, Target.parse("tpu7x-512"))))
+    h = be.send(be.render(attempt_of(rd, 1, "tpu7x-512")))
     rd.append("submitted", attempt=1, device="tpu7x-512", handle=h.to_dict(), backend="gke")
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)
@@ -284,10 +283,8 @@ def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_finishes_like_its_twin(tmp_pat
     import io
     import os
 
-    from olmo_ctl.backends.base import Target
     from olmo_ctl.backends.local import LocalBackend
     from olmo_ctl.rundir import RunDir
-    from olmo_ctl.supervise.attempts import attempt_request
     from olmo_ctl.supervise.policy import RetryPolicy
     from olmo_ctl.supervise.smoke import _create_run
     from olmo_ctl.supervise.supervisor import Printer, Supervisor
@@ -303,9 +300,9 @@ def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_finishes_like_its_twin(tmp_pat
     main, twin = RunDir.of(root, "rs"), RunDir.of(root, "rs-twin")
     for rd in (main, twin):
         _create_run(rd, recipe, "cpu-4")
-    h1 = be.send(be.render(attempt_request(main, 1, Target.parse("cpu-4"))))
+    h1 = be.send(be.render(attempt_of(main, 1, "cpu-4")))
     main.append("submitted", attempt=1, device="cpu-4", handle=h1.to_dict(), backend="local")
-    ht = be.send(be.render(attempt_request(twin, 1, Target.parse("cpu-4"))))  # the un-resized twin, alongside
+    ht = be.send(be.render(attempt_of(twin, 1, "cpu-4")))  # the un-resized twin, alongside
 
     _wait(lambda: _logged(be, h1) >= 4, "attempt 1 to log step 4")
     local = ["-y", "--backend", "local", "--run-root", root]

@@ -9,17 +9,17 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.attempts import attempt_of
 from helpers.cli import invoke, spawn
 from helpers.kube import write_kubeconfig
 from helpers.runs import STEPS, copy_run
 from helpers.trainer import scalars
 from helpers.waiting import wait_for
 
-from olmo_ctl.backends.base import Target
 from olmo_ctl.backends.local import LocalBackend, proc_start_time
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.rundir import RunDir
-from olmo_ctl.supervise.attempts import new_request, submit_next
+from olmo_ctl.supervise.attempts import submit_next
 
 
 def cli(*args: str, env: dict | None = None):
@@ -45,7 +45,7 @@ def fake_python(tmp_path: Path, body: str) -> str:
 
 
 def start_attempt(rd: RunDir, be: LocalBackend, device: str = "cpu-1"):
-    req = new_request(rd.name, rd.path, 0, Target.parse(device), rd.recipe())
+    req = attempt_of(rd, 0, device)
     return submit_next(rd, be, req, "first attempt")
 
 
@@ -164,13 +164,12 @@ def gke_run(tmp_path, srv, gcs):
     """Attempt 1 of a smoke run on tpu7x-16 (two TPU VMs: two pods) running in the test cluster."""
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.core.config import Settings
-    from olmo_ctl.supervise.attempts import attempt_request
 
     root = f"gs://{gcs.bucket}/runs"
     rd = new_run(root, "gk", device="tpu7x-16")  # type: ignore[arg-type]
     settings = Settings(image="img:1", run_root=root, queue="tpu-queue")
     be = GKEBackend(host=srv.url, settings=settings)
-    h = be.send(be.render(attempt_request(rd, 1, Target.parse("tpu7x-16"))))
+    h = be.send(be.render(attempt_of(rd, 1, "tpu7x-16")))
     rd.append("submitted", attempt=1, device="tpu7x-16", handle=h.to_dict(), backend="gke")
     srv.cluster.admit(h.name)
     srv.cluster.run_pods(h.name)

@@ -276,6 +276,64 @@ def test_no_command_branches_on_a_backends_name():
         assert not hits, f"{path.name}: {hits}"
 
 
+def _calls(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of every call of a plain or attribute name in `path`."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            out.append((node.lineno, name))
+    return out
+
+
+def test_one_prepare_makes_every_attempt():
+    """`supervise.attempts.prepare` is the one maker of attempts: submit and resume-until-done (through
+    `submit.prepare_run`), resize, the supervisor, smoke and the eval job call it, and nothing else in
+    the package builds an `Attempt`."""
+    callers = {
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "olmo_ctl").rglob("*.py"))
+        for _, name in _calls(path)
+        if name == "prepare" and "supervise" in path.parts
+    }
+    assert callers == {
+        "olmo_ctl/supervise/submit.py",  # submit, resume-until-done (prepare_run), submit --dry-run
+        "olmo_ctl/supervise/resize.py",  # resize, and a supervisor carrying out a resize request
+        "olmo_ctl/supervise/supervisor.py",  # each attempt resume-until-done submits
+        "olmo_ctl/supervise/smoke.py",
+        "olmo_ctl/supervise/evaljob.py",
+    }, callers
+    makers = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "olmo_ctl").rglob("*.py"))
+        if path != ROOT / "olmo_ctl" / "supervise" / "attempts.py"
+        for n, name in _calls(path)
+        if name == "Attempt"
+    ]
+    assert not makers, makers
+    from olmo_ctl.cli import resize, resume, smoke, submit  # noqa: F401  (the commands load their operations)
+
+    text = {m: (ROOT / "olmo_ctl" / "cli" / f"{m}.py").read_text() for m in ("submit", "resume", "resize")}
+    assert "prepare_run" in text["submit"] and "prepare_run" in text["resume"]
+    assert "prepare_resize" in text["resize"]
+
+
+def test_device_names_are_parsed_by_the_backend_contract():
+    """A device name becomes a `Target` once (`backends.base.Target.parse`); above the trainer nothing
+    calls the catalog's parser itself."""
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "olmo_ctl").rglob("*.py"))
+        if path.parts[-2] not in ("backends", "trainer") and path != ROOT / "olmo_ctl" / "core" / "devices.py"
+        for n, name in _calls(path)
+        if name == "get_device"
+    ]
+    assert not hits, hits
+
+
 def test_only_the_local_backend_and_the_registry_name_the_local_backend():
     """A backend's name is its own and the registry's: no other module spells "local" (or asks for it)."""
     allowed = {ROOT / "olmo_ctl" / "backends" / "local.py", ROOT / "olmo_ctl" / "backends" / "__init__.py"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 
 import pytest
+from helpers.attempts import attempt_of
 
 from olmo_ctl.backends.gke import GKEBackend
 from olmo_ctl.backends.kube import KubeRetryPolicy
@@ -293,15 +294,14 @@ def test_pods_the_api_server_refuses_exit_2_naming_why_after_the_admission_timeo
 
 
 def test_the_admission_timeout_submit_recorded_is_the_attempts_own(tmp_path, srv, gcs):
-    from olmo_ctl.backends.base import Target
-    from olmo_ctl.supervise.attempts import attempt_request, submit_next
+    from olmo_ctl.supervise.attempts import submit_next
 
     rd, be = setup(tmp_path, srv, gcs.bucket)
     srv.world.pod_admission.append(lambda pod: QUOTA)
     submit_next(
         rd,
         be,
-        attempt_request(rd, 1, Target.parse("tpu7x-8")),
+        attempt_of(rd, 1, "tpu7x-8"),
         "submitted by hand",
         admission_timeout_s=300,
         t=T0,

@@ -299,8 +299,7 @@ def _on_cluster(spec, device, settings, out, dry_run: bool, timeout: float, outp
     J.check_paths(recipe, job.out)
     be = make_backend(settings)
     if dry_run:
-        attempt = job.attempt(0)
-        be.validate(attempt, render_only=True)
+        attempt = job.attempt(be, 0, render_only=True)
         for line in be.notes(attempt, render_only=True):
             note(line)
         manifest = be.printable(be.render(attempt))

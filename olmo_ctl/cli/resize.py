@@ -52,7 +52,7 @@ def resize(
     from olmo_ctl.backends.base import Target
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.supervise.attempts import run_settings
-    from olmo_ctl.supervise.resize import on, prepare, resize_run, supervisor_alive
+    from olmo_ctl.supervise.resize import on, prepare_resize, resize_run, supervisor_alive
     from olmo_ctl.supervise.submit import check_attempt
 
     if at_next_checkpoint and now:
@@ -63,9 +63,8 @@ def resize(
     settings = run_settings(settings, rundir)  # not chosen here: the run's own backend and site settings
     be = make_backend(settings)
     be.validate_target(Target.parse(device, slices), settings, rundir.path)  # the device itself, first
-    plan = prepare(rundir, be, device, slices)
+    plan = prepare_resize(rundir, be, device, slices)
     assert plan.new_attempt is not None
-    be.validate(plan.new_attempt)
     for line in be.notes(plan.new_attempt):
         note(line)
     # The new attempt is checked as submit checks one, before anything is stopped.

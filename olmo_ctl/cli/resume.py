@@ -152,7 +152,7 @@ def resume_until_done(
     # The supervision layer (with its event reader) loads only for this command.
     from olmo_ctl.supervise.notify import Notifier
     from olmo_ctl.supervise.policy import RetryPolicy
-    from olmo_ctl.supervise.submit import check_attempt, create_run, prepare
+    from olmo_ctl.supervise.submit import check_attempt, create_run, prepare_run
     from olmo_ctl.supervise.supervisor import JsonlPrinter, Supervisor
 
     if run_name and run and run_name != run:
@@ -177,7 +177,7 @@ def resume_until_done(
     fall = _fallback(fallback, fallback_after, return_after, device)
     extra_args = ("--allow-version-change",) if allow_version_change else ()
     # The next attempt, resolved and checked as submit checks it, before run.yaml exists.
-    prep = prepare(settings, name, recipe=r, device=device, slices=slices, extra_args=extra_args)
+    prep = prepare_run(settings, name, recipe=r, device=device, slices=slices, extra_args=extra_args)
     policy = RetryPolicy.from_env(
         retry_backoff,
         max_retries,

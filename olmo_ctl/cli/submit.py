@@ -81,7 +81,7 @@ def submit(
     3 cluster or storage unreachable.
     """
     from olmo_ctl.supervise.submit import dry_run as render_dry_run
-    from olmo_ctl.supervise.submit import prepare, submit_run
+    from olmo_ctl.supervise.submit import prepare_run, submit_run
 
     # Every cheap check (names, site settings, run root, image, queue, plan) before any compile or cluster call.
     settings = site.resolve()
@@ -118,7 +118,7 @@ def submit(
             note(line)
         show(be.printable(be.render(request)))
         return
-    prep = prepare(
+    prep = prepare_run(
         settings, run_name, recipe=r, device=device, slices=slices, attempt=attempt, extra_args=extra_args
     )
     for line in prep.notes:

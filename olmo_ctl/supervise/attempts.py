@@ -6,8 +6,8 @@ checks an attempt before the run is created is `supervise.submit`):
 
   run_settings      site settings not chosen on this command line are the run's own (those its last
                     attempt was submitted with)
-  new_request       an attempt request: the run, its directory, the attempt number, the device, the
-                    resolved recipe, its one plan and the site settings
+  prepare           the one maker of attempts: the run, its directory, the attempt number, the target,
+                    the resolved recipe, its one plan and the site settings, validated by the backend
   submit_next       render it, send it, journal `submitted` (the one place an attempt is submitted)
   stop_and_wait     stop an attempt and wait until it can no longer write to the run directory
   last_handle       the handle of the run's newest submitted attempt, from the journal
@@ -74,20 +74,26 @@ def handle_status(run_dir: str, handle: dict) -> AttemptStatus | None:
 # ---------------------------------------------------------------- attempt requests
 
 
-def new_request(
+def prepare(
+    backend: Backend,
     run: str,
     run_dir: str,
     attempt: int,
     target: Target,
     recipe: Recipe,
+    *,
     settings: Settings | None = None,
+    plan: Plan | None = None,
     extra_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
-    plan: Plan | None = None,
+    render_only: bool = False,
 ) -> Attempt:
-    """The attempt request every backend renders: resolved recipe, target and plan (made here unless
-    given)."""
-    return Attempt(
+    """The one place an attempt is made, whoever asks (a new run's first attempt or a run's next one
+    for submit and resume-until-done, a resized attempt, a smoke attempt, an eval job's attempt): the
+    resolved recipe on `target` with its one plan (made here unless given), then the backend's
+    `validate` refusals (no I/O; `render_only`: only printed, placeholders fine). BadInput when the
+    backend refuses it; nothing is written."""
+    request = Attempt(
         run=run,
         run_dir=run_dir,
         attempt=attempt,
@@ -98,28 +104,8 @@ def new_request(
         extra_args=tuple(extra_args),
         env=tuple((env or {}).items()),
     )
-
-
-def attempt_request(
-    rundir: RunDir,
-    attempt: int,
-    target: Target,
-    recipe: Recipe | None = None,
-    settings: Settings | None = None,
-    extra_args: tuple[str, ...] = (),
-    env: dict[str, str] | None = None,
-) -> Attempt:
-    """The request of attempt `attempt` of an existing run (its recipe from run.yaml unless given)."""
-    return new_request(
-        rundir.name,
-        rundir.path,
-        attempt,
-        target,
-        recipe if recipe is not None else rundir.recipe(),
-        settings,
-        extra_args,
-        env,
-    )
+    backend.validate(request, render_only=render_only)
+    return request
 
 
 def submit_next(

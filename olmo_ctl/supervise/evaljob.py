@@ -31,7 +31,8 @@ from olmo_ctl.core.errors import EXIT_GAVE_UP, EXIT_RUN_FAILED, EXIT_TIMEOUT, Ba
 from olmo_ctl.core.recipe import Recipe
 from olmo_ctl.rundir import RunDir
 from olmo_ctl.storage import is_gcs, join, store_for
-from olmo_ctl.supervise.attempts import new_request
+from olmo_ctl.supervise.attempts import prepare, submit_next
+from olmo_ctl.supervise.policy import RetryPolicy
 from olmo_ctl.trainer.evaluate import RESULT_FILE, EvalSpec
 
 JOB_PREFIX = "eval-"
@@ -122,15 +123,18 @@ class EvalJob:
     out: str
     settings: Settings
 
-    def attempt(self, n: int) -> Attempt:
-        return new_request(
+    def attempt(self, backend: Backend, n: int, *, render_only: bool = False) -> Attempt:
+        """Attempt `n` of the job, made and validated as every attempt is (`attempts.prepare`)."""
+        return prepare(
+            backend,
             self.name,
             self.out,
             n,
             Target(self.device),
             self.recipe,
-            self.settings,
+            settings=self.settings,
             extra_args=("--eval", self.spec.to_json()),
+            render_only=render_only,
         )
 
 
@@ -166,10 +170,12 @@ def run_job(
     kept = kept_result(job.out, job.spec)
     if kept is not None:
         return kept, True
-    first = job.attempt(0)
-    backend.validate(first)
-    backend.checks(first)
+    backend.checks(job.attempt(backend, 0))
     rd = RunDir(job.out, job.name)
+    # The supervisor's retry rule: the backend's base backoff (or `backoff_s`), doubling per failure.
+    policy = RetryPolicy(
+        backoff_base_s=backend.retry_backoff_s if backoff_s is None else backoff_s, max_retries=MAX_ATTEMPTS
+    )
     deadline = time.monotonic() + timeout_s
     live = backend.live_attempts(job.name, job.out)
     handle = live[0] if live else None
@@ -178,10 +184,14 @@ def run_job(
     tries = 0
     while True:
         if handle is None:
-            n = _next_attempt(rd)
-            request = backend.render(job.attempt(n))
-            rd.append(SUBMITTED, attempt=n, device=job.device.name, backend=backend.name)
-            handle = backend.send(request)
+            handle = submit_next(
+                rd,
+                backend,
+                job.attempt(backend, _next_attempt(rd)),
+                "eval job",
+                committed_step=0,
+                numbered=True,
+            )
             log(f"eval job {handle.name} submitted ({job.device.name}); it writes {result_path(job.out)}")
         tries += 1
         st = _wait(backend, handle, deadline, poll_s, log)
@@ -200,11 +210,11 @@ def run_job(
             if st.exit_code == 2:
                 raise BadInput(why + last, "the trainer refused the evaluation; fix what it names")
             raise OlmoCtlError(why + last, backend.hint(st), EXIT_RUN_FAILED)
-        if tries >= MAX_ATTEMPTS:
+        if tries >= policy.max_retries:
             raise OlmoCtlError(
                 why + last, f"gave up after {tries} attempts; the same command tries again", EXIT_GAVE_UP
             )
-        wait = backend.retry_backoff_s if backoff_s is None else backoff_s
+        wait = policy.backoff_s(tries)
         log(f"{why}; submitting it again in {wait:g} s")
         _sleep_until(min(deadline, time.monotonic() + wait), deadline, handle)
         handle = None

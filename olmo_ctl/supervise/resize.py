@@ -32,7 +32,7 @@ from olmo_ctl.backends.jobset import dump_yaml
 from olmo_ctl.core.batching import Plan, make_plan
 from olmo_ctl.core.errors import EXIT_TIMEOUT, BadInput, OlmoCtlError
 from olmo_ctl.rundir import LeaseHeld, _holder_process_dead, utc_now_iso
-from olmo_ctl.supervise.attempts import attempt_request, last_handle, new_request, stop_and_wait, submit_next
+from olmo_ctl.supervise.attempts import last_handle, prepare, stop_and_wait, submit_next
 
 MODES = ("now", "at-next-checkpoint")
 PLAN_FIELDS = (
@@ -165,7 +165,7 @@ def current_attempt(rundir) -> tuple[int, str, Any]:
     return int(last.get("attempt") or 0), last.get("device"), last_handle(rundir)
 
 
-def prepare(rundir, backend, to_device: str, to_slices: int | None = None) -> ResizePlan:
+def prepare_resize(rundir, backend, to_device: str, to_slices: int | None = None) -> ResizePlan:
     """Plan the resize of the run in `rundir` to `to_slices` x `to_device` (None: the run's own slice
     count), with both attempts rendered (no side effect)."""
     recipe = rundir.recipe()
@@ -187,12 +187,12 @@ def prepare(rundir, backend, to_device: str, to_slices: int | None = None) -> Re
     )
     old_req = (
         backend.render(
-            new_request(rundir.name, rundir.path, max(attempt, 1), old_target, recipe, plan=rp.old)
+            prepare(backend, rundir.name, rundir.path, max(attempt, 1), old_target, recipe, plan=rp.old)
         )
         if attempt
         else None
     )
-    new_att = new_request(rundir.name, rundir.path, nxt, new_target, recipe, plan=rp.new)
+    new_att = prepare(backend, rundir.name, rundir.path, nxt, new_target, recipe, plan=rp.new)
     return ResizePlan(
         rp.run, rp.from_attempt, rp.to_attempt, rp.old, rp.new, old_req, backend.render(new_att), new_att
     )
@@ -368,8 +368,14 @@ def submit_resized(
         old_plan=plan.to_dict()["old"],
         new_plan=plan.to_dict()["new"],
     )
-    request = plan.new_attempt or attempt_request(
-        rundir, plan.to_attempt, Target.parse(plan.new.device, plan.new.slices)
+    request = plan.new_attempt or prepare(
+        backend,
+        rundir.name,
+        rundir.path,
+        plan.to_attempt,
+        Target.parse(plan.new.device, plan.new.slices),
+        rundir.recipe(),
+        plan=plan.new,
     )
     return submit_next(
         rundir,
@@ -478,7 +484,7 @@ def carry_out_request(
         rundir.clear_resize()
         return None
     try:
-        plan = prepare(rundir, backend, request["device"], request.get("slices"))
+        plan = prepare_resize(rundir, backend, request["device"], request.get("slices"))
     except OlmoCtlError as e:
         return refuse(e.one_line())
     if mode not in MODES:

@@ -45,7 +45,7 @@ from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.observe.reader import read_scalars
 from olmo_ctl.rundir import RunDir
 from olmo_ctl.storage import join
-from olmo_ctl.supervise.attempts import data_fingerprint, new_request, stop_and_wait, submit_next
+from olmo_ctl.supervise.attempts import data_fingerprint, prepare, stop_and_wait, submit_next
 from olmo_ctl.supervise.submit import check_attempt
 
 CHECKS = ("loss_fell", "checkpoint_committed", "forced_stop", "resume_exact", "events_readable")
@@ -240,8 +240,18 @@ def last_logged_step(lines: list[str]) -> int | None:
 class _Driver:
     """Starts, watches and stops the smoke's attempts through a backend, under one deadline."""
 
-    def __init__(self, backend, recipe, plan, deadline: float, poll_s: float, log: Callable[[str], None]):
+    def __init__(
+        self,
+        backend,
+        target: Target,
+        recipe,
+        plan,
+        deadline: float,
+        poll_s: float,
+        log: Callable[[str], None],
+    ):
         self.backend = backend
+        self.target = target
         self.slices = plan.slices
         self.recipe = recipe
         self.plan = plan
@@ -286,11 +296,13 @@ class _Driver:
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
     ):
-        return new_request(
+        assert device == self.target.name  # a smoke runs every attempt on its one target
+        return prepare(
+            self.backend,
             rundir.name,
             rundir.path,
             attempt,
-            Target.parse(device, self.slices),
+            self.target,
             self.recipe,
             extra_args=extra_args,
             env=env,
@@ -509,7 +521,7 @@ def run_smoke(
         report.facts["fault"] = ",".join(sorted(faults))
         log(f"FAULT INJECTION ({FAULT_ENV}={cfg.fault}): {'; '.join(FAULTS[f] for f in sorted(faults))}")
     extra = ("--set", f"optimizer.lr={BROKEN_LR}") if "lr" in faults else ()
-    driver = _Driver(backend, recipe, plan, t0 + timeout_s, cfg.poll_s, log)
+    driver = _Driver(backend, target, recipe, plan, t0 + timeout_s, cfg.poll_s, log)
     results: dict[str, CheckResult] = {}
 
     def fail_rest(why: str) -> None:
@@ -519,7 +531,6 @@ def run_smoke(
     # Checked as submit checks an attempt (the backend's validation and checks; a tiny model, so no
     # preflight), before either run directory exists.
     first = driver.request(main, 1, device.name, extra)
-    backend.validate(first)
     check_attempt(backend, first, preflight=False)
     try:
         for rd in (main, twin):

@@ -3,9 +3,10 @@
 submit, resume-until-done, resize and smoke all go through it, so every check that submit makes,
 they make:
 
-  prepare        the run's site settings, its backend (by name from the registry), the run
-                 directory, the device and slice count of its next attempt, and that attempt with its
-                 one plan; the backend's `validate` refusals. Reads the run directory, writes nothing.
+  prepare_run    the run's site settings, its backend (by name from the registry), the run
+                 directory, the target (device and slice count) of its next attempt, and that attempt
+                 from `attempts.prepare` (its one plan, the backend's `validate` refusals). Reads the
+                 run directory, writes nothing.
   dry_run        the same for `submit --dry-run`, from the command line alone (no storage read)
   check_attempt  the backend's `checks` (the Kueue objects the attempt names) and the preflight
                  compile (TPU slices, where libtpu is installed); writes nothing
@@ -30,7 +31,7 @@ from olmo_ctl.supervise.attempts import (
     check_run,
     last_handle,
     live_attempt,
-    new_request,
+    prepare,
     run_device,
     run_settings,
     run_slices,
@@ -69,7 +70,7 @@ class Prepared:
         return self.request.target.on
 
 
-def prepare(
+def prepare_run(
     settings: Settings,
     run: str,
     *,
@@ -112,8 +113,17 @@ def prepare(
     assert device is not None
     target = Target.parse(device, slices)
     n = attempt if attempt is not None else (1 if new else rundir.next_attempt_number())
-    request = new_request(rundir.name, rundir.path, n, target, run_recipe, settings, extra_args, env)
-    backend.validate(request)
+    request = prepare(
+        backend,
+        rundir.name,
+        rundir.path,
+        n,
+        target,
+        run_recipe,
+        settings=settings,
+        extra_args=extra_args,
+        env=env,
+    )
     # Last, what may read the data (a new run's fingerprint; an existing run's check of `recipe`).
     fingerprint = check_run(rundir, recipe, device)
     return Prepared(rundir, backend, request, settings, new, fingerprint, committed, backend.notes(request))
@@ -133,10 +143,10 @@ def dry_run(
     backend = make_backend(settings)
     target = Target.parse(device, slices)
     run_dir = f"{settings.run_root.rstrip('/')}/{run}"
-    request = new_request(
-        run, run_dir, 1 if attempt is None else attempt, target, recipe, settings, extra_args
+    n = 1 if attempt is None else attempt
+    request = prepare(
+        backend, run, run_dir, n, target, recipe, settings=settings, extra_args=extra_args, render_only=True
     )
-    backend.validate(request, render_only=True)
     return backend, request, backend.notes(request, render_only=True)
 
 

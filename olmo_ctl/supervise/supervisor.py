@@ -76,7 +76,7 @@ from olmo_ctl.supervise import resize
 from olmo_ctl.supervise.attempts import (
     last_handle,
     live_attempt,
-    new_request,
+    prepare,
     run_device,
     run_slices,
     stop_and_wait,
@@ -471,7 +471,8 @@ class Supervisor:
                         self._retire(ended)
                         ended = None
                     self._beat()  # a supervisor that lost its lease must not submit
-                    request = new_request(
+                    request = prepare(
+                        self.backend,
                         self.rd.name,
                         self.rd.path,
                         0,
