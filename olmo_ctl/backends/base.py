@@ -212,11 +212,15 @@ class Backend(abc.ABC, Generic[Req]):
         reads the run directory. `render_only`: the attempt is only printed (--dry-run), so
         placeholder settings are fine."""
 
+    def settings_of(self, attempt: Attempt) -> Settings | None:
+        """The site settings `attempt` renders with: its own, else the backend's."""
+        return attempt.settings or self.settings
+
     def validate(self, attempt: Attempt, *, render_only: bool = False) -> None:
         """Refuse (BadInput) an attempt this backend cannot run, without I/O (by default what
         `validate_target` refuses)."""
         self.validate_target(
-            attempt.target, attempt.settings or self.settings, attempt.run_dir, render_only=render_only
+            attempt.target, self.settings_of(attempt), attempt.run_dir, render_only=render_only
         )
 
     def checks(self, attempt: Attempt) -> None:

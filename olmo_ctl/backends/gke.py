@@ -106,7 +106,7 @@ class GKEBackend(Backend[dict]):
 
     # ------------------------------------------------------------------ before anything is written
     def _settings(self, attempt: Attempt) -> Settings:
-        settings = attempt.settings or self.settings
+        settings = self.settings_of(attempt)
         if settings is None:
             raise BadInput(
                 "the GKE backend needs site settings to render a JobSet", "see `olmo-ctl config show`"

@@ -148,7 +148,7 @@ def submit_next(
         rundir.heartbeat(fence)  # the last check before the create
         _fault_pause_before_create()
     handle = backend.send(rendered)
-    settings = request.settings or backend.settings
+    settings = backend.settings_of(request)
     site = {k: getattr(settings, k) for k in RUN_SITE_SETTINGS} if settings is not None else None
     try:
         if first is not None:

@@ -165,7 +165,7 @@ def check_attempt(
             request.target.device,
             request.plan,
             log=log,
-            settings=request.settings or backend.settings,
+            settings=backend.settings_of(request),
         )
 
 
