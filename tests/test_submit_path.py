@@ -357,6 +357,27 @@ def test_the_registry_names_every_backend_setting_and_each_class_by_its_name():
         assert issubclass(cls, Backend) and cls.name == name
 
 
+def test_the_site_flags_are_the_backends_declared_options():
+    """Each backend declares its site options in a dataclass of its own (the class it carries and the
+    registry names); the command line's site flags are exactly those, with `--backend` and
+    `--run-root`, and each names a setting of `core.config.Settings`."""
+    from dataclasses import fields
+
+    from olmo_ctl.backends import OPTIONS, REGISTRY, backend_class, options_class
+    from olmo_ctl.backends.options import RunOptions
+    from olmo_ctl.cli.options import DECLARED, SITE_OPTIONS
+    from olmo_ctl.core.config import setting_names
+
+    assert set(OPTIONS) == set(REGISTRY)
+    declared = [f.name for f in fields(RunOptions)]
+    for name in REGISTRY:
+        assert backend_class(name).options is options_class(name)
+        declared += [f.name for f in fields(options_class(name)) if f.name not in declared]
+    assert list(SITE_OPTIONS) == list(DECLARED) == declared
+    assert set(declared) <= set(setting_names())
+    assert "queue" in declared and DECLARED["queue"].role == "render"
+
+
 def test_every_command_that_renders_an_attempt_takes_the_same_site_options():
     from typer.main import get_command
 

@@ -15,6 +15,7 @@ from olmo_ctl.core.errors import BadInput
 
 if TYPE_CHECKING:
     from olmo_ctl.backends.base import Backend, Handle
+    from olmo_ctl.backends.options import SiteOption
     from olmo_ctl.core.config import Settings
 
 REGISTRY: dict[str, str] = {
@@ -28,6 +29,29 @@ REGISTRY: dict[str, str] = {
 DEFAULT_RUN_ROOTS: dict[str, str | None] = {"gke": None, "local": "runs"}
 # The backend whose trainer runs in processes of this machine: where `eval` evaluates by default.
 THIS_MACHINE = "local"
+# Each backend's site options (`backends/options.py`): a light module and its options dataclass,
+# loaded to build the command line's flags without loading the backend.
+OPTIONS: dict[str, str] = {
+    "gke": "olmo_ctl.backends.gke_options:GKEOptions",
+    "local": "olmo_ctl.backends.options:NoOptions",
+}
+
+
+def options_class(name: str) -> type:
+    """The options dataclass backend `name` declares."""
+    module, _, cls = OPTIONS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def site_options() -> tuple[SiteOption, ...]:
+    """Every site option a command line may set: `RunOptions`, then each backend's own, once each."""
+    from olmo_ctl.backends.options import RunOptions, declared
+
+    out: dict[str, SiteOption] = {o.name: o for o in declared(RunOptions)}
+    for name in REGISTRY:
+        for o in declared(options_class(name)):
+            out.setdefault(o.name, o)
+    return tuple(out.values())
 
 
 def resolve_settings(**flag_values: str | None) -> Settings:

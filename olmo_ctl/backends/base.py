@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
+from olmo_ctl.backends.options import NoOptions
 from olmo_ctl.core.contracts import LogProgress, State
 from olmo_ctl.core.devices import Device, check_slices, get_device
 from olmo_ctl.core.errors import BadInput
@@ -180,6 +181,8 @@ class Backend(abc.ABC, Generic[Req]):
     # minutes, a process on this machine restarts in seconds.
     retry_backoff_s: ClassVar[float] = 300.0
     settings: Settings | None = None  # the site settings it was made from (recorded with each attempt)
+    # Its site options (`backends/options.py`), the same class `backends.OPTIONS` names.
+    options: ClassVar[type] = NoOptions
     # The placeholder settings (`core.config.PLACEHOLDERS`) this backend cannot submit with: a cluster
     # needs a real image and a bucket its pods see; processes on this machine need neither.
     needs_real: ClassVar[tuple[str, ...]] = ()

@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, SmokeProfile, State, Target
+from olmo_ctl.backends.gke_options import GKEOptions
 from olmo_ctl.backends.jobset import identity_note, placement_policy_for, render_jobset
 from olmo_ctl.backends.kube import (
     DEFAULT_POLICY,
@@ -75,6 +76,7 @@ class GKEBackend(Backend[dict]):
     name = "gke"
     smoke = SmokeProfile(max_steps=2000, poll_s=2.0)
     needs_real = ("run_root", "image")
+    options = GKEOptions
 
     def __init__(
         self,

@@ -13,7 +13,7 @@ from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_UNREACHABLE, Unreachable
 
 
 @app.command(example="olmo-ctl doctor --device tpu7x-128 --priority-class high")
-@site_options(exclude=("backend", "run_root"))  # it checks a cluster, wherever the runs live
+@site_options(roles=("cluster", "render"))  # it checks a cluster, wherever the runs live
 def doctor(
     device: Annotated[
         str | None,

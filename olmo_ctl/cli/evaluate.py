@@ -1,7 +1,6 @@
 """`olmo-ctl eval`: a checkpoint's LM losses and downstream task metrics, computed on this machine or
 as a job of its own on a single-host TPU slice (`--backend gke`)."""
 
-import dataclasses
 from typing import Annotated
 
 import typer
@@ -230,7 +229,7 @@ def evaluate(
         from olmo_ctl.trainer.evaluate import EvalSpec
 
         spec = EvalSpec(checkpoint, recipe, task_labels, lm_cfg, tokenizer, seq_len, data_root, limit)
-        settings = dataclasses.replace(site, backend=backend).resolve()
+        settings = site.replace(backend=backend).resolve()
         report = _on_cluster(spec, device, settings, out, dry_run, timeout, output)
         if report is not None:
             _show(report, output)

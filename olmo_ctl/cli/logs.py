@@ -12,7 +12,7 @@ from olmo_ctl.core.errors import BadInput
 
 
 @app.command(example="olmo-ctl logs olmo3-7b-s1 --attempt 3 --host 1 -f")
-@site_options(exclude=("queue", "priority_class", "image", "service_account", "placement_policy", "capacity"))
+@site_options(roles=("runs", "cluster"))
 def logs(
     run: RunArg,
     attempt: Annotated[

@@ -1,8 +1,10 @@
 """Options and helpers shared by several commands: the site settings as flags, `note`, `_echo`.
 
-The site settings are declared once (`SITE_OPTIONS`) and added to a command by `@site_options`,
-which hands the command one `SiteFlags` object to resolve (XPK's `add_shared_arguments` is the
-model): every command that renders an attempt takes the same options, and none silently lacks one.
+The site settings a command line may set are declared by the backends (`backends/options.py`: each
+backend's options dataclass, torchx's `runopts`); `SITE_OPTIONS` is generated from them and added to
+a command by `@site_options`, which hands the command one `SiteFlags` object to resolve (XPK's
+`add_shared_arguments` is the model): every command that renders an attempt takes the same options,
+and none silently lacks one.
 """
 
 from __future__ import annotations
@@ -11,40 +13,17 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
+from olmo_ctl.backends import site_options as declared_site_options
+from olmo_ctl.backends.options import ROLES, SiteOption
+
 if TYPE_CHECKING:
     from olmo_ctl.core.config import Settings
 
-# Site settings as flags (each wins over OLMO_CTL_<NAME> and the config file); shared with submit.
-KubeContextOpt = Annotated[str | None, typer.Option("--kube-context", help="kubeconfig context.")]
-NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Kubernetes namespace.")]
-QueueOpt = Annotated[str | None, typer.Option("--queue", help="Kueue LocalQueue name.")]
-PriorityClassOpt = Annotated[
-    str | None, typer.Option("--priority-class", help="Kueue WorkloadPriorityClass.")
-]
-ImageOpt = Annotated[str | None, typer.Option("--image", help="Container image with olmo-ctl.")]
-RunRootOpt = Annotated[str | None, typer.Option("--run-root", help="Where run directories live (gs://...).")]
-ServiceAccountOpt = Annotated[
-    str | None, typer.Option("--service-account", help="Kubernetes service account (Workload Identity).")
-]
-PlacementPolicyOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--placement-policy", help="Placement policy of multi-host Ironwood node pools ({topology} ok)."
-    ),
-]
-CapacityOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--capacity",
-        help="Capacity type of the node pools: on-demand, spot, reservation:NAME or flex-start (the node "
-        "selector XPK renders for it).",
-    ),
-]
 AdmissionTimeoutOpt = Annotated[
     float | None,
     typer.Option(
@@ -65,51 +44,48 @@ SlicesOpt = Annotated[
         "own (default 1 for a new run); another count is a resize.",
     ),
 ]
-BackendOpt = Annotated[str | None, typer.Option("--backend", help="gke or local.")]
 
-# Every site setting a command line may set, in the order `--help` lists them.
-SITE_OPTIONS: dict[str, Any] = {
-    "backend": BackendOpt,
-    "run_root": RunRootOpt,
-    "kube_context": KubeContextOpt,
-    "namespace": NamespaceOpt,
-    "queue": QueueOpt,
-    "priority_class": PriorityClassOpt,
-    "image": ImageOpt,
-    "service_account": ServiceAccountOpt,
-    "placement_policy": PlacementPolicyOpt,
-    "capacity": CapacityOpt,
-}
+
+def _flag(o: SiteOption) -> Any:
+    return Annotated[str | None, typer.Option(o.flag, help=o.help)]
+
+
+# Every site setting a command line may set, in the order `--help` lists them: generated from the
+# backends' declarations (`backends/options.py`), each flag winning over OLMO_CTL_<NAME> and the
+# config file.
+DECLARED: dict[str, SiteOption] = {o.name: o for o in declared_site_options()}
+SITE_OPTIONS: dict[str, Any] = {name: _flag(o) for name, o in DECLARED.items()}
 
 
 @dataclass(frozen=True)
 class SiteFlags:
-    """The site settings given on one command line (None: not given)."""
+    """The site settings given on one command line (a name missing or None: not given)."""
 
-    backend: str | None = None
-    run_root: str | None = None
-    kube_context: str | None = None
-    namespace: str | None = None
-    queue: str | None = None
-    priority_class: str | None = None
-    image: str | None = None
-    service_account: str | None = None
-    placement_policy: str | None = None
-    capacity: str | None = None
+    given: dict[str, str | None] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> str | None:
+        if name not in DECLARED:
+            raise AttributeError(name)
+        return self.given.get(name)
+
+    def replace(self, **values: str | None) -> SiteFlags:
+        return SiteFlags({**self.given, **values})
 
     def resolve(self) -> Settings:
         """Flags > OLMO_CTL_* environment > config file > defaults (`core.config.resolve_settings`)."""
         from olmo_ctl.backends import resolve_settings
 
-        return resolve_settings(**{f.name: getattr(self, f.name) for f in fields(self)})
+        return resolve_settings(**{k: v for k, v in self.given.items() if v is not None})
 
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def site_options(*, exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
-    """Add the site options (less `exclude`) to a command whose function takes `site: SiteFlags`."""
-    names = [n for n in SITE_OPTIONS if n not in exclude]
+def site_options(*, roles: tuple[str, ...] = ROLES, exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Add the site options of `roles` (less `exclude`) to a command whose function takes
+    `site: SiteFlags`: `runs` (backend, run root), `cluster` (how to reach it), `render` (what an
+    attempt is rendered with)."""
+    names = [n for n, o in DECLARED.items() if o.role in roles and n not in exclude]
 
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn, eval_str=True)
@@ -121,7 +97,7 @@ def site_options(*, exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def command(*args: Any, **kwargs: Any) -> Any:
-            flags = SiteFlags(**{n: kwargs.pop(n, None) for n in names})
+            flags = SiteFlags({n: kwargs.pop(n, None) for n in names})
             return fn(*args, site=flags, **kwargs)
 
         command.__signature__ = sig.replace(parameters=own + added)  # type: ignore[attr-defined]

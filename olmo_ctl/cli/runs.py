@@ -13,18 +13,7 @@ def _loss(x: float | None) -> str:
 
 
 @app.command(example="olmo-ctl runs --run-root runs -o json")
-@site_options(
-    exclude=(
-        "kube_context",
-        "namespace",
-        "queue",
-        "priority_class",
-        "image",
-        "service_account",
-        "placement_policy",
-        "capacity",
-    )
-)
+@site_options(roles=("runs",))
 def runs(
     backend_status: Annotated[
         bool,

@@ -10,7 +10,7 @@ from olmo_ctl.cli.run_arg import RunArg, open_run
 
 
 @app.command(example="olmo-ctl stop olmo3-7b-s1")
-@site_options(exclude=("queue", "priority_class", "image", "service_account", "placement_policy", "capacity"))
+@site_options(roles=("runs", "cluster"))
 def stop(
     run: RunArg,
     timeout: TimeoutOpt = 900.0,
