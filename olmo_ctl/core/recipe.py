@@ -322,6 +322,11 @@ class Recipe:
         return [p.replace("{root}", self.data.root.rstrip("/")) for p in paths]
 
 
+def tokenizer_spec(recipe: Recipe) -> str:
+    """`data.tokenizer` with `{root}` replaced by `data.root`: what the evaluators that tokenize text load."""
+    return recipe.data.tokenizer.replace("{root}", recipe.data.root.rstrip("/"))
+
+
 def _digest(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 

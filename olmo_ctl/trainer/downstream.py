@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import tokenizer_spec
 from olmo_ctl.trainer.lm_eval import IGNORE_INDEX, host_share, steps_per_eval
 
 DOWNSTREAM_PREFIX = "eval/downstream/"
@@ -197,11 +198,6 @@ def tokenizer_path(spec: str, cache_dir: str | None = None) -> str:
         "data.tokenizer is a Hugging Face tokenizer directory (with tokenizer.json) or a tokenizer.json,"
         f" local or gs://, or {BYTES_TOKENIZER} for the smoke model",
     )
-
-
-def tokenizer_spec(recipe) -> str:
-    """`data.tokenizer` with `{root}` replaced by `data.root`."""
-    return recipe.data.tokenizer.replace("{root}", recipe.data.root.rstrip("/"))
 
 
 def load_tokenizer(spec: str, model_cfg, cache_dir: str | None = None):
