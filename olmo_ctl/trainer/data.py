@@ -262,10 +262,6 @@ class BatchLoader:
     def _rows(self, epoch: int, start: int, stop: int) -> np.ndarray:
         return np.asarray(self.order(epoch)[start:stop]).astype(np.int64)
 
-    def global_batch_indices(self, epoch: int, batch_in_epoch: int) -> np.ndarray:
-        start = batch_in_epoch * self.global_batch
-        return self._rows(epoch, start, start + self.global_batch)
-
     def local_indices(self, epoch: int, batch_in_epoch: int) -> np.ndarray:
         """This process's rows of the global batch (only these are read from a stored order)."""
         start = batch_in_epoch * self.global_batch + self.process_index * self.local_batch
