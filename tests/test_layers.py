@@ -9,7 +9,8 @@ through the modules it imports (no import cycle).
 that may do I/O); the package's `__init__` (its version) is with core, `__main__` with cli.) The
 trainer's entry point (`python -m olmo_ctl.trainer`) is a layer of its own above `checkpoints`: it
 runs the training loop, or an eval job (`--eval SPEC`, `checkpoints/evaluate.py`), and nothing
-imports it. A module of a layer may import its own layer or any lower one.
+imports it. A module of a layer may import its own layer or any lower one; `observe` and
+`supervise` reach the trainer only through `checkpoints`.
 """
 
 from __future__ import annotations
@@ -109,6 +110,17 @@ def violations() -> list[str]:
 
 def test_no_import_points_up_a_layer():
     assert violations() == []
+
+
+def test_observe_and_supervise_reach_the_trainer_only_through_checkpoints():
+    bad = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {mod}"
+        for package in ("observe", "supervise")
+        for path in sorted((PACKAGE / package).rglob("*.py"))
+        for line, mod in imports_of(path)
+        if layer_of(mod) in ("trainer", "trainer.__main__")
+    ]
+    assert bad == []
 
 
 def modules_imported(source: str, me: str, modules: set[str], is_package: bool = False) -> set[str]:
