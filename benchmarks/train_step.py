@@ -97,7 +97,7 @@ def reference(recipe, tokens):
     import torch
     from transformers import Olmo3Config, Olmo3ForCausalLM
 
-    from olmo_ctl.trainer.convert import hf_config_from_model
+    from olmo_ctl.checkpoints.convert import hf_config_from_model
 
     m, o = recipe.model, recipe.optimizer
     hf = hf_config_from_model(m)

@@ -21,9 +21,9 @@ from olmo_ctl.trainer.data import (
     TokenDataset,
     epoch_order,
     eval_batches,
-    has_repetition,
     make_train_loader,
 )
+from olmo_ctl.trainer.repetition import has_repetition
 
 T = 16
 

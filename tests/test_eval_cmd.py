@@ -166,7 +166,7 @@ def test_lm_mix_reads_the_validation_mix_under_data_root(smoke_run, tmp_path, en
 
 
 def test_a_forward_pass_takes_up_to_8_rows_and_bounded_logits():
-    from olmo_ctl.trainer.evaluate import rows_per_pass
+    from olmo_ctl.checkpoints.evaluate import rows_per_pass
 
     assert [rows_per_pass(n, 128, 384) for n in (1, 3, 4, 16)] == [8, 9, 8, 16]
     assert [rows_per_pass(n, 8192, 100352) for n in (1, 4)] == [1, 4]  # 3.1 GiB of logits a row
@@ -226,7 +226,7 @@ def _boom(*a, **k):
 def test_bad_input_is_one_line_and_exit_2_before_the_model_loads(
     case, args, message, smoke_run, env, tmp_path, monkeypatch
 ):
-    from olmo_ctl.trainer import evaluate
+    from olmo_ctl.checkpoints import evaluate
 
     monkeypatch.setattr(evaluate, "load_params", _boom)
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

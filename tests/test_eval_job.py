@@ -20,8 +20,8 @@ import pytest
 import yaml
 from helpers.cli import ROOT, clean_env, invoke
 
+from olmo_ctl.checkpoints.evaluate import RESULT_FILE, EvalSpec
 from olmo_ctl.trainer import downstream as D
-from olmo_ctl.trainer.evaluate import RESULT_FILE, EvalSpec
 
 pytest.importorskip("olmo_eval", reason="the eval extra (ai2-olmo-eval) is not installed")
 
@@ -259,12 +259,12 @@ def _deleted_once(sb, ckpt: str, bucket: str):
 
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.backends.kube import make_api_client
+    from olmo_ctl.checkpoints.evaluate import check, open_checkpoint
     from olmo_ctl.core.config import Settings
     from olmo_ctl.core.devices import get_device
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.sandbox.sandbox import IMAGE
     from olmo_ctl.supervise import evaljob as J
-    from olmo_ctl.trainer.evaluate import check, open_checkpoint
 
     spec = EvalSpec(ckpt, "smoke", (TASK,), None, D.BYTES_TOKENIZER, limit=3)
     settings = Settings(image=IMAGE, run_root=f"gs://{bucket}/runs", queue=sb.queue, namespace=sb.namespace)

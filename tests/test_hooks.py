@@ -19,6 +19,7 @@ from olmo_ctl.core.contracts import EXIT_SIGTERM, parse_step_line
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.trainer import hooks as H
+from olmo_ctl.trainer.evaluator import Evaluation, Evaluator, HeldOutLoss
 from olmo_ctl.trainer.exits import TrainingFailed
 
 RECIPE = load_recipe("smoke")
@@ -76,9 +77,9 @@ class Loop:
 def hooks(
     signals=None, final_step: int = 20, eval_every: int = 5, ckpt_every: int = 5, metrics_every: int = 4
 ):
-    evaluate = H.EvalHook(lambda params, batch: ([4.0, 2.0], [1.0, 1.0]), [{"input_ids": None}], eval_every)
+    held_out = HeldOutLoss(lambda params, batch: ([4.0, 2.0], [1.0, 1.0]), [{"input_ids": None}], eval_every)
     return [
-        evaluate,
+        H.EvaluatorHook([held_out]),
         H.StragglerHook(),
         H.StopHook(signals or FakeSignals(), final_step),
         H.CheckpointHook(ckpt_every),
@@ -90,15 +91,45 @@ def hooks(
 def test_the_default_order():
     no_eval = load_recipe("smoke", overrides=["eval.batches=0"])  # no held-out batches to put on a mesh
     s = SimpleNamespace(recipe=no_eval, mesh=None, proc=0, n_proc=1, final_step=20, plan=PLAN, device=DEVICE)
-    assert [type(h).__name__ for h in H.default_hooks(s, H.StopSignals())] == [
-        "EvalHook",
-        "LMEvalHook",
+    found = H.default_hooks(s, H.StopSignals())
+    assert [type(h).__name__ for h in found] == [
+        "EvaluatorHook",
         "StragglerHook",
         "StopHook",
         "CheckpointHook",
         "MetricsHook",
         "EventsHook",
+        "FaultHook",
     ]
+    assert found[0].evaluators == []  # no held-out batches, no eval.lm, no downstream tasks: none runs
+
+
+class Recorded(Evaluator):
+    """An evaluator of its own: one class, plugged into the one evaluation hook."""
+
+    def __init__(self, name: str, interval: int, log: list):
+        self.name, self.interval, self.log = name, interval, log
+
+    def run(self, params) -> Evaluation:
+        self.log.append(("run", self.name, params))
+        return Evaluation({f"eval/{self.name}": 1.0}, f"{self.name} 1.0000")
+
+
+def test_every_evaluator_runs_at_its_own_interval_in_order_after_a_fetch(capsys):
+    loop = Loop(step=10, pending=2)
+    hook = H.EvaluatorHook(
+        [Recorded("a", 5, loop.log), Recorded("b", 3, loop.log), Recorded("c", 10, loop.log)]
+    )
+    hook.post_step(loop)
+    assert loop.log == [
+        ("flush", 2, True),
+        ("run", "a", "p"),
+        ("scalars", 10, "eval/a"),
+        ("flush", 0, True),
+        ("run", "c", "p"),
+        ("scalars", 10, "eval/c"),
+    ]
+    assert capsys.readouterr().out.splitlines() == ["eval step 10 a 1.0000", "eval step 10 c 1.0000"]
 
 
 def test_the_final_step_is_evaluated_then_saved_committed_and_uploaded_once(capsys):
@@ -211,3 +242,26 @@ def test_the_training_loop_stays_short():
 
     train = Path(__file__).resolve().parent.parent / "olmo_ctl" / "trainer" / "train.py"
     assert len(train.read_text().splitlines()) <= 350
+
+
+def test_the_fault_knobs_act_before_a_step_after_the_stop_check(monkeypatch, capsys):
+    """FaultHook comes last: a stop before the first step ends the attempt before any knob acts; else
+    the failing data read (FAIL_AT_STEP) raises before the step, and slow data loading (SLOW_DATA) is
+    slept as its batch is read."""
+    from olmo_ctl.core import faults
+
+    monkeypatch.setenv(faults.FAIL_AT_STEP.name, "8:0")
+    monkeypatch.setenv(faults.SLOW_DATA.name, "0:1")
+    found = [H.StopHook(FakeSignals(signal_=signal.SIGTERM), 20), H.FaultHook(proc=0)]
+    loop = Loop(step=7)
+    loop.steps_run = 0
+    H.pre_train(found, loop)
+    assert found[1].slow_data_s == 0.001
+    assert H.pre_step(found, loop) == EXIT_SIGTERM  # the stop: no knob acted
+    found[0] = H.StopHook(FakeSignals(), 20)
+    with pytest.raises(OSError, match="injected data read error on host 0 before step 8"):
+        H.pre_step(found, loop)
+    H.pre_batch(found, loop)  # 1 ms
+    out = capsys.readouterr().out
+    assert "FAULT INJECTION: data loading on host 0 slowed by 1 ms" in out
+    assert "FAULT INJECTION: host 0's data read fails before step 8" in out

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from test_multihost import host_codes, host_lines, start, wait_ended
 
+from olmo_ctl.checkpoints import convert
 from olmo_ctl.core.recipe import load_recipe
-from olmo_ctl.trainer import convert
 from olmo_ctl.trainer.checkpoint import Checkpointer, storage_bytes_read
 
 READ = re.compile(r"initialised parameters from (\S+) \(([0-9.]+) MiB read by this host\)")

@@ -263,11 +263,10 @@ def test_the_hook_logs_olmo_cores_tags_every_interval(capsys):
     from olmo_ctl.trainer import hooks as H
 
     logged = []
-    evaluator = SimpleNamespace(
-        data=SimpleNamespace(labels=["c4_en-validation"]),
-        evaluate=lambda params: L.per_label_metrics(["c4_en-validation"], [6.0], [2.0]),
-    )
-    hook = H.LMEvalHook(evaluator, 10)
+    evaluator = L.LMEvaluator.__new__(L.LMEvaluator)  # its set and its sums, without a mesh
+    evaluator.data, evaluator.interval = SimpleNamespace(labels=["c4_en-validation"]), 10
+    evaluator.sums = lambda params: ([6.0], [2.0])
+    hook = H.EvaluatorHook([evaluator])
     loop = SimpleNamespace(
         step=10,
         state={"params": None},
@@ -284,7 +283,8 @@ def test_the_hook_logs_olmo_cores_tags_every_interval(capsys):
         (10, {"eval/lm/c4_en-validation/CE loss": 3.0, "eval/lm/c4_en-validation/PPL": math.exp(3.0)}),
     ]
     assert "eval step 10 lm c4_en-validation 3.0000" in capsys.readouterr().out
-    assert H.LMEvalHook(None, 10).post_step(loop) is None  # no eval.lm: nothing
+    assert L.LMEvaluator.for_recipe(SimpleNamespace(recipe=load_recipe("smoke"))) is None  # no eval.lm
+    assert H.EvaluatorHook([]).post_step(loop) is None  # no evaluator: nothing
 
 
 def test_stage_1_evaluates_on_the_validation_mix_every_10000_steps_as_ai2_did():

@@ -111,7 +111,7 @@ def test_scan_matches_layer_by_layer_with_full_layers_at_3_7_and_the_last(n_laye
 
 
 def test_last_layer_rule_leaves_olmo3_7b_and_hf_export_consistent():
-    from olmo_ctl.trainer.convert import hf_config_from_model, model_config_from_hf
+    from olmo_ctl.checkpoints.convert import hf_config_from_model, model_config_from_hf
 
     assert [i for i in range(32) if OLMO3_7B.layer_is_full(i)] == [3, 7, 11, 15, 19, 23, 27, 31]
     cfg = tiny(n_layers=6)

@@ -315,7 +315,7 @@ def test_restore_on_other_process_counts_continues_the_run(tmp_path):
     assert all(got[s] == want[s] for s in range(1, 10))  # 2 x 2 throughout: bit for bit
     assert max(abs(as_float(got[s]) - as_float(want[s])) for s in range(10, 19)) < 1e-5
     # and every step read its batch of the data order, on whichever process count (olmo-ctl data audit)
-    from olmo_ctl.observe.audit import audit_run
+    from olmo_ctl.checkpoints.data_audit import audit_run
 
     rep = audit_run(str(tmp_path / "moved"))
     assert rep.ok and (rep.instances, rep.distinct, rep.repeated, rep.skipped) == (144, 144, 0, 0), rep

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.parity
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from olmo_ctl.trainer import convert  # noqa: E402
-from olmo_ctl.trainer.parity import run_parity  # noqa: E402
+from olmo_ctl.checkpoints import convert  # noqa: E402
+from olmo_ctl.checkpoints.parity import run_parity  # noqa: E402
 
 # A: window 16 < the 64-token test sequence, vocab 300 padded to 384, full layers at 3 and 7.
 CONFIG_A = dict(
@@ -119,7 +119,7 @@ def test_parity_fp32_gqa_head_dim_and_pattern(pair_b):
 
 
 def test_parity_long_sequence_uses_blocked_attention(pair_a):
-    from olmo_ctl.trainer import parity
+    from olmo_ctl.checkpoints import parity
 
     seq = parity.LONG_SEQ + 256  # above the threshold: our side runs the blocked kernel
     res = run_parity(*pair_a, seq_len=seq, batch=1, dtype="fp32")

@@ -109,8 +109,8 @@ def test_soup_of_identical_checkpoints_is_the_checkpoint_and_of_two_is_the_mean(
 
 def test_init_from_a_converted_checkpoint(src, tmp_path):
     """`--init-from` starts a run (fresh optimizer, step 0) from parameters written by the converter."""
+    from olmo_ctl.checkpoints import convert
     from olmo_ctl.core.recipe import load_recipe
-    from olmo_ctl.trainer import convert
 
     s40, _ = load(src / "checkpoints" / "40")
     convert.save_orbax(str(tmp_path / "converted"), s40["params"], load_recipe("smoke").model)

@@ -14,9 +14,9 @@ pytestmark = pytest.mark.parity
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from olmo_ctl.checkpoints import convert  # noqa: E402
+from olmo_ctl.checkpoints.parity import hf_logits, logit_stats, our_logits, run_parity  # noqa: E402
 from olmo_ctl.core.recipe import RopeScalingConfig, load_recipe  # noqa: E402
-from olmo_ctl.trainer import convert  # noqa: E402
-from olmo_ctl.trainer.parity import hf_logits, logit_stats, our_logits, run_parity  # noqa: E402
 
 ORIGINAL, SEQ = 16, 64
 YARN = {

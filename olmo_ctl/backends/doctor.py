@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from olmo_ctl.backends.gke import (
+from olmo_ctl.backends.apis import (
     JOBSET_GROUP,
     JOBSET_VERSION,
     JOBSETS,

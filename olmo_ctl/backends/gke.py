@@ -17,6 +17,15 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
+from olmo_ctl.backends.apis import (
+    JOBSET_GROUP,
+    JOBSET_VERSION,
+    JOBSETS,
+    KUEUE_GROUP,
+    KUEUE_VERSIONS,
+    WORKLOAD_PRIORITY_CLASSES,
+    WORKLOADS,
+)
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, SmokeProfile, State, Target
 from olmo_ctl.backends.gke_options import GKEOptions
 from olmo_ctl.backends.jobset import identity_note, placement_policy_for, render_jobset
@@ -33,10 +42,6 @@ from olmo_ctl.core.errors import BadInput
 if TYPE_CHECKING:
     from olmo_ctl.core.config import Settings
 
-JOBSET_GROUP, JOBSET_VERSION, JOBSETS = "jobset.x-k8s.io", "v1alpha2", "jobsets"
-KUEUE_GROUP, WORKLOADS = "kueue.x-k8s.io", "workloads"
-WORKLOAD_PRIORITY_CLASSES = "workloadpriorityclasses"
-KUEUE_VERSIONS = ("v1beta2", "v1beta1")  # newest first; Kueue < 0.15 serves only v1beta1
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from olmo_ctl.core.errors import BadInput, Unreachable
+from olmo_ctl.core.transient import is_transient
 
 T = TypeVar("T")
 
@@ -61,13 +62,12 @@ def api_status(exc: BaseException) -> int | None:
 
 
 def is_connection_error(exc: BaseException) -> bool:
-    import urllib3
-
-    if isinstance(exc, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError):
-        return True
-    if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError | PermissionError):
-        return True
-    return api_status(exc) == 0  # the client wraps TLS errors as status 0
+    """Network trouble by core/transient.py's rule (connection errors, timeouts, urllib3's errors), less
+    a local file that is missing or unreadable (a kubeconfig or certificate: no retry reads it), or a
+    transport error the client wraps as status 0 (TLS)."""
+    if isinstance(exc, FileNotFoundError | PermissionError):
+        return False
+    return is_transient(exc) or api_status(exc) == 0
 
 
 def is_retryable(exc: BaseException) -> bool:

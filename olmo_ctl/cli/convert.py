@@ -70,7 +70,7 @@ def hf_to_orbax(
     from olmo_ctl.trainer.quiet import cpu_only
 
     cpu_only()  # before JAX loads: no TPU runtime noise
-    from olmo_ctl.trainer.convert import hf_to_orbax as run
+    from olmo_ctl.checkpoints.convert import hf_to_orbax as run
 
     cfg = run(
         hf_dir,
@@ -117,7 +117,7 @@ def orbax_to_hf(
     from olmo_ctl.trainer.quiet import cpu_only
 
     cpu_only()  # before JAX loads: no TPU runtime noise
-    from olmo_ctl.trainer.convert import orbax_to_hf as run
+    from olmo_ctl.checkpoints.convert import orbax_to_hf as run
 
     cfg = run(orbax_dir, hf_dir, dtype=dtype, overwrite=overwrite, recipe=recipe)
     typer.echo(f"wrote {hf_dir}: Olmo3ForCausalLM, {cfg.n_layers} layers, vocab {cfg.vocab_size}")

@@ -139,7 +139,7 @@ def audit(
     """
     from olmo_ctl import storage
     from olmo_ctl.backends import resolve_settings
-    from olmo_ctl.observe.audit import audit_run
+    from olmo_ctl.checkpoints.data_audit import audit_run
 
     if "/" in run or storage.is_gcs(run):
         path = run if storage.is_gcs(run) else os.path.abspath(run)

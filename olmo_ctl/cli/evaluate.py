@@ -226,7 +226,7 @@ def evaluate(
     task_labels = None if tasks is None else parse_tasks(tasks)
     lm_cfg = None if lm is None else parse_lm(lm)
     if not kind.trains_here:  # a cluster's backend: the evaluation is a job of its own there
-        from olmo_ctl.trainer.evaluate import EvalSpec
+        from olmo_ctl.checkpoints.evaluate import EvalSpec
 
         spec = EvalSpec(checkpoint, recipe, task_labels, lm_cfg, tokenizer, seq_len, data_root, limit)
         settings = site.replace(backend=backend).resolve()
@@ -245,7 +245,7 @@ def evaluate(
     from olmo_ctl.trainer.quiet import cpu_devices
 
     devices = cpu_devices(n)  # before anything starts JAX: this process's host CPU devices
-    from olmo_ctl.trainer.evaluate import open_checkpoint, prepare, run
+    from olmo_ctl.checkpoints.evaluate import open_checkpoint, prepare, run
 
     job = prepare(
         open_checkpoint(checkpoint, recipe),
@@ -276,9 +276,9 @@ def _on_cluster(spec, device, settings, out, dry_run: bool, timeout: float, outp
     from olmo_ctl.backends import make_backend
     from olmo_ctl.backends.base import Target
     from olmo_ctl.backends.jobset import dump_json, dump_yaml
+    from olmo_ctl.checkpoints.evaluate import check, open_checkpoint
     from olmo_ctl.core.errors import Interrupted
     from olmo_ctl.supervise import evaljob as J
-    from olmo_ctl.trainer.evaluate import check, open_checkpoint
 
     if device is None:
         raise BadInput("an eval job needs a slice", "--device v5p-8 or tpu7x-8")

@@ -262,7 +262,7 @@ def monitor(
 
     if interval <= 0:
         raise BadInput(f"--interval {interval} must be positive")
-    from olmo_ctl.observe.monitor import reference_curves
+    from olmo_ctl.observe.compare import reference_curves
 
     if reference_heldout and not reference:
         raise BadInput("--reference-heldout needs --reference", "give the reference's training loss too")

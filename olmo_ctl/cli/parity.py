@@ -41,7 +41,7 @@ def parity(
     from olmo_ctl.trainer.quiet import cpu_only
 
     cpu_only()  # before JAX loads: no TPU runtime noise
-    from olmo_ctl.trainer.parity import run_parity
+    from olmo_ctl.checkpoints.parity import run_parity
 
     res = run_parity(hf_dir, orbax_dir, seq_len=seq_len, batch=batch, dtype=dtype, seed=seed, recipe=recipe)
     if output != Output.table:

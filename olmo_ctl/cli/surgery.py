@@ -35,7 +35,7 @@ def warm_adam(
     from olmo_ctl.trainer.quiet import cpu_only
 
     cpu_only()  # before JAX loads: no TPU runtime noise
-    from olmo_ctl.trainer.surgery import warm_adam as run
+    from olmo_ctl.checkpoints.surgery import warm_adam as run
 
     out = run(src_checkpoint, dst_run_dir)
     if output != Output.table:
@@ -64,7 +64,7 @@ def soup(
     from olmo_ctl.trainer.quiet import cpu_only
 
     cpu_only()  # before JAX loads: no TPU runtime noise
-    from olmo_ctl.trainer.surgery import soup as run
+    from olmo_ctl.checkpoints.surgery import soup as run
 
     res = run(list(checkpoints), out)
     if output != Output.table:

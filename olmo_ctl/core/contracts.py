@@ -15,6 +15,8 @@ import enum
 import re
 from typing import NamedTuple
 
+from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, EXIT_UNREACHABLE
+
 
 class State(str, enum.Enum):
     """The normalised state of an attempt (`monitor -o json` reports its value)."""
@@ -46,10 +48,13 @@ NUM_PROCESSES_ENV = "OLMO_CTL_NUM_PROCESSES"
 PROCESS_ID_ENV = "OLMO_CTL_PROCESS_ID"
 LOG_PREFIX_ENV = "OLMO_CTL_LOG_PREFIX"  # `host <h>: ` before each of the host's lines in the attempt log
 
-EXIT_DONE = 0  # the final step (or --stop-at-step) reached, its checkpoint committed
-EXIT_FAILED = 1  # a deterministic error in training (a bug, a NaN loss)
-EXIT_BAD_INPUT = 2  # bad recipe, data fingerprint mismatch
-EXIT_RESTART = 3  # storage, network or a peer lost: restartable, like an infrastructure failure
+# The trainer's codes are the command table's (core/errors.py), named for what the trainer means by them.
+EXIT_DONE = EXIT_OK  # the final step (or --stop-at-step) reached, its checkpoint committed
+EXIT_FAILED = EXIT_RUN_FAILED  # a deterministic error in training (a bug, a NaN loss)
+# EXIT_BAD_INPUT (2): bad recipe, data fingerprint mismatch
+EXIT_RESTART = (
+    EXIT_UNREACHABLE  # storage, network or a peer lost: restartable, like an infrastructure failure
+)
 EXIT_SIGTERM = 143  # stopped by SIGTERM after checkpointing its last completed step
 EXIT_SIGKILL = 137
 USER_EXIT_CODES = frozenset({EXIT_FAILED, EXIT_BAD_INPUT})  # the only user failures: never retried blindly

@@ -61,10 +61,6 @@ class Device:
     def devices_per_process(self) -> int:
         return self.devices // self.vms
 
-    @property
-    def multi_host(self) -> bool:
-        return self.vms > 1
-
     def to_dict(self) -> dict:
         return {**asdict(self), "processes": self.processes, "devices_per_process": self.devices_per_process}
 

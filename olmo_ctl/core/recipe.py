@@ -317,9 +317,10 @@ class Recipe:
         d["eval"] = {k: v for k, v in d["eval"].items() if k in FINGERPRINTED_EVAL_KEYS}
         return d
 
-    def data_paths(self, split: str = "train") -> list[str]:
-        paths = self.data.train if split == "train" else self.data.eval
-        return [p.replace("{root}", self.data.root.rstrip("/")) for p in paths]
+
+def tokenizer_spec(recipe: Recipe) -> str:
+    """`data.tokenizer` with `{root}` replaced by `data.root`: what the evaluators that tokenize text load."""
+    return recipe.data.tokenizer.replace("{root}", recipe.data.root.rstrip("/"))
 
 
 def _digest(d: dict) -> str:

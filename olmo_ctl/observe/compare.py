@@ -17,6 +17,7 @@ import numpy as np
 
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.observe.memorization import DEFAULT_THRESHOLD, HELDOUT_TAGS, TRAIN_TAG
 
 if TYPE_CHECKING:
     from olmo_ctl.observe.reader import EventReader
@@ -81,6 +82,30 @@ class Side:
             return self.curve
         s = self.reader.series(tag) if self.reader is not None else None
         return None if s is None or not len(s) else (s.steps, s.values)
+
+
+def reference_curves(src: str, heldout_src: str | None = None, threshold: float | None = None) -> dict:
+    """The reference of the memorization alarm: a run directory (its training and held-out loss) or a
+    curve file of its training loss, with `heldout_src` a run directory or curve of its held-out loss."""
+    side = Side(src)
+    held_side = Side(heldout_src) if heldout_src else side
+    held = None
+    if held_side.curve is not None and heldout_src:
+        held = held_side.curve
+    elif held_side.reader is not None:
+        held = next((c for c in (held_side.get(t) for t in HELDOUT_TAGS) if c is not None), None)
+    train = side.get(TRAIN_TAG)
+    if train is None:
+        raise BadInput(
+            f"reference `{src}` has no {TRAIN_TAG} curve", "give a run directory or a step,value file"
+        )
+    return {
+        "src": src,
+        "heldout_src": heldout_src or (src if held is not None else None),
+        "train": train,
+        "heldout": held,
+        "threshold": DEFAULT_THRESHOLD if threshold is None else threshold,
+    }
 
 
 def _f(x) -> float | None:

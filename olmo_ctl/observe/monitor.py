@@ -30,7 +30,7 @@ from olmo_ctl import storage
 from olmo_ctl.core.contracts import EXITED_EVENT, exit_state, final_committed, parse_segment_name
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.transient import is_transient
-from olmo_ctl.observe.memorization import DEFAULT_THRESHOLD, HELDOUT_TAGS, TRAIN_TAG, memorization
+from olmo_ctl.observe.memorization import HELDOUT_TAGS, TRAIN_TAG, memorization
 from olmo_ctl.observe.memorization import warning_lines as memorization_warnings
 from olmo_ctl.observe.reader import EventReader
 from olmo_ctl.observe.series import Series
@@ -633,34 +633,8 @@ def build_report(
     }
 
 
-def reference_curves(src: str, heldout_src: str | None = None, threshold: float | None = None) -> dict:
-    """The reference of the memorization alarm: a run directory (its training and held-out loss) or a
-    curve file of its training loss, with `heldout_src` a run directory or curve of its held-out loss."""
-    from olmo_ctl.observe.compare import Side
-
-    side = Side(src)
-    held_side = Side(heldout_src) if heldout_src else side
-    held = None
-    if held_side.curve is not None and heldout_src:
-        held = held_side.curve
-    elif held_side.reader is not None:
-        held = next((c for c in (held_side.get(t) for t in HELDOUT_TAGS) if c is not None), None)
-    train = side.get(TRAIN_TAG)
-    if train is None:
-        raise BadInput(
-            f"reference `{src}` has no {TRAIN_TAG} curve", "give a run directory or a step,value file"
-        )
-    return {
-        "src": src,
-        "heldout_src": heldout_src or (src if held is not None else None),
-        "train": train,
-        "heldout": held,
-        "threshold": DEFAULT_THRESHOLD if threshold is None else threshold,
-    }
-
-
 def _memorization(r: EventReader, reference: dict | None) -> dict | None:
-    """The memorization alarm against `reference` (`reference_curves`), or None without one."""
+    """The memorization alarm against `reference` (`compare.reference_curves`), or None without one."""
     if reference is None:
         return None
     own_train = r.series(TRAIN_TAG)

@@ -1,6 +1,6 @@
 """`olmo-ctl verify`: evaluate a run and its reference at their common steps, with the KL between them.
 
-The evaluations are `olmo-ctl eval`'s (`trainer/evaluate.py`) with the run's evaluators for both sides
+The evaluations are `olmo-ctl eval`'s (`checkpoints/evaluate.py`) with the run's evaluators for both sides
 (its recipe's `eval.downstream.tasks`, `eval.lm`, `data.tokenizer`, `train.seq_len`, `data.root`; or
 `tasks` when given), so the two sides are scored on the same instances; the arithmetic and the cache
 are observe/verify.py's. Everything that can be refused (no common step, a missing tokenizer, an
@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import tokenizer_spec
 from olmo_ctl.observe import verify as V
 
 DEFAULT_KL_TOKENS = 8192
@@ -37,7 +38,6 @@ def verify(
     """The landmark report: `{run, reference, landmarks: [...], verdict, evaluated, cached}`."""
     from olmo_ctl import storage
     from olmo_ctl.rundir import RunDir
-    from olmo_ctl.trainer import downstream as D
 
     if kl_tokens < 0:
         raise BadInput(f"--kl-tokens {kl_tokens} is negative", "0 skips the KL")
@@ -68,7 +68,7 @@ def verify(
     marks_at = V.landmarks(run_ck, ref_ck, steps, run_path, ref_path)
     chosen = recipe.eval.downstream.tasks if tasks is None else tasks
     lm_cfg = recipe.eval.lm if lm is None else lm
-    chosen_tasks, tokenizer = tuple(chosen), D.tokenizer_spec(recipe)
+    chosen_tasks, tokenizer = tuple(chosen), tokenizer_spec(recipe)
     settings = {
         "tasks": list(chosen_tasks),
         "lm": dataclasses.asdict(lm_cfg),
@@ -79,7 +79,7 @@ def verify(
     }
 
     def prepare(ckpt):
-        from olmo_ctl.trainer import evaluate as E
+        from olmo_ctl.checkpoints import evaluate as E
 
         return E.prepare(
             ckpt,
@@ -103,7 +103,7 @@ def verify(
     counts = {"evaluated": 0, "cached": 0}
 
     def evaluation(side: str, checkpoint: str) -> dict:
-        from olmo_ctl.trainer import evaluate as E
+        from olmo_ctl.checkpoints import evaluate as E
 
         def compute():
             ckpt = E.open_checkpoint(checkpoint, recipe_of(checkpoint))
@@ -125,8 +125,8 @@ def verify(
             return None
 
         def compute():
-            from olmo_ctl.trainer import evaluate as E
-            from olmo_ctl.trainer import kl
+            from olmo_ctl.checkpoints import evaluate as E
+            from olmo_ctl.checkpoints import kl
 
             if log:
                 log(f"verify: KL at step {step} over {kl_tokens} held-out tokens")
@@ -155,8 +155,9 @@ def verify(
     # Refuse what can be refused before the first checkpoint is read: the run's own evaluators (not
     # asked again when every evaluation is kept: the second verify reads them and is done).
     if not all_kept and chosen_tasks:
-        D.check_tasks(chosen_tasks)
-        D.tokenizer_path(tokenizer)
+        from olmo_ctl.checkpoints import evaluate as E
+
+        E.check_tasks(chosen_tasks, tokenizer)
     if not chosen_tasks and not lm_cfg.enabled:
         raise BadInput(
             "the run evaluates nothing to compare: its recipe has no eval.downstream tasks and no eval.lm",

@@ -4,7 +4,7 @@ An eval job is an attempt of a run of its own, `eval-<digest>`, whose run direct
 directory (`--out`, default `<run root>/eval-jobs/eval-<digest>`). It renders from the launch templates
 like any attempt (the same image, the trainer's entry point with `--eval SPEC`, its own JobSet, queued
 by Kueue) and is sent through the backend's one submit path. The trainer evaluates SPEC on the slice's
-devices in one process and writes `<out>/result.json` (`{spec, devices, report}`, trainer/evaluate.py).
+devices in one process and writes `<out>/result.json` (`{spec, devices, report}`, checkpoints/evaluate.py).
 
 The digest is of the spec and `--out`, so asking for the same evaluation again is the same job:
   - a `result.json` of the same spec in the output directory is read, and nothing is submitted;
@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State, Target
+from olmo_ctl.checkpoints.evaluate import RESULT_FILE, EvalSpec
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import EXIT_GAVE_UP, EXIT_RUN_FAILED, EXIT_TIMEOUT, BadInput, OlmoCtlError
@@ -33,7 +34,6 @@ from olmo_ctl.rundir import RunDir
 from olmo_ctl.storage import is_gcs, join, store_for
 from olmo_ctl.supervise.attempts import prepare, submit_next
 from olmo_ctl.supervise.policy import RetryPolicy
-from olmo_ctl.trainer.evaluate import RESULT_FILE, EvalSpec
 
 JOB_PREFIX = "eval-"
 JOBS_DIR = "eval-jobs"  # under the run root: the default output directories
@@ -118,7 +118,7 @@ class EvalJob:
 
     name: str
     spec: EvalSpec
-    recipe: Recipe  # trainer/evaluate.check's, for the device's count
+    recipe: Recipe  # checkpoints/evaluate.check's, for the device's count
     device: Device
     out: str
     settings: Settings

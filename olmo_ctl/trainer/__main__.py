@@ -135,8 +135,8 @@ def _eval_main(ns: argparse.Namespace) -> int:
         _prepare_env(ns.device)
         import json
 
+        from olmo_ctl.checkpoints.evaluate import EvalSpec, run_job
         from olmo_ctl.core.errors import BadInput
-        from olmo_ctl.trainer.evaluate import EvalSpec, run_job
 
         spec = EvalSpec.from_json(ns.eval_spec)
         if ns.device:

@@ -9,7 +9,7 @@ its rows hold, and writes what it holds when a checkpoint is saved, one file per
 
 `a<attempt>-r<restored step>` names one launch of the trainer (every host of it restored the same step);
 a step recorded by two launches is the later launch's (the higher attempt, then the later restore: the
-earlier one's training of that step was never committed). `observe/audit.py` replays the epoch order
+earlier one's training of that step was never committed). `checkpoints/data_audit.py` replays the epoch order
 against these records (`olmo-ctl data audit`). numpy only.
 """
 

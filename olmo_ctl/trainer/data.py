@@ -17,7 +17,7 @@
   restart or another host reads only the rows it needs instead of recomputing the permutation.
 - Background prefetch: worker threads build the next batches ahead of time; the state is the
   consumer's (what `next()` handed out), never the prefetcher's, so restore is exact.
-- Optional n-gram repetition filter: an instance holding a period-1..13 pattern repeated >= 32
+- Optional n-gram repetition filter (`repetition.py`, shared with the packed dataset): an instance holding a period-1..13 pattern repeated >= 32
   times back to back gets every label set to -100 (its tokens still count in the loss denominator
   as OLMo-core does: the trainer sees them as ignored positions).
 
@@ -42,12 +42,10 @@ from olmo_ctl.data.files import (
     resolve_files,
 )
 from olmo_ctl.trainer.epoch_order import stored_order
+from olmo_ctl.trainer.repetition import has_repetition
 from olmo_ctl.trainer.token_files import TokenFiles
 
 IGNORE_INDEX = -100
-NGRAM_MIN_PERIOD = 1
-NGRAM_MAX_PERIOD = 13
-NGRAM_MIN_REPEATS = 32
 STATE_KEYS = ("epoch", "batch_in_epoch", "batches_seen", "tokens_seen", "fingerprint")
 
 
@@ -73,36 +71,6 @@ def epoch_order(n_instances: int, seed: int, epoch: int, global_batch: int) -> n
     else:
         order = rng.permutation(n_instances)
     return order[: n_instances // global_batch * global_batch]
-
-
-# ---------------------------------------------------------------- n-gram repetition filter
-
-
-def _longest_true_run(mask: np.ndarray) -> int:
-    if not mask.any():
-        return 0
-    d = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
-    return int((np.flatnonzero(d == -1) - np.flatnonzero(d == 1)).max())
-
-
-def has_repetition(
-    tokens: np.ndarray,
-    min_period: int = NGRAM_MIN_PERIOD,
-    max_period: int = NGRAM_MAX_PERIOD,
-    min_repeats: int = NGRAM_MIN_REPEATS,
-) -> bool:
-    """Whether some `p`-token pattern (min_period <= p <= max_period) occurs `min_repeats` times back to back.
-
-    A window of `p * min_repeats` tokens is p-periodic exactly when `x[i] == x[i+p]` holds on a run
-    of `p * (min_repeats - 1)` consecutive positions.
-    """
-    x = np.asarray(tokens)
-    for p in range(min_period, max_period + 1):
-        if len(x) < p * min_repeats:
-            break
-        if _longest_true_run(x[p:] == x[:-p]) >= p * (min_repeats - 1):
-            return True
-    return False
 
 
 # ---------------------------------------------------------------- dataset
@@ -293,10 +261,6 @@ class BatchLoader:
 
     def _rows(self, epoch: int, start: int, stop: int) -> np.ndarray:
         return np.asarray(self.order(epoch)[start:stop]).astype(np.int64)
-
-    def global_batch_indices(self, epoch: int, batch_in_epoch: int) -> np.ndarray:
-        start = batch_in_epoch * self.global_batch
-        return self._rows(epoch, start, start + self.global_batch)
 
     def local_indices(self, epoch: int, batch_in_epoch: int) -> np.ndarray:
         """This process's rows of the global batch (only these are read from a stored order)."""

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.recipe import tokenizer_spec
+from olmo_ctl.trainer.evaluator import Evaluation, Evaluator
 from olmo_ctl.trainer.lm_eval import IGNORE_INDEX, host_share, steps_per_eval
 
 DOWNSTREAM_PREFIX = "eval/downstream/"
@@ -197,11 +199,6 @@ def tokenizer_path(spec: str, cache_dir: str | None = None) -> str:
         "data.tokenizer is a Hugging Face tokenizer directory (with tokenizer.json) or a tokenizer.json,"
         f" local or gs://, or {BYTES_TOKENIZER} for the smoke model",
     )
-
-
-def tokenizer_spec(recipe) -> str:
-    """`data.tokenizer` with `{root}` replaced by `data.root`."""
-    return recipe.data.tokenizer.replace("{root}", recipe.data.root.rstrip("/"))
 
 
 def load_tokenizer(spec: str, model_cfg, cache_dir: str | None = None):
@@ -651,13 +648,19 @@ def device_rows(rows: dict, n_micro: int, micro: int, mesh, rows_per_proc: int) 
     return out
 
 
-class DownstreamEvaluator:
-    """`eval.downstream`'s tasks on the run's mesh, in the eval step's micro-batches."""
+class DownstreamEvaluator(Evaluator):
+    """`eval.downstream`'s tasks on the run's mesh, in the eval step's micro-batches; in the loop, every
+    `eval.downstream.interval` steps (trainer/evaluator.py). The tasks are built when the attempt
+    starts, so a task the tokenizer or the sequence length cannot take stops it then (exit 2), not at
+    its first evaluation days later."""
+
+    name = "downstream"
 
     def __init__(self, tasks: list[TaskSet], s):
         from olmo_ctl.trainer.step import eval_layout
 
         self.tasks, self.s = tasks, s
+        self.interval = s.recipe.eval.downstream.interval
         self.n_micro, self.micro = eval_layout(s.recipe, s.plan)
         self.rows_per_proc = self.n_micro * self.micro // s.n_proc
         self.step_fn = jit_downstream_step(s.recipe, s.mesh)
@@ -713,3 +716,8 @@ class DownstreamEvaluator:
     def evaluate(self, params) -> dict[str, dict[str, float]]:
         """Per task, ICLMetric's metrics and the standard error."""
         return {ts.label: icl_metrics(ts, *self.scores(params, ts)) for ts in self.tasks}
+
+    def run(self, params) -> Evaluation:
+        results = self.evaluate(params)
+        line = " ".join(f"{task} {primary(m):.4f}" for task, m in results.items())
+        return Evaluation(tagged(results), f"downstream {line}")

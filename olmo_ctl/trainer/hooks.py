@@ -2,14 +2,15 @@
 
 The loop (`trainer/train.py`) restores, runs steps and fetches their device metrics; everything else
 hooks in (OLMo-core's callbacks). A hook may act before a step (`pre_step`: an exit code ends the loop
-before it), after it (`post_step`), on each fetched window of step metrics (`on_window`, then
-`on_step_metrics` for each of its steps in order) and at the end (`post_train`, in a `finally`: on
-success and on an exception alike). The loop calls the hooks of each kind in the list's order, and
-`default_hooks` fixes that order; it is the order the trainer has always acted in:
+before it), as the step's batch is read (`pre_batch`: its time counts as the step's data loading),
+after it (`post_step`), on each fetched window of step metrics (`on_window`, then `on_step_metrics`
+for each of its steps in order) and at the end (`post_train`, in a `finally`: on success and on an
+exception alike). The loop calls the hooks of each kind in the list's order, and `default_hooks`
+fixes that order; it is the order the trainer has always acted in:
 
-  after a step   EvalHook        every `eval.interval` steps, the held-out loss (metrics fetched first)
-                 LMEvalHook      every `eval.lm.interval` steps, OLMo-core's per-label LM evaluator
-                 DownstreamHook  every `eval.downstream.interval` steps, OLMo-core's downstream tasks
+  after a step   EvaluatorHook   each evaluator (trainer/evaluator.py) every its own interval, in order:
+                                 the held-out loss, OLMo-core's per-label LM evaluator, the downstream
+                                 tasks (the pending metrics fetched before each)
                  StopHook        the final step, or a stop every host agreed on: the exit code (0 / 143)
                  CheckpointHook  stopping: the final save, committed; else every `checkpoint.interval`
                  MetricsHook     every `logging.metrics_every` steps, fetch the pending metrics
@@ -18,6 +19,12 @@ success and on an exception alike). The loop calls the hooks of each kind in the
   each step's    StopHook        a non-finite loss or grad norm: TrainingFailed (exit 1), before it is logged
   metrics        MetricsHook     the step's scalars (MFU, TPS, ...) and its `step N/M loss ...` line
   at the end     CheckpointHook  wait for a save in flight; MetricsHook: fetch the rest; EventsHook: upload
+  before a step  StopHook        a stop requested before the first step: 143 with nothing new to save
+                 FaultHook       the test-only fault knobs (core/faults.py): a hang, a failing data read,
+                                 then slow data loading as the batch is read
+
+FaultHook also acts where the attempt is set up, before the loop exists: the loader it trains from,
+a slow restore, a resume off by some batches (`wrap_loader`, `pre_restore`, `post_restore`).
 
 Once StopHook has set `loop.exit_code`, the hooks after it do only what stopping needs (the final
 save uploads the events itself). On the exception path the last fetch skips the per-host timings on
@@ -27,13 +34,16 @@ several hosts: their allgather is a collective, which deadlocks when one host fa
 from __future__ import annotations
 
 import math
+import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from olmo_ctl.core import stragglers
-from olmo_ctl.core.contracts import EXIT_SIGTERM, lm_eval_tags, step_line
+from olmo_ctl.core import faults, stragglers
+from olmo_ctl.core.contracts import EXIT_SIGTERM, step_line
+from olmo_ctl.trainer import injected
+from olmo_ctl.trainer.evaluator import Evaluator
 from olmo_ctl.trainer.exits import TrainingFailed
 
 
@@ -62,6 +72,9 @@ class Hook:
     def pre_step(self, loop) -> int | None:
         return None
 
+    def pre_batch(self, loop) -> None:
+        pass
+
     def post_step(self, loop) -> None:
         pass
 
@@ -89,6 +102,11 @@ def pre_step(hooks: list[Hook], loop) -> int | None:
         if code is not None:
             return code
     return None
+
+
+def pre_batch(hooks: list[Hook], loop) -> None:
+    for h in hooks:
+        h.pre_batch(loop)
 
 
 def post_step(hooks: list[Hook], loop) -> int | None:
@@ -154,83 +172,39 @@ class StopSignals:
         self.signal = signum
 
 
-class EvalHook(Hook):
-    """The held-out loss every `eval.interval` steps, on the same batches each time (`eval/lm_loss`)."""
+class EvaluatorHook(Hook):
+    """Every evaluator (trainer/evaluator.py) after each step that is a multiple of its interval, in
+    the list's order: the pending step metrics fetched first, the hang watchdog paused while it runs,
+    its scalars logged by process 0 and its `eval step N ...` line printed."""
 
-    def __init__(self, eval_step, eval_sets: list, interval: int):
-        self.eval_step, self.eval_sets, self.interval = eval_step, eval_sets, interval
-
-    @classmethod
-    def for_recipe(cls, s) -> EvalHook:
-        """For the run's setup `s`: the eval step in micro-batches of `s.plan`'s layout."""
-        from olmo_ctl.trainer.step import jit_eval_step
-
-        return cls(jit_eval_step(s.recipe), _eval_batches(s), s.recipe.eval.interval)
-
-    def post_step(self, loop) -> None:
-        if not self.eval_sets or loop.step % self.interval:
-            return
-        loop.flush()
-        with loop.watchdog.paused():
-            loss = _evaluate(self.eval_step, loop.state["params"], self.eval_sets)
-        if loop.s.proc == 0:
-            loop.events.scalars(loop.step, {"eval/lm_loss": loss})
-        print(f"eval step {loop.step} lm_loss {loss:.4f}", flush=True)
-
-
-class LMEvalHook(Hook):
-    """OLMo-core's LM evaluator every `eval.lm.interval` steps: the whole `eval.lm` set, per-label CE
-    loss and PPL (`eval/lm/<label>/...`; trainer/lm_eval.py). Nothing without `eval.lm`."""
-
-    def __init__(self, evaluator, interval: int):
-        self.evaluator, self.interval = evaluator, interval
+    def __init__(self, evaluators: list[Evaluator]):
+        self.evaluators = list(evaluators)
 
     @classmethod
-    def for_recipe(cls, s) -> LMEvalHook:
+    def for_recipe(cls, s, run_dir: str | None = None) -> EvaluatorHook:
+        """The recipe's evaluators for the run's setup `s` (an off one is left out); `run_dir` keeps the
+        downstream tasks an earlier attempt built."""
+        from olmo_ctl.trainer.downstream import DownstreamEvaluator
+        from olmo_ctl.trainer.evaluator import HeldOutLoss
         from olmo_ctl.trainer.lm_eval import LMEvaluator
 
-        return cls(LMEvaluator.for_recipe(s), s.recipe.eval.lm.interval)
+        found = [
+            HeldOutLoss.for_recipe(s),
+            LMEvaluator.for_recipe(s),
+            DownstreamEvaluator.for_recipe(s, run_dir=run_dir),
+        ]
+        return cls([e for e in found if e is not None])
 
     def post_step(self, loop) -> None:
-        if self.evaluator is None or loop.step % self.interval:
-            return
-        loop.flush()
-        with loop.watchdog.paused():
-            values = self.evaluator.evaluate(loop.state["params"])
-        if loop.s.proc == 0:
-            loop.events.scalars(loop.step, values)
-        losses = " ".join(f"{x} {values[lm_eval_tags(x)[0]]:.4f}" for x in self.evaluator.data.labels)
-        print(f"eval step {loop.step} lm {losses}", flush=True)
-
-
-class DownstreamHook(Hook):
-    """OLMo-core's downstream evaluator every `eval.downstream.interval` steps: ai2-olmo-eval's tasks,
-    `eval/downstream/<task> (<metric>)` (trainer/downstream.py). The tasks are built when the attempt
-    starts, so a task the tokenizer or the sequence length cannot take stops it then (exit 2), not at
-    its first evaluation days later. Nothing without `eval.downstream`."""
-
-    def __init__(self, evaluator, interval: int):
-        self.evaluator, self.interval = evaluator, interval
-
-    @classmethod
-    def for_recipe(cls, s, run_dir: str | None = None) -> DownstreamHook | None:
-        from olmo_ctl.trainer import downstream
-
-        evaluator = downstream.DownstreamEvaluator.for_recipe(s, run_dir=run_dir)
-        return None if evaluator is None else cls(evaluator, s.recipe.eval.downstream.interval)
-
-    def post_step(self, loop) -> None:
-        from olmo_ctl.trainer import downstream
-
-        if loop.step % self.interval:
-            return
-        loop.flush()
-        with loop.watchdog.paused():
-            results = self.evaluator.evaluate(loop.state["params"])
-        if loop.s.proc == 0:
-            loop.events.scalars(loop.step, downstream.tagged(results))
-        line = " ".join(f"{task} {downstream.primary(m):.4f}" for task, m in results.items())
-        print(f"eval step {loop.step} downstream {line}", flush=True)
+        for evaluator in self.evaluators:
+            if loop.step % evaluator.interval:
+                continue
+            loop.flush()
+            with loop.watchdog.paused():
+                result = evaluator.run(loop.state["params"])
+            if loop.s.proc == 0:
+                loop.events.scalars(loop.step, result.metrics)
+            print(f"eval step {loop.step} {result.summary}", flush=True)
 
 
 class StopHook(Hook):
@@ -435,6 +409,44 @@ class EventsHook(Hook):
         upload_events(loop)
 
 
+class FaultHook(Hook):
+    """The fault knobs of core/faults.py at the points they act (tests only; never set in a real run;
+    each announced by a `FAULT INJECTION` line, trainer/injected.py). Set-up: the loader's rows
+    (DOUBLE_SHARD), a slow restore (SLOW_START), a resume off by some batches (DATA_SHIFT). The loop:
+    a hang (HANG_AT_STEP) and a failing data read (FAIL_AT_STEP) before a step, and data loading
+    slowed (SLOW_DATA) as its batch is read."""
+
+    def __init__(self, proc: int):
+        self.proc = proc
+        self.slow_data_s = 0.0
+
+    def wrap_loader(self, loader):
+        return injected.double_shard(loader)
+
+    def pre_restore(self) -> None:
+        injected.slow_start()
+
+    def post_restore(self, loader) -> None:
+        """After the loader took a checkpoint's data position."""
+        shift = faults.data_shift(os.environ)
+        if shift:
+            injected.data_shift(loader, shift)
+
+    def pre_train(self, loop) -> None:
+        self.slow_data_s = injected.slow_data_s(self.proc)
+
+    def pre_step(self, loop) -> int | None:
+        from olmo_ctl.trainer.watchdog import maybe_hang
+
+        maybe_hang(loop.step + 1, self.proc)
+        injected.maybe_fail(loop.step + 1, self.proc)
+        return None
+
+    def pre_batch(self, loop) -> None:
+        if self.slow_data_s:
+            time.sleep(self.slow_data_s)
+
+
 def upload_events(loop) -> None:
     """Process 0 uploads; a storage hiccup must not end a week-long run: the records stay pending."""
     if loop.s.proc != 0:
@@ -448,47 +460,19 @@ def upload_events(loop) -> None:
         )
 
 
-def default_hooks(s, signals: StopSignals, run_dir: str | None = None) -> list[Hook]:
+def default_hooks(
+    s, signals: StopSignals, run_dir: str | None = None, knobs: FaultHook | None = None
+) -> list[Hook]:
     """The trainer's hooks in the order they act (see the module docstring); `s` is the run's setup,
-    `run_dir` where the downstream tasks built by an earlier attempt are kept."""
+    `run_dir` where the downstream tasks built by an earlier attempt are kept, `knobs` the fault
+    hook that set the attempt up (a new one otherwise)."""
     r = s.recipe
-    hooks = [
-        EvalHook.for_recipe(s),
-        LMEvalHook.for_recipe(s),
-        DownstreamHook.for_recipe(s, run_dir),
+    return [
+        EvaluatorHook.for_recipe(s, run_dir),
         StragglerHook(),
         StopHook(signals, s.final_step),
         CheckpointHook(r.checkpoint.interval),
         MetricsHook(r, s.plan, s.device, r.logging.metrics_every),
         EventsHook(r.logging.upload_every_s),
+        knobs or FaultHook(s.proc),
     ]
-    return [h for h in hooks if h is not None]
-
-
-# ---------------------------------------------------------------- evaluation
-
-
-def _eval_batches(s) -> list[dict[str, Any]]:
-    """The held-out batches, identical every time (device arrays `[n_micro, micro, T]`, reused at each
-    eval)."""
-    from olmo_ctl.trainer import data as data_lib
-    from olmo_ctl.trainer.step import eval_device_batch
-
-    recipe = s.recipe
-    if recipe.eval.batches <= 0 or not recipe.data.eval:
-        return []
-    bs = recipe.eval.batch_size or recipe.train.global_batch
-    return [
-        eval_device_batch(b, recipe, s.plan, s.mesh, s.local_devices, s.n_proc)
-        for b in data_lib.eval_batches(recipe, recipe.eval.batches, bs, s.proc, s.n_proc)
-    ]
-
-
-def _evaluate(eval_step, params, eval_sets) -> float:
-    import jax
-
-    # Per micro-batch sums, added on the host in float64 in a fixed order.
-    host = jax.device_get([eval_step(params, b) for b in eval_sets])
-    ce = sum(float(c) for cs, _ in host for c in cs)
-    n = sum(float(k) for _, ks in host for k in ks)
-    return ce / max(n, 1.0)

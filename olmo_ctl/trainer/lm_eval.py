@@ -42,6 +42,7 @@ import numpy as np
 from olmo_ctl.core.contracts import lm_eval_tags
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.data.files import TokenFile, resolve_mix, resolve_paths
+from olmo_ctl.trainer.evaluator import Evaluation, Evaluator
 from olmo_ctl.trainer.token_files import TokenFiles
 
 IGNORE_INDEX = -100
@@ -217,14 +218,18 @@ def per_label_metrics(labels: list[str], ce_sums, weights) -> dict[str, float]:
     return out
 
 
-class LMEvaluator:
-    """The whole `eval.lm` set on the run's mesh, in eval steps of `step.eval_layout`'s micro-batches."""
+class LMEvaluator(Evaluator):
+    """The whole `eval.lm` set on the run's mesh, in eval steps of `step.eval_layout`'s micro-batches;
+    in the loop, every `eval.lm.interval` steps (trainer/evaluator.py)."""
+
+    name = "lm"
 
     def __init__(self, data: LMEvalData, s, limit: int = 0):
         """`limit` > 0: only the first `limit` evaluated instances (documents) of each label."""
         from olmo_ctl.trainer.step import eval_layout, jit_lm_eval_step
 
         self.data, self.s = data, s
+        self.interval = s.recipe.eval.lm.interval
         n_micro, micro = eval_layout(s.recipe, s.plan)
         self.rows_per_proc = n_micro * micro // s.n_proc
         self.instances = evaluated_instances(len(data), s.recipe.eval.lm.whole_batches_of)
@@ -261,6 +266,11 @@ class LMEvaluator:
     def evaluate(self, params) -> dict[str, float]:
         """OLMo-core's scalars per label: `eval/lm/<label>/CE loss` and `.../PPL`."""
         return per_label_metrics(self.data.labels, *self.sums(params))
+
+    def run(self, params) -> Evaluation:
+        values = self.evaluate(params)
+        losses = " ".join(f"{x} {values[lm_eval_tags(x)[0]]:.4f}" for x in self.data.labels)
+        return Evaluation(values, f"lm {losses}")
 
     def sums(self, params) -> tuple[np.ndarray, np.ndarray]:
         """Per label (in `data.labels`' order): the sum of the CE of its targets and the sum of its

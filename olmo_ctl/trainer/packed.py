@@ -63,6 +63,7 @@ import numpy as np
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.data.files import TOKEN_DTYPE, TokenFile, dataset_fingerprint
+from olmo_ctl.trainer.repetition import has_repetition
 from olmo_ctl.trainer.token_files import TokenFiles
 
 IGNORE_INDEX = -100
@@ -368,8 +369,6 @@ class PackedDataset:
         return out, len(toks)
 
     def _instance(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
-        from olmo_ctl.trainer.data import has_repetition
-
         toks, n_real = self.tokens(i)
         if self.vocab_size is not None and n_real and int(toks[:n_real].max()) >= self.vocab_size:
             raise BadInput(

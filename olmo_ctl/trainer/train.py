@@ -26,24 +26,22 @@ The step itself (pure, jitted; also compiled by preflight) is in `trainer/step.p
 the fetch of its metrics, and the hooks of `trainer/hooks.py` around them: evaluation, stop checks,
 checkpoints, metrics and MFU, per-host timings, event uploads, in that file's order). Where else:
 the device (`trainer/device.py`), `--init-from` (`trainer/checkpoint.py`), the exit code of each
-failure (`trainer/exits.py`), the fault knobs (`core/faults.py`, applied in `trainer/injected.py`).
+failure (`trainer/exits.py`), the fault knobs (`core/faults.py`, applied by `hooks.FaultHook`).
 Epoch orders are stored under `<run-dir>/data_order/` (see `trainer/epoch_order.py`), so a restart
 reads its rows instead of recomputing the permutation.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from olmo_ctl.core import faults
 from olmo_ctl.core.contracts import committed_line
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import Recipe
 from olmo_ctl.storage import join
-from olmo_ctl.trainer import audit, injected
+from olmo_ctl.trainer import audit
 from olmo_ctl.trainer import hooks as hooks_lib
 from olmo_ctl.trainer.exits import TrainingFailed, exit_code_of
 from olmo_ctl.trainer.step import (  # noqa: F401 - IGNORE_INDEX, init_state, make_train_step, token_losses: re-exported
@@ -151,7 +149,7 @@ def _setup(args: TrainArgs) -> _Setup:
     )
 
 
-def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
+def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader, faults: hooks_lib.FaultHook):
     """The train state (and loader position) of the latest committed checkpoint, or a fresh one.
 
     The state is built into its abstract shapes and shardings, so nothing is ever materialised
@@ -171,9 +169,7 @@ def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
             note = loader.restore(meta["data"], allow_data_change=args.allow_data_change)
             if note:
                 print(f"warning: {note}", flush=True)
-            shift = faults.data_shift(os.environ)
-            if shift:
-                injected.data_shift(loader, shift)
+            faults.post_restore(loader)
         print(f"restored checkpoint {latest} from {ckpt.directory}", flush=True)
     else:
         params = None
@@ -201,18 +197,15 @@ def _restore_or_init(args: TrainArgs, s: _Setup, ckpt, loader):
 class _Loop:
     """Steps and the fetch of their metrics; everything else is a hook (`trainer/hooks.py`), in its order."""
 
-    def __init__(
-        self, s: _Setup, state, state_shard, step: int, loader, ckpt, events, signals, watchdog, run_dir=None
-    ):
+    def __init__(self, s: _Setup, state, state_shard, step: int, loader, ckpt, events, hooks, watchdog):
         from olmo_ctl.trainer import multihost
 
         self.s, self.state, self.step = s, state, step
         self.loader, self.ckpt, self.events = loader, ckpt, events
         self.watchdog = watchdog  # started by run(), which closes it after the last commit
-        self.slow_data_s = injected.slow_data_s(s.proc)
         self.micro_shard = micro_batch_sharding(s.mesh)
         self.train_step = multihost.first_call_together(jit_train_step(s.recipe, state_shard))
-        self.hooks = hooks_lib.default_hooks(s, signals, run_dir)
+        self.hooks = hooks  # hooks_lib.default_hooks: the order they act in
         self.pending: list[tuple[int, Any, float]] = []  # (step, device metrics, data loading s), not fetched
         self.steps_run = 0  # steps run by this attempt
         self.windows = 0  # windows fetched by this attempt (the first one holds the compile)
@@ -220,13 +213,10 @@ class _Loop:
         self.t_start = self.t_last = time.monotonic()
 
     def train_one(self) -> None:
-        from olmo_ctl.trainer.watchdog import maybe_hang, storage_phase_s
+        from olmo_ctl.trainer.watchdog import storage_phase_s
 
-        maybe_hang(self.step + 1, self.s.proc)
-        injected.maybe_fail(self.step + 1, self.s.proc)
         t0 = time.monotonic()
-        if self.slow_data_s:
-            time.sleep(self.slow_data_s)
+        hooks_lib.pre_batch(self.hooks, self)  # counted as the step's data loading
         s = self.s
         first = self.steps_run == 0  # its batch reads the epoch order; its dispatch compiles the step
         with self.watchdog.first_batch(first, storage_phase_s(s.recipe.runtime)):
@@ -311,6 +301,7 @@ def run(args: TrainArgs) -> int:
     signals = hooks_lib.StopSignals()
     signals.install()
     s = _setup(args)
+    faults = hooks_lib.FaultHook(s.proc)
     rt = s.recipe.runtime
     deadlines.apply(rt.storage_timeout_s)  # before the first Orbax call: tensorstore and gcsfs read it then
     watchdog, phase_s = Watchdog(rt.watchdog_factor, rt.watchdog_min_s).start(), storage_phase_s(rt)
@@ -319,22 +310,23 @@ def run(args: TrainArgs) -> int:
             loader = data_lib.make_train_loader(
                 s.recipe, s.proc, s.n_proc, join(args.run_dir, ORDER_DIR), watchdog.progress
             )
-        loader = audit.recorded(injected.double_shard(loader), args.run_dir, args.attempt, s.proc, s.n_proc)
+        loader = audit.recorded(faults.wrap_loader(loader), args.run_dir, args.attempt, s.proc, s.n_proc)
         with watchdog.judged("the checkpoint listing", phase_s):
             ckpt = Checkpointer.for_run(
                 args.run_dir, keep=s.recipe.checkpoint.keep, async_save=s.recipe.checkpoint.async_save
             )
         events = EventLog(args.run_dir, attempt=args.attempt)
-        injected.slow_start()
+        faults.pre_restore()
         with watchdog.judged("restore", phase_s):
-            state, state_shard, step = _restore_or_init(args, s, ckpt, loader)
+            state, state_shard, step = _restore_or_init(args, s, ckpt, loader, faults)
         loader.first_step = step + 1  # the data-coverage record numbers the steps from here
         if step >= s.final_step:
             print(committed_line(step), flush=True)
             with watchdog.judged("a checkpoint write", phase_s):
                 ckpt.close()
             return 0
-        loop = _Loop(s, state, state_shard, step, loader, ckpt, events, signals, watchdog, args.run_dir)
+        hooks = hooks_lib.default_hooks(s, signals, args.run_dir, faults)
+        loop = _Loop(s, state, state_shard, step, loader, ckpt, events, hooks, watchdog)
         exit_code = loop.run()
         print(committed_line(loop.step), flush=True)
         return exit_code

