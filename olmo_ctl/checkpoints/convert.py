@@ -35,12 +35,15 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import ModelConfig, RopeScalingConfig
 from olmo_ctl.storage import is_gcs, join, store_for
+
+ParamDtype = Literal["float32", "bfloat16"]
 
 META_FILE = "olmo_model.json"
 VOCAB_MULTIPLE = 128
@@ -274,7 +277,7 @@ def model_config_from_hf(
     hf: dict,
     vocab_size: int | None = None,
     padded_vocab_size: int | None = None,
-    param_dtype: str = "float32",
+    param_dtype: ParamDtype = "float32",
     name: str = "olmo3-hf",
 ) -> ModelConfig:
     if hf.get("model_type") not in (None, "olmo3"):
@@ -684,7 +687,7 @@ def hf_to_orbax(
     *,
     vocab_size: int | None = None,
     padded_vocab_size: int | None = None,
-    param_dtype: str = "float32",
+    param_dtype: ParamDtype = "float32",
     overwrite: bool = False,
 ) -> ModelConfig:
     read_hf_config(hf_dir)  # a directory that is not a model fails here, before any download
