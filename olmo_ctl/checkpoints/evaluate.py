@@ -428,7 +428,7 @@ def run(job: EvalJob, devices=None) -> dict:
 
     from olmo_ctl.core.batching import make_plan
     from olmo_ctl.core.contracts import lm_eval_tags
-    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.devices import cpu_device
     from olmo_ctl.trainer import sharding
     from olmo_ctl.trainer.downstream import DownstreamEvaluator
     from olmo_ctl.trainer.lm_eval import LMEvaluator, per_label_metrics
@@ -436,7 +436,7 @@ def run(job: EvalJob, devices=None) -> dict:
 
     devs = list(devices) if devices is not None else cpu_devices(job.devices)
     r = job.recipe
-    plan = make_plan(r, get_device(f"cpu-{len(devs)}"))
+    plan = make_plan(r, cpu_device(len(devs)))
     mesh = sharding.make_mesh(devs, seq_shards=plan.seq_shards, activate=False)
     s = EvalSetup(r, plan, mesh, local_devices=len(devs))
     host_params = load_params(job.checkpoint)

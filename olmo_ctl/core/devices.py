@@ -182,6 +182,13 @@ def _local_device(kind: str, n: int, processes: int = 0) -> Device:
     return Device(f"gpu-{n}", "gpu", None, 0, 1, 0, n, GPU_PEAK_TFLOPS, GPU_HBM_GIB, platform="gpu")
 
 
+def cpu_device(n: int) -> Device:
+    """`cpu-N`: N host CPU devices in one process (what an evaluation on this machine runs on)."""
+    if not 1 <= n <= MAX_LOCAL:
+        raise BadInput(f"cpu-{n} is not a device type: cpu-N takes 1 <= N <= {MAX_LOCAL}")
+    return _local_device("cpu", n)
+
+
 def local_catalog() -> list[Device]:
     return (
         [_local_device("cpu", n) for n in (1, 2, 4, 8)]
