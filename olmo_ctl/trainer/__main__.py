@@ -165,7 +165,6 @@ def _eval_main(ns: argparse.Namespace) -> int:
 def _main(ns: argparse.Namespace) -> int:
     if ns.eval_spec is not None:
         return _eval_main(ns)
-    from olmo_ctl import storage
     from olmo_ctl.core.contracts import EXIT_RESTART
     from olmo_ctl.core.errors import OlmoCtlError
     from olmo_ctl.rundir import RunDir
@@ -187,7 +186,11 @@ def _main(ns: argparse.Namespace) -> int:
             init_from=ns.init_from,
         )
         recipe = load_run_recipe(args)
-        storage.set_deadline(recipe.runtime.storage_timeout_s)  # from the first listing on (deadlines.py)
+        from olmo_ctl.trainer import deadlines
+
+        # Every storage client of this process, from the first listing on and before the first Orbax
+        # call (tensorstore and gcsfs read it then): set here, once.
+        deadlines.apply(recipe.runtime.storage_timeout_s)
         committed = RunDir(ns.run_dir).committed_steps()  # listed once: the join and the version check
         if ns.device:
             from olmo_ctl.core.devices import check_slices, get_device

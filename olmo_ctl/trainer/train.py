@@ -293,7 +293,6 @@ class _Loop:
 def run(args: TrainArgs) -> int:
     """Restore or initialise, train to the final step (or a signal), checkpoint; the exit code."""
     from olmo_ctl.trainer import data as data_lib
-    from olmo_ctl.trainer import deadlines
     from olmo_ctl.trainer.checkpoint import Checkpointer
     from olmo_ctl.trainer.metrics import EventLog
     from olmo_ctl.trainer.watchdog import Watchdog, storage_phase_s
@@ -303,7 +302,6 @@ def run(args: TrainArgs) -> int:
     s = _setup(args)
     faults = hooks_lib.FaultHook(s.proc)
     rt = s.recipe.runtime
-    deadlines.apply(rt.storage_timeout_s)  # before the first Orbax call: tensorstore and gcsfs read it then
     watchdog, phase_s = Watchdog(rt.watchdog_factor, rt.watchdog_min_s).start(), storage_phase_s(rt)
     try:
         with watchdog.judged("the data set-up", phase_s):  # the packing is stored in the run directory too
