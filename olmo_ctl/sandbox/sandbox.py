@@ -296,6 +296,8 @@ class SandboxWorld(ScriptedWorld):
                 and not self.node_down(pod["spec"].get("nodeName"))
             ):
                 self._stopping.add(uid)
+                if uid not in self._sigterm:  # recorded as it signals: a process may exit at once
+                    self.killing(pod, self.store.clock())
                 self.runner.stop(self, pod)
         return self.runner.sync(self) | super()._kubelet()
 

@@ -357,6 +357,12 @@ class World(Hooks):
             "running" in (cs.get("state") or {}) for cs in pod["status"].get("containerStatuses") or []
         )
 
+    def killing(self, pod: dict, now: float) -> None:
+        """The kubelet starts stopping a deleted pod's container (SIGTERM now): its `Killing` event,
+        as kuberuntime_container.go's killContainer records it before it signals."""
+        self._sigterm[pod["metadata"]["uid"]] = now
+        self.event(pod, "Killing", f"Stopping container {pod['spec']['containers'][0]['name']}")
+
     def _kubelet(self) -> bool:
         """Deleting pods: SIGTERM, then the container exits after its `sigterm_exit_s`, or is killed
         (137) when the grace period ends. Nothing of this happens on a node whose kubelet is down
@@ -378,8 +384,7 @@ class World(Hooks):
                 continue  # an unreachable node's kubelet learns of the deletion when it is back
             uid = pod["metadata"]["uid"]
             if uid not in self._sigterm:
-                self._sigterm[uid] = now
-                self.event(pod, "Killing", f"Stopping container {pod['spec']['containers'][0]['name']}")
+                self.killing(pod, now)
                 changed = True
             exit_s = self._exit_s.get(uid, self.sigterm_exit_s)
             if exit_s is not None and now - self._sigterm[uid] >= exit_s:
