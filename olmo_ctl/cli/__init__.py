@@ -13,7 +13,7 @@ import typer
 try:  # typer >= 0.26 vendors click
     from typer._click import exceptions as click_exc
 except ImportError:  # pragma: no cover
-    from click import exceptions as click_exc
+    from click import exceptions as click_exc  # type: ignore[no-redef]  # older typer: click itself
 
 # Command modules register themselves on `app` when imported (keep these imports light).
 from olmo_ctl.cli import (  # noqa: F401

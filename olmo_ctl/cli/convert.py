@@ -77,7 +77,7 @@ def hf_to_orbax(
         orbax_dir,
         vocab_size=vocab_size,
         padded_vocab_size=padded_vocab_size,
-        param_dtype=param_dtype,
+        param_dtype="bfloat16" if param_dtype == "bfloat16" else "float32",
         overwrite=overwrite,
     )
     typer.echo(

@@ -48,7 +48,7 @@ def devices(
     heading = None
     for d in rows:
         if d.generation != heading:
-            if heading in dev.GENERATIONS:
+            if heading is not None and heading in dev.GENERATIONS:
                 out.append(_by_topology(dev.GENERATIONS[heading]))
             heading = d.generation
             if out:

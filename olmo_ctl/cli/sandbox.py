@@ -6,7 +6,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -287,7 +287,9 @@ def _serve(
 
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    runner = None
+    runner: Any = (
+        None  # a PodRunner's twin: ProcessRunner or ImageRunner (pods as processes), or the scripted one
+    )
     if run_pods:
         from olmo_ctl.sandbox.pod_processes import ProcessRunner
 

@@ -31,6 +31,10 @@ MODELS_DIR = RECIPES_DIR / "models"  # model files: what `model: NAME` in a reci
 STAGE_RECIPES = {1: "olmo3-7b-stage1", 2: "olmo3-7b-stage2", 3: "olmo3-7b-stage3"}
 
 
+# The attention kernels a model may name (`auto`: chosen by the platform at trace time).
+Attention = Literal["auto", "splash", "blocked", "reference", "cudnn"]
+
+
 @dataclass(frozen=True)
 class RopeScalingConfig:
     """YaRN RoPE scaling (OLMo-core `YaRNRoPEScalingConfig`, HF `rope_type: yarn`)."""
@@ -77,7 +81,7 @@ class ModelConfig:
     remat: Literal["none", "full", "save_proj"]
     # Attention implementation: auto picks splash on TPU, cudnn on GPU (blocked without cuDNN), reference
     # on CPU (olmo_ctl/trainer/attention.py; docs/attention-and-xla-flags.md). All compute the same numbers.
-    attention: Literal["auto", "splash", "blocked", "reference", "cudnn"] = "auto"
+    attention: Attention = "auto"
     eos_token_id: int
     pad_token_id: int
 

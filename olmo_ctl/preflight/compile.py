@@ -43,7 +43,7 @@ from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import GIB, Device
 from olmo_ctl.core.errors import EXIT_RUN_FAILED, BadInput, OlmoCtlError
 from olmo_ctl.core.generations import GENERATIONS
-from olmo_ctl.core.recipe import Recipe
+from olmo_ctl.core.recipe import Attention, Recipe
 from olmo_ctl.core.xla_flags import xla_flag_sources, xla_flags_for
 from olmo_ctl.preflight.cache import cache_key, load_cached, store_cached, trainer_version
 from olmo_ctl.preflight.hlo_flops import hlo_flops
@@ -338,7 +338,7 @@ def compile_step(
     )
     state, state_shard, batch = abstract_inputs(recipe, mesh, plan.grad_accum)
     step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
-    options = dict(xla_options or {})
+    options: dict[str, str | bool] = dict(xla_options or {})
     if dump_dir:
         options.update(xla_dump_to=dump_dir, xla_dump_hlo_module_re="jit_step")
     t0 = time.monotonic()
@@ -419,7 +419,7 @@ def largest_buffers(dump_dir: str, n: int = 6) -> list[str]:
     reports = sorted(Path(dump_dir).glob("*jit_step*memory-usage-report.txt"))
     if not reports:
         return []
-    rows = []
+    rows: list[str] = []
     for line in reports[-1].read_text().splitlines():
         if line.startswith("Memory Space:") and rows:
             break  # only the default (HBM) space
@@ -451,7 +451,10 @@ def formula_flops_per_step(recipe: Recipe) -> dict[str, float]:
 
 def _tpu_attention(recipe: Recipe) -> Recipe:
     """`attention: auto` resolves by the platform at trace time; on a TPU slice that is `splash`."""
-    on_tpu = {"auto": "splash", "cudnn": "blocked"}  # attention.resolve(..., platform="tpu")
+    on_tpu: dict[str, Attention] = {
+        "auto": "splash",
+        "cudnn": "blocked",
+    }  # attention.resolve(..., platform="tpu")
     if recipe.model.attention not in on_tpu:
         return recipe
     return dataclasses.replace(
@@ -485,7 +488,7 @@ def _no_persistent_compilation_cache():
     of results (`preflight/cache.py`)."""
     import jax
 
-    was = jax.config.jax_enable_compilation_cache
+    was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # a flag, set at run time
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         yield
