@@ -77,8 +77,15 @@ def test_the_planted_loader_bug_moves_held_out_loss_and_kl_and_the_verdict_names
     assert "KL (" in last["verdict"], last  # measured: 0.15 nats/token at step 40, the twin's 0.001
     assert bug["verdict"].startswith("moved at ")
     assert last["kl"] > 10 * max(m["kl"] for m in twin["landmarks"])
-    # the held-out loss moves the same way, by more than the twin's layout drift (+0.016 against -0.002)
-    assert last["lm"]["smoke_eval"] > 3 * max(abs(m["lm"]["smoke_eval"]) for m in twin["landmarks"])
+    # The held-out loss moves the same way: up (the loader re-reads what it has read, so the model sees
+    # fewer distinct documents), past verify's held-out tolerance, so the verdict names it too, and by
+    # more than the layout drift of two hosts against one. That drift is rounding compounded over 40
+    # steps and depends on the CPU the steps ran on: measured -0.002 against +0.016 on one machine,
+    # 0.009 against +0.024 on another; the bug's run and its clean twin share one layout, so its
+    # delta holds none of it.
+    drift = max(abs(m["lm"]["smoke_eval"]) for m in twin["landmarks"])
+    assert last["lm"]["smoke_eval"] > drift, (last["lm"], drift)
+    assert "held-out loss (smoke_eval +" in last["verdict"], last
 
 
 @pytest.mark.parametrize(
