@@ -158,7 +158,7 @@ def render(rep: dict):
             "replayed steps",
             f"{rep['replays']['steps']} (mismatching values: {rep['replays']['mismatch_count']})",
         )
-    parts = [t]
+    parts: list[Table | Text] = [t]
     if rep.get("hosts"):
         parts.append(Text("\n".join(host_lines(rep["hosts"]))))
     tl = timeline_summary(rep["timeline"])

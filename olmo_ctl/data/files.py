@@ -232,6 +232,7 @@ def resolve_mix(name: str, root: str, what: str = "data.mix") -> list[TokenFile]
         )
     out = []
     for e, p, n in zip(entries, paths, sizes, strict=True):
+        assert n is not None  # a missing file was refused above
         if n % TOKEN_BYTES:
             raise BadInput(
                 f"{what}: `{p}` is {n} bytes, not a whole number of uint32 tokens",

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal, TypedDict, Unpack
 
 from olmo_ctl.core import flops as flops_lib
 from olmo_ctl.core.batching import Plan, make_plan, param_count
@@ -338,7 +339,7 @@ def compile_step(
     )
     state, state_shard, batch = abstract_inputs(recipe, mesh, plan.grad_accum)
     step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
-    options = dict(xla_options or {})
+    options: dict[str, str | bool] = dict(xla_options or {})
     if dump_dir:
         options.update(xla_dump_to=dump_dir, xla_dump_hlo_module_re="jit_step")
     t0 = time.monotonic()
@@ -419,7 +420,7 @@ def largest_buffers(dump_dir: str, n: int = 6) -> list[str]:
     reports = sorted(Path(dump_dir).glob("*jit_step*memory-usage-report.txt"))
     if not reports:
         return []
-    rows = []
+    rows: list[str] = []
     for line in reports[-1].read_text().splitlines():
         if line.startswith("Memory Space:") and rows:
             break  # only the default (HBM) space
@@ -451,7 +452,8 @@ def formula_flops_per_step(recipe: Recipe) -> dict[str, float]:
 
 def _tpu_attention(recipe: Recipe) -> Recipe:
     """`attention: auto` resolves by the platform at trace time; on a TPU slice that is `splash`."""
-    on_tpu = {"auto": "splash", "cudnn": "blocked"}  # attention.resolve(..., platform="tpu")
+    # attention.resolve(..., platform="tpu")
+    on_tpu: dict[str, Literal["splash", "blocked"]] = {"auto": "splash", "cudnn": "blocked"}
     if recipe.model.attention not in on_tpu:
         return recipe
     return dataclasses.replace(
@@ -485,7 +487,8 @@ def _no_persistent_compilation_cache():
     of results (`preflight/cache.py`)."""
     import jax
 
-    was = jax.config.jax_enable_compilation_cache
+    # jax's Config declares no attribute per flag (they are set at import), so mypy sees none.
+    was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         yield
@@ -735,7 +738,22 @@ def _with_hbm(result: PreflightResult, hbm: int) -> PreflightResult:
     return result
 
 
-def search(recipe: Recipe, device: Device, **kw) -> tuple[list[PreflightResult], PreflightResult | None]:
+class PreflightOptions(TypedDict, total=False):
+    """The keyword options of `run_preflight` but `remat`, which `search` passes to every policy's compile."""
+
+    head_dim: int | None
+    n_layers: int | None
+    per_device_batch: int | None
+    hbm_bytes: int | None
+    use_cache: bool
+    settings: Settings | None
+    slices: int
+    log: Callable[[str], None] | None
+
+
+def search(
+    recipe: Recipe, device: Device, **kw: Unpack[PreflightOptions]
+) -> tuple[list[PreflightResult], PreflightResult | None]:
     """Try the remat policies from the cheapest recompute up; stop at the first that fits."""
     tried = []
     for policy in REMAT_POLICIES:
