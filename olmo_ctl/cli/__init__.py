@@ -7,13 +7,17 @@ Exit codes: 0 success, 1 run failed, 2 bad input, 3 unreachable, 4 gave up, 124 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import typer
 
-try:  # typer >= 0.26 vendors click
+if TYPE_CHECKING:  # checked against the typer of constraints.txt, which vendors click
     from typer._click import exceptions as click_exc
-except ImportError:  # pragma: no cover
-    from click import exceptions as click_exc  # type: ignore[no-redef]  # older typer: click itself
+else:
+    try:  # typer >= 0.26 vendors click
+        from typer._click import exceptions as click_exc
+    except ImportError:  # pragma: no cover
+        from click import exceptions as click_exc
 
 # Command modules register themselves on `app` when imported (keep these imports light).
 from olmo_ctl.cli import (  # noqa: F401

@@ -45,7 +45,7 @@ def devices(
     widths = (10, 8, 5, 4, 8, 7, 11, 11)
     line = "  ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths))
     out: list[str] = []
-    heading = None
+    heading: str | None = None
     for d in rows:
         if d.generation != heading:
             if heading is not None and heading in dev.GENERATIONS:

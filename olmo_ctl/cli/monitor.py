@@ -7,7 +7,7 @@ Start-up stays light: no jax, no tensorboard; numpy and the event reader load in
 import json
 import sys
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -158,7 +158,7 @@ def render(rep: dict):
             "replayed steps",
             f"{rep['replays']['steps']} (mismatching values: {rep['replays']['mismatch_count']})",
         )
-    parts: list[Any] = [t]
+    parts: list[Table | Text] = [t]
     if rep.get("hosts"):
         parts.append(Text("\n".join(host_lines(rep["hosts"]))))
     tl = timeline_summary(rep["timeline"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -201,7 +201,7 @@ def preflight(
         raise BadInput("--search and --remat are exclusive", "--search tries every remat policy")
     if hbm_gib is not None and hbm_gib <= 0:
         raise BadInput("--hbm-gib must be positive")
-    kw: dict[str, Any] = dict(
+    kw = pf.PreflightOptions(
         head_dim=head_dim,
         n_layers=layers,
         per_device_batch=per_device_batch,

@@ -91,7 +91,7 @@ def resize(
     for n in res.notes:
         _echo(n)
     if res.action == "requested":
-        assert res.request is not None
+        assert res.request is not None  # a requested resize carries the request it recorded
         typer.echo(f"resize request {res.request['id']} recorded for the supervisor of `{run}`")
     else:
         typer.echo(

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal, TypedDict, Unpack
 
 from olmo_ctl.core import flops as flops_lib
 from olmo_ctl.core.batching import Plan, make_plan, param_count
@@ -43,7 +44,7 @@ from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import GIB, Device
 from olmo_ctl.core.errors import EXIT_RUN_FAILED, BadInput, OlmoCtlError
 from olmo_ctl.core.generations import GENERATIONS
-from olmo_ctl.core.recipe import Attention, Recipe
+from olmo_ctl.core.recipe import Recipe
 from olmo_ctl.core.xla_flags import xla_flag_sources, xla_flags_for
 from olmo_ctl.preflight.cache import cache_key, load_cached, store_cached, trainer_version
 from olmo_ctl.preflight.hlo_flops import hlo_flops
@@ -451,10 +452,8 @@ def formula_flops_per_step(recipe: Recipe) -> dict[str, float]:
 
 def _tpu_attention(recipe: Recipe) -> Recipe:
     """`attention: auto` resolves by the platform at trace time; on a TPU slice that is `splash`."""
-    on_tpu: dict[str, Attention] = {
-        "auto": "splash",
-        "cudnn": "blocked",
-    }  # attention.resolve(..., platform="tpu")
+    # attention.resolve(..., platform="tpu")
+    on_tpu: dict[str, Literal["splash", "blocked"]] = {"auto": "splash", "cudnn": "blocked"}
     if recipe.model.attention not in on_tpu:
         return recipe
     return dataclasses.replace(
@@ -488,7 +487,8 @@ def _no_persistent_compilation_cache():
     of results (`preflight/cache.py`)."""
     import jax
 
-    was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # a flag, set at run time
+    # jax's Config declares no attribute per flag (they are set at import), so mypy sees none.
+    was = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         yield
@@ -738,7 +738,22 @@ def _with_hbm(result: PreflightResult, hbm: int) -> PreflightResult:
     return result
 
 
-def search(recipe: Recipe, device: Device, **kw) -> tuple[list[PreflightResult], PreflightResult | None]:
+class PreflightOptions(TypedDict, total=False):
+    """The keyword options of `run_preflight` but `remat`, which `search` passes to every policy's compile."""
+
+    head_dim: int | None
+    n_layers: int | None
+    per_device_batch: int | None
+    hbm_bytes: int | None
+    use_cache: bool
+    settings: Settings | None
+    slices: int
+    log: Callable[[str], None] | None
+
+
+def search(
+    recipe: Recipe, device: Device, **kw: Unpack[PreflightOptions]
+) -> tuple[list[PreflightResult], PreflightResult | None]:
     """Try the remat policies from the cheapest recompute up; stop at the first that fits."""
     tried = []
     for policy in REMAT_POLICIES:

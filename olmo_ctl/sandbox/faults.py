@@ -243,7 +243,7 @@ def send(kubeconfig: str | Any, raw: Mapping[str, Any], timeout_s: float = 30.0)
     )
     cluster = next((c for c in cfg.get("clusters") or [] if c.get("name") == CONTEXT), None)
     user = next((u for u in cfg.get("users") or [] if u.get("name") == CONTEXT), None)
-    if ctx is None or cluster is None or not (user or {}).get("user", {}).get("token"):
+    if ctx is None or cluster is None or user is None or not user.get("user", {}).get("token"):
         raise BadInput(
             f"--kubeconfig `{path}` is not a sandbox kubeconfig",
             "faults go to a sandbox, never a real cluster",

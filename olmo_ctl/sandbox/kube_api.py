@@ -54,6 +54,7 @@ create (an admission webhook), learn of every write, and say when a deleting pod
 
 from __future__ import annotations
 
+import builtins
 import copy
 import functools
 import json
@@ -334,30 +335,46 @@ def _split_top(text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+# One requirement of a selector each, built in a function so that each binds its own key and value.
+def _label_in(key: str, values: set[str]) -> Callable[[dict], bool]:
+    return lambda lab: lab.get(key) in values
+
+
+def _label_not_in(key: str, values: set[str]) -> Callable[[dict], bool]:
+    return lambda lab: lab.get(key) not in values
+
+
+def _label_equal(key: str, value: str) -> Callable[[dict], bool]:
+    return lambda lab: key in lab and lab[key] == value
+
+
+def _label_not_equal(key: str, value: str) -> Callable[[dict], bool]:
+    return lambda lab: lab.get(key) != value
+
+
+def _label_exists(key: str, negated: bool) -> Callable[[dict], bool]:
+    return lambda lab: (key in lab) != negated
+
+
 def parse_label_selector(sel: str) -> Callable[[dict], bool]:
     """A predicate over a labels dict; raises ApiError(400) on a malformed selector."""
-    reqs = []
+    reqs: list[Callable[[dict], bool]] = []
     for term in _split_top(sel or ""):
         m = re.fullmatch(r"([^\s!=]+)\s+(in|notin)\s+\(([^)]*)\)", term)
         if m:
             vals = {v.strip() for v in m.group(3).split(",") if v.strip()}
             key, op = m.group(1), m.group(2)
-            reqs.append(
-                lambda lab, k=key, o=op, vs=vals: (lab.get(k) in vs) if o == "in" else (lab.get(k) not in vs)
-            )
+            reqs.append(_label_in(key, vals) if op == "in" else _label_not_in(key, vals))
             continue
         m = re.fullmatch(r"([^\s!=]+)\s*(==|=|!=)\s*([^\s,]*)", term)
         if m:
             key, op, val = m.groups()
-            if op == "!=":
-                reqs.append(lambda lab, k=key, v=val: lab.get(k) != v)
-            else:
-                reqs.append(lambda lab, k=key, v=val: k in lab and lab[k] == v)
+            reqs.append(_label_not_equal(key, val) if op == "!=" else _label_equal(key, val))
             continue
         m = re.fullmatch(r"(!?)([^\s!=()]+)", term)
         if m:
             neg, key = m.groups()
-            reqs.append(lambda lab, k=key, n=bool(neg): (k in lab) != n)
+            reqs.append(_label_exists(key, negated=bool(neg)))
             continue
         raise ApiError(400, "BadRequest", f"unable to parse requirement: invalid label selector: {term!r}")
     return lambda labels: all(r(labels or {}) for r in reqs)
@@ -372,17 +389,22 @@ def _field(obj: dict, path: str) -> Any:
     return node
 
 
+def _field_equal(path: str, value: str) -> Callable[[dict], bool]:
+    return lambda obj: str(_field(obj, path) or "") == value
+
+
+def _field_not_equal(path: str, value: str) -> Callable[[dict], bool]:
+    return lambda obj: str(_field(obj, path) or "") != value
+
+
 def parse_field_selector(sel: str) -> Callable[[dict], bool]:
-    reqs = []
+    reqs: list[Callable[[dict], bool]] = []
     for term in _split_top(sel or ""):
         m = re.fullmatch(r"([\w.]+)\s*(==|=|!=)\s*(.*)", term)
         if not m:
             raise ApiError(400, "BadRequest", f"invalid field selector: {term!r}")
         path, op, val = m.groups()
-        if op == "!=":
-            reqs.append(lambda o, p=path, v=val: str(_field(o, p) or "") != v)
-        else:
-            reqs.append(lambda o, p=path, v=val: str(_field(o, p) or "") == v)
+        reqs.append(_field_not_equal(path, val) if op == "!=" else _field_equal(path, val))
     return lambda obj: all(r(obj) for r in reqs)
 
 
@@ -964,9 +986,9 @@ class Api:
                 return 200, self.list(res, version, ns, query), {}, False
             if ns is None:
                 raise ApiError(405, "MethodNotAllowed", "namespaced resource needs a namespace")
-            if method == "GET" and sub == "log":
-                return 200, self.pod_log(ns, name, query), {}, True
-            if method == "GET":
+            if method == "GET" and name is not None:
+                if sub == "log":
+                    return 200, self.pod_log(ns, name, query), {}, True
                 obj = self.store.get(res, ns, name)
                 if obj is None:
                     raise not_found(res, name)
@@ -1082,7 +1104,9 @@ class Api:
         return stream()
 
     # -- validation
-    def validate(self, res: Resource, version: str, obj: Any, query: dict, name_hint: str = "") -> list[str]:
+    def validate(
+        self, res: Resource, version: str, obj: Any, query: dict, name_hint: str = ""
+    ) -> builtins.list[str]:
         if not isinstance(obj, dict):
             raise ApiError(400, "BadRequest", "the request body is not a JSON object")
         md = obj.get("metadata")
@@ -1165,7 +1189,9 @@ class Api:
         return warnings
 
     # -- verbs
-    def create(self, res: Resource, version: str, ns: str, obj: Any, query: dict) -> tuple[dict, list[str]]:
+    def create(
+        self, res: Resource, version: str, ns: str, obj: Any, query: dict
+    ) -> tuple[dict, builtins.list[str]]:
         obj = copy.deepcopy(obj)
         if isinstance(obj, dict) and isinstance(obj.get("metadata"), dict):
             md = obj["metadata"]
@@ -1202,7 +1228,7 @@ class Api:
 
     def replace(
         self, res: Resource, version: str, ns: str, name: str, sub: str | None, new: Any, query: dict
-    ) -> tuple[dict, list[str]]:
+    ) -> tuple[dict, builtins.list[str]]:
         cur = self.store.get(res, ns, name)
         if cur is None:
             raise not_found(res, name)

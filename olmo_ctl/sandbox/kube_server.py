@@ -192,12 +192,7 @@ class Cluster:
             if QUEUE_LABEL not in (js["metadata"].get("labels") or {}):
                 return  # not queued: never suspended
             self.world.reconcile()
-            wl = self._wl(name)
-            if wl is None:
-                raise AssertionError(
-                    f"Kueue built no Workload for {name}: "
-                    f"{self.world.reconcile_errors.get(js['metadata']['uid'])}"
-                )
+            wl = self._built_workload(name, js)
             for _ in range(5):
                 if kueue.has_quota_reservation(wl):
                     break
@@ -216,9 +211,17 @@ class Cluster:
                             self.world.add_quota(cq["metadata"]["name"], flavor, res, short)
                             used[(flavor, res)] = used.get((flavor, res), 0.0) + q
                 self.world.reconcile()
-                wl = self._wl(name)
+                wl = self._built_workload(name, js)
             if not kueue.is_admitted(wl):
                 raise AssertionError(f"{name} was not admitted: {kueue.find_cond(wl, 'QuotaReserved')}")
+
+    def _built_workload(self, name: str, js: dict) -> dict:
+        wl = self._wl(name)
+        if wl is None:
+            raise AssertionError(
+                f"Kueue built no Workload for {name}: {self.world.reconcile_errors.get(js['metadata']['uid'])}"
+            )
+        return wl
 
     @staticmethod
     def _flavor_for(cq: dict, res: str) -> str:

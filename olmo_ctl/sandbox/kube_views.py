@@ -176,9 +176,10 @@ def jsonpath(obj: Any, path: str) -> list[Any]:
 
 
 def _dotted(obj: dict, path: str) -> Any:
+    node: Any = obj
     for p in path.split("."):
-        obj = obj.get(p) if isinstance(obj, dict) else None
-    return obj
+        node = node.get(p) if isinstance(node, dict) else None
+    return node
 
 
 # ---------------------------------------------------------------- tables

@@ -57,6 +57,7 @@ from olmo_ctl.sandbox.cluster.objects import (
     labels,
     pod_terminal,
 )
+from olmo_ctl.sandbox.sandbox import PodRunner
 
 if TYPE_CHECKING:
     from olmo_ctl.sandbox.sandbox import SandboxWorld
@@ -236,9 +237,10 @@ class PodProcess:
     reader: threading.Thread | None = field(default=None, repr=False)
 
 
-class ProcessRunner:
+class ProcessRunner(PodRunner):
     """The sandbox's kubelet for real processes (the scripted `sandbox.PodRunner` keeps pods Running
-    without a program). `attach` is called by `SandboxWorld`; `close` kills what is left."""
+    without a program); every hook of `PodRunner` is its own. `attach` is called by `SandboxWorld`;
+    `close` kills what is left."""
 
     def __init__(
         self,
@@ -475,21 +477,23 @@ class ProcessRunner:
 
     # -- the process
     def _read(self, proc: PodProcess) -> None:
-        store = self.world.store
+        world, stdout = self.world, proc.popen.stdout
+        assert world is not None and stdout is not None  # `start` runs on an attached runner, stdout piped
+        store = world.store
         key = (proc.namespace, proc.name)
-        for raw in iter(proc.popen.stdout.readline, b""):
+        for raw in iter(stdout.readline, b""):
             line = self.log_line(proc, raw.decode("utf-8", "replace").rstrip("\n"))
             if line is None:
                 continue
             with store.lock:
-                pod = self.world.get("Pod", proc.namespace, proc.name)
+                pod = world.get("Pod", proc.namespace, proc.name)
                 if pod is None or pod["metadata"]["uid"] != proc.uid:
                     continue
                 lines = store.logs.setdefault(key, [])
                 lines.append(line)
                 if len(lines) > MAX_LOG_LINES:
                     del lines[: len(lines) - MAX_LOG_LINES]
-        proc.popen.stdout.close()
+        stdout.close()
 
     def _kill(self, proc: PodProcess, why: str) -> None:
         if proc.killed:

@@ -183,6 +183,8 @@ def flavor_name(device: Device, slices: int) -> str:
 
 def flavor_labels(device: Device) -> dict[str, str]:
     """XPK's flavor node labels for a TPU: the accelerator label and the machine (topology) label."""
+    if device.accelerator_label is None or device.topology is None:
+        raise ValueError(f"`{device.name}` is not a TPU slice: it has no flavor labels")
     return {ACCELERATOR_LABEL: device.accelerator_label, TOPOLOGY_LABEL: device.topology}
 
 
@@ -224,6 +226,8 @@ class PodRunner:
 
 class SandboxWorld(ScriptedWorld):
     """The test cluster's world plus a scheduler: admitted pods go to free nodes that fit them."""
+
+    api_server: KubeServer  # set by the Sandbox that serves this world: `sandbox fault api-outage` acts on it
 
     def __init__(self, *a: Any, runner: PodRunner | None = None, **kw: Any):
         super().__init__(*a, **kw)
@@ -460,7 +464,7 @@ class Sandbox:
         # The bearer token of this sandbox's kubeconfig: its control path (`sandbox fault`) asks for it.
         self.token = secrets.token_urlsafe(24)
         self.server.control = self._control
-        world.api_server = self.server  # `sandbox fault api-outage` acts on it
+        world.api_server = self.server
         self.namespace, self.queue = namespace, queue
         self.slices = dict(slices or {})
         self.priority_classes = dict(priority_classes or {})
@@ -661,7 +665,8 @@ def start_subprocess(kubeconfig: Path, *args: str, env: dict | None = None, time
     deadline = time.monotonic() + timeout_s
     while not Path(kubeconfig).exists():
         if p.poll() is not None:
-            raise AssertionError(f"the sandbox exited {p.returncode}: {p.stderr.read()}")
+            _out, err = p.communicate()
+            raise AssertionError(f"the sandbox exited {p.returncode}: {err}")
         if time.monotonic() > deadline:
             p.kill()
             p.communicate()

@@ -84,9 +84,10 @@ def failure_time(job: dict) -> str:
     return (c or {}).get("lastTransitionTime") or ""
 
 
-def find_first_failed_job(failed: list[dict]) -> dict | None:
-    """failure_policy.go findFirstFailedJob: the one whose Failed condition is oldest."""
-    return min(failed, key=failure_time) if failed else None
+def find_first_failed_job(failed: list[dict]) -> dict:
+    """failure_policy.go findFirstFailedJob: the one whose Failed condition is oldest. Every caller
+    holds at least one failed Job (upstream's nil for none is never asked for)."""
+    return min(failed, key=failure_time)
 
 
 def rule_is_applicable(rule: dict, job: dict) -> bool:
@@ -105,16 +106,14 @@ def rule_is_applicable(rule: dict, job: dict) -> bool:
     return not targets or parent in targets
 
 
-def find_first_failed_policy_rule_and_job(
-    rules: list[dict], failed: list[dict]
-) -> tuple[dict | None, dict | None]:
+def find_first_failed_policy_rule_and_job(rules: list[dict], failed: list[dict]) -> tuple[dict, dict] | None:
     """failure_policy.go findFirstFailedPolicyRuleAndJob: the first rule matching any failed Job,
-    with the earliest-failed Job it matches."""
+    with the earliest-failed Job it matches; None when no rule matches."""
     for rule in rules:
         matched = [j for j in failed if rule_is_applicable(rule, j)]
         if matched:
             return rule, find_first_failed_job(matched)
-    return None, None
+    return None
 
 
 def set_failed(w: World, js: dict, reason: str, message: str) -> None:
@@ -132,10 +131,11 @@ def execute_failure_policy(w: World, js: dict, failed: list[dict]) -> None:
             w, js, FAILED_JOBS[0], message_with_first_failed_job(FAILED_JOBS[1], first["metadata"]["name"])
         )
         return
-    rule, job = find_first_failed_policy_rule_and_job(policy.get("rules") or [], failed)
-    if rule is None:
+    matched = find_first_failed_policy_rule_and_job(policy.get("rules") or [], failed)
+    if matched is None:
         action, job = "RestartJobSet", find_first_failed_job(failed)  # defaultFailurePolicyRuleAction
     else:
+        rule, job = matched
         action = rule["action"]
     name = job["metadata"]["name"]
     st = js["status"]

@@ -524,7 +524,7 @@ def reconcile_workload(w: World, wl: dict) -> bool:
             source="kueue-admission",
         )
     if is_admitted(wl) and w.pods_ready_timeout_s is not None:
-        check_pods_ready(w, wl)
+        check_pods_ready(w, wl, w.pods_ready_timeout_s)
     if not has_quota_reservation(wl):
         lq, cq = cluster_queue_for(w, wl)
         if lq is None:
@@ -546,7 +546,7 @@ def reconcile_workload(w: World, wl: dict) -> bool:
     return w.commit("Workload", wl, before)
 
 
-def check_pods_ready(w: World, wl: dict) -> None:
+def check_pods_ready(w: World, wl: dict, timeout_s: float) -> None:
     """waitForPodsReady: PodsReady from the JobSet's ready replicas (the integration's PodsReady);
     past the timeout the workload is evicted with PodsReadyTimeout and a requeue backoff."""
     js = w.owner_jobset(wl)
@@ -568,7 +568,7 @@ def check_pods_ready(w: World, wl: dict) -> None:
         wl, "PodsReady", "False", "WaitForStart", "Not all pods are ready or succeeded", w.now()
     )
     adm = find_cond(wl, "Admitted")
-    if adm and not is_evicted(wl) and w.seconds_since(adm["lastTransitionTime"]) >= w.pods_ready_timeout_s:
+    if adm and not is_evicted(wl) and w.seconds_since(adm["lastTransitionTime"]) >= timeout_s:
         # workload_controller.go triggerDeactivationOrBackoffRequeue: past requeuingStrategy's
         # backoffLimitCount the workload is deactivated (SetDeactivationTarget RequeuingLimitExceeded),
         # then evicted as Deactivated with that cause; otherwise UpdateRequeueState and a requeue.
@@ -728,14 +728,7 @@ def preempt_for(w: World, preemptor: dict, cq: dict) -> bool:
         and (x["status"].get("admission") or {}).get("clusterQueue") == cq_name
         and priority(x) < priority(preemptor)
     ]
-    candidates.sort(
-        key=lambda x: (
-            priority(x),
-            ""
-            if not find_cond(x, "QuotaReserved")
-            else _neg(find_cond(x, "QuotaReserved")["lastTransitionTime"]),
-        )
-    )
+    candidates.sort(key=lambda x: (priority(x), _newest_reservation_first(x)))
     chosen: list[dict] = []
     for cand in candidates:
         chosen.append(cand)
@@ -772,6 +765,12 @@ def preempt_for(w: World, preemptor: dict, cq: dict) -> bool:
         )
         changed = True
     return changed
+
+
+def _newest_reservation_first(wl: dict) -> str:
+    """Sort key: the most recently reserved workload first; one without a reservation before all."""
+    reserved = find_cond(wl, "QuotaReserved")
+    return _neg(reserved["lastTransitionTime"]) if reserved else ""
 
 
 def _neg(ts: str) -> str:

@@ -487,4 +487,6 @@ def _toleration_seconds(tolerations: list[dict], taint: dict, default_s: float) 
     if not matching:
         return None
     secs = [t.get("tolerationSeconds") for t in matching]
-    return math.inf if any(s is None for s in secs) else float(min(secs))
+    if any(s is None for s in secs):
+        return math.inf
+    return float(min(s for s in secs if s is not None))

@@ -40,7 +40,7 @@ def find_cond(obj: dict | None, ctype: str) -> dict | None:
 
 def is_true(obj: dict | None, ctype: str) -> bool:
     c = find_cond(obj, ctype)
-    return bool(c) and c.get("status") == "True"
+    return c is not None and c.get("status") == "True"
 
 
 def set_status_condition(

@@ -321,7 +321,9 @@ class World(Hooks):
         idx = (pod["metadata"].get("annotations") or {}).get("batch.kubernetes.io/job-completion-index")
         if idx in (None, "0"):
             return None
-        owner = next((r for r in pod["metadata"].get("ownerReferences") or [] if r.get("kind") == "Job"), {})
+        owner: dict = next(
+            (r for r in pod["metadata"].get("ownerReferences") or [] if r.get("kind") == "Job"), {}
+        )
         leader_name = f"{owner.get('name')}-0"  # genLeaderPodName: <jobset>-<replicated job>-<job index>-0
         leaders = [
             p
@@ -775,6 +777,8 @@ class World(Hooks):
     def add_quota(self, cluster_queue: str, flavor: str, resource: str, amount: float) -> None:
         """Capacity appears (amount > 0) or is withdrawn (< 0) in a ClusterQueue's flavor."""
         cq = self.get("ClusterQueue", "", cluster_queue)
+        if cq is None:
+            raise KeyError(f"no ClusterQueue {cluster_queue!r}")
         for g in cq["spec"]["resourceGroups"]:
             for f in g["flavors"]:
                 if f["name"] != flavor:
