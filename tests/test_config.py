@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from olmo_ctl.backends import placeholders, resolve_settings
+from olmo_ctl.core.batching import read_launch_record
 from olmo_ctl.core.config import PLACEHOLDER_RUN_ROOT
 from olmo_ctl.core.errors import BadInput
 
@@ -189,6 +190,12 @@ def test_local_backend_defaults_and_dry_run(xdg, tmp_path):
         "cpu-2",
         "--attempt",
         "1",
+        "--plan",
+        argv[-1],
     ]
+    # The trainer is handed the launcher's parsed target and plan, not a name to parse again.
+    target, plan = read_launch_record(argv[-1])
+    assert target.device.name == "cpu-2" and target.slices == 1
+    assert plan.devices == 2 and plan.recipe == "smoke"
     assert req["env"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     assert p.stderr == ""

@@ -21,6 +21,7 @@ import yaml
 from helpers.cli import ROOT, clean_env, invoke
 
 from olmo_ctl.checkpoints.evaluate import RESULT_FILE, EvalSpec
+from olmo_ctl.core.batching import read_launch_record
 from olmo_ctl.trainer import downstream as D
 
 pytest.importorskip("olmo_eval", reason="the eval extra (ai2-olmo-eval) is not installed")
@@ -177,7 +178,7 @@ def test_dry_run_prints_the_eval_jobs_jobset(smoke_run, gcs, env):
     assert rj["replicas"] == 1 and rj["template"]["spec"]["parallelism"] == 1
     (c,) = rj["template"]["spec"]["template"]["spec"]["containers"]
     assert c["image"] == "registry.example/o:1"
-    assert c["command"][:-2] == [
+    assert c["command"][:-4] == [
         "python",
         "-m",
         "olmo_ctl.trainer",
@@ -185,10 +186,10 @@ def test_dry_run_prints_the_eval_jobs_jobset(smoke_run, gcs, env):
         out,
         "--device",
         "v5p-8",
-    ] + [
         "--attempt",
         "0",
     ]
+    assert c["command"][-4] == "--plan" and read_launch_record(c["command"][-3])[0].name == "v5p-8"
     assert c["command"][-2] == "--eval" and EvalSpec.from_json(c["command"][-1]).checkpoint == ckpt
     assert invoke(*cmd, env=env).stdout == p.stdout
     other = invoke(*cmd, "--limit", "5", env=env)

@@ -20,9 +20,9 @@ import yaml
 from helpers.cli import clean_env, invoke
 
 from olmo_ctl.backends.jobset import jobset_name, render_jobset
-from olmo_ctl.core.batching import make_plan
+from olmo_ctl.core.batching import make_plan, read_launch_record
 from olmo_ctl.core.config import Settings
-from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.devices import Target, get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import default_run_name, validate_run_name
 from olmo_ctl.core.recipe import load_recipe
@@ -423,7 +423,7 @@ def test_pod_shape_and_failure_policy():
     assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     (c,) = pod["containers"]
     assert c["image"] == "img:1"
-    assert c["command"] == [
+    assert c["command"][:-1] == [
         "python",
         "-m",
         "olmo_ctl.trainer",
@@ -433,7 +433,13 @@ def test_pod_shape_and_failure_policy():
         "tpu7x-128",
         "--attempt",
         "7",
+        "--plan",
     ]
+    # The attempt's target (the catalog entry itself) and its one plan: the trainer makes no other.
+    recipe = load_recipe(stage=1)
+    target, plan = read_launch_record(c["command"][-1])
+    assert target == Target.parse("tpu7x-128")
+    assert plan == make_plan(recipe, target.device)
     assert c["resources"] == {"requests": {"google.com/tpu": 4}, "limits": {"google.com/tpu": 4}}
     assert c["securityContext"]["privileged"] is False
     env = {e["name"]: e.get("value") for e in c["env"]}
@@ -498,7 +504,8 @@ def test_multislice_renders_n_replicas_and_sets_no_dcn_variable():
     job, pod = _job(js), _pod(js)
     assert job["parallelism"] == job["completions"] == 32
     (c,) = pod["containers"]
-    assert c["command"][-2:] == ["--slices", "2"]
+    assert c["command"][-4:-2] == ["--slices", "2"]
+    assert read_launch_record(c["command"][-1])[0] == Target.parse("v5p-256", 2)
     names = [e["name"] for e in c["env"]]
     assert len(names) == len(set(names))
     assert not set(names) & set(INJECTED_ENV) and not any(n.startswith("MEGASCALE_") for n in names)

@@ -230,3 +230,113 @@ def test_bad_prices_are_one_line_and_exit_2(tmp_path, prices, says):
     assert p.returncode == 2 and p.stdout == ""
     (line,) = p.stderr.splitlines()
     assert line.startswith("error: setting `prices` (file ") and says in line, line
+
+
+# ---------------------------------------------------------------- the plan an attempt carries
+
+
+def test_launch_record_round_trips_the_target_and_plan():
+    from olmo_ctl.core.batching import launch_record, read_launch_record
+    from olmo_ctl.core.devices import Target
+
+    r = load_recipe("olmo3-7b-stage1")
+    target = Target.parse("v5p-256", 2)
+    plan = make_plan(r, target.device, target.slices)
+    t2, p2 = read_launch_record(launch_record(target, plan))
+    assert t2 == target and p2 == plan
+    assert t2.device == get_device("v5p-256") and p2.devices == 256 and p2.slices == 2
+
+
+@pytest.mark.parametrize(
+    "edit, text",
+    [
+        (lambda rec: rec.update(plan={**rec["plan"], "device": "v5p-8"}), "is for v5p-8 x 1"),
+        (lambda rec: rec["target"]["device"].pop("devices"), "is not one this version renders"),
+        (lambda rec: rec.update(target="v5p-256"), "is not one this version renders"),
+    ],
+)
+def test_a_record_that_is_not_one_is_refused(edit, text):
+    from olmo_ctl.core.batching import launch_record, read_launch_record
+    from olmo_ctl.core.devices import Target
+
+    target = Target.parse("v5p-256")
+    rec = json.loads(launch_record(target, make_plan(load_recipe("olmo3-7b-stage1"), target.device)))
+    edit(rec)
+    with pytest.raises(BadInput, match=text):
+        read_launch_record(json.dumps(rec))
+    with pytest.raises(BadInput, match="not a plan record"):
+        read_launch_record("v5p-256")
+
+
+def test_check_plan_refuses_a_plan_made_for_another_batch_or_one_that_does_not_hold_it():
+    import dataclasses
+
+    from olmo_ctl.core.batching import check_plan
+
+    r = load_recipe("olmo3-7b-stage1")
+    plan = make_plan(r, get_device("v5p-256"))
+    check_plan(plan, r)
+    check_plan(plan, load_recipe("olmo3-7b-stage1", overrides=["train.max_steps=10"]))  # horizon: no layout
+    with pytest.raises(BadInput, match="global batch 512, the run's recipe 1024"):
+        check_plan(plan, load_recipe("olmo3-7b-stage1", overrides=["train.global_batch=1024"]))
+    with pytest.raises(BadInput, match="sequence length"):
+        check_plan(plan, load_recipe("olmo3-7b-stage1", overrides=["train.seq_len=4096"]))
+    with pytest.raises(BadInput, match="does not hold its global batch 512"):
+        check_plan(dataclasses.replace(plan, grad_accum=plan.grad_accum * 2), r)
+    with pytest.raises(BadInput, match="the run's recipe smoke"):
+        check_plan(plan, load_recipe("smoke"))
+
+
+def _trainer(tmp_path: Path, *args: str, xla_devices: int = 2) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={xla_devices}")
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "olmo_ctl.trainer",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--recipe",
+            "smoke",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+
+
+def _record(device: str, recipe: str = "smoke", overrides: tuple[str, ...] = ()) -> str:
+    from olmo_ctl.core.batching import launch_record
+    from olmo_ctl.core.devices import Target
+
+    target = Target.parse(device)
+    return launch_record(target, make_plan(load_recipe(recipe, overrides=list(overrides)), target.device))
+
+
+@pytest.mark.parametrize(
+    "args, text",
+    [
+        # made for another batch than the run's recipe: refused, not trained
+        (
+            ("--plan", _record("cpu-2", overrides=("train.global_batch=16",))),
+            "global batch 16, the run's recipe 8",
+        ),
+        # made for more devices than JAX sees here
+        (("--plan", _record("cpu-4")), "has 4 devices but JAX sees 2"),
+        # a name beside the record that names something else
+        (
+            ("--plan", _record("cpu-2"), "--device", "cpu-4"),
+            "--device cpu-4 x 1 disagrees with --plan's cpu-2",
+        ),
+        (("--plan", "{not json"), "--plan is not a plan record"),
+    ],
+)
+def test_the_trainer_refuses_a_plan_that_disagrees_and_writes_nothing(tmp_path, args, text):
+    p = _trainer(tmp_path, *args)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert text in p.stderr and "Traceback" not in p.stderr
+    assert not any(p for p in (tmp_path / "r").rglob("*") if p.is_file() and "checkpoints" in p.parts)

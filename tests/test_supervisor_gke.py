@@ -14,6 +14,7 @@ from helpers.attempts import attempt_of
 
 from olmo_ctl.backends.gke import GKEBackend
 from olmo_ctl.backends.kube import KubeRetryPolicy
+from olmo_ctl.core.batching import read_launch_record
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.errors import OlmoCtlError
 from olmo_ctl.core.recipe import load_recipe
@@ -381,9 +382,12 @@ def test_a_multislice_run_keeps_its_slice_count_across_attempts(tmp_path, srv, g
     for name in srv.cluster.jobset_names():
         js = srv.cluster.jobset(name)
         assert js["spec"]["replicatedJobs"][0]["replicas"] == 2
-        assert js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
+        command = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
             "command"
-        ][-2:] == ["--slices", "2"]
+        ]
+        assert command[-4:-2] == ["--slices", "2"] and command[-2] == "--plan"
+        target, plan = read_launch_record(command[-1])
+        assert target.slices == 2 and plan.slices == 2 and plan.devices == 2 * target.device.devices
     assert run_slices(rd, None) == 2 and run_slices(rd, 2) == 2
     with pytest.raises(OlmoCtlError, match=r"runs on 2 x tpu7x-16, not 1"):
         run_slices(rd, 1)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from olmo_ctl.backends.options import NoOptions
 from olmo_ctl.core.contracts import LogProgress, State
-from olmo_ctl.core.devices import Device, check_slices, get_device
+from olmo_ctl.core.devices import Target
 from olmo_ctl.core.errors import BadInput
 
 if TYPE_CHECKING:  # pure modules, but a backend that only reads status needs none of them
@@ -79,32 +79,6 @@ class AttemptStatus:
     restarts: int = 0  # restarts of the attempt in place (JobSet status.restarts)
     workload: str | None = None  # the queue's object for the attempt (Kueue Workload name)
     details: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where an attempt runs: the catalog device and how many slices of it (multislice when > 1).
-    Parsed once from a name (`Target.parse`: the command line, the journal, run.yaml) and passed by
-    every layer as it is; nothing below reads a device name again."""
-
-    device: Device
-    slices: int = 1
-
-    @classmethod
-    def parse(cls, device: str, slices: int | None = 1) -> Target:
-        """The target `device` x `slices`; BadInput (with a hint) for a name the catalog does not know,
-        or a slice count the device cannot take."""
-        dev = get_device(device)
-        return cls(dev, check_slices(dev, 1 if slices is None else slices))
-
-    @property
-    def name(self) -> str:
-        return self.device.name
-
-    @property
-    def on(self) -> str:
-        """How a person reads it: `v5p-16`, or `2 x v5p-16` for two slices."""
-        return self.name if self.slices == 1 else f"{self.slices} x {self.name}"
 
 
 @dataclass(frozen=True)

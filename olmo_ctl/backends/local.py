@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from olmo_ctl import storage
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State, Target
+from olmo_ctl.core.batching import launch_record
 from olmo_ctl.core.contracts import (
     COORDINATOR_ENV,
     LOG_PREFIX_ENV,
@@ -162,6 +163,8 @@ class LocalBackend(Backend[LocalRequest]):
             attempt.device,
             "--attempt",
             str(attempt.attempt),
+            "--plan",
+            launch_record(attempt.target, attempt.plan),
         ]
         if attempt.recipe_path:
             argv += ["--recipe", attempt.recipe_path]

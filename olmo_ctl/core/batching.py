@@ -30,10 +30,12 @@ activation estimate is the instance's divided by seq_shards.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from olmo_ctl.core.devices import Device
+from olmo_ctl.core.devices import Device, Target
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import ModelConfig, Recipe
 
@@ -243,6 +245,58 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
         slices=slices,
         seq_shards=seq,
     )
+
+
+# ---------------------------------------------------------------- the plan an attempt carries
+
+
+def launch_record(target: Target, plan: Plan) -> str:
+    """What a backend renders into the trainer's command line (`--plan`): the attempt's target (the
+    catalog entry, not its name) and its one plan, as compact JSON. The trainer reads them instead of
+    making its own, and refuses a plan that disagrees with its recipe or with what JAX sees."""
+    return json.dumps({"target": target.to_dict(), "plan": plan.to_dict()}, separators=(",", ":"))
+
+
+def read_launch_record(text: str) -> tuple[Target, Plan]:
+    """The target and plan of a `launch_record`; BadInput for anything else."""
+    hint = "the attempt's --plan is rendered by olmo-ctl; start the trainer by hand with --device instead"
+    try:
+        record = json.loads(text)
+        target = Target.from_dict(record["target"])
+        fields = {f.name for f in dataclasses.fields(Plan)}
+        plan = Plan(**{k: v for k, v in record["plan"].items() if k in fields})
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise BadInput(f"--plan is not a plan record ({type(e).__name__}: {e})", hint) from None
+    if plan.device != target.name or plan.slices != target.slices:
+        raise BadInput(f"--plan is for {plan.device} x {plan.slices} but names the target {target.on}", hint)
+    return target, plan
+
+
+def check_plan(plan: Plan, recipe: Recipe) -> None:
+    """The plan an attempt carries against the recipe the trainer resolved (run.yaml): the batch and
+    the sequence it was made for (the horizon is the recipe's: it shapes no layout), and a layout that holds the global batch exactly
+    (`per_device_batch x grad_accum x devices == global_batch x seq_shards`). BadInput naming the
+    first disagreement: the trainer never trains a batch other than the recipe's."""
+    t = recipe.train
+    hint = "resubmit the attempt (olmo-ctl makes its plan from the run's recipe)"
+    for what, carried, wanted in (
+        ("recipe", plan.recipe, recipe.name),
+        ("global batch", plan.global_batch, t.global_batch),
+        ("sequence length", plan.seq_len, t.seq_len),
+    ):
+        if carried != wanted:
+            raise BadInput(f"the attempt's plan has {what} {carried}, the run's recipe {wanted}", hint)
+    if (
+        min(plan.per_device_batch, plan.grad_accum, plan.seq_shards, plan.devices) < 1
+        or plan.per_device_batch * plan.grad_accum * plan.devices != plan.global_batch * plan.seq_shards
+        or plan.data_parallel * plan.seq_shards != plan.devices
+    ):
+        raise BadInput(
+            f"the attempt's plan does not hold its global batch {plan.global_batch}: per-device batch "
+            f"{plan.per_device_batch} x accumulation {plan.grad_accum} x {plan.devices} devices "
+            f"(seq_shards {plan.seq_shards}, data_parallel {plan.data_parallel})",
+            hint,
+        )
 
 
 def eval_micro_batch(recipe: Recipe, plan: Plan) -> int:

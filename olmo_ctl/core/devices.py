@@ -275,3 +275,47 @@ def _multi_host_cpu(name: str, count: str, hint: str) -> Device:
     if not 1 <= int(p) * int(d) <= MAX_LOCAL:
         raise BadInput(f"`{name}` is not a device type: cpu-PxD takes 1 <= P x D <= {MAX_LOCAL}", hint)
     return _local_device("cpu", int(d), int(p))
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where an attempt runs: the catalog device and how many slices of it (multislice when > 1).
+    Parsed once from a name (`Target.parse`: the command line, the journal, run.yaml) and passed by
+    every layer as it is; nothing below reads a device name again."""
+
+    device: Device
+    slices: int = 1
+
+    @classmethod
+    def parse(cls, device: str, slices: int | None = 1) -> Target:
+        """The target `device` x `slices`; BadInput (with a hint) for a name the catalog does not know,
+        or a slice count the device cannot take."""
+        dev = get_device(device)
+        return cls(dev, check_slices(dev, 1 if slices is None else slices))
+
+    def to_dict(self) -> dict:
+        """The record a backend hands the trainer (`--plan`): the catalog entry itself, not its name."""
+        return {"device": asdict(self.device), "slices": self.slices}
+
+    @classmethod
+    def from_dict(cls, record: dict) -> Target:
+        """The target of a `to_dict` record as it was rendered (a record of another version's fields,
+        or a slice count the device cannot take: BadInput)."""
+        try:
+            dev = Device(**record["device"])
+            slices = record.get("slices", 1)
+        except (KeyError, TypeError) as e:
+            raise BadInput(
+                f"the target record is not one this version renders ({type(e).__name__}: {e})",
+                "render the attempt with the olmo-ctl of the trainer image",
+            ) from None
+        return cls(dev, check_slices(dev, slices))
+
+    @property
+    def name(self) -> str:
+        return self.device.name
+
+    @property
+    def on(self) -> str:
+        """How a person reads it: `v5p-16`, or `2 x v5p-16` for two slices."""
+        return self.name if self.slices == 1 else f"{self.slices} x {self.name}"

@@ -1,6 +1,8 @@
 """`python -m olmo_ctl.trainer`: the bundled trainer's entry point (see docs/CONTRACTS.md).
 
-Parses arguments without importing jax, so that `--device cpu-N` can set XLA_FLAGS first.
+Parses arguments without importing jax, so that a CPU target (`--device cpu-N`) can set XLA_FLAGS first.
+An attempt olmo-ctl renders carries its target and plan (`--plan`, made once by the CLI); `--device`
+(and `--slices`) is for starting the trainer by hand, which makes the plan here.
 Exit codes: 0 reached the final step (or --stop-at-step) with it committed; 143 stopped by SIGTERM
 after checkpointing; 1 deterministic training error; 2 bad input; 3 restartable (storage, network,
 joining the slice's hosts, a lost peer, a hang, any runtime error not proven deterministic).
@@ -22,6 +24,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run-dir", required=True, help="run directory (local path or gs://)")
     p.add_argument("--device", help="device type, e.g. v5p-256, tpu7x-128, cpu-4")
     p.add_argument("--slices", type=int, default=1, help="slices of --device (multislice, joined over DCN)")
+    p.add_argument(
+        "--plan",
+        dest="launch",
+        metavar="JSON",
+        help="the attempt's target and batch plan as olmo-ctl renders them (instead of --device); "
+        "refused when it disagrees with the recipe or with the devices JAX sees",
+    )
     p.add_argument("--attempt", type=int, default=0, help="attempt number (names the event segments)")
     p.add_argument(
         "--stop-at-step", type=int, default=None, help="stop after step N with checkpoint N committed"
@@ -65,9 +74,29 @@ def _tpu_may_be_present(environ=None) -> bool:
     return any(k.startswith("TPU_") for k in (os.environ if environ is None else environ))
 
 
-def _prepare_env(device: str | None) -> None:
-    """`cpu-N`: N host devices (unless the launcher set XLA_FLAGS) and the CPU platform only; no --device
-    on a machine without a TPU: the CPU platform.
+def _target_and_plan(ns: argparse.Namespace):
+    """(target, plan) of this process: the attempt's (`--plan`), the one `--device` names (plan None:
+    made by the trainer), or (None, None): what this machine shows. BadInput for a name the catalog
+    does not know or a `--device` that disagrees with the `--plan` beside it."""
+    from olmo_ctl.core.batching import read_launch_record
+    from olmo_ctl.core.devices import Target
+    from olmo_ctl.core.errors import BadInput
+
+    if ns.launch is not None:
+        target, plan = read_launch_record(ns.launch)
+        if ns.device and (ns.device, ns.slices) != (target.name, target.slices):
+            raise BadInput(
+                f"--device {ns.device} x {ns.slices} disagrees with --plan's {target.on}", "pass one of them"
+            )
+        return target, plan
+    if ns.device:
+        return Target.parse(ns.device, ns.slices), None
+    return None, None
+
+
+def _prepare_env(target) -> None:
+    """A CPU target: its devices per process (unless the launcher set XLA_FLAGS) and the CPU platform
+    only; no target on a machine without a TPU: the CPU platform.
 
     With a GCS emulator (STORAGE_EMULATOR_HOST), point every client at it: tensorstore (Orbax arrays)
     would otherwise retry real GCS, and gcsfs (Orbax metadata) would probe for cloud credentials.
@@ -75,15 +104,15 @@ def _prepare_env(device: str | None) -> None:
     from olmo_ctl.trainer.checkpoint import emulator_env_defaults
 
     emulator_env_defaults()
-    if not device and not _tpu_may_be_present():
+    if target is None and not _tpu_may_be_present():
         # No TPU here: the CPU, quietly. jax would otherwise initialise libtpu, which logs pages of
         # INVALID_ARGUMENT and holds /tmp/libtpu_lockfile while this process lives.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if not device or not device.startswith("cpu-"):
+    if target is None or target.device.platform != "cpu":
         return
-    n = device.partition("-")[2]
     flags = os.environ.get("XLA_FLAGS", "")
-    if n.isdigit() and "xla_force_host_platform_device_count" not in flags:
+    if "xla_force_host_platform_device_count" not in flags:
+        n = target.device.devices_per_process
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -132,23 +161,20 @@ def _eval_main(ns: argparse.Namespace) -> int:
     from olmo_ctl.trainer.exits import exit_code_of
 
     def evaluate() -> int:
-        _prepare_env(ns.device)
+        target, _ = _target_and_plan(ns)
+        _prepare_env(target)
         import json
 
         from olmo_ctl.checkpoints.evaluate import EvalSpec, run_job
         from olmo_ctl.core.errors import BadInput
 
         spec = EvalSpec.from_json(ns.eval_spec)
-        if ns.device:
-            from olmo_ctl.core.devices import get_device
-
-            dev = get_device(ns.device)
-            if dev.processes * ns.slices > 1:
-                raise BadInput(
-                    f"an eval job runs as one process, and {ns.device} x {ns.slices} has "
-                    f"{dev.processes * ns.slices} hosts",
-                    "a single-host slice such as v5p-8 or tpu7x-8",
-                )
+        if target is not None and target.device.processes * target.slices > 1:
+            raise BadInput(
+                f"an eval job runs as one process, and {target.name} x {target.slices} has "
+                f"{target.device.processes * target.slices} hosts",
+                "a single-host slice such as v5p-8 or tpu7x-8",
+            )
         import jax
 
         # The spec as it was sent: the command that sent it recognises its result by it.
@@ -171,14 +197,15 @@ def _main(ns: argparse.Namespace) -> int:
     from olmo_ctl.trainer import multihost
 
     try:
-        _prepare_env(ns.device)
+        target, plan = _target_and_plan(ns)
+        _prepare_env(target)
         from olmo_ctl.trainer.train import TrainArgs, load_run_recipe, main_run
 
         args = TrainArgs(
             run_dir=ns.run_dir,
             recipe=ns.recipe,
-            device=ns.device,
-            slices=ns.slices,
+            target=target,
+            plan=plan,
             attempt=ns.attempt,
             stop_at_step=ns.stop_at_step,
             overrides=list(ns.overrides),
@@ -192,28 +219,25 @@ def _main(ns: argparse.Namespace) -> int:
         # call (tensorstore and gcsfs read it then): set here, once.
         deadlines.apply(recipe.runtime.storage_timeout_s)
         committed = RunDir(ns.run_dir).committed_steps()  # listed once: the join and the version check
-        if ns.device:
-            from olmo_ctl.core.devices import check_slices, get_device
-
+        if target is not None:
             # Several hosts join before any other jax call (the TPU slice's VMs, or cpu-PxD's processes),
             # and tell the runtime's stop agreement at once where this attempt starts.
-            dev = get_device(ns.device)
             multihost.join(
-                dev,
+                target.device,
                 recipe.runtime,
                 committed=max(committed, default=0),
-                slices=check_slices(dev, ns.slices),  # multislice: one world of every slice's hosts
+                slices=target.slices,  # multislice: one world of every slice's hosts
             )
         _check_versions(ns, committed)
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")
         return EXIT_RESTART if e.exit_code == EXIT_RESTART else 2
     code = main_run(dataclasses.replace(args, loaded_recipe=recipe))
-    _journal_exit(ns, code)
+    _journal_exit(ns, code, None if target is None else target.name)
     return code
 
 
-def _journal_exit(ns: argparse.Namespace, code: int) -> None:
+def _journal_exit(ns: argparse.Namespace, code: int, device: str | None) -> None:
     """Process 0 of an olmo-ctl attempt (one the run's journal records as submitted) journals how it
     exited, so the attempt's end is recorded when no supervisor watches it (a detached supervisor,
     `submit`). A storage hiccup here must not change the exit code."""
@@ -230,7 +254,7 @@ def _journal_exit(ns: argparse.Namespace, code: int) -> None:
         rd.append(
             EXITED_EVENT,
             attempt=ns.attempt,
-            device=ns.device,
+            device=device,
             reason=exit_state(code)[1],
             committed_step=rd.committed_step(),
             exit_code=code,

@@ -37,7 +37,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from olmo_ctl.core.batching import Plan
 from olmo_ctl.core.contracts import committed_line
+from olmo_ctl.core.devices import Target
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import Recipe
 from olmo_ctl.storage import join
@@ -63,8 +65,8 @@ ORDER_DIR = "data_order"  # <run-dir>/data_order/<fingerprint digest>-e<epoch>/:
 class TrainArgs:
     run_dir: str
     recipe: str | None = None
-    device: str | None = None
-    slices: int = 1  # slices of `device` (multislice: N x the device's processes and devices)
+    target: Target | None = None  # None: what this machine shows (trainer/device.py)
+    plan: Plan | None = None  # the attempt's plan (`--plan`); None: made here for the target
     attempt: int = 0
     stop_at_step: int | None = None
     overrides: list[str] = field(default_factory=list)
@@ -125,17 +127,22 @@ def _setup(args: TrainArgs) -> _Setup:
 
     from olmo_ctl.core import batching
     from olmo_ctl.trainer import sharding
-    from olmo_ctl.trainer.device import detect_device
+    from olmo_ctl.trainer.device import detect_target
 
     recipe = load_run_recipe(args)
-    device = detect_device(args.device, args.slices)
-    plan = batching.make_plan(recipe, device, args.slices)
+    target = detect_target(args.target)
+    device = target.device
+    if args.plan is None:  # started by hand: the plan of the recipe on what this machine is
+        plan = batching.make_plan(recipe, device, target.slices)
+    else:  # the attempt's own, made once by olmo-ctl; refused when it is not this recipe's
+        plan = args.plan
+        batching.check_plan(plan, recipe)
     t = recipe.train
     final_step = t.max_steps if args.stop_at_step is None else min(args.stop_at_step, t.max_steps)
     if args.stop_at_step is not None and args.stop_at_step < 0:
         raise BadInput("--stop-at-step must be >= 0")
     mesh = sharding.make_mesh(
-        jax.devices(), t.mesh, t.data_parallel, slices=args.slices, seq_shards=plan.seq_shards
+        jax.devices(), t.mesh, t.data_parallel, slices=target.slices, seq_shards=plan.seq_shards
     )
     return _Setup(
         recipe,
