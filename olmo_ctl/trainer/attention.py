@@ -41,6 +41,7 @@ import functools
 import logging
 import math
 from functools import partial
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -409,8 +410,9 @@ def _splash_kernel(
         block_q_dkv=bq,
         block_kv_dkv=bkv,
         block_kv_dkv_compute=bkvc,
+        block_q_dq=None if SPLASH_FUSED_BWD else bq,  # the fused backward kernel has no dq blocks
+        block_kv_dq=None if SPLASH_FUSED_BWD else bkv,
         use_fused_bwd_kernel=SPLASH_FUSED_BWD,
-        **({} if SPLASH_FUSED_BWD else {"block_q_dq": bq, "block_kv_dq": bkv}),
     )
     mask = sa.MultiHeadMask([splash_mask(seq_len, window)] * n_heads)
     # Built inside each trace: the mask's block tables become constants of that program (a kernel
@@ -508,7 +510,9 @@ def splash_attention(
 # ----------------------------------------------------------------------------- cuDNN (GPU)
 
 
-def cudnn_attention(q, k, v, *, window: int | None, segment_ids=None, implementation: str = "cudnn"):
+def cudnn_attention(
+    q, k, v, *, window: int | None, segment_ids=None, implementation: Literal["xla", "cudnn"] = "cudnn"
+):
     """`jax.nn.dot_product_attention` with cuDNN: causal, plus the local window for sliding layers.
 
     Its `local_window_size=(left, right)` lets query i see keys i-left..i+right, so OLMo 3's window W

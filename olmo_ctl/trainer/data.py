@@ -27,7 +27,7 @@ numpy only: no jax import here.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -65,6 +65,7 @@ def epoch_order(n_instances: int, seed: int, epoch: int, global_batch: int) -> n
     if global_batch < 1:
         raise ValueError(f"global_batch must be positive, got {global_batch}")
     rng = np.random.Generator(np.random.PCG64(seed + epoch))
+    order: np.ndarray
     if n_instances < 2**32:
         order = np.arange(n_instances, dtype=np.uint32)
         rng.shuffle(order)
@@ -81,7 +82,7 @@ class TokenDataset:
 
     def __init__(
         self,
-        files: list[TokenFile | str],
+        files: Sequence[TokenFile | str],
         seq_len: int,
         ngram_filter: bool = False,
         vocab_size: int | None = None,

@@ -511,8 +511,12 @@ def icl_metrics(ts: TaskSet, ll: np.ndarray, choice_ll: np.ndarray) -> dict[str,
     for doc, cont, s, i in _entries(ts, ll, choice_ll):
         labels.setdefault(doc, int(ts.label_id[i]))
         per_doc.setdefault(doc, {}).setdefault(cont, _normalized(mt, ts, s, i))
-    correct, ce_nls, ce, bpb_nls, bpb, soft, soft_log = [], [], [], [], [], [], []
-    soft_nls, soft_log_nls, preds, preds_nls, golds = [], [], [], [], []
+    correct, ce_nls, ce, bpb_nls, bpb = [], [], [], [], []
+    preds, preds_nls, golds = [], [], []
+    soft: list[float] = []
+    soft_log: list[float] = []
+    soft_nls: list[float] = []
+    soft_log_nls: list[float] = []
     for doc, conts in per_doc.items():
         n = len(conts)
         if any(c >= n for c in conts):  # ICLMetric's IndexError: the document is skipped

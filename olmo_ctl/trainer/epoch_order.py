@@ -74,7 +74,7 @@ def compute_into(buf: np.ndarray, seed: int, epoch: int) -> None:
 
 
 def _chunk_crcs(buf: np.ndarray) -> list[int]:
-    mv = memoryview(buf).cast("B")
+    mv = buf.data.cast("B")
     step = CHUNK_ENTRIES * buf.dtype.itemsize
     return [zlib.crc32(mv[s : s + step]) for s in range(0, len(mv), step)]
 
@@ -197,7 +197,7 @@ def build_order(
             buf = np.frombuffer(mm, dtype=dt, count=n)
             compute_into(buf, seed, epoch)
             crcs = _chunk_crcs(buf)
-            raw = memoryview(buf).cast("B")
+            raw = buf.data.cast("B")
             part_bytes = PART_ENTRIES * dt.itemsize
             for k, s in enumerate(range(0, max(nbytes, 1), part_bytes)):
                 path = storage.join(directory, _part_name(k))

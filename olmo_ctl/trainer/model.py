@@ -219,6 +219,7 @@ def _constrain_batch(x):
     n, seq = mesh.shape["data"] * mesh.shape["fsdp"], sharding.seq_shards(mesh)
     if x.shape[0] % n:
         return x
+    spec: jax.sharding.PartitionSpec | jax.sharding.NamedSharding
     if seq > 1 and x.ndim >= 2 and x.shape[1] % seq == 0:
         spec = jax.sharding.PartitionSpec(sharding.AXES, sharding.SEQ, *([None] * (x.ndim - 2)))
     elif n == 1:
@@ -237,6 +238,7 @@ def _constrain_heads(x):
     seq = sharding.seq_shards(mesh)
     if seq == 1 or x.shape[2] % seq or x.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
         return x
+    spec: jax.sharding.PartitionSpec | jax.sharding.NamedSharding
     spec = jax.sharding.PartitionSpec(sharding.AXES, None, sharding.SEQ, None)
     if isinstance(mesh, jax.sharding.Mesh):
         spec = jax.sharding.NamedSharding(mesh, spec)

@@ -36,6 +36,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Any, Required, TypedDict
 
 from olmo_ctl.core.contracts import (
     COORDINATOR_ENV,
@@ -54,7 +55,16 @@ class JoinFailed(OlmoCtlError):
         super().__init__(message, hint, exit_code=EXIT_RESTART)
 
 
-_state = {"joined": False, "out_fd": None}
+class _State(TypedDict, total=False):
+    joined: Required[bool]
+    out_fd: Required[int | None]  # the attempt log's fd once `prefix_output` took fd 1 and 2
+    joining: str | None  # what `join` is doing, for the abort handler's line
+    gloo: bool
+    init_timeout_s: float
+    thread: threading.Thread | None  # `prefix_output`'s copier
+
+
+_state: _State = {"joined": False, "out_fd": None}
 
 
 def joined() -> bool:
@@ -70,7 +80,7 @@ def join(device, runtime, committed: int = 0, slices: int = 1) -> bool:
         return False
     import jax
 
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "initialization_timeout": int(runtime.init_timeout_s),
         "heartbeat_timeout_seconds": int(runtime.peer_timeout_s),
     }
@@ -347,9 +357,10 @@ def prefix_output(prefix: str) -> None:
 
 def drain_output(timeout: float = 5.0) -> None:
     """Close our ends of the pipe and wait for the copier: call before the process exits."""
-    t = _state.get("thread")
+    t, out = _state.get("thread"), _state["out_fd"]
     if t is None:
         return
+    assert out is not None  # set before the copier started
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -357,9 +368,7 @@ def drain_output(timeout: float = 5.0) -> None:
         pass
     for fd in (1, 2):
         try:
-            os.dup2(
-                _state["out_fd"], fd
-            )  # later writes go straight to the log; the pipe's last writer closes
+            os.dup2(out, fd)  # later writes go straight to the log; the pipe's last writer closes
         except OSError:
             pass
     t.join(timeout)

@@ -43,7 +43,9 @@ class OptimizerDtypeError(RuntimeError):
 class AdamState(NamedTuple):
     mu: Any  # first moment, fp32, shaped like params
     nu: Any  # second moment, fp32, shaped like params
-    count: jax.Array  # int32: bias-correction count = number of applied (not skipped) updates
+    # int32: bias-correction count = number of applied (not skipped) updates. The field is named like
+    # optax's (and the checkpoint's key); mypy reads it as overriding the tuple method `count`.
+    count: jax.Array  # type: ignore[assignment]
 
 
 class SkipWindow(NamedTuple):

@@ -65,7 +65,7 @@ def cpu_devices(n: int):
 
     flags = os.environ.get("XLA_FLAGS", "")
     if not xla_bridge.backends_are_initialized() and "xla_force_host_platform_device_count" not in flags:
-        jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices))
+        jax.config.update("jax_num_cpu_devices", max(n, xla_bridge.num_cpu_devices.value))
     have = jax.devices("cpu")
     if len(have) < n:
         raise BadInput(

@@ -140,7 +140,7 @@ def _slice_groups(devices: list, slices: int) -> list[list]:
     index = [getattr(d, "slice_index", None) for d in devices]
     procs = [getattr(d, "process_index", None) for d in devices]
     if slices > 1 and set(index) <= {0, None} and all(p is not None for p in procs):
-        hosts = sorted(set(procs))
+        hosts = sorted({p for p in procs if p is not None})
         if len(hosts) % slices:
             raise ValueError(f"{slices} slices do not split the {len(hosts)} processes")
         per_slice = len(hosts) // slices
@@ -151,7 +151,7 @@ def _slice_groups(devices: list, slices: int) -> list[list]:
             raise ValueError(f"slices of unequal size: {[len(g) for g in groups]} devices")
         return groups
     if all(i is not None for i in index):
-        found = sorted(set(index))
+        found = sorted({i for i in index if i is not None})
         if found != list(range(slices)):
             raise ValueError(f"the devices carry slice_index {found}, expected 0..{slices - 1}")
         groups = [[d for d in devices if d.slice_index == s] for s in range(slices)]

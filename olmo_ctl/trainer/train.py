@@ -312,10 +312,10 @@ def run(args: TrainArgs) -> int:
     watchdog, phase_s = Watchdog(rt.watchdog_factor, rt.watchdog_min_s).start(), storage_phase_s(rt)
     try:
         with watchdog.judged("the data set-up", phase_s):  # the packing is stored in the run directory too
-            loader = data_lib.make_train_loader(
+            batches = data_lib.make_train_loader(
                 s.recipe, s.proc, s.n_proc, join(args.run_dir, ORDER_DIR), watchdog.progress
             )
-        loader = audit.recorded(faults.wrap_loader(loader), args.run_dir, args.attempt, s.proc, s.n_proc)
+        loader = audit.recorded(faults.wrap_loader(batches), args.run_dir, args.attempt, s.proc, s.n_proc)
         with watchdog.judged("the checkpoint listing", phase_s):
             ckpt = Checkpointer.for_run(
                 args.run_dir, keep=s.recipe.checkpoint.keep, async_save=s.recipe.checkpoint.async_save
