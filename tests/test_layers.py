@@ -1,6 +1,7 @@
 """The package's layers: every import of our own modules (at the top of a file or inside a function)
 points to the importer's own layer or a lower one, never up; and no module reaches itself again
-through the modules it imports (no import cycle).
+through the modules it imports when it runs (no import cycle; an import under `if TYPE_CHECKING:`,
+for annotations only, never runs).
 
     core < storage, ports < rundir, data < trainer < checkpoints < trainer.__main__ < backends
          < preflight < observe < supervise < sandbox < cli
@@ -35,9 +36,6 @@ LAYERS = [
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in ((layer,) if isinstance(layer, str) else layer)}
 ENTRY_POINTS = {"olmo_ctl.trainer.__main__": "trainer.__main__"}  # a module that is a layer of its own
-# A package whose modules still import one another both ways: the sandbox cluster's controllers call
-# each other through the world they share. The cycle test leaves it out until it is split up.
-CYCLES_NOT_YET_BROKEN = ("olmo_ctl.sandbox",)
 
 
 def layer_of(module: str) -> str:
@@ -123,14 +121,36 @@ def test_observe_and_supervise_reach_the_trainer_only_through_checkpoints():
     assert bad == []
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    """`TYPE_CHECKING` or `typing.TYPE_CHECKING`: the test of a block only type checkers run."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of `tree` but those under `if TYPE_CHECKING:` (its `else:` runs, so it is kept)."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo += node.orelse
+        else:
+            todo += ast.iter_child_nodes(node)
+    return out
+
+
 def modules_imported(source: str, me: str, modules: set[str], is_package: bool = False) -> set[str]:
-    """The olmo_ctl modules (of `modules`) that `source` (module `me`) imports, wherever the import
-    stands: `from olmo_ctl.trainer import data` imports `olmo_ctl.trainer.data`, `from
+    """The olmo_ctl modules (of `modules`) that `source` (module `me`) imports when it runs, wherever
+    the import stands: `from olmo_ctl.trainer import data` imports `olmo_ctl.trainer.data`, `from
     olmo_ctl.trainer.data import BatchLoader` imports it too; a name that is no module of ours
-    counts as its nearest enclosing one."""
+    counts as its nearest enclosing one. An import under `if TYPE_CHECKING:` is for annotations
+    only (never run), so it makes no cycle."""
     package = me if is_package else me.rpartition(".")[0]
     names: list[str] = []
-    for node in ast.walk(ast.parse(source)):
+    for node in _runtime_nodes(ast.parse(source)):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -183,13 +203,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_imports_itself_through_others():
-    graph = import_graph()
-    checked = {
-        m: {t for t in ts if not t.startswith(CYCLES_NOT_YET_BROKEN)}
-        for m, ts in graph.items()
-        if not m.startswith(CYCLES_NOT_YET_BROKEN)
-    }
-    assert cycles(checked) == []
+    assert cycles(import_graph()) == []
 
 
 def test_the_cycle_finder_sees_a_function_level_import():
@@ -201,6 +215,27 @@ def test_the_cycle_finder_sees_a_function_level_import():
     assert cycles({"olmo_ctl.a": a, "olmo_ctl.b": b, "olmo_ctl.pkg.c": c, "olmo_ctl.pkg": set()}) == [
         ["olmo_ctl.a", "olmo_ctl.b", "olmo_ctl.pkg.c"]
     ]
+
+
+def test_the_cycle_finder_leaves_out_an_import_for_type_checkers_only():
+    modules = {"olmo_ctl.a", "olmo_ctl.b", "olmo_ctl.c"}
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import typing\n"
+        "if TYPE_CHECKING:\n"
+        "    from olmo_ctl.b import B\n"
+        "else:\n"
+        "    from olmo_ctl.c import C\n"
+        "if typing.TYPE_CHECKING:\n"
+        "    import olmo_ctl.b\n"
+        "def f():\n"
+        "    if TYPE_CHECKING:\n"
+        "        from olmo_ctl import b\n"
+    )
+    a = modules_imported(source, "olmo_ctl.a", modules)
+    b = modules_imported("from olmo_ctl.a import x\n", "olmo_ctl.b", modules)
+    assert (a, b) == ({"olmo_ctl.c"}, {"olmo_ctl.a"})
+    assert cycles({"olmo_ctl.a": a, "olmo_ctl.b": b, "olmo_ctl.c": set()}) == []
 
 
 def test_the_walk_sees_every_kind_of_import():

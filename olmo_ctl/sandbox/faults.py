@@ -227,7 +227,7 @@ def send(kubeconfig: str | Any, raw: Mapping[str, Any], timeout_s: float = 30.0)
     import yaml
 
     from olmo_ctl.core.errors import Unreachable
-    from olmo_ctl.sandbox.sandbox import CONTEXT
+    from olmo_ctl.sandbox.kubeconfig import CONTEXT
 
     path = Path(kubeconfig)
     try:

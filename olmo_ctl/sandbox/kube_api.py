@@ -68,20 +68,21 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from olmo_ctl.sandbox import kube_views as views
-
-CRD_DIR = Path(__file__).resolve().parent / "crds"
-JOBSET_CRD = "jobset.x-k8s.io_jobsets.v0.10.1.yaml"
-WORKLOAD_CRD = "kueue.x-k8s.io_workloads.v0.17.1.yaml"
-LOCALQUEUE_CRD = "kueue.x-k8s.io_localqueues.v0.17.1.yaml"
-CLUSTERQUEUE_CRD = "kueue.x-k8s.io_clusterqueues.v0.17.1.yaml"
-RESOURCEFLAVOR_CRD = "kueue.x-k8s.io_resourceflavors.v0.17.1.yaml"
-WPC_CRD = "kueue.x-k8s.io_workloadpriorityclasses.v0.17.1.yaml"
-ADMISSIONCHECK_CRD = "kueue.x-k8s.io_admissionchecks.v0.17.1.yaml"
+from olmo_ctl.sandbox.kube_common import (
+    ADMISSIONCHECK_CRD,
+    CLUSTERQUEUE_CRD,
+    JOBSET_CRD,
+    LOCALQUEUE_CRD,
+    RESOURCEFLAVOR_CRD,
+    WORKLOAD_CRD,
+    WPC_CRD,
+    ApiError,
+    crd_versions,
+)
 
 OBJECT_META_FIELDS = frozenset(
     {
@@ -113,17 +114,6 @@ def now_iso(offset_s: float = 0.0) -> str:
 
 
 # ---------------------------------------------------------------- schemas
-
-
-@functools.cache
-def crd_versions(filename: str) -> dict[str, dict]:
-    """{version: openAPIV3Schema} of the served versions of one CRD file."""
-    import yaml
-
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    with open(CRD_DIR / filename) as f:
-        crd = yaml.load(f, Loader=loader)
-    return {v["name"]: v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v.get("served")}
 
 
 def _python_patterns(node: Any) -> Any:
@@ -283,27 +273,6 @@ BUILTIN = (
 )
 RESOURCES = {r.key: r for r in BUILTIN}
 KIND_TO_RESOURCE = {r.kind: r for r in BUILTIN}
-
-
-class ApiError(Exception):
-    def __init__(
-        self, code: int, reason: str, message: str, details: dict | None = None, headers: dict | None = None
-    ):
-        super().__init__(message)
-        self.code, self.reason, self.message, self.details = code, reason, message, details or {}
-        self.headers = headers or {}
-
-    def status(self) -> dict:
-        return {
-            "kind": "Status",
-            "apiVersion": "v1",
-            "metadata": {},
-            "status": "Failure",
-            "message": self.message,
-            "reason": self.reason,
-            "details": self.details,
-            "code": self.code,
-        }
 
 
 def not_found(res: Resource, name: str) -> ApiError:

@@ -24,6 +24,8 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from olmo_ctl.sandbox.kube_common import CRD_DIR, ApiError, crd_versions
+
 if TYPE_CHECKING:
     from olmo_ctl.sandbox.kube_api import Resource
 
@@ -62,8 +64,6 @@ def forbidden_message(
 def access_review(body: Any, allowed) -> dict:
     """The SelfSubjectAccessReview, answered: `allowed(verb, group, resource, subresource)`."""
     if not isinstance(body, dict) or not isinstance((body.get("spec") or {}).get("resourceAttributes"), dict):
-        from olmo_ctl.sandbox.kube_api import ApiError
-
         raise ApiError(
             422,
             "Invalid",
@@ -188,8 +188,6 @@ def _dotted(obj: dict, path: str) -> Any:
 @functools.cache
 def printer_columns(crd_file: str, version: str) -> tuple[dict, ...]:
     import yaml
-
-    from olmo_ctl.sandbox.kube_api import CRD_DIR
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     with open(CRD_DIR / crd_file) as f:
@@ -477,8 +475,6 @@ def _param(name: str, where: str = "query", required: bool = False) -> dict:
 
 @functools.cache
 def _gv_doc(group: str, version: str, rs: tuple) -> dict:
-    from olmo_ctl.sandbox.kube_api import crd_versions
-
     paths: dict[str, dict] = {}
     schemas: dict[str, dict] = {}
     for r in rs:

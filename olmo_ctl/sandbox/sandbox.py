@@ -38,6 +38,7 @@ from olmo_ctl.backends.base import Target
 from olmo_ctl.backends.doctor import JOBSET_CONTROLLER
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.sandbox.cluster.nodes import NodeCauses
 from olmo_ctl.sandbox.cluster.objects import (
     JOB_TRACKING_FINALIZER,
     RESOURCE_IN_USE_FINALIZER,
@@ -49,6 +50,7 @@ from olmo_ctl.sandbox.cluster.objects import (
 )
 from olmo_ctl.sandbox.cluster.world import OLMO_CTL_SERVICE_ACCOUNT, SANDBOX_GCP_ACCOUNT
 from olmo_ctl.sandbox.kube_server import KubeServer, ScriptedWorld
+from olmo_ctl.sandbox.kubeconfig import CONTEXT
 
 TPU = "google.com/tpu"
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
@@ -56,7 +58,6 @@ TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
 CLUSTER_QUEUE = "cluster-queue"  # XPK's CLUSTER_QUEUE_NAME
 LOCAL_QUEUE = "multislice-queue"  # XPK's LOCAL_QUEUE_NAME
-CONTEXT = "olmo-ctl-sandbox"
 # XPK's kueue_config.yaml.j2 PriorityClasses (scheduling.k8s.io), also the default values of the
 # WorkloadPriorityClasses the sandbox is asked for by name.
 XPK_PRIORITIES = {"very-low": 100, "low": 250, "medium": 500, "high": 750, "very-high": 1000}
@@ -228,15 +229,14 @@ class SandboxWorld(ScriptedWorld):
     """The test cluster's world plus a scheduler: admitted pods go to free nodes that fit them."""
 
     api_server: KubeServer  # set by the Sandbox that serves this world: `sandbox fault api-outage` acts on it
+    nodes: NodeCauses  # what happens to the machines: `olmo-ctl sandbox fault`
 
     def __init__(self, *a: Any, runner: PodRunner | None = None, **kw: Any):
         super().__init__(*a, **kw)
-        from olmo_ctl.sandbox.cluster.nodes import NodeCauses
-
         self.runner = runner or PodRunner()
         self._stopping: set[str] = set()
         self.exclusive_placement_webhook = True  # the sandbox schedules: JobSet's pod webhooks apply
-        self.nodes = NodeCauses(self)  # what happens to the machines: `olmo-ctl sandbox fault`
+        self.nodes = NodeCauses(self)
         self.runner.attach(self)
 
     def admit(self, res: Any, obj: dict) -> None:

@@ -1,0 +1,56 @@
+"""What the test API server (`kube_api`) and what it serves beyond plain objects (`kube_views`) both
+read: the CRD files it serves (`crds/`: JobSet v0.10.1, Kueue v0.17.1) and their schemas, and
+`ApiError`, a request's failure as the `Status` object kube-apiserver answers with.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+CRD_DIR = Path(__file__).resolve().parent / "crds"
+JOBSET_CRD = "jobset.x-k8s.io_jobsets.v0.10.1.yaml"
+WORKLOAD_CRD = "kueue.x-k8s.io_workloads.v0.17.1.yaml"
+LOCALQUEUE_CRD = "kueue.x-k8s.io_localqueues.v0.17.1.yaml"
+CLUSTERQUEUE_CRD = "kueue.x-k8s.io_clusterqueues.v0.17.1.yaml"
+RESOURCEFLAVOR_CRD = "kueue.x-k8s.io_resourceflavors.v0.17.1.yaml"
+WPC_CRD = "kueue.x-k8s.io_workloadpriorityclasses.v0.17.1.yaml"
+ADMISSIONCHECK_CRD = "kueue.x-k8s.io_admissionchecks.v0.17.1.yaml"
+
+
+# ---------------------------------------------------------------- schemas
+
+
+@functools.cache
+def crd_versions(filename: str) -> dict[str, dict]:
+    """{version: openAPIV3Schema} of the served versions of one CRD file."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    with open(CRD_DIR / filename) as f:
+        crd = yaml.load(f, Loader=loader)
+    return {v["name"]: v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v.get("served")}
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    def __init__(
+        self, code: int, reason: str, message: str, details: dict | None = None, headers: dict | None = None
+    ):
+        super().__init__(message)
+        self.code, self.reason, self.message, self.details = code, reason, message, details or {}
+        self.headers = headers or {}
+
+    def status(self) -> dict:
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "details": self.details,
+            "code": self.code,
+        }
