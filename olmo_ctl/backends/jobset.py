@@ -18,8 +18,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from olmo_ctl.core.batching import Plan, launch_record
+from olmo_ctl.core.batching import Plan
 from olmo_ctl.core.config import Settings
+from olmo_ctl.core.contracts import trainer_argv
 from olmo_ctl.core.devices import Device, Target, check_slices
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.generations import GENERATIONS
@@ -133,24 +134,6 @@ def _fill(node: Any, values: dict[str, Any]) -> Any:
 
 
 # ---------------------------------------------------------------- rendering
-
-
-def trainer_command(run_dir: str, target: Target, plan: Plan, attempt: int) -> list[str]:
-    """What every pod runs; the trainer reads the resolved recipe from `<run_dir>/run.yaml` and the
-    attempt's target and plan from `--plan` (`--device`/`--slices` say the same for people)."""
-    cmd = [
-        "python",
-        "-m",
-        "olmo_ctl.trainer",
-        "--run-dir",
-        run_dir,
-        "--device",
-        target.name,
-        "--attempt",
-        str(attempt),
-    ]
-    cmd += ["--slices", str(target.slices)] if target.slices > 1 else []
-    return cmd + ["--plan", launch_record(target, plan)]
 
 
 def placement_policy_for(device: Device, settings: Settings) -> str | None:
@@ -301,7 +284,8 @@ def render_jobset(
         "host_network": True if host_network(settings) else None,
         "dns_policy": "ClusterFirstWithHostNet" if host_network(settings) else None,
         "env": _env(v["env"], libtpu_init_args(device, recipe, settings), extra_env),
-        "trainer_command": trainer_command(run_dir, Target(device, slices), plan, attempt) + list(extra_args),
+        "trainer_command": trainer_argv("python", run_dir, Target(device, slices), plan, attempt)
+        + list(extra_args),
         "shm_size": v["shm_size"],
         "termination_grace_period_s": v["termination_grace_period_s"],
         "max_restarts": v["max_restarts"],

@@ -36,15 +36,16 @@ from typing import TYPE_CHECKING
 
 from olmo_ctl import storage
 from olmo_ctl.backends.base import Attempt, AttemptStatus, Backend, Handle, State, Target
-from olmo_ctl.core.batching import launch_record
 from olmo_ctl.core.contracts import (
     COORDINATOR_ENV,
     LOG_PREFIX_ENV,
     NUM_PROCESSES_ENV,
     PROCESS_ID_ENV,
+    TRAINER_MODULE,
     LogProgress,
     exit_state,
     log_progress,
+    trainer_argv,
 )
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.ports import free_port
@@ -52,8 +53,6 @@ from olmo_ctl.rundir import proc_start_time  # noqa: F401 - also what callers im
 
 if TYPE_CHECKING:
     from olmo_ctl.core.config import Settings
-
-TRAINER_MODULE = "olmo_ctl.trainer"
 
 
 @dataclass(frozen=True)
@@ -153,19 +152,7 @@ class LocalBackend(Backend[LocalRequest]):
         return os.path.join(base, run)
 
     def render(self, attempt: Attempt) -> LocalRequest:
-        argv = [
-            self.python,
-            "-m",
-            TRAINER_MODULE,
-            "--run-dir",
-            attempt.run_dir,
-            "--device",
-            attempt.device,
-            "--attempt",
-            str(attempt.attempt),
-            "--plan",
-            launch_record(attempt.target, attempt.plan),
-        ]
+        argv = trainer_argv(self.python, attempt.run_dir, attempt.target, attempt.plan, attempt.attempt)
         if attempt.recipe_path:
             argv += ["--recipe", attempt.recipe_path]
         argv += list(attempt.extra_args)

@@ -13,9 +13,36 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, EXIT_UNREACHABLE
+
+if TYPE_CHECKING:
+    from olmo_ctl.core.batching import Plan
+    from olmo_ctl.core.devices import Target
+
+TRAINER_MODULE = "olmo_ctl.trainer"
+
+
+def trainer_argv(python: str, run_dir: str, target: Target, plan: Plan, attempt: int) -> list[str]:
+    """The trainer's command line as every backend renders it (docs/CONTRACTS.md, "Trainer entry
+    point"): `--device`/`--slices` say the target for people, `--plan` carries it and the attempt's plan
+    (`core.batching.launch_record`); the trainer reads the recipe from `<run_dir>/run.yaml`."""
+    from olmo_ctl.core.batching import launch_record
+
+    argv = [
+        python,
+        "-m",
+        TRAINER_MODULE,
+        "--run-dir",
+        run_dir,
+        "--device",
+        target.name,
+        "--attempt",
+        str(attempt),
+    ]
+    argv += ["--slices", str(target.slices)] if target.slices > 1 else []
+    return argv + ["--plan", launch_record(target, plan)]
 
 
 class State(str, enum.Enum):
