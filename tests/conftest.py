@@ -47,6 +47,12 @@ def pytest_configure(config):
     import jax
 
     jax.config.update("jax_num_cpu_devices", HOST_DEVICES)
+    # The test process's own programs (the model, attention, sharding and optimizer checks: small shapes,
+    # run once or twice) spend far more time in XLA's optimizing passes than in running; this process
+    # compiles them without (LLVM's expensive passes and backend optimization off: the same HLO, the same
+    # arithmetic, a slower machine code). Not through the environment: the trainer processes a test
+    # starts compile as a user's do.
+    jax.config.update("jax_disable_most_optimizations", True)
 
 
 @dataclass
