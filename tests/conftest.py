@@ -47,12 +47,29 @@ def pytest_configure(config):
     import jax
 
     jax.config.update("jax_num_cpu_devices", HOST_DEVICES)
-    # The test process's own programs (the model, attention, sharding and optimizer checks: small shapes,
-    # run once or twice) spend far more time in XLA's optimizing passes than in running; this process
-    # compiles them without (LLVM's expensive passes and backend optimization off: the same HLO, the same
-    # arithmetic, a slower machine code). Not through the environment: the trainer processes a test
-    # starts compile as a user's do.
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quick_compiles(request):
+    """A test module that sets `QUICK_COMPILES = True` (the model, attention, sharding, loss and optimizer
+    checks: small programs compiled once or twice, where XLA's optimizing passes cost more than running)
+    has its programs compiled without them (`jax_disable_most_optimizations`: LLVM's expensive passes
+    and the backend's optimization level off; the same HLO, a slower machine code). For that module
+    only, with JAX's in-memory caches cleared on the way in and out, so no program compiled this way is
+    reused by a test that compares its numbers bit for bit with a trainer process (which compiles as a
+    user's does: the flag is never put in the environment)."""
+    if not getattr(request.module, "QUICK_COMPILES", False):
+        yield
+        return
+    import jax
+
+    jax.clear_caches()
     jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
+        jax.clear_caches()
 
 
 @dataclass

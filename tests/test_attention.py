@@ -11,6 +11,8 @@ import pytest
 from olmo_ctl.core.generations import DEFAULT_SPLASH_BLOCKS
 from olmo_ctl.trainer import attention as A
 
+QUICK_COMPILES = True  # small programs compiled once or twice: tests/conftest.py::_quick_compiles
+
 CASES = [
     # B, T, H, KV, D, window, block
     (2, 64, 4, 4, 16, 20, 16),  # window shorter than T, not a multiple of the block

@@ -16,6 +16,8 @@ from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import load_recipe
 
+QUICK_COMPILES = True  # small programs compiled once or twice: tests/conftest.py::_quick_compiles
+
 SETS = ["train.seq_len=64", "train.global_batch=16", "model.sliding_window=16", "eval.batch_size=16"]
 
 

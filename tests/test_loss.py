@@ -11,6 +11,8 @@ from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.trainer import model
 from olmo_ctl.trainer.train import IGNORE_INDEX, init_state, make_train_step, token_losses
 
+QUICK_COMPILES = True  # small programs compiled once or twice: tests/conftest.py::_quick_compiles
+
 
 def _batch(recipe, rows: int, seed: int = 0):
     rng = np.random.default_rng(seed)

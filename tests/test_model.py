@@ -13,6 +13,8 @@ from olmo_ctl.core.batching import param_count
 from olmo_ctl.core.recipe import ModelConfig, load_model, load_recipe
 from olmo_ctl.trainer import model as M
 
+QUICK_COMPILES = True  # small programs compiled once or twice: tests/conftest.py::_quick_compiles
+
 SMOKE = load_recipe("smoke").model
 OLMO3_7B = load_model("olmo3-7b")  # recipes/models/olmo3-7b.yaml
 

@@ -13,6 +13,8 @@ import pytest
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.trainer import optim
 
+QUICK_COMPILES = True  # small programs compiled once or twice: tests/conftest.py::_quick_compiles
+
 
 def _params(dtype=jnp.float32):
     k = jax.random.split(jax.random.PRNGKey(0), 3)

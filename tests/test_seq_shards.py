@@ -17,6 +17,8 @@ from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import load_recipe
 
+QUICK_COMPILES = True  # small programs compiled once or twice: tests/conftest.py::_quick_compiles
+
 
 @pytest.mark.parametrize(
     "stage,device", [(3, "tpu7x-128"), (3, "v5p-256"), (1, "tpu7x-1024"), (2, "tpu7x-512")]

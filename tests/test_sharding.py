@@ -15,6 +15,8 @@ from olmo_ctl.core.recipe import load_model
 from olmo_ctl.trainer import model as M
 from olmo_ctl.trainer import sharding as S
 
+QUICK_COMPILES = True  # small programs compiled once or twice: tests/conftest.py::_quick_compiles
+
 
 class _FakeMesh:
     def __init__(self, data, fsdp):

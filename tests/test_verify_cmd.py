@@ -78,14 +78,20 @@ def test_the_planted_loader_bug_moves_held_out_loss_and_kl_and_the_verdict_names
     assert bug["verdict"].startswith("moved at ")
     assert last["kl"] > 10 * max(m["kl"] for m in twin["landmarks"])
     # The held-out loss moves the same way: up (the loader re-reads what it has read, so the model sees
-    # fewer distinct documents), past verify's held-out tolerance, so the verdict names it too, and by
-    # more than the layout drift of two hosts against one. That drift is rounding compounded over 40
-    # steps and depends on the CPU the steps ran on: measured -0.002 against +0.016 on one machine,
-    # 0.009 against +0.024 on another; the bug's run and its clean twin share one layout, so its
-    # delta holds none of it.
+    # fewer distinct documents), by more than the layout drift of two hosts against one. That drift is
+    # rounding compounded over 40 steps and depends on the CPU the steps ran on: measured -0.002
+    # against +0.016 on one machine, 0.009 against +0.024 on another, so the bug's delta sits on
+    # either side of verify's default held-out tolerance (0.02) depending on the machine. The bug's run
+    # and its clean twin share one layout, so its delta holds none of the drift.
     drift = max(abs(m["lm"]["smoke_eval"]) for m in twin["landmarks"])
-    assert last["lm"]["smoke_eval"] > drift, (last["lm"], drift)
-    assert "held-out loss (smoke_eval +" in last["verdict"], last
+    assert last["lm"]["smoke_eval"] > 1.5 * drift, (last["lm"], drift)
+    # With the held-out tolerance set from the measured drift (the noise floor of this machine's two
+    # layouts) instead of the default, the verdict names the held-out loss beside the KL.
+    tol = max(1.25 * drift, 0.002)
+    named = _verify(tmp_path / "bug", tmp_path / "clean", "--lm-tolerance", f"{tol:.6f}", env=env, expect=1)
+    assert named["evaluated"] == 0  # every evaluation read back from the first call's cache
+    assert "held-out loss (smoke_eval +" in named["landmarks"][-1]["verdict"], (named["landmarks"][-1], tol)
+    assert "KL (" in named["landmarks"][-1]["verdict"]
 
 
 @pytest.mark.parametrize(
