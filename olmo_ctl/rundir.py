@@ -37,6 +37,7 @@ import yaml
 from olmo_ctl import storage
 from olmo_ctl.core import versions
 from olmo_ctl.core.contracts import segment_names_from
+from olmo_ctl.core.devices import Target
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.names import validate_run_name
 from olmo_ctl.core.recipe import recipe_from_dict
@@ -159,6 +160,35 @@ def _holder_process_dead(lease: dict) -> bool:
         return False
     start = proc_start_time(int(info["pid"]))
     return start is None or (info.get("pid_start") is not None and start != info.get("pid_start"))
+
+
+def recorded_target(device: Any, slices: Any = None) -> Target:
+    """The target a record of the run directory names (run.yaml, a journal record, a resize request):
+    the one place above the backends where a stored device name becomes a `Target`. BadInput for a name
+    the catalog does not know (a record of a later version, or one edited by hand)."""
+    return Target.parse(str(device), int(slices) if slices is not None else 1)
+
+
+def attempt_targets(journal: list | None, run_doc: dict | None) -> Callable[[int], Target | None]:
+    """attempt -> the target it ran on: its `submitted` record's device and slices (else any record of
+    that attempt naming one, else run.yaml's); None where none names a device this catalog knows (a
+    record of another version: the caller shows less, never fails)."""
+    placed: dict[int, tuple[Any, Any]] = {}
+    recs = [r for r in journal or [] if r.get("attempt") is not None and r.get("device")]
+    for rec in sorted(recs, key=lambda r: r.get("event") == "submitted"):  # `submitted` says it last
+        placed[int(rec["attempt"])] = (rec["device"], rec.get("slices") or 1)
+    default = ((run_doc or {}).get("device"), (run_doc or {}).get("slices") or 1)
+
+    def of(attempt: int) -> Target | None:
+        name, slices = placed.get(attempt, default)
+        if not name:
+            return None
+        try:
+            return recorded_target(name, slices)
+        except (OlmoCtlError, ValueError, TypeError):
+            return None
+
+    return of
 
 
 def run_recipe(doc: dict, source: str, overrides: list[str] | tuple[str, ...] = ()):
@@ -425,6 +455,19 @@ class RunDir:
                 continue  # a torn last line from a crash mid-write: every complete line still counts
         return out
 
+    def target(self) -> Target | None:
+        """The target the run is on: its newest attempt's device and slice count (run.yaml's before the
+        first attempt; one slice where neither says); None where neither records a device."""
+        last = self.last_attempt() or {}
+        doc = None if last.get("device") and last.get("slices") is not None else self.read_run()
+        device = last.get("device") or (doc or {}).get("device")
+        if not device:
+            return None
+        slices = last.get("slices")
+        if slices is None:
+            slices = (doc or {}).get("slices")
+        return recorded_target(device, slices or 1)
+
     def last_attempt(self) -> dict | None:
         """The newest `submitted` record (it carries the attempt number, device and backend handle)."""
         subs = [r for r in self.journal() if r.get("event") == "submitted"]
@@ -659,6 +702,12 @@ class RunDir:
             return json.loads(self.store.read_text(self.p("resize.json")))
         except NotFound:
             return None
+
+    @staticmethod
+    def resize_target(request: dict) -> Target:
+        """The device a resize request (`pending_resize`) asks for, and its slice count (the request's,
+        else one); BadInput for a device the catalog does not know."""
+        return recorded_target(request.get("device"), request.get("slices"))
 
     def clear_resize(self) -> None:
         self.store.delete(self.p("resize.json"))

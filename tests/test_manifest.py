@@ -300,9 +300,7 @@ def test_dry_run_is_what_a_real_submit_sends(example_bucket):
 
             srv.api.dispatch = spy
             backend = GKEBackend(namespace=settings.namespace, host=srv.url, retry=fast, settings=settings)
-            prep = prepare_run(
-                settings, run, device=dev.name, slices=slices, attempt=attempt, backend=backend
-            )
+            prep = prepare_run(settings, run, device=dev, slices=slices, attempt=attempt, backend=backend)
             # No Kueue objects in this test server and no preflight: the rendering is what is checked.
             handle = submit_run(prep, checks=False, numbered=attempt is not None).handle
         assert handle.attempt == attempt

@@ -17,6 +17,7 @@ from helpers.trainer import scalars
 from helpers.waiting import wait_for
 
 from olmo_ctl.backends.local import LocalBackend, proc_start_time
+from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.rundir import RunDir
 from olmo_ctl.supervise.attempts import submit_next
@@ -268,7 +269,7 @@ def test_stop_ends_a_supervisor_that_backs_off_between_attempts(tmp_path):
     )
     out = io.StringIO()
     sup = Supervisor(
-        rd, be, RetryPolicy(backoff_base_s=60, max_retries=5), device="cpu-1", poll_s=0.05,
+        rd, be, RetryPolicy(backoff_base_s=60, max_retries=5), device=get_device("cpu-1"), poll_s=0.05,
         printer=Printer(rd.name, stream=out),
     )  # fmt: skip
     result: dict = {}
@@ -435,7 +436,7 @@ def test_a_failed_run_notifies_and_a_failing_notifier_changes_nothing(tmp_path):
     notifier = Notifier(hook.url, "echo nope >&2; exit 3", log=said.append, sleep=lambda s: None)
     try:
         sup = Supervisor(
-            rd, be, RetryPolicy(backoff_base_s=0), device="cpu-1", poll_s=0.05,
+            rd, be, RetryPolicy(backoff_base_s=0), device=get_device("cpu-1"), poll_s=0.05,
             printer=JsonlPrinter(rd.name, stream=out), notify=notifier,
         )  # fmt: skip
         rc = sup.run()

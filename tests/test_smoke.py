@@ -252,6 +252,7 @@ def test_gke_smoke_on_v5p_8_against_the_test_cluster_and_gcs(tmp_path, srv, gcs)
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.backends.kube import KubeRetryPolicy
     from olmo_ctl.core.config import Settings
+    from olmo_ctl.core.devices import Target
     from olmo_ctl.supervise.smoke import SmokeConfig, run_smoke
 
     bucket = gcs.bucket
@@ -263,7 +264,7 @@ def test_gke_smoke_on_v5p_8_against_the_test_cluster_and_gcs(tmp_path, srv, gcs)
             base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0
         )
         be = GKEBackend(host=srv.url, settings=settings, retry=fast)
-        report = run_smoke(be, root, SmokeConfig("v5p-8", poll_s=0.2), timeout_s=400, log=print)
+        report = run_smoke(be, root, SmokeConfig(Target.parse("v5p-8"), poll_s=0.2), timeout_s=400, log=print)
     finally:
         kubelet.close()
     print("\n".join(report.summary_lines()))

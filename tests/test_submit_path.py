@@ -334,6 +334,46 @@ def test_device_names_are_parsed_by_the_backend_contract():
     assert not hits, hits
 
 
+def _target_parses(path: Path) -> list[int]:
+    """Lines of `path` that call `Target.parse` (or `recorded_target`, the run directory's reader)."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute | ast.Name):
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr == "parse" and getattr(f.value, "id", "") == "Target":
+                out.append(node.lineno)
+            elif getattr(f, "id", getattr(f, "attr", "")) == "recorded_target":
+                out.append(node.lineno)
+    return out
+
+
+# Where a device name (a string) becomes a `Target`: the input edges. The command line (cli/), the run
+# directory's records (rundir.py: run.yaml, the journal, resize requests), the trainer's own command
+# line (trainer/__main__.py; trainer/device.py for a trainer started with no device), the sandbox's
+# `--slices` (its cluster's node pools), the catalog itself and the backends.
+PARSING_EDGES = ("cli/", "rundir.py", "trainer/__main__.py", "trainer/device.py", "sandbox/sandbox.py")
+
+
+def test_device_names_become_targets_only_at_the_edges():
+    """supervise/, observe/, checkpoints/, preflight/ and the rest take a `Target` (or a `Device`) as
+    given; only the input edges parse a name, so a device is never re-derived on the way down."""
+    hits = []
+    for path in sorted((ROOT / "olmo_ctl").rglob("*.py")):
+        rel = str(path.relative_to(ROOT / "olmo_ctl"))
+        if rel.startswith("backends/") or rel in ("core/devices.py",):
+            continue
+        for n in _target_parses(path):
+            if not any(rel == e or (e.endswith("/") and rel.startswith(e)) for e in PARSING_EDGES):
+                hits.append(f"olmo_ctl/{rel}:{n}")
+    assert not hits, hits
+    # The rule sees what it is meant to see: the command line does parse.
+    assert _target_parses(ROOT / "olmo_ctl" / "cli" / "submit.py")
+    assert not any(_target_parses(p) for p in (ROOT / "olmo_ctl" / "supervise").rglob("*.py"))
+    assert not any(_target_parses(p) for p in (ROOT / "olmo_ctl" / "observe").rglob("*.py"))
+
+
 def test_only_the_local_backend_and_the_registry_name_the_local_backend():
     """A backend's name is its own and the registry's: no other module spells "local" (or asks for it)."""
     allowed = {ROOT / "olmo_ctl" / "backends" / "local.py", ROOT / "olmo_ctl" / "backends" / "__init__.py"}

@@ -16,6 +16,7 @@ from olmo_ctl.backends.gke import GKEBackend
 from olmo_ctl.backends.kube import KubeRetryPolicy
 from olmo_ctl.core.batching import read_launch_record
 from olmo_ctl.core.config import Settings
+from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import OlmoCtlError
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.rundir import COMMIT_MARKER, RunDir, parse_iso
@@ -348,7 +349,7 @@ def test_a_queue_set_up_kueue_can_never_admit_stops_with_exit_2(tmp_path, srv, g
 def test_a_multislice_run_keeps_its_slice_count_across_attempts(tmp_path, srv, gcs):
     """A run created on 2 x tpu7x-16 records `slices: 2` (run.yaml, every `submitted`); the attempt after
     a restartable failure is again two replicas of the slice; asking for another count is a resize."""
-    from olmo_ctl.supervise.attempts import ensure_run, run_slices
+    from olmo_ctl.supervise.attempts import ensure_run, run_target
 
     rd = RunDir.of(f"gs://{gcs.bucket}/{tmp_path.name}", "ms")
     r = load_recipe("smoke", overrides=["train.max_steps=20", "train.global_batch=32"])
@@ -388,9 +389,12 @@ def test_a_multislice_run_keeps_its_slice_count_across_attempts(tmp_path, srv, g
         assert command[-4:-2] == ["--slices", "2"] and command[-2] == "--plan"
         target, plan = read_launch_record(command[-1])
         assert target.slices == 2 and plan.slices == 2 and plan.devices == 2 * target.device.devices
-    assert run_slices(rd, None) == 2 and run_slices(rd, 2) == 2
+    assert run_target(rd, None, None).slices == 2 and run_target(rd, None, 2).slices == 2
+    assert run_target(rd, get_device("tpu7x-16"), None) == rd.target()
     with pytest.raises(OlmoCtlError, match=r"runs on 2 x tpu7x-16, not 1"):
-        run_slices(rd, 1)
+        run_target(rd, None, 1)
+    with pytest.raises(OlmoCtlError, match=r"runs on tpu7x-16, not v5p-16"):
+        run_target(rd, get_device("v5p-16"), None)
 
 
 def test_restarts_that_spend_no_max_restarts_are_bounded_by_progress(tmp_path, srv, gcs):

@@ -22,6 +22,7 @@ from helpers.waiting import wait_for
 from olmo_ctl.backends.base import Handle, State
 from olmo_ctl.backends.local import LocalBackend, proc_start_time
 from olmo_ctl.core.contracts import exit_state
+from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.rundir import RunDir
 from olmo_ctl.supervise.policy import RetryPolicy
@@ -83,7 +84,13 @@ def new_run(tmp_path: Path, name: str, steps: int = 20) -> RunDir:
 def supervise(rd: RunDir, backend, policy: RetryPolicy, **kw) -> tuple[int, str]:
     buf = io.StringIO()
     sup = Supervisor(
-        rd, backend, policy, device="cpu-1", poll_s=0.05, printer=Printer(rd.name, stream=buf), **kw
+        rd,
+        backend,
+        policy,
+        device=get_device("cpu-1"),
+        poll_s=0.05,
+        printer=Printer(rd.name, stream=buf),
+        **kw,
     )
     return sup.run(), buf.getvalue()
 

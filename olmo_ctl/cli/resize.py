@@ -62,8 +62,9 @@ def resize(
     rundir = RunDir.of(settings.run_root, run)
     settings = run_settings(settings, rundir)  # not chosen here: the run's own backend and site settings
     be = make_backend(settings)
-    be.validate_target(Target.parse(device, slices), settings, rundir.path)  # the device itself, first
-    plan = prepare_resize(rundir, be, device, slices)
+    target = Target.parse(device, slices)  # the command line's, parsed once
+    be.validate_target(target, settings, rundir.path)  # the device itself, first
+    plan = prepare_resize(rundir, be, target.device, slices)
     assert plan.new_attempt is not None
     for line in be.notes(plan.new_attempt):
         note(line)

@@ -15,6 +15,7 @@ from olmo_ctl.cli.options import (
     note,
     site_options,
 )
+from olmo_ctl.core.devices import Target
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import default_run_name, validate_run_name
 from olmo_ctl.core.recipe import load_recipe
@@ -177,7 +178,8 @@ def resume_until_done(
     fall = _fallback(fallback, fallback_after, return_after, device)
     extra_args = ("--allow-version-change",) if allow_version_change else ()
     # The next attempt, resolved and checked as submit checks it, before run.yaml exists.
-    prep = prepare_run(settings, name, recipe=r, device=device, slices=slices, extra_args=extra_args)
+    dev = None if device is None else Target.parse(device, slices).device  # the command line's, parsed once
+    prep = prepare_run(settings, name, recipe=r, device=dev, slices=slices, extra_args=extra_args)
     policy = RetryPolicy.from_env(
         retry_backoff,
         max_retries,
@@ -190,7 +192,6 @@ def resume_until_done(
         image_pull_timeout_s=image_pull_timeout,
     )
     if fall is not None:
-        from olmo_ctl.backends.base import Target
         from olmo_ctl.core.batching import make_plan
 
         for d in fall.devices:  # a fallback the run cannot use is bad input now, not a refusal later
@@ -209,7 +210,7 @@ def resume_until_done(
         rundir,
         be,
         policy,
-        device=device,
+        device=dev,
         poll_s=poll,
         stop_on_exit=stop_on_exit,
         reattach_hint=hint,
@@ -237,7 +238,6 @@ DEFAULT_FALLBACK_AFTER = "2h"
 
 def _fallback(devices: str | None, after: str | None, back: str | None, device: str | None):
     """The --fallback policy (`supervise.policy.Fallback`), or None; bad input before anything is written."""
-    from olmo_ctl.backends.base import Target
     from olmo_ctl.core.durations import parse_duration
     from olmo_ctl.supervise.policy import Fallback
 

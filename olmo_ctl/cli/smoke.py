@@ -54,7 +54,8 @@ def smoke(
     if junit is not None and (junit.is_dir() or not junit.parent.is_dir()):
         raise BadInput(f"--junit `{junit}`: not a file in an existing directory", "e.g. --junit smoke.xml")
     kind = backend_class(settings.backend)
-    dev = Target.parse(device, slices).device  # a local device or a single-host slice: one line, exit 2
+    target = Target.parse(device, slices)  # the command line's, parsed once: one line, exit 2
+    dev = target.device
     name = new_run_name(dev.name)
     temp_root = None
     if kind.trains_here and site.run_root is None:  # runs on this machine: a scratch root of their own
@@ -64,8 +65,7 @@ def smoke(
         root = settings.run_root
     be = make_backend(settings, root)
     cfg = SmokeConfig(
-        device,
-        slices=slices,
+        target,
         max_steps=kind.smoke.max_steps,
         poll_s=kind.smoke.poll_s,
         fault=os.environ.get(FAULT_ENV) or None,

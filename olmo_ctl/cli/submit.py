@@ -16,6 +16,7 @@ from olmo_ctl.cli.options import (
     note,
     site_options,
 )
+from olmo_ctl.core.devices import Target
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import default_run_name, validate_run_name
 from olmo_ctl.core.recipe import load_recipe
@@ -113,13 +114,21 @@ def submit(
                 "--dry-run renders a new run's attempt: it needs --device", "e.g. --device tpu7x-128"
             )
         assert r is not None
-        be, request, notes = render_dry_run(settings, run_name, r, device, slices, attempt, extra_args)
+        be, request, notes = render_dry_run(
+            settings, run_name, r, Target.parse(device, slices), attempt, extra_args
+        )
         for line in notes:
             note(line)
         show(be.printable(be.render(request)))
         return
     prep = prepare_run(
-        settings, run_name, recipe=r, device=device, slices=slices, attempt=attempt, extra_args=extra_args
+        settings,
+        run_name,
+        recipe=r,
+        device=None if device is None else Target.parse(device, slices).device,
+        slices=slices,
+        attempt=attempt,
+        extra_args=extra_args,
     )
     for line in prep.notes:
         note(line)

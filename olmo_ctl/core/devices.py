@@ -290,8 +290,13 @@ class Target:
     def parse(cls, device: str, slices: int | None = 1) -> Target:
         """The target `device` x `slices`; BadInput (with a hint) for a name the catalog does not know,
         or a slice count the device cannot take."""
-        dev = get_device(device)
-        return cls(dev, check_slices(dev, 1 if slices is None else slices))
+        return cls.of(get_device(device), slices)
+
+    @classmethod
+    def of(cls, device: Device, slices: int | None = 1) -> Target:
+        """The target `slices` x an already parsed `device` (None: one slice); BadInput for a slice count
+        the device cannot take."""
+        return cls(device, check_slices(device, 1 if slices is None else slices))
 
     def to_dict(self) -> dict:
         """The record a backend hands the trainer (`--plan`): the catalog entry itself, not its name."""

@@ -346,20 +346,15 @@ def windows(src: Sources) -> Windows:
 
 
 def _devices_of(journal: list | None, run_doc: dict | None) -> Callable[[int], tuple[int, float] | None]:
-    """attempt -> (JAX devices of every slice it ran on, peak TFLOP/s per device), from its `submitted`
-    record, else run.yaml's device; None when neither names a known device."""
-    placed: dict[int, tuple[str, int]] = {}
-    recs = [r for r in journal or [] if r.get("attempt") is not None and r.get("device")]
-    for rec in sorted(recs, key=lambda r: r.get("event") == "submitted"):  # `submitted` says it last
-        placed[int(rec["attempt"])] = (rec["device"], int(rec.get("slices") or 1))
-    default = ((run_doc or {}).get("device"), int((run_doc or {}).get("slices") or 1))
+    """attempt -> (JAX devices of every slice it ran on, peak TFLOP/s per device), from the run
+    directory's record of its target (`rundir.attempt_targets`); None when none names a known device."""
+    from olmo_ctl.rundir import attempt_targets
+
+    target_of = attempt_targets(journal, run_doc)
 
     def of(attempt: int) -> tuple[int, float] | None:
-        name, slices = placed.get(attempt, default)
-        dev = _device(name)
-        if dev is None:
-            return None
-        return dev.devices * slices, dev.peak_tflops_per_device
+        t = target_of(attempt)
+        return None if t is None else (t.device.devices * t.slices, t.device.peak_tflops_per_device)
 
     return of
 
@@ -393,17 +388,6 @@ def _recipe(run_doc: dict | None):
         return None
     try:
         return run_recipe(run_doc, "run.yaml")
-    except Exception:
-        return None
-
-
-def _device(name: str | None):
-    if not name:
-        return None
-    try:
-        from olmo_ctl.backends.base import Target
-
-        return Target.parse(name).device
     except Exception:
         return None
 

@@ -35,6 +35,7 @@ from olmo_ctl.core.config import RUN_SITE_SETTINGS, Settings
 from olmo_ctl.core.errors import BadInput
 
 if TYPE_CHECKING:  # the run directory (and storage) load where a run is touched, not for --dry-run
+    from olmo_ctl.core.devices import Device
     from olmo_ctl.core.recipe import Recipe
     from olmo_ctl.rundir import Lease, RunDir
 
@@ -276,34 +277,24 @@ def ensure_run(rundir: RunDir, recipe, device: str | None, slices: int | None = 
     return rundir.read_run()
 
 
-def run_device(rundir: RunDir, requested: str | None) -> str:
-    """The device the next attempt uses: the last attempt's (or run.yaml's); another one is a resize."""
-    last = rundir.last_attempt()
-    current = (last or {}).get("device") or rundir.read_run().get("device")
-    if requested is not None and current is not None and requested != current:
-        raise BadInput(
-            f"run `{rundir.name}` runs on {current}, not {requested}",
-            f"to move it, use `olmo-ctl resize {rundir.name} --device {requested}` (same global batch)",
-        )
-    device = requested or current
-    if not device:
-        raise BadInput(f"run `{rundir.name}` records no device", "pass --device, e.g. cpu-1 or tpu7x-128")
-    return str(device)
-
-
-def run_slices(rundir: RunDir, requested: int | None) -> int:
-    """The slice count of an existing run's next attempt: the last attempt's (else run.yaml's; 1 where
-    neither says); another count is a resize, like another device."""
-    last = rundir.last_attempt() or {}
-    current = last.get("slices")
+def run_target(rundir: RunDir, device: Device | None = None, slices: int | None = None) -> Target:
+    """The target of an existing run's next attempt: the one it is on (`RunDir.target`: its last
+    attempt's, else run.yaml's). A `device` or `slices` asked for that differs from it is a resize:
+    BadInput naming the command."""
+    current = rundir.target()
     if current is None:
-        current = rundir.read_run().get("slices")
-    current = int(current or 1)
-    if requested is not None and requested != current:
-        device = last.get("device") or rundir.read_run().get("device")
+        if device is None:
+            raise BadInput(f"run `{rundir.name}` records no device", "pass --device, e.g. cpu-1 or tpu7x-128")
+        return Target.of(device, slices)
+    if device is not None and device.name != current.name:
         raise BadInput(
-            f"run `{rundir.name}` runs on {current} x {device}, not {requested}",
-            f"to change the slice count, use `olmo-ctl resize {rundir.name} --device {device} "
-            f"--slices {requested}` (same global batch)",
+            f"run `{rundir.name}` runs on {current.name}, not {device.name}",
+            f"to move it, use `olmo-ctl resize {rundir.name} --device {device.name}` (same global batch)",
+        )
+    if slices is not None and slices != current.slices:
+        raise BadInput(
+            f"run `{rundir.name}` runs on {current.slices} x {current.name}, not {slices}",
+            f"to change the slice count, use `olmo-ctl resize {rundir.name} --device {current.name} "
+            f"--slices {slices}` (same global batch)",
         )
     return current

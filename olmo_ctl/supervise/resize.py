@@ -30,6 +30,7 @@ from typing import Any
 from olmo_ctl.backends.base import Attempt, Backend, State, Target
 from olmo_ctl.backends.jobset import dump_yaml
 from olmo_ctl.core.batching import Plan, make_plan
+from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import EXIT_TIMEOUT, BadInput, OlmoCtlError
 from olmo_ctl.rundir import LeaseHeld, _holder_process_dead, utc_now_iso
 from olmo_ctl.supervise.attempts import last_handle, prepare, stop_and_wait, submit_next
@@ -149,13 +150,6 @@ def request_diff(old: Any, new: Any, old_name: str, new_name: str) -> str:
 # ---------------------------------------------------------------- the run's current attempt
 
 
-def current_slices(rundir) -> int:
-    """The slice count of the run's newest submitted attempt (else run.yaml's; 1 where neither says)."""
-    last = rundir.last_attempt() or {}
-    n = last.get("slices")
-    return int(n if n is not None else rundir.read_run().get("slices") or 1)
-
-
 def current_attempt(rundir) -> tuple[int, str, Any]:
     """(attempt number, device, handle or None) of the run's newest submitted attempt."""
     last = rundir.last_attempt()
@@ -165,12 +159,13 @@ def current_attempt(rundir) -> tuple[int, str, Any]:
     return int(last.get("attempt") or 0), last.get("device"), last_handle(rundir)
 
 
-def prepare_resize(rundir, backend, to_device: str, to_slices: int | None = None) -> ResizePlan:
+def prepare_resize(rundir, backend, to_device: Device, to_slices: int | None = None) -> ResizePlan:
     """Plan the resize of the run in `rundir` to `to_slices` x `to_device` (None: the run's own slice
     count), with both attempts rendered (no side effect)."""
     recipe = rundir.recipe()
-    attempt, device, _ = current_attempt(rundir)
-    if not device:
+    attempt, _, _ = current_attempt(rundir)
+    old_target = rundir.target()
+    if old_target is None:
         raise BadInput(f"run `{rundir.name}` records no device", "submit it first")
     done = rundir.committed_step()
     if done >= recipe.train.max_steps:
@@ -179,9 +174,9 @@ def prepare_resize(rundir, backend, to_device: str, to_slices: int | None = None
             "there is nothing left to run on another device",
         )
     nxt = max(attempt, rundir.next_attempt_number() - 1) + 1
-    slices = current_slices(rundir)
+    slices = old_target.slices
     to_slices = slices if to_slices is None else to_slices
-    old_target, new_target = Target.parse(device, slices), Target.parse(to_device, to_slices)
+    new_target = Target.of(to_device, to_slices)
     rp = plan_resize(
         recipe, old_target.device, new_target.device, rundir.name, attempt, nxt, slices, to_slices
     )
@@ -368,15 +363,8 @@ def submit_resized(
         old_plan=plan.to_dict()["old"],
         new_plan=plan.to_dict()["new"],
     )
-    request = plan.new_attempt or prepare(
-        backend,
-        rundir.name,
-        rundir.path,
-        plan.to_attempt,
-        Target.parse(plan.new.device, plan.new.slices),
-        rundir.recipe(),
-        plan=plan.new,
-    )
+    request = plan.new_attempt
+    assert request is not None, "a resize submits the attempt prepare_resize made"
     return submit_next(
         rundir,
         backend,
@@ -484,7 +472,8 @@ def carry_out_request(
         rundir.clear_resize()
         return None
     try:
-        plan = prepare_resize(rundir, backend, request["device"], request.get("slices"))
+        to = rundir.resize_target(request)  # the request as written
+        plan = prepare_resize(rundir, backend, to.device, request.get("slices"))
     except OlmoCtlError as e:
         return refuse(e.one_line())
     if mode not in MODES:

@@ -80,9 +80,8 @@ class SmokeTimeout(Exception):
 
 @dataclass(frozen=True)
 class SmokeConfig:
-    device: str
+    target: Target  # the device and its slices (multislice: every attempt joins N x its hosts)
     recipe: str = "smoke"
-    slices: int = 1  # slices of `device` (multislice: every attempt joins N x its hosts)
     stop_after_step: int = 5  # attempt 1 is stopped once this step is logged
     resume_steps: int = 6  # steps run past the stop by the resumed attempt and by the twin
     max_steps: int = 100  # the recipe's final step: attempt 1 must be stopped before it
@@ -498,7 +497,7 @@ def run_smoke(
     if cfg.stop_after_step + cfg.resume_steps + 2 > cfg.max_steps:
         raise BadInput(f"max_steps {cfg.max_steps} leaves no room to stop attempt 1 before its end")
     t0 = time.monotonic()
-    target = Target.parse(cfg.device, cfg.slices)
+    target = cfg.target
     device = target.device
     recipe = load_recipe(cfg.recipe, overrides=cfg.overrides())
     plan = make_plan(recipe, device, target.slices)  # a layout the slices cannot hold is bad input

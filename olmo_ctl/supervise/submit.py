@@ -32,13 +32,13 @@ from olmo_ctl.supervise.attempts import (
     last_handle,
     live_attempt,
     prepare,
-    run_device,
     run_settings,
-    run_slices,
+    run_target,
     submit_next,
 )
 
 if TYPE_CHECKING:
+    from olmo_ctl.core.devices import Device
     from olmo_ctl.core.recipe import Recipe
     from olmo_ctl.rundir import RunDir
 
@@ -75,7 +75,7 @@ def prepare_run(
     run: str,
     *,
     recipe: Recipe | None = None,
-    device: str | None = None,
+    device: Device | None = None,
     slices: int | None = None,
     attempt: int | None = None,
     extra_args: tuple[str, ...] = (),
@@ -92,26 +92,30 @@ def prepare_run(
             f"site settings still hold placeholders ({', '.join(placeholders(settings))})",
             "see `olmo-ctl config show`; `submit --dry-run` works without them",
         )
+    asked, first = settings, backend
     if device is not None:
-        # A mistyped device, or one this command's backend refuses on the command line alone (a device
-        # it cannot run, a run root its pods cannot see), is named before any storage is touched.
+        # A device this command's backend refuses on the command line alone (one it cannot run, a run
+        # root its pods cannot see) is named before any storage is touched.
         run_dir = f"{settings.run_root.rstrip('/')}/{validate_run_name(run)}"
-        target = Target.parse(device, slices)
-        (backend or make_backend(settings)).validate_target(target, settings, run_dir)
+        first = first or make_backend(settings)
+        first.validate_target(Target.of(device, slices), settings, run_dir)
     rundir = RunDir.of(settings.run_root, run)
     settings = run_settings(settings, rundir)
-    backend = backend or make_backend(settings)
+    # One backend: the one given, or the command line's when the run's own settings (its backend, the
+    # site settings its last attempt was submitted with) are the same; else the run's.
+    if first is None or (backend is None and settings is not asked):
+        first = make_backend(settings)
+    backend = first
     new = not rundir.exists()
     committed = None
     if new:
-        check_run(rundir, None if recipe is None else recipe, device, fingerprint=False)
+        check_run(rundir, recipe, None if device is None else device.name, fingerprint=False)
+        assert device is not None  # check_run refuses a new run without one
+        target = Target.of(device, slices)
     else:
-        device = run_device(rundir, device)
-        slices = run_slices(rundir, slices)
+        target = run_target(rundir, device, slices)
         committed = rundir.committed_step()
     run_recipe = rundir.recipe() if recipe is None else recipe
-    assert device is not None
-    target = Target.parse(device, slices)
     n = attempt if attempt is not None else (1 if new else rundir.next_attempt_number())
     request = prepare(
         backend,
@@ -125,7 +129,7 @@ def prepare_run(
         env=env,
     )
     # Last, what may read the data (a new run's fingerprint; an existing run's check of `recipe`).
-    fingerprint = check_run(rundir, recipe, device)
+    fingerprint = check_run(rundir, recipe, target.name)
     return Prepared(rundir, backend, request, settings, new, fingerprint, committed, backend.notes(request))
 
 
@@ -133,15 +137,13 @@ def dry_run(
     settings: Settings,
     run: str,
     recipe: Recipe,
-    device: str,
-    slices: int | None = None,
+    target: Target,
     attempt: int | None = None,
     extra_args: tuple[str, ...] = (),
 ) -> tuple[Backend, Attempt, list[str]]:
     """What `submit --dry-run` renders: attempt `attempt` (1) of `run` from the command line alone,
     placeholders allowed; (backend, request, notes)."""
     backend = make_backend(settings)
-    target = Target.parse(device, slices)
     run_dir = f"{settings.run_root.rstrip('/')}/{run}"
     n = 1 if attempt is None else attempt
     request = prepare(

@@ -60,6 +60,7 @@ from typing import NoReturn, cast
 
 from olmo_ctl.backends.base import AttemptStatus, Backend, Handle, State, Target
 from olmo_ctl.backends.kube import ApiUnreachable
+from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import (
     EXIT_BAD_INPUT,
     EXIT_GAVE_UP,
@@ -77,8 +78,7 @@ from olmo_ctl.supervise.attempts import (
     last_handle,
     live_attempt,
     prepare,
-    run_device,
-    run_slices,
+    run_target,
     stop_and_wait,
     submit_next,
 )
@@ -240,7 +240,7 @@ class Supervisor:
         backend,
         policy: RetryPolicy,
         *,
-        device: str | None = None,
+        device: Device | None = None,
         poll_s: float = 10.0,
         lease_ttl_s: float | None = None,
         stop_on_exit: bool = False,
@@ -261,8 +261,8 @@ class Supervisor:
         self.extra_args = tuple(extra_args)  # trainer flags for every attempt (e.g. --allow-version-change)
         self.backend = cast(Backend, PatientBackend(backend, self._api_down, self._api_up))
         self.policy = policy
-        self.device = device
-        self.slices = slices  # None: the run's own (1 for a new run)
+        self._asked = (device, slices)  # the command line's device and slice count (None: the run's own)
+        self.target: Target | None = None  # the run's, once it is read (`_run`); a resize moves it
         self.poll_s = poll_s
         self.lease_ttl_s = lease_ttl_s or max(300.0, 6 * poll_s)
         self.stop_on_exit = stop_on_exit
@@ -281,6 +281,17 @@ class Supervisor:
         self.delete_patience_s = delete_patience_s or 60 * min(30.0, 3 * poll_s)
 
     # ------------------------------------------------------------------ helpers
+
+    @property
+    def device(self) -> str | None:
+        """The name of the device the run is on, as the journal and the terminal say it."""
+        if self.target is not None:
+            return self.target.name
+        return None if self._asked[0] is None else self._asked[0].name
+
+    @property
+    def slices(self) -> int | None:
+        return self.target.slices if self.target is not None else self._asked[1]
 
     def _journal(self, event: str, reason: str, **kw) -> dict:
         kw.setdefault("attempt", self.handle.attempt if self.handle else None)
@@ -413,8 +424,7 @@ class Supervisor:
             # Left by a stop that ran while no supervisor did (or did not finish): starting a supervisor
             # continues the run on purpose.
             self.rd.clear_stop()
-        self.device = run_device(self.rd, self.device)
-        self.slices = run_slices(self.rd, self.slices)
+        self.target = run_target(self.rd, *self._asked)
         self._preferred, self._fell_back_at = self._device_timeline()
         committed = self.rd.committed_step()
         history = History(best_step=committed)
@@ -471,12 +481,13 @@ class Supervisor:
                         self._retire(ended)
                         ended = None
                     self._beat()  # a supervisor that lost its lease must not submit
+                    assert self.target is not None  # read by _run before the loop
                     request = prepare(
                         self.backend,
                         self.rd.name,
                         self.rd.path,
                         0,
-                        Target.parse(self.device, self.slices),
+                        self.target,
                         self.recipe,
                         extra_args=self.extra_args,
                     )
@@ -920,9 +931,7 @@ class Supervisor:
         )
         if new is None:
             return h
-        self.device = req.get("device") or self.device
-        if req.get("slices") is not None:
-            self.slices = int(req["slices"])
+        self.target = self.rd.target() or self.target  # the attempt the resize submitted
         self.out.line(f"resized: attempt {new.attempt} on {self._on()}")
         self._tell(
             "resized",
