@@ -162,11 +162,19 @@ def _holder_process_dead(lease: dict) -> bool:
     return start is None or (info.get("pid_start") is not None and start != info.get("pid_start"))
 
 
-def recorded_target(device: Any, slices: Any = None) -> Target:
+def recorded_target(device: Any, slices: Any = None, where: str = "the run directory") -> Target:
     """The target a record of the run directory names (run.yaml, a journal record, a resize request):
-    the one place above the backends where a stored device name becomes a `Target`. BadInput for a name
-    the catalog does not know (a record of a later version, or one edited by hand)."""
-    return Target.parse(str(device), int(slices) if slices is not None else 1)
+    the one place above the backends where a stored device name becomes a `Target`. BadInput naming
+    `where` the name came from, for a name the catalog does not know (a record of another version, or
+    one edited by hand) or a slice count it cannot take."""
+    try:
+        return Target.parse(str(device), int(slices) if slices is not None else 1)
+    except BadInput as e:
+        raise BadInput(
+            f"{where} records device `{device}` x {slices or 1}, which this olmo-ctl cannot use: {e.message}",
+            "was it written by another version of olmo-ctl, or edited by hand? `olmo-ctl devices` lists "
+            "the devices this one knows",
+        ) from None
 
 
 def attempt_targets(journal: list | None, run_doc: dict | None) -> Callable[[int], Target | None]:
@@ -466,7 +474,7 @@ class RunDir:
         slices = last.get("slices")
         if slices is None:
             slices = (doc or {}).get("slices")
-        return recorded_target(device, slices or 1)
+        return recorded_target(device, slices or 1, where=f"run `{self.name}` ({self.path})")
 
     def last_attempt(self) -> dict | None:
         """The newest `submitted` record (it carries the attempt number, device and backend handle)."""
@@ -707,7 +715,7 @@ class RunDir:
     def resize_target(request: dict) -> Target:
         """The device a resize request (`pending_resize`) asks for, and its slice count (the request's,
         else one); BadInput for a device the catalog does not know."""
-        return recorded_target(request.get("device"), request.get("slices"))
+        return recorded_target(request.get("device"), request.get("slices"), where="the resize request")
 
     def clear_resize(self) -> None:
         self.store.delete(self.p("resize.json"))

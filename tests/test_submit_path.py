@@ -429,3 +429,29 @@ def test_every_command_that_renders_an_attempt_takes_the_same_site_options():
     for name in ("submit", "resume-until-done", "resize", "smoke"):
         opts = {o for p in group.commands[name].params for o in p.opts}
         assert want <= opts, (name, want - opts)
+
+
+def test_a_device_the_run_directory_records_is_read_once_and_named_where_it_came_from(tmp_path):
+    """`RunDir.target()` reads the run's current target from its newest attempt (else run.yaml);
+    `run_target` refuses another device or slice count naming `resize`, a slice count the run's own
+    device cannot take naming that first, and a device name the catalog does not know naming the run
+    directory it was read from (not the command line)."""
+    from olmo_ctl.core.devices import Target, get_device
+    from olmo_ctl.core.errors import BadInput
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.attempts import ensure_run, run_target
+
+    rd = RunDir.of(str(tmp_path), "r")
+    ensure_run(rd, load_recipe("smoke"), "cpu-1", 1)
+    assert rd.target() == Target.parse("cpu-1") == run_target(rd, None, None)
+    rd.append("submitted", attempt=1, device="cpu-2", slices=1)  # the newest attempt's device wins
+    assert rd.target() == Target.parse("cpu-2") == run_target(rd, get_device("cpu-2"), 1)
+    with pytest.raises(BadInput, match=r"runs on cpu-2, not cpu-4") as e:
+        run_target(rd, get_device("cpu-4"), None)
+    assert "olmo-ctl resize r --device cpu-4" in (e.value.hint or "")
+    with pytest.raises(BadInput, match=r"`cpu-2` is a local device"):  # not a resize hint that fails
+        run_target(rd, None, 2)
+    rd.append("submitted", attempt=2, device="cpu-3x7z", slices=1)  # edited by hand
+    with pytest.raises(BadInput, match=r"^run `r` \(.*\) records device `cpu-3x7z` x 1, which this olmo-ctl"):
+        rd.target()

@@ -292,6 +292,7 @@ def run_target(rundir: RunDir, device: Device | None = None, slices: int | None 
             f"to move it, use `olmo-ctl resize {rundir.name} --device {device.name}` (same global batch)",
         )
     if slices is not None and slices != current.slices:
+        Target.of(current.device, slices)  # a count the run's device cannot take at all: that, first
         raise BadInput(
             f"run `{rundir.name}` runs on {current.slices} x {current.name}, not {slices}",
             f"to change the slice count, use `olmo-ctl resize {rundir.name} --device {current.name} "
