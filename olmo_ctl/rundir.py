@@ -467,13 +467,11 @@ class RunDir:
         """The target the run is on: its newest attempt's device and slice count (run.yaml's before the
         first attempt; one slice where neither says); None where neither records a device."""
         last = self.last_attempt() or {}
-        doc = None if last.get("device") and last.get("slices") is not None else self.read_run()
-        device = last.get("device") or (doc or {}).get("device")
+        doc = {} if last.get("device") and last.get("slices") is not None else self.read_run()
+        device = last.get("device") or doc.get("device")
+        slices = last["slices"] if last.get("slices") is not None else doc.get("slices")
         if not device:
             return None
-        slices = last.get("slices")
-        if slices is None:
-            slices = (doc or {}).get("slices")
         return recorded_target(device, slices or 1, where=f"run `{self.name}` ({self.path})")
 
     def last_attempt(self) -> dict | None:

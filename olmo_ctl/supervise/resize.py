@@ -163,7 +163,7 @@ def prepare_resize(rundir, backend, to_device: Device, to_slices: int | None = N
     """Plan the resize of the run in `rundir` to `to_slices` x `to_device` (None: the run's own slice
     count), with both attempts rendered (no side effect)."""
     recipe = rundir.recipe()
-    attempt, _, _ = current_attempt(rundir)
+    attempt = int((rundir.last_attempt() or {}).get("attempt") or 0)  # no handle needed here
     old_target = rundir.target()
     if old_target is None:
         raise BadInput(f"run `{rundir.name}` records no device", "submit it first")
