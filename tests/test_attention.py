@@ -19,6 +19,7 @@ CASES = [
     (2, 70, 4, 2, 16, None, 16),  # full causal, grouped-query, T not a multiple of the block
     (1, 50, 2, 1, 8, 7, 8),  # multi-query, tiny window
     (1, 48, 2, 2, 8, 48, 16),  # window = T: plain causal
+    (1, 40, 10, 2, 8, 12, 16),  # the 32B's grouped-query ratio (5 query heads per KV head, as 40/8)
 ]
 
 
@@ -299,6 +300,19 @@ def test_attend_with_float32_inputs_never_reaches_cudnn_on_a_gpu_target(monkeypa
         A.resolve("flash")
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_splash_at_the_32b_head_ratio(window):
+    """OLMo 2/3 32B's 40 query heads over 8 KV heads, scaled to 10 over 2: five query heads read one
+    KV head in the kernel's grouped-query path (values and gradients, dK/dV summed over the group)."""
+    B, T, H, KV, D = 1, 256, 10, 2, 8
+    q, k, v, g = _qkv(B, T, H, KV, D, seed=5)
+    ref = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="reference"), q, k, v, g)
+    spl = _values_and_grads(
+        lambda q, k, v: A.splash_attention(q, k, v, window=window, blocks=(128, 128, 128)), q, k, v, g
+    )
+    _assert_close(ref, spl)
+
+
 def test_cudnn_unavailable_here_runs_blocked_and_matches_reference():
     assert jax.default_backend() == "cpu" and not A.cudnn_available()
     q, k, v, g = _qkv(1, 64, 4, 2, 16)
@@ -307,11 +321,15 @@ def test_cudnn_unavailable_here_runs_blocked_and_matches_reference():
     _assert_close(ref, fb)
 
 
-@pytest.mark.parametrize("window,segments", [(20, False), (None, True), (20, True)])
-def test_cudnn_call_window_and_segments(window, segments):
+@pytest.mark.parametrize(
+    "window,segments,heads",
+    [(20, False, (4, 2)), (None, True, (4, 2)), (20, True, (4, 2)), (20, False, (10, 2))],
+)
+def test_cudnn_call_window_and_segments(window, segments, heads):
     """The exact `dot_product_attention` call the GPU path makes, run by XLA on the CPU: OLMo 3's
-    window maps to local_window_size=(W-1, 0), and segment ids to its mask."""
-    q, k, v, g = _qkv(2, 64, 4, 2, 16)
+    window maps to local_window_size=(W-1, 0), and segment ids to its mask; (10, 2) heads is the
+    32B's grouped-query ratio."""
+    q, k, v, g = _qkv(2, 64, *heads, 16)
     seg = _segments(2, 64, seed=3) if segments else None
     ref = _values_and_grads(
         lambda q, k, v: A.attend(q, k, v, window=window, impl="reference", segment_ids=seg), q, k, v, g

@@ -148,7 +148,7 @@ def test_the_model_is_written_once_in_a_model_file():
     """No stage file repeats a model value: each names its model file (and stage 3 adds YaRN)."""
     stage_files = sorted(RECIPES_DIR.glob("*.yaml"))
     assert sorted(p.stem for p in stage_files) == shipped_recipes()
-    assert shipped_models() == ["olmo3-7b", "smoke"]
+    assert shipped_models() == ["olmo2-32b", "olmo3-32b", "olmo3-7b", "smoke"]
     for p in stage_files:
         model = yaml.safe_load(p.read_text()).get("model")
         extra = set(model) - {"from", "rope_scaling"} if isinstance(model, dict) else set()
@@ -166,6 +166,45 @@ def test_the_model_is_written_once_in_a_model_file():
         )
         == stage1
     )
+
+
+def test_the_32b_models():
+    """OLMo 2 32B: OLMo-core's olmo2_32B (64 x 5120, 40 query heads over 8 KV heads, MLP 27,648, every
+    layer full attention) is 32.2B parameters; OLMo 3 32B has the same tensors and OLMo 3's 3:1 window."""
+    from olmo_ctl.trainer.model import param_shapes
+
+    o2, o3 = load_model("olmo2-32b"), load_model("olmo3-32b")
+    assert (o2.architecture, o2.full_attention_every, o2.sliding_window) == ("olmo2", 1, 0)
+    assert (o3.architecture, o3.full_attention_every, o3.sliding_window) == ("olmo3", 4, 4096)
+    shapes = param_shapes(o2)
+    assert shapes == param_shapes(o3)
+    assert shapes["blocks"]["attn"]["wk"] == (64, 5120, 8 * 128)
+    n = param_count(o2)
+    assert 32.0e9 < n < 32.4e9 and param_count(o3) == n, n
+    assert all(o2.layer_is_full(i) for i in range(64))
+    assert sum(o3.layer_is_full(i) for i in range(64)) == 16
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["model.architecture=olmo2"], "model.full_attention_every"),  # the smoke model slides
+        (["model.sliding_window=0"], "model.sliding_window"),  # sliding layers need a window
+        (["model.architecture=olmo4"], "model.architecture"),
+        (
+            [
+                "model.architecture=olmo2",
+                "model.full_attention_every=1",
+                "model.rope_scaling.factor=8",
+                "model.rope_scaling.original_context=64",
+            ],
+            "model.rope_scaling",
+        ),
+    ],
+)
+def test_an_impossible_architecture_is_refused(overrides, key):
+    with pytest.raises(BadInput, match=key.replace(".", r"\.")):
+        load_recipe("smoke", overrides=overrides)
 
 
 def test_no_model_values_as_defaults():

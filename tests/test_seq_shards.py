@@ -44,9 +44,9 @@ def test_plan_keeps_whole_sequences_when_it_can_and_checks_a_fixed_seq_shards():
         load_recipe("smoke", overrides=["train.seq_shards=3"])
 
 
-def _sharded_step_against_unsharded(impl: str, shards: tuple[int, ...]) -> dict:
+def _sharded_step_against_unsharded(impl: str, shards: tuple[int, ...], model: tuple[str, ...] = ()) -> dict:
     """One training step on 1 device and on 8 of this process's host devices (tests/conftest.py) with
-    each sequence split s ways, for s in `shards`."""
+    each sequence split s ways, for s in `shards`; `model` overrides the smoke model."""
     import jax
 
     from olmo_ctl.trainer import model as M
@@ -61,6 +61,7 @@ def _sharded_step_against_unsharded(impl: str, shards: tuple[int, ...]) -> dict:
             "train.global_batch=8",
             "model.sliding_window=16",
             f"model.attention={impl}",
+            *model,
         ],
     )
     cfg = r.model
@@ -115,6 +116,28 @@ def test_sequence_sharded_step_matches_the_unsharded_step(impl, shards):
         gn_w, gn_g = res["gn"]
         assert abs(gn_w - gn_g) <= 1e-5 * abs(gn_w), res
         assert res["grad_rel_diff"] < 1e-5, res
+
+
+# OLMo 2 32B's layout at smoke size: 40 query heads over 8 KV heads scaled to 10 over 2 (head_dim 8),
+# every layer full attention.
+OLMO2_GQA = (
+    "model.n_heads=10",
+    "model.n_kv_heads=2",
+    "model.head_dim=8",
+    "model.architecture=olmo2",
+    "model.full_attention_every=1",
+    "model.sliding_window=0",
+)
+
+
+def test_sequence_sharding_at_the_32b_head_ratio():
+    """Sequence shards split the heads: 2 shards give each device 5 query heads and 1 KV head."""
+    out = _sharded_step_against_unsharded("blocked", (2,), OLMO2_GQA)
+    res = out[2]
+    assert res["mesh"] == {"data": 1, "fsdp": 4, "seq": 2}
+    ce_w, ce_g = res["ce"]
+    assert abs(ce_w - ce_g) <= 2e-6 * abs(ce_w), res
+    assert res["grad_rel_diff"] < 1e-5, res
 
 
 def _tiny():

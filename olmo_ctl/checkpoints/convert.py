@@ -1,4 +1,8 @@
-"""Hugging Face `Olmo3ForCausalLM` <-> our Orbax parameters.
+"""Hugging Face `Olmo3ForCausalLM` / `Olmo2ForCausalLM` <-> our Orbax parameters.
+
+Both families have the same tensors (OLMo 2's block is OLMo 3's; OLMo 3 adds the sliding-window
+layers and per-layer-type RoPE), so one mapping serves both; `config.json`'s `model_type` chooses
+`ModelConfig.architecture`, and converting out writes the family the model came from.
 
 HF side: `config.json` + `model.safetensors` (or shards listed in `model.safetensors.index.json`).
 Safetensors are read and written here directly (8-byte header length, JSON header, raw little-endian
@@ -273,6 +277,19 @@ def _rope_parameters(cfg: ModelConfig) -> dict:
     return {"full_attention": yarn, "sliding_attention": dict(yarn) if not rs.full_layers_only else plain}
 
 
+def _olmo2_rope(hf: dict) -> float:
+    """The one RoPE theta of an `Olmo2Config` (transformers 5.x `rope_parameters`, or the older
+    `rope_theta` + `rope_scaling`); OLMo 2 uses plain RoPE only."""
+    rp = hf.get("rope_parameters") or {}
+    kind = rp.get("rope_type") or (hf.get("rope_scaling") or {}).get("rope_type") or "default"
+    if kind != "default" or any(isinstance(v, dict) for v in rp.values()):
+        raise BadInput(
+            f"RoPE settings {rp or hf.get('rope_scaling')} are not OLMo 2's (one plain RoPE on every layer)",
+            "OLMo 2 uses default RoPE, theta 500000",
+        )
+    return float(rp.get("rope_theta") or hf.get("rope_theta") or 500000.0)
+
+
 def model_config_from_hf(
     hf: dict,
     vocab_size: int | None = None,
@@ -280,24 +297,28 @@ def model_config_from_hf(
     param_dtype: ParamDtype = "float32",
     name: str = "olmo3-hf",
 ) -> ModelConfig:
-    if hf.get("model_type") not in (None, "olmo3"):
-        raise BadInput(f"config.json is a `{hf.get('model_type')}` model, not olmo3")
+    model_type = hf.get("model_type") or "olmo3"
+    if model_type not in ("olmo3", "olmo2"):
+        raise BadInput(f"config.json is a `{model_type}` model, not olmo3 or olmo2")
+    family = "OLMo 3" if model_type == "olmo3" else "OLMo 2"
     if hf.get("attention_bias"):
-        raise BadInput("attention_bias=true is not OLMo 3 (no biases anywhere)")
+        raise BadInput(f"attention_bias=true is not {family} (no biases anywhere)")
     if hf.get("hidden_act", "silu") != "silu":
         raise BadInput(f"hidden_act {hf['hidden_act']!r} is not SwiGLU (silu)")
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     n_layers = hf["num_hidden_layers"]
-    layer_types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)
-    ]
-    every = _full_every(layer_types)
-    theta, scaling = _rope_from_hf(hf)
-    window = hf.get("sliding_window")
-    if window is None:
-        if every != 1:
+    scaling: RopeScalingConfig | None
+    if model_type == "olmo2":  # every layer full attention, one plain RoPE
+        every, window, theta, scaling = 1, 0, _olmo2_rope(hf), None
+    else:
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)
+        ]
+        every = _full_every(layer_types)
+        theta, scaling = _rope_from_hf(hf)
+        if hf.get("sliding_window") is None and every != 1:
             raise BadInput("sliding layers without a sliding_window in config.json")
-        window = hf.get("max_position_embeddings", 8192)
+        window = int(hf.get("sliding_window") or hf.get("max_position_embeddings", 8192))
     v_hf = hf["vocab_size"]
     vocab = vocab_size or v_hf
     padded = padded_vocab_size or -(-max(vocab, v_hf) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
@@ -333,11 +354,14 @@ def model_config_from_hf(
         remat="none",
         eos_token_id=token("eos_token_id", min(vocab - 1, 100257)),
         pad_token_id=token("pad_token_id", min(vocab - 1, 100277)),
+        architecture="olmo2" if model_type == "olmo2" else "olmo3",
     )
 
 
 def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
     """config.json for `cfg`; fields of `base` (the original config.json) not derived from cfg are kept."""
+    if cfg.architecture == "olmo2":
+        return _olmo2_hf_config(cfg, base, dtype)
     hf = dict(base or {})
     hf.update(
         {
@@ -373,6 +397,51 @@ def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, dtype: str 
         hf.update(
             {
                 "max_position_embeddings": 65536,
+                "initializer_range": cfg.init_std,
+                "eos_token_id": cfg.eos_token_id,
+                "pad_token_id": cfg.pad_token_id,
+                "bos_token_id": None,
+                "dtype": dtype,
+            }
+        )
+    return hf
+
+
+def _olmo2_hf_config(cfg: ModelConfig, base: dict | None, dtype: str) -> dict:
+    """`Olmo2Config` for `cfg` (no sliding window or layer types; one RoPE for every layer)."""
+    hf = dict(base or {})
+    hf.update(
+        {
+            "architectures": ["Olmo2ForCausalLM"],
+            "model_type": "olmo2",
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.mlp_hidden,
+            "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads,
+            "hidden_act": "silu",
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+        }
+    )
+    for key in ("sliding_window", "layer_types"):
+        hf.pop(key, None)
+    if cfg.head_dim != cfg.d_model // cfg.n_heads or "head_dim" in hf:
+        hf["head_dim"] = cfg.head_dim
+    if not base or _olmo2_rope(hf) != cfg.rope_theta:  # else keep base's RoPE fields
+        hf.update(
+            {
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                "rope_theta": cfg.rope_theta,
+                "rope_scaling": None,
+            }
+        )
+    if not base:
+        hf.update(
+            {
+                "max_position_embeddings": 4096,
                 "initializer_range": cfg.init_std,
                 "eos_token_id": cfg.eos_token_id,
                 "pad_token_id": cfg.pad_token_id,

@@ -1,4 +1,5 @@
-"""Logit parity between a Hugging Face `Olmo3ForCausalLM` and our JAX model on the same tokens.
+"""Logit parity between a Hugging Face `Olmo3ForCausalLM` or `Olmo2ForCausalLM` (config.json's
+`model_type` chooses) and our JAX model on the same tokens.
 
 Both run on the CPU. Tokens are drawn uniformly from the real vocabulary with a fixed seed. Logits
 are compared over the real vocabulary only (our padded rows never count), in float64:
@@ -49,13 +50,14 @@ def _logsumexp(x: np.ndarray) -> np.ndarray:
 
 def hf_logits(hf_dir: str, tokens: np.ndarray, dtype: str = "fp32") -> np.ndarray:
     import torch
-    from transformers import Olmo3ForCausalLM
+    from transformers import Olmo2ForCausalLM, Olmo3ForCausalLM
 
-    from olmo_ctl.checkpoints.convert import local_copy
+    from olmo_ctl.checkpoints.convert import local_copy, read_hf_config
 
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    cls = Olmo2ForCausalLM if read_hf_config(hf_dir).get("model_type") == "olmo2" else Olmo3ForCausalLM
     with local_copy(hf_dir) as d:
-        model = Olmo3ForCausalLM.from_pretrained(d, dtype=torch_dtype)
+        model = cls.from_pretrained(d, dtype=torch_dtype)
     model.eval()
     with torch.no_grad():
         out = model(input_ids=torch.from_numpy(tokens.astype(np.int64)), use_cache=False).logits

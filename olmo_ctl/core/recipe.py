@@ -69,7 +69,7 @@ class ModelConfig:
     mlp_hidden: int
     vocab_size: int  # real tokens
     padded_vocab_size: int  # embedding rows used in training
-    sliding_window: int  # a token sees itself plus window-1 before it
+    sliding_window: int  # a token sees itself plus window-1 before it (0: no sliding layers)
     full_attention_every: int  # layer i is full attention where (i+1) % full_attention_every == 0
     rope_theta: float
     rope_scaling: RopeScalingConfig | None = None  # stage 3: YaRN on the full-attention layers
@@ -84,6 +84,10 @@ class ModelConfig:
     attention: Attention = "auto"
     eos_token_id: int
     pad_token_id: int
+    # The Hugging Face family the network converts to and from: olmo3 (`Olmo3ForCausalLM`: sliding
+    # and full layers, per-layer-type RoPE) or olmo2 (`Olmo2ForCausalLM`: the same reordered-norm
+    # block with QK-norm, every layer full attention, one RoPE). The block's arithmetic is the same.
+    architecture: Literal["olmo3", "olmo2"] = "olmo3"
 
     def layer_is_full(self, i: int) -> bool:
         """Full attention where (i+1) % full_attention_every == 0, and always on the last layer
@@ -313,6 +317,8 @@ class Recipe:
         d.pop("runtime", None)  # how the run is guarded, not what it trains
         d["data"].pop("tokenizer", None)  # read by evaluators only
         d["train"].pop("seq_shards", None)  # a layout, like the slice: not what the run trains
+        if d["model"].get("architecture") == "olmo3":  # absent unless set: older runs keep their fingerprint
+            d["model"].pop("architecture")
         for k, default in (("packed", False), ("source_group_size", 1), ("source_permutation_seed", None)):
             if d["data"].get(k) == default:  # absent unless set: older runs keep their fingerprint
                 d["data"].pop(k, None)
@@ -514,10 +520,30 @@ def validate(r: Recipe, src: str) -> None:
         "mlp_hidden",
         "vocab_size",
         "padded_vocab_size",
-        "sliding_window",
         "full_attention_every",
     ):
         need(getattr(m, k) > 0, f"model.{k}", f"must be positive, got {getattr(m, k)}")
+    if m.full_attention_every == 1:  # every layer full: no window to size
+        need(m.sliding_window >= 0, "model.sliding_window", f"must be >= 0, got {m.sliding_window}")
+    else:
+        need(
+            m.sliding_window > 0,
+            "model.sliding_window",
+            f"must be positive when some layers slide (full_attention_every {m.full_attention_every}),"
+            f" got {m.sliding_window}",
+        )
+    need(
+        m.architecture in ("olmo3", "olmo2"),
+        "model.architecture",
+        f"must be olmo3 or olmo2, got {m.architecture!r}",
+    )
+    if m.architecture == "olmo2":
+        need(
+            m.full_attention_every == 1,
+            "model.full_attention_every",
+            f"must be 1 for an olmo2 model (every layer full attention), got {m.full_attention_every}",
+        )
+        need(m.rope_scaling is None, "model.rope_scaling", "is not part of an olmo2 model (one plain RoPE)")
     need(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads ({m.n_heads})")
     need(
         m.padded_vocab_size >= m.vocab_size,
@@ -537,7 +563,7 @@ def validate(r: Recipe, src: str) -> None:
     need(m.rms_norm_eps > 0, "model.rms_norm_eps", "must be positive")
     need(m.init_std > 0, "model.init_std", "must be positive")
     need(
-        m.sliding_window <= t.seq_len,
+        m.full_attention_every == 1 or m.sliding_window <= t.seq_len,
         "model.sliding_window",
         f"({m.sliding_window}) must not exceed train.seq_len ({t.seq_len})",
     )
