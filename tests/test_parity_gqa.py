@@ -119,12 +119,11 @@ def test_round_trip_is_bit_exact_and_keeps_the_family(pair, tmp_path):
     assert res["kl_max"] < 1e-9
 
 
-def test_an_olmo2_model_written_without_its_original_config(tmp_path, pair):
+@pytest.mark.parametrize("pair", ["olmo2"], indirect=True)
+def test_an_olmo2_model_written_without_its_original_config(pair):
     """A model from a recipe (no original config.json to keep fields from) converts to a valid
     Olmo2Config that transformers loads."""
-    family, _, orbax, cfg = pair
-    if family != "olmo2":
-        pytest.skip("the OLMo 3 path is covered by tests/test_parity.py")
+    cfg = pair[3]
     hf = convert.hf_config_from_model(cfg)
     assert hf["model_type"] == "olmo2" and "sliding_window" not in hf and "layer_types" not in hf
     from transformers import Olmo2Config
@@ -134,10 +133,9 @@ def test_an_olmo2_model_written_without_its_original_config(tmp_path, pair):
     assert loaded.num_key_value_heads == 2
 
 
+@pytest.mark.parametrize("pair", ["olmo2"], indirect=True)
 def test_olmo2_refuses_what_it_is_not(pair):
-    family, hf, _, _ = pair
-    if family != "olmo2":
-        pytest.skip("OLMo 2 settings only")
+    hf = pair[1]
     base = json.load(open(os.path.join(hf, "config.json")))
     bad = {**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}}
     with pytest.raises(BadInput, match="not OLMo 2's"):
