@@ -50,11 +50,16 @@ def test_surgery_soup_prints_only_its_result(smoke_run, tmp_path):
         str(smoke_run / "checkpoints" / "40"),
         "--out",
         str(tmp_path / "soup"),
+        "--recipe",
+        "smoke",
         tmp_path=tmp_path,
     )
     assert p.returncode == 0, p.stderr
     assert noise(p.stdout + p.stderr) == [], p.stderr
-    assert p.stdout == f"wrote {tmp_path / 'soup' / 'checkpoints' / '0'}: mean of 2 checkpoints' parameters\n"
+    assert p.stdout == (
+        f"wrote {tmp_path / 'soup'}: float32 mean of 2 checkpoints of olmo3-smoke (weights 0.5, 0.5),"
+        " 14 tensors, 250,944 parameters, float32\n"
+    )
 
 
 @pytest.mark.tpu_compile

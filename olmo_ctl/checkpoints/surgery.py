@@ -1,16 +1,13 @@
-"""Checkpoint surgery: stage-2 "warm-Adam" initialisation and parameter souping.
+"""Checkpoint surgery: the stage-2 "warm-Adam" initialisation (souping is `checkpoints/soup.py`).
 
-* `warm_adam(SRC, DST_RUN_DIR)`: OLMo 3 stage 2 starts from the stage-1 final parameters *and* Adam
-  moments, with the step counter (and so the LR schedule, a function of the step) at 0 and a fresh
-  data order. The output is checkpoint `0` of DST_RUN_DIR: the trainer restores it as "0 steps
-  completed" and runs step 1 of the stage-2 recipe next. Adam's bias-correction count is kept with
-  the moments it describes (as a restored PyTorch AdamW state keeps its per-parameter `step`): a
-  reset count would re-amplify moments that are already warm. The skip-step window starts empty.
-* `soup([CKPT...], OUT_DIR)`: the element-wise mean of the parameters of several checkpoints,
-  written as checkpoint `0` of OUT_DIR with a fresh optimizer state (train on from it, or use it
-  with `--init-from OUT_DIR/checkpoints/0`).
+`warm_adam(SRC, DST_RUN_DIR)`: OLMo 3 stage 2 starts from the stage-1 final parameters *and* Adam
+moments, with the step counter (and so the LR schedule, a function of the step) at 0 and a fresh
+data order. The output is checkpoint `0` of DST_RUN_DIR: the trainer restores it as "0 steps
+completed" and runs step 1 of the stage-2 recipe next. Adam's bias-correction count is kept with the
+moments it describes (as a restored PyTorch AdamW state keeps its per-parameter `step`): a reset count
+would re-amplify moments that are already warm. The skip-step window starts empty.
 
-Both read checkpoints without knowing the model (host arrays) and write with the same Orbax layout
+It reads the checkpoint without knowing the model (host arrays) and writes with the same Orbax layout
 as the trainer.
 """
 
@@ -21,7 +18,8 @@ import numpy as np
 from olmo_ctl.core.errors import BadInput
 
 
-def _quiet_orbax() -> None:
+def quiet_orbax() -> None:
+    """Orbax pointed at a GCS emulator if one is set, and its read-only notices kept off the terminal."""
     import logging
 
     from olmo_ctl.trainer.checkpoint import emulator_env_defaults
@@ -62,7 +60,7 @@ def warm_adam(src_checkpoint: str, dst_run_dir: str) -> dict:
     """Write DST_RUN_DIR/checkpoints/0 from SRC's params + moments; returns a summary."""
     from olmo_ctl.trainer.checkpoint import open_step
 
-    _quiet_orbax()
+    quiet_orbax()
     src, step = open_step(src_checkpoint)
     state, meta = src.restore_host(step)
     state = _host(state)
@@ -92,61 +90,3 @@ def warm_adam(src_checkpoint: str, dst_run_dir: str) -> dict:
     dst.save(0, new, new_meta)
     dst.close()
     return {"source_step": step, "adam_count": int(state["opt"]["count"]), "out": dst.directory + "/0"}
-
-
-def soup(checkpoints: list[str], out_dir: str) -> dict:
-    """Average the parameters of `checkpoints` into OUT_DIR/checkpoints/0; returns a summary."""
-    import jax
-
-    from olmo_ctl.trainer.checkpoint import open_step
-
-    _quiet_orbax()
-    if len(checkpoints) < 1:
-        raise BadInput("soup needs at least one checkpoint")
-    total = None
-    first = None
-    structure = None
-    window = 128
-    for path in checkpoints:
-        ck, step = open_step(path)
-        state, _ = ck.restore_host(step)
-        params = _host(state["params"] if "params" in state else state)
-        shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), params)
-        if structure is None:
-            structure, first = shapes, params
-            if "skip" in state:
-                window = int(np.asarray(state["skip"]["losses"]).shape[0])
-            total = jax.tree.map(lambda x: x.astype(np.float64), params)
-            continue
-        if shapes != structure:
-            raise BadInput(
-                f"`{path}` holds a different model than `{checkpoints[0]}`",
-                "soup only checkpoints of the same model",
-            )
-        total = jax.tree.map(lambda a, x: a + x.astype(np.float64), total, params)
-    n = len(checkpoints)
-    mean = jax.tree.map(lambda a, x: (a / n).astype(x.dtype), total, first)
-    dst = _empty_destination(out_dir)
-    zeros = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), mean)
-    new = {
-        "step": np.zeros((), np.int32),
-        "params": mean,
-        "opt": {"mu": zeros, "nu": jax.tree.map(np.copy, zeros), "count": np.zeros((), np.int32)},
-        "skip": {
-            "losses": np.zeros(window, np.float32),
-            "grad_norms": np.zeros(window, np.float32),
-            "recorded": np.zeros((), np.int32),
-        },
-    }
-    dst.save(
-        0,
-        new,
-        {
-            "data": None,
-            "data_fingerprint": None,
-            "step": 0,
-            "surgery": {"kind": "soup", "sources": list(checkpoints)},
-        },
-    )
-    dst.close()
-    return {"sources": n, "out": dst.directory + "/0"}

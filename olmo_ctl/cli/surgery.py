@@ -52,22 +52,55 @@ def warm_adam(
 )
 def soup(
     checkpoints: Annotated[
-        list[str], typer.Argument(metavar="CHECKPOINTS", help="Committed checkpoint step dirs to average.")
+        list[str],
+        typer.Argument(
+            metavar="CHECKPOINTS",
+            help="Checkpoints of one model to average: committed step dirs (RUN/checkpoints/N) and"
+            " directories written by `convert hf-to-orbax`, local or gs://.",
+        ),
     ],
-    out: Annotated[str, typer.Option("--out", help="New run directory for the averaged checkpoint.")],
+    out: Annotated[
+        str, typer.Option("--out", help="New directory for the averaged parameters (local or gs://).")
+    ],
+    weights: Annotated[
+        str | None,
+        typer.Option(
+            "--weights",
+            metavar="W,W,...",
+            help="One weight per checkpoint, in their order, positive, summing to 1 (default: equal).",
+        ),
+    ] = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option("--recipe", help="The model of step dirs whose run directory has no run.yaml."),
+    ] = None,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Average the parameters of several checkpoints into OUT/checkpoints/0.
+    """Average the parameters of several checkpoints of one model into OUT, tensor by tensor.
 
-    Exit codes: 0 written, 2 bad input.
+    The mean is OLMo-core's: a float32 accumulator, `acc += w_i * x_i` in the order given. OUT is a
+    parameter directory (the `convert hf-to-orbax` layout, with olmo_model.json and the manifest
+    soup.json) that `eval`, `convert orbax-to-hf` and `--init-from` read. Only parameters are read,
+    never optimizer state.
+
+    Exit codes: 0 written, 2 bad input (nothing written: checkpoints of different models, weights
+    that are not one per checkpoint or do not sum to 1, OUT not empty, a path that is not a checkpoint).
     """
+    from olmo_ctl.checkpoints.soup import parse_weights, soup_weights
+
+    ws = None if weights is None else parse_weights(weights)
+    soup_weights(len(checkpoints), ws)  # refused before JAX loads
     from olmo_ctl.trainer.quiet import cpu_only
 
     cpu_only()  # before JAX loads: no TPU runtime noise
-    from olmo_ctl.checkpoints.surgery import soup as run
+    from olmo_ctl.checkpoints.soup import soup as run
 
-    res = run(list(checkpoints), out)
+    res = run(list(checkpoints), out, ws, recipe)
     if output != Output.table:
         print_data(res, output)
         return
-    typer.echo(f"wrote {res['out']}: mean of {res['sources']} checkpoints' parameters")
+    shares = ", ".join(f"{s['weight']:.6g}" for s in res["sources"])
+    typer.echo(
+        f"wrote {res['out']}: float32 mean of {len(res['sources'])} checkpoints of {res['model']}"
+        f" (weights {shares}), {res['tensors']} tensors, {res['parameters']:,} parameters, {res['dtype']}"
+    )
