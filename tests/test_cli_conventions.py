@@ -198,6 +198,20 @@ def test_recipes_lists_every_shipped_recipe_on_one_line(env):
     assert by["smoke"]["stage_option"] is None and by["smoke"]["model"] == model["name"]
     for stage, name in STAGE_RECIPES.items():
         assert by[name]["stage"] == stage and by[name]["stage_option"] == f"--stage {stage}"
+    # The 32B stages: `--model NAME --stage N`, each listed with its own model and batch.
+    for name, option, model, batch in (
+        ("olmo2-32b-stage1", "--model olmo2-32b --stage 1", "olmo2-32b", 2048),
+        ("olmo2-32b-stage2", "--model olmo2-32b --stage 2", "olmo2-32b", 2048),
+        ("olmo3-32b-stage1", "--model olmo3-32b --stage 1", "olmo3-32b", 1024),
+        ("olmo3-32b-stage2", "--model olmo3-32b --stage 2", "olmo3-32b", 512),
+        ("olmo3-32b-stage3", "--model olmo3-32b --stage 3", "olmo3-32b", 128),
+    ):
+        assert (by[name]["stage_option"], by[name]["model"], by[name]["global_batch"]) == (
+            option,
+            model,
+            batch,
+        )
+        assert by[name]["stage"] == int(option[-1])
 
 
 # ---------------------------------------------------------------- olmo-ctl config init

@@ -20,6 +20,29 @@ CASES = {
     "no recipe": (["plan", "--device", "v5p-8"], "no recipe given"),
     "stage 4": (["plan", "--stage", "4", "--device", "v5p-8"], "not a stage"),
     "stage and recipe": (["plan", "--stage", "1", "--recipe", "smoke", "--device", "v5p-8"], "exclusive"),
+    "a stage the model lacks": (
+        ["plan", "--model", "olmo2-32b", "--stage", "3", "--device", "v5p-512"],
+        "--model olmo2-32b has no stage 3",
+    ),
+    "unknown model": (
+        ["plan", "--model", "olmo9-1b", "--stage", "1", "--device", "v5p-8"],
+        "no shipped stage",
+    ),
+    "model without stage": (["plan", "--model", "olmo3-32b", "--device", "v5p-512"], "needs --stage"),
+    "model with recipe": (
+        ["submit", "--model", "olmo3-32b", "--recipe", "smoke", "--device", "cpu-1", "--dry-run"],
+        "needs --stage",
+    ),
+    "model alone to resume": (
+        ["resume-until-done", "--model", "olmo3-32b", "--device", "v5p-8"],
+        "needs --stage",
+    ),
+    "model alone to submit": (["submit", "--model", "olmo3-32b", "--device", "v5p-8"], "needs --stage"),
+    "model with data info": (["data", "info", "--model", "olmo2-32b", "--stage", "3"], "has no stage 3"),
+    "model with preflight": (
+        ["preflight", "--model", "olmo2-32b", "--stage", "3", "--device", "v5p-8"],
+        "has no stage 3",
+    ),
     "batch cannot split": (
         ["plan", "--stage", "1", "--device", "tpu7x-1024", "--set", "train.seq_shards=1"],
         "cannot be split",

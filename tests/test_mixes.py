@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -12,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.mixes import MIXES
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.data.files import resolve_files, resolve_mix
-from olmo_ctl.data.mixes import MIXES_DIR, TOKENIZER_ID, load_mix, mix_paths
+from olmo_ctl.data.mixes import MIXES_DIR, load_mix, mix_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,24 +43,85 @@ def _manifest_lines(name: str) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize(
-    "name,count",
-    [
-        ("OLMo-mix-0625-official", 1016),
-        ("OLMo-midtraining-mix-0625-100B", 11933),
-        ("OLMo-longmino-mix-0625", 998),
-    ],
-)
-def test_manifests_ship_with_the_package_in_their_order(name, count):
+def _anneal_manifest_lines(name: str) -> list[tuple[str, str]]:
+    """An OLMo 2 anneal manifest read as `AnnealingDataMix.build` reads it (OLMo-2-0325-32B-anneal.py:
+    60-76): stripped lines, `#` and blank lines skipped, the path as written, its label the second
+    `/` component."""
+    out = []
+    for line in (MIXES_DIR / f"{name}.txt").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            out.append((line.split("/")[1], line))
+    return out
+
+
+# name -> (files, distinct files, the directory `DataMix.build` puts for {TOKENIZER} with the dolma2
+# tokenizer: src/olmo_core/data/mixes/__init__.py:84-110)
+DATAMIX_MANIFESTS = {
+    "OLMo-mix-0625-official": (1016, 1016, "allenai/dolma3-tokenizer"),
+    "OLMo-midtraining-mix-0625-100B": (11933, 11933, "allenai/dolma3-tokenizer"),
+    "OLMo-longmino-mix-0625": (998, 998, "allenai/dolma3-tokenizer"),
+    "OLMo-mix-0925-official": (950, 950, "allenai/dolma3-tokenizer"),
+    "OLMo-midtraining-mix-0925-ingredient1-100B": (12252, 12252, "allenai/dolma3-tokenizer"),
+    "OLMo-midtraining-mix-0925-ingredient2-100B": (12252, 12252, "allenai/dolma3-tokenizer"),
+    "OLMo-longmino-mix-0925": (1000, 1000, "allenai/dolma3-tokenizer"),
+    # DataMix.build has no case for it: {TOKENIZER} is `TokenizerName.dolma2` itself. Five dclm files
+    # are listed twice, and read twice.
+    "OLMoE-mix-0824": (1122, 1117, "allenai/dolma2-tokenizer"),
+}
+# The OLMo 2 anneal mixes (upsampled sources listed again): name -> (files, distinct files, first label).
+ANNEAL_MANIFESTS = {
+    "dolmino100": (1253, 697, "personahub_math_v5_regen_149960"),
+    "dolmino300": (2476, 992, "pes2o"),
+}
+
+
+def test_every_training_mix_has_its_rule_here():
+    assert sorted(MIXES) == sorted([*DATAMIX_MANIFESTS, *ANNEAL_MANIFESTS])
+
+
+@pytest.mark.parametrize("name", list(DATAMIX_MANIFESTS))
+def test_manifests_ship_with_the_package_in_their_order(name):
+    count, distinct, tokenizer = DATAMIX_MANIFESTS[name]
     entries = load_mix(name)
     lines = _manifest_lines(name)
     assert len(entries) == len(lines) == count
     assert [e.label for e in entries] == [label for label, _ in lines]
-    assert [e.path for e in entries] == [
-        p.replace("{TOKENIZER}", "allenai/dolma3-tokenizer") for _, p in lines
-    ]
-    assert len({e.path for e in entries}) == count  # no repeats
-    assert all(e.path.startswith("preprocessed/") and TOKENIZER_ID in e.path for e in entries)
+    assert [e.path for e in entries] == [p.replace("{TOKENIZER}", tokenizer) for _, p in lines]
+    assert len({e.path for e in entries}) == distinct
+    assert all(e.path.startswith("preprocessed/") and f"/{tokenizer}/" in e.path for e in entries)
+    assert mix_paths(name, "gs://b") == [f"gs://b/{p.replace('{TOKENIZER}', tokenizer)}" for _, p in lines]
+
+
+@pytest.mark.parametrize("name", list(ANNEAL_MANIFESTS))
+def test_anneal_manifests_keep_their_order_and_repeats(name):
+    count, distinct, first_label = ANNEAL_MANIFESTS[name]
+    entries = load_mix(name)
+    lines = _anneal_manifest_lines(name)
+    assert len(entries) == len(lines) == count
+    assert [(e.label, e.path) for e in entries] == lines
+    assert len({e.path for e in entries}) == distinct < count
+    assert all(e.path.startswith("preprocessed/") and e.path.endswith(".npy") for e in entries)
+    assert mix_paths(name, "gs://b/") == [f"gs://b/{path}" for _, path in lines]
+    assert entries[0].label == first_label and entries[-1].label == "dclm"
+
+
+# sha256 of each manifest as OLMo-core holds it at fa6c5014 (src/olmo_core/data/mixes/ and, for the
+# anneal mixes, src/scripts/train/OLMo2/anneal/): the shipped files are those, unchanged.
+UPSTREAM_SHA256 = {
+    "OLMo-mix-0925-official": "e72803971ba7150d7ecf6260a21abb4086953bd915edcb96881d2e78b1de6471",
+    "OLMo-midtraining-mix-0925-ingredient1-100B": "44b28e8585c472251b942d505d3278f1049576ca775db0b16001712021667ecf",
+    "OLMo-midtraining-mix-0925-ingredient2-100B": "27b0cc8c9466a29493b063660408033e44efd4aada710f72c9a273a8c303ab93",
+    "OLMo-longmino-mix-0925": "1d71bfa279f7aee8c68cb0a27dcbcf4a045de58e21df77e3d16b5c7a1b3dc99b",
+    "OLMoE-mix-0824": "b784bb2a3867ac4ecb0e54bdbab87bfefd64808b4b5ea649bb71d07f0b9e0a0f",
+    "dolmino100": "a25e1c71bf2c89b216b1abee3fa3e8d2bb5669691215be7bbda07da9b1bda2fb",
+    "dolmino300": "a7d25e2ebfc1fbf8e09d9afa51c10bf661eebcf29c507e12efbf91fae5b98697",
+}
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM_SHA256))
+def test_the_32b_manifests_are_upstream_s_unchanged(name):
+    assert hashlib.sha256((MIXES_DIR / f"{name}.txt").read_bytes()).hexdigest() == UPSTREAM_SHA256[name]
 
 
 def test_stage1_mix_order_is_the_manifest_s_not_sorted():
@@ -113,6 +176,22 @@ def test_data_info_lists_the_stage1_mix_in_order_and_a_missing_file_exits_2(tmp_
     os.remove(paths[0])
     with pytest.raises(BadInput, match=r"000000\.npy` does not exist \(and 1 more of its 1016 files\)"):
         resolve_mix("OLMo-mix-0625-official", str(root))
+
+
+def test_data_info_reads_a_32b_stage_s_mix_with_its_repeats_in_order(tmp_path):
+    # `--model olmo2-32b --stage 2` is the anneal on dolmino100, whose upsampled files repeat.
+    root = tmp_path / "olmo-data"
+    paths = _materialise(root, "dolmino100")
+    p = cli(
+        "data", "info", "--model", "olmo2-32b", "--stage", "2", "--set", f"data.root={root}", "-o", "json"
+    )
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["mix"] == "dolmino100" and d["files"] == paths and d["train_files"] == 1253
+    assert d["train_tokens"] == sum(os.path.getsize(x) // 4 for x in paths)  # a repeat is read again
+    # The same files under --stage 2 alone are the 7B's stage 2, which names another mix.
+    p = cli("data", "info", "--stage", "2", "--set", f"data.root={root}", "-o", "json")
+    assert p.returncode == 2 and "OLMo-midtraining-mix-0625-100B" in p.stderr
 
 
 def test_a_mix_needs_a_root_and_a_glob_remains_possible(tmp_path):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo_ctl.core.batching import param_count
+from olmo_ctl.core.batching import PROJ_NAMES, budget_names, param_count
 from olmo_ctl.core.recipe import ModelConfig, load_model, load_recipe
 from olmo_ctl.trainer import model as M
 
@@ -155,12 +155,54 @@ def test_remat_policies_give_the_same_gradients():
     params = M.init_params(cfg, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, cfg.vocab_size)
     grads = {}
-    for remat in ("none", "full", "save_proj"):
-        c = dataclasses.replace(cfg, remat=remat)
+    modes = ("none", "full", "save_proj", "mlp", "budget")
+    for remat in modes:
+        c = dataclasses.replace(cfg, remat=remat, remat_budget=0.3)
         grads[remat] = jax.jit(jax.grad(lambda p, c=c: jnp.mean(M.forward(p, tokens, c) ** 2)))(params)
-    for remat in ("full", "save_proj"):
+    for remat in modes[1:]:
         for a, b in zip(jax.tree.leaves(grads["none"]), jax.tree.leaves(grads[remat]), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+
+
+def _temp_bytes(cfg, tokens) -> int:
+    """Temporary buffers of the compiled gradient: what the activations kept for the backward need."""
+    params = jax.eval_shape(lambda: M.init_params(cfg, jax.random.PRNGKey(0)))
+    grad = jax.jit(jax.grad(lambda p: jnp.mean(M.forward(p, tokens, cfg) ** 2)))
+    return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_remat_modes_keep_less_in_the_order_the_plan_assumes():
+    """Compiled, the modes keep less in the order the plan's estimate puts them: none > mlp >
+    save_proj >= budget >= full. Four scanned groups of layers: with one group, its backward follows
+    its forward at once and rematerialisation saves nothing."""
+    from olmo_ctl.core.batching import activation_bytes_per_instance as estimate
+
+    cfg = tiny(n_layers=16, d_model=64, n_heads=4, head_dim=16, mlp_hidden=256, sliding_window=64)
+    tokens = jnp.zeros((4, 128), jnp.int32)
+    got = {
+        r: _temp_bytes(dataclasses.replace(cfg, remat=r, remat_budget=0.2), tokens)
+        for r in ("none", "mlp", "save_proj", "budget", "full")
+    }
+    print(got)
+    assert got["none"] > got["mlp"] > got["save_proj"] >= got["budget"] >= got["full"]
+    est = {r: estimate(dataclasses.replace(cfg, remat=r, remat_budget=0.2), 128) for r in got}
+    assert sorted(est, key=est.__getitem__) == sorted(got, key=got.__getitem__)
+
+
+def test_the_budget_mode_keeps_projections_in_order_while_they_fit():
+    """OLMo 3 32B's budgets: 0.5 (pre- and mid-training) keeps every projection; 0.3 (long context)
+    all but the last MLP input projection; a tiny budget keeps the query projection only."""
+    o32 = load_model("olmo3-32b")
+    assert budget_names(dataclasses.replace(o32, remat_budget=0.5)) == PROJ_NAMES
+    assert budget_names(dataclasses.replace(o32, remat_budget=0.3)) == PROJ_NAMES[:5]
+    assert budget_names(dataclasses.replace(o32, remat_budget=0.035)) == ("q_proj",)
+    from olmo_ctl.core.batching import activation_bytes_per_instance as act
+
+    by_mode = {
+        r: act(dataclasses.replace(o32, remat=r, remat_budget=0.3), 8192)
+        for r in ("none", "mlp", "save_proj", "budget", "full")
+    }
+    assert by_mode["none"] > by_mode["mlp"] > by_mode["save_proj"] > by_mode["budget"] > by_mode["full"]
 
 
 def test_bf16_compute_with_fp32_params_returns_fp32_logits():

@@ -340,3 +340,45 @@ def test_the_trainer_refuses_a_plan_that_disagrees_and_writes_nothing(tmp_path, 
     assert p.returncode == 2, p.stderr[-2000:]
     assert text in p.stderr and "Traceback" not in p.stderr
     assert not any(p for p in (tmp_path / "r").rglob("*") if p.is_file() and "checkpoints" in p.parts)
+
+
+def test_shard_group_shards_the_state_over_groups_and_the_trainer_meshes_it_so():
+    """OLMo-core's HSDP by group size: the state over groups of `train.shard_group` devices (so each
+    device holds slice/group times the plain FSDP share), replicated across the groups; the batch
+    still over every device. The mesh the trainer and preflight build follows the same rule."""
+    from olmo_ctl.core.batching import mesh_layout
+
+    fsdp = make_plan(load_recipe(stage=1), get_device("v5p-256"))
+    grouped = make_plan(load_recipe(stage=1, overrides=["train.shard_group=32"]), get_device("v5p-256"))
+    assert (fsdp.shard_group, grouped.shard_group) == (128, 32)
+    assert grouped.state_bytes_per_device == pytest.approx(fsdp.state_bytes_per_device * 4, rel=1e-6)
+    assert (grouped.devices, grouped.data_parallel) == (fsdp.devices, fsdp.data_parallel)
+    r = load_recipe("smoke", overrides=["train.shard_group=2"])
+    assert mesh_layout(r, 8) == ("hybrid", 4) and mesh_layout(r, 2) == ("fsdp", 1)
+    assert mesh_layout(load_recipe("smoke"), 8) == ("fsdp", 1)
+    assert mesh_layout(load_recipe("smoke", overrides=["train.shard_group=16"]), 8) == (
+        "fsdp",
+        1,
+    )  # the slice
+    assert (
+        load_recipe("smoke", overrides=["train.shard_group=2"]).fingerprint()
+        == load_recipe("smoke").fingerprint()
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides,device,says",
+    [
+        (["train.shard_group=48"], "v5p-256", "does not divide the 128 devices"),
+        (["train.shard_group=-1"], "v5p-256", "train.shard_group` must be >= 0"),
+        (["train.shard_group=4", "train.mesh=hybrid", "train.data_parallel=2"], "v5p-256", "choose one"),
+    ],
+)
+def test_a_shard_group_the_slice_cannot_hold_is_refused(overrides, device, says):
+    with pytest.raises(BadInput, match=says):
+        make_plan(load_recipe(stage=1, overrides=overrides), get_device(device))
+
+
+def test_plan_refuses_a_shard_group_on_the_command_line():
+    p = _cli("plan", "--stage", "1", "--device", "v5p-256", "--set", "train.shard_group=48")
+    assert p.returncode == 2 and "shard_group 48 does not divide" in p.stderr and "Traceback" not in p.stderr

@@ -17,6 +17,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 import olmo_ctl
+from olmo_ctl.core.recipe import DEFAULT_MODEL, MODEL_STAGE_RECIPES
 
 # `--help` lists commands in the order a user meets them, not alphabetically.
 COMMAND_ORDER = (
@@ -213,7 +214,22 @@ class ManifestOutput(str, Enum):
 # Options shared by every command that takes a recipe.
 StageOpt = Annotated[
     int | None,
-    typer.Option("--stage", help="OLMo 3 stage: 1 (pre-training), 2 (mid-training) or 3 (long context)."),
+    typer.Option(
+        "--stage",
+        help="Stage of --model (OLMo 3 7B unless given): 1 (pre-training), 2 (mid-training) or 3 (long context).",
+    ),
+]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help="Whose stage --stage names: "
+        + ", ".join(
+            f"{m} (stages {', '.join(map(str, stages))}{'; the default' if m == DEFAULT_MODEL else ''})"
+            for m, stages in MODEL_STAGE_RECIPES.items()
+        )
+        + ".",
+    ),
 ]
 RecipeOpt = Annotated[
     str | None, typer.Option("--recipe", help="Recipe file or name from recipes/ (e.g. smoke).")

@@ -5,7 +5,17 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import OlmoTyper, Output, OutputOpt, RecipeOpt, SetOpt, StageOpt, app, print_data
+from olmo_ctl.cli.app import (
+    ModelOpt,
+    OlmoTyper,
+    Output,
+    OutputOpt,
+    RecipeOpt,
+    SetOpt,
+    StageOpt,
+    app,
+    print_data,
+)
 from olmo_ctl.core.recipe import load_recipe
 
 data_app = OlmoTyper(help="Make and inspect training data (token files).")
@@ -92,6 +102,7 @@ def data_report(recipe) -> dict:
 @data_app.command("info", example="olmo-ctl data info --recipe smoke -o json")
 def info(
     stage: StageOpt = None,
+    model: ModelOpt = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
     output: OutputOpt = Output.table,
@@ -100,7 +111,7 @@ def info(
 
     Exit codes: 0 shown, 2 bad input, 3 storage unreachable.
     """
-    d = data_report(load_recipe(recipe, stage, set_ or []))
+    d = data_report(load_recipe(recipe, stage, set_ or [], model=model))
     if output != Output.table:
         print_data(d, output)
         return

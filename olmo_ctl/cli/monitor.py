@@ -122,10 +122,13 @@ def render(rep: dict):
         "-" if sk["total"] is None else f"{sk['total']} total, {sk['last_1000']} in the last 1000",
     )
     ck = rep["checkpoint"]
-    t.add_row(
-        "last checkpoint",
-        "none committed yet" if ck["committed_step"] is None else f"step {ck['committed_step']:,}",
-    )
+    last = "none committed yet" if ck["committed_step"] is None else f"step {ck['committed_step']:,}"
+    if ck.get("ephemeral"):
+        perm = ck.get("permanent_step")
+        last += " (ephemeral; " + ("no permanent one yet)" if perm is None else f"permanent: step {perm:,})")
+    elif "permanent_step" in ck and ck["committed_step"] is not None:
+        last += " (permanent)"
+    t.add_row("last checkpoint", last)
     if ck["steps_at_risk"] is not None:
         t.add_row("steps at risk", f"{ck['steps_at_risk']:,}")
     at = rep["attempt"]

@@ -8,6 +8,7 @@ import typer
 from olmo_ctl.backends.base import Target
 from olmo_ctl.cli.app import (
     DeviceOpt,
+    ModelOpt,
     Output,
     OutputOpt,
     RecipeOpt,
@@ -45,8 +46,14 @@ def _print_plan(r: dict) -> None:
             else f" of 1/{r['seq_shards']} instance\n  seq_shards        {r['seq_shards']} (each sequence split over"
             f" {r['seq_shards']} devices, {r['data_parallel']} groups)"
         ),
+        f"  sharding          state over {plural(r['shard_group'], 'device')}"
+        + (
+            ""
+            if r["shard_group"] * r["slices"] >= r["devices"]
+            else f", {r['devices'] // r['slices'] // r['shard_group']} replicas per slice (hybrid)"
+        ),
         f"  memory estimate   {r['estimated_bytes_per_device'] / gib:.1f} GiB of {r['hbm_bytes_per_device'] / gib:.0f}"
-        f" GiB HBM per device (remat {r['remat']})",
+        f" GiB HBM per device (remat {r['remat']}{' ' + str(r['remat_budget']) if r['remat'] == 'budget' else ''})",
         f"  steps             {r['steps']:,} ({r['tokens']:,} tokens)",
         f"  parameters        {r['params']:,}",
         "",
@@ -99,6 +106,7 @@ def plan(
         ),
     ] = 1,
     stage: StageOpt = None,
+    model: ModelOpt = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
     mfu: Annotated[float, typer.Option("--mfu", help="Assumed MFU as a fraction (0.4 = 40%).")] = 0.4,
@@ -133,7 +141,7 @@ def plan(
         raise BadInput(f"--plot-lr `{plot_lr}` must name a .png file")
     from olmo_ctl.backends import resolve_settings
 
-    r = load_recipe(recipe, stage, set_ or ())
+    r = load_recipe(recipe, stage, set_ or (), model=model)
     target = Target.parse(device, slices)
     report = plan_report(r, target.device, mfu, target.slices, prices=resolve_settings().prices)
     if steps is not None:

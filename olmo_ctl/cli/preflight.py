@@ -9,6 +9,7 @@ import typer
 
 from olmo_ctl.cli.app import (
     DeviceOpt,
+    ModelOpt,
     Output,
     OutputOpt,
     RecipeOpt,
@@ -141,6 +142,7 @@ def _progress(line: str) -> None:
 def preflight(
     device: DeviceOpt,
     stage: StageOpt = None,
+    model: ModelOpt = None,
     recipe: RecipeOpt = None,
     slices: Annotated[
         int,
@@ -190,7 +192,7 @@ def preflight(
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.preflight import compile as pf
 
-    r = load_recipe(recipe, stage, overrides or [])
+    r = load_recipe(recipe, stage, overrides or [], model=model)
     dev = Target.parse(device).device
     if not dev.is_tpu:
         raise BadInput(

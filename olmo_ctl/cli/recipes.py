@@ -4,7 +4,7 @@ import sys
 
 from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
 from olmo_ctl.core.batching import param_count
-from olmo_ctl.core.recipe import STAGE_RECIPES, load_recipe, shipped_recipes
+from olmo_ctl.core.recipe import DEFAULT_MODEL, MODEL_STAGE_RECIPES, load_recipe, shipped_recipes
 
 
 def _tokens(n: int) -> str:
@@ -15,8 +15,12 @@ def _tokens(n: int) -> str:
 
 
 def recipe_rows() -> list[dict]:
-    """Every shipped recipe (recipes/*.yaml), resolved: what `--recipe NAME` and `--stage N` run."""
-    by_stage = {name: stage for stage, name in STAGE_RECIPES.items()}
+    """Every shipped recipe (recipes/*.yaml), resolved: what `--recipe NAME` and `[--model M] --stage N` run."""
+    by_stage = {
+        name: f"--stage {stage}" if model == DEFAULT_MODEL else f"--model {model} --stage {stage}"
+        for model, stages in MODEL_STAGE_RECIPES.items()
+        for stage, name in stages.items()
+    }
     rows = []
     for name in shipped_recipes():
         r = load_recipe(name)
@@ -25,7 +29,7 @@ def recipe_rows() -> list[dict]:
             {
                 "name": r.name,
                 "stage": r.stage,
-                "stage_option": f"--stage {by_stage[name]}" if name in by_stage else None,
+                "stage_option": by_stage.get(name),
                 "model": r.model.name,
                 "params": param_count(r.model),
                 "seq_len": t.seq_len,
@@ -43,8 +47,9 @@ def recipe_rows() -> list[dict]:
 def recipes(output: OutputOpt = Output.table) -> None:
     """List the shipped recipes: stage, model, sequence length, global batch, steps and tokens.
 
-    Each is what `--recipe NAME` loads (`--stage 1|2|3` names the stage's own); docs/recipes.md gives
-    where every value comes from. Exit codes: 0.
+    Each is what `--recipe NAME` loads (`--stage 1|2|3` names the OLMo 3 7B stage's own,
+    `--model olmo2-32b|olmo3-32b --stage N` the 32B's); docs/recipes.md gives where every value comes
+    from. Exit codes: 0.
     """
     rows = recipe_rows()
     if output != Output.table:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import RecipeOpt, SetOpt, StageOpt, app
+from olmo_ctl.cli.app import ModelOpt, RecipeOpt, SetOpt, StageOpt, app
 from olmo_ctl.cli.options import (
     AdmissionTimeoutOpt,
     AllowVersionChangeOpt,
@@ -37,6 +37,7 @@ def resume_until_done(
         str | None, typer.Option("--run", help="Run name (default: from the recipe name).")
     ] = None,
     stage: StageOpt = None,
+    model: ModelOpt = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
     device: Annotated[
@@ -160,8 +161,8 @@ def resume_until_done(
         raise BadInput(f"two run names: `{run_name}` and --run `{run}`", "give one")
     settings = site.resolve()
     r = None
-    if recipe is not None or stage is not None:
-        r = load_recipe(recipe, stage, set_ or ())
+    if recipe is not None or stage is not None or model is not None:
+        r = load_recipe(recipe, stage, set_ or (), model=model)
     elif set_:
         raise BadInput("--set needs --recipe or --stage", "an existing run keeps its recipe (run.yaml)")
     name = run_name or run or (default_run_name(r) if r is not None else None)

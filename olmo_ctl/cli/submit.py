@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.backends.jobset import dump_json, dump_yaml
-from olmo_ctl.cli.app import ManifestOutput, RecipeOpt, SetOpt, StageOpt, app
+from olmo_ctl.cli.app import ManifestOutput, ModelOpt, RecipeOpt, SetOpt, StageOpt, app
 from olmo_ctl.cli.options import (
     AdmissionTimeoutOpt,
     AllowVersionChangeOpt,
@@ -48,6 +48,7 @@ def submit(
     ] = None,
     slices: SlicesOpt = None,
     stage: StageOpt = None,
+    model: ModelOpt = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
     run: Annotated[
@@ -87,8 +88,8 @@ def submit(
     # Every cheap check (names, site settings, run root, image, queue, plan) before any compile or cluster call.
     settings = site.resolve()
     r = (
-        load_recipe(recipe, stage, set_ or ())
-        if (recipe is not None or stage is not None or dry_run)
+        load_recipe(recipe, stage, set_ or (), model=model)
+        if (recipe is not None or stage is not None or model is not None or dry_run)
         else None
     )
     if r is None and set_:

@@ -8,13 +8,16 @@ sharded over its own devices (the slices are data-parallel replicas: trainer/sha
 the per-device memory estimate below (and the recipe cap); the rest becomes accumulation steps.
 
 Memory estimate per device (bytes), documented so a plan can be checked by hand:
-  state       = params x (4 master + 4 + 4 Adam moments + 4 gradients) / devices of one slice
-                (FSDP shards over a slice; with N slices each slice holds its own copy)
+  state       = params x (4 master + 4 + 4 Adam moments + 4 gradients) / devices of one FSDP group
+                (FSDP shards over a slice, or over each group of `train.shard_group` devices of it, or
+                over the slice / `data_parallel` of a hybrid mesh; every group and slice holds a copy)
   per instance:
     logits    = seq x padded_vocab x 4 bytes x 3  (fp32 logits, softmax and its gradient)
     residuals = n_layers x seq x d_model x act_bytes x k_remat
                 k_remat: full = 1 (only each block's input is kept), save_proj = 1 + (q,k,v,o,
-                w1,w3 outputs) / d_model, none = every intermediate of the block (~ 16 + 3 x mlp/d)
+                w1,w3 outputs) / d_model, none = every intermediate of the block (~ 16 + 3 x mlp/d),
+                mlp = none's less the feed-forward's 3 x mlp/d, budget = 1 + the projections
+                `budget_names` keeps / d_model
     working   = seq x (10 x d_model + 3 x mlp_hidden) x act_bytes   (one block being recomputed)
   usable      = HBM x 0.85 (XLA's own buffers and fragmentation)
 The compiled truth is `olmo-ctl preflight`; this estimate only chooses accumulation.
@@ -58,6 +61,37 @@ def _act_bytes(m: ModelConfig) -> int:
     return 2 if m.compute_dtype == "bfloat16" else 4
 
 
+# The projection outputs the model names (trainer/model.py checkpoint_name), in the order the
+# budget mode keeps them.
+PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "w1_proj", "w3_proj")
+
+
+def proj_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """Elements per token of each named projection output (PROJ_NAMES)."""
+    q, kv, h = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.mlp_hidden
+    return {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": cfg.d_model, "w1_proj": h, "w3_proj": h}
+
+
+def budget_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The projections remat="budget" keeps for the backward pass: in the order of PROJ_NAMES, each
+    one that still fits, while their elements per token stay within `remat_budget` x what the block
+    keeps without rematerialisation (the estimate below, less the block input). OLMo-core's
+    budget mode leaves the choice to torch's min-cut partitioner; this fixed order is ours."""
+    allowed = cfg.remat_budget * (no_remat_factor(cfg) - 1.0) * cfg.d_model
+    kept: list[str] = []
+    used = 0
+    for name, size in proj_sizes(cfg).items():
+        if used + size <= allowed:
+            kept.append(name)
+            used += size
+    return tuple(kept)
+
+
+def no_remat_factor(m: ModelConfig) -> float:
+    """k_remat without rematerialisation: every intermediate of the block (~ 16 + 3 x mlp / d)."""
+    return 16.0 + 3.0 * m.mlp_hidden / m.d_model
+
+
 def activation_bytes_per_instance(m: ModelConfig, seq_len: int, remat: str | None = None) -> int:
     remat = remat or m.remat
     a = _act_bytes(m)
@@ -67,8 +101,13 @@ def activation_bytes_per_instance(m: ModelConfig, seq_len: int, remat: str | Non
         q = m.n_heads * m.head_dim
         kv = m.n_kv_heads * m.head_dim
         k = 1.0 + (2 * q + 2 * kv + 2 * m.mlp_hidden) / m.d_model
+    elif remat == "budget":
+        sizes = proj_sizes(m)
+        k = 1.0 + sum(sizes[n] for n in budget_names(m)) / m.d_model
+    elif remat == "mlp":  # the feed-forward keeps only its input
+        k = no_remat_factor(m) - 3.0 * m.mlp_hidden / m.d_model
     else:
-        k = 16.0 + 3.0 * m.mlp_hidden / m.d_model
+        k = no_remat_factor(m)
     logits = seq_len * m.padded_vocab_size * 4 * 3
     residuals = m.n_layers * seq_len * m.d_model * a * k
     working = seq_len * (10 * m.d_model + 3 * m.mlp_hidden) * a
@@ -77,6 +116,25 @@ def activation_bytes_per_instance(m: ModelConfig, seq_len: int, remat: str | Non
 
 def state_bytes_per_device(m: ModelConfig, devices: int) -> int:
     return param_count(m) * STATE_BYTES_PER_PARAM // devices
+
+
+def mesh_layout(recipe: Recipe, slice_devices: int) -> tuple[str, int]:
+    """(mesh kind, data-parallel replicas inside one slice) for `sharding.make_mesh`: the recipe's
+    `mesh: hybrid` with its `data_parallel`, or `train.shard_group` (FSDP groups of that many devices,
+    as many replicas as the slice holds: OLMo-core's HSDP), or plain FSDP over the slice (also when
+    the group is at least the slice: a group never spans slices). BadInput when the group size is
+    smaller than the slice and does not divide it."""
+    t = recipe.train
+    if t.mesh == "hybrid":
+        return "hybrid", t.data_parallel
+    if not t.shard_group or t.shard_group >= slice_devices:
+        return "fsdp", 1
+    if slice_devices % t.shard_group:
+        raise BadInput(
+            f"train.shard_group {t.shard_group} does not divide the {slice_devices} devices of a slice",
+            f"choose a group size that divides {slice_devices}, or 0 for one group per slice",
+        )
+    return "hybrid", slice_devices // t.shard_group
 
 
 @dataclass(frozen=True)
@@ -98,6 +156,7 @@ class Plan:
     hbm_bytes_per_device: int
     slices: int = 1  # slices of `device` (multislice: devices = slices x the slice's devices)
     seq_shards: int = 1  # devices each instance's sequence is split over (1: unsharded), within a slice
+    shard_group: int = 0  # devices each parameter is sharded over (an FSDP group; 0: not recorded)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,7 +171,7 @@ def _seq_candidates(recipe: Recipe, devices: int, host_devices: int) -> list[int
     `host_devices`: one trainer process's). A sequence-shard group stays on one host: the loader hands
     each process whole instances, so the devices sharing an instance must be that process's own."""
     t, m = recipe.train, recipe.model
-    dp = t.data_parallel if t.mesh == "hybrid" else 1
+    dp = mesh_layout(recipe, devices)[1]
     return [
         s
         for s in range(1, devices + 1)
@@ -164,7 +223,8 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
             f"train.data_parallel ({t.data_parallel}) does not divide the {device.devices} devices of {device.name}",
             "choose a data_parallel that divides the device count",
         )
-    state = state_bytes_per_device(m, device.devices)  # sharded within a slice, one copy per slice
+    group = device.devices // mesh_layout(recipe, device.devices)[1]
+    state = state_bytes_per_device(m, group)  # sharded within a group, one copy per group and slice
     per_instance = activation_bytes_per_instance(m, t.seq_len)
     usable = int(device.hbm_bytes_per_device * USABLE_HBM_FRACTION)
     allowed = _seq_candidates(recipe, device.devices, device.devices_per_process)
@@ -244,6 +304,7 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
         hbm_bytes_per_device=device.hbm_bytes_per_device,
         slices=slices,
         seq_shards=seq,
+        shard_group=group,
     )
 
 
@@ -369,6 +430,7 @@ def plan_report(
         "chips": chips,
         "vms": device.vms * plan.slices,
         "params": param_count(recipe.model),
+        "remat_budget": recipe.model.remat_budget,
         "flops_per_token": fpt,
         "steps": plan.max_steps,
         "tokens": plan.tokens_per_step * plan.max_steps,

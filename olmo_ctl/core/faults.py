@@ -68,6 +68,14 @@ PAUSE_BEFORE_CREATE = Knob(
     "the supervisor stops itself (SIGSTOP) after its last lease check, before it "
     "creates the attempt (once per process)",
 )
+KILL_IN_PRUNE = Knob(
+    "OLMO_CTL_FAULT_KILL_IN_PRUNE",
+    "S:I",
+    "trainer",
+    "the trainer kills itself (SIGKILL) in the prune before checkpoint S is saved (or, S being the last "
+    "step, at the close after it), before deleting the I-th checkpoint a newer committed one made "
+    "redundant (I = the count deleted: after the last deletion)",
+)
 SMOKE_FAULT = Knob(
     "OLMO_CTL_SMOKE_FAULT",
     "lr,data-shift",
@@ -83,6 +91,7 @@ KNOBS = (
     DATA_SHIFT,
     DOUBLE_SHARD,
     PAUSE_BEFORE_CREATE,
+    KILL_IN_PRUNE,
     SMOKE_FAULT,
 )
 
@@ -131,6 +140,12 @@ def data_shift(environ: Mapping[str, str]) -> int:
 def double_shard(environ: Mapping[str, str]) -> bool:
     """Whether the loader shards its share a second time (DOUBLE_SHARD)."""
     return environ.get(DOUBLE_SHARD.name, "") == "1"
+
+
+def kill_in_prune(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """(step S, deletion index I) of KILL_IN_PRUNE's `S:I`; None when unset or malformed."""
+    step, _, index = environ.get(KILL_IN_PRUNE.name, "").partition(":")
+    return (int(step), int(index)) if step.isdigit() and index.isdigit() else None
 
 
 def smoke_faults(value: str | None) -> set[str]:

@@ -28,7 +28,15 @@ from olmo_ctl.core.mixes import EVAL_MIXES, MIXES
 # real files in an installed wheel.
 RECIPES_DIR = Path(str(resources.files("olmo_ctl") / "recipes"))
 MODELS_DIR = RECIPES_DIR / "models"  # model files: what `model: NAME` in a recipe names
-STAGE_RECIPES = {1: "olmo3-7b-stage1", 2: "olmo3-7b-stage2", 3: "olmo3-7b-stage3"}
+# `--model NAME --stage N` -> the shipped recipe AI2's stage N of that model is (`--model` defaults to
+# DEFAULT_MODEL, so `--stage N` alone is the OLMo 3 7B's).
+MODEL_STAGE_RECIPES: dict[str, dict[int, str]] = {
+    "olmo3-7b": {1: "olmo3-7b-stage1", 2: "olmo3-7b-stage2", 3: "olmo3-7b-stage3"},
+    "olmo2-32b": {1: "olmo2-32b-stage1", 2: "olmo2-32b-stage2"},
+    "olmo3-32b": {1: "olmo3-32b-stage1", 2: "olmo3-32b-stage2", 3: "olmo3-32b-stage3"},
+}
+DEFAULT_MODEL = "olmo3-7b"
+STAGE_RECIPES = MODEL_STAGE_RECIPES[DEFAULT_MODEL]
 
 
 # The attention kernels a model may name (`auto`: chosen by the platform at trace time).
@@ -77,8 +85,12 @@ class ModelConfig:
     init_std: float
     param_dtype: Literal["float32", "bfloat16"]
     compute_dtype: Literal["float32", "bfloat16"]
-    # Rematerialisation: none | full (recompute the whole block) | save_proj (keep attention/MLP projections)
-    remat: Literal["none", "full", "save_proj"]
+    # Rematerialisation (activation checkpointing; OLMo-core's modes, docs/planning.md#activation-checkpointing):
+    # none | full (recompute the whole block) | save_proj (keep attention/MLP projections) | mlp
+    # (recompute the feed-forward only: OLMo-core's selected_modules ["blocks.*.feed_forward"]) | budget
+    # (keep projections within `remat_budget` of what no rematerialisation keeps: OLMo-core's budget)
+    remat: Literal["none", "full", "save_proj", "mlp", "budget"]
+    remat_budget: float = 0.5  # remat: budget only; OLMo-core's activation_memory_budget
     # Attention implementation: auto picks splash on TPU, cudnn on GPU (blocked without cuDNN), reference
     # on CPU (olmo_ctl/trainer/attention.py; docs/attention-and-xla-flags.md). All compute the same numbers.
     attention: Attention = "auto"
@@ -170,8 +182,12 @@ class DataConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     interval: int = 2000
-    keep: int = 3  # committed checkpoints to keep (0 keeps all)
+    keep: int = 3  # committed checkpoints to keep (0 keeps all); with ephemeral ones: permanent ones
     async_save: bool = True
+    # Tiered checkpoints (OLMo-core's `ephemeral_save_interval`, docs/trainer.md#tiered-checkpoints):
+    # one every `ephemeral_interval` steps besides the permanent ones every `interval`, each deleted
+    # once a later checkpoint has committed. 0: none. Not part of the fingerprint.
+    ephemeral_interval: int = 0
 
 
 # `eval` keys in Recipe.fingerprint(): those of the first runs. Evaluation does not change what a run
@@ -263,6 +279,12 @@ class TrainConfig:
     # Devices each sequence is split over (context parallelism, docs/planning.md); 0 = the plan
     # chooses (1 unless the slice has more devices than instances or one instance does not fit).
     seq_shards: int = 0
+    # Hybrid sharding by group size (OLMo-core's HSDP `shard_degree`, docs/planning.md): parameters
+    # and optimizer state are sharded over groups of this many devices, replicated across the groups
+    # of a slice and across slices; the plan derives the replicas from the slice. 0 = one group per
+    # slice (plain FSDP, or `mesh: hybrid` with its fixed `data_parallel`). A layout, not what the
+    # run trains: not in the fingerprint.
+    shard_group: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -317,8 +339,12 @@ class Recipe:
         d.pop("runtime", None)  # how the run is guarded, not what it trains
         d["data"].pop("tokenizer", None)  # read by evaluators only
         d["train"].pop("seq_shards", None)  # a layout, like the slice: not what the run trains
+        d["train"].pop("shard_group", None)  # likewise
+        d["checkpoint"].pop("ephemeral_interval", None)  # how often it is saved, not what is trained
         if d["model"].get("architecture") == "olmo3":  # absent unless set: older runs keep their fingerprint
             d["model"].pop("architecture")
+        if d["model"].get("remat") != "budget":  # read only by the budget mode
+            d["model"].pop("remat_budget", None)
         for k, default in (("packed", False), ("source_group_size", 1), ("source_permutation_seed", None)):
             if d["data"].get(k) == default:  # absent unless set: older runs keep their fingerprint
                 d["data"].pop(k, None)
@@ -562,6 +588,7 @@ def validate(r: Recipe, src: str) -> None:
         need(rs.original_context > 0, "model.rope_scaling.original_context", "must be positive")
     need(m.rms_norm_eps > 0, "model.rms_norm_eps", "must be positive")
     need(m.init_std > 0, "model.init_std", "must be positive")
+    need(0 < m.remat_budget <= 1, "model.remat_budget", f"must be in (0, 1], got {m.remat_budget}")
     need(
         m.full_attention_every == 1 or m.sliding_window <= t.seq_len,
         "model.sliding_window",
@@ -599,6 +626,14 @@ def validate(r: Recipe, src: str) -> None:
             "train.seq_len",
             f"must be a power of two for data.packed (OLMo-core's packer), got {t.seq_len}",
         )
+    need(
+        t.shard_group >= 0, "train.shard_group", f"must be >= 0 (0: one group per slice), got {t.shard_group}"
+    )
+    need(
+        not (t.shard_group and t.mesh == "hybrid"),
+        "train.shard_group",
+        "and train.mesh hybrid both set the replicas: choose one (shard_group follows the slice's size)",
+    )
     if t.mesh == "hybrid":
         need(
             t.global_batch % t.data_parallel == 0,
@@ -622,6 +657,17 @@ def validate(r: Recipe, src: str) -> None:
     _validate_schedule(s, t.max_steps, need)
     need(r.checkpoint.interval > 0, "checkpoint.interval", "must be positive")
     need(r.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0")
+    c = r.checkpoint
+    need(
+        c.ephemeral_interval >= 0,
+        "checkpoint.ephemeral_interval",
+        "must be >= 0 (0: no ephemeral checkpoints)",
+    )
+    need(
+        c.ephemeral_interval < c.interval,
+        "checkpoint.ephemeral_interval",
+        f"({c.ephemeral_interval}) must be shorter than checkpoint.interval ({c.interval}), or 0",
+    )
     need(r.eval.interval > 0, "eval.interval", "must be positive")
     need(r.eval.batches >= 0, "eval.batches", "must be >= 0")
     need(r.eval.batch_size >= 0, "eval.batch_size", "must be >= 0")
@@ -727,14 +773,37 @@ def shipped_models() -> list[str]:
     return sorted(x.stem for x in MODELS_DIR.glob("*.yaml"))
 
 
-def resolve_recipe_path(recipe: str | None = None, stage: int | None = None) -> Path:
-    """`--stage 1|2|3` or `--recipe FILE|NAME` -> a file path. Exactly one of them must be given."""
+def stage_recipe(model: str | None, stage: int) -> str:
+    """The shipped recipe of `--model MODEL --stage STAGE` (MODEL None: DEFAULT_MODEL)."""
+    name = DEFAULT_MODEL if model is None else model
+    stages = MODEL_STAGE_RECIPES.get(name)
+    if stages is None:
+        raise BadInput(
+            f"--model {name} has no shipped stage recipes",
+            f"models with stages: {', '.join(MODEL_STAGE_RECIPES)}; or pass --recipe FILE|NAME",
+        )
+    if stage not in stages:
+        if model is None:
+            raise BadInput(f"--stage {stage} is not a stage", "OLMo 3 stages here are 1, 2 and 3")
+        have = ", ".join(str(s) for s in stages)
+        raise BadInput(f"--model {name} has no stage {stage}", f"its stages are {have}")
+    return stages[stage]
+
+
+def resolve_recipe_path(
+    recipe: str | None = None, stage: int | None = None, model: str | None = None
+) -> Path:
+    """`[--model NAME] --stage N` or `--recipe FILE|NAME` -> a file path. Exactly one of `--stage`
+    and `--recipe` must be given; `--model` only picks whose stage `--stage` names."""
     if recipe is not None and stage is not None:
         raise BadInput("--stage and --recipe are exclusive", "give one of them")
+    if model is not None and stage is None:
+        raise BadInput(
+            f"--model {model} needs --stage: it picks whose stage recipe --stage names",
+            "pass --model NAME --stage N, or --recipe FILE|NAME alone",
+        )
     if stage is not None:
-        if stage not in STAGE_RECIPES:
-            raise BadInput(f"--stage {stage} is not a stage", "OLMo 3 stages here are 1, 2 and 3")
-        return RECIPES_DIR / f"{STAGE_RECIPES[stage]}.yaml"
+        return RECIPES_DIR / f"{stage_recipe(model, stage)}.yaml"
     if recipe is None:
         raise BadInput("no recipe given", "pass --stage 1|2|3 or --recipe FILE|NAME")
     p = Path(recipe)
@@ -914,9 +983,12 @@ def recipe_from_dict(
 
 
 def load_recipe(
-    recipe: str | None = None, stage: int | None = None, overrides: list[str] | tuple[str, ...] = ()
+    recipe: str | None = None,
+    stage: int | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    model: str | None = None,
 ) -> Recipe:
-    path = resolve_recipe_path(recipe, stage)
+    path = resolve_recipe_path(recipe, stage, model)
     return recipe_from_dict(load_raw(path), str(path), overrides, path.parent)
 
 

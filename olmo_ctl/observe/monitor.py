@@ -593,7 +593,7 @@ def build_report(
         "eta_s": _f(eta_s),
         "eta": _iso(now + eta_s) if eta_s is not None else None,
         "skipped_steps": skipped,
-        "checkpoint": _checkpoint_section(src.committed or [], step),
+        "checkpoint": _checkpoint_section(src.committed or [], step, recipe),
         "attempt": live,
         "timeline": _timeline(journal),
         "goodput": _goodput(
@@ -935,10 +935,18 @@ def _eta(step: int | None, final_step: int | None, step_time_last: float | None)
     return pct, eta_s
 
 
-def _checkpoint_section(committed: list[int], step: int | None) -> dict:
+def _checkpoint_section(committed: list[int], step: int | None, recipe=None) -> dict:
+    """The newest committed checkpoint and the steps since; with tiered checkpoints
+    (`checkpoint.ephemeral_interval`), whether the newest is ephemeral and the newest permanent one."""
     committed_step = committed[-1] if committed else None
     at_risk = step - (committed_step or 0) if step is not None else None
-    return {"committed_step": committed_step, "steps_at_risk": at_risk, "committed": committed[-5:]}
+    out: dict = {"committed_step": committed_step, "steps_at_risk": at_risk, "committed": committed[-5:]}
+    c = recipe.checkpoint if recipe is not None else None
+    if c is not None and c.ephemeral_interval:
+        permanent = [s for s in committed if s % c.interval == 0]
+        out["permanent_step"] = permanent[-1] if permanent else None
+        out["ephemeral"] = committed_step is not None and committed_step % c.interval != 0
+    return out
 
 
 def _versions_warning(journal) -> list[str]:

@@ -109,6 +109,9 @@ def cache_key(
             "trainer": version,
             **({"xla_flags": list(xla_flags)} if xla_flags else {}),
             **({"slices": slices} if slices > 1 else {}),
+            # Layouts outside the fingerprint (Recipe._hashed), keyed only when set.
+            **({"seq_shards": recipe.train.seq_shards} if recipe.train.seq_shards else {}),
+            **({"shard_group": recipe.train.shard_group} if recipe.train.shard_group else {}),
         },
         sort_keys=True,
     )

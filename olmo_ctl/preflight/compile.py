@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Literal, TypedDict, Unpack
 
 from olmo_ctl.core import flops as flops_lib
-from olmo_ctl.core.batching import Plan, make_plan, param_count
+from olmo_ctl.core.batching import Plan, make_plan, mesh_layout, param_count
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import GIB, Device
 from olmo_ctl.core.errors import EXIT_RUN_FAILED, BadInput, OlmoCtlError
@@ -50,7 +50,7 @@ from olmo_ctl.preflight.cache import cache_key, load_cached, store_cached, train
 from olmo_ctl.preflight.hlo_flops import hlo_flops
 
 # Cheapest recompute first: `--search` takes the first one that fits.
-REMAT_POLICIES = ("none", "save_proj", "full")
+REMAT_POLICIES = ("none", "mlp", "save_proj", "budget", "full")
 HEARTBEAT_S = 30.0  # while a compile runs, a "still compiling" line this often (off a terminal too)
 HEAD_DIMS = (128, 256)
 _LIBTPU_ARGS_AT_START: str | None = None  # LIBTPU_INIT_ARGS this process's libtpu started with
@@ -331,11 +331,11 @@ def compile_step(
             os.environ["LIBTPU_INIT_ARGS"] = libtpu_args
         _LIBTPU_ARGS_AT_START = os.environ.get("LIBTPU_INIT_ARGS", "")
     devs = topology_devices(device, plan.slices)
-    t = recipe.train
+    kind, replicas = mesh_layout(recipe, device.devices)
     # The topology's mesh is made current only while tracing (not activated for the process): a
     # later trace in this process (the trainer, a test) must not pin activations to abstract TPU devices.
     mesh = sharding.make_mesh(
-        devs, t.mesh, t.data_parallel, activate=False, slices=plan.slices, seq_shards=plan.seq_shards
+        devs, kind, replicas, activate=False, slices=plan.slices, seq_shards=plan.seq_shards
     )
     state, state_shard, batch = abstract_inputs(recipe, mesh, plan.grad_accum)
     step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
@@ -373,11 +373,11 @@ def compile_eval_step(recipe: Recipe, device: Device, plan: Plan, xla_options: d
     if recipe.eval.batches <= 0:
         return None, None, None
     micro = eval_micro_batch(recipe, plan)
-    t = recipe.train
+    kind, replicas = mesh_layout(recipe, device.devices)
     mesh = sharding.make_mesh(
         topology_devices(device, plan.slices),
-        t.mesh,
-        t.data_parallel,
+        kind,
+        replicas,
         activate=False,
         slices=plan.slices,
         seq_shards=plan.seq_shards,

@@ -54,13 +54,30 @@ def _ocp():
 
 
 class Checkpointer:
-    """The run's CheckpointManager with the two items every checkpoint holds."""
+    """The run's CheckpointManager with the two items every checkpoint holds.
 
-    def __init__(self, directory: str, keep: int = 0, async_save: bool = True, read_only: bool = False):
+    Tiered (`permanent_every` > 0, the recipe's `checkpoint.interval` when it also has an
+    `ephemeral_interval`): a checkpoint whose step is a multiple of `permanent_every` is permanent
+    (the newest `keep` of them stay; 0 keeps all), any other is ephemeral. Orbax then deletes nothing
+    itself: `prune` deletes what a newer committed checkpoint makes redundant (every ephemeral one but
+    the newest checkpoint, and the permanent ones beyond `keep`), and runs only when no save is in
+    flight (before the next save starts, and at close), so a checkpoint is deleted only after a later
+    one has committed. A kill anywhere in between leaves the newer checkpoint, the older one, or both.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        keep: int = 0,
+        async_save: bool = True,
+        read_only: bool = False,
+        permanent_every: int = 0,
+    ):
         ocp = _ocp()
         self.directory = _path(directory)
+        self.keep, self.permanent_every, self._read_only = keep, permanent_every, read_only
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep or None,
+            max_to_keep=(keep or None) if not permanent_every else None,
             enable_async_checkpointing=async_save,
             create=not read_only,
             read_only=read_only,
@@ -73,8 +90,30 @@ class Checkpointer:
         self.last_save_s = 0.0
 
     @classmethod
-    def for_run(cls, run_dir: str, keep: int = 0, async_save: bool = True) -> Checkpointer:
-        return cls(checkpoints_dir(run_dir), keep, async_save)
+    def for_run(
+        cls, run_dir: str, keep: int = 0, async_save: bool = True, permanent_every: int = 0
+    ) -> Checkpointer:
+        return cls(checkpoints_dir(run_dir), keep, async_save, permanent_every=permanent_every)
+
+    @classmethod
+    def for_recipe(cls, run_dir: str, recipe) -> Checkpointer:
+        """The run's manager as its recipe's `checkpoint` section says (tiered when it has ephemeral ones)."""
+        c = recipe.checkpoint
+        return cls.for_run(run_dir, c.keep, c.async_save, c.interval if c.ephemeral_interval else 0)
+
+    def prune(self, at_step: int) -> list[int]:
+        """Delete the committed checkpoints a newer committed one made redundant (tiered only:
+        `redundant_steps`); the steps deleted. Every process calls it at the same point (Orbax's delete
+        is collective), with no save in flight; `at_step` is the step about to be saved (or the last)."""
+        from olmo_ctl.trainer import injected
+
+        doomed = redundant_steps(list(self._mngr.all_steps()), self.permanent_every, self.keep)
+        for i, step in enumerate(doomed):
+            injected.kill_in_prune(at_step, i)  # tests only: a kill before the i-th deletion
+            self._mngr.delete(step)
+        if doomed:
+            injected.kill_in_prune(at_step, len(doomed))
+        return doomed
 
     def committed_steps(self) -> list[int]:
         self._mngr.reload()
@@ -88,6 +127,9 @@ class Checkpointer:
         """Start saving `state` (after `step` completed steps); returns the blocking seconds spent."""
         ocp = _ocp()
         t0 = time.monotonic()
+        if self.permanent_every:
+            self._mngr.wait_until_finished()  # the previous save committed (save() would wait too) ...
+            self.prune(step)  # ... so what it made redundant goes, before this one starts
         self._mngr.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
@@ -122,7 +164,21 @@ class Checkpointer:
 
     def close(self) -> None:
         self._mngr.wait_until_finished()
+        if self.permanent_every and not self._read_only and self._mngr.all_steps():
+            self.prune(max(self._mngr.all_steps()))
         self._mngr.close()
+
+
+def redundant_steps(steps: list[int], permanent_every: int, keep: int) -> list[int]:
+    """Of the committed `steps`, those a tiered run deletes: every one but the newest that is not a
+    multiple of `permanent_every` (ephemeral), and the permanent ones older than the newest `keep` of
+    them (0 keeps all). The newest checkpoint is never one of them. Nothing when not tiered."""
+    if not permanent_every or not steps:
+        return []
+    steps = sorted(steps)
+    permanent = [s for s in steps if s % permanent_every == 0]
+    kept = set(permanent[-keep:] if keep else permanent) | {steps[-1]}
+    return [s for s in steps if s not in kept]
 
 
 def _tree_map_meta(fn, tree):

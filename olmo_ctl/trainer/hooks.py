@@ -239,16 +239,20 @@ class StopHook(Hook):
 
 
 class CheckpointHook(Hook):
-    """The checkpoint of the final (or stopping) step, committed before exit, and one every
-    `checkpoint.interval` steps; the metrics are fetched first, so a non-finite loss is never saved."""
+    """The checkpoint of the final (or stopping) step, committed before exit, one every
+    `checkpoint.interval` steps and, with `checkpoint.ephemeral_interval`, one every that many steps
+    (the Checkpointer deletes those once a later one commits); the metrics are fetched first, so a
+    non-finite loss is never saved."""
 
-    def __init__(self, interval: int):
-        self.interval = interval
+    def __init__(self, interval: int, ephemeral_interval: int = 0):
+        self.interval, self.ephemeral_interval = interval, ephemeral_interval
 
     def post_step(self, loop) -> None:
         if loop.exit_code is not None:
             self.save(loop, final=True)
-        elif loop.step % self.interval == 0:
+        elif loop.step % self.interval == 0 or (
+            self.ephemeral_interval and loop.step % self.ephemeral_interval == 0
+        ):
             self.save(loop, final=False)
 
     def save(self, loop, final: bool) -> None:
@@ -471,7 +475,7 @@ def default_hooks(
         EvaluatorHook.for_recipe(s, run_dir),
         StragglerHook(),
         StopHook(signals, s.final_step),
-        CheckpointHook(r.checkpoint.interval),
+        CheckpointHook(r.checkpoint.interval, r.checkpoint.ephemeral_interval),
         MetricsHook(r, s.plan, s.device, r.logging.metrics_every),
         EventsHook(r.logging.upload_every_s),
         knobs or FaultHook(s.proc),

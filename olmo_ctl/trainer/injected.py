@@ -69,3 +69,16 @@ def double_shard(loader):
         flush=True,
     )
     return loader
+
+
+def kill_in_prune(step: int, index: int) -> None:
+    """The prune fault knob (core/faults.py KILL_IN_PRUNE): SIGKILL in the prune at `step`, before
+    its index-th deletion."""
+    if faults.kill_in_prune(os.environ) == (step, index):
+        import signal
+
+        print(
+            f"FAULT INJECTION: killed before checkpoint deletion {index} at step {step} ({faults.KILL_IN_PRUNE.name})",
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGKILL)

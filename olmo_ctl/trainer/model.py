@@ -30,12 +30,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+# Names given to projection outputs, saved by remat="save_proj" (and by "budget": core/batching.py).
+from olmo_ctl.core.batching import PROJ_NAMES, budget_names
 from olmo_ctl.core.recipe import ModelConfig
 from olmo_ctl.trainer import attention as attn_lib
 from olmo_ctl.trainer import sharding
-
-# Names given to projection outputs, saved by remat="save_proj".
-PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "w1_proj", "w3_proj")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -185,14 +184,16 @@ def mlp_block(p, x):
 
 
 def block(p, x, cos, sin, cfg: ModelConfig, window: int | None, attention: str, segment_ids=None):
-    """One reordered-norm OLMo 3 block; p holds one layer's weights (no layer axis)."""
+    """One reordered-norm OLMo 3 block; p holds one layer's weights (no layer axis). With
+    remat="mlp" the feed-forward is recomputed in the backward pass and nothing else is."""
     h = x + rms_norm(
         attention_block(p["attn"], x, cos, sin, cfg, window, attention, segment_ids),
         p["attn_norm"],
         cfg.rms_norm_eps,
     )
     h = _constrain_batch(h)
-    out = h + rms_norm(mlp_block(p["mlp"], h), p["mlp_norm"], cfg.rms_norm_eps)
+    mlp = jax.checkpoint(mlp_block) if cfg.remat == "mlp" else mlp_block
+    out = h + rms_norm(mlp(p["mlp"], h), p["mlp_norm"], cfg.rms_norm_eps)
     return _constrain_batch(out)
 
 
@@ -200,13 +201,16 @@ def _layer(p, x, cos, sin, segment_ids, *, cfg: ModelConfig, window: int | None,
     return block(p, x, cos, sin, cfg, window, attention, segment_ids)
 
 
-def _remat(fn, policy: str):
-    if policy == "none":
+def _remat(fn, cfg: ModelConfig):
+    policy = cfg.remat
+    if policy in ("none", "mlp"):  # mlp: the block wraps its feed-forward itself
         return fn
     if policy == "full":
         return jax.checkpoint(fn)
     if policy == "save_proj":
         return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*PROJ_NAMES))
+    if policy == "budget":
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*budget_names(cfg)))
     raise ValueError(f"unknown remat policy {policy!r}")
 
 
@@ -283,8 +287,7 @@ def forward(params, tokens, cfg: ModelConfig, *, attention: str | None = None, s
 
     # A group is P consecutive layers: P-1 sliding then one full (positions fixed by (i+1) % P == 0).
     layer_fns = [
-        _remat(partial(_layer, cfg=cfg, window=layer_window(cfg, j), attention=impl), cfg.remat)
-        for j in range(P)
+        _remat(partial(_layer, cfg=cfg, window=layer_window(cfg, j), attention=impl), cfg) for j in range(P)
     ]
 
     def group_step(h, group_params):

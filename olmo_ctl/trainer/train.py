@@ -141,9 +141,8 @@ def _setup(args: TrainArgs) -> _Setup:
     final_step = t.max_steps if args.stop_at_step is None else min(args.stop_at_step, t.max_steps)
     if args.stop_at_step is not None and args.stop_at_step < 0:
         raise BadInput("--stop-at-step must be >= 0")
-    mesh = sharding.make_mesh(
-        jax.devices(), t.mesh, t.data_parallel, slices=target.slices, seq_shards=plan.seq_shards
-    )
+    kind, replicas = batching.mesh_layout(recipe, device.devices)  # FSDP groups of the slice
+    mesh = sharding.make_mesh(jax.devices(), kind, replicas, slices=target.slices, seq_shards=plan.seq_shards)
     return _Setup(
         recipe,
         device,
@@ -317,9 +316,7 @@ def run(args: TrainArgs) -> int:
             )
         loader = audit.recorded(faults.wrap_loader(batches), args.run_dir, args.attempt, s.proc, s.n_proc)
         with watchdog.judged("the checkpoint listing", phase_s):
-            ckpt = Checkpointer.for_run(
-                args.run_dir, keep=s.recipe.checkpoint.keep, async_save=s.recipe.checkpoint.async_save
-            )
+            ckpt = Checkpointer.for_recipe(args.run_dir, s.recipe)
         events = EventLog(args.run_dir, attempt=args.attempt)
         faults.pre_restore()
         with watchdog.judged("restore", phase_s):
