@@ -270,6 +270,20 @@ def monitor(
     if reference_heldout and not reference:
         raise BadInput("--reference-heldout needs --reference", "give the reference's training loss too")
     ref = reference_curves(reference, reference_heldout, memorization_threshold) if reference else None
+    from olmo_ctl.observe import ingredients
+
+    if ingredients.is_composite(run):  # a run of ingredients: each one's line, and the soup
+        if watch or plot or ref:
+            raise BadInput(
+                f"`{run}` is a run of ingredients: --watch, --plot and --reference take one of its runs",
+                "monitor one ingredient's run directory (NAME-i1, ...)",
+            )
+        comp = ingredients.report(run.rstrip("/"), handle_status if backend else None)
+        if output != Output.table:
+            print_data(comp, output)
+        else:
+            typer.echo("\n".join(ingredients.render_lines(comp)))
+        return
     src = load(run)
     rep = build_report(
         src, stall_after_s=stall_after, ask_backend=backend, status_of=handle_status, reference=ref

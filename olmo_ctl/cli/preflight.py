@@ -153,13 +153,17 @@ def preflight(
         ),
     ] = 1,
     remat: Annotated[
-        str | None, typer.Option("--remat", help="none | save_proj | full (default: the recipe's).")
+        str | None,
+        typer.Option("--remat", help="none | mlp | save_proj | budget | full (default: the recipe's)."),
     ] = None,
     head_dim: Annotated[
         int | None, typer.Option("--head-dim", help="128 or 256 (same parameters, fewer wider heads).")
     ] = None,
     search: Annotated[
-        bool, typer.Option("--search", help="Try none, save_proj, full; recommend the first that fits.")
+        bool,
+        typer.Option(
+            "--search", help="Try none, mlp, save_proj, budget, full; recommend the first that fits."
+        ),
     ] = False,
     per_device_batch: Annotated[
         int | None,

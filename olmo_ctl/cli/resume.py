@@ -129,6 +129,14 @@ def resume_until_done(
             "(its attempt checkpoints on SIGTERM; default: it stays).",
         ),
     ] = None,
+    start_from: Annotated[
+        str | None,
+        typer.Option(
+            "--start-from",
+            help="A recipe of ingredients: the committed checkpoint (<run>/checkpoints/<N>) every ingredient "
+            "starts from, with its parameters and Adam moments (as `surgery warm-adam`).",
+        ),
+    ] = None,
     output: Annotated[
         LinesOutput,
         typer.Option(
@@ -151,12 +159,6 @@ def resume_until_done(
     `olmo-ctl stop` (ends it). The site settings' notify_webhook / notify_command hear when the run
     finishes, fails, is resized or gives up.
     """
-    # The supervision layer (with its event reader) loads only for this command.
-    from olmo_ctl.supervise.notify import Notifier
-    from olmo_ctl.supervise.policy import RetryPolicy
-    from olmo_ctl.supervise.submit import check_attempt, create_run, prepare_run
-    from olmo_ctl.supervise.supervisor import JsonlPrinter, Supervisor
-
     if run_name and run and run_name != run:
         raise BadInput(f"two run names: `{run_name}` and --run `{run}`", "give one")
     settings = site.resolve()
@@ -169,6 +171,11 @@ def resume_until_done(
     if name is None:
         raise BadInput("which run?", "pass RUN, or --recipe/--stage with --device to create one")
     validate_run_name(name)
+    if start_from is not None and (r is None or not r.ingredients):
+        raise BadInput(
+            "--start-from is for a recipe of ingredients (its `ingredients:` list)",
+            "start one run from a checkpoint with `olmo-ctl surgery warm-adam` or the trainer's --init-from",
+        )
     if poll <= 0:
         raise BadInput(f"--poll {poll} must be positive")
     if lease_ttl is not None and lease_ttl < 2 * poll:
@@ -176,15 +183,9 @@ def resume_until_done(
             f"--lease-ttl {lease_ttl:g} must be at least twice --poll ({poll:g})",
             "the supervisor renews its lease once per poll",
         )
-    fall = _fallback(fallback, fallback_after, return_after, device)
-    extra_args = ("--allow-version-change",) if allow_version_change else ()
-    # The next attempt, resolved and checked as submit checks it, before run.yaml exists.
-    dev = None if device is None else Target.parse(device, slices).device  # the command line's, parsed once
-    prep = prepare_run(settings, name, recipe=r, device=dev, slices=slices, extra_args=extra_args)
-    policy = RetryPolicy.from_env(
-        retry_backoff,
-        max_retries,
-        default_backoff_s=prep.backend.retry_backoff_s,
+    policy_args = dict(
+        retry_backoff_s=retry_backoff,
+        max_retries=max_retries,
         retry_user_errors=retry_user_errors,
         stall_factor=stall_factor,
         stall_min_s=stall_min,
@@ -192,6 +193,79 @@ def resume_until_done(
         admission_timeout_s=admission_timeout,
         image_pull_timeout_s=image_pull_timeout,
     )
+    fall = _fallback(fallback, fallback_after, return_after, device)
+    extra_args = ("--allow-version-change",) if allow_version_change else ()
+    dev = None if device is None else Target.parse(device, slices).device  # the command line's, parsed once
+    from olmo_ctl.supervise import ingredients as ingr
+
+    composite = ingr.Composite(settings.run_root, name)
+    if (r is not None and r.ingredients) or (r is None and composite.exists()):
+
+        def one(run_name: str, recipe, device_name, n_slices, log) -> int:
+            d = None if device_name is None else Target.parse(device_name, n_slices).device
+            return _supervise(
+                settings,
+                run_name,
+                recipe,
+                d,
+                n_slices,
+                extra_args,
+                no_preflight,
+                fall,
+                policy_args,
+                poll,
+                stop_on_exit,
+                lease_ttl,
+                output,
+                log,
+            )
+
+        return ingr.supervise(
+            composite, r, device=device, slices=slices, start_from=start_from, supervise_one=one, log=note
+        )
+    return _supervise(
+        settings,
+        name,
+        r,
+        dev,
+        slices,
+        extra_args,
+        no_preflight,
+        fall,
+        policy_args,
+        poll,
+        stop_on_exit,
+        lease_ttl,
+        output,
+        note,
+    )
+
+
+def _supervise(
+    settings,
+    name,
+    r,
+    dev,
+    slices,
+    extra_args,
+    no_preflight,
+    fall,
+    policy_args,
+    poll,
+    stop_on_exit,
+    lease_ttl,
+    output,
+    note,
+) -> int:
+    """One run supervised until its final step is committed (or the supervisor ends): the exit code."""
+    from olmo_ctl.supervise.notify import Notifier
+    from olmo_ctl.supervise.policy import RetryPolicy
+    from olmo_ctl.supervise.submit import check_attempt, create_run, prepare_run
+    from olmo_ctl.supervise.supervisor import JsonlPrinter, Supervisor
+
+    # The next attempt, resolved and checked as submit checks it, before run.yaml exists.
+    prep = prepare_run(settings, name, recipe=r, device=dev, slices=slices, extra_args=extra_args)
+    policy = RetryPolicy.from_env(default_backoff_s=prep.backend.retry_backoff_s, **policy_args)
     if fall is not None:
         from olmo_ctl.core.batching import make_plan
 

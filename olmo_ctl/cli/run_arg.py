@@ -33,6 +33,17 @@ def open_run(run: str, site: SiteFlags) -> tuple[RunDir, Settings, Backend]:
         root = rundir.path.rsplit("/", 1)[0]
     else:
         rundir, root = RunDir.of(settings.run_root, run), settings.run_root
+    if not rundir.exists():
+        from olmo_ctl.core.errors import BadInput
+        from olmo_ctl.supervise.ingredients import Composite
+
+        comp = Composite(root, rundir.name)
+        if comp.exists():
+            runs = ", ".join(rd.name for rd in comp.runs())
+            raise BadInput(
+                f"`{rundir.name}` is a run of ingredients ({runs}): this command takes one of them",
+                f"e.g. {comp.runs()[0].name}; `olmo-ctl monitor` and `stop` take the whole",
+            )
     rundir.read_run()  # a run that does not exist: one line, exit 2
     settings = run_settings(settings, rundir)
     return rundir, settings, make_backend(settings, root)

@@ -1,5 +1,6 @@
 """`olmo-ctl stop`: stop a run at a checkpoint, on purpose; a supervisor watching it ends."""
 
+import os
 from typing import Annotated
 
 import typer
@@ -30,6 +31,8 @@ def stop(
     """
     from olmo_ctl.supervise.stop import stop_run
 
+    if _stop_ingredients(run, site, timeout, poll, output):
+        return
     rundir, _settings, backend = open_run(run, site)
     res = stop_run(rundir, backend, timeout_s=timeout, poll_s=poll, log=_echo)
     if output != Output.table:
@@ -61,3 +64,54 @@ def stop(
             + ("; its supervisor ended" if res.supervisor else "")
             + f"); continue with: olmo-ctl resume-until-done {rundir.name}"
         )
+
+
+def _stop_ingredients(run: str, site: SiteFlags, timeout: float, poll: float, output: Output) -> bool:
+    """`stop NAME` of a run of ingredients (docs/ingredients.md): each ingredient's run stopped as one
+    run is, and the supervisor of the whole ends before the next; False when RUN is not one."""
+    from olmo_ctl import storage
+    from olmo_ctl.supervise import ingredients
+    from olmo_ctl.supervise.stop import stop_run
+
+    settings = site.resolve()
+    if "/" in run:
+        root, _, name = run.rstrip("/").rpartition("/")
+    else:
+        root, name = settings.run_root, run
+    if not storage.is_gcs(root) and not os.path.isdir(root):
+        return False  # open_run says what is wrong
+    comp = ingredients.Composite(root, name)
+    if not comp.exists():
+        return False
+
+    def one(rd):
+        _rd, _settings, backend = open_run(rd.path, site)
+        return rd.name, stop_run(rd, backend, timeout_s=timeout, poll_s=poll, log=_echo)
+
+    results = ingredients.stop(comp, one)
+    if output != Output.table:
+        print_data(
+            {
+                "run": name,
+                "kind": "ingredients",
+                "ingredients": [
+                    {
+                        "run": n,
+                        "action": r.action,
+                        "attempts_stopped": r.attempts,
+                        "committed_step": r.committed_step,
+                        "final_step": r.final_step,
+                    }
+                    for n, r in results
+                ],
+            },
+            output,
+        )
+        return True
+    if not results:
+        typer.echo(f"run of ingredients `{name}` is complete (its soup is written): nothing to stop")
+        return True
+    for n, r in results:
+        typer.echo(f"{n}: {r.action} at committed step {r.committed_step}/{r.final_step}")
+    typer.echo(f"stopped run of ingredients `{name}`; continue with: olmo-ctl resume-until-done {name}")
+    return True

@@ -94,6 +94,12 @@ def submit(
     )
     if r is None and set_:
         raise BadInput("--set needs --recipe or --stage", "an existing run keeps its recipe (run.yaml)")
+    if r is not None and r.ingredients:
+        raise BadInput(
+            f"{r.name} is a run of {len(r.ingredients)} ingredients, souped at the end: `resume-until-done`"
+            " runs it (docs/ingredients.md)",
+            "or submit one ingredient's settings alone with --set ingredients=[] (plus its own --set)",
+        )
     if run is None and r is None:
         raise BadInput("which run?", "pass --run NAME for an existing run, or --recipe/--stage with --device")
     run_name = validate_run_name(run) if run is not None else default_run_name(r)

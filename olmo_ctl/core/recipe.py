@@ -287,6 +287,21 @@ class TrainConfig:
     shard_group: int = 0
 
 
+@dataclass(frozen=True)
+class Ingredient:
+    """One run of a stage that is several runs averaged ("model souping", OLMo 2 32B's mid-training):
+    the stage recipe with these `--set` overrides (its data seed, mix, token budget...), from the same
+    start (docs/ingredients.md)."""
+
+    name: str = ""  # a label for monitor and runs (default: i<K>)
+    set: tuple[str, ...] = ()  # key.sub=value, applied to the stage recipe as --set applies them
+
+
+# Keys an ingredient may change: what it reads and for how long, never the network or the batch
+# (the soup averages tensors of one model, trained with the same step shape).
+INGREDIENT_KEYS = ("data.", "train.max_steps", "train.seed", "schedule.", "optimizer.lr", "eval.", "logging.")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
     name: str
@@ -305,6 +320,8 @@ class Recipe:
     # (docs/attention-and-xla-flags.md). Performance only: not part of the fingerprint, so an attempt
     # may change them.
     xla_flags: tuple[str, ...] = ()
+    # Several runs of this recipe, averaged when all are done (docs/ingredients.md); empty: one run.
+    ingredients: tuple[Ingredient, ...] = ()
     source: str = field(default="", compare=False)  # file it came from (not part of the recipe)
 
     @property
@@ -314,7 +331,16 @@ class Recipe:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("source", None)
+        if not d["ingredients"]:  # absent unless declared: run.yaml files stay as they were
+            d.pop("ingredients")
         return _plain(d)
+
+    def ingredient_recipe(self, k: int) -> Recipe:
+        """The recipe ingredient k (0-based) trains: this one with its overrides, without ingredients."""
+        ing = self.ingredients[k]
+        raw = self.to_dict()
+        raw.pop("ingredients")
+        return recipe_from_dict(raw, f"{self.source or self.name} ingredient {k + 1}", ing.set)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -537,6 +563,19 @@ def validate(r: Recipe, src: str) -> None:
             raise BadInput(f"{src}: `{key}` {why}")
 
     need(r.stage in (0, 1, 2, 3), "stage", f"must be 0, 1, 2 or 3, got {r.stage}")
+    need(len(r.ingredients) != 1, "ingredients", "lists one: a stage of ingredients needs two or more")
+    labels = [ing.name for ing in r.ingredients if ing.name]
+    need(len(labels) == len(set(labels)), "ingredients", "names one twice: each name once")
+    for i, ing in enumerate(r.ingredients):
+        for item in ing.set:
+            key = item.partition("=")[0].strip()
+            need(
+                "=" in item
+                and any(key == p or (p.endswith(".") and key.startswith(p)) for p in INGREDIENT_KEYS),
+                f"ingredients[{i}].set",
+                f"`{item}` is not key=value of what an ingredient may change ({', '.join(INGREDIENT_KEYS)}):"
+                " the soup averages one model trained with one batch",
+            )
     for k in (
         "n_layers",
         "d_model",
@@ -979,6 +1018,8 @@ def recipe_from_dict(
     r = _build(Recipe, raw, "", src)
     r = dataclasses.replace(r, source=src)
     validate(r, src)
+    for k in range(len(r.ingredients)):  # each ingredient's recipe is checked as any recipe is
+        r.ingredient_recipe(k)
     return r
 
 

@@ -86,6 +86,10 @@ def _last_loss(rd: RunDir, journal: list[dict]) -> float | None:
 
 
 def run_row(path: str, status_of: StatusOf | None = None) -> RunRow:
+    from olmo_ctl.observe import ingredients
+
+    if ingredients.is_composite(path):
+        return ingredients.row(path, status_of)
     rd = RunDir(path)
     journal = rd.journal()
     committed = rd.committed_step()
