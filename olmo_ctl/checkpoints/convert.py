@@ -25,21 +25,33 @@ Mapping (HF Linear weights are [out, in]; ours are [in, out]):
     model.layers.i.mlp.{gate,up,down}_proj.weight  -> blocks/mlp/w{1,3,2}[i] (transposed)
 Converting out truncates the vocab back to `vocab_size` rows.
 
+Both directions stream, one parameter and within it one stored Orbax chunk (at most 64 MiB) at a
+time, so peak memory is a few chunks whatever the model's size (docs/benchmarks.md,
+`benchmarks/convert_memory.py`): `hf_to_orbax` hands Orbax a `StreamedArray` per parameter, which
+fills each output chunk from the memory-mapped HF rows it covers; `orbax_to_hf` lays out every
+safetensors file first (each tensor's shape and offset follow from the model config) and fills it
+chunk by chunk with tensorstore reads. `save_orbax` / `load_orbax` keep the whole-tree forms for
+callers that hold parameters in memory.
+
 Orbax reads and writes gs:// itself; the HF side of a gs:// path is staged through a local temporary
 directory with `olmo_ctl.storage`.
 """
 
 from __future__ import annotations
 
+import abc
+import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
+import math
 import os
 import shutil
 import struct
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -52,6 +64,7 @@ ParamDtype = Literal["float32", "bfloat16"]
 META_FILE = "olmo_model.json"
 VOCAB_MULTIPLE = 128
 SHARD_BYTES = 5 * 1024**3
+DOWNLOAD_PIECE_BYTES = 64 * 2**20
 
 _ST_DTYPES = {
     "F32": "float32",
@@ -90,40 +103,94 @@ def _np_dtype(name: str):
 # ----------------------------------------------------------------------------- safetensors
 
 
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        base = 8 + n
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a safetensors file: where its bytes lie, read or written a band of rows at a time."""
+
+    path: str
+    offset: int  # of its first byte in the file
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def rows(self, start: int, stop: int, writable: bool = False) -> np.ndarray:
+        """Rows [start, stop) (elements of a 1-D tensor) mapped from the file. The mapping is a window:
+        once the caller drops it, its pages leave the process (they stay in the page cache)."""
+        row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+        return np.memmap(
+            self.path,
+            self.dtype,
+            "r+" if writable else "r",
+            offset=self.offset + start * row_bytes,
+            shape=(stop - start, *self.shape[1:]),
+        )
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, StoredTensor]:
+    """The tensors of a safetensors file, from its header only (no tensor data is read)."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if 8 + n <= size else None
+    except (struct.error, UnicodeDecodeError, json.JSONDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise BadInput(f"`{path}` is not a safetensors file", HF_HINT)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         if info["dtype"] not in _ST_DTYPES:
             raise BadInput(f"{path}: tensor `{name}` has unsupported dtype {info['dtype']}")
+        t = StoredTensor(
+            str(path),
+            8 + n + info["data_offsets"][0],
+            _np_dtype(_ST_DTYPES[info["dtype"]]),
+            tuple(info["shape"]),
+        )
         start, end = info["data_offsets"]
-        buf = raw[base + start : base + end]
-        out[name] = np.frombuffer(buf, dtype=_np_dtype(_ST_DTYPES[info["dtype"]])).reshape(info["shape"])
+        if end - start != t.nbytes or t.offset + t.nbytes > size:
+            raise BadInput(f"{path}: tensor `{name}` does not hold {list(t.shape)} {t.dtype} values", HF_HINT)
+        out[name] = t
     return out
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file, memory-mapped."""
+    header = read_safetensors_header(path)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    return {
+        name: np.frombuffer(raw[t.offset : t.offset + t.nbytes], dtype=t.dtype).reshape(t.shape)
+        for name, t in header.items()
+    }
+
+
+def safetensors_header(
+    tensors: list[tuple[str, np.dtype, tuple[int, ...]]], metadata: dict | None = None
+) -> bytes:
+    """The bytes before the data of a safetensors file holding `tensors` (name, dtype, shape) in order."""
     header: dict = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
-    for name, t in tensors.items():
-        nbytes = t.size * t.dtype.itemsize
+    for name, dtype, shape in tensors:
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         header[name] = {
-            "dtype": _ST_NAMES[str(t.dtype)],
-            "shape": list(t.shape),
+            "dtype": _ST_NAMES[str(dtype)],
+            "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+        f.write(safetensors_header([(k, t.dtype, t.shape) for k, t in tensors.items()], metadata))
         for t in tensors.values():
             f.write(np.ascontiguousarray(t).tobytes())
 
@@ -149,7 +216,9 @@ def local_copy(path: str):
             rel = f.path[len(prefix) :]
             dst = Path(tmp, rel)
             dst.parent.mkdir(parents=True, exist_ok=True)
-            dst.write_bytes(store.read_bytes(f.path))
+            with open(dst, "wb") as out:  # piece by piece: a 5 GB shard never sits in memory
+                for start in range(0, f.size, DOWNLOAD_PIECE_BYTES):
+                    out.write(store.read_range(f.path, start, min(f.size, start + DOWNLOAD_PIECE_BYTES)))
         yield tmp
 
 
@@ -534,6 +603,98 @@ def _check_shapes(params, cfg: ModelConfig) -> None:
             )
 
 
+# ----------------------------------------------------------------------------- routes (pure)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One of our parameters and the HF tensors it is made of: one per layer for a stacked `blocks`
+    leaf (axis 0 is the layer), else one. `transpose`: HF holds it [out, in], we hold [in, out]. HF rows
+    past the tensor's end (the padded vocabulary) are zeros on our side and dropped on theirs."""
+
+    path: tuple[str, ...]  # under params
+    hf_names: tuple[str, ...]
+    stacked: bool
+    transpose: bool
+
+    @property
+    def key(self) -> str:
+        """The leaf's name as Orbax metadata and jax.tree_util.keystr spell it."""
+        return "".join(f"[{p!r}]" for p in self.path)
+
+    @property
+    def hf_row_axis(self) -> int:
+        """The axis of our array that runs along the HF tensors' rows."""
+        return int(self.stacked) + int(self.transpose)
+
+    def parts(self, index: tuple[slice, ...]):
+        """(layer within the block or None, HF name, HF rows, HF columns or None) for each HF tensor a
+        block `index` of our array covers."""
+        layers, rest = (range(index[0].start, index[0].stop), index[1:]) if self.stacked else ([0], index)
+        for k, layer in enumerate(layers):
+            cols: slice | None
+            if self.transpose:
+                rows, cols = rest[1], rest[0]
+            else:
+                rows, cols = rest[0], rest[1] if len(rest) > 1 else None
+            yield (k if self.stacked else None), self.hf_names[layer], rows, cols
+
+
+def routes(cfg: ModelConfig) -> list[Route]:
+    """Every parameter's route (the mapping in the module docstring)."""
+    out = [Route(("embed",), ("model.embed_tokens.weight",), False, False)]
+    for hf_name, path, transpose in LAYER_MAP:
+        names = tuple(f"model.layers.{i}.{hf_name}" for i in range(cfg.n_layers))
+        out.append(Route(("blocks", *path), names, True, transpose))
+    out.append(Route(("final_norm",), ("model.norm.weight",), False, False))
+    out.append(Route(("lm_head",), ("lm_head.weight",), False, True))
+    return out
+
+
+def hf_layout(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every HF tensor of `cfg`, in the order the files hold them."""
+    from olmo_ctl.trainer.model import param_shapes
+
+    shapes = param_shapes(cfg)
+    per_name = {}
+    for r in routes(cfg):
+        node = shapes
+        for p in r.path:
+            node = node[p]
+        shape = tuple(node[1:] if r.stacked else node)
+        shape = shape[::-1] if r.transpose else shape
+        if r.path in (("embed",), ("lm_head",)):
+            shape = (cfg.vocab_size, *shape[1:])
+        per_name.update(dict.fromkeys(r.hf_names, shape))
+    layers = [f"model.layers.{i}.{n}" for i in range(cfg.n_layers) for n, _, _ in LAYER_MAP]
+    order = ["model.embed_tokens.weight", *layers, "model.norm.weight", "lm_head.weight"]
+    return [(n, per_name[n]) for n in order]
+
+
+def blocks(shape: tuple[int, ...], block: tuple[int, ...], outer_axis: int = 0):
+    """The index expressions of the blocks of `shape`, `outer_axis` outermost, the others row-major."""
+    order = [outer_axis, *(a for a in range(len(shape)) if a != outer_axis)]
+    for start in itertools.product(*(range(0, shape[a], block[a]) for a in order)):
+        at = dict(zip(order, start, strict=True))
+        yield tuple(slice(at[a], min(at[a] + block[a], shape[a])) for a in range(len(shape)))
+
+
+def shard_plan(
+    layout: list[tuple[str, tuple[int, ...]]], dtype: np.dtype
+) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """HF tensors in order, cut into files of at most SHARD_BYTES (a larger tensor gets a file alone)."""
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
 # ----------------------------------------------------------------------------- directories
 
 
@@ -566,8 +727,8 @@ def read_hf_config(hf_dir: str) -> dict:
     return read_json_object(path, "fix it or download the model again (save_pretrained writes config.json)")
 
 
-def load_hf_dir(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """(config.json, tensors) of a local HF model directory."""
+def index_hf_dir(hf_dir: str) -> tuple[dict, dict[str, StoredTensor]]:
+    """(config.json, where each tensor lies) of a local HF model directory; no tensor data is read."""
     hf = read_hf_config(hf_dir)
     index = Path(hf_dir, "model.safetensors.index.json")
     if index.exists():
@@ -575,45 +736,80 @@ def load_hf_dir(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
         if not isinstance(weight_map, dict):
             raise BadInput(f"`{index}` has no `weight_map` object", HF_HINT)
         files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not Path(hf_dir, f).is_file()]
+        if missing:
+            raise BadInput(f"`{index}` names {missing[0]}, which `{hf_dir}` does not hold", HF_HINT)
     elif Path(hf_dir, "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
         raise BadInput(f"`{hf_dir}` has no model.safetensors", "save the model with safe_serialization=True")
+    tensors: dict[str, StoredTensor] = {}
+    for f in files:
+        tensors.update(read_safetensors_header(Path(hf_dir, f)))
+    return hf, tensors
+
+
+def load_hf_dir(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json, tensors memory-mapped) of a local HF model directory."""
+    hf, tensors = index_hf_dir(hf_dir)
+    files = sorted({t.path for t in tensors.values()})
     state: dict[str, np.ndarray] = {}
     for f in files:
-        state.update(read_safetensors(Path(hf_dir, f)))
+        state.update(read_safetensors(f))
     return hf, state
 
 
-def _hf_dtype(state: dict[str, np.ndarray]) -> str:
-    return str(state["model.embed_tokens.weight"].dtype)
-
-
-def save_hf_dir(
-    out: str, cfg: ModelConfig, hf_config: dict, state: dict[str, np.ndarray], dtype: str
-) -> None:
+def create_hf_dir(
+    out: str, hf_config: dict, layout: list[tuple[str, tuple[int, ...]]], dtype: np.dtype
+) -> dict[str, StoredTensor]:
+    """config.json, the index (when there is more than one file) and every safetensors file at its full
+    size with its header and no data yet; where each tensor's bytes go. The files are what
+    `write_safetensors` writes once every tensor's bytes are in place."""
     os.makedirs(out, exist_ok=True)
     Path(out, "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, t in state.items():
-        if size and size + t.nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += t.nbytes
-    if len(shards) == 1:
-        write_safetensors(Path(out, "model.safetensors"), shards[0])
-        return
-    weight_map = {}
-    for k, shard in enumerate(shards):
-        fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(Path(out, fn), shard)
-        weight_map.update(dict.fromkeys(shard, fn))
-    total = sum(t.nbytes for t in state.values())
-    Path(out, "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    shards = shard_plan(layout, dtype)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     )
+    where: dict[str, StoredTensor] = {}
+    for fn, shard in zip(names, shards, strict=True):
+        path = str(Path(out, fn))
+        head = safetensors_header([(name, dtype, shape) for name, shape in shard])
+        offset = len(head)
+        for name, shape in shard:
+            where[name] = StoredTensor(path, offset, dtype, shape)
+            offset += where[name].nbytes
+        with open(path, "wb") as f:
+            f.write(head)
+            f.truncate(offset)  # the data, written in place band by band
+    if len(shards) > 1:
+        weight_map = {name: fn for fn, shard in zip(names, shards, strict=True) for name, _ in shard}
+        total = sum(t.nbytes for t in where.values())
+        Path(out, "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        )
+    return where
+
+
+def _orbax_destination(out: str, overwrite: bool) -> str:
+    """The path Orbax writes to (absolute when local); a destination that holds files is refused
+    unless `overwrite`."""
+    if is_gcs(out):
+        if store_for(out).list(out, recursive=True)[0] and not overwrite:
+            raise BadInput(f"`{out}` already holds files", "choose a new path or pass --overwrite")
+        return out
+    out = os.path.abspath(out)
+    if os.path.exists(out) and os.listdir(out) and not overwrite:
+        raise BadInput(f"`{out}` already exists and is not empty", "choose a new path or pass --overwrite")
+    return out
+
+
+def write_meta(out: str, cfg: ModelConfig, hf_config: dict | None, hf_dtype: str | None) -> None:
+    """olmo_model.json of a parameter directory (the one writer of META_FILE)."""
+    meta = {"model": dataclasses.asdict(cfg), "hf_config": hf_config or {}, "hf_dtype": hf_dtype}
+    store_for(out).write_text(join(out, META_FILE), json.dumps(meta, indent=2) + "\n")
 
 
 def save_orbax(
@@ -625,20 +821,12 @@ def save_orbax(
     overwrite: bool = False,
     chunk_bytes: int = 0,
 ) -> None:
-    """Orbax writes local and gs:// paths itself (its own commit protocol); the metadata goes through Store.
+    """Parameters held in memory -> a parameter directory. Orbax writes local and gs:// paths itself
+    (its own commit protocol); the metadata goes through Store.
     `chunk_bytes`: the largest stored chunk of an array (0: `checkpoint.INIT_CHUNK_BYTES`)."""
     import orbax.checkpoint as ocp
 
-    store = store_for(out)
-    if is_gcs(out):
-        if store.list(out, recursive=True)[0] and not overwrite:
-            raise BadInput(f"`{out}` already holds files", "choose a new path or pass --overwrite")
-    else:
-        out = os.path.abspath(out)
-        if os.path.exists(out) and os.listdir(out) and not overwrite:
-            raise BadInput(
-                f"`{out}` already exists and is not empty", "choose a new path or pass --overwrite"
-            )
+    path = _orbax_destination(out, overwrite)
     import jax
 
     from olmo_ctl.trainer.checkpoint import INIT_CHUNK_BYTES
@@ -648,10 +836,9 @@ def save_orbax(
     chunk = chunk_bytes or INIT_CHUNK_BYTES
     save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=chunk), params)
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(out, {"params": params}, save_args={"params": save_args}, force=True)
+    ckpt.save(path, {"params": params}, save_args={"params": save_args}, force=True)
     ckpt.wait_until_finished()
-    meta = {"model": dataclasses.asdict(cfg), "hf_config": hf_config or {}, "hf_dtype": hf_dtype}
-    store.write_text(join(out, META_FILE), json.dumps(meta, indent=2) + "\n")
+    write_meta(out, cfg, hf_config, hf_dtype)
 
 
 def read_meta(orbax_dir: str) -> dict:
@@ -673,26 +860,33 @@ def model_from_meta(meta: dict, cfg_overrides: dict | None = None) -> ModelConfi
     return ModelConfig(**kw, **(cfg_overrides or {}))
 
 
+def _is_run_checkpoint(orbax_dir: str) -> bool:
+    return (
+        not store_for(orbax_dir).exists(join(orbax_dir, META_FILE))
+        and orbax_dir.rstrip("/").rpartition("/")[2].isdigit()
+    )
+
+
 def load_orbax(orbax_dir: str, cfg_overrides: dict | None = None, recipe: str | None = None):
     """(params as numpy on the host, ModelConfig, meta) from ORBAX_DIR (local or gs://): a directory
     written by `hf_to_orbax`, or a training checkpoint `<run-dir>/checkpoints/<N>` (its model comes
     from `recipe` or else `<run-dir>/run.yaml`)."""
-    if (
-        not store_for(orbax_dir).exists(join(orbax_dir, META_FILE))
-        and orbax_dir.rstrip("/").rpartition("/")[2].isdigit()
-    ):
-        return _load_run_checkpoint(orbax_dir, cfg_overrides, recipe)
+    if _is_run_checkpoint(orbax_dir):
+        cfg = _run_checkpoint_model(orbax_dir, cfg_overrides, recipe)
+        params = _restore_state_params(join(orbax_dir, "state"))
+        _check_shapes(params, cfg)
+        return params, cfg, {"model": dataclasses.asdict(cfg), "hf_config": {}, "hf_dtype": None}
     meta = read_meta(orbax_dir)
     import orbax.checkpoint as ocp  # after the cheap checks above
 
     cfg = model_from_meta(meta, cfg_overrides)
-    path = orbax_dir if is_gcs(orbax_dir) else os.path.abspath(orbax_dir)
-    params = _to_numpy(ocp.StandardCheckpointer().restore(path)["params"])
+    params = _to_numpy(ocp.StandardCheckpointer().restore(orbax_path(orbax_dir))["params"])
     _check_shapes(params, cfg)
     return params, cfg, meta
 
 
-def _load_run_checkpoint(step_dir: str, cfg_overrides: dict | None = None, recipe: str | None = None):
+def _run_checkpoint_model(step_dir: str, cfg_overrides: dict | None = None, recipe: str | None = None):
+    """The model of a committed training checkpoint: `recipe`'s, else its run's run.yaml's."""
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.trainer.checkpoint import open_step
@@ -712,9 +906,7 @@ def _load_run_checkpoint(step_dir: str, cfg_overrides: dict | None = None, recip
         )  # BadInput unless a run description
     cfg = dataclasses.replace(model, **(cfg_overrides or {}))
     open_step(step_dir)[0].close()  # BadInput unless it is a committed step
-    params = _restore_state_params(join(step_dir, "state"))
-    _check_shapes(params, cfg)
-    return params, cfg, {"model": dataclasses.asdict(cfg), "hf_config": {}, "hf_dtype": None}
+    return cfg
 
 
 def _restore_state_params(state_dir: str):
@@ -723,7 +915,7 @@ def _restore_state_params(state_dir: str):
     import jax
     import orbax.checkpoint as ocp
 
-    path = state_dir if is_gcs(state_dir) else os.path.abspath(state_dir)
+    path = orbax_path(state_dir)
     meta = ocp.StandardCheckpointer().metadata(path)
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
@@ -747,7 +939,195 @@ def _restore_state_params(state_dir: str):
     return _to_numpy(restored["params"])
 
 
+# ----------------------------------------------------------------------------- Orbax arrays, a block at a time
+
+
+def orbax_path(p: str) -> str:
+    """The path Orbax is given: gs:// as is, a local one made absolute."""
+    return p if is_gcs(p) else os.path.abspath(p)
+
+
+def _epath(p: str):
+    from etils import epath  # type: ignore[import-untyped]  # Orbax's path type
+
+    return epath.Path(p)
+
+
+def read_param_leaves(item_dir: str, source: str, hint: str) -> tuple[dict, dict[str, Any], bool, bool]:
+    """(the `params` tree of an Orbax PyTree directory, its leaves by keystr, use_zarr3, use_ocdbt),
+    from its metadata only (no tensor data); each leaf an Orbax ArrayMetadata (name, shape, dtype)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    try:
+        meta = ocp.PyTreeCheckpointer().metadata(item_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise BadInput(f"`{source}` holds no readable Orbax parameters ({e})", hint) from None
+    item = getattr(meta, "item_metadata", meta)
+    tree = getattr(item, "tree", item)
+    if not isinstance(tree, dict) or not isinstance(tree.get("params"), dict):
+        raise BadInput(f"`{source}` holds no `params`", hint)
+    leaves = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree["params"])}
+    if not all(hasattr(v, "shape") and hasattr(v, "name") for v in leaves.values()):
+        raise BadInput(f"`{source}` holds parameters that are not arrays", hint)
+    zarr3 = bool(getattr(item, "use_zarr3", False))
+    return tree["params"], leaves, zarr3, ocp.type_handlers.is_ocdbt_checkpoint(item_dir)
+
+
+def open_param(item_dir: str, leaf, use_zarr3: bool, use_ocdbt: bool, context=None):
+    """A tensorstore future opening one stored parameter (`leaf`: its ArrayMetadata) for reading, in
+    `context` (default: a new one of the kind Orbax reads such a checkpoint with)."""
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+
+    handlers = ocp.type_handlers
+    if context is None:
+        context = handlers.get_ts_context(use_ocdbt=use_ocdbt)
+    info = handlers.ParamInfo(
+        name=leaf.name, parent_dir=_epath(item_dir), is_ocdbt_checkpoint=use_ocdbt, use_zarr3=use_zarr3
+    )
+    spec = handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)
+    return ts.open(ts.Spec(spec), open=True, context=context)
+
+
+def chunk_shape(shape: tuple[int, ...], chunk) -> tuple[int, ...]:
+    """A stored chunk's shape as tensorstore states it (`chunk`); an axis it does not state is whole."""
+    if chunk is None:
+        return shape
+    return tuple(int(c) if c else dim for c, dim in zip(chunk, shape, strict=True))
+
+
+class StreamedArray(abc.ABC):
+    """An array not yet computed, handed to Orbax in its place: `write_streamed` has it write itself
+    into the opened output array, a block at a time."""
+
+    def __init__(self, shape: tuple[int, ...], dtype):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.size = math.prod(self.shape)
+        self.ndim = len(self.shape)
+
+    @abc.abstractmethod
+    async def write_into(self, out, context) -> None:
+        """Write every element into `out` (an opened tensorstore array of this shape and dtype)."""
+
+
+def _streaming_handler():
+    """Orbax's numpy-array handler with its write step replaced: the value it opens the array for is a
+    StreamedArray, which writes itself there, one parameter at a time. The array metadata, chunking,
+    file layout and commit are Orbax's own, so every reader of an Orbax checkpoint reads it (its type
+    is recorded as `np.ndarray`)."""
+    import orbax.checkpoint as ocp
+
+    base = ocp.type_handlers.NumpyHandler
+    if not hasattr(base, "_open_and_write"):  # the one Orbax method this relies on
+        raise RuntimeError(
+            "this orbax-checkpoint's NumpyHandler has no _open_and_write: streamed writes need 0.11-0.12"
+        )
+
+    class StreamingHandler(base):  # type: ignore[misc, valid-type]
+        def __init__(self):
+            super().__init__(deepcopy_host_arrays=False)
+            self._one_at_a_time: asyncio.Lock | None = None
+
+        async def _open_and_write(self, value, tspec, ts_context):
+            import tensorstore as ts
+
+            if self._one_at_a_time is None:
+                self._one_at_a_time = asyncio.Lock()
+            async with self._one_at_a_time:
+                out = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
+                await value.write_into(out, ts_context)
+
+    return StreamingHandler()
+
+
+def write_streamed(out: str, tree: dict) -> None:
+    """An Orbax PyTree checkpoint of `tree` (StreamedArray leaves) at `out` (absolute or gs://), in the
+    layout `save_orbax` writes (chunks of at most `checkpoint.INIT_CHUNK_BYTES`)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from olmo_ctl.trainer.checkpoint import INIT_CHUNK_BYTES
+
+    registry = ocp.type_handlers.create_type_handler_registry((StreamedArray, _streaming_handler()))
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=INIT_CHUNK_BYTES), tree)
+    ckpt = ocp.Checkpointer(handler)
+    try:
+        ckpt.save(out, args=ocp.args.PyTreeSave(tree, save_args=save_args), force=True)
+    finally:
+        ckpt.close()
+
+
+def return_freed_blocks() -> None:
+    """Have glibc give every freed block back to the system. Its default mmap threshold adapts upwards
+    (to 32 MiB) as large buffers are freed, after which buffers of that size come from its per-thread
+    arenas and stay resident when freed: tensorstore decodes and encodes blocks on many threads, and
+    the process would keep several times the model resident. A fixed 1 MiB threshold keeps the
+    resident set at the blocks in use (docs/benchmarks.md)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:  # not glibc: nothing to set
+        return
+    m_mmap_threshold = -3
+    try:
+        ctypes.CDLL(name).mallopt(m_mmap_threshold, 2**20)
+    except (OSError, AttributeError):
+        pass
+
+
 # ----------------------------------------------------------------------------- the two commands
+
+
+class _FromHf(StreamedArray):
+    """One of our parameters, built from the memory-mapped HF tensors one output chunk at a time: each
+    block reads only the HF rows it covers, through a mapping dropped after the block."""
+
+    def __init__(self, route: Route, tensors: dict[str, StoredTensor], shape: tuple[int, ...], dtype):
+        super().__init__(shape, dtype)
+        self.route = route
+        self.tensors = tensors
+
+    async def write_into(self, out, context) -> None:
+        chunk = chunk_shape(self.shape, out.chunk_layout.write_chunk.shape)
+        # HF rows outermost: consecutive blocks read the same band of rows, which the page cache keeps
+        for index in blocks(self.shape, chunk, self.route.hf_row_axis):
+            block = np.zeros(tuple(s.stop - s.start for s in index), self.dtype)
+            for k, name, rows, cols in self.route.parts(index):
+                t = self.tensors[name]
+                stop = min(rows.stop, t.shape[0])  # rows past the HF vocabulary stay zero
+                if stop <= rows.start:
+                    continue
+                band = t.rows(rows.start, stop)
+                src = band if cols is None else band[:, cols]
+                dst = block if k is None else block[k]
+                if self.route.transpose:
+                    dst[:, : stop - rows.start] = src.T
+                else:
+                    dst[: stop - rows.start] = src
+                del band, src
+            await out[index].write(block, can_reference_source_data_indefinitely=True)  # no copy
+
+
+def _hf_sources(tensors: dict[str, StoredTensor], cfg: ModelConfig) -> dict[str, StoredTensor]:
+    """The HF tensors `cfg` needs, by name, each checked against the shape the config gives it (tied
+    checkpoints, with no lm_head.weight, read the embedding for the head)."""
+    out = {}
+    for name, shape in hf_layout(cfg):
+        src = name if name in tensors or name != "lm_head.weight" else "model.embed_tokens.weight"
+        if src not in tensors:
+            raise BadInput(f"HF checkpoint has no tensor `{src}`")
+        t = tensors[src]
+        ok = t.shape == shape
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):  # any rows up to the padded vocab
+            ok = len(t.shape) == 2 and t.shape[0] <= cfg.padded_vocab_size and t.shape[1] == shape[1]
+        if not ok:
+            raise BadInput(f"HF tensor `{src}` has shape {list(t.shape)}, the config says {list(shape)}")
+        out[name] = t
+    return out
 
 
 def hf_to_orbax(
@@ -759,15 +1139,55 @@ def hf_to_orbax(
     param_dtype: ParamDtype = "float32",
     overwrite: bool = False,
 ) -> ModelConfig:
+    """Stream an HF directory into a parameter directory: one parameter, and within it one stored
+    chunk, at a time (peak memory: a few chunks and the HF rows they cover, never the model)."""
     read_hf_config(hf_dir)  # a directory that is not a model fails here, before any download
+    dest = _orbax_destination(orbax_dir, overwrite)
+    from olmo_ctl.checkpoints.surgery import quiet_orbax
+
+    quiet_orbax()
     with local_copy(hf_dir) as src:
-        hf, state = load_hf_dir(src)
+        hf, tensors = index_hf_dir(src)
         name = os.path.basename(hf_dir.rstrip("/")) or "olmo3-hf"
         cfg = model_config_from_hf(hf, vocab_size, padded_vocab_size, param_dtype, name=name)
-        hf_dtype = _hf_dtype(state)
-        params = hf_state_to_params(state, cfg)
-    save_orbax(orbax_dir, params, cfg, hf, hf_dtype, overwrite)
+        sources = _hf_sources(tensors, cfg)
+        hf_dtype = str(sources["model.embed_tokens.weight"].dtype)
+        from olmo_ctl.trainer.model import param_shapes
+
+        shapes = param_shapes(cfg)
+        params: dict = {}
+        for r in routes(cfg):
+            node, shape = params, shapes
+            for p in r.path[:-1]:
+                node, shape = node.setdefault(p, {}), shape[p]
+            node[r.path[-1]] = _FromHf(r, sources, tuple(shape[r.path[-1]]), _np_dtype(cfg.param_dtype))
+        return_freed_blocks()
+        write_streamed(dest, {"params": params})
+    write_meta(orbax_dir, cfg, hf, hf_dtype)
     return cfg
+
+
+def _export(route: Route, stored, files: dict[str, StoredTensor]) -> None:
+    """Write one of our stored parameters into the HF files, one stored chunk at a time: each chunk is
+    read once and its rows put in place through a mapping of the HF rows it covers."""
+    t = stored.result()
+    shape = tuple(t.shape)
+    for index in blocks(shape, chunk_shape(shape, t.chunk_layout.read_chunk.shape), route.hf_row_axis):
+        block = t[index].read().result()
+        for k, name, rows, cols in route.parts(index):
+            dst_t = files[name]
+            stop = min(rows.stop, dst_t.shape[0])  # the padded vocabulary is dropped
+            if stop <= rows.start:
+                continue
+            src = block if k is None else block[k]
+            src = src[:, : stop - rows.start].T if route.transpose else src[: stop - rows.start]
+            band = dst_t.rows(rows.start, stop, writable=True)
+            if cols is None:
+                band[:] = src.astype(dst_t.dtype)
+            else:
+                band[:, cols] = src.astype(dst_t.dtype)
+            del band
+        del block
 
 
 def orbax_to_hf(
@@ -778,10 +1198,37 @@ def orbax_to_hf(
     overwrite: bool = False,
     recipe: str | None = None,
 ) -> ModelConfig:
-    params, cfg, meta = load_orbax(orbax_dir, recipe=recipe)
+    """Stream a parameter directory or training checkpoint into an HF directory: the files are laid
+    out first (every shape is known from the model), then filled one stored chunk at a time."""
+    from olmo_ctl.checkpoints.surgery import quiet_orbax
+
+    quiet_orbax()
+    if _is_run_checkpoint(orbax_dir):
+        cfg = _run_checkpoint_model(orbax_dir, recipe=recipe)
+        meta: dict = {}
+        item_dir, hint = join(orbax_dir, "state"), "pass a checkpoint written by the trainer"
+    else:
+        meta = read_meta(orbax_dir)
+        cfg = model_from_meta(meta)
+        item_dir, hint = orbax_dir, "convert the model again with `olmo-ctl convert hf-to-orbax`"
+    _, leaves, zarr3, ocdbt = read_param_leaves(orbax_path(item_dir), orbax_dir, hint)
+    from olmo_ctl.trainer.model import param_shapes
+
+    for r in routes(cfg):
+        want = param_shapes(cfg)
+        for p in r.path:
+            want = want[p]
+        got = tuple(leaves[r.key].shape) if r.key in leaves else None
+        if got != tuple(want):
+            raise BadInput(f"tensor {r.key} has shape {got}, the config says {tuple(want)}")
     dtype = dtype or meta.get("hf_dtype") or "float32"
     hf_config = hf_config_from_model(cfg, meta.get("hf_config"), dtype)
-    state = params_to_hf_state(params, cfg, dtype)
+    import orbax.checkpoint as ocp
+
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt)  # one for every parameter
     with output_dir(hf_dir, overwrite) as out:
-        save_hf_dir(out, cfg, hf_config, state, dtype)
+        files = create_hf_dir(out, hf_config, hf_layout(cfg), _np_dtype(dtype))
+        return_freed_blocks()
+        for r in routes(cfg):
+            _export(r, open_param(orbax_path(item_dir), leaves[r.key], zarr3, ocdbt, context), files)
     return cfg

@@ -26,9 +26,7 @@ checkpoint) read it. Everything is checked before any tensor is read: a refusal 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -37,6 +35,20 @@ from typing import Any
 
 import numpy as np
 
+from olmo_ctl.checkpoints.convert import (
+    META_FILE,
+    StreamedArray,
+    blocks,
+    chunk_shape,
+    model_from_meta,
+    open_param,
+    orbax_path,
+    read_meta,
+    read_param_leaves,
+    return_freed_blocks,
+    write_meta,
+    write_streamed,
+)
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import ModelConfig
 from olmo_ctl.storage import is_gcs, join, store_for
@@ -120,44 +132,18 @@ class Source:
         return {"path": self.path, "kind": self.kind, "step": self.step, "weight": weight}
 
 
-def _orbax_path(p: str) -> str:
-    return p if is_gcs(p) else os.path.abspath(p)
-
-
-def _param_leaves(item_dir: str, source: str, hint: str) -> tuple[dict, dict[str, Any], bool, bool]:
-    """The `params` leaves of an Orbax PyTree directory, from its metadata only (no tensor data)."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    try:
-        meta = ocp.PyTreeCheckpointer().metadata(item_dir)
-    except (FileNotFoundError, ValueError) as e:
-        raise BadInput(f"`{source}` holds no readable Orbax parameters ({e})", hint) from None
-    item = getattr(meta, "item_metadata", meta)
-    tree = getattr(item, "tree", item)
-    if not isinstance(tree, dict) or not isinstance(tree.get("params"), dict):
-        raise BadInput(f"`{source}` holds no `params`", hint)
-    leaves = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree["params"])}
-    if not all(hasattr(v, "shape") and hasattr(v, "name") for v in leaves.values()):
-        raise BadInput(f"`{source}` holds parameters that are not arrays", hint)
-    zarr3 = bool(getattr(item, "use_zarr3", False))
-    return tree["params"], leaves, zarr3, ocp.type_handlers.is_ocdbt_checkpoint(item_dir)
-
-
 def open_source(path: str, recipe: str | None = None) -> Source:
     """A Source from its path: a converted directory (olmo_model.json) or a committed step directory."""
-    from olmo_ctl.checkpoints.convert import META_FILE, model_from_meta, read_meta
-
     store = store_for(path)
     if store.exists(join(path, META_FILE)):
         meta = read_meta(path)
         hint = "convert the model again with `olmo-ctl convert hf-to-orbax`"
-        params, leaves, zarr3, ocdbt = _param_leaves(_orbax_path(path), path, hint)
+        params, leaves, zarr3, ocdbt = read_param_leaves(orbax_path(path), path, hint)
         try:
             model = model_from_meta(meta)
         except (KeyError, TypeError) as e:
             raise BadInput(f"`{join(path, META_FILE)}` is not a model description ({e})", hint) from None
-        return Source(path, "converted", None, _orbax_path(path), params, leaves, model, meta, zarr3, ocdbt)
+        return Source(path, "converted", None, orbax_path(path), params, leaves, model, meta, zarr3, ocdbt)
     if not path.rstrip("/").rpartition("/")[2].isdigit():
         what = "is not a checkpoint" if _exists(path) else "does not exist"
         raise BadInput(
@@ -169,7 +155,9 @@ def open_source(path: str, recipe: str | None = None) -> Source:
     ck, step = open_step(path)  # BadInput unless a committed step
     item_dir = join(ck.directory, str(step), "state")
     ck.close()
-    params, leaves, zarr3, ocdbt = _param_leaves(item_dir, path, "pass a checkpoint written by the trainer")
+    params, leaves, zarr3, ocdbt = read_param_leaves(
+        item_dir, path, "pass a checkpoint written by the trainer"
+    )
     run_model = _run_model(path, recipe)
     return Source(path, "training", step, item_dir, params, leaves, run_model, {}, zarr3, ocdbt)
 
@@ -272,52 +260,25 @@ def block_shape(shape: tuple[int, ...], chunks: list[tuple[int, ...]]) -> tuple[
     return tuple(min(dim, math.lcm(*(c[i] for c in chunks))) for i, dim in enumerate(shape))
 
 
-def blocks(shape: tuple[int, ...], block: tuple[int, ...]):
-    """The index expressions of the blocks of `shape`, in row-major order."""
-    grid = [range(0, dim, b) for dim, b in zip(shape, block, strict=True)]
-    for start in itertools.product(*grid):
-        yield tuple(slice(s, min(s + b, dim)) for s, b, dim in zip(start, block, shape, strict=True))
-
-
 # ----------------------------------------------------------------------------- writing
 
 
-class _MeanLeaf:
-    """An output parameter not yet computed: what Orbax is handed in its place. Its handler computes
-    and writes it block by block when Orbax serializes it."""
+class _MeanLeaf(StreamedArray):
+    """An output parameter not yet computed: what Orbax is handed in its place. It is computed and
+    written block by block when Orbax serializes it."""
 
     def __init__(self, name: str, parts: list[tuple[Source, float]], shape: tuple[int, ...], dtype):
+        super().__init__(shape, dtype)
         self.name = name  # keystr under params
         self.parts = parts
-        self.shape = shape
-        self.dtype = np.dtype(dtype)
-        self.size = math.prod(shape)
-        self.ndim = len(shape)
-
-    def _chunk(self, shape) -> tuple[int, ...]:
-        """A stored chunk's shape; an axis it does not state is whole."""
-        if shape is None:
-            return self.shape
-        return tuple(int(c) if c else dim for c, dim in zip(shape, self.shape, strict=True))
 
     async def write_into(self, out, context) -> None:
-        import orbax.checkpoint as ocp
-        import tensorstore as ts
-
-        handlers = ocp.type_handlers
-        sources = []
-        for src, _ in self.parts:
-            leaf = src.leaves[self.name]
-            info = handlers.ParamInfo(
-                name=leaf.name,
-                parent_dir=_epath(src.item_dir),
-                is_ocdbt_checkpoint=src.use_ocdbt,
-                use_zarr3=src.use_zarr3,
-            )
-            spec = handlers.get_json_tspec_read(info, use_ocdbt=src.use_ocdbt)
-            sources.append(await ts.open(ts.Spec(spec), open=True, context=context))
-        chunks = [self._chunk(t.chunk_layout.read_chunk.shape) for t in sources]
-        chunks.append(self._chunk(out.chunk_layout.write_chunk.shape))
+        sources = [
+            await open_param(src.item_dir, src.leaves[self.name], src.use_zarr3, src.use_ocdbt, context)
+            for src, _ in self.parts
+        ]
+        chunks = [chunk_shape(self.shape, t.chunk_layout.read_chunk.shape) for t in sources]
+        chunks.append(chunk_shape(self.shape, out.chunk_layout.write_chunk.shape))
         for index in blocks(self.shape, block_shape(self.shape, chunks)):
             acc = None
             for t, (_, weight) in zip(sources, self.parts, strict=True):
@@ -325,77 +286,6 @@ class _MeanLeaf:
             assert acc is not None
             block = acc.astype(self.dtype, copy=False)
             await out[index].write(block, can_reference_source_data_indefinitely=True)  # no copy
-
-
-def _epath(p: str):
-    from etils import epath  # type: ignore[import-untyped]  # Orbax's path type
-
-    return epath.Path(p)
-
-
-def _streaming_handler():
-    """Orbax's numpy-array handler with its write step replaced: the value it opens the array for is a
-    _MeanLeaf, computed and written there block by block, one parameter at a time. The array metadata,
-    chunking, file layout and commit are Orbax's own, so every reader of an Orbax checkpoint reads it
-    (its type is recorded as `np.ndarray`)."""
-    import orbax.checkpoint as ocp
-
-    base = ocp.type_handlers.NumpyHandler
-    if not hasattr(base, "_open_and_write"):  # the one Orbax method this relies on
-        raise RuntimeError(
-            "this orbax-checkpoint's NumpyHandler has no _open_and_write: soup needs 0.11-0.12"
-        )
-
-    class StreamingHandler(base):  # type: ignore[misc, valid-type]
-        def __init__(self):
-            super().__init__(deepcopy_host_arrays=False)
-            self._one_at_a_time: asyncio.Lock | None = None
-
-        async def _open_and_write(self, value, tspec, ts_context):
-            import tensorstore as ts
-
-            if self._one_at_a_time is None:
-                self._one_at_a_time = asyncio.Lock()
-            async with self._one_at_a_time:
-                out = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
-                await value.write_into(out, ts_context)
-
-    return StreamingHandler()
-
-
-def _write_params(out: str, tree: dict) -> None:
-    import jax
-    import orbax.checkpoint as ocp
-
-    from olmo_ctl.trainer.checkpoint import INIT_CHUNK_BYTES
-
-    registry = ocp.type_handlers.create_type_handler_registry((_MeanLeaf, _streaming_handler()))
-    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
-    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=INIT_CHUNK_BYTES), tree)
-    ckpt = ocp.Checkpointer(handler)
-    try:
-        ckpt.save(out, args=ocp.args.PyTreeSave(tree, save_args=save_args), force=True)
-    finally:
-        ckpt.close()
-
-
-def _return_freed_blocks() -> None:
-    """Have glibc give every freed block back to the system. Its default mmap threshold adapts upwards
-    (to 32 MiB) as large buffers are freed, after which buffers of that size come from its per-thread
-    arenas and stay resident when freed: tensorstore decodes and encodes blocks on many threads, and
-    the process would keep several times the model resident. A fixed 1 MiB threshold keeps the
-    resident set at the blocks in use (docs/benchmarks.md)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name:  # not glibc: nothing to set
-        return
-    m_mmap_threshold = -3
-    try:
-        ctypes.CDLL(name).mallopt(m_mmap_threshold, 2**20)
-    except (OSError, AttributeError):
-        pass
 
 
 def _check_destination(out: str) -> None:
@@ -414,11 +304,10 @@ def soup(
     checkpoints: list[str], out: str, weights: list[float] | None = None, recipe: str | None = None
 ) -> dict:
     """Write the weighted mean of the parameters of `checkpoints` to OUT; returns the manifest."""
-    from olmo_ctl.checkpoints.convert import META_FILE
     from olmo_ctl.checkpoints.surgery import quiet_orbax
 
     quiet_orbax()
-    _return_freed_blocks()
+    return_freed_blocks()
     ws = soup_weights(len(checkpoints), weights)
     _check_destination(out)
     sources = [open_source(p, recipe) for p in checkpoints]
@@ -438,19 +327,19 @@ def soup(
     import jax
 
     params = jax.tree_util.tree_map_with_path(lambda k, _: flat[jax.tree_util.keystr(k)], first.params)
-    _write_params(_orbax_path(out), {"params": params})
+    write_streamed(orbax_path(out), {"params": params})
 
     converted = next((s for s in sources if s.kind == "converted"), None)
+    write_meta(
+        out,
+        model,
+        converted.meta.get("hf_config", {}) if converted else {},
+        converted.meta.get("hf_dtype") if converted else None,
+    )
     store = store_for(out)
-    meta = {
-        "model": dataclasses.asdict(model),
-        "hf_config": converted.meta.get("hf_config", {}) if converted else {},
-        "hf_dtype": converted.meta.get("hf_dtype") if converted else None,
-    }
-    store.write_text(join(out, META_FILE), json.dumps(meta, indent=2) + "\n")
     manifest = {
         "kind": "soup",
-        "out": _orbax_path(out),
+        "out": orbax_path(out),
         "model": model.name,
         "dtype": dtype,
         "accumulation": ACCUMULATION,

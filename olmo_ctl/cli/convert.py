@@ -62,6 +62,8 @@ def hf_to_orbax(
 ) -> None:
     """Convert a Hugging Face Olmo3ForCausalLM checkpoint into Orbax parameters (+ olmo_model.json).
 
+    Streams one stored chunk (at most 64 MiB) at a time: memory stays a few hundred MiB at any size.
+
     Exit codes: 0 written, 2 bad input (a destination that is not empty: --overwrite).
     """
     _need("jax", "orbax.checkpoint", extra="trainer")
@@ -108,6 +110,8 @@ def orbax_to_hf(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Convert Orbax parameters back to a Hugging Face Olmo3ForCausalLM directory (vocab truncated).
+
+    Streams one stored chunk at a time into safetensors files laid out in advance.
 
     Exit codes: 0 written, 2 bad input (a destination that is not empty: --overwrite).
     """
