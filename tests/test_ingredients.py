@@ -170,6 +170,9 @@ def test_monitor_runs_and_stop_speak_of_the_whole(flow):
     assert (whole["step"], whole["final_step"], whole["state"]) == (60, 60, "done")
     s = invoke("stop", "soup", "--run-root", str(root), "--backend", "local", env=env)
     assert s.returncode == 0 and "nothing to stop" in s.stdout
+    ms = invoke("monitor", str(root / "soup" / "soup"), env=env)  # the soup itself: what it averaged
+    assert ms.returncode == 0 and "soup of 3 checkpoints of olmo3-smoke" in ms.stdout, ms.stderr
+    assert ms.stdout.count("0.333333 x ") == 3
     lg = invoke("logs", "soup", "--run-root", str(root), "--backend", "local", env=env)
     assert lg.returncode == 2 and "is a run of ingredients (soup-i1, soup-i2, soup-i3)" in lg.stderr
 

@@ -272,6 +272,21 @@ def monitor(
     ref = reference_curves(reference, reference_heldout, memorization_threshold) if reference else None
     from olmo_ctl.observe import ingredients
 
+    soup = _soup_manifest(run)
+    if soup is not None:  # a soup (surgery soup, a run of ingredients' last step): what it averaged
+        if watch or plot or ref:
+            raise BadInput(f"`{run}` is a soup, not a run: --watch, --plot and --reference take a run")
+        if output != Output.table:
+            print_data(soup, output)
+        else:
+            typer.echo(
+                f"{run}: soup of {len(soup.get('sources', []))} checkpoints of {soup.get('model')} "
+                f"({soup.get('parameters', 0):,} parameters, {soup.get('dtype')}; {soup.get('accumulation')})"
+            )
+            for src in soup.get("sources", []):
+                step = "" if src.get("step") is None else f" step {src['step']}"
+                typer.echo(f"  {src.get('weight', 0):.6g} x {src.get('path')} ({src.get('kind')}{step})")
+        return
     if ingredients.is_composite(run):  # a run of ingredients: each one's line, and the soup
         if watch or plot or ref:
             raise BadInput(
@@ -323,3 +338,19 @@ def monitor(
     except KeyboardInterrupt:
         # Leaving the view never touches the run.
         raise Interrupted(f"stopped watching {run}; the run is untouched") from None
+
+
+def _soup_manifest(path: str) -> dict | None:
+    """The manifest of a soup directory (`surgery soup`'s soup.json), or None for anything else."""
+    from olmo_ctl import storage
+    from olmo_ctl.checkpoints.soup import MANIFEST
+
+    p = storage.join(path.rstrip("/"), MANIFEST)
+    store = storage.store_for(p)
+    if not store.exists(p):
+        return None
+    try:
+        doc = json.loads(store.read_bytes(p).decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("kind") == "soup" else None
