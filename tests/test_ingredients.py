@@ -170,6 +170,23 @@ def test_monitor_runs_and_stop_speak_of_the_whole(flow):
     assert (whole["step"], whole["final_step"], whole["state"]) == (60, 60, "done")
     s = invoke("stop", "soup", "--run-root", str(root), "--backend", "local", env=env)
     assert s.returncode == 0 and "nothing to stop" in s.stdout
+    before = sorted(p.name for p in (root / "soup").iterdir())
+    for cmd in ("resume-until-done", "submit"):  # a run of one recipe never lands in a run of ingredients
+        x = invoke(
+            cmd,
+            "soup" if cmd != "submit" else "--run=soup",
+            "--recipe",
+            "smoke",
+            "--device",
+            "cpu-1",
+            "--backend",
+            "local",
+            "--run-root",
+            str(root),
+            env=env,
+        )
+        assert x.returncode == 2 and "is a run of ingredients" in x.stderr, (cmd, x.stderr)
+    assert sorted(p.name for p in (root / "soup").iterdir()) == before
     ms = invoke("monitor", str(root / "soup" / "soup"), env=env)  # the soup itself: what it averaged
     assert ms.returncode == 0 and "soup of 3 checkpoints of olmo3-smoke" in ms.stdout, ms.stderr
     assert ms.stdout.count("0.333333 x ") == 3
@@ -220,7 +237,8 @@ def test_ctrl_c_and_stop_then_resume_redo_nothing_committed(tmp_path, smoke_run)
     p = spawn(*args, env=env)
     _wait("ingredient 1's step 10", lambda: 10 in _committed(root / "cc-i1"))
     p.send_signal(signal.SIGINT)
-    assert p.wait(timeout=60) == 130
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "resume-until-done cc --run-root" in err, err[-2000:]  # the whole
     bare = ("resume-until-done", "cc", "--backend", "local", "--run-root", str(root), "--poll", "0.5")
     q = spawn(*bare, env=env)
     _wait("ingredient 2's step 10", lambda: 10 in _committed(root / "cc-i2"))

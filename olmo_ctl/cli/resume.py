@@ -199,6 +199,11 @@ def resume_until_done(
     from olmo_ctl.supervise import ingredients as ingr
 
     composite = ingr.Composite(settings.run_root, name)
+    if r is not None and not r.ingredients and composite.exists():
+        raise BadInput(
+            f"`{name}` is a run of ingredients ({composite.recipe().name}), not a run of {r.name}",
+            f"continue it with `olmo-ctl resume-until-done {name}`, or choose another run name",
+        )
     if (r is not None and r.ingredients) or (r is None and composite.exists()):
 
         def one(run_name: str, recipe, device_name, n_slices, log) -> int:
@@ -218,6 +223,7 @@ def resume_until_done(
                 lease_ttl,
                 output,
                 log,
+                hint_run=name,
             )
 
         return ingr.supervise(
@@ -256,8 +262,10 @@ def _supervise(
     lease_ttl,
     output,
     note,
+    hint_run: str | None = None,
 ) -> int:
-    """One run supervised until its final step is committed (or the supervisor ends): the exit code."""
+    """One run supervised until its final step is committed (or the supervisor ends): the exit code.
+    `hint_run`: the run a person continues with (a run of ingredients' own name), if not this one."""
     from olmo_ctl.supervise.notify import Notifier
     from olmo_ctl.supervise.policy import RetryPolicy
     from olmo_ctl.supervise.submit import check_attempt, create_run, prepare_run
@@ -280,7 +288,7 @@ def _supervise(
         check_attempt(prep.backend, prep.request, preflight=not no_preflight, log=note)
     create_run(prep)
     rundir, be = prep.rundir, prep.backend
-    hint = f"olmo-ctl resume-until-done {name} --run-root {prep.settings.run_root} --backend {be.name}"
+    hint = f"olmo-ctl resume-until-done {hint_run or name} --run-root {prep.settings.run_root} --backend {be.name}"
     sup = Supervisor(
         rundir,
         be,

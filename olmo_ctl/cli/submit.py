@@ -94,6 +94,14 @@ def submit(
     )
     if r is None and set_:
         raise BadInput("--set needs --recipe or --stage", "an existing run keeps its recipe (run.yaml)")
+    if run is not None or r is not None:
+        from olmo_ctl.supervise.ingredients import Composite
+
+        if Composite(settings.run_root, validate_run_name(run or default_run_name(r))).exists():
+            raise BadInput(
+                f"`{run or default_run_name(r)}` is a run of ingredients: `resume-until-done` runs it",
+                "submit one of its ingredients' runs (NAME-i1, ...), or choose another run name",
+            )
     if r is not None and r.ingredients:
         raise BadInput(
             f"{r.name} is a run of {len(r.ingredients)} ingredients, souped at the end: `resume-until-done`"

@@ -283,7 +283,9 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
             f"{recipe.name} does not fit on {device.name}: the estimate needs {state / gib:.1f} GiB of state"
             f" + {per_instance / split[-1] / gib:.1f} GiB per instance per device (seq_shards {split[-1]}),"
             f" {usable / gib:.1f} GiB usable",
-            "use a larger slice or a stronger remat policy (model.remat=full)",
+            "the state alone does not fit: use a larger slice (or a larger train.shard_group)"
+            if state >= usable
+            else "use a larger slice or a stronger remat policy (model.remat=full)",
         )
     micro = next(d for d in _divisors_desc(share) if d <= cap)
     return Plan(

@@ -71,7 +71,7 @@ def row(path: str, status_of: StatusOf | None = None) -> RunRow:
     rep = report(path, status_of)
     recipe = _composite(path).recipe()
     rows = rep["ingredients"]
-    final = sum(r["final_step"] or 0 for r in rows) if all(r["final_step"] for r in rows) else None
+    final = sum(int(recipe.ingredient_recipe(k).train.max_steps) for k in range(len(rows)))
     last = next((r["last_loss"] for r in reversed(rows) if r["last_loss"] is not None), None)
     journal = _composite(path).dir.journal()
     return RunRow(

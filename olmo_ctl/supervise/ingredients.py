@@ -138,8 +138,10 @@ def seed_start(rundir: RunDir, start_from: str, log: Callable[[str], None]) -> N
     if rundir.committed_steps():
         return
     from olmo_ctl.checkpoints.surgery import warm_adam
+    from olmo_ctl.trainer.quiet import cpu_only_while
 
-    res = warm_adam(start_from, rundir.path)
+    with cpu_only_while():
+        res = warm_adam(start_from, rundir.path)
     log(f"{rundir.name}: starts from {start_from} (step {res['source_step']}, Adam moments kept)")
 
 
@@ -211,9 +213,13 @@ def supervise(
             raise BadInput(f"a new run of ingredients needs --device (run `{composite.name}`)")
         check_new(composite.run_root, composite.name, recipe)
         if start_from is not None:
+            from olmo_ctl.checkpoints.surgery import quiet_orbax
             from olmo_ctl.trainer.checkpoint import open_step
+            from olmo_ctl.trainer.quiet import cpu_only_while
 
-            open_step(start_from)[0].close()  # a committed training checkpoint, or bad input now
+            with cpu_only_while():  # JAX and Orbax read the checkpoint here: none of their start-up noise
+                quiet_orbax()
+                open_step(start_from)[0].close()  # a committed training checkpoint, or bad input now
         composite.create(recipe, start_from, device, slices)
         log(
             f"run of ingredients `{composite.name}`: {len(recipe.ingredients)} runs "
