@@ -94,7 +94,8 @@ def submit(
     )
     if r is None and set_:
         raise BadInput("--set needs --recipe or --stage", "an existing run keeps its recipe (run.yaml)")
-    if run is not None or r is not None:
+    # (a dry run reads no storage; a placeholder run root is named by the checks below)
+    if not dry_run and not settings.placeholders(("run_root",)) and (run is not None or r is not None):
         from olmo_ctl.supervise.ingredients import Composite
 
         if Composite(settings.run_root, validate_run_name(run or default_run_name(r))).exists():

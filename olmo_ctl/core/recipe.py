@@ -188,6 +188,10 @@ class CheckpointConfig:
     # one every `ephemeral_interval` steps besides the permanent ones every `interval`, each deleted
     # once a later checkpoint has committed. 0: none. Not part of the fingerprint.
     ephemeral_interval: int = 0
+    # Upload throttling (OLMo-core's `throttle_uploads`, docs/trainer.md#upload-throttling): at most
+    # this many hosts write their shards at once, in rounds by process index. 0: every host at once.
+    # Not part of the fingerprint.
+    upload_hosts: int = 0
 
 
 # `eval` keys in Recipe.fingerprint(): those of the first runs. Evaluation does not change what a run
@@ -367,6 +371,7 @@ class Recipe:
         d["train"].pop("seq_shards", None)  # a layout, like the slice: not what the run trains
         d["train"].pop("shard_group", None)  # likewise
         d["checkpoint"].pop("ephemeral_interval", None)  # how often it is saved, not what is trained
+        d["checkpoint"].pop("upload_hosts", None)  # how it is written, likewise
         if d["model"].get("architecture") == "olmo3":  # absent unless set: older runs keep their fingerprint
             d["model"].pop("architecture")
         if d["model"].get("remat") != "budget":  # read only by the budget mode
@@ -707,6 +712,7 @@ def validate(r: Recipe, src: str) -> None:
         "checkpoint.ephemeral_interval",
         f"({c.ephemeral_interval}) must be shorter than checkpoint.interval ({c.interval}), or 0",
     )
+    need(c.upload_hosts >= 0, "checkpoint.upload_hosts", "must be >= 0 (0: every host writes at once)")
     need(r.eval.interval > 0, "eval.interval", "must be positive")
     need(r.eval.batches >= 0, "eval.batches", "must be >= 0")
     need(r.eval.batch_size >= 0, "eval.batch_size", "must be >= 0")

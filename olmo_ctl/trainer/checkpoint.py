@@ -9,13 +9,19 @@ Each checkpoint is an Orbax `Composite(state=StandardSave, meta=JsonSave)` writt
 directory locally, and by a commit marker on gs://), so a kill during a write never yields a step
 that a restart would restore. Saves may be asynchronous: `wait()` before the process exits.
 
+Upload throttling (`upload_hosts` K > 0, OLMo-core's `throttle_uploads`): the hosts write their
+array shards in rounds of K by process index, each round after the previous one has finished writing
+(`UploadRounds`); the commit that follows is Orbax's own, with every host.
+
 `load_init_params` (`--init-from`) reads the parameters of a converted checkpoint into a run that has
 none yet: only the parameters, each process only its own shards.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from typing import Any
 
@@ -72,10 +78,13 @@ class Checkpointer:
         async_save: bool = True,
         read_only: bool = False,
         permanent_every: int = 0,
+        upload_hosts: int = 0,
     ):
         ocp = _ocp()
         self.directory = _path(directory)
         self.keep, self.permanent_every, self._read_only = keep, permanent_every, read_only
+        # Throttled only when it holds some host back: one process, or K >= hosts, is Orbax's own handler.
+        self._rounds = None if read_only else UploadRounds.for_world(upload_hosts)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=(keep or None) if not permanent_every else None,
             enable_async_checkpointing=async_save,
@@ -85,21 +94,40 @@ class Checkpointer:
         self._mngr = ocp.CheckpointManager(
             self.directory,
             options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler()
+                if self._rounds is None
+                else _throttled_state_handler(self._rounds),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
         )
         self.last_save_s = 0.0
 
     @classmethod
     def for_run(
-        cls, run_dir: str, keep: int = 0, async_save: bool = True, permanent_every: int = 0
+        cls,
+        run_dir: str,
+        keep: int = 0,
+        async_save: bool = True,
+        permanent_every: int = 0,
+        upload_hosts: int = 0,
     ) -> Checkpointer:
-        return cls(checkpoints_dir(run_dir), keep, async_save, permanent_every=permanent_every)
+        return cls(
+            checkpoints_dir(run_dir),
+            keep,
+            async_save,
+            permanent_every=permanent_every,
+            upload_hosts=upload_hosts,
+        )
 
     @classmethod
     def for_recipe(cls, run_dir: str, recipe) -> Checkpointer:
-        """The run's manager as its recipe's `checkpoint` section says (tiered when it has ephemeral ones)."""
+        """The run's manager as its recipe's `checkpoint` section says (tiered when it has ephemeral
+        ones, throttled when it has `upload_hosts`)."""
         c = recipe.checkpoint
-        return cls.for_run(run_dir, c.keep, c.async_save, c.interval if c.ephemeral_interval else 0)
+        return cls.for_run(
+            run_dir, c.keep, c.async_save, c.interval if c.ephemeral_interval else 0, c.upload_hosts
+        )
 
     def prune(self, at_step: int) -> list[int]:
         """Delete the committed checkpoints a newer committed one made redundant (tiered only:
@@ -130,6 +158,8 @@ class Checkpointer:
         if self.permanent_every:
             self._mngr.wait_until_finished()  # the previous save committed (save() would wait too) ...
             self.prune(step)  # ... so what it made redundant goes, before this one starts
+        if self._rounds is not None:
+            self._rounds.step = step  # read by the array handler within save(), on this thread
         self._mngr.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
@@ -167,6 +197,172 @@ class Checkpointer:
         if self.permanent_every and not self._read_only and self._mngr.all_steps():
             self.prune(max(self._mngr.all_steps()))
         self._mngr.close()
+
+
+# ---------------------------------------------------------------- upload throttling
+
+
+class UploadRounds:
+    """Which hosts write their shards when: host `i` of `hosts` writes in round `i // per_round`, and a
+    round starts once every host of the previous one has finished writing.
+
+    Each host runs the same `rounds - 1` barriers of the coordination service, in the same order, from
+    a background commit thread of its own (`_Turn.drive`): after round r's barrier, round r+1's hosts write.
+    A barrier's name carries the step and a per-process save count, so no name is used twice.
+    """
+
+    def __init__(self, per_round: int, host: int, hosts: int):
+        self.per_round, self.host, self.hosts = per_round, host, hosts
+        self.rounds = -(-hosts // per_round)
+        self.round = host // per_round
+        self.step = 0  # the step being saved (set by Checkpointer.save)
+        self._saves = 0
+
+    @classmethod
+    def for_world(cls, upload_hosts: int) -> UploadRounds | None:
+        """This process's rounds, or None when throttling would hold no host back (K = 0, K >= hosts,
+        or one process: then the distributed client is never touched)."""
+        if upload_hosts <= 0:
+            return None
+        import jax
+
+        if jax.process_count() <= upload_hosts:
+            return None
+        return cls(upload_hosts, jax.process_index(), jax.process_count())
+
+    def turn(self) -> _Turn:
+        """This host's turn in the save now starting (called once per save, on the saving thread)."""
+        self._saves += 1
+        return _Turn(self, f"checkpoint-upload/{self.step}/{self._saves}")
+
+
+class _Turn:
+    """One save's turn: `wait` (the shard writes) returns once this host's round has come; `drive` (a
+    commit future of its own) runs the rounds' barriers and opens the gate when the round comes."""
+
+    def __init__(self, rounds: UploadRounds, name: str):
+        self.rounds, self.name, self.step = rounds, name, rounds.step
+        self.gated: list = []  # the ParamInfos whose directory waits for this turn
+        self._opener: int | None = None  # the thread resolving the directories, which never waits
+        self._open = threading.Event()
+
+    async def wait(self) -> None:
+        if threading.get_ident() != self._opener:
+            await asyncio.to_thread(self._open.wait)
+
+    async def _open_gate(self) -> None:
+        # Several commit threads share the ParamInfos, and a ParamInfo resolves its directory without a
+        # lock (check, then replace): resolve them all here, while the writers wait on the gate, so none
+        # of them replaces a directory that another is about to read.
+        self._opener = threading.get_ident()
+        try:
+            for info in self.gated:
+                await info.await_path_creation()
+        finally:
+            self._open.set()
+
+    async def drive(self, writes: list) -> None:
+        from orbax.checkpoint import multihost as ocp_multihost
+
+        from olmo_ctl.trainer import multihost
+
+        r = self.rounds
+        timeout_s = float(ocp_multihost.coordination_timeout())
+        failed: BaseException | None = None
+        try:
+            for k in range(r.rounds):
+                if k == r.round:
+                    t0 = time.time()
+                    try:
+                        await self._open_gate()
+                        for f in writes:
+                            await asyncio.to_thread(f.result)
+                    except BaseException as e:  # noqa: BLE001 - raised after the barriers, which others wait on
+                        failed = e
+                    print(
+                        f"checkpoint {self.step}: host {r.host} wrote shards in round {k} "
+                        f"({t0:.3f}..{time.time():.3f})",
+                        flush=True,
+                    )
+                if k < r.rounds - 1:  # after the last round Orbax's own commit barrier follows
+                    await asyncio.to_thread(multihost.barrier, f"{self.name}/round-{k}", timeout_s)
+        finally:
+            self._open.set()  # never leave a write waiting on a gate nobody opens
+        if failed is not None:
+            raise failed
+
+
+class _AfterTurn:
+    """A shard directory (Orbax's `PathAwaitingCreation` protocol) that this host may write into once
+    its round has come: every array write awaits it before it opens its tensorstore."""
+
+    def __init__(self, parent, turn: _Turn):
+        self._parent, self._turn = parent, turn
+
+    def __truediv__(self, other) -> _AfterTurn:
+        return _AfterTurn(self._parent / other, self._turn)
+
+    @property
+    def path(self):
+        return getattr(self._parent, "path", self._parent) if _awaiting(self._parent) else self._parent
+
+    async def await_creation(self):
+        await self._turn.wait()
+        return await self._parent.await_creation() if _awaiting(self._parent) else self._parent
+
+
+def _awaiting(p) -> bool:
+    from orbax.checkpoint._src.path.types import PathAwaitingCreation
+
+    return isinstance(p, PathAwaitingCreation)
+
+
+def _throttled_state_handler(rounds: UploadRounds):
+    """Orbax's StandardCheckpointHandler whose jax.Array shards are written in this host's round.
+
+    The hook is the array type handler: its `serialize` copies the shards to host memory at once (the
+    blocking part of an async save, as before) and returns the futures of the writes, which each start
+    by awaiting their directory; that directory is an `_AfterTurn`, and one more future drives the
+    rounds. Restore, the on-disk format and the handler's name in the checkpoint are Orbax's own.
+    Written against Orbax 0.12.8 (`ParamInfo._parent_dir`, `StandardCheckpointHandler._impl`)."""
+    ocp = _ocp()
+    import jax
+    from orbax.checkpoint._src.futures import future
+    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    class ThrottledArrayHandler(ocp.type_handlers.ArrayHandler):  # type: ignore[name-defined]
+        async def serialize(self, values, infos, args=None):
+            turn = rounds.turn()
+            # `_parent_dir`: `parent_dir` refuses to return a directory still being created
+            gated = [
+                i.replace(
+                    parent_dir=_AfterTurn(i._parent_dir, turn), path=_AfterTurn(i._parent_dir, turn) / i.name
+                )
+                for i in infos
+            ]
+            turn.gated = gated
+            writes = list(await super().serialize(values, gated, args))
+            drive = future.CommitFutureAwaitingContractedSignals(turn.drive(writes), name="upload_rounds")
+            return [*writes, drive]
+
+    registry = ocp.type_handlers.create_type_handler_registry(
+        *[(ty, ocp.type_handlers.get_type_handler(ty)) for ty in ocp.type_handlers.supported_types()]
+    )
+    # as Orbax's default jax.Array handler, with the same typestr ("jax.Array") in the metadata
+    registry.add(
+        jax.Array,
+        ThrottledArrayHandler(array_metadata_store=array_metadata_store.Store()),
+        override=True,
+        ignore_warnings=True,
+    )
+
+    # Orbax's own class (its StandardSave/StandardRestore args are registered to exactly that class, and
+    # its name goes into the checkpoint), over a PyTree handler as its own with the registry above.
+    handler = ocp.StandardCheckpointHandler()
+    handler._impl = ocp.PyTreeCheckpointHandler(
+        save_concurrent_gb=96, restore_concurrent_gb=96, type_handler_registry=registry
+    )
+    return handler
 
 
 def redundant_steps(steps: list[int], permanent_every: int, keep: int) -> list[int]:
