@@ -200,7 +200,7 @@ def test_bad_input_writes_nothing(tmp_path, smoke_run):
     base = ("resume-until-done", "x", "--recipe", RECIPE, "--device", "cpu-1", "--backend", "local")
     base += ("--run-root", str(root))
     for extra, says in (
-        (("--start-from", str(tmp_path / "nowhere" / "checkpoints" / "3")), "not a committed"),
+        (("--start-from", str(tmp_path / "nowhere" / "checkpoints" / "3")), "does not exist"),
         (("--start-from", str(smoke_run / "checkpoints" / "7")), "not a committed"),
     ):
         p = invoke(*base, *extra, env=env)
