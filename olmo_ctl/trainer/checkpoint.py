@@ -404,7 +404,9 @@ def open_step(path: str) -> tuple[Checkpointer, int]:
     parent, step = split_step_dir(path)
     store = storage.store_for(parent)
     if not any(store.list(parent)):  # no checkpoints directory at all: not a run's checkpoint
-        raise BadInput(f"`{path}` does not exist", "pass a committed checkpoint: <run-dir>/checkpoints/<step>")
+        raise BadInput(
+            f"`{path}` does not exist", "pass a committed checkpoint: <run-dir>/checkpoints/<step>"
+        )
     ckpt = Checkpointer(parent, read_only=True, async_save=False)
     if step not in ckpt.committed_steps():
         raise BadInput(
