@@ -204,55 +204,38 @@ def resume_until_done(
             f"`{name}` is a run of ingredients ({composite.recipe().name}), not a run of {r.name}",
             f"continue it with `olmo-ctl resume-until-done {name}`, or choose another run name",
         )
+    # What every run this command supervises shares (one run, or each ingredient of a run of them).
+    shared = dict(
+        settings=settings,
+        extra_args=extra_args,
+        no_preflight=no_preflight,
+        fall=fall,
+        policy_args=policy_args,
+        poll=poll,
+        stop_on_exit=stop_on_exit,
+        lease_ttl=lease_ttl,
+        output=output,
+    )
     if (r is not None and r.ingredients) or (r is None and composite.exists()):
 
         def one(run_name: str, recipe, device_name, n_slices, log) -> int:
             d = None if device_name is None else Target.parse(device_name, n_slices).device
-            return _supervise(
-                settings,
-                run_name,
-                recipe,
-                d,
-                n_slices,
-                extra_args,
-                no_preflight,
-                fall,
-                policy_args,
-                poll,
-                stop_on_exit,
-                lease_ttl,
-                output,
-                log,
-                hint_run=name,
-            )
+            return _supervise(run_name, recipe, d, n_slices, log, hint_run=name, **shared)
 
         return ingr.supervise(
             composite, r, device=device, slices=slices, start_from=start_from, supervise_one=one, log=note
         )
-    return _supervise(
-        settings,
-        name,
-        r,
-        dev,
-        slices,
-        extra_args,
-        no_preflight,
-        fall,
-        policy_args,
-        poll,
-        stop_on_exit,
-        lease_ttl,
-        output,
-        note,
-    )
+    return _supervise(name, r, dev, slices, note, **shared)
 
 
 def _supervise(
-    settings,
     name,
     r,
     dev,
     slices,
+    note,
+    *,
+    settings,
     extra_args,
     no_preflight,
     fall,
@@ -261,7 +244,6 @@ def _supervise(
     stop_on_exit,
     lease_ttl,
     output,
-    note,
     hint_run: str | None = None,
 ) -> int:
     """One run supervised until its final step is committed (or the supervisor ends): the exit code.
