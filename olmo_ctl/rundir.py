@@ -738,3 +738,80 @@ class RunDir:
 
     def clear_stop(self) -> None:
         self.store.delete(self.p("stop.json"))
+
+
+# ---------------------------------------------------------------- a run of ingredients (supervise/ingredients.py)
+
+SPEC = "ingredients.yaml"
+SOUP_DIR = "soup"
+
+
+def ingredient_run(name: str, k: int) -> str:
+    """The run name of ingredient k (0-based) of run NAME: NAME-i<k+1>."""
+    return f"{name}-i{k + 1}"
+
+
+@dataclass
+class Composite:
+    """A run of ingredients under a run root (nothing is read until asked)."""
+
+    run_root: str
+    name: str
+
+    @property
+    def dir(self) -> RunDir:
+        return RunDir.of(self.run_root, self.name)
+
+    @property
+    def spec_path(self) -> str:
+        return self.dir.p(SPEC)
+
+    @property
+    def soup_path(self) -> str:
+        return self.dir.p(SOUP_DIR)
+
+    def exists(self) -> bool:
+        return storage.store_for(self.spec_path).exists(self.spec_path)
+
+    def spec(self) -> dict:
+        store = storage.store_for(self.spec_path)
+        try:
+            doc = yaml.safe_load(store.read_bytes(self.spec_path).decode())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise BadInput(f"`{self.spec_path}` is not a run of ingredients ({e})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("ingredients"), list):
+            raise BadInput(f"`{self.spec_path}` is not a run of ingredients (no `ingredients` list)")
+        return doc
+
+    def recipe(self):
+        return run_recipe(self.spec(), self.spec_path)
+
+    def runs(self) -> list[RunDir]:
+        """Each ingredient's run directory, in order."""
+        return [RunDir.of(self.run_root, i["run"]) for i in self.spec()["ingredients"]]
+
+    def create(self, recipe, start_from: str | None, device: str | None, slices: int | None) -> None:
+        """Write ingredients.yaml once (a run of ingredients that exists keeps its own)."""
+        doc = {
+            "run": self.name,
+            "created": utc_now_iso(),
+            "recipe": recipe.to_dict(),
+            "start_from": start_from,
+            "device": device,
+            "slices": slices,
+            "ingredients": [
+                {"run": ingredient_run(self.name, k), "name": ing.name or f"i{k + 1}", "set": list(ing.set)}
+                for k, ing in enumerate(recipe.ingredients)
+            ],
+        }
+        storage.store_for(self.spec_path).write_text(self.spec_path, yaml.safe_dump(doc, sort_keys=False))
+
+    def souped(self) -> dict | None:
+        """The soup's manifest (soup.json) when the soup was written whole, else None."""
+        path = storage.join(self.soup_path, "soup.json")
+        store = storage.store_for(path)
+        if not store.exists(path):
+            return None
+        import json
+
+        return json.loads(store.read_bytes(path).decode())

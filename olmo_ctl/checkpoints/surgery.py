@@ -56,8 +56,29 @@ def _empty_destination(run_dir: str):
     return dst
 
 
+def check_committed(path: str) -> int:
+    """The step of the committed training checkpoint `path` (BadInput otherwise), read on the CPU
+    without JAX's or Orbax's start-up noise, from a process that goes on to other work."""
+    from olmo_ctl.trainer.checkpoint import open_step
+    from olmo_ctl.trainer.quiet import cpu_only_while
+
+    with cpu_only_while():
+        quiet_orbax()
+        ckpt, step = open_step(path)
+        ckpt.close()
+    return step
+
+
 def warm_adam(src_checkpoint: str, dst_run_dir: str) -> dict:
-    """Write DST_RUN_DIR/checkpoints/0 from SRC's params + moments; returns a summary."""
+    """Write DST_RUN_DIR/checkpoints/0 from SRC's params + moments; returns a summary (on the CPU,
+    whatever the caller's environment says; the environment is restored after)."""
+    from olmo_ctl.trainer.quiet import cpu_only_while
+
+    with cpu_only_while():
+        return _warm_adam(src_checkpoint, dst_run_dir)
+
+
+def _warm_adam(src_checkpoint: str, dst_run_dir: str) -> dict:
     from olmo_ctl.trainer.checkpoint import open_step
 
     quiet_orbax()

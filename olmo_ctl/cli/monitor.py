@@ -270,7 +270,7 @@ def monitor(
     if reference_heldout and not reference:
         raise BadInput("--reference-heldout needs --reference", "give the reference's training loss too")
     ref = reference_curves(reference, reference_heldout, memorization_threshold) if reference else None
-    from olmo_ctl.observe import ingredients
+    from olmo_ctl.observe.runs import composite_lines, composite_report, is_composite
 
     soup = _soup_manifest(run)
     if soup is not None:  # a soup (surgery soup, a run of ingredients' last step): what it averaged
@@ -287,17 +287,17 @@ def monitor(
                 step = "" if src.get("step") is None else f" step {src['step']}"
                 typer.echo(f"  {src.get('weight', 0):.6g} x {src.get('path')} ({src.get('kind')}{step})")
         return
-    if ingredients.is_composite(run):  # a run of ingredients: each one's line, and the soup
+    if is_composite(run):  # a run of ingredients: each one's line, and the soup
         if watch or plot or ref:
             raise BadInput(
                 f"`{run}` is a run of ingredients: --watch, --plot and --reference take one of its runs",
                 "monitor one ingredient's run directory (NAME-i1, ...)",
             )
-        comp = ingredients.report(run.rstrip("/"), handle_status if backend else None)
+        comp = composite_report(run.rstrip("/"), handle_status if backend else None)
         if output != Output.table:
             print_data(comp, output)
         else:
-            typer.echo("\n".join(ingredients.render_lines(comp)))
+            typer.echo("\n".join(composite_lines(comp)))
         return
     src = load(run)
     rep = build_report(

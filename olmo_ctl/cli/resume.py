@@ -196,9 +196,10 @@ def resume_until_done(
     fall = _fallback(fallback, fallback_after, return_after, device)
     extra_args = ("--allow-version-change",) if allow_version_change else ()
     dev = None if device is None else Target.parse(device, slices).device  # the command line's, parsed once
+    from olmo_ctl.rundir import Composite
     from olmo_ctl.supervise import ingredients as ingr
 
-    composite = ingr.Composite(settings.run_root, name)
+    composite = Composite(settings.run_root, name)
     if r is not None and not r.ingredients and composite.exists():
         raise BadInput(
             f"`{name}` is a run of ingredients ({composite.recipe().name}), not a run of {r.name}",

@@ -35,7 +35,7 @@ def open_run(run: str, site: SiteFlags) -> tuple[RunDir, Settings, Backend]:
         rundir, root = RunDir.of(settings.run_root, run), settings.run_root
     if not rundir.exists():
         from olmo_ctl.core.errors import BadInput
-        from olmo_ctl.supervise.ingredients import Composite
+        from olmo_ctl.rundir import Composite
 
         comp = Composite(root, rundir.name)
         if comp.exists():

@@ -70,6 +70,7 @@ def _stop_ingredients(run: str, site: SiteFlags, timeout: float, poll: float, ou
     """`stop NAME` of a run of ingredients (docs/ingredients.md): each ingredient's run stopped as one
     run is, and the supervisor of the whole ends before the next; False when RUN is not one."""
     from olmo_ctl import storage
+    from olmo_ctl.rundir import Composite
     from olmo_ctl.supervise import ingredients
     from olmo_ctl.supervise.stop import stop_run
 
@@ -80,7 +81,7 @@ def _stop_ingredients(run: str, site: SiteFlags, timeout: float, poll: float, ou
         root, name = settings.run_root, run
     if not storage.is_gcs(root) and not os.path.isdir(root):
         return False  # open_run says what is wrong
-    comp = ingredients.Composite(root, name)
+    comp = Composite(root, name)
     if not comp.exists():
         return False
 

@@ -94,15 +94,6 @@ def submit(
     )
     if r is None and set_:
         raise BadInput("--set needs --recipe or --stage", "an existing run keeps its recipe (run.yaml)")
-    # (a dry run reads no storage; a placeholder run root is named by the checks below)
-    if not dry_run and not settings.placeholders(("run_root",)) and (run is not None or r is not None):
-        from olmo_ctl.supervise.ingredients import Composite
-
-        if Composite(settings.run_root, validate_run_name(run or default_run_name(r))).exists():
-            raise BadInput(
-                f"`{run or default_run_name(r)}` is a run of ingredients: `resume-until-done` runs it",
-                "submit one of its ingredients' runs (NAME-i1, ...), or choose another run name",
-            )
     if r is not None and r.ingredients:
         raise BadInput(
             f"{r.name} is a run of {len(r.ingredients)} ingredients, souped at the end: `resume-until-done`"
@@ -146,6 +137,13 @@ def submit(
         attempt=attempt,
         extra_args=extra_args,
     )
+    from olmo_ctl.rundir import Composite
+
+    if Composite(prep.settings.run_root, run_name).exists():  # after prepare_run's cheaper checks
+        raise BadInput(
+            f"`{run_name}` is a run of ingredients: `resume-until-done` runs it",
+            "submit one of its ingredients' runs (NAME-i1, ...), or choose another run name",
+        )
     for line in prep.notes:
         note(line)
     done = submit_run(

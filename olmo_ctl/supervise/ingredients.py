@@ -22,90 +22,13 @@ after a Ctrl-C or a SIGKILL goes on where the first stopped and redoes nothing c
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
-
-import yaml
 
 from olmo_ctl import storage
 from olmo_ctl.core.errors import EXIT_INTERRUPTED, BadInput
 from olmo_ctl.core.names import MAX_RUN_NAME, validate_run_name
 from olmo_ctl.core.recipe import Recipe
-from olmo_ctl.rundir import RunDir, run_recipe, utc_now_iso
-
-SPEC = "ingredients.yaml"
-SOUP_DIR = "soup"
-
-
-def ingredient_run(name: str, k: int) -> str:
-    """The run name of ingredient k (0-based) of run NAME: NAME-i<k+1>."""
-    return f"{name}-i{k + 1}"
-
-
-@dataclass
-class Composite:
-    """A run of ingredients under a run root (nothing is read until asked)."""
-
-    run_root: str
-    name: str
-
-    @property
-    def dir(self) -> RunDir:
-        return RunDir.of(self.run_root, self.name)
-
-    @property
-    def spec_path(self) -> str:
-        return self.dir.p(SPEC)
-
-    @property
-    def soup_path(self) -> str:
-        return self.dir.p(SOUP_DIR)
-
-    def exists(self) -> bool:
-        return storage.store_for(self.spec_path).exists(self.spec_path)
-
-    def spec(self) -> dict:
-        store = storage.store_for(self.spec_path)
-        try:
-            doc = yaml.safe_load(store.read_bytes(self.spec_path).decode())
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise BadInput(f"`{self.spec_path}` is not a run of ingredients ({e})") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("ingredients"), list):
-            raise BadInput(f"`{self.spec_path}` is not a run of ingredients (no `ingredients` list)")
-        return doc
-
-    def recipe(self) -> Recipe:
-        return run_recipe(self.spec(), self.spec_path)
-
-    def runs(self) -> list[RunDir]:
-        """Each ingredient's run directory, in order."""
-        return [RunDir.of(self.run_root, i["run"]) for i in self.spec()["ingredients"]]
-
-    def create(self, recipe: Recipe, start_from: str | None, device: str | None, slices: int | None) -> None:
-        """Write ingredients.yaml once (a run of ingredients that exists keeps its own)."""
-        doc = {
-            "run": self.name,
-            "created": utc_now_iso(),
-            "recipe": recipe.to_dict(),
-            "start_from": start_from,
-            "device": device,
-            "slices": slices,
-            "ingredients": [
-                {"run": ingredient_run(self.name, k), "name": ing.name or f"i{k + 1}", "set": list(ing.set)}
-                for k, ing in enumerate(recipe.ingredients)
-            ],
-        }
-        storage.store_for(self.spec_path).write_text(self.spec_path, yaml.safe_dump(doc, sort_keys=False))
-
-    def souped(self) -> dict | None:
-        """The soup's manifest (soup.json) when the soup was written whole, else None."""
-        path = storage.join(self.soup_path, "soup.json")
-        store = storage.store_for(path)
-        if not store.exists(path):
-            return None
-        import json
-
-        return json.loads(store.read_bytes(path).decode())
+from olmo_ctl.rundir import Composite, RunDir, ingredient_run
 
 
 def check_new(run_root: str, name: str, recipe: Recipe) -> None:
@@ -138,10 +61,8 @@ def seed_start(rundir: RunDir, start_from: str, log: Callable[[str], None]) -> N
     if rundir.committed_steps():
         return
     from olmo_ctl.checkpoints.surgery import warm_adam
-    from olmo_ctl.trainer.quiet import cpu_only_while
 
-    with cpu_only_while():
-        res = warm_adam(start_from, rundir.path)
+    res = warm_adam(start_from, rundir.path)
     log(f"{rundir.name}: starts from {start_from} (step {res['source_step']}, Adam moments kept)")
 
 
@@ -213,13 +134,9 @@ def supervise(
             raise BadInput(f"a new run of ingredients needs --device (run `{composite.name}`)")
         check_new(composite.run_root, composite.name, recipe)
         if start_from is not None:
-            from olmo_ctl.checkpoints.surgery import quiet_orbax
-            from olmo_ctl.trainer.checkpoint import open_step
-            from olmo_ctl.trainer.quiet import cpu_only_while
+            from olmo_ctl.checkpoints.surgery import check_committed
 
-            with cpu_only_while():  # JAX and Orbax read the checkpoint here: none of their start-up noise
-                quiet_orbax()
-                open_step(start_from)[0].close()  # a committed training checkpoint, or bad input now
+            check_committed(start_from)  # a committed training checkpoint, or bad input now
         composite.create(recipe, start_from, device, slices)
         log(
             f"run of ingredients `{composite.name}`: {len(recipe.ingredients)} runs "
