@@ -29,7 +29,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -753,10 +753,12 @@ def ingredient_run(name: str, k: int) -> str:
 
 @dataclass
 class Composite:
-    """A run of ingredients under a run root (nothing is read until asked)."""
+    """A run of ingredients under a run root (nothing is read until asked; ingredients.yaml, written
+    once, is read once per instance)."""
 
     run_root: str
     name: str
+    _spec: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def dir(self) -> RunDir:
@@ -774,6 +776,11 @@ class Composite:
         return storage.store_for(self.spec_path).exists(self.spec_path)
 
     def spec(self) -> dict:
+        if self._spec is None:
+            self._spec = self._read_spec()
+        return self._spec
+
+    def _read_spec(self) -> dict:
         store = storage.store_for(self.spec_path)
         try:
             doc = yaml.safe_load(store.read_bytes(self.spec_path).decode())
@@ -805,6 +812,7 @@ class Composite:
             ],
         }
         storage.store_for(self.spec_path).write_text(self.spec_path, yaml.safe_dump(doc, sort_keys=False))
+        self._spec = doc
 
     def souped(self) -> dict | None:
         """The soup's manifest (soup.json) when the soup was written whole, else None."""
@@ -812,6 +820,4 @@ class Composite:
         store = storage.store_for(path)
         if not store.exists(path):
             return None
-        import json
-
         return json.loads(store.read_bytes(path).decode())

@@ -428,14 +428,15 @@ def model_config_from_hf(
 
 
 def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
-    """config.json for `cfg`; fields of `base` (the original config.json) not derived from cfg are kept."""
-    if cfg.architecture == "olmo2":
-        return _olmo2_hf_config(cfg, base, dtype)
+    """config.json for `cfg`: an `Olmo3Config`, or an `Olmo2Config` (no sliding window or layer types,
+    one RoPE for every layer) for architecture olmo2; fields of `base` (the original config.json) not
+    derived from cfg are kept."""
+    olmo2 = cfg.architecture == "olmo2"
     hf = dict(base or {})
     hf.update(
         {
-            "architectures": ["Olmo3ForCausalLM"],
-            "model_type": "olmo3",
+            "architectures": ["Olmo2ForCausalLM" if olmo2 else "Olmo3ForCausalLM"],
+            "model_type": cfg.architecture,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
             "intermediate_size": cfg.mlp_hidden,
@@ -444,20 +445,31 @@ def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, dtype: str 
             "num_key_value_heads": cfg.n_kv_heads,
             "hidden_act": "silu",
             "rms_norm_eps": cfg.rms_norm_eps,
-            "sliding_window": cfg.sliding_window,
-            "layer_types": [
-                "full_attention" if cfg.layer_is_full(i) else "sliding_attention" for i in range(cfg.n_layers)
-            ],
             "attention_bias": False,
             "tie_word_embeddings": False,
         }
     )
+    if olmo2:
+        for key in ("sliding_window", "layer_types"):
+            hf.pop(key, None)
+    else:
+        hf["sliding_window"] = cfg.sliding_window
+        hf["layer_types"] = [
+            "full_attention" if cfg.layer_is_full(i) else "sliding_attention" for i in range(cfg.n_layers)
+        ]
     if cfg.head_dim != cfg.d_model // cfg.n_heads or "head_dim" in hf:
         hf["head_dim"] = cfg.head_dim
-    if not base or _rope_from_hf(hf) != (cfg.rope_theta, cfg.rope_scaling):  # else keep base's RoPE fields
+    same_rope = (
+        _olmo2_rope(hf) == cfg.rope_theta
+        if olmo2
+        else _rope_from_hf(hf) == (cfg.rope_theta, cfg.rope_scaling)
+    )
+    if not base or not same_rope:  # else keep base's RoPE fields
         hf.update(
             {
-                "rope_parameters": _rope_parameters(cfg),
+                "rope_parameters": (
+                    {"rope_type": "default", "rope_theta": cfg.rope_theta} if olmo2 else _rope_parameters(cfg)
+                ),
                 "rope_theta": cfg.rope_theta,  # what transformers 4.57-4.x reads
                 "rope_scaling": None,
             }
@@ -465,52 +477,7 @@ def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, dtype: str 
     if not base:
         hf.update(
             {
-                "max_position_embeddings": 65536,
-                "initializer_range": cfg.init_std,
-                "eos_token_id": cfg.eos_token_id,
-                "pad_token_id": cfg.pad_token_id,
-                "bos_token_id": None,
-                "dtype": dtype,
-            }
-        )
-    return hf
-
-
-def _olmo2_hf_config(cfg: ModelConfig, base: dict | None, dtype: str) -> dict:
-    """`Olmo2Config` for `cfg` (no sliding window or layer types; one RoPE for every layer)."""
-    hf = dict(base or {})
-    hf.update(
-        {
-            "architectures": ["Olmo2ForCausalLM"],
-            "model_type": "olmo2",
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.mlp_hidden,
-            "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads,
-            "num_key_value_heads": cfg.n_kv_heads,
-            "hidden_act": "silu",
-            "rms_norm_eps": cfg.rms_norm_eps,
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-        }
-    )
-    for key in ("sliding_window", "layer_types"):
-        hf.pop(key, None)
-    if cfg.head_dim != cfg.d_model // cfg.n_heads or "head_dim" in hf:
-        hf["head_dim"] = cfg.head_dim
-    if not base or _olmo2_rope(hf) != cfg.rope_theta:  # else keep base's RoPE fields
-        hf.update(
-            {
-                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-                "rope_theta": cfg.rope_theta,
-                "rope_scaling": None,
-            }
-        )
-    if not base:
-        hf.update(
-            {
-                "max_position_embeddings": 4096,
+                "max_position_embeddings": 4096 if olmo2 else 65536,
                 "initializer_range": cfg.init_std,
                 "eos_token_id": cfg.eos_token_id,
                 "pad_token_id": cfg.pad_token_id,

@@ -160,7 +160,10 @@ def _composite(path: str) -> Composite:
 
 def composite_report(path: str, status_of: StatusOf | None = None) -> dict[str, Any]:
     """{run, path, kind: ingredients, state, ingredients: [runs rows + name], soup: manifest | None}."""
-    c = _composite(path)
+    return _report(_composite(path), status_of)
+
+
+def _report(c: Composite, status_of: StatusOf | None) -> dict[str, Any]:
     spec = c.spec()
     rows = []
     for ing, rd in zip(spec["ingredients"], c.runs(), strict=True):
@@ -202,22 +205,23 @@ def composite_report(path: str, status_of: StatusOf | None = None) -> dict[str, 
 
 def composite_row(path: str, status_of: StatusOf | None = None) -> RunRow:
     """The `runs` line of a run of ingredients: its ingredients' steps summed, its state."""
-    rep = composite_report(path, status_of)
-    recipe = _composite(path).recipe()
+    c = _composite(path)
+    rep = _report(c, status_of)
+    recipe = c.recipe()
     rows = rep["ingredients"]
     final = sum(int(recipe.ingredient_recipe(k).train.max_steps) for k in range(len(rows)))
     last = next((r["last_loss"] for r in reversed(rows) if r["last_loss"] is not None), None)
-    journal = _composite(path).dir.journal()
+    journal = c.dir.journal()
     return RunRow(
         rep["run"],
         rep["path"],
         int(recipe.stage) or None,
-        _composite(path).spec().get("device"),
+        c.spec().get("device"),
         sum(r["step"] for r in rows),
         final,
         rep["state"],
         last,
-        journal[-1].get("time") if journal else _composite(path).spec().get("created"),
+        journal[-1].get("time") if journal else c.spec().get("created"),
         f"{len(rows)} ingredients, souped" if rep["soup"] else f"{len(rows)} ingredients",
     )
 
