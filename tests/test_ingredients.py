@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers.cli import clean_env, invoke, spawn
 from helpers.trainer import same_steps, scalars, train
+from helpers.waiting import wait_for
 
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import load_recipe
@@ -30,15 +30,6 @@ def _committed(run: Path) -> list[int]:
 def _journal(run: Path) -> list[dict]:
     p = run / "journal.jsonl"
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
-
-
-def _wait(what, cond, timeout=240.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_the_recipe_of_ingredients_and_its_refusals():
@@ -75,7 +66,7 @@ def flow(tmp_path_factory, smoke_run):
     first = spawn(*args, env=env)
     i2 = root / "soup-i2"
     try:
-        _wait("ingredient 2's step 10", lambda: 10 in _committed(i2))
+        wait_for(lambda: 10 in _committed(i2), 240, "ingredient 2's step 10")
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
         trainer = next(r for r in reversed(_journal(i2)) if r["event"] == "submitted")["handle"]["data"][
@@ -235,13 +226,13 @@ def test_ctrl_c_and_stop_then_resume_redo_nothing_committed(tmp_path, smoke_run)
     args = ("resume-until-done", "cc", "--recipe", RECIPE, "--device", "cpu-1", "--backend", "local")
     args += ("--run-root", str(root), "--start-from", str(smoke_run / "checkpoints" / "40"), "--poll", "0.5")
     p = spawn(*args, env=env)
-    _wait("ingredient 1's step 10", lambda: 10 in _committed(root / "cc-i1"))
+    wait_for(lambda: 10 in _committed(root / "cc-i1"), 240, "ingredient 1's step 10")
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "resume-until-done cc --run-root" in err, err[-2000:]  # the whole
     bare = ("resume-until-done", "cc", "--backend", "local", "--run-root", str(root), "--poll", "0.5")
     q = spawn(*bare, env=env)
-    _wait("ingredient 2's step 10", lambda: 10 in _committed(root / "cc-i2"))
+    wait_for(lambda: 10 in _committed(root / "cc-i2"), 240, "ingredient 2's step 10")
     s = invoke("stop", "cc", "--run-root", str(root), "--backend", "local", env=env)
     assert s.returncode == 0, s.stderr
     assert q.wait(timeout=120) == 130
