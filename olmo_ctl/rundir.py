@@ -797,8 +797,16 @@ class Composite:
         """Each ingredient's run directory, in order."""
         return [RunDir.of(self.run_root, i["run"]) for i in self.spec()["ingredients"]]
 
-    def create(self, recipe, start_from: str | None, device: str | None, slices: int | None) -> None:
-        """Write ingredients.yaml once (a run of ingredients that exists keeps its own)."""
+    def create(
+        self,
+        recipe,
+        start_from: str | None,
+        device: str | None,
+        slices: int | None,
+        concurrent: int | None = None,
+    ) -> None:
+        """Write ingredients.yaml once (a run of ingredients that exists keeps its own). `concurrent`:
+        how many ingredients run at once when `resume-until-done` is not told (absent: one)."""
         doc = {
             "run": self.name,
             "created": utc_now_iso(),
@@ -806,6 +814,7 @@ class Composite:
             "start_from": start_from,
             "device": device,
             "slices": slices,
+            **({"concurrent": concurrent} if concurrent and concurrent > 1 else {}),
             "ingredients": [
                 {"run": ingredient_run(self.name, k), "name": ing.name or f"i{k + 1}", "set": list(ing.set)}
                 for k, ing in enumerate(recipe.ingredients)

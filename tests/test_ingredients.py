@@ -244,3 +244,60 @@ def test_ctrl_c_and_stop_then_resume_redo_nothing_committed(tmp_path, smoke_run)
     for k in (1, 2, 3):
         assert _committed(root / f"cc-i{k}")[-1] == 20
     assert len([x for x in _journal(root / "cc-i1") if x["event"] == "submitted"]) == 1
+
+
+@pytest.mark.chaos
+def test_concurrent_ingredients_train_side_by_side_and_detach_together(tmp_path, flow):
+    """`--concurrent 2`: two ingredients train at once (the second is submitted before the first is
+    done); Ctrl-C detaches both (130, one line for the whole); a bare resume-until-done keeps the
+    width it was created with, trains the third and soups; every ingredient bit for bit as the
+    one-after-another flow trained it."""
+    root = tmp_path / "runs"
+    env = {**clean_env(tmp_path / "xdg"), "OLMO_CTL_RETRY_BACKOFF_SECONDS": "0.2"}
+    args = ("resume-until-done", "par", "--recipe", RECIPE, "--device", "cpu-1", "--backend", "local")
+    args += ("--run-root", str(root), "--start-from", flow["start"], "--poll", "0.5", "--concurrent", "2")
+    p = spawn(*args, env=env)
+    try:
+        wait_for(
+            lambda: all(10 in _committed(root / f"par-i{k}") for k in (1, 2)),
+            300,
+            "step 10 of ingredients 1, 2",
+        )
+        assert not (root / "par-i3").exists()  # two at a time
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err[-3000:]
+    assert "detached from 2 ingredient(s) of `par`" in err and "Traceback" not in err, err[-3000:]
+    assert f"reattach with: olmo-ctl resume-until-done par --run-root {root} --backend local" in err
+    for k in (1, 2):
+        events = [r["event"] for r in _journal(root / f"par-i{k}")]
+        assert "supervisor_detached" in events, (k, events)
+    bare = ("resume-until-done", "par", "--backend", "local", "--run-root", str(root), "--poll", "0.5")
+    r = invoke(*bare, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (root / "par" / "soup" / "soup.json").exists()
+    assert "concurrent: 2" in (root / "par" / "ingredients.yaml").read_text()
+    for k in (1, 2, 3):
+        assert _committed(root / f"par-i{k}")[-1] == 20
+        got, want = scalars(root / f"par-i{k}"), scalars(flow["root"] / f"soup-i{k}")
+        assert same_steps(want, got, range(1, 21)) == [], k
+    once = invoke(
+        "resume-until-done",
+        "x",
+        "--recipe",
+        "smoke",
+        "--concurrent",
+        "2",
+        "--device",
+        "cpu-1",
+        "--backend",
+        "local",
+        "--run-root",
+        str(root),
+        env=env,
+    )
+    assert once.returncode == 2 and "--concurrent is for a recipe of ingredients" in once.stderr
+    assert not (root / "x").exists()

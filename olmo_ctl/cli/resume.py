@@ -1,6 +1,8 @@
 """`olmo-ctl resume-until-done`: supervise a run until its final step is committed."""
 
 import signal
+import threading
+from collections.abc import Callable
 from enum import Enum
 from typing import Annotated
 
@@ -16,9 +18,9 @@ from olmo_ctl.cli.options import (
     site_options,
 )
 from olmo_ctl.core.devices import Target
-from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.errors import BadInput, Interrupted
 from olmo_ctl.core.names import default_run_name, validate_run_name
-from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.core.recipe import Recipe, load_recipe
 
 
 class LinesOutput(str, Enum):
@@ -137,6 +139,15 @@ def resume_until_done(
             "starts from, with its parameters and Adam moments (as `surgery warm-adam`).",
         ),
     ] = None,
+    concurrent: Annotated[
+        int | None,
+        typer.Option(
+            "--concurrent",
+            min=1,
+            help="A recipe of ingredients: how many ingredients train at once (default: what the run of "
+            "ingredients was created with, else 1; a new one keeps it).",
+        ),
+    ] = None,
     output: Annotated[
         LinesOutput,
         typer.Option(
@@ -175,6 +186,11 @@ def resume_until_done(
         raise BadInput(
             "--start-from is for a recipe of ingredients (its `ingredients:` list)",
             "start one run from a checkpoint with `olmo-ctl surgery warm-adam` or the trainer's --init-from",
+        )
+    if concurrent is not None and r is not None and not r.ingredients:
+        raise BadInput(
+            "--concurrent is for a recipe of ingredients (its `ingredients:` list)",
+            "a run of one recipe trains one attempt at a time",
         )
     if poll <= 0:
         raise BadInput(f"--poll {poll} must be positive")
@@ -219,14 +235,58 @@ def resume_until_done(
     )
     if (r is not None and r.ingredients) or (r is None and composite.exists()):
 
-        def one(run_name: str, recipe, device_name, n_slices, log) -> int:
-            d = None if device_name is None else Target.parse(device_name, n_slices).device
-            return _supervise(run_name, recipe, d, n_slices, log, hint_run=name, **shared)
+        def one(
+            run: str,
+            recipe: Recipe | None,
+            device: str | None,
+            slices: int | None,
+            log: Callable[[str], None],
+            cancel: threading.Event | None = None,
+        ) -> int:
+            d = None if device is None else Target.parse(device, slices).device
+            return _supervise(run, recipe, d, slices, log, hint_run=name, cancel=cancel, **shared)
 
-        return ingr.supervise(
-            composite, r, device=device, slices=slices, start_from=start_from, supervise_one=one, log=note
+        whole = (
+            f"olmo-ctl resume-until-done {name} --run-root {settings.run_root} --backend {settings.backend}"
+        )
+        with _term_is_ctrl_c():
+            return ingr.supervise(
+                composite,
+                r,
+                device=device,
+                slices=slices,
+                start_from=start_from,
+                supervise_one=one,
+                log=note,
+                concurrent=concurrent,
+                hint=whole,
+            )
+    if concurrent is not None:
+        raise BadInput(
+            f"--concurrent: `{name}` is a run of one recipe, not of ingredients",
+            "a run of one recipe trains one attempt at a time",
         )
     return _supervise(name, r, dev, slices, note, **shared)
+
+
+class _term_is_ctrl_c:
+    """SIGTERM (tmux closing, systemd stopping) detaches a supervisor as Ctrl-C does; only the main
+    thread installs it (a supervisor run beside others is ended through its `cancel` event)."""
+
+    def __enter__(self):
+        self.old = None
+        if threading.current_thread() is threading.main_thread():
+
+            def on_term(signum, frame):
+                raise KeyboardInterrupt
+
+            self.old = signal.signal(signal.SIGTERM, on_term)
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+        return False
 
 
 def _supervise(
@@ -246,13 +306,16 @@ def _supervise(
     lease_ttl,
     output,
     hint_run: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> int:
     """One run supervised until its final step is committed (or the supervisor ends): the exit code.
-    `hint_run`: the run a person continues with (a run of ingredients' own name), if not this one."""
+    `hint_run`: the run a person continues with (a run of ingredients' own name), if not this one.
+    `cancel`: a supervisor run beside others (a thread): it ends as on Ctrl-C once this is set, and
+    prints lines rather than a progress bar."""
     from olmo_ctl.supervise.notify import Notifier
     from olmo_ctl.supervise.policy import RetryPolicy
     from olmo_ctl.supervise.submit import check_attempt, create_run, prepare_run
-    from olmo_ctl.supervise.supervisor import JsonlPrinter, Supervisor
+    from olmo_ctl.supervise.supervisor import JsonlPrinter, Printer, Supervisor
 
     # The next attempt, resolved and checked as submit checks it, before run.yaml exists.
     prep = prepare_run(settings, name, recipe=r, device=dev, slices=slices, extra_args=extra_args)
@@ -272,6 +335,20 @@ def _supervise(
     create_run(prep)
     rundir, be = prep.rundir, prep.backend
     hint = f"olmo-ctl resume-until-done {hint_run or name} --run-root {prep.settings.run_root} --backend {be.name}"
+    printer: Printer | None = JsonlPrinter(name) if output == LinesOutput.jsonl else None
+    extra: dict = {}
+    if cancel is not None:
+        if printer is None:
+            printer = Printer(name)
+            printer.tty = False  # several runs' lines interleave; no bar to redraw
+
+        def sleep(seconds: float) -> None:
+            if cancel.wait(seconds):
+                raise KeyboardInterrupt
+
+        extra["sleep"] = sleep
+        if cancel.is_set():
+            raise Interrupted(f"nothing is running; continue with: {hint}")
     sup = Supervisor(
         rundir,
         be,
@@ -283,20 +360,14 @@ def _supervise(
         lease_ttl_s=lease_ttl,
         slices=slices,
         extra_args=extra_args,
-        printer=JsonlPrinter(name) if output == LinesOutput.jsonl else None,
+        printer=printer,
         notify=Notifier.from_settings(prep.settings, log=note),
         fallback=fall,
+        **extra,
     )
     sup.out.line(f"run directory: {rundir.path}")
-
-    def on_term(signum, frame):  # a terminating supervisor detaches like Ctrl-C
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
+    with _term_is_ctrl_c():  # a terminating supervisor detaches like Ctrl-C
         return sup.run()
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 DEFAULT_FALLBACK_AFTER = "2h"

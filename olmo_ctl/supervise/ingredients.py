@@ -13,19 +13,21 @@ src/scripts/official/OLMo2/README.md; the OLMo 3 32B release did the same with t
   <run-root>/NAME-i1/ ... NAME-iN/   each ingredient: an ordinary run (run.yaml, attempts, checkpoints),
                                      which `monitor`, `logs`, `stop` and `resume-until-done` also take alone
 
-`resume-until-done NAME` supervises the ingredients one after another (each exactly as one run is
-supervised, its own attempts, retries and lease), skipping those whose final step is committed, and
-souping them last. Everything it decides is read back from storage, so a second `resume-until-done`
+`resume-until-done NAME` supervises the ingredients one after another, or `--concurrent N` at a time
+(each exactly as one run is supervised, its own attempts, retries and lease), skipping those whose final
+step is committed, and souping them last. Everything it decides is read back from storage, so a second `resume-until-done`
 after a Ctrl-C or a SIGKILL goes on where the first stopped and redoes nothing committed.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from typing import TypeVar
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Protocol, TypeVar
 
 from olmo_ctl import storage
-from olmo_ctl.core.errors import EXIT_INTERRUPTED, BadInput
+from olmo_ctl.core.errors import EXIT_INTERRUPTED, BadInput, Interrupted, OlmoCtlError
 from olmo_ctl.core.names import MAX_RUN_NAME, validate_run_name
 from olmo_ctl.core.recipe import Recipe
 from olmo_ctl.rundir import Composite, RunDir, ingredient_run
@@ -91,6 +93,18 @@ def soup_of(composite: Composite, log: Callable[[str], None]) -> dict:
     return composite.souped() or res
 
 
+class SuperviseOne(Protocol):
+    def __call__(
+        self,
+        run: str,
+        recipe: Recipe | None,
+        device: str | None,
+        slices: int | None,
+        log: Callable[[str], None],
+        cancel: threading.Event | None = None,
+    ) -> int: ...
+
+
 def supervise(
     composite: Composite,
     recipe: Recipe | None,
@@ -98,17 +112,24 @@ def supervise(
     device: str | None,
     slices: int | None,
     start_from: str | None,
-    supervise_one: Callable[[str, Recipe | None, str | None, int | None, Callable[[str], None]], int],
+    supervise_one: SuperviseOne,
     log: Callable[[str], None],
+    concurrent: int | None = None,
+    hint: str | None = None,
 ) -> int:
-    """Every ingredient to its final step, one after another, then the soup: 0 when the soup is
-    written; else the exit code of the ingredient's supervision that ended early (130 for Ctrl-C or
-    `olmo-ctl stop`, 4 gave up, ...), with the ingredients after it left as they are.
+    """Every ingredient to its final step, one after another (or `concurrent` at a time), then the
+    soup: 0 when the soup is written; else the exit code of the ingredient's supervision that ended
+    early (130 for Ctrl-C or `olmo-ctl stop`, 4 gave up, ...), with the ingredients not started left
+    as they are.
 
     `recipe`: a new run's (with its ingredients), or None to go on with the run of ingredients that
-    exists; `supervise_one(run, recipe or None, device, slices, log)` supervises one ingredient as
-    `resume-until-done` supervises one run (a new ingredient on the device the run of ingredients was
-    created with; one that exists on its own)."""
+    exists; `supervise_one(run, recipe or None, device, slices, log, cancel)` supervises one ingredient
+    as `resume-until-done` supervises one run (a new ingredient on the device the run of ingredients was
+    created with; one that exists on its own) and, run beside others, ends as on Ctrl-C once `cancel`
+    is set. `concurrent`: how many at once (None: what the run of ingredients was created with, else 1).
+    `hint`: the command that continues the whole, for the line a Ctrl-C leaves."""
+    if concurrent is not None and concurrent < 1:
+        raise BadInput(f"--concurrent {concurrent} must be at least 1")
     if composite.exists():
         have = composite.recipe()
         if recipe is not None and recipe.fingerprint() != have.fingerprint():
@@ -137,7 +158,7 @@ def supervise(
             from olmo_ctl.checkpoints.surgery import check_committed
 
             check_committed(start_from)  # a committed training checkpoint, or bad input now
-        composite.create(recipe, start_from, device, slices)
+        composite.create(recipe, start_from, device, slices, concurrent=concurrent)
         log(
             f"run of ingredients `{composite.name}`: {len(recipe.ingredients)} runs "
             + ", ".join(ingredient_run(composite.name, k) for k in range(len(recipe.ingredients)))
@@ -145,30 +166,140 @@ def supervise(
         )
     if composite.dir.pending_stop() is not None:  # this supervisor was started to go on
         composite.dir.clear_stop()
+    width = concurrent if concurrent is not None else int(composite.spec().get("concurrent") or 1)
+    todo = []
     for k, rd in enumerate(composite.runs()):
-        if composite.dir.pending_stop() is not None:  # `olmo-ctl stop NAME` between two ingredients
-            composite.dir.clear_stop()
-            composite.dir.append("stopped", reason="stopped on request (olmo-ctl stop)")
-            log(f"run of ingredients `{composite.name}` stopped before {rd.name}")
-            return EXIT_INTERRUPTED
-        new = not rd.exists()
-        sub = recipe.ingredient_recipe(k) if new else None
-        if not new and rd.committed_step() >= int(rd.recipe().train.max_steps):
+        if rd.exists() and rd.committed_step() >= int(rd.recipe().train.max_steps):
             continue
+        todo.append(k)
+    n = len(recipe.ingredients)
+
+    def start(k: int) -> tuple[str, Recipe | None, str | None, int | None]:
+        rd = composite.runs()[k]
+        new = not rd.exists()
         if start_from is not None:
             seed_start(rd, start_from, log)
-        log(f"ingredient {k + 1} of {len(recipe.ingredients)}: {rd.name}")
-        rc = supervise_one(rd.name, sub, device if new else None, slices if new else None, log)
+        log(f"ingredient {k + 1} of {n}: {rd.name}")
+        sub = recipe.ingredient_recipe(k) if new else None
+        return rd.name, sub, device if new else None, slices if new else None
+
+    def stopped_between(before: str) -> int:
+        composite.dir.clear_stop()
+        composite.dir.append("stopped", reason="stopped on request (olmo-ctl stop)")
+        log(f"run of ingredients `{composite.name}` stopped before {before}")
+        return EXIT_INTERRUPTED
+
+    if width <= 1 or len(todo) <= 1:
+        for k in todo:
+            rd = composite.runs()[k]
+            if composite.dir.pending_stop() is not None:  # `olmo-ctl stop NAME` between two ingredients
+                return stopped_between(rd.name)
+            rc = supervise_one(*start(k), log)
+            if rc != 0:
+                if composite.dir.pending_stop() is not None:
+                    composite.dir.clear_stop()
+                    composite.dir.append("stopped", reason=f"stopped on request (olmo-ctl stop) in {rd.name}")
+                return rc
+            composite.dir.append("ingredient_done", reason=rd.name, committed_step=rd.committed_step())
+    else:
+        rc = _side_by_side(composite, todo, width, start, supervise_one, log, stopped_between, hint)
         if rc != 0:
-            if composite.dir.pending_stop() is not None:
-                composite.dir.clear_stop()
-                composite.dir.append("stopped", reason=f"stopped on request (olmo-ctl stop) in {rd.name}")
             return rc
-        composite.dir.append("ingredient_done", reason=rd.name, committed_step=rd.committed_step())
     res = soup_of(composite, log)
     log(
         f"run of ingredients `{composite.name}` is done: soup of {len(res.get('sources', []))} in {composite.soup_path}"
     )
+    return 0
+
+
+def _side_by_side(
+    composite: Composite,
+    todo: list[int],
+    width: int,
+    start: Callable[[int], tuple[str, Recipe | None, str | None, int | None]],
+    supervise_one: SuperviseOne,
+    log: Callable[[str], None],
+    stopped_between: Callable[[str], int],
+    hint: str | None,
+) -> int:
+    """`width` ingredients supervised at once, each in its own thread as one run is supervised; the
+    next one starts when one finishes. An ingredient that ends otherwise (gave up, a user error, a
+    stop) starts no further one; those running go on to their own end, and its exit code is the
+    whole's. Ctrl-C (or SIGTERM) detaches every one as a Ctrl-C detaches one run: what each leaves
+    running is said, then one `interrupted:` line for the whole."""
+    runs = composite.runs()
+    cancel = threading.Event()
+    queue = list(todo)
+    running: dict[Future, int] = {}
+    first_failure: int | None = None
+    interrupted: list[str] = []
+
+    def one(k: int, args: tuple[str, Recipe | None, str | None, int | None]) -> int:
+        run, sub, dev, n = args
+        try:
+            return supervise_one(run, sub, dev, n, log, cancel)
+        except Interrupted as e:
+            interrupted.append(f"{runs[k].name}: {e.one_line()}")
+            return EXIT_INTERRUPTED
+        except OlmoCtlError as e:
+            log(f"{runs[k].name}: error: {e.one_line()}")
+            return e.exit_code
+
+    pool = ThreadPoolExecutor(max_workers=width, thread_name_prefix=f"{composite.name}-ingredient")
+    try:
+        while queue or running:
+            while queue and len(running) < width and first_failure is None and not cancel.is_set():
+                if composite.dir.pending_stop() is not None:
+                    first_failure = EXIT_INTERRUPTED
+                    if not running:
+                        return stopped_between(runs[queue[0]].name)
+                    break
+                k = queue.pop(0)
+                running[pool.submit(one, k, start(k))] = k
+            if not running:
+                break
+            done, _ = wait(list(running), timeout=1.0, return_when=FIRST_COMPLETED)
+            for f in done:
+                k = running.pop(f)
+                rc = f.result()
+                if rc == 0:
+                    composite.dir.append(
+                        "ingredient_done", reason=runs[k].name, committed_step=runs[k].committed_step()
+                    )
+                    continue
+                if (
+                    rc != EXIT_INTERRUPTED
+                    and (running or queue)
+                    and first_failure in (None, EXIT_INTERRUPTED)
+                ):
+                    going = ", ".join(runs[j].name for j in sorted(running.values()))
+                    log(
+                        f"{runs[k].name} ended with exit {rc}: no further ingredient starts"
+                        + (f"; {going} go on to their end" if going else "")
+                    )
+                if first_failure is None or (first_failure == EXIT_INTERRUPTED and rc != EXIT_INTERRUPTED):
+                    first_failure = rc  # a failure says more than a stop
+    except KeyboardInterrupt:
+        cancel.set()  # each supervisor ends as on Ctrl-C at its next pause
+        wait(list(running))
+        for line in interrupted:
+            log(line)
+        raise Interrupted(
+            f"detached from {len(interrupted)} ingredient(s) of `{composite.name}` (what each left running"
+            f" is above); reattach with: {hint or f'olmo-ctl resume-until-done {composite.name}'}"
+        ) from None
+    except BaseException:
+        cancel.set()  # the scheduler itself failed: no supervisor is left behind, each detaches
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    for line in interrupted:
+        log(line)
+    if first_failure is not None:
+        if composite.dir.pending_stop() is not None:
+            composite.dir.clear_stop()
+            composite.dir.append("stopped", reason="stopped on request (olmo-ctl stop)")
+        return first_failure
     return 0
 
 
