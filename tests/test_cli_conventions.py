@@ -212,6 +212,17 @@ def test_recipes_lists_every_shipped_recipe_on_one_line(env):
             batch,
         )
         assert by[name]["stage"] == int(option[-1])
+    # A stage of ingredients: each ingredient's steps, and the tokens all of them read.
+    soup = by["olmo2-32b-stage2"]
+    assert [(i["name"], i["max_steps"]) for i in soup["ingredients"]] == [
+        ("seed1110-100b", 11921),
+        ("seed2662-100b", 11921),
+        ("seed2662-300b", 35763),
+    ]
+    assert soup["total_tokens"] == (11921 + 11921 + 35763) * 2048 * 4096
+    assert by["smoke"]["ingredients"] == [] and by["smoke"]["total_tokens"] == by["smoke"]["tokens"]
+    (line,) = [r for r in rows if r.startswith("olmo2-32b-stage2 ")]
+    assert " 11,921+11,921+35,763 " in line
 
 
 # ---------------------------------------------------------------- olmo-ctl config init

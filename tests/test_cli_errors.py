@@ -55,6 +55,23 @@ CASES = {
         ["plan", "--stage", "1", "--device", "v5p-8", "--set", "train.global_batch=abc"],
         "must be an integer",
     ),
+    # A value from --set is blamed on the --set, never on the shipped recipe file.
+    "bad type names the --set": (
+        ["plan", "--stage", "1", "--device", "v5p-8", "--set", "train.global_batch=abc"],
+        "error: --set train.global_batch=abc: `train.global_batch` must be an integer",
+    ),
+    "negative seq_len is about seq_len": (
+        ["plan", "--stage", "1", "--device", "v5p-8", "--set", "train.seq_len=-5"],
+        "error: --set train.seq_len=-5: `train.seq_len` must be > 1",
+    ),
+    "short seq_len names the --set": (
+        ["plan", "--stage", "1", "--device", "v5p-8", "--set", "train.seq_len=2048"],
+        "error: --set train.seq_len=2048: `model.sliding_window` (4096) must not exceed",
+    ),
+    "remat budget without budget": (
+        ["plan", "--stage", "1", "--device", "v5p-8", "--set", "model.remat_budget=0.5"],
+        "has no effect with model.remat=full",
+    ),
     "bad --set syntax": (
         ["plan", "--stage", "1", "--device", "v5p-8", "--set", "global_batch"],
         "key.sub=value",

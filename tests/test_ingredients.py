@@ -142,6 +142,11 @@ def test_the_soup_is_the_mean_and_eval_reads_it(flow):
     )
     assert p.returncode == 0, p.stderr
     assert 0 < json.loads(p.stdout)["lm"]["smoke_eval"]["ce_loss"] < 6
+    assert "at seq_len 128 " in p.stderr  # the ingredients' sequence length, read from soup.json's recipe
+    manifest = json.loads((root / "soup" / "soup" / "soup.json").read_text())
+    assert manifest["recipe"]["train"]["seq_len"] == 128
+    m = json.loads(invoke("monitor", str(root / "soup"), "-o", "json", env=flow["env"]).stdout)
+    assert "recipe" not in m["soup"]  # monitor's view of the soup stays what it averaged
 
 
 def test_monitor_runs_and_stop_speak_of_the_whole(flow):

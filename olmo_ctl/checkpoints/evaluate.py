@@ -12,6 +12,7 @@ tokenizer). Everything that can be refused is refused in `prepare`, before any p
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -61,7 +62,8 @@ def open_checkpoint(path: str, recipe: str | None = None) -> Checkpoint:
         _no_recipe(recipe, given)
         meta = read_meta(path)
         hf = meta.get("hf_config") or {}
-        return Checkpoint(given, path, "orbax", None, model_from_meta(meta), None, None, _positions(hf))
+        trained = _soup_recipe(path)
+        return Checkpoint(given, path, "orbax", None, model_from_meta(meta), trained, None, _positions(hf))
     if store.exists(join(path, "config.json")):
         _no_recipe(recipe, given)
         hf = read_hf_config(path)
@@ -93,6 +95,25 @@ def open_checkpoint(path: str, recipe: str | None = None) -> Checkpoint:
     if int(step) not in committed:
         raise BadInput(f"`{given}` is not a committed checkpoint", f"committed steps: {committed}")
     return Checkpoint(given, path, "run", int(step), r.model, r, recipe, None)
+
+
+def _soup_recipe(path: str) -> Recipe | None:
+    """A soup of training checkpoints (soup.json with the recipe they were trained with): that recipe,
+    for eval's defaults (sequence length, tokenizer, held-out sets, tasks); else None."""
+    from olmo_ctl.checkpoints.soup import MANIFEST
+    from olmo_ctl.rundir import run_recipe
+
+    p = join(path, MANIFEST)
+    store = store_for(p)
+    if not store.exists(p):
+        return None
+    try:
+        doc = json.loads(store.read_bytes(p).decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("recipe"), dict):
+        return None
+    return run_recipe(doc, p)
 
 
 def _no_recipe(recipe: str | None, path: str) -> None:

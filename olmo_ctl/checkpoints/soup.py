@@ -348,5 +348,21 @@ def soup(
         "parameters": sum(leaf.size for leaf in flat.values()),
         "bytes": sum(leaf.size * leaf.dtype.itemsize for leaf in flat.values()),
     }
+    trained = _run_recipe(sources)
+    if trained is not None:  # what `eval` of the soup defaults to: the sequence length, tokenizer, sets
+        manifest["recipe"] = trained
     store.write_text(join(out, MANIFEST), json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _run_recipe(sources: list[Source]) -> dict | None:
+    """The recipe (run.yaml's) of the first source that is a run's training checkpoint, or None."""
+    from olmo_ctl.rundir import RunDir
+
+    for s in sources:
+        if s.kind != "training":
+            continue
+        run = s.path.rstrip("/").rsplit("/", 2)[0]
+        if store_for(run).exists(join(run, "run.yaml")):
+            return RunDir(run).recipe().to_dict()
+    return None

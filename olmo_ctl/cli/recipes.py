@@ -25,6 +25,15 @@ def recipe_rows() -> list[dict]:
     for name in shipped_recipes():
         r = load_recipe(name)
         t = r.train
+        subs = [r.ingredient_recipe(k) for k in range(len(r.ingredients))]
+        parts: list[dict] = [
+            {
+                "name": ing.name or f"i{k + 1}",
+                "max_steps": s.train.max_steps,
+                "tokens": s.train.max_steps * s.train.global_batch * s.train.seq_len,
+            }
+            for k, (ing, s) in enumerate(zip(r.ingredients, subs, strict=True))
+        ]
         rows.append(
             {
                 "name": r.name,
@@ -38,6 +47,12 @@ def recipe_rows() -> list[dict]:
                 "tokens": t.max_steps * t.global_batch * t.seq_len,
                 "description": r.description,
                 "file": r.source,
+                # A stage of ingredients trains each (its own steps and tokens); `tokens` above is the
+                # recipe's own, `total_tokens` what all of them read.
+                "ingredients": parts,
+                "total_tokens": sum(int(p["tokens"]) for p in parts)
+                if parts
+                else t.max_steps * t.global_batch * t.seq_len,
             }
         )
     return rows
@@ -49,7 +64,8 @@ def recipes(output: OutputOpt = Output.table) -> None:
 
     Each is what `--recipe NAME` loads (`--stage 1|2|3` names the OLMo 3 7B stage's own,
     `--model olmo2-32b|olmo3-32b --stage N` the 32B's); docs/recipes.md gives where every value comes
-    from. Exit codes: 0.
+    from. A stage of ingredients shows each ingredient's steps (`11,921+11,921+35,763`) and the tokens
+    of all of them. Exit codes: 0.
     """
     rows = recipe_rows()
     if output != Output.table:
@@ -63,8 +79,8 @@ def recipes(output: OutputOpt = Output.table) -> None:
             _tokens(r["params"]),
             f"{r['seq_len']:,}",
             str(r["global_batch"]),
-            f"{r['max_steps']:,}",
-            _tokens(r["tokens"]),
+            "+".join(f"{p['max_steps']:,}" for p in r["ingredients"]) or f"{r['max_steps']:,}",
+            _tokens(r["total_tokens"]),
             r["description"],
         )
         for r in rows

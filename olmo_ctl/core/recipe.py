@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -634,17 +635,17 @@ def validate(r: Recipe, src: str) -> None:
     need(m.init_std > 0, "model.init_std", "must be positive")
     need(0 < m.remat_budget <= 1, "model.remat_budget", f"must be in (0, 1], got {m.remat_budget}")
     need(
-        m.full_attention_every == 1 or m.sliding_window <= t.seq_len,
-        "model.sliding_window",
-        f"({m.sliding_window}) must not exceed train.seq_len ({t.seq_len})",
-    )
-    need(
         0 <= m.eos_token_id < m.vocab_size, "model.eos_token_id", "must be a token id below model.vocab_size"
     )
     need(
         0 <= m.pad_token_id < m.vocab_size, "model.pad_token_id", "must be a token id below model.vocab_size"
     )
     need(t.seq_len > 1, "train.seq_len", f"must be > 1, got {t.seq_len}")
+    need(
+        m.full_attention_every == 1 or m.sliding_window <= t.seq_len,
+        "model.sliding_window",
+        f"({m.sliding_window}) must not exceed train.seq_len ({t.seq_len})",
+    )
     need(t.global_batch > 0, "train.global_batch", f"must be positive, got {t.global_batch}")
     need(t.max_steps > 0, "train.max_steps", f"must be positive, got {t.max_steps}")
     need(t.max_per_device_batch >= 0, "train.max_per_device_batch", "must be >= 0")
@@ -1019,14 +1020,53 @@ def load_layers(raw: dict, src: str, where: Path | None, _chain: tuple[str, ...]
 def recipe_from_dict(
     raw: dict, src: str = "<recipe>", overrides: list[str] | tuple[str, ...] = (), where: Path | None = None
 ) -> Recipe:
-    """A Recipe from a mapping: its layers (load_layers), then `--set` overrides, validated."""
+    """A Recipe from a mapping: its layers (load_layers), then `--set` overrides, validated. An error
+    about a value a `--set` gave names that `--set`, not the file."""
     raw = apply_overrides(load_layers(raw, src, where), overrides, src)
-    r = _build(Recipe, raw, "", src)
-    r = dataclasses.replace(r, source=src)
-    validate(r, src)
+    try:
+        r = _build(Recipe, raw, "", src)
+        r = dataclasses.replace(r, source=src)
+        validate(r, src)
+        _check_remat_budget_set(r, overrides)
+    except BadInput as e:
+        raise _blame_override(e, src, overrides) from None
     for k in range(len(r.ingredients)):  # each ingredient's recipe is checked as any recipe is
         r.ingredient_recipe(k)
     return r
+
+
+def _override_keys(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
+    """(dotted key, the --set item) of each override, the last of a key winning, in order."""
+    seen: dict[str, str] = {}
+    for item in overrides or ():
+        key = ".".join(p for p in item.partition("=")[0].strip().split(".") if p)
+        seen.pop(key, None)
+        seen[key] = item
+    return list(seen.items())
+
+
+def _blame_override(e: BadInput, src: str, overrides: list[str] | tuple[str, ...]) -> BadInput:
+    """`e` (a message `SRC: ...`) said of the `--set` whose key it names, when one does: the value
+    came from the command line, not from the recipe file."""
+    if not overrides or not e.message.startswith(f"{src}: "):
+        return e
+    rest = e.message[len(src) + 2 :]
+    names = re.findall(r"`([\w.\[\]]+)`|\b([a-z_]+\.[a-z_.]+)\b", rest)
+    mentioned = [a or b for a, b in names]
+    for m in mentioned:
+        for key, item in reversed(_override_keys(overrides)):
+            if m == key or m.startswith(key + ".") or key.startswith(m + "."):
+                return BadInput(f"--set {item}: {rest}", e.hint)
+    return e
+
+
+def _check_remat_budget_set(r: Recipe, overrides: list[str] | tuple[str, ...]) -> None:
+    """`--set model.remat_budget=` with another remat mode would change nothing: refused, not ignored."""
+    if r.model.remat != "budget" and any(k == "model.remat_budget" for k, _ in _override_keys(overrides)):
+        raise BadInput(
+            f"--set model.remat_budget has no effect with model.remat={r.model.remat}",
+            "add --set model.remat=budget, or drop model.remat_budget",
+        )
 
 
 def load_recipe(

@@ -187,10 +187,8 @@ def _report(c: Composite, status_of: StatusOf | None) -> dict[str, Any]:
     elif done == len(rows):
         state = "souping"
     else:
-        current = next((r for r in rows if r["state"] != "done"), None)
-        state = f"{done}/{len(rows)} ingredients done" + (
-            f", {current['run']} {current['state']}" if current and current["state"] != "not started" else ""
-        )
+        going = [r for r in rows if r["state"] not in ("done", "not started")]  # several with --concurrent
+        state = f"{done}/{len(rows)} ingredients done" + "".join(f", {r['run']} {r['state']}" for r in going)
     return {
         "run": c.name,
         "path": c.dir.path,
@@ -199,7 +197,11 @@ def _report(c: Composite, status_of: StatusOf | None) -> dict[str, Any]:
         "start_from": spec.get("start_from"),
         "state": state,
         "ingredients": rows,
-        "soup": {"path": c.soup_path, **soup} if soup is not None else None,
+        "soup": (
+            {"path": c.soup_path, **{k: v for k, v in soup.items() if k != "recipe"}}
+            if soup is not None
+            else None
+        ),
     }
 
 
