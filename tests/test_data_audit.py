@@ -121,3 +121,10 @@ def test_the_audit_holds_across_sigkills_a_resize_and_other_process_counts(tmp_p
     # attempt 2 also recorded steps it trained but never committed: attempt 3's training of them counts
     recorded_by_2 = {int(s) for r in read_records(str(tmp_path / "mh")) if r.attempt == 2 for s in r.steps}
     assert max(recorded_by_2) == killed_at  # written with checkpoints only: nothing past the last one
+
+
+def test_the_table_counts_one_process_in_the_singular(smoke_run, tmp_path):
+    """The session's smoke run trained on cpu-1: one attempt of one process, said so."""
+    p = invoke("data", "audit", str(smoke_run), env=clean_env(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "(restored step 0, 1 process): steps 1..40" in p.stdout.splitlines()[1], p.stdout

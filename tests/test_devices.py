@@ -88,6 +88,33 @@ def test_unknown_devices_are_bad_input(name):
     assert "olmo-ctl devices" in e.value.one_line()
 
 
+@pytest.mark.parametrize(
+    "name, meant",
+    [
+        ("TPU7X-128", "tpu7x-128"),
+        ("V5P-8", "v5p-8"),
+        ("tpu-v5p-256", "v5p-256"),
+        ("tpuv5p-256", "v5p-256"),
+        ("tpu-tpu7x-128", "tpu7x-128"),
+        ("TPU-v5p-4X4X12", "v5p-4x4x12"),
+        ("CPU-4", "cpu-4"),
+    ],
+)
+def test_a_name_off_by_case_or_a_tpu_prefix_gets_did_you_mean(name, meant):
+    with pytest.raises(BadInput) as e:
+        get_device(name)
+    assert e.value.exit_code == 2
+    assert e.value.one_line() == (
+        f"`{name}` is not a device type; did you mean `{meant}`? (device names are lowercase, with no tpu- "
+        "prefix; `olmo-ctl devices` lists them)"
+    )
+    from helpers.cli import invoke
+
+    p = invoke("plan", "--stage", "1", "--device", name)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr == f"error: {e.value.one_line()}\n"
+
+
 def test_local_devices():
     d = get_device("cpu-4")
     assert (d.platform, d.devices, d.vms, d.topology) == ("cpu", 4, 1, None)

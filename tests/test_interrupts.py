@@ -1,6 +1,7 @@
 """Ctrl-C is the same for every command that runs until it is stopped: one line on stderr
 (`interrupted: ...`, saying what was left and how to go on), exit 130, nothing half-written.
-resume-until-done's detach is tests/test_supervisor_local.py's (it needs a training attempt)."""
+resume-until-done's detach from a training attempt is tests/test_supervisor_local.py's; here, its
+Ctrl-C after the attempt ended. `logs -f`'s is tests/test_runs_logs_stop.py's (it needs a pod)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
 from helpers.cli import spawn
 from helpers.waiting import alive, wait_for
 
@@ -78,3 +80,54 @@ def test_a_foreground_sandbox_stops_on_ctrl_c_with_130_and_removes_its_kubeconfi
     )
     assert out.startswith(f"export KUBECONFIG={kc}\n")  # the environment, printed once it served
     assert not kc.exists() and not env_file_for(kc).exists()
+
+
+def _exited(pid: int) -> bool:
+    """The process is over: gone, or a zombie its parent (here, this process's backend) has not reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_resume_until_done_interrupted_after_its_attempt_ended_says_nothing_is_running(tmp_path):
+    """Ctrl-C lands after the attempt's trainer exited but before the supervisor's next look at it:
+    the line says the attempt has ended and nothing is running, not that it keeps running."""
+    import io
+
+    from olmo_ctl.backends.local import LocalBackend
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.errors import Interrupted
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.policy import RetryPolicy
+    from olmo_ctl.supervise.supervisor import Printer, Supervisor
+
+    rd = RunDir.of(str(tmp_path), "ended")
+    r = load_recipe("smoke", overrides=["train.max_steps=20"])
+    rd.create_run(r.to_dict(), r.fingerprint(), "fp", "cpu-1")
+    go = tmp_path / "go"
+    trainer = tmp_path / "python-fake"  # a trainer that fails once the supervisor has seen it running
+    trainer.write_text(
+        f'#!/bin/sh\nwhile [ ! -e {go} ]; do sleep 0.05; done\necho "ValueError: loss is NaN"\nexit 1\n'
+    )
+    trainer.chmod(0o755)
+
+    def ctrl_c_once_it_exited(seconds: float) -> None:
+        assert sup.handle is not None  # the supervisor is watching attempt 1
+        go.touch()
+        wait_for(lambda: _exited(int(sup.handle.data["pid"])), 30, "the trainer to exit")
+        raise KeyboardInterrupt
+
+    sup = Supervisor(
+        rd, LocalBackend(str(tmp_path), python=str(trainer)), RetryPolicy(), device=get_device("cpu-1"),
+        poll_s=0.05, sleep=ctrl_c_once_it_exited, printer=Printer(rd.name, stream=io.StringIO()),
+    )  # fmt: skip
+    with pytest.raises(Interrupted) as e:
+        sup.run()
+    assert e.value.one_line() == (
+        "attempt 1 has ended (failed-user: exit 1); nothing is running; "
+        "continue with: olmo-ctl resume-until-done ended"
+    )
+    assert rd.journal()[-1]["event"] == "supervisor_detached"
+    assert rd.journal()[-1]["reason"] == "interrupted; attempt 1 had ended (failed-user)"

@@ -368,6 +368,19 @@ def test_host_network_is_a_site_setting_and_names_the_identity(tmp_path, monkeyp
     assert "Workload Identity" not in p.stderr and "hostNetwork" not in p.stdout
 
 
+def test_the_plan_annotation_names_seq_shards_when_a_sequence_is_split(env):
+    """Stage 3's 65,536-token sequences on tpu7x-128 are split over 2 devices each (64 instances on 128
+    devices): the dry run's `olmo-ctl/plan` says so, as `plan` does; stage 1 splits none and says nothing."""
+    p = cli(["submit", "--stage", "3", "--device", "tpu7x-128", *SITE, "--dry-run", "-o", "json"], env)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["metadata"]["annotations"]["olmo-ctl/plan"] == (
+        "global_batch=64 per_device_batch=1 grad_accum=1 devices=128 seq_shards=2"
+    )
+    plan = json.loads(cli(["plan", "--stage", "3", "--device", "tpu7x-128", "-o", "json"], env).stdout)
+    assert plan["seq_shards"] == 2
+    assert "seq_shards" not in _render(stage=1)["metadata"]["annotations"]["olmo-ctl/plan"]
+
+
 def _render(
     stage=1,
     device="tpu7x-128",

@@ -750,3 +750,52 @@ def test_the_table_shows_each_hosts_latest_window_and_the_slow_one(tmp_path):
     lines = [ln.strip("│ ") for ln in t.stdout.splitlines()]
     assert "host 0  step 30  step time 610 ms  data wait 4 ms  compute 400 ms" in lines
     assert "host 1  step 30  step time 610 ms  data wait 210 ms  compute 400 ms  slow: data wait" in lines
+
+
+# ---------------------------------------------------------------- ETA only while the run goes on
+
+
+@pytest.mark.parametrize(
+    "event, reason",
+    [
+        ("succeeded", "exit 0"),  # stopped short of the final step on purpose (`smoke`, --stop-at-step)
+        ("failed", "failed-user: exit 1"),
+        ("stopped", "stopped on request (olmo-ctl stop)"),
+        ("preempted", "exit 143 (SIGTERM)"),
+    ],
+)
+def test_a_run_whose_last_attempt_is_over_has_no_eta(tmp_path, event, reason):
+    """Attempt 2 at step 120 of 200 while running: an ETA (80 s at 1 s/step). Once it is over short of
+    the final step, nothing runs toward it: no ETA in -o json, and the table says why."""
+    run = tmp_path / "r"
+    make_resumed_run(run)
+    assert build_report(load(str(run)), now=T0 + 150, ask_backend=False)["eta_s"] == pytest.approx(80.0)
+    with open(run / "journal.jsonl", "a") as f:
+        f.write(json.dumps({"time": iso(T0 + 100), "event": event, "attempt": 2, "reason": reason}) + "\n")
+    p = cli("monitor", str(run), "-o", "json", "--no-backend")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert (rep["step"], rep["attempt"]["state"], rep["eta_s"], rep["eta"]) == (120, event, None, None)
+    t = cli("monitor", str(run), "--no-backend", env={"COLUMNS": "200"})
+    assert t.returncode == 0, t.stderr
+    (eta,) = [ln.strip("│ ") for ln in t.stdout.splitlines() if ln.strip("│ ").startswith("ETA")]
+    assert eta.split(None, 1)[1].strip() == f"- (nothing is running: attempt #2 {event})"
+
+
+def test_a_cpu_runs_mfu_is_said_to_be_against_a_nominal_cpu_peak(tmp_path):
+    """The resumed run trained on cpu-2, whose peak is nominal: the table's MFU row and the plot's
+    legend say so; -o json keeps its keys as they are."""
+    from olmo_ctl.observe.plot import figure
+
+    run = tmp_path / "r"
+    make_resumed_run(run)
+    t = cli("monitor", str(run), "--no-backend", env={"COLUMNS": "200"})
+    assert t.returncode == 0, t.stderr
+    (mfu,) = [ln.strip("│ ") for ln in t.stdout.splitlines() if ln.strip("│ ").startswith("MFU")]
+    assert mfu.endswith("  [olmo_core FLOPs; nominal CPU peak]"), mfu
+    src = load(str(run))
+    rep = build_report(src, now=T0 + 150, ask_backend=False)
+    fig = figure(src, rep)
+    assert fig.axes[3].get_legend().get_texts()[0].get_text() == "MFU (olmo_core FLOPs, nominal CPU peak)"
+    js = json.loads(cli("monitor", str(run), "--no-backend", "-o", "json").stdout)
+    assert set(js["throughput"]) == set(SCHEMA["properties"]["throughput"]["properties"])

@@ -382,3 +382,16 @@ def test_a_shard_group_the_slice_cannot_hold_is_refused(overrides, device, says)
 def test_plan_refuses_a_shard_group_on_the_command_line():
     p = _cli("plan", "--stage", "1", "--device", "v5p-256", "--set", "train.shard_group=48")
     assert p.returncode == 2 and "shard_group 48 does not divide" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_local_devices_mfu_is_said_to_be_against_a_nominal_peak():
+    """cpu-N's peak is a round number, not the machine's: the table says so; a TPU's is its own."""
+    from helpers.cli import invoke
+
+    cpu = invoke("plan", "--recipe", "smoke", "--device", "cpu-1")
+    assert cpu.returncode == 0, cpu.stderr
+    assert "compute estimate at 40% MFU (0.1 TFLOP/s nominal CPU peak per device)" in cpu.stdout.splitlines()
+    tpu = invoke("plan", "--stage", "1", "--device", "v5p-8")
+    assert "compute estimate at 40% MFU (459 TFLOP/s peak per device)" in tpu.stdout.splitlines()
+    js = json.loads(invoke("plan", "--recipe", "smoke", "--device", "cpu-1", "-o", "json").stdout)
+    assert js["peak_tflops_per_device"] == 0.1 and "peak_note" not in js  # the JSON keys as they were

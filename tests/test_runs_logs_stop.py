@@ -102,6 +102,41 @@ def test_runs_lists_every_run_with_its_state_step_and_last_loss(tmp_path, smoke_
     assert len(bad.stderr.splitlines()) == 1
 
 
+def test_runs_counts_the_runs_smoke_made_and_lists_them_with_all(tmp_path):
+    from olmo_ctl.supervise.smoke import new_run_name
+
+    root = tmp_path / "runs"
+    new_run(root, "mine")
+    new_run(root, "smoke-demo")  # a run of the smoke recipe someone named: theirs, listed
+    name = new_run_name("v5p-16")  # what `olmo-ctl smoke` names its run and its twin
+    for n in (name, f"{name}-twin"):
+        rd = new_run(root, n, steps=2000, device="v5p-16")
+        rd.append("submitted", attempt=1, device="v5p-16", handle={"backend": "gke", "name": n, "attempt": 1})
+        rd.append("succeeded", attempt=1, device="v5p-16", reason="exit 0", committed_step=13)
+    common = ("runs", "--run-root", str(root), "--no-backend-status")
+
+    js = cli(*common, "-o", "json")
+    assert js.returncode == 0, js.stderr
+    got = json.loads(js.stdout)
+    assert [(r["name"], r["smoke"]) for r in got["runs"]] == [("mine", False), ("smoke-demo", False)]
+    assert got["smoke_runs_hidden"] == 2
+    t = cli(*common)
+    assert t.returncode == 0, t.stderr
+    assert [ln.split()[0] for ln in t.stdout.splitlines()] == ["RUN", "mine", "smoke-demo"]
+    assert t.stderr == "note: 2 smoke runs (made by `olmo-ctl smoke`) not listed; --all lists them\n"
+
+    every = json.loads(cli(*common, "--all", "-o", "json").stdout)
+    assert [(r["name"], r["smoke"], r["state"]) for r in every["runs"]] == [
+        ("mine", False, "new"),
+        ("smoke-demo", False, "new"),
+        (name, True, "succeeded"),
+        (f"{name}-twin", True, "succeeded"),
+    ]
+    assert every["smoke_runs_hidden"] == 0
+    t_all = cli(*common, "--all")
+    assert t_all.returncode == 0 and t_all.stderr == "" and f"{name}-twin" in t_all.stdout
+
+
 # ---------------------------------------------------------------- logs (local)
 
 
@@ -234,6 +269,46 @@ def test_logs_follow_a_gke_pod_until_its_jobset_completes(gke_run, srv):
     assert f.returncode == 0, f.stderr
     assert f.stdout.splitlines() == ["step 1/20", "step 2/20", "committed step 20"]
     assert time.time() - t0 >= 1.0  # it followed until the JobSet completed
+
+
+def test_ctrl_c_while_following_a_gke_pod_is_one_interrupted_line_and_130_at_any_moment(
+    gke_run, srv, tmp_path
+):
+    """Ctrl-C lands wherever `logs -f` happens to be (in a status call, a pod log response being read
+    or closed, the sleep between reads): several followers, each interrupted at a random moment after
+    its first line, each ends with the same one line and 130, and the attempt goes on."""
+    import random
+    import signal
+
+    from helpers.cli import clean_env
+
+    rd, h, env, args = gke_run
+    srv.cluster.log(h.name, 0, [f"step {i}/20 " + "x" * 200 for i in range(1, 1501)])  # a long response
+    e = {**clean_env(tmp_path / "config"), **env}
+    rng = random.Random(35)
+    followers = [
+        spawn("logs", "gk", *args, "-f", "--interval", "0.01", env=e) for _ in range(4)
+    ]  # fmt: skip
+    want = (
+        "interrupted: stopped following attempt 1 of run `gk` (nothing was stopped: the attempt goes on); "
+        "follow it again with: olmo-ctl logs gk -f"
+    )
+    try:
+        for p in followers:
+            assert p.stdout is not None
+            assert p.stdout.readline().startswith("step 1/20 ")  # following: its first line is out
+        for p in followers:
+            time.sleep(rng.uniform(0, 0.3))
+            p.send_signal(signal.SIGINT)
+        for p in followers:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 130, err
+            assert err.splitlines() == [want], err  # nothing else: no traceback, no "Exception ignored"
+    finally:
+        for p in followers:
+            if p.poll() is None:
+                p.kill()
+    assert h.name in srv.cluster.jobset_names()  # the attempt goes on
 
 
 def test_stop_deletes_a_running_gke_attempt_and_runs_shows_it_stopped(gke_run, srv):

@@ -300,7 +300,8 @@ def render_jobset(
             ANNOTATION_RECIPE: recipe.name,
             ANNOTATION_PLAN: f"global_batch={plan.global_batch} per_device_batch={plan.per_device_batch} "
             f"grad_accum={plan.grad_accum} devices={plan.devices}"
-            + (f" slices={plan.slices}" if plan.slices > 1 else ""),
+            + (f" slices={plan.slices}" if plan.slices > 1 else "")
+            + (f" seq_shards={plan.seq_shards}" if plan.seq_shards > 1 else ""),
         }
     )
     leftover = _PLACEHOLDER.search(json.dumps(jobset))

@@ -197,28 +197,96 @@ def make_api_client(
             cfg.verify_ssl = verify_ssl
     else:
         cfg = client.Configuration()
-        path = (
-            kubeconfig
-            or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0]
-            or os.path.expanduser("~/.kube/config")
-        )
+        path, origin = kubeconfig_path(kubeconfig)
         try:
             if os.path.exists(path):
-                config.load_kube_config(config_file=path, context=context, client_configuration=cfg)
+                check_kubeconfig(path, origin)
+                try:
+                    config.load_kube_config(config_file=path, context=context, client_configuration=cfg)
+                except (TypeError, AttributeError, KeyError, ValueError, IndexError) as e:
+                    # the client reads a mapping of the wrong shape as far as it can, then fails
+                    # somewhere inside: the file is what is wrong
+                    raise _malformed(
+                        path, origin, f"is not a kubeconfig the client can read ({type(e).__name__}: {e})"
+                    ) from None
             elif os.environ.get("KUBERNETES_SERVICE_HOST") and not context:
                 config.load_incluster_config(client_configuration=cfg)
             else:
                 raise BadInput(
-                    f"no kubeconfig at `{path}` and not running inside a cluster",
+                    f"no kubeconfig at `{path}`{origin} and not running inside a cluster",
                     "run `gcloud container clusters get-credentials CLUSTER --region REGION`",
                 )
         except ConfigException as e:
             raise BadInput(
-                f"cannot load Kubernetes credentials: {' '.join(str(e).split())}",
+                f"cannot load Kubernetes credentials from kubeconfig `{path}`{origin}: "
+                f"{' '.join(str(e).split())}",
                 "check `kubectl config get-contexts`",
             ) from e
     cfg.retries = False  # our policy retries; urllib3 must not multiply it
     return client.ApiClient(cfg)
+
+
+def kubeconfig_path(kubeconfig: str | None = None) -> tuple[str, str]:
+    """The kubeconfig the client loads (`kubeconfig`, else the first file of $KUBECONFIG, else
+    ~/.kube/config) and where that choice came from, as a message says it (" (from $KUBECONFIG)")."""
+    if kubeconfig:
+        return kubeconfig, ""
+    env = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0]
+    if env:
+        return env, " (from $KUBECONFIG)"
+    return os.path.expanduser("~/.kube/config"), ""
+
+
+# What to do about a kubeconfig that cannot be read: the same for every way it can be broken.
+KUBECONFIG_HINT = (
+    "fix the file, point KUBECONFIG at a good one, or write a new one with "
+    "`gcloud container clusters get-credentials CLUSTER --region REGION`"
+)
+
+
+def _malformed(path: str, origin: str, problem: str) -> BadInput:
+    return BadInput(f"kubeconfig `{path}`{origin} {' '.join(problem.split())}", KUBECONFIG_HINT)
+
+
+def check_kubeconfig(path: str, origin: str = "") -> None:
+    """BadInput (one line: what is wrong, which file, what to do) for a kubeconfig that cannot be read,
+    is not YAML, or is not a mapping with lists of named entries, before the Kubernetes client reads it
+    (which would fail with its parser's or its own traceback)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except UnicodeDecodeError as e:
+        raise _malformed(path, origin, f"is not a text file ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise _malformed(path, origin, f"cannot be read: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise _malformed(path, origin, f"is not valid YAML: {_yaml_problem(e)}") from None
+    if doc is None:
+        raise _malformed(path, origin, "is empty")
+    if not isinstance(doc, dict):
+        raise _malformed(path, origin, f"is not a kubeconfig: its top level is a {_kind(doc)}, not a mapping")
+    for key in ("clusters", "contexts", "users"):
+        entries = doc.get(key)
+        if entries is None:
+            continue
+        if not isinstance(entries, list) or not all(isinstance(x, dict) for x in entries):
+            raise _malformed(path, origin, f"is not a kubeconfig: `{key}` is not a list of named entries")
+
+
+def _yaml_problem(e) -> str:
+    """A YAML parser error in one phrase: what it found, and where (1-based line and column)."""
+    what = ", ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return (what or type(e).__name__) + where
+
+
+def _kind(doc: object) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
+        type(doc), type(doc).__name__
+    )
 
 
 QUANTITY_SUFFIX = {

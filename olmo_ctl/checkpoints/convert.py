@@ -23,7 +23,9 @@ Mapping (HF Linear weights are [out, in]; ours are [in, out]):
     model.layers.i.post_attention_layernorm.weight -> blocks/attn_norm[i]
     model.layers.i.post_feedforward_layernorm.weight -> blocks/mlp_norm[i]
     model.layers.i.mlp.{gate,up,down}_proj.weight  -> blocks/mlp/w{1,3,2}[i] (transposed)
-Converting out truncates the vocab back to `vocab_size` rows.
+Converting out truncates the vocab back to `vocab_size` rows. The zero rows padding adds were never
+trained, so a converted model's config records its own rows (`softmax_vocab_size`) and the model
+leaves the others out of the softmax, as transformers, which has none, does.
 
 Both directions stream, one parameter and within it one stored Orbax chunk (at most 64 MiB) at a
 time, so peak memory is a few chunks whatever the model's size (docs/benchmarks.md,
@@ -424,7 +426,16 @@ def model_config_from_hf(
         eos_token_id=token("eos_token_id", min(vocab - 1, 100257)),
         pad_token_id=token("pad_token_id", min(vocab - 1, 100277)),
         architecture="olmo2" if model_type == "olmo2" else "olmo3",
+        softmax_vocab_size=softmax_rows(v_hf, padded),
     )
+
+
+def softmax_rows(hf_rows: int, padded: int) -> int:
+    """`ModelConfig.softmax_vocab_size` of a model converted from `hf_rows` LM-head rows padded to
+    `padded`: its own rows, or 0 when padding added none. The zero rows padding adds were never
+    trained: in the softmax they would take mass the model never gave them (transformers has no such
+    rows), so they are left out."""
+    return hf_rows if hf_rows < padded else 0
 
 
 def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
@@ -819,9 +830,14 @@ def read_meta(orbax_dir: str) -> dict:
 
 
 def model_from_meta(meta: dict, cfg_overrides: dict | None = None) -> ModelConfig:
-    """The ModelConfig an olmo_model.json records (its `model`)."""
+    """The ModelConfig an olmo_model.json records (its `model`). One written before
+    `softmax_vocab_size` was recorded, by `hf-to-orbax` (its original config.json kept), gets it from
+    that config.json's vocab_size."""
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     kw = {k: v for k, v in meta["model"].items() if k in fields}
+    hf_rows = (meta.get("hf_config") or {}).get("vocab_size")
+    if "softmax_vocab_size" not in kw and isinstance(hf_rows, int) and "padded_vocab_size" in kw:
+        kw["softmax_vocab_size"] = softmax_rows(hf_rows, kw["padded_vocab_size"])
     if isinstance(kw.get("rope_scaling"), dict):
         kw["rope_scaling"] = RopeScalingConfig(**kw["rope_scaling"])
     return ModelConfig(**kw, **(cfg_overrides or {}))

@@ -437,14 +437,50 @@ class EvalSetup:
     local_devices: int = 1
 
 
+def _per_instance_sums(job: EvalJob, s: EvalSetup, params):
+    """The LM evaluator's pass with every evaluated document its own label: (per-label CE sums,
+    per-label tokens, {label: {ce: [...], tokens: [...]}}), the documents in the evaluator's order."""
+    import copy
+
+    import numpy as np
+
+    from olmo_ctl.trainer.lm_eval import LMEvaluator, evaluated_instances, first_per_label
+
+    data = job.lm_data
+    inst = evaluated_instances(len(data), s.recipe.eval.lm.whole_batches_of)
+    if job.limit > 0:
+        inst = first_per_label(inst, data.label_index, job.limit)
+    one = copy.copy(data)  # the same documents, numbered 0.. in the evaluator's order, one label each
+    one.file_index, one.starts, one.ends = data.file_index[inst], data.starts[inst], data.ends[inst]
+    one.label_index = np.arange(len(inst), dtype=np.int32)
+    one.labels = [str(i) for i in range(len(inst))]
+    one._cache = {}
+    r = s.recipe
+    whole = dataclasses.replace(
+        r, eval=dataclasses.replace(r.eval, lm=dataclasses.replace(r.eval.lm, whole_batches_of=0))
+    )
+    ce_i, w_i = LMEvaluator(one, dataclasses.replace(s, recipe=whole)).sums(params)
+    owner = data.label_index[inst]
+    n = len(data.labels)
+    ce = np.bincount(owner, weights=ce_i, minlength=n).astype(np.float64)
+    w = np.bincount(owner, weights=w_i, minlength=n).astype(np.float64)
+    per = {
+        label: {"ce": [float(x) for x in ce_i[owner == k]], "tokens": [int(x) for x in w_i[owner == k]]}
+        for k, label in enumerate(data.labels)
+    }
+    return ce, w, per
+
+
 def _plain(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
-def run(job: EvalJob, devices=None) -> dict:
+def run(job: EvalJob, devices=None, per_instance: bool = False) -> dict:
     """The report: `{checkpoint, step, lm: {label: {ce_loss, ppl, tokens}}, downstream: {task:
     {metric: value, ..., stderr}}}` (NaN, e.g. the standard error of one document, as None).
-    `devices`: the JAX devices (default: the first `job.devices` host CPU devices)."""
+    `devices`: the JAX devices (default: the first `job.devices` host CPU devices). `per_instance`:
+    each LM label also gets `instances: {ce, tokens}`, the CE sum and tokens of each of its documents
+    (what `verify` takes the held-out loss's σ from); the label's sums are theirs."""
     import jax
 
     from olmo_ctl.core.batching import make_plan
@@ -470,7 +506,11 @@ def run(job: EvalJob, devices=None) -> dict:
     with jax.set_mesh(mesh):
         params = jax.device_put(host_params, sharding.param_shardings(host_params, mesh))
         if job.lm_data is not None:
-            ce, w = LMEvaluator(job.lm_data, s, job.limit).sums(params)
+            per = None
+            if per_instance:
+                ce, w, per = _per_instance_sums(job, s, params)
+            else:
+                ce, w = LMEvaluator(job.lm_data, s, job.limit).sums(params)
             values = per_label_metrics(job.lm_data.labels, ce, w)
             for label, tokens in zip(job.lm_data.labels, w, strict=True):
                 ce_tag, ppl_tag = lm_eval_tags(label)
@@ -478,6 +518,7 @@ def run(job: EvalJob, devices=None) -> dict:
                     "ce_loss": _plain(values[ce_tag]),
                     "ppl": _plain(values[ppl_tag]),
                     "tokens": int(tokens),
+                    **({"instances": per[label]} if per is not None else {}),
                 }
         if job.tasks:
             results = DownstreamEvaluator(job.tasks, s).evaluate(params)

@@ -59,7 +59,16 @@ WEIGHT_SUM_TOLERANCE = 1e-6
 # ModelConfig fields that say how a model is trained or run, not what its tensors mean: sources may
 # differ in them (a converted directory is named after its Hugging Face directory, say).
 RUNTIME_FIELDS = frozenset(
-    {"name", "init_std", "param_dtype", "compute_dtype", "remat", "remat_budget", "attention"}
+    {
+        "name",
+        "init_std",
+        "param_dtype",
+        "compute_dtype",
+        "remat",
+        "remat_budget",
+        "attention",
+        "softmax_vocab_size",
+    }
 )
 ACCUMULATION = "float32: acc = 0; acc += float32(w_i) * float32(x_i) for each source i in order"
 

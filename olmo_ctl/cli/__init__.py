@@ -58,13 +58,16 @@ def usage_line(message: str) -> str:
     return f"{msg}; see"
 
 
+# What a Ctrl-C that no command caught says (one that starts or follows something says what it left).
+UNCAUGHT_INTERRUPT = "olmo-ctl stopped before the command finished"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         rv = app(args=args, prog_name="olmo-ctl", standalone_mode=False)
     except Interrupted as e:  # Ctrl-C: one line saying what was left, from whoever caught it
-        text = e.one_line()
-        sys.stderr.write(f"interrupted: {text}\n" if text else "interrupted\n")
+        sys.stderr.write(f"interrupted: {e.one_line() or UNCAUGHT_INTERRUPT}\n")
         return e.exit_code
     except OlmoCtlError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {' '.join(e.format_message().split())}\n")
         return e.exit_code
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
+        sys.stderr.write(f"interrupted: {UNCAUGHT_INTERRUPT}\n")
         return EXIT_INTERRUPTED
     return rv if isinstance(rv, int) else 0
 

@@ -14,6 +14,7 @@ from olmo_ctl.cli.app import (
     SetOpt,
     StageOpt,
     app,
+    plural,
     print_data,
 )
 from olmo_ctl.core.recipe import load_recipe
@@ -166,7 +167,8 @@ def audit(
         )
         for la in rep.launches:
             typer.echo(
-                f"  attempt {la['attempt']} (restored step {la['restored_step']}, {la['processes']} processes): "
+                f"  attempt {la['attempt']} (restored step {la['restored_step']}, "
+                f"{plural(la['processes'], 'process', 'processes')}): "
                 f"steps {la['first_step']}..{la['last_step']}"
             )
         d = rep.first_departure

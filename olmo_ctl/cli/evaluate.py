@@ -29,6 +29,35 @@ def parse_tasks(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+SuiteOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--suite",
+        help="Downstream tasks by name, instead of --tasks: olmo3-in-loop (AI2's 26 OLMo 3 in-loop "
+        "tasks) or case-study (the OLMo 3 case study's eight: ARC-C, ARC-E, BoolQ, HellaSwag, "
+        "OpenBookQA, PIQA, WinoGrande, MMLU; 5-shot multiple choice).",
+    ),
+]
+
+
+def parse_suite(name: str) -> tuple[str, ...]:
+    """`--suite NAME`: the task labels of a named suite (`downstream.SUITES`)."""
+    from olmo_ctl.trainer.downstream import SUITES
+
+    if name.strip() not in SUITES:
+        raise BadInput(f"--suite `{name}` is not a suite", f"known suites: {', '.join(sorted(SUITES))}")
+    return SUITES[name.strip()]
+
+
+def chosen_tasks(tasks: str | None, suite: str | None) -> tuple[str, ...] | None:
+    """The downstream tasks of `--tasks` or `--suite` (one of them at most); None when neither is given."""
+    if tasks is not None and suite is not None:
+        raise BadInput("--suite and --tasks both choose the downstream tasks", "give one of them")
+    if suite is not None:
+        return parse_suite(suite)
+    return None if tasks is None else parse_tasks(tasks)
+
+
 def parse_lm(text: str) -> LMEvalConfig:
     """`--lm MIX`, `--lm LABEL=PATH[,LABEL=PATH...]` (a label given twice gathers its paths) or
     `--lm none`."""
@@ -128,6 +157,7 @@ def evaluate(
             "none). Default: the run's eval.downstream.",
         ),
     ] = None,
+    suite: SuiteOpt = None,
     lm: Annotated[
         str | None,
         typer.Option(
@@ -171,7 +201,11 @@ def evaluate(
     ] = None,
     recipe: CkptRecipeOpt = None,
     list_tasks: Annotated[
-        bool, typer.Option("--list-tasks", help="Print every task label ai2-olmo-eval builds and exit.")
+        bool,
+        typer.Option(
+            "--list-tasks",
+            help="Print every task label ai2-olmo-eval builds (with --suite: the suite's) and exit.",
+        ),
     ] = False,
     backend: Annotated[
         str,
@@ -212,7 +246,7 @@ def evaluate(
     if list_tasks:
         from olmo_ctl.trainer.downstream import known_tasks
 
-        labels = known_tasks()
+        labels = known_tasks() if suite is None else list(chosen_tasks(tasks, suite) or ())
         if output != Output.table:
             print_data(labels, output)
         else:
@@ -223,7 +257,7 @@ def evaluate(
     from olmo_ctl.backends import backend_class
 
     kind = backend_class(backend)  # an unknown name: one line, exit 2
-    task_labels = None if tasks is None else parse_tasks(tasks)
+    task_labels = chosen_tasks(tasks, suite)
     lm_cfg = None if lm is None else parse_lm(lm)
     if not kind.trains_here:  # a cluster's backend: the evaluation is a job of its own there
         from olmo_ctl.checkpoints.evaluate import EvalSpec

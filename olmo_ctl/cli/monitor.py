@@ -64,11 +64,16 @@ def render(rep: dict):
     from rich.table import Table
     from rich.text import Text
 
-    from olmo_ctl.observe.monitor import timeline_summary
+    from olmo_ctl.core.devices import peak_note
+    from olmo_ctl.observe.monitor import GOING_ON_STATES, timeline_summary
 
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
     t.add_column()
+
+    def row(label: str, value: str) -> None:
+        t.add_row(label, Text(value))  # plain text: a `[...]` in a value is shown, not read as markup
+
     step, final = rep.get("step"), rep.get("final_step")
     if step is None:
         prog = "no steps logged yet"
@@ -76,22 +81,22 @@ def render(rep: dict):
         prog = f"{step:,} / {final:,} ({rep['progress_pct']:.2f}%)"
     else:
         prog = f"{step:,}"
-    t.add_row("step", prog)
+    row("step", prog)
     lo = rep["loss"]
-    t.add_row("train CE (smoothed / last)", f"{_g(lo['train_ce_smoothed'])} / {_g(lo['train_ce'])}")
-    t.add_row(
+    row("train CE (smoothed / last)", f"{_g(lo['train_ce_smoothed'])} / {_g(lo['train_ce'])}")
+    row(
         "eval lm_loss",
         "-" if lo["eval_lm_loss"] is None else f"{lo['eval_lm_loss']:.4g} @ step {lo['eval_step']:,}",
     )
     tok = rep["tokens"]
-    t.add_row("tokens seen", _fmt_n(tok["seen"]))
+    row("tokens seen", _fmt_n(tok["seen"]))
     th = rep["throughput"]
     win = th.get("window")
-    t.add_row(
+    row(
         "now = logging window",
         "-" if not win else f"steps {win['first_step']:,}..{win['last_step']:,} (attempt {win['attempt']})",
     )
-    t.add_row(
+    row(
         "tokens/s (now / run avg)",
         f"{_fmt_n(tok['per_s'])} / {_fmt_n(tok['per_s_run_avg'])}"
         + (
@@ -101,23 +106,25 @@ def render(rep: dict):
         ),
     )
     dev = f" on {th['device']} ({plural(th['devices'], 'device')})" if th.get("device") else ""
-    t.add_row(
+    row(
         "TFLOP/s per device",
         f"{_g(th['tflops_per_device'], '.4g')} / {_g(th['tflops_per_device_run_avg'], '.4g')} avg{dev}",
     )
     mfu = "-" if th["mfu"] is None else f"{th['mfu'] * 100:.1f}%"
     mfu_avg = "-" if th["mfu_run_avg"] is None else f"{th['mfu_run_avg'] * 100:.1f}%"
-    t.add_row(
-        "MFU (now / run avg)",
-        f"{mfu} / {mfu_avg}" + (f"  [{th['flops_formula']} FLOPs]" if th.get("flops_formula") else ""),
-    )
-    t.add_row("step time (now / median)", f"{_fmt_s(th['step_time_s'])} / {_fmt_s(th['step_time_median_s'])}")
+    basis = [f"{th['flops_formula']} FLOPs"] if th.get("flops_formula") else []
+    basis += [note] if (note := peak_note(th.get("device"))) else []  # a local device's peak is nominal
+    row("MFU (now / run avg)", f"{mfu} / {mfu_avg}" + (f"  [{'; '.join(basis)}]" if basis else ""))
+    row("step time (now / median)", f"{_fmt_s(th['step_time_s'])} / {_fmt_s(th['step_time_median_s'])}")
+    at = rep["attempt"]
     if rep["eta_s"] == 0 and final and step is not None and step >= final:
-        t.add_row("ETA", "done: final step reached")
+        row("ETA", "done: final step reached")
+    elif rep["eta_s"] is None and at.get("state") not in GOING_ON_STATES:
+        row("ETA", f"- (nothing is running: attempt #{at['attempt']} {at['state']})")
     else:
-        t.add_row("ETA", "-" if rep["eta_s"] is None else f"{_fmt_s(rep['eta_s'])} ({rep['eta']})")
+        row("ETA", "-" if rep["eta_s"] is None else f"{_fmt_s(rep['eta_s'])} ({rep['eta']})")
     sk = rep["skipped_steps"]
-    t.add_row(
+    row(
         "skipped steps",
         "-" if sk["total"] is None else f"{sk['total']} total, {sk['last_1000']} in the last 1000",
     )
@@ -128,22 +135,21 @@ def render(rep: dict):
         last += " (ephemeral; " + ("no permanent one yet)" if perm is None else f"permanent: step {perm:,})")
     elif "permanent_step" in ck and ck["committed_step"] is not None:
         last += " (permanent)"
-    t.add_row("last checkpoint", last)
+    row("last checkpoint", last)
     if ck["steps_at_risk"] is not None:
-        t.add_row("steps at risk", f"{ck['steps_at_risk']:,}")
-    at = rep["attempt"]
+        row("steps at risk", f"{ck['steps_at_risk']:,}")
     if at.get("attempt") is not None:
-        t.add_row(
+        row(
             "attempt",
             f"#{at['attempt']} {at.get('device') or ''}: {at.get('state') or '?'}"
             + (f" — {at['reason']}" if at.get("reason") else "")
             + (f"  [{at['source']}]" if at.get("source") else ""),
         )
     else:
-        t.add_row("attempt", at.get("source") or "-")
+        row("attempt", at.get("source") or "-")
     w = at.get("waiting")
     if w:
-        t.add_row(
+        row(
             "waiting",
             f"for capacity ({w['cause']}) since {w['since']}"
             + (f", {_fmt_s(w['seconds'])}" if w.get("seconds") is not None else "")
@@ -152,12 +158,12 @@ def render(rep: dict):
     gp = rep["goodput"]
     if gp["fraction"] is not None:
         lost = ", ".join(f"{k} {_fmt_s(v)}" for k, v in gp["lost_s"].items() if v)
-        t.add_row(
+        row(
             "goodput",
             f"{gp['fraction'] * 100:.1f}% of {_fmt_s(gp['wall_s'])}" + (f" (lost: {lost})" if lost else ""),
         )
     if rep["replays"]["steps"]:
-        t.add_row(
+        row(
             "replayed steps",
             f"{rep['replays']['steps']} (mismatching values: {rep['replays']['mismatch_count']})",
         )

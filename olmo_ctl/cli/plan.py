@@ -33,8 +33,11 @@ def _duration(s: float) -> str:
     return f"{h:,.0f} h ({h / 24:,.1f} days)" if h >= 48 else f"{h:,.2f} h"
 
 
-def _print_plan(r: dict) -> None:
+def _print_plan(r: dict, peak_note: str = "") -> None:
     gib = 1024**3
+    peak = f"{r['peak_tflops_per_device']:g} TFLOP/s " + (
+        f"{peak_note} per device" if peak_note else "peak per device"
+    )
     lines = [
         f"{r['recipe']} on {r['device'] if r['slices'] == 1 else str(r['slices']) + ' x ' + r['device']}: "
         f"{plural(r['chips'], 'chip')}, {plural(r['vms'], 'VM')}, {plural(r['devices'], 'device')}",
@@ -57,7 +60,7 @@ def _print_plan(r: dict) -> None:
         f"  steps             {r['steps']:,} ({r['tokens']:,} tokens)",
         f"  parameters        {r['params']:,}",
         "",
-        f"compute estimate at {r['mfu'] * 100:g}% MFU ({r['peak_tflops_per_device']:g} TFLOP/s peak per device)",
+        f"compute estimate at {r['mfu'] * 100:g}% MFU ({peak})",
         f"  {'':16}{'OLMo-core formula':>26}{'MaxText formula':>26}",
     ]
     e, f = r["estimate"], r["flops_per_token"]
@@ -151,7 +154,7 @@ def plan(
     if output != Output.table:
         print_data(report, output)
     else:
-        _print_plan(report)
+        _print_plan(report, target.device.peak_note)
         if steps is not None:
             sys.stdout.write("\nlearning rate (step: LR)\n")
             sys.stdout.write("".join(f"  {int(s):>10,}  {lr:.10g}\n" for s, lr in report["lr_at"].items()))

@@ -4,8 +4,8 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
-from olmo_ctl.cli.options import SiteFlags, site_options
+from olmo_ctl.cli.app import Output, OutputOpt, app, plural, print_data
+from olmo_ctl.cli.options import SiteFlags, note, site_options
 
 
 def _loss(x: float | None) -> str:
@@ -23,12 +23,21 @@ def runs(
             "the journal only, no cluster calls).",
         ),
     ] = True,
+    all_: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="Also list the runs `olmo-ctl smoke` made (smoke-DEVICE-..., and their -twin): "
+            "by default they are only counted.",
+        ),
+    ] = False,
     output: OutputOpt = Output.table,
     *,
     site: SiteFlags,
 ) -> None:
     """List the runs under the run root: name, stage, device, committed step / final step, state, last
-    loss and when each last changed.
+    loss and when each last changed. The runs `olmo-ctl smoke` made are counted, not listed, unless
+    --all.
 
     Example: olmo-ctl runs --run-root runs -o json
 
@@ -38,10 +47,22 @@ def runs(
     from olmo_ctl.supervise.attempts import handle_status
 
     settings = site.resolve()
-    rows = list_runs(settings.run_root, handle_status if backend_status else None)
+    listed = list_runs(settings.run_root, handle_status if backend_status else None, smoke=all_)
+    rows = listed.rows
     if output != Output.table:
-        print_data({"run_root": settings.run_root, "runs": [r.to_dict() for r in rows]}, output)
+        print_data(
+            {
+                "run_root": settings.run_root,
+                "runs": [r.to_dict() for r in rows],
+                "smoke_runs_hidden": listed.smoke_hidden,
+            },
+            output,
+        )
         return
+    if listed.smoke_hidden:
+        note(
+            f"{plural(listed.smoke_hidden, 'smoke run')} (made by `olmo-ctl smoke`) not listed; --all lists them"
+        )
     if not rows:
         typer.echo(f"no runs under {settings.run_root}")
         return

@@ -44,6 +44,13 @@ class Device:
         return self.platform == "tpu"
 
     @property
+    def peak_note(self) -> str:
+        """What an MFU against this device's peak is against, where that is not the hardware's own
+        figure: a local device's peak is nominal (a round number, for an MFU to compare runs on
+        this machine by). Empty for a TPU slice."""
+        return "" if self.is_tpu else f"nominal {self.platform.upper()} peak"
+
+    @property
     def hbm_bytes_per_device(self) -> int:
         return int(self.hbm_gib_per_device * GIB)
 
@@ -182,6 +189,14 @@ def _local_device(kind: str, n: int, processes: int = 0) -> Device:
     return Device(f"gpu-{n}", "gpu", None, 0, 1, 0, n, GPU_PEAK_TFLOPS, GPU_HBM_GIB, platform="gpu")
 
 
+def peak_note(name: str | None) -> str:
+    """`Device.peak_note` of the device named `name` ("" for no name, or one that is not a device)."""
+    try:
+        return get_device(name).peak_note if name else ""
+    except BadInput:
+        return ""
+
+
 def cpu_device(n: int) -> Device:
     """`cpu-N`: N host CPU devices in one process (what an evaluation on this machine runs on)."""
     if not 1 <= n <= MAX_LOCAL:
@@ -198,7 +213,41 @@ def local_catalog() -> list[Device]:
 
 
 def get_device(name: str) -> Device:
-    """Parse and validate a device name; unknown names raise BadInput with a hint."""
+    """Parse and validate a device name; unknown names raise BadInput with a hint (and the name meant,
+    when it differs from one only by case or a `tpu-`/`tpu` prefix: `TPU7X-128`, `tpu-v5p-256`)."""
+    try:
+        return _parse_device(name)
+    except BadInput:
+        meant = _meant(name)
+        if meant is None:
+            raise
+        raise BadInput(
+            f"`{name}` is not a device type",
+            f"did you mean `{meant}`? (device names are lowercase, with no tpu- prefix; "
+            "`olmo-ctl devices` lists them)",
+        ) from None
+
+
+def _meant(name: str) -> str | None:
+    """The catalog's name for `name` written in another case, or a TPU slice's with a `tpu-` or `tpu`
+    prefix; None when there is none."""
+    if not isinstance(name, str):
+        return None
+    lower = name.strip().lower()
+    for prefix in ("", "tpu-", "tpu"):
+        rest = lower[len(prefix) :]
+        if not lower.startswith(prefix) or rest == name:
+            continue
+        try:
+            dev = _parse_device(rest)
+        except BadInput:
+            continue
+        if dev.is_tpu or not prefix:
+            return dev.name
+    return None
+
+
+def _parse_device(name: str) -> Device:
     hint = "try `olmo-ctl devices` for the list"
     if not isinstance(name, str) or "-" not in name:
         raise BadInput(f"`{name}` is not a device type", hint)

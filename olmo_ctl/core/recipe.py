@@ -78,6 +78,10 @@ class ModelConfig:
     mlp_hidden: int
     vocab_size: int  # real tokens
     padded_vocab_size: int  # embedding rows used in training
+    # The LM-head rows whose logits take part in the softmax: a converted Hugging Face model's own rows
+    # (its config.json's vocab_size), the rows padding added being zeros it never trained. 0: every
+    # padded row, as OLMo-core trains them (a recipe's model). Absent from run.yaml while 0.
+    softmax_vocab_size: int = 0
     sliding_window: int  # a token sees itself plus window-1 before it (0: no sliding layers)
     full_attention_every: int  # layer i is full attention where (i+1) % full_attention_every == 0
     rope_theta: float
@@ -338,6 +342,8 @@ class Recipe:
         d.pop("source", None)
         if not d["ingredients"]:  # absent unless declared: run.yaml files stay as they were
             d.pop("ingredients")
+        if not d["model"].get("softmax_vocab_size"):  # likewise: absent unless set
+            d["model"].pop("softmax_vocab_size", None)
         return _plain(d)
 
     def ingredient_recipe(self, k: int) -> Recipe:
@@ -345,7 +351,8 @@ class Recipe:
         ing = self.ingredients[k]
         raw = self.to_dict()
         raw.pop("ingredients")
-        return recipe_from_dict(raw, f"{self.source or self.name} ingredient {k + 1}", ing.set)
+        src = f"{self.source or self.name} ingredient {k + 1}"
+        return recipe_from_dict(raw, src, ing.set, blame=f"{src}: set")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -620,6 +627,11 @@ def validate(r: Recipe, src: str) -> None:
         m.padded_vocab_size >= m.vocab_size,
         "model.padded_vocab_size",
         f"must be >= model.vocab_size ({m.vocab_size})",
+    )
+    need(
+        m.softmax_vocab_size == 0 or m.vocab_size <= m.softmax_vocab_size <= m.padded_vocab_size,
+        "model.softmax_vocab_size",
+        f"must be 0 (every padded row) or from model.vocab_size ({m.vocab_size}) to model.padded_vocab_size",
     )
     need(m.rope_theta > 0, "model.rope_theta", "must be positive")
     if m.rope_scaling is not None:
@@ -1018,7 +1030,11 @@ def load_layers(raw: dict, src: str, where: Path | None, _chain: tuple[str, ...]
 
 
 def recipe_from_dict(
-    raw: dict, src: str = "<recipe>", overrides: list[str] | tuple[str, ...] = (), where: Path | None = None
+    raw: dict,
+    src: str = "<recipe>",
+    overrides: list[str] | tuple[str, ...] = (),
+    where: Path | None = None,
+    blame: str = "--set",
 ) -> Recipe:
     """A Recipe from a mapping: its layers (load_layers), then `--set` overrides, validated. An error
     about a value a `--set` gave names that `--set`, not the file."""
@@ -1029,7 +1045,7 @@ def recipe_from_dict(
         validate(r, src)
         _check_remat_budget_set(r, overrides)
     except BadInput as e:
-        raise _blame_override(e, src, overrides) from None
+        raise _blame_override(e, src, overrides, blame) from None
     for k in range(len(r.ingredients)):  # each ingredient's recipe is checked as any recipe is
         r.ingredient_recipe(k)
     return r
@@ -1045,7 +1061,9 @@ def _override_keys(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, st
     return list(seen.items())
 
 
-def _blame_override(e: BadInput, src: str, overrides: list[str] | tuple[str, ...]) -> BadInput:
+def _blame_override(
+    e: BadInput, src: str, overrides: list[str] | tuple[str, ...], blame: str = "--set"
+) -> BadInput:
     """`e` (a message `SRC: ...`) said of the `--set` whose key it names, when one does: the value
     came from the command line, not from the recipe file."""
     if not overrides or not e.message.startswith(f"{src}: "):
@@ -1056,7 +1074,7 @@ def _blame_override(e: BadInput, src: str, overrides: list[str] | tuple[str, ...
     for m in mentioned:
         for key, item in reversed(_override_keys(overrides)):
             if m == key or m.startswith(key + ".") or key.startswith(m + "."):
-                return BadInput(f"--set {item}: {rest}", e.hint)
+                return BadInput(f"{blame} {item}: {rest}", e.hint)
     return e
 
 

@@ -555,7 +555,7 @@ def build_report(
         devices_of,
     )
     skipped, skipped_warnings = _skipped_steps(r)
-    pct, eta_s = _eta(step, final_step, times.recent)
+    pct, eta_s = _eta(step, final_step, times.recent, live.get("state"))
     replayed = r.replays(LOSS_TAG)
     mism = r.mismatches()
     problems = r.problems()
@@ -922,16 +922,25 @@ def _mismatch_warning(mism: list) -> list[str]:
     ]
 
 
-def _eta(step: int | None, final_step: int | None, step_time_last: float | None) -> tuple:
-    """(progress %, seconds to the final step); None where unknown."""
+# The latest attempt's states in which the run is on its way to its final step (None: no journal says
+# otherwise, e.g. a trainer-only run directory): an ETA is given only in these.
+GOING_ON_STATES = (None, "queued", "admitted", "running")
+
+
+def _eta(
+    step: int | None, final_step: int | None, step_time_last: float | None, state: str | None = None
+) -> tuple:
+    """(progress %, seconds to the final step); None where unknown, and while the latest attempt is
+    over (`state`: succeeded short of the final step, failed, stopped, preempted): nothing runs
+    toward the final step, so no time to it can be said."""
     eta_s = None
     pct = None
     if final_step and step is not None:
         pct = 100.0 * step / final_step
-        if step_time_last and step < final_step:
-            eta_s = (final_step - step) * step_time_last
-        elif step >= final_step:
+        if step >= final_step:
             eta_s = 0.0
+        elif step_time_last and state in GOING_ON_STATES:
+            eta_s = (final_step - step) * step_time_last
     return pct, eta_s
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from olmo_ctl.core.devices import peak_note
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.observe.monitor import EVAL_TAG, LOSS_TAG, LR_TAGS, Sources, restarts, windows
 
@@ -84,13 +85,14 @@ def figure(src: Sources, report: dict):
         ax_tps.plot(win.steps[::stride], tps[::stride], lw=0.8, label=f"{unit} (run, per logging window)")
     ax_tps.set_ylabel(unit)
     if np.isfinite(win.mfu).any():
-        formula = (report.get("throughput") or {}).get("flops_formula") or "logged"
+        th = report.get("throughput") or {}
+        note = peak_note(th.get("device"))  # a local device's peak is nominal
         ax_mfu.plot(
             win.steps[::stride],
             100 * win.mfu[::stride],
             lw=0.8,
             color="tab:green",
-            label=f"MFU ({formula} FLOPs)",
+            label=f"MFU ({th.get('flops_formula') or 'logged'} FLOPs" + (f", {note})" if note else ")"),
         )
     ax_mfu.set_ylabel("MFU %")
     ax_mfu.set_xlabel("step")

@@ -13,6 +13,9 @@ final one, state, last loss, and when the run last changed. The state is the run
 The last loss is the `done` line's, else the newest TensorBoard segments' last `train/CE loss`
 (a few files, not the run's whole history). `updated` is the journal's newest line (else run.yaml's
 `created`).
+
+The runs `olmo-ctl smoke` leaves under a run root (named smoke-DEVICE-..., `core.names.is_smoke_run`)
+are counted, not listed, unless asked for: they are checks of a device, not runs anyone follows.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.core.names import is_smoke_run
 from olmo_ctl.observe.monitor import LOSS_TAG, StatusOf, live_attempt_of
 from olmo_ctl.observe.reader import EventReader
 from olmo_ctl.rundir import SPEC, Composite, RunDir
@@ -42,9 +46,18 @@ class RunRow:
     last_loss: float | None
     updated: str | None
     reason: str = ""  # what the state's journal line (or the backend) says
+    smoke: bool = False  # a run `olmo-ctl smoke` made
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class RunList:
+    """The rows `olmo-ctl runs` shows, and how many smoke runs it left out."""
+
+    rows: list[RunRow]
+    smoke_hidden: int = 0
 
 
 class _NewestSegments(EventReader):
@@ -135,12 +148,16 @@ def run_row(path: str, status_of: StatusOf | None = None) -> RunRow:
         _last_loss(rd, journal),
         updated,
         reason,
+        is_smoke_run(rd.name),
     )
 
 
-def list_runs(run_root: str, status_of: StatusOf | None = None) -> list[RunRow]:
-    """A row per run under `run_root`, by name (`status_of`: ask the backend about live attempts)."""
-    return [run_row(p, status_of) for p in run_paths(run_root)]
+def list_runs(run_root: str, status_of: StatusOf | None = None, *, smoke: bool = False) -> RunList:
+    """A row per run under `run_root`, by name (`status_of`: ask the backend about live attempts);
+    `olmo-ctl smoke`'s runs only counted unless `smoke` (their directories are not read then)."""
+    paths = run_paths(run_root)
+    shown = [p for p in paths if smoke or not is_smoke_run(p.rsplit("/", 1)[-1])]
+    return RunList([run_row(p, status_of) for p in shown], len(paths) - len(shown))
 
 
 # ---------------------------------------------------------------- a run of ingredients (docs/ingredients.md)

@@ -10,13 +10,14 @@ unknown task) is refused before the first checkpoint is read.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import tokenizer_spec
 from olmo_ctl.observe import verify as V
 
 DEFAULT_KL_TOKENS = 8192
+PRECISIONS = ("float32", "bfloat16")
 
 
 def verify(
@@ -29,18 +30,26 @@ def verify(
     limit: int = 0,
     kl_tokens: int = DEFAULT_KL_TOKENS,
     devices: int = 1,
-    lm_tolerance: float = 0.02,
+    lm_tolerance: float | None = None,
     sigmas: float = 2.0,
-    kl_tolerance: float = 0.05,
+    kl_tolerance: float | None = None,
     recipe_name: str | None = None,
+    precision: str = "float32",
+    floor: bool = True,
     log=None,
 ) -> dict:
-    """The landmark report: `{run, reference, landmarks: [...], verdict, evaluated, cached}`."""
+    """The landmark report: `{run, reference, precision, landmarks: [...], floor, level, verdict,
+    evaluated, cached}`. Both sides are evaluated in `precision` (matmuls; logits are float32); with
+    `floor`, the reference at the first landmark also in the other precision: the framework noise
+    floor an `identical` landmark must stay within."""
     from olmo_ctl import storage
     from olmo_ctl.rundir import RunDir
 
     if kl_tokens < 0:
         raise BadInput(f"--kl-tokens {kl_tokens} is negative", "0 skips the KL")
+    if precision not in PRECISIONS:
+        raise BadInput(f"--precision {precision}: not one of {', '.join(PRECISIONS)}")
+    other = next(p for p in PRECISIONS if p != precision)
     run_path = run_path.rstrip("/")
 
     def has_run_yaml(path: str) -> bool:
@@ -76,6 +85,8 @@ def verify(
         "seq_len": recipe.train.seq_len,
         "data_root": recipe.data.root,
         "limit": limit,
+        "precision": precision,
+        "per_instance": True,
     }
 
     def prepare(ckpt):
@@ -97,59 +108,80 @@ def verify(
         "lm": settings["lm"],
         "data_eval": list(recipe.data.eval),
         "root": recipe.data.root,
+        "precision": precision,
     }
     kl_recipe = dataclasses.replace(recipe, eval=dataclasses.replace(recipe.eval, lm=lm_cfg))
     jobs: dict[str, Any] = {}  # side -> a prepared job (tasks built once per side)
     counts = {"evaluated": 0, "cached": 0}
+    seen: dict[str, dict] = {}
 
-    def evaluation(side: str, checkpoint: str) -> dict:
+    def opened(checkpoint: str, dtype: str):
+        """The checkpoint, its matmuls in `dtype` (both sides in one precision)."""
+        from olmo_ctl.checkpoints import evaluate as E
+
+        ck = E.open_checkpoint(checkpoint, recipe_of(checkpoint))
+        return dataclasses.replace(ck, model=dataclasses.replace(ck.model, compute_dtype=cast(Any, dtype)))
+
+    def evaluation(side: str, checkpoint: str, dtype: str = precision) -> dict:
         from olmo_ctl.checkpoints import evaluate as E
 
         def compute():
-            ckpt = E.open_checkpoint(checkpoint, recipe_of(checkpoint))
+            ckpt = opened(checkpoint, dtype)
             job = jobs.get(side)
             if job is None or job.checkpoint.model != ckpt.model:
                 job = jobs[side] = prepare(ckpt)
             else:
                 job = dataclasses.replace(job, checkpoint=ckpt)
             if log:
-                log(f"verify: evaluating {checkpoint}")
-            return E.run(job)
+                log(f"verify: evaluating {checkpoint} ({dtype})")
+            return E.run(job, per_instance=True)
 
-        out, hit = V.cached(eval_key(side, checkpoint), compute)
-        counts["cached" if hit else "evaluated"] += 1
-        return out
+        key = eval_key(side, checkpoint, dtype)
+        if key not in seen:  # each evaluation counted once, however often the report reads it
+            out, hit = V.cached(key, compute)
+            counts["cached" if hit else "evaluated"] += 1
+            seen[key] = out
+        return seen[key]
 
-    def kl_at(step: int) -> float | None:
-        if not kl_tokens:
-            return None
-
+    def kl_between(key: str, ref_at: tuple[str, str], run_at: tuple[str, str], what: str) -> float:
         def compute():
             from olmo_ctl.checkpoints import evaluate as E
             from olmo_ctl.checkpoints import kl
 
             if log:
-                log(f"verify: KL at step {step} over {kl_tokens} held-out tokens")
-            ref = E.open_checkpoint(ref_ck[step], recipe_of(ref_ck[step]))
-            run = E.open_checkpoint(run_ck[step], recipe_of(run_ck[step]))
+                log(f"verify: KL {what} over {kl_tokens} held-out tokens")
+            ref, run = opened(*ref_at), opened(*run_at)
             rows = kl.heldout_rows(kl_recipe, kl_tokens)
             value, n = kl.mean_token_kl(E.load_params(ref), ref.model, E.load_params(run), run.model, rows)
             return {"kl": value, "tokens": n}
 
-        out, hit = V.cached(kl_key(step), compute)
+        out, hit = V.cached(key, compute)
         counts["cached" if hit else "evaluated"] += 1
         return float(out["kl"])
 
-    def eval_key(side: str, checkpoint: str) -> str:
-        return V.cache_path(run_path, f"eval-{side}", checkpoint, settings)
+    def kl_at(step: int) -> float | None:
+        if not kl_tokens:
+            return None
+        return kl_between(
+            kl_key(step), (ref_ck[step], precision), (run_ck[step], precision), f"at step {step}"
+        )
+
+    def eval_key(side: str, checkpoint: str, dtype: str = precision) -> str:
+        return V.cache_path(run_path, f"eval-{side}", checkpoint, {**settings, "precision": dtype})
 
     def kl_key(step: int) -> str:
         return V.cache_path(run_path, "kl", ref_ck[step], {**kl_settings, "run": run_ck[step]})
+
+    def floor_kl_key(step: int) -> str:
+        return V.cache_path(run_path, "kl-floor", ref_ck[step], {**kl_settings, "other": other})
 
     keys = [eval_key("run", run_ck[s]) for s in marks_at] + [
         eval_key("reference", ref_ck[s]) for s in marks_at
     ]
     keys += [kl_key(s) for s in marks_at] if kl_tokens else []
+    if floor and marks_at:
+        keys.append(eval_key("reference", ref_ck[marks_at[0]], other))
+        keys += [floor_kl_key(marks_at[0])] if kl_tokens else []
     store = storage.store_for(run_path)
     all_kept = all(store.exists(k) for k in keys)
     # Refuse what can be refused before the first checkpoint is read: the run's own evaluators (not
@@ -163,6 +195,24 @@ def verify(
             "the run evaluates nothing to compare: its recipe has no eval.downstream tasks and no eval.lm",
             "--tasks LABEL,... (e.g. --tasks olmo3) or --lm MIX|LABEL=PATH,...",
         )
+    noise = None
+    if floor and marks_at:
+        first = marks_at[0]
+        ref_other = evaluation("reference", ref_ck[first], other)
+        floor_kl = (
+            kl_between(
+                floor_kl_key(first),
+                (ref_ck[first], precision),
+                (ref_ck[first], other),
+                f"floor at step {first}",
+            )
+            if kl_tokens
+            else None
+        )
+        noise = V.floor_of(evaluation("reference", ref_ck[first]), ref_other, floor_kl)
+        noise["step"], noise["between"] = first, [precision, other]
+    tps = {"run": recipe.train.global_batch * recipe.train.seq_len, **_ref_tokens_per_step(ref_path)}
+    audit = _audit(run_path)
     marks = []
     for step in marks_at:
         run_res, ref_res = evaluation("run", run_ck[step]), evaluation("reference", ref_ck[step])
@@ -175,12 +225,59 @@ def verify(
                 lm_tolerance=lm_tolerance,
                 sigmas=sigmas,
                 kl_tolerance=kl_tolerance,
+                floor=noise,
+                tokens_per_step=tps,
+                audit=audit,
             )
         )
     return {
         "run": run_path,
         "reference": ref_path,
+        "precision": precision,
+        "floor": noise,
+        "audit": audit,
         "landmarks": marks,
+        "level": V.overall_level(marks),
         "verdict": V.summary(marks),
         **counts,
+    }
+
+
+def _ref_tokens_per_step(ref_path: str) -> dict:
+    """{reference, tolerance} of a reference that says its tokens per step: a run directory (its
+    recipe's batch × sequence, exactly) or AI2's revision names (`stage1-step{N}-tokens{T}B`: T
+    rounded to whole billions, so within 1e9 / N); {} when it does not say."""
+    from olmo_ctl import storage
+    from olmo_ctl.observe import hf_revisions
+    from olmo_ctl.rundir import RunDir
+
+    if ref_path.startswith(hf_revisions.PREFIX):
+        revs = hf_revisions.revisions(ref_path)
+        tps = hf_revisions.tokens_per_step(revs)
+        if tps is None:
+            return {}
+        last = max(r.step for r in revs.values() if r.tokens_b is not None and r.step > 0)
+        return {"reference": tps, "tolerance": 1e9 / last}
+    if not storage.store_for(ref_path).exists(storage.join(ref_path, "run.yaml")):
+        return {}
+    r = RunDir(ref_path).recipe()
+    return {"reference": int(r.train.global_batch * r.train.seq_len)}
+
+
+def _audit(run_path: str) -> dict | None:
+    """The run's data audit ({departs_at, reason, repeated, skipped, committed_step}), or None when
+    the run recorded nothing to audit."""
+    from olmo_ctl.checkpoints.data_audit import audit_run
+
+    try:
+        rep = audit_run(run_path)
+    except BadInput:
+        return None
+    d = rep.first_departure or {}
+    return {
+        "committed_step": rep.committed_step,
+        "departs_at": d.get("step"),
+        "reason": d.get("reason", ""),
+        "repeated": rep.repeated,
+        "skipped": rep.skipped,
     }

@@ -41,6 +41,7 @@ from olmo_ctl.core import faults as fault_knobs
 from olmo_ctl.core.batching import make_plan
 from olmo_ctl.core.contracts import log_progress
 from olmo_ctl.core.errors import EXIT_OK, EXIT_RUN_FAILED, EXIT_TIMEOUT, BadInput
+from olmo_ctl.core.names import SMOKE_TWIN, smoke_run_name
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.observe.reader import read_scalars
 from olmo_ctl.rundir import RunDir
@@ -477,7 +478,7 @@ def _create_run(rundir, recipe, device: str, local: bool = True, slices: int = 1
 
 
 def new_run_name(device: str) -> str:
-    return f"smoke-{device}-{time.strftime('%m%d%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+    return smoke_run_name(device, time.strftime("%m%d%H%M%S", time.gmtime()), secrets.token_hex(2))
 
 
 def run_smoke(
@@ -506,7 +507,7 @@ def run_smoke(
     # cannot see) before any storage is touched.
     backend.validate_target(target, backend.settings, join(run_root, name))
     main = RunDir.of(run_root, name)
-    twin = RunDir.of(run_root, f"{name}-twin")
+    twin = RunDir.of(run_root, f"{name}{SMOKE_TWIN}")
     report = SmokeReport(device.name, backend.name, [main.path, twin.path])
     if plan.slices > 1:
         report.facts.update(slices=plan.slices, seq_shards=plan.seq_shards)

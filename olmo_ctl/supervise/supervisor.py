@@ -631,8 +631,29 @@ class Supervisor:
             self.out.block("last log lines:", lines[-20:])
 
     def _interrupted(self) -> NoReturn:
-        """Ctrl-C: journaled, then one line (Interrupted: stderr, exit 130) saying what keeps running."""
+        """Ctrl-C: journaled, then one line (Interrupted: stderr, exit 130) saying what keeps running.
+        The attempt in hand may have ended since the loop last looked (its trainer exited between two
+        polls, or the loop was retiring it): the backend is asked once, and an attempt it calls over
+        is not said to keep running (a second Ctrl-C, or no answer, leaves it as the loop knew it)."""
         h = self.handle
+        ended = None
+        if h is not None:
+            try:
+                inner = getattr(self.backend, "_backend", self.backend)  # not PatientBackend's endless wait
+                st = inner.status(h)
+                ended = st if st.state.terminal else None
+            except (Exception, KeyboardInterrupt):
+                ended = None
+        if h is not None and ended is not None:
+            self._journal(
+                "supervisor_detached",
+                f"interrupted; attempt {h.attempt} had ended ({ended.state.value})",
+                committed_step=self.rd.committed_step(),
+            )
+            why = f"{ended.state.value}: {ended.reason}" if ended.reason else ended.state.value
+            raise Interrupted(
+                f"attempt {h.attempt} has ended ({why}); nothing is running; continue with: {self.reattach_hint}"
+            )
         if h is not None and self.stop_on_exit:
             self.out.line(f"interrupted: stopping attempt {h.attempt} (--stop-on-exit)")
             self.backend.stop(h, graceful=True)

