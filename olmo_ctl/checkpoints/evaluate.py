@@ -100,20 +100,13 @@ def open_checkpoint(path: str, recipe: str | None = None) -> Checkpoint:
 def _soup_recipe(path: str) -> Recipe | None:
     """A soup of training checkpoints (soup.json with the recipe they were trained with): that recipe,
     for eval's defaults (sequence length, tokenizer, held-out sets, tasks); else None."""
-    from olmo_ctl.checkpoints.soup import MANIFEST
+    from olmo_ctl.checkpoints.soup import MANIFEST, read_manifest
     from olmo_ctl.rundir import run_recipe
 
-    p = join(path, MANIFEST)
-    store = store_for(p)
-    if not store.exists(p):
+    doc = read_manifest(path)
+    if doc is None or not isinstance(doc.get("recipe"), dict):
         return None
-    try:
-        doc = json.loads(store.read_bytes(p).decode())
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(doc, dict) or not isinstance(doc.get("recipe"), dict):
-        return None
-    return run_recipe(doc, p)
+    return run_recipe(doc, join(path, MANIFEST))
 
 
 def _no_recipe(recipe: str | None, path: str) -> None:
@@ -344,14 +337,12 @@ class EvalSpec:
         }
 
     def to_json(self) -> str:
-        import json
 
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     @staticmethod
     def from_json(text: str) -> EvalSpec:
         """The spec of `to_json`; a BadInput naming what is malformed."""
-        import json
 
         from olmo_ctl.core.recipe import LMEvalSet
 
@@ -397,7 +388,6 @@ def run_job(spec: EvalSpec, out_dir: str, devices, sent: dict | None = None) -> 
     """An eval job's work, on this process's `devices` (a single-host slice's chips): the spec's
     evaluation, written to `<out_dir>/result.json` as `{spec, devices, report}` (`spec`: `sent`, the
     spec as it came, else this one's dict); returns that."""
-    import json
 
     devs = list(devices)
     job = prepare(open_checkpoint(spec.checkpoint, spec.recipe), devices=len(devs), **spec.options())

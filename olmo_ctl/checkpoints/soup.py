@@ -364,6 +364,19 @@ def soup(
     return manifest
 
 
+def read_manifest(path: str) -> dict | None:
+    """The manifest (soup.json) of the soup directory `path`, or None for anything else."""
+    p = join(path.rstrip("/"), MANIFEST)
+    store = store_for(p)
+    if not store.exists(p):
+        return None
+    try:
+        doc = json.loads(store.read_bytes(p).decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("kind") == "soup" else None
+
+
 def _run_recipe(sources: list[Source]) -> dict | None:
     """The recipe (run.yaml's) of the first source that is a run's training checkpoint, or None."""
     from olmo_ctl.rundir import RunDir

@@ -348,15 +348,6 @@ def monitor(
 
 def _soup_manifest(path: str) -> dict | None:
     """The manifest of a soup directory (`surgery soup`'s soup.json), or None for anything else."""
-    from olmo_ctl import storage
-    from olmo_ctl.checkpoints.soup import MANIFEST
+    from olmo_ctl.checkpoints.soup import read_manifest
 
-    p = storage.join(path.rstrip("/"), MANIFEST)
-    store = storage.store_for(p)
-    if not store.exists(p):
-        return None
-    try:
-        doc = json.loads(store.read_bytes(p).decode())
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return doc if isinstance(doc, dict) and doc.get("kind") == "soup" else None
+    return read_manifest(path)
