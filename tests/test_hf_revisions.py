@@ -140,14 +140,15 @@ def test_verify_against_revisions_in_the_cache(smoke_run, hub, tmp_path):
     res = json.loads(p.stdout)
     assert res["reference"] == f"hf:{REPO}"
     assert [m["step"] for m in res["landmarks"]] == [20, 40]
-    assert p.returncode == (0 if all(m["within_noise"] for m in res["landmarks"]) else 1)
+    assert p.returncode == 0
     snapshots = {str(Path(H.repo_dir(str(hub), REPO)) / "snapshots" / _commit(r)) for r in REVISIONS.values()}
     assert sum(f"evaluating {s} " in p.stderr for s in snapshots) == 2, p.stderr  # each revision's snapshot
+    # Each revision is the run's own checkpoint exported (every trained row of the padded vocabulary
+    # kept), converted back in memory: the same function, so identical at both landmarks.
+    assert res["level"] == "identical", res
     for m in res["landmarks"]:
-        # The same weights on both sides, the export's softmax over its 258 rows against the run's padded
-        # vocabulary: close, not equal.
-        assert abs(m["lm"]["smoke_eval"]) < 0.1 and 0 <= m["kl"] < 0.1, m
-        assert m["downstream"]["copycolors_10way"] == 0.0
+        assert m["lm"] == {"smoke_eval": 0.0} and m["kl"] == 0.0, m
+        assert m["downstream"]["copycolors_10way"] == 0.0 and m["level"] == "identical"
     again = invoke("verify", str(run), "--reference", f"hf:{REPO}", *ARGS, "-o", "json", env=env)
     kept = json.loads(again.stdout)
     assert (

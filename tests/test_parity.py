@@ -227,3 +227,22 @@ def test_a_training_checkpoint_exports_to_hf_and_matches(tmp_path, smoke_run):
     res = run_parity(str(tmp_path / "hf"), step_dir, seq_len=128, batch=2, recipe="smoke")
     print("trained smoke checkpoint", res)
     assert res["kl_mean"] < 1e-6 and res["top1_agreement"] == 1.0
+    # Every row of the padded vocabulary is kept (the trainer trained them: they take softmax mass), as
+    # OLMo-core's export keeps them; --truncate-vocab keeps the tokenizer's rows only.
+    cfg = convert._run_checkpoint_model(step_dir, recipe="smoke")
+    assert cfg.vocab_size < cfg.padded_vocab_size and not cfg.softmax_vocab_size
+    rows = {}
+    for name, flag in (("hf", ()), ("hf-truncated", ("--truncate-vocab",))):
+        if flag:
+            r = cli("convert", "orbax-to-hf", step_dir, str(tmp_path / name), "--recipe", "smoke", *flag)
+            assert r.returncode == 0, r.stderr
+        head = convert.read_safetensors_header(tmp_path / name / "model.safetensors")
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert (
+            head["lm_head.weight"].shape[0]
+            == head["model.embed_tokens.weight"].shape[0]
+            == config["vocab_size"]
+        )
+        rows[name] = config["vocab_size"]
+    assert rows == {"hf": cfg.padded_vocab_size, "hf-truncated": cfg.vocab_size}
+    assert f"vocab {cfg.vocab_size} rows" in r.stdout

@@ -23,9 +23,13 @@ Mapping (HF Linear weights are [out, in]; ours are [in, out]):
     model.layers.i.post_attention_layernorm.weight -> blocks/attn_norm[i]
     model.layers.i.post_feedforward_layernorm.weight -> blocks/mlp_norm[i]
     model.layers.i.mlp.{gate,up,down}_proj.weight  -> blocks/mlp/w{1,3,2}[i] (transposed)
-Converting out truncates the vocab back to `vocab_size` rows. The zero rows padding adds were never
-trained, so a converted model's config records its own rows (`softmax_vocab_size`) and the model
-leaves the others out of the softmax, as transformers, which has none, does.
+The zero rows padding adds to a converted model were never trained, so its config records its own rows
+(`softmax_vocab_size`) and the model leaves the others out of the softmax, as transformers, which has
+none, does. Converting out writes the rows the model's softmax covers (`hf_vocab_rows`): a converted
+model's own rows, so it round-trips exactly; every padded row of a training checkpoint, which the
+trainer trained (its LM head's padded columns take softmax mass in every step), as OLMo-core's
+`save_hf_model` keeps them, so the export's logits are the checkpoint's; `vocab_size` rows only on
+request (`truncate_vocab`), for tools that want the tokenizer's size.
 
 Both directions stream, one parameter and within it one stored Orbax chunk (at most 64 MiB) at a
 time, so peak memory is a few chunks whatever the model's size (docs/benchmarks.md,
@@ -438,17 +442,27 @@ def softmax_rows(hf_rows: int, padded: int) -> int:
     return hf_rows if hf_rows < padded else 0
 
 
-def hf_config_from_model(cfg: ModelConfig, base: dict | None = None, dtype: str = "float32") -> dict:
+def hf_vocab_rows(cfg: ModelConfig, truncate_vocab: bool = False) -> int:
+    """The embedding and LM-head rows an export of `cfg` writes (the module docstring): the rows its
+    softmax covers, or the tokenizer's `vocab_size` when `truncate_vocab`."""
+    if truncate_vocab:
+        return cfg.vocab_size
+    return cfg.softmax_vocab_size or cfg.padded_vocab_size
+
+
+def hf_config_from_model(
+    cfg: ModelConfig, base: dict | None = None, dtype: str = "float32", vocab_rows: int | None = None
+) -> dict:
     """config.json for `cfg`: an `Olmo3Config`, or an `Olmo2Config` (no sliding window or layer types,
     one RoPE for every layer) for architecture olmo2; fields of `base` (the original config.json) not
-    derived from cfg are kept."""
+    derived from cfg are kept. `vocab_rows`: the rows the export writes (default `vocab_size`)."""
     olmo2 = cfg.architecture == "olmo2"
     hf = dict(base or {})
     hf.update(
         {
             "architectures": ["Olmo2ForCausalLM" if olmo2 else "Olmo3ForCausalLM"],
             "model_type": cfg.architecture,
-            "vocab_size": cfg.vocab_size,
+            "vocab_size": vocab_rows or cfg.vocab_size,
             "hidden_size": cfg.d_model,
             "intermediate_size": cfg.mlp_hidden,
             "num_hidden_layers": cfg.n_layers,
@@ -537,11 +551,14 @@ def hf_state_to_params(state: dict[str, np.ndarray], cfg: ModelConfig, dtype: st
     return params
 
 
-def params_to_hf_state(params, cfg: ModelConfig, dtype: str) -> dict[str, np.ndarray]:
-    """Our parameters -> HF tensors (vocab truncated to cfg.vocab_size), in `dtype`."""
+def params_to_hf_state(
+    params, cfg: ModelConfig, dtype: str, vocab_rows: int | None = None
+) -> dict[str, np.ndarray]:
+    """Our parameters -> HF tensors (`vocab_rows` rows of the vocabulary, default `hf_vocab_rows`), in
+    `dtype`."""
     dt = _np_dtype(dtype)
     p = _to_numpy(params)
-    V = cfg.vocab_size
+    V = vocab_rows or hf_vocab_rows(cfg)
 
     def c(x):
         return np.ascontiguousarray(np.asarray(x).astype(dt))
@@ -629,8 +646,9 @@ def routes(cfg: ModelConfig) -> list[Route]:
     return out
 
 
-def hf_layout(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every HF tensor of `cfg`, in the order the files hold them."""
+def hf_layout(cfg: ModelConfig, vocab_rows: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every HF tensor of `cfg`, in the order the files hold them; the vocabulary has
+    `vocab_rows` rows (default `hf_vocab_rows`)."""
     from olmo_ctl.trainer.model import param_shapes
 
     shapes = param_shapes(cfg)
@@ -642,7 +660,7 @@ def hf_layout(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         shape = tuple(node[1:] if r.stacked else node)
         shape = shape[::-1] if r.transpose else shape
         if r.path in (("embed",), ("lm_head",)):
-            shape = (cfg.vocab_size, *shape[1:])
+            shape = (vocab_rows or hf_vocab_rows(cfg), *shape[1:])
         per_name.update(dict.fromkeys(r.hf_names, shape))
     layers = [f"model.layers.{i}.{n}" for i in range(cfg.n_layers) for n, _, _ in LAYER_MAP]
     order = ["model.embed_tokens.weight", *layers, "model.norm.weight", "lm_head.weight"]
@@ -1180,9 +1198,11 @@ def orbax_to_hf(
     dtype: str | None = None,
     overwrite: bool = False,
     recipe: str | None = None,
-) -> ModelConfig:
+    truncate_vocab: bool = False,
+) -> tuple[ModelConfig, int]:
     """Stream a parameter directory or training checkpoint into an HF directory: the files are laid
-    out first (every shape is known from the model), then filled one stored chunk at a time."""
+    out first (every shape is known from the model), then filled one stored chunk at a time. Returns
+    the model and the vocabulary rows written (`hf_vocab_rows`)."""
     from olmo_ctl.checkpoints.surgery import quiet_orbax
 
     quiet_orbax()
@@ -1205,13 +1225,14 @@ def orbax_to_hf(
         if got != tuple(want):
             raise BadInput(f"tensor {r.key} has shape {got}, the config says {tuple(want)}")
     dtype = dtype or meta.get("hf_dtype") or "float32"
-    hf_config = hf_config_from_model(cfg, meta.get("hf_config"), dtype)
+    rows = hf_vocab_rows(cfg, truncate_vocab)
+    hf_config = hf_config_from_model(cfg, meta.get("hf_config"), dtype, rows)
     import orbax.checkpoint as ocp
 
     context = ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt)  # one for every parameter
     with output_dir(hf_dir, overwrite) as out:
-        files = create_hf_dir(out, hf_config, hf_layout(cfg), _np_dtype(dtype))
+        files = create_hf_dir(out, hf_config, hf_layout(cfg, rows), _np_dtype(dtype))
         return_freed_blocks()
         for r in routes(cfg):
             _export(r, open_param(orbax_path(item_dir), leaves[r.key], zarr3, ocdbt, context), files)
-    return cfg
+    return cfg, rows

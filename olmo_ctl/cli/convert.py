@@ -107,11 +107,21 @@ def orbax_to_hf(
         ),
     ] = None,
     recipe: CkptRecipeOpt = None,
+    truncate_vocab: Annotated[
+        bool,
+        typer.Option(
+            "--truncate-vocab",
+            help="Write only the tokenizer's vocab_size rows (a training checkpoint's padded rows, which "
+            "it trained, are dropped: the export's softmax then differs from the checkpoint's).",
+        ),
+    ] = False,
     overwrite: OverwriteOpt = False,
 ) -> None:
-    """Convert Orbax parameters back to a Hugging Face Olmo3ForCausalLM directory (vocab truncated).
+    """Convert Orbax parameters back to a Hugging Face Olmo3ForCausalLM / Olmo2ForCausalLM directory.
 
-    Streams one stored chunk at a time into safetensors files laid out in advance.
+    Streams one stored chunk at a time into safetensors files laid out in advance. The vocabulary keeps
+    the rows the model's softmax covers: every padded row of a training checkpoint (as OLMo-core's
+    export does), a converted model's own rows; --truncate-vocab keeps vocab_size rows.
 
     Exit codes: 0 written, 2 bad input (a destination that is not empty: --overwrite).
     """
@@ -123,5 +133,10 @@ def orbax_to_hf(
     cpu_only()  # before JAX loads: no TPU runtime noise
     from olmo_ctl.checkpoints.convert import orbax_to_hf as run
 
-    cfg = run(orbax_dir, hf_dir, dtype=dtype, overwrite=overwrite, recipe=recipe)
-    typer.echo(f"wrote {hf_dir}: Olmo3ForCausalLM, {cfg.n_layers} layers, vocab {cfg.vocab_size}")
+    cfg, rows = run(
+        orbax_dir, hf_dir, dtype=dtype, overwrite=overwrite, recipe=recipe, truncate_vocab=truncate_vocab
+    )
+    family = "Olmo2ForCausalLM" if cfg.architecture == "olmo2" else "Olmo3ForCausalLM"
+    typer.echo(
+        f"wrote {hf_dir}: {family}, {cfg.n_layers} layers, vocab {rows} rows (tokenizer {cfg.vocab_size})"
+    )
