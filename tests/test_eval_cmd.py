@@ -228,7 +228,7 @@ def test_bad_input_is_one_line_and_exit_2_before_the_model_loads(
 ):
     from olmo_ctl.checkpoints import evaluate
 
-    monkeypatch.setattr(evaluate, "load_params", _boom)
+    monkeypatch.setattr(evaluate, "load_sharded", _boom)
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     p = invoke("eval", str(smoke_run / "checkpoints" / "40"), "--recipe", "smoke", *args, env=env)
     assert p.returncode == 2 and p.stdout == "", (case, p.stderr)

@@ -176,8 +176,7 @@ def test_the_evaluator_gives_transformers_per_token_log_probabilities(hf, hf_log
     mesh = sharding.make_mesh(devs, seq_shards=plan.seq_shards, activate=False)
     evaluator = D.DownstreamEvaluator([], E.EvalSetup(r, plan, mesh, local_devices=1))
     with jax.set_mesh(mesh):
-        host = E.load_params(ckpt)
-        params = jax.device_put(host, sharding.param_shardings(host, mesh))
+        params = E.load_sharded(ckpt, mesh)
         ll, _ = evaluator.scores(params, ts)
     assert {w for _, w in evaluator.plan(ts)} == {128, 256}  # rows of two lengths
     lp = torch.log_softmax(hf_logits(seqs), dim=-1).numpy()  # [2, 160, VOCAB]

@@ -1092,25 +1092,56 @@ class _FromHf(StreamedArray):
         self.route = route
         self.tensors = tensors
 
+    def block(self, index: tuple[slice, ...]) -> np.ndarray:
+        """The block `index` of this parameter, read from the HF rows it covers only."""
+        index = tuple(slice(*s.indices(dim)[:2]) for s, dim in zip(index, self.shape, strict=True))
+        block = np.zeros(tuple(s.stop - s.start for s in index), self.dtype)
+        for k, name, rows, cols in self.route.parts(index):
+            t = self.tensors[name]
+            stop = min(rows.stop, t.shape[0])  # rows past the HF vocabulary stay zero
+            if stop <= rows.start:
+                continue
+            band = t.rows(rows.start, stop)
+            src = band if cols is None else band[:, cols]
+            dst = block if k is None else block[k]
+            if self.route.transpose:
+                dst[:, : stop - rows.start] = src.T
+            else:
+                dst[: stop - rows.start] = src
+            del band, src
+        return block
+
     async def write_into(self, out, context) -> None:
         chunk = chunk_shape(self.shape, out.chunk_layout.write_chunk.shape)
         # HF rows outermost: consecutive blocks read the same band of rows, which the page cache keeps
         for index in blocks(self.shape, chunk, self.route.hf_row_axis):
-            block = np.zeros(tuple(s.stop - s.start for s in index), self.dtype)
-            for k, name, rows, cols in self.route.parts(index):
-                t = self.tensors[name]
-                stop = min(rows.stop, t.shape[0])  # rows past the HF vocabulary stay zero
-                if stop <= rows.start:
-                    continue
-                band = t.rows(rows.start, stop)
-                src = band if cols is None else band[:, cols]
-                dst = block if k is None else block[k]
-                if self.route.transpose:
-                    dst[:, : stop - rows.start] = src.T
-                else:
-                    dst[: stop - rows.start] = src
-                del band, src
-            await out[index].write(block, can_reference_source_data_indefinitely=True)  # no copy
+            await out[index].write(self.block(index), can_reference_source_data_indefinitely=True)  # no copy
+
+
+def hf_params_sharded(hf_dir: str, cfg: ModelConfig, shardings):
+    """The parameters of the Hugging Face directory `hf_dir` (local) as jax arrays in `shardings` (a
+    pytree of `param_shapes(cfg)`'s structure): each device's shard built from the memory-mapped HF
+    rows it covers, so a host reads only its own devices' parts (the evaluation's sharded load)."""
+    import jax
+
+    from olmo_ctl.trainer.model import param_shapes
+
+    _, tensors = index_hf_dir(hf_dir)
+    sources = _hf_sources(tensors, cfg)
+    shapes = param_shapes(cfg)
+    dt = _np_dtype(cfg.param_dtype)
+    out: dict = {}
+    for r in routes(cfg):
+        node, shape, sharding = out, shapes, shardings
+        for p in r.path[:-1]:
+            node, shape, sharding = node.setdefault(p, {}), shape[p], sharding[p]
+        arr = _FromHf(r, sources, tuple(shape[r.path[-1]]), dt)
+
+        def shard(index: tuple[slice, ...] | None, arr: _FromHf = arr) -> np.ndarray:
+            return arr.block(index if index is not None else tuple(slice(None) for _ in arr.shape))
+
+        node[r.path[-1]] = jax.make_array_from_callback(arr.shape, sharding[r.path[-1]], shard)
+    return out
 
 
 def _hf_sources(tensors: dict[str, StoredTensor], cfg: ModelConfig) -> dict[str, StoredTensor]:

@@ -317,6 +317,11 @@ class EvalSpec:
     seq_len: int | None = None
     data_root: str | None = None
     limit: int = 0
+    precision: str | None = None  # the matmuls' dtype (None: the checkpoint's own)
+    per_instance: bool = False  # each LM document's CE sum and tokens too (`verify`'s σ)
+    # A KL job instead of an evaluation: {"reference": [path, precision], "run": [path, precision],
+    # "tokens": N}, over held-out rows of `checkpoint`'s run (the run side's recipe)
+    kl: dict | None = None
 
     def to_dict(self) -> dict:
         lm = None
@@ -334,6 +339,10 @@ class EvalSpec:
             "seq_len": self.seq_len,
             "data_root": self.data_root,
             "limit": self.limit,
+            # the later fields only when set: an earlier spec's dict (and its kept result) is unchanged
+            **({"precision": self.precision} if self.precision is not None else {}),
+            **({"per_instance": True} if self.per_instance else {}),
+            **({"kl": self.kl} if self.kl is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -365,6 +374,9 @@ class EvalSpec:
                 seq_len=None if d.get("seq_len") is None else int(d["seq_len"]),
                 data_root=d.get("data_root"),
                 limit=int(d.get("limit") or 0),
+                precision=None if d.get("precision") is None else str(d["precision"]),
+                per_instance=bool(d.get("per_instance", False)),
+                kl=_kl_of(d.get("kl")),
             )
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise BadInput(
@@ -373,7 +385,7 @@ class EvalSpec:
             ) from None
 
     def options(self) -> dict:
-        """The keyword arguments of `check` and `prepare`."""
+        """The keyword arguments of `check` and `prepare` (the precision and the KL apart)."""
         return {
             "tasks": self.tasks,
             "lm": self.lm,
@@ -384,35 +396,137 @@ class EvalSpec:
         }
 
 
-def run_job(spec: EvalSpec, out_dir: str, devices, sent: dict | None = None) -> dict:
-    """An eval job's work, on this process's `devices` (a single-host slice's chips): the spec's
-    evaluation, written to `<out_dir>/result.json` as `{spec, devices, report}` (`spec`: `sent`, the
-    spec as it came, else this one's dict); returns that."""
+def _kl_of(kl) -> dict | None:
+    """A spec's `kl`, checked: two [path, precision] sides and a token count."""
+    if kl is None:
+        return None
+    sides = [kl["reference"], kl["run"]]
+    if not all(isinstance(x, list) and len(x) == 2 for x in sides):
+        raise ValueError("kl.reference and kl.run are [path, precision]")
+    return {
+        "reference": [str(x) for x in sides[0]],
+        "run": [str(x) for x in sides[1]],
+        "tokens": int(kl["tokens"]),
+    }
+
+
+def run_job(spec: EvalSpec, out_dir: str, devices, sent: dict | None = None, log=None) -> dict:
+    """An eval job's work, on `devices` (every chip of the slice: one process per host, each reading
+    only its own devices' shards): the spec's evaluation, or its KL, written by process 0 to
+    `<out_dir>/result.json` as `{spec, devices, report}` (`spec`: `sent`, the spec as it came, else
+    this one's dict); returns that."""
+    import jax
 
     devs = list(devices)
-    job = prepare(open_checkpoint(spec.checkpoint, spec.recipe), devices=len(devs), **spec.options())
-    report = run(job, devs)
+    ckpt = open_checkpoint(spec.checkpoint, spec.recipe)
+    if spec.kl is not None:
+        report = run_kl(spec, ckpt, devs, log=log)
+    else:
+        job = prepare(_in_precision(ckpt, spec.precision), devices=len(devs), **spec.options())
+        report = run(job, devs, per_instance=spec.per_instance, log=log)
     d0 = devs[0]
     record = {
         "spec": spec.to_dict() if sent is None else sent,
         "devices": {"platform": d0.platform, "kind": str(d0.device_kind), "count": len(devs)},
         "report": report,
     }
-    store_for(out_dir).write_bytes(join(out_dir, RESULT_FILE), (json.dumps(record, indent=1) + "\n").encode())
+    if jax.process_index() == 0:
+        store_for(out_dir).write_bytes(
+            join(out_dir, RESULT_FILE), (json.dumps(record, indent=1) + "\n").encode()
+        )
     return record
 
 
-def load_params(ckpt: Checkpoint):
-    """The checkpoint's parameters as numpy arrays on the host (a Hugging Face directory converted
-    in memory, as `convert hf-to-orbax` converts it)."""
-    from olmo_ctl.checkpoints import convert
+def _in_precision(ckpt: Checkpoint, precision: str | None) -> Checkpoint:
+    """The checkpoint with its matmuls in `precision` (None: its own)."""
+    if precision is None:
+        return ckpt
+    model = dataclasses.replace(ckpt.model, compute_dtype=precision)  # type: ignore[arg-type]
+    return dataclasses.replace(ckpt, model=model)
 
+
+def run_kl(spec: EvalSpec, ckpt: Checkpoint, devices, log=None) -> dict:
+    """`{kl, tokens}`: the mean token KL(reference || run) of `spec.kl` over held-out rows of
+    `ckpt`'s run (its recipe's `eval.lm` as the spec sets it, else `data.eval`), both sides sharded
+    over `devices` (the JAX devices, or a count of this process's host CPU devices; checkpoints/kl.py)."""
+    from olmo_ctl.checkpoints import kl as K
+
+    if isinstance(devices, int):
+        from olmo_ctl.trainer.quiet import cpu_devices
+
+        devices = cpu_devices(devices)
+
+    assert spec.kl is not None
+    r = eval_recipe(
+        ckpt,
+        tasks=(),
+        lm=spec.lm,
+        tokenizer=spec.tokenizer,
+        seq_len=spec.seq_len,
+        data_root=spec.data_root,
+        devices=len(list(devices)),
+    )
+    (ref_path, ref_dtype), (run_path, run_dtype) = spec.kl["reference"], spec.kl["run"]
+    ref = _in_precision(open_checkpoint(ref_path, _recipe_for(ref_path, spec)), ref_dtype)
+    run_ck = _in_precision(open_checkpoint(run_path, _recipe_for(run_path, spec)), run_dtype)
+    import jax
+
+    from olmo_ctl.trainer import sharding
+    from olmo_ctl.trainer.checkpoint import storage_bytes_read
+
+    devs = list(devices)
+    mesh = sharding.make_mesh(devs, activate=False)
+    with jax.set_mesh(mesh):
+        read0 = storage_bytes_read()
+        ref_params, run_params = load_sharded(ref, mesh), load_sharded(run_ck, mesh)
+        mib = (storage_bytes_read() - read0) / 2**20
+        per_pass = rows_per_pass(len(devs), r.train.seq_len, ref.model.padded_vocab_size)
+        value, n = K.sharded_token_kl(
+            ref_params, ref.model, run_params, run_ck.model, r, int(spec.kl["tokens"]), mesh, per_pass
+        )
+    if log is not None:
+        log(
+            f"KL over {n} held-out tokens on {len(devs)} devices ({mib:.2f} MiB of checkpoints read by this host)"
+        )
+    return {"kl": value, "tokens": n}
+
+
+def _recipe_for(path: str, spec: EvalSpec) -> str | None:
+    """`spec.recipe` for a run's step directory without run.yaml (the spec's checkpoint's rule)."""
+    from olmo_ctl.rundir import RunDir
+
+    parent, _, _ = path.rstrip("/").rpartition("/")
+    run_dir, _, leaf = parent.rpartition("/")
+    return spec.recipe if leaf == "checkpoints" and not RunDir(run_dir).exists() else None
+
+
+def load_sharded(ckpt: Checkpoint, mesh):
+    """The checkpoint's parameters as jax arrays over `mesh`, sharded as the trainer shards them, read
+    straight into their shards: each host reads only the parts its own devices hold (an Orbax partial
+    restore of `params` for a run's checkpoint or a converted one, as `--init-from` reads them; the
+    memory-mapped rows each shard covers for a Hugging Face directory), never a whole copy, so a model
+    larger than one host's memory evaluates on a slice that holds it."""
+    import jax
+    import numpy as np
+
+    from olmo_ctl.trainer import sharding
+    from olmo_ctl.trainer.model import param_shapes
+
+    dtype = np.dtype(jax.numpy.dtype(ckpt.model.param_dtype))
+    abstract = jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, dtype),
+        param_shapes(ckpt.model),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    shardings = sharding.param_shardings(abstract, mesh)
     if ckpt.kind == "hf":
+        from olmo_ctl.checkpoints import convert
+
         with convert.local_copy(ckpt.path) as d:
-            _, state = convert.load_hf_dir(d)
-            return convert.hf_state_to_params(state, ckpt.model)
-    params, _, _ = convert.load_orbax(ckpt.path, recipe=ckpt.recipe_name)
-    return params
+            return convert.hf_params_sharded(d, ckpt.model, shardings)
+    from olmo_ctl.trainer.checkpoint import load_init_params
+
+    return load_init_params(ckpt.path, abstract, shardings, run_step=ckpt.kind == "run")
 
 
 @dataclass
@@ -465,7 +579,7 @@ def _plain(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
-def run(job: EvalJob, devices=None, per_instance: bool = False) -> dict:
+def run(job: EvalJob, devices=None, per_instance: bool = False, log=None) -> dict:
     """The report: `{checkpoint, step, lm: {label: {ce_loss, ppl, tokens}}, downstream: {task:
     {metric: value, ..., stderr}}}` (NaN, e.g. the standard error of one document, as None).
     `devices`: the JAX devices (default: the first `job.devices` host CPU devices). `per_instance`:
@@ -477,6 +591,7 @@ def run(job: EvalJob, devices=None, per_instance: bool = False) -> dict:
     from olmo_ctl.core.contracts import lm_eval_tags
     from olmo_ctl.core.devices import cpu_device
     from olmo_ctl.trainer import sharding
+    from olmo_ctl.trainer.checkpoint import storage_bytes_read
     from olmo_ctl.trainer.downstream import DownstreamEvaluator
     from olmo_ctl.trainer.lm_eval import LMEvaluator, per_label_metrics
     from olmo_ctl.trainer.quiet import cpu_devices
@@ -485,8 +600,14 @@ def run(job: EvalJob, devices=None, per_instance: bool = False) -> dict:
     r = job.recipe
     plan = make_plan(r, cpu_device(len(devs)))
     mesh = sharding.make_mesh(devs, seq_shards=plan.seq_shards, activate=False)
-    s = EvalSetup(r, plan, mesh, local_devices=len(devs))
-    host_params = load_params(job.checkpoint)
+    s = EvalSetup(
+        r,
+        plan,
+        mesh,
+        proc=jax.process_index(),
+        n_proc=jax.process_count(),
+        local_devices=sum(d.process_index == jax.process_index() for d in devs),
+    )
     report: dict = {
         "checkpoint": job.checkpoint.given,
         "step": job.checkpoint.step,
@@ -494,7 +615,13 @@ def run(job: EvalJob, devices=None, per_instance: bool = False) -> dict:
         "downstream": {},
     }
     with jax.set_mesh(mesh):
-        params = jax.device_put(host_params, sharding.param_shardings(host_params, mesh))
+        read0 = storage_bytes_read()
+        params = load_sharded(job.checkpoint, mesh)
+        if log is not None and job.checkpoint.kind != "hf":  # tensorstore's counters: Orbax reads
+            mib = (storage_bytes_read() - read0) / 2**20
+            log(
+                f"eval: read {job.checkpoint.given} over {len(devs)} devices ({mib:.2f} MiB read by this host)"
+            )
         if job.lm_data is not None:
             per = None
             if per_instance:

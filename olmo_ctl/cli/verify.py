@@ -6,9 +6,11 @@ from typing import Annotated
 
 import typer
 
+from olmo_ctl.backends import THIS_MACHINE
 from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
 from olmo_ctl.cli.evaluate import SuiteOpt
-from olmo_ctl.cli.options import note
+from olmo_ctl.cli.options import SiteFlags, TimeoutOpt, _echo, note, site_options
+from olmo_ctl.observe.verify_run import DEFAULT_KL_TOKENS
 
 
 def _steps(text: str | None) -> list[int] | None:
@@ -44,6 +46,7 @@ def _path(p: str) -> str:
 @app.command(
     example="olmo-ctl verify gs://b/runs/olmo3-7b-s1 --reference gs://b/ai2-reference --device cpu-8"
 )
+@site_options(exclude=("backend",))
 def verify(
     run: Annotated[str, typer.Argument(metavar="RUN", help="The run directory (local or gs://).")],
     reference: Annotated[
@@ -70,8 +73,12 @@ def verify(
     ] = None,
     limit: Annotated[int, typer.Option("--limit", help="Only each task's first N documents (0: all).")] = 0,
     kl_tokens: Annotated[
-        int, typer.Option("--kl-tokens", help="Held-out tokens of the KL (0: no KL).")
-    ] = 8192,
+        int,
+        typer.Option(
+            "--kl-tokens",
+            help="Held-out tokens of the KL, or all the held-out data holds when fewer (0: no KL).",
+        ),
+    ] = DEFAULT_KL_TOKENS,
     lm_tolerance: Annotated[
         float | None,
         typer.Option(
@@ -110,8 +117,22 @@ def verify(
         ),
     ] = False,
     device: Annotated[
-        str, typer.Option("--device", help="cpu-N: N host CPU devices of this process.")
-    ] = "cpu-1",
+        str | None,
+        typer.Option(
+            "--device",
+            help="local: cpu-N, N host CPU devices of this process (default cpu-1); gke: the TPU slice "
+            "each eval job runs on (v5p-8, tpu7x-8, v5p-64: one process per host, each reading its shards).",
+        ),
+    ] = None,
+    backend: Annotated[
+        str,
+        typer.Option(
+            "--backend",
+            help="local: evaluate in this process; gke: every evaluation and KL an eval job on the cluster, "
+            "submitted together. The backend site setting does not apply.",
+        ),
+    ] = THIS_MACHINE,
+    timeout: TimeoutOpt = 86400.0,
     recipe: Annotated[
         str | None,
         typer.Option("--recipe", help="The run's recipe, for a run directory without run.yaml."),
@@ -120,6 +141,8 @@ def verify(
         str | None, typer.Option("--plot", help="Write both runs' macro accuracy and the Δ band to this PNG.")
     ] = None,
     output: OutputOpt = Output.table,
+    *,
+    site: SiteFlags,
 ) -> None:
     """Compare a run with its reference at every step both have a checkpoint of.
 
@@ -129,22 +152,36 @@ def verify(
     and the run's data audit, both sides in one precision; a level: identical (within the noise
     floor verify measures), same recipe (inside the bands of faithful independent runs) or moved
     (each surface named). Evaluations are kept in the run directory (eval/verify/): a second verify
-    evaluates nothing new.
+    evaluates nothing new. --backend gke evaluates where the checkpoints are: each evaluation and KL
+    an eval job on --device's slice, all submitted together, each read back from its result when it
+    already ran.
 
     Exit codes: 0 every landmark within noise, 1 a surface moved (named), 2 bad input (no such run or
-    reference, no step in common, a missing tokenizer, an unknown task), 3 storage unreachable.
+    reference, no step in common, a missing tokenizer, an unknown task, a path the pods cannot see),
+    3 the cluster or storage unreachable, 4 an eval job gave up, 124 timed out waiting for eval jobs
+    (they go on; the same command waits for them again), 130 interrupted.
     """
+    from olmo_ctl.backends import backend_class
     from olmo_ctl.cli.convert import _need
     from olmo_ctl.cli.evaluate import chosen_tasks, cpu_count, parse_lm
 
+    kind = backend_class(backend)  # an unknown name: one line, exit 2
     _need("jax", "orbax.checkpoint", extra="trainer")
-    n = cpu_count(device)
     chosen = chosen_tasks(tasks, suite)
     lm_sets = None if lm is None else parse_lm(lm)
     landmarks = _steps(steps)
-    from olmo_ctl.trainer.quiet import cpu_devices
+    remote = None
+    if kind.trains_here:
+        n = cpu_count(device or "cpu-1")
+        from olmo_ctl.trainer.quiet import cpu_devices
 
-    cpu_devices(n)  # before anything starts JAX
+        cpu_devices(n)  # before anything starts JAX
+    else:
+        n = 1
+        remote = _eval_jobs(device, site.replace(backend=backend).resolve(), timeout)
+        from olmo_ctl.trainer.quiet import cpu_only
+
+        cpu_only()  # this machine only reads checkpoints' metadata and the kept results
     from olmo_ctl.observe.verify_run import verify as do_verify
 
     res = do_verify(
@@ -162,6 +199,7 @@ def verify(
         recipe_name=recipe,
         precision=precision,
         floor=not no_floor,
+        remote=remote,
         log=note,
     )
     if plot:
@@ -175,6 +213,34 @@ def verify(
         _table(res)
     if any(not m["within_noise"] for m in res["landmarks"]):
         raise typer.Exit(1)
+
+
+def _eval_jobs(device: str | None, settings, timeout: float):
+    """verify_run's `remote` for `--backend gke`: each spec resolved and checked as `eval --backend gke`
+    checks one, every one of them before the first is submitted, then all run at once."""
+    from olmo_ctl.core.errors import BadInput
+
+    if device is None:
+        raise BadInput("verify --backend gke needs the eval jobs' slice", "--device v5p-8 or tpu7x-8")
+    from olmo_ctl.backends.base import Target
+
+    dev = Target.parse(device).device
+
+    def remote(specs: dict) -> dict:
+        from olmo_ctl.backends import make_backend
+        from olmo_ctl.core.errors import Interrupted
+        from olmo_ctl.supervise import evaljob as J
+
+        jobs = {key: J.resolve(spec, dev, settings) for key, spec in specs.items()}
+        note(
+            f"verify: {len(jobs)} eval job(s) on {dev.name}: {', '.join(sorted(j.name for j in jobs.values()))}"
+        )
+        try:
+            return J.run_jobs(jobs, lambda: make_backend(settings), timeout_s=timeout, log=_echo)
+        except KeyboardInterrupt:
+            raise Interrupted("the eval jobs go on; run the same command to wait for their results") from None
+
+    return remote
 
 
 def _g(x, fmt: str) -> str:

@@ -10,14 +10,19 @@ unknown task) is refused before the first checkpoint is read.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, cast
 
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import tokenizer_spec
 from olmo_ctl.observe import verify as V
 
-DEFAULT_KL_TOKENS = 8192
+# The case study's KL: 16M held-out tokens (2^24), or every one the held-out data holds when fewer.
+DEFAULT_KL_TOKENS = 2**24
 PRECISIONS = ("float32", "bfloat16")
+
+# `verify --backend gke`: each evaluation (and KL) an eval job: {cache key: spec} -> {cache key: report}
+Remote = Callable[[dict[str, Any]], dict[str, dict]]
 
 
 def verify(
@@ -36,12 +41,14 @@ def verify(
     recipe_name: str | None = None,
     precision: str = "float32",
     floor: bool = True,
+    remote: Remote | None = None,
     log=None,
 ) -> dict:
     """The landmark report: `{run, reference, precision, landmarks: [...], floor, level, verdict,
     evaluated, cached}`. Both sides are evaluated in `precision` (matmuls; logits are float32); with
     `floor`, the reference at the first landmark also in the other precision: the framework noise
-    floor an `identical` landmark must stay within."""
+    floor an `identical` landmark must stay within. `remote`: every evaluation and KL not yet kept is
+    an eval job's (`verify --backend gke`), else each is computed here on `devices` host CPU devices."""
     from olmo_ctl import storage
     from olmo_ctl.rundir import RunDir
 
@@ -110,9 +117,9 @@ def verify(
         "root": recipe.data.root,
         "precision": precision,
     }
-    kl_recipe = dataclasses.replace(recipe, eval=dataclasses.replace(recipe.eval, lm=lm_cfg))
     jobs: dict[str, Any] = {}  # side -> a prepared job (tasks built once per side)
     counts = {"evaluated": 0, "cached": 0}
+    seen_remote: set[str] = set()  # evaluated by eval jobs (counted when they came back)
     seen: dict[str, dict] = {}
 
     def opened(checkpoint: str, dtype: str):
@@ -139,32 +146,67 @@ def verify(
         key = eval_key(side, checkpoint, dtype)
         if key not in seen:  # each evaluation counted once, however often the report reads it
             out, hit = V.cached(key, compute)
-            counts["cached" if hit else "evaluated"] += 1
+            if key not in seen_remote:
+                counts["cached" if hit else "evaluated"] += 1
             seen[key] = out
         return seen[key]
 
-    def kl_between(key: str, ref_at: tuple[str, str], run_at: tuple[str, str], what: str) -> float:
+    def eval_spec(checkpoint: str, dtype: str):
+        """The evaluation as an eval job's spec: the same choices `prepare` gets here."""
+        from olmo_ctl.checkpoints.evaluate import EvalSpec
+
+        return EvalSpec(
+            checkpoint,
+            recipe_of(checkpoint),
+            chosen_tasks,
+            lm_cfg,
+            tokenizer,
+            recipe.train.seq_len,
+            recipe.data.root,
+            limit,
+            precision=dtype,
+            per_instance=True,
+        )
+
+    def kl_spec(rows_of: str, ref_at: tuple[str, str], run_at: tuple[str, str]):
+        """KL(ref_at || run_at) over held-out rows of `rows_of`'s run (a run checkpoint: the run's
+        recipe, its eval.lm as verify chose it, else its data.eval)."""
+        from olmo_ctl.checkpoints.evaluate import EvalSpec
+
+        return EvalSpec(
+            rows_of,
+            recipe_of(rows_of),
+            (),
+            lm_cfg,
+            tokenizer,
+            recipe.train.seq_len,
+            recipe.data.root,
+            kl={"reference": list(ref_at), "run": list(run_at), "tokens": kl_tokens},
+        )
+
+    def kl_between(key: str, spec, what: str) -> float:
         def compute():
             from olmo_ctl.checkpoints import evaluate as E
-            from olmo_ctl.checkpoints import kl
 
             if log:
-                log(f"verify: KL {what} over {kl_tokens} held-out tokens")
-            ref, run = opened(*ref_at), opened(*run_at)
-            rows = kl.heldout_rows(kl_recipe, kl_tokens)
-            value, n = kl.mean_token_kl(E.load_params(ref), ref.model, E.load_params(run), run.model, rows)
-            return {"kl": value, "tokens": n}
+                log(f"verify: KL {what} over up to {kl_tokens} held-out tokens")
+            return E.run_kl(spec, E.open_checkpoint(spec.checkpoint, spec.recipe), devices)
 
         out, hit = V.cached(key, compute)
-        counts["cached" if hit else "evaluated"] += 1
+        if key not in seen_remote:
+            counts["cached" if hit else "evaluated"] += 1
         return float(out["kl"])
 
     def kl_at(step: int) -> float | None:
         if not kl_tokens:
             return None
-        return kl_between(
-            kl_key(step), (ref_ck[step], precision), (run_ck[step], precision), f"at step {step}"
-        )
+        return kl_between(kl_key(step), kl_spec_at(step), f"at step {step}")
+
+    def kl_spec_at(step: int):
+        return kl_spec(run_ck[step], (ref_ck[step], precision), (run_ck[step], precision))
+
+    def floor_kl_spec(step: int):
+        return kl_spec(run_ck[step], (ref_ck[step], precision), (ref_ck[step], other))
 
     def eval_key(side: str, checkpoint: str, dtype: str = precision) -> str:
         return V.cache_path(run_path, f"eval-{side}", checkpoint, {**settings, "precision": dtype})
@@ -175,15 +217,16 @@ def verify(
     def floor_kl_key(step: int) -> str:
         return V.cache_path(run_path, "kl-floor", ref_ck[step], {**kl_settings, "other": other})
 
-    keys = [eval_key("run", run_ck[s]) for s in marks_at] + [
-        eval_key("reference", ref_ck[s]) for s in marks_at
-    ]
-    keys += [kl_key(s) for s in marks_at] if kl_tokens else []
+    specs = {eval_key("run", run_ck[s]): eval_spec(run_ck[s], precision) for s in marks_at}
+    specs |= {eval_key("reference", ref_ck[s]): eval_spec(ref_ck[s], precision) for s in marks_at}
+    specs |= {kl_key(s): kl_spec_at(s) for s in marks_at} if kl_tokens else {}
     if floor and marks_at:
-        keys.append(eval_key("reference", ref_ck[marks_at[0]], other))
-        keys += [floor_kl_key(marks_at[0])] if kl_tokens else []
+        first = marks_at[0]
+        specs[eval_key("reference", ref_ck[first], other)] = eval_spec(ref_ck[first], other)
+        specs |= {floor_kl_key(first): floor_kl_spec(first)} if kl_tokens else {}
     store = storage.store_for(run_path)
-    all_kept = all(store.exists(k) for k in keys)
+    missing = {k: spec for k, spec in specs.items() if not store.exists(k)}
+    all_kept = not missing
     # Refuse what can be refused before the first checkpoint is read: the run's own evaluators (not
     # asked again when every evaluation is kept: the second verify reads them and is done).
     if not all_kept and chosen_tasks:
@@ -195,17 +238,17 @@ def verify(
             "the run evaluates nothing to compare: its recipe has no eval.downstream tasks and no eval.lm",
             "--tasks LABEL,... (e.g. --tasks olmo3) or --lm MIX|LABEL=PATH,...",
         )
+    if remote is not None and missing:
+        for key, report in remote(missing).items():  # kept as this machine's evaluations are
+            V.cached(key, lambda report=report: report)
+            counts["evaluated"] += 1
+            seen_remote.add(key)
     noise = None
     if floor and marks_at:
         first = marks_at[0]
         ref_other = evaluation("reference", ref_ck[first], other)
         floor_kl = (
-            kl_between(
-                floor_kl_key(first),
-                (ref_ck[first], precision),
-                (ref_ck[first], other),
-                f"floor at step {first}",
-            )
+            kl_between(floor_kl_key(first), floor_kl_spec(first), f"floor at step {first}")
             if kl_tokens
             else None
         )

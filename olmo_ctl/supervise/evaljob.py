@@ -1,10 +1,12 @@
-"""`olmo-ctl eval --backend gke`: one checkpoint's evaluation as a job of its own on a single-host slice.
+"""`olmo-ctl eval --backend gke` and `verify --backend gke`: one checkpoint's evaluation (or a KL
+between two) as a job of its own on a slice.
 
 An eval job is an attempt of a run of its own, `eval-<digest>`, whose run directory is the job's output
 directory (`--out`, default `<run root>/eval-jobs/eval-<digest>`). It renders from the launch templates
 like any attempt (the same image, the trainer's entry point with `--eval SPEC`, its own JobSet, queued
 by Kueue) and is sent through the backend's one submit path. The trainer evaluates SPEC on the slice's
-devices in one process and writes `<out>/result.json` (`{spec, devices, report}`, checkpoints/evaluate.py).
+devices, one process per host, each reading only its devices' shards of the checkpoint, and process 0
+writes `<out>/result.json` (`{spec, devices, report}`, checkpoints/evaluate.py).
 
 The digest is of the spec and `--out`, so asking for the same evaluation again is the same job:
   - a `result.json` of the same spec in the output directory is read, and nothing is submitted;
@@ -62,17 +64,13 @@ PODS_HINT = "copy it to gs://BUCKET/... (the pods read only GCS)"
 
 
 def check_slice(device: Device, spec: EvalSpec) -> None:
-    """What an eval job needs before anything is read: a TPU slice of one host (the evaluation is one
-    process) and a checkpoint on GCS (the pods cannot see this machine's files)."""
+    """What an eval job needs before anything is read: a TPU slice (one process per host, each reading
+    only its own devices' shards of the checkpoint) and a checkpoint on GCS (the pods cannot see this
+    machine's files)."""
     if not device.is_tpu:
         raise BadInput(
             f"`{device.name}` is a local device; an eval job runs on a TPU slice",
             "--device v5p-8 or tpu7x-8, or --backend local for this machine's CPU devices",
-        )
-    if device.processes > 1:
-        raise BadInput(
-            f"an eval job runs as one process, and {device.name} has {device.processes} hosts",
-            "a single-host slice: --device v5p-8 or tpu7x-8",
         )
     if not is_gcs(spec.checkpoint):
         raise BadInput(
@@ -272,3 +270,64 @@ def _wait(
         if time.monotonic() >= deadline:
             raise _timeout(handle)
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+def resolve(spec: EvalSpec, device: Device, settings: Settings, out: str | None = None) -> EvalJob:
+    """The eval job of `spec` on `device`, checked as `eval --backend gke` checks one (what the pods
+    cannot see, the evaluation's refusals) before anything is submitted. A KL spec's two sides are
+    checkpoints the pods read too."""
+    import importlib.util
+
+    from olmo_ctl.checkpoints import evaluate as E
+
+    check_slice(device, spec)
+    ckpt = E.open_checkpoint(spec.checkpoint, spec.recipe)
+    if spec.kl is not None:
+        for side in ("reference", "run"):
+            path = spec.kl[side][0]
+            if not is_gcs(path):
+                raise BadInput(
+                    f"checkpoint `{path}` is on this machine, which the pods cannot see", PODS_HINT
+                )
+        recipe = E.eval_recipe(
+            ckpt,
+            tasks=(),
+            lm=spec.lm,
+            tokenizer=spec.tokenizer,
+            seq_len=spec.seq_len,
+            data_root=spec.data_root,
+            devices=device.devices,
+        )
+    else:
+        known = importlib.util.find_spec("olmo_eval") is not None
+        recipe = E.check(ckpt, devices=device.devices, known_labels=known, **spec.options())
+    name = job_name(spec, device.name, out, settings.run_root)
+    job = EvalJob(name, spec, recipe, device, out_dir(name, out, settings.run_root), settings)
+    check_paths(recipe, job.out)
+    return job
+
+
+def run_jobs(
+    jobs: dict[str, EvalJob],
+    make_backend: Callable[[], Backend],
+    *,
+    timeout_s: float,
+    poll_s: float = 5.0,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, dict]:
+    """{key: the job's report} of every job, each run as `run_job` runs one (a kept result read back,
+    nothing submitted), all at once: each waits in a thread of its own, with a backend of its own.
+    The first failure is raised once every job has ended or timed out; the others' results are kept
+    in their output directories, so the same command reads them back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not jobs:
+        return {}
+
+    def one(job: EvalJob) -> dict:
+        record, _ = run_job(make_backend(), job, timeout_s=timeout_s, poll_s=poll_s, log=log)
+        return record["report"]
+
+    with ThreadPoolExecutor(max_workers=min(len(jobs), 32)) as pool:
+        futures = {key: pool.submit(one, job) for key, job in jobs.items()}
+    return {key: f.result() for key, f in futures.items()}

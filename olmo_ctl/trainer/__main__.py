@@ -155,9 +155,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _eval_main(ns: argparse.Namespace) -> int:
-    """An eval job (`--eval SPEC`): one process on this host's devices evaluates SPEC's checkpoint and
-    writes `<run-dir>/result.json`. Exit codes as training's (`exits.exit_code_of`): 0 written, 2 bad
-    input, 1 an error proven deterministic, 3 restartable (storage, a runtime error)."""
+    """An eval job (`--eval SPEC`): the slice's processes (one per host, joined as training joins
+    them) evaluate SPEC's checkpoint on every device, each host reading only its own devices' shards,
+    and process 0 writes `<run-dir>/result.json`. Exit codes as training's (`exits.exit_code_of`): 0
+    written, 2 bad input, 1 an error proven deterministic, 3 restartable (storage, a runtime error, a
+    host that could not join)."""
+    from olmo_ctl.trainer import multihost
     from olmo_ctl.trainer.exits import exit_code_of
 
     def evaluate() -> int:
@@ -167,25 +170,31 @@ def _eval_main(ns: argparse.Namespace) -> int:
 
         from olmo_ctl.checkpoints.evaluate import EvalSpec, run_job
         from olmo_ctl.core.errors import BadInput
+        from olmo_ctl.core.recipe import RuntimeConfig
 
         spec = EvalSpec.from_json(ns.eval_spec)
-        if target is not None and target.device.processes * target.slices > 1:
+        if target is not None and target.slices > 1:
             raise BadInput(
-                f"an eval job runs as one process, and {target.name} x {target.slices} has "
-                f"{target.device.processes * target.slices} hosts",
-                "a single-host slice such as v5p-8 or tpu7x-8",
+                f"an eval job runs on one slice, and {target.name} x {target.slices} is several",
+                "one slice: --device v5p-8, v5p-16, tpu7x-8, ...",
             )
+        if target is not None:
+            multihost.join(target.device, RuntimeConfig())  # one process per host, before any jax call
         import jax
 
         # The spec as it was sent: the command that sent it recognises its result by it.
-        record = run_job(spec, ns.run_dir, jax.devices(), sent=json.loads(ns.eval_spec))
-        d = record["devices"]
-        print(
-            f"eval: wrote {ns.run_dir.rstrip('/')}/result.json ({d['count']} {d['kind']} devices)", flush=True
+        record = run_job(
+            spec, ns.run_dir, jax.devices(), sent=json.loads(ns.eval_spec), log=lambda m: print(m, flush=True)
         )
+        d = record["devices"]
+        if jax.process_index() == 0:
+            print(
+                f"eval: wrote {ns.run_dir.rstrip('/')}/result.json ({d['count']} {d['kind']} devices)",
+                flush=True,
+            )
         return 0
 
-    return exit_code_of(evaluate)
+    return exit_code_of(evaluate)  # main() ends a failing host of several at once (exit_alone)
 
 
 def _main(ns: argparse.Namespace) -> int:

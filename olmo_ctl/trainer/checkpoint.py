@@ -423,14 +423,15 @@ def open_step(path: str) -> tuple[Checkpointer, int]:
 INIT_CHUNK_BYTES = 64 * 2**20
 
 
-def load_init_params(path: str, abstract_params, p_shard):
+def load_init_params(path: str, abstract_params, p_shard, run_step: bool | None = None):
     """Parameters from a converted checkpoint (`--init-from`), placed in the shardings `p_shard`: an Orbax
     step dir (`.../<N>` with a `state` item holding `params`) or a plain Orbax PyTree directory (of
     `params`, or of a dict with `params`). A BadInput when it holds another model's parameters.
 
     Only the parameters are read (an Orbax partial restore of the `params` subtree: not the Adam
     moments or anything else beside them), straight into their shardings: each process reads the
-    parts of each array its own devices hold, never a whole copy.
+    parts of each array its own devices hold, never a whole copy. `run_step`: whether `path` is a
+    run's step directory (None: a path whose last part is a number is one).
     """
     import jax
 
@@ -438,7 +439,9 @@ def load_init_params(path: str, abstract_params, p_shard):
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, p_shard
     )
-    if path.rstrip("/").rpartition("/")[2].isdigit():
+    if run_step is None:
+        run_step = path.rstrip("/").rpartition("/")[2].isdigit()
+    if run_step:
         ck, step = open_step(path)
         item_dir = join(ck.directory, str(step), "state")
     else:
