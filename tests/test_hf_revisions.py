@@ -194,3 +194,18 @@ def test_a_missing_revision_is_one_line_and_exit_2_and_nothing_is_written(
     assert not (run / "eval").exists()
     held = {x.name for x in hub.iterdir()} | {"models--olmo-test--partial"}
     assert {x.name for x in cache.iterdir()} == held  # nothing downloaded into the cache
+
+
+def test_a_step_the_cache_lacks_is_fetched_where_the_network_allows_else_named(smoke_run, hub, tmp_path):
+    """`--steps N` with a plain `hf:` reference asks the repository for its revision of step N (none
+    here: HF_HUB_OFFLINE) and, without it, names the step and how to download it; nothing is written."""
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run, run)
+    p = invoke(
+        "verify", str(run), "--reference", f"hf:{REPO}", *ARGS, "--steps", "30", env=_env(tmp_path, hub)
+    )
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    (line,) = [x for x in p.stderr.splitlines() if not x.startswith("note: ")]
+    assert "step 30 is not a checkpoint of both the run and the reference" in line
+    assert f"hf download {REPO} --revision" in line
+    assert not (run / "eval").exists()

@@ -142,12 +142,24 @@ def _listed(repo_id: str) -> list[str]:
     return [name for _, name in sorted(named)]
 
 
-def revisions(ref: str, cache: str | None = None) -> dict[int, Revision]:
+def revisions(ref: str, cache: str | None = None, steps: list[int] | None = None) -> dict[int, Revision]:
     """{step: Revision} of an `hf:` reference: the revisions it names (each downloaded where the
-    cache lacks it and huggingface_hub can), or every revision of the cache that names a step."""
+    cache lacks it and huggingface_hub can), or every revision of the cache that names a step. With
+    `steps` (verify's --steps) and no revision named, a step the cache lacks is the repository's
+    revision of that step, downloaded where the network allows (else the landmark check names it)."""
     repo_id, names = parse(ref)
     cache = hub_cache() if cache is None else cache
     have = cached(repo_id, cache)
+    cached_steps = {s[0] for n, p in have.items() if p is not None and (s := step_of(n)) is not None}
+    lacking = [s for s in steps or () if s not in cached_steps]
+    if not names and lacking:
+        by_step: dict[int, list[str]] = {}
+        for name in _listed(repo_id):
+            by_step.setdefault((step_of(name) or (0, None))[0], []).append(name)
+        for step in lacking:
+            if len(by_step.get(step, [])) == 1:  # two revisions of one step: the user names one
+                _download(repo_id, by_step[step][0], cache)
+        have = cached(repo_id, cache)
     for name in names:
         if have.get(name) is None:
             _download(repo_id, name, cache)
@@ -182,9 +194,9 @@ def revisions(ref: str, cache: str | None = None) -> dict[int, Revision]:
     return out
 
 
-def checkpoints(ref: str) -> dict[int, str]:
+def checkpoints(ref: str, steps: list[int] | None = None) -> dict[int, str]:
     """{step: snapshot directory} of an `hf:` reference (`verify`'s `checkpoints_of`)."""
-    return {step: r.path for step, r in sorted(revisions(ref).items())}
+    return {step: r.path for step, r in sorted(revisions(ref, steps=steps).items())}
 
 
 def tokens_per_step(revs: Mapping[int, Revision]) -> float | None:

@@ -41,14 +41,15 @@ def primary_key(metrics: dict) -> str:
     return next(k for k in metrics if k != "stderr")
 
 
-def checkpoints_of(path: str) -> dict[int, str]:
+def checkpoints_of(path: str, steps: list[int] | None = None) -> dict[int, str]:
     """{step: checkpoint} of a run directory (its committed checkpoints), of a directory of
     checkpoints named by step (`stage1-step10000-tokens42B`, `step-10000`, `10000`: the number after
-    `step`), or of `hf:ORG/NAME[@REV,...]`, revisions of a Hugging Face repository (hf_revisions)."""
+    `step`), or of `hf:ORG/NAME[@REV,...]`, revisions of a Hugging Face repository (hf_revisions;
+    `steps`: the landmarks asked for, which it fetches when the cache lacks them)."""
     from olmo_ctl.rundir import RunDir
 
     if path.startswith(hf_revisions.PREFIX):
-        return hf_revisions.checkpoints(path)
+        return hf_revisions.checkpoints(path, steps)
     store = storage.store_for(path)
     base = path.rstrip("/")
     if store.exists(storage.join(base, "run.yaml")) or store.list(storage.join(base, "checkpoints") + "/")[1]:
@@ -74,10 +75,14 @@ def landmarks(
     if wanted:
         missing = [s for s in wanted if s not in run or s not in ref]
         if missing:
-            raise BadInput(
-                f"step {missing[0]} is not a checkpoint of both the run and the reference",
-                f"steps both have: {', '.join(map(str, common)) or 'none'}",
-            )
+            hint = f"steps both have: {', '.join(map(str, common)) or 'none'}"
+            if ref_path.startswith(hf_revisions.PREFIX) and missing[0] not in ref:
+                repo, _ = hf_revisions.parse(ref_path)
+                hint += (
+                    f"; the Hugging Face cache has no revision of step {missing[0]} and none could be "
+                    f"downloaded: `hf download {repo} --revision <its revision, e.g. stage1-step{missing[0]}-...>`"
+                )
+            raise BadInput(f"step {missing[0]} is not a checkpoint of both the run and the reference", hint)
         return sorted(set(wanted))
     if not common:
         raise BadInput(

@@ -80,7 +80,7 @@ def verify(
         run_dir, _, leaf = parent.rpartition("/")
         return recipe_name if leaf == "checkpoints" and not has_run_yaml(run_dir) else None
 
-    run_ck, ref_ck = V.checkpoints_of(run_path), V.checkpoints_of(ref_path)
+    run_ck, ref_ck = V.checkpoints_of(run_path), V.checkpoints_of(ref_path, steps)
     marks_at = V.landmarks(run_ck, ref_ck, steps, run_path, ref_path)
     chosen = recipe.eval.downstream.tasks if tasks is None else tasks
     lm_cfg = recipe.eval.lm if lm is None else lm
