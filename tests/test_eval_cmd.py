@@ -132,7 +132,7 @@ def test_a_runs_recipe_gives_the_defaults(smoke_run, smoke_report, tmp_path, env
 
 def test_a_process_of_its_own_runs_on_the_devices_asked_for(smoke_run, smoke_report, env):
     """`python -m olmo_ctl eval --device cpu-2`: JAX's CPU backend started with 2 devices (this test
-    process has 8 already); the LM loss of the in-process 1-device report, one note line on stderr."""
+    process has 8 already); the LM loss of the in-process 1-device report, and the notes on stderr."""
     ckpt = str(smoke_run / "checkpoints" / "40")
     p = subprocess.run(
         [sys.executable, "-m", "olmo_ctl", "eval", ckpt, "--recipe", "smoke", "--lm", LM, "--device", "cpu-2"]
@@ -144,7 +144,9 @@ def test_a_process_of_its_own_runs_on_the_devices_asked_for(smoke_run, smoke_rep
         timeout=300,
     )
     assert p.returncode == 0, p.stderr
-    assert p.stderr == "note: evaluating 1 LM set (2 documents) at seq_len 128 on cpu-2\n", p.stderr
+    first, why = p.stderr.splitlines()  # the run has an in-loop held-out loss: what --lm is not
+    assert first == "note: evaluating 1 LM set (2 documents) at seq_len 128 on cpu-2", p.stderr
+    assert why.startswith("note: LM sets score one document per row") and "bare `eval`" in why
     got, want = json.loads(p.stdout)["lm"]["smoke_eval"], smoke_report["lm"]["smoke_eval"]
     assert got["tokens"] == want["tokens"] and got["ce_loss"] == pytest.approx(want["ce_loss"], rel=1e-5)
 
@@ -332,3 +334,17 @@ def test_an_hf_directory_evaluates_as_its_converted_checkpoint(tmp_path, env):
     p = invoke("eval", str(hf), "--recipe", "smoke", *args, env=env)  # the directory has its model
     assert p.returncode == 2 and "--recipe is for a run's step directory" in p.stderr
     assert list(a["downstream"]["copycolors_10way"]) == ACC_KEYS
+
+
+def test_a_run_checkpoint_with_nothing_else_to_evaluate_gets_its_runs_held_out_loss(smoke_run, env):
+    """The smoke recipe has no LM sets and no tasks: bare `eval` of its checkpoint gives the run's own
+    in-loop held-out loss (eval.batches of data.eval), the value its loop logged as eval/lm_loss."""
+    from helpers.trainer import scalars
+
+    p = invoke("eval", str(smoke_run / "checkpoints" / "40"), "--recipe", "smoke", "-o", "json", env=env)
+    assert p.returncode == 0, p.stderr
+    held = json.loads(p.stdout)["held_out"]
+    logged = scalars(smoke_run)["eval/lm_loss"]
+    assert held["lm_loss"] == pytest.approx(float(logged[40]), rel=1e-6) and held["batches"] >= 1
+    table = invoke("eval", str(smoke_run / "checkpoints" / "40"), "--recipe", "smoke", env=env)
+    assert table.returncode == 0 and "held-out loss " in table.stdout and "eval lm_loss" in table.stdout

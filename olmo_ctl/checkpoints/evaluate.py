@@ -133,6 +133,7 @@ class EvalJob:
     tasks: list  # downstream.TaskSet, each cut to `limit` documents
     lm_data: Any  # lm_eval.LMEvalData, or None
     limit: int = 0
+    held_out: bool = False  # the run's in-loop held-out loss too (nothing else chosen: `held_out_batches`)
 
 
 def rows_per_pass(devices: int, seq_len: int, padded_vocab: int) -> int:
@@ -213,7 +214,8 @@ def _checked(
     )
     labels, lm_cfg = r.eval.downstream.tasks, r.eval.lm
     sets: list = []
-    if not labels and not lm_cfg.enabled:
+    defaults = tasks is None and lm is None
+    if not labels and not lm_cfg.enabled and not (defaults and held_out_batches(ckpt)):
         where = "its run's recipe has" if ckpt.recipe else "a checkpoint without a recipe has"
         raise BadInput(
             f"nothing to evaluate: no downstream tasks and no LM sets ({where} none)",
@@ -296,7 +298,42 @@ def prepare(
     if r.eval.lm.enabled:
         m = r.model
         data = LMEvalData(sets, r.train.seq_len, m.eos_token_id, m.pad_token_id, m.vocab_size)
-    return EvalJob(ckpt, r, devices, built, data, limit)
+    held_out = tasks is None and lm is None and not built and data is None
+    return EvalJob(ckpt, r, devices, built, data, limit, held_out=held_out)
+
+
+def held_out_batches(ckpt: Checkpoint) -> int:
+    """How many held-out batches the run of `ckpt` evaluates in its loop (`eval/lm_loss`: `eval.batches`
+    of `data.eval`, trainer/evaluator.HeldOutLoss); 0 for a checkpoint without a run's recipe or a
+    recipe without them. A run's checkpoint whose recipe evaluates nothing else, with no --tasks or
+    --lm given, gets that loss, the number `monitor` shows as `eval lm_loss`."""
+    r = ckpt.recipe
+    return r.eval.batches if ckpt.kind == "run" and r is not None and r.data.eval else 0
+
+
+def _held_out_loss(ckpt: Checkpoint, params, mesh, devs) -> dict:
+    """`{lm_loss, batches, instances}`: the run's own held-out evaluation (its recipe's eval batches,
+    layout and eval step, trainer/evaluator.HeldOutLoss) of `params`, on `devs`."""
+    import jax
+
+    from olmo_ctl.core.batching import make_plan
+    from olmo_ctl.core.devices import cpu_device
+    from olmo_ctl.trainer import sharding
+    from olmo_ctl.trainer.evaluator import HeldOutLoss
+
+    r = ckpt.recipe
+    assert r is not None
+    plan = make_plan(r, cpu_device(len(devs)))
+    if plan.seq_shards != sharding.seq_shards(mesh):
+        mesh = sharding.make_mesh(devs, seq_shards=plan.seq_shards, activate=False)
+        params = jax.device_put(params, sharding.param_shardings(params, mesh))
+    me = jax.process_index()
+    s = EvalSetup(r, plan, mesh, me, jax.process_count(), sum(d.process_index == me for d in devs))
+    evaluator = HeldOutLoss.for_recipe(s)
+    assert evaluator is not None
+    loss = evaluator.run(params).metrics["eval/lm_loss"]
+    bs = r.eval.batch_size or r.train.global_batch
+    return {"lm_loss": loss, "batches": r.eval.batches, "instances": r.eval.batches * bs}
 
 
 # ---------------------------------------------------------------- an eval job (`eval --backend gke`)
@@ -637,6 +674,8 @@ def run(job: EvalJob, devices=None, per_instance: bool = False, log=None) -> dic
                     "tokens": int(tokens),
                     **({"instances": per[label]} if per is not None else {}),
                 }
+        if job.held_out:
+            report["held_out"] = _held_out_loss(job.checkpoint, params, mesh, devs)
         if job.tasks:
             results = DownstreamEvaluator(job.tasks, s).evaluate(params)
             report["downstream"] = {

@@ -117,6 +117,13 @@ def table_lines(report: dict) -> list[str]:
     step = "" if report["step"] is None else f" (step {report['step']})"
     out = [f"eval {report['checkpoint']}{step}"]
     lm, ds = report["lm"], report["downstream"]
+    held = report.get("held_out")
+    if held:
+        out += [
+            "",
+            f"held-out loss {held['lm_loss']:.4f} over the run's {held['batches']} eval batches of data.eval "
+            f"({held['instances']:,} instances): its in-loop eval/lm_loss, `eval lm_loss` in monitor",
+        ]
     if lm:
         w = max(6, *(len(k) for k in lm))
         out += ["", f"{'LM SET':<{w}}  {'CE LOSS':>8}  {'PPL':>10}  {'TOKENS':>10}"]
@@ -292,6 +299,14 @@ def evaluate(
         limit=limit,
     )
     note(describe(job, device))
+    from olmo_ctl.checkpoints.evaluate import held_out_batches
+
+    if job.lm_data is not None and held_out_batches(job.checkpoint):
+        note(
+            "LM sets score one document per row, each from its start and cut to the sequence length; the "
+            "run's in-loop `eval lm_loss` (monitor) is data.eval's packed instances, which a bare `eval` "
+            "of this checkpoint gives"
+        )
     _show(run(job, devices), output)
 
 
