@@ -6,6 +6,7 @@
     <run>/lease.json         which supervisor drives the run (generation-match compare-and-swap)
     <run>/resize.json        a pending resize request (written by `resize`, consumed by the supervisor)
     <run>/stop.json          a stop in progress (written by `stop`; a supervisor that sees it ends)
+    <run>/restart.json       a pending `amend --restart` (consumed by the supervisor)
     <run>/checkpoints/<N>/   Orbax steps; only committed ones count (see `committed_steps`)
 
 Everything goes through `olmo_ctl.storage`, so the same code serves both kinds of path. GCS has no
@@ -35,7 +36,7 @@ from typing import Any
 import yaml
 
 from olmo_ctl import storage
-from olmo_ctl.core import versions
+from olmo_ctl.core import amend, versions
 from olmo_ctl.core.contracts import segment_names_from
 from olmo_ctl.core.devices import Target
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
@@ -68,6 +69,10 @@ JOURNAL_EVENTS = (
     "lease_lost",
     "versions_changed",
     "exited",
+    "amended",
+    "amendment_applied",
+    "restart_requested",
+    "restarted",
 )
 
 
@@ -199,11 +204,33 @@ def attempt_targets(journal: list | None, run_doc: dict | None) -> Callable[[int
     return of
 
 
-def run_recipe(doc: dict, source: str, overrides: list[str] | tuple[str, ...] = ()):
-    """The Recipe of a run description (run.yaml's `recipe:` section)."""
+def run_recipe(doc: dict, source: str, overrides: list[str] | tuple[str, ...] = (), *, pending: bool = False):
+    """The Recipe of a run description: run.yaml's `recipe:` section with its `amendments` applied, those
+    bound to a step (what an attempt trains); with `pending`, also those still waiting for the next
+    attempt, bound where they were recorded (what the run will train: its final step)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("recipe"), dict):
         raise BadInput(f"`{source}` has no `recipe:` section", "pass --recipe FILE|NAME")
-    return recipe_from_dict(doc["recipe"], source, overrides)
+    amendments = doc.get("amendments") or []
+    if not amendments:
+        return recipe_from_dict(doc["recipe"], source, overrides)
+    r = recipe_from_dict(doc["recipe"], source)
+    for i, a in enumerate(amendments):
+        try:
+            if a.get("from_step") is not None:
+                r = amend.apply(r, a["values"])
+            elif pending:
+                r = amend.apply(r, amend.bind(r, a["changes"], int(a["committed_step"]) + 1))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise BadInput(
+                f"`{source}`: amendments[{i}] is not an amendment ({type(e).__name__}: {e})",
+                "restore run.yaml from a backup; `olmo-ctl amend` writes amendments",
+            ) from None
+    return recipe_from_dict(r.to_dict(), source, overrides) if overrides else r
+
+
+def describe_changes(changes: list[dict]) -> str:
+    """`train.max_steps 40 -> 60, eval.interval 20 -> 10`: an amendment's changes, for lines and journals."""
+    return ", ".join(f"{c.get('key')} {c.get('old')} -> {c.get('new')}" for c in changes)
 
 
 def _check_local_dirs(path: str) -> None:
@@ -343,9 +370,99 @@ class RunDir:
             return line
         raise OlmoCtlError(f"could not update `{self.p('run.yaml')}`: it kept changing under us", exit_code=3)
 
-    def recipe(self, overrides: list[str] | tuple[str, ...] = ()):
-        """The run's resolved recipe, from run.yaml (the one place run.yaml becomes a Recipe)."""
-        return run_recipe(self.read_run(), self.p("run.yaml"), overrides)
+    def recipe(self, overrides: list[str] | tuple[str, ...] = (), *, pending: bool = False):
+        """The run's resolved recipe, from run.yaml (the one place run.yaml becomes a Recipe): with the
+        amendments its attempts train, and with `pending` those waiting for the next attempt too."""
+        return run_recipe(self.read_run(), self.p("run.yaml"), overrides, pending=pending)
+
+    # ------------------------------------------------------------------ amendments (core/amend.py)
+
+    def amend(self, sets: list[str] | tuple[str, ...], *, restart: bool = False) -> dict:
+        """Record an amendment of the run (`olmo-ctl amend`), pending until the next attempt is submitted
+        (`bind_amendments`): run.yaml `amendments` gains it (a generation-matched write) and the journal
+        says `amended`. BadInput, with nothing written, for a change the run cannot take."""
+        for _ in range(20):
+            doc, gen = self._read_run()
+            committed = self.committed_step()
+            recipe = run_recipe(doc, self.p("run.yaml"), pending=True)
+            changes = amend.changes(recipe, sets, committed)
+            rec = {
+                "id": uuid.uuid4().hex[:8],
+                "time": utc_now_iso(),
+                "set": list(sets),
+                "changes": changes,
+                "committed_step": committed,  # when recorded; the schedule shown until it is bound
+                "restart": restart or None,
+                "from_step": None,  # bound when the next attempt is submitted
+                "attempt": None,
+                "values": None,
+            }
+            rec = {k: v for k, v in rec.items() if v is not None or k in ("from_step", "attempt", "values")}
+            new_doc = {**doc, "amendments": [*(doc.get("amendments") or []), rec]}
+            try:
+                self.store.write_text(
+                    self.p("run.yaml"), yaml.safe_dump(new_doc, sort_keys=False), if_generation_match=gen
+                )
+            except PreconditionFailed:
+                continue
+            self.append(
+                "amended",
+                committed_step=committed,
+                reason=describe_changes(changes) + " (from the next attempt)",
+                amendment=rec["id"],
+                changes=changes,
+            )
+            return rec
+        raise OlmoCtlError(f"could not update `{self.p('run.yaml')}`: it kept changing under us", exit_code=3)
+
+    def amendments(self) -> list[dict]:
+        return list(self.read_run().get("amendments") or [])
+
+    def bind_amendments(self, attempt: int) -> list[dict]:
+        """Bind the pending amendments to the attempt about to be submitted, which trains the step
+        after the committed one first: each records that step and the values it sets from there (the
+        schedule continued from it), and the journal says `amendment_applied`. Call only while no
+        attempt of the run is live. Returns the amendments bound now."""
+        for _ in range(20):
+            if not self.exists():  # an eval job's or a smoke test's directory
+                return []
+            doc, gen = self._read_run()
+            amendments = [dict(a) for a in doc.get("amendments") or []]
+            if all(a.get("from_step") is not None for a in amendments):
+                return []
+            committed_step = self.committed_step()
+            src = self.p("run.yaml")
+            r = run_recipe({**doc, "amendments": []}, src)
+            bound = []
+            for a in amendments:
+                if a.get("from_step") is None:
+                    a.update(
+                        from_step=committed_step + 1,
+                        attempt=attempt,
+                        values=amend.bind(r, a["changes"], committed_step + 1),
+                        bound=utc_now_iso(),
+                    )
+                    bound.append(a)
+                r = amend.apply(r, a["values"])
+            try:
+                self.store.write_text(
+                    src,
+                    yaml.safe_dump({**doc, "amendments": amendments}, sort_keys=False),
+                    if_generation_match=gen,
+                )
+            except PreconditionFailed:
+                continue
+            for a in bound:
+                self.append(
+                    "amendment_applied",
+                    attempt=attempt,
+                    committed_step=committed_step,
+                    reason=f"{describe_changes(a['changes'])} from step {a['from_step']}",
+                    amendment=a["id"],
+                    from_step=a["from_step"],
+                )
+            return bound
+        raise OlmoCtlError(f"could not update `{self.p('run.yaml')}`: it kept changing under us", exit_code=3)
 
     def create_run(
         self, recipe_dict: dict, recipe_fingerprint: str, data_fingerprint: str, device: str, slices: int = 1
@@ -377,7 +494,11 @@ class RunDir:
         evaluation is not what the run trains (Recipe.training_fingerprint). The attempt still runs
         run.yaml's recipe."""
         d = self.read_run()
-        if d.get("recipe_fingerprint") != recipe_fingerprint and not self._trains_the_same(d, recipe):
+        if (
+            d.get("recipe_fingerprint") != recipe_fingerprint
+            and not self._amended_to(d, recipe_fingerprint)
+            and not self._trains_the_same(d, recipe)
+        ):
             raise BadInput(
                 f"run `{self.name}` was created with another recipe (fingerprint {d.get('recipe_fingerprint')}, "
                 f"this one {recipe_fingerprint})",
@@ -389,6 +510,17 @@ class RunDir:
                 f"now {data_fingerprint})",
                 "restore the original data, or start a new run",
             )
+
+    def _amended_to(self, doc: dict, fingerprint: str) -> bool:
+        """`fingerprint` is the run's recipe as amended (bound, or with the pending amendments)."""
+        if not doc.get("amendments"):
+            return False
+        try:
+            return fingerprint in {
+                run_recipe(doc, self.p("run.yaml"), pending=p).fingerprint() for p in (False, True)
+            }
+        except BadInput:
+            return False
 
     def _trains_the_same(self, doc: dict, recipe) -> bool:
         if recipe is None:
@@ -717,6 +849,33 @@ class RunDir:
 
     def clear_resize(self) -> None:
         self.store.delete(self.p("resize.json"))
+
+    # ------------------------------------------------------------------ restart requests (amend --restart)
+
+    def request_restart(self, amendment: str, attempt: int | None) -> dict:
+        """Ask the run's supervisor to stop `attempt` at its next checkpoint and submit the next one,
+        which takes the pending amendments."""
+        doc = {"amendment": amendment, "attempt": attempt, "time": utc_now_iso(), "id": uuid.uuid4().hex[:8]}
+        self.store.write_text(self.p("restart.json"), json.dumps(doc))
+        self.append(
+            "restart_requested",
+            attempt=attempt,
+            reason="restart at the next checkpoint for an amendment",
+            request=doc["id"],
+            amendment=amendment,
+        )
+        return doc
+
+    def pending_restart(self) -> dict | None:
+        try:
+            return json.loads(self.store.read_text(self.p("restart.json")))
+        except NotFound:
+            return None
+        except ValueError:
+            return {"id": "?", "attempt": None}
+
+    def clear_restart(self) -> None:
+        self.store.delete(self.p("restart.json"))
 
     # ------------------------------------------------------------------ stop requests
 

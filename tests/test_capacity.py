@@ -72,7 +72,33 @@ def test_capacity_goldens_select_the_nodes_xpk_selects(golden, xpk):
     assert pod["tolerations"] == [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
-@pytest.mark.parametrize("generation", sorted(GENERATIONS))
+# XPK's 2D shapes (src/xpk/core/system_characteristics.py): v6e's on ct6e-standard-4t are `2x2` plus
+# its SUB_SLICING_TOPOLOGIES; v5litepod's are listed by hand there.
+XPK_2D = {
+    "v6e": {"2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"},
+    "v5e": {"2x4", "4x4", "4x8", "8x8", "8x16", "16x16"},
+}
+
+
+@pytest.mark.parametrize("generation", sorted(XPK_2D))
+def test_2d_slices_are_exactly_xpks(generation):
+    gen = GENERATIONS[generation]
+    axes = [1, 2, *range(4, 33, 4)]
+    ours = {f"{x}x{y}" for x in axes for y in axes if topology_problem(gen, f"{x}x{y}") is None}
+    assert ours == XPK_2D[generation] and topology_problem(gen, "2x2x1") is not None
+    for t in ours:  # each shape is one slice, named by its chips (one TensorCore each)
+        d = get_device(f"{gen.device_prefix}-{t}")
+        chips = math.prod(int(a) for a in t.split("x"))
+        assert (d.name, d.topology, d.chips, d.vms, d.chips_per_vm) == (
+            f"{gen.device_prefix}-{chips}",
+            t,
+            chips,
+            chips // 4,
+            4,
+        )
+
+
+@pytest.mark.parametrize("generation", sorted(g for g in GENERATIONS if not GENERATIONS[g].topologies))
 def test_slices_named_by_topology_are_exactly_xpks(generation):
     gen = GENERATIONS[generation]
     xpk = xpk_topologies(gen.max_cubes)

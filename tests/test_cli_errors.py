@@ -15,8 +15,8 @@ DRY = ["submit", "--stage", "1", "--device", "tpu7x-128", "--dry-run"]
 
 CASES = {
     "unknown device": (["plan", "--stage", "1", "--device", "v5p-9"], "not a device type"),
-    "unknown generation": (["plan", "--stage", "1", "--device", "v6e-8"], "unknown generation"),
-    "devices --generation": (["devices", "--generation", "v6e"], "not a device generation"),
+    "unknown generation": (["plan", "--stage", "1", "--device", "v4-8"], "unknown generation"),
+    "devices --generation": (["devices", "--generation", "v4"], "not a device generation"),
     "no recipe": (["plan", "--device", "v5p-8"], "no recipe given"),
     "stage 4": (["plan", "--stage", "4", "--device", "v5p-8"], "not a stage"),
     "stage and recipe": (["plan", "--stage", "1", "--recipe", "smoke", "--device", "v5p-8"], "exclusive"),
@@ -190,3 +190,27 @@ def test_recipe_layers_refused(env, tmp_path, text, expect):
         timeout=60,
     )
     _assert_user_error(p, expect)
+
+
+@pytest.mark.gcs
+def test_data_missing_from_ai2_s_bucket_says_how_to_point_data_root_elsewhere(env, gcs_server, tmp_path):
+    """The shipped recipes read AI2's gs://olmo-data: where that data is missing (here an empty bucket of
+    that name on the GCS emulator), a submit and `data info` say so and how to read a copy elsewhere."""
+    from conftest import GcsEmulator
+
+    GcsEmulator(gcs_server, "").new_bucket("olmo-data")
+    runs = GcsEmulator(gcs_server, "").new_bucket("runs-data-root")
+    gcs_env = {**env, "STORAGE_EMULATOR_HOST": gcs_server}
+    submit = [
+        "submit", "--stage", "1", "--device", "tpu7x-128", "--run-root", f"gs://{runs}/runs",
+        "--image", "img:1", "--no-preflight",
+    ]  # fmt: skip
+    for args in (["data", "info", "--stage", "1"], submit):
+        p = invoke(*args, env=gcs_env)
+        _assert_user_error(p, "`gs://olmo-data/preprocessed/dolma3-0625/")
+        assert "does not exist" in p.stderr and "AI2's bucket" in p.stderr, p.stderr
+        assert "--set data.root=gs://YOUR-BUCKET" in p.stderr, p.stderr
+    # A root of one's own that lacks a file: the same way out.
+    p = invoke("data", "info", "--stage", "3", "--set", f"data.root={tmp_path}", env=env)
+    _assert_user_error(p, f"`{tmp_path}/preprocessed/")
+    assert "--set data.root=" in p.stderr and "AI2" not in p.stderr

@@ -199,3 +199,37 @@ def test_local_backend_defaults_and_dry_run(xdg, tmp_path):
     assert plan.devices == 2 and plan.recipe == "smoke"
     assert req["env"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     assert p.stderr == ""
+
+
+def test_the_shipped_recipes_data_root_is_said_to_be_ai2_s_bucket_before_any_submit(xdg, tmp_path):
+    """`submit --dry-run`, `config show` and `config init` say that data.root is AI2's bucket, and how to
+    read a copy elsewhere; a recipe that reads other data hears nothing of it."""
+    says = "--set data.root=gs://YOUR-BUCKET"
+
+    def olmo_ctl(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "olmo_ctl", *args],
+            capture_output=True, text=True, env=dict(os.environ), cwd=tmp_path, timeout=60,
+        )  # fmt: skip
+
+    for stage in ("1", "2", "3"):
+        p = olmo_ctl("submit", "--stage", stage, "--device", "tpu7x-128", "--dry-run")
+        assert p.returncode == 0, p.stderr
+        ai2 = [ln for ln in p.stderr.splitlines() if "gs://olmo-data" in ln]
+        assert len(ai2) == 1 and "AI2's bucket" in ai2[0] and says in ai2[0], p.stderr
+    p = olmo_ctl(
+        "submit", "--stage", "1", "--device", "tpu7x-128", "--dry-run", "--set", "data.root=gs://mine"
+    )
+    assert p.returncode == 0 and "olmo-data" not in p.stderr, p.stderr
+    p = olmo_ctl("submit", "--recipe", "smoke", "--device", "cpu-1", "--backend", "local", "--dry-run")
+    assert p.returncode == 0 and "olmo-data" not in p.stderr, p.stderr
+    p = olmo_ctl("config", "show")
+    assert p.returncode == 0 and "gs://olmo-data" in p.stderr and says in p.stderr, p.stderr
+    p = olmo_ctl("config", "init")
+    assert p.returncode == 0, p.stderr
+    text = xdg.read_text()
+    assert (
+        "AI2's\n# bucket, gs://olmo-data (data.root)" in text
+        and says in text
+        and yaml.safe_load(text) is None
+    )

@@ -32,6 +32,50 @@ REFERENCE = {
 }
 
 
+# generation -> {name: (topology, chips, VMs)}: XPK's v6e (ct6e-standard-4t) and v5litepod rows
+# (src/xpk/core/system_characteristics.py: one TensorCore per chip, so the name counts chips; 4 chips
+# per VM).
+REFERENCE_2D = {
+    "v6e": {
+        "v6e-4": ("2x2", 4, 1),
+        "v6e-8": ("2x4", 8, 2),
+        "v6e-16": ("4x4", 16, 4),
+        "v6e-32": ("4x8", 32, 8),
+        "v6e-64": ("8x8", 64, 16),
+        "v6e-128": ("8x16", 128, 32),
+        "v6e-256": ("16x16", 256, 64),
+    },
+    "v5e": {
+        "v5litepod-8": ("2x4", 8, 2),
+        "v5litepod-16": ("4x4", 16, 4),
+        "v5litepod-32": ("4x8", 32, 8),
+        "v5litepod-64": ("8x8", 64, 16),
+        "v5litepod-128": ("8x16", 128, 32),
+        "v5litepod-256": ("16x16", 256, 64),
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "generation,label,machine,peak,hbm",
+    [
+        ("v6e", "tpu-v6e-slice", "ct6e-standard-4t", 918.0, 32.0),
+        ("v5e", "tpu-v5-lite-podslice", "ct5lp-hightpu-4t", 197.0, 16.0),
+    ],
+)
+def test_v6e_and_v5e_match_xpks_rows(generation, label, machine, peak, hbm):
+    rows = tpu_catalog(generation)
+    assert {d.name: (d.topology, d.chips, d.vms) for d in rows} == REFERENCE_2D[generation]
+    for d in rows:
+        assert (d.generation, d.chips_per_vm, d.devices) == (generation, 4, d.chips)  # one device a chip
+        assert (d.accelerator_label, d.machine_type) == (label, machine)
+        assert (d.peak_tflops_per_device, d.hbm_gib_per_device) == (peak, hbm)
+        assert d.topology_name == f"{generation}:{d.topology}"  # libtpu's name: `v5e:4x4`
+        assert get_device(d.name) == d
+        prefix = d.name.rpartition("-")[0]
+        assert get_device(f"{prefix}-{d.topology}") == d  # XPK's topology name is the same slice
+
+
 def test_pinned_rows():
     d = get_device("tpu7x-128")
     assert (d.topology, d.chips, d.vms, d.devices) == ("4x4x4", 64, 16, 128)
@@ -72,7 +116,11 @@ def test_peak_and_hbm_per_device():
         "v5p-12",
         "v5p-4",
         "tpu7x-16384",
-        "v6e-8",
+        "v6e-2",
+        "v6e-512",
+        "v6e-2x2x1",
+        "v5litepod-4",
+        "v5litepod-4x4x4",
         "tpu7x",
         "v5p-08",
         "cpu-0",
@@ -98,6 +146,9 @@ def test_unknown_devices_are_bad_input(name):
         ("tpu-tpu7x-128", "tpu7x-128"),
         ("TPU-v5p-4X4X12", "v5p-4x4x12"),
         ("CPU-4", "cpu-4"),
+        ("V6E-8", "v6e-8"),
+        ("v5e-16", "v5litepod-16"),
+        ("tpu-v5e-4x8", "v5litepod-32"),
     ],
 )
 def test_a_name_off_by_case_or_a_tpu_prefix_gets_did_you_mean(name, meant):
@@ -152,7 +203,9 @@ def test_devices_json_contract():
     assert all(keys <= set(r) for r in rows)
     by_name = {r["name"]: r for r in rows}
     assert by_name["tpu7x-128"]["devices"] == 128 and by_name["v5p-256"]["vms"] == 32
-    assert len(rows) == 2 * len(REFERENCE) + len(local_catalog())
+    assert len(rows) == 2 * len(REFERENCE) + len(REFERENCE_2D["v6e"]) + len(REFERENCE_2D["v5e"]) + len(
+        local_catalog()
+    )
 
 
 def test_devices_table_fits_80_columns():
@@ -164,3 +217,19 @@ def test_devices_table_fits_80_columns():
     assert row.split() == ["v5p-256", "4x4x8", "128", "32", "4", "128", "459", "95"]
     p = _cli("devices", "--generation", "tpu7x", "-o", "json")
     assert {r["generation"] for r in json.loads(p.stdout)} == {"tpu7x"}
+
+
+def test_devices_lists_v6e_and_v5e():
+    p = _cli("devices")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert "v6e: GKE accelerator tpu-v6e-slice, machine type ct6e-standard-4t" in lines
+    assert "v5e: GKE accelerator tpu-v5-lite-podslice, machine type ct5lp-hightpu-4t" in lines
+    row = next(line for line in lines if line.startswith("v6e-256 "))
+    assert row.split() == ["v6e-256", "16x16", "256", "64", "4", "256", "918", "32"]
+    row = next(line for line in lines if line.startswith("v5litepod-16 "))
+    assert row.split() == ["v5litepod-16", "4x4", "16", "4", "4", "16", "197", "16"]
+    for generation in ("v5e", "v5litepod"):  # the generation, or its device-name prefix
+        p = _cli("devices", "--generation", generation, "-o", "json")
+        assert p.returncode == 0, p.stderr
+        assert [r["name"] for r in json.loads(p.stdout)] == list(REFERENCE_2D["v5e"])

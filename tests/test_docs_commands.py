@@ -142,7 +142,7 @@ def test_every_shown_command_and_option_exists():
         ("olmo-ctl submit --attempt -1 --dry-run", True),
         ("olmo-ctl launch --stage 1", False),  # no such command
         ("olmo-ctl convert hf-to-jax a b", False),  # no such subcommand
-        ("olmo-ctl monitor runs/x --run-root runs", False),  # no such option
+        ("olmo-ctl monitor runs/x --follow", False),  # no such option
         ("olmo-ctl plan --stage 1 --device v5p-8 --fast", False),
     ],
 )

@@ -13,7 +13,7 @@ import pytest
 from olmo_ctl.backends.jobset import render_jobset
 from olmo_ctl.core.batching import make_plan
 from olmo_ctl.core.config import Settings
-from olmo_ctl.core.contracts import EXIT_RESTART
+from olmo_ctl.core.contracts import EXIT_RESTART, EXIT_SIGTERM
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.sandbox.cluster.objects import find_cond, is_true, pod_terminal
@@ -163,3 +163,52 @@ def test_a_crash_then_its_survivors_exit_3_counts_once(sb):
             w.container_exit(survivor, EXIT_RESTART)
         w.reconcile()
     assert counts(w) == (1, 1)
+
+
+def survivors_stop_together(w: SandboxWorld) -> None:
+    """The hosts whose peer was disrupted: the trainer's stop agreement (trainer/multihost.py, JAX's
+    preemption sync) has every host checkpoint the agreed step and exit 143, the ones that received
+    no SIGTERM of their own and have no DisruptionTarget too."""
+    with w.store.lock:
+        for pod in running(w):
+            assert find_cond(pod, "DisruptionTarget") is None
+            w.container_exit(pod, EXIT_SIGTERM)
+        w.reconcile()
+
+
+def test_four_single_host_repairs_in_one_attempt_never_count_and_it_finishes(sb):
+    """A v5p-16 of two hosts; one node at a time repaired four times in one attempt (drained through the
+    Eviction API: DisruptionTarget, pod rule 0 `Ignore`). The other host stops on the agreed step and
+    exits 143 without a DisruptionTarget: pod rule 2 (`FailJob` `In [3, 143]`), `RestartOnAgreedStop`
+    (`RestartJobSetAndIgnoreMaxRestarts`), not counted. Four restarts, none counted (maxRestarts is 3),
+    and the same JobSet completes when its trainers finish."""
+    w = sb.world
+    for k in range(4):
+        sb.fault(parse_fault({"kind": "repair", "pool": "v5p-16", "nodes": 1, "for": "15s"}))
+        survivors_stop_together(w)
+        assert counts(w) == (k + 1, 0) and not is_true(jobset(w), "Failed"), jobset(w)["status"]
+        w.advance(16)  # the repaired node is back
+        w.advance(2)
+        assert len(running(w)) == 2, k
+    with w.store.lock:
+        for pod in running(w):
+            w.container_exit(pod, 0)
+        w.reconcile()
+    assert is_true(jobset(w), "Completed") and counts(w) == (4, 0), jobset(w)["status"]
+
+
+@pytest.mark.parametrize("code", [1, 2, 137])
+def test_a_disrupted_pod_whose_trainer_fails_while_torn_down_is_still_a_disruption(sb, code):
+    """Pod rule 0 is the disruption: a trainer that exits 1, 2 or 137 while its spot VM shuts down (a
+    write cut off, the kill at the end of the grace period) is Ignored, not a user error that fails the
+    JobSet or a crash that counts (Kubernetes applies the first matching rule, pod_failure_policy.go)."""
+    w = sb.world
+    victim = running(w)[0]
+    w.nodes.spot_reclaim([node_of(victim)], 60)
+    w.reconcile()
+    with w.store.lock:
+        victim = w.get("Pod", victim["metadata"]["namespace"], victim["metadata"]["name"])
+        w.container_exit(victim, code)
+        w.reconcile()
+    survivors_stop_together(w)
+    assert not is_true(jobset(w), "Failed") and counts(w) == (1, 0), jobset(w)["status"]

@@ -76,7 +76,7 @@ def env(tmp_path):
 
 
 def test_shipped_profiles_name_their_templates_and_keep_their_numbers():
-    assert sorted(GENERATIONS) == ["tpu7x", "v5p"]
+    assert sorted(GENERATIONS) == ["tpu7x", "v5e", "v5p", "v6e"]
     for gen in GENERATIONS.values():
         assert template_path(gen.name).name == f"{gen.name}.yaml" and template_path(gen.name).exists()
         assert "xla_flags" not in launch_template(gen.name)["vars"]  # the profile's, not the template's
@@ -91,9 +91,84 @@ def test_shipped_profiles_name_their_templates_and_keep_their_numbers():
     )
 
 
+def test_v6e_and_v5e_profiles_keep_xpks_facts_and_their_numbers():
+    """XPK's src/xpk/core/system_characteristics.py: `v6e` on tpu-v6e-slice / ct6e-standard-4t and
+    `v5litepod` on tpu-v5-lite-podslice / ct5lp-hightpu-4t, one TensorCore per chip, 2D topologies."""
+    v6e, v5e = GENERATIONS["v6e"], GENERATIONS["v5e"]
+    assert (v6e.device_prefix, v6e.accelerator_label, v6e.machine_type) == (
+        "v6e",
+        "tpu-v6e-slice",
+        "ct6e-standard-4t",
+    )
+    assert (v5e.device_prefix, v5e.accelerator_label, v5e.machine_type) == (
+        "v5litepod",
+        "tpu-v5-lite-podslice",
+        "ct5lp-hightpu-4t",
+    )
+    assert v6e.topologies == ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+    assert v5e.topologies == ("2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+    assert (
+        v6e.tensorcores_per_chip,
+        v5e.tensorcores_per_chip,
+        v6e.devices_per_chip,
+        v5e.devices_per_chip,
+    ) == (
+        1,
+        1,
+        1,
+        1,
+    )
+    assert (
+        v6e.peak_tflops_per_chip,
+        v6e.hbm_gib_per_chip,
+        v5e.peak_tflops_per_chip,
+        v5e.hbm_gib_per_chip,
+    ) == (
+        918.0,
+        32.0,
+        197.0,
+        16.0,
+    )
+    assert v6e.xla_flags[0] == "--xla_tpu_scoped_vmem_limit_kib=98304"
+    assert v5e.xla_flags == GENERATIONS["v5p"].xla_flags
+
+
+@pytest.mark.parametrize(
+    ("device", "accelerator", "topology", "vms"),
+    [("v6e-256", "tpu-v6e-slice", "16x16", 64), ("v5litepod-16", "tpu-v5-lite-podslice", "4x4", 4)],
+)
+def test_v6e_and_v5e_are_planned_and_rendered_like_v5p(env, device, accelerator, topology, vms):
+    batch = ["--set", "train.global_batch=256", "--set", "eval.batch_size=256"]  # a share for every host
+    p = invoke("plan", "--recipe", "smoke", "--device", device, *batch, "-o", "json", env=env)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["devices"] == vms * 4
+    p = invoke("submit", "--recipe", "smoke", "--device", device, *batch, *SITE, "--dry-run", env=env)
+    assert p.returncode == 0, p.stderr
+    js = yaml.safe_load(p.stdout)
+    job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    pod = job["template"]["spec"]
+    assert pod["nodeSelector"] == {  # no placement policy: the template's `never`, as v5p's
+        "cloud.google.com/gke-tpu-accelerator": accelerator,
+        "cloud.google.com/gke-tpu-topology": topology,
+    }
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["google.com/tpu"] == 4
+    assert (job["parallelism"], job["completions"]) == (vms, vms)
+    env_vars = {e["name"]: e["value"] for e in container["env"]}
+    gen = get_device(device).generation
+    assert env_vars["LIBTPU_INIT_ARGS"] == " ".join(GENERATIONS[gen].xla_flags)
+
+
 @pytest.mark.parametrize(
     ("kind", "generation"),
-    [("TPU7x", "tpu7x"), ("TPU v5", "v5p"), ("TPU v5p", "v5p"), ("TPU v5 lite", None), ("TPU v6 lite", None)],
+    [
+        ("TPU7x", "tpu7x"),
+        ("TPU v5", "v5p"),
+        ("TPU v5p", "v5p"),
+        ("TPU v5 lite", "v5e"),
+        ("TPU v6 lite", "v6e"),
+        ("TPU v4", None),
+    ],
 )
 def test_a_device_kind_is_the_generation_whose_profile_names_it(kind, generation):
     assert generation_of_device_kind(kind) == generation
@@ -123,7 +198,7 @@ def test_a_new_generation_is_in_the_catalog(tpu9z, env):
     assert "tpu9z: GKE accelerator tpu9z-accel, machine type tpu9z-standard-4t" in p.stdout
     assert "at most 8 cubes of 4x4x4" in p.stdout
     p = invoke("devices", "--generation", "tpu9y", env=env)
-    assert p.returncode == 2 and "use tpu7x, v5p, tpu9z, cpu or gpu" in p.stderr
+    assert p.returncode == 2 and "use tpu7x, v5p, v6e, v5e, tpu9z, cpu or gpu" in p.stderr
 
 
 def test_a_new_generation_is_planned(tpu9z, env):

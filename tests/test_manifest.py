@@ -49,6 +49,8 @@ SITE = [
 ]
 DEVICES = ("tpu7x-128", "tpu7x-512", "v5p-256", "v5p-8")
 MULTISLICE = ("tpu7x-128", "v5p-256")  # 2 slices of each: `2x<device>-stage1`
+# The 2D-torus generations (v6e, v5e): stage 1 on the largest slice, the smoke model on the smallest.
+TWO_D = (("v6e-256", "v6e-8"), ("v5litepod-256", "v5litepod-8"))
 CAPACITY_CASES = (("tpu7x-128", "spot"), ("tpu7x-128", "flex-start"), ("v5p-256", "reservation:olmo-v5p"))
 
 
@@ -101,6 +103,9 @@ def golden_cases() -> dict[str, list[str]]:
         "--set",
         "eval.batch_size=192",
     ]
+    for large, small in TWO_D:
+        cases[f"{large}-stage1"] = ["--stage", "1", "--device", large, "--priority-class", "high"]
+        cases[f"{small}-smoke"] = ["--recipe", "smoke", "--device", small, "--run", f"smoke-{small}"]
     for dev in MULTISLICE:
         cases[f"2x{dev}-stage1"] = [
             "--stage",

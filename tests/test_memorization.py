@@ -1,6 +1,8 @@
 """The memorization alarm of `monitor --reference`: real TensorBoard files for a run and a reference,
 the case study's signature (training loss below the reference, held-out loss not) flagged with its step
-range, and a faithful run that is better on both, or one without held-out loss, left alone."""
+range, and a faithful run that is better on both, or one without held-out loss, left alone; the
+threshold derived from the runs' own noise as documented; and a real `data audit` that found instances
+read twice raising the alarm on its own."""
 
 from __future__ import annotations
 
@@ -13,8 +15,16 @@ import numpy as np
 import pytest
 from helpers.cli import clean_env, invoke
 from helpers.events import write_segment
+from helpers.trainer import train
 
-from olmo_ctl.observe.memorization import memorization
+from olmo_ctl.core import faults
+from olmo_ctl.observe.memorization import (
+    DEFAULT_THRESHOLD,
+    FALSE_ALARM_RATE,
+    derived_threshold,
+    gap_sigma,
+    memorization,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "docs" / "monitor-schema.json").read_text())
@@ -121,3 +131,78 @@ def test_noise_alone_and_a_single_window_do_not_raise_it():
     dip = (steps, np.where((steps > 500) & (steps <= 750), ref[1] - 0.05, ref[1]))
     m = memorization(dip, held, ref, held)
     assert [p["step"] for p in m["points"] if p["flagged"]] == [750] and not m["alarm"]
+
+
+def faithful_pair(gaps: np.ndarray, offset: float = 0.0):
+    """A run and its reference evaluated at every step (one training step per window): the run's training
+    delta is `offset + gaps`, its held-out delta `offset`."""
+    steps = np.arange(1, len(gaps) + 1)
+    ref = (steps, np.full(len(steps), 3.0))
+    held_ref = (steps, np.full(len(steps), 3.1))
+    return (steps, 3.0 + offset + gaps), (steps, held_ref[1] + offset), ref, held_ref
+
+
+def test_the_threshold_is_the_documented_rule_over_the_gap_noise():
+    # docs/monitoring-and-compare.md: T = max(0.02, 2 z sigma), z = 1.86 for a false-alarm rate of 1e-3
+    # per evaluation over two in a row; sigma the gap's noise between adjacent evaluations.
+    doc = (ROOT / "docs" / "monitoring-and-compare.md").read_text()
+    assert "`max(0.02, 2 z σ)`" in doc and "z = 1.86" in doc and "1 in 1,000" in doc
+    z = 1.8570
+    assert derived_threshold(0.03) == pytest.approx(2 * z * 0.03, rel=1e-3)
+    assert derived_threshold(0.001) == DEFAULT_THRESHOLD == 0.02
+    assert derived_threshold(None) == DEFAULT_THRESHOLD
+    assert FALSE_ALARM_RATE == 1e-3
+    # sigma is read from the gap's second differences: a white gap's own sd, a drift or a jump hardly moves it
+    rng = np.random.default_rng(1)
+    noise = rng.normal(0, 0.03, 400)
+    assert gap_sigma(noise) == pytest.approx(0.03, rel=0.1)
+    drift_and_jump = noise + np.linspace(0, 0.2, 400) - np.where(np.arange(400) >= 200, 0.1, 0.0)
+    assert gap_sigma(drift_and_jump) == pytest.approx(gap_sigma(noise), rel=0.05)
+    assert gap_sigma(noise[:11]) is None and gap_sigma(noise[:12]) is not None  # too few: the floor
+    m = memorization(*faithful_pair(noise))
+    assert m["threshold_rule"] == "derived" and m["gap_sigma"] == pytest.approx(gap_sigma(noise), rel=1e-9)
+    assert m["threshold"] == derived_threshold(m["gap_sigma"])
+    assert memorization(*faithful_pair(noise), threshold=0.05)["threshold_rule"] == "given"
+
+
+def test_a_noisy_faithful_run_does_not_raise_it_and_a_repeat_above_the_noise_does():
+    # a faithful run whose gap between adjacent evaluations is 0.03 nats of noise (the smoke model's
+    # scale: benchmarks/memorization_noise.py) raised a fixed 0.02-nat alarm again and again
+    rng = np.random.default_rng(2)
+    gaps = rng.normal(0, 0.03, 1000)
+    assert memorization(*faithful_pair(gaps), threshold=DEFAULT_THRESHOLD)["alarm"]
+    m = memorization(*faithful_pair(gaps))
+    pairs = sum(a["flagged"] and b["flagged"] for a, b in zip(m["points"], m["points"][1:], strict=False))
+    assert not m["alarm"] and pairs == 0, m["ranges"]
+    # a repeat from evaluation 600 on, training loss 0.3 below while held-out is not: flagged at once
+    gaps[600:] -= 0.3
+    m = memorization(*faithful_pair(gaps))
+    assert m["alarm"] and m["ranges"][0]["start"] == 601
+
+
+def test_a_recorded_audit_with_instances_read_twice_raises_it(tmp_path, reference):
+    """A real run, `data audit`ed after 3 steps (nothing read twice: no alarm), then resumed two batches
+    back (its steps 4-5 read batches 1-2 again) and audited again: the alarm names the audit's count,
+    with or without --reference, although the losses alone cannot show it in five steps."""
+    run = tmp_path / "run"
+    train(run, "--stop-at-step", "3", "--set", "checkpoint.interval=1")
+    env = clean_env(tmp_path)
+    assert invoke("data", "audit", str(run), env=env).returncode == 0
+    rep = json.loads(monitor(run, "--reference", str(reference), "-o", "json", tmp_path=tmp_path).stdout)
+    jsonschema.validate(rep, SCHEMA)
+    m = rep["memorization"]
+    assert m["audit"]["repeated"] == 0 and m["audit"]["committed_step"] == 3 and not m["alarm"]
+    assert not any(w.startswith("memorization") for w in rep["warnings"])
+    train(run, "--stop-at-step", "5", "--set", "checkpoint.interval=1", env={faults.DATA_SHIFT.name: "-2"})
+    p = invoke("data", "audit", str(run), env=env)
+    assert p.returncode == 1 and "16 read twice" in p.stdout, p.stdout
+    for args in (("--reference", str(reference)), ()):
+        rep = json.loads(monitor(run, *args, "-o", "json", tmp_path=tmp_path).stdout)
+        jsonschema.validate(rep, SCHEMA)
+        m = rep["memorization"]
+        assert m["alarm"] and m["audit"]["repeated"] == 16 and m["audit"]["committed_step"] == 5
+        assert m["reference"] == (str(reference) if args else None)
+        (w,) = [w for w in rep["warnings"] if w.startswith("memorization")]
+        assert w.startswith("memorization: `olmo-ctl data audit` of steps 1-5 (")
+        assert "found 16 instances read twice, the first at step 4 (read at step 2)" in w
+    assert "found 16 instances read twice" in monitor(run, tmp_path=tmp_path).stdout

@@ -151,7 +151,13 @@ def test_report_of_a_resumed_run(tmp_path):
         "running",
         "preempted",
     ]
-    assert rep["replays"] == {"steps": 10, "mismatch_count": 0, "mismatches": []}
+    assert rep["replays"] == {
+        "steps": 10,
+        "mismatch_count": 0,
+        "mismatches": [],
+        "layout_rounding_count": 0,
+        "rounding_tolerance": None,
+    }
     assert [
         (a["attempt"], a["first_step"], a["last_step"], a["replayed_steps"])
         for a in rep["attempts_in_events"]
@@ -161,8 +167,14 @@ def test_report_of_a_resumed_run(tmp_path):
     assert gp["wall_s"] == pytest.approx(170.0)
     assert gp["productive_s"] == pytest.approx(120.0)
     assert gp["lost_s"]["queueing"] == pytest.approx(10 + 5)
-    assert gp["lost_s"]["startup"] == pytest.approx(8 + 4)
-    assert gp["lost_s"]["recomputed"] == pytest.approx(10.0)
+    # admitted -> first step of attempt 1; running -> first step of attempt 2 (its pods' start is recovery)
+    assert gp["lost_s"]["startup"] == pytest.approx(10 + 4)
+    assert gp["lost_s"]["recomputed"] == pytest.approx(12.0)  # steps 51..60 until preempted at T0+62
+    assert gp["lost_s"]["recovery"] == pytest.approx(8 + 1)  # preempted -> submitted, admitted -> running
+    assert gp["buckets"]["wasted_progress"] == gp["lost_s"]["recomputed"]
+    assert gp["buckets"]["infrastructure_recovery"] == pytest.approx(9.0)
+    assert gp["productive_s"] + sum(gp["buckets"].values()) == pytest.approx(gp["wall_s"])
+    assert gp["productive_s"] + sum(gp["lost_s"].values()) == pytest.approx(gp["wall_s"])
     assert gp["fraction"] == pytest.approx(120 / 170)
     assert rep["warnings"] == []
     from olmo_ctl.observe.monitor import timeline_summary
@@ -661,6 +673,91 @@ def test_a_supervisor_run_again_on_a_finished_run_leaves_goodput_alone(tmp_path,
     assert after["wall_s"] < final_commit - first_step_wall + 5  # it ends at the final commit
 
 
+def test_goodput_of_a_real_run_adds_up_to_its_wall_time(tmp_path, smoke_run):
+    """A real local run's events (restore, data set-up and process start logged by the trainer) in a
+    journal of one attempt: productive + the buckets = wall, each part where the trainer put it."""
+    from olmo_ctl.rundir import RunDir
+
+    run = copy_run_of(smoke_run, tmp_path / "real")
+    r = load(str(run)).reader
+    since = r.series("timing/since_start_s")
+    restore = r.series("checkpoint/restore_duration_s")
+    assert since is not None and restore is not None and since.steps.tolist() == [0]
+    started = float(since.wall_times[0] - since.values[0])
+    first = float(r.series("train/CE loss").wall_times[0])
+    rd = RunDir(str(run))
+    rd.append("submitted", attempt=1, device="cpu-1", t=started - 30)
+    rd.append("queued", attempt=1, device="cpu-1", t=started - 30)
+    rd.append("admitted", attempt=1, device="cpu-1", t=started - 12)
+    rd.append("running", attempt=1, device="cpu-1", t=started - 2)
+    rep = build_report(load(str(run)), ask_backend=False)
+    import jsonschema
+
+    jsonschema.validate(rep, SCHEMA)
+    gp = rep["goodput"]
+    b = gp["buckets"]
+    assert abs(gp["productive_s"] + sum(b.values()) - gp["wall_s"]) < 1.0
+    assert abs(gp["productive_s"] + sum(gp["lost_s"].values()) - gp["wall_s"]) < 1.0
+    assert b["queueing"] == pytest.approx(18.0)
+    assert b["checkpoint_restore"] == pytest.approx(float(restore.values[0]), abs=1e-3)
+    assert b["checkpoint_save"] > 0 and b["data_loading"] > 0
+    # admitted -> the trainer's first step: its pods and process start, restore, data set-up, compile
+    startup = b["program_startup"] + b["checkpoint_restore"] + r.series("timing/data_setup_s").values[0]
+    assert startup < first - (started - 12) + 1e-6
+    assert b["program_startup"] > 12 - 1e-6  # admitted -> the process started, at least
+    assert b["wasted_progress"] == b["infrastructure_recovery"] == 0.0
+    assert 0 < gp["fraction"] < 1
+
+
+def test_a_jobset_restarted_in_place_is_recovery_not_queueing(tmp_path):
+    """The supervisor journals `admitted` after `running` when the JobSet restarts in place (a host
+    event): the outage is recovery, the steps run again are wasted, and nothing of it is productive
+    or queueing."""
+    run = tmp_path / "in-place"
+    write_run_yaml(run)
+    tb = run / "tensorboard"
+    write_segment(tb, range(1, 61), attempt=1, values=values)  # steps 1..60 at T0+1..T0+60
+    write_segment(tb, range(51, 121), attempt=1, start_time=1767225700, wall0=T0 + 45, values=values)
+    write_segment(
+        tb,
+        [50],
+        attempt=1,
+        segment=1,
+        start_time=1767225700,
+        tags=["timing/since_start_s", "checkpoint/restore_duration_s"],
+        wall0=T0 + 45,  # at T0+95: the restarted process started at T0+90 and restored in 2 s
+        values=lambda tag, s: 5.0 if tag == "timing/since_start_s" else 2.0,
+    )
+    commit(run, 50, 100)
+    journal(
+        run,
+        [
+            (T0 - 20, "submitted", 1, "", None),
+            (T0 - 10, "admitted", 1, "", None),
+            (T0 - 1, "running", 1, "", None),
+            (T0 + 70, "admitted", 1, "pods recreated", 50),  # the host event, seen at T0+70
+            (T0 + 92, "running", 1, "", 50),
+        ],
+    )
+    gp = build_report(load(str(run)), now=T0 + 165, ask_backend=False)["goodput"]
+    b = gp["buckets"]
+    assert gp["wall_s"] == pytest.approx(185.0)
+    assert gp["productive_s"] == pytest.approx(50.0 + 70.0)  # steps 1..50, then 51..120 (T0+95..T0+165)
+    assert b["queueing"] == pytest.approx(10.0)  # the first admission only
+    assert b["wasted_progress"] == pytest.approx(20.0)  # T0+50 -> T0+70: steps 51..60 and the outage
+    assert b["infrastructure_recovery"] == pytest.approx(20.0)  # T0+70 -> the process start at T0+90
+    assert b["checkpoint_restore"] == pytest.approx(2.0)  # T0+93 -> T0+95
+    assert b["program_startup"] == pytest.approx(10.0 + 3.0)  # admitted -> step 1; T0+90 -> T0+93
+    assert gp["productive_s"] + sum(b.values()) == pytest.approx(gp["wall_s"])
+    assert gp["productive_s"] + sum(gp["lost_s"].values()) == pytest.approx(gp["wall_s"])
+
+
+def copy_run_of(src: Path, dst: Path) -> Path:
+    from helpers.runs import copy_run
+
+    return copy_run(src, dst)
+
+
 # ---------------------------------------------------------------- attempts that end unwatched
 
 
@@ -799,3 +896,77 @@ def test_a_cpu_runs_mfu_is_said_to_be_against_a_nominal_cpu_peak(tmp_path):
     assert fig.axes[3].get_legend().get_texts()[0].get_text() == "MFU (olmo_core FLOPs, nominal CPU peak)"
     js = json.loads(cli("monitor", str(run), "--no-backend", "-o", "json").stdout)
     assert set(js["throughput"]) == set(SCHEMA["properties"]["throughput"]["properties"])
+
+
+def _fallback_run(run: Path, second_device: str, later=None) -> None:
+    """Attempt 1 on cpu-2 logs steps 1..60 (checkpoint 50) and is preempted; attempt 2 falls back to
+    `second_device`, restores 50 and replays 51..60, its losses from `later(tag, step, value)`."""
+    write_run_yaml(run)
+    tb = run / "tensorboard"
+    write_segment(tb, range(1, 61), attempt=1, values=values)
+    write_segment(
+        tb,
+        range(51, 101),
+        attempt=2,
+        start_time=1767225700,
+        wall0=T0 + 30,
+        values=lambda tag, s: later(tag, s, values(tag, s)) if later else values(tag, s),
+    )
+    commit(run, 50)
+    with open(run / "journal.jsonl", "w") as f:
+        for t, ev, a, dev in [
+            (T0 - 2, "submitted", 1, "cpu-2"),
+            (T0 - 1, "running", 1, "cpu-2"),
+            (T0 + 62, "preempted", 1, "cpu-2"),
+            (T0 + 70, "submitted", 2, second_device),
+            (T0 + 76, "running", 2, second_device),
+        ]:
+            f.write(json.dumps({"time": iso(t), "event": ev, "attempt": a, "device": dev}) + "\n")
+
+
+def _last_bits(tag, step, v):
+    """The losses another device layout computes: one float32 ulp away (3.1099791526794434 vs
+    3.1099789142608643 in a real fallback), the rest the same."""
+    if tag not in ("train/CE loss", "train/PPL"):
+        return v
+    return float(np.nextafter(np.float32(v), np.float32(-np.inf)))
+
+
+def test_replays_on_another_layout_are_equal_up_to_layout_rounding(tmp_path):
+    run = tmp_path / "fallback"
+    _fallback_run(run, "cpu-1", _last_bits)
+    rep = build_report(load(str(run)), now=T0 + 150, ask_backend=False)
+    import jsonschema
+
+    jsonschema.validate(rep, SCHEMA)
+    rp = rep["replays"]
+    assert rp["steps"] == 10 and rp["mismatch_count"] == 20 and rp["layout_rounding_count"] == 20
+    assert not any("differ after a resume" in w for w in rep["warnings"]), rep["warnings"]
+    assert rp["rounding_tolerance"]["dtype"] == "float32" and rp["rounding_tolerance"]["k"] == 10.0
+    m = rp["mismatches"][0]
+    assert (m["earlier_attempt"], m["later_attempt"], m["step"]) == (1, 2, 51)
+    assert 0 < abs(m["later"] - m["earlier"]) <= m["layout_rounding_bound"]
+    # step 51 is the first step on the new layout: k * eps * sqrt(1) * |value|
+    assert m["layout_rounding_bound"] == pytest.approx(
+        10 * 2.0**-23 * max(abs(m["earlier"]), abs(m["later"]))
+    )
+    t = cli("monitor", str(run), env={"COLUMNS": "240"})  # one line per row, whatever the path's length
+    assert t.returncode == 0, t.stderr
+    assert "mismatching values: 20, 20 equal up to layout rounding" in t.stdout
+    assert "differ after a resume" not in t.stdout
+
+
+def test_replays_on_the_same_layout_stay_bitwise_and_a_real_change_is_named(tmp_path):
+    same = tmp_path / "same"
+    _fallback_run(same, "cpu-2", _last_bits)
+    rep = build_report(load(str(same)), now=T0 + 150, ask_backend=False)
+    assert rep["replays"]["mismatch_count"] == 20 and rep["replays"]["layout_rounding_count"] == 0
+    assert rep["replays"]["rounding_tolerance"] is None
+    assert any(w.startswith("20 replayed value(s) differ after a resume") for w in rep["warnings"])
+
+    changed = tmp_path / "changed"  # on another layout, a loss 0.01 off from step 55: not rounding
+    _fallback_run(changed, "cpu-1", lambda tag, s, v: _last_bits(tag, s, value(tag, s, desync=55)))
+    rep = build_report(load(str(changed)), now=T0 + 150, ask_backend=False)
+    assert rep["replays"]["layout_rounding_count"] == 8  # steps 51..54 of CE loss and PPL
+    (w,) = [w for w in rep["warnings"] if "differ after a resume" in w]
+    assert "replayed value(s) differ after a resume; first: train/CE loss step 55: " in w

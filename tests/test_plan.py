@@ -217,7 +217,7 @@ def test_no_prices_no_dollars(tmp_path):
 @pytest.mark.parametrize(
     "prices,says",
     [
-        ({"v6e": {"spot": 1.0}}, "`v6e` is not a TPU generation"),
+        ({"v4": {"spot": 1.0}}, "`v4` is not a TPU generation"),
         ({"v5p": {"list": 3.0}}, "`v5p.list` is not a price kind"),
         ({"v5p": {"spot": -1}}, "`v5p.spot` must be a non-negative number"),
         ({"v5p": {"spot": "cheap"}}, "`v5p.spot` must be a non-negative number"),

@@ -299,6 +299,19 @@ def test_two_slices_compile_ahead_of_time(cache):
     assert two.argument_bytes_per_device < one.argument_bytes_per_device  # half the batch rows per device
 
 
+@pytest.mark.parametrize(("device", "topology"), [("v6e-8", "v6e:2x4"), ("v5litepod-8", "v5e:2x4")])
+def test_2d_generations_compile_ahead_of_time_with_their_flags(cache, device, topology):
+    """v6e and v5e slices (2D tori, one TensorCore per chip) compile like v5p's: libtpu's topology of
+    the catalog's name, its devices, the generation's XLA flags, the catalog's HBM."""
+    r = load_recipe("smoke", overrides=["train.global_batch=16"])
+    dev = get_device(device)
+    res = pf.run_preflight(r, dev, n_layers=1, use_cache=False)
+    assert res.error is None and res.fits and res.compiled_by_xla
+    assert (res.topology, res.devices, res.per_device_batch) == (topology, 8, 2)
+    assert res.hbm_bytes_per_device == dev.hbm_bytes_per_device
+    assert res.xla_flags == list(GENERATIONS[dev.generation].xla_flags)
+
+
 def test_a_compile_says_what_it_compiles_and_that_it_still_runs(cache, monkeypatch):
     """Off a terminal too: a start line, a `still compiling` line every HEARTBEAT_S, the compile time."""
     from helpers.cli import invoke

@@ -378,6 +378,14 @@ def test_local_run_resized_cpu4_cpu2_cpu4_mid_run_finishes_like_its_twin(tmp_pat
     )
     assert max(after) < 1e-3
     assert min(shifted) > 20 * max(after)
+    # `compare` reads the journals' devices: from the first step on cpu-2 the twins differ by layout
+    # rounding, within its bound (docs/monitoring-and-compare.md), not a divergence.
+    from olmo_ctl.observe.compare import compare
+
+    res = compare(twin.path, main.path)["tags"]["train/CE loss"]
+    assert res["layout_change_step"] == n1 + 1 and res["layouts"] == {"a": "cpu-4", "b": "cpu-2"}
+    assert res["first_exceed_step"] is None, res["verdict"]
+    assert res["verdict"].startswith(("identical", "equal up to layout rounding")), res["verdict"]
 
 
 # ---------------------------------------------------------------- a running supervisor carries it out

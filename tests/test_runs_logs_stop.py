@@ -410,7 +410,7 @@ def test_stop_checkpoints_ends_the_supervisor_and_a_later_submit_continues(tmp_p
     assert not any(e in ev for e in ("preempted", "backoff", "failed")), ev
     assert p.stdout == (
         f"stopped run `halt` at committed step {committed}/20000 (attempt 1; its supervisor ended); "
-        "continue with: olmo-ctl resume-until-done halt\n"
+        f"continue with: olmo-ctl resume-until-done halt --run-root {root} --backend local\n"
     )
     rows = json.loads(cli("runs", *common, "-o", "json").stdout)["runs"]
     assert [(r["name"], r["state"], r["step"]) for r in rows] == [("halt", "stopped", committed)]

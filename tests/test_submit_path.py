@@ -291,7 +291,7 @@ def _calls(path: Path) -> list[tuple[int, str]]:
 
 def test_one_prepare_makes_every_attempt():
     """`supervise.attempts.prepare` is the one maker of attempts: submit and resume-until-done (through
-    `submit.prepare_run`), resize, the supervisor, smoke and the eval job call it, and nothing else in
+    `submit.prepare_run`), resize, the supervisor, amend, smoke and the eval job call it, and nothing else in
     the package builds an `Attempt`."""
     callers = {
         str(path.relative_to(ROOT))
@@ -305,6 +305,7 @@ def test_one_prepare_makes_every_attempt():
         "olmo_ctl/supervise/supervisor.py",  # each attempt resume-until-done submits
         "olmo_ctl/supervise/smoke.py",
         "olmo_ctl/supervise/evaljob.py",
+        "olmo_ctl/supervise/amend.py",  # amend --restart with no supervisor: the next attempt
     }, callers
     makers = [
         f"{path.relative_to(ROOT)}:{n}"

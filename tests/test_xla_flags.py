@@ -16,6 +16,7 @@ from olmo_ctl.core.batching import make_plan
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import get_device
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.generations import GENERATIONS
 from olmo_ctl.core.recipe import load_recipe
 from olmo_ctl.core.xla_flags import libtpu_init_args, xla_flag_sources, xla_flags_for
 
@@ -38,6 +39,11 @@ def test_each_generation_has_its_documented_set():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "attention-and-xla-flags.md").read_text()
     for flag in tpu7x + v5p:  # every flag is documented, by name
         assert f"`{flag.split('=')[0][2:]}`" in docs, flag
+    for name in GENERATIONS:  # and every generation has its section
+        assert f"\n### {name}" in docs, name
+    v6e = xla_flags_for(get_device("v6e-256"), None, None)
+    assert v6e[0] == "--xla_tpu_scoped_vmem_limit_kib=98304" and f"`{v6e[0].split('=')[0][2:]}`" in docs
+    assert xla_flags_for(get_device("v5litepod-256"), None, None) == v5p  # MaxText's v5e set is v5p's
 
 
 def test_recipe_then_site_override_by_name_and_pods_get_exactly_that():

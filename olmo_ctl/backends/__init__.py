@@ -9,7 +9,7 @@ branches on a backend's name.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from olmo_ctl.core.errors import BadInput
 
@@ -59,6 +59,32 @@ def resolve_settings(**flag_values: str | None) -> Settings:
     from olmo_ctl.core.config import resolve_settings as resolve
 
     return resolve(DEFAULT_RUN_ROOTS, **flag_values)
+
+
+def existing_runs(settings: Settings) -> Settings:
+    """`settings` for finding runs that already exist (`runs`, `logs`, `stop`, `monitor NAME`, `data
+    audit`, `resume-until-done NAME`): while the run root is the placeholder no flag, environment
+    variable or config file replaced, the run root of the backend that runs on this machine (`runs/`,
+    where `make demo` trains), and that backend unless one is chosen. No run can live under a
+    placeholder; a run found there still brings its own backend (`supervise.attempts.run_settings`), and
+    a new run on GKE still needs a gs:// run root."""
+    import dataclasses
+    import os
+
+    from olmo_ctl.core.config import PLACEHOLDER_RUN_ROOT
+
+    local = DEFAULT_RUN_ROOTS[THIS_MACHINE]
+    if (
+        settings.run_root != PLACEHOLDER_RUN_ROOT
+        or settings.sources.get("run_root") != "default"
+        or not local
+    ):
+        return settings
+    why = f"default for runs on this machine (no run root set; the {THIS_MACHINE} backend's)"
+    values: dict[str, Any] = {"run_root": os.path.abspath(local)}
+    if settings.sources.get("backend") == "default":
+        values["backend"] = THIS_MACHINE
+    return dataclasses.replace(settings, **values, sources={**settings.sources, **dict.fromkeys(values, why)})
 
 
 def placeholders(settings: Settings) -> list[str]:

@@ -48,7 +48,23 @@ if TYPE_CHECKING:  # pure modules, but a backend that only reads status needs no
     from olmo_ctl.core.config import Settings
     from olmo_ctl.core.recipe import Recipe
 
-__all__ = ["Attempt", "AttemptStatus", "Backend", "Handle", "LogProgress", "SmokeProfile", "State", "Target"]
+__all__ = ["Attempt", "AttemptStatus", "Backend", "Handle", "Hold", "LogProgress", "SmokeProfile", "State", "Target"]
+
+
+@dataclass(frozen=True)
+class Hold:
+    """What holds a live attempt before it runs, as its source says it (`observe.waiting` words it in
+    one line). `kind`: `quota` (the queue has too little left), `queued` (waiting in the queue for any
+    other reason), `no-flavor` / `no-queue` (no flavor of the queue fits the slice, the queue does not
+    exist: no capacity changes that), `admission-check`, `requeued` (evicted, requeued as it is),
+    `deactivated`, `no-workload` (Kueue cannot make the queue's object for it: an object it names is
+    missing), `unschedulable` (no node fits its pods), `node-not-ready`, `kubelet-admission`,
+    `image-pull` (the kubelet backs off pulling), `bad-image` (a pull no retry fixes), `pods-refused`
+    (the API server refuses its pods)."""
+
+    kind: str
+    message: str  # the source's own words, e.g. "insufficient unused quota for google.com/tpu in flavor ..."
+    by: str  # who says so: "Kueue", "scheduler", "kubelet", "node lifecycle", "API server"
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,7 @@ class AttemptStatus:
     cause: str | None = None  # what holds an admitted attempt, in the source's words
     restarts: int = 0  # restarts of the attempt in place (JobSet status.restarts)
     workload: str | None = None  # the queue's object for the attempt (Kueue Workload name)
+    hold: Hold | None = None  # why a live attempt is not running yet (None: it is, or nothing holds it)
     details: dict[str, Any] = field(default_factory=dict)
 
 

@@ -73,7 +73,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from olmo_ctl.backends.base import AttemptStatus, State
+from olmo_ctl.backends.base import AttemptStatus, Hold, State
 from olmo_ctl.core.contracts import EXIT_SIGKILL, EXIT_SIGTERM, exit_state
 
 IMAGE_ERRORS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
@@ -437,7 +437,30 @@ def typed(st: AttemptStatus) -> AttemptStatus:
         cause=str(d["cause"]) if d.get("cause") else None,
         restarts=int(d.get("restarts") or 0),
         workload=str(d["workload"]) if d.get("workload") else None,
+        hold=Hold(**d["hold"]) if st.state.live and d.get("hold") else None,
     )
+
+
+def _hold(details: dict, kind: str, message: str, by: str) -> None:
+    """Record what holds the attempt (the typed `AttemptStatus.hold`), in its source's words."""
+    details["hold"] = {"kind": kind, "message": message.strip(), "by": by}
+
+
+# Kueue's prefix of each pod set's part of a pending message (flavorassigner.go)
+_POD_SET_PREFIX = re.compile(r"couldn't assign flavors to pod set \S+: ")
+
+
+def _queue_hold(details: dict, qr: Mapping | None, msg: str, config_error: str | None) -> None:
+    """Why Kueue has not reserved quota: too little quota left, no flavor or queue that could ever
+    fit, or a wait its message says no more about."""
+    text = ((qr or {}).get("message") or "").strip() or msg
+    if config_error:
+        kind = "no-queue" if _NO_QUEUE.match(config_error) else "no-flavor"
+    elif re.search(r"insufficient (unused )?quota", text):
+        kind = "quota"
+    else:
+        kind = "queued"
+    _hold(details, kind, _POD_SET_PREFIX.sub("", text), "Kueue")
 
 
 def _classify(
@@ -510,6 +533,7 @@ def _classify(
         if active is False or (ev is not None and (ev.get("reason") or "").startswith("Deactivated")):
             text = _cond_text(ev) if ev is not None else "the Workload was deactivated (spec.active=false)"
             details["deactivated"] = deactivated_by(workload, ev)
+            _hold(details, "deactivated", details["deactivated"], "Kueue")
             return AttemptStatus(
                 State.QUEUED,
                 text,
@@ -545,6 +569,7 @@ def _classify(
                     if qr and qr.get("message") and qr.get("message") != ev.get("message")
                     else ""
                 )
+            _hold(details, "requeued", text, "Kueue")
             return AttemptStatus(State.QUEUED, text, "Workload condition Evicted", details=details)
         # 7. waiting for capacity
         qr = condition(workload, "QuotaReserved")
@@ -555,6 +580,7 @@ def _classify(
             bad = queue_config_error(qr)
             if bad:
                 details["config_error"] = bad
+            _queue_hold(details, qr, msg, bad)
             return AttemptStatus(State.QUEUED, msg, "Workload condition QuotaReserved", details=details)
         adm = condition(workload, "Admitted")
         if not (adm and adm.get("status") == "True"):
@@ -565,6 +591,7 @@ def _classify(
             msg = "quota reserved, waiting for admission checks" + (
                 ": " + "; ".join(checks) if checks else ""
             )
+            _hold(details, "admission-check", "; ".join(checks) or "quota reserved, checks pending", "Kueue")
             return AttemptStatus(State.QUEUED, msg, "Workload condition Admitted", details=details)
         details["cluster_queue"] = ((workload.get("status") or {}).get("admission") or {}).get("clusterQueue")
     if (jobset.get("spec") or {}).get("suspend"):
@@ -575,6 +602,7 @@ def _classify(
             if missing:  # upstream only logs why it cannot build the Workload; the backend looked
                 details["config_error"] = "Kueue cannot create the Workload: " + "; ".join(missing)
                 msg += f" ({'; '.join(missing)})"
+        _hold(details, "no-workload" if details.get("config_error") else "queued", msg, "Kueue")
         return AttemptStatus(State.QUEUED, msg, "JobSet spec.suspend", details=details)
 
     # 8. admitted: the pods decide
@@ -650,8 +678,10 @@ def _classify_pods(
             details["config_error"] = f"image {pull.image} cannot be pulled: {pull.reason}" + (
                 f": {pull.message}" if pull.message else ""
             )
+            _hold(details, "bad-image", f"{pull.image}: {pull.reason}", "kubelet")
         else:
             details.update(waiting="image-pull", cause=f"image {pull.image}: {pull.reason}: {pull.message}")
+            _hold(details, "image-pull", pull.image, "kubelet")
         return AttemptStatus(
             State.ADMITTED, pull.describe(), f"pod {pull.pod} container status", details=details
         )
@@ -668,6 +698,7 @@ def _classify_pods(
             ev = max(refused, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
             job = (ev.get("involvedObject") or {}).get("name", "?")
             details.update(not_created=True, cause=f"FailedCreate: Job {job}: {ev.get('message') or ''}")
+            _hold(details, "pods-refused", f"Job {job}: {ev.get('message') or ''}", "API server")
             return AttemptStatus(
                 State.ADMITTED,
                 f"{len(live)}/{want} pods created; {details['cause']}",
@@ -689,6 +720,7 @@ def _classify_pods(
                 cause=f"Unschedulable: pod {name}: {msg}".rstrip(": "),
                 wait_cause="unschedulable",
             )
+            _hold(details, "unschedulable", msg or f"pod {name}", "scheduler")
             return AttemptStatus(
                 State.ADMITTED,
                 f"Unschedulable: pod {name}: {msg}".rstrip(": "),
@@ -710,6 +742,7 @@ def _classify_pods(
         details.update(
             pod=name, wait_cause="node-not-ready", cause=f"NodeNotReady: pod {name}: Node is not ready"
         )
+        _hold(details, "node-not-ready", f"pod {name}: Node is not ready", "node lifecycle")
         return AttemptStatus(
             State.ADMITTED,
             f"{running}/{want} pods running; {len(stuck)} pod(s) on NotReady nodes (pod {name}: Node is not ready)",
@@ -731,6 +764,7 @@ def _classify_pods(
         details.update(
             pod=name, wait_cause="kubelet-admission", cause=f"UnexpectedAdmissionError: pod {name}: {msg}"
         )
+        _hold(details, "kubelet-admission", f"pod {name}: UnexpectedAdmissionError: {msg}", "kubelet")
         return AttemptStatus(
             State.ADMITTED,
             f"{running}/{want} pods running; the kubelet refused pod {name}: UnexpectedAdmissionError: {msg}",

@@ -7,17 +7,25 @@ stored in the run directory) over every committed step and compares: step `s` mu
 whatever the attempts, resizes and process counts in between. It reports the instances read, how many
 were distinct, read twice within an epoch, or skipped (in the order of the batches the run covered, but
 never read), and the first step whose record departs from the order.
+
+`record_result` keeps the last audit's report in the run directory (`data_audit/result.json`), where
+`monitor` reads it (`read_result`): instances read twice raise its memorization alarm.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.rundir import RunDir
-from olmo_ctl.trainer.audit import Record, read_records
+from olmo_ctl.trainer.audit import AUDIT_DIR, Record, read_records
+
+RESULT_NAME = "result.json"  # under AUDIT_DIR; not a record's name, so `read_records` passes it by
 
 
 @dataclass
@@ -200,3 +208,27 @@ def audit_run(run_dir: str) -> AuditReport:
         }
     rep.launches = sorted(launches.values(), key=lambda d: d["first_step"])
     return rep
+
+
+def result_path(run_dir: str) -> str:
+    return storage.join(run_dir, AUDIT_DIR, RESULT_NAME)
+
+
+def record_result(run_dir: str, rep: AuditReport, now: float | None = None) -> str:
+    """Keep `rep` (with the time of the audit, `audited_at`) as the run's last audit; its path."""
+    now = time.time() if now is None else now
+    doc = {**rep.to_dict(), "audited_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))}
+    path = result_path(run_dir)
+    storage.store_for(path).write_text(path, json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def read_result(run_dir: str) -> dict | None:
+    """The run's last recorded audit (`record_result`), or None when none was recorded (or it is
+    unreadable: a damaged record must not hide the rest of a monitor report)."""
+    path = result_path(run_dir)
+    try:
+        doc = json.loads(storage.store_for(path).read_text(path))
+    except (storage.NotFound, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None

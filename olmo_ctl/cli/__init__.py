@@ -21,6 +21,7 @@ else:
 
 # Command modules register themselves on `app` when imported (keep these imports light).
 from olmo_ctl.cli import (  # noqa: F401
+    amend,
     compare,
     config,
     convert,

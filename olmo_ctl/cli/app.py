@@ -34,6 +34,7 @@ COMMAND_ORDER = (
     "monitor",
     "compare",
     "resize",
+    "amend",
     "smoke",
     "preflight",
     "data",

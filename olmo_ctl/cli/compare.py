@@ -28,7 +28,8 @@ def compare(
         float | None,
         typer.Option(
             "--threshold",
-            help="|Δ| above which two curves diverge (default 0 for two runs, 0.05 against a curve file).",
+            help="|Δ| above which two curves diverge (default 0 for two runs, 0.05 against a curve file); "
+            "from a change of device layout, at least the layout-rounding bound.",
         ),
     ] = None,
     per_step: Annotated[
@@ -39,7 +40,9 @@ def compare(
     """Compare two runs (or a run and a reference curve) step by step.
 
     Reports max |Δ|, binned means, the first step where |Δ| passes the threshold, and a one-line
-    verdict.
+    verdict. On one device layout two runs must agree bitwise; from the first step two runs computed
+    on different layouts (their journals say), a Δ within k * eps * sqrt(n) * |value| is rounding
+    ("equal up to layout rounding"; docs/monitoring-and-compare.md).
 
     Exit codes: 0 compared (whatever the verdict), 2 bad input, 3 storage unreachable.
     """

@@ -12,6 +12,7 @@ from olmo_ctl.cli.app import OlmoTyper, Output, OutputOpt, app, print_data
 from olmo_ctl.cli.options import SiteFlags, note, site_options
 from olmo_ctl.core.config import DESCRIPTIONS, Settings, config_path, setting_names
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.mixes import AI2_DATA_ROOT, DATA_ROOT_HINT
 
 config_app = OlmoTyper(help="Site settings: flags > OLMO_CTL_* environment > config file > defaults.")
 app.add_typer(config_app, name="config", example="olmo-ctl config show -o json")
@@ -75,6 +76,14 @@ def config_show(
             f"`{name}` is a placeholder: set --{name.replace('_', '-')}, OLMO_CTL_{name.upper()} or "
             f"`{name}:` in {path} before submitting"
         )
+    note(DATA_NOTE)
+
+
+# Where a run's data comes from is the recipe's (`data.root`), not a site setting: said beside them.
+DATA_NOTE = (
+    f"the shipped recipes read their data from {AI2_DATA_ROOT} (data.root), AI2's bucket; to read your own "
+    f"copy pass {DATA_ROOT_HINT} to submit or resume-until-done"
+)
 
 
 def _comment(text: str) -> list[str]:
@@ -95,6 +104,10 @@ def site_file_text() -> str:
         "# (OLMO_CTL_NAMESPACE=...), else this file, else the default shown here. Uncomment a line to",
         "# set it; `olmo-ctl config show` prints what every setting resolves to and where it came from.",
         "# Before the first submit to GKE set at least run_root and image (they hold placeholders).",
+        "",
+        "# Data is the recipe's, not a site setting: the shipped recipes read their data mixes from AI2's",
+        f"# bucket, {AI2_DATA_ROOT} (data.root). To read your own copy, pass to submit or resume-until-done",
+        f"# {DATA_ROOT_HINT}.",
         "",
     ]
     for name in setting_names():
@@ -148,3 +161,4 @@ def config_init(
     typer.echo(f"wrote {path}")
     typer.echo("next: uncomment and set run_root and image, then check with")
     typer.echo("  olmo-ctl config show")
+    note(DATA_NOTE)

@@ -145,19 +145,24 @@ def audit(
 
     Replays the epoch order against the instances each host recorded at each committed step, across
     SIGKILLs, resizes and changes of process count: instances read, distinct, read twice, skipped, and
-    the first step that departs from the order.
+    the first step that departs from the order. The report is kept in the run directory
+    (data_audit/result.json), where `monitor` reads it: instances read twice raise its memorization alarm.
     Exit codes: 0 every step read its batch of the order, 1 a departure (named), 2 bad input (no such run,
     no committed step, no records), 3 storage unreachable.
     """
     from olmo_ctl import storage
-    from olmo_ctl.backends import resolve_settings
-    from olmo_ctl.checkpoints.data_audit import audit_run
+    from olmo_ctl.backends import existing_runs, resolve_settings
+    from olmo_ctl.checkpoints.data_audit import audit_run, record_result
 
     if "/" in run or storage.is_gcs(run):
         path = run if storage.is_gcs(run) else os.path.abspath(run)
     else:
-        path = storage.join(resolve_settings(run_root=run_root).run_root, run)
+        path = storage.join(existing_runs(resolve_settings(run_root=run_root)).run_root, run)
     rep = audit_run(path)
+    try:
+        record_result(path, rep)
+    except (storage.PermissionDenied, OSError) as e:  # a read-only view of the run still gets its audit
+        typer.echo(f"note: the audit was not kept in the run directory ({e})", err=True)
     if output != Output.table:
         print_data(rep.to_dict(), output)
     else:

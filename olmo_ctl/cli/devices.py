@@ -27,6 +27,8 @@ def devices(
     Exit codes: 0 listed, 2 an unknown --generation.
     """
     local = dev.local_catalog()
+    # A generation named by its device-name prefix (`v5litepod`) is that generation (v5e).
+    generation = next((g.name for g in dev.GENERATIONS.values() if g.device_prefix == generation), generation)
     if generation is None:
         rows = dev.tpu_catalog() + local
     elif generation in dev.GENERATIONS:
@@ -41,8 +43,8 @@ def devices(
         print_data([d.to_dict() for d in rows], output)
         return
     # Fits an 80-column terminal; the GKE label and machine type go in each generation's heading.
-    cols = ("NAME", "TOPOLOGY", "CHIPS", "VMS", "CHIPS/VM", "DEVICES", "TFLOP/S/DEV", "HBM GIB/DEV")
-    widths = (10, 8, 5, 4, 8, 7, 11, 11)
+    cols = ("NAME", "TOPOLOGY", "CHIPS", "VMS", "CHIPS/VM", "DEVICES", "TFLOPS/DEV", "HBM GIB/DEV")
+    widths = (13, 8, 5, 4, 8, 7, 10, 11)
     line = "  ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths))
     out: list[str] = []
     heading: str | None = None
@@ -79,6 +81,10 @@ def devices(
 
 def _by_topology(gen: dev.Generation) -> str:
     """The line under a generation's rows: the other slice shapes it offers, named by topology."""
+    if gen.topologies:
+        first = gen.topologies[1] if len(gen.topologies) > 1 else gen.topologies[0]
+        one = dev.get_device(f"{gen.device_prefix}-{first}").name
+        return f"and {gen.device_prefix}-AxB by topology ({gen.device_prefix}-{first} is {one})"
     return (
         f"and {gen.name}-AxBxC for other shapes (e.g. {gen.name}-4x4x12, {gen.name}-4x8x12):\n"
         f"  axes multiples of 4, A <= B <= C, at most {gen.max_cubes} cubes of 4x4x4"

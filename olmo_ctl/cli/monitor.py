@@ -65,7 +65,7 @@ def render(rep: dict):
     from rich.text import Text
 
     from olmo_ctl.core.devices import peak_note
-    from olmo_ctl.observe.monitor import GOING_ON_STATES, timeline_summary
+    from olmo_ctl.observe.monitor import GOING_ON_STATES, amendment_lines, timeline_summary
 
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
@@ -148,7 +148,14 @@ def render(rep: dict):
     else:
         row("attempt", at.get("source") or "-")
     w = at.get("waiting")
-    if w:
+    if w and w.get("kind"):  # the backend named what holds it: the one line `runs` prints too
+        row(
+            "waiting",
+            w["line"]
+            + (f"; since {w['since']}" if w.get("since") else "")
+            + (f", {_fmt_s(w['seconds'])}" if w.get("seconds") is not None else ""),
+        )
+    elif w:
         row(
             "waiting",
             f"for capacity ({w['cause']}) since {w['since']}"
@@ -157,7 +164,9 @@ def render(rep: dict):
         )
     gp = rep["goodput"]
     if gp["fraction"] is not None:
-        lost = ", ".join(f"{k} {_fmt_s(v)}" for k, v in gp["lost_s"].items() if v)
+        # every bucket of the wall time (productive + these = wall), the largest first
+        parts = sorted(((v, k) for k, v in (gp.get("buckets") or gp["lost_s"]).items() if v), reverse=True)
+        lost = ", ".join(f"{k.replace('_', ' ')} {_fmt_s(v)}" for v, k in parts)
         row(
             "goodput",
             f"{gp['fraction'] * 100:.1f}% of {_fmt_s(gp['wall_s'])}" + (f" (lost: {lost})" if lost else ""),
@@ -165,7 +174,12 @@ def render(rep: dict):
     if rep["replays"]["steps"]:
         row(
             "replayed steps",
-            f"{rep['replays']['steps']} (mismatching values: {rep['replays']['mismatch_count']})",
+            f"{rep['replays']['steps']} (mismatching values: {rep['replays']['mismatch_count']}"
+            + (
+                f", {n} equal up to layout rounding)"
+                if (n := rep["replays"].get("layout_rounding_count"))
+                else ")"
+            ),
         )
     parts: list[Table | Text] = [t]
     if rep.get("hosts"):
@@ -179,6 +193,8 @@ def render(rep: dict):
         ]
     if tl:
         parts.append(Text("\n".join(tl[-8:])))
+    if rep.get("amendments"):
+        parts.append(Text("\n".join(amendment_lines(rep["amendments"]))))
     if rep["warnings"]:
         parts.append(Text("\n".join(f"! {w}" for w in rep["warnings"]), style="yellow"))
     return Panel(Group(*parts), title=f"{rep['run']}  ({rep['path']})", subtitle=rep.get("generated_at"))
@@ -212,9 +228,17 @@ def monitor(
     run: Annotated[
         str,
         typer.Argument(
-            metavar="RUN_DIR", help="Run directory, local or gs:// (or one holding only tensorboard/)."
+            metavar="RUN_DIR",
+            help="Run directory, local or gs:// (or one holding only tensorboard/), or a run's name under the "
+            "run root.",
         ),
     ],
+    run_root: Annotated[
+        str | None,
+        typer.Option(
+            "--run-root", help="Where run directories live (gs://...), for a RUN_DIR that is a run's name."
+        ),
+    ] = None,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh a live view until Ctrl-C.")] = False,
     interval: Annotated[
         float, typer.Option("--interval", help="Seconds between refreshes with --watch.")
@@ -256,14 +280,17 @@ def monitor(
         typer.Option(
             "--memorization-threshold",
             min=0,
-            help="Nats the training loss must run below the reference for the alarm (default 0.02).",
+            help="Nats the training loss must run below the reference for the alarm (default: derived from "
+            "the runs' own evaluations, at least 0.02).",
         ),
     ] = None,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Show a run's progress, loss, throughput and MFU, checkpoints, attempts and goodput.
+    """Show a run's progress, loss, throughput and MFU, checkpoints, attempts and goodput. RUN_DIR
+    without a '/' that is not a directory here is a run's name under the run root, as `logs` and `stop`
+    take it.
 
-    Exit codes: 0 ok, 2 not a run directory, 3 storage unreachable; with --watch 130 on Ctrl-C (the
+    Exit codes: 0 ok, 2 not a run directory (or no run of that name), 3 storage unreachable; with --watch 130 on Ctrl-C (the
     run is untouched).
     """
     from olmo_ctl.observe.monitor import build_report, load
@@ -278,6 +305,7 @@ def monitor(
     ref = reference_curves(reference, reference_heldout, memorization_threshold) if reference else None
     from olmo_ctl.observe.runs import composite_lines, composite_report, is_composite
 
+    run = _run_dir(run, run_root)
     soup = _soup_manifest(run)
     if soup is not None:  # a soup (surgery soup, a run of ingredients' last step): what it averaged
         if watch or plot or ref:
@@ -344,6 +372,26 @@ def monitor(
     except KeyboardInterrupt:
         # Leaving the view never touches the run.
         raise Interrupted(f"stopped watching {run}; the run is untouched") from None
+
+
+def _run_dir(run: str, run_root: str | None) -> str:
+    """RUN_DIR as given when it is a path (a '/' in it, or a directory here), else the run of that name
+    under the run root (`backends.existing_runs`: `runs/` while no run root is set)."""
+    import os
+
+    from olmo_ctl import storage
+    from olmo_ctl.backends import existing_runs, resolve_settings
+
+    if not run or "/" in run or storage.is_gcs(run) or os.path.exists(run):
+        return run
+    root = existing_runs(resolve_settings(run_root=run_root)).run_root
+    path = storage.join(root, run)
+    if not storage.is_gcs(path) and not os.path.exists(path):
+        raise BadInput(
+            f"no run `{run}` under {root}, and no directory `{run}` here",
+            "give a run directory (local or gs://), or --run-root; `olmo-ctl runs` lists the runs",
+        )
+    return path
 
 
 def _soup_manifest(path: str) -> dict | None:

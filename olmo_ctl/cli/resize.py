@@ -48,7 +48,7 @@ def resize(
     supervisor refused the request, 2 bad input (nothing stopped), 3 unreachable, 124 timed out
     waiting, 130 declined at the prompt.
     """
-    from olmo_ctl.backends import make_backend
+    from olmo_ctl.backends import existing_runs, make_backend
     from olmo_ctl.backends.base import Target
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.supervise.attempts import run_settings
@@ -58,7 +58,7 @@ def resize(
     if at_next_checkpoint and now:
         raise BadInput("--at-next-checkpoint and --now are exclusive", "give one of them")
     mode = "at-next-checkpoint" if at_next_checkpoint else "now"
-    settings = site.resolve()
+    settings = existing_runs(site.resolve())
     rundir = RunDir.of(settings.run_root, run)
     settings = run_settings(settings, rundir)  # not chosen here: the run's own backend and site settings
     be = make_backend(settings)

@@ -212,11 +212,18 @@ def resume_until_done(
     fall = _fallback(fallback, fallback_after, return_after, device)
     extra_args = ("--allow-version-change",) if allow_version_change else ()
     dev = None if device is None else Target.parse(device, slices).device  # the command line's, parsed once
+    from olmo_ctl.backends import existing_runs
     from olmo_ctl.rundir import Composite
     from olmo_ctl.supervise import ingredients as ingr
 
-    composite = Composite(settings.run_root, name)
-    if r is not None and not r.ingredients and composite.exists():
+    mine = existing_runs(settings)  # no run root set: this machine's runs/ (a run of one recipe: prepare_run)
+    composite = Composite(mine.run_root, name)
+    composite_exists = composite.exists()
+    if composite_exists:
+        settings = mine
+    elif mine is not settings:
+        composite = Composite(settings.run_root, name)  # a new run goes where the settings say
+    if r is not None and not r.ingredients and composite_exists:
         raise BadInput(
             f"`{name}` is a run of ingredients ({composite.recipe().name}), not a run of {r.name}",
             f"continue it with `olmo-ctl resume-until-done {name}`, or choose another run name",
@@ -233,7 +240,7 @@ def resume_until_done(
         lease_ttl=lease_ttl,
         output=output,
     )
-    if (r is not None and r.ingredients) or (r is None and composite.exists()):
+    if (r is not None and r.ingredients) or (r is None and composite_exists):
 
         def one(
             run: str,

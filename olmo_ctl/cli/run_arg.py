@@ -23,11 +23,11 @@ RunArg = Annotated[
 def open_run(run: str, site: SiteFlags) -> tuple[RunDir, Settings, Backend]:
     """The run directory, the site settings (the run's own where not chosen here) and its backend."""
     from olmo_ctl import storage
-    from olmo_ctl.backends import make_backend
+    from olmo_ctl.backends import existing_runs, make_backend
     from olmo_ctl.rundir import RunDir
     from olmo_ctl.supervise.attempts import run_settings
 
-    settings = site.resolve()
+    settings = existing_runs(site.resolve())
     if "/" in run:
         rundir = RunDir(run if storage.is_gcs(run) else _abspath(run))
         root = rundir.path.rsplit("/", 1)[0]

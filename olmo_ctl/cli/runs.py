@@ -36,17 +36,19 @@ def runs(
     site: SiteFlags,
 ) -> None:
     """List the runs under the run root: name, stage, device, committed step / final step, state, last
-    loss and when each last changed. The runs `olmo-ctl smoke` made are counted, not listed, unless
-    --all.
+    loss and when each last changed; under a queued or admitted run, what holds it in one line (Kueue's
+    reason, the scheduler's, an image pull). The runs `olmo-ctl smoke` made are counted, not listed,
+    unless --all.
 
     Example: olmo-ctl runs --run-root runs -o json
 
     Exit codes: 0 ok, 2 the run root does not exist, 3 storage unreachable.
     """
+    from olmo_ctl.backends import existing_runs
     from olmo_ctl.observe.runs import list_runs
     from olmo_ctl.supervise.attempts import handle_status
 
-    settings = site.resolve()
+    settings = existing_runs(site.resolve())
     listed = list_runs(settings.run_root, handle_status if backend_status else None, smoke=all_)
     rows = listed.rows
     if output != Output.table:
@@ -80,5 +82,8 @@ def runs(
         for r in rows
     ]
     widths = [max(len(row[i]) for row in (head, *table)) for i in range(len(head))]
-    for row in (head, *table):
+    typer.echo("  ".join(c.ljust(w) for c, w in zip(head, widths, strict=True)).rstrip())
+    for r, row in zip(rows, table, strict=True):
         typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if r.waiting and r.waiting.get("line"):  # why it waits, under its row
+            typer.echo(f"  └ {r.waiting['line']}")

@@ -62,19 +62,26 @@ def stop(
         typer.echo(
             f"stopped run `{rundir.name}` at committed step {res.committed_step}/{res.final_step} ({what}"
             + ("; its supervisor ended" if res.supervisor else "")
-            + f"); continue with: olmo-ctl resume-until-done {rundir.name}"
+            + f"); continue with: {continue_hint(rundir.name, rundir.path.rsplit('/', 1)[0], backend.name)}"
         )
+
+
+def continue_hint(name: str, root: str, backend: str) -> str:
+    """The command that continues a stopped run, as the supervisor's own Ctrl-C hint spells it: with
+    its run root and backend, so that it works as printed whatever the site settings say."""
+    return f"olmo-ctl resume-until-done {name} --run-root {root} --backend {backend}"
 
 
 def _stop_ingredients(run: str, site: SiteFlags, timeout: float, poll: float, output: Output) -> bool:
     """`stop NAME` of a run of ingredients (docs/ingredients.md): each ingredient's run stopped as one
     run is, and the supervisor of the whole ends before the next; False when RUN is not one."""
     from olmo_ctl import storage
+    from olmo_ctl.backends import existing_runs
     from olmo_ctl.rundir import Composite
     from olmo_ctl.supervise import ingredients
     from olmo_ctl.supervise.stop import stop_run
 
-    settings = site.resolve()
+    settings = existing_runs(site.resolve())
     if "/" in run:
         root, _, name = run.rstrip("/").rpartition("/")
     else:
@@ -85,8 +92,11 @@ def _stop_ingredients(run: str, site: SiteFlags, timeout: float, poll: float, ou
     if not comp.exists():
         return False
 
+    backends: list[str] = []
+
     def one(rd):
         _rd, _settings, backend = open_run(rd.path, site)
+        backends.append(backend.name)
         return rd.name, stop_run(rd, backend, timeout_s=timeout, poll_s=poll, log=_echo)
 
     results = ingredients.stop(comp, one)
@@ -114,5 +124,9 @@ def _stop_ingredients(run: str, site: SiteFlags, timeout: float, poll: float, ou
         return True
     for n, r in results:
         typer.echo(f"{n}: {r.action} at committed step {r.committed_step}/{r.final_step}")
-    typer.echo(f"stopped run of ingredients `{name}`; continue with: olmo-ctl resume-until-done {name}")
+    backend = backends[-1] if backends else settings.backend
+    typer.echo(
+        f"stopped run of ingredients `{name}`; continue with: "
+        + continue_hint(name, root if storage.is_gcs(root) else os.path.abspath(root), backend)
+    )
     return True

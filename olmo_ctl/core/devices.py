@@ -1,20 +1,24 @@
 """TPU and local device catalog, derived from each generation's rules rather than typed row by row.
 
-A device name is `{generation}-{N}`. For TPUs N counts TensorCores (chips x 2): the topology
-follows from the chip count by doubling the axes in the order z, y, x starting from 2x2x1 (the
-single-host slice), hosts have 4 chips. Slices of other shapes (XPK's `4x4x12`, `4x8x12`, ...) are
-named by their topology, `{generation}-{AxBxC}`, under XPK's rule for what a generation offers. A
-generation's rule (devices per chip, chips per VM, most cubes, sub-cube shapes) is its profile's
-(`core/generations.py`). Local devices (`cpu-N`, `gpu-N`) are the local backend's;
-`cpu-PxD` is the multi-host twin: P trainer processes with D host devices each (`cpu-N` is 1 x N).
+A device name is `{prefix}-{N}` (the prefix is the generation's name unless XPK names it otherwise:
+`v5litepod` for v5e). For TPUs N counts TensorCores (chips x 2 on tpu7x and v5p, chips on v6e and
+v5e). On a 3D-torus generation the topology follows from the chip count by doubling the axes in the
+order z, y, x starting from 2x2x1 (the single-host slice), hosts have 4 chips; slices of other shapes
+(XPK's `4x4x12`, `4x8x12`, ...) are named by their topology, `{generation}-{AxBxC}`, under XPK's rule
+for what a generation offers. A 2D-torus generation (v6e, v5e) lists its shapes (`v6e-2x4` is
+`v6e-8`). A generation's rule (devices per chip, chips per VM, TensorCores per chip, most cubes,
+sub-cube shapes or its 2D shapes) is its profile's (`core/generations.py`). Local devices (`cpu-N`,
+`gpu-N`) are the local backend's; `cpu-PxD` is the multi-host twin: P trainer processes with D host
+devices each (`cpu-N` is 1 x N).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.core.generations import GENERATIONS, GIB, Generation, generation_names
+from olmo_ctl.core.generations import GENERATIONS, GIB, Generation
 
 # XPK's largest axis (`generate_tpu_topologies`: A, B, C in 4..256).
 MAX_TOPOLOGY_AXIS = 256
@@ -85,9 +89,11 @@ def tpu_topology(chips: int) -> str:
 
 
 def topology_problem(gen: Generation, topology: str) -> str | None:
-    """Why `topology` is not a slice `gen` offers (None when it is), by XPK's rule: one of the
-    sub-cube shapes, or A x B x C with each axis a multiple of 4 (at most 256), A <= B <= C, and at
-    most `gen.max_cubes` 4x4x4 cubes."""
+    """Why `topology` is not a slice `gen` offers (None when it is), by XPK's rule: one of a 2D
+    generation's shapes; else one of the sub-cube shapes, or A x B x C with each axis a multiple of 4
+    (at most 256), A <= B <= C, and at most `gen.max_cubes` 4x4x4 cubes."""
+    if gen.topologies:
+        return None if topology in gen.topologies else f"{gen.name} slices are {', '.join(gen.topologies)}"
     if topology in gen.sub_cube_topologies:
         return None
     parts = topology.split("x")
@@ -105,6 +111,8 @@ def topology_problem(gen: Generation, topology: str) -> str | None:
 
 def topologies_of(gen: Generation, chips: int) -> list[str]:
     """Every topology of `chips` chips that `gen` offers, the most cube-like (shortest longest axis) first."""
+    if gen.topologies:
+        return [t for t in gen.topologies if _chips(t) == chips]
     if chips % 64:
         return [t for t in gen.sub_cube_topologies if _chips(t) == chips]
     out = []
@@ -120,20 +128,22 @@ def topologies_of(gen: Generation, chips: int) -> list[str]:
 
 
 def _chips(topology: str) -> int:
-    a, b, c = (int(p) for p in topology.split("x"))
-    return a * b * c
+    return math.prod(int(p) for p in topology.split("x"))
 
 
 def _tpu_device(gen: Generation, cores: int, topology: str | None = None) -> Device:
     """The slice of `cores` TensorCores; `topology` names a shape other than the doubling rule's,
-    and then names the device too (`v5p-4x4x12`)."""
-    chips = cores // 2
+    and then names the device too (`v5p-4x4x12`). A 2D generation's shapes each have one chip count,
+    so each is named by its count (`v6e-2x4` is `v6e-8`)."""
+    chips = cores // gen.tensorcores_per_chip
     devices = chips * gen.devices_per_chip
-    power_of_two = chips >= 4 and not chips & (chips - 1)
-    if topology is None or (power_of_two and topology == tpu_topology(chips)):
-        name, topology = f"{gen.name}-{cores}", tpu_topology(chips)
+    if gen.topologies:
+        (shape,) = topologies_of(gen, chips)
+        name, topology = f"{gen.device_prefix}-{cores}", shape
+    elif topology is None or (chips >= 4 and not chips & (chips - 1) and topology == tpu_topology(chips)):
+        name, topology = f"{gen.device_prefix}-{cores}", tpu_topology(chips)
     else:
-        name = f"{gen.name}-{topology}"
+        name = f"{gen.device_prefix}-{topology}"
     return Device(
         name=name,
         generation=gen.name,
@@ -154,6 +164,9 @@ def tpu_catalog(generation: str | None = None) -> list[Device]:
     gens = [GENERATIONS[generation]] if generation else list(GENERATIONS.values())
     out = []
     for gen in gens:
+        if gen.topologies:
+            out += [_tpu_device(gen, _chips(t) * gen.tensorcores_per_chip) for t in gen.topologies]
+            continue
         cores = MIN_TPU_CORES
         while cores <= MAX_TPU_CORES:
             out.append(_tpu_device(gen, cores))
@@ -230,12 +243,16 @@ def get_device(name: str) -> Device:
 
 def _meant(name: str) -> str | None:
     """The catalog's name for `name` written in another case, or a TPU slice's with a `tpu-` or `tpu`
-    prefix; None when there is none."""
+    prefix, or with the generation's name where XPK's prefix differs (`v5e-16`: `v5litepod-16`); None
+    when there is none."""
     if not isinstance(name, str):
         return None
     lower = name.strip().lower()
     for prefix in ("", "tpu-", "tpu"):
         rest = lower[len(prefix) :]
+        for gen in GENERATIONS.values():
+            if gen.device_prefix != gen.name and rest.startswith(f"{gen.name}-"):
+                rest = gen.device_prefix + rest[len(gen.name) :]
         if not lower.startswith(prefix) or rest == name:
             continue
         try:
@@ -254,8 +271,9 @@ def _parse_device(name: str) -> Device:
     gen, _, count = name.rpartition("-")
     if gen == "cpu" and "x" in count:
         return _multi_host_cpu(name, count, hint)
-    if gen in GENERATIONS and "x" in count:
-        return _topology_device(name, GENERATIONS[gen], count, hint)
+    profile = _profile_of(gen)
+    if profile is not None and "x" in count:
+        return _topology_device(name, profile, count, hint)
     if not count.isdigit() or count.startswith("0"):
         raise BadInput(f"`{name}` is not a device type", hint)
     n = int(count)
@@ -263,20 +281,39 @@ def _parse_device(name: str) -> Device:
         if not 1 <= n <= MAX_LOCAL:
             raise BadInput(f"`{name}` is not a device type: {gen}-N takes 1 <= N <= {MAX_LOCAL}", hint)
         return _local_device(gen, n)
-    if gen not in GENERATIONS:
+    if profile is None:
         raise BadInput(
-            f"`{name}` is not a device type: unknown generation `{gen}` ({generation_names()}, cpu, gpu)",
+            f"`{name}` is not a device type: unknown generation `{gen}` ({_prefix_names()}, cpu, gpu)",
             hint,
         )
+    if profile.topologies:
+        sizes = [_chips(t) * profile.tensorcores_per_chip for t in profile.topologies]
+        if n not in sizes:
+            raise BadInput(
+                f"`{name}` is not a device type: {gen} sizes are {', '.join(f'-{s}' for s in sizes)}", hint
+            )
+        return _tpu_device(profile, n)
     if n < MIN_TPU_CORES or n > MAX_TPU_CORES or n & (n - 1):
-        shapes = topologies_of(GENERATIONS[gen], n // 2) if n % 2 == 0 else []
+        shapes = topologies_of(profile, n // 2) if n % 2 == 0 else []
         raise BadInput(
             f"`{name}` is not a device type: {gen} sizes are powers of two from -{MIN_TPU_CORES} to -{MAX_TPU_CORES}",
             f"{n} TensorCores is {' or '.join(f'{gen}-{t}' for t in shapes[:3])}; {hint}"
             if shapes
             else f"name other shapes by their topology, e.g. {gen}-4x4x12; {hint}",
         )
-    return _tpu_device(GENERATIONS[gen], n)
+    return _tpu_device(profile, n)
+
+
+def _profile_of(prefix: str) -> Generation | None:
+    """The generation whose devices are named `prefix-...` (`v5litepod` -> v5e), None for none."""
+    return next((g for g in GENERATIONS.values() if g.device_prefix == prefix), None)
+
+
+def _prefix_names() -> str:
+    """`tpu7x, v5p, v6e, v5litepod (v5e)`: the TPU device-name prefixes, for messages."""
+    return ", ".join(
+        g.name if g.device_prefix == g.name else f"{g.device_prefix} ({g.name})" for g in GENERATIONS.values()
+    )
 
 
 # Most slices of one multislice run. GKE's own limit is the node pools a cluster can hold; this bound
@@ -300,7 +337,7 @@ def check_slices(device: Device, slices: int) -> int:
         raise BadInput(
             f"--slices {slices}: `{device.name}` is a single-host slice; GKE runs multislice only on "
             "multi-host TPU node pools",
-            f"use a multi-host slice ({device.generation}-16 or larger), or --slices 1",
+            f"use a multi-host slice ({device.name.rpartition('-')[0]}-16 or larger), or --slices 1",
         )
     return slices
 
@@ -310,8 +347,9 @@ def _topology_device(name: str, gen: Generation, topology: str, hint: str) -> De
     `v5p-4x4x8` is `v5p-256`."""
     problem = topology_problem(gen, topology)
     if problem:
-        raise BadInput(f"`{name}` is not a device type: {problem}", f"e.g. {gen.name}-4x4x12; {hint}")
-    return _tpu_device(gen, _chips(topology) * 2, topology)
+        example = f"{gen.device_prefix}-{gen.topologies[-1] if gen.topologies else '4x4x12'}"
+        raise BadInput(f"`{name}` is not a device type: {problem}", f"e.g. {example}; {hint}")
+    return _tpu_device(gen, _chips(topology) * gen.tensorcores_per_chip, topology)
 
 
 def _multi_host_cpu(name: str, count: str, hint: str) -> Device:

@@ -21,9 +21,27 @@ SUB_CUBE_TOPOLOGIES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4")
 DEFAULT_SPLASH_BLOCKS = (512, 512, 512)
 
 
+# MaxText's flag sets of the same names (benchmarks/xla_flags_library.py), shared by several profiles.
+# Continuation fusion: FSDP's all-gathers run asynchronously, fused with and overlapped by the matmuls
+# that consume them, over several steps.
+CF_FOR_ALL_GATHER = (
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_enable_async_all_gather=true",
+)
+# Data-parallel overlap: optimise and pipeline the DCN all-reduces of data-parallel (hybrid mesh,
+# multislice) gradients, also when they differ in size.
+DATA_PARALLEL_OVERLAP = (
+    "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
+    "--xla_tpu_data_parallel_opt_different_sized_ops=true",
+)
+
+
 @dataclass(frozen=True)
 class Generation:
-    name: str  # the device-name prefix: `tpu7x` in `tpu7x-128`
+    name: str  # the generation, and its device-name prefix unless `prefix` says: `tpu7x` in `tpu7x-128`
     # Catalog rule: a slice of C chips has C x devices_per_chip JAX devices on C / chips_per_vm VMs.
     devices_per_chip: int
     # Most 4x4x4 cubes in a slice named by its topology (XPK's `generate_tpu_topologies(max_cubes=N)`
@@ -45,6 +63,19 @@ class Generation:
     splash_blocks: tuple[int, int, int] = DEFAULT_SPLASH_BLOCKS
     chips_per_vm: int = 4
     sub_cube_topologies: tuple[str, ...] = SUB_CUBE_TOPOLOGIES
+    # What a device name counts: TensorCores (`v5p-8` = 4 chips of 2) or, at one per chip, chips.
+    tensorcores_per_chip: int = 2
+    # The device-name prefix, where XPK's differs from the generation's name (`v5litepod-16` is v5e);
+    # default the name.
+    prefix: str = ""
+    # A 2D-torus generation lists every slice shape it offers (XPK's `supported_topologies` for its
+    # 4-chip machine type); empty: the 3D rule (the doubling rule, sub-cubes, whole cubes).
+    topologies: tuple[str, ...] = ()
+
+    @property
+    def device_prefix(self) -> str:
+        return self.prefix or self.name
+
     # The launch template merged over `common.yaml`: a file of launch_templates/ (an absolute path
     # names one elsewhere); default `<name>.yaml`.
     template: str = ""
@@ -118,28 +149,61 @@ GENERATIONS: dict[str, Generation] = {
         # MaxText's v5p training configs (benchmarks/maxtext_v5p_model_configs.py) pass
         # CF_FOR_ALL_GATHER and DATA_PARALLEL_OVERLAP from benchmarks/xla_flags_library.py. Each one is
         # documented in docs/attention-and-xla-flags.md.
-        xla_flags=(
-            # Continuation fusion: FSDP's all-gathers run asynchronously, fused with and overlapped by
-            # the matmuls that consume them, over several steps.
-            "--xla_tpu_enable_async_collective_fusion=true",
-            "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
-            "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
-            "--xla_tpu_overlap_compute_collective_tc=true",
-            "--xla_enable_async_all_gather=true",
-            # Data-parallel overlap: optimise and pipeline the DCN all-reduces of data-parallel (hybrid
-            # mesh, multislice) gradients, also when they differ in size.
-            "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
-            "--xla_tpu_data_parallel_opt_different_sized_ops=true",
-        ),
+        xla_flags=CF_FOR_ALL_GATHER + DATA_PARALLEL_OVERLAP,
         # 2048 is refused by the v5p compiler (`CompileTimeScopedVmemOom`: the tiles do not fit the
         # scoped VMEM).
         splash_blocks=(1024, 1024, 512),
+    ),
+    # The v6e and v5e profiles: XPK's src/xpk/core/system_characteristics.py (AI-Hypercomputer/xpk) gives
+    # their device names, topologies, TensorCores per chip, GKE accelerator labels and machine types (its
+    # `get_tpu_system_characteristics_map` rows for `v6e` on ct6e-standard-4t and `v5litepod`); HBM and
+    # peak bf16 FLOPs per chip are Google Cloud's TPU v6e and v5e system-architecture pages'.
+    "v6e": Generation(
+        # Trillium: one TensorCore per chip, a 2D torus; `v6e-N` counts chips.
+        name="v6e",
+        devices_per_chip=1,
+        max_cubes=0,
+        accelerator_label="tpu-v6e-slice",
+        machine_type="ct6e-standard-4t",
+        peak_tflops_per_chip=918.0,
+        hbm_gib_per_chip=32.0,
+        compiler_hbm_gib=None,
+        device_kinds=("TPU v6 lite", "TPU v6e"),
+        # MaxText's Trillium training configs for the 8B dense models (benchmarks/
+        # maxtext_trillium_model_configs.py, llama3-8b-8192) pass DENSE_VMEM_LIMIT_FLAG (a larger
+        # scoped VMEM for each op of a compute-bound model) and CF_FOR_ALL_GATHER from
+        # benchmarks/xla_flags_library.py; documented in docs/attention-and-xla-flags.md.
+        xla_flags=("--xla_tpu_scoped_vmem_limit_kib=98304", *CF_FOR_ALL_GATHER),
+        tensorcores_per_chip=1,
+        # XPK's v6e shapes on ct6e-standard-4t, 4 chips per VM (so `v6e-8` is 2 VMs); its single-chip
+        # `v6e-1` is another machine type, ct6e-standard-1t, and not in this catalog.
+        topologies=("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    ),
+    "v5e": Generation(
+        # v5e (v5 lite): one TensorCore per chip, a 2D torus; XPK and GKE name its slices `v5litepod-N`
+        # (N chips), libtpu its topologies `v5e:AxB`.
+        name="v5e",
+        devices_per_chip=1,
+        max_cubes=0,
+        accelerator_label="tpu-v5-lite-podslice",
+        machine_type="ct5lp-hightpu-4t",
+        peak_tflops_per_chip=197.0,
+        hbm_gib_per_chip=16.0,
+        compiler_hbm_gib=None,
+        device_kinds=("TPU v5 lite", "TPU v5e"),
+        # MaxText's v5e training configs (benchmarks/maxtext_v5e_model_configs.py) pass
+        # DATA_PARALLEL_OVERLAP and CF_FOR_ALL_GATHER, v5p's set; documented in
+        # docs/attention-and-xla-flags.md.
+        xla_flags=CF_FOR_ALL_GATHER + DATA_PARALLEL_OVERLAP,
+        tensorcores_per_chip=1,
+        prefix="v5litepod",
+        topologies=("2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
     ),
 }
 
 
 def generation_names() -> str:
-    """`tpu7x, v5p`: the generations, for messages and help."""
+    """`tpu7x, v5p, v6e, v5e`: the generations, for messages and help."""
     return ", ".join(GENERATIONS)
 
 

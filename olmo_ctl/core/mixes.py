@@ -21,3 +21,18 @@ MIXES = {
 EVAL_MIXES = {
     "v3-small-ppl-validation": "OLMo-3-1025-7B-pretrain-1.py:131-141 (LMEvaluatorCallbackConfig)",
 }
+
+# The base directory the shipped recipes read their mixes from (`data.root`): AI2's bucket. A run
+# reads a copy elsewhere with `--set data.root=gs://YOUR-BUCKET` (the directory holding `preprocessed/`).
+AI2_DATA_ROOT = "gs://olmo-data"
+DATA_ROOT_HINT = "--set data.root=gs://YOUR-BUCKET (the directory holding `preprocessed/`)"
+
+
+def data_root_note(root: str) -> str | None:
+    """What to tell someone about to run a recipe whose `data.root` is AI2's bucket (None otherwise)."""
+    if root.rstrip("/") != AI2_DATA_ROOT:
+        return None
+    return (
+        f"data.root is {AI2_DATA_ROOT}, AI2's bucket, as in the shipped recipes: the run reads its data mix "
+        f"there; to read your own copy pass {DATA_ROOT_HINT}"
+    )

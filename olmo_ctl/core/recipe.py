@@ -146,6 +146,9 @@ class SchedulePart:
     alpha: float = 0.1  # eta_min = alpha * peak
     t_max: int = 0  # the part's horizon in steps (0 = train.max_steps)
     last_step: int = 0  # the last step whose LR this part sets (0 on the final part: to the end)
+    # The step its decay starts from, when not its warmup's end: a continuation that `olmo-ctl amend`
+    # writes when it moves the horizon (core/schedule.py). Absent unless set.
+    decay_from: float | None = None
 
 
 @dataclass(frozen=True)
@@ -344,6 +347,9 @@ class Recipe:
             d.pop("ingredients")
         if not d["model"].get("softmax_vocab_size"):  # likewise: absent unless set
             d["model"].pop("softmax_vocab_size", None)
+        for part in d["schedule"]["parts"]:  # likewise
+            if part.get("decay_from") is None:
+                part.pop("decay_from", None)
         return _plain(d)
 
     def ingredient_recipe(self, k: int) -> Recipe:
@@ -810,6 +816,12 @@ def _validate_schedule(s: ScheduleConfig, max_steps: int, need) -> None:
         if s.kind != "stitched":
             continue
         assert isinstance(p, SchedulePart)  # stitched: the items are the parts
+        if p.decay_from is not None:
+            need(
+                p.kind != "half_cosine" and p.warmup_steps == 0 and p.decay_from < t_max,
+                f"{key}.decay_from",
+                f"({p.decay_from}) needs kind cosine or linear, no warmup and a horizon after it ({t_max})",
+            )
         if i < len(items) - 1:
             need(
                 p.last_step > prev_last,

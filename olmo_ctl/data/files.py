@@ -29,6 +29,7 @@ import numpy as np
 
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.mixes import AI2_DATA_ROOT, DATA_ROOT_HINT
 
 TOKEN_DTYPE = np.dtype("<u4")
 TOKEN_BYTES = 4
@@ -179,7 +180,7 @@ def resolve_paths(
             pattern = str(ensure_smoke_data()) + pattern[len(SMOKE_ROOT) :]
         hits = _expand_checked(pattern)
         if not hits:
-            hint = "check data.root and the path; `olmo-ctl data prepare` makes token files from text"
+            hint = "check data.root (--set data.root=...) and the path; `olmo-ctl data prepare` makes token files from text"
             raise BadInput(f"{what}: `{raw}` matches no file (looked for `{pattern}`)", hint)
         for h in hits:
             if h.path in seen:
@@ -225,10 +226,15 @@ def resolve_mix(name: str, root: str, what: str = "data.mix") -> list[TokenFile]
     missing = [p for p, n in zip(paths, sizes, strict=True) if n is None]
     if missing:
         more = f" (and {len(missing) - 1} more of its {len(paths)} files)" if len(missing) > 1 else ""
+        ai2 = (
+            f" ({AI2_DATA_ROOT} is AI2's bucket, the shipped recipes' data.root)"
+            if root == AI2_DATA_ROOT
+            else ""
+        )
         raise BadInput(
             f"{what} `{name}`: `{missing[0]}` does not exist{more}",
-            "download the mix under data.root keeping its paths, or point data.root at the directory holding"
-            " `preprocessed/`",
+            f"point data.root at the directory holding your copy's `preprocessed/`{ai2}: {DATA_ROOT_HINT}; "
+            "or download the mix under data.root keeping its paths",
         )
     out = []
     for e, p, n in zip(entries, paths, sizes, strict=True):

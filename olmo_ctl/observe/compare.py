@@ -4,20 +4,24 @@ A side is a run directory (local or gs://, its TensorBoard scalars de-duplicated
 them) or a CSV/TSV file of `step,value` rows (a header row is allowed), e.g. a published reference
 curve. Only steps present on both sides are compared: deltas are `B - A`. The first step where |delta|
 exceeds the threshold names where two runs part ways: comparing a resumed run with its uninterrupted
-twin, an exact resume gives max |delta| = 0 on `train/CE loss`.
+twin, an exact resume gives max |delta| = 0 on `train/CE loss`. From the first step two run
+directories computed on different device layouts (their journals' targets), a delta within the
+layout-rounding bound (`observe/rounding.py`) is rounding, not a divergence.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.observe.memorization import DEFAULT_THRESHOLD, HELDOUT_TAGS, TRAIN_TAG
+from olmo_ctl.observe.memorization import HELDOUT_TAGS, TRAIN_TAG
+from olmo_ctl.observe.rounding import RoundingModel, layout_of_attempts, rounding_model, step_layouts
 
 if TYPE_CHECKING:
     from olmo_ctl.observe.reader import EventReader
@@ -67,12 +71,19 @@ class Side:
         self.src = src
         self.curve: tuple[np.ndarray, np.ndarray] | None = None
         self.reader: EventReader | None = None
+        # attempt -> the device layout it computed on; None where the side records none (a curve file)
+        self.layout_of: Callable[[int], str | None] | None = None
+        self.rounding: RoundingModel | None = None
         if is_curve_file(src):
             self.curve = read_curve(src)
         else:
-            from olmo_ctl.observe.monitor import load
+            from olmo_ctl.observe.monitor import _recipe, load
 
-            self.reader = load(src).reader
+            sources = load(src)
+            self.reader = sources.reader
+            if sources.journal or (sources.run_doc or {}).get("device"):
+                self.layout_of = layout_of_attempts(sources.journal, sources.run_doc)
+            self.rounding = rounding_model(_recipe(sources.run_doc))
 
     def tags(self) -> list[str]:
         return [] if self.reader is None else self.reader.tags()
@@ -82,6 +93,11 @@ class Side:
             return self.curve
         s = self.reader.series(tag) if self.reader is not None else None
         return None if s is None or not len(s) else (s.steps, s.values)
+
+    def layouts(self, tag: str) -> list[str | None] | None:
+        """The device layout that computed each point of `get(tag)`; None where the side records none."""
+        s = self.reader.series(tag) if self.reader is not None and self.layout_of is not None else None
+        return None if s is None else step_layouts(s.attempts, self.layout_of)
 
 
 def reference_curves(src: str, heldout_src: str | None = None, threshold: float | None = None) -> dict:
@@ -104,7 +120,7 @@ def reference_curves(src: str, heldout_src: str | None = None, threshold: float 
         "heldout_src": heldout_src or (src if held is not None else None),
         "train": train,
         "heldout": held,
-        "threshold": DEFAULT_THRESHOLD if threshold is None else threshold,
+        "threshold": threshold,  # None: derived from the runs' own evaluations (memorization.py)
     }
 
 
@@ -119,7 +135,11 @@ def compare_series(
     bin_steps: int = 2000,
     threshold: float = 0.0,
     per_step: bool = False,
+    layouts: tuple[list | None, list | None] | None = None,
+    rounding: RoundingModel | None = None,
 ) -> dict:
+    """`layouts`: the device layout of each point of `a` and of `b` (None: unknown); from the first
+    common step where both are known and differ, |Δ| up to `rounding`'s bound is layout rounding."""
     sa, va = a
     sb, vb = b
     common, ia, ib = np.intersect1d(sa, sb, assume_unique=True, return_indices=True)
@@ -136,6 +156,10 @@ def compare_series(
         "first_exceed_step": None,
         "first_exceed_delta": None,
         "threshold": threshold,
+        "layout_changed": False,
+        "layout_change_step": None,  # the first common step computed on different device layouts
+        "layouts": None,  # {"a", "b"}: the two layouts at that step
+        "rounding_tolerance": None,  # the bound from that step on (observe/rounding.py)
         "bins": [],
     }
     if not len(common):
@@ -152,10 +176,25 @@ def compare_series(
     fin = np.isfinite(d)
     out["mean_abs_delta"] = _f(np.abs(d[fin]).mean()) if fin.any() else None
     out["mean_delta"] = _f(d[fin].mean()) if fin.any() else None
-    over = np.flatnonzero(absd > threshold)
+    bound = np.full(len(common), float(threshold))
+    parted = _parted_at(common, ia, ib, layouts)
+    if parted is not None and rounding is not None:
+        step0, layout_a, layout_b = parted
+        n = np.where(common >= step0, common - step0 + 1, 0)
+        tol = rounding.tolerance(xa, xb, n)
+        bound = np.fmax(bound, tol)
+        out.update(
+            layout_changed=True,
+            layout_change_step=step0,
+            layouts={"a": layout_a, "b": layout_b},
+            rounding_tolerance={**rounding.to_dict(), "at_max_abs_delta_step": _f(tol[k])},
+        )
+    over = np.flatnonzero(absd > bound)
     if over.size:
         out["first_exceed_step"] = int(common[over[0]])
         out["first_exceed_delta"] = _f(d[over[0]])
+        if out["rounding_tolerance"] is not None:
+            out["rounding_tolerance"]["at_first_exceed_step"] = _f(bound[over[0]])
     bin_steps = max(1, int(bin_steps))
     b_idx = (common - 1) // bin_steps if common[0] >= 1 else common // bin_steps
     uniq, inv, cnt = np.unique(b_idx, return_inverse=True, return_counts=True)
@@ -185,6 +224,19 @@ def compare_series(
     return out
 
 
+def _parted_at(common, ia, ib, layouts) -> tuple[int, str, str] | None:
+    """The first common step whose two points were computed on known, different device layouts, and
+    those layouts (A's, B's)."""
+    if not layouts or layouts[0] is None or layouts[1] is None:
+        return None
+    la, lb = layouts
+    for j, step in enumerate(common.tolist()):
+        x, y = la[ia[j]], lb[ib[j]]
+        if x is not None and y is not None and x != y:
+            return int(step), x, y
+    return None
+
+
 def _g(x) -> str:
     return "non-finite" if x is None else f"{x:.4g}"
 
@@ -196,12 +248,31 @@ def _verdict(o: dict) -> str:
     if mx == 0.0:
         return f"identical: max |Δ| = 0 on {n} common steps ({span})"
     mxs = _g(mx)
+    rt = o.get("rounding_tolerance")
+    parted = (
+        f"layouts differ from step {o['layout_change_step']}: {o['layouts']['a']} vs {o['layouts']['b']}"
+        if rt
+        else ""
+    )
     if o["first_exceed_step"] is None:
+        if rt and mx is not None and mx > o["threshold"]:
+            return (
+                f"equal up to layout rounding: max |Δ| = {mxs} at step {o['max_abs_delta_step']}, within the "
+                f"rounding bound {_g(rt['at_max_abs_delta_step'])} there ({parted}; {n} common steps, {span})"
+            )
         return f"within {o['threshold']:g}: max |Δ| = {mxs} at step {o['max_abs_delta_step']} on {n} common steps"
+    bound = f"; layout-rounding bound {_g(rt['at_first_exceed_step'])} there, {parted}" if rt else ""
     return (
         f"diverge at step {o['first_exceed_step']} (Δ = {_g(o['first_exceed_delta'])}, threshold "
-        f"{o['threshold']:g}); max |Δ| = {mxs} at step {o['max_abs_delta_step']} ({n} common steps, {span})"
+        f"{o['threshold']:g}{bound}); max |Δ| = {mxs} at step {o['max_abs_delta_step']} ({n} common steps, "
+        f"{span})"
     )
+
+
+def _coarser(x: RoundingModel | None, y: RoundingModel | None) -> RoundingModel | None:
+    """The looser of two runs' rounding bounds (each run's own recipe says how it rounds)."""
+    models = [m for m in (x, y) if m is not None]
+    return max(models, key=lambda m: m.k * m.eps) if models else None
 
 
 def compare(
@@ -235,7 +306,15 @@ def compare(
             where = a if ca is None else b
             results[tag] = {"common_steps": 0, "verdict": f"`{tag}` not found in {where}"}
             continue
-        results[tag] = compare_series(ca, cb, bin_steps=bin_steps, threshold=threshold, per_step=per_step)
+        results[tag] = compare_series(
+            ca,
+            cb,
+            bin_steps=bin_steps,
+            threshold=threshold,
+            per_step=per_step,
+            layouts=(side_a.layouts(tag), side_b.layouts(tag)),
+            rounding=_coarser(side_a.rounding, side_b.rounding),
+        )
     if not results:
         raise BadInput("no tag to compare", "pass --tags 'train/CE loss'")
     # one line over all tags: the earliest divergence wins

@@ -30,10 +30,12 @@ from olmo_ctl import storage
 from olmo_ctl.core.contracts import EXITED_EVENT, exit_state, final_committed, parse_segment_name
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.transient import is_transient
-from olmo_ctl.observe.memorization import HELDOUT_TAGS, TRAIN_TAG, memorization
+from olmo_ctl.observe.memorization import HELDOUT_TAGS, TRAIN_TAG, memorization, with_audit
 from olmo_ctl.observe.memorization import warning_lines as memorization_warnings
 from olmo_ctl.observe.reader import EventReader
+from olmo_ctl.observe.rounding import layout_of_attempts, replay_bounds, rounding_model
 from olmo_ctl.observe.series import Series
+from olmo_ctl.observe.waiting import journal_line, wait_of
 from olmo_ctl.rundir import RunDir, run_recipe
 
 # (run directory, a journal `handle`) -> the backend's AttemptStatus of that attempt, or None
@@ -101,12 +103,16 @@ class Sources:
     run_doc: dict | None = None
     journal: list | None = None
     committed: list | None = None
+    audit: dict | None = None  # the last `data audit` recorded in the run directory
 
     def refresh(self) -> None:
         def go():
+            from olmo_ctl.checkpoints.data_audit import read_result
+
             self.reader.refresh()
             self.journal = _journal(self.path)
             self.committed = _committed(self.path)
+            self.audit = read_result(self.path)
 
         storage_guard(self.path, go)
 
@@ -387,7 +393,7 @@ def _recipe(run_doc: dict | None):
     if not run_doc or not isinstance(run_doc.get("recipe"), dict):
         return None
     try:
-        return run_recipe(run_doc, "run.yaml")
+        return run_recipe(run_doc, "run.yaml", pending=True)  # the final step as amended
     except Exception:
         return None
 
@@ -402,11 +408,12 @@ def live_attempt_of(
     status_of: StatusOf | None,
     committed_step: int | None = None,
     final_step: int | None = None,
+    now: float | None = None,
 ) -> dict:
     """The latest attempt's state: the journal's last word on it (a supervisor's record, or the
     trainer's own `exited` record with its exit code), the backend's while it may be live; and, once it
     is over with the final step committed, `succeeded` whatever its exit (`final_committed`, the
-    supervisor's rule)."""
+    supervisor's rule). `waiting`: what holds it while it is queued or admitted (`waiting_now`)."""
     out: dict[str, Any] = {
         "attempt": None,
         "state": None,
@@ -414,6 +421,7 @@ def live_attempt_of(
         "source": "",
         "device": None,
         "backend": None,
+        "waiting": None,
     }
     if not journal:
         out["source"] = "no journal (the run was not started by olmo-ctl, or has not started)"
@@ -438,6 +446,7 @@ def live_attempt_of(
             out["reason"] = last_state.get("reason") or ""
         out["source"] = f"journal ({last_state.get('time', '?')})"
     handle = next((r.get("handle") for r in reversed(mine) if isinstance(r.get("handle"), dict)), None)
+    st = None
     # A terminal journal record (written by the supervisor, which saw the outcome) is final; the backend
     # is asked while the journal says the attempt may still be live, and after a trainer's nonzero exit
     # (a JobSet restarts its pods, Kueue requeues a preempted attempt: the same attempt runs on).
@@ -465,7 +474,32 @@ def live_attempt_of(
     ):
         out["reason"] = f"final step committed ({out['state']}: {out['reason']})"
         out["state"] = "succeeded"
+    if out["state"] in ("queued", "admitted"):
+        since = last_state.get("time") if last_state is not None else None
+        out["waiting"] = waiting_now(journal, n, st, since, time.time() if now is None else now)
     return out
+
+
+def waiting_now(journal: list | None, attempt: int, st: Any, since: str | None, now: float) -> dict | None:
+    """What holds the attempt now, one line (`observe.waiting`): the backend's status `st` when it
+    names a hold, since the supervisor's `waiting` record of the same cause (else `since`, the
+    attempt's latest state record); otherwise the journal's wait in progress."""
+    j = waiting_of(journal, attempt, now)
+    w = wait_of(st)
+    if w is None:
+        return {**j, "kind": None, "line": journal_line(j["cause"], j["reason"])} if j else None
+    cause, kind, line = w
+    if j is not None and j["cause"] == cause:
+        since = j["since"]
+    t = _parse_time(since)
+    return {
+        "cause": cause,
+        "kind": kind,
+        "since": since,
+        "seconds": _f(max(0.0, now - t)) if t is not None else None,
+        "reason": st.reason,
+        "line": line,
+    }
 
 
 def _exit_of(rec: dict) -> int | None:
@@ -534,9 +568,8 @@ def build_report(
     step = r.max_step()
     final_step = recipe.train.max_steps if recipe else None
     committed_step = (src.committed or [None])[-1]
-    live = live_attempt_of(src.path, journal, status_of if ask_backend else None, committed_step, final_step)
-    live["waiting"] = (
-        waiting_of(journal, live.get("attempt"), now) if live.get("state") in ("queued", "admitted") else None
+    live = live_attempt_of(
+        src.path, journal, status_of if ask_backend else None, committed_step, final_step, now=now
     )
     device_name = live.get("device") or (src.run_doc or {}).get("device")
 
@@ -558,16 +591,21 @@ def build_report(
     pct, eta_s = _eta(step, final_step, times.recent, live.get("state"))
     replayed = r.replays(LOSS_TAG)
     mism = r.mismatches()
+    model = rounding_model(recipe)
+    bounds = replay_bounds(
+        mism, lambda tag, a: _first_step_of(r, tag, a), layout_of_attempts(journal, src.run_doc), model
+    )
+    rounded = sum(b is not None for b in bounds)
     problems = r.problems()
     hosts, host_warnings = _hosts_section(r)
-    memo = _memorization(r, reference)
+    memo = with_audit(_memorization(r, reference), src.audit)
     warnings = [
         *times.warnings,
         *skipped_warnings,
         *_loss_spike_warning(loss),
         *host_warnings,
         *_stall_warning(live, loss, times.median, now, stall_after_s),
-        *_mismatch_warning(mism),
+        *_mismatch_warning([m for m, b in zip(mism, bounds, strict=True) if b is None]),
         *problems,
         *_versions_warning(journal),
         *memorization_warnings(memo),
@@ -596,6 +634,7 @@ def build_report(
         "checkpoint": _checkpoint_section(src.committed or [], step, recipe),
         "attempt": live,
         "timeline": _timeline(journal),
+        "amendments": amendments_of(src.run_doc),
         "goodput": _goodput(
             journal, times.per_attempt, times.median, replayed, loss, r, now, live, final_step, src.committed
         ),
@@ -603,7 +642,14 @@ def build_report(
         "replays": {
             "steps": replayed,
             "mismatch_count": len(mism),
-            "mismatches": [{**m.__dict__, "earlier": _f(m.earlier), "later": _f(m.later)} for m in mism[:20]],
+            "mismatches": [
+                {**m.__dict__, "earlier": _f(m.earlier), "later": _f(m.later), "layout_rounding_bound": _f(b)}
+                for m, b in zip(mism[:20], bounds, strict=False)
+            ],
+            # of those, the values a later attempt on another device layout recomputed equal up to
+            # layout rounding (observe/rounding.py): no warning
+            "layout_rounding_count": rounded,
+            "rounding_tolerance": model.to_dict() if model is not None and rounded else None,
         },
         "hosts": hosts,
         "memorization": memo,
@@ -615,6 +661,44 @@ def build_report(
             "problems": problems,
         },
     }
+
+
+def amendments_of(run_doc: dict | None) -> list[dict]:
+    """run.yaml's amendments (`olmo-ctl amend`), oldest first: what each changes and the step it takes
+    effect at (None while it waits for the next attempt)."""
+    out = []
+    for a in (run_doc or {}).get("amendments") or []:
+        if not isinstance(a, dict):
+            continue
+        out.append(
+            {
+                "id": a.get("id"),
+                "time": a.get("time"),
+                "changes": [
+                    {"key": c.get("key"), "old": c.get("old"), "new": c.get("new")}
+                    for c in a.get("changes") or []
+                    if isinstance(c, dict)
+                ],
+                "from_step": a.get("from_step"),
+                "attempt": a.get("attempt"),
+                "restart": bool(a.get("restart")),
+            }
+        )
+    return out
+
+
+def amendment_lines(amendments: list[dict]) -> list[str]:
+    """`amended train.max_steps 40 -> 60: from step 21 (attempt 2)`, one line per amendment."""
+    lines = []
+    for a in amendments:
+        what = ", ".join(f"{c['key']} {c['old']} -> {c['new']}" for c in a["changes"])
+        when = (
+            f"from step {a['from_step']:,} (attempt {a['attempt']})"
+            if a.get("from_step") is not None
+            else "pending: from the next attempt" + (" (restart requested)" if a.get("restart") else "")
+        )
+        lines.append(f"amended {what}: {when}")
+    return lines
 
 
 def _memorization(r: EventReader, reference: dict | None) -> dict | None:
@@ -912,7 +996,17 @@ def _stall_warning(
     return []
 
 
+def _first_step_of(r: EventReader, tag: str, attempt: int) -> int | None:
+    """The first step of `tag` that `attempt` wrote and that no later attempt replaced."""
+    s = r.series(tag)
+    if s is None:
+        return None
+    mine = s.steps[s.attempts == attempt]
+    return int(mine.min()) if len(mine) else None
+
+
 def _mismatch_warning(mism: list) -> list[str]:
+    """The replayed values that differ beyond layout rounding (all of them on one device layout)."""
     if not mism:
         return []
     m0 = mism[0]
@@ -997,66 +1091,54 @@ def _goodput(
     final_step: int | None = None,
     committed: list | None = None,
 ) -> dict:
-    """Time on steps that count / wall time. The wall time runs from the first journal record (or the
-    first step) to now while an attempt may be live, else to the last record; once the final step is
-    committed it ends at that commit, so what came after (a supervisor run again on the finished run,
-    a no-op attempt) costs nothing."""
+    """Time on steps that count / wall time, and every other second of the wall time in one bucket
+    (`olmo_ctl.observe.goodput`): productive + the buckets = wall. The wall time runs from the first
+    journal record (or the first step) to now while an attempt may be live, else to the last record;
+    once the final step is committed it ends at that commit, so what came after (a supervisor run
+    again on the finished run, a no-op attempt) costs nothing. `lost_s` is the coarse view of the
+    same buckets (queueing, startup, recomputed, recovery, checkpoint, other)."""
+    from olmo_ctl.observe.goodput import BUCKETS, partition
+
     out: dict[str, Any] = {
         "fraction": None,
         "wall_s": None,
         "productive_s": None,
-        "lost_s": {"queueing": None, "startup": None, "recomputed": None, "checkpoint": None, "other": None},
+        "lost_s": {
+            "queueing": None,
+            "startup": None,
+            "recomputed": None,
+            "recovery": None,
+            "checkpoint": None,
+            "other": None,
+        },
+        "buckets": dict.fromkeys(BUCKETS),
     }
-    if not per_attempt or step_s is None:
+    if not per_attempt or step_s is None or loss is None or not len(loss):
         return out
-    # logged interval (metrics_every): replayed points stand for that many steps each
-    every = 1
-    if loss is not None and len(loss) > 1:
-        every = max(1, int(np.median(np.diff(loss.steps))))
-    recomputed_s = replayed * every * step_s
-    ck = reader.series(CKPT_TAG)
-    ckpt_s = float(np.nansum(ck.values)) if ck is not None and len(ck) else 0.0
-    stepping = sum(i.get("span_s", 0.0) for i in per_attempt.values())
     last_wall = max(i["last_wall"] for i in per_attempt.values())
     start = min(i["first_wall"] - i.get("first_fetch_steps", 1) * step_s for i in per_attempt.values())
     end = last_wall
     done_at = _final_commit_time(journal, reader, final_step, committed)
-    queue_s = startup_s = 0.0
-    if journal:
-        times = [t for t in (_parse_time(r.get("time")) for r in journal) if t is not None]
-        if times:
-            start = min(start, min(times))
-            end = max(end, max(times))
-        for n, info in per_attempt.items():
-            recs = [r for r in journal if r.get("attempt") == n]
-            t = {
-                ev: _parse_time(next((r.get("time") for r in recs if r.get("event") == ev), None))
-                for ev in ("submitted", "queued", "admitted", "running")
-            }
-            t_sub = t["submitted"] or t["queued"]
-            t_adm = t["admitted"] or t["running"]
-            if t_sub and t_adm and t_adm > t_sub:
-                queue_s += t_adm - t_sub
-            t_start = t["running"] or t["admitted"] or t_sub
-            if t_start:
-                startup_s += max(
-                    0.0, info["first_wall"] - info.get("first_fetch_steps", 1) * step_s - t_start
-                )
+    timed = sorted(
+        ((t, r) for r in journal or () if (t := _parse_time(r.get("time"))) is not None), key=lambda x: x[0]
+    )
+    if timed:
+        start = min(start, timed[0][0])
+        end = max(end, timed[-1][0])
     if done_at is not None:
         end = max(last_wall, done_at)
     elif live.get("state") in ("running", "queued", "admitted"):
         end = max(end, now)
+    productive, b = partition(timed, loss, step_s, reader.series, start, end)
     wall = max(end - start, 1e-9)
-    # spans come from the de-duplicated points: replayed occurrences are not in them, only in recomputed_s
-    productive = max(0.0, stepping - ckpt_s)
-    other = max(0.0, wall - productive - recomputed_s - ckpt_s - queue_s - startup_s)
-    out.update(fraction=productive / wall, wall_s=wall, productive_s=productive)
+    out.update(fraction=productive / wall, wall_s=wall, productive_s=productive, buckets=b)
     out["lost_s"] = {
-        "queueing": queue_s,
-        "startup": startup_s,
-        "recomputed": recomputed_s,
-        "checkpoint": ckpt_s,
-        "other": other,
+        "queueing": b["queueing"] + b["waiting_for_capacity"],
+        "startup": b["program_startup"] + b["checkpoint_restore"] + b["data_loading"],
+        "recomputed": b["wasted_progress"],
+        "recovery": b["infrastructure_recovery"],
+        "checkpoint": b["checkpoint_save"],
+        "other": b["other"],
     }
     return out
 

@@ -10,6 +10,10 @@ final one, state, last loss, and when the run last changed. The state is the run
              queued / admitted / running (asking the backend while the journal says it may be live),
              preempted, failed, succeeded, stopped (`olmo-ctl stop`), ...
 
+A queued or admitted attempt's row also says what holds it, in one line (`waiting`): the backend's
+status already asked for its state (one bounded status call per run whose journal says its attempt
+may be live; none with --no-backend-status, when the supervisor's journaled wait is all it says).
+
 The last loss is the `done` line's, else the newest TensorBoard segments' last `train/CE loss`
 (a few files, not the run's whole history). `updated` is the journal's newest line (else run.yaml's
 `created`).
@@ -47,6 +51,9 @@ class RunRow:
     updated: str | None
     reason: str = ""  # what the state's journal line (or the backend) says
     smoke: bool = False  # a run `olmo-ctl smoke` made
+    # what holds its queued or admitted attempt: {cause, kind, since, seconds, reason, line}, as
+    # `monitor`'s attempt.waiting (`observe.monitor.waiting_now`, one rule); None when nothing does
+    waiting: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,7 +116,7 @@ def run_row(path: str, status_of: StatusOf | None = None) -> RunRow:
     created = None
     try:
         doc = rd.read_run()
-        recipe = rd.recipe()
+        recipe = rd.recipe(pending=True)  # the final step as amended
         stage, final = int(recipe.stage), int(recipe.train.max_steps)
         device, created = doc.get("device"), doc.get("created")
     except BadInput as e:
@@ -125,6 +132,7 @@ def run_row(path: str, status_of: StatusOf | None = None) -> RunRow:
             device = f"{last['slices']} x {device}"
     updated = journal[-1].get("time") if journal else created
     reason = ""
+    waiting = None
     if final is not None and committed >= final:
         state = "done"
     elif not subs:
@@ -137,6 +145,7 @@ def run_row(path: str, status_of: StatusOf | None = None) -> RunRow:
         else:
             live = live_attempt_of(rd.path, journal, status_of)
             state, reason = live.get("state") or "submitted", live.get("reason") or ""
+            waiting = live.get("waiting")
     return RunRow(
         rd.name,
         rd.path,
@@ -149,6 +158,7 @@ def run_row(path: str, status_of: StatusOf | None = None) -> RunRow:
         updated,
         reason,
         is_smoke_run(rd.name),
+        waiting,
     )
 
 

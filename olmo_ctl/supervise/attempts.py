@@ -148,6 +148,9 @@ def submit_next(
     if fence is not None:
         rundir.heartbeat(fence)  # the last check before the create
         _fault_pause_before_create()
+    # Pending amendments (`olmo-ctl amend`) take effect with this attempt, from the step after the one
+    # it restores; no attempt of the run is live now, so no step is trained in between.
+    rundir.bind_amendments(n)
     handle = backend.send(rendered)
     settings = backend.settings_of(request)
     site = {k: getattr(settings, k) for k in RUN_SITE_SETTINGS} if settings is not None else None

@@ -162,7 +162,7 @@ def current_attempt(rundir) -> tuple[int, str, Any]:
 def prepare_resize(rundir, backend, to_device: Device, to_slices: int | None = None) -> ResizePlan:
     """Plan the resize of the run in `rundir` to `to_slices` x `to_device` (None: the run's own slice
     count), with both attempts rendered (no side effect)."""
-    recipe = rundir.recipe()
+    recipe = rundir.recipe(pending=True)
     attempt = int((rundir.last_attempt() or {}).get("attempt") or 0)  # no handle needed here
     old_target = rundir.target()
     if old_target is None:

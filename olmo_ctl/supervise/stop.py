@@ -45,7 +45,8 @@ def stop_run(
     poll_s: float = 1.0,
     log: Callable[[str], None] = lambda _: None,
 ) -> StopResult:
-    final = int(rundir.recipe().train.max_steps)  # BadInput (exit 2) for a run that does not exist
+    # BadInput (exit 2) for a run that does not exist; the final step as amended
+    final = int(rundir.recipe(pending=True).train.max_steps)
     committed = rundir.committed_step()
     lease = supervisor_alive(rundir)
     if rundir.last_attempt() is None and lease is None:  # never submitted: no backend to ask

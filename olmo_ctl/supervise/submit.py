@@ -22,10 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from olmo_ctl.backends import make_backend, placeholders
+from olmo_ctl.backends import existing_runs, make_backend, placeholders
 from olmo_ctl.backends.base import Attempt, Backend, Handle, Target
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.mixes import data_root_note
 from olmo_ctl.core.names import validate_run_name
 from olmo_ctl.supervise.attempts import (
     check_run,
@@ -87,6 +88,13 @@ def prepare_run(
     run.yaml (a `recipe` given must be that one). `backend`: this one instead of the settings' own."""
     from olmo_ctl.rundir import RunDir
 
+    if placeholders(settings):
+        # No run root set: a run of this machine's (`make demo`'s, under `runs/`) continues with its own
+        # backend and settings; anything else still needs them set.
+        mine = existing_runs(settings)
+        here = RunDir.of(mine.run_root, validate_run_name(run))
+        if mine is not settings and here.exists() and not placeholders(run_settings(mine, here)):
+            settings = run_settings(mine, here)
     if placeholders(settings):  # before the placeholder run root is read
         raise BadInput(
             f"site settings still hold placeholders ({', '.join(placeholders(settings))})",
@@ -115,7 +123,7 @@ def prepare_run(
     else:
         target = run_target(rundir, device, slices)
         committed = rundir.committed_step()
-    run_recipe = rundir.recipe() if recipe is None else recipe
+    run_recipe = rundir.recipe(pending=True) if recipe is None else recipe
     n = attempt if attempt is not None else (1 if new else rundir.next_attempt_number())
     request = prepare(
         backend,
@@ -149,7 +157,8 @@ def dry_run(
     request = prepare(
         backend, run, run_dir, n, target, recipe, settings=settings, extra_args=extra_args, render_only=True
     )
-    return backend, request, backend.notes(request, render_only=True)
+    data = data_root_note(recipe.data.root)  # what a submit would read, said before it is read
+    return backend, request, backend.notes(request, render_only=True) + ([data] if data else [])
 
 
 def check_attempt(

@@ -25,6 +25,8 @@ with its reason:
       ├─ preempted (terminal) / failed-infra / missing / stalled ─► retry budget ◄──────────────┘
       │                                     progress refills it; N in a row without it ─► gave up (exit 4)
       ├─ a stop request (`olmo-ctl stop`: stop.json) ─► ends without resubmitting (exit 130)
+      ├─ amended (`olmo-ctl amend`): ended at its old final step, or stopped at its next checkpoint
+      │  for `--restart` (restart.json) ─► restarted: submit at once, the final step as amended
       └─ Ctrl-C ──► detach (exit 130, the attempt keeps running) or stop it (--stop-on-exit)
 
 An attempt is deleted only once it is terminal, or when asked (resize, --stop-on-exit, a stall or
@@ -72,7 +74,7 @@ from olmo_ctl.core.errors import (
     OlmoCtlError,
 )
 from olmo_ctl.observe.reader import read_scalars
-from olmo_ctl.rundir import Lease, LeaseLost, RunDir, parse_iso, utc_now_iso
+from olmo_ctl.rundir import Lease, LeaseLost, RunDir, parse_iso, run_recipe, utc_now_iso
 from olmo_ctl.supervise import resize
 from olmo_ctl.supervise.attempts import (
     last_handle,
@@ -231,6 +233,7 @@ class Watched:
     stalled: str | None = None
     config_error: str | None = None
     deactivated: str | None = None  # who set spec.active=false on the Workload, and why
+    restarted: str | None = None  # stopped at a checkpoint for `olmo-ctl amend --restart`
 
 
 class Supervisor:
@@ -418,7 +421,8 @@ class Supervisor:
                 self.rd.release_lease(self.lease, now=self.clock())
 
     def _run(self) -> int:
-        self.recipe = self.rd.recipe()  # read once: every attempt of this supervisor renders from it
+        # Every attempt renders from it; amendments (`olmo-ctl amend`) are taken up between attempts.
+        self.recipe = self.rd.recipe(pending=True)
         self.final = int(self.recipe.train.max_steps)
         if self._stop_requested() is not None:
             # Left by a stop that ran while no supervisor did (or did not finish): starting a supervisor
@@ -447,6 +451,7 @@ class Supervisor:
         while True:
             committed = self.rd.committed_step()
             if self.handle is None:
+                self._follow_amendments()
                 if committed >= self.final:
                     return self._done(committed)
                 stop = self._stop_requested()
@@ -511,6 +516,15 @@ class Supervisor:
             committed = self.rd.committed_step()
             if watched.deactivated:
                 return self._deactivated(watched, committed)
+            ran_final = self._follow_amendments()
+            if watched.restarted or (st.state == State.SUCCEEDED and ran_final <= committed < self.final):
+                # Not a failure: stopped for an amendment, or done with the horizon it was started with
+                # while the run's was extended. The next attempt takes the amendments.
+                why = watched.restarted or f"attempt {self.handle.attempt} reached its final step {ran_final}"
+                self._say("restarted", f"{why}; continuing to step {self.final}", committed_step=committed)
+                self._retire(self.handle)
+                self.handle, last_failure = None, None
+                continue
             stop = self._stop_requested()
             if stop is not None and committed < self.final:
                 return self._stopped_on_request(stop, committed)  # `stop` journals how the attempt ended
@@ -578,6 +592,41 @@ class Supervisor:
             last_failure = action.failure
             self._retire(self.handle)
             self.handle = None
+
+    def _follow_amendments(self) -> int:
+        """Take up the run's amendments (`olmo-ctl amend`): the final step and the recipe of the next
+        attempt, pending ones included. Returns the final step of the attempts already submitted
+        (the amendments bound so far)."""
+        doc = self.rd.read_run()
+        if not doc.get("amendments"):
+            return self.final
+        recipe = run_recipe(doc, self.rd.p("run.yaml"), pending=True)
+        final = int(recipe.train.max_steps)
+        if final != self.final:
+            self.out.line(f"amended: final step {self.final} -> {final}")
+        self.recipe, self.final = recipe, final
+        return int(run_recipe(doc, self.rd.p("run.yaml")).train.max_steps)
+
+    def _restart(self, h: Handle, request: dict) -> Watched:
+        """`olmo-ctl amend --restart`: stop the attempt once its next checkpoint has committed (or at
+        once when it is not training yet), so the next attempt takes the amendment."""
+        self.out.line(
+            f"restart request {request.get('id')}: stopping attempt {h.attempt} at its next checkpoint"
+        )
+        committed, how = resize.stop_for_resize(
+            self.rd,
+            self.backend,
+            h,
+            "at-next-checkpoint",
+            time.monotonic() + 6 * 3600.0,
+            self._beat,
+            self.out.line,
+        )
+        self.rd.clear_restart()
+        return Watched(
+            self.backend.status(h),
+            restarted=f"attempt {h.attempt} stopped at step {committed} ({how}) for the amendment",
+        )
 
     def _retire(self, h: Handle) -> None:
         """Make sure an ended attempt is gone before the next one is submitted (a terminal JobSet
@@ -692,6 +741,11 @@ class Supervisor:
         loop = RestartLoop(self.policy.restart_loop_limit)
         while True:
             self._beat()
+            restart = self.rd.pending_restart()
+            if restart is not None:
+                if restart.get("attempt") in (None, h.attempt):
+                    return self._restart(h, restart)
+                self.rd.clear_restart()  # for an attempt that has ended: its successor has the amendment
             req = self.rd.pending_resize()
             if req is not None:
                 resized = self._resize(h, req)

@@ -43,6 +43,9 @@ TAGS = (
     "throughput/device/data loading (s)",
     "perf/step_time_s",
     "checkpoint/save_duration_s",
+    "checkpoint/restore_duration_s",
+    "timing/data_setup_s",
+    "timing/since_start_s",
     "eval/lm_loss",
 )
 
