@@ -212,3 +212,28 @@ def test_a_disrupted_pod_whose_trainer_fails_while_torn_down_is_still_a_disrupti
         w.reconcile()
     survivors_stop_together(w)
     assert not is_true(jobset(w), "Failed") and counts(w) == (1, 0), jobset(w)["status"]
+
+
+def test_a_crash_on_one_slice_counts_whatever_the_other_slice_failed_with():
+    """Two slices: a host of slice 0 crashes (137) while every other host, its peer gone, exits 3; both
+    Jobs are Failed when the JobSet controller looks. Its rules are tried in order against every failed
+    Job (failure_policy.go findFirstFailedPolicyRuleAndJob): RestartOnCrash comes before RestartOnLostPeer,
+    so the crash is counted."""
+    with Sandbox(slices={"v5p-16": 2}) as box:
+        recipe, dev = load_recipe("smoke"), get_device("v5p-16")
+        settings = Settings(run_root="gs://b/runs", queue=LOCAL_QUEUE, image="us-docker.pkg.dev/p/r/olmo:1")
+        plan = make_plan(recipe, dev, 2)
+        js = render_jobset(recipe, plan, dev, settings, "smoke", 1, "gs://b/runs/smoke", slices=2)
+        w = box.world
+        with box.server.store.lock:
+            w.save("JobSet", js, new=True)
+            w.reconcile()
+        pods = running(w)
+        assert len(pods) == 4
+        by_slice = sorted(pods, key=lambda p: p["metadata"]["name"])
+        with w.store.lock:
+            w.container_exit(by_slice[0], 137)  # slice 0, host 0
+            for pod in by_slice[1:]:  # the other hosts, their peer gone (slice 0's Job is Failed once
+                w.container_exit(pod, EXIT_RESTART)  # its last pod is terminal: Kubernetes >= 1.31)
+            w.reconcile()
+        assert counts(w) == (1, 1), jobset(w)["status"]

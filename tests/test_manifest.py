@@ -464,9 +464,11 @@ def test_pod_shape_and_failure_policy():
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
-    # User errors (trainer exit 1/2) fail at once; disruptions are not counted; exit 3 and pods that
-    # never ran restart without spending maxRestarts; any other exit spends one.
-    from olmo_ctl.core.contracts import EXIT_RESTART, USER_EXIT_CODES
+    # Disruptions are not counted, whatever the trainer's exit while torn down; user errors (trainer
+    # exit 1/2) fail at once; exit 3, exit 143 (a stop with its step checkpointed, the agreed stop of
+    # the hosts a disruption did not touch) and pods that never ran restart without spending
+    # maxRestarts; any other exit spends one, on whichever slice, before any uncounted rule.
+    from olmo_ctl.core.contracts import EXIT_RESTART, EXIT_SIGTERM, USER_EXIT_CODES
 
     def on_codes(op, values):
         return {
@@ -475,10 +477,10 @@ def test_pod_shape_and_failure_policy():
         }
 
     assert job["podFailurePolicy"]["rules"] == [
-        on_codes("In", sorted(USER_EXIT_CODES)),
         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-        on_codes("In", [EXIT_RESTART]),
-        on_codes("NotIn", sorted({*USER_EXIT_CODES, EXIT_RESTART})),
+        on_codes("In", sorted(USER_EXIT_CODES)),
+        on_codes("In", [EXIT_RESTART, EXIT_SIGTERM]),
+        on_codes("NotIn", sorted({*USER_EXIT_CODES, EXIT_RESTART, EXIT_SIGTERM})),
     ]
     fp = js["spec"]["failurePolicy"]
     assert fp["maxRestarts"] >= 1
@@ -486,7 +488,8 @@ def test_pod_shape_and_failure_policy():
         (r["name"], r["action"], r["onJobFailureReasons"], r.get("onJobFailureMessagePatterns"))
         for r in fp["rules"]
     ] == [
-        ("FailOnUserError", "FailJobSet", ["PodFailurePolicy"], ["matching FailJob rule at index 0$"]),
+        ("FailOnUserError", "FailJobSet", ["PodFailurePolicy"], ["matching FailJob rule at index 1$"]),
+        ("RestartOnCrash", "RestartJobSet", ["PodFailurePolicy"], ["matching FailJob rule at index 3$"]),
         (
             "RestartOnLostPeer",
             "RestartJobSetAndIgnoreMaxRestarts",
@@ -494,7 +497,6 @@ def test_pod_shape_and_failure_policy():
             ["matching FailJob rule at index 2$"],
         ),
         ("RestartOnPodNotStarted", "RestartJobSetAndIgnoreMaxRestarts", ["BackoffLimitExceeded"], None),
-        ("RestartOnCrash", "RestartJobSet", ["PodFailurePolicy"], None),
     ]
     assert schema_errors(js) == [] and metadata_errors(js) == []
 

@@ -357,8 +357,8 @@ def test_a_multislice_run_keeps_its_slice_count_across_attempts(tmp_path, srv, g
     assert rd.read_run()["slices"] == 2 and rd.read_run()["device"] == "tpu7x-16"
     be = setup(tmp_path, srv, gcs.bucket)[1]
 
-    def lost(s, n):  # an infrastructure failure past maxRestarts: the supervisor resubmits
-        s.srv.cluster.fail(n, reason="ReachedMaxRestarts")
+    def lost(s, n):  # crashes (OOM kills) past maxRestarts: the supervisor resubmits
+        s.srv.cluster.fail(n, reason="ReachedMaxRestarts", exit_code=137)
 
     script = Script(
         srv,

@@ -551,8 +551,9 @@ def _classify(
                 text += f": {ev['message']}"
             details["eviction_reason"] = reason
             details["requeued"] = is_true(workload, "Requeued")
-            # Kueue suspended the JobSet (its Jobs and pods are deleted, the pods checkpoint through
-            # their grace period) and requeues this same JobSet once they are gone: still live.
+            # Kueue suspended the JobSet (JobSet v0.10.1 suspendJobs suspends its Jobs, whose pods are
+            # deleted and checkpoint through their grace period) and requeues this same JobSet once
+            # they are gone: still live.
             details["evicted"] = reason + (f" ({pre['reason']})" if pre and pre.get("reason") else "")
             terminating = sum(1 for p in pods if not _pod_done(p))
             details["pods_terminating"] = terminating

@@ -569,7 +569,7 @@ def check_pods_ready(w: World, wl: dict, timeout_s: float) -> None:
     )
     adm = find_cond(wl, "Admitted")
     if adm and not is_evicted(wl) and w.seconds_since(adm["lastTransitionTime"]) >= timeout_s:
-        # workload_controller.go triggerDeactivationOrBackoffRequeue: past requeuingStrategy's
+        # workload_controller.go triggerDeactivation: past requeuingStrategy's
         # backoffLimitCount the workload is deactivated (SetDeactivationTarget RequeuingLimitExceeded),
         # then evicted as Deactivated with that cause; otherwise UpdateRequeueState and a requeue.
         limit = w.requeuing_backoff_limit_count

@@ -21,8 +21,8 @@ kubernetes/kubernetes (v1.33):
 - the kubelet of an unreachable node does nothing: a pod deleted meanwhile stays Terminating until
   the node comes back, and then finishes its grace period; containers that died with the host are
   reported, once the kubelet is back, as terminated `ContainerStatusUnknown` with exit code 137
-  (`pkg/kubelet/kubelet_pods.go` convertToAPIContainerStatuses: "The container could not be located
-  when the pod was terminated");
+  (`pkg/kubelet/status/status_manager.go` TerminatePod: "The container could not be located when the
+  pod was terminated");
 - pod GC (`pkg/controller/podgc/gc_controller.go` gcOrphaned): a pod bound to a node that no longer
   exists is marked Failed with DisruptionTarget `DeletionByPodGC` ("PodGC: node no longer exists")
   and deleted at once;
