@@ -690,6 +690,8 @@ def test_goodput_of_a_real_run_adds_up_to_its_wall_time(tmp_path, smoke_run):
     rd.append("queued", attempt=1, device="cpu-1", t=started - 30)
     rd.append("admitted", attempt=1, device="cpu-1", t=started - 12)
     rd.append("running", attempt=1, device="cpu-1", t=started - 2)
+    ends = float(r.series("checkpoint/save_duration_s").wall_times[-1]) + 0.5
+    rd.append("exited", attempt=1, device="cpu-1", reason="exit 0", exit_code=0, t=ends)
     rep = build_report(load(str(run)), ask_backend=False)
     import jsonschema
 
@@ -706,6 +708,7 @@ def test_goodput_of_a_real_run_adds_up_to_its_wall_time(tmp_path, smoke_run):
     assert startup < first - (started - 12) + 1e-6
     assert b["program_startup"] > 12 - 1e-6  # admitted -> the process started, at least
     assert b["wasted_progress"] == b["infrastructure_recovery"] == 0.0
+    assert gp["wall_s"] == pytest.approx(ends - (started - 30))
     assert 0 < gp["fraction"] < 1
 
 

@@ -36,3 +36,8 @@ def test_the_soak_finishes_by_itself_with_the_twins_losses(tmp_path):
     assert r.diff_first_step_after_fallback is not None and r.diff_first_step_after_fallback < 1e-5, facts
     assert r.max_diff_after_fallback is not None and r.max_diff_after_fallback < 1e-2, facts
     assert 0 < r.goodput < 1 and sum(r.lost_s.values()) + r.train_s == pytest.approx(r.wall_s, rel=1e-6)
+    # `monitor -o json` of the same run: every second in one bucket, the host event's outage as recovery
+    gp = r.monitor_goodput
+    assert abs(gp["productive_s"] + sum(gp["buckets"].values()) - gp["wall_s"]) < 1.0, facts
+    assert abs(gp["productive_s"] + sum(gp["lost_s"].values()) - gp["wall_s"]) < 1.0, facts
+    assert gp["buckets"]["infrastructure_recovery"] > 0, facts

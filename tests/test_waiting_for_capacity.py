@@ -394,3 +394,61 @@ def test_a_just_repaired_kubelet_refusing_pods_is_a_wait_that_spends_nothing(tmp
     assert d.wait_cause == "kubelet-admission" and "UnexpectedAdmissionError" in (d.cause or ""), d
     st = sandbox.server.cluster.jobset("wt-a1")["status"]
     assert st["restarts"] > 3 and (st.get("restartsCountTowardsMax") or 0) == 0
+
+
+def test_goodput_of_a_host_event_adds_up_and_the_outage_is_recovery(tmp_path, sandbox, gcs):
+    """`monitor -o json` goodput of the host event above: the supervisor journals `admitted` after
+    `running` (the slice's pods restarted in place) and a node-not-ready wait. The trainer is played
+    by event files at the journal's times: steps 1..10 before the event, 11..20 after it. Productive
+    time plus the buckets is the wall time, and the outage is recovery, not queueing nor productive."""
+    from helpers.events import write_segment
+
+    from olmo_ctl import storage
+    from olmo_ctl.rundir import parse_iso
+
+    rd, be = setup(tmp_path, sandbox, gcs.bucket)
+
+    def event(c: Clock) -> None:
+        commit(rd, 10)
+        c.fault(kind="host-event", pool=DEVICE, **{"for": "20m"})
+
+    clock = Clock(sandbox, [(600, event), (3600, lambda c: finish(c, rd))])
+    rc, out = supervise(rd, be, clock, backoff_base_s=60, max_retries=1, admission_timeout_s=300)
+    assert rc == 0, out
+    j = [(parse_iso(r["time"]), r["event"]) for r in rd.journal()]
+    started = j[0][0]
+    running = [t for t, ev in j if ev == "running"]
+    (restarted,) = [t for t, ev in j if ev == "admitted"]  # after `running`: the restart in place
+    assert len(running) == 2 and running[0] < restarted < running[1]
+    local = tmp_path / "tb"
+    write_segment(local, range(1, 11), tags=["train/CE loss"], wall0=running[0] + 100, step_s=40)
+    write_segment(
+        local,
+        range(11, 21),
+        tags=["train/CE loss"],
+        wall0=running[1] + 120 - 400,
+        step_s=40,
+        start_time=1800001800,
+    )
+    ends = running[1] + 120 + 400 + 5  # the final save, 2 s, committed 5 s after step 20
+    write_segment(
+        local, [20], segment=1, tags=["checkpoint/save_duration_s"], wall0=ends - 20, step_s=1, start_time=1800001800,
+        values=lambda tag, s: 2.0,
+    )  # fmt: skip
+    for f in local.iterdir():
+        if f.name.startswith("events.out.tfevents."):
+            path = storage.join(rd.path, "tensorboard", f.name)
+            storage.store_for(path).write_bytes(path, f.read_bytes())
+    rep = build_report(load(rd.path), ask_backend=False)
+    jsonschema.validate(rep, SCHEMA)
+    gp = rep["goodput"]
+    b = gp["buckets"]
+    assert abs(gp["productive_s"] + sum(b.values()) - gp["wall_s"]) < 1.0
+    assert gp["wall_s"] == pytest.approx(ends - started)
+    assert gp["productive_s"] == pytest.approx(400.0 + 400.0)  # 10 steps of 40 s, twice
+    assert b["queueing"] == 0.0  # submitted and running at once: the later `admitted` is no queue
+    assert b["program_startup"] == pytest.approx(100.0 + 120.0)  # `running` -> the first step, twice
+    assert b["wasted_progress"] == pytest.approx(restarted - (running[0] + 500))  # step 10 -> the event
+    assert b["infrastructure_recovery"] == pytest.approx(running[1] - restarted)  # node-not-ready too
+    assert b["waiting_for_capacity"] == 0.0
+    assert b["checkpoint_save"] == pytest.approx(2.0) and b["other"] == pytest.approx(3.0)

@@ -9,14 +9,12 @@ answers 429. The attempts are submitted with `olmo-ctl submit` and never need a 
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from pathlib import Path
 
 import jsonschema
 import pytest
-from rich.console import Console
 
 from olmo_ctl.backends.base import AttemptStatus, Hold, State
 from olmo_ctl.observe.waiting import wait_of
@@ -167,3 +165,46 @@ def test_a_wait_only_the_journal_knows_is_printed_from_it(tmp_path):
         "kind": None,
         "line": "waiting for capacity (unschedulable): Unschedulable: pod p: 0/1 nodes are available (journal)",
     }
+
+
+def _workload(*conditions: dict, checks: tuple = ()) -> dict:
+    return {
+        "metadata": {"name": "jobset-w-a1-0"},
+        "spec": {"active": True},
+        "status": {"conditions": list(conditions), "admissionChecks": list(checks)},
+    }
+
+
+@pytest.mark.parametrize(
+    "workload, line",
+    [
+        (
+            _workload(
+                {
+                    "type": "QuotaReserved",
+                    "status": "False",
+                    "reason": "Pending",
+                    "message": "couldn't assign flavors to pod set slice: flavor 1xv5p-8 doesn't match node affinity",
+                }
+            ),
+            "no flavor fits: flavor 1xv5p-8 doesn't match node affinity (Kueue)",
+        ),
+        (
+            _workload(
+                {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved"},
+                {"type": "Admitted", "status": "False", "reason": "Pending"},
+                checks=(
+                    {"name": "dws-prov", "state": "Pending", "message": "Waiting for ProvisioningRequest"},
+                ),
+            ),
+            "waiting for admission checks: dws-prov: Pending (Waiting for ProvisioningRequest) (Kueue)",
+        ),
+    ],
+)
+def test_kueue_s_other_reasons_are_named_in_one_line(workload, line):
+    from olmo_ctl.backends.gke_status import classify
+
+    jobset = {"metadata": {"name": "w-a1"}, "spec": {"suspend": True}, "status": {}}
+    st = classify(jobset, workload)
+    assert st.state == State.QUEUED and wait_of(st) is not None
+    assert wait_of(st)[2] == line

@@ -48,7 +48,17 @@ if TYPE_CHECKING:  # pure modules, but a backend that only reads status needs no
     from olmo_ctl.core.config import Settings
     from olmo_ctl.core.recipe import Recipe
 
-__all__ = ["Attempt", "AttemptStatus", "Backend", "Handle", "Hold", "LogProgress", "SmokeProfile", "State", "Target"]
+__all__ = [
+    "Attempt",
+    "AttemptStatus",
+    "Backend",
+    "Handle",
+    "Hold",
+    "LogProgress",
+    "SmokeProfile",
+    "State",
+    "Target",
+]
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ is there that a Kueue queue adds:
 
 * `queueing`: submitted (or requeued) until admitted, from the journal;
 * `waiting_for_capacity`: the supervisor's `waiting` .. `waited` records outside the queue (admitted
-  but unschedulable, an image pull, an unreachable API) while nothing trains;
+  but unschedulable, an image pull, an unreachable API) while nothing trains, unless a disruption
+  came before it (then it is recovery: a host event's node-not-ready);
 * `program_startup`: from the trainer process's start (`timing/since_start_s`; the journal's
   `admitted`/`running` without it) to its first step, less the two below; the first step's extra time
   over a steady step (its compilation) is here, as upstream's PROGRAM_STARTUP;
@@ -55,11 +56,11 @@ DATA_WAIT_TAG = "throughput/device/data loading (s)"
 # Where intervals overlap, the higher one wins (index = priority); `other` is what nothing covers.
 _LAYERS = (
     "other",
-    "program_startup",  # admitted/running -> the trainer process's start, on a first start
+    "program_startup",  # admitted -> the trainer process's start, on a first start
+    "waiting_for_capacity",  # the supervisor's waits, but after a disruption: recovery
     "infrastructure_recovery",
     "wasted_progress",
     "program_startup",
-    "waiting_for_capacity",
     "queueing",
     "productive",
     "data_loading",
@@ -207,8 +208,8 @@ def partition(
         for t, bad in info.downs:  # recovery from a disruption until the next step that counts
             if bad:
                 add(t, next_step_after(t), _P["infrastructure_recovery"])
-        for t in info.starts:  # admitted: its pods start, until the attempt ends
-            add(t, min((d for d, _ in info.downs if d > t), default=end), _LAUNCH)
+        for t in info.starts:  # admitted: its pods start, until its first step (or the attempt ends)
+            add(t, min([next_step_after(t), *(d for d, _ in info.downs if d > t)]), _LAUNCH)
     prev_end = start
     for k, (a, lo, hi) in enumerate(incs):
         info = atts.get(a, _Attempt())

@@ -35,6 +35,12 @@ KINDS: dict[str, tuple[str, str]] = {
     "pods-refused": ("pods refused", "pods-refused"),
 }
 
+# The causes that are waits for capacity: the supervisor waits them out, with no admission timeout
+# (`supervise.policy.waiting_for`); an image pull is a bounded wait of its own.
+CAPACITY_CAUSES = frozenset(
+    {"queued", "requeued", "admission-checks", "unschedulable", "node-not-ready", "kubelet-admission"}
+)
+
 
 def wait_of(st: AttemptStatus | None) -> tuple[str, str, str] | None:
     """(cause, kind, line) of what holds a live attempt, from its backend's status; None when nothing

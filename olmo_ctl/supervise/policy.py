@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from olmo_ctl.backends.base import AttemptStatus
 from olmo_ctl.core.contracts import State, final_committed
 from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_OK, EXIT_RUN_FAILED, BadInput
+from olmo_ctl.observe.waiting import CAPACITY_CAUSES, wait_of
 
 DEFAULT_BACKOFF_S = 300.0
 DEFAULT_MAX_RETRIES = 5
@@ -183,10 +184,14 @@ def waiting_for(st: AttemptStatus) -> tuple[str, str] | None:
     (quota reserved, checks pending), `unschedulable` (no node fits its pods: capacity), `node-not-ready`
     (its pods sit on NotReady nodes), `kubelet-admission` (the kubelet of a just-repaired node refused a
     pod). Not a wait: a deactivated Workload (a decision, not capacity) and pods refused by the API
-    server (a configuration: `--admission-timeout` applies, then exit 2)."""
+    server (a configuration: `--admission-timeout` applies, then exit 2). The cause is the one `runs`
+    and `monitor` print (`observe.waiting`) where the backend names what holds the attempt."""
     if st.deactivated or st.config_error:
         return None
-    if st.state == State.QUEUED:
+    w = wait_of(st)
+    if w is not None:
+        return (w[0], st.reason) if w[0] in CAPACITY_CAUSES else None
+    if st.state == State.QUEUED:  # a backend that does not name its holds
         if st.evicted:
             return "requeued", st.reason
         if "admission checks" in st.reason:

@@ -80,6 +80,7 @@ class SoakResult:
     replay_mismatches: int
     replayed_steps: int
     journal_events: dict[str, int] = field(default_factory=dict)
+    monitor_goodput: dict[str, Any] = field(default_factory=dict)  # `monitor -o json`'s, of the soak's run
     log_tail: str = ""
 
     @property
@@ -106,6 +107,7 @@ class SoakResult:
             "replayed_steps": self.replayed_steps,
             "replay_mismatches": self.replay_mismatches,
             "journal_events": self.journal_events,
+            "monitor_goodput": self.monitor_goodput,
             "faults": self.faults,
         }
 
@@ -189,6 +191,7 @@ def run_soak(
 ) -> SoakResult:
     """The soak in `work` (its sandboxes' files and the logs); see the module docstring. The twin trains
     at the same time, in a sandbox of its own without faults."""
+    from olmo_ctl.observe.monitor import build_report, load
     from olmo_ctl.observe.reader import read_scalars
     from olmo_ctl.rundir import RunDir, parse_iso
     from olmo_ctl.sandbox.gcs_emulator import use_emulator
@@ -216,6 +219,7 @@ def run_soak(
             journal = rd.journal()
             main_r = read_scalars(f"{rd.path}/tensorboard")
             committed = rd.committed_step()
+            monitor_goodput = build_report(load(rd.path), ask_backend=False)["goodput"]
         with use_emulator(twin_ex["STORAGE_EMULATOR_HOST"]):
             twin = RunDir.of(twin_ex.get("OLMO_CTL_RUN_ROOT", "gs://twin/runs"), "soak-twin")
             twin_r = read_scalars(f"{twin.path}/tensorboard")
@@ -290,6 +294,7 @@ def run_soak(
         replay_mismatches=len(main_r.mismatches()),
         replayed_steps=main_r.replays(LOSS_TAG),
         journal_events=counts,
+        monitor_goodput=monitor_goodput,
         log_tail=tail,
     )
 
