@@ -7,6 +7,8 @@
     <run>/resize.json        a pending resize request (written by `resize`, consumed by the supervisor)
     <run>/stop.json          a stop in progress (written by `stop`; a supervisor that sees it ends)
     <run>/restart.json       a pending `amend --restart` (consumed by the supervisor)
+    <run>/stop_at_checkpoint.json  an attempt asked to stop once its next checkpoint commits (written
+                             by `resize --at-next-checkpoint` and `amend --restart`, read by the trainer)
     <run>/checkpoints/<N>/   Orbax steps; only committed ones count (see `committed_steps`)
 
 Everything goes through `olmo_ctl.storage`, so the same code serves both kinds of path. GCS has no
@@ -242,6 +244,9 @@ def _check_local_dirs(path: str) -> None:
     ):
         if os.path.exists(p) and not os.path.isdir(p):
             raise BadInput(f"{what} `{p}` is a file, not a directory", hint)
+
+
+STOP_AT_CHECKPOINT = "stop_at_checkpoint.json"  # the trainer stops once its next checkpoint commits
 
 
 class RunDir:
@@ -876,6 +881,26 @@ class RunDir:
 
     def clear_restart(self) -> None:
         self.store.delete(self.p("restart.json"))
+
+    # ------------------------------------------------------------------ stop at the next checkpoint
+
+    def request_stop_at_checkpoint(self, attempt: int) -> None:
+        """Ask attempt `attempt`'s trainer to stop once its next checkpoint has committed: it reads this
+        at every periodic checkpoint, waits for that write's commit and exits 143, so the attempt ends
+        on the checkpoint itself, with no step past it and no further write."""
+        doc = {"attempt": attempt, "time": utc_now_iso()}
+        self.store.write_text(self.p(STOP_AT_CHECKPOINT), json.dumps(doc))
+
+    def stop_at_checkpoint_requested(self, attempt: int) -> bool:
+        """Whether attempt `attempt` is asked to stop at its next checkpoint (the trainer's read)."""
+        try:
+            doc = json.loads(self.store.read_text(self.p(STOP_AT_CHECKPOINT)))
+        except (NotFound, ValueError):
+            return False
+        return isinstance(doc, dict) and doc.get("attempt") == attempt
+
+    def clear_stop_at_checkpoint(self) -> None:
+        self.store.delete(self.p(STOP_AT_CHECKPOINT))
 
     # ------------------------------------------------------------------ stop requests
 

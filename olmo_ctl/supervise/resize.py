@@ -304,23 +304,24 @@ def stop_for_resize(
 ) -> tuple[int, str]:
     """Make sure the latest state is committed and the attempt `handle` has stopped.
 
-    Returns (committed step after the stop, how the attempt ended). `at-next-checkpoint` waits for a
-    committed step newer than the one at the call (or the attempt's end) before stopping.
+    Returns (committed step after the stop, how the attempt ended). `at-next-checkpoint` asks the
+    trainer to stop once its next checkpoint commits (`RunDir.request_stop_at_checkpoint`: it ends on
+    that checkpoint, with no step past it and no extra write) and waits for a committed step newer
+    than the one at the call, or the attempt's end; a trainer that trains on past that checkpoint (one
+    that does not read the request) is stopped then, and checkpoints where it is.
     """
     before = rundir.committed_step()
     status = backend.status(handle)
     # Only a running trainer has progress to wait for; a queued or starting attempt is stopped at once.
     if status.state == State.RUNNING and mode == "at-next-checkpoint":
         log(f"waiting for the next checkpoint after step {before} of attempt {handle.attempt}")
-        while status.state.live and rundir.committed_step() <= before:
-            if time.monotonic() >= deadline:
-                raise ResizeTimeout(
-                    f"no new checkpoint after step {before} before the time limit; nothing was stopped",
-                    "use --now (the trainer checkpoints on SIGTERM) or a longer --timeout",
-                )
-            heartbeat()
-            time.sleep(poll_s)
-            status = backend.status(handle)
+        rundir.request_stop_at_checkpoint(handle.attempt)
+        try:
+            status = _wait_for_the_checkpoint_stop(
+                rundir, backend, handle, before, deadline, heartbeat, poll_s
+            )
+        finally:
+            rundir.clear_stop_at_checkpoint()
     if status.state.live:
         log(f"stopping attempt {handle.attempt} ({handle.name}): it checkpoints its last completed step")
     # An ended attempt is removed too: an evicted JobSet is only suspended, and Kueue would admit it
@@ -335,6 +336,30 @@ def stop_for_resize(
         # A backend that cannot see the exit code (a trainer another process started) may see its log.
         how = f"the trainer committed step {after} and exited"
     return after, how
+
+
+def _wait_for_the_checkpoint_stop(
+    rundir, backend, handle, before: int, deadline: float, heartbeat, poll_s: float
+):
+    """Wait until attempt `handle` has committed a step newer than `before` and, having been asked to,
+    stopped on it; returns its status (still live when its trainer went on past that checkpoint, or
+    shows no step line to tell: it is stopped by the caller)."""
+    status = backend.status(handle)
+    while status.state.live:
+        committed = rundir.committed_step()
+        if committed > before:
+            step = backend.progress(handle).max_step
+            if step is None or step > committed:  # not stopping on its own: it is stopped now
+                return status
+        if time.monotonic() >= deadline:
+            raise ResizeTimeout(
+                f"no new checkpoint after step {before} before the time limit; nothing was stopped",
+                "use --now (the trainer checkpoints on SIGTERM) or a longer --timeout",
+            )
+        heartbeat()
+        time.sleep(poll_s)
+        status = backend.status(handle)
+    return status
 
 
 def submit_resized(

@@ -244,8 +244,11 @@ class CheckpointHook(Hook):
     (the Checkpointer deletes those once a later one commits); the metrics are fetched first, so a
     non-finite loss is never saved."""
 
-    def __init__(self, interval: int, ephemeral_interval: int = 0):
+    def __init__(
+        self, interval: int, ephemeral_interval: int = 0, run_dir: str | None = None, attempt: int = 0
+    ):
         self.interval, self.ephemeral_interval = interval, ephemeral_interval
+        self.run_dir, self.attempt = run_dir, attempt
 
     def post_step(self, loop) -> None:
         if loop.exit_code is not None:
@@ -254,6 +257,34 @@ class CheckpointHook(Hook):
             self.ephemeral_interval and loop.step % self.ephemeral_interval == 0
         ):
             self.save(loop, final=False)
+            if self._asked_to_stop_here(loop):
+                # `resize --at-next-checkpoint`, `amend --restart`: this checkpoint is the attempt's last.
+                from olmo_ctl.trainer.watchdog import storage_phase_s
+
+                with loop.watchdog.judged(
+                    f"the checkpoint write of step {loop.step}", storage_phase_s(loop.s.recipe.runtime)
+                ):
+                    loop.ckpt.wait()
+                print(
+                    f"stop at this checkpoint requested: step {loop.step} is the attempt's last", flush=True
+                )
+                loop.exit_code = EXIT_SIGTERM
+
+    def _asked_to_stop_here(self, loop) -> bool:
+        """Whether the run directory asks this attempt to stop at this checkpoint (process 0 reads it,
+        every host takes its answer: the hosts stop together)."""
+        if self.run_dir is None:
+            return False
+        asked = 0.0
+        if loop.s.proc == 0:
+            from olmo_ctl.rundir import RunDir
+
+            asked = float(RunDir(self.run_dir).stop_at_checkpoint_requested(self.attempt))
+        if loop.s.n_proc > 1:
+            from olmo_ctl.trainer import multihost
+
+            asked = multihost.allgather_floats([asked])[0][0]
+        return asked > 0
 
     def save(self, loop, final: bool) -> None:
         from olmo_ctl.trainer.watchdog import storage_phase_s
@@ -465,17 +496,18 @@ def upload_events(loop) -> None:
 
 
 def default_hooks(
-    s, signals: StopSignals, run_dir: str | None = None, knobs: FaultHook | None = None
+    s, signals: StopSignals, run_dir: str | None = None, knobs: FaultHook | None = None, attempt: int = 0
 ) -> list[Hook]:
     """The trainer's hooks in the order they act (see the module docstring); `s` is the run's setup,
-    `run_dir` where the downstream tasks built by an earlier attempt are kept, `knobs` the fault
-    hook that set the attempt up (a new one otherwise)."""
+    `run_dir` where the downstream tasks built by an earlier attempt are kept and a stop at the next
+    checkpoint is asked for (of `attempt`), `knobs` the fault hook that set the attempt up (a new one
+    otherwise)."""
     r = s.recipe
     return [
         EvaluatorHook.for_recipe(s, run_dir),
         StragglerHook(),
         StopHook(signals, s.final_step),
-        CheckpointHook(r.checkpoint.interval, r.checkpoint.ephemeral_interval),
+        CheckpointHook(r.checkpoint.interval, r.checkpoint.ephemeral_interval, run_dir, attempt),
         MetricsHook(r, s.plan, s.device, r.logging.metrics_every),
         EventsHook(r.logging.upload_every_s),
         knobs or FaultHook(s.proc),

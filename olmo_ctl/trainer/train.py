@@ -58,8 +58,6 @@ from olmo_ctl.trainer.step import (  # noqa: F401 - IGNORE_INDEX, init_state, ma
     token_losses,
 )
 
-_IMPORTED_AT = time.time()
-
 ORDER_DIR = "data_order"  # <run-dir>/data_order/<fingerprint digest>-e<epoch>/: see trainer/epoch_order.py
 
 
@@ -298,16 +296,6 @@ class _Loop:
         return 0
 
 
-def _process_started_at() -> float:
-    """When this trainer process started (the OS's clock of it), else when this module was imported."""
-    try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:  # noqa: BLE001 - no psutil, or no process table to read
-        return _IMPORTED_AT
-
-
 def run(args: TrainArgs) -> int:
     """Restore or initialise, train to the final step (or a signal), checkpoint; the exit code."""
     from olmo_ctl.trainer import data as data_lib
@@ -322,38 +310,29 @@ def run(args: TrainArgs) -> int:
     rt = s.recipe.runtime
     watchdog, phase_s = Watchdog(rt.watchdog_factor, rt.watchdog_min_s).start(), storage_phase_s(rt)
     try:
-        setup_at = time.time()
+        setup = [time.time()]
         with watchdog.judged("the data set-up", phase_s):  # the packing is stored in the run directory too
             batches = data_lib.make_train_loader(
                 s.recipe, s.proc, s.n_proc, join(args.run_dir, ORDER_DIR), watchdog.progress
             )
-        set_up_at = time.time()
+        setup.append(time.time())
         loader = audit.recorded(faults.wrap_loader(batches), args.run_dir, args.attempt, s.proc, s.n_proc)
         with watchdog.judged("the checkpoint listing", phase_s):
             ckpt = Checkpointer.for_recipe(args.run_dir, s.recipe)
         events = EventLog(args.run_dir, attempt=args.attempt)
         faults.pre_restore()
-        restore_at = time.time()
+        restore = [time.time()]
         with watchdog.judged("restore", phase_s):
             state, state_shard, step = _restore_or_init(args, s, ckpt, loader, faults)
         if s.proc == 0:  # the start-up's parts, for goodput (observe/goodput.py)
-            restored_at = time.time()
-            events.scalars(step, {"timing/data_setup_s": set_up_at - setup_at}, set_up_at)
-            events.scalars(
-                step,
-                {
-                    "checkpoint/restore_duration_s": restored_at - restore_at,
-                    "timing/since_start_s": restored_at - _process_started_at(),
-                },
-                restored_at,
-            )
+            events.startup(step, setup, [*restore, time.time()])
         loader.first_step = step + 1  # the data-coverage record numbers the steps from here
         if step >= s.final_step:
             print(committed_line(step), flush=True)
             with watchdog.judged("a checkpoint write", phase_s):
                 ckpt.close()
             return 0
-        hooks = hooks_lib.default_hooks(s, signals, args.run_dir, faults)
+        hooks = hooks_lib.default_hooks(s, signals, args.run_dir, faults, args.attempt)
         loop = _Loop(s, state, state_shard, step, loader, ckpt, events, hooks, watchdog)
         exit_code = loop.run()
         print(committed_line(loop.step), flush=True)
