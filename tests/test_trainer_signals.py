@@ -146,3 +146,40 @@ def test_sigkill_replays_from_the_last_checkpoint_and_readers_see_each_step_once
     replayed = {e.step: e.value for e in events}
     for s in range(6, last + 1):
         assert replayed[s] == first[s]  # the replay is the same computation
+
+
+def test_a_stop_with_too_little_time_for_its_write_writes_none_and_the_previous_checkpoint_stands(tmp_path):
+    """A stop budget (the pod's grace period, a spot VM's notice: OLMO_CTL_STOP_BUDGET_S) shorter than
+    the attempt's measured checkpoint write: on SIGTERM the trainer starts no write (one cut off by the
+    kill is lost anyway), says so and exits 143; checkpoint 5 stands and the next attempt resumes
+    from it."""
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", OLMO_CTL_STOP_BUDGET_S="0.001")
+    cmd = [sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(run)]
+    cmd += ["--device", "cpu-1", "--attempt", "1", "--set", "checkpoint.interval=5"]
+    cmd += ["--set", "logging.metrics_every=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    deadline = time.monotonic() + 300
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 8/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+            assert time.monotonic() < deadline, "".join(lines)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines) + rest
+    assert proc.returncode == 143, out[-3000:]
+    m = re.search(r"stop: step (\d+) not checkpointed: a checkpoint write took ([0-9.]+) s", out)
+    assert m and int(m.group(1)) >= 8, out[-3000:]
+    assert "the run resumes from checkpoint 5" in out and out.rstrip().endswith("committed step 5"), out[
+        -3000:
+    ]
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [5]  # no partial write left
+    p = train(run, "--attempt", "2", "--stop-at-step", "7", "--set", "checkpoint.interval=5")
+    assert "restored checkpoint 5" in p.stdout, p.stdout[-3000:]

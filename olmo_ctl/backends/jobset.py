@@ -20,7 +20,7 @@ from typing import Any
 
 from olmo_ctl.core.batching import Plan
 from olmo_ctl.core.config import Settings
-from olmo_ctl.core.contracts import trainer_argv
+from olmo_ctl.core.contracts import SPOT_STOP_BUDGET_S, STOP_BUDGET_ENV, trainer_argv
 from olmo_ctl.core.devices import Device, Target, check_slices
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.generations import GENERATIONS
@@ -157,6 +157,15 @@ CAPACITY_SELECTOR_KEYS = {
 }
 
 
+def stop_budget_s(settings: Settings, grace_period_s: int) -> int:
+    """Seconds the trainer has from SIGTERM to its kill (`STOP_BUDGET_ENV`): on spot VMs what GKE's
+    graceful node shutdown leaves non-system pods of the 30 s notice (SPOT_STOP_BUDGET_S), else the
+    pod's termination grace period."""
+    if settings.capacity.partition(":")[0] == "spot":
+        return min(SPOT_STOP_BUDGET_S, grace_period_s)
+    return grace_period_s
+
+
 def capacity_node_selector(capacity: str) -> dict[str, str]:
     """The pods' node selector for a capacity type (`on-demand`, `spot`, `reservation:NAME`, `flex-start`)."""
     kind, _, reservation = capacity.partition(":")
@@ -243,6 +252,7 @@ def render_jobset(
 ) -> dict:
     """The JobSet for one attempt: a plain dict, ready for YAML/JSON or the Kubernetes API.
     `extra_args` go after the trainer's command line, `extra_env` after the template's variables."""
+    device.check_launchable()
     if not device.is_tpu:
         raise BadInput(
             f"`{device.name}` is a local device; the GKE backend runs on TPU slices",
@@ -283,7 +293,11 @@ def render_jobset(
         "service_account": settings.service_account,
         "host_network": True if host_network(settings) else None,
         "dns_policy": "ClusterFirstWithHostNet" if host_network(settings) else None,
-        "env": _env(v["env"], libtpu_init_args(device, recipe, settings), extra_env),
+        "env": _env(
+            v["env"],
+            libtpu_init_args(device, recipe, settings),
+            ((STOP_BUDGET_ENV, str(stop_budget_s(settings, v["termination_grace_period_s"]))), *extra_env),
+        ),
         "trainer_command": trainer_argv("python", run_dir, Target(device, slices), plan, attempt)
         + list(extra_args),
         "shm_size": v["shm_size"],

@@ -74,6 +74,11 @@ COORDINATOR_ENV = "OLMO_CTL_COORDINATOR_ADDRESS"
 NUM_PROCESSES_ENV = "OLMO_CTL_NUM_PROCESSES"
 PROCESS_ID_ENV = "OLMO_CTL_PROCESS_ID"
 LOG_PREFIX_ENV = "OLMO_CTL_LOG_PREFIX"  # `host <h>: ` before each of the host's lines in the attempt log
+# Seconds a trainer has from SIGTERM to its kill: the pod's grace period, or on spot VMs what GKE's
+# graceful node shutdown leaves the pods (30 s of notice, of which the last 15 s are the system
+# pods': SPOT_STOP_BUDGET_S). A stop whose checkpoint write would not finish in it writes none.
+STOP_BUDGET_ENV = "OLMO_CTL_STOP_BUDGET_S"
+SPOT_STOP_BUDGET_S = 15
 
 # The trainer's codes are the command table's (core/errors.py), named for what the trainer means by them.
 EXIT_DONE = EXIT_OK  # the final step (or --stop-at-step) reached, its checkpoint committed

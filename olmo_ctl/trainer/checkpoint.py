@@ -91,6 +91,8 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             create=not read_only,
             read_only=read_only,
+            # When an async write has committed: how long the whole write took (`last_write_s`).
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_committed),
         )
         self._mngr = ocp.CheckpointManager(
             self.directory,
@@ -103,6 +105,15 @@ class Checkpointer:
             },
         )
         self.last_save_s = 0.0
+        # Seconds the last committed write took, from its start to its commit (0: none yet); what a
+        # stop weighs against the time it has left (hooks.CheckpointHook).
+        self.last_write_s = 0.0
+        self._write_started: float | None = None
+        self._async = async_save
+
+    def _write_committed(self) -> None:
+        if self._write_started is not None:
+            self.last_write_s = time.monotonic() - self._write_started
 
     @classmethod
     def for_run(
@@ -156,6 +167,7 @@ class Checkpointer:
         """Start saving `state` (after `step` completed steps); returns the blocking seconds spent."""
         ocp = _ocp()
         t0 = time.monotonic()
+        self._write_started = t0
         if self.permanent_every:
             self._mngr.wait_until_finished()  # the previous save committed (save() would wait too) ...
             self.prune(step)  # ... so what it made redundant goes, before this one starts
@@ -167,6 +179,8 @@ class Checkpointer:
             force=True,
         )
         self.last_save_s = time.monotonic() - t0
+        if not self._async:
+            self.last_write_s = self.last_save_s  # a synchronous save has committed on return
         return self.last_save_s
 
     def wait(self) -> None:

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from olmo_ctl.core import faults, stragglers
-from olmo_ctl.core.contracts import EXIT_SIGTERM, step_line
+from olmo_ctl.core.contracts import EXIT_SIGTERM, STOP_BUDGET_ENV, step_line
 from olmo_ctl.trainer import injected
 from olmo_ctl.trainer.evaluator import Evaluator
 from olmo_ctl.trainer.exits import TrainingFailed
@@ -140,6 +140,15 @@ def post_train(hooks: list[Hook], loop, ok: bool, *also: Callable[[], None]) -> 
 # ---------------------------------------------------------------- the hooks
 
 
+def stop_budget_s() -> float | None:
+    """The seconds from SIGTERM to the kill the launcher gave this process (`STOP_BUDGET_ENV`), or None."""
+    raw = os.environ.get(STOP_BUDGET_ENV, "")
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None
+
+
 class StopSignals:
     """SIGTERM/SIGINT set a flag; the loop checks it between steps. On several hosts SIGTERM belongs
     to JAX's preemption service instead, and `requested(step)` is the step every host agreed on."""
@@ -147,6 +156,7 @@ class StopSignals:
     def __init__(self):
         self.signal: int | None = None
         self.hosts = False
+        self.at: float | None = None  # when this process learnt of the stop (time.monotonic)
 
     def install(self) -> None:
         from olmo_ctl.trainer import multihost
@@ -163,12 +173,14 @@ class StopSignals:
             if multihost.stop_agreed(step):
                 print(f"stop requested: every host stops after step {step}", flush=True)
                 self.signal = self.signal or signal.SIGTERM
+                self.at = self.at or time.monotonic()
                 return True
         return self.signal is not None
 
     def _handler(self, signum, frame) -> None:
         if self.signal is None:
             print(f"received signal {signum}: finishing the current step, then checkpointing", flush=True)
+            self.at = time.monotonic()
         self.signal = signum
 
 
@@ -245,14 +257,20 @@ class CheckpointHook(Hook):
     non-finite loss is never saved."""
 
     def __init__(
-        self, interval: int, ephemeral_interval: int = 0, run_dir: str | None = None, attempt: int = 0
+        self,
+        interval: int,
+        ephemeral_interval: int = 0,
+        run_dir: str | None = None,
+        attempt: int = 0,
+        signals: StopSignals | None = None,
     ):
         self.interval, self.ephemeral_interval = interval, ephemeral_interval
-        self.run_dir, self.attempt = run_dir, attempt
+        self.run_dir, self.attempt, self.signals = run_dir, attempt, signals
 
     def post_step(self, loop) -> None:
         if loop.exit_code is not None:
-            self.save(loop, final=True)
+            if not self._no_time_to_write(loop):
+                self.save(loop, final=True)
         elif loop.step % self.interval == 0 or (
             self.ephemeral_interval and loop.step % self.ephemeral_interval == 0
         ):
@@ -269,6 +287,35 @@ class CheckpointHook(Hook):
                     f"stop at this checkpoint requested: step {loop.step} is the attempt's last", flush=True
                 )
                 loop.exit_code = EXIT_SIGTERM
+
+    def _no_time_to_write(self, loop) -> bool:
+        """A stop (exit 143) whose checkpoint write would not finish before the kill: the time left of
+        the stop budget (`STOP_BUDGET_ENV`: the pod's grace period, a spot VM's notice) is less than
+        this attempt's last write took, on the slowest host. Then no write starts: one cut off would
+        be lost anyway, and the previous checkpoint stands (a run loses the steps since it, bounded by
+        `checkpoint.ephemeral_interval` where set). Without a budget or a write measured, it writes."""
+        if loop.exit_code != EXIT_SIGTERM or self.signals is None:
+            return False
+        budget = stop_budget_s()
+        took = float(getattr(loop.ckpt, "last_write_s", 0.0))
+        at = self.signals.at
+        left = -1.0 if budget is None else budget - (time.monotonic() - at if at is not None else 0.0)
+        if loop.s.n_proc > 1:  # every host decides the same: the slowest write, the least time left
+            from olmo_ctl.trainer import multihost
+
+            rows = multihost.allgather_floats([took, left])
+            took, left = max(r[0] for r in rows), min(r[1] for r in rows)
+        if budget is None or took <= 0 or took <= left:
+            return False
+        committed = loop.ckpt.latest_step()
+        loop.committed_at_stop = committed or 0  # the exit's `committed step` line names it
+        print(
+            f"stop: step {loop.step} not checkpointed: a checkpoint write took {took:.1f} s in this attempt "
+            f"and the stop leaves {max(left, 0.0):.1f} s ({STOP_BUDGET_ENV}={budget:g}); the run resumes "
+            f"from checkpoint {committed if committed is not None else 'none (step 0)'}",
+            flush=True,
+        )
+        return True
 
     def _asked_to_stop_here(self, loop) -> bool:
         """Whether the run directory asks this attempt to stop at this checkpoint (process 0 reads it,
@@ -507,7 +554,7 @@ def default_hooks(
         EvaluatorHook.for_recipe(s, run_dir),
         StragglerHook(),
         StopHook(signals, s.final_step),
-        CheckpointHook(r.checkpoint.interval, r.checkpoint.ephemeral_interval, run_dir, attempt),
+        CheckpointHook(r.checkpoint.interval, r.checkpoint.ephemeral_interval, run_dir, attempt, signals),
         MetricsHook(r, s.plan, s.device, r.logging.metrics_every),
         EventsHook(r.logging.upload_every_s),
         knobs or FaultHook(s.proc),

@@ -335,7 +335,9 @@ def run(args: TrainArgs) -> int:
         hooks = hooks_lib.default_hooks(s, signals, args.run_dir, faults, args.attempt)
         loop = _Loop(s, state, state_shard, step, loader, ckpt, events, hooks, watchdog)
         exit_code = loop.run()
-        print(committed_line(loop.step), flush=True)
+        # The step this attempt ends on, committed; a stop with no time for its write ends on the
+        # previous checkpoint (hooks.CheckpointHook._no_time_to_write).
+        print(committed_line(getattr(loop, "committed_at_stop", loop.step)), flush=True)
         return exit_code
     finally:
         watchdog.close()
