@@ -174,3 +174,186 @@ def test_data_info_reports_what_the_trainer_will_read(tmp_path, capsys):
     with make_train_loader(load_recipe("smoke", overrides=[f"data.root={out}"])) as loader:
         assert d["fingerprint"] == loader.fingerprint and d["batches_per_epoch"] == loader.batches_per_epoch
     assert main(["data", "info", "--recipe", "smoke", "--set", f"data.root={tmp_path / 'nothing'}"]) == 2
+
+
+# ---------------------------------------------------------------- a Hugging Face tokenizer (--tokenizer)
+
+WORDS = ["the cat sat on the mat", "a dog ate the log by the mat", "hello world, said the cat"]
+
+
+def _bpe_tokenizer(path):
+    """A small real BPE tokenizer trained here, saved as tokenizer.json with `<|endoftext|>` among its
+    special tokens and a post-processor that would add a BOS (which pre-training data leaves out)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["[UNK]", "<|bos|>", "<|endoftext|>"]
+    tok.train_from_iterator(
+        WORDS * 3, trainers.BpeTrainer(vocab_size=80, special_tokens=specials, show_progress=False)
+    )
+    bos = tok.token_to_id("<|bos|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos)])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return tok
+
+
+def _docs(tmp_path, texts):
+    paths = []
+    for i, t in enumerate(texts):
+        p = tmp_path / "docs" / f"doc-{i}.txt"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(t)
+        paths.append(str(p))
+    return paths
+
+
+def test_a_hugging_face_tokenizer_writes_each_documents_ids_then_eos(tmp_path, capsys, monkeypatch):
+    import olmo_ctl.data.tokenizer as T
+
+    monkeypatch.setattr(T, "BATCH_DOCS", 2)  # several encode_batch calls: the order is kept across them
+    tok = _bpe_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    eos = tok.token_to_id("<|endoftext|>")
+    texts = [*WORDS, "the mat sat on the cat", "a log by the dog"]
+    docs = _docs(tmp_path, texts)
+    out = tmp_path / "out"
+    args = ["data", "prepare", *docs, "--out", str(out), "--held-out-fraction", "0"]
+    assert main([*args, "--tokenizer", str(tmp_path / "tok" / "tokenizer.json"), "--eos-id", str(eos)]) == 0
+    assert f"(EOS {eos})" in capsys.readouterr().out
+    want = [i for t in texts for i in [*tok.encode(t, add_special_tokens=False).ids, eos]]
+    assert tok.encode(texts[0]).ids[0] == tok.token_to_id("<|bos|>")  # the post-processor is left out
+    m = json.loads((out / "manifest.json").read_text())
+    assert [e["path"] for e in m["train"]] == ["train/part-00000.npy"] and m["eval"] == []
+    assert _tokens(str(out / "train" / "part-00000.npy")).tolist() == want
+    assert m["tokenizer"] == str(tmp_path / "tok" / "tokenizer.json")
+    assert (m["eos_token_id"], m["vocab_size"], m["train_tokens"]) == (eos, tok.get_vocab_size(), len(want))
+    # A directory holding tokenizer.json, the EOS and vocabulary from the recipe (smoke: EOS 256, vocab
+    # 258), whole documents held out: the same ids, split by document.
+    capsys.readouterr()
+    tok2 = _bpe_tokenizer(tmp_path / "tok2" / "tokenizer.json")
+    tok2.add_special_tokens([f"<|x{i}|>" for i in range(tok2.get_vocab_size(), 257)])
+    assert tok2.token_to_id("<|x256|>") == 256
+    tok2.save(str(tmp_path / "tok2" / "tokenizer.json"))
+    out2 = tmp_path / "out2"
+    rc = main(
+        [
+            "data",
+            "prepare",
+            *docs,
+            "--out",
+            str(out2),
+            "--tokenizer",
+            str(tmp_path / "tok2"),
+            "--recipe",
+            "smoke",
+            "--held-out-fraction",
+            "0.2",
+        ]
+    )
+    assert rc == 0, capsys.readouterr().err
+    m2 = json.loads((out2 / "manifest.json").read_text())
+    assert (m2["eos_token_id"], m2["pad_token_id"]) == (256, 257)
+    assert m2["sources"]["eval"] == [docs[2]]
+    for split in ("train", "eval"):
+        got = np.concatenate([_tokens(str(out2 / e["path"])) for e in m2[split]]).tolist()
+        srcs = m2["sources"][split]
+        assert got == [
+            i for d in srcs for i in [*tok2.encode(open(d).read(), add_special_tokens=False).ids, 256]
+        ]
+
+
+def test_the_byte_level_tokenizer_stays_the_default(tmp_path):
+    docs = _texts(tmp_path, n=4, size=500)
+    m1 = tmp_path / "default"
+    m2 = tmp_path / "named"
+    assert main(["data", "prepare", *docs, "--out", str(m1), "--held-out-fraction", "0"]) == 0
+    args = ["--tokenizer", "builtin://bytes", "--recipe", "smoke"]
+    assert main(["data", "prepare", *docs, "--out", str(m2), "--held-out-fraction", "0", *args]) == 0
+    want = b"".join(open(d, "rb").read() + b"\x00" for d in docs)
+    want_tokens = np.frombuffer(want, np.uint8).astype(np.uint32)
+    want_tokens[np.cumsum([os.path.getsize(d) + 1 for d in docs]) - 1] = BYTE_EOS
+    for out in (m1, m2):
+        assert (_tokens(str(out / "train" / "part-00000.npy")) == want_tokens).all()
+        m = json.loads((out / "manifest.json").read_text())
+        assert (m["tokenizer"], m["vocab_size"], m["eos_token_id"], m["pad_token_id"]) == (
+            "bytes",
+            258,
+            256,
+            257,
+        )
+
+
+def test_tokenizer_mistakes_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, monkeypatch):
+    tok = _bpe_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    tok_file = str(tmp_path / "tok" / "tokenizer.json")
+    eos = str(tok.token_to_id("<|endoftext|>"))
+    big = tmp_path / "big" / "tokenizer.json"  # EOS at 256, as the smoke model's, and a word at 300
+    big.parent.mkdir()
+    wl = {"[UNK]": 0, "the": 1, "cat": 2, "<|endoftext|>": 256, "mat": 300}
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    t = Tokenizer(models.WordLevel(wl, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.save(str(big))
+    docs = _docs(tmp_path, ["the cat", "the mat"])
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "broken.json").write_text("{not json")
+    cases = [
+        (
+            ["--tokenizer", str(tmp_path / "missing.json"), "--eos-id", eos],
+            "no " + str(tmp_path / "missing.json"),
+        ),
+        (["--tokenizer", str(tmp_path / "nodir"), "--eos-id", eos], "nodir/tokenizer.json"),
+        (
+            ["--tokenizer", str(tmp_path / "broken.json"), "--eos-id", eos],
+            "is not a Hugging Face tokenizer.json",
+        ),
+        (["--tokenizer", tok_file], "which token ends a document?"),
+        (["--tokenizer", tok_file, "--eos-id", "5000"], "EOS 5000 is not a token of tokenizer"),
+        (
+            ["--tokenizer", str(big), "--recipe", "smoke"],
+            "tokenizes to id 300, beyond the recipe's model.vocab_size 258",
+        ),
+        (["--tokenizer", str(big), "--recipe", "smoke", "--eos-id", "1"], "--eos-id 1 differs"),
+        (["--stage", "1"], "builtin://bytes ends each document with 256, not 100257"),
+        (
+            ["--tokenizer", tok_file, "--eos-id", eos, str(tmp_path / "latin1.txt")],
+            "latin1.txt` is not UTF-8 text",
+        ),
+    ]
+    out = tmp_path / "out"
+    for args, msg in cases:
+        rc = main(["data", "prepare", *docs, "--out", str(out), "--held-out-fraction", "0", *args])
+        err = capsys.readouterr().err
+        assert rc == 2, (args, err)
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1, (args, err)
+        assert not out.exists(), args
+    # Token files whose ids the recipe's model cannot embed are refused too.
+    npy = tmp_path / "ids.npy"
+    np.array([1, 2, 300], dtype="<u4").tofile(npy)
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                str(npy),
+                str(npy),
+                "--out",
+                str(out),
+                "--recipe",
+                "smoke",
+                "--held-out-fraction",
+                "0",
+            ]
+        )
+        == 2
+    )
+    assert "holds id 300, beyond the recipe's model.vocab_size 258" in capsys.readouterr().err
+    assert not out.exists()
+    # Without the `tokenizers` package (the eval extra), one line says what to install.
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    assert main(["data", "prepare", *docs, "--out", str(out), "--tokenizer", tok_file, "--eos-id", eos]) == 2
+    err = capsys.readouterr().err
+    assert "needs the `tokenizers` package" in err and "'.[eval]'" in err and err.count("\n") == 1
+    assert not out.exists()

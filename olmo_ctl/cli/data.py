@@ -18,6 +18,7 @@ from olmo_ctl.cli.app import (
     print_data,
 )
 from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.data.tokenizer import BYTES_TOKENIZER
 
 data_app = OlmoTyper(help="Make and inspect training data (token files).")
 app.add_typer(data_app, name="data", example="olmo-ctl data info --recipe smoke -o json")
@@ -29,7 +30,7 @@ app.add_typer(data_app, name="data", example="olmo-ctl data info --recipe smoke 
 )
 def prepare(
     files: Annotated[
-        list[str], typer.Argument(help="Text files (byte-tokenized, one document each) or .npy token files.")
+        list[str], typer.Argument(help="Text files (one document each, tokenized) or .npy token files.")
     ],
     out: Annotated[
         str,
@@ -45,18 +46,52 @@ def prepare(
             help="Check each split holds whole instances of this length; parts are cut at multiples of it.",
         ),
     ] = 0,
+    tokenizer: Annotated[
+        str,
+        typer.Option(
+            "--tokenizer",
+            help="builtin://bytes (the smoke model's), or a Hugging Face tokenizer.json or a directory holding"
+            " one, local or gs:// (e.g. the dolma2 tokenizer).",
+        ),
+    ] = BYTES_TOKENIZER,
+    eos_id: Annotated[
+        int | None,
+        typer.Option(
+            "--eos-id",
+            help="Token appended after each document; default: the recipe's model.eos_token_id (256 for"
+            " builtin://bytes).",
+        ),
+    ] = None,
+    stage: StageOpt = None,
+    model: ModelOpt = None,
+    recipe: RecipeOpt = None,
+    set_: SetOpt = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """Make token files from text (or .npy token files), with a held-out split.
 
     Writes OUT/train/part-NNNNN.npy, OUT/eval/part-NNNNN.npy (raw uint32 tokens) and
-    OUT/manifest.json. Text is tokenized byte by byte (tokens 0-255, EOS 256 after each file; vocab
-    258 as in the smoke recipe). Pre-tokenized .npy files (e.g. dolma2) are copied as they are.
-    Exit codes: 0 written, 2 bad input, 3 storage unreachable.
+    OUT/manifest.json. Each text file is one document: tokenized by --tokenizer without its special
+    tokens (no BOS), then EOS, as OLMo-core's data is. builtin://bytes, the default: tokens 0-255, EOS
+    256, vocab 258 as in the smoke recipe. A Hugging Face tokenizer needs the EOS from --eos-id or a
+    recipe (--stage N or --recipe NAME: its model.eos_token_id; every id must be below its
+    model.vocab_size). Pre-tokenized .npy files (e.g. dolma2) are copied as they are.
+    Exit codes: 0 written, 2 bad input (nothing written), 3 storage unreachable.
     """
     from olmo_ctl.data.files import prepare as do_prepare
 
-    manifest = do_prepare(list(files), out, held_out_fraction=held_out_fraction, seq_len=seq_len)
+    model_cfg = None
+    if stage is not None or recipe is not None or model is not None or set_:
+        model_cfg = load_recipe(recipe, stage, set_ or [], model=model).model
+    manifest = do_prepare(
+        list(files),
+        out,
+        held_out_fraction=held_out_fraction,
+        seq_len=seq_len,
+        tokenizer=tokenizer,
+        eos_token_id=eos_id,
+        model=model_cfg,
+    )
     if output != Output.table:
         print_data(manifest, output)
         return
@@ -66,7 +101,8 @@ def prepare(
         if seq_len > 1:
             line += f" ({manifest[f'{split}_instances']:,} instances of {seq_len})"
         typer.echo(line)
-    typer.echo(f"tokenizer: {manifest['tokenizer']}; manifest: {out.rstrip('/')}/manifest.json")
+    eos = f" (EOS {manifest['eos_token_id']})" if "eos_token_id" in manifest else ""
+    typer.echo(f"tokenizer: {manifest['tokenizer']}{eos}; manifest: {out.rstrip('/')}/manifest.json")
 
 
 def data_report(recipe) -> dict:

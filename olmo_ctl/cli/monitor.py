@@ -165,8 +165,8 @@ def render(rep: dict):
     gp = rep["goodput"]
     if gp["fraction"] is not None:
         # every bucket of the wall time (productive + these = wall), the largest first
-        parts = sorted(((v, k) for k, v in (gp.get("buckets") or gp["lost_s"]).items() if v), reverse=True)
-        lost = ", ".join(f"{k.replace('_', ' ')} {_fmt_s(v)}" for v, k in parts)
+        spent = sorted(((v, k) for k, v in (gp.get("buckets") or gp["lost_s"]).items() if v), reverse=True)
+        lost = ", ".join(f"{k.replace('_', ' ')} {_fmt_s(v)}" for v, k in spent)
         row(
             "goodput",
             f"{gp['fraction'] * 100:.1f}% of {_fmt_s(gp['wall_s'])}" + (f" (lost: {lost})" if lost else ""),

@@ -4,8 +4,9 @@ A recipe names its data as a shipped mix (`data.mix`, AI2's ordered file lists, 
 under a base directory, or as paths and globs (`{root}/**/*.npy`) on a local disk or gs://. This
 module turns them into an ordered list of `TokenFile`s (path, logical name, size), computes the
 dataset fingerprint that the checkpointed loader state carries, and writes token files: the
-`olmo-ctl data prepare` conversion (byte-level tokenizer) and the built-in smoke dataset
-(`builtin://smoke`), which is made on first use from source files that ship with Python itself.
+`olmo-ctl data prepare` conversion (text through data/tokenizer.py's byte-level or Hugging Face
+tokenizer) and the built-in smoke dataset (`builtin://smoke`), which is made on first use from
+source files that ship with Python itself.
 
 Token files use OLMo-core's layout: raw little-endian uint32 tokens, no header, documents already
 separated by EOS, usually named `*.npy`. numpy only: no jax here.
@@ -30,15 +31,13 @@ import numpy as np
 from olmo_ctl import storage
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.mixes import AI2_DATA_ROOT, DATA_ROOT_HINT
+from olmo_ctl.data.tokenizer import BYTE_EOS as BYTE_EOS  # the byte-level tokenizer's EOS, for readers
+from olmo_ctl.data.tokenizer import BYTES_TOKENIZER, document_tokenizer
 
+# uint32 whatever the tokenizer: the bytes' 258 ids and dolma2's 100,278 alike (OLMo-core's dolma2 files).
 TOKEN_DTYPE = np.dtype("<u4")
 TOKEN_BYTES = 4
 NUMPY_MAGIC = b"\x93NUMPY"
-
-# Byte-level tokenizer: token = byte value, then EOS after each document; 257 is padding.
-BYTE_EOS = 256
-BYTE_PAD = 257
-BYTE_VOCAB = 258
 
 SMOKE_ROOT = "builtin://smoke"
 SMOKE_VERSION = "v1"
@@ -370,14 +369,6 @@ def check_fingerprint(saved: str | None, current: str, allow_change: bool = Fals
 # ---------------------------------------------------------------- writing token files
 
 
-def byte_tokens(text: bytes) -> np.ndarray:
-    """Byte-level tokenizer: one token per byte (0-255) and EOS (256) after the document."""
-    arr = np.empty(len(text) + 1, dtype=TOKEN_DTYPE)
-    arr[:-1] = np.frombuffer(text, dtype=np.uint8)
-    arr[-1] = BYTE_EOS
-    return arr
-
-
 def held_out_indices(n: int, fraction: float) -> list[int]:
     """Which of `n` units (documents or files) are held out: round(n*fraction), evenly spaced, never all."""
     if fraction <= 0 or n < 2:
@@ -391,6 +382,18 @@ def _read_input(path: str) -> bytes:
         return storage.store_for(path).read_bytes(path)
     except (IsADirectoryError, PermissionError) as e:
         raise BadInput(f"cannot read `{path}`: {e.strerror}", "pass files, not directories") from None
+
+
+def _check_vocab(path: str, data: bytes, model_vocab_size: int) -> None:
+    """A copied token file's ids are below the recipe's model.vocab_size."""
+    if not data:
+        return
+    top = int(np.frombuffer(data, dtype=TOKEN_DTYPE).max())
+    if top >= model_vocab_size:
+        raise BadInput(
+            f"`{path}` holds id {top}, beyond the recipe's model.vocab_size {model_vocab_size}",
+            "these token files are not this model's; pass the recipe the data is for",
+        )
 
 
 def _raw_tokens_from_npy(path: str, data: bytes) -> bytes:
@@ -457,10 +460,16 @@ def prepare(
     seq_len: int = 0,
     part_tokens: int = DEFAULT_PART_TOKENS,
     held_out: list[str] | None = None,
+    tokenizer: str = BYTES_TOKENIZER,
+    eos_token_id: int | None = None,
+    model=None,
 ) -> dict:
-    """Make token files from text (byte tokenizer) or copy raw uint32 token files; returns the manifest.
+    """Make token files from text (a tokenizer) or copy raw uint32 token files; returns the manifest.
 
-    Text inputs: each file is one document (bytes, then EOS); whole documents are held out,
+    Text inputs: each file is one document, tokenized by `tokenizer` (`builtin://bytes`, or a Hugging
+    Face tokenizer.json or directory: data/tokenizer.py) with EOS after it (`eos_token_id`, else
+    `model.eos_token_id`; `model`, the recipe's ModelConfig, also bounds every id by its vocab_size,
+    token files' ids too); whole documents are held out,
     evenly spaced (with too few documents for that, the tail of the token stream is held out
     instead, a multiple of `seq_len` when given); the rest are concatenated into
     `train/part-NNNNN.npy` of at most `part_tokens` tokens (a multiple of `seq_len` when given, so
@@ -483,6 +492,13 @@ def prepare(
             "both text files and .npy token files given",
             "their vocabularies differ (bytes vs the files' tokenizer); prepare them separately",
         )
+    if npy and (tokenizer != BYTES_TOKENIZER or eos_token_id is not None):
+        raise BadInput(
+            "--tokenizer and --eos-id are for text; .npy token files are copied as they are",
+            "leave them out, or prepare text files",
+        )
+    # Resolved before anything is written: a missing tokenizer or a wrong EOS changes nothing.
+    tok = document_tokenizer(tokenizer, eos_token_id, model) if text else None
     _check_out_dir(out)
     for split in ("train", "eval"):
         if not _split_dir_is_empty(out, split):
@@ -515,16 +531,16 @@ def prepare(
         "seq_len": seq_len,
         "sources": {"train": [], "eval": []},
     }
-    if text:
+    if tok is not None:
         manifest.update(
             {
-                "tokenizer": "bytes",
-                "vocab_size": BYTE_VOCAB,
-                "eos_token_id": BYTE_EOS,
-                "pad_token_id": BYTE_PAD,
+                "tokenizer": "bytes" if tok.spec == BYTES_TOKENIZER else tok.spec,
+                "vocab_size": tok.vocab_size,
+                "eos_token_id": tok.eos_token_id,
+                "pad_token_id": tok.pad_token_id,
             }
         )
-        docs = [byte_tokens(_read_input(p)) for p in inputs]
+        docs = list(tok.encode(((p, _read_input(p)) for p in inputs), TOKEN_DTYPE))
         if not eval_idx and held_out_fraction > 0:
             # Too few documents to hold out whole ones: hold out the tail of the token stream.
             stream = np.concatenate(docs)
@@ -564,6 +580,10 @@ def prepare(
         manifest["tokenizer"] = "as given (pre-tokenized files copied as they are)"
         manifest["train"], manifest["eval"] = [], []
         counters = {"train": 0, "eval": 0}
+        model_vocab = model.vocab_size if model is not None else None
+        if model_vocab is not None:  # every file checked before the first is written
+            for p in inputs:
+                _check_vocab(p, _raw_tokens_from_npy(p, _read_input(p)), model_vocab)
         for i, p in enumerate(inputs):
             split = "eval" if i in eval_idx else "train"
             data = _raw_tokens_from_npy(p, _read_input(p))

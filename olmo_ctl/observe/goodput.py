@@ -147,17 +147,21 @@ def _capacity_waits(journal: list[tuple[float, dict]]) -> list[tuple[float, floa
 def _incarnations(loss: Series, downs: dict[int, list[float]]) -> list[tuple[int, int, int]]:
     """(attempt, first index, last index) of the kept loss points, split where the attempt changes or
     one of its disruptions is recorded between two points."""
-    out = []
-    lo = 0
-    a, w = loss.attempts, loss.wall_times
-    for i in range(1, len(loss) + 1):
-        if i < len(loss) and a[i] == a[i - 1]:
-            d = downs.get(int(a[i]), [])
-            if not any(w[i - 1] < t < w[i] for t in d):
-                continue
-        out.append((int(a[lo]), lo, i - 1))
-        lo = i
-    return out
+    if not len(loss):
+        return []
+    a = loss.attempts
+    wm = np.maximum.accumulate(loss.wall_times)  # sorted, for the search (kept walls rise with steps)
+    cut = np.zeros(len(loss), dtype=bool)  # a new incarnation starts at this point
+    cut[1:] = a[1:] != a[:-1]
+    for att, times in downs.items():
+        t = np.asarray(times, dtype=float)
+        i = np.searchsorted(wm, t, side="right")  # the first point after each record
+        ok = (i > 0) & (i < len(loss))
+        t, i = t[ok], i[ok]
+        cut[i[(wm[i - 1] < t) & (a[i] == att) & (a[i - 1] == att)]] = True
+    starts = [0, *np.flatnonzero(cut[1:]) + 1]
+    ends = [*(x - 1 for x in starts[1:]), len(loss) - 1]
+    return [(int(a[lo]), int(lo), int(hi)) for lo, hi in zip(starts, ends, strict=True)]
 
 
 def _of_attempt(s: Series | None, attempt: int, lo: float, hi: float) -> list[tuple[float, float]]:
@@ -200,9 +204,11 @@ def partition(
     w, st = loss.wall_times, loss.steps
     incs = _incarnations(loss, {a: [t for t, _ in i.downs] for a, i in atts.items()})
 
+    wm = np.maximum.accumulate(w) if len(w) else w
+
     def next_step_after(t: float) -> float:
-        i = int(np.searchsorted(w, t, side="right"))
-        return float(w[i]) if i < len(w) else end
+        i = int(np.searchsorted(wm, t, side="right"))
+        return float(wm[i]) if i < len(wm) else end
 
     for info in atts.values():
         for t, bad in info.downs:  # recovery from a disruption until the next step that counts

@@ -8,8 +8,8 @@ keeps, so two people monitoring the same run see the same numbers:
 * progress, tokens, losses: the de-duplicated TensorBoard scalars (`olmo_ctl.observe.reader`);
 * step time, tokens/s, TFLOP/s, MFU: wall times of `train/CE loss` points within one attempt
   (a gap between attempts is never counted as a slow step) and `olmo_ctl.core.flops` for the model;
-* goodput: time on steps that count / wall time, and where the rest went (queueing and start-up from
-  the journal, steps recomputed after a resume, checkpoint saves from `checkpoint/save_duration_s`).
+* goodput: time on steps that count / wall time, and every other second of the wall time in one
+  bucket, from the journal's and the trainer's timestamps (`olmo_ctl.observe.goodput`).
 
 Step semantics: a metric logged at step N describes the N-th step; checkpoint N holds the state after
 N steps, so the steps at risk are `step - committed_step`.

@@ -36,19 +36,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import tokenizer_spec
+from olmo_ctl.data.tokenizer import BYTES_TOKENIZER as BYTES_TOKENIZER
+from olmo_ctl.data.tokenizer import bytes_tokenizer_json as bytes_tokenizer_json
+from olmo_ctl.data.tokenizer import tokenizer_path
 from olmo_ctl.trainer.evaluator import Evaluation, Evaluator
 from olmo_ctl.trainer.lm_eval import IGNORE_INDEX
 
 DOWNSTREAM_PREFIX = "eval/downstream/"
 ROW_MULTIPLE = 128  # ai2-olmo-eval's collate_fn pads a batch to its longest query rounded up to this
-BYTES_TOKENIZER = "builtin://bytes"
 LOG_2_OF_E = 1.44269504089  # olmo_eval.metrics
 
 # OLMo-core's DownstreamEvaluator.metric_type_to_label (src/olmo_core/train/callbacks/evaluator_callback.py)
@@ -163,77 +164,7 @@ def check_tasks(labels) -> None:
 
 
 # ---------------------------------------------------------------- the tokenizer
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (what the `tokenizers` ByteLevel pre-tokenizer uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = list(bs), 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs), strict=True))
-
-
-def bytes_tokenizer_json(eos_token_id: int = 256, pad_token_id: int = 257) -> str:
-    """The smoke model's byte-level tokenizer (token = byte, EOS 256, pad 257: data/files.py) as a
-    Hugging Face `tokenizer.json`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = {eos_token_id: "<|endoftext|>", pad_token_id: "<|pad|>"}
-    tok.add_special_tokens([AddedToken(specials[i], special=True) for i in sorted(specials)])
-    return tok.to_str()
-
-
-def tokenizer_path(spec: str, cache_dir: str | None = None) -> str:
-    """A local `tokenizer.json` for `data.tokenizer`: `builtin://bytes`, a tokenizer file, or a Hugging
-    Face model or tokenizer directory holding `tokenizer.json`; local or gs:// (copied to `cache_dir`)."""
-    import tempfile
-
-    from olmo_ctl import storage
-
-    if not spec:
-        raise BadInput(
-            "eval.downstream needs the run's tokenizer, and data.tokenizer is not set",
-            "--set data.tokenizer=PATH (a Hugging Face tokenizer directory or tokenizer.json, local or gs://)",
-        )
-    cache = cache_dir or os.path.join(tempfile.gettempdir(), "olmo-ctl-tokenizers")
-    if spec == BYTES_TOKENIZER:
-        os.makedirs(cache, exist_ok=True)
-        path = os.path.join(cache, "bytes-tokenizer.json")
-        text = bytes_tokenizer_json()
-        if not os.path.exists(path) or open(path).read() != text:
-            tmp = f"{path}.{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        return path
-    candidates = [spec] if spec.endswith(".json") else [spec.rstrip("/") + "/tokenizer.json"]
-    for c in candidates:
-        if storage.is_gcs(c):
-            store = storage.store_for(c)
-            if store.exists(c):
-                os.makedirs(cache, exist_ok=True)
-                local = os.path.join(cache, c[len("gs://") :].replace("/", "_"))
-                tmp = f"{local}.{os.getpid()}"
-                with open(tmp, "wb") as f:
-                    f.write(store.read_bytes(c))
-                os.replace(tmp, local)
-                return local
-        elif os.path.isfile(c):
-            return c
-    raise BadInput(
-        f"tokenizer {spec!r}: no {candidates[0]}",
-        "data.tokenizer is a Hugging Face tokenizer directory (with tokenizer.json) or a tokenizer.json,"
-        f" local or gs://, or {BYTES_TOKENIZER} for the smoke model",
-    )
+# Found by data/tokenizer.py's `tokenizer_path`, the rule `data prepare --tokenizer` follows too.
 
 
 def load_tokenizer(spec: str, model_cfg, cache_dir: str | None = None):

@@ -17,11 +17,14 @@ that step on (the classic restart protocol), so a reader sees each step once, wi
 from __future__ import annotations
 
 import io
+import os
 import socket
 import time
 
 from olmo_ctl.core.contracts import segment_name
 from olmo_ctl.storage import join, store_for
+
+_IMPORTED_AT = time.time()
 
 # The OLMo-core tag names plus the TPU case study's parity tags (docs/CONTRACTS.md).
 TAGS = (
@@ -48,6 +51,19 @@ TAGS = (
     "timing/since_start_s",
     "eval/lm_loss",
 )
+
+
+def _process_started_at() -> float:
+    """When this process started, by the kernel's clock of it (Linux: boot time + start ticks, as
+    psutil reads it); else when this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except Exception:  # noqa: BLE001 - not Linux, or no /proc
+        return _IMPORTED_AT
 
 
 def _event_bytes(events) -> bytes:
@@ -81,6 +97,20 @@ class EventLog:
         wt = time.time() if wall_time is None else wall_time
         summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
         self._pending.append(Event(wall_time=wt, step=int(step), summary=summary))
+
+    def startup(self, step: int, data_setup: list[float], restore: list[float]) -> None:
+        """The parts of this trainer start, at the step it restored (observe/goodput.py reads them): the
+        data set-up and the restore as [start, end] wall times, and the seconds since the process
+        started, at the restore's end."""
+        self.scalars(step, {"timing/data_setup_s": data_setup[1] - data_setup[0]}, data_setup[1])
+        self.scalars(
+            step,
+            {
+                "checkpoint/restore_duration_s": restore[1] - restore[0],
+                "timing/since_start_s": restore[1] - _process_started_at(),
+            },
+            restore[1],
+        )
 
     def session_start(self, step: int) -> None:
         """Mark a (re)start at `step`, the first step this attempt will log: TensorBoard readers then
