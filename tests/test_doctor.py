@@ -139,6 +139,19 @@ def test_too_little_quota_for_the_slices_fails(sandbox, tmp_path):
     assert "1 complete node pool" in failed(report)["node-pools"]
 
 
+def test_node_pools_without_the_placement_policy_the_pods_select_fail_naming_it(sandbox, tmp_path):
+    """Multi-host Ironwood pods select XPK's placement policy by default; node pools made without it
+    never take them: node-pools fails naming the selector, and `--placement-policy none` passes."""
+    rc, report, _ = doctor(
+        sandbox, "--device", "tpu7x-128", "--placement-policy", "other-policy", tmp=tmp_path
+    )
+    assert rc == 2 and list(failed(report)) == ["node-pools"]
+    assert "cloud.google.com/placement-policy-name=other-policy" in failed(report)["node-pools"]
+    rc, report, _ = doctor(sandbox, "--device", "tpu7x-128", tmp=tmp_path)
+    nodes = next(c for c in report["checks"] if c["name"] == "node-pools")["message"]
+    assert rc == 0 and "placement-policy-name=tpu7x-128-4x4x4-placement-policy" in nodes
+
+
 def test_an_unreachable_cluster_exits_3(sandbox, tmp_path):
     cfg = yaml.safe_load(sandbox.read_text())
     import socket

@@ -435,6 +435,8 @@ def test_pod_shape_and_failure_policy():
     assert pod["nodeSelector"] == {
         "cloud.google.com/gke-tpu-accelerator": "tpu7x",
         "cloud.google.com/gke-tpu-topology": "4x4x4",
+        # XPK's placement policy, on by default (src/xpk/core/scheduling.py get_placement_policy_name)
+        "cloud.google.com/placement-policy-name": "tpu7x-128-4x4x4-placement-policy",
     }
     assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     (c,) = pod["containers"]
@@ -499,6 +501,18 @@ def test_pod_shape_and_failure_policy():
         ("RestartOnPodNotStarted", "RestartJobSetAndIgnoreMaxRestarts", ["BackoffLimitExceeded"], None),
     ]
     assert schema_errors(js) == [] and metadata_errors(js) == []
+
+
+def test_the_placement_policy_is_xpks_by_default_and_none_turns_it_off():
+    """XPK selects `<device>-<topology>-placement-policy` on multi-host Ironwood slices (and creates
+    the node pools with it); `placement_policy: none` renders no selector; single-host slices and v5p
+    never carry one."""
+    key = "cloud.google.com/placement-policy-name"
+    assert _pod(_render(device="tpu7x-512"))["nodeSelector"][key] == "tpu7x-512-4x8x8-placement-policy"
+    off = Settings(run_root="gs://b/r", placement_policy="none")
+    assert key not in _pod(_render(device="tpu7x-512", settings=off))["nodeSelector"]
+    assert key not in _pod(_render(device="tpu7x-8"))["nodeSelector"]
+    assert key not in _pod(_render(device="v5p-256"))["nodeSelector"]
 
 
 def test_optional_priority_and_placement():

@@ -717,7 +717,7 @@ def run_checks(api_client: Any, settings: Any, device: Device | None, slices: in
     checks.append(check_rbac(kube, ns))
     checks.append(check_service_account(kube, ns, settings.service_account, host_network(settings)))
     if device is not None:
-        checks.append(check_nodes(kube, device, slices, pod_node_selector(settings)))
+        checks.append(check_nodes(kube, device, slices, pod_node_selector(settings, device)))
     checks.append(check_image(settings.image))
     return checks
 

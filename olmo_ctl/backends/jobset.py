@@ -136,13 +136,22 @@ def _fill(node: Any, values: dict[str, Any]) -> Any:
 # ---------------------------------------------------------------- rendering
 
 
+# The placement policy XPK names for a slice whose node pools need one (src/xpk/core/scheduling.py
+# get_placement_policy_name: `<device type>-<topology>-placement-policy`; the pods select it with
+# create_placement_policy_label, and `xpk cluster create` makes the node pools with it).
+XPK_PLACEMENT_POLICY = "{device}-{topology}-placement-policy"
+NO_PLACEMENT_POLICY = "none"  # the site setting that turns the selector off
+
+
 def placement_policy_for(device: Device, settings: Settings) -> str | None:
-    """The placement policy a slice's pods select, or None where its node pools carry none."""
-    if not settings.placement_policy or not device.is_tpu or device.vms < 2:
+    """The placement policy a slice's pods select (XPK's name unless the site setting names another,
+    or `none`), or None where its node pools carry none: single-host slices, and generations whose
+    template says `never`."""
+    if settings.placement_policy == NO_PLACEMENT_POLICY or not device.is_tpu or device.vms < 2:
         return None
     if launch_template(device.generation)["vars"]["placement_policy"] != "multi-host":
         return None
-    return settings.placement_policy.format(
+    return (settings.placement_policy or XPK_PLACEMENT_POLICY).format(
         device=device.name, topology=device.topology, generation=device.generation
     )
 
@@ -176,9 +185,15 @@ def capacity_node_selector(capacity: str) -> dict[str, str]:
     return {CAPACITY_SELECTOR_KEYS[kind]: "true"}
 
 
-def pod_node_selector(settings: Settings) -> dict[str, str]:
-    """What the site adds to the slice's node selector: the capacity type's, then `node_selectors`."""
-    return {**capacity_node_selector(settings.capacity), **settings.node_selectors}
+def pod_node_selector(settings: Settings, device: Device | None = None) -> dict[str, str]:
+    """What the site adds to the slice's node selector: the capacity type's, then `node_selectors`;
+    with `device`, its placement policy too (`placement_policy_for`)."""
+    policy = placement_policy_for(device, settings) if device is not None else None
+    return {
+        **capacity_node_selector(settings.capacity),
+        **settings.node_selectors,
+        **({"cloud.google.com/placement-policy-name": policy} if policy else {}),
+    }
 
 
 def host_network(settings: Settings | None) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from olmo_ctl.core.devices import GENERATIONS
+from olmo_ctl.core.devices import GENERATIONS, GPU_MACHINES
 from olmo_ctl.core.errors import BadInput
 
 ENV_PREFIX = "OLMO_CTL_"
@@ -34,7 +34,8 @@ DESCRIPTIONS = {
     "image": "container image with olmo-ctl and its trainer",
     "run_root": "where run directories live (gs://bucket/prefix; local path: local backend)",
     "service_account": "Kubernetes service account with Workload Identity",
-    "placement_policy": "placement policy of multi-host Ironwood node pools ({topology} ok)",
+    "placement_policy": "placement policy of multi-host Ironwood node pools (default XPK's "
+    "{device}-{topology}-placement-policy; none: no selector)",
     "backend": "where attempts run: a backend of `olmo_ctl.backends.REGISTRY` (gke, local)",
     "xla_flags": "XLA/libtpu flags merged over the generation's and the recipe's (space-separated --name=value)",
     "host_network": "pods on the host network (multislice DCN performance); Workload Identity then does not "
@@ -43,8 +44,8 @@ DESCRIPTIONS = {
     "is resized (falls back) or gives up (empty: none)",
     "notify_command": "shell command resume-until-done runs on the same events, the message as JSON on "
     "its stdin and OLMO_CTL_NOTIFY_* in its environment (empty: none)",
-    "prices": "your USD per chip-hour by TPU generation, on_demand and spot, for the dollar estimate of "
-    "`plan` (a mapping; none ship with olmo-ctl)",
+    "prices": "your USD per chip-hour by TPU generation (per GPU-hour by GPU machine type), on_demand and "
+    "spot, for the dollar estimate of `plan` (a mapping; none ship with olmo-ctl)",
     "capacity": "the node pools' capacity type: on-demand, spot, reservation:NAME or flex-start (the node "
     "selector XPK renders for it)",
     "node_selectors": "extra pod node selectors (a mapping of label to value)",
@@ -219,7 +220,8 @@ def _check(name: str, value: str, src: str, backends: tuple[str, ...] = ()) -> N
 
 
 def _check_prices(value: Any, src: str) -> dict[str, dict[str, float]]:
-    """`prices` as a mapping generation -> {on_demand, spot} of non-negative USD per chip-hour."""
+    """`prices` as a mapping generation -> {on_demand, spot} of non-negative USD per chip-hour (a
+    GPU machine type, `h100-mega-80gb-8`: per GPU-hour)."""
     where = f"setting `prices` ({src})"
     example = "e.g. prices: {v5p: {on_demand: 4.0, spot: 2.0}} (USD per chip-hour, your own prices)"
     if value is None:
@@ -228,8 +230,11 @@ def _check_prices(value: Any, src: str) -> dict[str, dict[str, float]]:
         raise BadInput(f"{where} must be a mapping of TPU generations to prices", example)
     out: dict[str, dict[str, float]] = {}
     for gen, kinds in value.items():
-        if gen not in GENERATIONS:
-            raise BadInput(f"{where}: `{gen}` is not a TPU generation", f"use {' or '.join(GENERATIONS)}")
+        if gen not in GENERATIONS and gen not in GPU_MACHINES:
+            raise BadInput(
+                f"{where}: `{gen}` is not a TPU generation or GPU machine type",
+                f"use {' or '.join([*GENERATIONS, *GPU_MACHINES])}",
+            )
         if not isinstance(kinds, dict) or not kinds:
             raise BadInput(f"{where}: `{gen}` must map on_demand and/or spot to a price", example)
         out[gen] = {}

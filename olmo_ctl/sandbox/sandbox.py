@@ -74,6 +74,7 @@ def parse_slices(items: list[str] | tuple[str, ...]) -> dict[str, int]:
     for item in items:
         name, _, n = item.partition("=")
         dev = Target.parse(name.strip()).device
+        dev.check_launchable()
         if not dev.is_tpu:
             raise BadInput(f"--slices {item}: `{dev.name}` is not a TPU slice", "e.g. --slices tpu7x-128=2")
         try:
@@ -407,7 +408,13 @@ class SandboxWorld(ScriptedWorld):
         return changed
 
     def add_node_pool(self, device: Device, pool: str) -> None:
-        """A TPU node pool for one slice of `device`: `vms` nodes with its labels."""
+        """A TPU node pool for one slice of `device`: `vms` nodes with its labels (and, where its node
+        pools need one, the placement policy `xpk cluster create` makes them with)."""
+        from olmo_ctl.backends.jobset import placement_policy_for
+        from olmo_ctl.core.config import Settings
+
+        policy = placement_policy_for(device, Settings())
+        placement = {"cloud.google.com/placement-policy-name": policy} if policy else {}
         for i in range(device.vms):
             name = f"gke-{pool}-{i:04d}"
             self.save(
@@ -417,6 +424,7 @@ class SandboxWorld(ScriptedWorld):
                         "name": name,
                         "labels": {
                             **flavor_labels(device),
+                            **placement,
                             NODEPOOL_LABEL: pool,
                             "kubernetes.io/hostname": name,
                             "cloud.google.com/machine-family": device.generation,
