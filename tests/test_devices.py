@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from olmo_ctl.core.devices import get_device, local_catalog, tpu_catalog
+from olmo_ctl.core.devices import get_device, gpu_catalog, local_catalog, tpu_catalog
 from olmo_ctl.core.errors import BadInput
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,8 +204,8 @@ def test_devices_json_contract():
     by_name = {r["name"]: r for r in rows}
     assert by_name["tpu7x-128"]["devices"] == 128 and by_name["v5p-256"]["vms"] == 32
     assert len(rows) == 2 * len(REFERENCE) + len(REFERENCE_2D["v6e"]) + len(REFERENCE_2D["v5e"]) + len(
-        local_catalog()
-    )
+        gpu_catalog()
+    ) + len(local_catalog())
 
 
 def test_devices_table_fits_80_columns():

@@ -126,6 +126,7 @@ class GKEBackend(Backend[dict]):
         """A TPU slice, no placeholder settings (unless only rendering) and a run directory on GCS
         (TPU pods cannot see this machine's files)."""
         dev = target.device
+        dev.check_launchable()
         if not dev.is_tpu:
             raise BadInput(
                 f"`{dev.name}` is a local device; the GKE backend runs on TPU slices",

@@ -135,6 +135,7 @@ class LocalBackend(Backend[LocalRequest]):
     ) -> None:
         """The local backend runs cpu-N, cpu-PxD and gpu-N on this machine."""
         dev = target.device
+        dev.check_launchable()
         if dev.is_tpu:
             raise BadInput(
                 f"`{dev.name}` is a TPU slice; the local backend runs cpu-N or gpu-N",

@@ -1,4 +1,4 @@
-"""`olmo-ctl devices`: the TPU slice catalog and the local backend's devices."""
+"""`olmo-ctl devices`: the TPU slice catalog, GPU nodes of GKE machine types and the local backend's devices."""
 
 import sys
 from typing import Annotated
@@ -8,7 +8,7 @@ import typer
 from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
 from olmo_ctl.core import devices as dev
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.core.generations import generation_names
+from olmo_ctl.core.generations import GPU_MACHINES, generation_names
 
 
 def _fmt_num(x: float) -> str:
@@ -18,11 +18,16 @@ def _fmt_num(x: float) -> str:
 @app.command(example="olmo-ctl devices --generation v5p")
 def devices(
     generation: Annotated[
-        str | None, typer.Option("--generation", help=f"{generation_names()}, cpu or gpu.")
+        str | None,
+        typer.Option(
+            "--generation",
+            help=f"{generation_names()}, a GPU machine type ({', '.join(GPU_MACHINES)}), cpu or gpu.",
+        ),
     ] = None,
     output: OutputOpt = Output.table,
 ) -> None:
-    """List TPU slice types and the local backend's devices (cpu-N, cpu-PxD, gpu-N).
+    """List TPU slice types, GPU nodes (XPK's machine types x N nodes) and the local backend's devices
+    (cpu-N, cpu-PxD, gpu-N).
 
     Exit codes: 0 listed, 2 an unknown --generation.
     """
@@ -30,14 +35,17 @@ def devices(
     # A generation named by its device-name prefix (`v5litepod`) is that generation (v5e).
     generation = next((g.name for g in dev.GENERATIONS.values() if g.device_prefix == generation), generation)
     if generation is None:
-        rows = dev.tpu_catalog() + local
+        rows = dev.tpu_catalog() + dev.gpu_catalog() + local
     elif generation in dev.GENERATIONS:
         rows = dev.tpu_catalog(generation)
+    elif generation in GPU_MACHINES:
+        rows = dev.gpu_catalog(generation)
     elif generation in ("cpu", "gpu"):
         rows = [d for d in local if d.generation == generation]
     else:
         raise BadInput(
-            f"--generation `{generation}` is not a device generation", f"use {generation_names()}, cpu or gpu"
+            f"--generation `{generation}` is not a device generation",
+            f"use {generation_names()}, cpu or gpu, or a GPU machine type ({', '.join(GPU_MACHINES)})",
         )
     if output != Output.table:
         print_data([d.to_dict() for d in rows], output)
@@ -52,16 +60,32 @@ def devices(
         if d.generation != heading:
             if heading is not None and heading in dev.GENERATIONS:
                 out.append(_by_topology(dev.GENERATIONS[heading]))
+            if heading in GPU_MACHINES:
+                out.append(_by_nodes(GPU_MACHINES[heading]))
             heading = d.generation
             if out:
                 out.append("")
-            if d.is_tpu:
+            if d.is_gpu_nodes:
+                out += _gpu_heading(GPU_MACHINES[d.generation])
+            elif d.is_tpu:
                 out.append(
                     f"{d.generation}: GKE accelerator {d.accelerator_label}, machine type {d.machine_type}"
                 )
             else:
                 out.append(f"{d.generation}: local backend, nominal peak (for MFU only)")
-            out.append(line.format(*cols).rstrip())
+            if not d.is_gpu_nodes:
+                out.append(line.format(*cols).rstrip())
+        if d.is_gpu_nodes:
+            out.append(
+                GPU_LINE.format(
+                    d.name,
+                    d.vms,
+                    d.devices,
+                    _fmt_num(d.peak_tflops_per_device),
+                    _fmt_num(d.hbm_gib_per_device),
+                )
+            )
+            continue
         out.append(
             line.format(
                 d.name,
@@ -76,14 +100,36 @@ def devices(
         )
     if heading in dev.GENERATIONS:
         out.append(_by_topology(dev.GENERATIONS[heading]))
+    if heading in GPU_MACHINES:
+        out.append(_by_nodes(GPU_MACHINES[heading]))
     sys.stdout.write("\n".join(out) + "\n")
+
+
+# GPU nodes have no topology: a node count instead, and the GPU is the device.
+GPU_COLS = ("NAME", "NODES", "GPUS", "TFLOPS/GPU", "HBM GIB/GPU")
+GPU_LINE = "{:<21}  {:>5}  {:>5}  {:>10}  {:>11}"
+
+
+def _gpu_heading(m: dev.GpuMachine) -> list[str]:
+    """A GPU machine type's heading: what a node is, its GKE labels and interconnect, and the columns."""
+    return [
+        f"{m.name}: machine type {m.machine_type}, {m.gpus_per_node} x {m.gpu} a node",
+        f"  GKE accelerator {m.accelerator_label}, nvidia.com/gpu, {m.interconnect}",
+        "  planned only: GPU node pools are not supported by the launcher yet",
+        GPU_LINE.format(*GPU_COLS).rstrip(),
+    ]
+
+
+def _by_nodes(m: dev.GpuMachine) -> str:
+    """The line under a GPU machine type's rows: any node count."""
+    return f"and {m.name}xN for any N nodes up to {dev.MAX_GPU_NODES} ({m.name}: one node)"
 
 
 def _by_topology(gen: dev.Generation) -> str:
     """The line under a generation's rows: the other slice shapes it offers, named by topology."""
     if gen.topologies:
         first = gen.topologies[1] if len(gen.topologies) > 1 else gen.topologies[0]
-        one = dev.get_device(f"{gen.device_prefix}-{first}").name
+        one = dev.Target.parse(f"{gen.device_prefix}-{first}").name
         return f"and {gen.device_prefix}-AxB by topology ({gen.device_prefix}-{first} is {one})"
     return (
         f"and {gen.name}-AxBxC for other shapes (e.g. {gen.name}-4x4x12, {gen.name}-4x8x12):\n"

@@ -36,6 +36,8 @@ def doctor(
 
     settings = site.resolve()
     dev = Target.parse(device).device if device is not None else None
+    if dev is not None:
+        dev.check_launchable()
     if dev is not None and not dev.is_tpu:
         raise BadInput(
             f"`{dev.name}` is a local device; doctor checks a cluster for TPU slices",

@@ -33,14 +33,21 @@ def _duration(s: float) -> str:
     return f"{h:,.0f} h ({h / 24:,.1f} days)" if h >= 48 else f"{h:,.2f} h"
 
 
-def _print_plan(r: dict, peak_note: str = "") -> None:
+def _print_plan(r: dict, peak_note: str = "", machine_type: str | None = None) -> None:
+    """The plan as a table; `machine_type`: the plan is on GPU nodes of that machine type (a chip is
+    a GPU, a VM a node)."""
     gib = 1024**3
     peak = f"{r['peak_tflops_per_device']:g} TFLOP/s " + (
         f"{peak_note} per device" if peak_note else "peak per device"
     )
+    chip = "GPU" if machine_type else "chip"
+    size = (
+        f"{plural(r['chips'], 'GPU')} on {plural(r['vms'], 'node')} ({machine_type})"
+        if machine_type
+        else f"{plural(r['chips'], 'chip')}, {plural(r['vms'], 'VM')}, {plural(r['devices'], 'device')}"
+    )
     lines = [
-        f"{r['recipe']} on {r['device'] if r['slices'] == 1 else str(r['slices']) + ' x ' + r['device']}: "
-        f"{plural(r['chips'], 'chip')}, {plural(r['vms'], 'VM')}, {plural(r['devices'], 'device')}",
+        f"{r['recipe']} on {r['device'] if r['slices'] == 1 else str(r['slices']) + ' x ' + r['device']}: {size}",
         f"  global batch      {r['global_batch']} x {r['seq_len']} tokens = {r['tokens_per_step']:,} tokens/step",
         f"  per device        batch {r['per_device_batch']} x {r['grad_accum']} accumulation step(s)"
         + (
@@ -75,9 +82,12 @@ def _print_plan(r: dict, peak_note: str = "") -> None:
     lines.append(
         row("wall-clock", _duration(e["olmo_core"]["wall_clock_s"]), _duration(e["maxtext"]["wall_clock_s"]))
     )
+    if machine_type:
+        tps = [f"{e[f]['tokens_per_s_per_device']:,.0f}" for f in ("olmo_core", "maxtext")]
+        lines.append(row("tokens/s per GPU", *tps))
     if r["chips"]:
         lines.append(
-            row("chip-hours", f"{e['olmo_core']['chip_hours']:,.0f}", f"{e['maxtext']['chip_hours']:,.0f}")
+            row(f"{chip}-hours", f"{e['olmo_core']['chip_hours']:,.0f}", f"{e['maxtext']['chip_hours']:,.0f}")
         )
         for kind in r.get("usd_per_chip_hour") or {}:
             label = f"USD {kind.replace('_', ' ')}"
@@ -86,9 +96,14 @@ def _print_plan(r: dict, peak_note: str = "") -> None:
             )
         if r.get("usd_per_chip_hour"):
             lines.append(
-                "  at your prices per chip-hour: "
+                f"  at your prices per {chip}-hour: "
                 + ", ".join(f"{k.replace('_', ' ')} ${v:g}" for k, v in r["usd_per_chip_hour"].items())
                 + " (site setting `prices`)"
+            )
+        elif machine_type:
+            # olmo-ctl knows no prices; a GPU plan says so, with where the user's own go.
+            lines.append(
+                f"  USD{'':13}price unknown: set yours per GPU-hour for {r['generation']} (site setting `prices`)"
             )
     else:
         lines.append(
@@ -154,7 +169,8 @@ def plan(
     if output != Output.table:
         print_data(report, output)
     else:
-        _print_plan(report, target.device.peak_note)
+        d = target.device
+        _print_plan(report, d.peak_note, d.machine_type if d.is_gpu_nodes else None)
         if steps is not None:
             sys.stdout.write("\nlearning rate (step: LR)\n")
             sys.stdout.write("".join(f"  {int(s):>10,}  {lr:.10g}\n" for s, lr in report["lr_at"].items()))

@@ -198,6 +198,7 @@ def preflight(
 
     r = load_recipe(recipe, stage, overrides or [], model=model)
     dev = Target.parse(device).device
+    dev.check_launchable()
     if not dev.is_tpu:
         raise BadInput(
             f"preflight compiles for TPU slices; `{dev.name}` is a local device",

@@ -207,6 +207,18 @@ def check_loading(recipe: Recipe, device: Device, slices: int = 1) -> None:
             )
 
 
+def _gpu_nodes_hint(device: Device, global_batch: int) -> str:
+    """The node counts nearest `device`'s whose GPUs share `global_batch` in whole instances."""
+    from olmo_ctl.core.devices import MAX_GPU_NODES
+
+    gpus = device.chips_per_vm
+    fits = [n for n in range(1, MAX_GPU_NODES + 1) if global_batch % (n * gpus) == 0]
+    below = [n for n in fits if n < device.vms][-1:]
+    above = [n for n in fits if n > device.vms][:1]
+    names = [f"{device.generation}x{n} ({global_batch // (n * gpus)} per GPU)" for n in below + above]
+    return f"use {' or '.join(names)}" if names else f"use a GPU count that divides {global_batch}"
+
+
 def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
     """The plan on `slices` x `device` (slices > 1: multislice, the batch over every slice's devices).
     Sequence shards (`train.seq_shards`, or the smallest count that evens the batch out and fits)
@@ -255,7 +267,9 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
         if device.processes * slices > t.global_batch:
             check_loading(recipe, device, slices)  # more hosts than instances: the hosts are the limit
         hint = (
-            f"use a slice with at most {t.global_batch} devices"
+            _gpu_nodes_hint(device, t.global_batch)
+            if device.is_gpu_nodes
+            else f"use a slice with at most {t.global_batch} devices"
             if devices > t.global_batch
             else f"use a device count that divides {t.global_batch}"
         )
@@ -402,7 +416,8 @@ def plan_report(
     step time = FLOPs/token x tokens/step / (devices x peak per device x MFU); wall-clock = step
     time x steps; chip-hours = wall-clock x chips; dollars = chip-hours x the user's price per
     chip-hour of the device's generation (`prices`, the site setting), on demand and spot, where one
-    is given. What `olmo-ctl plan` prints.
+    is given; on GPU nodes a chip is a GPU, priced per GPU-hour of the machine type. What
+    `olmo-ctl plan` prints.
     """
     from olmo_ctl.core import flops  # only `plan` estimates compute
 
@@ -429,6 +444,7 @@ def plan_report(
         e["usd"] = {kind: e["chip_hours"] * usd for kind, usd in price.items()} if price else None
     return {
         **plan.to_dict(),
+        "generation": device.generation,  # whose price `usd_per_chip_hour` is
         "chips": chips,
         "vms": device.vms * plan.slices,
         "params": param_count(recipe.model),

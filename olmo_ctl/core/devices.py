@@ -10,6 +10,11 @@ for what a generation offers. A 2D-torus generation (v6e, v5e) lists its shapes 
 sub-cube shapes or its 2D shapes) is its profile's (`core/generations.py`). Local devices (`cpu-N`,
 `gpu-N`) are the local backend's; `cpu-PxD` is the multi-host twin: P trainer processes with D host
 devices each (`cpu-N` is 1 x N).
+
+GPU nodes on GKE are named by XPK's machine type and a node count in one token, `{type}x{N}`:
+`h100-mega-80gb-8x160` is 160 a3-megagpu-8g nodes of 8 H100s (1,280 GPUs; XPK's name alone is one
+node). One trainer process per node, its GPUs that process's devices. `plan` and `devices` take them;
+the launcher does not yet (`Device.check_launchable`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.core.generations import GENERATIONS, GIB, Generation
+from olmo_ctl.core.generations import GENERATIONS, GIB, GPU_MACHINES, Generation, GpuMachine
 
 # XPK's largest axis (`generate_tpu_topologies`: A, B, C in 4..256).
 MAX_TOPOLOGY_AXIS = 256
@@ -48,11 +53,27 @@ class Device:
         return self.platform == "tpu"
 
     @property
+    def is_gpu_nodes(self) -> bool:
+        """GPU nodes of a GKE machine type (`h100-mega-80gb-8x20`), not the local backend's `gpu-N`."""
+        return self.generation in GPU_MACHINES
+
+    def check_launchable(self) -> None:
+        """BadInput for GPU nodes: the catalog plans for them, but no backend launches on GPU node
+        pools yet (nothing renders their pods; preflight compiles for TPU topologies only)."""
+        if self.is_gpu_nodes:
+            raise BadInput(
+                f"`{self.name}` is GPU nodes ({self.vms} x {self.machine_type}): GPU node pools are not"
+                " supported by the launcher yet",
+                "`olmo-ctl plan` and `olmo-ctl devices` take GPU machine types; run on a TPU slice (e.g."
+                " tpu7x-128) or a local device",
+            )
+
+    @property
     def peak_note(self) -> str:
         """What an MFU against this device's peak is against, where that is not the hardware's own
         figure: a local device's peak is nominal (a round number, for an MFU to compare runs on
-        this machine by). Empty for a TPU slice."""
-        return "" if self.is_tpu else f"nominal {self.platform.upper()} peak"
+        this machine by). Empty for a TPU slice and GPU nodes."""
+        return "" if self.is_tpu or self.is_gpu_nodes else f"nominal {self.platform.upper()} peak"
 
     @property
     def hbm_bytes_per_device(self) -> int:
@@ -174,6 +195,49 @@ def tpu_catalog(generation: str | None = None) -> list[Device]:
     return out
 
 
+# Most GPU nodes of one device (8,192 GPUs of 8 a node): only keeps a typo (x16000) out of the plan.
+MAX_GPU_NODES = 1024
+# The node counts `olmo-ctl devices` lists; any 1 <= N <= MAX_GPU_NODES is a device.
+LISTED_GPU_NODES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _gpu_nodes_device(machine: GpuMachine, nodes: int) -> Device:
+    """`nodes` nodes of `machine`: one trainer process per node, each node's GPUs its devices."""
+    gpus = nodes * machine.gpus_per_node
+    return Device(
+        name=machine.name if nodes == 1 else f"{machine.name}x{nodes}",
+        generation=machine.name,
+        topology=None,
+        chips=gpus,
+        vms=nodes,
+        chips_per_vm=machine.gpus_per_node,
+        devices=gpus,
+        peak_tflops_per_device=machine.peak_tflops_per_gpu,
+        hbm_gib_per_device=machine.hbm_gib_per_gpu,
+        accelerator_label=machine.accelerator_label,
+        machine_type=machine.machine_type,
+        platform="gpu",
+    )
+
+
+def gpu_catalog(machine: str | None = None) -> list[Device]:
+    """GPU nodes of each machine type (or of `machine`) at the listed node counts."""
+    machines = [GPU_MACHINES[machine]] if machine else list(GPU_MACHINES.values())
+    return [_gpu_nodes_device(m, n) for m in machines for n in LISTED_GPU_NODES]
+
+
+def _parse_gpu_nodes(name: str, machine: GpuMachine, hint: str) -> Device:
+    """`h100-mega-80gb-8` (one node) or `h100-mega-80gb-8xN` (N nodes)."""
+    count = name[len(machine.name) :]
+    n = count[1:] if count.startswith("x") else ""
+    if count and not (n.isdigit() and not n.startswith("0") and 1 <= int(n) <= MAX_GPU_NODES):
+        raise BadInput(
+            f"`{name}` is not a device type: GPU nodes are {machine.name}xN, N nodes from 1 to {MAX_GPU_NODES}",
+            f"e.g. {machine.name}x16 (16 nodes, {16 * machine.gpus_per_node} GPUs); {hint}",
+        )
+    return _gpu_nodes_device(machine, int(n) if n else 1)
+
+
 # Local devices: peak numbers are nominal (used only to print an MFU on the local backend).
 CPU_PEAK_TFLOPS = 0.1
 CPU_MEM_GIB = 8.0
@@ -268,6 +332,9 @@ def _parse_device(name: str) -> Device:
     hint = "try `olmo-ctl devices` for the list"
     if not isinstance(name, str) or "-" not in name:
         raise BadInput(f"`{name}` is not a device type", hint)
+    machine = next((m for m in GPU_MACHINES.values() if name.startswith(m.name)), None)
+    if machine is not None:
+        return _parse_gpu_nodes(name, machine, hint)
     gen, _, count = name.rpartition("-")
     if gen == "cpu" and "x" in count:
         return _multi_host_cpu(name, count, hint)
@@ -283,7 +350,8 @@ def _parse_device(name: str) -> Device:
         return _local_device(gen, n)
     if profile is None:
         raise BadInput(
-            f"`{name}` is not a device type: unknown generation `{gen}` ({_prefix_names()}, cpu, gpu)",
+            f"`{name}` is not a device type: unknown generation `{gen}` ({_prefix_names()}, cpu, gpu;"
+            f" GPU nodes {', '.join(f'{m}xN' for m in GPU_MACHINES)})",
             hint,
         )
     if profile.topologies:
@@ -328,6 +396,12 @@ def check_slices(device: Device, slices: int) -> int:
         raise BadInput(f"--slices {slices!r} is not a slice count: 1 <= N <= {MAX_SLICES}", "e.g. --slices 2")
     if slices == 1:
         return 1
+    if device.is_gpu_nodes:
+        machine = device.generation
+        raise BadInput(
+            f"--slices {slices}: `{device.name}` is GPU nodes; its name counts them, --slices joins TPU slices",
+            f"name the nodes instead: {machine}x{device.vms * slices}",
+        )
     if not device.is_tpu:
         raise BadInput(
             f"--slices {slices}: `{device.name}` is a local device; multislice joins TPU slices on GKE",

@@ -5,6 +5,8 @@ renderer loads the launch template it names; the trainer picks splash attention'
 recognises its chips by the `device_kind` JAX reports; preflight judges a step against its compiler
 HBM; the pods and preflight get its XLA flags (`core/xla_flags.py`). Nothing else keeps a table per
 generation, so a new generation is one profile here, one launch template and their tests.
+GPU machine types (XPK's names) are profiles too (`GPU_MACHINES`): a node's facts, taken N nodes at a
+time; so far only planned for.
 """
 
 from __future__ import annotations
@@ -199,6 +201,64 @@ GENERATIONS: dict[str, Generation] = {
         prefix="v5litepod",
         topologies=("2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
     ),
+}
+
+
+@dataclass(frozen=True)
+class GpuMachine:
+    """A GKE GPU machine type, as XPK names it (its `device_type`): a node of `gpus_per_node` GPUs,
+    taken N nodes at a time. No TPU topology: the catalog's device is the machine type and a node
+    count (`core/devices.py`). Planned for (`plan`, `devices`); no backend launches on it yet."""
+
+    name: str  # XPK's device type: `h100-mega-80gb-8`
+    gpu: str  # the GPU, for people: `H100 80GB`
+    gpus_per_node: int
+    machine_type: str  # cloud.google.com/gce-machine-type
+    accelerator_label: str  # cloud.google.com/gke-accelerator
+    interconnect: str  # between nodes (XPK's `gpu_direct_name` in parentheses)
+    peak_tflops_per_gpu: float  # dense bf16
+    hbm_gib_per_gpu: float  # the GB NVIDIA and Google name; the plan keeps 15% of it spare
+
+
+# XPK's GPU rows (src/xpk/core/system_characteristics.py at 367c8382: `device_type`, `gce_machine_type`,
+# `gke_accelerator`, `chips_per_vm`, `GpuConfig.gpu_direct_name`); GPUs take resource `nvidia.com/gpu`.
+# Peaks are NVIDIA's dense bf16 (without 2:4 sparsity): 989 TFLOP/s for H100 SXM and H200 (the same
+# die, more and faster HBM); 2,250 for B200, NVIDIA's HGX B200 datasheet figure (4.5 PFLOP/s with
+# sparsity), below the GB200 part's. HBM: 80 GB, 141 GB, and 180 GB for the B200 of HGX B200 and A4.
+GPU_MACHINES: dict[str, GpuMachine] = {
+    m.name: m
+    for m in (
+        GpuMachine(
+            name="h100-mega-80gb-8",
+            gpu="H100 80GB",
+            gpus_per_node=8,
+            machine_type="a3-megagpu-8g",
+            accelerator_label="nvidia-h100-mega-80gb",
+            interconnect="GPUDirect-TCPXO (tcpxo)",
+            peak_tflops_per_gpu=989.0,
+            hbm_gib_per_gpu=80.0,
+        ),
+        GpuMachine(
+            name="h200-141gb-8",
+            gpu="H200 141GB",
+            gpus_per_node=8,
+            machine_type="a3-ultragpu-8g",
+            accelerator_label="nvidia-h200-141gb",
+            interconnect="RDMA over gIB (rdma)",
+            peak_tflops_per_gpu=989.0,
+            hbm_gib_per_gpu=141.0,
+        ),
+        GpuMachine(
+            name="b200-8",
+            gpu="B200 180GB",
+            gpus_per_node=8,
+            machine_type="a4-highgpu-8g",
+            accelerator_label="nvidia-b200",
+            interconnect="RDMA over gIB (rdma)",
+            peak_tflops_per_gpu=2250.0,
+            hbm_gib_per_gpu=180.0,
+        ),
+    )
 }
 
 

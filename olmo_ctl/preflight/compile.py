@@ -222,6 +222,7 @@ def plan_for(recipe: Recipe, device: Device, per_device_batch: int | None = None
 def topology_devices(device: Device, slices: int = 1):
     """The slice's JAX devices from libtpu's topology description (no TPU attached); with `slices` > 1
     those of N such slices, each device carrying its `slice_index` (libtpu's `num_slices`)."""
+    device.check_launchable()
     if not device.is_tpu:
         raise BadInput(
             f"preflight compiles for TPU slices; `{device.name}` is a local device",

@@ -86,13 +86,17 @@ class Checkpointer:
         self.keep, self.permanent_every, self._read_only = keep, permanent_every, read_only
         # Throttled only when it holds some host back: one process, or K >= hosts, is Orbax's own handler.
         self._rounds = None if read_only else UploadRounds.for_world(upload_hosts)
+        writes_async = async_save and not read_only
         options = ocp.CheckpointManagerOptions(
             max_to_keep=(keep or None) if not permanent_every else None,
             enable_async_checkpointing=async_save,
             create=not read_only,
             read_only=read_only,
             # When an async write has committed: how long the whole write took (`last_write_s`).
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_committed),
+            # Orbax takes the callback only where it writes asynchronously.
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_committed)
+            if writes_async
+            else None,
         )
         self._mngr = ocp.CheckpointManager(
             self.directory,
@@ -109,7 +113,7 @@ class Checkpointer:
         # stop weighs against the time it has left (hooks.CheckpointHook).
         self.last_write_s = 0.0
         self._write_started: float | None = None
-        self._async = async_save
+        self._async = writes_async
 
     def _write_committed(self) -> None:
         if self._write_started is not None:
