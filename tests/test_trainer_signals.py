@@ -13,6 +13,27 @@ import pytest
 from helpers.trainer import scalars, train
 
 
+def _sigterm_at(cmd: list[str], env: dict, prefix: str) -> tuple[int, str]:
+    """Run the trainer `cmd`, SIGTERM it once it prints a line starting with `prefix`; (exit code,
+    its whole output)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    deadline = time.monotonic() + 300
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(prefix):
+                proc.send_signal(signal.SIGTERM)
+                break
+            assert time.monotonic() < deadline, "".join(lines)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, "".join(lines) + rest
+
+
 def test_sigterm_checkpoints_the_completed_step_and_next_attempt_resumes(tmp_path):
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -34,22 +55,8 @@ def test_sigterm_checkpoints_the_completed_step_and_next_attempt_resumes(tmp_pat
         "--set",
         "logging.metrics_every=1",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
-    deadline = time.monotonic() + 300
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("step 7/"):
-                proc.send_signal(signal.SIGTERM)
-                break
-            assert time.monotonic() < deadline, "".join(lines)
-        rest, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(lines) + rest
-    assert proc.returncode == 143, out[-3000:]
+    code, out = _sigterm_at(cmd, env, "step 7/")
+    assert code == 143, out[-3000:]
     m = re.search(r"committed step (\d+)", out)
     assert m, out[-3000:]
     n = int(m.group(1))
@@ -159,22 +166,8 @@ def test_a_stop_with_too_little_time_for_its_write_writes_none_and_the_previous_
     cmd = [sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(run)]
     cmd += ["--device", "cpu-1", "--attempt", "1", "--set", "checkpoint.interval=5"]
     cmd += ["--set", "logging.metrics_every=1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
-    deadline = time.monotonic() + 300
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("step 8/"):
-                proc.send_signal(signal.SIGTERM)
-                break
-            assert time.monotonic() < deadline, "".join(lines)
-        rest, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(lines) + rest
-    assert proc.returncode == 143, out[-3000:]
+    code, out = _sigterm_at(cmd, env, "step 8/")
+    assert code == 143, out[-3000:]
     m = re.search(r"stop: step (\d+) not checkpointed: a checkpoint write took ([0-9.]+) s", out)
     assert m and int(m.group(1)) >= 8, out[-3000:]
     assert "the run resumes from checkpoint 5" in out and out.rstrip().endswith("committed step 5"), out[

@@ -494,15 +494,7 @@ def run_kl(spec: EvalSpec, ckpt: Checkpoint, devices, log=None) -> dict:
         devices = cpu_devices(devices)
 
     assert spec.kl is not None
-    r = eval_recipe(
-        ckpt,
-        tasks=(),
-        lm=spec.lm,
-        tokenizer=spec.tokenizer,
-        seq_len=spec.seq_len,
-        data_root=spec.data_root,
-        devices=len(list(devices)),
-    )
+    r = kl_recipe(spec, ckpt, len(list(devices)))
     (ref_path, ref_dtype), (run_path, run_dtype) = spec.kl["reference"], spec.kl["run"]
     ref = _in_precision(open_checkpoint(ref_path, _recipe_for(ref_path, spec)), ref_dtype)
     run_ck = _in_precision(open_checkpoint(run_path, _recipe_for(run_path, spec)), run_dtype)
@@ -526,6 +518,20 @@ def run_kl(spec: EvalSpec, ckpt: Checkpoint, devices, log=None) -> dict:
             f"KL over {n} held-out tokens on {len(devs)} devices ({mib:.2f} MiB of checkpoints read by this host)"
         )
     return {"kl": value, "tokens": n}
+
+
+def kl_recipe(spec: EvalSpec, ckpt: Checkpoint, devices: int) -> Recipe:
+    """The recipe a KL spec's held-out rows come from: the run side's (`ckpt`), its `eval.lm` as the
+    spec sets it, else its `data.eval`; no tasks."""
+    return eval_recipe(
+        ckpt,
+        tasks=(),
+        lm=spec.lm,
+        tokenizer=spec.tokenizer,
+        seq_len=spec.seq_len,
+        data_root=spec.data_root,
+        devices=devices,
+    )
 
 
 def _recipe_for(path: str, spec: EvalSpec) -> str | None:

@@ -290,15 +290,7 @@ def resolve(spec: EvalSpec, device: Device, settings: Settings, out: str | None 
                 raise BadInput(
                     f"checkpoint `{path}` is on this machine, which the pods cannot see", PODS_HINT
                 )
-        recipe = E.eval_recipe(
-            ckpt,
-            tasks=(),
-            lm=spec.lm,
-            tokenizer=spec.tokenizer,
-            seq_len=spec.seq_len,
-            data_root=spec.data_root,
-            devices=device.devices,
-        )
+        recipe = E.kl_recipe(spec, ckpt, device.devices)
     else:
         known = importlib.util.find_spec("olmo_eval") is not None
         recipe = E.check(ckpt, devices=device.devices, known_labels=known, **spec.options())
