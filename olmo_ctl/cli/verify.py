@@ -44,7 +44,7 @@ def _path(p: str) -> str:
 
 
 @app.command(
-    example="olmo-ctl verify gs://b/runs/olmo3-7b-s1 --reference gs://b/ai2-reference --device cpu-8"
+    example="olmo-ctl verify gs://b/runs/olmo3-7b-s1 --reference gs://b/ai2-reference --backend gke --device v5p-64"
 )
 @site_options(exclude=("backend",))
 def verify(
