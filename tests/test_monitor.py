@@ -142,6 +142,9 @@ def test_report_of_a_resumed_run(tmp_path):
         rep["throughput"]["tflops_per_device"] / get_device("cpu-2").peak_tflops_per_device
     )
     assert rep["eta_s"] == pytest.approx(80.0)
+    # Smoothed: the mean of the last 50 logged steps (71..120), a number a user can check.
+    want = np.mean([np.float32(value("train/CE loss", k)) for k in range(71, 121)])
+    assert rep["loss"]["train_ce_smoothed"] == pytest.approx(float(want), rel=1e-6)
     assert rep["checkpoint"] == {"committed_step": 100, "steps_at_risk": 20, "committed": [50, 100]}
     assert rep["attempt"]["attempt"] == 2 and rep["attempt"]["state"] == "running"
     assert [r["event"] for r in rep["timeline"]][:5] == [

@@ -83,7 +83,7 @@ def render(rep: dict):
         prog = f"{step:,}"
     row("step", prog)
     lo = rep["loss"]
-    row("train CE (smoothed / last)", f"{_g(lo['train_ce_smoothed'])} / {_g(lo['train_ce'])}")
+    row("train CE (last 50 mean / last)", f"{_g(lo['train_ce_smoothed'])} / {_g(lo['train_ce'])}")
     row(
         "eval lm_loss",
         "-" if lo["eval_lm_loss"] is None else f"{lo['eval_lm_loss']:.4g} @ step {lo['eval_step']:,}",

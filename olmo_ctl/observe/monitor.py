@@ -52,7 +52,9 @@ CKPT_TAG = "checkpoint/save_duration_s"
 TPS_TAG = "throughput/device/TPS"
 TFLOPS_TAG = "throughput/device/TFLOPS"
 MFU_TAG = "throughput/device/MFU"
-EMA_ALPHA = 0.02  # smoothing of the train loss: an EMA over ~50 logged points
+# The smoothed train loss: the mean of the last SMOOTH_STEPS logged steps. An EMA over a falling
+# loss lags it (its early, higher points keep weight) and matches no number a user can check.
+SMOOTH_STEPS = 50
 RECENT_POINTS = 50  # the ETA and the slow-throughput warning: the live attempt's last this-many windows
 SLOW_FRACTION = 0.85  # warn when recent throughput is below this fraction of the run's median
 
@@ -224,15 +226,10 @@ def _f(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _ema(values: np.ndarray, alpha: float = EMA_ALPHA) -> float | None:
-    if not len(values):
-        return None
-    v = values[-min(len(values), 2000) :]
-    v = v[np.isfinite(v)]
-    if not len(v):
-        return None
-    w = (1 - alpha) ** np.arange(len(v) - 1, -1, -1)
-    return float((w * v).sum() / w.sum())
+def _recent_mean(values: np.ndarray, n: int = SMOOTH_STEPS) -> float | None:
+    """The mean of the last `n` finite logged values (fewer when fewer were logged)."""
+    v = values[np.isfinite(values)][-n:]
+    return float(v.mean()) if len(v) else None
 
 
 def _fetch_ends(s: Series) -> np.ndarray:
@@ -937,7 +934,7 @@ def _loss_section(r: EventReader, loss: Series | None) -> dict:
     ev = r.series(EVAL_TAG)
     return {
         "train_ce": _f(loss.values[-1]) if loss is not None and len(loss) else None,
-        "train_ce_smoothed": _f(_ema(loss.values) if loss is not None else None),
+        "train_ce_smoothed": _f(_recent_mean(loss.values) if loss is not None else None),
         "eval_lm_loss": _f(ev.values[-1]) if ev is not None and len(ev) else None,
         "eval_step": int(ev.steps[-1]) if ev is not None and len(ev) else None,
     }
