@@ -579,3 +579,42 @@ def test_the_trainer_joins_an_emulated_slice_from_the_webhook_variables(monkeypa
         multihost._emulated_slice_params(dev, slices=2)
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")
     assert not multihost.emulated_slice()  # a real TPU: JAX detects the slice itself
+
+
+def test_a_spot_reclaim_gives_the_pods_gkes_15_s_then_sigkill(box, tmp_path):
+    """GKE's graceful node shutdown on a spot VM: SIGTERM at the notice, SIGKILL when the 15 s the
+    kubelet leaves non-system pods are over, whatever the pod's grace period (here 300 s)."""
+    from olmo_ctl.sandbox.cluster.nodes import SPOT_POD_SHUTDOWN_S
+
+    sb, runner = box
+    mark = tmp_path / "mark"
+    create(
+        sb,
+        v5p16_jobset(
+            "spot",
+            SIGTERM_SCRIPT,
+            grace_s=300,
+            env=[{"name": "MODE", "value": "hang"}, {"name": "MARK", "value": str(mark)}],
+        ),
+    )
+    c = sb.server.cluster
+    name = wait_for(
+        lambda: (
+            (p := c.pods("spot"))
+            and "pid" in pod_log(sb, p[0]["metadata"]["name"])
+            and p[0]["metadata"]["name"]
+        ),
+        what="pod 0 to start",
+    )
+    pid = runner.pid("default", name)
+    node = next(p for p in c.pods("spot") if p["metadata"]["name"] == name)["spec"]["nodeName"]
+    with sb.world.store.lock:
+        sb.world.nodes.spot_reclaim([node], 3600)
+        sb.world.reconcile()
+    wait_for(lambda: mark.exists() and "got SIGTERM" in mark.read_text(), 10, "SIGTERM to reach the process")
+    assert alive(pid)
+    sb.world.advance(SPOT_POD_SHUTDOWN_S - 1)
+    assert alive(pid)  # still within the shutdown
+    sb.world.advance(1.5)
+    wait_for(lambda: not alive(pid), 5, "the process to be killed")
+    assert any("the node's graceful shutdown ended" in ln for ln in runner.lines)

@@ -232,6 +232,7 @@ class PodProcess:
     started: float
     sigterm_at: float | None = None
     exited_at: float | None = None
+    shutdown_ends: float | None = None  # a node's graceful shutdown: SIGKILL then (the world's clock)
     killed: bool = False
     reported: bool = False
     reader: threading.Thread | None = field(default=None, repr=False)
@@ -327,8 +328,15 @@ class ProcessRunner(PodRunner):
             pass
 
     def shutdown(self, world: SandboxWorld, pod: dict) -> None:
-        """Graceful node shutdown: SIGTERM to the container's process, no deletion."""
+        """Graceful node shutdown: SIGTERM to the container's process, no deletion, and SIGKILL once the
+        shutdown's time for non-system pods is over (`SPOT_POD_SHUTDOWN_S`, as GKE's kubelet gives them
+        on a spot VM)."""
+        from olmo_ctl.sandbox.cluster.nodes import SPOT_POD_SHUTDOWN_S
+
         self.stop(world, pod)
+        proc = self.procs.get(pod["metadata"]["uid"])
+        if proc is not None and proc.shutdown_ends is None:
+            proc.shutdown_ends = world.store.clock() + SPOT_POD_SHUTDOWN_S
 
     def kill(self, world: SandboxWorld, pod: dict) -> None:
         """The host went down: the process dies now; its exit is reported when the node is back."""
@@ -348,6 +356,9 @@ class ProcessRunner(PodRunner):
             code = proc.popen.poll()
             if pod is not None and not pod_terminal(pod) and world.node_unreachable(pod):
                 continue  # its kubelet neither hears of a deletion nor reports an exit until it is back
+            if code is None and proc.shutdown_ends is not None and now >= proc.shutdown_ends:
+                self._kill(proc, "the node's graceful shutdown ended")
+                continue
             if code is None:
                 if pod is None or pod_terminal(pod):
                     self._kill(

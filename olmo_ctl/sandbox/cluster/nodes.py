@@ -48,6 +48,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from olmo_ctl.core.contracts import SPOT_STOP_BUDGET_S
 from olmo_ctl.sandbox.cluster.objects import deleting, labels, pod_terminal, set_status_condition
 
 if TYPE_CHECKING:
@@ -60,6 +61,10 @@ UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
 DEFAULT_TOLERATION_S = 300  # DefaultTolerationSeconds: not-ready and unreachable, NoExecute
 KUBELET_SYNC_S = 1.0  # from a pod's bind to its kubelet's admission decision (the pod sync)
 SPOT_NOTICE_S = 30.0  # GCE's preemption notice: the VM stops this long after it
+# GKE's graceful node shutdown on spot VMs: of the notice's 30 s (shutdownGracePeriod), the last 15 s
+# are the system pods' (shutdownGracePeriodCriticalPods), so other pods get 15 s from SIGTERM to
+# SIGKILL: the trainer's stop budget on spot capacity.
+SPOT_POD_SHUTDOWN_S = float(SPOT_STOP_BUDGET_S)
 SPOT_NODE_SHUTDOWN_MESSAGE = "Pod was terminated in response to imminent node shutdown."
 DEVICE_ADMISSION_MESSAGE = (
     "Allocate failed due to requested number of devices unavailable for google.com/tpu. "
