@@ -200,3 +200,44 @@ def test_an_eval_job_on_the_two_host_twin_reads_only_each_hosts_shards(smoke_run
     assert got["tokens"] == want["tokens"] and got["ce_loss"] == pytest.approx(want["ce_loss"], rel=1e-6)
     for task, metrics in here["downstream"].items():
         assert record["report"]["downstream"][task] == pytest.approx(metrics, rel=1e-6)
+
+
+@pytest.mark.chaos  # a verify process interrupted while its jobs queue: about 15 s
+@pytest.mark.gcs
+def test_ctrl_c_while_the_eval_jobs_wait_for_capacity_leaves_at_once_and_they_go_on(smoke_run, tmp_path, gcs):
+    """No v5p-16 node left: the jobs queue. A run against itself is one evaluation job (the run's and
+    the reference's are the same spec) and the KL's, each submitted once. Ctrl-C is one
+    `interrupted:` line and exit 130 within seconds (the waits are daemon threads), and the JobSets
+    are still there."""
+    import signal
+    import time
+
+    from helpers.cli import spawn
+
+    from olmo_ctl.sandbox.faults import parse_fault
+    from olmo_ctl.sandbox.pod_processes import ProcessRunner
+    from olmo_ctl.sandbox.sandbox import Sandbox, gke_mode_env
+
+    run = upload(smoke_run, f"gs://{gcs.bucket}/runs/smoke-c")
+    with Sandbox(slices={"v5p-16": 1}, runner=ProcessRunner(poll_s=0.05)) as sb:
+        sb.fault(parse_fault({"kind": "capacity", "pool": "v5p-16", "nodes": 0}))
+        env = clean_env(tmp_path / "xdg")
+        env.update(
+            gke_mode_env(sb.write_kubeconfig(tmp_path / "kc"), sb.namespace, sb.queue, gcs.url, gcs.bucket)
+        )
+        env["PYTHONPATH"] = str(ROOT)
+        p = spawn("verify", run, "--reference", run, *ARGS, "--backend", "gke", "--device", "v5p-16", env=env)
+        deadline = time.monotonic() + 120
+        while len(sb.server.cluster.jobset_names()) < 2:
+            if p.poll() is not None or time.monotonic() > deadline:
+                p.kill()
+                raise AssertionError(p.communicate()[1][-3000:])
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+        assert p.returncode == 130 and time.monotonic() - t0 < 10, err[-2000:]
+        assert err.rstrip().splitlines()[-1].startswith("interrupted: the eval jobs go on"), err[-2000:]
+        assert len(sb.server.cluster.jobset_names()) == 2
+        submitted = [ln.split()[2] for ln in err.splitlines() if " submitted (v5p-16)" in ln]
+        assert len(submitted) == len(set(submitted)) == 2, err[-2000:]

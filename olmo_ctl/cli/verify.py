@@ -232,9 +232,8 @@ def _eval_jobs(device: str | None, settings, timeout: float):
         from olmo_ctl.supervise import evaljob as J
 
         jobs = {key: J.resolve(spec, dev, settings) for key, spec in specs.items()}
-        note(
-            f"verify: {len(jobs)} eval job(s) on {dev.name}: {', '.join(sorted(j.name for j in jobs.values()))}"
-        )
+        names = sorted({j.name for j in jobs.values()})  # one job for the same spec, whoever asks it
+        note(f"verify: {len(names)} eval job(s) on {dev.name}: {', '.join(names)}")
         try:
             return J.run_jobs(jobs, lambda: make_backend(settings), timeout_s=timeout, log=_echo)
         except KeyboardInterrupt:

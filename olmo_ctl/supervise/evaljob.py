@@ -311,16 +311,29 @@ def run_jobs(
     """{key: the job's report} of every job, each run as `run_job` runs one (a kept result read back,
     nothing submitted), all at once: each waits in a thread of its own, with a backend of its own.
     The first failure is raised once every job has ended or timed out; the others' results are kept
-    in their output directories, so the same command reads them back."""
-    from concurrent.futures import ThreadPoolExecutor
+    in their output directories, so the same command reads them back. Keys whose jobs are one job
+    (the same spec on the same slice: a run verified against itself) share one. The threads are
+    daemons and the wait is interruptible: Ctrl-C leaves at once (KeyboardInterrupt), the jobs go on."""
+    import threading
 
-    if not jobs:
-        return {}
+    by_name = {job.name: job for job in jobs.values()}
+    reports: dict[str, dict] = {}
+    errors: dict[str, BaseException] = {}
 
-    def one(job: EvalJob) -> dict:
-        record, _ = run_job(make_backend(), job, timeout_s=timeout_s, poll_s=poll_s, log=log)
-        return record["report"]
+    def one(job: EvalJob) -> None:
+        try:
+            record, _ = run_job(make_backend(), job, timeout_s=timeout_s, poll_s=poll_s, log=log)
+            reports[job.name] = record["report"]
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, in the jobs' order
+            errors[job.name] = e
 
-    with ThreadPoolExecutor(max_workers=min(len(jobs), 32)) as pool:
-        futures = {key: pool.submit(one, job) for key, job in jobs.items()}
-    return {key: f.result() for key, f in futures.items()}
+    threads = [threading.Thread(target=one, args=(job,), daemon=True) for job in by_name.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.5)  # short waits: a KeyboardInterrupt reaches this thread between them
+    for name in by_name:
+        if name in errors:
+            raise errors[name]
+    return {key: reports[job.name] for key, job in jobs.items()}
