@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -162,10 +163,11 @@ def run_job(
     poll_s: float = 5.0,
     backoff_s: float | None = None,
     log: Callable[[str], None] = lambda _: None,
+    cancel: threading.Event | None = None,
 ) -> tuple[dict, bool]:
     """(the job's `result.json` record, whether it was already there). Raises OlmoCtlError: 2 the
     evaluation's bad input, 1 its failure, 4 gave up after `MAX_ATTEMPTS`, 124 the timeout (the job
-    goes on; the same command waits for it again)."""
+    goes on; the same command waits for it again); Cancelled once `cancel` is set (the job goes on)."""
     kept = kept_result(job.out, job.spec)
     if kept is not None:
         return kept, True
@@ -193,7 +195,7 @@ def run_job(
             )
             log(f"eval job {handle.name} submitted ({job.device.name}); it writes {result_path(job.out)}")
         tries += 1
-        st = _wait(backend, handle, deadline, poll_s, log)
+        st = _wait(backend, handle, deadline, poll_s, log, cancel)
         record = kept_result(job.out, job.spec)  # also after an end that came once it was written
         if record is not None:
             return record, False
@@ -215,13 +217,25 @@ def run_job(
             )
         wait = policy.backoff_s(tries)
         log(f"{why}; submitting it again in {wait:g} s")
-        _sleep_until(min(deadline, time.monotonic() + wait), deadline, handle)
+        _sleep_until(min(deadline, time.monotonic() + wait), deadline, handle, cancel)
         handle = None
 
 
-def _sleep_until(t: float, deadline: float, handle: Handle) -> None:
+class Cancelled(Exception):
+    """The wait for an eval job was given up (`run_jobs` after Ctrl-C); the job goes on."""
+
+
+def _pause(seconds: float, cancel: threading.Event | None) -> None:
+    """Sleep `seconds`, or until `cancel` is set (then Cancelled)."""
+    if cancel is None:
+        time.sleep(seconds)
+    elif cancel.wait(seconds):
+        raise Cancelled()
+
+
+def _sleep_until(t: float, deadline: float, handle: Handle, cancel: threading.Event | None = None) -> None:
     while time.monotonic() < t:
-        time.sleep(min(1.0, t - time.monotonic()))
+        _pause(min(1.0, t - time.monotonic()), cancel)
     if time.monotonic() >= deadline:
         raise OlmoCtlError(
             f"timed out before submitting eval job {handle.name} again; no attempt of it is running",
@@ -239,7 +253,12 @@ def _timeout(handle: Handle) -> OlmoCtlError:
 
 
 def _wait(
-    backend: Backend, handle: Handle, deadline: float, poll_s: float, log: Callable[[str], None]
+    backend: Backend,
+    handle: Handle,
+    deadline: float,
+    poll_s: float,
+    log: Callable[[str], None],
+    cancel: threading.Event | None = None,
 ) -> AttemptStatus:
     """Poll until the attempt is terminal, each change of state logged once with its reason. An
     attempt that cannot run as it is (a configuration error the cluster reports: an image that does
@@ -270,7 +289,7 @@ def _wait(
             )
         if time.monotonic() >= deadline:
             raise _timeout(handle)
-        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        _pause(min(poll_s, max(0.0, deadline - time.monotonic())), cancel)
 
 
 def resolve(spec: EvalSpec, device: Device, settings: Settings, out: str | None = None) -> EvalJob:
@@ -313,16 +332,22 @@ def run_jobs(
     The first failure is raised once every job has ended or timed out; the others' results are kept
     in their output directories, so the same command reads them back. Keys whose jobs are one job
     (the same spec on the same slice: a run verified against itself) share one. The threads are
-    daemons and the wait is interruptible: Ctrl-C leaves at once (KeyboardInterrupt), the jobs go on."""
-    import threading
-
+    daemons and the wait is interruptible: on Ctrl-C every wait is cancelled (and silent) and the
+    threads end before KeyboardInterrupt is raised on, so the process exits cleanly; the jobs go on."""
     by_name = {job.name: job for job in jobs.values()}
     reports: dict[str, dict] = {}
     errors: dict[str, BaseException] = {}
+    cancel = threading.Event()
+
+    def said(line: str) -> None:
+        if not cancel.is_set():
+            log(line)
 
     def one(job: EvalJob) -> None:
         try:
-            record, _ = run_job(make_backend(), job, timeout_s=timeout_s, poll_s=poll_s, log=log)
+            record, _ = run_job(
+                make_backend(), job, timeout_s=timeout_s, poll_s=poll_s, log=said, cancel=cancel
+            )
             reports[job.name] = record["report"]
         except BaseException as e:  # noqa: BLE001 - handed to the caller, in the jobs' order
             errors[job.name] = e
@@ -330,9 +355,15 @@ def run_jobs(
     threads = [threading.Thread(target=one, args=(job,), daemon=True) for job in by_name.values()]
     for t in threads:
         t.start()
-    for t in threads:
-        while t.is_alive():
-            t.join(0.5)  # short waits: a KeyboardInterrupt reaches this thread between them
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.5)  # short waits: a KeyboardInterrupt reaches this thread between them
+    except KeyboardInterrupt:
+        cancel.set()
+        for t in threads:  # each ends at its next pause, or after the request in flight
+            t.join(30.0)
+        raise
     for name in by_name:
         if name in errors:
             raise errors[name]
