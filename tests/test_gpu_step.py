@@ -14,7 +14,13 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_dry_run_compiles_the_trainers_step_and_prints_json():
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     p = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_step.py"), "--dry-run"],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_step.py"),
+            "--dry-run",
+            "--xla-flags",
+            "h200-141gb-8",
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -37,3 +43,7 @@ def test_dry_run_compiles_the_trainers_step_and_prints_json():
     assert last["platform"] == "cpu" and last["attention"] == "blocked"  # auto on the CPU
     assert last["tokens_per_s"] > 0 and last["step_s"] > 0 and last["loss"] > 0
     assert 0 < last["mfu_olmo_core"] and 0 < last["mfu_maxtext"]
+    # The machine type's XLA flags reached JAX (an unknown one would have aborted it), and MFU is
+    # against that machine type's peak; no reference ratio for a model that is not the whole 7B.
+    assert last["machine_type"] == "h200-141gb-8" and last["xla_flags"] == "h200-141gb-8 (12 flags)"
+    assert last["ratio_to_reference"] is None and last["reference_tokens_per_s"] is None

@@ -5,8 +5,8 @@ renderer loads the launch template it names; the trainer picks splash attention'
 recognises its chips by the `device_kind` JAX reports; preflight judges a step against its compiler
 HBM; the pods and preflight get its XLA flags (`core/xla_flags.py`). Nothing else keeps a table per
 generation, so a new generation is one profile here, one launch template and their tests.
-GPU machine types (XPK's names) are profiles too (`GPU_MACHINES`): a node's facts, taken N nodes at a
-time; so far only planned for.
+GPU machine types (XPK's names) are profiles too (`GPU_MACHINES`): a node's facts and its XLA flags,
+taken N nodes at a time.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ GENERATIONS: dict[str, Generation] = {
 class GpuMachine:
     """A GKE GPU machine type, as XPK names it (its `device_type`): a node of `gpus_per_node` GPUs,
     taken N nodes at a time. No TPU topology: the catalog's device is the machine type and a node
-    count (`core/devices.py`). Planned for (`plan`, `devices`); no backend launches on it yet."""
+    count (`core/devices.py`)."""
 
     name: str  # XPK's device type: `h100-mega-80gb-8`
     gpu: str  # the GPU, for people: `H100 80GB`
@@ -218,6 +218,51 @@ class GpuMachine:
     interconnect: str  # between nodes (XPK's `gpu_direct_name` in parentheses)
     peak_tflops_per_gpu: float  # dense bf16
     hbm_gib_per_gpu: float  # the GB NVIDIA and Google name; the plan keeps 15% of it spare
+    # The pods' XLA_FLAGS (`core/xla_flags.py`): the field's published set for the machine type.
+    xla_flags: tuple[str, ...] = ()
+    # How the nodes' GPUs reach each other (XPK's `GpuConfig.gpu_direct_name`: tcpxo | rdma): it names
+    # the launch template merged over `common.yaml` and `gpu.yaml` (`launch_templates/gpu-<it>.yaml`).
+    gpu_direct: str = ""
+
+    @property
+    def template_file(self) -> str:
+        return f"gpu-{self.gpu_direct}.yaml"
+
+
+# XLA's GPU flags for data-parallel and FSDP training over NCCL, as the field publishes them per machine
+# type: the latency-hiding scheduler overlapping collectives with compute, no Triton GEMMs (cuBLAS),
+# large combine thresholds so the many small FSDP collectives go out as few large ones, the collectives
+# pipelined across the layer loop (`lax.scan`: double-buffered), and no combining by dimension.
+# A3 Mega: MaxText's A3 configs (src/maxtext/configs/gpu/a3/llama_2_7b/8vm.sh), with their
+# `--xla_gpu_pipeline_*=on` spelled as XLA now names them (`--xla_gpu_enable_pipelined_*=true`: jaxlib
+# 0.10.2 aborts on the old names, "Unknown flags in XLA_FLAGS") and without `--xla_gpu_enable_command_buffer=''`
+# (an empty value; XLA's default command buffers are kept). A3 Ultra and A4: GoogleCloudPlatform's
+# gpu-recipes for MaxText (training/a3ultra/llama3-1-70b and training/a4/llama3-1-70b, values.yaml),
+# without A3 Ultra's `--xla_gpu_graph_level=0`, which XLA no longer knows. tests/test_gpu_xla_flags.py
+# starts JAX with each set: every flag parses.
+_GPU_OVERLAP = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_triton_gemm=false",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+    "--xla_gpu_enable_all_gather_combine_by_dim=false",
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+)
+A3_MEGA_XLA_FLAGS = _GPU_OVERLAP + (
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=1073741824",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
+)
+A3_ULTRA_XLA_FLAGS = _GPU_OVERLAP + (
+    "--xla_gpu_all_reduce_combine_threshold_bytes=2147483648",
+    "--xla_gpu_all_gather_combine_threshold_bytes=2147483648",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=16777216",
+    "--xla_disable_hlo_passes=rematerialization",
+)
+A4_XLA_FLAGS = A3_ULTRA_XLA_FLAGS + ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL",)
 
 
 # XPK's GPU rows (src/xpk/core/system_characteristics.py at 367c8382: `device_type`, `gce_machine_type`,
@@ -237,6 +282,8 @@ GPU_MACHINES: dict[str, GpuMachine] = {
             interconnect="GPUDirect-TCPXO (tcpxo)",
             peak_tflops_per_gpu=989.0,
             hbm_gib_per_gpu=80.0,
+            xla_flags=A3_MEGA_XLA_FLAGS,
+            gpu_direct="tcpxo",
         ),
         GpuMachine(
             name="h200-141gb-8",
@@ -247,6 +294,8 @@ GPU_MACHINES: dict[str, GpuMachine] = {
             interconnect="RDMA over gIB (rdma)",
             peak_tflops_per_gpu=989.0,
             hbm_gib_per_gpu=141.0,
+            xla_flags=A3_ULTRA_XLA_FLAGS,
+            gpu_direct="rdma",
         ),
         GpuMachine(
             name="b200-8",
@@ -257,6 +306,8 @@ GPU_MACHINES: dict[str, GpuMachine] = {
             interconnect="RDMA over gIB (rdma)",
             peak_tflops_per_gpu=2250.0,
             hbm_gib_per_gpu=180.0,
+            xla_flags=A4_XLA_FLAGS,
+            gpu_direct="rdma",
         ),
     )
 }

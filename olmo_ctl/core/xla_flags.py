@@ -1,7 +1,8 @@
-"""The XLA flags a slice's pods get (LIBTPU_INIT_ARGS): the generation's, the recipe's, the site's.
+"""The XLA flags a slice's pods get: the generation's (or GPU machine type's), the recipe's, the site's.
 
-The JobSet renderer puts them in every trainer container; preflight compiles with exactly them. Both
-read this module, so what preflight checked is what the pods run with. Pure.
+On a TPU slice they are the pods' LIBTPU_INIT_ARGS; on GPU nodes, their XLA_FLAGS. The JobSet renderer
+puts them in every trainer container; preflight compiles with exactly them. Both read this module, so
+what preflight checked is what the pods run with. Pure.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import re
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.core.generations import GENERATIONS
+from olmo_ctl.core.generations import GENERATIONS, GPU_MACHINES
 from olmo_ctl.core.recipe import Recipe
 
 _XLA_FLAG = re.compile(r"^--([A-Za-z0-9_]+)=(\S+)$")
@@ -34,14 +35,23 @@ def parse_xla_flags(flags, where: str) -> dict[str, str]:
 def xla_flag_sources(
     device: Device, recipe: Recipe | None, settings: Settings | None
 ) -> dict[str, tuple[str, str]]:
-    """{name: (value, where it came from)}: the generation profile's flags, then the recipe's
-    `xla_flags`, then the site setting `xla_flags`, each merged over the last by flag name."""
+    """{name: (value, where it came from)}: the generation's (a GPU machine type's) profile flags, then
+    the recipe's `xla_flags`, then the site setting `xla_flags`, each merged over the last by flag name.
+    None for a local device: the local backend passes no flags."""
     merged: dict[str, tuple[str, str]] = {}
-    if not device.is_tpu:
+    if device.is_tpu:
+        base = (
+            GENERATIONS[device.generation].xla_flags,
+            f"generation {device.generation} (core/generations.py)",
+        )
+    elif device.is_gpu_nodes:
+        base = (
+            GPU_MACHINES[device.generation].xla_flags,
+            f"machine type {device.generation} (core/generations.py)",
+        )
+    else:
         return merged
-    layers = [
-        (GENERATIONS[device.generation].xla_flags, f"generation {device.generation} (core/generations.py)")
-    ]
+    layers = [base]
     if recipe is not None and recipe.xla_flags:
         layers.append((recipe.xla_flags, f"recipe {recipe.name} (xla_flags)"))
     if settings is not None and settings.xla_flags:
@@ -49,7 +59,13 @@ def xla_flag_sources(
         layers.append((tuple(settings.xla_flags.split()), f"site setting xla_flags ({src})"))
     for flags, where in layers:
         for name, value in parse_xla_flags(flags, where).items():
-            merged.pop(name, None)  # a later layer's flag moves to the end, where libtpu reads it last
+            if device.is_gpu_nodes and not (name.startswith("xla_") and not name.startswith("xla_tpu_")):
+                raise BadInput(
+                    f"{where}: `--{name}` is not one of XLA's GPU flags, and {device.name} runs on GPUs:"
+                    " XLA_FLAGS with a flag XLA does not know aborts every pod at start",
+                    "give TPU (libtpu) flags only to TPU slices; GPU flags are --xla_gpu_... and XLA's own --xla_...",
+                )
+            merged.pop(name, None)  # a later layer's flag moves to the end, where XLA reads it last
             merged[name] = (value, where)
     return merged
 
