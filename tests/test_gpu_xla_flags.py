@@ -58,3 +58,34 @@ def test_a_tpu_flag_on_gpu_nodes_is_bad_input_and_local_devices_get_none():
     flags = xla_flags_for(get_device("b200-8x4"), None, site)
     assert flags[-1] == "--xla_gpu_enable_triton_gemm=true"
     assert flags.count("--xla_gpu_enable_triton_gemm=false") == 0
+
+
+def test_the_trainer_on_a_gpu_turns_deterministic_ops_on_where_the_attention_runs_blocked(capsys):
+    """Measured on an H200 (docs/benchmarks.md): without the flag, `smoke --device gpu-1` fails its
+    bit-exact resume check from step 1; with it, it passes; with cuDNN attention the step aborts."""
+    from olmo_ctl.core.devices import Target
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.trainer.__main__ import GPU_DETERMINISM_FLAG, _gpu_determinism
+
+    smoke = load_recipe("smoke").model  # float32 compute: cuDNN does not take it, blocked runs
+    seven_b = load_recipe(stage=1).model  # bf16 on cuDNN
+    assert smoke.compute_dtype == "float32" and seven_b.compute_dtype == "bfloat16"
+    for device in ("gpu-1", "h100-mega-80gb-8x2"):
+        env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=true"}
+        assert "bit for bit" in _gpu_determinism(Target.parse(device), smoke, env)
+        assert env["XLA_FLAGS"].split() == [
+            "--xla_gpu_enable_latency_hiding_scheduler=true",
+            GPU_DETERMINISM_FLAG,
+        ]
+        env = {}
+        assert "not bit for bit" in _gpu_determinism(Target.parse(device), seven_b, env)
+        assert "XLA_FLAGS" not in env
+    env = {"XLA_FLAGS": "--xla_gpu_deterministic_ops=false"}
+    assert "kept" in _gpu_determinism(Target.parse("gpu-1"), smoke, env)
+    assert env["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=false"
+    env = {}
+    assert _gpu_determinism(Target.parse("cpu-2"), smoke, env) is None and env == {}
+    assert _gpu_determinism(None, smoke, env) is None
+    # The flag itself parses (it reaches XLA_FLAGS beside the machine type's).
+    p = _start_jax([GPU_DETERMINISM_FLAG, *GPU_MACHINES["h100-mega-80gb-8"].xla_flags])
+    assert p.returncode == 0, p.stderr[-1000:]

@@ -117,6 +117,36 @@ def _prepare_env(target) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+GPU_DETERMINISM_FLAG = "--xla_gpu_deterministic_ops=true"
+
+
+def _gpu_determinism(target, model, environ=None) -> str | None:
+    """On a GPU target, XLA's deterministic ops where the model's attention allows them, so that a
+    resumed run replays its uninterrupted twin bit for bit as on TPUs (without them two processes on
+    one GPU differ from the first step, ~1e-5). cuDNN's fused attention does not run with them (JAX
+    0.11.2 aborts the step), so a model on cuDNN attention keeps XLA's defaults and is told so. Sets
+    XLA_FLAGS (read when the backend comes up), unless it names the flag already; returns the line
+    it prints (None off GPUs). docs/benchmarks.md#the-train-step-on-one-gpu has the measurements."""
+    env = os.environ if environ is None else environ
+    if target is None or target.device.platform != "gpu":
+        return None
+    flags = env.get("XLA_FLAGS", "")
+    if "xla_gpu_deterministic_ops" in flags:
+        line = "gpu: XLA_FLAGS sets xla_gpu_deterministic_ops itself; kept as it is"
+    elif model.attention in ("blocked", "reference") or (
+        model.attention in ("auto", "cudnn") and model.compute_dtype == "float32"  # cuDNN takes bf16 only
+    ):
+        env["XLA_FLAGS"] = f"{flags} {GPU_DETERMINISM_FLAG}".strip()
+        line = f"gpu: {GPU_DETERMINISM_FLAG} ({model.attention} attention runs blocked): resume replays bit for bit"
+    else:
+        line = (
+            f"gpu: {model.attention} attention runs on cuDNN, which XLA's deterministic ops do not take: a"
+            " resumed run matches an uninterrupted one to about 1e-5, not bit for bit"
+        )
+    print(line, flush=True)
+    return line
+
+
 def _check_versions(ns: argparse.Namespace, committed: list[int]) -> None:
     """run.yaml's `versions` against this environment's (see RunDir.check_versions): recorded by the first
     attempt, a change reported in one line, a restore refused when its checkpoint format may not read."""
@@ -222,6 +252,7 @@ def _main(ns: argparse.Namespace) -> int:
             init_from=ns.init_from,
         )
         recipe = load_run_recipe(args)
+        _gpu_determinism(target, recipe.model)  # before the first jax call brings the backend up
         from olmo_ctl.trainer import deadlines
 
         # Every storage client of this process, from the first listing on and before the first Orbax
