@@ -1,9 +1,12 @@
 """The soak: a run through a fleet's bad weeks, compressed, on this machine (`benchmarks/soak.py`).
 
-`olmo-ctl sandbox --faults TIMELINE` with an emulated v5p-16 slice (2 hosts, pods as trainer
-processes) and a v5p-8 to fall back to, a GCS emulator bucket, and `olmo-ctl resume-until-done
---fallback v5p-8` on the smoke recipe, left alone until it exits; at the same time an uninterrupted
-twin of the same recipe on v5p-16 in a sandbox of its own, without faults. Then the figures:
+`olmo-ctl sandbox` with an emulated v5p-16 slice (2 hosts, pods as trainer processes) and a v5p-8 to
+fall back to, a GCS emulator bucket, and `olmo-ctl resume-until-done --fallback v5p-8` on the smoke
+recipe, left alone until it exits; at the same time an uninterrupted twin of the same recipe on
+v5p-16 in a sandbox of its own, without faults. The timeline's faults are keyed by the run's committed
+step: each is sent through the sandbox's fault control path (`olmo-ctl sandbox fault`) once the run
+has committed its `at_step` (and `after` seconds more), so the outcome does not depend on the
+machine's speed. Then the figures:
 
 - wall time, from the supervisor's start to its exit;
 - goodput: time training new steps / wall time. Training time is the sum, over steps in order, of the
@@ -36,6 +39,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +84,8 @@ class SoakResult:
     replay_mismatches: int
     replayed_steps: int
     journal_events: dict[str, int] = field(default_factory=dict)
+    unapplied: list[str] = field(default_factory=list)  # faults whose step the run never committed
+    injector_errors: list[str] = field(default_factory=list)
     monitor_goodput: dict[str, Any] = field(default_factory=dict)  # `monitor -o json`'s, of the soak's run
     log_tail: str = ""
 
@@ -109,12 +115,73 @@ class SoakResult:
             "journal_events": self.journal_events,
             "monitor_goodput": self.monitor_goodput,
             "faults": self.faults,
+            "unapplied": self.unapplied,
+            "injector_errors": self.injector_errors,
         }
 
 
+def _after_s(f: dict) -> float:
+    return parse_duration(str(f["after"])) if f.get("after") is not None else 0.0
+
+
 def load_timeline(path: Path = TIMELINE) -> list[dict]:
+    """The faults in the order they come: by committed step, then by the seconds `after` it."""
     faults = yaml.safe_load(path.read_text())
-    return sorted(faults, key=lambda f: parse_duration(str(f["at"])))
+    return sorted(faults, key=lambda f: (int(f["at_step"]), _after_s(f)))
+
+
+class Injector(threading.Thread):
+    """Sends each fault of the timeline to the sandbox once the run has committed its `at_step` (and
+    `after` seconds have passed since it was seen); records when and what it sent."""
+
+    def __init__(self, faults: list[dict], kubeconfig: str, emulator: str, run_dir_root: str, run: str):
+        super().__init__(daemon=True)
+        self.faults, self.kubeconfig, self.emulator = faults, kubeconfig, emulator
+        self.root, self.run = run_dir_root, run
+        self.applied: list[dict] = []
+        self.errors: list[str] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from olmo_ctl.rundir import RunDir
+        from olmo_ctl.sandbox.faults import send
+        from olmo_ctl.sandbox.gcs_emulator import use_emulator
+
+        pending = list(self.faults)
+        reached: dict[int, float] = {}  # at_step -> when the run was first seen past it
+        with use_emulator(self.emulator):
+            rd = RunDir.of(self.root, self.run)
+            while pending and not self.done.is_set():
+                try:
+                    committed = rd.committed_step() or 0
+                except Exception as e:  # noqa: BLE001 - an emulator hiccup: look again
+                    self.errors.append(f"{type(e).__name__}: {e}")
+                    committed = 0
+                now = time.time()
+                for f in list(pending):
+                    step = int(f["at_step"])
+                    if committed >= step:
+                        reached.setdefault(step, now)
+                    if step in reached and now >= reached[step] + _after_s(f):
+                        raw = {k: v for k, v in f.items() if k not in ("at_step", "after")}
+                        try:
+                            answer = send(self.kubeconfig, raw)
+                        except Exception as e:  # noqa: BLE001 - recorded: the test names it
+                            answer = f"not applied: {type(e).__name__}: {e}"
+                            self.errors.append(answer)
+                        self.applied.append(
+                            {
+                                "at_step": step,
+                                "committed": committed,
+                                "kind": f["kind"],
+                                "time": time.time(),
+                                "applied": answer,
+                            }
+                        )
+                        pending.remove(f)
+                    elif step not in reached:
+                        break  # the timeline is in order: nothing later is due either
+                self.done.wait(0.5)
 
 
 def _env(work: Path) -> dict[str, str]:
@@ -202,17 +269,25 @@ def run_soak(
     boxes: list[dict[str, str]] = []
     try:
         boxes.append(_sandbox(work, "twin", base, [f"{PREFERRED}=1"], []))
-        soak_ex = _sandbox(
-            work, BUCKET, base, [f"{PREFERRED}=1", f"{FALLBACK}=1"], ["--faults", str(timeline)]
-        )
-        t0 = time.time()  # the timeline's clock starts when the detached sandbox serves
+        soak_ex = _sandbox(work, BUCKET, base, [f"{PREFERRED}=1", f"{FALLBACK}=1"], [])
+        t0 = time.time()
         boxes.append(soak_ex)
         twin_ex = boxes[0]
         deadline = time.time() + timeout_s
         soak_p = _supervise({**base, **soak_ex}, "soak", steps, FALLBACK_FLAGS, work / "soak.log")
         twin_p = _supervise({**base, **twin_ex}, "soak-twin", steps, (), work / "twin.log")
+        injector = Injector(
+            faults,
+            soak_ex["KUBECONFIG"],
+            soak_ex["STORAGE_EMULATOR_HOST"],
+            soak_ex.get("OLMO_CTL_RUN_ROOT", f"gs://{BUCKET}/runs"),
+            "soak",
+        )
+        injector.start()
         rc = _wait(soak_p, deadline)
         t_end = time.time()
+        injector.done.set()
+        injector.join(timeout=60)
         twin_rc = _wait(twin_p, deadline)
         with use_emulator(soak_ex["STORAGE_EMULATOR_HOST"]):
             rd = RunDir.of(soak_ex.get("OLMO_CTL_RUN_ROOT", f"gs://{BUCKET}/runs"), "soak")
@@ -226,10 +301,7 @@ def run_soak(
     finally:
         for ex in boxes:
             _stop_sandbox(ex)
-    applied = [
-        {"at_s": parse_duration(str(f["at"])), "kind": f["kind"], "time": t0 + parse_duration(str(f["at"]))}
-        for f in faults
-    ]
+    applied = [dict(f, at_s=round(f["time"] - t0, 1)) for f in injector.applied]
     markers = [(f["time"], f["kind"]) for f in applied]
     markers += [(parse_iso(r["time"]), "return") for r in journal if r.get("event") == "returned"]
     markers.sort()
@@ -281,7 +353,12 @@ def run_soak(
         wall_s=t_end - started,
         train_s=train_s,
         lost_s=lost,
-        faults=[{"at_s": f["at_s"], "kind": f["kind"]} for f in applied],
+        faults=[
+            {"at_step": f["at_step"], "committed": f["committed"], "at_s": f["at_s"], "kind": f["kind"]}
+            for f in applied
+        ],
+        unapplied=[f["kind"] for f in faults[len(applied) :]],
+        injector_errors=injector.errors,
         steps=steps,
         final_committed=committed,
         attempts=len(devices),
@@ -308,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description="The soak (tests/helpers/soak.py): prints its figures as JSON.")
     ap.add_argument("--steps", type=int, default=200, help="the smoke recipe's train.max_steps")
-    ap.add_argument("--timeline", type=Path, default=TIMELINE, help="the sandbox's fault timeline (YAML)")
+    ap.add_argument(
+        "--timeline", type=Path, default=TIMELINE, help="the fault timeline, keyed by committed step (YAML)"
+    )
     ap.add_argument("--work", type=Path, default=None, help="where the sandbox's files and logs go")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds each supervisor may take")
     a = ap.parse_args(argv)
