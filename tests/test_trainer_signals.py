@@ -8,9 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 from helpers.trainer import scalars, train
+
+from olmo_ctl.observe.monitor import _timeline, timeline_summary
+from olmo_ctl.rundir import RunDir
+from olmo_ctl.supervise.supervisor import Supervisor
 
 
 def _sigterm_at(cmd: list[str], env: dict, prefix: str) -> tuple[int, str]:
@@ -161,6 +166,9 @@ def test_a_stop_with_too_little_time_for_its_write_writes_none_and_the_previous_
     kill is lost anyway), says so and exits 143; checkpoint 5 stands and the next attempt resumes
     from it."""
     run = tmp_path / "run"
+    RunDir(str(run)).append(
+        "submitted", attempt=1, device="cpu-1"
+    )  # an olmo-ctl attempt: it journals its exit
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", OLMO_CTL_STOP_BUDGET_S="0.001")
     cmd = [sys.executable, "-m", "olmo_ctl.trainer", "--recipe", "smoke", "--run-dir", str(run)]
@@ -174,5 +182,16 @@ def test_a_stop_with_too_little_time_for_its_write_writes_none_and_the_previous_
         -3000:
     ]
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [5]  # no partial write left
+    # The journal says which happened; monitor's timeline and the supervisor's next submit say it too.
+    exited = [r for r in RunDir(str(run)).journal() if r["event"] == "exited"]
+    assert len(exited) == 1 and exited[0]["exit_code"] == 143, exited
+    unsaved = exited[0]["stop_unsaved"]
+    assert unsaved["step"] == int(m.group(1)) and unsaved["committed_step"] == 5, unsaved
+    assert unsaved["write_s"] > unsaved["left_s"] and unsaved["budget_s"] == 0.001, unsaved
+    note = f"step {unsaved['step']} not checkpointed (a write takes"
+    assert note in exited[0]["reason"] and exited[0]["reason"].endswith("resumes from 5"), exited
+    summary = timeline_summary(_timeline(RunDir(str(run)).journal()))
+    assert any(note in line for line in summary), summary
+    assert note in Supervisor._stop_note(SimpleNamespace(rd=RunDir(str(run))))
     p = train(run, "--attempt", "2", "--stop-at-step", "7", "--set", "checkpoint.interval=5")
     assert "restored checkpoint 5" in p.stdout, p.stdout[-3000:]

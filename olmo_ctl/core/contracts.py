@@ -79,6 +79,19 @@ LOG_PREFIX_ENV = "OLMO_CTL_LOG_PREFIX"  # `host <h>: ` before each of the host's
 # pods': SPOT_STOP_BUDGET_S). A stop whose checkpoint write would not finish in it writes none.
 STOP_BUDGET_ENV = "OLMO_CTL_STOP_BUDGET_S"
 SPOT_STOP_BUDGET_S = 15
+# The `exited` record of such a stop carries `stop_unsaved` ({step, write_s, left_s, budget_s,
+# committed_step}); `stop_unsaved_note` words it for its reason, monitor's timeline and the supervisor.
+
+
+def stop_unsaved_note(info: dict | None) -> str:
+    """`step 57 not checkpointed (a write takes 20.1 s, the stop left 14.2 s): resumes from 50`, or ""."""
+    if not info:
+        return ""
+    return (
+        f"step {info.get('step')} not checkpointed (a write takes {info.get('write_s')} s, the stop left"
+        f" {info.get('left_s')} s): resumes from {info.get('committed_step') or 0}"
+    )
+
 
 # The trainer's codes are the command table's (core/errors.py), named for what the trainer means by them.
 EXIT_DONE = EXIT_OK  # the final step (or --stop-at-step) reached, its checkpoint committed

@@ -301,6 +301,19 @@ class Supervisor:
         kw.setdefault("device", self.device)
         return self.rd.append(event, reason=reason, t=self.clock(), fence=self.lease, **kw)
 
+    def _stop_note(self) -> str:
+        """`; step 57 not checkpointed (...): resumes from 50` when the last attempt's trainer stopped
+        without the time to write its checkpoint (its `exited` record says so), else ""."""
+        from olmo_ctl.core.contracts import EXITED_EVENT, stop_unsaved_note
+
+        journal = self.rd.journal()
+        last = next((r.get("attempt") for r in reversed(journal) if r.get("event") == "submitted"), None)
+        for r in reversed(journal):
+            if r.get("event") == EXITED_EVENT and r.get("attempt") == last:
+                note = stop_unsaved_note(r.get("stop_unsaved"))
+                return f"; {note}" if note else ""
+        return ""
+
     def _say(self, event: str, reason: str, **kw) -> dict:
         """A decision: journaled and printed as one line."""
         rec = self._journal(event, reason, **kw)
@@ -475,7 +488,9 @@ class Supervisor:
                     "first attempt"
                     if self.rd.last_attempt() is None
                     else (
-                        f"resume from step {committed}" + (f" after {last_failure}" if last_failure else "")
+                        f"resume from step {committed}"
+                        + (f" after {last_failure}" if last_failure else "")
+                        + self._stop_note()
                     )
                 )
                 req = self.rd.pending_resize()

@@ -281,9 +281,9 @@ def _journal_exit(ns: argparse.Namespace, code: int, device: str | None) -> None
     """Process 0 of an olmo-ctl attempt (one the run's journal records as submitted) journals how it
     exited, so the attempt's end is recorded when no supervisor watches it (a detached supervisor,
     `submit`). A storage hiccup here must not change the exit code."""
-    from olmo_ctl.core.contracts import EXITED_EVENT, exit_state
+    from olmo_ctl.core.contracts import EXITED_EVENT, exit_state, stop_unsaved_note
     from olmo_ctl.rundir import RunDir
-    from olmo_ctl.trainer import multihost
+    from olmo_ctl.trainer import hooks, multihost
 
     try:
         if multihost.joined() and sys.modules["jax"].process_index() != 0:
@@ -291,13 +291,17 @@ def _journal_exit(ns: argparse.Namespace, code: int, device: str | None) -> None
         rd = RunDir(ns.run_dir)
         if not any(r.get("event") == "submitted" and r.get("attempt") == ns.attempt for r in rd.journal()):
             return  # not an attempt of olmo-ctl's (a trainer started by hand): its run has no journal to keep
+        unsaved = hooks.STOP_UNSAVED
+        extra = {"stop_unsaved": unsaved} if unsaved else {}
+        note = stop_unsaved_note(unsaved)
         rd.append(
             EXITED_EVENT,
             attempt=ns.attempt,
             device=device,
-            reason=exit_state(code)[1],
+            reason=exit_state(code)[1] + (f"; {note}" if note else ""),
             committed_step=rd.committed_step(),
             exit_code=code,
+            **extra,
         )
     except Exception as e:  # noqa: BLE001 - storage errors come in many types
         print(f"warning: could not journal this attempt's exit ({type(e).__name__}: {e})", flush=True)

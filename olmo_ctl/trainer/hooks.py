@@ -46,6 +46,10 @@ from olmo_ctl.trainer import injected
 from olmo_ctl.trainer.evaluator import Evaluator
 from olmo_ctl.trainer.exits import TrainingFailed
 
+# Set when this process's stop wrote no checkpoint for want of time (`CheckpointHook._no_time_to_write`):
+# the trainer's `exited` journal record carries it (`core.contracts.stop_unsaved_note`).
+STOP_UNSAVED: dict | None = None
+
 
 @dataclass
 class Window:
@@ -309,6 +313,14 @@ class CheckpointHook(Hook):
             return False
         committed = loop.ckpt.latest_step()
         loop.committed_at_stop = committed or 0  # the exit's `committed step` line names it
+        global STOP_UNSAVED
+        STOP_UNSAVED = {
+            "step": int(loop.step),
+            "write_s": round(took, 1),
+            "left_s": round(max(left, 0.0), 1),
+            "budget_s": budget,
+            "committed_step": committed or 0,
+        }
         print(
             f"stop: step {loop.step} not checkpointed: a checkpoint write took {took:.1f} s in this attempt "
             f"and the stop leaves {max(left, 0.0):.1f} s ({STOP_BUDGET_ENV}={budget:g}); the run resumes "
