@@ -1,6 +1,7 @@
 """GPU machine types in the catalog: XPK's names x a node count (`h100-mega-80gb-8x160`), their facts,
 `devices`, `plan` (per-GPU batch at the recipe's global batch, tokens/s at an MFU, GPU-hours and
-dollars), the batches nodes cannot share, and every launcher's one-line refusal of GPU nodes."""
+dollars), the batches nodes cannot share, and the one-line refusal of GPU nodes by what runs only on TPU
+slices or this machine (tests/test_gpu_jobset.py: the GKE backend's JobSet for them)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ def test_devices_lists_the_three_gpu_machine_types():
     assert "h100-mega-80gb-8: machine type a3-megagpu-8g, 8 x H100 80GB a node" in lines
     assert "  GKE accelerator nvidia-h200-141gb, nvidia.com/gpu, RDMA over gIB (rdma)" in lines
     assert "b200-8: machine type a4-highgpu-8g, 8 x B200 180GB a node" in lines
+    assert "  GKE backend: launch_templates/gpu-tcpxo.yaml (not the local backend)" in lines
     row = next(line for line in lines if line.startswith("h100-mega-80gb-8x128 "))
     assert row.split() == ["h100-mega-80gb-8x128", "128", "1024", "989", "80"]
     row = next(line for line in lines if line.startswith("b200-8 "))
@@ -188,54 +190,83 @@ def test_plan_on_gpu_nodes_prints_per_gpu_batch_tokens_gpu_hours_and_price_unkno
     assert "price unknown" not in table
 
 
-# ---------------------------------------------------------------- nothing launches on GPU nodes yet
+# ---------------------------------------------------------------- what does not run on GPU nodes
 
-REFUSAL = (
-    "error: `h100-mega-80gb-8x2` is GPU nodes (2 x a3-megagpu-8g): GPU node pools are not supported by the"
-    " launcher yet; `olmo-ctl plan` and `olmo-ctl devices` take GPU machine types; run on a TPU slice"
-    " (e.g. tpu7x-128) or a local device\n"
+
+def _refusal(by: str) -> str:
+    return (
+        f"error: `h100-mega-80gb-8x2` is GPU nodes (2 x a3-megagpu-8g): {by} does not run on GPU node pools;"
+        " `olmo-ctl submit --backend gke` runs them (`plan` and `devices` take them too); here use a TPU"
+        " slice (e.g. tpu7x-128) or a local device\n"
+    )
+
+
+LOCAL_REFUSAL = (
+    "error: `h100-mega-80gb-8x2` is GPU nodes on GKE (2 x a3-megagpu-8g); the local backend runs cpu-N or"
+    " gpu-N (this machine's GPUs); use --backend gke, or a local device such as gpu-8\n"
 )
 
 
 @pytest.mark.parametrize(
-    "args",
+    "args,says",
     [
-        ("submit", "--stage", "1", "--device", "h100-mega-80gb-8x2", "--backend", "gke", "--dry-run"),
-        ("submit", "--stage", "1", "--device", "h100-mega-80gb-8x2", "--backend", "local", "--dry-run"),
-        ("preflight", "--stage", "1", "--device", "h100-mega-80gb-8x2"),
-        ("doctor", "--device", "h100-mega-80gb-8x2"),
-        ("smoke", "--backend", "gke", "--device", "h100-mega-80gb-8x2"),
-        ("sandbox", "--kubeconfig", "{tmp}/kubeconfig", "--slices", "h100-mega-80gb-8x2"),
         (
-            "resume-until-done",
-            "--stage",
-            "1",
-            "--device",
-            "v5p-256",
-            "--fallback",
-            "h100-mega-80gb-8x2",
-            "--run",
-            "r",
+            ("submit", "--stage", "1", "--device", "h100-mega-80gb-8x2", "--backend", "local", "--dry-run"),
+            LOCAL_REFUSAL,
+        ),
+        (("doctor", "--device", "h100-mega-80gb-8x2"), _refusal("doctor")),
+        (
+            ("sandbox", "--kubeconfig", "{tmp}/kubeconfig", "--slices", "h100-mega-80gb-8x2"),
+            _refusal("this command"),
+        ),
+        (
+            (
+                "resume-until-done",
+                "--stage",
+                "1",
+                "--device",
+                "v5p-256",
+                "--fallback",
+                "h100-mega-80gb-8x2",
+                "--run",
+                "r",
+            ),
+            _refusal("--fallback"),
         ),
     ],
-    ids=["submit-gke", "submit-local", "preflight", "doctor", "smoke", "sandbox", "fallback"],
+    ids=["submit-local", "doctor", "sandbox", "fallback"],
 )
-def test_gpu_nodes_are_refused_by_every_launcher_in_one_line(tmp_path, args):
+def test_what_runs_only_on_tpu_slices_or_here_refuses_gpu_nodes_in_one_line(tmp_path, args, says):
     env = clean_env(tmp_path / "cfg")
     env["OLMO_CTL_RUN_ROOT"] = str(tmp_path / "runs")
     p = invoke(*(a.format(tmp=tmp_path) for a in args), env=env)
-    assert (p.returncode, p.stdout, p.stderr) == (2, "", REFUSAL)
+    assert (p.returncode, p.stdout, p.stderr) == (2, "", says)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "kubeconfig").exists()
 
 
-def test_rendering_and_preflight_refuse_gpu_nodes_below_the_command_line():
-    """The JobSet renderer and preflight's libtpu topology never take GPU nodes for a TPU slice."""
-    from olmo_ctl.backends.jobset import render_jobset
-    from olmo_ctl.preflight.compile import topology_devices
+def test_preflights_compile_refuses_gpu_nodes_and_the_command_prints_the_plans_estimate(tmp_path):
+    """libtpu's topologies are TPU slices'; `olmo-ctl preflight` on GPU nodes compiles nothing and says
+    the plan's memory estimate, labelled as one (and `submit` logs the same line before it queues)."""
+    from olmo_ctl.preflight.compile import submit_check, topology_devices
 
     dev = get_device("b200-8x4")
-    recipe = load_recipe(recipe="smoke")
-    with pytest.raises(BadInput, match="GPU node pools are not supported by the launcher yet"):
+    with pytest.raises(BadInput, match="preflight's compile does not run on GPU node pools"):
         topology_devices(dev)
-    with pytest.raises(BadInput, match="GPU node pools are not supported by the launcher yet"):
-        render_jobset(recipe, make_plan(recipe, dev), dev, None, "r", 1, "gs://b/runs/r")  # type: ignore[arg-type]
+    env = clean_env(tmp_path / "cfg")
+    p = invoke("preflight", "--stage", "1", "--device", "h100-mega-80gb-8x2", env=env)
+    assert p.returncode == 0, p.stderr
+    recipe = load_recipe(stage=1)
+    plan = make_plan(recipe, get_device("h100-mega-80gb-8x2"))
+    line = (
+        f"preflight: estimate, not compiled: {plan.estimated_bytes_per_device / 2**30:.1f} GiB of 80 GiB per GPU"
+        f" on h100-mega-80gb-8x2 at micro-batch {plan.per_device_batch} (the plan's memory estimate;"
+        " preflight compiles for TPU slices only)"
+    )
+    assert p.stdout == line + "\n"
+    js = json.loads(
+        invoke("preflight", "--stage", "1", "--device", "h100-mega-80gb-8x2", "-o", "json", env=env).stdout
+    )
+    assert js["compiled"] is False and js["estimated_bytes_per_device"] == plan.estimated_bytes_per_device
+    said: list[str] = []
+    assert submit_check(recipe, get_device("h100-mega-80gb-8x2"), plan, log=said.append) is None
+    assert said == [line]

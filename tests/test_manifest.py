@@ -52,6 +52,8 @@ MULTISLICE = ("tpu7x-128", "v5p-256")  # 2 slices of each: `2x<device>-stage1`
 # The 2D-torus generations (v6e, v5e): stage 1 on the largest slice, the smoke model on the smallest.
 TWO_D = (("v6e-256", "v6e-8"), ("v5litepod-256", "v5litepod-8"))
 CAPACITY_CASES = (("tpu7x-128", "spot"), ("tpu7x-128", "flex-start"), ("v5p-256", "reservation:olmo-v5p"))
+# GPU nodes, 2 of each machine type (`tests/test_gpu_jobset.py` checks their pods against XPK's).
+GPU_NODES = ("h100-mega-80gb-8x2", "h200-141gb-8x2", "b200-8x2")
 
 
 def golden_cases() -> dict[str, list[str]]:
@@ -117,6 +119,18 @@ def golden_cases() -> dict[str, list[str]]:
             "--run",
             f"olmo3-7b-s1-2x{dev}",
         ]
+    for dev in GPU_NODES:
+        machine = dev.rsplit("x", 1)[0]
+        cases[f"{dev}-stage1"] = [
+            "--stage",
+            "1",
+            "--device",
+            dev,
+            "--queue",
+            "gpu-queue",
+            "--run",
+            f"olmo3-7b-s1-{machine}",
+        ]
     return cases
 
 
@@ -126,7 +140,7 @@ def cli(args: list[str], env: dict[str, str]):
 
 
 def render_golden(args: list[str], env: dict[str, str]) -> str:
-    p = cli(["submit", *args, *SITE, "--dry-run"], env)
+    p = cli(["submit", *SITE, *args, "--dry-run"], env)  # a case's own flag wins over the site's
     assert p.returncode == 0, p.stderr
     return p.stdout
 
@@ -217,6 +231,10 @@ def test_golden_matches_cli_and_validates(case, env):
     job, pod = _job(js), _pod(js)
     assert js["spec"]["replicatedJobs"][0]["replicas"] == slices
     assert job["parallelism"] == job["completions"] == dev.vms
+    if dev.is_gpu_nodes:
+        assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": dev.chips_per_vm}
+        assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] == dev.accelerator_label
+        return
     assert pod["containers"][0]["resources"]["limits"]["google.com/tpu"] == dev.chips_per_vm
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == dev.topology
     # The placement policy is selected only on multi-host Ironwood slices.

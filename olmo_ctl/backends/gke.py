@@ -1,4 +1,4 @@
-"""The GKE backend: an attempt is one JobSet, queued by Kueue, on a TPU slice.
+"""The GKE backend: an attempt is one JobSet, queued by Kueue, on a TPU slice (or N) or on N GPU nodes.
 
 `render` is pure (the JobSet from `olmo_ctl.backends.jobset.render_jobset`, what --dry-run prints).
 `send` creates it with strict field validation; a 409 on the same name means an earlier try of
@@ -123,13 +123,12 @@ class GKEBackend(Backend[dict]):
     def validate_target(
         self, target: Target, settings: Settings | None, run_dir: str, *, render_only: bool = False
     ) -> None:
-        """A TPU slice, no placeholder settings (unless only rendering) and a run directory on GCS
-        (TPU pods cannot see this machine's files)."""
+        """A TPU slice or GPU nodes, no placeholder settings (unless only rendering) and a run directory
+        on GCS (the pods cannot see this machine's files)."""
         dev = target.device
-        dev.check_launchable()
-        if not dev.is_tpu:
+        if not dev.is_tpu and not dev.is_gpu_nodes:
             raise BadInput(
-                f"`{dev.name}` is a local device; the GKE backend runs on TPU slices",
+                f"`{dev.name}` is a local device; the GKE backend runs on TPU slices and GPU nodes",
                 "use --backend local, or a TPU device such as tpu7x-128",
             )
         settings = settings or self.settings
@@ -144,8 +143,8 @@ class GKEBackend(Backend[dict]):
             )
         if not run_dir.startswith("gs://"):
             raise BadInput(
-                f"run root `{run_dir.rsplit('/', 1)[0]}` is not on GCS; TPU pods cannot see "
-                "this machine's files",
+                f"run root `{run_dir.rsplit('/', 1)[0]}` is not on GCS; {'GPU' if dev.is_gpu_nodes else 'TPU'} "
+                "pods cannot see this machine's files",
                 "set the run root to gs://BUCKET/PREFIX (--run-root, OLMO_CTL_RUN_ROOT or run_root "
                 "in the config file)",
             )
@@ -175,7 +174,7 @@ class GKEBackend(Backend[dict]):
     def notes(self, attempt: Attempt, *, render_only: bool = False) -> list[str]:
         settings = self._settings(attempt)
         out = []
-        ident = identity_note(settings)
+        ident = identity_note(settings, attempt.target.device)
         if ident:
             out.append(ident)
         if render_only:

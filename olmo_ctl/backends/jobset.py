@@ -1,8 +1,11 @@
-"""JobSet rendering: one attempt of a run on one TPU slice (or N: multislice), from `launch_templates/`. Pure.
+"""JobSet rendering: one attempt of a run on one TPU slice (or N: multislice) or on N GPU nodes, from
+`launch_templates/`. Pure.
 
 `launch_templates/common.yaml` holds the JobSet's shape and its tunable `vars`; the generation's
 file, the one its profile names (`core/generations.py`: `tpu7x.yaml`, `v5p.yaml`), is merged over
-it. Placeholders (`${name}`) are filled on the parsed tree, never in YAML text, so a value cannot
+it. GPU nodes merge `gpu.yaml` and then their interconnect's file (`gpu-tcpxo.yaml`, `gpu-rdma.yaml`,
+the one the machine type's profile names) over it, by Kubernetes' strategic-merge rules (`_merge`).
+Placeholders (`${name}`) are filled on the parsed tree, never in YAML text, so a value cannot
 change the manifest's structure. The result is a plain dict: what `submit --dry-run` prints and
 exactly what the GKE backend applies.
 """
@@ -20,13 +23,22 @@ from typing import Any
 
 from olmo_ctl.core.batching import Plan
 from olmo_ctl.core.config import Settings
-from olmo_ctl.core.contracts import SPOT_STOP_BUDGET_S, STOP_BUDGET_ENV, trainer_argv
+from olmo_ctl.core.contracts import (
+    GPU_COORDINATOR_ADDRESS_ENV,
+    GPU_COORDINATOR_PORT,
+    GPU_COORDINATOR_PORT_ENV,
+    GPU_NODE_RANK_ENV,
+    GPU_NODES_ENV,
+    SPOT_STOP_BUDGET_S,
+    STOP_BUDGET_ENV,
+    trainer_argv,
+)
 from olmo_ctl.core.devices import Device, Target, check_slices
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.core.generations import GENERATIONS
+from olmo_ctl.core.generations import GENERATIONS, GPU_MACHINES
 from olmo_ctl.core.names import validate_run_name
 from olmo_ctl.core.recipe import Recipe
-from olmo_ctl.core.xla_flags import libtpu_init_args
+from olmo_ctl.core.xla_flags import libtpu_init_args, xla_flags_for
 
 # Package data: `launch_templates/` at the top of the repository, `olmo_ctl/launch_templates` (a link to
 # it) in a checkout, real files in an installed wheel.
@@ -71,40 +83,74 @@ def jobset_name(run: str, attempt: int) -> str:
 # ---------------------------------------------------------------- templates
 
 
+def _named(items: Any) -> bool:
+    return isinstance(items, list) and all(isinstance(x, dict) and "name" in x for x in items)
+
+
 def _merge(base: Any, over: Any) -> Any:
-    """Mappings merge key by key; anything else in `over` replaces `base`."""
+    """`over` merged over `base` as Kubernetes' strategic merge patch does: mappings merge key by key
+    and a null removes the key; a list of named items (containers, volumes, replicatedJobs) merges
+    item by item on `name`, items new to `base` appended in order; anything else in `over` replaces
+    `base`."""
     if isinstance(base, dict) and isinstance(over, dict):
         out = dict(base)
         for k, v in over.items():
-            out[k] = _merge(base[k], v) if k in base else v
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = _merge(base[k], v) if k in base else v
         return out
+    if base and _named(base) and _named(over):
+        out_items = list(base)
+        index = {x["name"]: i for i, x in enumerate(base)}
+        for x in over:
+            if x["name"] in index:
+                out_items[index[x["name"]]] = _merge(base[index[x["name"]]], x)
+            else:
+                out_items.append(x)
+        return out_items
     return over
 
 
 @functools.lru_cache(maxsize=8)
-def _load_template(path: Path) -> dict:
+def _load_template(paths: tuple[Path, ...]) -> dict:
+    """common.yaml, then each of `paths` merged over it in order. The last file may set only the vars
+    the files below it declare (a misspelt var is an error, not a new var)."""
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: start-up time
-    common = yaml.load((TEMPLATES_DIR / "common.yaml").read_text(), Loader=loader)
-    specific = yaml.load(path.read_text(), Loader=loader) or {}
-    unknown = set(specific.get("vars", {})) - set(common["vars"])
-    if unknown:
-        raise ValueError(f"{path}: unknown vars {sorted(unknown)} (known: {sorted(common['vars'])})")
-    return _merge(common, specific)
+    merged = yaml.load((TEMPLATES_DIR / "common.yaml").read_text(), Loader=loader)
+    for path in paths:
+        specific = yaml.load(path.read_text(), Loader=loader) or {}
+        if path == paths[-1]:
+            unknown = set(specific.get("vars", {})) - set(merged["vars"])
+            if unknown:
+                raise ValueError(f"{path}: unknown vars {sorted(unknown)} (known: {sorted(merged['vars'])})")
+        merged = _merge(merged, specific)
+    return merged
+
+
+# The file every GPU node's template is merged over before its interconnect's (`gpu-tcpxo.yaml`, ...).
+GPU_TEMPLATE = "gpu.yaml"
 
 
 def template_path(generation: str) -> Path:
-    """The launch template a TPU generation's profile names (`launch_templates/<generation>.yaml`)."""
+    """The launch template a TPU generation's profile names (`launch_templates/<generation>.yaml`), or
+    a GPU machine type's: its interconnect's (`launch_templates/gpu-tcpxo.yaml`)."""
+    if generation in GPU_MACHINES:
+        return TEMPLATES_DIR / GPU_MACHINES[generation].template_file
     return TEMPLATES_DIR / GENERATIONS[generation].template_file
 
 
 def launch_template(generation: str) -> dict:
-    """The merged template `{vars: ..., jobset: ...}` for a TPU generation (a fresh copy)."""
+    """The merged template `{vars: ..., jobset: ...}` for a TPU generation or a GPU machine type (a
+    fresh copy)."""
     path = template_path(generation)
     if not path.exists():
-        raise BadInput(f"no launch template for TPU generation `{generation}`", f"expected {path}")
-    return copy.deepcopy(_load_template(path))
+        what = "GPU machine type" if generation in GPU_MACHINES else "TPU generation"
+        raise BadInput(f"no launch template for {what} `{generation}`", f"expected {path}")
+    paths = (TEMPLATES_DIR / GPU_TEMPLATE, path) if generation in GPU_MACHINES else (path,)
+    return copy.deepcopy(_load_template(paths))
 
 
 def _fill(node: Any, values: dict[str, Any]) -> Any:
@@ -201,10 +247,16 @@ def host_network(settings: Settings | None) -> bool:
     return bool(getattr(settings, "host_network", False))
 
 
-def identity_note(settings: Settings | None) -> str | None:
-    """One line on the pods' GCS identity when hostNetwork changes it, else None."""
+def identity_note(settings: Settings | None, device: Device | None = None) -> str | None:
+    """One line on the pods' GCS identity when hostNetwork changes it, else None. GPU nodes' pods
+    never run on the host network (`launch_templates/gpu.yaml`): said instead."""
     if settings is None or not host_network(settings):
         return None
+    if device is not None and device.is_gpu_nodes:
+        return (
+            f"host_network is on but not used: {device.name} pods stay off the host network (GKE "
+            "multi-networking gives them the GPU NICs), so Workload Identity applies"
+        )
     return (
         "host_network is on: GKE Workload Identity does not apply to hostNetwork pods, so the trainer reaches "
         f"GCS as the node pool's service account, not as Kubernetes service account "
@@ -231,14 +283,77 @@ INJECTED_ENV = (
 
 
 def _env(
-    template_env: dict[str, Any], libtpu_args: str = "", extra: tuple[tuple[str, str], ...] = ()
+    template_env: dict[str, Any],
+    libtpu_args: str = "",
+    extra: tuple[tuple[str, str], ...] = (),
+    *,
+    xla_flags: str = "",
+    nodes: tuple[dict, ...] = (),
 ) -> list[dict]:
     env = [{"name": str(k), "value": str(v)} for k, v in template_env.items()]
     if libtpu_args:
         env.append({"name": "LIBTPU_INIT_ARGS", "value": libtpu_args})
+    if xla_flags:
+        env.append({"name": "XLA_FLAGS", "value": xla_flags})
+    env += list(nodes)
     env += [{"name": k, "value": v} for k, v in extra]
     check_env(env)
     return env
+
+
+def _field(path: str) -> dict:
+    return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def gpu_nodes_env(device: Device) -> list[dict]:
+    """How the trainers on N GPU nodes find each other, as XPK sets it for GPU node pools
+    (src/xpk/core/docker_resources.py get_gpu_env): the node count, the pod's rank (its Job completion
+    index), GPUs a node, the interconnect (USE_GPUDIRECT) and the coordinator, pod 0 of the replicated
+    job by its JobSet DNS name (`<jobset>-slice-0-0.<jobset>`, spelled from the variables before it).
+    The trainer joins by these names (`core/contracts.py`, `trainer/multihost.py`)."""
+    return [
+        {
+            "name": "REPLICATED_JOB_NAME",
+            **_field("metadata.annotations['jobset.sigs.k8s.io/replicatedjob-name']"),
+        },
+        {"name": "JOBSET_NAME", **_field("metadata.annotations['jobset.sigs.k8s.io/jobset-name']")},
+        {"name": GPU_NODES_ENV, "value": str(device.vms)},
+        {
+            "name": GPU_NODE_RANK_ENV,
+            **_field("metadata.annotations['batch.kubernetes.io/job-completion-index']"),
+        },
+        {"name": "USE_GPUDIRECT", "value": GPU_MACHINES[device.generation].gpu_direct},
+        {"name": "GPUS_PER_NODE", "value": str(device.chips_per_vm)},
+        {"name": GPU_COORDINATOR_PORT_ENV, "value": str(GPU_COORDINATOR_PORT)},
+        {
+            "name": GPU_COORDINATOR_ADDRESS_ENV,
+            "value": "$(JOBSET_NAME)-$(REPLICATED_JOB_NAME)-0-0.$(JOBSET_NAME)",
+        },
+    ]
+
+
+def network_interfaces(networks: list[str]) -> str | None:
+    """The `networking.gke.io/interfaces` annotation: eth0, eth1, ... on `networks` in order (GKE
+    multi-networking); None for none."""
+    if not networks:
+        return None
+    lines = [
+        json.dumps({"interfaceName": f"eth{i}", "network": n}, separators=(",", ":"))
+        for i, n in enumerate(networks)
+    ]
+    return "[\n" + ",\n".join(f"  {line}" for line in lines) + "\n]\n"
+
+
+# Kueue's topology request XPK puts on GPU pods (src/xpk/commands/workload.py): one pod per host.
+PREFERRED_TOPOLOGY = "kubernetes.io/hostname"
+
+
+def preferred_topology(template_vars: dict, settings: Settings) -> str | None:
+    """The pods' `kueue.x-k8s.io/podset-preferred-topology`, where XPK adds it: GPU node pools of a
+    capacity type that allows Kueue's topology-aware scheduling (the template's
+    `topology_request_capacities`; XPK's src/xpk/commands/common.py is_GPU_TAS_possible). None on TPU."""
+    kind = settings.capacity.partition(":")[0]
+    return PREFERRED_TOPOLOGY if kind in template_vars.get("topology_request_capacities", ()) else None
 
 
 def check_env(env: list[dict]) -> None:
@@ -267,10 +382,9 @@ def render_jobset(
 ) -> dict:
     """The JobSet for one attempt: a plain dict, ready for YAML/JSON or the Kubernetes API.
     `extra_args` go after the trainer's command line, `extra_env` after the template's variables."""
-    device.check_launchable()
-    if not device.is_tpu:
+    if not device.is_tpu and not device.is_gpu_nodes:
         raise BadInput(
-            f"`{device.name}` is a local device; the GKE backend runs on TPU slices",
+            f"`{device.name}` is a local device; the GKE backend runs on TPU slices and GPU nodes",
             "use --backend local, or a TPU device such as tpu7x-128",
         )
     slices = check_slices(device, slices)
@@ -282,13 +396,15 @@ def render_jobset(
         raise ValueError(f"plan for recipe {plan.recipe} does not match recipe {recipe.name}")
     if not run_dir.startswith("gs://"):
         raise BadInput(
-            f"run directory `{run_dir}` is not on GCS; TPU pods cannot see this machine's files",
+            f"run directory `{run_dir}` is not on GCS; {'GPU' if device.is_gpu_nodes else 'TPU'} pods cannot "
+            "see this machine's files",
             "set the run root to gs://BUCKET/PREFIX (--run-root, OLMO_CTL_RUN_ROOT or run_root "
             "in the config file)",
         )
     name = jobset_name(run_name, attempt)
     template = launch_template(device.generation)
     v = template["vars"]
+    gpu = device.is_gpu_nodes
     values = {
         "name": name,
         "namespace": settings.namespace,
@@ -310,12 +426,18 @@ def render_jobset(
         "dns_policy": "ClusterFirstWithHostNet" if host_network(settings) else None,
         "env": _env(
             v["env"],
-            libtpu_init_args(device, recipe, settings),
+            "" if gpu else libtpu_init_args(device, recipe, settings),
             ((STOP_BUDGET_ENV, str(stop_budget_s(settings, v["termination_grace_period_s"]))), *extra_env),
+            xla_flags=" ".join(xla_flags_for(device, recipe, settings)) if gpu else "",
+            nodes=tuple(gpu_nodes_env(device)) if gpu else (),
         ),
         "trainer_command": trainer_argv("python", run_dir, Target(device, slices), plan, attempt)
         + list(extra_args),
-        "shm_size": v["shm_size"],
+        "machine_type": device.machine_type,
+        "coordinator_port": GPU_COORDINATOR_PORT,
+        "preferred_topology": preferred_topology(v, settings),
+        "network_interfaces": network_interfaces(v.get("networks", [])),
+        "shm_size": v.get("shm_size"),
         "termination_grace_period_s": v["termination_grace_period_s"],
         "max_restarts": v["max_restarts"],
         "user_error_exit_codes": v["user_error_exit_codes"],
@@ -365,11 +487,27 @@ def _add_site_pod_fields(jobset: dict, settings: Settings) -> None:
 # ---------------------------------------------------------------- output
 
 
+@functools.cache
+def _dumper() -> Any:
+    """The safe dumper (libyaml's when present: the same text, faster) writing a string of several lines
+    as a literal block (`|`), as it was written: the GPU pods' multi-line annotations."""
+    import yaml
+
+    base = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+    def text(dumper, value: str):
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    dumper: Any = type("ManifestDumper", (base,), {})
+    dumper.add_representer(str, text)
+    return dumper
+
+
 def dump_yaml(obj: Any) -> str:
     import yaml
 
-    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml when present: the same text, faster
-    return yaml.dump(obj, Dumper=dumper, sort_keys=False, default_flow_style=False, width=120)
+    return yaml.dump(obj, Dumper=_dumper(), sort_keys=False, default_flow_style=False, width=120)
 
 
 def dump_json(obj: Any) -> str:

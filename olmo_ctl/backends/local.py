@@ -135,7 +135,12 @@ class LocalBackend(Backend[LocalRequest]):
     ) -> None:
         """The local backend runs cpu-N, cpu-PxD and gpu-N on this machine."""
         dev = target.device
-        dev.check_launchable()
+        if dev.is_gpu_nodes:
+            raise BadInput(
+                f"`{dev.name}` is GPU nodes on GKE ({dev.vms} x {dev.machine_type}); the local backend runs "
+                "cpu-N or gpu-N (this machine's GPUs)",
+                f"use --backend gke, or a local device such as gpu-{dev.chips_per_vm}",
+            )
         if dev.is_tpu:
             raise BadInput(
                 f"`{dev.name}` is a TPU slice; the local backend runs cpu-N or gpu-N",

@@ -115,7 +115,7 @@ def _gpu_heading(m: dev.GpuMachine) -> list[str]:
     return [
         f"{m.name}: machine type {m.machine_type}, {m.gpus_per_node} x {m.gpu} a node",
         f"  GKE accelerator {m.accelerator_label}, nvidia.com/gpu, {m.interconnect}",
-        "  planned only: GPU node pools are not supported by the launcher yet",
+        f"  GKE backend: launch_templates/{m.template_file} (not the local backend)",
         GPU_LINE.format(*GPU_COLS).rstrip(),
     ]
 

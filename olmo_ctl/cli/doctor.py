@@ -17,7 +17,11 @@ from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_UNREACHABLE, Unreachable
 def doctor(
     device: Annotated[
         str | None,
-        typer.Option("--device", help="TPU slice to check flavor, quota and node pools for, e.g. tpu7x-128."),
+        typer.Option(
+            "--device",
+            help="TPU slice or GPU nodes to check flavor, quota and node pools for, e.g. tpu7x-128 or"
+            " h100-mega-80gb-8x2.",
+        ),
     ] = None,
     slices: Annotated[int, typer.Option("--slices", min=1, help="Number of slices of --device.")] = 1,
     output: OutputOpt = Output.table,
@@ -26,7 +30,8 @@ def doctor(
 ) -> None:
     """Check that a cluster can run olmo-ctl's JobSets, one line per check with what to do.
 
-    Checks the CRDs, queues, flavor and quota, priority class, RBAC, node pools and image.
+    Checks the CRDs, queues, flavor and quota, priority class, RBAC, node pools and image; for GPU nodes
+    also the NCCL installer DaemonSet and the multi-network objects their pods name.
     Exit codes: 0 all passed, 2 a check failed, 3 the cluster is unreachable.
     """
     from olmo_ctl.backends.base import Target
@@ -36,12 +41,10 @@ def doctor(
 
     settings = site.resolve()
     dev = Target.parse(device).device if device is not None else None
-    if dev is not None:
-        dev.check_launchable()
-    if dev is not None and not dev.is_tpu:
+    if dev is not None and not dev.is_tpu and not dev.is_gpu_nodes:
         raise BadInput(
-            f"`{dev.name}` is a local device; doctor checks a cluster for TPU slices",
-            "pass a TPU device such as tpu7x-128",
+            f"`{dev.name}` is a local device; doctor checks a cluster for TPU slices and GPU nodes",
+            "pass a TPU device such as tpu7x-128, or GPU nodes such as h100-mega-80gb-8x2",
         )
     client = make_api_client(context=settings.kube_context)
     try:

@@ -138,6 +138,31 @@ def _progress(line: str) -> None:
     sys.stderr.flush()
 
 
+def _gpu_estimate(recipe, dev, slices: int, output) -> None:
+    """GPU nodes: no compile here (preflight compiles for TPU slices); the plan's memory estimate,
+    labelled as one. A step the estimate cannot fit is refused by the plan itself (exit 2)."""
+    from olmo_ctl.core.batching import make_plan
+    from olmo_ctl.preflight.compile import gpu_estimate_note
+
+    plan = make_plan(recipe, dev, slices)
+    note = gpu_estimate_note(dev, plan)
+    if output == Output.table:
+        print(note)
+        return
+    print_data(
+        {
+            "device": dev.name,
+            "compiled": False,
+            "estimated_bytes_per_device": plan.estimated_bytes_per_device,
+            "hbm_bytes_per_device": plan.hbm_bytes_per_device,
+            "per_device_batch": plan.per_device_batch,
+            "grad_accum": plan.grad_accum,
+            "note": note,
+        },
+        output,
+    )
+
+
 @app.command(example="olmo-ctl preflight --stage 1 --device tpu7x-128 --search")
 def preflight(
     device: DeviceOpt,
@@ -188,7 +213,8 @@ def preflight(
     """Compile the real train step for a TPU slice on this machine and check that it fits in HBM.
 
     Reports per-device memory against HBM, FLOPs and compile time, for the recipe given by --stage
-    or --recipe. Exit codes: 0 it fits, 1 it does not (by how many GiB), 2 bad input.
+    or --recipe. GPU nodes compile nothing: the plan's memory estimate, labelled as one. Exit codes: 0
+    it fits, 1 it does not (by how many GiB), 2 bad input.
     """
     from olmo_ctl.backends import resolve_settings
     from olmo_ctl.backends.base import Target
@@ -198,7 +224,9 @@ def preflight(
 
     r = load_recipe(recipe, stage, overrides or [], model=model)
     dev = Target.parse(device).device
-    dev.check_launchable()
+    if dev.is_gpu_nodes:
+        _gpu_estimate(r, dev, slices, output)
+        return
     if not dev.is_tpu:
         raise BadInput(
             f"preflight compiles for TPU slices; `{dev.name}` is a local device",

@@ -397,7 +397,7 @@ def _fallback(devices: str | None, after: str | None, back: str | None, device: 
         raise BadInput("--fallback names no device", "e.g. --fallback v5p-256,tpu7x-64")
     for n in names:
         d = Target.parse(n).device
-        d.check_launchable()
+        d.check_launchable("--fallback")
         if not d.is_tpu:
             raise BadInput(f"--fallback {n}: a fallback is a TPU slice on GKE", "e.g. --fallback v5p-256")
     if len(set(names)) != len(names) or (device is not None and device in names):

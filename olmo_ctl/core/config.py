@@ -253,6 +253,8 @@ def _check_prices(value: Any, src: str) -> dict[str, dict[str, float]]:
 _OWN_SELECTORS = (
     "cloud.google.com/gke-tpu-accelerator",
     "cloud.google.com/gke-tpu-topology",
+    "cloud.google.com/gke-accelerator",
+    "cloud.google.com/gce-machine-type",
     "cloud.google.com/placement-policy-name",
     "cloud.google.com/gke-spot",
     "cloud.google.com/reservation-name",

@@ -74,6 +74,14 @@ COORDINATOR_ENV = "OLMO_CTL_COORDINATOR_ADDRESS"
 NUM_PROCESSES_ENV = "OLMO_CTL_NUM_PROCESSES"
 PROCESS_ID_ENV = "OLMO_CTL_PROCESS_ID"
 LOG_PREFIX_ENV = "OLMO_CTL_LOG_PREFIX"  # `host <h>: ` before each of the host's lines in the attempt log
+# GPU nodes on GKE: XPK's names for the JAX coordinator environment of GPU node pools
+# (src/xpk/core/docker_resources.py get_gpu_env), set in every pod by the JobSet
+# (`backends/jobset.py` gpu_nodes_env) and read by the trainer's join (`trainer/multihost.py`).
+GPU_NODES_ENV = "NNODES"  # the node count: one trainer process per node
+GPU_NODE_RANK_ENV = "NODE_RANK"  # this pod's node, its Job completion index
+GPU_COORDINATOR_ADDRESS_ENV = "JAX_COORDINATOR_ADDRESS"  # pod 0's DNS name
+GPU_COORDINATOR_PORT_ENV = "JAX_COORDINATOR_PORT"
+GPU_COORDINATOR_PORT = 6002  # XPK's, also the container port it opens
 # Seconds a trainer has from SIGTERM to its kill: the pod's grace period, or on spot VMs what GKE's
 # graceful node shutdown leaves the pods (30 s of notice, of which the last 15 s are the system
 # pods': SPOT_STOP_BUDGET_S). A stop whose checkpoint write would not finish in it writes none.

@@ -13,8 +13,9 @@ devices each (`cpu-N` is 1 x N).
 
 GPU nodes on GKE are named by XPK's machine type and a node count in one token, `{type}x{N}`:
 `h100-mega-80gb-8x160` is 160 a3-megagpu-8g nodes of 8 H100s (1,280 GPUs; XPK's name alone is one
-node). One trainer process per node, its GPUs that process's devices. `plan` and `devices` take them;
-the launcher does not yet (`Device.check_launchable`).
+node). One trainer process per node, its GPUs that process's devices. `plan`, `devices` and the GKE
+backend take them (`launch_templates/gpu-*.yaml`); what runs only on TPU slices or this machine refuses
+them (`Device.check_launchable`).
 """
 
 from __future__ import annotations
@@ -57,15 +58,15 @@ class Device:
         """GPU nodes of a GKE machine type (`h100-mega-80gb-8x20`), not the local backend's `gpu-N`."""
         return self.generation in GPU_MACHINES
 
-    def check_launchable(self) -> None:
-        """BadInput for GPU nodes: the catalog plans for them, but no backend launches on GPU node
-        pools yet (nothing renders their pods; preflight compiles for TPU topologies only)."""
+    def check_launchable(self, by: str = "this command") -> None:
+        """BadInput for GPU nodes where `by` (what asks: `doctor`, `an eval job`) runs only on TPU slices
+        or this machine: of the launchers, only the GKE backend renders GPU nodes' pods."""
         if self.is_gpu_nodes:
             raise BadInput(
-                f"`{self.name}` is GPU nodes ({self.vms} x {self.machine_type}): GPU node pools are not"
-                " supported by the launcher yet",
-                "`olmo-ctl plan` and `olmo-ctl devices` take GPU machine types; run on a TPU slice (e.g."
-                " tpu7x-128) or a local device",
+                f"`{self.name}` is GPU nodes ({self.vms} x {self.machine_type}): {by} does not run on GPU"
+                " node pools",
+                "`olmo-ctl submit --backend gke` runs them (`plan` and `devices` take them too); here use a"
+                " TPU slice (e.g. tpu7x-128) or a local device",
             )
 
     @property

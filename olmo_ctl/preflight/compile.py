@@ -222,7 +222,7 @@ def plan_for(recipe: Recipe, device: Device, per_device_batch: int | None = None
 def topology_devices(device: Device, slices: int = 1):
     """The slice's JAX devices from libtpu's topology description (no TPU attached); with `slices` > 1
     those of N such slices, each device carrying its `slice_index` (libtpu's `num_slices`)."""
-    device.check_launchable()
+    device.check_launchable("preflight's compile")
     if not device.is_tpu:
         raise BadInput(
             f"preflight compiles for TPU slices; `{device.name}` is a local device",
@@ -768,6 +768,16 @@ def search(
 # ----------------------------------------------------------------------------- submit's gate
 
 
+def gpu_estimate_note(device: Device, plan: Plan) -> str:
+    """What preflight says for GPU nodes, where it compiles nothing: the plan's memory estimate
+    (`core/batching.py`), labelled as one."""
+    return (
+        f"preflight: estimate, not compiled: {plan.estimated_bytes_per_device / GIB:.1f} GiB of "
+        f"{plan.hbm_bytes_per_device / GIB:.0f} GiB per GPU on {device.name} at micro-batch "
+        f"{plan.per_device_batch} (the plan's memory estimate; preflight compiles for TPU slices only)"
+    )
+
+
 def submit_check(
     recipe: Recipe, device: Device, plan: Plan, *, log=print, settings: Settings | None = None
 ) -> PreflightResult | None:
@@ -776,8 +786,12 @@ def submit_check(
     Runs only for TPU slices and only where libtpu is installed (else returns None): it compiles
     the step with the plan's micro-batch, or answers from the cache (same recipe, device, remat,
     batch and trainer version) at once. Raises BadInput when the step does not fit, so nothing is
-    submitted that would die of an out-of-memory error after waiting in the queue.
+    submitted that would die of an out-of-memory error after waiting in the queue. For GPU nodes it
+    logs the plan's memory estimate, labelled as one, and compiles nothing.
     """
+    if device.is_gpu_nodes:
+        log(gpu_estimate_note(device, plan))
+        return None
     if not device.is_tpu or not libtpu_available():
         return None
     r = _tpu_attention(recipe)

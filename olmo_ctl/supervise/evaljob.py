@@ -68,7 +68,7 @@ def check_slice(device: Device, spec: EvalSpec) -> None:
     """What an eval job needs before anything is read: a TPU slice (one process per host, each reading
     only its own devices' shards of the checkpoint) and a checkpoint on GCS (the pods cannot see this
     machine's files)."""
-    device.check_launchable()
+    device.check_launchable("an eval job")
     if not device.is_tpu:
         raise BadInput(
             f"`{device.name}` is a local device; an eval job runs on a TPU slice",

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from typing import Any
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -292,7 +293,7 @@ def _journal_exit(ns: argparse.Namespace, code: int, device: str | None) -> None
         if not any(r.get("event") == "submitted" and r.get("attempt") == ns.attempt for r in rd.journal()):
             return  # not an attempt of olmo-ctl's (a trainer started by hand): its run has no journal to keep
         unsaved = hooks.STOP_UNSAVED
-        extra = {"stop_unsaved": unsaved} if unsaved else {}
+        extra: dict[str, Any] = {"stop_unsaved": unsaved} if unsaved else {}
         note = stop_unsaved_note(unsaved)
         rd.append(
             EXITED_EVENT,

@@ -8,7 +8,9 @@ host devices each, with gloo collectives). This module holds what is specific to
   local twin's launcher sets `OLMO_CTL_COORDINATOR_ADDRESS`, `OLMO_CTL_NUM_PROCESSES` and
   `OLMO_CTL_PROCESS_ID`. A TPU device on the CPU platform (JAX_PLATFORMS=cpu: a pod of `olmo-ctl
   sandbox`, each TPU VM one process) joins from the webhook's TPU_WORKER_ID and TPU_WORKER_HOSTNAMES
-  and the sandbox's `OLMO_CTL_COORDINATOR_ADDRESS`, with gloo collectives. Any failure to join (a
+  and the sandbox's `OLMO_CTL_COORDINATOR_ADDRESS`, with gloo collectives. On GPU nodes (one process
+  per node) they come from the JobSet's environment, XPK's names for GPU node pools: NNODES, NODE_RANK,
+  JAX_COORDINATOR_ADDRESS and JAX_COORDINATOR_PORT (`gpu_nodes_params`). Any failure to join (a
   coordinator that never answers, a peer that never arrives within `runtime.init_timeout_s`) raises
   `JoinFailed`, exit 3: the attempt is restarted, it is not a user error.
 - Multislice (`--slices N`): one world of N x the slice's hosts. GKE's webhook adds
@@ -41,6 +43,10 @@ from typing import Any, Required, TypedDict
 from olmo_ctl.core.contracts import (
     COORDINATOR_ENV,
     EXIT_RESTART,
+    GPU_COORDINATOR_ADDRESS_ENV,
+    GPU_COORDINATOR_PORT_ENV,
+    GPU_NODE_RANK_ENV,
+    GPU_NODES_ENV,
     LOG_PREFIX_ENV,
     NUM_PROCESSES_ENV,
     PROCESS_ID_ENV,
@@ -84,7 +90,7 @@ def join(device, runtime, committed: int = 0, slices: int = 1) -> bool:
         "initialization_timeout": int(runtime.init_timeout_s),
         "heartbeat_timeout_seconds": int(runtime.peer_timeout_s),
     }
-    gloo = device.platform == "cpu" or (device.is_tpu and emulated_slice())
+    gloo = device.platform == "cpu" or ((device.is_tpu or device.is_gpu_nodes) and emulated_slice())
     if device.platform == "cpu":
         missing = [k for k in (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV) if not os.environ.get(k)]
         if missing:
@@ -107,6 +113,10 @@ def join(device, runtime, committed: int = 0, slices: int = 1) -> bool:
     elif device.is_tpu and emulated_slice():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs.update(_emulated_slice_params(device, slices))
+    elif device.is_gpu_nodes:
+        if gloo:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        kwargs.update(gpu_nodes_params(device))
     _exit_3_on_abort()
     _state["joining"] = f"could not join the {processes} hosts of {what}"
     try:
@@ -141,6 +151,36 @@ def join(device, runtime, committed: int = 0, slices: int = 1) -> bool:
 def emulated_slice() -> bool:
     """A TPU slice's VM emulated by a CPU process (`olmo-ctl sandbox` runs pods so): JAX_PLATFORMS=cpu."""
     return os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
+
+
+def gpu_nodes_params(device, environ: dict[str, str] | None = None) -> dict:
+    """`jax.distributed.initialize`'s coordinator, process count and process id on GPU nodes, from what
+    the JobSet sets in every pod (XPK's get_gpu_env, src/xpk/core/docker_resources.py; as MaxText's
+    initialize_jax_for_gpu reads them): NNODES, NODE_RANK (the pod's completion index),
+    JAX_COORDINATOR_ADDRESS (pod 0's DNS name) and JAX_COORDINATOR_PORT. JAX detects none of these by
+    itself; a missing or inconsistent one is `JoinFailed` naming it."""
+    env = os.environ if environ is None else environ
+    wanted = (GPU_NODES_ENV, GPU_NODE_RANK_ENV, GPU_COORDINATOR_ADDRESS_ENV, GPU_COORDINATOR_PORT_ENV)
+    missing = [k for k in wanted if not env.get(k, "").strip()]
+    if missing:
+        raise JoinFailed(
+            f"--device {device.name} runs on {device.vms} GPU nodes but {', '.join(missing)} is not set",
+            "run it as a pod of the JobSet `olmo-ctl submit --backend gke` renders, which sets them",
+        )
+    numbers = {k: env[k].strip() for k in (GPU_NODES_ENV, GPU_NODE_RANK_ENV, GPU_COORDINATOR_PORT_ENV)}
+    bad = [f"{k}={v!r}" for k, v in numbers.items() if not v.isdigit()]
+    if bad:
+        raise JoinFailed(f"{', '.join(bad)} is not a number", "the JobSet sets them; do not override them")
+    nodes, rank = int(numbers[GPU_NODES_ENV]), int(numbers[GPU_NODE_RANK_ENV])
+    if nodes != device.vms:
+        raise JoinFailed(f"--device {device.name} is {device.vms} nodes but {GPU_NODES_ENV}={nodes}")
+    if rank >= nodes:
+        raise JoinFailed(f"{GPU_NODE_RANK_ENV}={rank} is outside the {nodes} nodes of {device.name}")
+    return {
+        "coordinator_address": f"{env[GPU_COORDINATOR_ADDRESS_ENV].strip()}:{numbers[GPU_COORDINATOR_PORT_ENV]}",
+        "num_processes": nodes,
+        "process_id": rank,
+    }
 
 
 def _emulated_slice_params(device, slices: int = 1) -> dict:
