@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
         ("tpu7x-512", "tpu7x-128", (1, 4)),
         ("tpu7x-128", "tpu7x-512", (4, 1)),
         ("tpu7x-512", "v5p-256", (1, 4)),
+        ("tpu7x-128", "h100-mega-80gb-8x64", (4, 1)),  # TPU -> GPU nodes: both on GKE
+        ("h100-mega-80gb-8x64", "v5p-256", (1, 4)),
     ],
 )
 def test_plan_keeps_the_global_batch_and_recomputes_the_per_device_batch(old, new, micro):
@@ -50,8 +52,10 @@ def test_plan_refuses_what_would_change_the_run():
         plan_resize(smoke, get_device("cpu-4"), get_device("cpu-3"), "r", 1, 2)
     with pytest.raises(BadInput, match="already runs on cpu-4"):
         plan_resize(smoke, get_device("cpu-4"), get_device("cpu-4"), "r", 1, 2)
-    with pytest.raises(BadInput, match="one is a TPU slice"):
+    with pytest.raises(BadInput, match="one runs on GKE .a TPU slice or GPU nodes., the other is a local"):
         plan_resize(smoke, get_device("cpu-4"), get_device("v5p-8"), "r", 1, 2)
+    with pytest.raises(BadInput, match="one runs on GKE"):
+        plan_resize(smoke, get_device("gpu-8"), get_device("h100-mega-80gb-8"), "r", 1, 2)
 
 
 # ---------------------------------------------------------------- GKE against the test server
@@ -584,7 +588,8 @@ def test_supervisor_refuses_an_impossible_request_and_keeps_its_attempt(supervis
     req = record_request(rd, "cpu-4", "now")  # a GKE run cannot move to a local device
     rec = wait_for_request(rd, req["id"], 30, poll_s=0.1)
     assert (
-        rec["event"] == "resize_refused" and "one is a TPU slice, the other a local device" in rec["reason"]
+        rec["event"] == "resize_refused"
+        and "one runs on GKE (a TPU slice or GPU nodes), the other is a local device" in rec["reason"]
     ), rec
     assert rd.pending_resize() is None
     assert srv.cluster.jobset_names() == ["s1-a1"]

@@ -103,6 +103,11 @@ def on(plan: Plan) -> str:
     return plan.device if plan.slices == 1 else f"{plan.slices} x {plan.device}"
 
 
+def _on_gke(device) -> bool:
+    """TPU slices and GPU nodes run on GKE (a resize may move between them); cpu-N and gpu-N locally."""
+    return bool(device.is_tpu or device.is_gpu_nodes)
+
+
 def plan_resize(
     recipe,
     old_device,
@@ -120,11 +125,11 @@ def plan_resize(
         raise BadInput(
             f"run `{run}` already runs on {where}", "name another device or slice count (--slices)"
         )
-    if old_device.is_tpu != new_device.is_tpu:
+    if _on_gke(old_device) != _on_gke(new_device):
         raise BadInput(
-            f"cannot resize `{run}` from {old_device.name} to {new_device.name}: one is a TPU slice, "
-            "the other a local device",
-            "a resize stays on the run's backend (TPU <-> TPU, local <-> local)",
+            f"cannot resize `{run}` from {old_device.name} to {new_device.name}: one runs on GKE (a TPU "
+            "slice or GPU nodes), the other is a local device",
+            "a resize stays on the run's backend (GKE: TPU slices and GPU nodes, either way; local <-> local)",
         )
     old = make_plan(recipe, old_device, old_slices)
     new = make_plan(recipe, new_device, new_slices)
