@@ -12,10 +12,12 @@
 #   make lint      ruff
 #   make check     the quality gates: ruff check, ruff format --check, mypy (each runs; any failure fails)
 #   make image     build launch_templates/Dockerfile as $(IMAGE): docker when `docker info` answers,
-#                  else buildah on the local Debian base of `make base-image` (docs/image.md)
+#                  else buildah on the local Debian base of `make base-image` (docs/image.md);
+#                  VARIANT=gpu builds the NVIDIA GPU variant (JAX's CUDA wheels) as olmo-ctl:VERSION-gpu
 #   make base-image the local Debian base (debootstrap; cached under $(IMAGE_CACHE))
 #   make image-test check $(IMAGE) from inside, as its user: trainer --help, pip check, versions equal
-#                  constraints.txt, a 5-step local smoke run to a mounted run directory
+#                  constraints.txt, a 5-step local smoke run to a mounted run directory; VARIANT=gpu
+#                  checks the GPU variant, and that its CUDA libraries load (a GPU, if any, is used)
 #   make bench     CLI start-up latency
 #   make lock      rewrite constraints.txt from .venv (after the tests pass with new versions)
 
@@ -23,12 +25,15 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-IMAGE  ?= olmo-ctl:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+# The image's variant, tpu or gpu (the accelerator JAX is installed for); the GPU variant's name ends in -gpu.
+VARIANT ?= tpu
+IMAGE  ?= olmo-ctl:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)$(if $(filter-out tpu,$(VARIANT)),-$(VARIANT))
 # The image's base (empty: the builder's default, python:3.11-slim with Docker, the local Debian base of
-# `make base-image` with buildah), the extras it installs, the builder (empty: docker if `docker info`
-# answers, else buildah) and where the local base's root file system is cached.
+# `make base-image` with buildah), the extras it installs (the trainer, the variant's accelerator, the
+# evaluator), the builder (empty: docker if `docker info` answers, else buildah) and where the local
+# base's root file system is cached.
 BASE_IMAGE  ?=
-EXTRAS      ?= trainer,tpu,eval
+EXTRAS      ?= trainer,$(VARIANT),eval
 BUILDER     ?=
 IMAGE_CACHE ?= /var/cache/olmo-ctl
 
@@ -100,14 +105,14 @@ demo: $(STAMP)
 
 image:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m tools.image_build build --image '$(IMAGE)' --base-image '$(BASE_IMAGE)' \
-		--extras '$(EXTRAS)' --builder '$(BUILDER)' --cache '$(IMAGE_CACHE)'
+		--variant '$(VARIANT)' --extras '$(EXTRAS)' --builder '$(BUILDER)' --cache '$(IMAGE_CACHE)'
 
 base-image:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m tools.image_build base --cache '$(IMAGE_CACHE)' \
 		$(if $(BASE_IMAGE),--base-image '$(BASE_IMAGE)')
 
 image-test:
-	PYTHONPATH=$(CURDIR) $(BIN)/python -m tools.image_check --image '$(IMAGE)'
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m tools.image_check --image '$(IMAGE)' --variant '$(VARIANT)'
 
 bench:
 	$(BIN)/python benchmarks/cli_latency.py
@@ -115,9 +120,11 @@ bench:
 # Exact versions of .venv (less pip and olmo-ctl itself; local labels such as +cpu dropped, so PyPI
 # resolves them), under the header of the current file. `pip list --format=freeze` writes NAME==VERSION
 # for every distribution, also one installed from a wheel file (where `pip freeze` writes its URL).
+# Then the gpu extra, which .venv does not hold, as pip resolves it beside them (tools/lock_extra.py).
 lock:
 	sed -n '/^#/p' constraints.txt > constraints.txt.new
 	$(BIN)/pip list --format=freeze --exclude-editable --exclude pip --exclude olmo-ctl \
 		| sed 's/+[A-Za-z0-9.]*$$//' >> constraints.txt.new
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m tools.lock_extra constraints.txt.new gpu
 	mv constraints.txt.new constraints.txt
 

