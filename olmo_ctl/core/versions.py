@@ -8,7 +8,7 @@ differ says so in one line; it refuses to restore a checkpoint when the checkpoi
 The rule for "may not read": Orbax writes the checkpoints, and its releases are 0.x, where a minor
 release may change the on-disk layout or metadata; a patch release does not. So a change of
 orbax-checkpoint's major or minor version (or Orbax appearing or disappearing) blocks a restore. Other
-changes (jax, jaxlib, libtpu, optax, olmo-ctl) change numerics or speed, not what a checkpoint holds:
+changes (jax, jaxlib, libtpu, the JAX CUDA plugin, optax, olmo-ctl) change numerics or speed, not what a checkpoint holds:
 they are reported, not refused.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
-PACKAGES = ("olmo-ctl", "jax", "jaxlib", "libtpu", "orbax-checkpoint", "optax")
+PACKAGES = ("olmo-ctl", "jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "orbax-checkpoint", "optax")
 FORMAT_PACKAGE = "orbax-checkpoint"
 
 
