@@ -214,11 +214,6 @@ LOCAL_REFUSAL = (
             ("submit", "--stage", "1", "--device", "h100-mega-80gb-8x2", "--backend", "local", "--dry-run"),
             LOCAL_REFUSAL,
         ),
-        (("doctor", "--device", "h100-mega-80gb-8x2"), _refusal("doctor")),
-        (
-            ("sandbox", "--kubeconfig", "{tmp}/kubeconfig", "--slices", "h100-mega-80gb-8x2"),
-            _refusal("this command"),
-        ),
         (
             (
                 "resume-until-done",
@@ -234,7 +229,7 @@ LOCAL_REFUSAL = (
             _refusal("--fallback"),
         ),
     ],
-    ids=["submit-local", "doctor", "sandbox", "fallback"],
+    ids=["submit-local", "fallback"],
 )
 def test_what_runs_only_on_tpu_slices_or_here_refuses_gpu_nodes_in_one_line(tmp_path, args, says):
     env = clean_env(tmp_path / "cfg")

@@ -12,6 +12,11 @@ would report `queued` forever.
   submit_checks(client, settings, device, slices) the cheap ones (queue, priority class, flavor): the
                                                   first failure as `BadInput`, before anything is created
 
+For GPU nodes (`h100-mega-80gb-8x2`) the flavor, quota and node checks are those of `nvidia.com/gpu`
+and GKE's GPU labels, and two more say what a GPU pod needs of the cluster beyond its nodes
+(`olmo_ctl.backends.gke_gpu` states each): the interconnect's NCCL installer DaemonSet, and the
+multi-network objects (Network, GKENetworkParamSet) its interfaces name.
+
 A read the account may not do (403) never fails a check: it becomes a warning (ok, the message says
 what could not be read).
 """
@@ -23,6 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from olmo_ctl.backends import gke_gpu
 from olmo_ctl.backends.apis import (
     JOBSET_GROUP,
     JOBSET_VERSION,
@@ -32,7 +38,14 @@ from olmo_ctl.backends.apis import (
     WORKLOADS,
 )
 from olmo_ctl.backends.jobset import host_network, pod_node_selector
-from olmo_ctl.backends.kube import KubeRetryPolicy, api_status, call, parse_quantity, status_message
+from olmo_ctl.backends.kube import (
+    KubeRetryPolicy,
+    api_status,
+    call,
+    parse_quantity,
+    status_message,
+    tolerates,
+)
 from olmo_ctl.core.config import PLACEHOLDER_IMAGE
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import BadInput, Unreachable
@@ -185,7 +198,16 @@ def kueue_version(kube: Cluster) -> str | None:
 
 
 def device_labels(device: Device) -> dict[str, str]:
+    """The node labels of the device's ResourceFlavor as XPK makes it: a TPU slice's accelerator and
+    topology; GPU nodes' accelerator."""
+    if device.is_gpu_nodes:
+        return gke_gpu.flavor_labels(device)
     return {ACCELERATOR_LABEL: device.accelerator_label or "", TOPOLOGY_LABEL: device.topology or ""}
+
+
+def accelerator_resource(device: Device) -> str:
+    """The resource Kueue's quota and the nodes count the device in: google.com/tpu or nvidia.com/gpu."""
+    return gke_gpu.GPU if device.is_gpu_nodes else TPU
 
 
 def _flavor_fits(rf: dict, device: Device) -> tuple[bool, bool]:
@@ -345,18 +367,19 @@ def check_queues(kube: Cluster, version: str, ns: str, queue: str) -> tuple[list
 def flavors_for(
     kube: Cluster, version: str, cq: dict, device: Device
 ) -> list[tuple[str, dict | None, float]]:
-    """(flavor name, ResourceFlavor or None if unreadable, nominal google.com/tpu) of the ClusterQueue's
-    flavors covering google.com/tpu that Kueue would assign to the slice's pods."""
+    """(flavor name, ResourceFlavor or None if unreadable, nominal quota) of the ClusterQueue's flavors
+    covering the device's resource (google.com/tpu, nvidia.com/gpu) that Kueue would assign to its pods."""
     out: list[tuple[str, dict | None, float]] = []
+    resource = accelerator_resource(device)
     for g in (cq.get("spec") or {}).get("resourceGroups") or []:
-        if TPU not in (g.get("coveredResources") or []):
+        if resource not in (g.get("coveredResources") or []):
             continue
         for f in g.get("flavors") or []:
             nominal = next(
                 (
                     quantity(r.get("nominalQuota", 0))
                     for r in f.get("resources") or []
-                    if r.get("name") == TPU
+                    if r.get("name") == resource
                 ),
                 0.0,
             )
@@ -373,15 +396,16 @@ def flavors_for(
 def check_flavor(kube: Cluster, version: str, cq: dict, device: Device, slices: int) -> Check:
     cq_name = cq["metadata"]["name"]
     labels = ", ".join(f"{k}={v}" for k, v in device_labels(device).items())
+    res = accelerator_resource(device)
     fits = flavors_for(kube, version, cq, device)
     if not fits:
         return Check(
             "resource-flavor",
             False,
             f"ClusterQueue {cq_name} has no ResourceFlavor for {device.name} "
-            f"covering {TPU} ({labels}): Kueue cannot admit the slice; add a "
-            f"flavor with these node labels and {TPU} quota (as `xpk cluster "
-            "create` does)",
+            f"covering {res} ({labels}): Kueue cannot admit the "
+            f"{'nodes' if device.is_gpu_nodes else 'slice'}; add a flavor with these node labels and {res} "
+            "quota (as `xpk cluster create` does)",
         )
     need = slices * (device.chips or 0)
     unread = [n for n, rf, _ in fits if rf is None]
@@ -390,7 +414,7 @@ def check_flavor(kube: Cluster, version: str, cq: dict, device: Device, slices: 
     if best_q + 1e-9 < need:
         cohort = (cq.get("spec") or {}).get("cohort") or (cq.get("spec") or {}).get("cohortName")
         msg = (
-            f"ResourceFlavor {best_name} has a nominal quota of {best_q:g} {TPU} in ClusterQueue {cq_name}; "
+            f"ResourceFlavor {best_name} has a nominal quota of {best_q:g} {res} in ClusterQueue {cq_name}; "
             f"{what} needs {need}"
         )
         if cohort:
@@ -400,17 +424,18 @@ def check_flavor(kube: Cluster, version: str, cq: dict, device: Device, slices: 
         return _warn(
             "resource-flavor",
             f"ResourceFlavor {best_name} has no {labels} node labels: Kueue admits "
-            f"TPU workloads of any shape into its {best_q:g} {TPU}",
+            f"{'GPU workloads of any machine type' if device.is_gpu_nodes else 'TPU workloads of any shape'}"
+            f" into its {best_q:g} {res}",
         )
     if unread and best_rf is None:
         return _warn(
             "resource-flavor",
-            f"cannot read ResourceFlavor {best_name} (forbidden); its quota ({best_q:g} {TPU}) covers {what}",
+            f"cannot read ResourceFlavor {best_name} (forbidden); its quota ({best_q:g} {res}) covers {what}",
         )
     return Check(
         "resource-flavor",
         True,
-        f"ResourceFlavor {best_name} ({labels}) with {best_q:g} {TPU} covers {what} ({need})",
+        f"ResourceFlavor {best_name} ({labels}) with {best_q:g} {res} covers {what} ({need})",
     )
 
 
@@ -514,6 +539,219 @@ def check_nodes(kube: Cluster, device: Device, slices: int, selector: dict[str, 
         f"{len(whole)} complete node pool(s) with {sel} ({device.vms} nodes each); "
         f"{slices} needed: add node pools or wait for repairs",
     )
+
+
+def check_gpu_nodes(
+    kube: Cluster,
+    device: Device,
+    slices: int,
+    selector: dict[str, str] | None = None,
+    tolerations: list[dict] | None = None,
+) -> Check:
+    """GPU nodes the pods can run on: GKE's GPU labels and the site's selector, `nvidia.com/gpu`
+    allocatable (the driver installed), no taint the pods do not tolerate, and enough of them (in any
+    node pools: N nodes are not one slice)."""
+    res, per_node = gke_gpu.GPU, device.chips_per_vm
+    sel = ",".join(f"{k}={v}" for k, v in {**gke_gpu.node_labels(device), **(selector or {})}.items())
+    need = device.vms * slices
+    try:
+        nodes = (kube.get("/api/v1/nodes", "list nodes", query={"labelSelector": sel}) or {}).get(
+            "items"
+        ) or []
+    except Forbidden:
+        return _warn(
+            "node-pools",
+            f"cannot list nodes (forbidden); check with your admin that {need} node(s) with {sel} exist",
+        )
+    create = (
+        f"--machine-type {device.machine_type} --accelerator type={device.accelerator_label},count={per_node},"
+        "gpu-driver-version=latest"
+    )
+    if not nodes:
+        return Check(
+            "node-pools",
+            False,
+            f"no nodes with {sel}: create a node pool of {need} x {device.machine_type} (as `xpk cluster create "
+            f"--device-type {device.generation} --num-nodes {need}` does; gcloud container node-pools create "
+            f"... {create})",
+        )
+    usable: list[dict] = []
+    driverless: list[dict] = []
+    tainted: dict[str, dict] = {}  # `key=value:effect` -> the taint
+    for n in nodes:
+        spec = n.get("spec") or {}
+        alloc = quantity(((n.get("status") or {}).get("allocatable") or {}).get(res, 0))
+        bad = [
+            t
+            for t in spec.get("taints") or []
+            if t.get("effect") in ("NoSchedule", "NoExecute") and not tolerates(tolerations or [], t)
+        ]
+        if alloc + 1e-9 < per_node:
+            driverless.append(n)
+        elif bad or spec.get("unschedulable"):
+            for t in bad:
+                if not t["key"].startswith("node.kubernetes.io/"):  # a node's condition, not its setup
+                    tainted.setdefault(
+                        f"{t['key']}{'=' + t['value'] if t.get('value') else ''}:{t['effect']}", t
+                    )
+        else:
+            usable.append(n)
+    pools = sorted({(n["metadata"].get("labels") or {}).get(NODEPOOL_LABEL, "?") for n in usable})
+    if len(usable) >= need:
+        return Check(
+            "node-pools",
+            True,
+            f"{len(usable)} node(s) with {sel} and {per_node} {res} each (node pool {', '.join(pools)}); "
+            f"{device.name} needs {need}",
+        )
+    if driverless:
+        return Check(
+            "node-pools",
+            False,
+            f"{len(driverless)} node(s) with {sel} have less than {per_node} allocatable {res}: the NVIDIA "
+            "driver is not installed; create the node pool with gpu-driver-version=latest or install it: "
+            f"kubectl apply -f {gke_gpu.GPU_DRIVER_INSTALLER}",
+        )
+    if tainted:
+        taint, t = next(iter(tainted.items()))
+        return Check(
+            "node-pools",
+            False,
+            f"node(s) with {sel} are tainted {taint}, which the pods do not tolerate: remove the taint "
+            f"(kubectl taint nodes -l {sel} {t['key']}:{t['effect']}-) or tolerate it (the site setting "
+            "`tolerations`)",
+        )
+    return Check(
+        "node-pools",
+        False,
+        f"{len(usable)} schedulable node(s) with {sel} (of {len(nodes)}); {device.name} needs {need}: add nodes "
+        "(gcloud container clusters resize CLUSTER --node-pool POOL --num-nodes N) or wait for repairs",
+    )
+
+
+def check_nccl_installer(kube: Cluster, device: Device) -> Check:
+    """The interconnect's NCCL installer DaemonSet selects the device's nodes and runs on them: without
+    it the GPUs' collectives have no GPUDirect plugin (TCPXO's FasTrak, RDMA's gIB) to run over."""
+    inst = gke_gpu.nccl_installer(device)
+    ns, name, accel = inst.namespace, inst.name, device.accelerator_label or ""
+    fix = f"kubectl apply -f {inst.manifest}"
+    try:
+        ds = kube.get(f"/apis/apps/v1/namespaces/{ns}/daemonsets/{name}", f"read DaemonSet {ns}/{name}")
+    except Forbidden:
+        return _warn(
+            "nccl-installer", f"cannot read DaemonSet {ns}/{name} (forbidden): NCCL's plugin not checked"
+        )
+    if ds is None:
+        return Check(
+            "nccl-installer",
+            False,
+            f"no DaemonSet {ns}/{name}: NCCL's {gke_gpu.interconnect(device)} plugin is not installed on the "
+            f"GPU nodes, so their collectives cannot use GPUDirect; install it: {fix}",
+        )
+    pod_spec = ((ds.get("spec") or {}).get("template") or {}).get("spec") or {}
+    if not gke_gpu.daemon_should_run(pod_spec, gke_gpu.node_labels(device), [gke_gpu.GPU_TAINT]):
+        return Check(
+            "nccl-installer",
+            False,
+            f"DaemonSet {ns}/{name} does not select {gke_gpu.ACCELERATOR_LABEL}={accel} nodes: add {accel} to "
+            f"its node affinity, or apply the installer for {device.machine_type}: {fix}",
+        )
+    st = ds.get("status") or {}
+    desired, ready = int(st.get("desiredNumberScheduled") or 0), int(st.get("numberReady") or 0)
+    if ready < desired:
+        return Check(
+            "nccl-installer",
+            False,
+            f"DaemonSet {ns}/{name}: {ready} of {desired} installer pods ready, so the plugin is missing on "
+            f"{desired - ready} node(s); see kubectl -n {ns} describe daemonset {name}",
+        )
+    return Check(
+        "nccl-installer", True, f"DaemonSet {ns}/{name} selects {accel} nodes ({ready}/{desired} ready)"
+    )
+
+
+NETWORKS_DOC = "docs/sandbox-and-doctor.md#gpu-clusters"
+
+
+def check_gpu_networks(kube: Cluster, device: Device, settings: Any = None) -> Check:
+    """Every network the pods' `networking.gke.io/interfaces` names is a Network (GKE refuses the pods
+    otherwise) whose GKENetworkParamSet exists with the interconnect's device mode, and is Ready."""
+    nets = gke_gpu.pod_networks(device, settings)
+    group, version = gke_gpu.NETWORK_GROUP, gke_gpu.NETWORK_VERSION
+    if not nets:
+        return Check("gpu-networks", True, "the pods name no networks beyond the cluster's own")
+    names = ", ".join(n.name for n in nets)
+    try:
+        served = kube.get(f"/apis/{group}/{version}", f"discover {group}/{version}")
+        if served is None:
+            return Check(
+                "gpu-networks",
+                False,
+                f"the cluster does not serve {group}/{version} Networks, so the pods' interfaces ({names}) "
+                "cannot be given: GKE multi-networking is off; create the cluster with --enable-dataplane-v2 "
+                f"--enable-multi-networking (as `xpk cluster create` does for {device.machine_type})",
+            )
+        missing, no_params, wrong_mode, not_ready = [], [], [], []
+        for net in nets:
+            obj = kube.get(f"/apis/{group}/{version}/networks/{net.name}", f"read Network {net.name}")
+            if obj is None:
+                missing.append(net)
+                continue
+            ref = ((obj.get("spec") or {}).get("parametersRef") or {}).get("name") or ""
+            gnp = (
+                kube.get(
+                    f"/apis/{group}/{version}/gkenetworkparamsets/{ref}", f"read GKENetworkParamSet {ref}"
+                )
+                if ref
+                else None
+            )
+            mode = ((gnp or {}).get("spec") or {}).get("deviceMode")
+            ready = next(
+                (c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"),
+                None,
+            )
+            if gnp is None:
+                no_params.append((net, ref))
+            elif mode != net.device_mode:
+                wrong_mode.append((net, ref, mode))
+            elif ready is not None and ready.get("status") != "True":
+                not_ready.append((net, ready))
+    except Forbidden:
+        return _warn("gpu-networks", f"cannot read {group} objects (forbidden): networks {names} not checked")
+    if missing:
+        modes = sorted({n.device_mode for n in missing})
+        return Check(
+            "gpu-networks",
+            False,
+            f"no Network {', '.join(n.name for n in missing)}: GKE refuses the pods, whose interfaces name "
+            f"them; create each with its GKENetworkParamSet (deviceMode {' / '.join(modes)}, on the node "
+            f"pool's additional VPC subnets) as {NETWORKS_DOC} shows",
+        )
+    if no_params:
+        net, ref = no_params[0]
+        return Check(
+            "gpu-networks",
+            False,
+            f"Network {net.name} refers to GKENetworkParamSet {ref or '(none)'}, which does not exist: create "
+            f"it (vpc, vpcSubnet of the node pool's network, deviceMode {net.device_mode}) as {NETWORKS_DOC} shows",
+        )
+    if wrong_mode:
+        net, ref, mode = wrong_mode[0]
+        return Check(
+            "gpu-networks",
+            False,
+            f"GKENetworkParamSet {ref} (of Network {net.name}) has deviceMode {mode}; "
+            f"{gke_gpu.interconnect(device)} needs {net.device_mode}: recreate it with deviceMode {net.device_mode}",
+        )
+    if not_ready:
+        net, cond = not_ready[0]
+        return Check(
+            "gpu-networks",
+            False,
+            f"Network {net.name} is not Ready ({cond.get('reason')}: {cond.get('message')}); see kubectl "
+            f"describe network {net.name}",
+        )
+    return Check("gpu-networks", True, f"Networks {names} with their GKENetworkParamSets")
 
 
 WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
@@ -716,7 +954,12 @@ def run_checks(api_client: Any, settings: Any, device: Device | None, slices: in
         checks.append(Check("resource-flavor", True, "skipped: pass --device to check flavor and quota"))
     checks.append(check_rbac(kube, ns))
     checks.append(check_service_account(kube, ns, settings.service_account, host_network(settings)))
-    if device is not None:
+    if device is not None and device.is_gpu_nodes:
+        tolerations = gke_gpu.pod_tolerations(device, settings)
+        checks.append(check_gpu_nodes(kube, device, slices, pod_node_selector(settings, device), tolerations))
+        checks.append(check_nccl_installer(kube, device))
+        checks.append(check_gpu_networks(kube, device, settings))
+    elif device is not None:
         checks.append(check_nodes(kube, device, slices, pod_node_selector(settings, device)))
     checks.append(check_image(settings.image))
     return checks

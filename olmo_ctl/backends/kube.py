@@ -309,3 +309,21 @@ def parse_quantity(v) -> float:
         if s.endswith(suf) and s[: -len(suf)].replace(".", "", 1).isdigit():
             return float(s[: -len(suf)]) * QUANTITY_SUFFIX[suf]
     return float(s)
+
+
+def toleration_matches(toleration: dict, taint: dict) -> bool:
+    """Whether one toleration tolerates one taint (k8s.io/api core/v1 Toleration.ToleratesTaint): the
+    effect matches or is empty; `Exists` matches any value (and, without a key, any taint); `Equal`
+    (the default operator) needs the same key and value."""
+    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+        return False
+    if toleration.get("operator") == "Exists":
+        return not toleration.get("key") or toleration["key"] == taint["key"]
+    return toleration.get("key") == taint["key"] and (toleration.get("value") or "") == (
+        taint.get("value") or ""
+    )
+
+
+def tolerates(tolerations: list[dict], taint: dict) -> bool:
+    """Whether a pod with `tolerations` tolerates `taint`."""
+    return any(toleration_matches(t, taint) for t in tolerations)

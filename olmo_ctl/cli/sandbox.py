@@ -43,7 +43,8 @@ def sandbox(
         list[str] | None,
         typer.Option(
             "--slices",
-            help="DEVICE=N: nodes, a ResourceFlavor and quota for N slices of DEVICE (repeatable).",
+            help="DEVICE=N: nodes, a ResourceFlavor and quota for N slices of a TPU DEVICE, or N nodes of a"
+            " GPU machine type (h100-mega-80gb-8=2; with its NCCL installer and networks) (repeatable).",
         ),
     ] = None,
     priority_class: Annotated[
@@ -339,7 +340,7 @@ def _serve(
             write_atomic(env_file, exports)
         except OSError as e:
             raise BadInput(f"cannot write --kubeconfig `{kubeconfig}`: {e.strerror}") from None
-        what = ", ".join(f"{n} x {d}" for d, n in devices.items()) or "no TPU slices"
+        what = ", ".join(f"{n} x {d}" for d, n in devices.items()) or "no TPU slices or GPU nodes"
         what += (
             "; pods run no program"
             if not run_pods

@@ -2,7 +2,7 @@
 
 No kube-apiserver can run here, so this threaded `http.server` speaks the REST paths the
 `kubernetes` client and `kubectl` use, with the real CRD schemas (`crds/`: JobSet v0.10.1, Kueue
-v0.17.1) deciding what a valid custom object is:
+v0.17.1, GKE's networking.gke.io Network and GKENetworkParamSet) deciding what a valid custom object is:
 
   /apis/GROUP/VERSION[/namespaces/NS]/PLURAL[/NAME[/status]]   custom and batch resources
   /api/v1[/namespaces/NS]/PLURAL[/NAME[/status|/log]]          core resources
@@ -75,8 +75,10 @@ from olmo_ctl.sandbox import kube_views as views
 from olmo_ctl.sandbox.kube_common import (
     ADMISSIONCHECK_CRD,
     CLUSTERQUEUE_CRD,
+    GKE_NETWORK_PARAMSET_CRD,
     JOBSET_CRD,
     LOCALQUEUE_CRD,
+    NETWORK_CRD,
     RESOURCEFLAVOR_CRD,
     WORKLOAD_CRD,
     WPC_CRD,
@@ -256,6 +258,17 @@ BUILTIN = (
     ),
     Resource("batch", ("v1",), "jobs", "Job"),
     Resource("apps", ("v1",), "deployments", "Deployment", short_names=("deploy",)),
+    Resource("apps", ("v1",), "daemonsets", "DaemonSet", short_names=("ds",)),
+    # GKE multi-networking (a GPU pod's extra interfaces): served as GKE serves them, cluster-scoped.
+    Resource("networking.gke.io", ("v1",), "networks", "Network", NETWORK_CRD, namespaced=False),
+    Resource(
+        "networking.gke.io",
+        ("v1",),
+        "gkenetworkparamsets",
+        "GKENetworkParamSet",
+        GKE_NETWORK_PARAMSET_CRD,
+        namespaced=False,
+    ),
     Resource(
         "scheduling.k8s.io",
         ("v1",),
@@ -453,7 +466,7 @@ class Store:
         self.changed = threading.Condition(self.lock)
         self.resources = dict(resources or RESOURCES)
         self.objects: dict[tuple[tuple[str, str], str, str], dict] = {}
-        self.logs: dict[tuple[str, str], list[str]] = {}
+        self.logs: dict[tuple[str, ...], list[str]] = {}  # (ns, pod) or (ns, pod, container) -> lines
         self.history: list[tuple[int, str, tuple[str, str], dict]] = []
         self.clock = clock
         self._rv = 1000
@@ -566,7 +579,9 @@ class Store:
         md = obj["metadata"]
         self.objects.pop(self.key(res, md.get("namespace", ""), md["name"]), None)
         if res.plural == "pods":
-            self.logs.pop((md.get("namespace", ""), md["name"]), None)
+            where = (md.get("namespace", ""), md["name"])
+            for key in [k for k in self.logs if k[:2] == where]:
+                del self.logs[key]
         self.next_rv()
         self._record("DELETED", res, obj)
 
@@ -1323,16 +1338,19 @@ class Api:
         if pod is None:
             raise not_found(RESOURCES[("", "pods")], name)
         containers = [c["name"] for c in (pod.get("spec") or {}).get("containers") or []]
+        inits = [c["name"] for c in (pod.get("spec") or {}).get("initContainers") or []]
         cname = query.get("container") or (containers[0] if len(containers) == 1 else None)
         if cname is None:
             raise ApiError(
                 400,
                 "BadRequest",
-                f"a container name must be specified for pod {name}, choose one of: {containers}",
+                f"a container name must be specified for pod {name}, choose one of: {containers}"
+                + (f" or one of the init containers: {inits}" if inits else ""),
             )
-        if cname not in containers:
+        if cname not in containers + inits:
             raise ApiError(400, "BadRequest", f"container {cname} is not valid for pod {name}")
-        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        status = pod.get("status") or {}
+        for cs in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []):
             w = (cs.get("state") or {}).get("waiting")
             if cs.get("name") == cname and w:
                 raise ApiError(
@@ -1341,7 +1359,9 @@ class Api:
                     f'container "{cname}" in pod "{name}" is waiting to start: '
                     f"{w.get('reason', 'ContainerCreating')}",
                 )
-        lines = list(self.store.logs.get((ns, name), []))
+        # The first regular container's log is the pod's (ns, name); another container's is keyed by its name.
+        key = (ns, name) if cname == containers[0] else (ns, name, cname)
+        lines = list(self.store.logs.get(key, []))
         if "tailLines" in query:
             n = int(query["tailLines"])
             lines = lines[-n:] if n > 0 else []

@@ -1,5 +1,6 @@
 """What the test API server (`kube_api`) and what it serves beyond plain objects (`kube_views`) both
-read: the CRD files it serves (`crds/`: JobSet v0.10.1, Kueue v0.17.1) and their schemas, and
+read: the CRD files it serves (`crds/`: JobSet v0.10.1, Kueue v0.17.1, GKE's multi-network objects) and
+their schemas, and
 `ApiError`, a request's failure as the `Status` object kube-apiserver answers with.
 """
 
@@ -16,6 +17,8 @@ CLUSTERQUEUE_CRD = "kueue.x-k8s.io_clusterqueues.v0.17.1.yaml"
 RESOURCEFLAVOR_CRD = "kueue.x-k8s.io_resourceflavors.v0.17.1.yaml"
 WPC_CRD = "kueue.x-k8s.io_workloadpriorityclasses.v0.17.1.yaml"
 ADMISSIONCHECK_CRD = "kueue.x-k8s.io_admissionchecks.v0.17.1.yaml"
+NETWORK_CRD = "networking.gke.io_networks.v0.3.0.yaml"
+GKE_NETWORK_PARAMSET_CRD = "networking.gke.io_gkenetworkparamsets.v0.3.0.yaml"
 
 
 # ---------------------------------------------------------------- schemas

@@ -253,9 +253,15 @@ def _pod_cells(o: dict, now: float) -> list:
         reason = "Terminating"
     restarts = sum(int(c.get("restartCount") or 0) for c in css)
     spec = o.get("spec") or {}
+    # printPod counts sidecars (restartable init containers) among the containers, ready ones as ready.
+    sidecars = [c for c in spec.get("initContainers") or [] if c.get("restartPolicy") == "Always"]
+    names = {c["name"] for c in sidecars}
+    ready += sum(
+        1 for c in st.get("initContainerStatuses") or [] if c.get("name") in names and c.get("ready")
+    )
     return [
         o["metadata"]["name"],
-        f"{ready}/{len(spec.get('containers') or css)}",
+        f"{ready}/{len(spec.get('containers') or css) + len(sidecars)}",
         reason,
         restarts,
         age(o["metadata"].get("creationTimestamp"), now),

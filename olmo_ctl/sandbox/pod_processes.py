@@ -4,17 +4,31 @@ A pod the sandbox's scheduler binds to a node starts as one local process (its o
 process group) running the pod's first container as the rendered manifest says: `command` + `args`
 (`python`, `python3` or a path ending in `/python*` is this interpreter, `sys.executable`), in the
 sandbox's environment (so STORAGE_EMULATOR_HOST, PYTHONPATH, ... reach it), plus the container's
-`env` (`value`, or `valueFrom.fieldRef` on the pod's name, namespace, node, IP, labels and
-annotations), plus what GKE would add:
+`env` (`value`, with `$(VAR)` references to the variables before it expanded as the kubelet expands
+them, or `valueFrom.fieldRef` on the pod's name, namespace, node, IP, labels and annotations), plus
+what GKE would add:
 
-- the TPU webhook, for a pod of an Indexed Job: `TPU_WORKER_ID` (its completion index) and
-  `TPU_WORKER_HOSTNAMES` (`<job>-<i>.<subdomain>` for every index of its Job); for a JobSet of
-  several slices, `MEGASCALE_NUM_SLICES`, `MEGASCALE_SLICE_ID` and `MEGASCALE_COORDINATOR_ADDRESS`
-  where the manifest does not set them;
-- the "TPU VM" it lands on, emulated: `JAX_PLATFORMS=cpu` and
-  `XLA_FLAGS=--xla_force_host_platform_device_count=D` (D: the node's JAX devices, its chips times
-  the generation's devices per chip), and `OLMO_CTL_COORDINATOR_ADDRESS=127.0.0.1:<port>`, one free
-  port per JobSet and restart, where the trainer's process 0 serves `jax.distributed`'s coordinator.
+- the TPU webhook, for a pod of an Indexed Job that requests google.com/tpu: `TPU_WORKER_ID` (its
+  completion index) and `TPU_WORKER_HOSTNAMES` (`<job>-<i>.<subdomain>` for every index of its Job);
+  for a JobSet of several slices, `MEGASCALE_NUM_SLICES`, `MEGASCALE_SLICE_ID` and
+  `MEGASCALE_COORDINATOR_ADDRESS` where the manifest does not set them;
+- the "TPU VM" or GPU node it lands on, emulated: `JAX_PLATFORMS=cpu` and
+  `XLA_FLAGS=--xla_force_host_platform_device_count=D` (D: the node's JAX devices, its TPU chips times
+  the generation's devices per chip, or its GPUs), and `OLMO_CTL_COORDINATOR_ADDRESS=127.0.0.1:<port>`,
+  one free port per JobSet and restart, where the trainer's process 0 serves `jax.distributed`'s
+  coordinator;
+- the pod network, for a GPU pod's coordinator (`JAX_COORDINATOR_ADDRESS` and `JAX_COORDINATOR_PORT`,
+  as the GPU JobSet sets them): every pod here is this machine, so a name the cluster's DNS resolves
+  (`<hostname>.<subdomain>`, the pod of a JobSet's headless service, while that pod exists) becomes
+  127.0.0.1 and the port that JobSet's coordinator port above (pods sharing one machine cannot each
+  listen on 6002). A name no pod answers to is left as it is: the trainer cannot join, as on a
+  cluster.
+
+A sidecar (an init container with `restartPolicy: Always`, such as GPUDirect-TCPXO's `tcpxo-daemon`)
+runs no process: what it serves on a GPU node (the receive data path of the node's NICs) has nothing
+to serve on this machine, whose trainers join over gloo. It is started before the regular container
+and stopped after it as the kubelet does (`World.start_pod`, `World.container_exit`), and its log says
+so (`kubectl logs POD -c NAME`).
 
 The process's stdout and stderr are the pod's log (`kubectl logs`). Its exit is the container's:
 the exit code (128 + N for a signal N, as a container runtime reports it) becomes the pod's and the
@@ -45,7 +59,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from olmo_ctl.core.batching import STATE_BYTES_PER_PARAM, param_count
-from olmo_ctl.core.contracts import COORDINATOR_ENV, LOG_PREFIX_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+from olmo_ctl.core.contracts import (
+    COORDINATOR_ENV,
+    GPU_COORDINATOR_ADDRESS_ENV,
+    GPU_COORDINATOR_PORT_ENV,
+    LOG_PREFIX_ENV,
+    NUM_PROCESSES_ENV,
+    PROCESS_ID_ENV,
+)
 from olmo_ctl.core.devices import GENERATIONS
 from olmo_ctl.ports import free_port
 from olmo_ctl.sandbox.cluster.objects import (
@@ -55,7 +76,9 @@ from olmo_ctl.sandbox.cluster.objects import (
     RESTARTS_LABEL,
     deleting,
     labels,
+    pod_requests,
     pod_terminal,
+    sidecars,
 )
 from olmo_ctl.sandbox.sandbox import PodRunner
 
@@ -63,8 +86,10 @@ if TYPE_CHECKING:
     from olmo_ctl.sandbox.sandbox import SandboxWorld
 
 TPU = "google.com/tpu"
+GPU = "nvidia.com/gpu"
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 GENERATION_LABEL = "cloud.google.com/machine-family"
+CLUSTER_DOMAIN = "svc.cluster.local"  # the kubelet's --cluster-domain, after the namespace
 START_ERROR_EXIT = 128
 MAX_LOG_LINES = 20000  # per pod: older lines are dropped, as a node rotates container logs
 _DROPPED_ENV = (PROCESS_ID_ENV, NUM_PROCESSES_ENV, LOG_PREFIX_ENV, COORDINATOR_ENV, "KUBECONFIG")
@@ -79,17 +104,57 @@ def exit_code_of(returncode: int) -> int:
 
 
 def node_devices(node: dict | None) -> int | None:
-    """JAX devices of one VM of this node: its google.com/tpu chips x the generation's devices per chip."""
+    """JAX devices of one VM of this node: its google.com/tpu chips x the generation's devices per chip,
+    or its nvidia.com/gpu GPUs (one device each)."""
     if node is None:
         return None
     lab = labels(node)
-    chips = ((node.get("status") or {}).get("allocatable") or {}).get(TPU)
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    if allocatable.get(TPU) is None and allocatable.get(GPU) is not None:
+        return int(float(allocatable[GPU]))
+    chips = allocatable.get(TPU)
     gen = GENERATIONS.get(lab.get(GENERATION_LABEL, "")) or next(
         (g for g in GENERATIONS.values() if g.accelerator_label == lab.get(ACCELERATOR_LABEL)), None
     )
     if chips is None:
         return None
     return int(float(chips)) * (gen.devices_per_chip if gen else 1)
+
+
+def expand(value: str, mapping: dict[str, str]) -> str:
+    """The kubelet's expansion of a container's env value (third_party/forked/golang/expansion):
+    `$(NAME)` becomes NAME's value where NAME is defined before it, else stays as written; `$$` is `$`."""
+    out, i = [], 0
+    while i < len(value):
+        if value.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif value.startswith("$(", i) and ")" in value[i + 2 :]:
+            end = value.index(")", i + 2)
+            name = value[i + 2 : end]
+            out.append(mapping[name] if name in mapping else value[i : end + 1])
+            i = end + 1
+        else:
+            out.append(value[i])
+            i += 1
+    return "".join(out)
+
+
+def pod_by_dns_name(world: SandboxWorld, namespace: str, host: str) -> dict | None:
+    """The live pod the cluster's DNS resolves `host` to: `<hostname>.<subdomain>` (optionally
+    `.<namespace>[.svc[.cluster.local]]`), a pod with that hostname and subdomain; None for any other
+    name."""
+    parts = host.strip().rstrip(".").split(".")
+    if len(parts) < 2 or ".".join(parts[3:]) not in ("", "svc", CLUSTER_DOMAIN):
+        return None
+    ns = parts[2] if len(parts) > 2 else namespace
+    for p in world.items("Pod", ns):
+        spec = p["spec"]
+        if (spec.get("hostname"), spec.get("subdomain")) == (parts[0], parts[1]) and not (
+            pod_terminal(p) or deleting(p)
+        ):
+            return p
+    return None
 
 
 def _field_ref(pod: dict, path: str) -> str:
@@ -312,6 +377,11 @@ class ProcessRunner(PodRunner):
         self.procs[md["uid"]] = proc
         proc.reader.start()
         self.log(f"pod {md['name']} on {node}: pid {p.pid}: {shlex.join(cmd)}")
+        for c in sidecars(pod["spec"]):
+            world.store.logs[(md["namespace"], md["name"], c["name"])] = [
+                f"olmo-ctl sandbox: sidecar {c['name']} ({c.get('image', '')}) runs no process on {node}: "
+                "what it serves on a GPU node has no NICs to serve here, where the trainers join over gloo"
+            ]
 
     def stop(self, world: SandboxWorld, pod: dict) -> None:
         """The pod is being deleted: SIGTERM to its container's main process."""
@@ -445,11 +515,12 @@ class ProcessRunner(PodRunner):
         own: dict[str, str] = {}
         for e in container.get("env") or []:
             if "value" in e:
-                own[e["name"]] = str(e["value"])
+                own[e["name"]] = expand(str(e["value"]), own)
             elif ((e.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath"):
                 own[e["name"]] = _field_ref(pod, e["valueFrom"]["fieldRef"]["fieldPath"])
         env.update(self.webhook_env(world, pod, own))
         env.update(own)
+        env.update(self.pod_network_env(world, pod, own))
         # The emulated TPU VM: the CPU platform with the VM's devices, whatever the manifest asks for.
         env["JAX_PLATFORMS"] = "cpu"
         devices = node_devices(world.get("Node", "", pod["spec"].get("nodeName") or ""))
@@ -461,6 +532,18 @@ class ProcessRunner(PodRunner):
         env[COORDINATOR_ENV] = self.coordinator(pod)
         return env
 
+    def pod_network_env(self, world: SandboxWorld, pod: dict, own: dict[str, str]) -> dict[str, str]:
+        """A GPU pod's coordinator as this machine reaches it (module note): the DNS name of the pod it
+        names -> 127.0.0.1, its port -> that pod's JobSet's coordinator port; {} otherwise."""
+        host = own.get(GPU_COORDINATOR_ADDRESS_ENV, "")
+        if not host or GPU_COORDINATOR_PORT_ENV not in own:
+            return {}
+        target = pod_by_dns_name(world, pod["metadata"]["namespace"], host)
+        if target is None:
+            return {}
+        _, _, port = self.coordinator(target).rpartition(":")
+        return {GPU_COORDINATOR_ADDRESS_ENV: "127.0.0.1", GPU_COORDINATOR_PORT_ENV: port}
+
     @staticmethod
     def webhook_env(world: SandboxWorld, pod: dict, own: dict[str, str]) -> dict[str, str]:
         """What GKE's TPU webhook adds to a pod of an Indexed Job that requests google.com/tpu."""
@@ -468,7 +551,7 @@ class ProcessRunner(PodRunner):
         lab, ann = labels(pod), md.get("annotations") or {}
         index = ann.get(COMPLETION_INDEX, lab.get(COMPLETION_INDEX))
         job_name = lab.get("batch.kubernetes.io/job-name") or lab.get("job-name")
-        if index is None or not job_name:
+        if index is None or not job_name or not pod_requests({"spec": spec}).get(TPU):
             return {}
         job = world.get("Job", md["namespace"], job_name)
         count = int(((job or {}).get("spec") or {}).get("parallelism") or 1)

@@ -3,13 +3,18 @@
 `olmo-ctl sandbox` runs one of these until SIGTERM or Ctrl-C. What it holds, after
 XPK's `src/xpk/templates/kueue_config.yaml.j2` and `core/kueue_manager.py` (which users run on):
 
-- for each `DEVICE=N` a ResourceFlavor `<N>x<DEVICE>` with the node labels of the device
+- for each TPU `DEVICE=N` a ResourceFlavor `<N>x<DEVICE>` with the node labels of the device
   (`cloud.google.com/gke-tpu-accelerator`, `cloud.google.com/gke-tpu-topology`) and N slices' worth
   of nodes carrying them (one node pool per slice, `google.com/tpu` allocatable per VM);
-- ClusterQueue `cluster-queue`: `namespaceSelector: {}`, one resource group covering `google.com/tpu`
-  with each flavor's nominal quota (N x chips of the slice), `preemption: withinClusterQueue:
-  LowerPriority, reclaimWithinCohort: Never` (lower priorities are preempted within the queue, never
-  across the cohort);
+- for each GPU machine type `MACHINE=N` (`h100-mega-80gb-8=2`; `h100-mega-80gb-8x2=1` is the same two
+  nodes) the GPU cluster `xpk cluster create --device-type MACHINE --num-nodes N` makes: a
+  ResourceFlavor `1x<MACHINE>` with the accelerator label, one node pool of N nodes with GKE's GPU
+  labels, taint and `nvidia.com/gpu` allocatable, the interconnect's NCCL installer DaemonSet and the
+  multi-network objects its pods' interfaces name (`olmo_ctl.sandbox.cluster.gke_gpu`);
+- ClusterQueue `cluster-queue`: `namespaceSelector: {}`, one resource group per accelerator resource
+  (`google.com/tpu`, `nvidia.com/gpu`) with each flavor's nominal quota (N x chips of the slice, N x
+  GPUs of the node), `preemption: withinClusterQueue: LowerPriority, reclaimWithinCohort: Never`
+  (lower priorities are preempted within the queue, never across the cohort);
 - LocalQueue `multislice-queue` (or `--queue`) in the namespace, pointing at it;
 - XPK's scheduling.k8s.io PriorityClasses very-low (100), low (250), medium (500), high (750) and
   very-high (1000), and the Kueue WorkloadPriorityClasses asked for (`NAME` or `NAME=VALUE`; a name of
@@ -17,7 +22,8 @@ XPK's `src/xpk/templates/kueue_config.yaml.j2` and `core/kueue_manager.py` (whic
 
 Everything else is the test cluster's rules (Jobs, JobSet v0.10.1, Kueue v0.17.1), so a JobSet or
 Kueue object anyone applies through the API takes part in admission and preemption like ours. Pods
-that Kueue admits are bound to a free node matching their nodeSelector by `SandboxWorld.schedule`, and
+that Kueue admits are bound to a free node matching their nodeSelector (and tolerating its taints) by
+`SandboxWorld.schedule`, and
 their containers are started and stopped by a `PodRunner`: the scripted one here keeps them running
 until a cause of the world ends them (the tests of the cluster rules); `olmo_ctl.sandbox.pod_processes.
 ProcessRunner` runs each pod as a local process (`olmo-ctl sandbox` by default).
@@ -34,10 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from olmo_ctl import __version__
+from olmo_ctl.backends import gke_gpu
 from olmo_ctl.backends.base import Target
 from olmo_ctl.backends.doctor import JOBSET_CONTROLLER
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.sandbox.cluster import gke_gpu as gpu_rules
 from olmo_ctl.sandbox.cluster.nodes import NodeCauses
 from olmo_ctl.sandbox.cluster.objects import (
     JOB_TRACKING_FINALIZER,
@@ -53,6 +61,8 @@ from olmo_ctl.sandbox.kube_server import KubeServer, ScriptedWorld
 from olmo_ctl.sandbox.kubeconfig import CONTEXT
 
 TPU = "google.com/tpu"
+GPU = gke_gpu.GPU
+ACCELERATOR_RESOURCES = (TPU, GPU)  # what the scheduler counts per node
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
@@ -69,23 +79,30 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9_.-]{1,61}[a-z0-9]$")
 
 
 def parse_slices(items: list[str] | tuple[str, ...]) -> dict[str, int]:
-    """`DEVICE=N` (N >= 1; `DEVICE` alone is one slice) -> {device name: N}; TPU devices only."""
+    """`DEVICE=N` (N >= 1; `DEVICE` alone is one) -> {device name: N}: N slices of a TPU device, or
+    N nodes of a GPU machine type, keyed by the machine type (`h100-mega-80gb-8x2=3` is 6 nodes of
+    `h100-mega-80gb-8`)."""
     out: dict[str, int] = {}
     for item in items:
         name, _, n = item.partition("=")
         dev = Target.parse(name.strip()).device
-        dev.check_launchable()
-        if not dev.is_tpu:
-            raise BadInput(f"--slices {item}: `{dev.name}` is not a TPU slice", "e.g. --slices tpu7x-128=2")
+        if not dev.is_tpu and not dev.is_gpu_nodes:
+            raise BadInput(
+                f"--slices {item}: `{dev.name}` is neither a TPU slice nor GPU nodes",
+                "e.g. --slices tpu7x-128=2 or --slices h100-mega-80gb-8=2",
+            )
         try:
             count = int(n) if n else 1
         except ValueError:
             count = 0
         if count < 1:
             raise BadInput(
-                f"--slices {item}: the number of slices must be a positive integer", "e.g. tpu7x-128=2"
+                f"--slices {item}: the number of {'nodes' if dev.is_gpu_nodes else 'slices'} must be a"
+                " positive integer",
+                "e.g. h100-mega-80gb-8=2" if dev.is_gpu_nodes else "e.g. tpu7x-128=2",
             )
-        out[dev.name] = out.get(dev.name, 0) + count
+        key, count = (dev.generation, count * dev.vms) if dev.is_gpu_nodes else (dev.name, count)
+        out[key] = out.get(key, 0) + count
     return out
 
 
@@ -179,12 +196,18 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def flavor_name(device: Device, slices: int) -> str:
-    """XPK's main flavor name: `<num_slices>x<device type>`."""
+    """XPK's main flavor name: `<num_slices>x<device type>` (a GPU cluster is one "slice" of its
+    machine type, however many nodes: `1xh100-mega-80gb-8`)."""
+    if device.is_gpu_nodes:
+        return f"1x{device.generation}"
     return f"{slices}x{device.name}"
 
 
 def flavor_labels(device: Device) -> dict[str, str]:
-    """XPK's flavor node labels for a TPU: the accelerator label and the machine (topology) label."""
+    """XPK's flavor node labels: for a TPU the accelerator label and the machine (topology) label, for
+    GPU nodes the accelerator label."""
+    if device.is_gpu_nodes:
+        return gke_gpu.flavor_labels(device)
     if device.accelerator_label is None or device.topology is None:
         raise ValueError(f"`{device.name}` is not a TPU slice: it has no flavor labels")
     return {ACCELERATOR_LABEL: device.accelerator_label, TOPOLOGY_LABEL: device.topology}
@@ -245,11 +268,23 @@ class SandboxWorld(ScriptedWorld):
             self.runner.admit(self, obj)
         super().admit(res, obj)
 
+    def refuse_pod(self, pod: dict) -> str | None:
+        """GKE's admission before the test cluster's: ExtendedResourceToleration (mutating), then the
+        multi-network check of the pod's interfaces."""
+        gpu_rules.tolerate_extended_resources(pod)
+        return gpu_rules.refuse_unknown_networks(self, pod) or super().refuse_pod(pod)
+
     def reconcile(self) -> None:
         with self.store.lock:
             for _ in range(50):
                 super().reconcile()
-                if not (self.nodes.reconcile() | self.release_orphans() | self.schedule()):
+                if not (
+                    self.nodes.reconcile()
+                    | self.release_orphans()
+                    | self.schedule()
+                    | gpu_rules.reconcile_daemonsets(self)
+                    | gpu_rules.reconcile_networks(self)
+                ):
                     return
 
     def _pool_names(self) -> set[str]:
@@ -309,16 +344,21 @@ class SandboxWorld(ScriptedWorld):
     def start_containers(self, pod: dict, node: str) -> None:
         self.runner.start(self, pod, node)
 
-    def _free(self) -> dict[str, float]:
-        """Unrequested google.com/tpu per node."""
+    def _free(self) -> dict[str, dict[str, float]]:
+        """Unrequested accelerators (google.com/tpu, nvidia.com/gpu) per node."""
         free = {
-            n["metadata"]["name"]: quantity(((n.get("status") or {}).get("allocatable") or {}).get(TPU, 0))
+            n["metadata"]["name"]: {
+                r: quantity(((n.get("status") or {}).get("allocatable") or {}).get(r, 0))
+                for r in ACCELERATOR_RESOURCES
+            }
             for n in self.items("Node", None)
         }
         for p in self.items("Pod", None):
             node = p["spec"].get("nodeName")
             if node in free and not pod_terminal(p):
-                free[node] -= pod_requests({"spec": p["spec"]}).get(TPU, 0.0)
+                asks = pod_requests({"spec": p["spec"]})
+                for r in ACCELERATOR_RESOURCES:
+                    free[node][r] -= asks.get(r, 0.0)
         return free
 
     def _exclusive_domain_free(self, pod: dict, node: dict, nodes: dict[str, dict]) -> bool:
@@ -348,8 +388,9 @@ class SandboxWorld(ScriptedWorld):
 
     def schedule(self) -> bool:
         """The default scheduler, for what a training pod asks: a node whose labels match the pod's
-        nodeSelector with enough unrequested google.com/tpu. A pod that fits nowhere gets
-        PodScheduled=False (Unschedulable) and a FailedScheduling event, once."""
+        nodeSelector, whose taints it tolerates, with enough unrequested google.com/tpu and
+        nvidia.com/gpu. A pod that fits nowhere gets PodScheduled=False (Unschedulable) and a
+        FailedScheduling event, once."""
         pending = [
             p
             for p in self.items("Pod", None)
@@ -362,18 +403,21 @@ class SandboxWorld(ScriptedWorld):
         changed = False
         for pod in sorted(pending, key=lambda p: (p["metadata"]["creationTimestamp"], p["metadata"]["name"])):
             sel = pod["spec"].get("nodeSelector") or {}
-            need = pod_requests({"spec": pod["spec"]}).get(TPU, 0.0)
+            asks = pod_requests({"spec": pod["spec"]})
+            need = {r: asks.get(r, 0.0) for r in ACCELERATOR_RESOURCES}
             fits = [
                 name
                 for name, n in sorted(nodes.items())
                 if all((n["metadata"].get("labels") or {}).get(k) == v for k, v in sel.items())
-                and free.get(name, 0.0) >= need - 1e-9
+                and name in free
+                and all(free[name][r] >= q - 1e-9 for r, q in need.items())
                 and not self.node_down(name)  # NotReady: tainted unreachable:NoSchedule
                 and self.nodes.schedulable(n, pod)
                 and self._exclusive_domain_free(pod, n, nodes)
             ]
             if fits:
-                free[fits[0]] -= need
+                for r, q in need.items():
+                    free[fits[0]][r] -= q
                 if self.nodes.refuses(fits[0]):
                     self.nodes.bind(pod, fits[0])  # its kubelet decides at its next pod sync
                 elif self.pull_image(pod, fits[0]):  # else it waits on the node for its image
@@ -385,9 +429,10 @@ class SandboxWorld(ScriptedWorld):
             )
             if cond is None or cond.get("status") != "False":
                 total = len(nodes)
+                resource = next((r for r in (GPU, TPU) if need[r]), TPU)
                 msg = (
                     f"0/{total} nodes are available: {total} node(s) didn't match Pod's node affinity/selector "
-                    f"or had insufficient {TPU}. preemption: 0/{total} nodes are available: {total} Preemption "
+                    f"or had insufficient {resource}. preemption: 0/{total} nodes are available: {total} Preemption "
                     "is not helpful for scheduling."
                 )
                 pod["status"]["conditions"] = [
@@ -406,6 +451,11 @@ class SandboxWorld(ScriptedWorld):
                 self.event(pod, "FailedScheduling", msg, "Warning", source="default-scheduler")
                 changed = True
         return changed
+
+    def add_gpu_node_pool(self, device: Device, pool: str, nodes: int) -> None:
+        """A GPU node pool of `nodes` nodes of `device`'s machine type (`gke_gpu.gpu_node`)."""
+        for i in range(nodes):
+            self.save("Node", gpu_rules.gpu_node(device, pool, i, self.now()), new=True)
 
     def add_node_pool(self, device: Device, pool: str) -> None:
         """A TPU node pool for one slice of `device`: `vms` nodes with its labels (and, where its node
@@ -482,21 +532,39 @@ class Sandbox:
 
     def _configure(self) -> None:
         w = self.world
-        flavors, quota = [], []
+        quota: dict[str, list[dict]] = {TPU: [], GPU: []}
+        gpu_nodes: dict[str, int] = {}  # machine type -> nodes (`h100-mega-80gb-8x2: 1` is 2 nodes)
         for name, n in self.slices.items():
             dev = Target.parse(name).device
+            if dev.is_gpu_nodes:
+                gpu_nodes[dev.generation] = gpu_nodes.get(dev.generation, 0) + n * dev.vms
+                continue
             fname = flavor_name(dev, n)
             w.save(
                 "ResourceFlavor",
                 {"metadata": {"name": fname}, "spec": {"nodeLabels": flavor_labels(dev)}},
                 new=True,
             )
-            flavors.append(fname)
-            quota.append({"name": fname, "resources": [{"name": TPU, "nominalQuota": str(n * dev.chips)}]})
+            quota[TPU].append(
+                {"name": fname, "resources": [{"name": TPU, "nominalQuota": str(n * dev.chips)}]}
+            )
             for s in range(n):
                 w.add_node_pool(dev, f"{dev.name}-np-{s}")
+        gpu_devices = [Target.parse(machine).device for machine in gpu_nodes]
+        for dev in gpu_devices:  # the nodes of a machine type in one node pool, as XPK makes them
+            nodes, fname = gpu_nodes[dev.generation], flavor_name(dev, 1)
+            w.save(
+                "ResourceFlavor",
+                {"metadata": {"name": fname}, "spec": {"nodeLabels": flavor_labels(dev)}},
+                new=True,
+            )
+            quota[GPU].append(
+                {"name": fname, "resources": [{"name": GPU, "nominalQuota": str(nodes * dev.chips_per_vm)}]}
+            )
+            w.add_gpu_node_pool(dev, f"{dev.generation}-np-0", nodes)
+        gpu_rules.make_gpu_cluster(w, gpu_devices)
         # No slices: no resource group (one must name at least one flavor), so nothing is admitted.
-        groups = [{"coveredResources": [TPU], "flavors": quota}] if quota else []
+        groups = [{"coveredResources": [r], "flavors": fl} for r, fl in quota.items() if fl]
         w.save(
             "ClusterQueue",
             {

@@ -25,6 +25,7 @@ from olmo_ctl.sandbox.cluster.objects import (
     labels,
     owner_ref,
     pod_terminal,
+    sidecars,
 )
 
 if TYPE_CHECKING:
@@ -307,5 +308,23 @@ def new_pod(w: World, job: dict, index: int) -> dict:
                 }
                 for c in spec.get("containers") or []
             ],
+            **(
+                {
+                    "initContainerStatuses": [
+                        {
+                            "name": c["name"],
+                            "image": c.get("image", ""),
+                            "imageID": "",
+                            "ready": False,
+                            "restartCount": 0,
+                            "started": False,
+                            "state": {"waiting": {"reason": "PodInitializing"}},
+                        }
+                        for c in sidecars(spec)
+                    ]
+                }
+                if sidecars(spec)
+                else {}
+            ),
         },
     }

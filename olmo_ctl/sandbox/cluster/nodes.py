@@ -48,6 +48,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from olmo_ctl.backends.kube import tolerates, toleration_matches
 from olmo_ctl.core.contracts import SPOT_STOP_BUDGET_S
 from olmo_ctl.sandbox.cluster.objects import deleting, labels, pod_terminal, set_status_condition
 
@@ -58,6 +59,7 @@ NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
 UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
+TPU, GPU = "google.com/tpu", "nvidia.com/gpu"  # the accelerators: resources, and the pools' taint keys
 DEFAULT_TOLERATION_S = 300  # DefaultTolerationSeconds: not-ready and unreachable, NoExecute
 KUBELET_SYNC_S = 1.0  # from a pod's bind to its kubelet's admission decision (the pod sync)
 SPOT_NOTICE_S = 30.0  # GCE's preemption notice: the VM stops this long after it
@@ -67,7 +69,7 @@ SPOT_NOTICE_S = 30.0  # GCE's preemption notice: the VM stops this long after it
 SPOT_POD_SHUTDOWN_S = float(SPOT_STOP_BUDGET_S)
 SPOT_NODE_SHUTDOWN_MESSAGE = "Pod was terminated in response to imminent node shutdown."
 DEVICE_ADMISSION_MESSAGE = (
-    "Allocate failed due to requested number of devices unavailable for google.com/tpu. "
+    "Allocate failed due to requested number of devices unavailable for {resource}. "
     "Requested: {n}, Available: 0, which is unexpected"
 )
 CONTAINER_UNKNOWN_MESSAGE = "The container could not be located when the pod was terminated"
@@ -291,8 +293,9 @@ class NodeCauses:
         from olmo_ctl.sandbox.cluster.objects import pod_requests
 
         w = self.world
-        need = int(pod_requests({"spec": pod["spec"]}).get("google.com/tpu", 0))
-        msg = DEVICE_ADMISSION_MESSAGE.format(n=need)
+        asks = pod_requests({"spec": pod["spec"]})
+        resource = GPU if asks.get(GPU) else TPU
+        msg = DEVICE_ADMISSION_MESSAGE.format(resource=resource, n=int(asks.get(resource, 0)))
         pod["spec"]["nodeName"] = node_name
         pod["status"].update(
             phase="Failed", reason="UnexpectedAdmissionError", message=msg, startTime=w.now()
@@ -301,14 +304,17 @@ class NodeCauses:
         w.event(pod, "UnexpectedAdmissionError", msg, "Warning")
 
     def schedulable(self, node: dict, pod: dict) -> bool:
-        """The scheduler's TaintToleration and NodeUnschedulable filters, for the taints causes add."""
+        """The scheduler's TaintToleration and NodeUnschedulable filters: every NoSchedule or NoExecute
+        taint (those causes add, GKE's GPU taint `nvidia.com/gpu`, any a client puts on a node) but the
+        TPU pools' `google.com/tpu`, which pods that request no TPU (the test cluster's small CPU
+        JobSets) are let past."""
         if node["spec"].get("unschedulable"):
             return False
         tol = pod["spec"].get("tolerations") or []
         for t in node["spec"].get("taints") or []:
-            if t["key"] not in (UNREACHABLE_TAINT, NOT_READY_TAINT, UNSCHEDULABLE_TAINT):
+            if t["key"] == TPU:
                 continue
-            if t.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(tol, t):
+            if t.get("effect") in ("NoSchedule", "NoExecute") and not tolerates(tol, t):
                 return False
         return True
 
@@ -470,23 +476,11 @@ class NodeCauses:
         return changed
 
 
-def _matches(tol: dict, taint: dict) -> bool:
-    if tol.get("effect") and tol["effect"] != taint.get("effect"):
-        return False
-    if tol.get("operator") == "Exists":
-        return not tol.get("key") or tol["key"] == taint["key"]
-    return tol.get("key") == taint["key"] and (tol.get("value") or "") == (taint.get("value") or "")
-
-
-def _tolerates(tolerations: list[dict], taint: dict) -> bool:
-    return any(_matches(t, taint) for t in tolerations)
-
-
 def _toleration_seconds(tolerations: list[dict], taint: dict, default_s: float) -> float | None:
     """taint_eviction.go getMinTolerationTime over the matching tolerations (None: not tolerated,
     evicted at once; inf: tolerated forever). Pods without their own not-ready/unreachable
     toleration have DefaultTolerationSeconds' (`default_s`, 300 s unless the API server says else)."""
-    matching = [t for t in tolerations if _matches(t, taint)]
+    matching = [t for t in tolerations if toleration_matches(t, taint)]
     if not matching and taint["key"] in (UNREACHABLE_TAINT, NOT_READY_TAINT):
         return float(default_s)
     if not matching:

@@ -105,6 +105,12 @@ def format_quantity(resource: str, v: float) -> str:
     return str(n)
 
 
+def sidecars(spec: dict) -> list[dict]:
+    """The pod's sidecar containers: init containers with `restartPolicy: Always` (KEP-753), which
+    start before the regular containers and run beside them until those have exited."""
+    return [c for c in spec.get("initContainers") or [] if c.get("restartPolicy") == "Always"]
+
+
 def pod_requests(template: dict) -> dict[str, float]:
     """Requests of one pod of a template (limits where a request is missing), as Kueue counts them."""
     out: dict[str, float] = {}

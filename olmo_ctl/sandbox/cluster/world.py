@@ -424,6 +424,26 @@ class World(Hooks):
             if code != 0 and policy.get(cs["name"]) == "FallbackToLogsOnError":
                 term["message"] = "\n".join(self.store.logs.get(key, [])[-80:])
             cs.update(ready=False, started=False, state={"terminated": term})
+        # KEP-753: once the regular containers have exited the kubelet stops the sidecars (SIGTERM);
+        # they stop on it. Their exit never decides the pod's phase.
+        lost = reason == "ContainerStatusUnknown"  # the host went down with every container
+        for cs in st.get("initContainerStatuses") or []:
+            if "terminated" in (cs.get("state") or {}):
+                continue
+            started = ((cs.get("state") or {}).get("running") or {}).get("startedAt") or self.now()
+            cs.update(
+                ready=False,
+                started=False,
+                state={
+                    "terminated": {
+                        "exitCode": code if lost else 0,
+                        "reason": reason if lost else "Completed",
+                        "startedAt": started,
+                        "finishedAt": self.now(),
+                        "containerID": f"containerd://{secrets.token_hex(16)}",
+                    }
+                },
+            )
         for c in st.get("conditions") or []:
             if c["type"] in ("Ready", "ContainersReady"):
                 c.update(status="False", reason="PodFailed" if code else "PodCompleted")
@@ -454,7 +474,8 @@ class World(Hooks):
             {"type": t, "status": "True", "lastTransitionTime": self.now()}
             for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
         ]
-        for cs in st["containerStatuses"]:
+        # Sidecars first (KEP-753: each started before the next container), then the regular ones.
+        for cs in (st.get("initContainerStatuses") or []) + st["containerStatuses"]:
             cs.update(ready=True, started=True, state={"running": {"startedAt": self.now()}})
         self.save("Pod", pod)
         self.event(
@@ -463,7 +484,8 @@ class World(Hooks):
             f"Successfully assigned {pod['metadata']['namespace']}/{pod['metadata']['name']} to {node}",
             source="default-scheduler",
         )
-        for cs in st["containerStatuses"]:  # the kubelet's event per container (kuberuntime_container.go)
+        # the kubelet's event per container (kuberuntime_container.go)
+        for cs in (st.get("initContainerStatuses") or []) + st["containerStatuses"]:
             self.event(pod, "Started", f"Started container {cs['name']}", source="kubelet")
 
     # -- causes: the nodes
