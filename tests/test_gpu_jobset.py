@@ -206,15 +206,13 @@ def test_the_job_is_xpks_a3_gpu_workload(device):
 @pytest.mark.parametrize("device", GPU_NODES)
 def test_selectors_are_the_machine_types_gke_labels(device):
     """system_characteristics.py: AcceleratorTypeToAcceleratorCharacteristics[GPU] (accelerator label
-    `cloud.google.com/gke-accelerator`, machine label `cloud.google.com/gce-machine-type`) with the row's
-    gke_accelerator and gce_machine_type; kueue_manager.py __build_template_context puts the accelerator
-    label on XPK's flavor (create_accelerator_label), which Kueue adds to the pods on admission. No TPU
-    selector is left."""
-    machine_type, accelerator, _, _ = XPK_ROWS[_machine(device)]
-    assert _pod(golden(device))["nodeSelector"] == {
-        "cloud.google.com/gke-accelerator": accelerator,
-        "cloud.google.com/gce-machine-type": machine_type,
-    }
+    `cloud.google.com/gke-accelerator`) with the row's gke_accelerator; kueue_manager.py
+    __build_template_context puts the accelerator label on XPK's flavor (create_accelerator_label),
+    which Kueue adds to the pods on admission. create_machine_label returns '' for GPUs, so XPK selects
+    no machine type (`cloud.google.com/gce-machine-type` is only its name for the GPU machine label),
+    and neither does this JobSet. No TPU selector is left."""
+    _machine_type, accelerator, _, _ = XPK_ROWS[_machine(device)]
+    assert _pod(golden(device))["nodeSelector"] == {"cloud.google.com/gke-accelerator": accelerator}
 
 
 @pytest.mark.parametrize("device", GPU_NODES)

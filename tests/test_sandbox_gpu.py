@@ -35,9 +35,7 @@ from olmo_ctl.sandbox.sandbox import Sandbox, parse_slices
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "goldens" / "h100-mega-80gb-8x2-stage1.yaml"
 DEVICE = "h100-mega-80gb-8x2"
-SELECTOR = (
-    "cloud.google.com/gke-accelerator=nvidia-h100-mega-80gb,cloud.google.com/gce-machine-type=a3-megagpu-8g"
-)
+SELECTOR = "cloud.google.com/gke-accelerator=nvidia-h100-mega-80gb"
 NODES = ["gke-h100-mega-80gb-8-np-0-0000", "gke-h100-mega-80gb-8-np-0-0001"]
 NETWORKS = [f"vpc{i}" for i in range(1, 9)]
 IMAGE = "us-docker.pkg.dev/p/r/olmo-ctl:0.1.0"

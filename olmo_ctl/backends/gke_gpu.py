@@ -94,7 +94,7 @@ def flavor_labels(device: Device) -> dict[str, str]:
 
 def node_labels(device: Device) -> dict[str, str]:
     """The node labels the device's pods select: the launch template's nodeSelector
-    (`launch_templates/gpu.yaml`: the accelerator and the machine type), filled for the device."""
+    (`launch_templates/gpu.yaml`: the accelerator), filled for the device."""
     values = {"accelerator": device.accelerator_label or "", "machine_type": device.machine_type or ""}
     out = {}
     for key, value in (_pod_spec(device).get("nodeSelector") or {}).items():

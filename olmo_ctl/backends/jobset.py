@@ -433,7 +433,6 @@ def render_jobset(
         ),
         "trainer_command": trainer_argv("python", run_dir, Target(device, slices), plan, attempt)
         + list(extra_args),
-        "machine_type": device.machine_type,
         "coordinator_port": GPU_COORDINATOR_PORT,
         "preferred_topology": preferred_topology(v, settings),
         "network_interfaces": network_interfaces(v.get("networks", [])),
