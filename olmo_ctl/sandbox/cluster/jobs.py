@@ -261,6 +261,19 @@ def _finish(
     return True
 
 
+def _waiting(c: dict, reason: str) -> dict:
+    """A container's status before it starts: waiting for `reason`."""
+    return {
+        "name": c["name"],
+        "image": c.get("image", ""),
+        "imageID": "",
+        "ready": False,
+        "restartCount": 0,
+        "started": False,
+        "state": {"waiting": {"reason": reason}},
+    }
+
+
 def new_pod(w: World, job: dict, index: int) -> dict:
     """A pod of an Indexed Job: `<job>-<index>-<5 random>`, the Job's labels, the tracking finalizer."""
     tmpl = job["spec"]["template"]
@@ -296,33 +309,9 @@ def new_pod(w: World, job: dict, index: int) -> dict:
         "status": {
             "phase": "Pending",
             "conditions": [],
-            "containerStatuses": [
-                {
-                    "name": c["name"],
-                    "image": c.get("image", ""),
-                    "imageID": "",
-                    "ready": False,
-                    "restartCount": 0,
-                    "started": False,
-                    "state": {"waiting": {"reason": "ContainerCreating"}},
-                }
-                for c in spec.get("containers") or []
-            ],
+            "containerStatuses": [_waiting(c, "ContainerCreating") for c in spec.get("containers") or []],
             **(
-                {
-                    "initContainerStatuses": [
-                        {
-                            "name": c["name"],
-                            "image": c.get("image", ""),
-                            "imageID": "",
-                            "ready": False,
-                            "restartCount": 0,
-                            "started": False,
-                            "state": {"waiting": {"reason": "PodInitializing"}},
-                        }
-                        for c in sidecars(spec)
-                    ]
-                }
+                {"initContainerStatuses": [_waiting(c, "PodInitializing") for c in sidecars(spec)]}
                 if sidecars(spec)
                 else {}
             ),
