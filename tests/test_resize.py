@@ -186,6 +186,61 @@ def test_gke_resize_renders_the_new_per_device_batch_and_then_the_v5p_manifest(g
 
 
 @pytest.mark.gcs
+def test_gke_resize_moves_a_run_from_a_tpu_slice_to_gpu_nodes_and_back_at_the_same_batch(gke, capsys):
+    """TPU slices and GPU nodes are both GKE: a resize between them is a generation change like any
+    other. The GPU attempt goes to a queue whose flavor covers nvidia.com/gpu (XPK's GPU flavor: the
+    accelerator label), renders the GPU template with the recomputed per-device batch, and the run
+    comes back to a TPU slice the same way."""
+    srv, rd, _, args = gke
+    with srv.store.lock:
+        srv.world.ensure_queue(
+            "gpu-queue",
+            "gpu-cluster-queue",
+            "gpu-flavor",
+            {"nvidia.com/gpu": 0},
+            node_labels={"cloud.google.com/gke-accelerator": "nvidia-h100-mega-80gb"},
+        )
+    gpu_args = [a if a != "tpu-queue" else "gpu-queue" for a in args]
+    assert _cli("resize", "s1", "--device", "h100-mega-80gb-8x16", "-y", *gpu_args) == 0
+    out = capsys.readouterr().out
+    assert "per_device_batch      1 -> 4" in out and "global_batch          512 -> 512 (unchanged)" in out
+    assert srv.cluster.jobset_names() == ["s1-a2"]
+    js = srv.cluster.jobset("s1-a2")
+    assert _plan_annotation(js) == {
+        "global_batch": 512,
+        "per_device_batch": 4,
+        "grad_accum": 1,
+        "devices": 128,
+    }
+    job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    pod = job["template"]["spec"]
+    assert job["parallelism"] == job["completions"] == 16  # one pod per node
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-mega-80gb"}
+    trainer = next(c for c in pod["containers"] if c["name"] == "trainer")
+    assert trainer["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert env["NNODES"] == "16" and "--xla_gpu_enable_latency_hiding_scheduler=true" in env["XLA_FLAGS"]
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+
+    srv.cluster.admit("s1-a2")
+    srv.cluster.run_pods("s1-a2")
+    assert _cli("resize", "s1", "--device", "tpu7x-128", "-y", *args) == 0
+    out = capsys.readouterr().out
+    assert "per_device_batch      4 -> 4" in out and "devices               128 -> 128" in out
+    assert srv.cluster.jobset_names() == ["s1-a3"]
+    js = srv.cluster.jobset("s1-a3")
+    pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu7x"
+    assert [(r["attempt"], r["device"]) for r in rd.journal() if r["event"] == "submitted"] == [
+        (1, "tpu7x-512"),
+        (2, "h100-mega-80gb-8x16"),
+        (3, "tpu7x-128"),
+    ]
+    resized = [r for r in rd.journal() if r["event"] == "resized"]
+    assert [r["new_plan"]["tokens_per_step"] for r in resized] == [512 * 8192] * 2
+
+
+@pytest.mark.gcs
 def test_gke_resize_without_a_terminal_or_to_a_bad_device_changes_nothing(gke, capsys):
     srv, rd, _, args = gke
     assert _cli("resize", "s1", "--device", "tpu7x-128", *args) == 2  # stdin is no TTY, no -y
