@@ -131,3 +131,25 @@ def test_resume_until_done_interrupted_after_its_attempt_ended_says_nothing_is_r
     )
     assert rd.journal()[-1]["event"] == "supervisor_detached"
     assert rd.journal()[-1]["reason"] == "interrupted; attempt 1 had ended (failed-user)"
+
+
+def test_a_ctrl_c_handled_inside_code_run_from_a_string_still_exits_130(tmp_path):
+    """CPython 3.11 marks a KeyboardInterrupt raised in code run from a string (exec: a dataclass's
+    generated methods, as during a first import) as unhandled even once it is caught, and then ends
+    the interpreter with SIGINT instead of its exit code: smoke interrupted at that moment exited -2."""
+    import sys
+
+    code = (
+        "import olmo_ctl.cli as cli\n"
+        "def main():\n"
+        "    try:\n"
+        "        exec('raise KeyboardInterrupt')\n"
+        "    except KeyboardInterrupt:\n"
+        "        return cli.EXIT_INTERRUPTED\n"
+        "cli.main = main\n"
+        "cli.entry()\n"
+    )
+    (tmp_path / "handled.py").write_text(code)  # run as `python -m olmo_ctl` is: with -m
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}"}
+    p = subprocess.run([sys.executable, "-m", "handled"], env=env, timeout=120)
+    assert p.returncode == 130

@@ -95,4 +95,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    rc = main()
+    if rc == EXIT_INTERRUPTED:
+        # A Ctrl-C that landed in code run from a string (exec: a dataclass's generated methods, a
+        # first import) leaves CPython 3.11's "unhandled KeyboardInterrupt" flag set even though it was
+        # handled, and the interpreter would then kill itself with SIGINT instead of exiting 130. Each
+        # evaluation of a string clears the flag first.
+        exec("None")
+    sys.exit(rc)
