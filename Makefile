@@ -37,7 +37,7 @@ EXTRAS      ?= trainer,$(VARIANT),eval
 BUILDER     ?=
 IMAGE_CACHE ?= /var/cache/olmo-ctl
 
-.PHONY: install test test-chaos test-soak test-tpu-compile test-all check lint goldens demo image base-image image-test \
+.PHONY: install test test-chaos test-image test-soak test-tpu-compile test-all check lint goldens demo image base-image image-test \
 	bench lock
 
 install: $(STAMP)
@@ -57,7 +57,7 @@ $(STAMP): pyproject.toml constraints.txt
 JOBS     ?= 2
 EVERYDAY_JOBS ?= $(if $(filter command line environment,$(origin JOBS)),$(JOBS),3)
 PYTEST   := $(BIN)/pytest -q --durations=25 --dist loadfile
-EVERYDAY := not chaos and not tpu_compile
+EVERYDAY := not chaos and not tpu_compile and not image
 define pytest_lane
 @$(PYTEST) $(1); rc=$$?; \
 if [ $$rc -eq 5 ]; then echo "pytest: no tests were collected"; exit 0; fi; exit $$rc
@@ -69,6 +69,9 @@ test:
 test-chaos:
 	$(call pytest_lane,-n $(JOBS) -m "chaos and not soak")
 
+test-image:
+	$(call pytest_lane,-n $(JOBS) -m image)
+
 test-soak:
 	$(call pytest_lane,-n $(JOBS) -m soak)
 
@@ -76,7 +79,7 @@ test-tpu-compile:
 	$(call pytest_lane,-n $(JOBS) -m tpu_compile)
 
 test-all:
-	$(call pytest_lane,-n $(JOBS) -m "not soak")
+	$(call pytest_lane,-n $(JOBS) -m "not soak and not image")
 
 lint:
 	$(BIN)/ruff check .

@@ -7,7 +7,7 @@ The rules (lock-file comparison, requirements, buildah's status lines, the build
 builder's choice, the variants, the CUDA probe on this machine's own packages) run everywhere; what
 needs buildah skips, saying so, where it is not installed. The image itself is built, checked and run
 (GKE smoke in the image; an image without the trainer failing `make image-test` with one line; the GPU
-variant built and checked) in the chaos lane: minutes, most of it pip in the build.
+variant built and checked) in the image lane, `make test-image`: minutes, most of it pip in the build.
 """
 
 from __future__ import annotations
@@ -767,7 +767,7 @@ def trainer_image():
 
 
 @needs_buildah
-@pytest.mark.chaos
+@pytest.mark.image
 def test_make_image_test_passes_for_the_built_image(trainer_image):
     p = _make("image-test", f"IMAGE={trainer_image}")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -778,7 +778,7 @@ def test_make_image_test_passes_for_the_built_image(trainer_image):
 
 
 @needs_buildah
-@pytest.mark.chaos
+@pytest.mark.image
 def test_an_image_without_the_trainer_fails_make_image_test_with_one_line_naming_it():
     try:
         p = _make("image", f"IMAGE={NO_TRAINER}", "EXTRAS=tpu", "BUILDER=buildah")
@@ -796,7 +796,7 @@ def test_an_image_without_the_trainer_fails_make_image_test_with_one_line_naming
 
 
 @needs_buildah
-@pytest.mark.chaos
+@pytest.mark.image
 def test_the_gpu_variant_builds_and_passes_make_image_test_with_its_cuda_libraries_loading(trainer_image):
     """`make image VARIANT=gpu` on the same base, then `make image-test VARIANT=gpu`: every check, the CUDA
     libraries at the lock file's versions loading (no GPU here: said so; with one: used). Each variant
@@ -836,7 +836,7 @@ def test_the_gpu_variant_builds_and_passes_make_image_test_with_its_cuda_librari
 
 
 @needs_buildah
-@pytest.mark.chaos
+@pytest.mark.image
 @pytest.mark.gcs
 def test_gke_smoke_with_pods_in_the_image_passes_every_check(trainer_image, tmp_path):
     """Item 4: the sandbox with the image runtime, a v5p-16 slice and a GCS emulator bucket, and
