@@ -137,7 +137,7 @@ class Injector(threading.Thread):
     def __init__(self, faults: list[dict], kubeconfig: str, emulator: str, run_dir_root: str, run: str):
         super().__init__(daemon=True)
         self.faults, self.kubeconfig, self.emulator = faults, kubeconfig, emulator
-        self.root, self.run = run_dir_root, run
+        self.root, self.run_name = run_dir_root, run  # not `run`: Thread.run is the body
         self.applied: list[dict] = []
         self.errors: list[str] = []
         self.done = threading.Event()
@@ -150,7 +150,7 @@ class Injector(threading.Thread):
         pending = list(self.faults)
         reached: dict[int, float] = {}  # at_step -> when the run was first seen past it
         with use_emulator(self.emulator):
-            rd = RunDir.of(self.root, self.run)
+            rd = RunDir.of(self.root, self.run_name)
             while pending and not self.done.is_set():
                 try:
                     committed = rd.committed_step() or 0
