@@ -8,6 +8,7 @@ XPK's facts are ported here with their source (XPK at v1.9+, `src/xpk/core/capac
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -327,3 +328,34 @@ def test_doctor_checks_what_the_capacity_type_needs(box):
     assert checks["capacity"].ok, checks["capacity"].message
     assert "AdmissionCheck dws-prov" in checks["capacity"].message
     assert _checks(box)["capacity"].ok  # on-demand needs nothing more
+
+
+def test_doctor_warns_of_two_flavors_whose_node_labels_a_readmitted_jobset_would_both_keep(box):
+    """JobSet's resumeJob merges node selectors and never removes one (jobset#1294): a second flavor
+    for the same slice with a node-label key the first lacks (spot beside on-demand) is a warning
+    naming both flavors and the key; a second flavor with the same keys is not."""
+    from olmo_ctl.sandbox.sandbox import CLUSTER_QUEUE, flavor_labels
+
+    dev = get_device("tpu7x-128")
+
+    def add_flavor(name: str, labels: dict) -> None:
+        with box.server.store.lock:
+            box.world.save(
+                "ResourceFlavor", {"metadata": {"name": name}, "spec": {"nodeLabels": labels}}, new=True
+            )
+            cq = copy.deepcopy(box.world.get("ClusterQueue", "", CLUSTER_QUEUE))
+            cq["spec"]["resourceGroups"][0]["flavors"].append(
+                {"name": name, "resources": [{"name": "google.com/tpu", "nominalQuota": "64"}]}
+            )
+            box.world.save("ClusterQueue", cq)
+
+    assert _checks(box)["resource-flavor"].message.startswith("ResourceFlavor 1xtpu7x-128 ")
+    add_flavor("tpu7x-128-same-keys", flavor_labels(dev))
+    check = _checks(box)["resource-flavor"]
+    assert check.ok and not check.message.startswith("warning"), check.message
+    add_flavor("tpu7x-128-spot", {**flavor_labels(dev), "cloud.google.com/gke-spot": "true"})
+    check = _checks(box)["resource-flavor"]
+    assert check.ok and check.message.startswith("warning: "), check.message
+    assert "ResourceFlavor tpu7x-128-spot or 1xtpu7x-128" in check.message
+    assert "cloud.google.com/gke-spot are not 1xtpu7x-128's" in check.message
+    assert "jobset/pull/1294" in check.message

@@ -393,6 +393,25 @@ def flavors_for(
     return out
 
 
+# JobSet's resumeJob merges the readmitted JobSet's pod template node selector into each suspended Job's
+# (collections.MergeMaps in pkg/controllers/jobset_controller.go) and never removes a key: v0.10.1 and
+# every release since (kubernetes-sigs/jobset#1294, the fix, unmerged). A JobSet evicted from one
+# flavor and readmitted on another keeps the first flavor's node labels beside the second's.
+JOBSET_1294 = "https://github.com/kubernetes-sigs/jobset/pull/1294"
+
+
+def flavor_merge_hazard(fits: list[tuple[str, dict | None, float]]) -> tuple[str, str, list[str]] | None:
+    """(flavor A, flavor B, A's node-label keys B lacks) for two of the device's flavors whose node
+    labels a Job readmitted from A onto B would keep and B's nodes need not carry; None if none."""
+    labels = [(n, (rf.get("spec") or {}).get("nodeLabels") or {}) for n, rf, _ in fits if rf is not None]
+    for a, la in labels:
+        for b, lb in labels:
+            extra = sorted(set(la) - set(lb))
+            if a != b and extra:
+                return a, b, extra
+    return None
+
+
 def check_flavor(kube: Cluster, version: str, cq: dict, device: Device, slices: int) -> Check:
     cq_name = cq["metadata"]["name"]
     labels = ", ".join(f"{k}={v}" for k, v in device_labels(device).items())
@@ -431,6 +450,17 @@ def check_flavor(kube: Cluster, version: str, cq: dict, device: Device, slices: 
         return _warn(
             "resource-flavor",
             f"cannot read ResourceFlavor {best_name} (forbidden); its quota ({best_q:g} {res}) covers {what}",
+        )
+    hazard = flavor_merge_hazard(fits)
+    if hazard is not None:
+        a, b, keys = hazard
+        return _warn(
+            "resource-flavor",
+            f"ClusterQueue {cq_name} can admit {what} on ResourceFlavor {a} or {b}, and {a}'s node labels "
+            f"{', '.join(keys)} are not {b}'s: JobSet keeps a readmitted Job's old node selector beside the "
+            f"new flavor's ({JOBSET_1294}, unmerged), so a JobSet evicted from {a} and readmitted on {b} has "
+            "pods no node takes; give the device's flavors the same node-label keys, or each flavor a "
+            "ClusterQueue of its own",
         )
     return Check(
         "resource-flavor",
