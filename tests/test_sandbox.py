@@ -121,6 +121,71 @@ def test_applied_objects_take_part_in_admission_and_preemption():
         assert len([p for p in c.pods("theirs") if p["status"]["phase"] == "Running"]) == 16
 
 
+def test_a_jobset_readmitted_on_another_flavor_keeps_the_first_ones_selector_and_is_no_capacity_wait():
+    """jobset#1294 on the test cluster's rules: admitted on a spot flavor, preempted, readmitted on the
+    on-demand flavor once it has quota; JobSet's resumeJob merges the new flavor's labels into the
+    suspended Jobs and keeps `cloud.google.com/gke-spot`, so the pods wait for spot nodes the preemptor
+    holds. The classifier names the stale selector and gives no capacity wait (the admission timeout
+    applies), where a plain Unschedulable pod is one."""
+    import copy
+
+    from olmo_ctl.backends.gke_status import classify
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.sandbox.sandbox import flavor_labels
+    from olmo_ctl.supervise.policy import waiting_for
+
+    spot = {"cloud.google.com/gke-spot": "true"}
+    dev = get_device("tpu7x-128")
+    with Sandbox(slices={"tpu7x-128": 1}, priority_classes={"high": 750}) as sb:
+        w, c = sb.world, sb.server.cluster
+        with sb.server.store.lock:
+            w.add_node_pool(dev, "tpu7x-128-spot")
+            for node in w.items("Node", None):
+                if node["metadata"]["labels"]["cloud.google.com/gke-nodepool"] == "tpu7x-128-spot":
+                    node["metadata"]["labels"].update(spot)
+                    w.save("Node", node)
+            w.save(
+                "ResourceFlavor",
+                {"metadata": {"name": "spot"}, "spec": {"nodeLabels": {**flavor_labels(dev), **spot}}},
+                new=True,
+            )
+            cq = copy.deepcopy(w.get("ClusterQueue", "", "cluster-queue"))
+            (group,) = cq["spec"]["resourceGroups"]
+            group["flavors"][0]["resources"][0]["nominalQuota"] = "0"  # on-demand: none yet
+            group["flavors"].insert(
+                0, {"name": "spot", "resources": [{"name": "google.com/tpu", "nominalQuota": "64"}]}
+            )
+            w.save("ClusterQueue", cq)
+        create = sb.server.api.create
+        jobsets = sb.server.store.resources[("jobset.x-k8s.io", "jobsets")]
+        create(jobsets, "v1alpha2", "default", tpu_jobset("ours"), {})
+        w.reconcile()
+        assert all(p["spec"]["nodeSelector"]["cloud.google.com/gke-spot"] == "true" for p in c.pods("ours"))
+        create(jobsets, "v1alpha2", "default", tpu_jobset("theirs", priority="high"), {})
+        w.reconcile()
+        assert kueue.find_cond(c.workload("ours"), "Evicted")["reason"] == "Preempted"
+        with sb.server.store.lock:  # on-demand capacity arrives
+            cq = copy.deepcopy(w.get("ClusterQueue", "", "cluster-queue"))
+            cq["spec"]["resourceGroups"][0]["flavors"][1]["resources"][0]["nominalQuota"] = "64"
+            w.save("ClusterQueue", cq)
+        for _ in range(3):
+            w.reconcile()
+        wl = c.workload("ours")
+        assert kueue.is_admitted(wl)
+        assert wl["status"]["admission"]["podSetAssignments"][0]["flavors"]["google.com/tpu"] == "1xtpu7x-128"
+        pods = c.pods("ours")
+        assert pods and all(p["spec"].get("nodeName") is None for p in pods)
+        st = classify(c.jobset("ours"), wl, pods, [])
+        assert st.hold is not None and st.hold.kind == "stale-selector", st
+        assert "cloud.google.com/gke-spot=true" in st.reason and "jobset#1294" in st.reason
+        assert st.wait_cause is None and waiting_for(st) is None
+        # the same pods with the selector their template has now: a wait for capacity
+        for p in pods:
+            p["spec"]["nodeSelector"].pop("cloud.google.com/gke-spot")
+        st = classify(c.jobset("ours"), wl, pods, [])
+        assert st.hold.kind == "unschedulable" and waiting_for(st) is not None
+
+
 def test_a_pod_with_no_fitting_node_is_unschedulable():
     with Sandbox(slices={"tpu7x-128": 1}) as sb:
         sb.world.add_quota("cluster-queue", "1xtpu7x-128", "google.com/tpu", 64)  # quota without nodes

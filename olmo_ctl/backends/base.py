@@ -70,7 +70,8 @@ class Hold:
     `deactivated`, `no-workload` (Kueue cannot make the queue's object for it: an object it names is
     missing), `unschedulable` (no node fits its pods), `node-not-ready`, `kubelet-admission`,
     `image-pull` (the kubelet backs off pulling), `bad-image` (a pull no retry fixes), `pods-refused`
-    (the API server refuses its pods)."""
+    (the API server refuses its pods), `stale-selector` (its pods keep a node selector of a flavor it
+    no longer holds: jobset#1294)."""
 
     kind: str
     message: str  # the source's own words, e.g. "insufficient unused quota for google.com/tpu in flavor ..."

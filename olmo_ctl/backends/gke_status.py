@@ -51,7 +51,10 @@ Precedence, first match wins:
         transient error", pod_admission_webhook.go v0.10.1), which are not a cause: the leader's
         own state (Unschedulable, Pending) is
       a pod Unschedulable (PodScheduled=False or a FailedScheduling event)       -> ADMITTED, with the
-        scheduler's message, details["unschedulable"] = True, details["wait_cause"] "unschedulable"
+        scheduler's message, details["unschedulable"] = True, details["wait_cause"] "unschedulable";
+        except when its node selector keeps a key its JobSet's template no longer has (an earlier
+        admission's flavor, jobset#1294: stale_node_selector): no wait cause (no capacity fixes it;
+        the supervisor's --admission-timeout replaces the attempt), details["stale_selector"]
       a pod on a NotReady node (Ready=False and NodeNotReady, or Terminating after taint eviction)
                                                           -> ADMITTED, details["wait_cause"] "node-not-ready"
       a pod the kubelet refused (UnexpectedAdmissionError) -> ADMITTED, "kubelet-admission"
@@ -369,6 +372,35 @@ def expected_pods(jobset: Mapping) -> int:
         comp = spec.get("completions")
         n += int(rj.get("replicas", 1)) * int(min(par, comp) if comp is not None else par)
     return n
+
+
+# JobSet's pod webhook gives a follower pod its leader's topology as a node selector (exclusive placement).
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+REPLICATED_JOB_NAME = "jobset.sigs.k8s.io/replicatedjob-name"
+JOBSET_1294 = "jobset#1294"
+
+
+def stale_node_selector(jobset: Mapping, pod: Mapping) -> dict[str, str]:
+    """The pod's node-selector entries its JobSet's pod template no longer has: left by an earlier
+    admission on another flavor. JobSet's resumeJob merges the readmitted template's node selector
+    into the suspended Job's and never removes a key (pkg/controllers/jobset_controller.go, v0.10.1
+    and every release since; kubernetes-sigs/jobset#1294 unmerged), while Kueue puts only the current
+    flavor's labels in the template. The exclusive-placement selector JobSet's webhook adds is not one."""
+    meta = pod.get("metadata") or {}
+    rj = ((meta.get("labels") or {}).get(REPLICATED_JOB_NAME)) or (meta.get("annotations") or {}).get(
+        REPLICATED_JOB_NAME
+    )
+    templates = [
+        ((r.get("template") or {}).get("spec") or {}).get("template") or {}
+        for r in (jobset.get("spec") or {}).get("replicatedJobs") or []
+        if rj is None or r.get("name") == rj
+    ]
+    if len(templates) != 1:
+        return {}
+    want = (templates[0].get("spec") or {}).get("nodeSelector") or {}
+    own = (meta.get("annotations") or {}).get(EXCLUSIVE_TOPOLOGY)
+    have = (pod.get("spec") or {}).get("nodeSelector") or {}
+    return {k: v for k, v in have.items() if k not in want and k != own}
 
 
 def _events_about(events: Sequence[Mapping], kind: str, name: str) -> list[Mapping]:
@@ -715,6 +747,25 @@ def _classify_pods(
         fs = [e for e in _events_about(events, "Pod", name) if e.get("reason") == "FailedScheduling"]
         if (sched and sched.get("status") == "False" and sched.get("reason") == "Unschedulable") or fs:
             msg = (fs[-1].get("message") if fs else None) or (sched or {}).get("message") or ""
+            stale = stale_node_selector(jobset, pod)
+            if stale:
+                # Not capacity: no node will ever carry both flavors' labels. No wait cause, so the
+                # supervisor's --admission-timeout replaces the attempt with a fresh JobSet.
+                keys = ", ".join(f"{k}={v}" for k, v in sorted(stale.items()))
+                why = (
+                    f"pod {name} keeps node selector {keys} from an earlier admission on another flavor "
+                    f"({JOBSET_1294}: JobSet never removes a readmitted Job's old node selector)"
+                )
+                details.update(
+                    unschedulable=True, pod=name, stale_selector=keys, cause=f"{why}: {msg}".rstrip(": ")
+                )
+                _hold(details, "stale-selector", why, "JobSet")
+                return AttemptStatus(
+                    State.ADMITTED,
+                    f"Unschedulable: {why}",
+                    "pod events FailedScheduling" if fs else f"pod {name} condition PodScheduled",
+                    details=details,
+                )
             details.update(
                 unschedulable=True,
                 pod=name,

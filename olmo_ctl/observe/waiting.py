@@ -9,8 +9,9 @@ source's words, who said them); this module words it the one way both commands p
 
 and names its `cause` in the words of the supervisor's journaled waits (`waiting` records:
 queued, requeued, admission-checks, unschedulable, node-not-ready, kubelet-admission), plus
-`image-pull` (a bounded wait), `deactivated`, `pods-refused` and `config-error` (what no capacity
-changes: no flavor fits, no such queue, an image that cannot be pulled).
+`image-pull` (a bounded wait), `deactivated`, `pods-refused`, `stale-selector` (a node selector left
+by an earlier admission on another flavor) and `config-error` (what no capacity changes: no flavor
+fits, no such queue, an image that cannot be pulled).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "image-pull": ("image pull back-off", "image-pull"),
     "bad-image": ("image cannot be pulled", "config-error"),
     "pods-refused": ("pods refused", "pods-refused"),
+    # Not capacity: a node selector left from another flavor (jobset#1294); --admission-timeout applies.
+    "stale-selector": ("stale node selector", "stale-selector"),
 }
 
 # The causes that are waits for capacity: the supervisor waits them out, with no admission timeout
