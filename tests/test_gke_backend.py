@@ -531,3 +531,30 @@ def test_a_stop_checks_the_handle_against_the_cluster_and_deletes_by_uid(srv):
     with pytest.raises(BadInput, match="not attempt 1 of run `r8`"):
         b.stop(wrong)
     assert srv.cluster.jobset("r8-a1") is not None
+
+
+def test_a_stale_node_selector_is_a_key_the_jobsets_template_lacks_and_not_one_jobset_adds_itself():
+    """gke_status.stale_node_selector: what a readmission on another flavor left (jobset#1294), never
+    the selectors JobSet's own exclusive placement adds (the leader's topology on a follower pod, the
+    node-selector strategy's namespaced-job key)."""
+    from olmo_ctl.backends.gke_status import NAMESPACED_JOB, stale_node_selector
+
+    js = tiny_jobset("s1-a1", run="s1")
+    tmpl = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    tmpl["spec"]["nodeSelector"] = {"cloud.google.com/gke-tpu-accelerator": "tpu7x"}
+    topo = "cloud.google.com/gke-nodepool"
+
+    def pod(selector: dict) -> dict:
+        return {
+            "metadata": {
+                "labels": {"jobset.sigs.k8s.io/replicatedjob-name": "slice"},
+                "annotations": {"alpha.jobset.sigs.k8s.io/exclusive-topology": topo},
+            },
+            "spec": {"nodeSelector": {"cloud.google.com/gke-tpu-accelerator": "tpu7x", **selector}},
+        }
+
+    assert stale_node_selector(js, pod({})) == {}
+    assert stale_node_selector(js, pod({topo: "", NAMESPACED_JOB: "default_s1-a1-slice-0"})) == {}
+    assert stale_node_selector(js, pod({"cloud.google.com/gke-spot": "true", topo: "np-0"})) == {
+        "cloud.google.com/gke-spot": "true"
+    }

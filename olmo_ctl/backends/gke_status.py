@@ -376,6 +376,9 @@ def expected_pods(jobset: Mapping) -> int:
 
 # JobSet's pod webhook gives a follower pod its leader's topology as a node selector (exclusive placement).
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+# JobSet's controller adds this one to a Job of the node-selector exclusive-placement strategy
+# (addNamespacedJobNodeSelector; api/jobset/v1alpha2 NamespacedJobKey): not in the JobSet's template.
+NAMESPACED_JOB = "alpha.jobset.sigs.k8s.io/namespaced-job"
 REPLICATED_JOB_NAME = "jobset.sigs.k8s.io/replicatedjob-name"
 JOBSET_1294 = "jobset#1294"
 
@@ -385,7 +388,7 @@ def stale_node_selector(jobset: Mapping, pod: Mapping) -> dict[str, str]:
     admission on another flavor. JobSet's resumeJob merges the readmitted template's node selector
     into the suspended Job's and never removes a key (pkg/controllers/jobset_controller.go, v0.10.1
     and every release since; kubernetes-sigs/jobset#1294 unmerged), while Kueue puts only the current
-    flavor's labels in the template. The exclusive-placement selector JobSet's webhook adds is not one."""
+    flavor's labels in the template. The exclusive-placement selectors JobSet itself adds are not."""
     meta = pod.get("metadata") or {}
     rj = ((meta.get("labels") or {}).get(REPLICATED_JOB_NAME)) or (meta.get("annotations") or {}).get(
         REPLICATED_JOB_NAME
@@ -400,7 +403,7 @@ def stale_node_selector(jobset: Mapping, pod: Mapping) -> dict[str, str]:
     want = (templates[0].get("spec") or {}).get("nodeSelector") or {}
     own = (meta.get("annotations") or {}).get(EXCLUSIVE_TOPOLOGY)
     have = (pod.get("spec") or {}).get("nodeSelector") or {}
-    return {k: v for k, v in have.items() if k not in want and k != own}
+    return {k: v for k, v in have.items() if k not in want and k not in (own, NAMESPACED_JOB)}
 
 
 def _events_about(events: Sequence[Mapping], kind: str, name: str) -> list[Mapping]:
