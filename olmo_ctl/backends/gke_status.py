@@ -54,7 +54,7 @@ Precedence, first match wins:
         scheduler's message, details["unschedulable"] = True, details["wait_cause"] "unschedulable";
         except when its node selector keeps a key its JobSet's template no longer has (an earlier
         admission's flavor, jobset#1294: stale_node_selector): no wait cause (no capacity fixes it;
-        the supervisor's --admission-timeout replaces the attempt), details["stale_selector"]
+        the supervisor's --admission-timeout replaces the attempt), the hold `stale-selector`
       a pod on a NotReady node (Ready=False and NodeNotReady, or Terminating after taint eviction)
                                                           -> ADMITTED, details["wait_cause"] "node-not-ready"
       a pod the kubelet refused (UnexpectedAdmissionError) -> ADMITTED, "kubelet-admission"
@@ -750,35 +750,25 @@ def _classify_pods(
         fs = [e for e in _events_about(events, "Pod", name) if e.get("reason") == "FailedScheduling"]
         if (sched and sched.get("status") == "False" and sched.get("reason") == "Unschedulable") or fs:
             msg = (fs[-1].get("message") if fs else None) or (sched or {}).get("message") or ""
+            reason = f"Unschedulable: pod {name}: {msg}".rstrip(": ")
+            hold, by, cause = msg or f"pod {name}", "scheduler", reason
             stale = stale_node_selector(jobset, pod)
             if stale:
                 # Not capacity: no node will ever carry both flavors' labels. No wait cause, so the
                 # supervisor's --admission-timeout replaces the attempt with a fresh JobSet.
                 keys = ", ".join(f"{k}={v}" for k, v in sorted(stale.items()))
-                why = (
+                hold = (
                     f"pod {name} keeps node selector {keys} from an earlier admission on another flavor "
                     f"({JOBSET_1294}: JobSet never removes a readmitted Job's old node selector)"
                 )
-                details.update(
-                    unschedulable=True, pod=name, stale_selector=keys, cause=f"{why}: {msg}".rstrip(": ")
-                )
-                _hold(details, "stale-selector", why, "JobSet")
-                return AttemptStatus(
-                    State.ADMITTED,
-                    f"Unschedulable: {why}",
-                    "pod events FailedScheduling" if fs else f"pod {name} condition PodScheduled",
-                    details=details,
-                )
-            details.update(
-                unschedulable=True,
-                pod=name,
-                cause=f"Unschedulable: pod {name}: {msg}".rstrip(": "),
-                wait_cause="unschedulable",
-            )
-            _hold(details, "unschedulable", msg or f"pod {name}", "scheduler")
+                reason, by, cause = f"Unschedulable: {hold}", "JobSet", f"{hold}: {msg}".rstrip(": ")
+            else:
+                details["wait_cause"] = "unschedulable"
+            details.update(unschedulable=True, pod=name, cause=cause)
+            _hold(details, "stale-selector" if stale else "unschedulable", hold, by)
             return AttemptStatus(
                 State.ADMITTED,
-                f"Unschedulable: pod {name}: {msg}".rstrip(": "),
+                reason,
                 "pod events FailedScheduling" if fs else f"pod {name} condition PodScheduled",
                 details=details,
             )
