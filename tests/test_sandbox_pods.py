@@ -92,22 +92,28 @@ def pod_log(sb, name: str) -> str:
     return core(sb).read_namespaced_pod_log(name, "default")
 
 
-ENV_SCRIPT = (
-    "import json, os, sys; keys = ['TPU_WORKER_ID', 'TPU_WORKER_HOSTNAMES', 'JAX_PLATFORMS', 'XLA_FLAGS', "
-    "'OLMO_CTL_COORDINATOR_ADDRESS', 'FROM_MANIFEST', 'MY_NODE', 'SANDBOX_MARK']; "
-    "print(json.dumps({k: os.environ.get(k) for k in keys})); "
-    "sys.exit(int(os.environ['TPU_WORKER_ID']) * 7)"
-)
+def env_script(done: Path) -> str:
+    """Print the pod's environment and exit with 7 x its worker id. Worker 1 exits only once worker 0 has
+    (the file `done`): a Job whose backoffLimit is 0 fails on its first failed pod and deletes the rest,
+    so under load worker 0 could otherwise be deleted before it ran, or never be created."""
+    return (
+        "import json, os, sys, time, pathlib; keys = ['TPU_WORKER_ID', 'TPU_WORKER_HOSTNAMES', 'JAX_PLATFORMS', "
+        "'XLA_FLAGS', 'OLMO_CTL_COORDINATOR_ADDRESS', 'FROM_MANIFEST', 'MY_NODE', 'SANDBOX_MARK']; "
+        "print(json.dumps({k: os.environ.get(k) for k in keys}), flush=True); "
+        f"done = pathlib.Path({str(done)!r}); i = int(os.environ['TPU_WORKER_ID']); "
+        "done.touch() if i == 0 else [time.sleep(0.05) for _ in range(1200) if not done.exists()]; "
+        "sys.exit(i * 7)"
+    )
 
 
-def test_a_pod_runs_its_command_with_the_webhook_env_and_its_exit_code_is_the_pods(box, monkeypatch):
+def test_a_pod_runs_its_command_with_the_webhook_env_and_its_exit_code_is_the_pods(box, monkeypatch, tmp_path):
     sb, runner = box
     monkeypatch.setenv("SANDBOX_MARK", "inherited")  # the sandbox's own environment reaches the pods
-    create(sb, v5p16_jobset("envs", ENV_SCRIPT))
+    create(sb, v5p16_jobset("envs", env_script(tmp_path / "worker-0-done")))
     c = sb.server.cluster
     pods = wait_for(
-        # Both pods: under load the Job controller may not have created the first when the second exits.
         lambda: (p := c.pods("envs")) and len(p) == 2 and all(exit_code(x) is not None for x in p) and p,
+        timeout_s=90,
         what="both pods to exit",
     )
     assert [exit_code(p) for p in pods] == [0, 7]
