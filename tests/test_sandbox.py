@@ -126,7 +126,7 @@ def test_a_jobset_readmitted_on_another_flavor_keeps_the_first_ones_selector_and
     on-demand flavor once it has quota; JobSet's resumeJob merges the new flavor's labels into the
     suspended Jobs and keeps `cloud.google.com/gke-spot`, so the pods wait for spot nodes the preemptor
     holds. The classifier names the stale selector and gives no capacity wait (the admission timeout
-    applies), where a plain Unschedulable pod is one."""
+    applies), where a plain Unschedulable pod is one; the attempt replaced by a fresh JobSet runs."""
     import copy
 
     from olmo_ctl.backends.gke_status import classify
@@ -184,6 +184,26 @@ def test_a_jobset_readmitted_on_another_flavor_keeps_the_first_ones_selector_and
             p["spec"]["nodeSelector"].pop("cloud.google.com/gke-spot")
         st = classify(c.jobset("ours"), wl, pods, [])
         assert st.hold.kind == "unschedulable" and waiting_for(st) is not None
+        # The remedy, as the backend applies it when the admission timeout ends the attempt: the JobSet
+        # deleted (Foreground) and a fresh one submitted; admitted on on-demand, its pods get nodes.
+        sb.server.api.delete(
+            jobsets, "v1alpha2", "default", "ours", {}, b'{"propagationPolicy": "Foreground"}'
+        )
+        for _ in range(3):
+            w.reconcile()
+        assert c.jobset("ours") is None and not c.pods("ours")
+        create(jobsets, "v1alpha2", "default", tpu_jobset("ours-2"), {})
+        for _ in range(3):
+            w.reconcile()
+        fresh = c.workload("ours-2")
+        assert kueue.is_admitted(fresh)
+        assert (
+            fresh["status"]["admission"]["podSetAssignments"][0]["flavors"]["google.com/tpu"] == "1xtpu7x-128"
+        )
+        pods = c.pods("ours-2")
+        assert len(pods) == 16 and all(p["spec"].get("nodeName") for p in pods)
+        assert all("cloud.google.com/gke-spot" not in p["spec"]["nodeSelector"] for p in pods)
+        assert classify(c.jobset("ours-2"), fresh, pods, []).hold is None
 
 
 def test_a_pod_with_no_fitting_node_is_unschedulable():

@@ -106,7 +106,9 @@ def env_script(done: Path) -> str:
     )
 
 
-def test_a_pod_runs_its_command_with_the_webhook_env_and_its_exit_code_is_the_pods(box, monkeypatch, tmp_path):
+def test_a_pod_runs_its_command_with_the_webhook_env_and_its_exit_code_is_the_pods(
+    box, monkeypatch, tmp_path
+):
     sb, runner = box
     monkeypatch.setenv("SANDBOX_MARK", "inherited")  # the sandbox's own environment reaches the pods
     create(sb, v5p16_jobset("envs", env_script(tmp_path / "worker-0-done")))
