@@ -722,7 +722,7 @@ def test_a_queue_set_up_that_can_never_admit_is_named_by_the_backend(case):
                     "lq3",
                     "cq3",
                     "v5p-flavor",
-                    {"google.com/tpu": 4096},
+                    {"google.com/tpu": 4096, "cpu": 100000, "memory": 2**50},
                     node_labels={"cloud.google.com/gke-tpu-accelerator": "tpu7x"},
                 )
                 js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "lq3"

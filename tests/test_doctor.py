@@ -92,6 +92,7 @@ def test_all_checks_pass_for_a_configured_queue_and_device(sandbox, tmp_path):
         "resource-flavor",
         "priority-class",
         "capacity",
+        "trainer-resources",
         "rbac",
         "service-account",
         "node-pools",
@@ -104,6 +105,23 @@ def test_all_checks_pass_for_a_configured_queue_and_device(sandbox, tmp_path):
     ), report
     flavor = next(c for c in report["checks"] if c["name"] == "resource-flavor")["message"]
     assert "1xtpu7x-128" in flavor and "64 google.com/tpu" in flavor
+    # 95% of a tpu7x-standard-4t's allocatable (223.37 cores, 956356 MiB) in whole cores and GiB
+    resources = next(c for c in report["checks"] if c["name"] == "trainer-resources")["message"]
+    assert resources == "cpu 212, memory 887Gi per pod, requests equal to limits (Guaranteed)"
+
+
+def test_a_trainer_larger_than_the_nodes_allocatable_fails_naming_the_node(sandbox, tmp_path):
+    (tmp_path / "olmo-ctl").mkdir()
+    (tmp_path / "olmo-ctl" / "config.yaml").write_text("trainer_resources: cpu=224,memory=800Gi\n")
+    rc, report, _ = doctor(sandbox, "--device", "tpu7x-128", tmp=tmp_path)
+    assert rc == 2 and list(failed(report)) == ["trainer-resources"]
+    msg = failed(report)["trainer-resources"]
+    assert "has cpu 223370m allocatable, under the trainer's 224" in msg and "gke-tpu7x-128-np-0-" in msg
+    (tmp_path / "olmo-ctl" / "config.yaml").write_text("trainer_resources: off\n")  # YAML's false
+    rc, report, _ = doctor(sandbox, "--device", "tpu7x-128", tmp=tmp_path)
+    assert rc == 0
+    off = next(c for c in report["checks"] if c["name"] == "trainer-resources")["message"]
+    assert off.startswith("off: the trainer requests no CPU or memory")
 
 
 def test_a_missing_local_queue_exits_2_naming_it(sandbox, tmp_path):
@@ -240,6 +258,31 @@ def test_submit_checks_name_the_missing_objects(box):
     with pytest.raises(BadInput, match="no ResourceFlavor for v5p-256"):
         submit_checks(api, _settings(), get_device("v5p-256"))
     assert box.server.count("POST", "/jobsets") == 0
+
+
+def test_a_cluster_queue_that_does_not_cover_cpu_and_memory_fails_doctor_and_submit(box):
+    """Kueue admits no pod set requesting a resource its ClusterQueue does not cover (an XPK cluster
+    made without --cpu-limit and --memory-limit covers only the accelerator): doctor and submit name
+    it with the remedy; `trainer_resources: off` needs neither."""
+    import copy
+
+    api, dev = make_api_client(host=box.url), get_device("tpu7x-128")
+    w = box.world
+    with box.server.store.lock:
+        cq = copy.deepcopy(w.get("ClusterQueue", "", "cluster-queue"))
+        cq["spec"]["resourceGroups"] = cq["spec"]["resourceGroups"][:1]  # the TPU group alone
+        w.save("ClusterQueue", cq)
+    checks = {c.name: c for c in run_checks(api, _settings(), dev)}
+    assert not checks["trainer-resources"].ok
+    msg = checks["trainer-resources"].message
+    assert "ClusterQueue cluster-queue covers no cpu or memory" in msg
+    assert "--cpu-limit and --memory-limit" in msg and "trainer_resources: off" in msg
+    with pytest.raises(BadInput, match="covers no cpu or memory"):
+        submit_checks(api, _settings(), dev)
+    assert box.server.count("POST", "/jobsets") == 0
+    submit_checks(api, _settings(trainer_resources="off"), dev)
+    checks = {c.name: c for c in run_checks(api, _settings(trainer_resources="off"), dev)}
+    assert checks["trainer-resources"].ok
 
 
 def test_submit_checks_accept_a_flavor_without_labels(kube_server):

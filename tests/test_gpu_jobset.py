@@ -218,9 +218,14 @@ def test_selectors_are_the_machine_types_gke_labels(device):
 @pytest.mark.parametrize("device", GPU_NODES)
 def test_resources_and_port_follow_docker_resources(device):
     """docker_resources.py get_main_container_resources: limits `nvidia.com/gpu: chips_per_vm` (no
-    requests: they follow the limits); add_container_ports: the coordinator's port 6002."""
+    requests: they follow the limits), and beside them the trainer's CPU and memory, sized from the
+    machine type (core/node_resources.py); add_container_ports: the coordinator's port 6002."""
+    from olmo_ctl.core.node_resources import trainer_resources_for
+
     c = _trainer(golden(device))
-    assert c["resources"] == {"limits": {"nvidia.com/gpu": XPK_ROWS[_machine(device)][2]}}
+    own = trainer_resources_for(_machine(device), "auto")
+    assert own is not None
+    assert c["resources"] == {"limits": {"nvidia.com/gpu": XPK_ROWS[_machine(device)][2], **own}}
     assert c["ports"] == [{"containerPort": 6002}]
 
 
@@ -421,7 +426,8 @@ def test_dry_run_prints_the_gpu_jobset_and_the_local_backend_refuses_gpu_nodes(t
     p = invoke("submit", "--stage", "1", "--device", "h100-mega-80gb-8x2", "--dry-run", env=env)
     assert p.returncode == 0, p.stderr
     js = yaml.safe_load(p.stdout)
-    assert _trainer(js)["resources"]["limits"] == {"nvidia.com/gpu": 8} and schema_errors(js) == []
+    limits = _trainer(js)["resources"]["limits"]
+    assert limits == {"nvidia.com/gpu": 8, "cpu": "197", "memory": "1736Gi"} and schema_errors(js) == []
     env["OLMO_CTL_RUN_ROOT"] = str(tmp_path / "runs")
     p = invoke(
         "submit", "--stage", "1", "--device", "h100-mega-80gb-8x2", "--backend", "local", "--dry-run", env=env

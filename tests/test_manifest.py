@@ -25,6 +25,7 @@ from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import Target, get_device
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import default_run_name, validate_run_name
+from olmo_ctl.core.node_resources import trainer_resources_for
 from olmo_ctl.core.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -232,7 +233,10 @@ def test_golden_matches_cli_and_validates(case, env):
     assert js["spec"]["replicatedJobs"][0]["replicas"] == slices
     assert job["parallelism"] == job["completions"] == dev.vms
     if dev.is_gpu_nodes:
-        assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": dev.chips_per_vm}
+        assert pod["containers"][0]["resources"]["limits"] == {
+            "nvidia.com/gpu": dev.chips_per_vm,
+            **(trainer_resources_for(dev.generation, "auto") or {}),
+        }
         assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] == dev.accelerator_label
         return
     assert pod["containers"][0]["resources"]["limits"]["google.com/tpu"] == dev.chips_per_vm
@@ -476,7 +480,9 @@ def test_pod_shape_and_failure_policy():
     target, plan = read_launch_record(c["command"][-1])
     assert target == Target.parse("tpu7x-128")
     assert plan == make_plan(recipe, target.device)
-    assert c["resources"] == {"requests": {"google.com/tpu": 4}, "limits": {"google.com/tpu": 4}}
+    # Guaranteed: CPU and memory requested as limited, a tpu7x-standard-4t's share (core/node_resources.py)
+    own = {"google.com/tpu": 4, "cpu": "212", "memory": "887Gi"}
+    assert c["resources"] == {"requests": own, "limits": own}
     assert c["securityContext"]["privileged"] is False
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["JAX_PLATFORMS"] == "tpu"

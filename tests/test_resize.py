@@ -197,7 +197,7 @@ def test_gke_resize_moves_a_run_from_a_tpu_slice_to_gpu_nodes_and_back_at_the_sa
             "gpu-queue",
             "gpu-cluster-queue",
             "gpu-flavor",
-            {"nvidia.com/gpu": 0},
+            {"nvidia.com/gpu": 0, "cpu": 0, "memory": 0},  # the trainer's CPU and memory covered too
             node_labels={"cloud.google.com/gke-accelerator": "nvidia-h100-mega-80gb"},
         )
     gpu_args = [a if a != "tpu-queue" else "gpu-queue" for a in args]
@@ -217,7 +217,7 @@ def test_gke_resize_moves_a_run_from_a_tpu_slice_to_gpu_nodes_and_back_at_the_sa
     assert job["parallelism"] == job["completions"] == 16  # one pod per node
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-mega-80gb"}
     trainer = next(c for c in pod["containers"] if c["name"] == "trainer")
-    assert trainer["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert trainer["resources"]["limits"] == {"nvidia.com/gpu": 8, "cpu": "197", "memory": "1736Gi"}
     env = {e["name"]: e.get("value") for e in trainer["env"]}
     assert env["NNODES"] == "16" and "--xla_gpu_enable_latency_hiding_scheduler=true" in env["XLA_FLAGS"]
     assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"

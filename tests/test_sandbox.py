@@ -51,11 +51,26 @@ def test_kueue_is_configured_as_xpk_configures_it():
     cq = w.get("ClusterQueue", "", "cluster-queue")
     assert cq["spec"]["preemption"] == {"reclaimWithinCohort": "Never", "withinClusterQueue": "LowerPriority"}
     assert cq["spec"]["namespaceSelector"] == {}
-    (group,) = cq["spec"]["resourceGroups"]
+    group, cpu_memory = cq["spec"]["resourceGroups"]
     assert group["coveredResources"] == ["google.com/tpu"]
     assert {f["name"]: f["resources"] for f in group["flavors"]} == {
         "2xtpu7x-128": [{"name": "google.com/tpu", "nominalQuota": "128"}],
         "1xv5p-256": [{"name": "google.com/tpu", "nominalQuota": "128"}],
+    }
+    # The trainers' CPU and memory: every node's allocatable (GKE's reservations of a tpu7x-standard-4t,
+    # 224 vCPU and 960 GiB: 223.37 cores and 956356 MiB; of a ct5p-hightpu-4t, 208 and 448 GiB: 207.41
+    # cores and 442554 MiB), 32 nodes of each.
+    assert cpu_memory == {
+        "coveredResources": ["cpu", "memory"],
+        "flavors": [
+            {
+                "name": "cpu-memory",
+                "resources": [
+                    {"name": "cpu", "nominalQuota": f"{32 * 223370 + 32 * 207410}m"},
+                    {"name": "memory", "nominalQuota": f"{32 * 956356 + 32 * 442554}Mi"},
+                ],
+            }
+        ],
     }
     assert w.get("ResourceFlavor", "", "1xv5p-256")["spec"]["nodeLabels"] == {
         "cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
@@ -150,7 +165,7 @@ def test_a_jobset_readmitted_on_another_flavor_keeps_the_first_ones_selector_and
                 new=True,
             )
             cq = copy.deepcopy(w.get("ClusterQueue", "", "cluster-queue"))
-            (group,) = cq["spec"]["resourceGroups"]
+            group = cq["spec"]["resourceGroups"][0]
             group["flavors"][0]["resources"][0]["nominalQuota"] = "0"  # on-demand: none yet
             group["flavors"].insert(
                 0, {"name": "spot", "resources": [{"name": "google.com/tpu", "nominalQuota": "64"}]}

@@ -97,10 +97,16 @@ def test_the_gpu_cluster_is_what_xpk_and_gkes_gpudirect_guide_make(box):
         )
         assert lab["cloud.google.com/gke-nodepool"] == "h100-mega-80gb-8-np-0"
         assert n["spec"]["taints"] == [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
-        assert n["status"]["allocatable"] == {"nvidia.com/gpu": "8"}
+        # 208 vCPU and 1872 GiB less GKE's reservations (core/node_resources.gke_allocatable)
+        assert n["status"]["allocatable"] == {"nvidia.com/gpu": "8", "cpu": "207410m", "memory": "1871567Mi"}
     rf = w.get("ResourceFlavor", "", "1xh100-mega-80gb-8")
     assert rf["spec"]["nodeLabels"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-mega-80gb"}
-    (group,) = w.get("ClusterQueue", "", "cluster-queue")["spec"]["resourceGroups"]
+    group, cpu_memory = w.get("ClusterQueue", "", "cluster-queue")["spec"]["resourceGroups"]
+    assert cpu_memory["coveredResources"] == ["cpu", "memory"]
+    assert cpu_memory["flavors"][0]["resources"] == [
+        {"name": "cpu", "nominalQuota": "414820m"},
+        {"name": "memory", "nominalQuota": "3743134Mi"},
+    ]
     assert group == {
         "coveredResources": ["nvidia.com/gpu"],
         "flavors": [
@@ -161,6 +167,7 @@ def test_doctor_passes_every_gpu_check_on_a_complete_sandbox(box, tmp_path):
         "resource-flavor",
         "priority-class",
         "capacity",
+        "trainer-resources",
         "rbac",
         "service-account",
         "node-pools",
@@ -201,17 +208,27 @@ def _tainted(sb):
         core.patch_node(n, {"spec": {"taints": taints}}, _preload_content=False)
 
 
+def _cpu_memory_group(sb) -> list[dict]:
+    """The ClusterQueue's group of the trainers' CPU and memory, kept when the GPU group is changed."""
+    cq = sb.world.get("ClusterQueue", "", "cluster-queue")
+    return [g for g in cq["spec"]["resourceGroups"] if "cpu" in g["coveredResources"]]
+
+
 def _no_flavor(sb):
     _, _, custom = apis(sb)
     custom.patch_cluster_custom_object(
-        "kueue.x-k8s.io", "v1beta1", "clusterqueues", "cluster-queue", {"spec": {"resourceGroups": []}}
+        "kueue.x-k8s.io",
+        "v1beta1",
+        "clusterqueues",
+        "cluster-queue",
+        {"spec": {"resourceGroups": _cpu_memory_group(sb)}},
     )
 
 
 def _small_quota(sb):
     _, _, custom = apis(sb)
     flavors = [{"name": "1xh100-mega-80gb-8", "resources": [{"name": "nvidia.com/gpu", "nominalQuota": "8"}]}]
-    groups = [{"coveredResources": ["nvidia.com/gpu"], "flavors": flavors}]
+    groups = [{"coveredResources": ["nvidia.com/gpu"], "flavors": flavors}, *_cpu_memory_group(sb)]
     custom.patch_cluster_custom_object(
         "kueue.x-k8s.io", "v1beta1", "clusterqueues", "cluster-queue", {"spec": {"resourceGroups": groups}}
     )
@@ -409,9 +426,13 @@ def test_the_rendered_a3_mega_jobset_runs_one_pod_per_gpu_node_with_its_sidecar(
     )
     wl = c.workload("gpu-a1")
     (psa,) = wl["status"]["admission"]["podSetAssignments"]
-    assert psa["flavors"] == {"nvidia.com/gpu": "1xh100-mega-80gb-8"} and psa["resourceUsage"] == {
-        "nvidia.com/gpu": "16"
+    # the trainer's CPU and memory (an a3-megagpu-8g's share) from the flavor of their own
+    assert psa["flavors"] == {
+        "nvidia.com/gpu": "1xh100-mega-80gb-8",
+        "cpu": "cpu-memory",
+        "memory": "cpu-memory",
     }
+    assert psa["resourceUsage"] == {"nvidia.com/gpu": "16", "cpu": "394", "memory": "3472Gi"}
     assert sorted(p["spec"]["nodeName"] for p in pods) == NODES
     for p in pods:
         (sidecar,) = p["status"]["initContainerStatuses"]

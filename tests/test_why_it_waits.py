@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import jsonschema
@@ -96,13 +97,14 @@ def check(capsys, root: str, run: str, state: str, cause: str, kind: str, line: 
 
 
 def test_a_run_held_by_quota_says_kueue_has_too_little_left(sandbox, capsys):
-    """The queue's quota is one v5p-8 slice and the first run holds it: the second waits for quota,
-    in Kueue's words."""
+    """The queue's quota is one v5p-8 slice (and its node's CPU and memory) and the first run holds
+    it: the second waits for quota, in Kueue's words."""
     sb, root = sandbox
     submit(capsys, root, "first")
     submit(capsys, root, "second")
     line = check(capsys, root, "second", "queued", "queued", "quota", "waiting for quota: ")
-    assert "insufficient unused quota for google.com/tpu in flavor" in line and line.endswith("(Kueue)"), line
+    assert re.search(r"insufficient unused quota for (google\.com/tpu|cpu|memory) in flavor", line), line
+    assert line.endswith("(Kueue)"), line
     row, _, _, _ = shown(capsys, root, "first")
     assert row["waiting"] is None  # the first one is not held
 

@@ -49,6 +49,7 @@ from olmo_ctl.backends.kube import (
 from olmo_ctl.core.config import PLACEHOLDER_IMAGE
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import BadInput, Unreachable
+from olmo_ctl.core.node_resources import trainer_resources_for
 
 TPU = "google.com/tpu"
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
@@ -865,6 +866,57 @@ def check_capacity(kube: Cluster, version: str, cq: dict | None, capacity: str) 
     )
 
 
+def check_trainer_resources(
+    kube: Cluster, cq: dict | None, device: Device, setting: str, nodes: bool = True
+) -> Check:
+    """The trainer's CPU and memory (site setting trainer_resources) against the cluster: Kueue admits a
+    pod set only when some resource group of the ClusterQueue covers each resource it requests
+    ("resource cpu unavailable in ClusterQueue", flavorassigner.go), and the scheduler places a pod only
+    on a node whose allocatable CPU and memory hold its requests."""
+    res = trainer_resources_for(device.generation, setting)
+    if res is None:
+        return Check("trainer-resources", True, "off: the trainer requests no CPU or memory (BestEffort)")
+    asks = f"cpu {res['cpu']}, memory {res['memory']} per pod"
+    if cq is not None:
+        covered = {
+            r
+            for g in (cq.get("spec") or {}).get("resourceGroups") or []
+            for r in g.get("coveredResources") or []
+        }
+        missing = [r for r in ("cpu", "memory") if r not in covered]
+        if missing:
+            return Check(
+                "trainer-resources",
+                False,
+                f"ClusterQueue {cq['metadata']['name']} covers no {' or '.join(missing)}, so Kueue never admits the "
+                f"trainer's pods ({asks}): add {' and '.join(missing)} to its resource groups (xpk cluster create "
+                "--cpu-limit and --memory-limit do), or set trainer_resources: off",
+            )
+    if not nodes:
+        return Check("trainer-resources", True, f"{asks}: the ClusterQueue covers cpu and memory")
+    labels = device_labels(device)
+    sel = ",".join(f"{k}={v}" for k, v in labels.items())
+    try:
+        items = (kube.get("/api/v1/nodes", "list nodes", query={"labelSelector": sel}) or {}).get(
+            "items"
+        ) or []
+    except Forbidden:
+        return _warn(
+            "trainer-resources", f"{asks}; cannot list nodes (forbidden) to compare their allocatable"
+        )
+    for n in items:
+        alloc = (n.get("status") or {}).get("allocatable") or {}
+        for r in ("cpu", "memory"):
+            if r in alloc and quantity(alloc[r]) < quantity(res[r]):
+                return Check(
+                    "trainer-resources",
+                    False,
+                    f"node {n['metadata']['name']} has {r} {alloc[r]} allocatable, under the trainer's {res[r]}: "
+                    "its pods never schedule; set trainer_resources: cpu=N,memory=Q within the nodes' allocatable",
+                )
+    return Check("trainer-resources", True, f"{asks}, requests equal to limits (Guaranteed)")
+
+
 def check_image(image: str) -> Check:
     if image == PLACEHOLDER_IMAGE:
         return Check(
@@ -980,6 +1032,8 @@ def run_checks(api_client: Any, settings: Any, device: Device | None, slices: in
             checks.append(_warn("resource-flavor", "not checked: no readable ClusterQueue (see above)"))
         checks.append(check_priority_class(kube, version, settings.priority_class))
         checks.append(check_capacity(kube, version, cq, settings.capacity))
+        if device is not None:
+            checks.append(check_trainer_resources(kube, cq, device, settings.trainer_resources))
     if device is None:
         checks.append(Check("resource-flavor", True, "skipped: pass --device to check flavor and quota"))
     checks.append(check_rbac(kube, ns))
@@ -1013,6 +1067,7 @@ def submit_checks(api_client: Any, settings: Any, device: Device, slices: int = 
         fits = flavors_for(kube, version, cq, device)
         if not fits:
             checks.append(check_flavor(kube, version, cq, device, slices))
+        checks.append(check_trainer_resources(kube, cq, device, settings.trainer_resources, nodes=False))
     for c in checks:
         if not c.ok:
             raise BadInput(c.message, "`olmo-ctl doctor` checks the whole cluster")

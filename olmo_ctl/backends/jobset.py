@@ -37,6 +37,7 @@ from olmo_ctl.core.devices import Device, Target, check_slices
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.generations import GENERATIONS, GPU_MACHINES
 from olmo_ctl.core.names import validate_run_name
+from olmo_ctl.core.node_resources import check_shm_fits, trainer_resources_for
 from olmo_ctl.core.recipe import Recipe
 from olmo_ctl.core.xla_flags import libtpu_init_args, xla_flags_for
 
@@ -405,6 +406,8 @@ def render_jobset(
     template = launch_template(device.generation)
     v = template["vars"]
     gpu = device.is_gpu_nodes
+    resources = trainer_resources_for(device.generation, settings.trainer_resources)
+    check_shm_fits(v.get("shm_size"), resources)
     values = {
         "name": name,
         "namespace": settings.namespace,
@@ -437,6 +440,8 @@ def render_jobset(
         "preferred_topology": preferred_topology(v, settings),
         "network_interfaces": network_interfaces(v.get("networks", [])),
         "shm_size": v.get("shm_size"),
+        "trainer_cpu": resources["cpu"] if resources else None,
+        "trainer_memory": resources["memory"] if resources else None,
         "termination_grace_period_s": v["termination_grace_period_s"],
         "max_restarts": v["max_restarts"],
         "user_error_exit_codes": v["user_error_exit_codes"],

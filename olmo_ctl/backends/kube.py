@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from olmo_ctl.core.errors import BadInput, Unreachable
+from olmo_ctl.core.node_resources import QUANTITY_SUFFIX, parse_quantity  # noqa: F401  (re-exported)
 from olmo_ctl.core.transient import is_transient
 
 T = TypeVar("T")
@@ -287,28 +288,6 @@ def _kind(doc: object) -> str:
     return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
         type(doc), type(doc).__name__
     )
-
-
-QUANTITY_SUFFIX = {
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "m": 0.001,
-}
-
-
-def parse_quantity(v) -> float:
-    """A Kubernetes resource quantity ("256", "100m", "64Mi", 4) as a number; ValueError when it is none."""
-    s = str(v).strip()
-    for suf in sorted(QUANTITY_SUFFIX, key=len, reverse=True):
-        if s.endswith(suf) and s[: -len(suf)].replace(".", "", 1).isdigit():
-            return float(s[: -len(suf)]) * QUANTITY_SUFFIX[suf]
-    return float(s)
 
 
 def toleration_matches(toleration: dict, taint: dict) -> bool:

@@ -53,6 +53,8 @@ DESCRIPTIONS = {
     "pod_annotations": "extra annotations on every pod (a mapping)",
     "image_pull_secrets": "names of Secrets the pods pull the image with (a list)",
     "pod_priority_class": "the pods' scheduling.k8s.io PriorityClass (priorityClassName; empty: none)",
+    "trainer_resources": "the trainer container's CPU and memory, requests equal to limits: auto (sized from "
+    "the node type), off (none requested), or cpu=N,memory=Q",
     "ttl_seconds_after_finished": "seconds JobSet keeps a finished attempt before deleting it (at least "
     "600; empty: kept until olmo-ctl retires it)",
 }
@@ -78,6 +80,7 @@ RUN_SITE_SETTINGS = (
     "image_pull_secrets",
     "pod_priority_class",
     "ttl_seconds_after_finished",
+    "trainer_resources",
 )
 
 # Settings that are YAML structures (a mapping or a list): from the environment (as YAML) or the
@@ -112,6 +115,7 @@ class Settings:
     image_pull_secrets: list[str] = field(default_factory=list)
     pod_priority_class: str | None = None
     ttl_seconds_after_finished: int | None = None
+    trainer_resources: str = "auto"
     # generation -> {"on_demand": USD, "spot": USD} per chip-hour: the user's own prices (file or
     # OLMO_CTL_PRICES as a YAML mapping; no flag). Not compared: it never changes what a run does.
     prices: dict[str, dict[str, float]] = field(default_factory=dict, compare=False)
@@ -166,6 +170,10 @@ def _check(name: str, value: str, src: str, backends: tuple[str, ...] = ()) -> N
                 )
         elif value not in CAPACITY_TYPES:
             raise BadInput(f"{where}: `{value}` is not a capacity type", f"use {', '.join(CAPACITY_TYPES)}")
+    elif name == "trainer_resources":
+        from olmo_ctl.core.node_resources import parse_setting
+
+        parse_setting(value, where)
     elif name == "ttl_seconds_after_finished":
         if not value.isdigit() or int(value) < MIN_TTL_AFTER_FINISHED_S:
             raise BadInput(
@@ -417,6 +425,7 @@ def _load_file(path: Path) -> dict[str, Any]:
             v is not None
             and not isinstance(v, str)
             and not (k == "host_network" and isinstance(v, bool))
+            and not (k == "trainer_resources" and v is False)  # YAML reads a bare `off` as false
             and not (k == "ttl_seconds_after_finished" and isinstance(v, int) and not isinstance(v, bool))
         ):
             raise BadInput(f"config file `{path}`: setting `{k}` must be a string, got {v!r}")
@@ -486,6 +495,8 @@ def resolve_settings(default_run_roots: Mapping[str, str | None], **flag_values:
                 raise BadInput(f"setting `host_network` ({src}): `{value}` is not true or false")
             values[name], sources[name] = word in _TRUE, src
             continue
+        if name == "trainer_resources" and value is False:
+            value = "off"
         value = str(value).strip()
         if value == "" and name in optional:
             values[name] = None
@@ -493,6 +504,8 @@ def resolve_settings(default_run_roots: Mapping[str, str | None], **flag_values:
             _check(name, value, src, tuple(default_run_roots))
             if name == "run_root" and not value.startswith("gs://"):
                 value = os.path.abspath(os.path.expanduser(value))  # every process sees the same directory
+            if name == "trainer_resources":
+                value = value.lower() if value.lower() in ("auto", "off") else value
             values[name] = int(value) if name == "ttl_seconds_after_finished" else value
         sources[name] = src
     return Settings(**values, sources={n: sources[n] for n in names})

@@ -73,6 +73,10 @@ class Generation:
     # A 2D-torus generation lists every slice shape it offers (XPK's `supported_topologies` for its
     # 4-chip machine type); empty: the 3D rule (the doubling rule, sub-cubes, whole cubes).
     topologies: tuple[str, ...] = ()
+    # The machine type's vCPUs and memory (GiB) per VM, Google Cloud's TPU pages: the trainer
+    # container's CPU and memory are sized from them (`core/node_resources.py`).
+    vm_vcpus: int = 0
+    vm_memory_gib: int = 0
 
     @property
     def device_prefix(self) -> str:
@@ -135,6 +139,8 @@ GENERATIONS: dict[str, Generation] = {
         # The largest blocks that compile for the 7B attention shape, fewest temporaries
         # (docs/attention-and-xla-flags.md, "Splash block sizes").
         splash_blocks=(2048, 2048, 512),
+        vm_vcpus=224,  # tpu7x-standard-4t (docs.cloud.google.com/tpu/docs/tpu7x)
+        vm_memory_gib=960,
     ),
     # v5p: the two TensorCores of a chip run as one megacore JAX device.
     "v5p": Generation(
@@ -155,6 +161,8 @@ GENERATIONS: dict[str, Generation] = {
         # 2048 is refused by the v5p compiler (`CompileTimeScopedVmemOom`: the tiles do not fit the
         # scoped VMEM).
         splash_blocks=(1024, 1024, 512),
+        vm_vcpus=208,  # ct5p-hightpu-4t (docs.cloud.google.com/tpu/docs/v5p)
+        vm_memory_gib=448,
     ),
     # The v6e and v5e profiles: XPK's src/xpk/core/system_characteristics.py (AI-Hypercomputer/xpk) gives
     # their device names, topologies, TensorCores per chip, GKE accelerator labels and machine types (its
@@ -180,6 +188,8 @@ GENERATIONS: dict[str, Generation] = {
         # XPK's v6e shapes on ct6e-standard-4t, 4 chips per VM (so `v6e-8` is 2 VMs); its single-chip
         # `v6e-1` is another machine type, ct6e-standard-1t, and not in this catalog.
         topologies=("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+        vm_vcpus=180,  # ct6e-standard-4t (docs.cloud.google.com/tpu/docs/v6e)
+        vm_memory_gib=720,
     ),
     "v5e": Generation(
         # v5e (v5 lite): one TensorCore per chip, a 2D torus; XPK and GKE name its slices `v5litepod-N`
@@ -200,6 +210,8 @@ GENERATIONS: dict[str, Generation] = {
         tensorcores_per_chip=1,
         prefix="v5litepod",
         topologies=("2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+        vm_vcpus=112,  # ct5lp-hightpu-4t (docs.cloud.google.com/tpu/docs/v5e)
+        vm_memory_gib=192,
     ),
 }
 
@@ -223,6 +235,10 @@ class GpuMachine:
     # How the nodes' GPUs reach each other (XPK's `GpuConfig.gpu_direct_name`: tcpxo | rdma): it names
     # the launch template merged over `common.yaml` and `gpu.yaml` (`launch_templates/gpu-<it>.yaml`).
     gpu_direct: str = ""
+    # The machine type's vCPUs and memory (GiB) per node, Compute Engine's accelerator-optimized
+    # machine family page: the trainer container's CPU and memory are sized from them.
+    vm_vcpus: int = 0
+    vm_memory_gib: int = 0
 
     @property
     def template_file(self) -> str:
@@ -284,6 +300,8 @@ GPU_MACHINES: dict[str, GpuMachine] = {
             hbm_gib_per_gpu=80.0,
             xla_flags=A3_MEGA_XLA_FLAGS,
             gpu_direct="tcpxo",
+            vm_vcpus=208,
+            vm_memory_gib=1872,
         ),
         GpuMachine(
             name="h200-141gb-8",
@@ -296,6 +314,8 @@ GPU_MACHINES: dict[str, GpuMachine] = {
             hbm_gib_per_gpu=141.0,
             xla_flags=A3_ULTRA_XLA_FLAGS,
             gpu_direct="rdma",
+            vm_vcpus=224,
+            vm_memory_gib=2952,
         ),
         GpuMachine(
             name="b200-8",
@@ -308,6 +328,8 @@ GPU_MACHINES: dict[str, GpuMachine] = {
             hbm_gib_per_gpu=180.0,
             xla_flags=A4_XLA_FLAGS,
             gpu_direct="rdma",
+            vm_vcpus=224,
+            vm_memory_gib=3968,
         ),
     )
 }

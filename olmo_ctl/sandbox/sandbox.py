@@ -51,7 +51,10 @@ from olmo_ctl.sandbox.cluster.objects import (
     JOB_TRACKING_FINALIZER,
     RESOURCE_IN_USE_FINALIZER,
     deleting,
+    format_quantity,
     labels,
+    node_allocatable,
+    node_capacity,
     pod_requests,
     pod_terminal,
     quantity,
@@ -62,11 +65,14 @@ from olmo_ctl.sandbox.kubeconfig import CONTEXT
 
 TPU = "google.com/tpu"
 GPU = gke_gpu.GPU
-ACCELERATOR_RESOURCES = (TPU, GPU)  # what the scheduler counts per node
+ACCELERATOR_RESOURCES = (TPU, GPU)
+# What the scheduler counts per node (NodeResourcesFit): the accelerators and the trainer's CPU and memory.
+SCHEDULED_RESOURCES = (*ACCELERATOR_RESOURCES, "cpu", "memory")
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
 CLUSTER_QUEUE = "cluster-queue"  # XPK's CLUSTER_QUEUE_NAME
+CPU_MEMORY_FLAVOR = "cpu-memory"  # the flavor of the trainers' CPU and memory quota
 LOCAL_QUEUE = "multislice-queue"  # XPK's LOCAL_QUEUE_NAME
 # XPK's kueue_config.yaml.j2 PriorityClasses (scheduling.k8s.io), also the default values of the
 # WorkloadPriorityClasses the sandbox is asked for by name.
@@ -345,11 +351,11 @@ class SandboxWorld(ScriptedWorld):
         self.runner.start(self, pod, node)
 
     def _free(self) -> dict[str, dict[str, float]]:
-        """Unrequested accelerators (google.com/tpu, nvidia.com/gpu) per node."""
+        """Unrequested accelerators (google.com/tpu, nvidia.com/gpu), CPU and memory per node."""
         free = {
             n["metadata"]["name"]: {
                 r: quantity(((n.get("status") or {}).get("allocatable") or {}).get(r, 0))
-                for r in ACCELERATOR_RESOURCES
+                for r in SCHEDULED_RESOURCES
             }
             for n in self.items("Node", None)
         }
@@ -357,7 +363,7 @@ class SandboxWorld(ScriptedWorld):
             node = p["spec"].get("nodeName")
             if node in free and not pod_terminal(p):
                 asks = pod_requests({"spec": p["spec"]})
-                for r in ACCELERATOR_RESOURCES:
+                for r in SCHEDULED_RESOURCES:
                     free[node][r] -= asks.get(r, 0.0)
         return free
 
@@ -404,7 +410,7 @@ class SandboxWorld(ScriptedWorld):
         for pod in sorted(pending, key=lambda p: (p["metadata"]["creationTimestamp"], p["metadata"]["name"])):
             sel = pod["spec"].get("nodeSelector") or {}
             asks = pod_requests({"spec": pod["spec"]})
-            need = {r: asks.get(r, 0.0) for r in ACCELERATOR_RESOURCES}
+            need = {r: asks.get(r, 0.0) for r in SCHEDULED_RESOURCES}
             fits = [
                 name
                 for name, n in sorted(nodes.items())
@@ -429,7 +435,12 @@ class SandboxWorld(ScriptedWorld):
             )
             if cond is None or cond.get("status") != "False":
                 total = len(nodes)
-                resource = next((r for r in (GPU, TPU) if need[r]), TPU)
+                short = [
+                    r
+                    for r in SCHEDULED_RESOURCES
+                    if need[r] and not any(f.get(r, 0.0) >= need[r] - 1e-9 for f in free.values())
+                ]
+                resource = short[0] if short else next((r for r in (GPU, TPU) if need[r]), TPU)
                 msg = (
                     f"0/{total} nodes are available: {total} node(s) didn't match Pod's node affinity/selector "
                     f"or had insufficient {resource}. preemption: 0/{total} nodes are available: {total} Preemption "
@@ -456,6 +467,16 @@ class SandboxWorld(ScriptedWorld):
         """A GPU node pool of `nodes` nodes of `device`'s machine type (`gke_gpu.gpu_node`)."""
         for i in range(nodes):
             self.save("Node", gpu_rules.gpu_node(device, pool, i, self.now()), new=True)
+        self._cpu_memory_quota(device, nodes)
+
+    def _cpu_memory_quota(self, device: Device, nodes: int) -> None:
+        """A node pool added after set-up brings its nodes' CPU and memory to the trainers' quota."""
+        cq = self.get("ClusterQueue", "", CLUSTER_QUEUE)
+        groups = ((cq or {}).get("spec") or {}).get("resourceGroups") or []
+        if not any(f["name"] == CPU_MEMORY_FLAVOR for g in groups for f in g.get("flavors") or []):
+            return
+        for r, q in node_allocatable(device).items():
+            self.add_quota(CLUSTER_QUEUE, CPU_MEMORY_FLAVOR, r, quantity(q) * nodes)
 
     def add_node_pool(self, device: Device, pool: str) -> None:
         """A TPU node pool for one slice of `device`: `vms` nodes with its labels (and, where its node
@@ -483,8 +504,8 @@ class SandboxWorld(ScriptedWorld):
                     },
                     "spec": {"taints": [{"key": TPU, "value": "present", "effect": "NoSchedule"}]},
                     "status": {
-                        "capacity": {TPU: str(device.chips_per_vm)},
-                        "allocatable": {TPU: str(device.chips_per_vm)},
+                        "capacity": {TPU: str(device.chips_per_vm), **node_capacity(device)},
+                        "allocatable": {TPU: str(device.chips_per_vm), **node_allocatable(device)},
                         "conditions": [
                             {
                                 "type": "Ready",
@@ -498,6 +519,7 @@ class SandboxWorld(ScriptedWorld):
                 },
                 new=True,
             )
+        self._cpu_memory_quota(device, device.vms)
 
 
 class Sandbox:
@@ -565,6 +587,37 @@ class Sandbox:
         gpu_rules.make_gpu_cluster(w, gpu_devices)
         # No slices: no resource group (one must name at least one flavor), so nothing is admitted.
         groups = [{"coveredResources": [r], "flavors": fl} for r, fl in quota.items() if fl]
+        # The trainer's CPU and memory (core/node_resources.py), in a resource group of their own whose
+        # one flavor holds every node's allocatable: Kueue admits no pod set requesting a resource its
+        # ClusterQueue does not cover. (`xpk cluster create --cpu-limit --memory-limit` adds them to the
+        # accelerator's group instead; a resource belongs to one group, so with TPU and GPU pools side
+        # by side here they get their own.)
+        all_nodes = list(w.items("Node", None))
+        if groups and all_nodes:
+            w.save("ResourceFlavor", {"metadata": {"name": CPU_MEMORY_FLAVOR}, "spec": {}}, new=True)
+            total = {
+                r: sum(
+                    quantity(((n.get("status") or {}).get("allocatable") or {}).get(r, 0)) for n in all_nodes
+                )
+                for r in ("cpu", "memory")
+            }
+            groups.append(
+                {
+                    "coveredResources": ["cpu", "memory"],
+                    "flavors": [
+                        {
+                            "name": CPU_MEMORY_FLAVOR,
+                            "resources": [
+                                {"name": "cpu", "nominalQuota": format_quantity("cpu", total["cpu"])},
+                                {
+                                    "name": "memory",
+                                    "nominalQuota": format_quantity("memory", total["memory"]),
+                                },
+                            ],
+                        }
+                    ],
+                }
+            )
         w.save(
             "ClusterQueue",
             {

@@ -53,7 +53,7 @@ from olmo_ctl.backends.gke_gpu import (
     pod_networks,
 )
 from olmo_ctl.core.devices import Device
-from olmo_ctl.sandbox.cluster.objects import labels, set_status_condition
+from olmo_ctl.sandbox.cluster.objects import labels, node_allocatable, node_capacity, set_status_condition
 
 if TYPE_CHECKING:
     from olmo_ctl.sandbox.sandbox import SandboxWorld
@@ -93,8 +93,8 @@ def gpu_node(device: Device, pool: str, index: int, now: str) -> dict:
         },
         "spec": {"taints": [dict(GPU_TAINT)]},
         "status": {
-            "capacity": {GPU: str(device.chips_per_vm)},
-            "allocatable": {GPU: str(device.chips_per_vm)},
+            "capacity": {GPU: str(device.chips_per_vm), **node_capacity(device)},
+            "allocatable": {GPU: str(device.chips_per_vm), **node_allocatable(device)},
             "conditions": [
                 {"type": "Ready", "status": "True", "reason": "KubeletReady", "lastTransitionTime": now}
             ],
