@@ -237,3 +237,45 @@ def test_a_crash_on_one_slice_counts_whatever_the_other_slice_failed_with():
                 w.container_exit(pod, EXIT_RESTART)  # its last pod is terminal: Kubernetes >= 1.31)
             w.reconcile()
         assert counts(w) == (1, 1), jobset(w)["status"]
+
+
+def test_a_crash_whose_job_fails_after_the_lost_peers_is_uncounted_by_jobset_and_counted_by_the_backend():
+    """The race JobSet's rules cannot close: host 0 of slice 0 crashes (137); its Job gets FailureTarget
+    and its other host is stopped (SIGTERM, still writing); the Job is Failed only once that host has
+    terminated (Kubernetes >= 1.31). Slice 1's hosts, their peer gone, exit 3 at once: their Job is
+    Failed first, RestartOnLostPeer matches, and JobSet restarts without counting. The crashed Job
+    stays while it is deleted (JobSet deletes with Foreground propagation: jobset_controller.go
+    deleteJobs, v0.10.1) and carries its FailureTarget message; the GKE backend's status counts it."""
+    from olmo_ctl.backends.base import Handle
+    from olmo_ctl.backends.gke import GKEBackend
+
+    with Sandbox(slices={"v5p-16": 2}) as box:
+        recipe, dev = load_recipe("smoke"), get_device("v5p-16")
+        settings = Settings(run_root="gs://b/runs", queue=LOCAL_QUEUE, image="us-docker.pkg.dev/p/r/olmo:1")
+        js = render_jobset(
+            recipe, make_plan(recipe, dev, 2), dev, settings, "smoke", 1, "gs://b/runs/smoke", slices=2
+        )
+        w = box.world
+        with box.server.store.lock:
+            w.save("JobSet", js, new=True)
+            w.reconcile()
+        pods = sorted(running(w), key=lambda p: p["metadata"]["name"])
+        assert len(pods) == 4
+        backend = GKEBackend(namespace="default", host=box.url)
+        handle = Handle(backend.name, NAME, 1, {"namespace": "default", "run": "smoke"})
+        assert backend.status(handle).crashes == ()
+        with w.store.lock:
+            w.sigterm_exit_s = 30.0  # a stopped host writes its checkpoint before it exits
+            w.container_exit(pods[0], 137)  # slice 0, host 0 crashes; host 1 is told to stop
+            w.reconcile()
+            for pod in pods[2:]:  # slice 1: the peer is gone
+                w.container_exit(pod, EXIT_RESTART)
+            w.reconcile()
+        assert counts(w) == (1, 0), jobset(w)["status"]  # JobSet counted no crash
+        st = backend.status(handle)
+        assert st.details["max_restarts"] == 3
+        (crash,) = st.crashes
+        assert (
+            crash[0] == "smoke-a1-slice-0"
+            and "with exit code 137 matching FailJob rule at index 3" in crash[2]
+        )

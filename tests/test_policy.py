@@ -184,3 +184,21 @@ def test_a_restart_loop_is_counted_only_after_runs_and_reset_by_a_new_checkpoint
         "the JobSet restarted 3 times after its trainers ran with no new checkpoint since step 20 "
         "(a restart loop; limit 3)"
     )
+
+
+def test_crashes_are_counted_once_each_and_past_max_restarts_end_the_attempt():
+    """A crashed Job is seen on several polls (it lasts while it is deleted): counted once by its uid;
+    the JobSet's maxRestarts crashes are allowed, one more is the end, whatever JobSet counted."""
+    from olmo_ctl.supervise.policy import CrashCount
+
+    c = CrashCount()
+    crash = ("r-a1-slice-0", "uid-1", "Container trainer ... exit code 137 matching FailJob rule at index 3")
+    assert c.observe((crash,), 3) == (["r-a1-slice-0: " + crash[2]], None)
+    assert c.observe((crash,), 3) == ([], None)  # the same Job again
+    for i in (2, 3):
+        new, why = c.observe((("r-a1-slice-1", f"uid-{i}", "exit code 139 ... rule at index 3"),), 3)
+        assert len(new) == 1 and why is None
+    new, why = c.observe((("r-a1-slice-0", "uid-4", "exit code 137 ... rule at index 3"),), 3)
+    assert why is not None and why.startswith("4 crashes counted, more than the JobSet's maxRestarts 3")
+    assert "r-a1-slice-0: exit code 137" in why
+    assert CrashCount().observe((crash,), None)[1] is None  # no limit known: never ends the attempt

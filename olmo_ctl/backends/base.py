@@ -106,6 +106,10 @@ class AttemptStatus:
     restarts: int = 0  # restarts of the attempt in place (JobSet status.restarts)
     workload: str | None = None  # the queue's object for the attempt (Kueue Workload name)
     hold: Hold | None = None  # why a live attempt is not running yet (None: it is, or nothing holds it)
+    # Child Jobs of the attempt that failed on a rule that counts (a crash), seen while they lasted:
+    # (job, uid, message). The supervisor counts them whatever the JobSet counted (a crashed slice's Job
+    # Failed after a lost peer's: JobSet restarts without counting).
+    crashes: tuple[tuple[str, str, str], ...] = ()
     details: dict[str, Any] = field(default_factory=dict)
 
 

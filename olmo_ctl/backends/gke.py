@@ -388,11 +388,20 @@ class GKEBackend(Backend[dict]):
         return js, wl, pods, events
 
     def status(self, handle: Handle) -> AttemptStatus:
-        from olmo_ctl.backends.gke_status import classify  # loads with the first status, not for a render
+        from dataclasses import replace
+
+        # loads with the first status, not for a render
+        from olmo_ctl.backends.gke_status import child_jobs, classify, counted_job_failures
 
         js, wl, pods, events = self.read_objects(handle)
         missing = self._missing_for_workload(js) if js is not None and wl is None else ()
         st = classify(js, wl, pods, events, missing=missing)
+        if js is not None and child_jobs(js) > 1:
+            # Several child Jobs: a crashed one may fail after another's lost peer, uncounted by JobSet.
+            crashes = counted_job_failures(js, self._list_jobs(self._ns(handle), handle.name))
+            if crashes:
+                limit = ((js.get("spec") or {}).get("failurePolicy") or {}).get("maxRestarts")
+                st = replace(st, crashes=crashes, details={**st.details, "max_restarts": limit})
         if (
             st.state in (State.FAILED_USER, State.FAILED_INFRA, State.PREEMPTED)
             and st.details.get("pod")
@@ -489,6 +498,20 @@ class GKEBackend(Backend[dict]):
     def _items(self, what: str, fn, ns: str, **selector) -> list[dict]:
         """The items of one list call (`label_selector=` or `field_selector=`), decoded."""
         return _json(self._call(what, fn, ns, _preload_content=False, **selector)).get("items") or []
+
+    def _list_jobs(self, ns: str, name: str) -> list[dict]:
+        """The JobSet's child Jobs, including those being deleted; [] when the account may not list them."""
+        try:
+            return self._items(
+                f"list Jobs of {name}",
+                self._batch.list_namespaced_job,
+                ns,
+                label_selector=f"{JOBSET_NAME_LABEL}={name}",
+            )
+        except Exception as e:
+            if api_status(e) in (403, 404):
+                return []
+            raise self._api_error(e, f"list Jobs of {name}") from e
 
     def _list_pods(self, ns: str, name: str) -> list[dict]:
         try:

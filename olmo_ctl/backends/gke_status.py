@@ -833,3 +833,45 @@ def _classify_pods(
     if want and running >= want:
         return AttemptStatus(State.RUNNING, f"{running}/{want} pods running{note}", "pods", details=details)
     return AttemptStatus(State.ADMITTED, f"{running}/{want} pods running{note}", "pods", details=details)
+
+
+def child_jobs(jobset: Mapping) -> int:
+    """How many Jobs the JobSet runs at once: the sum of its replicated jobs' replicas."""
+    return sum(int(r.get("replicas") or 1) for r in (jobset.get("spec") or {}).get("replicatedJobs") or [])
+
+
+def counted_job_failures(jobset: Mapping, jobs: Sequence[Mapping]) -> tuple[tuple[str, str, str], ...]:
+    """The child Jobs that failed on a rule of the JobSet's failure policy that counts (action
+    RestartJobSet: a crash), as (name, uid, message), whatever rule JobSet applied to the restart.
+
+    JobSet v0.10.1 (failure_policy.go) acts on the Jobs that are Failed when it looks. A crashed slice's
+    Job is Failed only once its last pod has terminated (Kubernetes >= 1.31 sets FailureTarget first and
+    Failed when no pod is left), so the Job of a peer slice whose hosts exited 3 on the lost peer can be
+    Failed first: RestartOnLostPeer matches and nothing is counted. The crashed Job outlives that restart
+    while it is deleted (JobSet deletes with Foreground propagation, `deleteJobs`), and its FailureTarget
+    or Failed condition names the pod rule that ended it: matched here against the counting rules'
+    reasons and message patterns."""
+    rules = [
+        r
+        for r in ((jobset.get("spec") or {}).get("failurePolicy") or {}).get("rules") or []
+        if r.get("action") == "RestartJobSet"
+    ]
+    out = []
+    for job in jobs:
+        for c in (job.get("status") or {}).get("conditions") or []:
+            if c.get("type") not in ("FailureTarget", "Failed") or c.get("status") != "True":
+                continue
+            reason, msg = c.get("reason") or "", c.get("message") or ""
+            for rule in rules:
+                reasons = rule.get("onJobFailureReasons") or []
+                patterns = rule.get("onJobFailureMessagePatterns") or []
+                if (not reasons or reason in reasons) and (
+                    not patterns or any(re.search(p, msg) for p in patterns)
+                ):
+                    md = job.get("metadata") or {}
+                    out.append((str(md.get("name") or ""), str(md.get("uid") or ""), msg))
+                    break
+            else:
+                continue
+            break
+    return tuple(out)

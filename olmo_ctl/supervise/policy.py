@@ -345,6 +345,34 @@ class RestartLoop:
         return None
 
 
+@dataclass
+class CrashCount:
+    """Crashes of one attempt (its child Jobs failed on a counting rule), counted by olmo-ctl whatever
+    JobSet counted: a crashed slice's Job Failed after a peer slice's lost peer restarts the JobSet
+    without spending maxRestarts (RestartOnLostPeer matched first). Past the JobSet's `maxRestarts`
+    the attempt has crashed as often as JobSet would allow (stopped like a stalled one)."""
+
+    seen: dict[str, str] = field(default_factory=dict)  # Job uid -> "job: message"
+
+    def observe(
+        self, crashes: tuple[tuple[str, str, str], ...], max_restarts: int | None
+    ) -> tuple[list[str], str | None]:
+        """The crashes of a status: the new ones (for the log), and a reason once more than
+        `max_restarts` were seen (None: the JobSet's limit is not known, or not reached)."""
+        new = []
+        for job, uid, msg in crashes:
+            if uid and uid not in self.seen:
+                self.seen[uid] = f"{job}: {msg}"
+                new.append(self.seen[uid])
+        if max_restarts is not None and len(self.seen) > max_restarts:
+            return new, (
+                f"{len(self.seen)} crashes counted, more than the JobSet's maxRestarts {max_restarts} (a crashed "
+                f"slice's Job that failed after another slice's lost peer is not counted by JobSet); last: "
+                f"{list(self.seen.values())[-1]}"
+            )
+        return new, None
+
+
 @dataclass(frozen=True)
 class Fallback:
     """`resume-until-done --fallback A,B --fallback-after D --return-after D`: the devices a run moves to

@@ -89,6 +89,7 @@ from olmo_ctl.supervise.policy import (
     DONE,
     GIVE_UP,
     STOP,
+    CrashCount,
     Fallback,
     History,
     Outcome,
@@ -754,6 +755,7 @@ class Supervisor:
         admission_limit = self._admission_limit(h, last)
         self._capacity_wait = self._open_wait(h)
         loop = RestartLoop(self.policy.restart_loop_limit)
+        crashed = CrashCount()
         while True:
             self._beat()
             restart = self.rd.pending_restart()
@@ -796,6 +798,10 @@ class Supervisor:
             listed = loop.committed is None or restarts != loop.restarts
             committed_now = self.rd.committed_step() if listed else loop.committed
             loop_why = loop.observe(restarts, st.state == State.RUNNING, committed_now or 0)
+            new_crashes, crash_why = crashed.observe(st.crashes, st.details.get("max_restarts"))
+            for crash in new_crashes:
+                self.out.line(f"attempt {h.attempt}: a crash on {crash}")
+            loop_why = loop_why or crash_why
             if loop_why:
                 self._say("stalled", loop_why, committed_step=loop.committed)
                 self.backend.stop(h, graceful=True)
