@@ -107,16 +107,18 @@ def test_all_checks_pass_for_a_configured_queue_and_device(sandbox, tmp_path):
     assert "1xtpu7x-128" in flavor and "64 google.com/tpu" in flavor
     # 95% of a tpu7x-standard-4t's allocatable (223.37 cores, 956356 MiB) in whole cores and GiB
     resources = next(c for c in report["checks"] if c["name"] == "trainer-resources")["message"]
-    assert resources == "cpu 212, memory 887Gi per pod, requests equal to limits (Guaranteed)"
+    assert resources == (
+        "cpu 212, memory 887Gi per pod, requests equal to limits (Guaranteed); quota for 16 pod(s)"
+    )
 
 
-def test_a_trainer_larger_than_the_nodes_allocatable_fails_naming_the_node(sandbox, tmp_path):
+def test_a_trainer_larger_than_a_node_offers_fails(sandbox, tmp_path):
     (tmp_path / "olmo-ctl").mkdir()
     (tmp_path / "olmo-ctl" / "config.yaml").write_text("trainer_resources: cpu=224,memory=800Gi\n")
     rc, report, _ = doctor(sandbox, "--device", "tpu7x-128", tmp=tmp_path)
     assert rc == 2 and list(failed(report)) == ["trainer-resources"]
     msg = failed(report)["trainer-resources"]
-    assert "has cpu 223370m allocatable, under the trainer's 224" in msg and "gke-tpu7x-128-np-0-" in msg
+    assert "cpu 224 is more than one tpu7x-standard-4t node offers its pods (223.37 cores allocatable" in msg
     (tmp_path / "olmo-ctl" / "config.yaml").write_text("trainer_resources: off\n")  # YAML's false
     rc, report, _ = doctor(sandbox, "--device", "tpu7x-128", tmp=tmp_path)
     assert rc == 0
@@ -143,7 +145,8 @@ def test_a_missing_workload_priority_class_exits_2_naming_it(sandbox, tmp_path):
 def test_a_device_with_no_flavor_exits_2_naming_it(sandbox, tmp_path):
     rc, report, _ = doctor(sandbox, "--device", "v5p-256", tmp=tmp_path)
     assert rc == 2
-    assert set(failed(report)) == {"resource-flavor", "node-pools"}
+    # and the CPU quota, every tpu7x node's, is less than a v5p-256's 32 trainers ask for
+    assert set(failed(report)) == {"resource-flavor", "node-pools", "trainer-resources"}
     msg = failed(report)["resource-flavor"]
     assert "ClusterQueue cluster-queue has no ResourceFlavor for v5p-256" in msg
     assert "cloud.google.com/gke-tpu-accelerator=tpu-v5p-slice" in msg
@@ -276,13 +279,46 @@ def test_a_cluster_queue_that_does_not_cover_cpu_and_memory_fails_doctor_and_sub
     assert not checks["trainer-resources"].ok
     msg = checks["trainer-resources"].message
     assert "ClusterQueue cluster-queue covers no cpu or memory" in msg
-    assert "--cpu-limit and --memory-limit" in msg and "trainer_resources: off" in msg
+    assert "kubectl patch clusterqueue cluster-queue" in msg and "trainer_resources: off" in msg
     with pytest.raises(BadInput, match="covers no cpu or memory"):
         submit_checks(api, _settings(), dev)
     assert box.server.count("POST", "/jobsets") == 0
     submit_checks(api, _settings(trainer_resources="off"), dev)
     checks = {c.name: c for c in run_checks(api, _settings(trainer_resources="off"), dev)}
     assert checks["trainer-resources"].ok
+
+
+def test_nodes_with_less_allocatable_and_a_quota_under_the_slices_fail_naming_them(box):
+    """The nodes of a cluster may offer less than their machine type's GKE allocatable (other machine
+    sizes, reservations); XPK's --cpu-limit makes the quota one machine's size. doctor names both;
+    submit checks coverage only (a ClusterQueue may borrow quota)."""
+    import copy
+
+    api, dev = make_api_client(host=box.url), get_device("tpu7x-128")
+    w = box.world
+    with box.server.store.lock:
+        node = copy.deepcopy(w.get("Node", "", "gke-tpu7x-128-np-0-0003"))
+        node["status"]["allocatable"]["cpu"] = "200"
+        w.save("Node", node)
+    checks = {c.name: c for c in run_checks(api, _settings(), dev)}
+    msg = checks["trainer-resources"].message
+    assert not checks["trainer-resources"].ok
+    assert msg.startswith(
+        "node gke-tpu7x-128-np-0-0003 has 200 cores of cpu allocatable, under the trainer's 212 cores"
+    )
+    with box.server.store.lock:
+        node["status"]["allocatable"]["cpu"] = "223370m"
+        w.save("Node", node)
+        cq = copy.deepcopy(w.get("ClusterQueue", "", "cluster-queue"))
+        cq["spec"]["resourceGroups"][1]["flavors"][0]["resources"][0]["nominalQuota"] = "224"  # one machine
+        w.save("ClusterQueue", cq)
+    checks = {c.name: c for c in run_checks(api, _settings(), dev)}
+    msg = checks["trainer-resources"].message
+    assert not checks["trainer-resources"].ok
+    assert "has a nominal quota of 224 cores cpu for tpu7x-128; its 16 pod(s) need 3392 cores" in msg
+    assert '"nominalQuota": "3392"' in msg and "kubectl patch clusterqueue cluster-queue" in msg
+    submit_checks(api, _settings(), dev)  # coverage only: no error
+    assert run_checks(api, _settings(trainer_resources="off"), dev)
 
 
 def test_submit_checks_accept_a_flavor_without_labels(kube_server):

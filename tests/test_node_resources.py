@@ -74,6 +74,7 @@ def test_every_profile_has_a_machine_size_and_the_docs_table_is_the_code():
         ("OFF", "off"),
         ("cpu=200,memory=400Gi", {"cpu": "200", "memory": "400Gi"}),
         ("cpu=1500m, memory=2Gi", {"cpu": "1500m", "memory": "2Gi"}),
+        ("memory=4Gi,cpu=2", {"cpu": "2", "memory": "4Gi"}),
     ],
 )
 def test_the_setting_parses(value, want):
@@ -85,7 +86,8 @@ def test_the_setting_parses(value, want):
     [
         ("lots", "is not a trainer resources setting"),
         ("cpu=200", "is not a trainer resources setting"),
-        ("memory=4Gi,cpu=2", "is not a trainer resources setting"),
+        ("cpu=2,cpu=3", "is not a trainer resources setting"),
+        ("cpu=2,memory=4Gi,gpu=1", "is not a trainer resources setting"),
         ("cpu=x,memory=4Gi", "cpu `x` is not a positive Kubernetes quantity"),
         ("cpu=0,memory=4Gi", "cpu `0` is not a positive Kubernetes quantity"),
         ("cpu=2,memory=512Mi", "under 1Gi"),
@@ -126,6 +128,18 @@ def test_gpu_pods_limit_cpu_and_memory_and_their_requests_follow():
         assert "requests" not in res and res["limits"] == {"nvidia.com/gpu": 8, **(want or {})}, device
 
 
+def test_a_request_larger_than_the_node_offers_is_refused_before_anything_is_rendered():
+    with pytest.raises(
+        BadInput, match=r"cpu 300 is more than one ct5p-hightpu-4t node offers its pods \(207.41 cores"
+    ):
+        trainer_resources_for("v5p", "cpu=300,memory=100Gi")
+    with pytest.raises(
+        BadInput, match=r"memory 2000Gi is more than one a3-megagpu-8g node offers its pods \(1827.7Gi"
+    ):
+        trainer_resources_for("h100-mega-80gb-8", "cpu=100,memory=2000Gi")
+    assert trainer_resources_for("v5p", "cpu=207,memory=432Gi") == {"cpu": "207", "memory": "432Gi"}
+
+
 def test_a_shm_that_would_take_most_of_the_memory_limit_is_refused_and_nothing_is_written(tmp_path):
     with pytest.raises(
         BadInput, match=r"/dev/shm of 32Gi is more than half the trainer's memory limit of 40Gi"
@@ -148,3 +162,8 @@ def test_the_config_file_takes_off_unquoted(tmp_path):
     r = invoke("config", "show", "-o", "json", env=clean_env(tmp_path))
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(r.stdout)["settings"]["trainer_resources"] == "off"
+    (tmp_path / "olmo-ctl" / "config.yaml").write_text(
+        "trainer_resources: on\n"
+    )  # YAML's true: no meaning here
+    r = invoke("config", "show", env=clean_env(tmp_path))
+    assert r.returncode == 2 and "`True` is not a trainer resources setting" in r.stderr

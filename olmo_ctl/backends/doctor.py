@@ -24,6 +24,7 @@ what could not be read).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ from olmo_ctl.backends.apis import (
     KUEUE_VERSIONS,
     WORKLOADS,
 )
-from olmo_ctl.backends.jobset import host_network, pod_node_selector
+from olmo_ctl.backends.jobset import host_network, launch_template, pod_node_selector
 from olmo_ctl.backends.kube import (
     KubeRetryPolicy,
     api_status,
@@ -49,7 +50,7 @@ from olmo_ctl.backends.kube import (
 from olmo_ctl.core.config import PLACEHOLDER_IMAGE
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import BadInput, Unreachable
-from olmo_ctl.core.node_resources import trainer_resources_for
+from olmo_ctl.core.node_resources import check_shm_fits, trainer_resources_for
 
 TPU = "google.com/tpu"
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
@@ -866,32 +867,82 @@ def check_capacity(kube: Cluster, version: str, cq: dict | None, capacity: str) 
     )
 
 
+# The remedy for a ClusterQueue without the trainer's CPU and memory (XPK's --cpu-limit and
+# --memory-limit are set to one machine's size, `_autocorrect_cpu_limit`, too little for a slice of
+# several VMs): a resource group of their own, with a flavor without node labels.
+CPU_MEMORY_REMEDY = (
+    "kubectl apply a ResourceFlavor cpu-memory with no nodeLabels, then kubectl patch clusterqueue {cq} --type=json "
+    '-p \'[{{"op": "add", "path": "/spec/resourceGroups/-", "value": {{"coveredResources": ["cpu", "memory"], '
+    '"flavors": [{{"name": "cpu-memory", "resources": [{{"name": "cpu", "nominalQuota": "{cpu}"}}, '
+    '{{"name": "memory", "nominalQuota": "{memory}"}}]}}]}}}}]\''
+)
+
+
+def _fmt(resource: str, q: float) -> str:
+    return f"{q:g} cores" if resource == "cpu" else f"{q / 2**30:.1f}Gi"
+
+
 def check_trainer_resources(
-    kube: Cluster, cq: dict | None, device: Device, setting: str, nodes: bool = True
+    kube: Cluster,
+    version: str | None,
+    cq: dict | None,
+    device: Device,
+    setting: str,
+    slices: int = 1,
+    nodes: bool = True,
+    shm_size: str | None = None,
 ) -> Check:
     """The trainer's CPU and memory (site setting trainer_resources) against the cluster: Kueue admits a
     pod set only when some resource group of the ClusterQueue covers each resource it requests
-    ("resource cpu unavailable in ClusterQueue", flavorassigner.go), and the scheduler places a pod only
-    on a node whose allocatable CPU and memory hold its requests."""
-    res = trainer_resources_for(device.generation, setting)
+    ("resource cpu unavailable in ClusterQueue", flavorassigner.go) with a flavor whose quota holds
+    every pod's; the scheduler places a pod only on a node whose allocatable CPU and memory hold its
+    requests; /dev/shm must leave the trainer half its memory limit."""
+    try:
+        res = trainer_resources_for(device.generation, setting)
+        check_shm_fits(shm_size, res)
+    except BadInput as e:
+        return Check("trainer-resources", False, e.one_line())
     if res is None:
         return Check("trainer-resources", True, "off: the trainer requests no CPU or memory (BestEffort)")
     asks = f"cpu {res['cpu']}, memory {res['memory']} per pod"
+    pods = slices * device.vms
+    need = {r: quantity(res[r]) * pods for r in ("cpu", "memory")}
     if cq is not None:
-        covered = {
-            r
-            for g in (cq.get("spec") or {}).get("resourceGroups") or []
-            for r in g.get("coveredResources") or []
-        }
+        name = cq["metadata"]["name"]
+        remedy = CPU_MEMORY_REMEDY.format(
+            cq=name, cpu=math.ceil(need["cpu"]), memory=f"{math.ceil(need['memory'] / 2**30)}Gi"
+        )
+        groups = (cq.get("spec") or {}).get("resourceGroups") or []
+        covered = {r for g in groups for r in g.get("coveredResources") or []}
         missing = [r for r in ("cpu", "memory") if r not in covered]
         if missing:
             return Check(
                 "trainer-resources",
                 False,
-                f"ClusterQueue {cq['metadata']['name']} covers no {' or '.join(missing)}, so Kueue never admits the "
-                f"trainer's pods ({asks}): add {' and '.join(missing)} to its resource groups (xpk cluster create "
-                "--cpu-limit and --memory-limit do), or set trainer_resources: off",
+                f"ClusterQueue {name} covers no {' or '.join(missing)}, so Kueue never admits the trainer's pods "
+                f"({asks}): {remedy}; or set trainer_resources: off",
             )
+        for r in ("cpu", "memory") if nodes else ():  # submit: coverage only (a queue may borrow quota)
+            best = 0.0
+            for g in groups:
+                if r not in (g.get("coveredResources") or []):
+                    continue
+                for fq in g.get("flavors") or []:
+                    rf = _kueue(kube, version, "resourceflavors", fq["name"]) if version else None
+                    if rf is not None and not _flavor_fits(rf, device)[0]:
+                        continue
+                    for row in fq.get("resources") or []:
+                        if row.get("name") == r:
+                            best = max(best, quantity(row.get("nominalQuota", 0)))
+            if best < need[r]:
+                return Check(
+                    "trainer-resources",
+                    False,
+                    f"ClusterQueue {name} has a nominal quota of {_fmt(r, best)} {r} for {device.name}; its "
+                    f"{pods} pod(s) need {_fmt(r, need[r])} ({asks}), so Kueue never admits them (xpk cluster "
+                    f"create --cpu-limit and --memory-limit are one machine's size): raise it, e.g. {remedy}; or "
+                    "set trainer_resources: off",
+                )
     if not nodes:
         return Check("trainer-resources", True, f"{asks}: the ClusterQueue covers cpu and memory")
     labels = device_labels(device)
@@ -911,10 +962,15 @@ def check_trainer_resources(
                 return Check(
                     "trainer-resources",
                     False,
-                    f"node {n['metadata']['name']} has {r} {alloc[r]} allocatable, under the trainer's {res[r]}: "
-                    "its pods never schedule; set trainer_resources: cpu=N,memory=Q within the nodes' allocatable",
+                    f"node {n['metadata']['name']} has {_fmt(r, quantity(alloc[r]))} of {r} allocatable, under "
+                    f"the trainer's {_fmt(r, quantity(res[r]))}: its pods never schedule; set trainer_resources: "
+                    "cpu=N,memory=Q within the nodes' allocatable, less what GKE's DaemonSets request",
                 )
-    return Check("trainer-resources", True, f"{asks}, requests equal to limits (Guaranteed)")
+    return Check(
+        "trainer-resources",
+        True,
+        f"{asks}, requests equal to limits (Guaranteed); quota for {pods} pod(s)",
+    )
 
 
 def check_image(image: str) -> Check:
@@ -1033,7 +1089,17 @@ def run_checks(api_client: Any, settings: Any, device: Device | None, slices: in
         checks.append(check_priority_class(kube, version, settings.priority_class))
         checks.append(check_capacity(kube, version, cq, settings.capacity))
         if device is not None:
-            checks.append(check_trainer_resources(kube, cq, device, settings.trainer_resources))
+            checks.append(
+                check_trainer_resources(
+                    kube,
+                    version,
+                    cq,
+                    device,
+                    settings.trainer_resources,
+                    slices,
+                    shm_size=launch_template(device.generation)["vars"].get("shm_size"),
+                )
+            )
     if device is None:
         checks.append(Check("resource-flavor", True, "skipped: pass --device to check flavor and quota"))
     checks.append(check_rbac(kube, ns))
@@ -1067,7 +1133,11 @@ def submit_checks(api_client: Any, settings: Any, device: Device, slices: int = 
         fits = flavors_for(kube, version, cq, device)
         if not fits:
             checks.append(check_flavor(kube, version, cq, device, slices))
-        checks.append(check_trainer_resources(kube, cq, device, settings.trainer_resources, nodes=False))
+        checks.append(
+            check_trainer_resources(
+                kube, version, cq, device, settings.trainer_resources, slices, nodes=False
+            )
+        )
     for c in checks:
         if not c.ok:
             raise BadInput(c.message, "`olmo-ctl doctor` checks the whole cluster")

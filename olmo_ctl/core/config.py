@@ -425,7 +425,7 @@ def _load_file(path: Path) -> dict[str, Any]:
             v is not None
             and not isinstance(v, str)
             and not (k == "host_network" and isinstance(v, bool))
-            and not (k == "trainer_resources" and v is False)  # YAML reads a bare `off` as false
+            and not (k == "trainer_resources" and isinstance(v, bool))  # YAML reads a bare `off` as false
             and not (k == "ttl_seconds_after_finished" and isinstance(v, int) and not isinstance(v, bool))
         ):
             raise BadInput(f"config file `{path}`: setting `{k}` must be a string, got {v!r}")
@@ -495,7 +495,12 @@ def resolve_settings(default_run_roots: Mapping[str, str | None], **flag_values:
                 raise BadInput(f"setting `host_network` ({src}): `{value}` is not true or false")
             values[name], sources[name] = word in _TRUE, src
             continue
-        if name == "trainer_resources" and value is False:
+        if name == "trainer_resources" and isinstance(value, bool):
+            if value:
+                raise BadInput(
+                    f"setting `trainer_resources` ({src}): `{value}` is not a trainer resources setting",
+                    "use auto (sized from the node type), off (none), or cpu=N,memory=Q",
+                )
             value = "off"
         value = str(value).strip()
         if value == "" and name in optional:

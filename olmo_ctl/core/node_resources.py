@@ -85,7 +85,7 @@ def default_trainer_resources(vcpus: int, memory_gib: float) -> dict[str, str]:
     return {"cpu": str(cores), "memory": f"{gib}Gi"}
 
 
-_SETTING = re.compile(r"^cpu=([^,\s]+),\s*memory=([^,\s]+)$")
+_PART = re.compile(r"^(cpu|memory)=(\S+)$")
 
 
 def parse_setting(value: str, where: str) -> dict[str, str] | str:
@@ -94,11 +94,12 @@ def parse_setting(value: str, where: str) -> dict[str, str] | str:
     v = value.strip()
     if v.lower() in ("auto", "off"):
         return v.lower()
-    m = _SETTING.match(v)
     hint = "use auto (sized from the node type), off (none), or cpu=N,memory=Q such as cpu=200,memory=400Gi"
-    if not m:
+    parts = [_PART.match(p.strip()) for p in v.split(",")]
+    if len(parts) != 2 or not all(parts) or {p.group(1) for p in parts if p} != {"cpu", "memory"}:
         raise BadInput(f"{where}: `{value}` is not a trainer resources setting", hint)
-    cpu, memory = m.groups()
+    got = {p.group(1): p.group(2) for p in parts if p}
+    cpu, memory = got["cpu"], got["memory"]
     for what, q in (("cpu", cpu), ("memory", memory)):
         try:
             ok = parse_quantity(q) > 0
@@ -119,9 +120,21 @@ def trainer_resources_for(generation: str, setting: str) -> dict[str, str] | Non
     parsed = parse_setting(setting, "setting `trainer_resources`")
     if parsed == "off":
         return None
-    if isinstance(parsed, dict):
-        return parsed
     profile = GENERATIONS.get(generation) or GPU_MACHINES.get(generation)
+    if isinstance(parsed, dict):
+        if profile is not None and profile.vm_vcpus:
+            cpu_m, mem_mib = gke_allocatable(profile.vm_vcpus, profile.vm_memory_gib)
+            room = {"cpu": cpu_m / 1000, "memory": mem_mib * MIB}
+            shown = {"cpu": f"{cpu_m / 1000:g} cores", "memory": f"{mem_mib / 1024:.1f}Gi"}
+            for r in ("cpu", "memory"):
+                if parse_quantity(parsed[r]) > room[r]:
+                    raise BadInput(
+                        f"setting `trainer_resources`: {r} {parsed[r]} is more than one {profile.machine_type} node "
+                        f"offers its pods ({shown[r]} allocatable of {profile.vm_vcpus} vCPU, "
+                        f"{profile.vm_memory_gib} GiB): its pods would never schedule",
+                        "ask for less, or auto to size it from the node type",
+                    )
+        return parsed
     if profile is None or not profile.vm_vcpus:
         return None
     return default_trainer_resources(profile.vm_vcpus, profile.vm_memory_gib)
@@ -137,6 +150,5 @@ def check_shm_fits(shm_size: str | None, resources: dict[str, str] | None) -> No
         raise BadInput(
             f"/dev/shm of {shm_size} is more than half the trainer's memory limit of {resources['memory']}; "
             "its pages count against that limit",
-            "raise the memory in the site setting trainer_resources (cpu=N,memory=Q), or lower shm_size "
-            "in the launch template",
+            "raise the memory in the site setting trainer_resources (cpu=N,memory=Q), or set it to auto",
         )
