@@ -398,7 +398,9 @@ class GKEBackend(Backend[dict]):
         st = classify(js, wl, pods, events, missing=missing)
         if js is not None and child_jobs(js) > 1:
             # Several child Jobs: a crashed one may fail after another's lost peer, uncounted by JobSet.
-            crashes = counted_job_failures(js, self._list_jobs(self._ns(handle), handle.name))
+            crashes = counted_job_failures(
+                js, self._children("Jobs", self._ns(handle), handle.name, True) or []
+            )
             if crashes:
                 limit = ((js.get("spec") or {}).get("failurePolicy") or {}).get("maxRestarts")
                 st = replace(st, crashes=crashes, details={**st.details, "max_restarts": limit})
@@ -499,30 +501,20 @@ class GKEBackend(Backend[dict]):
         """The items of one list call (`label_selector=` or `field_selector=`), decoded."""
         return _json(self._call(what, fn, ns, _preload_content=False, **selector)).get("items") or []
 
-    def _list_jobs(self, ns: str, name: str) -> list[dict]:
-        """The JobSet's child Jobs, including those being deleted; [] when the account may not list them."""
+    def _children(self, kind: str, ns: str, name: str, optional: bool = False) -> list[dict] | None:
+        """The JobSet's `pods` or `Jobs` (those being deleted too); None for an optional read the
+        account may not make (403, 404)."""
+        fn = self._core.list_namespaced_pod if kind == "pods" else self._batch.list_namespaced_job
+        what = f"list {kind} of {name}"
         try:
-            return self._items(
-                f"list Jobs of {name}",
-                self._batch.list_namespaced_job,
-                ns,
-                label_selector=f"{JOBSET_NAME_LABEL}={name}",
-            )
+            return self._items(what, fn, ns, label_selector=f"{JOBSET_NAME_LABEL}={name}")
         except Exception as e:
-            if api_status(e) in (403, 404):
-                return []
-            raise self._api_error(e, f"list Jobs of {name}") from e
+            if optional and api_status(e) in (403, 404):
+                return None
+            raise self._api_error(e, what) from e
 
     def _list_pods(self, ns: str, name: str) -> list[dict]:
-        try:
-            return self._items(
-                f"list pods of {name}",
-                self._core.list_namespaced_pod,
-                ns,
-                label_selector=f"{JOBSET_NAME_LABEL}={name}",
-            )
-        except Exception as e:
-            raise self._api_error(e, f"list pods of {name}") from e
+        return self._children("pods", ns, name) or []
 
     def _events(self, ns: str, js: dict, wl: dict | None, pods: list[dict]) -> list[dict]:
         targets = [js["metadata"]["name"]] + ([wl["metadata"]["name"]] if wl else [])
@@ -610,17 +602,9 @@ class GKEBackend(Backend[dict]):
         from olmo_ctl.backends.gke_status import current_failed_creates
 
         # A restart recreates the Jobs under the same names: only events about the Jobs of now count.
-        try:
-            now = self._items(
-                f"list Jobs of {name}",
-                self._batch.list_namespaced_job,
-                ns,
-                label_selector=f"{JOBSET_NAME_LABEL}={name}",
-            )
-        except Exception as e:
-            if api_status(e) in (403, 404):  # cannot tell the restarts apart: the names must do
-                return mine
-            raise self._api_error(e, f"list Jobs of {name}") from e
+        now = self._children("Jobs", ns, name, optional=True)
+        if now is None:  # cannot tell the restarts apart: the names must do
+            return mine
         return [dict(e) for e in current_failed_creates(mine, now)]
 
     def _pod_log(self, ns: str, pod: str, container: str | None, tail: int | None) -> list[str]:
