@@ -112,17 +112,23 @@ def parse_setting(value: str, where: str) -> dict[str, str] | str:
     return {"cpu": cpu, "memory": memory}
 
 
+def machine_of(generation: str):
+    """The profile (TPU generation or GPU machine type) whose machine size is known, else None."""
+    from olmo_ctl.core.generations import GENERATIONS, GPU_MACHINES
+
+    profile = GENERATIONS.get(generation) or GPU_MACHINES.get(generation)
+    return profile if profile is not None and profile.vm_vcpus else None
+
+
 def trainer_resources_for(generation: str, setting: str) -> dict[str, str] | None:
     """The trainer container's {"cpu", "memory"} (requests and limits) on `generation`'s nodes under
     the site setting `trainer_resources`; None when off, or for a generation without a machine profile."""
-    from olmo_ctl.core.generations import GENERATIONS, GPU_MACHINES
-
     parsed = parse_setting(setting, "setting `trainer_resources`")
     if parsed == "off":
         return None
-    profile = GENERATIONS.get(generation) or GPU_MACHINES.get(generation)
+    profile = machine_of(generation)
     if isinstance(parsed, dict):
-        if profile is not None and profile.vm_vcpus:
+        if profile is not None:
             cpu_m, mem_mib = gke_allocatable(profile.vm_vcpus, profile.vm_memory_gib)
             room = {"cpu": cpu_m / 1000, "memory": mem_mib * MIB}
             shown = {"cpu": f"{cpu_m / 1000:g} cores", "memory": f"{mem_mib / 1024:.1f}Gi"}
@@ -135,7 +141,7 @@ def trainer_resources_for(generation: str, setting: str) -> dict[str, str] | Non
                         "ask for less, or auto to size it from the node type",
                     )
         return parsed
-    if profile is None or not profile.vm_vcpus:
+    if profile is None:
         return None
     return default_trainer_resources(profile.vm_vcpus, profile.vm_memory_gib)
 

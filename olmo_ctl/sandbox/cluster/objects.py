@@ -122,26 +122,20 @@ def pod_requests(template: dict) -> dict[str, float]:
     return out
 
 
-def _profile(device):
-    from olmo_ctl.core.generations import GENERATIONS, GPU_MACHINES
-
-    return GENERATIONS.get(device.generation) or GPU_MACHINES.get(device.generation)
-
-
 def node_capacity(device) -> dict[str, str]:
     """A node's CPU and memory capacity: its machine type's vCPUs and memory (the generation's profile)."""
-    prof = _profile(device)
-    if prof is None or not prof.vm_vcpus:
-        return {}
-    return {"cpu": str(prof.vm_vcpus), "memory": f"{prof.vm_memory_gib}Gi"}
+    from olmo_ctl.core.node_resources import machine_of
+
+    prof = machine_of(device.generation)
+    return {} if prof is None else {"cpu": str(prof.vm_vcpus), "memory": f"{prof.vm_memory_gib}Gi"}
 
 
 def node_allocatable(device) -> dict[str, str]:
     """What GKE leaves of that capacity to pods (core/node_resources.gke_allocatable)."""
-    from olmo_ctl.core.node_resources import gke_allocatable
+    from olmo_ctl.core.node_resources import gke_allocatable, machine_of
 
-    prof = _profile(device)
-    if prof is None or not prof.vm_vcpus:
+    prof = machine_of(device.generation)
+    if prof is None:
         return {}
     cpu_m, mem_mib = gke_allocatable(prof.vm_vcpus, prof.vm_memory_gib)
     return {"cpu": f"{cpu_m}m", "memory": f"{mem_mib}Mi"}
