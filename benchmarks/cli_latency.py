@@ -1,10 +1,13 @@
-"""Median whole-process wall time of `olmo-ctl --help` and of the tpu7x-128 stage-1 dry-run.
+"""Median whole-process wall time of `olmo-ctl --help` and of the tpu7x-128 stage-1 dry-run, and
+the dry-run against XPK's `workload create --dry-run` for the same slice.
 
-    .venv/bin/python benchmarks/cli_latency.py [--runs 15]
+    .venv/bin/python benchmarks/cli_latency.py [--runs 15] [--xpk PATH]
 
 Each sample is a fresh process (interpreter start-up, imports, work, exit), as a user sees it.
 The target is well under 0.2 s: nothing heavy (jax, kubernetes, google-cloud-storage) may be
-imported on these paths.
+imported on these paths. With `--xpk` (an `xpk` executable, e.g. from `pip install xpk` in a
+virtual environment of its own) the two dry-runs take turns, `--runs` pairs, and the ratio of the
+medians is printed (the target: at least 4x).
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ import time
 from pathlib import Path
 
 TARGET_S = 0.2
+TARGET_XPK_RATIO = 4.0
+XPK_DRY_RUN = [
+    "workload", "create", "--cluster", "bench", "--workload", "bench", "--tpu-type", "tpu7x-128",
+    "--command", "python -m olmo_ctl.trainer", "--project", "bench", "--zone", "us-central1-a", "--dry-run",
+]  # fmt: skip
 
 
 def command() -> list[str]:
@@ -40,17 +48,38 @@ def median_s(argv: list[str], runs: int, env: dict[str, str]) -> float:
     return statistics.median(samples)
 
 
+def paired_medians(a: list[str], b: list[str], runs: int, env: dict[str, str]) -> tuple[float, float]:
+    """Medians of `a` and `b`, run in turns (a, b, a, b, ...), so a change in load hits both."""
+    for argv in (a, b):
+        subprocess.run(argv, capture_output=True, env=env, check=True)  # warm the page cache
+    samples: tuple[list[float], list[float]] = ([], [])
+    for _ in range(runs):
+        for argv, out in zip((a, b), samples, strict=True):
+            t0 = time.perf_counter()
+            subprocess.run(argv, capture_output=True, env=env, check=True)
+            out.append(time.perf_counter() - t0)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--xpk", help="an xpk executable: time its workload create --dry-run beside ours")
     args = ap.parse_args()
     base = command()
     with tempfile.TemporaryDirectory() as tmp:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OLMO_CTL_")}
+        # A user's Python caches each module's bytecode on first use: so does each side here (the
+        # first, warming run writes it), whatever this shell's PYTHONDONTWRITEBYTECODE says.
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("OLMO_CTL_") and k != "PYTHONDONTWRITEBYTECODE"
+        }
         env["XDG_CONFIG_HOME"] = tmp
+        dry_run = "olmo-ctl submit --stage 1 --device tpu7x-128 --dry-run"
         cases = {
             "olmo-ctl --help": ["--help"],
-            "olmo-ctl submit --stage 1 --device tpu7x-128 --dry-run": [
+            dry_run: [
                 "submit",
                 "--stage",
                 "1",
@@ -66,6 +95,15 @@ def main() -> int:
             m = median_s(base + extra, args.runs, env)
             worst = max(worst, m)
             print(f"{m * 1000:7.1f} ms  median of {args.runs}  {label}")
+        if args.xpk:
+            ours, theirs = paired_medians(base + cases[dry_run], [args.xpk, *XPK_DRY_RUN], args.runs, env)
+            ratio = theirs / ours
+            print(f"{theirs * 1000:7.1f} ms  median of {args.runs}  xpk {' '.join(XPK_DRY_RUN)}")
+            print(f"{ours * 1000:7.1f} ms  median of {args.runs}  {dry_run} (in turns with xpk)")
+            verdict = "ok" if ratio >= TARGET_XPK_RATIO else "SLOW"
+            print(
+                f"ratio: {ratio:.2f}x faster than xpk (target: at least {TARGET_XPK_RATIO:.0f}x) -> {verdict}"
+            )
     print(f"target: under {TARGET_S * 1000:.0f} ms -> {'ok' if worst < TARGET_S else 'SLOW'}")
     return 0
 

@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -21,9 +22,11 @@ from helpers.cli import ROOT, clean_env, invoke
 from test_docs_commands import check, commands_in
 
 import olmo_ctl
-from olmo_ctl.cli import app
+from olmo_ctl.cli import COMMAND_MODULES, load_commands
 from olmo_ctl.core.config import Settings, setting_names
 from olmo_ctl.core.recipe import STAGE_RECIPES, shipped_recipes
+
+APP = load_commands()  # every command registered
 
 
 @pytest.fixture
@@ -40,7 +43,7 @@ def all_commands() -> list[tuple[list[str], object]]:
         for name, sub in (getattr(cmd, "commands", None) or {}).items():
             walk(sub, [*path, name])
 
-    walk(typer.main.get_command(app), [])
+    walk(typer.main.get_command(APP), [])
     return out
 
 
@@ -56,7 +59,7 @@ def test_olmo_ctl_alone_prints_its_help(env):
     for group in GROUPS[1:]:  # `olmo-ctl config` alone: the group's help, its commands listed
         g = invoke(*group, env=env)
         assert g.returncode == 0 and g.stdout == invoke(*group, "--help", env=env).stdout
-        assert all(name in g.stdout for name in typer.main.get_command(app).commands[group[0]].commands)
+        assert all(name in g.stdout for name in typer.main.get_command(APP).commands[group[0]].commands)
 
 
 def test_version_is_the_packages(env):
@@ -87,7 +90,7 @@ def test_the_top_level_help_gives_each_commands_whole_first_sentence(columns, en
     text = invoke("--help", env={**env, "COLUMNS": columns}).stdout
     listed = " ".join(text.partition("\nCommands:\n")[2].split())
     assert "..." not in listed and "stage 1/2" not in text
-    top = typer.main.get_command(app)
+    top = typer.main.get_command(APP)
     for name in top.commands:
         summary = top.commands[name].get_short_help_str(limit=10_000)
         assert summary.endswith(".") and f"{name} {summary}" in listed, (name, summary)
@@ -117,6 +120,41 @@ def test_a_mistyped_command_is_one_line(env):
     assert p.stderr == "error: No such command 'resiz'; did you mean 'resize'? see `olmo-ctl --help`\n"
     p = invoke("frobnicate", env=env)
     assert p.stderr == "error: No such command 'frobnicate'; see `olmo-ctl --help`\n"
+
+
+@pytest.mark.parametrize("name", sorted(COMMAND_MODULES))
+def test_a_command_loads_its_own_module_alone(name):
+    """`olmo-ctl NAME` imports NAME's module (COMMAND_MODULES), not every command's: a fresh process that
+    loads only that has NAME registered, and the table names every command the application has."""
+    assert set(COMMAND_MODULES) == set(typer.main.get_command(APP).commands)
+    code = (
+        "import sys, typer.main\n"
+        "from olmo_ctl.cli import COMMAND_MODULES, app, load_commands\n"
+        f"load_commands([{name!r}])\n"
+        "print(' '.join(sorted(typer.main.get_command(app).commands)))\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('olmo_ctl.cli.'))))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    registered, modules = (line.split() for line in p.stdout.splitlines())
+    assert name in registered and f"olmo_ctl.cli.{COMMAND_MODULES[name]}" in modules
+
+
+def test_a_dry_run_imports_no_other_command(tmp_path):
+    """What a `submit --dry-run` costs is its own command: no other command module is imported."""
+    code = (
+        "import sys\n"
+        "from olmo_ctl.cli import main\n"
+        f"rc = main(['submit', '--stage', '1', '--device', 'tpu7x-128', '--dry-run', '--output-manifest', "
+        f"{str(tmp_path / 'j.yaml')!r}])\n"
+        "print(rc, ' '.join(sorted(m for m in sys.modules if m.startswith('olmo_ctl.cli.'))))\n"
+    )
+    env = clean_env(tmp_path / "xdg")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    rc, *modules = p.stdout.split()
+    assert rc == "0" and "olmo_ctl.cli.submit" in modules
+    assert not {f"olmo_ctl.cli.{m}" for n, m in COMMAND_MODULES.items() if n != "submit"} & set(modules), (
+        modules
+    )
 
 
 def test_shell_completion(env, monkeypatch):

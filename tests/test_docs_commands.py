@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import typer.main
 
-from olmo_ctl.cli import app
+from olmo_ctl.cli import load_commands
 
+APP = load_commands()  # every command registered
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^\s*(```|~~~)")
@@ -85,7 +86,7 @@ def check(text: str) -> list[str]:
     """What is wrong with one shown command line (empty when it is fine)."""
     toks = _tokens(text)
     assert toks and toks[0] == "olmo-ctl", text
-    cmd = typer.main.get_command(app)
+    cmd = typer.main.get_command(APP)
     path = ["olmo-ctl"]
     problems = []
     i = 1
@@ -118,7 +119,7 @@ def test_readme_and_docs_show_commands():
     files = {f for f, _, _ in found}
     assert "README.md" in files and len(files) > 3, files
     top = {_tokens(t)[1] for _, _, t in found if len(_tokens(t)) > 1}
-    app_cmds = set(typer.main.get_command(app).commands)
+    app_cmds = set(typer.main.get_command(APP).commands)
     assert app_cmds <= top, f"commands never shown in README.md or docs/: {sorted(app_cmds - top)}"
 
 

@@ -422,10 +422,10 @@ def test_the_site_flags_are_the_backends_declared_options():
 def test_every_command_that_renders_an_attempt_takes_the_same_site_options():
     from typer.main import get_command
 
-    from olmo_ctl.cli import app
+    from olmo_ctl.cli import load_commands
     from olmo_ctl.cli.options import SITE_OPTIONS
 
-    group = get_command(app)
+    group = get_command(load_commands())
     want = {"--" + n.replace("_", "-") for n in SITE_OPTIONS}
     for name in ("submit", "resume-until-done", "resize", "smoke"):
         opts = {o for p in group.commands[name].params for o in p.opts}

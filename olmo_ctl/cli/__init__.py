@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 run failed, 2 bad input, 3 unreachable, 4 gave up, 124 
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import TYPE_CHECKING
 
@@ -19,34 +20,47 @@ else:
     except ImportError:  # pragma: no cover
         from click import exceptions as click_exc
 
-# Command modules register themselves on `app` when imported (keep these imports light).
-from olmo_ctl.cli import (  # noqa: F401
-    amend,
-    compare,
-    config,
-    convert,
-    data,
-    devices,
-    doctor,
-    evaluate,
-    logs,
-    monitor,
-    parity,
-    plan,
-    preflight,
-    recipes,
-    resize,
-    resume,
-    runs,
-    sandbox,
-    smoke,
-    stop,
-    submit,
-    surgery,
-    verify,
-)
 from olmo_ctl.cli.app import app
 from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, Interrupted, OlmoCtlError
+
+# The module that registers each command on `app` when imported. `olmo-ctl NAME ...` imports only
+# NAME's module: the others' imports and typer's building of their options were a third of a dry-run's
+# wall time. Anything else (the top-level help, an option before the command, an unknown name, shell
+# completion) imports them all. tests/test_cli_conventions.py checks this table against the modules.
+COMMAND_MODULES = {
+    "amend": "amend",
+    "compare": "compare",
+    "config": "config",
+    "convert": "convert",
+    "data": "data",
+    "devices": "devices",
+    "doctor": "doctor",
+    "eval": "evaluate",
+    "logs": "logs",
+    "monitor": "monitor",
+    "parity": "parity",
+    "plan": "plan",
+    "preflight": "preflight",
+    "recipes": "recipes",
+    "resize": "resize",
+    "resume-until-done": "resume",
+    "runs": "runs",
+    "sandbox": "sandbox",
+    "smoke": "smoke",
+    "stop": "stop",
+    "submit": "submit",
+    "surgery": "surgery",
+    "verify": "verify",
+}
+
+
+def load_commands(args: list[str] | None = None):
+    """`app` with the command `args` start with registered, or every command when they start with no
+    known command name (no arguments: every command)."""
+    module = COMMAND_MODULES.get(args[0]) if args else None
+    for name in [module] if module else sorted(set(COMMAND_MODULES.values())):
+        importlib.import_module(f"olmo_ctl.cli.{name}")
+    return app
 
 
 def usage_line(message: str) -> str:
@@ -65,6 +79,7 @@ UNCAUGHT_INTERRUPT = "olmo-ctl stopped before the command finished"
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    load_commands(args)
     try:
         rv = app(args=args, prog_name="olmo-ctl", standalone_mode=False)
     except Interrupted as e:  # Ctrl-C: one line saying what was left, from whoever caught it
