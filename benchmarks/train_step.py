@@ -63,7 +63,8 @@ def ours(recipe, tokens):
     t = recipe.train
     device = get_device(f"cpu-{jax.device_count()}")
     plan = batching.make_plan(recipe, device)
-    mesh = sharding.make_mesh(jax.devices(), t.mesh, t.data_parallel)
+    kind, replicas = batching.mesh_layout(recipe, device.devices)  # as the trainer lays it out
+    mesh = sharding.make_mesh(jax.devices(), kind, replicas)
     _, state_shard = abstract_train_state(recipe, mesh)
     state = fresh_state(recipe, state_shard)
     step = jit_train_step(recipe, state_shard)
