@@ -1,6 +1,7 @@
 """The Typer application object and the helpers every command module shares.
 
-Command modules (`olmo_ctl/cli/*.py`) register on `app`; `olmo_ctl/cli/__init__.py` imports them.
+Command modules (`olmo_ctl/cli/*.py`) register on `app`; `olmo_ctl/cli/__init__.py` imports the one a
+command line names (`COMMAND_MODULES`), or all of them for the top-level help.
 Commands parse, call one operation, print, and map errors to exit codes; no logic lives here.
 
 What every command has without asking for it is declared here once: `-h` as well as `--help`, one
