@@ -20,6 +20,7 @@
 #                  checks the GPU variant, and that its CUDA libraries load (a GPU, if any, is used)
 #   make bench     CLI start-up latency
 #   make lock      rewrite constraints.txt from .venv (after the tests pass with new versions)
+#   make preflight-shipped  compile the preflight results the package ships (before a release)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -37,7 +38,7 @@ EXTRAS      ?= trainer,$(VARIANT),eval
 BUILDER     ?=
 IMAGE_CACHE ?= /var/cache/olmo-ctl
 
-.PHONY: install test test-chaos test-image test-soak test-tpu-compile test-all check lint goldens demo image base-image image-test \
+.PHONY: install test test-chaos test-image test-soak test-tpu-compile test-all check lint goldens demo image base-image image-test preflight-shipped \
 	bench lock
 
 install: $(STAMP)
@@ -130,4 +131,10 @@ lock:
 		| sed 's/+[A-Za-z0-9.]*$$//' >> constraints.txt.new
 	PYTHONPATH=$(CURDIR) $(BIN)/python -m tools.lock_extra constraints.txt.new gpu
 	mv constraints.txt.new constraints.txt
+
+# Compile shipped recipes for the catalog's slices into olmo_ctl/preflight/shipped.json (about 18 min on
+# 2 cores; PAIRS="RECIPE:DEVICE ..." for others): submit and preflight answer from it without compiling,
+# while the trainer is the one that compiled it (run it before a release).
+preflight-shipped:
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m tools.preflight_shipped $(PAIRS)
 

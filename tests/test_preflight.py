@@ -240,6 +240,33 @@ def test_submit_check_uses_the_plan_and_the_cache(base, recipe):
     assert pf.submit_check(recipe, get_device("cpu-4"), plan, log=lines.append) is None
 
 
+def test_the_shipped_smoke_result_compiles_again_to_the_same_figures(cache):
+    """The shipped results (preflight/shipped.json) are what this trainer compiles: the cheapest of them,
+    compiled again here, gives the same memory, FLOPs and verdict (else: make preflight-shipped)."""
+    from olmo_ctl.preflight.cache import load_shipped
+
+    recipe, dev = load_recipe("smoke"), get_device("v5p-8")
+    shipped = load_shipped(pf.shipped_key_for(recipe, dev))
+    assert shipped is not None, "no shipped result for smoke on v5p-8: run `make preflight-shipped`"
+    again = pf.run_preflight(recipe, dev, use_cache=False).to_dict()
+    same = (
+        "per_device_batch",
+        "grad_accum",
+        "remat",
+        "attention",
+        "argument_bytes_per_device",
+        "output_bytes_per_device",
+        "alias_bytes_per_device",
+        "temp_bytes_per_device",
+        "peak_bytes_per_device",
+        "eval_peak_bytes_per_device",
+        "fits",
+        "xla_flops_per_step",
+        "xla_flags",
+    )
+    assert {k: again[k] for k in same} == {k: shipped[k] for k in same}
+
+
 def test_parse_compiler_refusal():
     msg = (
         "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "

@@ -62,6 +62,7 @@ def _row(r) -> dict:
         "formula_olmo_core_flops_per_step",
         "compile_s",
         "cached",
+        "shipped",
         "param_count",
         "recipe",
         "recipe_fingerprint",
@@ -103,7 +104,7 @@ def _print_table(results, recommended=None) -> None:
             f"{r.hbm_bytes_per_device / GIB:.2f}",
             fits,
             flops,
-            f"{r.compile_s:.0f}" + ("*" if r.cached else ""),
+            f"{r.compile_s:.0f}" + ("+" if r.shipped else "*" if r.cached else ""),
         )
     c = console()
     first = results[0]
@@ -118,7 +119,12 @@ def _print_table(results, recommended=None) -> None:
         "batch = micro-batch per device x accumulation; TFLOP/step = XLA (loops counted) / MaxText formula;"
         " peak = arguments + temporaries + outputs - donated; eval = the eval step's peak, in micro-batches"
         f" of {first.eval_micro_batch} instances"
-        + ("; * from the cache" if any(r.cached for r in results) else ""),
+        + ("; * from the cache" if any(r.cached and not r.shipped for r in results) else "")
+        + (
+            "; + shipped with olmo-ctl (compiled when it was built)"
+            if any(r.shipped for r in results)
+            else ""
+        ),
         highlight=False,
     )
     for r in results:

@@ -5,6 +5,13 @@ flags) under `~/.cache/olmo-ctl/preflight/` ($OLMO_CTL_CACHE_DIR overrides the r
 package version plus a hash of every trainer and preflight source, every module of ours the steps
 import, and the jax / jaxlib / libtpu versions, so any change to the step or to the compilers recompiles. A cache that
 cannot be read or written only costs a recompile.
+
+Shipped results (`olmo_ctl/preflight/shipped.json`, package data): shipped recipes compiled for slices
+of the catalog by `make preflight-shipped` (tools/preflight_shipped.py), keyed as above by everything
+but the trainer version (`shipped_key`: the compiler versions in its place) and used only by the
+trainer version that compiled them, which each records: an installed package answers from its own,
+and a checkout whose trainer changed since compiles as before. tests/test_preflight.py compiles one
+again and compares its figures.
 """
 
 from __future__ import annotations
@@ -83,6 +90,14 @@ def _imported_modules(path: Path, root: Path) -> list[Path]:
     return [p for p in out if p.exists()]
 
 
+SHIPPED_PATH = Path(__file__).with_name("shipped.json")
+
+
+def compiler_versions() -> str:
+    """`jax==X jaxlib==Y libtpu==Z`: what a compiled result depends on besides our sources."""
+    return " ".join(f"{name}=={_package_version(name)}" for name in COMPILER_PACKAGES)
+
+
 def cache_dir() -> Path:
     root = os.environ.get("OLMO_CTL_CACHE_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "olmo-ctl"
@@ -116,6 +131,48 @@ def cache_key(
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def shipped_key(
+    recipe: Recipe,
+    device: Device,
+    per_device_batch: int,
+    xla_flags: list[str] | tuple[str, ...] = (),
+    slices: int = 1,
+    compilers: str | None = None,
+) -> str:
+    """The key of a shipped result: `cache_key` with the compiler versions in place of the trainer's, and
+    `data.root` left out (where the data is read from is not in the compiled step: a run that reads its
+    own copy of the mix, `--set data.root=gs://BUCKET`, answers from the same results)."""
+    import dataclasses
+
+    version = f"shipped {compilers or compiler_versions()}"
+    anywhere = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, root=""))
+    return cache_key(anywhere, device, per_device_batch, version, xla_flags, slices)
+
+
+def load_shipped(key: str, trainer: str | None = None, path: Path | None = None) -> dict | None:
+    """The shipped result under `key`, compiled by trainer version `trainer` (None: by any), or None (no
+    such result, another trainer's, or no readable file)."""
+    try:
+        results = json.loads((path or SHIPPED_PATH).read_text())["results"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    hit = results.get(key) if isinstance(results, dict) else None
+    if not isinstance(hit, dict) or (trainer is not None and hit.get("trainer_version") != trainer):
+        return None
+    return dict(hit)
+
+
+def shipped_compile_s(recipe_name: str, path: Path | None = None) -> float | None:
+    """The longest compile among the shipped results of `recipe_name` (any slice), for the expected
+    duration of a compile that is not shipped; None when none is."""
+    try:
+        results = json.loads((path or SHIPPED_PATH).read_text())["results"]
+        times = [float(r["compile_s"]) for r in results.values() if r.get("recipe") == recipe_name]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return max(times) if times else None
 
 
 def _cache_path(key: str) -> Path:

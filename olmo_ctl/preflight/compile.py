@@ -46,7 +46,15 @@ from olmo_ctl.core.errors import EXIT_RUN_FAILED, BadInput, OlmoCtlError
 from olmo_ctl.core.generations import GENERATIONS
 from olmo_ctl.core.recipe import Recipe
 from olmo_ctl.core.xla_flags import xla_flag_sources, xla_flags_for
-from olmo_ctl.preflight.cache import cache_key, load_cached, store_cached, trainer_version
+from olmo_ctl.preflight.cache import (
+    cache_key,
+    load_cached,
+    load_shipped,
+    shipped_compile_s,
+    shipped_key,
+    store_cached,
+    trainer_version,
+)
 from olmo_ctl.preflight.hlo_flops import hlo_flops
 
 # Cheapest recompute first: `--search` takes the first one that fits.
@@ -98,6 +106,7 @@ class PreflightResult:
     trainer_version: str
     error: str | None = None
     cached: bool = False
+    shipped: bool = False  # answered from the results shipped with the package (preflight/shipped.json)
     notes: list[str] = field(default_factory=list)
     hlo_flops_per_device_body_once: float | None = None  # the HLO walk's matmuls, loops once: checks the walk
     hlo_loops: int | None = None
@@ -519,6 +528,17 @@ def _heartbeat(log: Callable[[str], None] | None, every_s: float):
         t.join()
 
 
+def shipped_key_for(
+    recipe: Recipe, device: Device, *, settings: Settings | None = None, slices: int = 1
+) -> str:
+    """The key `run_preflight` looks up in the shipped results for `recipe` on `slices` x `device` as
+    planned (tools/preflight_shipped.py writes each result under it)."""
+    recipe = _tpu_attention(preflight_recipe(recipe))
+    plan = plan_for(recipe, device, None, slices)
+    flags, _ = pod_xla_flags(recipe, device, settings)
+    return shipped_key(recipe, device, plan.per_device_batch, flags, plan.slices)
+
+
 def run_preflight(
     recipe: Recipe,
     device: Device,
@@ -549,14 +569,15 @@ def run_preflight(
     flags, xla_options = pod_xla_flags(recipe, device, settings)
     key = cache_key(recipe, device, plan.per_device_batch, version, flags, plan.slices)
     if use_cache:
-        hit = load_cached(key)
         names = {f.name for f in dataclasses.fields(PreflightResult)}
-        if hit is not None and set(hit) <= names:
-            hit["cached"] = True
-            try:
-                return _with_hbm(PreflightResult(**hit), hbm)
-            except TypeError:  # an entry from an older layout: compile again
-                pass
+        skey = shipped_key(recipe, device, plan.per_device_batch, flags, plan.slices)
+        for hit, from_package in ((load_cached(key), False), (load_shipped(skey, version), True)):
+            if hit is not None and set(hit) <= names:
+                hit["cached"], hit["shipped"] = True, from_package
+                try:
+                    return _with_hbm(PreflightResult(**hit), hbm)
+                except TypeError:  # an entry from an older layout: compile again
+                    pass
 
     m = recipe.model
     formula = formula_flops_per_step(recipe)
@@ -778,14 +799,18 @@ def gpu_estimate_note(device: Device, plan: Plan) -> str:
     )
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 def submit_check(
     recipe: Recipe, device: Device, plan: Plan, *, log=print, settings: Settings | None = None
 ) -> PreflightResult | None:
     """The preflight `submit` runs before queueing for a slice (skip it with `--no-preflight`).
 
     Runs only for TPU slices and only where libtpu is installed (else returns None): it compiles
-    the step with the plan's micro-batch, or answers from the cache (same recipe, device, remat,
-    batch and trainer version) at once. Raises BadInput when the step does not fit, so nothing is
+    the step with the plan's micro-batch, or answers from the cache or the results shipped with the
+    package (same recipe, device, remat, batch, flags and trainer version) without compiling. Raises BadInput when the step does not fit, so nothing is
     submitted that would die of an out-of-memory error after waiting in the queue. For GPU nodes it
     logs the plan's memory estimate, labelled as one, and compiles nothing.
     """
@@ -795,14 +820,24 @@ def submit_check(
     if not device.is_tpu or not libtpu_available():
         return None
     r = _tpu_attention(recipe)
-    key = cache_key(
-        r, device, plan.per_device_batch, trainer_version(), xla_flags_for(device, r, settings), plan.slices
-    )
+    flags = xla_flags_for(device, r, settings)
+    version = trainer_version()
+    key = cache_key(r, device, plan.per_device_batch, version, flags, plan.slices)
+    skey = shipped_key(r, device, plan.per_device_batch, flags, plan.slices)
     what = device.name if plan.slices == 1 else f"{plan.slices} x {device.name}"
-    if load_cached(key) is None:
+    if load_cached(key) is None and load_shipped(skey, version) is None:
+        took = shipped_compile_s(recipe.name)
+        expect = "a few minutes" if not took else f"about {_duration(took)} on a 2-core machine"
+        other = load_shipped(skey)
+        why = (
+            "which no shipped result covers"
+            if other is None
+            else f"as the shipped result is trainer {other.get('trainer_version')}'s, not this {version}'s"
+        )
         log(
-            f"preflight: compiling the train step for {what} ({device.topology_name}) on this machine;"
-            " this takes a few minutes once per recipe, device and trainer version (--no-preflight skips it)"
+            f"preflight: compiling the train step for {what} ({device.topology_name}) on this machine,"
+            f" {why}; this takes {expect}, once per recipe, device and trainer version"
+            " (--no-preflight skips it)"
         )
     try:
         result = run_preflight(
@@ -827,6 +862,12 @@ def submit_check(
         )
     log(
         f"preflight: {result.verdict()}"
-        + (" (cached)" if result.cached else f" (compiled in {result.compile_s:.0f} s)")
+        + (
+            f" (shipped with olmo-ctl, compiled by {result.trainer_version})"
+            if result.shipped
+            else " (cached)"
+            if result.cached
+            else f" (compiled in {result.compile_s:.0f} s)"
+        )
     )
     return result

@@ -1,0 +1,170 @@
+"""Preflight results shipped with the package (olmo_ctl/preflight/shipped.json, `make preflight-shipped`):
+`submit` and `preflight` answer from them without compiling while the trainer is the one that compiled
+them, and say how long a compile takes when none covers the recipe and slice. Nothing here compiles (a
+compile that starts raises `Compiled`); tests/test_preflight.py (the tpu_compile lane) compiles one
+shipped result again and compares its figures.
+
+The lookup tests read a copy of the shipped file stamped with this checkout's trainer version, so they
+test the lookup whether or not the trainer changed since the file was made; the file itself is checked
+for its pairs, its compilers and one trainer version."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.cli import clean_env, invoke
+
+from olmo_ctl.core.batching import make_plan
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.preflight import cache as C
+from olmo_ctl.preflight import compile as pf
+from tools import preflight_shipped as T
+
+pytestmark = pytest.mark.skipif(
+    not pf.libtpu_available(), reason="needs libtpu (pip install 'olmo-ctl[tpu]')"
+)
+
+
+class Compiled(Exception):
+    """Raised where a compile would start."""
+
+
+def _shipped() -> dict:
+    return json.loads(C.SHIPPED_PATH.read_text())
+
+
+@pytest.fixture
+def no_compile(monkeypatch, tmp_path):
+    """An empty user cache, a compile that raises if anything starts one, and the shipped results as
+    this checkout's trainer version would have them (`no_compile` is that file's path)."""
+    monkeypatch.setenv("OLMO_CTL_CACHE_DIR", str(tmp_path / "cache"))
+
+    def compile_step(*a, **k):
+        raise Compiled()
+
+    monkeypatch.setattr(pf, "compile_step", compile_step)
+    data = _shipped()
+    version = C.trainer_version()
+    for result in data["results"].values():
+        result["trainer_version"] = version
+    path = tmp_path / "shipped.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(C, "SHIPPED_PATH", path)
+    return path
+
+
+def test_every_default_pair_is_shipped_for_the_locked_compilers():
+    """The file holds a result for each of make preflight-shipped's pairs under the key a machine with
+    constraints.txt's jax, jaxlib and libtpu looks up (a recipe, plan, flag or compiler change that
+    moves a key fails here: run `make preflight-shipped`), all of one trainer version."""
+    data = _shipped()
+    assert data["compilers"] == C.compiler_versions()
+    for pair in T.DEFAULT_PAIRS:
+        name, _, device = pair.partition(":")
+        hit = data["results"].get(pf.shipped_key_for(load_recipe(name), get_device(device)))
+        assert hit is not None, f"{pair}: no shipped result; run `make preflight-shipped`"
+        assert (hit["recipe"], hit["device"], hit["cached"], hit["shipped"]) == (name, device, False, False)
+        assert hit["compiled_by_xla"] or hit["error"], pair
+    assert len({r["trainer_version"] for r in data["results"].values()}) == 1
+
+
+def test_submit_on_a_shipped_recipe_and_slice_compiles_nothing(no_compile):
+    recipe, dev = load_recipe(stage=1), get_device("tpu7x-128")
+    lines: list[str] = []
+    r = pf.submit_check(recipe, dev, make_plan(recipe, dev), log=lines.append)
+    assert r is not None and r.shipped and r.cached and r.fits
+    assert len(lines) == 1 and lines[0].startswith(
+        "preflight: olmo3-7b-stage1 fits on tpu7x-128 with remat="
+    ), lines
+    assert lines[0].endswith(f"(shipped with olmo-ctl, compiled by {C.trainer_version()})")
+
+
+def test_preflight_answers_from_the_shipped_result_and_no_cache_compiles(no_compile, tmp_path):
+    env = {**clean_env(tmp_path / "xdg"), "OLMO_CTL_CACHE_DIR": str(tmp_path / "cache")}
+    p = invoke("preflight", "--stage", "2", "--device", "v5p-256", "-o", "json", env=env)
+    assert p.returncode == 0, p.stderr
+    row = json.loads(p.stdout)
+    key = pf.shipped_key_for(load_recipe(stage=2), get_device("v5p-256"))
+    want = json.loads(no_compile.read_text())["results"][key]
+    assert row["shipped"] and row["cached"] and row["compile_s"] == want["compile_s"]
+    assert row["peak_bytes_per_device"] == want["peak_bytes_per_device"] and "compiling" not in p.stderr
+    table = invoke("preflight", "--stage", "2", "--device", "v5p-256", env=env)
+    assert table.returncode == 0 and "+ shipped with olmo-ctl" in table.stdout, table.stdout
+    with pytest.raises(Compiled):  # --no-cache compiles here, shipped results or not
+        pf.run_preflight(load_recipe(stage=2), get_device("v5p-256"), use_cache=False)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"overrides": ["train.seq_len=4096"]},  # another fingerprint
+        {"slices": 2},
+        {"remat": "none"},
+        {"head_dim": 256},
+        {"n_layers": 2},
+        {"per_device_batch": 2},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_what_changes_the_compiled_program_finds_no_shipped_result(no_compile, change):
+    kw = dict(change)
+    recipe = load_recipe(stage=1, overrides=kw.pop("overrides", []))
+    with pytest.raises(Compiled):
+        pf.run_preflight(recipe, get_device("tpu7x-128"), **kw)
+
+
+def test_a_run_reading_its_own_bucket_answers_from_the_same_result(no_compile):
+    """data.root is where the data is read, not what is compiled: `--set data.root=` keeps the result."""
+    mine = load_recipe(stage=1, overrides=["data.root=gs://my-bucket"])
+    assert mine.fingerprint() != load_recipe(stage=1).fingerprint()
+    r = pf.run_preflight(mine, get_device("tpu7x-128"))
+    assert r.shipped and r.fits
+    with pytest.raises(Compiled):  # any other change is another recipe, as for the cache
+        pf.run_preflight(
+            load_recipe(stage=1, overrides=["data.root=gs://my-bucket", "data.seed=7"]),
+            get_device("tpu7x-128"),
+        )
+
+
+def test_site_xla_flags_find_no_shipped_result(no_compile):
+    from olmo_ctl.core.config import Settings
+
+    site = Settings(xla_flags="--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true")
+    with pytest.raises(Compiled):
+        pf.run_preflight(load_recipe(stage=1), get_device("tpu7x-128"), settings=site)
+
+
+def test_a_shipped_result_of_another_trainer_version_is_not_used_and_submit_says_why(no_compile):
+    data = json.loads(no_compile.read_text())
+    for result in data["results"].values():
+        result["trainer_version"] = "0.0.1+000000000000"
+    no_compile.write_text(json.dumps(data))
+    recipe, dev = load_recipe(stage=1), get_device("tpu7x-128")
+    lines: list[str] = []
+    with pytest.raises(OlmoCtlError):  # the compile this test stops is reported as one that failed
+        pf.submit_check(recipe, dev, make_plan(recipe, dev), log=lines.append)
+    assert "as the shipped result is trainer 0.0.1+000000000000's, not this" in lines[0], lines
+
+
+def test_a_slice_no_shipped_result_covers_says_so_and_how_long_it_takes(no_compile):
+    recipe, dev = load_recipe(stage=1), get_device("tpu7x-256")
+    lines: list[str] = []
+    with pytest.raises(OlmoCtlError):
+        pf.submit_check(recipe, dev, make_plan(recipe, dev), log=lines.append)
+    took = C.shipped_compile_s("olmo3-7b-stage1")
+    assert took is not None and took > 10
+    assert lines[0].startswith("preflight: compiling the train step for tpu7x-256 (")
+    assert f"which no shipped result covers; this takes about {pf._duration(took)} on a 2-core" in lines[0]
+
+
+def test_the_tool_refuses_a_pair_it_cannot_read_before_compiling(no_compile, tmp_path):
+    out = tmp_path / "out.json"
+    with pytest.raises(BadInput, match="is not RECIPE:DEVICE"):
+        T.record(["olmo3-7b-stage1"], out)
+    with pytest.raises(BadInput):
+        T.record(["smoke:v5p-8", "smoke:v9z-8"], out)  # the unknown device is refused before any compile
+    assert not out.exists()
+    assert T.main(["smoke", "--out", str(out)]) == 2 and not out.exists()
