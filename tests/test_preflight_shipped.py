@@ -97,6 +97,16 @@ def test_preflight_answers_from_the_shipped_result_and_no_cache_compiles(no_comp
         pf.run_preflight(load_recipe(stage=2), get_device("v5p-256"), use_cache=False)
 
 
+def test_the_json_of_a_sequence_sharded_step_says_its_layout(no_compile, tmp_path):
+    """Stage 3 (65,536 tokens, 64 instances over 128 devices): `-o json` says each sequence is split over
+    2 devices, on one slice, as docs/preflight.md states."""
+    env = {**clean_env(tmp_path / "xdg"), "OLMO_CTL_CACHE_DIR": str(tmp_path / "cache")}
+    p = invoke("preflight", "--stage", "3", "--device", "tpu7x-128", "-o", "json", env=env)
+    assert p.returncode == 0, p.stderr
+    row = json.loads(p.stdout)
+    assert (row["seq_shards"], row["slices"], row["shipped"]) == (2, 1, True)
+
+
 @pytest.mark.parametrize(
     "change",
     [

@@ -38,6 +38,8 @@ def _row(r) -> dict:
         "devices",
         "per_device_batch",
         "grad_accum",
+        "seq_shards",
+        "slices",
         "remat",
         "attention",
         "head_dim",
