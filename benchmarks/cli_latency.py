@@ -38,27 +38,18 @@ def command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "olmo_ctl"]
 
 
-def median_s(argv: list[str], runs: int, env: dict[str, str]) -> float:
-    subprocess.run(argv, capture_output=True, env=env, check=True)  # warm the page cache
-    samples = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
+def medians_in_turns(argvs: list[list[str]], runs: int, env: dict[str, str]) -> list[float]:
+    """The median wall time of each command, `runs` samples each, the commands taking turns (a, b, a,
+    b, ...) so a change in load hits all of them; each is run once first to warm the page cache."""
+    for argv in argvs:
         subprocess.run(argv, capture_output=True, env=env, check=True)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
-def paired_medians(a: list[str], b: list[str], runs: int, env: dict[str, str]) -> tuple[float, float]:
-    """Medians of `a` and `b`, run in turns (a, b, a, b, ...), so a change in load hits both."""
-    for argv in (a, b):
-        subprocess.run(argv, capture_output=True, env=env, check=True)  # warm the page cache
-    samples: tuple[list[float], list[float]] = ([], [])
+    samples: list[list[float]] = [[] for _ in argvs]
     for _ in range(runs):
-        for argv, out in zip((a, b), samples, strict=True):
+        for argv, out in zip(argvs, samples, strict=True):
             t0 = time.perf_counter()
             subprocess.run(argv, capture_output=True, env=env, check=True)
             out.append(time.perf_counter() - t0)
-    return statistics.median(samples[0]), statistics.median(samples[1])
+    return [statistics.median(s) for s in samples]
 
 
 def main() -> int:
@@ -92,11 +83,11 @@ def main() -> int:
         }
         worst = 0.0
         for label, extra in cases.items():
-            m = median_s(base + extra, args.runs, env)
+            (m,) = medians_in_turns([base + extra], args.runs, env)
             worst = max(worst, m)
             print(f"{m * 1000:7.1f} ms  median of {args.runs}  {label}")
         if args.xpk:
-            ours, theirs = paired_medians(base + cases[dry_run], [args.xpk, *XPK_DRY_RUN], args.runs, env)
+            ours, theirs = medians_in_turns([base + cases[dry_run], [args.xpk, *XPK_DRY_RUN]], args.runs, env)
             ratio = theirs / ours
             print(f"{theirs * 1000:7.1f} ms  median of {args.runs}  xpk {' '.join(XPK_DRY_RUN)}")
             print(f"{ours * 1000:7.1f} ms  median of {args.runs}  {dry_run} (in turns with xpk)")
