@@ -9,7 +9,7 @@ eager, with token cross-entropy on fp32 logits, `clip_grad_norm_` and `torch.opt
 decay on the input embedding). Both see the same tokens, `global_batch x seq_len` per step.
 
     PYTHONPATH=. python benchmarks/train_step.py [--steps 20] [--repeats 5] [--recipe smoke] [--set k=v ...]
-                                                 [--devices N]
+                                                 [--devices N] [--variant NAME:k=v[,k=v...] ...]
 
 Ours runs on `cpu-N`, one host device per core by default (what the local twin uses on this machine:
 XLA runs each device's part of the step on its own thread), PyTorch with its default intra-op threads
@@ -18,6 +18,11 @@ XLA runs each device's part of the step on its own thread), PyTorch with its def
 Each side is timed `--repeats` times over `--steps` steps after a warm-up, the two sides taking
 turns (the best repeat of each counts, as the machine is shared); the last stdout line is one JSON object with both throughputs and
 `ratio` (ours / reference).
+
+`--variant NAME:k=v[,k=v...]` (repeatable) adds our step with those recipe overrides on top of
+`--set`, timed in the same turns (e.g. `--variant dp:train.shard_group=1` against the recipe's
+FSDP layout): a comparison of layouts within one process and one machine load, which two separate
+runs on a shared machine cannot give. The JSON then has `variants`: NAME -> tokens/s and ratio.
 """
 
 from __future__ import annotations
@@ -146,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--set", action="append", default=[], dest="overrides")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:k=v[,k=v...]")
     ap.add_argument(
         "--devices",
         type=int,
@@ -162,7 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{m.compute_dtype} compute, attention {m.attention}, {args.steps} steps x {args.repeats}, CPU; "
         f"ours on cpu-{__import__('jax').device_count()}, PyTorch with {__import__('torch').get_num_threads()} threads"
     )
-    runners = {"ours": ours(recipe, tokens), "reference": reference(recipe, tokens)}
+    runners = {"ours": ours(recipe, tokens)}
+    for v in args.variant:
+        name, _, sets = v.partition(":")
+        if not name or not sets or name in ("ours", "reference"):
+            raise SystemExit(f"--variant {v!r}: expected NAME:k=v[,k=v...] with a NAME of its own")
+        runners[name] = ours(load_recipe(args.recipe, overrides=[*args.overrides, *sets.split(",")]), tokens)
+    runners["reference"] = reference(recipe, tokens)
     best = {k: float("inf") for k in runners}
     for _ in range(args.repeats):  # interleaved, so a change in the machine's load hits both sides
         for k, run in runners.items():
@@ -175,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         f"HF Olmo3 (torch eager)        {b:10.0f} tokens/s  ({best['reference'] / args.steps * 1e3:.1f} ms/step)"
     )
     print(f"ratio                         {a / b:10.2f}x")
+    variants = {}
+    for name in runners:
+        if name not in ("ours", "reference"):
+            tok_s = t.global_batch * t.seq_len * args.steps / best[name]
+            variants[name] = {"tokens_s": round(tok_s), "ratio": round(tok_s / b, 3)}
+            print(f"variant {name:22s}{tok_s:10.0f} tokens/s  ratio {tok_s / b:.2f}x")
     import jax
 
     print(
@@ -185,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ours_tokens_s": round(a),
                 "reference_tokens_s": round(b),
                 "ratio": round(a / b, 3),
+                **({"variants": variants} if variants else {}),
             }
         )
     )

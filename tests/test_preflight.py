@@ -326,6 +326,54 @@ def test_two_slices_compile_ahead_of_time(cache):
     assert two.argument_bytes_per_device < one.argument_bytes_per_device  # half the batch rows per device
 
 
+# Compiles smoke's one-layer step for each device named on the command line, in this one process, and
+# prints the last one's result.
+_COMPILE_IN_TURN = """
+import json, sys
+from olmo_ctl.core.devices import get_device
+from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.preflight.compile import run_preflight
+for name in sys.argv[1:]:
+    result = run_preflight(load_recipe("smoke"), get_device(name), n_layers=1, use_cache=False)
+print(json.dumps(result.to_dict()))
+"""
+
+
+def test_a_second_generation_compiled_in_one_process_gets_the_figures_of_a_fresh_process(cache, tmp_path):
+    """libtpu reads LIBTPU_INIT_ARGS once, when a process first asks it for a topology, and every later
+    compile there starts from those flags: tpu7x's would move a v5p step's memory and FLOPs. v5p-8
+    compiled after tpu7x-8 in one process (a benchmark's loop, `make preflight-shipped`) has the
+    figures of v5p-8 compiled alone in a fresh process, as `olmo-ctl submit` computes them."""
+    from helpers.cli import clean_env
+
+    env = {**clean_env(tmp_path / "xdg"), "OLMO_CTL_CACHE_DIR": str(cache)}
+
+    def compiled(*devices: str) -> dict:
+        p = subprocess.run(
+            [sys.executable, "-c", _COMPILE_IN_TURN, *devices],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.splitlines()[-1])
+
+    # Each in a process of its own, so which generation starts libtpu there does not depend on what this
+    # test run compiled before.
+    after, alone = compiled("tpu7x-8", "v5p-8"), compiled("v5p-8")
+    figures = (
+        "argument_bytes_per_device",
+        "temp_bytes_per_device",
+        "peak_bytes_per_device",
+        "eval_peak_bytes_per_device",
+        "xla_flops_per_step",
+        "xla_flags",
+    )
+    assert after["device"] == alone["device"] == "v5p-8"
+    assert {k: after[k] for k in figures} == {k: alone[k] for k in figures}
+
+
 @pytest.mark.parametrize(("device", "topology"), [("v6e-8", "v6e:2x4"), ("v5litepod-8", "v5e:2x4")])
 def test_2d_generations_compile_ahead_of_time_with_their_flags(cache, device, topology):
     """v6e and v5e slices (2D tori, one TensorCore per chip) compile like v5p's: libtpu's topology of

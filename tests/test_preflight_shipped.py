@@ -46,6 +46,8 @@ def no_compile(monkeypatch, tmp_path):
         raise Compiled()
 
     monkeypatch.setattr(pf, "compile_step", compile_step)
+    # where this process's libtpu started with other flags, the compile would run in a process of its own
+    monkeypatch.setattr(pf, "compile_in_own_process", compile_step)
     data = _shipped()
     version = C.trainer_version()
     for result in data["results"].values():
@@ -156,7 +158,7 @@ def test_a_shipped_result_of_another_trainer_version_is_not_used_and_submit_says
     lines: list[str] = []
     with pytest.raises(OlmoCtlError):  # the compile this test stops is reported as one that failed
         pf.submit_check(recipe, dev, make_plan(recipe, dev), log=lines.append)
-    assert "as the shipped result is trainer 0.0.1+000000000000's, not this" in lines[0], lines
+    assert "; the shipped result is trainer 0.0.1+000000000000's, not this" in lines[0], lines
 
 
 def test_a_slice_no_shipped_result_covers_says_so_and_how_long_it_takes(no_compile):
@@ -166,8 +168,23 @@ def test_a_slice_no_shipped_result_covers_says_so_and_how_long_it_takes(no_compi
         pf.submit_check(recipe, dev, make_plan(recipe, dev), log=lines.append)
     took = C.shipped_compile_s("olmo3-7b-stage1")
     assert took is not None and took > 10
-    assert lines[0].startswith("preflight: compiling the train step for tpu7x-256 (")
-    assert f"which no shipped result covers; this takes about {pf._duration(took)} on a 2-core" in lines[0]
+    assert lines[0].startswith("preflight: compiling the train step of olmo3-7b-stage1 for tpu7x-256 (")
+    assert f"; no shipped result covers it; this takes about {pf._duration(took)} on a 2-core" in lines[0]
+    assert lines[0].endswith("(--no-preflight skips it)")
+
+
+def test_preflight_says_why_it_compiles_and_how_long_that_takes(no_compile):
+    """`olmo-ctl preflight` (`run_preflight` with a log) says, as `submit` does, that no shipped result
+    covers the slice and how long the compile takes, from the shipped compiles of the recipe: seconds
+    for smoke, not minutes."""
+    lines: list[str] = []
+    with pytest.raises(Compiled):
+        pf.run_preflight(load_recipe("smoke"), get_device("v5p-16"), log=lines.append)
+    took = C.shipped_compile_s("smoke")
+    assert took is not None and took < 90
+    assert lines[0].startswith("preflight: compiling the train step of smoke for v5p-16 ("), lines
+    assert f"; no shipped result covers it; this takes about {pf._duration(took)} on a 2-core" in lines[0]
+    assert "minutes" not in lines[0]
 
 
 def test_the_tool_refuses_a_pair_it_cannot_read_before_compiling(no_compile, tmp_path):
@@ -178,3 +195,63 @@ def test_the_tool_refuses_a_pair_it_cannot_read_before_compiling(no_compile, tmp
         T.record(["smoke:v5p-8", "smoke:v9z-8"], out)  # the unknown device is refused before any compile
     assert not out.exists()
     assert T.main(["smoke", "--out", str(out)]) == 2 and not out.exists()
+
+
+def test_the_table_fits_an_80_column_terminal_with_every_header_whole(no_compile, tmp_path):
+    """The widest row (a step over the HBM, TFLOP in six figures) and every header fit in 80 columns:
+    nothing is cut to an ellipsis."""
+    env = {**clean_env(tmp_path / "xdg"), "OLMO_CTL_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "80"}
+    p = invoke("preflight", "--stage", "1", "--device", "tpu7x-128", "--hbm-gib", "16", env=env)
+    assert p.returncode == 1, p.stderr  # does not fit: the table, then the verdict
+    header = next(line for line in p.stdout.splitlines() if "remat" in line and "fits" in line)
+    for name in ("remat", "batch", "peak GiB", "eval GiB", "fits", "TFLOP/step", "compile s"):
+        assert name in header, header
+    assert "…" not in p.stdout and max(len(line) for line in p.stdout.splitlines()) <= 80, p.stdout
+    assert "no (+" in p.stdout and "94.75" not in p.stdout and "16.00 GiB HBM per device" in p.stdout
+
+
+def test_the_widest_rows_fit_80_columns(no_compile, monkeypatch, capsys):
+    """Rows as wide as preflight makes them (save_proj, a micro-batch of 1 x 1024, a four-digit
+    shortfall, six-figure TFLOP): headers and cells whole, every line within 80 columns."""
+    import dataclasses
+
+    from olmo_ctl.cli.preflight import _print_table
+
+    key = pf.shipped_key_for(load_recipe(stage=1), get_device("tpu7x-128"))
+    base = pf.PreflightResult(**json.loads(no_compile.read_text())["results"][key])
+    wide = dataclasses.replace(
+        base,
+        remat="save_proj",
+        per_device_batch=1,
+        grad_accum=1024,
+        peak_bytes_per_device=2000 * pf.GIB,
+        eval_peak_bytes_per_device=1500 * pf.GIB,
+        fits=False,
+        shortfall_bytes_per_device=1905 * pf.GIB,
+        xla_flops_per_step=123_456_789e12,
+        compile_s=12345.0,
+        notes=[],
+        largest_buffers=[],
+    )
+    monkeypatch.setenv("COLUMNS", "80")
+    _print_table([base, wide])
+    out = capsys.readouterr().out
+    assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80, out
+    assert "save_proj" in out and "1x1024" in out and "no (+1905.00)" in out and "12345" in out, out
+    header = next(line for line in out.splitlines() if "remat" in line and "fits" in line)
+    for name in ("remat", "batch", "peak GiB", "eval GiB", "fits", "compile s"):
+        assert name in header, header
+
+
+def test_a_compile_in_a_process_of_its_own_brings_back_bad_input_as_bad_input(tmp_path, monkeypatch):
+    """The child's refusal reaches the caller as the same error: its message, hint and exit code 2."""
+    monkeypatch.setenv("OLMO_CTL_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(BadInput) as e:  # 8 instances over 4 devices: a micro-batch of 3 does not divide
+        pf.compile_in_own_process(load_recipe("smoke"), get_device("v5p-8"), per_device_batch=3)
+    want = None
+    try:
+        pf.plan_for(load_recipe("smoke"), get_device("v5p-8"), 3)
+    except BadInput as here:
+        want = here
+    assert want is not None
+    assert (e.value.message, e.value.hint, e.value.exit_code) == (want.message, want.hint, 2)

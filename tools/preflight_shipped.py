@@ -29,41 +29,13 @@ DEFAULT_PAIRS = (
 )
 
 
-def _compile_alone(pair: str) -> dict:
-    """The preflight result of one RECIPE:DEVICE pair, compiled in a process of its own, as `submit` and
-    `preflight` compile it: libtpu keeps the flags it started with for the life of a process, so a
-    second slice compiled in the same process would not get its own."""
-    import subprocess
-
-    p = subprocess.run(
-        [sys.executable, "-m", "tools.preflight_shipped", "--one", pair],
-        stdout=subprocess.PIPE,
-        text=True,
-        check=True,
-    )
-    return json.loads(p.stdout)
-
-
-def _one(pair: str) -> int:
-    from olmo_ctl.core.devices import get_device
-    from olmo_ctl.core.recipe import load_recipe
-    from olmo_ctl.preflight.compile import run_preflight
-
-    name, _, device = pair.partition(":")
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    print(
-        json.dumps(run_preflight(load_recipe(name), get_device(device), use_cache=False, log=log).to_dict())
-    )
-    return 0
-
-
 def record(pairs: list[str], out: Path, log=print) -> dict:
     """Compile each RECIPE:DEVICE pair and write `out`; returns what was written."""
     from olmo_ctl.core.devices import get_device
     from olmo_ctl.core.errors import BadInput
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.preflight.cache import compiler_versions, trainer_version
-    from olmo_ctl.preflight.compile import shipped_key_for
+    from olmo_ctl.preflight.compile import compile_in_own_process, shipped_key_for
 
     jobs = []
     for pair in pairs:
@@ -86,9 +58,12 @@ def record(pairs: list[str], out: Path, log=print) -> dict:
         for k, v in (data.get("results") or {}).items()
         if data.get("compilers") == compilers and isinstance(v, dict) and v.get("trainer_version") == version
     }
-    for pair, _recipe, _device, key in jobs:
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    for pair, recipe, device, key in jobs:
         log(f"{pair}: compiling")
-        result = _compile_alone(pair)
+        # In a process of its own, as `submit` and `preflight` compile it: libtpu keeps the flags it
+        # started with for the life of a process (olmo_ctl/preflight/compile.py).
+        result = compile_in_own_process(recipe, device, log=progress).to_dict()
         result.update(cached=False, shipped=False)
         results[key] = result
         verdict = "fits" if result["fits"] else "does not fit"
@@ -104,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("pairs", nargs="*", default=list(DEFAULT_PAIRS), metavar="RECIPE:DEVICE")
     ap.add_argument("--out", type=Path, default=SHIPPED_PATH)
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # compile one pair, print its result (_compile_alone)
     args = ap.parse_args(argv)
-    if args.one:
-        return _one(args.one)
     try:
         data = record(args.pairs, args.out)
     except OlmoCtlError as e:

@@ -88,11 +88,13 @@ def _print_table(results, recommended=None) -> None:
 
     from olmo_ctl.cli.app import console
 
-    t = Table(show_edge=False)
-    for col in ("remat", "batch", "peak GiB", "eval GiB", "HBM GiB", "fits", "TFLOP/step", "compile s"):
-        t.add_column(col, no_wrap=True)
+    # Narrow enough for an 80-column terminal: the HBM (one figure for the slice) is in the title line,
+    # adjacent cells share their padding, and the TFLOP pair wraps at its " / " when a row is wider.
+    t = Table(show_edge=False, collapse_padding=True, pad_edge=False)
+    for col in ("remat", "batch", "peak GiB", "eval GiB", "fits", "TFLOP/step", "compile s"):
+        t.add_column(col, no_wrap=col != "TFLOP/step", min_width=len(col))
     for r in results:
-        fits = "yes" if r.fits else f"no, {r.shortfall_gib:.2f} over"
+        fits = "yes" if r.fits else f"no (+{r.shortfall_gib:.2f})"
         flops = (
             "-"
             if r.xla_flops_per_step is None
@@ -103,7 +105,6 @@ def _print_table(results, recommended=None) -> None:
             f"{r.per_device_batch}x{r.grad_accum}",
             f"{r.peak_gib:.2f}",
             "-" if r.eval_peak_gib is None else f"{r.eval_peak_gib:.2f}",
-            f"{r.hbm_bytes_per_device / GIB:.2f}",
             fits,
             flops,
             f"{r.compile_s:.0f}" + ("+" if r.shipped else "*" if r.cached else ""),
@@ -113,12 +114,13 @@ def _print_table(results, recommended=None) -> None:
     c.print(
         f"{first.recipe} on {first.device} ({first.topology}, {plural(first.devices, 'device')}), "
         f"{first.n_layers} layers, head dim {first.head_dim}, {first.attention} attention, "
-        f"{len(first.xla_flags)} XLA flags",
+        f"{len(first.xla_flags)} XLA flags, "
+        f"{first.hbm_bytes_per_device / GIB:.2f} GiB HBM per device",
         highlight=False,
     )
     c.print(t)
     c.print(
-        "batch = micro-batch per device x accumulation; TFLOP/step = XLA (loops counted) / MaxText formula;"
+        "batch = micro-batch per device x accumulation; no (+X) = X GiB over the HBM; TFLOP/step = XLA (loops counted) / MaxText formula;"
         " peak = arguments + temporaries + outputs - donated; eval = the eval step's peak, in micro-batches"
         f" of {first.eval_micro_batch} instances"
         + ("; * from the cache" if any(r.cached and not r.shipped for r in results) else "")

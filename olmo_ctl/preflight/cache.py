@@ -16,6 +16,7 @@ again and compares its figures.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -151,26 +152,56 @@ def shipped_key(
     return cache_key(anywhere, device, per_device_batch, version, xla_flags, slices)
 
 
+_SHIPPED_READ: dict[tuple[str, int, int], dict] = {}  # (path, mtime_ns, size) -> its results
+
+
+def _shipped_results(path: Path | None = None) -> dict:
+    """The shipped file's results by key ({} when it cannot be read), read once per version of the file."""
+    path = path or SHIPPED_PATH
+    try:
+        st = path.stat()
+        stamp = (str(path), st.st_mtime_ns, st.st_size)
+        results = _SHIPPED_READ.get(stamp)
+        if results is None:
+            read = json.loads(path.read_text())["results"]
+            results = read if isinstance(read, dict) else {}
+            _SHIPPED_READ.clear()
+            _SHIPPED_READ[stamp] = results
+        return results
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def load_shipped(key: str, trainer: str | None = None, path: Path | None = None) -> dict | None:
     """The shipped result under `key`, compiled by trainer version `trainer` (None: by any), or None (no
-    such result, another trainer's, or no readable file)."""
-    try:
-        results = json.loads((path or SHIPPED_PATH).read_text())["results"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    hit = results.get(key) if isinstance(results, dict) else None
+    such result, another trainer's, or no readable file). A copy: the caller may change it."""
+    hit = _shipped_results(path).get(key)
     if not isinstance(hit, dict) or (trainer is not None and hit.get("trainer_version") != trainer):
         return None
-    return dict(hit)
+    return copy.deepcopy(hit)
 
 
-def shipped_compile_s(recipe_name: str, path: Path | None = None) -> float | None:
-    """The longest compile among the shipped results of `recipe_name` (any slice), for the expected
-    duration of a compile that is not shipped; None when none is."""
+def shipped_compile_s(
+    recipe_name: str,
+    *,
+    n_layers: int | None = None,
+    head_dim: int | None = None,
+    remat: str | None = None,
+    path: Path | None = None,
+) -> float | None:
+    """The longest compile among the shipped results of `recipe_name` (any slice; with `n_layers`,
+    `head_dim`, `remat`, only those compiled so), for the expected duration of a compile that is not
+    shipped; None when none is."""
+    want = {"n_layers": n_layers, "head_dim": head_dim, "remat": remat}
     try:
-        results = json.loads((path or SHIPPED_PATH).read_text())["results"]
-        times = [float(r["compile_s"]) for r in results.values() if r.get("recipe") == recipe_name]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        times = [
+            float(r["compile_s"])
+            for r in _shipped_results(path).values()
+            if isinstance(r, dict)
+            and r.get("recipe") == recipe_name
+            and all(v is None or r.get(k) == v for k, v in want.items())
+        ]
+    except (ValueError, KeyError, TypeError):
         return None
     return max(times) if times else None
 

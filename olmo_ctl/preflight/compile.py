@@ -22,15 +22,30 @@ What comes back, per device:
 
 Results are cached as JSON per (recipe fingerprint, device, remat, batch, trainer version): see
 `olmo_ctl.preflight.cache`.
+
+libtpu reads LIBTPU_INIT_ARGS (the pods' XLA flags) once, when a process first asks it for a topology,
+and every later compile in that process starts from those flags: a compile option overrides only the
+flags it names, so a v5p step compiled after a tpu7x one would keep Ironwood's settings for the rest
+(its memory and FLOPs move). A compile whose pods get other flags than the ones this process's libtpu
+started with (another generation, a recipe's or site's own flags) therefore runs in a process of its
+own (`python -m olmo_ctl.preflight.compile`, its result back as JSON): a caller that compiles several
+slices in one process (`benchmarks/preflight_7b.py`, `make preflight-shipped`, a test run, a Python
+session) gets the figures of a fresh process. The commands (`preflight`, `submit`, `resize`) compile
+for one slice per process and never need the child.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
+import pickle
 import re
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -42,10 +57,10 @@ from olmo_ctl.core import flops as flops_lib
 from olmo_ctl.core.batching import Plan, make_plan, mesh_layout, param_count
 from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import GIB, Device
-from olmo_ctl.core.errors import EXIT_RUN_FAILED, BadInput, OlmoCtlError
+from olmo_ctl.core.errors import EXIT_RUN_FAILED, BadInput, Interrupted, OlmoCtlError
 from olmo_ctl.core.generations import GENERATIONS
 from olmo_ctl.core.recipe import Recipe
-from olmo_ctl.core.xla_flags import xla_flag_sources, xla_flags_for
+from olmo_ctl.core.xla_flags import xla_flag_sources
 from olmo_ctl.preflight.cache import (
     cache_key,
     load_cached,
@@ -61,7 +76,7 @@ from olmo_ctl.preflight.hlo_flops import hlo_flops
 REMAT_POLICIES = ("none", "mlp", "save_proj", "budget", "full")
 HEARTBEAT_S = 30.0  # while a compile runs, a "still compiling" line this often (off a terminal too)
 HEAD_DIMS = (128, 256)
-_LIBTPU_ARGS_AT_START: str | None = None  # LIBTPU_INIT_ARGS this process's libtpu started with
+_LIBTPU_STARTED_WITH: str | None = None  # the LIBTPU_INIT_ARGS this process's libtpu read when it started
 
 
 @dataclass
@@ -228,9 +243,15 @@ def plan_for(recipe: Recipe, device: Device, per_device_batch: int | None = None
 # ----------------------------------------------------------------------------- compile
 
 
-def topology_devices(device: Device, slices: int = 1):
+def topology_devices(device: Device, slices: int = 1, libtpu_args: str = ""):
     """The slice's JAX devices from libtpu's topology description (no TPU attached); with `slices` > 1
-    those of N such slices, each device carrying its `slice_index` (libtpu's `num_slices`)."""
+    those of N such slices, each device carrying its `slice_index` (libtpu's `num_slices`).
+
+    The first call in a process starts libtpu with `libtpu_args` (the pods' LIBTPU_INIT_ARGS; this
+    environment's when empty), which it keeps for the life of the process: a later call with other
+    flags is refused (`compiles_in_this_process` says when a compile must run in a process of its own).
+    """
+    global _LIBTPU_STARTED_WITH
     device.check_launchable("preflight's compile")
     if not device.is_tpu:
         raise BadInput(
@@ -246,8 +267,18 @@ def topology_devices(device: Device, slices: int = 1):
     # libtpu takes a machine-wide lock file unless told otherwise; a compile-only process needs no
     # exclusive access to a TPU, and two preflights (or a test run) may compile at the same time.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    start = libtpu_start_args(libtpu_args)
+    if not compiles_in_this_process(libtpu_args):
+        raise RuntimeError(
+            f"libtpu in this process started with other flags than {device.name}'s pods get"
+            " (`run_preflight` compiles such a slice in a process of its own)"
+        )
     kw = {"num_slices": slices} if slices > 1 else {}
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=device.topology_name, **kw)
+    try:
+        with _environ("LIBTPU_INIT_ARGS", start):  # read by libtpu when this starts it, and never again
+            topo = topologies.get_topology_desc(platform="tpu", topology_name=device.topology_name, **kw)
+    finally:  # started, even when it refused the topology
+        _LIBTPU_STARTED_WITH = start
     devs = list(topo.devices)
     if len(devs) != device.devices * slices:
         raise RuntimeError(
@@ -261,6 +292,18 @@ def libtpu_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("libtpu") is not None
+
+
+def libtpu_start_args(libtpu_args: str) -> str:
+    """The LIBTPU_INIT_ARGS libtpu starts with for a compile with the pods' `libtpu_args`: those, or this
+    environment's when the pods get none."""
+    return libtpu_args or os.environ.get("LIBTPU_INIT_ARGS", "")
+
+
+def compiles_in_this_process(libtpu_args: str) -> bool:
+    """Whether a compile with the pods' `libtpu_args` gets, in this process, the figures a fresh process
+    gets: libtpu has not started here yet, or it started with the same flags (see the module docstring)."""
+    return _LIBTPU_STARTED_WITH in (None, libtpu_start_args(libtpu_args))
 
 
 def abstract_inputs(recipe: Recipe, mesh, grad_accum: int):
@@ -327,7 +370,7 @@ def compile_step(
     Returns (compiled or None, compile_s, error message or None, argument bytes per device).
     With `dump_dir`, XLA writes its buffer assignment there (see `largest_buffers`). `xla_options`
     are the pod's XLA flags libtpu takes per compile; `libtpu_args` is the pod's LIBTPU_INIT_ARGS,
-    given to libtpu when this process starts it (see `olmo_ctl.preflight.flags`).
+    given to libtpu when this process starts it (see `topology_devices` and `olmo_ctl.preflight.flags`).
     """
     import jax
 
@@ -335,12 +378,7 @@ def compile_step(
     from olmo_ctl.trainer import sharding
     from olmo_ctl.trainer.step import make_train_step
 
-    global _LIBTPU_ARGS_AT_START
-    if _LIBTPU_ARGS_AT_START is None:  # libtpu starts with the first topology below, reading these once
-        if libtpu_args:
-            os.environ["LIBTPU_INIT_ARGS"] = libtpu_args
-        _LIBTPU_ARGS_AT_START = os.environ.get("LIBTPU_INIT_ARGS", "")
-    devs = topology_devices(device, plan.slices)
+    devs = topology_devices(device, plan.slices, libtpu_args)
     kind, replicas = mesh_layout(recipe, device.devices)
     # The topology's mesh is made current only while tracing (not activated for the process): a
     # later trace in this process (the trainer, a test) must not pin activations to abstract TPU devices.
@@ -366,12 +404,18 @@ def compile_step(
     return compiled, time.monotonic() - t0, None, argument_bytes((state, batch))
 
 
-def compile_eval_step(recipe: Recipe, device: Device, plan: Plan, xla_options: dict[str, str] | None = None):
+def compile_eval_step(
+    recipe: Recipe,
+    device: Device,
+    plan: Plan,
+    xla_options: dict[str, str] | None = None,
+    libtpu_args: str = "",
+):
     """Lower and compile the trainer's eval step for the slice, in the micro-batches the trainer runs.
 
     Returns (peak bytes per device or None, micro-batch, note or None): None and no note when the
     recipe evaluates nothing (`eval.batches` 0); when the compiler refuses it for lack of HBM, its
-    "used X" and a note. Call after `compile_step` (libtpu is started).
+    "used X" and a note. `xla_options` and `libtpu_args` as for `compile_step`.
     """
     import jax
 
@@ -385,7 +429,7 @@ def compile_eval_step(recipe: Recipe, device: Device, plan: Plan, xla_options: d
     micro = eval_micro_batch(recipe, plan)
     kind, replicas = mesh_layout(recipe, device.devices)
     mesh = sharding.make_mesh(
-        topology_devices(device, plan.slices),
+        topology_devices(device, plan.slices, libtpu_args),
         kind,
         replicas,
         activate=False,
@@ -507,6 +551,20 @@ def _no_persistent_compilation_cache():
 
 
 @contextlib.contextmanager
+def _environ(name: str, value: str):
+    """The environment variable `name` set to `value` for a block, as it was after it."""
+    was = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = was
+
+
+@contextlib.contextmanager
 def _heartbeat(log: Callable[[str], None] | None, every_s: float):
     """`log("preflight: still compiling (N s)")` every `every_s` until the block ends."""
     if log is None:
@@ -528,15 +586,51 @@ def _heartbeat(log: Callable[[str], None] | None, every_s: float):
         t.join()
 
 
+def _case(
+    recipe: Recipe,
+    device: Device,
+    *,
+    remat: str | None = None,
+    head_dim: int | None = None,
+    n_layers: int | None = None,
+    per_device_batch: int | None = None,
+    settings: Settings | None = None,
+    slices: int = 1,
+):
+    """What `run_preflight` compiles: (the recipe as compiled for a TPU slice, its plan, the pods' XLA
+    flags, the subset given as compile options)."""
+    recipe = _tpu_attention(preflight_recipe(recipe, remat=remat, head_dim=head_dim, n_layers=n_layers))
+    plan = plan_for(recipe, device, per_device_batch, slices)
+    flags, xla_options = pod_xla_flags(recipe, device, settings)
+    return recipe, plan, flags, xla_options
+
+
 def shipped_key_for(
     recipe: Recipe, device: Device, *, settings: Settings | None = None, slices: int = 1
 ) -> str:
     """The key `run_preflight` looks up in the shipped results for `recipe` on `slices` x `device` as
     planned (tools/preflight_shipped.py writes each result under it)."""
-    recipe = _tpu_attention(preflight_recipe(recipe))
-    plan = plan_for(recipe, device, None, slices)
-    flags, _ = pod_xla_flags(recipe, device, settings)
+    recipe, plan, flags, _ = _case(recipe, device, settings=settings, slices=slices)
     return shipped_key(recipe, device, plan.per_device_batch, flags, plan.slices)
+
+
+def _why_compiling(recipe: Recipe, skey: str, version: str, looked: bool = True) -> str:
+    """For the line a compile starts with: why the step is compiled (when the cache and the shipped
+    results were `looked` at: no shipped result covers it, or the shipped one is another trainer
+    version's) and how long that takes (the longest shipped compile of the same model, layers and
+    remat on any slice, else minutes)."""
+    m = recipe.model
+    took = shipped_compile_s(recipe.name, n_layers=m.n_layers, head_dim=m.head_dim, remat=m.remat)
+    expect = "minutes on a CPU" if not took else f"about {_duration(took)} on a 2-core machine"
+    if not looked:
+        return f"this takes {expect}"
+    other = load_shipped(skey)
+    why = (
+        "no shipped result covers it"
+        if other is None
+        else f"the shipped result is trainer {other.get('trainer_version')}'s, not this {version}'s"
+    )
+    return f"{why}; this takes {expect}, once per recipe, device and trainer version"
 
 
 def run_preflight(
@@ -552,25 +646,36 @@ def run_preflight(
     settings: Settings | None = None,
     slices: int = 1,
     log: Callable[[str], None] | None = None,
+    announce: bool = True,
 ) -> PreflightResult:
     """Compile the train step of `recipe` for `slices` x `device` and report memory, FLOPs and compile time.
 
-    With `log`, a compile (not a cache hit) says what it compiles when it starts, that it still runs
-    every HEARTBEAT_S, and how long it took: the 7B step takes minutes of CPU.
+    With `log`, a compile (not a cache hit) says what it compiles, why (no shipped result covers it)
+    and how long that takes when it starts (unless `announce` is False: the caller said it), that it
+    still runs every HEARTBEAT_S, and how long it took: the 7B step takes minutes of CPU.
 
     `hbm_bytes` overrides the device's HBM per device for the verdict only (the compile always
     targets the real chip). `settings` (site settings) may add XLA flags (`xla_flags`); the step
-    compiles with the flags the pods get. Does not raise when the step does not fit: look at `fits`.
+    compiles with the flags the pods get, in a process of its own when this process's libtpu started
+    with other ones (`compile_in_own_process`). Does not raise when the step does not fit: look at `fits`.
     """
-    recipe = _tpu_attention(preflight_recipe(recipe, remat=remat, head_dim=head_dim, n_layers=n_layers))
-    plan = plan_for(recipe, device, per_device_batch, slices)
+    asked = recipe
+    recipe, plan, flags, xla_options = _case(
+        recipe,
+        device,
+        remat=remat,
+        head_dim=head_dim,
+        n_layers=n_layers,
+        per_device_batch=per_device_batch,
+        settings=settings,
+        slices=slices,
+    )
     hbm = int(hbm_bytes) if hbm_bytes is not None else usable_hbm_bytes(device)
     version = trainer_version()
-    flags, xla_options = pod_xla_flags(recipe, device, settings)
     key = cache_key(recipe, device, plan.per_device_batch, version, flags, plan.slices)
+    skey = shipped_key(recipe, device, plan.per_device_batch, flags, plan.slices)
     if use_cache:
         names = {f.name for f in dataclasses.fields(PreflightResult)}
-        skey = shipped_key(recipe, device, plan.per_device_batch, flags, plan.slices)
         for hit, from_package in ((load_cached(key), False), (load_shipped(skey, version), True)):
             if hit is not None and set(hit) <= names:
                 hit["cached"], hit["shipped"] = True, from_package
@@ -580,16 +685,28 @@ def run_preflight(
                     pass
 
     m = recipe.model
-    formula = formula_flops_per_step(recipe)
-    import tempfile
-
     what = device.name if plan.slices == 1 else f"{plan.slices} x {device.name}"
-    if log is not None:
+    if log is not None and announce:
         log(
             f"preflight: compiling the train step of {recipe.name} for {what} ({device.topology}), "
-            f"remat {recipe.model.remat}, micro-batch {plan.per_device_batch} x {plan.grad_accum}; "
-            "this takes minutes on a CPU, once per recipe, device and trainer version"
+            f"remat {m.remat}, micro-batch {plan.per_device_batch} x {plan.grad_accum}; "
+            + _why_compiling(recipe, skey, version, looked=use_cache)
         )
+    if not compiles_in_this_process(" ".join(flags)):
+        alone = compile_in_own_process(
+            asked,
+            device,
+            log=log,
+            remat=remat,
+            head_dim=head_dim,
+            n_layers=n_layers,
+            per_device_batch=per_device_batch,
+            settings=settings,
+            slices=slices,
+        )
+        return _with_hbm(alone, hbm)  # (cached by the process that compiled it)
+
+    formula = formula_flops_per_step(recipe)
     from olmo_ctl.trainer.quiet import cpu_only_while
 
     # JAX on the CPU, libtpu only for the topology: no TPU runtime noise (trainer/quiet.py).
@@ -604,7 +721,9 @@ def run_preflight(
         )
         buffers = largest_buffers(dump)
         t_eval = time.monotonic()
-        eval_peak, eval_micro, eval_note = compile_eval_step(recipe, device, plan, xla_options)
+        eval_peak, eval_micro, eval_note = compile_eval_step(
+            recipe, device, plan, xla_options, libtpu_args=" ".join(flags)
+        )
         compile_s = round(compile_s + time.monotonic() - t_eval, 2)  # as -o json reports it
     if log is not None:
         log(
@@ -819,29 +938,18 @@ def submit_check(
         return None
     if not device.is_tpu or not libtpu_available():
         return None
-    r = _tpu_attention(recipe)
-    flags = xla_flags_for(device, r, settings)
-    version = trainer_version()
-    key = cache_key(r, device, plan.per_device_batch, version, flags, plan.slices)
-    skey = shipped_key(r, device, plan.per_device_batch, flags, plan.slices)
-    what = device.name if plan.slices == 1 else f"{plan.slices} x {device.name}"
-    if load_cached(key) is None and load_shipped(skey, version) is None:
-        took = shipped_compile_s(recipe.name)
-        expect = "a few minutes" if not took else f"about {_duration(took)} on a 2-core machine"
-        other = load_shipped(skey)
-        why = (
-            "which no shipped result covers"
-            if other is None
-            else f"as the shipped result is trainer {other.get('trainer_version')}'s, not this {version}'s"
-        )
-        log(
-            f"preflight: compiling the train step for {what} ({device.topology_name}) on this machine,"
-            f" {why}; this takes {expect}, once per recipe, device and trainer version"
-            " (--no-preflight skips it)"
-        )
+
+    def said(line: str) -> None:  # the line a compile starts with says how to skip it
+        log(line + " (--no-preflight skips it)" if line.startswith("preflight: compiling") else line)
+
     try:
         result = run_preflight(
-            recipe, device, per_device_batch=plan.per_device_batch, settings=settings, slices=plan.slices
+            recipe,
+            device,
+            per_device_batch=plan.per_device_batch,
+            settings=settings,
+            slices=plan.slices,
+            log=said,
         )
     except OlmoCtlError:
         raise
@@ -867,7 +975,125 @@ def submit_check(
             if result.shipped
             else " (cached)"
             if result.cached
-            else f" (compiled in {result.compile_s:.0f} s)"
+            else ""  # run_preflight said how long it compiled
         )
     )
     return result
+
+
+# ----------------------------------------------------------------------------- a process of its own
+
+
+def compile_in_own_process(
+    recipe: Recipe,
+    device: Device,
+    *,
+    remat: str | None = None,
+    head_dim: int | None = None,
+    n_layers: int | None = None,
+    per_device_batch: int | None = None,
+    hbm_bytes: int | None = None,
+    settings: Settings | None = None,
+    slices: int = 1,
+    log: Callable[[str], None] | None = None,
+) -> PreflightResult:
+    """`run_preflight(..., use_cache=False)` in a fresh Python process (`python -m
+    olmo_ctl.preflight.compile`), whose libtpu starts with this slice's flags whatever this process
+    compiled before. Its progress lines (HEARTBEAT_S apart, as here) reach `log`; it stores its result
+    in the same cache.
+
+    The call reaches the child pickled, on its stdin; the child answers on its stdout with one JSON
+    object a line: `{"log": LINE}` for each progress line, then `{"result": RESULT}` or `{"error": ...}`.
+    An expected failure there (OlmoCtlError) is raised here with its message, hint and exit code.
+    """
+    options = dict(
+        remat=remat,
+        head_dim=head_dim,
+        n_layers=n_layers,
+        per_device_batch=per_device_batch,
+        hbm_bytes=hbm_bytes,
+        settings=settings,
+        slices=slices,
+    )
+    answer: dict | None = None
+    with tempfile.TemporaryFile() as call, tempfile.TemporaryFile() as stderr:
+        pickle.dump((recipe, device, options, HEARTBEAT_S), call)
+        call.seek(0)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "olmo_ctl.preflight.compile"],
+            stdin=call,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+        )
+        assert child.stdout is not None
+        try:
+            for raw in child.stdout:
+                if not raw.startswith(b"{"):
+                    continue  # not the child's answer (a stray print before it took stdout for itself)
+                message = json.loads(raw)
+                if "log" in message:
+                    if log is not None:
+                        log(message["log"])
+                else:
+                    answer = message
+            returncode = child.wait()
+        except BaseException:  # an interrupt here ends the compile there too
+            child.kill()
+            child.wait()
+            raise
+        finally:
+            child.stdout.close()
+        stderr.seek(0)
+        said = stderr.read().decode(errors="replace").strip().splitlines()
+    if answer is not None and "result" in answer:
+        return PreflightResult(**answer["result"])
+    error = (answer or {}).get("error")
+    if error is None:
+        how = (
+            f"was killed by signal {-returncode} (out of memory?)"
+            if returncode < 0
+            else f"exited {returncode} without an answer"
+        )
+        last = f": {said[-1][:300]}" if said else ""
+        raise RuntimeError(f"preflight's compile for {device.name} in a process of its own {how}{last}")
+    if error["exit_code"] is None:  # unexpected there: its type and message, as it would read here
+        raise RuntimeError(f"{error['kind']}: {error['message']}" if error["message"] else error["kind"])
+    kinds = {"BadInput": BadInput, "Interrupted": Interrupted}
+    if error["kind"] in kinds:
+        raise kinds[error["kind"]](error["message"], error["hint"])
+    raise OlmoCtlError(error["message"], error["hint"], exit_code=error["exit_code"])
+
+
+def _compile_and_answer() -> int:
+    """The child's side of `compile_in_own_process`: read the call, compile, answer on stdout."""
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything else written to stdout (libtpu, a print) goes to stderr
+
+    def say(**message) -> None:
+        try:
+            answer.write(json.dumps(message) + "\n")
+            answer.flush()
+        except BrokenPipeError:  # the caller is gone (killed without unwinding): stop compiling for nobody
+            os._exit(1)
+
+    global HEARTBEAT_S
+    recipe, device, options, HEARTBEAT_S = pickle.load(sys.stdin.buffer)
+    try:
+        result = run_preflight(
+            recipe, device, use_cache=False, log=lambda line: say(log=line), announce=False, **options
+        )
+    except OlmoCtlError as e:
+        say(error={"kind": type(e).__name__, "message": e.message, "hint": e.hint, "exit_code": e.exit_code})
+        return 0
+    except Exception as e:  # noqa: BLE001 - raised in the caller's process as it would be here
+        import traceback
+
+        traceback.print_exc()
+        say(error={"kind": type(e).__name__, "message": str(e), "hint": None, "exit_code": None})
+        return 1
+    say(result=result.to_dict())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_compile_and_answer())
