@@ -92,26 +92,31 @@ def pod_log(sb, name: str) -> str:
     return core(sb).read_namespaced_pod_log(name, "default")
 
 
-def env_script(done: Path) -> str:
-    """Print the pod's environment and exit with 7 x its worker id. Worker 1 exits only once worker 0 has
-    (the file `done`): a Job whose backoffLimit is 0 fails on its first failed pod and deletes the rest,
-    so under load worker 0 could otherwise be deleted before it ran, or never be created."""
+def env_script(api: str) -> str:
+    """Print the pod's environment and exit with 7 x its worker id. Worker 1 exits only once the cluster
+    (the sandbox's API at `api`) has recorded worker 0's success: a Job whose backoffLimit is 0 fails on
+    its first failed pod and deletes the rest, so worker 0 must be terminal first. A file worker 0 wrote
+    before exiting was not enough: under load worker 1's exit could be recorded first, and the Job then
+    deleted worker 0 before its exit was."""
     return (
-        "import json, os, sys, time, pathlib; keys = ['TPU_WORKER_ID', 'TPU_WORKER_HOSTNAMES', 'JAX_PLATFORMS', "
-        "'XLA_FLAGS', 'OLMO_CTL_COORDINATOR_ADDRESS', 'FROM_MANIFEST', 'MY_NODE', 'SANDBOX_MARK']; "
-        "print(json.dumps({k: os.environ.get(k) for k in keys}), flush=True); "
-        f"done = pathlib.Path({str(done)!r}); i = int(os.environ['TPU_WORKER_ID']); "
-        "done.touch() if i == 0 else [time.sleep(0.05) for _ in range(1200) if not done.exists()]; "
+        "import json, os, sys, time, urllib.request; keys = ['TPU_WORKER_ID', 'TPU_WORKER_HOSTNAMES', "
+        "'JAX_PLATFORMS', 'XLA_FLAGS', 'OLMO_CTL_COORDINATOR_ADDRESS', 'FROM_MANIFEST', 'MY_NODE', "
+        "'SANDBOX_MARK']; print(json.dumps({k: os.environ.get(k) for k in keys}), flush=True); "
+        "i = int(os.environ['TPU_WORKER_ID']); "
+        "get = urllib.request.build_opener(urllib.request.ProxyHandler({})).open; "
+        f"url = {api + '/api/v1/namespaces/default/pods'!r}; "
+        "index = lambda p: (p['metadata'].get('annotations') or {}).get('batch.kubernetes.io/job-completion-index'); "
+        "done = lambda: any(index(p) == '0' and p['status'].get('phase') == 'Succeeded' "
+        "for p in json.load(get(url))['items']); "
+        "[time.sleep(0.05) for _ in range(1200 if i else 0) if not done()]; "
         "sys.exit(i * 7)"
     )
 
 
-def test_a_pod_runs_its_command_with_the_webhook_env_and_its_exit_code_is_the_pods(
-    box, monkeypatch, tmp_path
-):
+def test_a_pod_runs_its_command_with_the_webhook_env_and_its_exit_code_is_the_pods(box, monkeypatch):
     sb, runner = box
     monkeypatch.setenv("SANDBOX_MARK", "inherited")  # the sandbox's own environment reaches the pods
-    create(sb, v5p16_jobset("envs", env_script(tmp_path / "worker-0-done")))
+    create(sb, v5p16_jobset("envs", env_script(sb.url)))
     c = sb.server.cluster
     pods = wait_for(
         lambda: (p := c.pods("envs")) and len(p) == 2 and all(exit_code(x) is not None for x in p) and p,
