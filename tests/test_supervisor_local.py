@@ -344,7 +344,10 @@ def test_submit_returns_once_submitted_and_never_doubles_a_live_attempt(tmp_path
         "train.max_steps=20",
         *SMOKE,
     ]
-    out, err = cli(*args).communicate(timeout=60)
+    # Its steps are slowed (1 s each, its 20 steps outlast the three submits below): the attempt is
+    # still live when they come, whatever the machine's speed.
+    first = cli(*args, env={"OLMO_CTL_FAULT_SLOW_DATA": "0:1000"})
+    out, err = first.communicate(timeout=60)
     assert f"run directory: {rdir}" in out and f"resume-until-done sub --run-root {root}" in out, out + err
     again = cli(*args)
     _, err = again.communicate(timeout=60)
