@@ -261,7 +261,9 @@ def test_concurrent_ingredients_train_side_by_side_and_detach_together(tmp_path,
     env = {**clean_env(tmp_path / "xdg"), "OLMO_CTL_RETRY_BACKOFF_SECONDS": "0.2"}
     args = ("resume-until-done", "par", "--recipe", RECIPE, "--device", "cpu-1", "--backend", "local")
     args += ("--run-root", str(root), "--start-from", flow["start"], "--poll", "0.5", "--concurrent", "2")
-    p = spawn(*args, env=env)
+    # The first two ingredients' steps are slowed (the fault knob: 0.7 s each, sleeping, no change to a
+    # bit) so that the first is not done before the second reaches step 10, however fast the machine.
+    p = spawn(*args, env={**env, "OLMO_CTL_FAULT_SLOW_DATA": "0:700"})
     try:
         wait_for(
             lambda: all(10 in _committed(root / f"par-i{k}") for k in (1, 2)),
