@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):  # interleaved, so a change in the machine's load hits both sides
         for k, run in runners.items():
             best[k] = min(best[k], run(args.steps))
-    a, b = (t.global_batch * t.seq_len * args.steps / best[k] for k in ("ours", "reference"))
+    tokens_s = {k: t.global_batch * t.seq_len * args.steps / best[k] for k in runners}
+    a, b = tokens_s["ours"], tokens_s["reference"]
     print(
         f"ours (trainer step, jax.jit)  {a:10.0f} tokens/s  ({best['ours'] / args.steps * 1e3:.1f} ms/step)"
     )
@@ -188,9 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"ratio                         {a / b:10.2f}x")
     variants = {}
-    for name in runners:
+    for name, tok_s in tokens_s.items():
         if name not in ("ours", "reference"):
-            tok_s = t.global_batch * t.seq_len * args.steps / best[name]
             variants[name] = {"tokens_s": round(tok_s), "ratio": round(tok_s / b, 3)}
             print(f"variant {name:22s}{tok_s:10.0f} tokens/s  ratio {tok_s / b:.2f}x")
     import jax
