@@ -23,6 +23,11 @@ turns (the best repeat of each counts, as the machine is shared); the last stdou
 `--set`, timed in the same turns (e.g. `--variant dp:train.shard_group=1` against the recipe's
 FSDP layout): a comparison of layouts within one process and one machine load, which two separate
 runs on a shared machine cannot give. The JSON then has `variants`: NAME -> tokens/s and ratio.
+Two keys of a variant turn off a CPU measure of the trainer's step rather than set the recipe:
+`flat_fsdp=off` (the partitioner's per-parameter collectives instead of one gather and one
+reduce-scatter, trainer/flat_fsdp.py) and `cpu_projection=off` (JAX's own transpose rule for the
+projections' weight gradients, trainer/model.py `_matmul`); `model.attention=blocked` is the
+attention before `banded`.
 """
 
 from __future__ import annotations
@@ -55,7 +60,32 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 
-def ours(recipe, tokens):
+SWITCHES = ("flat_fsdp", "cpu_projection")
+
+
+def _switched_off(off: set[str]):
+    """A context in which the step is traced without the CPU measures named in `off`."""
+    import contextlib
+
+    import jax.numpy as jnp
+
+    from olmo_ctl.trainer import flat_fsdp, model
+
+    stack = contextlib.ExitStack()
+
+    def patch(module, name, value):
+        old = getattr(module, name)
+        setattr(module, name, value)
+        stack.callback(setattr, module, name, old)
+
+    if "flat_fsdp" in off:
+        patch(flat_fsdp, "applies", lambda params: False)
+    if "cpu_projection" in off:
+        patch(model, "_matmul", lambda x, w, dtype: jnp.einsum("btd,df->btf", x, w.astype(dtype)))
+    return stack
+
+
+def ours(recipe, tokens, off: set[str] = frozenset()):
     """A function that runs `steps` trainer steps and returns the seconds they took (compiled, warm)."""
     import jax
     import numpy as np
@@ -94,7 +124,8 @@ def ours(recipe, tokens):
             raise SystemExit("our loss is not finite")
         return time.perf_counter() - t0
 
-    run(3)  # compile and warm up
+    with _switched_off(set(off)):
+        run(3)  # compile and warm up: the step is traced here
     return run
 
 
@@ -173,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         name, _, sets = v.partition(":")
         if not name or not sets or name in ("ours", "reference"):
             raise SystemExit(f"--variant {v!r}: expected NAME:k=v[,k=v...] with a NAME of its own")
-        runners[name] = ours(load_recipe(args.recipe, overrides=[*args.overrides, *sets.split(",")]), tokens)
+        pairs = sets.split(",")
+        off = {p.partition("=")[0] for p in pairs if p.partition("=")[0] in SWITCHES}
+        if any(p.partition("=")[2] != "off" for p in pairs if p.partition("=")[0] in off):
+            raise SystemExit(f"--variant {v!r}: {', '.join(SWITCHES)} take the value off")
+        overrides = [p for p in pairs if p.partition("=")[0] not in SWITCHES]
+        runners[name] = ours(load_recipe(args.recipe, overrides=[*args.overrides, *overrides]), tokens, off)
     runners["reference"] = reference(recipe, tokens)
     best = {k: float("inf") for k in runners}
     for _ in range(args.repeats):  # interleaved, so a change in the machine's load hits both sides

@@ -53,6 +53,45 @@ def test_blocked_matches_reference_fp32(B, T, H, KV, D, window, block):
         assert d < 1e-5 * max(1.0, float(jnp.max(jnp.abs(a))))
 
 
+@pytest.mark.parametrize("B,T,H,KV,D,window,block", CASES)
+def test_banded_matches_reference_fp32(B, T, H, KV, D, window, block):
+    """Sliding layers by chunks of `window` queries (T not a multiple of it included); full layers
+    (window None, or a window as long as the sequence) run the blocked kernel."""
+    q, k, v, g = _qkv(B, T, H, KV, D)
+    ref = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="reference"), q, k, v, g)
+    got = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="banded"), q, k, v, g)
+    _assert_close(ref, got)
+
+
+@pytest.mark.parametrize("window", [20, 7])
+def test_banded_segments_match_reference(window):
+    B, T, H, KV, D = 2, 70, 4, 2, 16
+    q, k, v, g = _qkv(B, T, H, KV, D)
+    seg = _segments(B, T)
+    ref = _values_and_grads(
+        lambda q, k, v: A.attend(q, k, v, window=window, impl="reference", segment_ids=seg), q, k, v, g
+    )
+    got = _values_and_grads(
+        lambda q, k, v: A.attend(q, k, v, window=window, impl="banded", segment_ids=seg), q, k, v, g
+    )
+    _assert_close(ref, got)
+
+
+def test_banded_keeps_scores_linear_in_the_sequence():
+    """Forward + backward at T = 1024 with a 64-token window: no intermediate as large as one head's
+    [T, T] score matrix (the reference path builds several), so its memory grows with T x window."""
+    T, W = 1024, 64
+    q, k, v, g = _qkv(1, T, 2, 2, 8)
+
+    def largest(impl):
+        f = jax.grad(lambda q, k, v: jnp.sum(A.attend(q, k, v, window=W, impl=impl) * g), (0, 1, 2))
+        jaxpr = jax.make_jaxpr(f)(q, k, v)
+        return max(int(np.prod(getattr(o.aval, "shape", ()))) for e in jaxpr.jaxpr.eqns for o in e.outvars)
+
+    assert largest("banded") <= 2 * T * 2 * W  # [B, H, T / W, W, 2W]: two heads, 2W keys per query
+    assert largest("reference") >= 2 * T * T  # the check can tell the two apart
+
+
 def test_blocked_bf16_close_to_reference():
     q, k, v, _ = _qkv(2, 64, 4, 4, 16)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
@@ -62,7 +101,7 @@ def test_blocked_bf16_close_to_reference():
     assert float(jnp.max(jnp.abs(ref - blk))) < 2e-2
 
 
-@pytest.mark.parametrize("impl", ["reference", "blocked"])
+@pytest.mark.parametrize("impl", ["reference", "blocked", "banded"])
 def test_window_semantics(impl):
     """Query i sees keys j with i - W < j <= i: the token itself plus W-1 before it."""
     T, W = 40, 8
@@ -102,9 +141,9 @@ def test_blocked_never_builds_full_score_matrix():
     )
 
 
-def test_auto_is_blocked_on_cpu():
+def test_auto_is_banded_on_cpu():
     assert jax.default_backend() == "cpu"
-    assert A.resolve("auto") == "blocked"
+    assert A.resolve("auto") == "banded"
     with pytest.raises(ValueError):
         A.resolve("magic")
 
@@ -268,7 +307,7 @@ def test_auto_picks_by_platform_and_cudnn_falls_back():
     assert A.resolve("auto", platform="tpu") == "splash"
     assert A.resolve("auto", platform="gpu", cudnn=True) == "cudnn"
     assert A.resolve("auto", platform="gpu", cudnn=False) == "blocked"  # no cuDNN: the blocked kernel
-    assert A.resolve("auto", platform="cpu") == "blocked"
+    assert A.resolve("auto", platform="cpu") == "banded"
     assert A.resolve("cudnn", platform="cpu") == "blocked"
 
 

@@ -40,7 +40,7 @@ def test_dry_run_compiles_the_trainers_step_and_prints_json():
         "seq_len",
     ):
         assert key in last
-    assert last["platform"] == "cpu" and last["attention"] == "blocked"  # auto on the CPU
+    assert last["platform"] == "cpu" and last["attention"] == "banded"  # auto on the CPU
     assert last["tokens_per_s"] > 0 and last["step_s"] > 0 and last["loss"] > 0
     assert 0 < last["mfu_olmo_core"] and 0 < last["mfu_maxtext"]
     # The machine type's XLA flags reached JAX (an unknown one would have aborted it), and MFU is

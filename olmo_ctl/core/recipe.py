@@ -41,7 +41,7 @@ STAGE_RECIPES = MODEL_STAGE_RECIPES[DEFAULT_MODEL]
 
 
 # The attention kernels a model may name (`auto`: chosen by the platform at trace time).
-Attention = Literal["auto", "splash", "blocked", "reference", "cudnn"]
+Attention = Literal["auto", "splash", "blocked", "banded", "reference", "cudnn"]
 
 
 @dataclass(frozen=True)

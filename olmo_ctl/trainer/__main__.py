@@ -134,11 +134,12 @@ def _gpu_determinism(target, model, environ=None) -> str | None:
     flags = env.get("XLA_FLAGS", "")
     if "xla_gpu_deterministic_ops" in flags:
         line = "gpu: XLA_FLAGS sets xla_gpu_deterministic_ops itself; kept as it is"
-    elif model.attention in ("blocked", "reference") or (
+    elif model.attention in ("blocked", "banded", "reference") or (
         model.attention in ("auto", "cudnn") and model.compute_dtype == "float32"  # cuDNN takes bf16 only
     ):
         env["XLA_FLAGS"] = f"{flags} {GPU_DETERMINISM_FLAG}".strip()
-        line = f"gpu: {GPU_DETERMINISM_FLAG} ({model.attention} attention runs blocked): resume replays bit for bit"
+        runs = "banded and blocked" if model.attention == "banded" else "blocked"
+        line = f"gpu: {GPU_DETERMINISM_FLAG} ({model.attention} attention runs {runs}): resume replays bit for bit"
     else:
         line = (
             f"gpu: {model.attention} attention runs on cuDNN, which XLA's deterministic ops do not take: a"

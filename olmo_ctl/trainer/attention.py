@@ -1,4 +1,4 @@
-"""Causal attention with an optional sliding window: four implementations, checked against each other.
+"""Causal attention with an optional sliding window: five implementations, checked against each other.
 
 Semantics (every path): query i sees key j when j <= i and, with a window W, i - W < j (the token
 itself plus the W-1 before it); with segment ids (documents packed into one instance), also only
@@ -13,6 +13,12 @@ when both carry the same id, so attention never crosses a document boundary. Sof
   forward nor the backward pass ever holds more than one [block, block] score tile per head. Memory
   saved for the backward pass is the output and one log-sum-exp per query. Runs on every platform,
   so CI checks it against `reference` on CPU.
+* `banded`: sliding-window layers as chunks of `window` queries, each chunk against the keys of its
+  own chunk and the one before (2 x window keys: every key its window reaches), in two batched
+  einsums differentiated by JAX; the scores kept for the backward pass are [B, H, T, 2 x window],
+  linear in T. Full-attention layers run `blocked`. On the CPU it does half the score work of a
+  [T, T] tile when the window is a quarter of the sequence (the smoke model), in a handful of
+  operations (docs/trainer-performance.md).
 * `splash`: the Pallas TPU kernel MaxText uses (`jax.experimental.pallas.ops.tpu.splash_attention`),
   with a `LocalMask` for sliding layers and a `CausalMask` for full ones; it computes only the
   (block_q, block_kv) tiles its mask touches. Block sizes per TPU generation: its profile's
@@ -24,9 +30,8 @@ when both carry the same id, so attention never crosses a document boundary. Sof
 
 `auto` resolves by the platform the step is compiled for (`target`): splash on TPU, cudnn on GPU
 for bf16/fp16 compute (blocked where cuDNN is unavailable or the compute dtype is float32, which
-cuDNN's fused attention does not take), blocked on CPU (measured faster than reference there: it skips
-the tiles a sliding window never reaches and builds no [B, H, T, T] score tensor to transpose;
-docs/trainer-performance.md). Preflight sets the target to the TPU slice it
+cuDNN's fused attention does not take), banded on CPU (measured faster there than blocked and
+reference: docs/trainer-performance.md). Preflight sets the target to the TPU slice it
 compiles for (`compile_target`), so `auto` and the block sizes follow the slice, not this machine.
 
 Layouts: q [B, T, H, D], k and v [B, T, KV, D] with H a multiple of KV (grouped-query attention);
@@ -48,7 +53,7 @@ import jax.numpy as jnp
 
 from olmo_ctl.core.generations import generation_of_device_kind, splash_blocks_of
 
-IMPLEMENTATIONS = ("reference", "blocked", "splash", "cudnn")
+IMPLEMENTATIONS = ("reference", "blocked", "banded", "splash", "cudnn")
 CHOICES = ("auto", *IMPLEMENTATIONS)
 DEFAULT_BLOCK = 512
 _NEG = -1e30  # finite "minus infinity": a fully masked tile never produces NaN
@@ -118,7 +123,7 @@ def resolve(impl: str, platform: str | None = None, cudnn: bool | None = None, d
     if platform is None:
         platform = target()[0]
     if impl == "auto":
-        impl = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform, "blocked")
+        impl = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(platform, "banded")
     if impl == "cudnn":
         if dtype is not None and jnp.dtype(dtype).name not in CUDNN_DTYPES:
             return "blocked"
@@ -144,6 +149,8 @@ def attend(
         return splash_attention(q, k, v, window=window, segment_ids=segment_ids)
     if impl == "cudnn":
         return cudnn_attention(q, k, v, window=window, segment_ids=segment_ids)
+    if impl == "banded" and window is not None:
+        return banded_attention(q, k, v, window=window, segment_ids=segment_ids)
     return blocked_attention(q, k, v, window=window, block=block, segment_ids=segment_ids)
 
 
@@ -181,6 +188,43 @@ def reference_attention(q, k, v, *, window: int | None, segment_ids=None):
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(
         q.dtype
     )
+
+
+# ----------------------------------------------------------------------------- banded (sliding layers)
+
+
+def banded_attention(q, k, v, *, window: int, segment_ids=None):
+    """Sliding-window attention by chunks of `window` queries: chunk c attends to the keys of chunks
+    c - 1 and c, which hold every key its queries' windows reach. Two batched einsums and a softmax
+    over [B, H, n_chunks, window, 2 x window] scores; JAX differentiates it."""
+    B, T, H, D = q.shape
+    k, v = _repeat_kv(k, H), _repeat_kv(v, H)
+    C = window
+    n = -(-T // C)
+    Tp = n * C  # padded positions sit after the real ones, so causality hides them from real queries
+
+    def heads(x):  # [B, T, H, D] -> [B, H, Tp, D]
+        return jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, Tp - T), (0, 0)))
+
+    def with_previous(x):  # [..., Tp, X] -> [..., n, 2C, X]: chunk c - 1 (zeros before the first), chunk c
+        lead = x.shape[:-2]
+        prev = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(C, 0), (0, 0)])[..., :Tp, :]
+        return jnp.concatenate([prev.reshape(*lead, n, C, -1), x.reshape(*lead, n, C, -1)], axis=-2)
+
+    kk, vv = with_previous(heads(k)), with_previous(heads(v))
+    s = jnp.einsum(
+        "bhnqd,bhnkd->bhnqk", heads(q).reshape(B, H, n, C, D), kk, preferred_element_type=jnp.float32
+    ) / math.sqrt(D)
+    q_pos = (jnp.arange(n)[:, None] * C + jnp.arange(C)[None, :])[:, :, None]  # [n, C, 1]
+    k_pos = (jnp.arange(n)[:, None] * C - C + jnp.arange(2 * C)[None, :])[:, None, :]  # [n, 1, 2C]
+    mask = ((k_pos >= 0) & (k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
+    if segment_ids is not None:
+        seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=_PAD_SEGMENT)
+        seg_k = with_previous(seg[:, :, None])[..., 0]  # [B, n, 2C]
+        mask = mask & (seg.reshape(B, n, C)[:, :, :, None] == seg_k[:, :, None, :])[:, None]
+    p = jax.nn.softmax(jnp.where(mask, s, _NEG), axis=-1)
+    o = jnp.einsum("bhnqk,bhnkd->bhnqd", p.astype(v.dtype), vv, preferred_element_type=jnp.float32)
+    return o.reshape(B, H, Tp, D)[:, :, :T].transpose(0, 2, 1, 3).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------- blocked (flash-style)

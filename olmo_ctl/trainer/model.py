@@ -153,7 +153,31 @@ def apply_rope(x, cos, sin):
     return (xf * cos[None, :, None, :] + rotated * sin[None, :, None, :]).astype(x.dtype)
 
 
+@jax.custom_vjp
+def _projection(x, w):
+    return jnp.einsum("btd,df->btf", x, w)
+
+
+def _projection_fwd(x, w):
+    return _projection(x, w), (x, w)
+
+
+def _projection_bwd(res, dy):
+    x, w = res
+    return jnp.einsum("btf,df->btd", dy, w), jnp.einsum("btd,btf->df", x, dy)
+
+
+_projection.defvjp(_projection_fwd, _projection_bwd)
+
+
 def _matmul(x, w, dtype):
+    """x [B, T, d] @ w [d, f]. On the CPU the weight's gradient is x^T dy in w's own [d, f] order
+    (`_projection`): JAX's transpose rule forms (dy^T x)^T, and XLA's CPU dot library takes no
+    transposed operand, so every projection paid a transpose of dy and one of its result, where
+    this pays one of x, shared by q, k and v (and by w1 and w3). Elsewhere JAX's own rule: the
+    programs preflight compiles for TPU slices are unchanged (docs/trainer-performance.md)."""
+    if attn_lib.target()[0] == "cpu":
+        return _projection(x, w.astype(dtype))
     return jnp.einsum("btd,df->btf", x, w.astype(dtype))
 
 

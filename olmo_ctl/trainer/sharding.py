@@ -195,6 +195,8 @@ def activation_mesh():
     """The mesh activations are constrained to: the current `jax.set_mesh` mesh when it has our axes
     (as an abstract mesh), else the last mesh `make_mesh` activated, else None."""
     ambient = jax.sharding.get_abstract_mesh()
+    if not ambient.empty and ambient.manual_axes:
+        return None
     if not ambient.empty and set(AXES) <= set(ambient.axis_names):
         return ambient
     return _active

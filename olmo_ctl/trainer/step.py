@@ -52,7 +52,7 @@ def make_train_step(recipe: Recipe):
     import jax
     import jax.numpy as jnp
 
-    from olmo_ctl.trainer import optim
+    from olmo_ctl.trainer import flat_fsdp, optim
 
     cfg, z_coef = recipe.model, recipe.optimizer.z_loss
 
@@ -73,15 +73,21 @@ def make_train_step(recipe: Recipe):
 
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-        def body(carry, mb):
-            g_acc, ce_acc, z_acc = carry
-            (_, (ce, z)), g = grad_fn(params, mb["input_ids"], mb["labels"], mb.get("segment_ids"))
-            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-            return (g_acc, ce_acc + ce, z_acc + z), None
+        def accumulate(params, micro):
+            def body(carry, mb):
+                g_acc, ce_acc, z_acc = carry
+                (_, (ce, z)), g = grad_fn(params, mb["input_ids"], mb["labels"], mb.get("segment_ids"))
+                g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+                return (g_acc, ce_acc + ce, z_acc + z), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            return jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0)), micro)[0]
+
         micro = {k: batch[k] for k in ("input_ids", "labels", "segment_ids") if k in batch}
-        (grads, ce_sum, z_sum), _ = jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0)), micro)
+        if flat_fsdp.applies(params):  # the CPU: one gather and one reduce-scatter (trainer/flat_fsdp.py)
+            grads, ce_sum, z_sum = flat_fsdp.grads(params, micro, accumulate)
+        else:
+            grads, ce_sum, z_sum = accumulate(params, micro)
         ce_loss, z_loss = ce_sum / n_tokens, z_sum / n_tokens
         adam = optim.AdamState(**state["opt"])
         window = optim.SkipWindow(**state["skip"])
