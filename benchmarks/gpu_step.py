@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--remat", choices=("none", "save_proj", "full"), help="default: the recipe's")
     ap.add_argument(
-        "--attention", default="auto", choices=("auto", "cudnn", "blocked", "reference", "splash")
+        "--attention", default="auto", choices=("auto", "cudnn", "blocked", "banded", "reference", "splash")
     )
     ap.add_argument(
         "--xla-flags",

@@ -25,7 +25,7 @@ FSDP layout): a comparison of layouts within one process and one machine load, w
 runs on a shared machine cannot give. The JSON then has `variants`: NAME -> tokens/s and ratio.
 Two keys of a variant turn off a CPU measure of the trainer's step rather than set the recipe:
 `flat_fsdp=off` (the partitioner's per-parameter collectives instead of one gather and one
-reduce-scatter, trainer/flat_fsdp.py) and `cpu_projection=off` (JAX's own transpose rule for the
+gradient reduction, trainer/flat_fsdp.py) and `cpu_projection=off` (JAX's own transpose rule for the
 projections' weight gradients, trainer/model.py `_matmul`); `model.attention=blocked` is the
 attention before `banded`.
 """

@@ -58,9 +58,22 @@ def test_banded_matches_reference_fp32(B, T, H, KV, D, window, block):
     """Sliding layers by chunks of `window` queries (T not a multiple of it included); full layers
     (window None, or a window as long as the sequence) run the blocked kernel."""
     q, k, v, g = _qkv(B, T, H, KV, D)
+    if window is not None and window < T:
+        assert A.banded_fits(q.shape, window)  # the chunks run, not the blocked fallback
     ref = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="reference"), q, k, v, g)
     got = _values_and_grads(lambda q, k, v: A.attend(q, k, v, window=window, impl="banded"), q, k, v, g)
     _assert_close(ref, got)
+
+
+def test_banded_runs_only_where_its_chunks_are_few_windows_and_small():
+    assert A.banded_fits((4, 128, 4, 16), 32)  # the smoke model's step on one of two devices
+    assert not A.banded_fits((1, 40, 2, 8), 20)  # two chunks: as much score work as a [T, T] tile
+    assert not A.banded_fits((1, 8192, 32, 128), 4096)  # OLMo 3 7B's sliding layers: blocked
+    assert not A.banded_fits((64, 65536, 32, 128), 4096)  # scores far above the cap
+    # Where it does not fit, `banded` is the blocked kernel (the same program, tile loops and all).
+    q, k, v, _ = _qkv(1, 40, 2, 2, 8)
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: A.attend(q, k, v, window=20, impl="banded"))(q, k, v))
+    assert jaxpr == str(jax.make_jaxpr(lambda q, k, v: A.attend(q, k, v, window=20, impl="blocked"))(q, k, v))
 
 
 @pytest.mark.parametrize("window", [20, 7])

@@ -96,7 +96,7 @@ class ModelConfig:
     # (keep projections within `remat_budget` of what no rematerialisation keeps: OLMo-core's budget)
     remat: Literal["none", "full", "save_proj", "mlp", "budget"]
     remat_budget: float = 0.5  # remat: budget only; OLMo-core's activation_memory_budget
-    # Attention implementation: auto picks splash on TPU, cudnn on GPU (blocked without cuDNN), reference
+    # Attention implementation: auto picks splash on TPU, cudnn on GPU (blocked without cuDNN), banded
     # on CPU (olmo_ctl/trainer/attention.py; docs/attention-and-xla-flags.md). All compute the same numbers.
     attention: Attention = "auto"
     eos_token_id: int

@@ -15,10 +15,11 @@ when both carry the same id, so attention never crosses a document boundary. Sof
   so CI checks it against `reference` on CPU.
 * `banded`: sliding-window layers as chunks of `window` queries, each chunk against the keys of its
   own chunk and the one before (2 x window keys: every key its window reaches), in two batched
-  einsums differentiated by JAX; the scores kept for the backward pass are [B, H, T, 2 x window],
-  linear in T. Full-attention layers run `blocked`. On the CPU it does half the score work of a
-  [T, T] tile when the window is a quarter of the sequence (the smoke model), in a handful of
-  operations (docs/trainer-performance.md).
+  einsums differentiated by JAX; the scores kept for the backward pass are [B, H, T, 2 x window].
+  It runs where the sequence is at least three windows long and those scores are small
+  (`banded_fits`); full-attention layers and long windows run `blocked`. On the CPU it does half
+  the score work of a [T, T] tile when the window is a quarter of the sequence (the smoke model), in
+  a handful of operations (docs/trainer-performance.md).
 * `splash`: the Pallas TPU kernel MaxText uses (`jax.experimental.pallas.ops.tpu.splash_attention`),
   with a `LocalMask` for sliding layers and a `CausalMask` for full ones; it computes only the
   (block_q, block_kv) tiles its mask touches. Block sizes per TPU generation: its profile's
@@ -149,7 +150,7 @@ def attend(
         return splash_attention(q, k, v, window=window, segment_ids=segment_ids)
     if impl == "cudnn":
         return cudnn_attention(q, k, v, window=window, segment_ids=segment_ids)
-    if impl == "banded" and window is not None:
+    if impl == "banded" and window is not None and banded_fits(q.shape, window):
         return banded_attention(q, k, v, window=window, segment_ids=segment_ids)
     return blocked_attention(q, k, v, window=window, block=block, segment_ids=segment_ids)
 
@@ -191,6 +192,19 @@ def reference_attention(q, k, v, *, window: int | None, segment_ids=None):
 
 
 # ----------------------------------------------------------------------------- banded (sliding layers)
+
+
+BANDED_MIN_CHUNKS = 3  # fewer: as much score work as one [T, T] tile, or more
+BANDED_MAX_SCORE_BYTES = 64 * 2**20  # one fp32 [B, H, T, 2 x window] score tensor (it keeps a few)
+
+
+def banded_fits(shape: tuple[int, ...], window: int) -> bool:
+    """Whether `banded` runs for q of `shape` [B, T, H, D] (else `blocked`): the sequence is at least
+    BANDED_MIN_CHUNKS windows long, and its scores fit BANDED_MAX_SCORE_BYTES. Long windows (OLMo 3's
+    4096 of 8192) take the blocked kernel, which never holds more than a tile."""
+    B, T, H, _ = shape
+    chunks = -(-T // window)
+    return chunks >= BANDED_MIN_CHUNKS and B * H * chunks * window * 2 * window * 4 <= BANDED_MAX_SCORE_BYTES
 
 
 def banded_attention(q, k, v, *, window: int, segment_ids=None):

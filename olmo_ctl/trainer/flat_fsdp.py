@@ -1,24 +1,26 @@
-"""FSDP on the CPU with one weight gather and one gradient reduce-scatter per step.
+"""FSDP on the CPU with one weight gather and one gradient reduction per step.
 
 Under XLA's SPMD partitioner, an FSDP step gathers every layer's slice of every parameter where it is
-used, in the forward pass and again in the backward pass, and reduce-scatters every gradient on its
-own: on the smoke model that is 92 all-gathers and 16 all-reduces per device per step. On TPUs and
-GPUs XLA's collective combiners merge them; its CPU compiler has none, and each collective there is
-a rendezvous of the device threads, which cost the CPU step about a quarter of its time
-(docs/trainer-performance.md).
+used, in the forward pass and again in the backward pass, and reduces every gradient on its own: on
+the smoke model that is 92 all-gathers and 16 all-reduces per device per step. On TPUs and GPUs XLA's
+collective combiners merge them; its CPU compiler has none, and each collective there is a rendezvous
+of the device threads (docs/trainer-performance.md).
 
 `grads` runs the gradient part of the step as PyTorch FSDP does with its flat parameters, inside
 `jax.shard_map`: each device flattens its shards of the parameters into one vector, one all-gather
 over "fsdp" gives every device the whole model, the device's micro-batches run on it, and one
-reduce-scatter over "fsdp" hands each device the summed gradients of its own shards (plus a psum
-over "data" on a hybrid mesh). Parameters no axis of which divides the fsdp size are replicated;
-their gradients, and the loss sums, travel in one all-reduce. The state, its shardings and the
-checkpoints are FSDP's as before: only the collectives inside the step change, and with them the
-last bits of a step's arithmetic (a sum over devices in another order).
+all-reduce of the gradients laid out shard by shard leaves each device the sum of its own shards'
+gradients (a reduce-scatter's result, through the all-reduce the partitioner's CPU programs use, in
+one process or several; on a hybrid mesh the same all-reduce spans "data" too). Parameters no axis
+of which divides the fsdp size are replicated; their gradients and the loss sums travel in a second
+all-reduce. The state, its FSDP shardings and the checkpoints are unchanged: only the collectives
+inside the step change, and with them the last bits of a step's arithmetic (sums over devices in
+another order).
 
-It applies where the step is compiled for the CPU on a ("data", "fsdp") mesh with more than one
-fsdp device and one parameter dtype (`applies`); everywhere else, and for every TPU slice preflight
-compiles for, the partitioner's own collectives run unchanged.
+It applies where the step is compiled for the CPU on a ("data", "fsdp") mesh whose fsdp axis shards
+at least one parameter, with one parameter dtype and a model of at most MAX_PARAM_BYTES (every
+device holds it whole for the step: the local twin's small models); everywhere else, and for every
+TPU slice preflight compiles for, the partitioner's own collectives run unchanged (`applies`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,15 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from olmo_ctl.trainer import attention, sharding
+
+# The whole model is gathered on every device for the step, with its fp32 gradients: the flat path is
+# for models whose full copy is small next to a host's memory (the local twin's); above this many bytes
+# of parameters the partitioner's FSDP, which never holds a whole model, runs instead.
+MAX_PARAM_BYTES = 256 * 2**20
 
 
 def _mesh():
@@ -37,19 +45,29 @@ def _mesh():
     return mesh if isinstance(mesh, Mesh) else None
 
 
+def _sharded_axis(spec: PartitionSpec) -> int | None:
+    return next((i for i, a in enumerate(spec) if a is not None), None)
+
+
+def _axes(params, mesh) -> list[int | None]:
+    """Per parameter leaf, the axis its FSDP spec shards (None: replicated)."""
+    specs = sharding.param_partition_specs(params, mesh)
+    return [_sharded_axis(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))]
+
+
 def applies(params) -> bool:
-    """Whether the step takes the flat path: compiled for the CPU, a concrete ("data", "fsdp") mesh
-    (no "seq" axis) with fsdp > 1, and every parameter of one dtype."""
+    """Whether the step takes the flat path: compiled for the CPU, on a concrete ("data", "fsdp") mesh
+    (no "seq" axis) with fsdp > 1 that shards at least one parameter, every parameter of one dtype,
+    and at most MAX_PARAM_BYTES of them."""
     mesh = _mesh()
     if attention.target()[0] != "cpu" or mesh is None or tuple(mesh.axis_names) != sharding.AXES:
         return False
-    if mesh.shape["fsdp"] < 2:
+    leaves = jax.tree.leaves(params)
+    if mesh.shape["fsdp"] < 2 or len({x.dtype for x in leaves}) != 1:
         return False
-    return len({x.dtype for x in jax.tree.leaves(params)}) == 1
-
-
-def _sharded_axis(spec: PartitionSpec) -> int | None:
-    return next((i for i, a in enumerate(spec) if a is not None), None)
+    if sum(x.size * x.dtype.itemsize for x in leaves) > MAX_PARAM_BYTES:
+        return False
+    return any(a is not None for a in _axes(params, mesh))
 
 
 def grads(params, micro: dict, accumulate: Callable):
@@ -61,32 +79,36 @@ def grads(params, micro: dict, accumulate: Callable):
     n, dp = mesh.shape["fsdp"], mesh.shape["data"]
     specs = sharding.param_partition_specs(params, mesh)
     treedef = jax.tree_util.tree_structure(params)
-    axes = [_sharded_axis(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))]
-
-    sharded = [i for i, a in enumerate(axes) if a is not None]  # leaf indices, in leaf order
+    axes = _axes(params, mesh)
+    axis = {i: a for i, a in enumerate(axes) if a is not None}  # sharded leaf -> its sharded axis
+    sharded = list(axis)  # leaf indices, in leaf order
     replicated = [i for i, a in enumerate(axes) if a is None]
 
     def local(shards, local_micro):
         shards = jax.tree.leaves(shards)
+        sizes = [shards[i].size for i in sharded]
+        # Row d of `gathered` is device d's shards in leaf order; device d holds block d of its axis.
         gathered = jax.lax.all_gather(jnp.concatenate([shards[i].reshape(-1) for i in sharded]), "fsdp")
-        full, at = list(shards), 0  # gathered: [n, total], row d = device d's shards in leaf order
-        for i in sharded:
-            x = shards[i]
-            full[i] = jnp.concatenate(
-                [gathered[d, at : at + x.size].reshape(x.shape) for d in range(n)], axes[i]
-            )
-            at += x.size
+        full = list(shards)
+        for i, part in zip(sharded, jnp.split(gathered, np.cumsum(sizes)[:-1], axis=1), strict=True):
+            x, a = shards[i], axis[i]
+            whole = jnp.moveaxis(part.reshape(n, *x.shape), 0, a)  # [..., n, block, ...]
+            full[i] = whole.reshape(*x.shape[:a], n * x.shape[a], *x.shape[a + 1 :])
         g, ce, z = accumulate(jax.tree_util.tree_unflatten(treedef, full), local_micro)
         g = jax.tree.leaves(g)
-
-        def piece(i, d):  # device d's shard of gradient i
-            size = g[i].shape[axes[i]] // n
-            return jax.lax.slice_in_dim(g[i], d * size, (d + 1) * size, axis=axes[i]).reshape(-1)
-
-        rows = jnp.stack([jnp.concatenate([piece(i, d) for i in sharded]) for d in range(n)])
-        mine = jax.lax.psum_scatter(rows, "fsdp", scatter_dimension=0, tiled=False)
-        if dp > 1:
-            mine = jax.lax.psum(mine, "data")
+        rows = jnp.concatenate(  # [n, total]: row d holds device d's blocks of every sharded gradient
+            [
+                jnp.moveaxis(
+                    g[i].reshape(*g[i].shape[: axis[i]], n, -1, *g[i].shape[axis[i] + 1 :]), axis[i], 0
+                ).reshape(n, -1)
+                for i in sharded
+            ],
+            axis=1,
+        )
+        # One all-reduce and this device's row of it: a reduce-scatter's result, through the
+        # collective the partitioner's own CPU programs use (multi-process runs included).
+        summed = jax.lax.psum(rows, sharding.AXES if dp > 1 else "fsdp")
+        mine = jax.lax.dynamic_index_in_dim(summed, jax.lax.axis_index("fsdp"), axis=0, keepdims=False)
         rest = jax.lax.psum(
             jnp.concatenate([*(g[i].reshape(-1) for i in replicated), jnp.stack([ce, z])]), sharding.AXES
         )

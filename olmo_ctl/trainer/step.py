@@ -84,7 +84,7 @@ def make_train_step(recipe: Recipe):
             return jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0)), micro)[0]
 
         micro = {k: batch[k] for k in ("input_ids", "labels", "segment_ids") if k in batch}
-        if flat_fsdp.applies(params):  # the CPU: one gather and one reduce-scatter (trainer/flat_fsdp.py)
+        if flat_fsdp.applies(params):  # the CPU: one gather, one gradient reduction (trainer/flat_fsdp.py)
             grads, ce_sum, z_sum = flat_fsdp.grads(params, micro, accumulate)
         else:
             grads, ce_sum, z_sum = accumulate(params, micro)
