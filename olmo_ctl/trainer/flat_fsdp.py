@@ -10,17 +10,19 @@ of the device threads (docs/trainer-performance.md).
 `jax.shard_map`: each device flattens its shards of the parameters into one vector, one all-gather
 over "fsdp" gives every device the whole model, the device's micro-batches run on it, and one
 all-reduce of the gradients laid out shard by shard leaves each device the sum of its own shards'
-gradients (a reduce-scatter's result, through the all-reduce the partitioner's CPU programs use, in
-one process or several; on a hybrid mesh the same all-reduce spans "data" too). Parameters no axis
+gradients (a reduce-scatter's result, through the all-reduce the partitioner's CPU programs use; on
+a hybrid mesh the same all-reduce spans "data" too). Parameters no axis
 of which divides the fsdp size are replicated; their gradients and the loss sums travel in a second
 all-reduce. The state, its FSDP shardings and the checkpoints are unchanged: only the collectives
 inside the step change, and with them the last bits of a step's arithmetic (sums over devices in
 another order).
 
-It applies where the step is compiled for the CPU on a ("data", "fsdp") mesh whose fsdp axis shards
-at least one parameter, with one parameter dtype and a model of at most MAX_PARAM_BYTES (every
-device holds it whole for the step: the local twin's small models); everywhere else, and for every
-TPU slice preflight compiles for, the partitioner's own collectives run unchanged (`applies`).
+It applies where the step is compiled for the CPU in one process (the local twin, `cpu-N`) on a
+("data", "fsdp") mesh whose fsdp axis shards at least one parameter, with one parameter dtype and a
+model of at most MAX_PARAM_BYTES (every device holds it whole for the step: the local twin's small
+models). Everywhere else the partitioner's own collectives run unchanged (`applies`): on every TPU
+slice preflight compiles for, and in the multi-host twin (`cpu-PxD`, several processes), which is
+there to run what a slice's hosts run.
 """
 
 from __future__ import annotations
@@ -56,11 +58,15 @@ def _axes(params, mesh) -> list[int | None]:
 
 
 def applies(params) -> bool:
-    """Whether the step takes the flat path: compiled for the CPU, on a concrete ("data", "fsdp") mesh
-    (no "seq" axis) with fsdp > 1 that shards at least one parameter, every parameter of one dtype,
-    and at most MAX_PARAM_BYTES of them."""
+    """Whether the step takes the flat path: compiled for the CPU in one process, on a concrete
+    ("data", "fsdp") mesh (no "seq" axis) with fsdp > 1 that shards at least one parameter, every
+    parameter of one dtype, and at most MAX_PARAM_BYTES of them."""
     mesh = _mesh()
     if attention.target()[0] != "cpu" or mesh is None or tuple(mesh.axis_names) != sharding.AXES:
+        return False
+    if (
+        jax.process_count() > 1
+    ):  # the multi-host twin runs the partitioner's collectives, as a slice's hosts do
         return False
     leaves = jax.tree.leaves(params)
     if mesh.shape["fsdp"] < 2 or len({x.dtype for x in leaves}) != 1:
