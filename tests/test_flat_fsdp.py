@@ -107,6 +107,9 @@ def test_flat_collectives_apply_only_to_a_cpu_step_on_more_than_one_fsdp_device(
         mixed = {"w": jax.numpy.zeros((4, 4)), "b": jax.numpy.zeros((4,), jax.numpy.bfloat16)}
         assert flat_fsdp.applies(mixed) is False  # one flat vector needs one dtype
         assert flat_fsdp.applies({"w": jax.numpy.zeros((3, 7))}) is False  # no axis divides: replicated
+        with monkeypatch.context() as m:
+            m.setattr(jax, "process_count", lambda: 2)
+            assert flat_fsdp.applies(params) is False  # the multi-host twin: the partitioner's, as on a slice
         monkeypatch.setattr(flat_fsdp, "MAX_PARAM_BYTES", 4 * 4 * 4 - 1)
         assert flat_fsdp.applies(params) is False  # a model too large to hold whole on every device
     finally:
