@@ -70,7 +70,7 @@ def _assert_same_training(a, b):
         (2, "fsdp", 1, 1, False),  # the local twin on a 2-core machine: cpu-2
         # 2 replicas x 2 shards (the gradients also summed over "data"), two micro-batches accumulated,
         # packed documents
-        (4, "hybrid", 2, 2, True),
+        pytest.param(4, "hybrid", 2, 2, True, marks=pytest.mark.chaos),  # more compiles: the chaos lane
     ],
 )
 def test_flat_collectives_train_as_the_partitioner_does_with_one_gather_and_one_reduction(
