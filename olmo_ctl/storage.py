@@ -300,7 +300,10 @@ class LocalStore(Store):
             for dp, _, fns in os.walk(root):
                 for fn in fns:
                     full = os.path.join(dp, fn)
-                    st = os.stat(full)
+                    try:
+                        st = os.stat(full)
+                    except FileNotFoundError:  # a dangling symlink, or gone since the listing: no object
+                        continue
                     files.append(ObjectInfo(full, st.st_size, st.st_mtime_ns))
             return sorted(files, key=lambda o: o.path), dirs
         with os.scandir(root) as it:
@@ -308,7 +311,10 @@ class LocalStore(Store):
                 if e.is_dir():
                     dirs.append(os.path.join(str(root), e.name) + "/")
                 else:
-                    st = e.stat()
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:  # a dangling symlink, or gone since the listing: no object
+                        continue
                     files.append(ObjectInfo(os.path.join(str(root), e.name), st.st_size, st.st_mtime_ns))
         return sorted(files, key=lambda o: o.path), sorted(dirs)
 

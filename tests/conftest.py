@@ -1,6 +1,6 @@
 """Fixtures shared by the tests: the GCS emulator, the Kubernetes test server, a trained smoke run.
 
-Set here before any test imports jax:
+Set here before any test imports jax (and COLUMNS, which pytest-xdist sets in its workers, unset):
 * a persistent JAX compilation cache in the repository's `.cache/jax-compilation/`, through the
   environment, so every trainer process a test starts reads and adds to the same compiled programs
   (JAX_COMPILATION_CACHE_DIR; a directory already set in the environment is kept);
@@ -38,6 +38,12 @@ from olmo_ctl.sandbox.kube_server import KubeServer
 ROOT = Path(__file__).resolve().parents[1]
 HOST_DEVICES = 8  # the most a sharding test uses (test_seq_shards: a sequence split 4 ways x 2)
 
+# pytest-xdist's workers run with COLUMNS=80 (the controller's terminal width): commands under test would
+# wrap their human output as at an 80-column terminal. Tests see a pipe, as CI's log is, unless one sets
+# COLUMNS itself (tests/test_output_width.py).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax-compilation"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # CPU compiles are short: keep all
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -133,6 +133,8 @@ def test_a_horizon_of_its_own_a_warmup_or_a_reached_horizon_keep_the_schedule():
         (["train.max_steps=40"], "already has train.max_steps = 40"),
         (["eval.interval=0"], "eval.interval"),
         (["train.max_stepz=60"], "unknown key"),
+        (["train.max_steps=100000000000000000000000"], "must be at most 2,147,483,647"),  # 10^23 steps
+        (["eval.interval=5", "eval.interval=6"], "--set eval.interval is given twice"),
         (["nonsense"], "not key.sub=value"),
         ([], "at least one --set"),
     ],
@@ -210,7 +212,7 @@ def test_a_finished_run_extended_resumes_to_the_new_final_step_with_the_stitched
     root = tmp_path / "runs"
     run_dir = copy_run(smoke_run, root / "ext")
     r = load_recipe("smoke")
-    RunDir(str(run_dir)).create_run(r.to_dict(), r.fingerprint(), "fp", "cpu-1")
+    RunDir(str(run_dir)).create_run(r.to_dict(), r.fingerprint(), "fp", "cpu-1", adopt=True)
     before = scalars(run_dir)[LR]
     args = ("--run-root", str(root), "--backend", "local")
     sets = ("train.max_steps=140", "eval.interval=1000", "checkpoint.interval=1000")  # only the final one

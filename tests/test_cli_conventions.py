@@ -78,6 +78,7 @@ def test_h_is_help_and_help_ends_with_one_example_from_the_readme(path, env):
     assert "-h, --help" in text
     head, sep, example = text.partition("\nExample:\n")
     assert sep and "Example:" not in example, text
+    assert text.count("Example:") == 1, text  # the example once: not again in the description
     (line,) = [ln.strip() for ln in example.splitlines() if ln.strip()]
     assert line.startswith(" ".join(["olmo-ctl", *path])), line
     assert check(line) == [], (line, check(line))
@@ -96,6 +97,12 @@ def test_the_top_level_help_gives_each_commands_whole_first_sentence(columns, en
         assert summary.endswith(".") and f"{name} {summary}" in listed, (name, summary)
 
 
+def test_the_top_level_help_names_every_model_and_where_it_runs(env):
+    text = " ".join(invoke("--help", env=env).stdout.split())
+    for said in ("OLMo 3 7B", "OLMo 3 32B", "OLMo 2 32B", "TPU slices", "GPU nodes", "on this machine"):
+        assert said in text.partition("Options:")[0], (said, text)
+
+
 def test_argument_names_are_written_one_way(env):
     usage = {" ".join(path): invoke(*path, "--help", env=env).stdout.splitlines()[0] for path in LEAVES}
     for cmd, line in usage.items():
@@ -104,7 +111,7 @@ def test_argument_names_are_written_one_way(env):
     assert usage["compare"] == "Usage: olmo-ctl compare [OPTIONS] A B"
     assert usage["resume-until-done"] == "Usage: olmo-ctl resume-until-done [OPTIONS] [RUN]"
     assert usage["resize"] == "Usage: olmo-ctl resize [OPTIONS] RUN"
-    assert usage["monitor"] == "Usage: olmo-ctl monitor [OPTIONS] RUN_DIR"
+    assert usage["monitor"] == "Usage: olmo-ctl monitor [OPTIONS] RUN"  # a name or a directory, as logs
     assert usage["data prepare"] == "Usage: olmo-ctl data prepare [OPTIONS] FILES..."
     text = invoke("surgery", "soup", "--help", env=env).stdout
     args = text.partition("Arguments:\n")[2].partition("\n\n")[0]
@@ -320,6 +327,44 @@ def test_config_init_where_a_directory_is_in_the_way(env, tmp_path):
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1 and "is a directory" in p.stderr
 
 
+def test_a_local_mistake_is_named_before_the_site_settings_placeholders(env, tmp_path):
+    """No site settings (the GKE backend's run root and image are placeholders): a mistake that setting
+    them would not fix is the line said, in the directory where `make demo` trains. A local device
+    without --backend local; a run to continue that is not under ./runs, with the run meant; and the
+    same with --run-root runs. A new GKE run still needs the placeholders set. Nothing is written."""
+    (tmp_path / "runs" / "sub1").mkdir(parents=True)
+    (tmp_path / "runs" / "sub1" / "run.yaml").write_text("run: sub1\n")  # a run's name is all that is read
+    for args, says in [
+        (
+            ("submit", "--recipe", "smoke", "--device", "cpu-1", "--run", "foo"),
+            "error: `cpu-1` is a local device; the GKE backend runs on TPU slices and GPU nodes; "
+            "for a local run add --backend local",
+        ),
+        (
+            ("resume-until-done", "--recipe", "smoke", "--device", "cpu-1", "--run", "foo"),
+            "error: `cpu-1` is a local device; ",
+        ),
+        (
+            ("resume-until-done", "sbu1"),
+            "error: no run `sbu1` under ./runs, where this machine's runs are while no run root is set; "
+            "did you mean `sub1`? ",
+        ),
+        (
+            ("resume-until-done", "sbu1", "--run-root", "runs"),
+            "error: no run `sbu1` under ./runs; did you mean `sub1`? ",
+        ),
+        (("submit", "--run", "sbu1"), "error: no run `sbu1` under ./runs, "),
+        (
+            ("submit", "--stage", "1", "--device", "tpu7x-128"),
+            "error: site settings still hold placeholders (run_root, image)",
+        ),
+    ]:
+        p = invoke(*args, env=env, cwd=tmp_path)
+        assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, (args, p.stderr)
+        assert p.stderr.startswith(says), (args, p.stderr)
+    assert sorted(x.name for x in (tmp_path / "runs").iterdir()) == ["sub1"]
+
+
 # ---------------------------------------------------------------- make demo
 
 
@@ -332,3 +377,19 @@ def test_make_demo_ends_with_what_to_run_next():
     assert nexts and nexts[0] == f"olmo-ctl monitor {run.group(2)}/{run.group(1)}", out
     assert all(check(c) == [] for c in nexts)
     assert "source .venv/bin/activate" in out
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_never_deletes_its_run_directory():
+    """`make demo` again (after a Ctrl-C that left the trainer running, or after a finished demo) goes on
+    with the same run: nothing under the run root is removed (tests/test_demo_bare.py runs it)."""
+    out = subprocess.run(
+        ["make", "-n", "-o", ".venv/.installed", "demo", "DEMO_ROOT=/tmp/somewhere"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert "resume-until-done" in out, out
+    removing = [ln for ln in out.splitlines() if re.match(r"\s*(rm|find|mv)\s", ln)]
+    assert not removing, out

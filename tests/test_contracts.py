@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
+from olmo_ctl.core import contracts
 from olmo_ctl.core.contracts import (
+    CE_LOSS_TAG,
     EXIT_SIGTERM,
+    METRIC_TAG_PREFIXES,
+    PRIMARY_LOSS_TAGS,
+    TRAINER_TAGS,
+    VOLATILE_TAG_PREFIXES,
     State,
     committed_line,
     exit_state,
+    host_tag,
+    lm_eval_tags,
     log_progress,
     parse_committed_line,
+    parse_host_tag,
     parse_segment_name,
     parse_step_line,
+    primary_loss_tag,
     segment_name,
     segment_names_from,
     step_line,
@@ -80,3 +93,97 @@ def test_segment_names_sort_by_start_and_parse_back():
     )
     assert parse_segment_name("README") is None
     assert segment_names_from(1_700_000_000.9) <= name < segment_names_from(1_700_000_001)
+
+
+# ---------------------------------------------------------------- metric tags
+
+PKG = Path(contracts.__file__).resolve().parent.parent
+CONTRACTS = Path(contracts.__file__).resolve()
+# Strings that start like a tag but are not one: run-directory paths.
+NOT_TAGS = {
+    ("olmo_ctl/observe/verify.py", "eval/verify"),  # CACHE_DIR
+    ("olmo_ctl/trainer/downstream.py", "eval/downstream"),  # CACHE_DIR
+    # Owned by an in-flight change to `olmo-ctl evaluate`: to become `contracts.EVAL_LOSS_TAG` there.
+    ("olmo_ctl/checkpoints/evaluate.py", "eval/lm_loss"),
+}
+
+
+def test_primary_loss_tag_names_each_objective_or_says_the_known_ones():
+    from olmo_ctl.core.errors import BadInput
+
+    assert primary_loss_tag() == primary_loss_tag("lm") == CE_LOSS_TAG == "train/CE loss"
+    assert set(PRIMARY_LOSS_TAGS.values()) <= set(TRAINER_TAGS)
+    with pytest.raises(BadInput) as e:
+        primary_loss_tag("dpo")
+    assert "'dpo'" in e.value.message and "lm" in (e.value.hint or "")
+    assert not isinstance(e.value, KeyError)
+
+
+def test_every_tag_has_a_known_prefix_and_host_tags_round_trip():
+    assert len(set(TRAINER_TAGS)) == len(TRAINER_TAGS)
+    for tag in (*TRAINER_TAGS, *lm_eval_tags("c4_en"), contracts.DOWNSTREAM_PREFIX, host_tag(3, "compute_s")):
+        assert tag.startswith(METRIC_TAG_PREFIXES), tag
+    assert all(p.startswith(METRIC_TAG_PREFIXES) for p in VOLATILE_TAG_PREFIXES)
+    assert host_tag(12, "data_wait_s") == "hosts/12/data_wait_s"
+    assert parse_host_tag(host_tag(12, "data_wait_s")) == (12, "data_wait_s")
+    for other in ("hosts/x/step_time_s", "hosts/1/a/b", "train/CE loss", "host/1/compute_s"):
+        assert parse_host_tag(other) is None
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+    return out
+
+
+def spelled_tags(source: str, rel: str) -> list[str]:
+    """`rel:line: 'text'` for each string literal of `source` (not a docstring) that is a metric tag,
+    starts like one (`METRIC_TAG_PREFIXES`, f-strings' literal parts included). Prose that mentions a
+    tag (a help text, a message) is left alone."""
+    tree = ast.parse(source)
+    skip = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in skip:
+            continue
+        text = node.value
+        if (rel, text) in NOT_TAGS:
+            continue
+        if text in TRAINER_TAGS or text.startswith(METRIC_TAG_PREFIXES):
+            found.append(f"{rel}:{node.lineno}: {text!r}")
+    return found
+
+
+def test_no_metric_tag_or_journal_event_is_spelled_outside_the_contracts():
+    """Every metric tag is named in core/contracts.py only: writers and readers use its constants
+    (the training loss: `primary_loss_tag(objective)`), so a new objective's tag is added in one place.
+    (Journal event names are not checked yet: see rundir.JOURNAL_EVENTS.)"""
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.resolve() == CONTRACTS:
+            continue
+        rel = path.relative_to(PKG.parent).as_posix()
+        found += spelled_tags(path.read_text(), rel)
+    assert not found, (
+        "metric tags spelled outside olmo_ctl/core/contracts.py (use its constants):\n" + "\n".join(found)
+    )
+
+
+def test_the_tag_check_sees_literals_and_fstrings_but_not_docstrings_or_prose():
+    src = (
+        '"""Reads `train/CE loss`."""\n'
+        'A = "train/CE loss"\n'
+        'B = f"hosts/{h}/compute_s"\n'
+        "C = \"pass --tags 'optim/total grad norm'\"\n"
+        'def f():\n    """eval/lm_loss in prose"""\n    return "train/ CE"\n'
+        'D = "eval/verify"\n'
+    )
+    assert [x.split(": ")[0] for x in spelled_tags(src, "olmo_ctl/observe/verify.py")] == [
+        "olmo_ctl/observe/verify.py:2",
+        "olmo_ctl/observe/verify.py:3",
+        "olmo_ctl/observe/verify.py:7",
+    ]

@@ -11,11 +11,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+from helpers.cli import ROOT
 from helpers.waiting import wait_for
 
 HINT = re.compile(r"continue with: (olmo-ctl [^\n]+)")
@@ -93,3 +97,60 @@ def test_after_make_demo_the_commands_work_bare_and_each_hint_works_as_printed(t
     (tmp_path / "xdg" / "olmo-ctl" / "config.yaml").write_text(f"run_root: {tmp_path / 'elsewhere'}\n")
     p = sh("olmo-ctl runs")
     assert p.returncode == 0 and p.stdout == f"no runs under {tmp_path / 'elsewhere'}\n", p.stdout + p.stderr
+
+
+def _journal(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _created(run: Path) -> str:
+    """When run.yaml says the run was created (a run made again says another time)."""
+    (line,) = [ln for ln in (run / "run.yaml").read_text().splitlines() if ln.startswith("created:")]
+    return line
+
+
+@pytest.mark.chaos  # a whole demo under two supervisors: about 40 s (`make -n demo` deletes nothing: everyday)
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_again_after_ctrl_c_reattaches_to_its_attempt_and_deletes_nothing(tmp_path):
+    """`make demo`, Ctrl-C while its trainer starts, `make demo` again: the second continues the same run
+    (its run.yaml, journal and checkpoints kept), reattaches to the attempt the first left running (no
+    second attempt beside it) and supervises it to the final step. The trainer's start-up is made long
+    (OLMO_CTL_FAULT_SLOW_START), so the Ctrl-C lands while the attempt is live on any machine."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OLMO_CTL_", "TPU_", "XLA_", "MAKE"))}
+    env.update(XDG_CONFIG_HOME=str(tmp_path / "xdg"), OLMO_CTL_FAULT_SLOW_START="5")
+    root = tmp_path / "runs"
+    run = root / "smoke-demo"
+    # `-o .venv/.installed`: the demo's set-up is taken as done (never a pip install from a test).
+    make = ["make", "-s", "-o", ".venv/.installed", "demo", f"DEMO_ROOT={root}"]
+    first = subprocess.Popen(
+        make, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: (
+                first.poll() is not None
+                or any(r["event"] == "running" for r in _journal(run / "journal.jsonl"))
+            ),
+            120,
+            "the demo's attempt 1 running",
+        )
+        assert first.poll() is None, first.communicate()
+        os.killpg(first.pid, signal.SIGINT)  # Ctrl-C at the terminal: make and the supervisor
+        out, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert "detached: attempt 1 keeps running" in err, (out, err)
+    created = _created(run)
+    (trainer,) = [
+        r["handle"]["data"]["pid"] for r in _journal(run / "journal.jsonl") if r["event"] == "submitted"
+    ]
+    os.kill(trainer, 0)  # still training: the Ctrl-C reached no trainer
+    second = subprocess.run(make, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-3000:])
+    assert _created(run) == created  # the same run: never deleted nor made again
+    events = [r["event"] for r in _journal(run / "journal.jsonl")]
+    assert events.count("submitted") == 1 and "reattached" in events, events
+    assert "final step 100/100 committed" in second.stdout, second.stdout
+    assert second.stdout.startswith(f"demo: continuing {run} "), second.stdout

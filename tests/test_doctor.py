@@ -74,7 +74,10 @@ def failed(report: dict) -> dict[str, str]:
 def test_the_sandbox_kubeconfig_points_at_it(sandbox):
     cfg = yaml.safe_load(sandbox.read_text())
     assert cfg["current-context"] == "olmo-ctl-sandbox"
-    assert cfg["clusters"][0]["cluster"]["server"].startswith("http://127.0.0.1:")
+    cluster = cfg["clusters"][0]["cluster"]
+    # HTTPS with its own certificate, and a token: kubectl sends a token only over HTTPS
+    assert cluster["server"].startswith("https://127.0.0.1:") and cluster["certificate-authority-data"]
+    assert cfg["users"][0]["user"]["token"]
 
 
 def test_all_checks_pass_for_a_configured_queue_and_device(sandbox, tmp_path):

@@ -122,7 +122,7 @@ def test_a_runs_recipe_gives_the_defaults(smoke_run, smoke_report, tmp_path, env
             f"eval.lm.sets=[{{label: smoke_eval, files: ['{LM_FILES}']}}]",
         ],
     )
-    RunDir(str(run)).create_run(recipe.to_dict(), recipe.fingerprint(), "", "cpu-1")
+    RunDir(str(run)).create_run(recipe.to_dict(), recipe.fingerprint(), "", "cpu-1", adopt=True)
     got = _report(str(run / "checkpoints" / "40"), "--limit", LIMIT, env=env)
     assert got["step"] == 40 and got["lm"] == smoke_report["lm"]
     assert got["downstream"] == smoke_report["downstream"]
@@ -254,6 +254,40 @@ def test_a_missing_checkpoint_is_one_line_and_exit_2(which, message, smoke_run, 
     assert p.returncode == 2 and p.stdout == ""
     (line,) = p.stderr.splitlines()
     assert line.startswith("error: ") and message.replace("{run}", str(smoke_run)) in line, line
+
+
+def test_a_byte_level_model_with_nothing_to_evaluate_is_told_what_it_can_evaluate(smoke_run, env, tmp_path):
+    """The smoke model's soup (`NAME/soup` of a run of ingredients: its recipe, from the run's run.yaml,
+    has no eval.lm and no tasks, and a soup has no in-loop held-out loss) and `verify` of a smoke run:
+    exit 2, advising what a byte-level model evaluates (its recipe's held-out files, tasks a byte
+    tokenizer builds), not AI2's olmo3 set, which it cannot build. The advice, run as given, evaluates."""
+    import re
+
+    from helpers.runs import copy_run
+
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.attempts import data_fingerprint
+
+    run = copy_run(smoke_run, tmp_path / "runs" / "r")
+    r = load_recipe("smoke")
+    RunDir(str(run)).create_run(r.to_dict(), r.fingerprint(), data_fingerprint(r), "cpu-1", adopt=True)
+    soup = tmp_path / "soup"
+    ckpts = [str(run / "checkpoints" / s) for s in ("20", "40")]
+    assert invoke("surgery", "soup", *ckpts, "--out", str(soup), env=env).returncode == 0
+    p = invoke("eval", str(soup), env=env)
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    (line,) = p.stderr.splitlines()
+    assert line.startswith("error: nothing to evaluate: ") and "olmo3" not in line, line
+    v = invoke("verify", str(run), "--reference", str(run), env=env)
+    assert v.returncode == 2 and "olmo3" not in v.stderr, v.stderr
+    assert v.stderr.strip().split("; ", 1)[1] == line.split("; ", 1)[1]  # the same advice
+    lm = re.search(r"--lm '([^']+)'", line)
+    tasks = re.search(r"--tasks (\S+) --limit (\d+)", line)
+    assert lm and tasks, line
+    for advised in (["--lm", lm[1]], ["--tasks", tasks[1], "--limit", tasks[2]]):
+        got = _report(str(soup), *advised, env=env)
+        assert got["lm"] or got["downstream"], (advised, got)
 
 
 def test_list_tasks_names_every_label_and_the_olmo3_set(env):

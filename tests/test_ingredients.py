@@ -52,7 +52,8 @@ def test_the_recipe_of_ingredients_and_its_refusals():
 
 @pytest.fixture(scope="module")
 def flow(tmp_path_factory, smoke_run):
-    """resume-until-done of the three ingredients from the smoke run's step 40, its supervisor killed
+    """resume-until-done of the three ingredients from the smoke run's step 40, started twice at the
+    same moment (one of the two supervisors drives it, the other exits at once), its supervisor killed
     (SIGKILL) once ingredient 2 has committed step 10, that ingredient's trainer killed too, then a
     second resume-until-done to the end."""
     root = tmp_path_factory.mktemp("ingredients") / "runs"
@@ -63,10 +64,18 @@ def flow(tmp_path_factory, smoke_run):
     start = str(smoke_run / "checkpoints" / "40")
     args = ("resume-until-done", "soup", "--recipe", RECIPE, "--device", "cpu-1", "--backend", "local")
     args += ("--run-root", str(root), "--start-from", start, "--poll", "0.5")
-    first = spawn(*args, env=env)
+    first, rival = spawn(*args, env=env), spawn(*args, env=env)
     i2 = root / "soup-i2"
     try:
-        wait_for(lambda: 10 in _committed(i2), 240, "ingredient 2's step 10")
+        ended = lambda: first.poll() is not None or rival.poll() is not None  # noqa: E731
+        wait_for(ended, 120, "one of the two supervisors to end")
+        if first.poll() is not None and rival.poll() is None:
+            first, rival = rival, first  # the one still running drives the run of ingredients
+        _, rival_err = rival.communicate(timeout=30)
+        wait_for(lambda: 10 in _committed(i2) or first.poll() is not None, 240, "ingredient 2's step 10")
+        assert first.poll() is None, (
+            f"both supervisors ended: {first.communicate()[1][-2000:]}\n{rival_err[-2000:]}"
+        )
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
         trainer = next(r for r in reversed(_journal(i2)) if r["event"] == "submitted")["handle"]["data"][
@@ -74,11 +83,32 @@ def flow(tmp_path_factory, smoke_run):
         ]
         os.kill(trainer, signal.SIGKILL)  # the attempt the killed supervisor left running
     finally:
-        if first.poll() is None:
-            first.kill()
+        for p in (first, rival):
+            if p.poll() is None:
+                p.kill()
     killed_at = _committed(i2)
     second = invoke(*args[:2], "--backend", "local", "--run-root", str(root), "--poll", "0.5", env=env)
-    return {"root": root, "env": env, "start": start, "killed_at": killed_at, "second": second}
+    rival_run = (rival.returncode, rival_err, first.pid)
+    return {
+        "root": root,
+        "env": env,
+        "start": start,
+        "killed_at": killed_at,
+        "second": second,
+        "rival": rival_run,
+    }
+
+
+def test_a_second_supervisor_of_a_run_of_ingredients_is_refused_naming_the_first(flow):
+    """Two `resume-until-done` of one new run of ingredients at the same moment: the run of ingredients
+    has a lease as a run has, so the second exits 2 with the line a run's held lease gives, naming the
+    supervisor that holds it; no traceback."""
+    rc, err, holder = flow["rival"]
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err[-3000:]
+    assert err.startswith("error: run `soup` is supervised by ") and f" pid {holder} (since " in err, err
+    assert (
+        "stop that supervisor first, or wait for its lease to expire (300 s after its last heartbeat)" in err
+    )
 
 
 def test_every_ingredient_finishes_once_and_the_soup_is_the_last_step(flow):

@@ -6,7 +6,8 @@ for annotations only, never runs).
     core < storage, ports < rundir, data < trainer < checkpoints < trainer.__main__ < backends
          < preflight < observe < supervise < sandbox < cli
 
-(`rundir` and `data` share a layer, and so do `storage` and `ports` (a free TCP port: the lowest layer
+(`evaluation`, pure functions that score generated text, shares core's layer and imports only core;
+`rundir` and `data` share a layer, and so do `storage` and `ports` (a free TCP port: the lowest layer
 that may do I/O); the package's `__init__` (its version) is with core, `__main__` with cli.) The
 trainer's entry point (`python -m olmo_ctl.trainer`) is a layer of its own above `checkpoints`: it
 runs the training loop, or an eval job (`--eval SPEC`, `checkpoints/evaluate.py`), and nothing
@@ -21,7 +22,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "olmo_ctl"
 LAYERS = [
-    ("core", "__init__"),
+    ("core", "__init__", "evaluation"),
     ("storage", "ports"),
     ("rundir", "data"),
     "trainer",

@@ -386,13 +386,13 @@ def test_host_network_is_a_site_setting_and_names_the_identity(tmp_path, monkeyp
     env = {**clean_env(tmp_path / "x"), "OLMO_CTL_HOST_NETWORK": "true"}
     p = cli(["submit", "--recipe", "smoke", "--device", "v5p-8", *SITE, "--dry-run"], env)
     assert p.returncode == 0, p.stderr
-    (line,) = [ln for ln in p.stderr.splitlines() if "Workload Identity" in ln]
+    (line,) = [ln for ln in p.stderr.splitlines() if "Workload Identity does not apply" in ln]
     assert line.startswith("note: host_network is on") and "`olmo-trainer`" in line
     assert "hostNetwork: true" in p.stdout
     p = cli(
         ["submit", "--recipe", "smoke", "--device", "v5p-8", *SITE, "--dry-run"], clean_env(tmp_path / "x")
     )
-    assert "Workload Identity" not in p.stderr and "hostNetwork" not in p.stdout
+    assert "Workload Identity does not apply" not in p.stderr and "hostNetwork" not in p.stdout
 
 
 def test_the_plan_annotation_names_seq_shards_when_a_sequence_is_split(env):

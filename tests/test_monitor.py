@@ -649,13 +649,14 @@ def test_a_supervisor_run_again_on_a_finished_run_leaves_goodput_alone(tmp_path,
     from olmo_ctl.backends.local import LocalBackend
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.rundir import RunDir
-    from olmo_ctl.supervise.attempts import ensure_run
+    from olmo_ctl.supervise.attempts import data_fingerprint
     from olmo_ctl.supervise.policy import RetryPolicy
     from olmo_ctl.supervise.supervisor import Printer, Supervisor
 
     run = copy_run(smoke_run, tmp_path / "runs" / "done-run")
     rd = RunDir(str(run))
-    ensure_run(rd, load_recipe("smoke", overrides=[f"train.max_steps={STEPS}"]), "cpu-1")
+    rec = load_recipe("smoke", overrides=[f"train.max_steps={STEPS}"])  # the trainer's checkpoints:
+    rd.create_run(rec.to_dict(), rec.fingerprint(), data_fingerprint(rec), "cpu-1", adopt=True)
     before = build_report(load(str(run)), ask_backend=False)["goodput"]
     ck = load(str(run)).reader.series("checkpoint/save_duration_s")
     final_commit = float(ck.wall_times[-1])
@@ -776,12 +777,13 @@ def test_an_unwatched_attempt_that_ends_cleanly_is_journaled_and_succeeded(tmp_p
     from olmo_ctl.backends.local import LocalBackend
     from olmo_ctl.core.recipe import load_recipe
     from olmo_ctl.rundir import RunDir
-    from olmo_ctl.supervise.attempts import ensure_run, submit_next
+    from olmo_ctl.supervise.attempts import data_fingerprint, submit_next
 
     root = tmp_path / "runs"
     run = copy_run(smoke_run, root / "unwatched")
     rd = RunDir(str(run))
-    ensure_run(rd, load_recipe("smoke", overrides=[f"train.max_steps={STEPS}"]), "cpu-1")
+    rec = load_recipe("smoke", overrides=[f"train.max_steps={STEPS}"])  # the trainer's checkpoints:
+    rd.create_run(rec.to_dict(), rec.fingerprint(), data_fingerprint(rec), "cpu-1", adopt=True)
     be = LocalBackend(str(root))
     h = submit_next(rd, be, attempt_of(rd, 0, "cpu-1"), "first attempt")
     _, status = os.waitpid(int(h.data["pid"]), 0)  # reaped here: the backend never sees its exit code

@@ -98,6 +98,32 @@ def test_a_bad_setting_is_one_line_naming_it(value, says):
         parse_setting(value, "setting `trainer_resources`")
 
 
+@pytest.mark.parametrize(
+    ("quantity", "value"),
+    [
+        ("1E", 10**18),
+        ("100Ti", 100 * 2**40),
+        ("2Pi", 2 * 2**50),
+        ("1Ei", 2**60),
+        ("1e3", 1000),
+        ("1E3", 1000),
+    ],
+)
+def test_any_valid_quantity_parses_whatever_its_magnitude(quantity, value):
+    from olmo_ctl.core.node_resources import parse_quantity
+
+    assert parse_quantity(quantity) == value
+    # Valid: checked against what a node offers, not called "not a quantity".
+    assert parse_setting(f"cpu={quantity},memory=100Pi", "here") == {"cpu": quantity, "memory": "100Pi"}
+    with pytest.raises(BadInput, match="is more than one tpu7x-standard-4t node offers"):
+        trainer_resources_for("tpu7x", f"cpu={quantity},memory=4Gi")  # 223.37 cores allocatable
+
+
+def test_a_quantity_too_large_for_a_number_says_so():
+    with pytest.raises(BadInput, match=re.escape("memory `1e400` is too large for a number")):
+        parse_setting("cpu=2,memory=1e400", "setting `trainer_resources`")
+
+
 def _trainer(js: dict) -> dict:
     return js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][-1]
 

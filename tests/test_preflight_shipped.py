@@ -1,6 +1,6 @@
 """Preflight results shipped with the package (olmo_ctl/preflight/shipped.json, `make preflight-shipped`):
 `submit` and `preflight` answer from them without compiling while the trainer is the one that compiled
-them, and say how long a compile takes when none covers the recipe and slice. Nothing here compiles (a
+them, or lowers its steps to the same program, and say how long a compile takes when none covers the recipe and slice. Nothing here compiles (a
 compile that starts raises `Compiled`); tests/test_preflight.py (the tpu_compile lane) compiles one
 shipped result again and compares its figures.
 
@@ -149,16 +149,102 @@ def test_site_xla_flags_find_no_shipped_result(no_compile):
         pf.run_preflight(load_recipe(stage=1), get_device("tpu7x-128"), settings=site)
 
 
-def test_a_shipped_result_of_another_trainer_version_is_not_used_and_submit_says_why(no_compile):
-    data = json.loads(no_compile.read_text())
+def _stamp(path, **fields) -> None:
+    data = json.loads(path.read_text())
     for result in data["results"].values():
-        result["trainer_version"] = "0.0.1+000000000000"
-    no_compile.write_text(json.dumps(data))
+        result.update(fields)
+        if fields.get("program", "") is None:
+            del result["program"]
+    path.write_text(json.dumps(data))
+
+
+def test_another_trainer_versions_result_stands_where_this_trainer_lowers_the_same_program(
+    no_compile, monkeypatch
+):
+    """A result shipped by another trainer version answers without a compile when this trainer lowers
+    the train and eval steps to the program it was compiled from (seconds), and is kept in the user's
+    cache; another program compiles and says why; a result without a program (an older file) too."""
+    _stamp(no_compile, trainer_version="0.0.1+000000000000")
     recipe, dev = load_recipe(stage=1), get_device("tpu7x-128")
     lines: list[str] = []
+    r = pf.submit_check(recipe, dev, make_plan(recipe, dev), log=lines.append)
+    assert r is not None and r.shipped and r.fits and r.trainer_version == C.trainer_version(), r
+    assert "was compiled by trainer 0.0.1+000000000000: lowering this trainer's step" in lines[0], lines
+    assert any("the same program: its figures stand, nothing to compile" in line for line in lines), lines
+    assert "compiled by trainer 0.0.1+000000000000: this trainer lowers to the same program" in r.notes
+
+    def lowered(*a, **k):
+        raise AssertionError("lowered again: the user's cache holds the answer")
+
+    with monkeypatch.context() as m:
+        m.setattr(pf, "program_digest", lowered)
+        assert pf.run_preflight(recipe, dev).cached
+
+    monkeypatch.setenv("OLMO_CTL_CACHE_DIR", str(no_compile.parent / "cache2"))
+    _stamp(no_compile, program="sha256:0")
+    lines.clear()
     with pytest.raises(OlmoCtlError):  # the compile this test stops is reported as one that failed
         pf.submit_check(recipe, dev, make_plan(recipe, dev), log=lines.append)
+    assert "lowers to another program than trainer 0.0.1+000000000000's" in lines[-1], lines
+
+    _stamp(no_compile, program=None)
+    lines.clear()
+    with pytest.raises(OlmoCtlError):
+        pf.submit_check(recipe, dev, make_plan(recipe, dev), log=lines.append)
     assert "; the shipped result is trainer 0.0.1+000000000000's, not this" in lines[0], lines
+
+
+def test_a_comment_in_the_trainer_keeps_the_shipped_results(tmp_path):
+    """A copy of the package whose trainer differs by a comment (another trainer version) answers
+    `preflight` from the shipped result, and `make preflight-shipped` re-keys it without compiling."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(C.__file__).resolve().parents[2]
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "olmo_ctl", copy / "olmo_ctl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(root / "tools", copy / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    model = copy / "olmo_ctl" / "trainer" / "model.py"
+    model.write_text(model.read_text().replace("\ndef forward(", "\n# A comment.\ndef forward(", 1))
+    assert C.trainer_version(copy / "olmo_ctl") != C.trainer_version()
+    env = {
+        **clean_env(tmp_path / "xdg"),
+        "OLMO_CTL_CACHE_DIR": str(tmp_path / "cache"),
+        "PYTHONPATH": str(copy),
+    }
+    run = [sys.executable, "-c", "from olmo_ctl.cli import entry; entry()"]
+    p = subprocess.run(
+        [*run, "preflight", "--stage", "1", "--device", "tpu7x-128", "-o", "json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=copy,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr
+    row = json.loads(p.stdout)
+    assert row["shipped"] and row["trainer_version"] == C.trainer_version(copy / "olmo_ctl"), row
+    assert "nothing to compile" in p.stderr and "compiled in" not in p.stderr, p.stderr
+    shipped = copy / "olmo_ctl" / "preflight" / "shipped.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "tools.preflight_shipped", "smoke:v5p-8"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=copy,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "smoke:v5p-8: the same program as trainer" in p.stdout and "compiled in" not in p.stderr, p.stdout
+    (smoke,) = json.loads(shipped.read_text())["results"].values()  # the other versions' results dropped
+    want = next(r for r in _shipped()["results"].values() if r["recipe"] == "smoke")
+    assert smoke["trainer_version"] == C.trainer_version(copy / "olmo_ctl")
+    assert {k: v for k, v in smoke.items() if k != "trainer_version"} == {
+        k: v for k, v in want.items() if k != "trainer_version"
+    }
 
 
 def test_a_slice_no_shipped_result_covers_says_so_and_how_long_it_takes(no_compile):

@@ -1,5 +1,6 @@
 """Commands that compute on this machine's CPU print no TPU runtime noise: where libtpu is installed,
-`surgery soup` and `preflight`, run as a user runs them (no JAX_PLATFORMS set), print none of libtpu's
+`surgery soup`, the soup `resume-until-done` writes for a run of ingredients and `preflight`, run as a
+user runs them (no JAX_PLATFORMS set), print none of libtpu's
 `E0000 ... unexpected worker hostname`, `Failed to find host bounds` or Orbax's absl warnings."""
 
 from __future__ import annotations
@@ -60,6 +61,37 @@ def test_surgery_soup_prints_only_its_result(smoke_run, tmp_path):
         f"wrote {tmp_path / 'soup'}: float32 mean of 2 checkpoints of olmo3-smoke (weights 0.5, 0.5),"
         " 14 tensors, 250,944 parameters, float32\n"
     )
+
+
+def test_the_soup_of_a_run_of_ingredients_prints_no_tpu_errors(smoke_run, tmp_path):
+    """`resume-until-done NAME` of a run of ingredients whose ingredients are all done writes the soup
+    in the supervisor's own process, where nothing else has started JAX: as quiet as `surgery soup`.
+    The ingredients are copies of the session's smoke run (its committed step 20 is the `smoke-soup`
+    ingredients' final step), each adopted as the ingredient's run."""
+    from helpers.runs import copy_run
+
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.rundir import Composite, RunDir
+    from olmo_ctl.supervise.attempts import data_fingerprint
+
+    root = tmp_path / "runs"
+    recipe = load_recipe("smoke-soup")
+    whole = Composite(str(root), "q")
+    whole.create(recipe, None, "cpu-1", None)
+    for k, rd in enumerate(whole.runs()):
+        sub = recipe.ingredient_recipe(k)
+        copy_run(smoke_run, Path(rd.path))
+        RunDir(rd.path).create_run(
+            sub.to_dict(), sub.fingerprint(), data_fingerprint(sub), "cpu-1", adopt=True
+        )
+    p = olmo_ctl("resume-until-done", "q", "--run-root", str(root), "--backend", "local", tmp_path=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert noise(p.stdout + p.stderr) == [], p.stderr
+    assert (root / "q" / "soup" / "soup.json").exists(), p.stderr
+    assert p.stderr.splitlines() == [
+        f"note: souping 3 ingredients into {root / 'q' / 'soup'}",
+        f"note: run of ingredients `q` is done: soup of 3 in {root / 'q' / 'soup'}",
+    ]
 
 
 @pytest.mark.tpu_compile

@@ -102,6 +102,37 @@ def test_committed_steps_ignore_tmp_and_partial(rd):
     assert rd.committed_step() == 120
 
 
+def test_a_directory_that_lost_its_run_yaml_is_never_a_new_run(rd):
+    """run.yaml gone while the run's journal and checkpoints remain: no run.yaml is written there again
+    (a new one would resume the checkpoints under whatever recipe it came with); the refusal names the
+    directory and how to restore it. Checkpoint 0 alone is a seeded start (`surgery warm-adam`, an
+    ingredient's --start-from): a new run. An eval job's directory is not a run either."""
+    _write(rd, f"checkpoints/0/{COMMIT_MARKER}")
+    rd.append("submitted", attempt=1, device="cpu-1", reason="first attempt", committed_step=0)
+    _write(rd, f"checkpoints/40/{COMMIT_MARKER}")
+    with pytest.raises(BadInput) as e:
+        rd.create_run({"name": "smoke"}, "fp2", "data1", "cpu-1")
+    assert e.value.exit_code == 2
+    assert e.value.one_line() == (
+        f"run `r1` has no run.yaml, but {rd.path} still holds its journal (1 record) and checkpoints up to "
+        "step 40, which a new run.yaml would continue under whatever recipe it was given; copy the run's "
+        f"run.yaml back to {rd.p('run.yaml')} (from a backup) to continue it, or move the directory aside "
+        "to start a new run of that name"
+    )
+    assert not rd.exists()
+    seeded = RunDir.of(rd.path.rsplit("/", 1)[0], "r2")
+    seeded.store.write_bytes(seeded.p(f"checkpoints/0/{COMMIT_MARKER}"), b"x")
+    seeded.create_run({"name": "smoke"}, "fp1", "data1", "cpu-1")
+    assert seeded.read_run()["recipe_fingerprint"] == "fp1"
+    from olmo_ctl.rundir import EVAL_JOB_REASON
+
+    ev = RunDir.of(rd.path.rsplit("/", 1)[0], "r3")
+    ev.append("submitted", attempt=0, device="v5p-8", reason=EVAL_JOB_REASON, committed_step=0)
+    with pytest.raises(BadInput, match="is an eval job's output directory"):
+        ev.create_run({"name": "smoke"}, "fp1", "data1", "cpu-1")
+    assert not ev.exists()
+
+
 @pytest.mark.gcs
 def test_gcs_discovery_of_hundreds_in_one_list_call(gcs, tmp_path):
     from google.auth.credentials import AnonymousCredentials

@@ -57,7 +57,7 @@ def test_runs_lists_every_run_with_its_state_step_and_last_loss(tmp_path, smoke_
     root = tmp_path / "runs"
     done = copy_run(smoke_run, root / "done")  # 40 steps trained, checkpoints 20 and 40
     r = load_recipe("smoke", overrides=[f"train.max_steps={STEPS}"])
-    RunDir(str(done)).create_run(r.to_dict(), r.fingerprint(), "fp", "cpu-1")
+    RunDir(str(done)).create_run(r.to_dict(), r.fingerprint(), "fp", "cpu-1", adopt=True)
     new_run(root, "fresh", steps=30, device="cpu-2x2")
     stopped = new_run(root, "halted", steps=50)
     stopped.append(
@@ -430,21 +430,136 @@ def test_stop_checkpoints_ends_the_supervisor_and_a_later_submit_continues(tmp_p
 
 # ---------------------------------------------------------------- notifications and -o jsonl
 
+# A webhook URL's secrets: Slack-style in the path, a token in the query, a password in the userinfo.
+SECRETS = ("T0SECRET", "B0SECRET", "XSECRET", "QSECRET", "hunter2", "hunter%32")
+
+
+def _no_secret(text: str) -> None:
+    assert not [s for s in SECRETS if s in text], text
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("https://hooks.slack.com/services/T0SECRET/B0SECRET/XSECRET", "https://hooks.slack.com/services/***"),
+        ("https://bot:hunter2@hooks.example.com:8443/v1/T0SECRET?QSECRET#x", "https://bot:***@hooks.example.com:8443/v1/***"),
+        ("https://hunter2@ntfy.example.com/T0SECRET", "https://***@ntfy.example.com/***"),
+        ("https://:hunter2@h.example.com/?token=QSECRET", "https://***@h.example.com/***"),
+        ("https://hooks.example.com/olmo/", "https://hooks.example.com/olmo/"),
+        ("https://hooks.example.com", "https://hooks.example.com"),
+        ("hooks.slack.com/services/T0SECRET/B0SECRET", "hooks.slack.com/services/***"),  # not a URL
+    ],
+)  # fmt: skip
+def test_a_webhook_url_is_masked_to_its_scheme_host_and_first_path_segment(url, shown):
+    from olmo_ctl.core.config import mask_url, scrub_url
+
+    assert mask_url(url) == shown
+    said = scrub_url(f"cannot POST to {url}: {url.rpartition('/')[2]}", url)  # as an exception may say
+    assert said.startswith(f"cannot POST to {shown}: ")
+    _no_secret(said)
+
+
+def test_a_webhook_with_a_password_posts_it_as_basic_auth_never_in_the_url():
+    import base64
+
+    from olmo_ctl.supervise.notify import Notifier
+
+    hook = _Hook()
+    said: list[str] = []
+    url = f"http://bot%40ci:hunter%32%3A%2F@127.0.0.1:{hook.port}/services/T0SECRET/XSECRET?token=QSECRET"
+    try:
+        Notifier(url, log=said.append, sleep=lambda s: None)({"event": "finished", "text": "run x finished"})
+    finally:
+        hook.close()
+    assert said == []
+    assert hook.bodies == [{"event": "finished", "text": "run x finished"}]
+    # urllib sends no userinfo itself: the header carries it, percent-decoded; the path is untouched
+    basic = "Basic " + base64.b64encode(b"bot@ci:hunter2:/").decode()
+    assert hook.seen == [("/services/T0SECRET/XSECRET?token=QSECRET", basic)]
+
+
+def test_a_failing_webhook_never_shows_its_secret():
+    import socket
+
+    from olmo_ctl.supervise.notify import Notifier
+
+    secret_path = "/services/T0SECRET/B0SECRET/XSECRET?token=QSECRET"
+    hook = _Hook(status=500)
+    said: list[str] = []
+    try:  # the server answers 500 three times
+        url = f"http://bot:hunter2@127.0.0.1:{hook.port}{secret_path}"
+        Notifier(url, log=said.append, sleep=lambda s: None)({"event": "failed"})
+    finally:
+        hook.close()
+    assert len(hook.seen) == 3 and {a for _, a in hook.seen} == {"Basic Ym90Omh1bnRlcjI="}
+    with socket.socket() as s:  # a port nobody listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    Notifier(f"http://bot:hunter%32@127.0.0.1:{closed}{secret_path}", log=said.append, sleep=lambda s: None)(
+        {"event": "failed"}
+    )
+    # a URL urllib refuses (http.client.InvalidURL quotes it): reported, never raised
+    Notifier(f"http://127.0.0.1:notaport{secret_path}", log=said.append, sleep=lambda s: None)(
+        {"event": "failed"}
+    )
+    assert said[:2] == [
+        f"notification `failed` to http://bot:***@127.0.0.1:{hook.port}/services/*** failed: "
+        "HTTP 500 Internal Server Error",
+        f"notification `failed` to http://bot:***@127.0.0.1:{closed}/services/*** failed: "
+        "[Errno 111] Connection refused",
+    ]
+    assert len(said) == 3 and said[2].startswith(
+        "notification `failed` to http://127.0.0.1:notaport/services/*** failed: nonnumeric port"
+    )
+    _no_secret("\n".join(said))
+
+
+def test_config_show_masks_the_webhook_in_every_output_format(tmp_path):
+    url = "https://bot:hunter2@hooks.slack.com/services/T0SECRET/B0SECRET/XSECRET?token=QSECRET"
+    shown = "https://bot:***@hooks.slack.com/services/***"
+    env = {"OLMO_CTL_NOTIFY_WEBHOOK": url}
+    table = cli("config", "show", env=env)
+    assert table.returncode == 0, table.stderr
+    row = ["notify_webhook", shown, "(env", "OLMO_CTL_NOTIFY_WEBHOOK)"]
+    assert row in [ln.split() for ln in table.stdout.splitlines()]
+    got = json.loads(cli("config", "show", "-o", "json", env=env).stdout)
+    assert got["settings"]["notify_webhook"] == shown
+    assert got["sources"]["notify_webhook"] == "env OLMO_CTL_NOTIFY_WEBHOOK"
+    yaml_out = cli("config", "show", "-o", "yaml", env=env)
+    assert f"notify_webhook: {shown}" in yaml_out.stdout
+    for p in (table, yaml_out):
+        _no_secret(p.stdout + p.stderr)
+    # from the config file too, and a value refused there shows no secret either
+    home = tmp_path / "cfg"
+    (home / "olmo-ctl").mkdir(parents=True)
+    config = home / "olmo-ctl" / "config.yaml"
+    config.write_text(f"notify_webhook: {url}\n")
+    from_file = cli("config", "show", "-o", "json", env={"XDG_CONFIG_HOME": str(home)})
+    assert json.loads(from_file.stdout)["settings"]["notify_webhook"] == shown
+    for bad in (url.replace("https", "ftp"), f"[{url}]"):
+        config.write_text(f"notify_webhook: {bad}\n")
+        refused = cli("config", "show", env={"XDG_CONFIG_HOME": str(home)})
+        assert refused.returncode == 2 and "notify_webhook" in refused.stderr
+        _no_secret(refused.stdout + refused.stderr)
+
 
 class _Hook:
-    """A real HTTP server on localhost that records each POST (and answers `status`)."""
+    """A real HTTP server on localhost that records each POST (and answers `status`): its body, and
+    the path and Authorization header it came with (`seen`)."""
 
     def __init__(self, status: int = 200):
         import http.server
         import threading
 
         self.bodies: list[dict] = []
+        self.seen: list[tuple[str, str | None]] = []
         hook = self
 
         class H(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 n = int(self.headers.get("Content-Length", 0))
                 hook.bodies.append(json.loads(self.rfile.read(n)))
+                hook.seen.append((self.path, self.headers.get("Authorization")))
                 self.send_response(status)
                 self.end_headers()
 
@@ -453,7 +568,8 @@ class _Hook:
 
         self.server = http.server.HTTPServer(("127.0.0.1", 0), H)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+        self.port = self.server.server_port
+        self.url = f"http://127.0.0.1:{self.port}/hook"
 
     def close(self):
         self.server.shutdown()
@@ -466,7 +582,7 @@ def test_a_finished_run_notifies_the_webhook_and_the_command_and_jsonl_is_one_ob
     root = tmp_path / "runs"
     run = copy_run(smoke_run, root / "fin")
     r = load_recipe("smoke", overrides=[f"train.max_steps={STEPS}"])
-    RunDir(str(run)).create_run(r.to_dict(), r.fingerprint(), "fp", "cpu-1")
+    RunDir(str(run)).create_run(r.to_dict(), r.fingerprint(), "fp", "cpu-1", adopt=True)
     got = tmp_path / "notified.json"
     hook = _Hook()
     try:
@@ -522,7 +638,7 @@ def test_a_failed_run_notifies_and_a_failing_notifier_changes_nothing(tmp_path):
     assert {b["event"] for b in hook.bodies} == {"failed"} and hook.bodies[0]["exit_code"] == 1
     assert hook.bodies[0]["text"].startswith("run nan failed at step 0/20: failed-user")
     assert said == [
-        f"notification `failed` to {hook.url} failed: HTTP 500 Internal Server Error",
+        f"notification `failed` to http://127.0.0.1:{hook.port}/*** failed: HTTP 500 Internal Server Error",
         "notification command for `failed` exited 3: nope",
     ]
     # -o jsonl: the submission and the failure as their journal records, the log lines as one object
@@ -536,7 +652,7 @@ def test_a_notify_webhook_that_is_not_a_url_is_refused_in_one_line(tmp_path):
     p = cli("config", "show", env={"OLMO_CTL_NOTIFY_WEBHOOK": "ftp://hooks.example.com/x"})
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr == (
-        "error: setting `notify_webhook` (env OLMO_CTL_NOTIFY_WEBHOOK): `ftp://hooks.example.com/x` is not an "
+        "error: setting `notify_webhook` (env OLMO_CTL_NOTIFY_WEBHOOK): `ftp://hooks.example.com/***` is not an "
         "http:// or https:// URL; e.g. https://hooks.example.com/olmo\n"
     )
     ok = cli("config", "show", "-o", "json", env={"OLMO_CTL_NOTIFY_COMMAND": "notify-send olmo"})

@@ -4,6 +4,7 @@ the node rules the faults set off (`olmo_ctl.sandbox.cluster.nodes`), read back 
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.request
 
@@ -16,12 +17,21 @@ from olmo_ctl.core.errors import BadInput
 from olmo_ctl.sandbox.cluster.objects import find_cond
 from olmo_ctl.sandbox.faults import CONTROL_PATH, KINDS, parse_fault
 from olmo_ctl.sandbox.sandbox import Sandbox, start_subprocess, stop_subprocess
+from olmo_ctl.sandbox.tls import client_context
+
+
+def served(kc_path) -> tuple[str, str, ssl.SSLContext]:
+    """The served sandbox's address, token and a TLS context trusting its certificate (its kubeconfig's)."""
+    cluster = yaml.safe_load(kc_path.read_text())["clusters"][0]["cluster"]
+    user = yaml.safe_load(kc_path.read_text())["users"][0]["user"]
+    return cluster["server"], user["token"], client_context(cluster["certificate-authority-data"])
 
 
 def get(kc_path, path: str) -> dict:
-    cfg = yaml.safe_load(kc_path.read_text())
-    url = cfg["clusters"][0]["cluster"]["server"] + path
-    with urllib.request.urlopen(url, timeout=10) as r:
+    """GET through the API with the kubeconfig's token, as every client of the sandbox must."""
+    server, token, tls = served(kc_path)
+    req = urllib.request.Request(server + path, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10, context=tls) as r:
         return json.loads(r.read())
 
 
@@ -99,15 +109,72 @@ def test_bad_input_to_sandbox_fault_is_one_line_exit_2_and_changes_nothing(runni
 
 
 def test_the_control_path_needs_the_kubeconfigs_token(running):
-    cfg = yaml.safe_load(running.read_text())
-    url = cfg["clusters"][0]["cluster"]["server"] + CONTROL_PATH
+    server, _, tls = served(running)
     body = json.dumps({"kind": "capacity", "nodes": 0}).encode()
     for headers in ({}, {"Authorization": "Bearer not-the-token"}):
-        req = urllib.request.Request(url, data=body, method="POST", headers=headers)
+        headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(server + CONTROL_PATH, data=body, method="POST", headers=headers)
         with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(req, timeout=10)
+            urllib.request.urlopen(req, timeout=10, context=tls)
         assert e.value.code == 401
     assert len(nodes(running)) == 2
+
+
+def test_the_served_api_needs_the_kubeconfigs_token_and_its_own_address(running):
+    """`olmo-ctl sandbox` serves nobody but the holder of its kubeconfig: HTTPS with the certificate
+    its kubeconfig names (kubectl sends a token over TLS only); no token or another one is 401,
+    another Host (a rebound DNS name) 421, a text/plain body 415; nothing is created."""
+    server, token, tls = served(running)
+    assert server.startswith("https://127.0.0.1:")
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        urllib.request.urlopen(server + "/version", timeout=10)  # not a certificate anyone vouches for
+    jobs = server + "/apis/batch/v1/namespaces/default/jobs"
+    body = json.dumps({"metadata": {"name": "x"}, "spec": {}}).encode()
+    for method, url, data, headers, code in (
+        ("GET", server + "/api/v1/nodes", None, {}, 401),
+        ("GET", server + "/api/v1/nodes", None, {"Authorization": "Bearer not-the-token"}, 401),
+        ("POST", jobs, body, {"Content-Type": "application/json"}, 401),
+        (
+            "GET",
+            server + "/api/v1/nodes",
+            None,
+            {"Authorization": f"Bearer {token}", "Host": "evil.example"},
+            421,
+        ),
+        ("POST", jobs, body, {"Authorization": f"Bearer {token}", "Content-Type": "text/plain"}, 415),
+    ):
+        req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10, context=tls)
+        assert e.value.code == code, (method, headers)
+        assert json.loads(e.value.read())["kind"] == "Status"
+    assert get(running, "/apis/batch/v1/jobs")["items"] == []
+    assert len(nodes(running)) == 2
+
+
+def test_a_kubeconfig_of_another_sandbox_is_exit_2_and_changes_nothing(tmp_path):
+    """A stale kubeconfig (another sandbox's token, or its certificate while another now serves on the
+    port) is refused as bad input, naming the file; the sandbox's nodes are as they were."""
+    with Sandbox(slices={"v5p-8": 1}, require_token=True) as sb, Sandbox(require_token=True) as other:
+        kc = sb.write_kubeconfig(tmp_path / "sb.kubeconfig")
+        cfg = yaml.safe_load(kc.read_text())
+        cfg["users"][0]["user"]["token"] = other.token
+        stale = tmp_path / "stale-token.kubeconfig"
+        stale.write_text(yaml.safe_dump(cfg))
+        r = fault(stale, "host-event")
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith(f"error: the sandbox at {sb.url} refused the token of `{stale}`"), r.stderr
+        cfg = yaml.safe_load(kc.read_text())
+        cfg["clusters"][0]["cluster"]["certificate-authority-data"] = yaml.safe_load(
+            other.write_kubeconfig(tmp_path / "other.kubeconfig").read_text()
+        )["clusters"][0]["cluster"]["certificate-authority-data"]
+        stale = tmp_path / "stale-certificate.kubeconfig"
+        stale.write_text(yaml.safe_dump(cfg))
+        r = fault(stale, "host-event")
+        assert r.returncode == 2, r.stderr
+        assert "is not the sandbox that wrote" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        assert all(find_cond(n, "Ready")["status"] == "True" for n in sb.world.items("Node", None))
+        assert fault(kc, "host-event").returncode == 0  # its own kubeconfig still drives it
 
 
 def test_no_sandbox_serving_is_exit_3_and_a_real_kubeconfig_is_refused(tmp_path):

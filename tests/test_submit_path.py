@@ -257,6 +257,102 @@ def test_submit_on_a_finished_run_submits_nothing_and_an_existing_run_needs_no_r
     assert [r["attempt"] for r in rd.journal() if r["event"] == "submitted"] == [1]
 
 
+def _smoke_run(root: Path, name: str, *, attempts: int = 0):
+    """Run `name` of the smoke recipe on cpu-2 under `root`, made by hand: run.yaml, and `attempts`
+    submitted attempts in its journal (nothing ran)."""
+    from olmo_ctl.core.recipe import load_recipe
+    from olmo_ctl.rundir import RunDir
+    from olmo_ctl.supervise.attempts import data_fingerprint
+
+    r = load_recipe("smoke")
+    rd = RunDir.of(str(root), name)
+    rd.create_run(r.to_dict(), r.fingerprint(), data_fingerprint(r), "cpu-2", 1)
+    for n in range(1, attempts + 1):
+        rd.append("submitted", attempt=n, device="cpu-2", slices=1, reason="by hand", committed_step=0)
+    return rd
+
+
+def _listing(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_a_dry_run_refuses_what_submit_refuses_and_shows_the_attempt_submit_would_send(clean_env, capsys):
+    """`submit --dry-run` of an existing run prepares it as `submit` does: the run's own recipe and device
+    (no --recipe or --device needed), the same refusal (line and exit code) for another recipe, another
+    device or a live supervisor's lease, the attempt number submit would give (the journal's next, above
+    any the lease reserved), and nothing sent for a complete run. Nothing is written."""
+    import json
+
+    root = clean_env / "runs"
+    rd = _smoke_run(root, "e", attempts=2)
+    loc = ["--backend", "local", "--run-root", str(root), "--run", "e"]
+
+    def attempt_shown(*extra: str) -> str:
+        assert _cli("submit", *loc, *extra, "--dry-run", "-o", "json") == 0
+        argv = json.loads(capsys.readouterr().out)["argv"]
+        return argv[argv.index("--attempt") + 1]
+
+    assert attempt_shown() == "3"
+    assert attempt_shown("--recipe", "smoke", "--device", "cpu-2") == "3"
+    lease = rd.acquire_lease(ttl_s=60)  # a live supervisor of the run (this process)
+    rd.reserve_attempt(lease, 5)
+    before = _listing(root)
+    for refused in (
+        ["--recipe", "smoke", "--set", "optimizer.lr=0.05"],
+        ["--device", "cpu-4"],
+        ["--no-preflight"],  # the lease
+    ):
+        assert _cli("submit", *loc, *refused) == 2
+        real = capsys.readouterr().err
+        assert _cli("submit", *loc, *refused, "--dry-run") == 2
+        dry = capsys.readouterr()
+        assert dry.err == real and real.count("\n") == 1 and dry.out == "", (refused, real, dry.err)
+    assert "is supervised by" in real
+    assert _listing(root) == before
+    rd.release_lease(lease)
+    assert attempt_shown() == "6"  # above the number the lease reserved, as submit takes it
+    rd.store.write_bytes(rd.p("checkpoints/100/commit_success.txt"), b"")
+    before = _listing(root)
+    assert _cli("submit", *loc, "--dry-run") == 0
+    done = capsys.readouterr()
+    assert done.out == "" and "run `e` is complete (checkpoint 100 of 100 committed)" in done.err
+    assert [r["attempt"] for r in rd.journal() if r["event"] == "submitted"] == [1, 2]
+    assert _listing(root) == before
+
+
+def test_a_run_directory_that_lost_its_run_yaml_is_not_a_new_run(clean_env, capsys):
+    """A run's journal and checkpoints without its run.yaml: `submit` (and its --dry-run) and
+    `resume-until-done`, with a recipe or without, exit 2 naming the directory and how to restore the
+    recipe, and write nothing (no new run.yaml that would train steps 41-50 under another recipe)."""
+    root = clean_env / "runs"
+    run = root / "x"
+    (run / "checkpoints" / "40").mkdir(parents=True)
+    (run / "checkpoints" / "40" / "commit_success.txt").write_text("")
+    (run / "journal.jsonl").write_text(
+        '{"time": "2026-01-01T00:00:00.000000Z", "event": "submitted", "attempt": 1, "device": "cpu-1", '
+        '"reason": "first attempt", "committed_step": 0}\n'
+    )
+    before = _listing(root)
+    loc = ["--backend", "local", "--run-root", str(root)]
+    new = ["--recipe", "smoke", "--set", "optimizer.lr=0.05", "--device", "cpu-1"]
+    for argv in (
+        ["submit", "--run", "x", *new, "--dry-run"],
+        ["submit", "--run", "x", *new],
+        ["submit", "--run", "x"],
+        ["resume-until-done", "x", *new],
+        ["resume-until-done", "x"],
+    ):
+        assert _cli(*argv, *loc) == 2, argv
+        err = capsys.readouterr().err
+        assert err == (
+            f"error: run `x` has no run.yaml, but {run} still holds its journal (1 record) and checkpoints up "
+            "to step 40, which a new run.yaml would continue under whatever recipe it was given; copy the "
+            f"run's run.yaml back to {run}/run.yaml (from a backup) to continue it, or move the directory "
+            "aside to start a new run of that name\n"
+        ), (argv, err)
+        assert _listing(root) == before, argv
+
+
 def _live(rd) -> bool:
     from olmo_ctl.backends.local import LocalBackend
     from olmo_ctl.supervise.attempts import live_attempt

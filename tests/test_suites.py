@@ -112,7 +112,7 @@ def test_verify_hands_the_suite_to_the_runs_evaluators(smoke_run, tmp_path, env)
     shutil.copytree(smoke_run, run)
     r = load_recipe("smoke", overrides=[f"data.tokenizer={tmp_path / 'no-tokenizer'}"])
     assert not r.eval.downstream.tasks
-    RunDir(str(run)).create_run(r.to_dict(), r.fingerprint(), "", "cpu-1")
+    RunDir(str(run)).create_run(r.to_dict(), r.fingerprint(), "", "cpu-1", adopt=True)
     p = invoke(
         "verify", str(run), "--reference", str(smoke_run), "--suite", "case-study", "--lm", LM, env=env
     )

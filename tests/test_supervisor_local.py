@@ -225,6 +225,28 @@ def test_off_a_terminal_progress_is_a_line_at_most_every_interval_and_only_when_
     ]
 
 
+def test_off_a_terminal_progress_comes_every_ten_seconds_then_once_a_minute_after_ten_minutes():
+    """By default (a pipe: `make demo > log`, CI, `nohup`), a short run's steps are seen as they go: a
+    line at most every 10 s while the step moves, for the first 10 minutes; then at most once a minute,
+    so a days-long run's log stays readable."""
+    now = [1_800_000_000.0]
+    pipe = io.StringIO()
+    p = Printer("r1", stream=pipe, clock=lambda: now[0])
+    for t, step in ((0, 0), (5, 5), (10, 20), (20, 20), (25, 30), (601, 400), (631, 420), (662, 450)):
+        now[0] = 1_800_000_000.0 + t
+        p.progress(step, 1000, None)
+    assert [ln.split(": ", 1)[1] for ln in pipe.getvalue().splitlines()] == [
+        "step 0/1000 (0.0%), ETA ?",
+        # 5 s: too soon
+        "step 20/1000 (2.0%), ETA ?",
+        # 20 s: the step is the one last printed
+        "step 30/1000 (3.0%), ETA ?",
+        "step 400/1000 (40.0%), ETA ?",  # past 10 minutes: once a minute from here
+        # 631 s: too soon after 601 s
+        "step 450/1000 (45.0%), ETA ?",
+    ]
+
+
 # ---------------------------------------------------------------- the real trainer
 
 

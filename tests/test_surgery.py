@@ -173,3 +173,35 @@ def test_stage2_to_stage3_hand_off_with_packing_yarn_and_seq_shards(src, tmp_pat
     after, meta = load(dst / "checkpoints" / "2")
     assert int(after["opt"]["count"]) == 42  # the stage-2 moments, updated on
     assert meta["data"]["batches_seen"] == 2 and ":packed=g8:" in meta["data"]["fingerprint"]
+
+
+def test_a_step_without_its_commit_marker_is_never_restored_listed_or_souped(src, tmp_path):
+    """A step directory copied by hand and cut off midway (no commit marker, two files missing) is not
+    a checkpoint for anyone: the run directory, `open_step` (surgery, `--start-from`, `--init-from`),
+    the soup (which writes nothing) and the trainer, which restores the step before it and moves the
+    half copy aside (never deleting it) so the step can be saved again."""
+    from olmo_ctl.checkpoints.surgery import check_committed
+    from olmo_ctl.core.errors import BadInput
+    from olmo_ctl.rundir import RunDir
+
+    run = copy_run(src, tmp_path / "half")
+    half = run / "checkpoints" / "40"
+    for f in ("commit_success.txt", "meta/metadata", "state/_METADATA"):
+        (half / f).unlink()
+    assert RunDir(str(run)).committed_steps() == [20]
+    for check in (open_step, check_committed):
+        with pytest.raises(BadInput, match="not a committed checkpoint"):
+            check(str(half))
+    p = olmo_ctl(
+        "surgery", "soup", str(half), str(src / "checkpoints" / "40"), "--out", str(tmp_path / "s"), expect=2
+    )
+    assert "not a committed checkpoint" in p.stderr and "Traceback" not in p.stderr
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("s")]
+
+    p = train(run, "--stop-at-step", "40")
+    assert "restored checkpoint 20" in p.stdout and "has no commit marker" in p.stdout, p.stdout[-2000:]
+    assert RunDir(str(run)).committed_steps() == [20, 40]
+    (aside,) = os.listdir(run / "checkpoints.uncommitted")
+    assert aside.startswith("40-") and (run / "checkpoints.uncommitted" / aside / "state").is_dir()
+    want, got = scalars(src), scalars(run)
+    assert all(got["train/CE loss"][s] == want["train/CE loss"][s] for s in range(21, 41))

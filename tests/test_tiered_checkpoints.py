@@ -105,3 +105,42 @@ def test_a_kill_anywhere_in_the_deletion_window_loses_nothing(tmp_path, smoke_ru
     assert same_steps(scalars(smoke_run), got, range(1, 41)) == []
     for tag in TAGS:
         assert sorted(got[tag]) == list(range(1, 46))
+
+
+def test_a_checkpoint_keeps_the_class_it_was_saved_with_when_the_interval_is_amended(tmp_path):
+    """`amend --set checkpoint.interval=15` after permanent 20 / ephemeral 5 to step 30: 20 stays
+    (permanent when saved), 30 goes (ephemeral when saved); a checkpoint saved before the class was
+    recorded is permanent at a multiple of any interval the run has had."""
+    import jax.numpy as jnp
+
+    from olmo_ctl.rundir import checkpoint_intervals, saved_permanent
+    from olmo_ctl.trainer.checkpoint import Checkpointer
+
+    d = tmp_path / "checkpoints"
+    state = {"w": jnp.arange(4, dtype=jnp.float32)}
+    ck = Checkpointer(str(d), keep=0, async_save=False, permanent_every=20)
+    for step in range(5, 31, 5):
+        ck.save(step, state, {"step": step})
+    ck.close()
+    assert committed(tmp_path) == [20, 30]
+    ck = Checkpointer(str(d), keep=0, async_save=False, permanent_every=15)
+    for step in (35, 40):
+        ck.save(step, state, {"step": step})
+    ck.close()
+    assert committed(tmp_path) == [20, 40]
+
+    meta = d / "20" / "meta" / "metadata"  # as a checkpoint written before the class was recorded
+    doc = json.loads(meta.read_text())
+    assert doc.pop("permanent") is True
+    meta.write_text(json.dumps(doc))
+    assert not saved_permanent(str(d), 20, (15,))
+    run_doc = {
+        "recipe": {"checkpoint": {"interval": 20}},
+        "amendments": [{"values": {"checkpoint.interval": 15}}],
+    }
+    assert checkpoint_intervals(run_doc) == (20, 15)
+    assert saved_permanent(str(d), 20, checkpoint_intervals(run_doc))
+    ck = Checkpointer(str(d), keep=0, async_save=False, permanent_every=15, past_intervals=(20,))
+    ck.save(45, state, {"step": 45})
+    ck.close()
+    assert committed(tmp_path) == [20, 45]

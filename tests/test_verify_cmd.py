@@ -158,7 +158,7 @@ def test_a_missing_tokenizer_is_exit_2_before_any_checkpoint_is_read(smoke_run, 
     run = tmp_path / "run"
     shutil.copytree(smoke_run, run)
     r = load_recipe("smoke", overrides=[f"data.tokenizer={tmp_path / 'no-tokenizer'}"])
-    RunDir(str(run)).create_run(r.to_dict(), r.fingerprint(), "", "cpu-1")
+    RunDir(str(run)).create_run(r.to_dict(), r.fingerprint(), "", "cpu-1", adopt=True)
     args = ("--tasks", "copycolors_10way", "--lm", LM)
     p = invoke("verify", str(run), "--reference", str(smoke_run), *args, env=env)
     assert p.returncode == 2 and "no-tokenizer" in p.stderr and "tokenizer.json" in p.stderr, p.stderr

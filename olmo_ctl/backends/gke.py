@@ -129,7 +129,8 @@ class GKEBackend(Backend[dict]):
         if not dev.is_tpu and not dev.is_gpu_nodes:
             raise BadInput(
                 f"`{dev.name}` is a local device; the GKE backend runs on TPU slices and GPU nodes",
-                "use --backend local, or a TPU device such as tpu7x-128",
+                "for a local run add --backend local (cpu-N and gpu-N devices run on this machine), "
+                "or use a TPU device such as tpu7x-128",
             )
         settings = settings or self.settings
         if settings is None:

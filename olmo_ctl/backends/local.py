@@ -49,7 +49,10 @@ from olmo_ctl.core.contracts import (
 )
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.ports import free_port
-from olmo_ctl.rundir import proc_start_time  # noqa: F401 - also what callers import from here
+from olmo_ctl.rundir import (
+    proc_start_time,  # noqa: F401 - also what callers import from here
+    warn,
+)
 
 if TYPE_CHECKING:
     from olmo_ctl.core.config import Settings
@@ -264,9 +267,8 @@ class LocalBackend(Backend[LocalRequest]):
 
     def _info(self, handle: Handle) -> dict:
         try:
-            with open(self._attempt_file(handle.data["state_dir"], handle.attempt)) as f:
-                return json.load(f)
-        except (OSError, ValueError, KeyError):
+            return read_attempt_file(self._attempt_file(handle.data["state_dir"], handle.attempt)) or {}
+        except KeyError:
             return {}
 
     @staticmethod
@@ -518,10 +520,8 @@ class LocalBackend(Backend[LocalRequest]):
             names = []
         out = []
         for n in names:
-            try:
-                with open(os.path.join(d, f"{n}.json")) as f:
-                    info = json.load(f)
-            except (OSError, ValueError):
+            info = read_attempt_file(os.path.join(d, f"{n}.json"))
+            if info is None:
                 continue
             if info.get("exit_code") is None and self._is_ours(info):
                 out.append(
@@ -595,6 +595,58 @@ class LocalBackend(Backend[LocalRequest]):
                 "pids": [p for _, p, _ in procs],
             },
         )
+
+
+def attempt_file_problem(info: object) -> str | None:
+    """Why a parsed attempts/<N>.json is not an attempt file (the fields `status` computes with), else None."""
+    if not isinstance(info, dict):
+        return "not a JSON object"
+    ints, strs = ("pid", "pgid", "exit_code"), ("start_time", "host", "run_dir", "log")
+    for k in ints:
+        if info.get(k) is not None and (type(info[k]) is not int):
+            return f"`{k}` is not an integer"
+    for k in strs:
+        if info.get(k) is not None and not isinstance(info[k], str):
+            return f"`{k}` is not a string"
+    hosts = info.get("hosts")
+    if hosts is not None and not (
+        isinstance(hosts, list)
+        and all(
+            isinstance(h, dict)
+            and all(h.get(k) is None or type(h[k]) is int for k in ("pid", "exit_code"))
+            and (h.get("start_time") is None or isinstance(h["start_time"], str))
+            and (h.get("ended") is None or type(h["ended"]) in (int, float))
+            for h in hosts
+        )
+    ):
+        return "`hosts` is not a list of {pid, start_time, exit_code}"
+    return None
+
+
+def read_attempt_file(path: str) -> dict | None:
+    """attempts/<N>.json; None when there is none, or when it cannot be read (torn, or edited by hand:
+    one warning naming it, and it counts as absent: its trainers, if alive, are still found by their
+    command lines, `_find_unrecorded`)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        warn(f"`{path}` cannot be read ({e.strerror}): skipped, as if absent", once_key=path)
+        return None
+    try:
+        info = json.loads(data)
+        why = attempt_file_problem(info)
+    except ValueError:
+        why = "not JSON" if data.strip() else "empty"
+    if why is not None:
+        warn(
+            f"`{path}` is not an attempt file ({why}): skipped, as if absent (torn, or edited by hand?)",
+            once_key=path,
+        )
+        return None
+    return info
 
 
 def _host_of(pid: int) -> int:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import LMEvalConfig, ModelConfig, Recipe, load_recipe, tokenizer_spec
+from olmo_ctl.data.tokenizer import BYTES_TOKENIZER
 from olmo_ctl.storage import is_gcs, join, store_for
 
 DEFAULT_SEQ_LEN = 2048  # without a recipe (capped by config.json's max_position_embeddings)
@@ -27,7 +28,7 @@ ROWS = 8  # instances per forward pass: up to this, a multiple of the devices
 LOGITS_BYTES = 2 * 2**30  # ... and their fp32 logits at most this, unless one row per device is more
 CHECKPOINT_HINT = (
     "pass <run-dir>/checkpoints/<N>, an Orbax directory with olmo_model.json (`olmo-ctl convert"
-    " hf-to-orbax`) or a Hugging Face Olmo3ForCausalLM directory (config.json)"
+    " hf-to-orbax`) or a Hugging Face OLMo 2 or OLMo 3 directory (config.json)"
 )
 
 
@@ -219,7 +220,7 @@ def _checked(
         where = "its run's recipe has" if ckpt.recipe else "a checkpoint without a recipe has"
         raise BadInput(
             f"nothing to evaluate: no downstream tasks and no LM sets ({where} none)",
-            "--tasks LABEL,... (e.g. --tasks olmo3) or --lm MIX|LABEL=PATH,...",
+            what_to_evaluate(ckpt.recipe),
         )
     if known_labels:
         D.check_tasks(labels)
@@ -245,6 +246,25 @@ def _checked(
             )
         sets = resolve_sets(r)  # a missing file is named now
     return r, sets
+
+
+# Tasks a byte-level tokenizer builds at the smoke model's 128-token sequence (AI2's `olmo3` set does
+# not: its `_fast` choices are not one token each, and some continuations are longer than 128 bytes).
+BYTE_LEVEL_TASKS = ("copycolors_10way", "arc_easy_test_bpb_5shot")
+
+
+def what_to_evaluate(recipe: Recipe | None) -> str:
+    """What to ask for when a checkpoint has nothing to evaluate by default, for its model: the held-out
+    files of its recipe's `data.eval` as an LM set, and tasks its tokenizer can build (for a byte-level
+    model such as the smoke recipe's, the byte-level ones, not AI2's `olmo3` set)."""
+    lm = "--lm MIX|LABEL=PATH,..."
+    if recipe is not None and recipe.data.eval:
+        sets = ",".join(f"held_out={p}" for p in recipe.data.eval)
+        lm = f"--lm '{sets}' (its recipe's held-out data, data.eval)"
+    tasks = "--tasks LABEL,... (e.g. --tasks olmo3)"
+    if recipe is not None and tokenizer_spec(recipe) == BYTES_TOKENIZER:
+        tasks = f"--tasks {','.join(BYTE_LEVEL_TASKS)} --limit 20 (tasks its byte-level tokenizer builds)"
+    return f"{lm}, or {tasks}"
 
 
 def check_tasks(labels, tokenizer: str) -> None:

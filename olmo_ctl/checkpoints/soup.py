@@ -312,7 +312,17 @@ def _check_destination(out: str) -> None:
 def soup(
     checkpoints: list[str], out: str, weights: list[float] | None = None, recipe: str | None = None
 ) -> dict:
-    """Write the weighted mean of the parameters of `checkpoints` to OUT; returns the manifest."""
+    """Write the weighted mean of the parameters of `checkpoints` to OUT; returns the manifest. On the
+    CPU, quietly, whatever the caller's environment says (`trainer.quiet.cpu_only_while`: a supervisor
+    that soups a run of ingredients starts JAX here, and libtpu's start-up would log errors on a
+    machine without a TPU); the environment is restored after."""
+    from olmo_ctl.trainer.quiet import cpu_only_while
+
+    with cpu_only_while():
+        return _soup(checkpoints, out, weights, recipe)
+
+
+def _soup(checkpoints: list[str], out: str, weights: list[float] | None, recipe: str | None) -> dict:
     from olmo_ctl.checkpoints.surgery import quiet_orbax
 
     quiet_orbax()
@@ -372,7 +382,7 @@ def read_manifest(path: str) -> dict | None:
         return None
     try:
         doc = json.loads(store.read_bytes(p).decode())
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, NotADirectoryError, IsADirectoryError):
         return None
     return doc if isinstance(doc, dict) and doc.get("kind") == "soup" else None
 

@@ -36,6 +36,7 @@ COMMAND_MODULES = {
     "devices": "devices",
     "doctor": "doctor",
     "eval": "evaluate",
+    "generate": "generate",
     "logs": "logs",
     "monitor": "monitor",
     "parity": "parity",

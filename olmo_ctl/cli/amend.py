@@ -37,8 +37,6 @@ def amend(
     started unless --restart. The model, data, seeds, batch and optimizer cannot change: a device
     change is `resize`, anything else a new run.
 
-    Example: olmo-ctl amend olmo3-7b-s1 --set train.max_steps=1668931
-
     Exit codes: 0 recorded (and, with --restart, the attempt stopped or the request handed to the
     supervisor), 2 bad input (nothing changed), 3 cluster or storage unreachable, 124 no checkpoint
     within --timeout (the amendment stays recorded for the next attempt).

@@ -10,6 +10,7 @@ example at the end of its `--help` (`@app.command(example=...)`), argument names
 """
 
 import json
+import os
 import sys
 from enum import Enum
 from typing import Annotated, Any
@@ -43,6 +44,7 @@ COMMAND_ORDER = (
     "parity",
     "eval",
     "verify",
+    "generate",
     "surgery",
     "sandbox",
 )
@@ -188,18 +190,33 @@ def _version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-@app.callback(epilog="olmo-ctl plan --stage 1 --device tpu7x-128")
+def _models() -> str:
+    """The models `--model` names, as the top-level help says them: `OLMo 3 7B, OLMo 2 32B and OLMo 3
+    32B` (from MODEL_STAGE_RECIPES, so a model added there is said here)."""
+    names = [
+        f"OLMo {m.removeprefix('olmo')[0]} {m.rpartition('-')[2].upper()}"
+        if m.startswith("olmo") and "-" in m
+        else m
+        for m in MODEL_STAGE_RECIPES
+    ]
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+
+
+ROOT_HELP = (
+    f"Run {_models()} pre-training, mid-training and long-context extension (their stages 1-3) on TPU "
+    "slices or GPU nodes (GKE, JobSet, Kueue), or on this machine (the local backend).\n\n"
+    "`olmo-ctl COMMAND -h` gives each command's options, exit codes and one example."
+)
+
+
+@app.callback(epilog="olmo-ctl plan --stage 1 --device tpu7x-128", help=ROOT_HELP)
 def _root(
     version: Annotated[
         bool,
         typer.Option("--version", is_eager=True, callback=_version, help="Print the version and exit."),
     ] = False,
 ) -> None:
-    """Run OLMo 3 7B pre-training, mid-training and long-context extension (stages 1-3) on TPU slices
-    (GKE, JobSet, Kueue) or on this machine.
-
-    `olmo-ctl COMMAND -h` gives each command's options, exit codes and one example.
-    """
+    """The top-level help is ROOT_HELP."""
 
 
 class Output(str, Enum):
@@ -265,7 +282,33 @@ def plural(n: int, word: str, many: str | None = None) -> str:
     return f"{n} {word if n == 1 else many or word + 's'}"
 
 
+# ---------------------------------------------------------------- the width of human output
+# One rule for every table, list and note a person reads: it fits `output_width()` columns, laid out
+# by core/text.py (broken at spaces only: a word longer than the width, a path or a URL, is kept
+# whole; copied, it still works). JSON and YAML are never wrapped; rich renderables (`console()`)
+# follow the same rule at a terminal.
+
+MIN_WIDTH = 40  # a narrower terminal gets 40-column lines rather than one word a line
+
+
+def output_width(stream: Any = None) -> int | None:
+    """The columns human output on `stream` (default stdout) fits in: $COLUMNS when set, else the
+    terminal's width when `stream` is a terminal; None (lines never broken) for a pipe or a file."""
+    env = os.environ.get("COLUMNS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return max(int(env), MIN_WIDTH)
+    stream = sys.stdout if stream is None else stream
+    try:
+        if stream.isatty():
+            return max(os.get_terminal_size(stream.fileno()).columns, MIN_WIDTH)
+    except (AttributeError, ValueError, OSError):
+        pass
+    return None
+
+
 def console():
+    """A rich Console: it reads $COLUMNS, else the terminal's width (again at each refresh of
+    `monitor --watch`), as `output_width` does; piped, rich lays out 80 columns."""
     from rich.console import Console
 
     return Console()

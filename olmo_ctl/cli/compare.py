@@ -6,6 +6,7 @@ import typer
 
 from olmo_ctl.cli.app import Output, OutputOpt, app, console, print_data
 from olmo_ctl.cli.monitor import _g
+from olmo_ctl.core.contracts import primary_loss_tag
 
 
 @app.command(example="olmo-ctl compare runs/smoke-straight runs/smoke-resumed")
@@ -21,7 +22,8 @@ def compare(
         ),
     ],
     tags: Annotated[
-        list[str] | None, typer.Option("--tags", help="Tag to compare (repeatable); default train/CE loss.")
+        list[str] | None,
+        typer.Option("--tags", help=f"Tag to compare (repeatable); default {primary_loss_tag()}."),
     ] = None,
     bin_steps: Annotated[int, typer.Option("--bin", help="Steps per bin for binned means.")] = 2000,
     threshold: Annotated[

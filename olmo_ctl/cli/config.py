@@ -8,14 +8,24 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.backends import placeholders
-from olmo_ctl.cli.app import OlmoTyper, Output, OutputOpt, app, print_data
+from olmo_ctl.cli.app import OlmoTyper, Output, OutputOpt, app, output_width, print_data
 from olmo_ctl.cli.options import SiteFlags, note, site_options
-from olmo_ctl.core.config import DESCRIPTIONS, Settings, config_path, setting_names
+from olmo_ctl.core.config import DESCRIPTIONS, Settings, config_path, mask_url, setting_names
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.mixes import AI2_DATA_ROOT, DATA_ROOT_HINT
+from olmo_ctl.core.text import wrap
 
 config_app = OlmoTyper(help="Site settings: flags > OLMO_CTL_* environment > config file > defaults.")
 app.add_typer(config_app, name="config", example="olmo-ctl config show -o json")
+
+
+def _settings(s: Settings) -> dict:
+    """The settings as `config show` prints them: the webhook URL masked (its path, query or password
+    is its secret)."""
+    out = s.to_dict()
+    if out.get("notify_webhook"):
+        out["notify_webhook"] = mask_url(out["notify_webhook"])
+    return out
 
 
 def _shown(name: str, value) -> str:
@@ -58,7 +68,7 @@ def config_show(
             {
                 "config_file": str(path),
                 "config_file_exists": path.exists(),
-                "settings": s.to_dict(),
+                "settings": _settings(s),
                 "sources": dict(s.sources),
                 "descriptions": DESCRIPTIONS,
                 "placeholders": placeholders(s),
@@ -66,10 +76,12 @@ def config_show(
             output,
         )
         return
-    lines = [f"config file: {path}{'' if path.exists() else ' (not present)'}", ""]
+    columns = output_width()
+    lines = [*wrap(f"config file: {path}{'' if path.exists() else ' (not present)'}", columns), ""]
     width = max(len(n) for n in setting_names())
-    for name in setting_names():
-        lines.append(f"{name:{width}}  {_shown(name, getattr(s, name))}  ({s.sources[name]})")
+    shown = _settings(s)
+    for name in setting_names():  # a long value wraps under itself
+        lines += wrap(f"{name:{width}}  {_shown(name, shown[name])}  ({s.sources[name]})", columns, width + 2)
     sys.stdout.write("\n".join(lines) + "\n")
     for name in placeholders(s):
         note(

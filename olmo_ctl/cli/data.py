@@ -30,7 +30,10 @@ app.add_typer(data_app, name="data", example="olmo-ctl data info --recipe smoke 
 )
 def prepare(
     files: Annotated[
-        list[str], typer.Argument(help="Text files (one document each, tokenized) or .npy token files.")
+        list[str],
+        typer.Argument(
+            help="Text files (one document each) or .npy token files; JSONL for --kind sft|preference|prompts."
+        ),
     ],
     out: Annotated[
         str,
@@ -62,13 +65,43 @@ def prepare(
             " builtin://bytes).",
         ),
     ] = None,
+    kind: Annotated[
+        str,
+        typer.Option(
+            "--kind",
+            help="text: documents to token files; sft, preference, prompts: JSONL conversations (`messages`;"
+            " `chosen`/`rejected`; `messages` with `ground_truth` and `dataset`) tokenized as open-instruct does.",
+        ),
+    ] = "text",
+    chat_template: Annotated[
+        str,
+        typer.Option(
+            "--chat-template",
+            help="For --kind sft|preference|prompts: tulu, or olmo (OLMo 3's <|im_start|>).",
+        ),
+    ] = "tulu",
+    max_seq_length: Annotated[
+        int,
+        typer.Option(
+            "--max-seq-length",
+            help="sft, preference: truncate each sequence to this many tokens; prompts: drop longer ones. 0: none.",
+        ),
+    ] = 4096,
+    add_bos: Annotated[
+        bool | None,
+        typer.Option(
+            "--add-bos/--no-add-bos",
+            help="Begin each conversation with BOS (= EOS); default as AI2's scripts: tulu yes, olmo no.",
+            show_default=False,
+        ),
+    ] = None,
     stage: StageOpt = None,
     model: ModelOpt = None,
     recipe: RecipeOpt = None,
     set_: SetOpt = None,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Make token files from text (or .npy token files), with a held-out split.
+    """Make token files from text (or .npy token files), with a held-out split; or chat data for post-training.
 
     Writes OUT/train/part-NNNNN.npy, OUT/eval/part-NNNNN.npy (raw uint32 tokens) and
     OUT/manifest.json. Each text file is one document: tokenized by --tokenizer without its special
@@ -76,13 +109,32 @@ def prepare(
     256, vocab 258 as in the smoke recipe. A Hugging Face tokenizer needs the EOS from --eos-id or a
     recipe (--stage N or --recipe NAME: its model.eos_token_id; every id must be below its
     model.vocab_size). Pre-tokenized .npy files (e.g. dolma2) are copied as they are.
-    Exit codes: 0 written, 2 bad input (nothing written), 3 storage unreachable.
+    --kind sft|preference|prompts reads JSONL conversations and writes open-instruct's numpy files
+    (token_ids_part_NNNN.npy, labels_mask_part_NNNN.npy, token_ids_part_NNNN.csv.gz; chosen/ and
+    rejected/ for pairs) or prompts.jsonl, and OUT/manifest.json (docs/data.md).
+    Exit codes: 0 written, 2 bad input (nothing written; a bad JSONL line is named FILE:LINE),
+    3 storage unreachable.
     """
     from olmo_ctl.data.files import prepare as do_prepare
 
     model_cfg = None
     if stage is not None or recipe is not None or model is not None or set_:
         model_cfg = load_recipe(recipe, stage, set_ or [], model=model).model
+    if kind != "text":
+        _prepare_chat(
+            files,
+            out,
+            kind,
+            chat_template,
+            max_seq_length,
+            add_bos,
+            seq_len,
+            tokenizer,
+            eos_id,
+            model_cfg,
+            output,
+        )
+        return
     manifest = do_prepare(
         list(files),
         out,
@@ -103,6 +155,51 @@ def prepare(
         typer.echo(line)
     eos = f" (EOS {manifest['eos_token_id']})" if "eos_token_id" in manifest else ""
     typer.echo(f"tokenizer: {manifest['tokenizer']}{eos}; manifest: {out.rstrip('/')}/manifest.json")
+
+
+def _prepare_chat(
+    files, out, kind, chat_template, max_seq_length, add_bos, seq_len, tokenizer, eos_id, model_cfg, output
+) -> None:
+    from olmo_ctl.core.errors import BadInput
+    from olmo_ctl.data.chat_files import prepare_chat
+
+    if seq_len:
+        raise BadInput(f"--seq-len is for --kind text, not {kind}", "use --max-seq-length")
+    m = prepare_chat(
+        list(files),
+        out,
+        kind=kind,
+        template=chat_template,
+        max_seq_length=max_seq_length,
+        add_bos=add_bos,
+        tokenizer=tokenizer,
+        eos_token_id=eos_id,
+        model=model_cfg,
+    )
+    if output != Output.table:
+        print_data(m, output)
+        return
+    if kind == "prompts":
+        typer.echo(
+            f"prompts: {m['prompts']:,} ({m['prompt_tokens']:,} tokens), {m['dropped_too_long']:,} dropped as longer"
+            f" than {max_seq_length}"
+        )
+    else:
+        sides = [("sft", m)] if kind == "sft" else [("chosen", m["chosen"]), ("rejected", m["rejected"])]
+        n = m["documents"] if kind == "sft" else m["pairs"]
+        typer.echo(
+            f"{kind}: {plural(n, 'conversation' if kind == 'sft' else 'pair')}, {m['truncated']:,} truncated, "
+            f"{m['dropped_no_labels']:,} dropped (no assistant token left)"
+        )
+        for name, side in sides:
+            typer.echo(
+                f"{name}: {side['tokens']:,} tokens ({side['trainable_tokens']:,} trained on) in "
+                f"{plural(len(side['parts']), 'part')}, {m['token_dtype']}"
+            )
+    typer.echo(
+        f"template: {m['chat_template']} (BOS {'added' if m['add_bos'] else 'not added'}); "
+        f"manifest: {out.rstrip('/')}/manifest.json"
+    )
 
 
 def data_report(recipe) -> dict:
@@ -164,7 +261,7 @@ def info(
         typer.echo(f"{k}: {shown}")
 
 
-@data_app.command("audit", example="olmo-ctl data audit my-run -o json")
+@data_app.command("audit", example="olmo-ctl data audit smoke-demo -o json")
 def audit(
     run: Annotated[
         str,

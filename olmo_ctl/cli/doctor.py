@@ -7,9 +7,10 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
+from olmo_ctl.cli.app import Output, OutputOpt, app, output_width, print_data
 from olmo_ctl.cli.options import SiteFlags, site_options
 from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_UNREACHABLE, Unreachable
+from olmo_ctl.core.text import wrap
 
 
 @app.command(example="olmo-ctl doctor --device tpu7x-128 --priority-class high")
@@ -56,14 +57,16 @@ def doctor(
     if output != Output.table:
         print_data({"ok": code == 0, "checks": [c.to_dict() for c in checks]}, output)
     else:
-        width = max(len(c.name) for c in checks)
-        for c in checks:
+        width, columns = max(len(c.name) for c in checks), output_width()
+        for c in checks:  # a long message wraps under itself, at spaces
             mark = "ok  " if c.ok and not c.message.startswith("warning:") else "warn" if c.ok else "FAIL"
-            sys.stdout.write(f"{mark}  {c.name:<{width}}  {c.message}\n")
+            lines = wrap(f"{mark}  {c.name:<{width}}  {c.message}", columns, width + 8)
+            sys.stdout.write("\n".join(lines) + "\n")
         where = client.configuration.host
-        sys.stdout.write(
+        last = (
             f"{'all checks passed' if code == 0 else 'cluster unreachable' if code == 3 else 'a check failed'}"
-            f" ({where}, namespace {settings.namespace})\n"
+            f" ({where}, namespace {settings.namespace})"
         )
+        sys.stdout.write("\n".join(wrap(last, columns)) + "\n")
     if code:
         raise typer.Exit(code)

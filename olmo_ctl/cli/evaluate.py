@@ -1,5 +1,6 @@
-"""`olmo-ctl eval`: a checkpoint's LM losses and downstream task metrics, computed on this machine or
-as a job of its own on a single-host TPU slice (`--backend gke`)."""
+"""`olmo-ctl eval`: a checkpoint's LM losses, downstream task metrics and generative task accuracies,
+computed on this machine or (but for generative tasks) as a job of its own on a single-host TPU slice
+(`--backend gke`)."""
 
 from typing import Annotated
 
@@ -79,14 +80,15 @@ def parse_lm(text: str) -> LMEvalConfig:
     return LMEvalConfig(sets=tuple(LMEvalSet(k, tuple(v)) for k, v in sets.items()))
 
 
-def cpu_count(device: str) -> int:
-    """N of `--device cpu-N`: the evaluation runs in this process, on its host CPU devices."""
+def cpu_count(device: str, command: str = "eval") -> int:
+    """N of `--device cpu-N`: `command` runs in this process, on its host CPU devices."""
     from olmo_ctl.backends.base import Target
 
     d = Target.parse(device).device
     if d.generation != "cpu" or d.processes != 1:
         raise BadInput(
-            f"--device {device}: eval runs in this process on host CPU devices", "--device cpu-N, e.g. cpu-4"
+            f"--device {device}: {command} runs in this process on host CPU devices",
+            "--device cpu-N, e.g. cpu-4",
         )
     return d.devices
 
@@ -131,6 +133,13 @@ def table_lines(report: dict) -> list[str]:
             out.append(
                 f"{label:<{w}}  {_num(v['ce_loss'], '.4f'):>8}  {_num(v['ppl'], '.3f'):>10}  {v['tokens']:>10,}"
             )
+    gen = report.get("generative")
+    if gen:
+        w = max(10, *(len(k) for k in gen))
+        out += ["", f"{'GENERATIVE':<{w}}  {'ACCURACY':>8}  {'± STDERR':>9}  {'N':>6}"]
+        for label, v in gen.items():
+            stderr = _num(v["stderr"], ".4f")
+            out.append(f"{label:<{w}}  {_num(v['accuracy'], '.4f'):>8}  {'± ' + stderr:>9}  {v['n']:>6,}")
     if ds:
         w = max(4, *(len(k) for k in ds))
         out += ["", f"{'TASK':<{w}}  {'METRIC':<12}  {'VALUE':>8}  {'± STDERR':>9}"]
@@ -143,7 +152,7 @@ def table_lines(report: dict) -> list[str]:
 
 @app.command(
     "eval",
-    example="olmo-ctl eval runs/demo/checkpoints/100 --tasks copycolors_10way --tokenizer builtin://bytes --limit 20",
+    example="olmo-ctl eval runs/smoke-demo/checkpoints/100 --tasks copycolors_10way --tokenizer builtin://bytes --limit 20",
 )
 @site_options(exclude=("backend",))
 def evaluate(
@@ -196,8 +205,39 @@ def evaluate(
         ),
     ] = None,
     limit: Annotated[
-        int, typer.Option("--limit", help="Only the first N documents of each task and LM set (0: all).")
+        int,
+        typer.Option(
+            "--limit", help="Only the first N documents of each task, LM set and --generative file (0: all)."
+        ),
     ] = 0,
+    generative: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--generative",
+            help="Generative problems, NAME=PATH (repeatable): a JSONL file (local or gs://) of RLVR-layout "
+            "problems (messages or prompt, ground_truth, dataset gsm8k|math|ifeval; a line without dataset "
+            "takes NAME), decoded greedily and scored by open-instruct's verifiers. Alone, nothing else is "
+            "evaluated unless --tasks/--suite/--lm are given.",
+        ),
+    ] = None,
+    chat_template: Annotated[
+        str,
+        typer.Option(
+            "--chat-template",
+            help="How --generative prompts are rendered: tulu or olmo (data/chat.py, with the generation "
+            "prompt), or none (the raw prompt text).",
+        ),
+    ] = "tulu",
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", help="--generative: new tokens per problem at most.")
+    ] = 256,
+    generative_out: Annotated[
+        str | None,
+        typer.Option(
+            "--generative-out",
+            help="--generative: write each problem's prompt, completion and score here (JSONL, local or gs://).",
+        ),
+    ] = None,
     device: Annotated[
         str | None,
         typer.Option(
@@ -226,8 +266,8 @@ def evaluate(
         str | None,
         typer.Option(
             "--out",
-            help="gke: the job's output directory (gs://), where it writes result.json. Default: "
-            "<run root>/eval-jobs/<job>.",
+            help="gke: the job's output directory (gs://), where it writes result.json and journals its "
+            "attempts; never a run directory. Default: <run root>/eval-jobs/<job>.",
         ),
     ] = None,
     dry_run: Annotated[
@@ -245,10 +285,12 @@ def evaluate(
     sequence length unless given. --backend local (the default) evaluates on this machine's CPU
     devices; --backend gke runs the evaluation as a job on a single-host TPU slice, waits through
     Kueue's queue and prints the job's result (asked again, the same evaluation is read back, or its
-    job waited for again). Exit codes: 0 evaluated, 1 the evaluation failed, 2 bad input (checked
-    before the model is loaded; for a job, before it is submitted, but for building the tasks, which
-    the job does), 3 the cluster or storage unreachable, 4 gave up (the job's attempts ended without
-    a result), 124 timed out waiting (the job goes on), 130 interrupted (the job goes on).
+    job waited for again). --generative NAME=PATH (local only) decodes a JSONL file of problems
+    (gsm8k, math, ifeval) greedily and scores them with open-instruct's verifiers. Exit codes: 0
+    evaluated, 1 the evaluation failed, 2 bad input (checked before the model is loaded; for a job,
+    before it is submitted, but for building the tasks, which the job does), 3 the cluster or
+    storage unreachable, 4 gave up (the job's attempts ended without a result), 124 timed out
+    waiting (the job goes on), 130 interrupted (the job goes on).
     """
     if list_tasks:
         from olmo_ctl.trainer.downstream import known_tasks
@@ -264,6 +306,10 @@ def evaluate(
     from olmo_ctl.backends import backend_class
 
     kind = backend_class(backend)  # an unknown name: one line, exit 2
+    if generative and not kind.trains_here:
+        raise BadInput(
+            "--generative with --backend gke: not yet", "evaluate generative tasks with --backend local"
+        )
     task_labels = chosen_tasks(tasks, suite)
     lm_cfg = None if lm is None else parse_lm(lm)
     if not kind.trains_here:  # a cluster's backend: the evaluation is a job of its own there
@@ -280,6 +326,9 @@ def evaluate(
             raise BadInput(
                 f"{flag} is for an eval job (--backend gke)", f"leave {flag} out, or add --backend gke"
             )
+    if generative_out is not None and not generative:
+        raise BadInput("--generative-out is for --generative", "leave it out, or add --generative NAME=PATH")
+    problems = _generative_problems(generative or [], chat_template, max_tokens, limit)
     device = device or "cpu-1"
     n = cpu_count(device)
     _need("jax", "orbax.checkpoint", extra="trainer")
@@ -287,6 +336,15 @@ def evaluate(
 
     devices = cpu_devices(n)  # before anything starts JAX: this process's host CPU devices
     from olmo_ctl.checkpoints.evaluate import open_checkpoint, prepare, run
+
+    if problems and task_labels is None and lm_cfg is None:  # --generative alone: only its problems
+        ckpt = open_checkpoint(checkpoint, recipe)
+        report = {"checkpoint": ckpt.given, "step": ckpt.step, "lm": {}, "downstream": {}}
+        _add_generative(
+            report, ckpt, problems, devices, device, tokenizer, chat_template, max_tokens, generative_out
+        )
+        _show(report, output)
+        return
 
     job = prepare(
         open_checkpoint(checkpoint, recipe),
@@ -307,7 +365,60 @@ def evaluate(
             "run's in-loop `eval lm_loss` (monitor) is data.eval's packed instances, which a bare `eval` "
             "of this checkpoint gives"
         )
-    _show(run(job, devices), output)
+    report = run(job, devices)
+    if problems:
+        _add_generative(
+            report,
+            job.checkpoint,
+            problems,
+            devices,
+            device,
+            tokenizer,
+            chat_template,
+            max_tokens,
+            generative_out,
+        )
+    _show(report, output)
+
+
+def _generative_problems(values: list[str], template: str, max_tokens: int, limit: int) -> dict:
+    """`--generative`'s problems, {label: [Problem]}, read and checked before anything else is."""
+    if not values:
+        return {}
+    from olmo_ctl.checkpoints.generative import check_template, parse_generative, read_problems
+
+    check_template(template)
+    if max_tokens < 1:
+        raise BadInput(f"--max-tokens {max_tokens} is not positive", "pass --max-tokens 1 or more")
+    if limit < 0:
+        raise BadInput(f"--limit {limit} is negative", "0 evaluates every document")
+    return {label: read_problems(path, label, limit) for label, path in parse_generative(values).items()}
+
+
+def _add_generative(
+    report: dict, ckpt, problems: dict, devices, device: str, tokenizer, template, max_tokens, out
+) -> None:
+    """The report's `generative` section: {label: {accuracy, stderr, n}}; the items to `out`."""
+    from olmo_ctl.checkpoints import generative as G
+
+    total = sum(len(p) for p in problems.values())
+    note(
+        f"generating {plural(total, 'completion')} ({plural(len(problems), 'generative file')}) "
+        f"of at most {max_tokens} tokens on {device}, chat template {template}"
+    )
+    results = G.run(ckpt, problems, devices, tokenizer=tokenizer, template=template, max_tokens=max_tokens)
+    report["generative"] = {
+        label: {k: _plain(v) for k, v in r.summary().items()} for label, r in results.items()
+    }
+    if out is not None:
+        G.write_items(results, out)
+        note(f"wrote {plural(total, 'item')} to {out}")
+
+
+def _plain(x):
+    import math
+
+    return None if isinstance(x, float) and math.isnan(x) else x
 
 
 def _show(report: dict, output: Output) -> None:
@@ -345,6 +456,7 @@ def _on_cluster(spec, device, settings, out, dry_run: bool, timeout: float, outp
     name = J.job_name(spec, dev.name, out, settings.run_root)
     job = J.EvalJob(name, spec, recipe, dev, J.out_dir(name, out, settings.run_root), settings)
     J.check_paths(recipe, job.out)
+    J.check_out(job.out)  # never a run's directory: the job journals its attempts there
     be = make_backend(settings)
     if dry_run:
         attempt = job.attempt(be, 0, render_only=True)

@@ -52,8 +52,6 @@ def logs(
 ) -> None:
     """Print an attempt's log: the local backend's logs/attempt-N.log, or a GKE attempt's pod log.
 
-    Example: olmo-ctl logs olmo3-7b-s1 --attempt 3 --host 1 -f
-
     Exit codes: 0 ok, 2 no such run, attempt or host, 3 cluster or storage unreachable, 130 Ctrl-C
     (with -f; the attempt keeps running).
     """

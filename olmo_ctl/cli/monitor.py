@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, console, plural, print_data
+from olmo_ctl.cli.app import Output, OutputOpt, app, console, output_width, plural, print_data
 from olmo_ctl.core.errors import BadInput, Interrupted, OlmoCtlError
 
 
@@ -228,15 +228,15 @@ def monitor(
     run: Annotated[
         str,
         typer.Argument(
-            metavar="RUN_DIR",
-            help="Run directory, local or gs:// (or one holding only tensorboard/), or a run's name under the "
-            "run root.",
+            metavar="RUN",
+            help="Run name under the run root, or a run directory, local or gs:// (or one holding only "
+            "tensorboard/).",
         ),
     ],
     run_root: Annotated[
         str | None,
         typer.Option(
-            "--run-root", help="Where run directories live (gs://...), for a RUN_DIR that is a run's name."
+            "--run-root", help="Where run directories live (gs://...), for a RUN that is a run's name."
         ),
     ] = None,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh a live view until Ctrl-C.")] = False,
@@ -286,7 +286,7 @@ def monitor(
     ] = None,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Show a run's progress, loss, throughput and MFU, checkpoints, attempts and goodput. RUN_DIR
+    """Show a run's progress, loss, throughput and MFU, checkpoints, attempts and goodput. RUN
     without a '/' that is not a directory here is a run's name under the run root, as `logs` and `stop`
     take it.
 
@@ -302,6 +302,8 @@ def monitor(
 
     if reference_heldout and not reference:
         raise BadInput("--reference-heldout needs --reference", "give the reference's training loss too")
+    if plot:
+        _check_plot_path(plot)
     ref = reference_curves(reference, reference_heldout, memorization_threshold) if reference else None
     from olmo_ctl.observe.runs import composite_lines, composite_report, is_composite
 
@@ -331,7 +333,7 @@ def monitor(
         if output != Output.table:
             print_data(comp, output)
         else:
-            typer.echo("\n".join(composite_lines(comp)))
+            typer.echo("\n".join(composite_lines(comp, output_width())))
         return
     src = load(run)
     rep = build_report(
@@ -375,23 +377,45 @@ def monitor(
 
 
 def _run_dir(run: str, run_root: str | None) -> str:
-    """RUN_DIR as given when it is a path (a '/' in it, or a directory here), else the run of that name
+    """RUN as given when it is a path (a '/' in it, or a directory here), else the run of that name
     under the run root (`backends.existing_runs`: `runs/` while no run root is set)."""
     import os
 
     from olmo_ctl import storage
     from olmo_ctl.backends import existing_runs, resolve_settings
 
+    if run and not storage.is_gcs(run) and os.path.isfile(run):
+        raise BadInput(
+            f"`{run}` is a file, not a run directory",
+            "give the run's directory (the one holding run.yaml), or a run's name under the run root",
+        )
     if not run or "/" in run or storage.is_gcs(run) or os.path.exists(run):
         return run
     root = existing_runs(resolve_settings(run_root=run_root)).run_root
     path = storage.join(root, run)
     if not storage.is_gcs(path) and not os.path.exists(path):
+        from olmo_ctl.rundir import did_you_mean, near_runs
+
         raise BadInput(
             f"no run `{run}` under {root}, and no directory `{run}` here",
-            "give a run directory (local or gs://), or --run-root; `olmo-ctl runs` lists the runs",
+            did_you_mean(near_runs(root, run))
+            + "give a run directory (local or gs://), or --run-root; `olmo-ctl runs` lists the runs",
         )
     return path
+
+
+def _check_plot_path(plot: str) -> None:
+    """--plot writes a local PNG: its directory must exist (checked before anything is read)."""
+    import os
+
+    parent = os.path.dirname(os.path.abspath(plot))
+    if os.path.isdir(plot):
+        raise BadInput(f"--plot `{plot}` is a directory", "give a file name, e.g. --plot loss.png")
+    if not os.path.isdir(parent):
+        what = "is a file, not a directory" if os.path.exists(parent) else "does not exist"
+        raise BadInput(
+            f"--plot `{plot}`: directory `{parent}` {what}", "create it, or write the plot elsewhere"
+        )
 
 
 def _soup_manifest(path: str) -> dict | None:

@@ -122,8 +122,12 @@ AllowVersionChangeOpt = Annotated[
 
 
 def note(text: str) -> None:
-    """A remark for the person at the terminal; stderr, so stdout stays machine-readable."""
-    sys.stderr.write(f"note: {text}\n")
+    """A remark for the person at the terminal; stderr, so stdout stays machine-readable. At a
+    terminal (or with $COLUMNS) it is wrapped to its width (cli.app.output_width)."""
+    from olmo_ctl.cli.app import output_width
+    from olmo_ctl.core.text import fit
+
+    sys.stderr.write("\n".join(fit(f"note: {text}", output_width(sys.stderr), 6)) + "\n")
 
 
 TimeoutOpt = Annotated[

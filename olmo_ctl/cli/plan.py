@@ -15,13 +15,15 @@ from olmo_ctl.cli.app import (
     SetOpt,
     StageOpt,
     app,
+    output_width,
     plural,
     print_data,
 )
 from olmo_ctl.core import schedule
 from olmo_ctl.core.batching import plan_report
 from olmo_ctl.core.errors import BadInput
-from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.core.recipe import load_recipe, start_note
+from olmo_ctl.core.text import fit
 
 
 def _duration(s: float) -> str:
@@ -111,7 +113,7 @@ def _print_plan(r: dict, peak_note: str = "", machine_type: str | None = None) -
                 "device-hours", f"{e['olmo_core']['device_hours']:.3g}", f"{e['maxtext']['device_hours']:.3g}"
             )
         )
-    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.write("\n".join(fit("\n".join(lines), output_width(), align=True)) + "\n")
 
 
 @app.command(example="olmo-ctl plan --stage 1 --device tpu7x-128")
@@ -166,6 +168,10 @@ def plan(
         report["lr_at"] = {str(s): schedule.lr_at(r, s) for s in steps}
     if plot_lr is not None:
         _plot_lr(r, plot_lr)
+    if (start := start_note(r)) is not None:  # a stage that starts from another's checkpoint
+        from olmo_ctl.cli.options import note
+
+        note(start)
     if output != Output.table:
         print_data(report, output)
     else:

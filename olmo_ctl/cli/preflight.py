@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from olmo_ctl.cli.app import (
-    DeviceOpt,
     ModelOpt,
     Output,
     OutputOpt,
@@ -175,7 +174,7 @@ def _gpu_estimate(recipe, dev, slices: int, output) -> None:
 
 @app.command(example="olmo-ctl preflight --stage 1 --device tpu7x-128 --search")
 def preflight(
-    device: DeviceOpt,
+    device: Annotated[str, typer.Option("--device", help="A TPU slice, e.g. tpu7x-128, v5p-256, v6e-8.")],
     stage: StageOpt = None,
     model: ModelOpt = None,
     recipe: RecipeOpt = None,

@@ -2,9 +2,10 @@
 
 import sys
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, print_data
+from olmo_ctl.cli.app import Output, OutputOpt, app, output_width, print_data
 from olmo_ctl.core.batching import param_count
 from olmo_ctl.core.recipe import DEFAULT_MODEL, MODEL_STAGE_RECIPES, load_recipe, shipped_recipes
+from olmo_ctl.core.text import table_lines
 
 
 def _tokens(n: int) -> str:
@@ -85,13 +86,16 @@ def recipes(output: OutputOpt = Output.table) -> None:
         )
         for r in rows
     ]
-    widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
-    right = {"PARAMS", "SEQ", "BATCH", "STEPS", "TOKENS"}
-
-    def line(cells) -> str:
-        return "  ".join(
-            f"{c:>{w}}" if col in right else f"{c:<{w}}"
-            for c, w, col in zip(cells, widths, cols, strict=True)
-        ).rstrip()
-
-    sys.stdout.write("\n".join([line(cols), *(line(row) for row in table)]) + "\n")
+    sys.stdout.write(
+        "\n".join(
+            table_lines(
+                cols,
+                table,
+                right={"PARAMS", "SEQ", "BATCH", "STEPS", "TOKENS"},
+                flex=("DESCRIPTION",),
+                under="DESCRIPTION",  # in a narrow terminal, under its recipe's line
+                width=output_width(),
+            )
+        )
+        + "\n"
+    )

@@ -5,9 +5,10 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import DeviceOpt, app
+from olmo_ctl.cli.app import DeviceOpt, app, output_width
 from olmo_ctl.cli.options import SiteFlags, SlicesOpt, TimeoutOpt, _echo, note, site_options
 from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.text import fit, wrap
 
 
 @app.command(example="olmo-ctl resize olmo3-7b-s1 --device v5p-256 -y --at-next-checkpoint")
@@ -74,12 +75,17 @@ def resize(
         f"resize run `{run}`: attempt {plan.from_attempt} on {on(plan.old)} -> attempt {plan.to_attempt} "
         f"on {on(plan.new)} ({mode})"
     ] + ["  " + ln for ln in plan.plan_lines()]
-    typer.echo("\n".join(lines))
-    diff = plan.manifest_diff()
+    width = output_width()
+    typer.echo("\n".join(fit(lines, width)))
+    diff = plan.manifest_diff()  # each --plan record summarized: the lines above give its values
     if diff:
         typer.echo(diff)
     if supervisor_alive(rundir):
-        typer.echo("a live supervisor drives this run: the resize is recorded for it to carry out")
+        typer.echo(
+            "\n".join(
+                wrap("a live supervisor drives this run: the resize is recorded for it to carry out", width)
+            )
+        )
     if not yes:
         if not sys.stdin.isatty():
             raise BadInput(

@@ -20,7 +20,7 @@ from olmo_ctl.cli.options import (
 from olmo_ctl.core.devices import Target
 from olmo_ctl.core.errors import BadInput, Interrupted
 from olmo_ctl.core.names import default_run_name, validate_run_name
-from olmo_ctl.core.recipe import Recipe, load_recipe
+from olmo_ctl.core.recipe import Recipe, load_recipe, start_note
 
 
 class LinesOutput(str, Enum):
@@ -164,8 +164,9 @@ def resume_until_done(
 
     Reattaches to a live attempt, waits while queued (a preempted attempt is requeued by Kueue),
     resubmits after a failure with backoff. Exit codes: 0 the final step is committed, 1 a user error
-    in training, 2 bad input, a queue set-up Kueue can never admit or an image no node can pull, 3 storage
-    unreachable (an unreachable Kubernetes API is waited out), 4 gave up (a
+    in training, 2 bad input (a directory that lost its run.yaml too), another supervisor holding the run
+    (or the run of ingredients), a queue set-up Kueue can never admit or an image no node can pull, 3 storage
+    unreachable (an unreachable Kubernetes API is waited out) or the lease lost to another supervisor, 4 gave up (a
     crash loop, retries exhausted), 130 Ctrl-C (detaches and leaves the attempt running) or
     `olmo-ctl stop` (ends it). The site settings' notify_webhook / notify_command hear when the run
     finishes, fails, is resized or gives up.
@@ -267,13 +268,15 @@ def resume_until_done(
                 log=note,
                 concurrent=concurrent,
                 hint=whole,
+                lease_ttl_s=lease_ttl or max(ingr.DEFAULT_LEASE_TTL_S, 6 * poll),  # as one run's supervisor's
             )
     if concurrent is not None:
         raise BadInput(
             f"--concurrent: `{name}` is a run of one recipe, not of ingredients",
             "a run of one recipe trains one attempt at a time",
         )
-    return _supervise(name, r, dev, slices, note, **shared)
+    start = start_note(r) if r is not None else None  # a stage that starts from another's checkpoint
+    return _supervise(name, r, dev, slices, note, start=start, **shared)
 
 
 class _term_is_ctrl_c:
@@ -314,11 +317,13 @@ def _supervise(
     output,
     hint_run: str | None = None,
     cancel: threading.Event | None = None,
+    start: str | None = None,
 ) -> int:
     """One run supervised until its final step is committed (or the supervisor ends): the exit code.
     `hint_run`: the run a person continues with (a run of ingredients' own name), if not this one.
     `cancel`: a supervisor run beside others (a thread): it ends as on Ctrl-C once this is set, and
-    prints lines rather than a progress bar."""
+    prints lines rather than a progress bar. `start`: a note on what the run's stage starts from,
+    said once the run's checks have passed."""
     from olmo_ctl.supervise.notify import Notifier
     from olmo_ctl.supervise.policy import RetryPolicy
     from olmo_ctl.supervise.submit import check_attempt, create_run, prepare_run
@@ -335,7 +340,7 @@ def _supervise(
                 make_plan(prep.request.recipe, Target.parse(d).device, prep.request.slices)
             except BadInput as e:
                 raise BadInput(f"--fallback {d}: {e.message}", e.hint) from None
-    for line in prep.notes:
+    for line in prep.notes + ([start] if start is not None and not prep.complete else []):
         note(line)
     if not prep.complete:
         check_attempt(prep.backend, prep.request, preflight=not no_preflight, log=note)

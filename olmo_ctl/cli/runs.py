@@ -4,8 +4,9 @@ from typing import Annotated
 
 import typer
 
-from olmo_ctl.cli.app import Output, OutputOpt, app, plural, print_data
+from olmo_ctl.cli.app import Output, OutputOpt, app, output_width, plural, print_data
 from olmo_ctl.cli.options import SiteFlags, note, site_options
+from olmo_ctl.core.text import table_lines, wrap
 
 
 def _loss(x: float | None) -> str:
@@ -39,8 +40,6 @@ def runs(
     loss and when each last changed; under a queued or admitted run, what holds it in one line (Kueue's
     reason, the scheduler's, an image pull). The runs `olmo-ctl smoke` made are counted, not listed,
     unless --all.
-
-    Example: olmo-ctl runs --run-root runs -o json
 
     Exit codes: 0 ok, 2 the run root does not exist, 3 storage unreachable.
     """
@@ -81,9 +80,11 @@ def runs(
         )
         for r in rows
     ]
-    widths = [max(len(row[i]) for row in (head, *table)) for i in range(len(head))]
-    typer.echo("  ".join(c.ljust(w) for c, w in zip(head, widths, strict=True)).rstrip())
-    for r, row in zip(rows, table, strict=True):
-        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-        if r.waiting and r.waiting.get("line"):  # why it waits, under its row
-            typer.echo(f"  └ {r.waiting['line']}")
+    width = output_width()
+    after = [  # why a run waits, under its row
+        wrap(f"  └ {r.waiting['line']}", width, 4) if r.waiting and r.waiting.get("line") else []
+        for r in rows
+    ]
+    # A run of ingredients' state names the ingredient going on: in a narrow terminal it wraps in its cell.
+    for line in table_lines(head, table, flex=("STATE",), width=width, after=after):
+        typer.echo(line)

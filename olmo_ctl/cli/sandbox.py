@@ -321,6 +321,7 @@ def _serve(
             priority_classes=classes,
             port=port,
             runner=runner,
+            require_token=True,  # every request carries the kubeconfig's token, as on a real cluster
         )
         sb.world.nodes.default_toleration_s = default_toleration_s
         pending = list(timeline or [])

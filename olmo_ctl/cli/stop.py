@@ -24,8 +24,6 @@ def stop(
     (resume-until-done) watching it ends instead of resubmitting, and the journal records the run as
     stopped. `resume-until-done RUN` or `submit` continues it later from that checkpoint.
 
-    Example: olmo-ctl stop olmo3-7b-s1
-
     Exit codes: 0 stopped (or nothing live to stop), 2 no such run, 3 cluster or storage unreachable,
     124 still stopping after --timeout, 130 Ctrl-C (the stop may be half way: run it again).
     """

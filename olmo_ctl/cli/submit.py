@@ -19,7 +19,7 @@ from olmo_ctl.cli.options import (
 from olmo_ctl.core.devices import Target
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.names import default_run_name, validate_run_name
-from olmo_ctl.core.recipe import load_recipe
+from olmo_ctl.core.recipe import load_recipe, start_note
 
 
 def _check_manifest_path(path: Path) -> None:
@@ -56,10 +56,15 @@ def submit(
     ] = None,
     attempt: Annotated[
         int | None,
-        typer.Option("--attempt", min=0, help="Attempt number (default: the next one; 1 for --dry-run)."),
+        typer.Option("--attempt", min=0, help="Attempt number (default: the next one)."),
     ] = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the JobSet (local: the command line); submit nothing.")
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the JobSet (local: the command line) this submit would send, after the same checks "
+            "of the run and recipe (same refusals); submit nothing, write nothing.",
+        ),
     ] = False,
     output: Annotated[
         ManifestOutput, typer.Option("--output", "-o", help="yaml or json.")
@@ -79,17 +84,19 @@ def submit(
 
     On GKE an attempt is a JobSet queued by Kueue; locally, trainer processes. An existing run's
     next attempt takes its recipe, device and slice count from the run; a complete run submits
-    nothing. Exit codes: 0 submitted (or nothing to do), 2 bad input (nothing submitted),
-    3 cluster or storage unreachable.
+    nothing; a directory that lost its run.yaml but keeps a run's journal or checkpoints is refused.
+    --dry-run makes the same checks of the run directory and recipe and prints the attempt with the
+    number submit would give it. Exit codes: 0 submitted (or nothing to do), 2 bad input (nothing
+    submitted), 3 cluster or storage unreachable.
     """
     from olmo_ctl.supervise.submit import dry_run as render_dry_run
-    from olmo_ctl.supervise.submit import prepare_run, submit_run
+    from olmo_ctl.supervise.submit import prepare_run, refuse_ingredients, submit_run
 
     # Every cheap check (names, site settings, run root, image, queue, plan) before any compile or cluster call.
     settings = site.resolve()
     r = (
         load_recipe(recipe, stage, set_ or (), model=model)
-        if (recipe is not None or stage is not None or model is not None or dry_run)
+        if (recipe is not None or stage is not None or model is not None)
         else None
     )
     if r is None and set_:
@@ -115,18 +122,27 @@ def submit(
             sys.stdout.write(text)
 
     extra_args = ("--allow-version-change",) if allow_version_change else ()
-    if dry_run:
-        if device is None:
-            raise BadInput(
-                "--dry-run renders a new run's attempt: it needs --device", "e.g. --device tpu7x-128"
-            )
-        assert r is not None
-        be, request, notes = render_dry_run(
-            settings, run_name, r, Target.parse(device, slices), attempt, extra_args
+    if dry_run:  # what this submit would do, its refusals included; nothing written
+        shown = render_dry_run(
+            settings,
+            run_name,
+            r,
+            None if device is None else Target.parse(device, slices).device,
+            slices,
+            attempt,
+            extra_args,
         )
-        for line in notes:
+        start = start_note(r) if r is not None else None  # it starts from another stage's checkpoint
+        for line in shown.notes + ([start] if start is not None else []):
             note(line)
-        show(be.printable(be.render(request)))
+        if shown.request is None:
+            assert shown.prepared is not None
+            note(
+                f"run `{run_name}` is complete (checkpoint {shown.prepared.committed_step} of "
+                f"{shown.prepared.request.recipe.train.max_steps} committed): a submit sends nothing"
+            )
+            return
+        show(shown.backend.printable(shown.backend.render(shown.request)))
         return
     prep = prepare_run(
         settings,
@@ -137,14 +153,9 @@ def submit(
         attempt=attempt,
         extra_args=extra_args,
     )
-    from olmo_ctl.rundir import Composite
-
-    if Composite(prep.settings.run_root, run_name).exists():  # after prepare_run's cheaper checks
-        raise BadInput(
-            f"`{run_name}` is a run of ingredients: `resume-until-done` runs it",
-            "submit one of its ingredients' runs (NAME-i1, ...), or choose another run name",
-        )
-    for line in prep.notes:
+    refuse_ingredients(prep)  # after prepare_run's cheaper checks
+    start = start_note(r) if r is not None else None  # it starts from another stage's checkpoint
+    for line in prep.notes + ([start] if start is not None else []):
         note(line)
     done = submit_run(
         prep,

@@ -48,7 +48,8 @@ def warm_adam(
 
 
 @surgery_app.command(
-    "soup", example="olmo-ctl surgery soup runs/a/checkpoints/900 runs/a/checkpoints/1000 --out runs/a-soup"
+    "soup",
+    example="olmo-ctl surgery soup runs/smoke-demo/checkpoints/80 runs/smoke-demo/checkpoints/100 --out runs/smoke-demo-soup",
 )
 def soup(
     checkpoints: Annotated[

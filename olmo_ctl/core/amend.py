@@ -94,6 +94,12 @@ def changes(recipe: Recipe, sets: list[str] | tuple[str, ...], committed_step: i
         raise BadInput(
             "amend needs at least one --set KEY=VALUE", "for example --set train.max_steps=2000000"
         )
+    given: dict[str, str] = {}
+    for item in sets:  # an amendment records one value per key: a key given twice is ambiguous
+        key = ".".join(p for p in item.partition("=")[0].strip().split(".") if p)
+        if key in given:
+            raise BadInput(f"--set {key} is given twice ({given[key]}, {item})", "give each key once")
+        given[key] = item
     src = recipe.source or "run.yaml"
     new = recipe_from_dict(recipe.to_dict(), src, sets)  # unknown keys and bad values, said of the --set
     old_d, new_d = recipe.to_dict(), new.to_dict()

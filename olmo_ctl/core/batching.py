@@ -183,10 +183,11 @@ def _seq_candidates(recipe: Recipe, devices: int, host_devices: int) -> list[int
     ]
 
 
-def check_loading(recipe: Recipe, device: Device, slices: int = 1) -> None:
+def check_loading(recipe: Recipe, device: Device, slices: int = 1, *, keep_batch: bool = False) -> None:
     """The data loader's rule: every trainer process loads a whole, equal share of each global batch
     and of each eval batch (`trainer/data.py`). The plan applies it, so a layout the trainer would
-    refuse on the slice is refused here, before anything is queued."""
+    refuse on the slice is refused here, before anything is queued. `keep_batch`: the run's global
+    batch is fixed (a resize)."""
     t = recipe.train
     procs = device.processes * slices
     where = device.name if slices == 1 else f"{slices} x {device.name}"
@@ -203,7 +204,9 @@ def check_loading(recipe: Recipe, device: Device, slices: int = 1) -> None:
             raise BadInput(
                 f"{what} {batch} cannot be loaded by the {procs} trainer processes (hosts) of {where}: "
                 f"each loads an equal share of whole instances ({batch / procs:g} here)",
-                f"{hint}, or change {key} (the recipe's batch is never changed silently)",
+                f"{hint} (a run keeps its global batch)"
+                if keep_batch and key == "train.global_batch"
+                else f"{hint}, or change {key} (the recipe's batch is never changed silently)",
             )
 
 
@@ -219,10 +222,67 @@ def _gpu_nodes_hint(device: Device, global_batch: int) -> str:
     return f"use {' or '.join(names)}" if names else f"use a GPU count that divides {global_batch}"
 
 
-def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
+def _memory_advice(recipe: Recipe, device: Device, slices: int, *, state_alone: bool) -> str:
+    """What makes a recipe fit that does not fit `slices` x `device`: only a change that is not
+    already so and with which the plan fits (each tried alone): model.remat=full, one group over the
+    slice (train.shard_group=0), the smallest larger slice of the generation that holds it, the
+    smallest of each generation with more HBM per device."""
+    from olmo_ctl.core.devices import gpu_catalog, tpu_catalog
+
+    def fits(r: Recipe, d: Device) -> bool:
+        try:
+            make_plan(r, d, slices, advise=False)
+        except BadInput:
+            return False
+        return True
+
+    m, t = recipe.model, recipe.train
+    ways = []
+    if m.remat != "full" and fits(
+        dataclasses.replace(recipe, model=dataclasses.replace(m, remat="full")), device
+    ):
+        ways.append("model.remat=full")
+    if t.mesh != "hybrid" and t.shard_group and t.shard_group < device.devices:
+        if fits(dataclasses.replace(recipe, train=dataclasses.replace(t, shard_group=0)), device):
+            ways.append("train.shard_group=0 (the state over the whole slice)")
+    catalog = tpu_catalog() if device.is_tpu else gpu_catalog() if device.is_gpu_nodes else []
+    larger = next(
+        (
+            d
+            for d in catalog
+            if d.generation == device.generation and d.devices > device.devices and fits(recipe, d)
+        ),
+        None,
+    )
+    if larger is not None:
+        ways.append(f"a larger slice ({larger.name})" if device.is_tpu else f"more nodes ({larger.name})")
+    others: dict[str, str] = {}
+    for d in sorted(catalog, key=lambda d: d.devices):
+        if (
+            d.generation != device.generation
+            and d.generation not in others
+            and d.hbm_gib_per_device > device.hbm_gib_per_device
+            and fits(recipe, d)
+        ):
+            others[d.generation] = d.name
+    if others:
+        ways.append(
+            f"a generation with more HBM per device (the smallest slices that hold it: {', '.join(others.values())})"
+        )
+    what = "the state alone does not fit: " if state_alone else ""
+    if not ways:
+        return what + "no device olmo-ctl knows holds it with this recipe's settings"
+    return what + "use " + (ways[0] if len(ways) == 1 else ", ".join(ways[:-1]) + " or " + ways[-1])
+
+
+def make_plan(
+    recipe: Recipe, device: Device, slices: int = 1, *, keep_batch: bool = False, advise: bool = True
+) -> Plan:
     """The plan on `slices` x `device` (slices > 1: multislice, the batch over every slice's devices).
     Sequence shards (`train.seq_shards`, or the smallest count that evens the batch out and fits)
-    stay within a slice."""
+    stay within a slice. `keep_batch`: the run's global batch is fixed (a resize): no advice to
+    change it. `advise`: a recipe that does not fit is told what would make it fit (`_memory_advice`,
+    which plans each change with `advise=False`)."""
     from olmo_ctl.core.devices import check_slices
 
     t, m = recipe.train, recipe.model
@@ -265,7 +325,7 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
     split = [s for s in candidates if (t.global_batch * s) % devices == 0]
     if not split:
         if device.processes * slices > t.global_batch:
-            check_loading(recipe, device, slices)  # more hosts than instances: the hosts are the limit
+            check_loading(recipe, device, slices, keep_batch=keep_batch)  # more hosts than instances
         hint = (
             _gpu_nodes_hint(device, t.global_batch)
             if device.is_gpu_nodes
@@ -281,9 +341,13 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
                 if t.seq_shards
                 else ", and no sequence sharding evens it out)"
             ),
-            f"{hint}, or change train.global_batch (the recipe's batch is never changed silently)",
+            f"{hint} (a run keeps its global batch)"
+            if keep_batch
+            else f"{hint}, or change train.global_batch (the recipe's batch is never changed silently)",
         )
-    check_loading(recipe, device, slices)  # the devices can split it; can the hosts load it?
+    check_loading(
+        recipe, device, slices, keep_batch=keep_batch
+    )  # the devices split it; can the hosts load it?
     for seq in split:
         share = t.global_batch * seq // devices  # instance shards per device per step
         shard_bytes = -(-per_instance // seq)
@@ -297,9 +361,7 @@ def make_plan(recipe: Recipe, device: Device, slices: int = 1) -> Plan:
             f"{recipe.name} does not fit on {device.name}: the estimate needs {state / gib:.1f} GiB of state"
             f" + {per_instance / split[-1] / gib:.1f} GiB per instance per device (seq_shards {split[-1]}),"
             f" {usable / gib:.1f} GiB usable",
-            "the state alone does not fit: use a larger slice (or a larger train.shard_group)"
-            if state >= usable
-            else "use a larger slice or a stronger remat policy (model.remat=full)",
+            _memory_advice(recipe, device, slices, state_alone=state >= usable) if advise else None,
         )
     micro = next(d for d in _divisors_desc(share) if d <= cap)
     return Plan(

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from olmo_ctl.core.devices import GENERATIONS, GPU_MACHINES
 from olmo_ctl.core.errors import BadInput
@@ -41,7 +42,8 @@ DESCRIPTIONS = {
     "host_network": "pods on the host network (multislice DCN performance); Workload Identity then does not "
     "apply: the pods use the node's service account (true or false)",
     "notify_webhook": "URL that resume-until-done POSTs a JSON message to when a run finishes, fails, "
-    "is resized (falls back) or gives up (empty: none)",
+    "is resized (falls back) or gives up (empty: none); shown masked (path, query and password as ***); "
+    "the user and password of a URL with them are sent as HTTP Basic auth",
     "notify_command": "shell command resume-until-done runs on the same events, the message as JSON on "
     "its stdin and OLMO_CTL_NOTIFY_* in its environment (empty: none)",
     "prices": "your USD per chip-hour by TPU generation (per GPU-hour by GPU machine type), on_demand and "
@@ -106,7 +108,7 @@ class Settings:
     backend: str = "gke"
     xla_flags: str | None = None
     host_network: bool = False
-    notify_webhook: str | None = None
+    notify_webhook: str | None = field(default=None, repr=False)  # a secret: shown through mask_url
     notify_command: str | None = None
     capacity: str = "on-demand"
     node_selectors: dict[str, str] = field(default_factory=dict)
@@ -220,11 +222,81 @@ def _check(name: str, value: str, src: str, backends: tuple[str, ...] = ()) -> N
     elif name == "notify_webhook":
         if not re.match(r"^https?://[^\s/]+", value):
             raise BadInput(
-                f"{where}: `{value}` is not an http:// or https:// URL", "e.g. https://hooks.example.com/olmo"
+                f"{where}: `{mask_url(value)}` is not an http:// or https:// URL",
+                "e.g. https://hooks.example.com/olmo",
             )
     elif name == "kube_context":
         if not value.strip():
             raise BadInput(f"{where}: the kube context is empty", "leave it unset to use the current context")
+
+
+# A webhook URL carries its secret in its path (Slack's /services/T…/B…/…), its query (?token=) or
+# its userinfo (user:password@): `mask_url` is how every command shows it.
+_URL = re.compile(r"^(?:([A-Za-z][A-Za-z0-9+.-]*)://)?([^/?#]*)(.*)$", re.S)
+
+
+def _url_parts(url: str) -> tuple[str, str | None, str, str, str]:
+    """(scheme:// or "", userinfo or None, host[:port], the path prefix shown, the rest: hidden). A
+    path's first segment is shown only when more path follows it (`/services/`): a one-segment path
+    (`/TOKEN`) may be the secret itself. Anything that is not a URL is read as `host/path`."""
+    m = _URL.match(url)
+    assert m is not None  # every group may be empty
+    scheme, authority, rest = m.groups()
+    userinfo, at, host = authority.rpartition("@")
+    first = re.match(r"/[^/?#]*/", rest)
+    kept = first.group(0) if first else ("/" if rest.startswith("/") else "")
+    return (f"{scheme}://" if scheme else ""), (userinfo if at else None), host, kept, rest[len(kept) :]
+
+
+def mask_url(url: str) -> str:
+    """A webhook URL as it may be shown: scheme, host and port, the user name without its password
+    (`user:***@`; a userinfo without one may be a token: `***@`), the path's first segment when more
+    follows, everything else (path, query, fragment) `***`:
+    https://bot:pw@hooks.slack.com/services/T0/B0/XX?x=1 -> https://bot:***@hooks.slack.com/services/***."""
+    scheme, userinfo, host, kept, hidden = _url_parts(url)
+    who = ""
+    if userinfo is not None:
+        user, colon, _ = userinfo.partition(":")
+        who = f"{user}:***@" if colon and user else "***@"
+    tail = ("***" if kept.endswith("/") else "/***") if hidden else ""
+    return f"{scheme}{who}{host}{kept}{tail}"
+
+
+def strip_userinfo(url: str) -> tuple[str, str | None]:
+    """(the URL without its `user:password@`, that userinfo still percent-encoded, or None): an HTTP
+    client sends the userinfo as an Authorization header, never in the request line."""
+    scheme, userinfo, host, kept, hidden = _url_parts(url)
+    return f"{scheme}{host}{kept}{hidden}", userinfo
+
+
+def scrub_url(text: str, url: str) -> str:
+    """`text` (an error message) with nothing of `url` that `mask_url` hides: the URL whole becomes
+    its masked form; its password (a bare userinfo whole), hidden path, query and fragment, and each
+    of their segments and values of 6 characters or more, as written or percent-decoded, become `***`
+    (the host is left as it is)."""
+    scheme, userinfo, host, kept, hidden = _url_parts(url)
+    bare = f"{scheme}{host}{kept}{hidden}"
+    hostname = re.sub(r":\d*$", "", host)
+    shown = {w: mask_url(url) for w in (url, bare, unquote(url), unquote(bare))}
+    shown |= {h: h for h in (host, hostname) if h}
+    pieces = {hidden, *re.split(r"[?#]", hidden)}
+    pieces |= {w for w in re.split(r"[/?#&=;]", hidden) if len(w) >= 6}  # a token alone (shorter: a word)
+    if userinfo is not None:
+        user, colon, password = userinfo.partition(":")
+        pieces |= {userinfo, password} if colon else {userinfo}
+    pieces |= {unquote(p) for p in pieces}
+    pieces.discard("")
+
+    def scrub(part: str) -> str:
+        for piece in sorted(pieces, key=len, reverse=True):
+            part = part.replace(piece, "***")
+        return part
+
+    out, at = [], 0
+    for m in re.finditer("|".join(map(re.escape, sorted(shown, key=len, reverse=True))), text):
+        out += [scrub(text[at : m.start()]), shown[m.group(0)]]
+        at = m.end()
+    return "".join([*out, scrub(text[at:])])
 
 
 def _check_prices(value: Any, src: str) -> dict[str, dict[str, float]]:
@@ -428,7 +500,8 @@ def _load_file(path: Path) -> dict[str, Any]:
             and not (k == "trainer_resources" and isinstance(v, bool))  # YAML reads a bare `off` as false
             and not (k == "ttl_seconds_after_finished" and isinstance(v, int) and not isinstance(v, bool))
         ):
-            raise BadInput(f"config file `{path}`: setting `{k}` must be a string, got {v!r}")
+            got = f"a {type(v).__name__}" if k == "notify_webhook" else repr(v)  # never the URL's secret
+            raise BadInput(f"config file `{path}`: setting `{k}` must be a string, got {got}")
     return raw
 
 

@@ -2,8 +2,9 @@
 
 - its log lines: `step N/M loss X ...` per logged step and `committed step N` after a checkpoint
   commits (one formatter and one parser each);
-- its event file names: `events.out.tfevents.<start, 10 digits>.<host>.a<attempt>.s<segment>`, and
-  the LM evaluator's tags (`eval/lm/<label>/CE loss`, OLMo-core's names);
+- its event file names: `events.out.tfevents.<start, 10 digits>.<host>.a<attempt>.s<segment>`;
+- its metric tags (`TRAINER_TAGS`, the training objective's loss `primary_loss_tag`, the hosts' and
+  the evaluators' tags: `eval/lm/<label>/CE loss`, OLMo-core's names), named here only;
 - its exit codes, and the attempt state each one means (`exit_state`), which every backend reports.
 
 Pure and light: the trainer, the backends, the supervisor and the monitor all import it.
@@ -15,7 +16,7 @@ import enum
 import re
 from typing import TYPE_CHECKING, NamedTuple
 
-from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, EXIT_UNREACHABLE
+from olmo_ctl.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_RUN_FAILED, EXIT_UNREACHABLE, BadInput
 
 if TYPE_CHECKING:
     from olmo_ctl.core.batching import Plan
@@ -245,11 +246,130 @@ def log_progress(lines: list[str]) -> LogProgress:
     )
 
 
+# ---------------------------------------------------------------- metric tags
+
+# The scalars the trainer writes (OLMo-core's names, plus the TPU case study's parity tags; the
+# training loss's is `primary_loss_tag()`), named once: the trainer writes them by these names and
+# `monitor`, `compare`, `runs`, goodput, memorization, the smoke checks and the supervisor read them by
+# the same names (tests/test_contracts.py checks no module spells one).
+CE_LOSS_TAG = "train/CE loss"
+PPL_TAG = "train/PPL"
+Z_LOSS_TAG = "train/Z loss"
+GRAD_NORM_TAG = "optim/total grad norm"
+LR_TAG = "optim/LR (group 0)"
+LR_GROUP1_TAG = "optim/LR (group 1)"
+STEP_SKIPPED_TAG = "optim/step skipped"
+STEP_SKIPPED_PARITY_TAG = "optim/step_skipped"
+TOTAL_TOKENS_TAG = "throughput/total tokens"
+TOTAL_TOKENS_PARITY_TAG = "perf/total_tokens"
+TPS_TAG = "throughput/device/TPS"
+TPS_AVG_TAG = "throughput/device/TPS (actual avg)"
+TFLOPS_TAG = "throughput/device/TFLOPS"
+MFU_TAG = "throughput/device/MFU"
+MFU_AVG_TAG = "throughput/device/MFU (actual avg)"
+DATA_WAIT_TAG = "throughput/device/data loading (s)"  # seconds per step waiting on the data loader
+STEP_TIME_TAG = "perf/step_time_s"
+SAVE_DURATION_TAG = "checkpoint/save_duration_s"
+RESTORE_DURATION_TAG = "checkpoint/restore_duration_s"
+DATA_SETUP_TAG = "timing/data_setup_s"
+SINCE_START_TAG = "timing/since_start_s"  # process start to the restore's end
+EVAL_LOSS_TAG = "eval/lm_loss"  # the in-loop evaluator's held-out loss (trainer/evaluator.py)
+
+# Every tag above, in the order the trainer's docs list them (docs/CONTRACTS.md).
+TRAINER_TAGS = (
+    CE_LOSS_TAG,
+    PPL_TAG,
+    Z_LOSS_TAG,
+    GRAD_NORM_TAG,
+    LR_TAG,
+    LR_GROUP1_TAG,
+    STEP_SKIPPED_TAG,
+    STEP_SKIPPED_PARITY_TAG,
+    TOTAL_TOKENS_TAG,
+    TOTAL_TOKENS_PARITY_TAG,
+    TPS_TAG,
+    TPS_AVG_TAG,
+    TFLOPS_TAG,
+    MFU_TAG,
+    MFU_AVG_TAG,
+    DATA_WAIT_TAG,
+    STEP_TIME_TAG,
+    SAVE_DURATION_TAG,
+    RESTORE_DURATION_TAG,
+    DATA_SETUP_TAG,
+    SINCE_START_TAG,
+    EVAL_LOSS_TAG,
+)
+
+# The primary loss tag of each training objective a recipe names (today every recipe is `lm`;
+# post-training objectives will write their own): readers ask `primary_loss_tag`, never a spelling.
+PRIMARY_LOSS_TAGS = {"lm": CE_LOSS_TAG}
+
+
+def primary_loss_tag(objective: str = "lm") -> str:
+    """The tag of the loss a run of `objective` trains on (the curve `monitor`, `compare`, `runs` and
+    the smoke checks follow)."""
+    tag = PRIMARY_LOSS_TAGS.get(objective)
+    if tag is None:
+        raise BadInput(
+            f"unknown training objective {objective!r}",
+            f"use one of: {', '.join(sorted(PRIMARY_LOSS_TAGS))}",
+        )
+    return tag
+
+
+# Every host's timings per window, `hosts/<h>/<figure>` (trainer/hooks.py StragglerHook).
+HOST_TAG_PREFIX = "hosts/"
+HOST_FIGURES = ("step_time_s", "data_wait_s", "compute_s")
+
+
+def host_tag(host: int, figure: str) -> str:
+    return f"{HOST_TAG_PREFIX}{host}/{figure}"
+
+
+def parse_host_tag(tag: str) -> tuple[int, str] | None:
+    """(host, figure) of a `hosts/<h>/<figure>` tag, else None."""
+    parts = tag.split("/")
+    if len(parts) == 3 and f"{parts[0]}/" == HOST_TAG_PREFIX and parts[1].isdigit():
+        return int(parts[1]), parts[2]
+    return None
+
+
+# Tags that measure time or speed: a replayed step legitimately logs another value for them
+# (observe/series.py).
+VOLATILE_TAG_PREFIXES = (
+    "throughput/device/",
+    "perf/step_time",
+    "checkpoint/",
+    "timing/",
+    "time/",
+    "system/",
+    HOST_TAG_PREFIX,
+)
+
+# The first parts of every tag a trainer or an evaluator writes (and of the other writers' tags that
+# `VOLATILE_TAG_PREFIXES` names): a string that starts with one is a tag, and is spelled here only.
+METRIC_TAG_PREFIXES = (
+    "train/",
+    "optim/",
+    "throughput/",
+    "perf/",
+    "checkpoint/",
+    "timing/",
+    "time/",
+    "system/",
+    "eval/",
+    HOST_TAG_PREFIX,
+)
+
+
 # ---------------------------------------------------------------- tags of the LM evaluator
 
 # OLMo-core's `EvaluatorCallback.perform_eval` records `{prefix}/{evaluator.name}/{metric}` with prefix
 # `eval`, the LM evaluator's name `lm` and `LMEvaluator.compute_metrics`'s `<label>/CE loss`, `<label>/PPL`.
 LM_EVAL_PREFIX = "eval/lm/"
+# The downstream evaluator's: `eval/downstream/<task> (<metric>)` (trainer/downstream.py).
+DOWNSTREAM_PREFIX = "eval/downstream/"
 
 
 def lm_eval_tags(label: str) -> tuple[str, str]:

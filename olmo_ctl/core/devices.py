@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.generations import GENERATIONS, GIB, GPU_MACHINES, Generation, GpuMachine
+from olmo_ctl.core.text import closest
 
 # XPK's largest axis (`generate_tpu_topologies`: A, B, C in 4..256).
 MAX_TOPOLOGY_AXIS = 256
@@ -295,15 +296,36 @@ def get_device(name: str) -> Device:
     when it differs from one only by case or a `tpu-`/`tpu` prefix: `TPU7X-128`, `tpu-v5p-256`)."""
     try:
         return _parse_device(name)
+    except _NotAName as e:  # not of any family's form: the catalog's closest name, if one is close
+        meant = _meant(name)
+        if meant is None:
+            close = closest(str(name).strip().lower(), _catalog_names())
+            if close is None:
+                raise
+            raise BadInput(e.message, f"did you mean `{close}`? {e.hint}") from None
+        raise _said_in_another_case(name, meant) from None
     except BadInput:
         meant = _meant(name)
         if meant is None:
             raise
-        raise BadInput(
-            f"`{name}` is not a device type",
-            f"did you mean `{meant}`? (device names are lowercase, with no tpu- prefix; "
-            "`olmo-ctl devices` lists them)",
-        ) from None
+        raise _said_in_another_case(name, meant) from None
+
+
+def _said_in_another_case(name: str, meant: str) -> BadInput:
+    return BadInput(
+        f"`{name}` is not a device type",
+        f"did you mean `{meant}`? (device names are lowercase, with no tpu- prefix; "
+        "`olmo-ctl devices` lists them)",
+    )
+
+
+class _NotAName(BadInput):
+    """A device name of no family's form (`cpu1`, `h200-141gb`, `tpu8-16`): `get_device` adds the
+    catalog's closest name."""
+
+
+def _catalog_names() -> list[str]:
+    return [d.name for d in (*tpu_catalog(), *gpu_catalog(), *local_catalog())]
 
 
 def _meant(name: str) -> str | None:
@@ -332,7 +354,7 @@ def _meant(name: str) -> str | None:
 def _parse_device(name: str) -> Device:
     hint = "try `olmo-ctl devices` for the list"
     if not isinstance(name, str) or "-" not in name:
-        raise BadInput(f"`{name}` is not a device type", hint)
+        raise _NotAName(f"`{name}` is not a device type", hint)
     machine = next((m for m in GPU_MACHINES.values() if name.startswith(m.name)), None)
     if machine is not None:
         return _parse_gpu_nodes(name, machine, hint)
@@ -343,14 +365,14 @@ def _parse_device(name: str) -> Device:
     if profile is not None and "x" in count:
         return _topology_device(name, profile, count, hint)
     if not count.isdigit() or count.startswith("0"):
-        raise BadInput(f"`{name}` is not a device type", hint)
+        raise _NotAName(f"`{name}` is not a device type", hint)
     n = int(count)
     if gen in ("cpu", "gpu"):
         if not 1 <= n <= MAX_LOCAL:
             raise BadInput(f"`{name}` is not a device type: {gen}-N takes 1 <= N <= {MAX_LOCAL}", hint)
         return _local_device(gen, n)
     if profile is None:
-        raise BadInput(
+        raise _NotAName(
             f"`{name}` is not a device type: unknown generation `{gen}` ({_prefix_names()}, cpu, gpu;"
             f" GPU nodes {', '.join(f'{m}xN' for m in GPU_MACHINES)})",
             hint,

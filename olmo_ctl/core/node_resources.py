@@ -29,26 +29,45 @@ MIB, GIB = 2**20, 2**30
 TRAINER_SHARE = 0.95
 EVICTION_THRESHOLD_MIB = 100
 
+# Kubernetes' quantity suffixes (apimachinery's resource.Quantity): binary SI, decimal SI.
 QUANTITY_SUFFIX = {
     "Ki": 2**10,
     "Mi": 2**20,
     "Gi": 2**30,
     "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "n": 10**-9,
+    "u": 10**-6,
+    "m": 10**-3,
+    "": 1,
     "k": 10**3,
     "M": 10**6,
     "G": 10**9,
     "T": 10**12,
-    "m": 0.001,
+    "P": 10**15,
+    "E": 10**18,
 }
+# <quantity> ::= <signedNumber><suffix>, the suffix binary SI, decimal SI or a decimal exponent
+# (e3, E-2): `1E` is an exa, `1E3` a thousand.
+_QUANTITY = re.compile(r"^([+-]?(?:\d+(?:\.\d*)?|\.\d+))(?:(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])|[eE]([+-]?\d+))?$")
 
 
 def parse_quantity(v) -> float:
-    """A Kubernetes resource quantity ("256", "100m", "64Mi", 4) as a number; ValueError when it is none."""
-    s = str(v).strip()
-    for suf in sorted(QUANTITY_SUFFIX, key=len, reverse=True):
-        if s.endswith(suf) and s[: -len(suf)].replace(".", "", 1).isdigit():
-            return float(s[: -len(suf)]) * QUANTITY_SUFFIX[suf]
-    return float(s)
+    """A Kubernetes resource quantity ("256", "100m", "64Mi", "1E", "1e3", 4) as a number, of any
+    magnitude (float('inf') beyond a float's); ValueError when it is none."""
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return float(v)
+    m = _QUANTITY.match(str(v).strip())
+    if m is None:
+        raise ValueError(f"{v!r} is not a Kubernetes quantity")
+    number, suffix, exponent = m.groups()
+    try:
+        if exponent is not None:
+            return float(f"{number}e{exponent}")
+        return float(number) * QUANTITY_SUFFIX[suffix or ""]
+    except OverflowError:
+        return math.inf
 
 
 # (upper bound in GiB or cores, share of the band below it), GKE's bands.
@@ -107,6 +126,8 @@ def parse_setting(value: str, where: str) -> dict[str, str] | str:
             ok = False
         if not ok:
             raise BadInput(f"{where}: {what} `{q}` is not a positive Kubernetes quantity", hint)
+        if not math.isfinite(parse_quantity(q)):
+            raise BadInput(f"{where}: {what} `{q}` is too large for a number", hint)
     if parse_quantity(memory) < GIB:
         raise BadInput(f"{where}: memory `{memory}` is under 1Gi; the trainer would be OOM-killed", hint)
     return {"cpu": cpu, "memory": memory}

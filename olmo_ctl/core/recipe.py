@@ -24,6 +24,7 @@ import yaml
 
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.mixes import EVAL_MIXES, MIXES
+from olmo_ctl.core.text import closest
 
 # Package data: `recipes/` at the top of the repository, `olmo_ctl/recipes` (a link to it) in a checkout,
 # real files in an installed wheel.
@@ -38,6 +39,19 @@ MODEL_STAGE_RECIPES: dict[str, dict[int, str]] = {
 }
 DEFAULT_MODEL = "olmo3-7b"
 STAGE_RECIPES = MODEL_STAGE_RECIPES[DEFAULT_MODEL]
+# The most steps a run may have: the trainer's step counter and Adam's bias-correction count are int32
+# (trainer/step.py, trainer/optim.py). OLMo 3 7B's stage 1 is 1,413,814 steps.
+MAX_STEPS = 2**31 - 1
+# Where a shipped stage after the first starts: (the stage it continues, how), as docs/recipes.md's
+# `init` rows and each recipe file's header say. A new run of one from the recipe's random
+# initialisation is not AI2's stage, so `plan`, `submit` and `resume-until-done` say it (`start_note`).
+STAGE_STARTS: dict[str, tuple[str, str]] = {
+    "olmo3-7b-stage2": ("olmo3-7b-stage1", "warm-adam"),
+    "olmo3-7b-stage3": ("olmo3-7b-stage2", "warm-adam"),
+    "olmo2-32b-stage2": ("olmo2-32b-stage1", "start-from"),
+    "olmo3-32b-stage2": ("olmo3-32b-stage1", "start-from"),
+    "olmo3-32b-stage3": ("olmo3-32b-stage2", "init-from"),
+}
 
 
 # The attention kernels a model may name (`auto`: chosen by the platform at trace time).
@@ -522,7 +536,11 @@ def _check_keys(cls: type, raw: dict, prefix: str, src: str, extra: tuple[str, .
         if k in extra:
             continue
         if k not in names:
-            raise BadInput(f"{src}: unknown key `{key}`", f"known keys here: {', '.join(sorted(names))}")
+            close = closest(str(k), names)
+            meant = f"did you mean `{prefix + '.' if prefix else ''}{close}`? " if close else ""
+            raise BadInput(
+                f"{src}: unknown key `{key}`", f"{meant}known keys here: {', '.join(sorted(names))}"
+            )
         section = _section_type(hints[k])
         if section is not None and isinstance(v, dict):
             _check_keys(section, v, key, src, ("from",) if section is ModelConfig and not prefix else ())
@@ -666,6 +684,11 @@ def validate(r: Recipe, src: str) -> None:
     )
     need(t.global_batch > 0, "train.global_batch", f"must be positive, got {t.global_batch}")
     need(t.max_steps > 0, "train.max_steps", f"must be positive, got {t.max_steps}")
+    need(
+        t.max_steps <= MAX_STEPS,
+        "train.max_steps",
+        f"must be at most {MAX_STEPS:,} (the trainer counts steps in int32), got {t.max_steps:,}",
+    )
     need(t.max_per_device_batch >= 0, "train.max_per_device_batch", "must be >= 0")
     need(t.data_parallel >= 1, "train.data_parallel", "must be >= 1")
     need(t.seq_shards >= 0, "train.seq_shards", "must be >= 0 (0: the plan chooses)")
@@ -1107,6 +1130,33 @@ def load_recipe(
 ) -> Recipe:
     path = resolve_recipe_path(recipe, stage, model)
     return recipe_from_dict(load_raw(path), str(path), overrides, path.parent)
+
+
+def start_note(recipe: Recipe) -> str | None:
+    """What a shipped stage starts from, for the person about to run it (STAGE_STARTS); None for a
+    recipe that starts from its own initialisation."""
+    if recipe.name not in STAGE_STARTS:
+        return None
+    before, how = STAGE_STARTS[recipe.name]
+    prev = load_recipe(before)
+    step, n, p = prev.train.max_steps, recipe.stage, prev.stage
+    ckpt = f"STAGE{p}_RUN_DIR/checkpoints/{step}"
+    where = f"stage {n} starts from a stage-{p} checkpoint ({before}'s final step, {step:,})"
+    if how == "warm-adam":
+        return (
+            f"{where} with warm-Adam surgery: `olmo-ctl surgery warm-adam {ckpt} RUN_DIR` writes the new "
+            "run's checkpoint 0 (parameters and Adam moments, step 0), which the run then starts from; "
+            "without it the run trains from random weights (docs/recipes.md)"
+        )
+    if how == "start-from":
+        return (
+            f"{where}: `olmo-ctl resume-until-done RUN ... --start-from {ckpt}` starts each ingredient from "
+            "it with warm-Adam surgery (docs/ingredients.md)"
+        )
+    return (
+        f"stage {n} starts from the soup of a stage-{p} run of ingredients (STAGE{p}_RUN_DIR/soup: its "
+        "parameters, fresh Adam moments) with the trainer's --init-from (docs/recipes.md)"
+    )
 
 
 def load_model(model: str) -> ModelConfig:

@@ -4,9 +4,9 @@ A side is a run directory (local or gs://, its TensorBoard scalars de-duplicated
 them) or a CSV/TSV file of `step,value` rows (a header row is allowed), e.g. a published reference
 curve. Only steps present on both sides are compared: deltas are `B - A`. The first step where |delta|
 exceeds the threshold names where two runs part ways: comparing a resumed run with its uninterrupted
-twin, an exact resume gives max |delta| = 0 on `train/CE loss`. From the first step two run
-directories computed on different device layouts (their journals' targets), a delta within the
-layout-rounding bound (`observe/rounding.py`) is rounding, not a divergence.
+twin, an exact resume gives max |delta| = 0 on the training loss (`DEFAULT_TAGS`). From the first
+step two run directories computed on different device layouts (their journals' targets), a delta
+within the layout-rounding bound (`observe/rounding.py`) is rounding, not a divergence.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from olmo_ctl import storage
+from olmo_ctl.core.contracts import primary_loss_tag
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.observe.memorization import HELDOUT_TAGS, TRAIN_TAG
 from olmo_ctl.observe.rounding import RoundingModel, layout_of_attempts, rounding_model, step_layouts
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from olmo_ctl.observe.reader import EventReader
 
 CURVE_SUFFIXES = (".csv", ".tsv", ".txt")
-DEFAULT_TAGS = ("train/CE loss",)
+DEFAULT_TAGS = (primary_loss_tag(),)  # every recipe trains the `lm` objective today
 
 
 def is_curve_file(src: str) -> bool:
@@ -316,7 +317,7 @@ def compare(
             rounding=_coarser(side_a.rounding, side_b.rounding),
         )
     if not results:
-        raise BadInput("no tag to compare", "pass --tags 'train/CE loss'")
+        raise BadInput("no tag to compare", f"pass --tags '{DEFAULT_TAGS[0]}'")
     # one line over all tags: the earliest divergence wins
     diverged = [
         (r["first_exceed_step"], t) for t, r in results.items() if r.get("first_exceed_step") is not None

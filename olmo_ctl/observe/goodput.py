@@ -22,10 +22,10 @@ is there that a Kueue queue adds:
   `admitted` after `running`, ...) until the next trainer process starts, less the waits above;
 * `other`: the rest (before the first submission, after the last step while nothing failed).
 
-Productive time is the kept `train/CE loss` points' steps: from each incarnation's first step start
-(its first fetch's wall time less its steps at the median step time) to its last kept point. An
-incarnation ends where the attempt changes or the journal records the attempt's disruption between
-two points, so an outage inside one attempt is never productive.
+Productive time is the kept training loss points' steps (`core.contracts.primary_loss_tag`): from
+each incarnation's first step start (its first fetch's wall time less its steps at the median step
+time) to its last kept point. An incarnation ends where the attempt changes or the journal records
+the attempt's disruption between two points, so an outage inside one attempt is never productive.
 """
 
 from __future__ import annotations
@@ -34,6 +34,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from olmo_ctl.core.contracts import (
+    DATA_SETUP_TAG,
+    DATA_WAIT_TAG,
+    RESTORE_DURATION_TAG,
+    SAVE_DURATION_TAG,
+    SINCE_START_TAG,
+)
 from olmo_ctl.observe.series import Series
 
 BUCKETS = (
@@ -47,11 +54,8 @@ BUCKETS = (
     "infrastructure_recovery",
     "other",
 )
-SAVE_TAG = "checkpoint/save_duration_s"
-RESTORE_TAG = "checkpoint/restore_duration_s"
-SINCE_START_TAG = "timing/since_start_s"
-DATA_SETUP_TAG = "timing/data_setup_s"
-DATA_WAIT_TAG = "throughput/device/data loading (s)"
+SAVE_TAG = SAVE_DURATION_TAG
+RESTORE_TAG = RESTORE_DURATION_TAG
 
 # Where intervals overlap, the higher one wins (index = priority); `other` is what nothing covers.
 _LAYERS = (

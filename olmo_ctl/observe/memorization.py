@@ -31,10 +31,12 @@ from statistics import NormalDist
 
 import numpy as np
 
-TRAIN_TAG = "train/CE loss"
+from olmo_ctl.core.contracts import EVAL_LOSS_TAG, lm_eval_tags, primary_loss_tag
+
+TRAIN_TAG = primary_loss_tag()  # every recipe trains the `lm` objective today
 # The held-out loss a run logs: OLMo-core's C4 evaluator's name first (`c4_en-validation`, its label in
 # v3-small-ppl-validation; `c4_en` in older runs), then the trainer's own held-out set.
-HELDOUT_TAGS = ("eval/lm/c4_en-validation/CE loss", "eval/lm/c4_en/CE loss", "eval/lm_loss")
+HELDOUT_TAGS = (lm_eval_tags("c4_en-validation")[0], lm_eval_tags("c4_en")[0], EVAL_LOSS_TAG)
 # nats: the threshold's floor. At stage 1 the C4 loss comes every 10,000 steps on a fixed held-out set;
 # the gap's noise there is well under 0.01 nats (docs/monitoring-and-compare.md), so the floor rules.
 DEFAULT_THRESHOLD = 0.02

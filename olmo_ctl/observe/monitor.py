@@ -6,8 +6,9 @@ the table view and the plot are drawn from it. Everything is derived from data t
 keeps, so two people monitoring the same run see the same numbers:
 
 * progress, tokens, losses: the de-duplicated TensorBoard scalars (`olmo_ctl.observe.reader`);
-* step time, tokens/s, TFLOP/s, MFU: wall times of `train/CE loss` points within one attempt
-  (a gap between attempts is never counted as a slow step) and `olmo_ctl.core.flops` for the model;
+* step time, tokens/s, TFLOP/s, MFU: wall times of the training loss's points (`LOSS_TAG`) within one
+  attempt (a gap between attempts is never counted as a slow step) and `olmo_ctl.core.flops` for the
+  model;
 * goodput: time on steps that count / wall time, and every other second of the wall time in one
   bucket, from the journal's and the trainer's timestamps (`olmo_ctl.observe.goodput`).
 
@@ -27,7 +28,24 @@ from typing import Any
 import numpy as np
 
 from olmo_ctl import storage
-from olmo_ctl.core.contracts import EXITED_EVENT, exit_state, final_committed, parse_segment_name
+from olmo_ctl.core.contracts import (
+    EVAL_LOSS_TAG,
+    EXITED_EVENT,
+    LR_TAG,
+    MFU_TAG,
+    SAVE_DURATION_TAG,
+    STEP_SKIPPED_PARITY_TAG,
+    STEP_SKIPPED_TAG,
+    TFLOPS_TAG,
+    TOTAL_TOKENS_PARITY_TAG,
+    TOTAL_TOKENS_TAG,
+    TPS_TAG,
+    exit_state,
+    final_committed,
+    parse_host_tag,
+    parse_segment_name,
+    primary_loss_tag,
+)
 from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.transient import is_transient
 from olmo_ctl.observe.memorization import HELDOUT_TAGS, TRAIN_TAG, memorization, with_audit
@@ -36,22 +54,20 @@ from olmo_ctl.observe.reader import EventReader
 from olmo_ctl.observe.rounding import layout_of_attempts, replay_bounds, rounding_model
 from olmo_ctl.observe.series import Series
 from olmo_ctl.observe.waiting import journal_line, wait_of
-from olmo_ctl.rundir import RunDir, run_recipe
+from olmo_ctl.rundir import RunDir, checkpoint_intervals, run_recipe, saved_permanent
 
 # (run directory, a journal `handle`) -> the backend's AttemptStatus of that attempt, or None
 StatusOf = Callable[[str, dict], Any]
 
 SCHEMA_ID = "olmo-ctl/monitor/v1"
-LOSS_TAG = "train/CE loss"
-EVAL_TAG = "eval/lm_loss"
-LR_TAGS = ("optim/LR (group 0)",)
-TOKENS_TAGS = ("throughput/total tokens", "perf/total_tokens")
-SKIPPED_TAGS = ("optim/step skipped", "optim/step_skipped")
-CKPT_TAG = "checkpoint/save_duration_s"
-# what the trainer logs for each window (trainer/hooks.py MetricsHook), read where the monitor cannot compute it
-TPS_TAG = "throughput/device/TPS"
-TFLOPS_TAG = "throughput/device/TFLOPS"
-MFU_TAG = "throughput/device/MFU"
+LOSS_TAG = primary_loss_tag()  # every recipe trains the `lm` objective today
+EVAL_TAG = EVAL_LOSS_TAG
+LR_TAGS = (LR_TAG,)
+TOKENS_TAGS = (TOTAL_TOKENS_TAG, TOTAL_TOKENS_PARITY_TAG)
+SKIPPED_TAGS = (STEP_SKIPPED_TAG, STEP_SKIPPED_PARITY_TAG)
+CKPT_TAG = SAVE_DURATION_TAG
+# TPS_TAG, TFLOPS_TAG, MFU_TAG (core/contracts.py): what the trainer logs for each window (trainer/hooks.py
+# MetricsHook), read where the monitor cannot compute it
 # The smoothed train loss: the mean of the last SMOOTH_STEPS logged steps. An EMA over a falling
 # loss lags it (its early, higher points keep weight) and matches no number a user can check.
 SMOOTH_STEPS = 50
@@ -202,6 +218,15 @@ def _load(path: str) -> Sources:
             if isinstance(e, OlmoCtlError) and e.exit_code == 3:
                 raise
             run_doc = None
+        if not isinstance(run_doc, dict) or not isinstance(run_doc.get("recipe"), dict):
+            from olmo_ctl.rundir import warn
+
+            warn(
+                f"`{storage.join(path, 'run.yaml')}` is not a run description (no `recipe:` mapping): "
+                "the report shows what the event files and the journal say",
+                once_key=path,
+            )
+            run_doc = run_doc if isinstance(run_doc, dict) else None
     src = Sources(path, EventReader(tb), tb, run_doc)
     src.refresh()
     return src
@@ -387,7 +412,7 @@ def _iso(t: float | None) -> str | None:
 
 
 def _recipe(run_doc: dict | None):
-    if not run_doc or not isinstance(run_doc.get("recipe"), dict):
+    if not isinstance(run_doc, dict) or not isinstance(run_doc.get("recipe"), dict):
         return None
     try:
         return run_recipe(run_doc, "run.yaml", pending=True)  # the final step as amended
@@ -628,7 +653,7 @@ def build_report(
         "eta_s": _f(eta_s),
         "eta": _iso(now + eta_s) if eta_s is not None else None,
         "skipped_steps": skipped,
-        "checkpoint": _checkpoint_section(src.committed or [], step, recipe),
+        "checkpoint": _checkpoint_section(src.committed or [], step, recipe, src.path, src.run_doc),
         "attempt": live,
         "timeline": _timeline(journal),
         "amendments": amendments_of(src.run_doc),
@@ -729,11 +754,11 @@ def _hosts_section(r: EventReader) -> tuple[list[dict], list[str]]:
 
     series: dict[int, dict[str, Series]] = {}
     for tag in r.tags():
-        parts = tag.split("/")
-        if len(parts) == 3 and parts[0] == "hosts" and parts[1].isdigit():
+        hf = parse_host_tag(tag)
+        if hf is not None:
             s = r.series(tag)
             if s is not None and len(s):
-                series.setdefault(int(parts[1]), {})[parts[2]] = s
+                series.setdefault(hf[0], {})[hf[1]] = s
     if not series:
         return [], []
     latest = max(int(s.steps[-1]) for by in series.values() for s in by.values())
@@ -1035,17 +1060,22 @@ def _eta(
     return pct, eta_s
 
 
-def _checkpoint_section(committed: list[int], step: int | None, recipe=None) -> dict:
+def _checkpoint_section(
+    committed: list[int], step: int | None, recipe=None, path: str = "", run_doc: dict | None = None
+) -> dict:
     """The newest committed checkpoint and the steps since; with tiered checkpoints
-    (`checkpoint.ephemeral_interval`), whether the newest is ephemeral and the newest permanent one."""
+    (`checkpoint.ephemeral_interval`), whether the newest is ephemeral and the newest permanent one,
+    each as it was saved (`rundir.saved_permanent`; read from the newest back to the first permanent)."""
     committed_step = committed[-1] if committed else None
     at_risk = step - (committed_step or 0) if step is not None else None
     out: dict = {"committed_step": committed_step, "steps_at_risk": at_risk, "committed": committed[-5:]}
     c = recipe.checkpoint if recipe is not None else None
     if c is not None and c.ephemeral_interval:
-        permanent = [s for s in committed if s % c.interval == 0]
-        out["permanent_step"] = permanent[-1] if permanent else None
-        out["ephemeral"] = committed_step is not None and committed_step % c.interval != 0
+        intervals = (c.interval, *checkpoint_intervals(run_doc))
+        ckpt = storage.join(path, "checkpoints")
+        permanent = next((s for s in reversed(committed) if saved_permanent(ckpt, s, intervals)), None)
+        out["permanent_step"] = permanent
+        out["ephemeral"] = committed_step is not None and permanent != committed_step
     return out
 
 

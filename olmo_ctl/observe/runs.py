@@ -14,9 +14,9 @@ A queued or admitted attempt's row also says what holds it, in one line (`waitin
 status already asked for its state (one bounded status call per run whose journal says its attempt
 may be live; none with --no-backend-status, when the supervisor's journaled wait is all it says).
 
-The last loss is the `done` line's, else the newest TensorBoard segments' last `train/CE loss`
-(a few files, not the run's whole history). `updated` is the journal's newest line (else run.yaml's
-`created`).
+The last loss is the `done` line's, else the newest TensorBoard segments' last training loss
+(`LOSS_TAG`; a few files, not the run's whole history). `updated` is the journal's newest line (else
+run.yaml's `created`).
 
 The runs `olmo-ctl smoke` leaves under a run root (named smoke-DEVICE-..., `core.names.is_smoke_run`)
 are counted, not listed, unless asked for: they are checks of a device, not runs anyone follows.
@@ -24,16 +24,18 @@ are counted, not listed, unless asked for: they are checks of a device, not runs
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from olmo_ctl import storage
-from olmo_ctl.core.errors import BadInput, OlmoCtlError
+from olmo_ctl.core.errors import EXIT_BAD_INPUT, BadInput, OlmoCtlError
 from olmo_ctl.core.names import is_smoke_run
+from olmo_ctl.core.text import fit, table_lines
 from olmo_ctl.observe.monitor import LOSS_TAG, StatusOf, live_attempt_of
 from olmo_ctl.observe.reader import EventReader
-from olmo_ctl.rundir import SPEC, Composite, RunDir
+from olmo_ctl.rundir import SPEC, Composite, RunDir, warn
 
 NEWEST_SEGMENTS = 4  # event files read for the last loss
 
@@ -167,7 +169,23 @@ def list_runs(run_root: str, status_of: StatusOf | None = None, *, smoke: bool =
     `olmo-ctl smoke`'s runs only counted unless `smoke` (their directories are not read then)."""
     paths = run_paths(run_root)
     shown = [p for p in paths if smoke or not is_smoke_run(p.rsplit("/", 1)[-1])]
-    return RunList([run_row(p, status_of) for p in shown], len(paths) - len(shown))
+    return RunList([_row_or_unreadable(p, status_of) for p in shown], len(paths) - len(shown))
+
+
+def _row_or_unreadable(path: str, status_of: StatusOf | None) -> RunRow:
+    """`run_row`, or for a run whose files cannot be read (bad input: a run.yaml, ingredients.yaml or
+    journal edited by hand or torn) a row in state `unreadable`; either way one warning naming the file,
+    and the other runs are listed."""
+    try:
+        row = run_row(path, status_of)
+    except OlmoCtlError as e:
+        if e.exit_code != EXIT_BAD_INPUT:  # unreachable storage is not one run's problem
+            raise
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        row = RunRow(name, path, None, None, 0, None, "unreadable", None, None, e.one_line())
+    if row.state == "unreadable":
+        warn(f"run `{row.name}` is listed as unreadable: {row.reason}")
+    return row
 
 
 # ---------------------------------------------------------------- a run of ingredients (docs/ingredients.md)
@@ -185,6 +203,34 @@ def _composite(path: str) -> Composite:
     return Composite(root, name)
 
 
+@contextlib.contextmanager
+def _reading_spec(c: Composite):
+    """An ingredients.yaml whose entries are not what `create` writes (edited by hand): bad input naming it."""
+    try:
+        yield
+    except (LookupError, TypeError, AttributeError, ValueError) as e:
+        raise BadInput(
+            f"`{c.spec_path}` is not a run of ingredients ({type(e).__name__}: {e})",
+            "restore it from a backup; `resume-until-done --recipe` writes it",
+        ) from None
+
+
+def _a_list(x: Any) -> list:
+    if not isinstance(x, list):
+        raise TypeError(f"{x!r} is not a list")
+    return x
+
+
+def _souped(c: Composite) -> dict | None:
+    try:
+        soup = c.souped()
+    except ValueError as e:  # torn or edited by hand
+        raise BadInput(f"`{storage.join(c.soup_path, 'soup.json')}` is not a soup's manifest ({e})") from None
+    if soup is not None and not isinstance(soup, dict):
+        raise BadInput(f"`{storage.join(c.soup_path, 'soup.json')}` is not a soup's manifest (not an object)")
+    return soup
+
+
 def composite_report(path: str, status_of: StatusOf | None = None) -> dict[str, Any]:
     """{run, path, kind: ingredients, state, ingredients: [runs rows + name], soup: manifest | None}."""
     return _report(_composite(path), status_of)
@@ -192,14 +238,20 @@ def composite_report(path: str, status_of: StatusOf | None = None) -> dict[str, 
 
 def _report(c: Composite, status_of: StatusOf | None) -> dict[str, Any]:
     spec = c.spec()
+    with _reading_spec(c):  # each entry {run, name, set: [KEY=VALUE]}, as `Composite.create` writes it
+        listed = [
+            (ing.get("name"), [str(x) for x in _a_list(ing.get("set") or [])], rd)
+            for ing, rd in zip(spec["ingredients"], c.runs(), strict=True)
+        ]
+        recipe_name = (spec.get("recipe") or {}).get("name")
     rows = []
-    for ing, rd in zip(spec["ingredients"], c.runs(), strict=True):
+    for name, sets, rd in listed:
         row = run_row(rd.path, status_of) if rd.exists() else None
         rows.append(
             {
-                "name": ing.get("name"),
+                "name": name,
                 "run": rd.name,
-                "set": ing.get("set") or [],
+                "set": sets,
                 "step": row.step if row else 0,
                 "final_step": row.final_step if row else None,
                 "state": row.state if row else "not started",
@@ -207,7 +259,7 @@ def _report(c: Composite, status_of: StatusOf | None) -> dict[str, Any]:
                 "reason": row.reason if row else "",
             }
         )
-    soup = c.souped()
+    soup = _souped(c)
     done = sum(r["state"] == "done" for r in rows)
     if soup is not None:
         state = "done"
@@ -220,7 +272,7 @@ def _report(c: Composite, status_of: StatusOf | None) -> dict[str, Any]:
         "run": c.name,
         "path": c.dir.path,
         "kind": "ingredients",
-        "recipe": (spec.get("recipe") or {}).get("name"),
+        "recipe": recipe_name,
         "start_from": spec.get("start_from"),
         "state": state,
         "ingredients": rows,
@@ -238,7 +290,8 @@ def composite_row(path: str, status_of: StatusOf | None = None) -> RunRow:
     rep = _report(c, status_of)
     recipe = c.recipe()
     rows = rep["ingredients"]
-    final = sum(int(recipe.ingredient_recipe(k).train.max_steps) for k in range(len(rows)))
+    with _reading_spec(c):
+        final = sum(int(recipe.ingredient_recipe(k).train.max_steps) for k in range(len(rows)))
     last = next((r["last_loss"] for r in reversed(rows) if r["last_loss"] is not None), None)
     journal = c.dir.journal()
     return RunRow(
@@ -255,22 +308,25 @@ def composite_row(path: str, status_of: StatusOf | None = None) -> RunRow:
     )
 
 
-def composite_lines(rep: dict) -> list[str]:
-    """The table `monitor` prints for a run of ingredients."""
-    out = [f"{rep['run']}: run of {len(rep['ingredients'])} ingredients ({rep['recipe']}): {rep['state']}"]
+def composite_lines(rep: dict, width: int | None = None) -> list[str]:
+    """The table `monitor` prints for a run of ingredients, to `width` columns (None: no limit)."""
+    out = fit(
+        f"{rep['run']}: run of {len(rep['ingredients'])} ingredients ({rep['recipe']}): {rep['state']}", width
+    )
     if rep["start_from"]:
-        out.append(f"  start: {rep['start_from']}")
+        out += fit(f"  start: {rep['start_from']}", width)
+    rows = []
     for r in rep["ingredients"]:
         step = f"{r['step']}/{r['final_step']}" if r["final_step"] is not None else str(r["step"])
         loss = "-" if r["last_loss"] is None else f"{r['last_loss']:.4f}"
-        out.append(
-            f"  {r['run']:<24} {r['name'] or '':<12} {step:>15}  {r['state']:<12} loss {loss}  "
-            + " ".join(r["set"])
-        )
+        rows.append((r["run"], r["name"] or "", step, r["state"], f"loss {loss}", " ".join(r["set"])))
+    # The ingredients' --set items are free text: they wrap in their cell, or go under their row.
+    out += table_lines(None, rows, right={"2"}, flex=("5",), under="5", width=width, prefix="  ")
     s = rep["soup"]
-    out.append(
+    out += fit(
         f"  soup: {s['path']} (mean of {len(s.get('sources', []))} checkpoints, {s.get('dtype')})"
         if s
-        else "  soup: not yet (written when every ingredient's final step is committed)"
+        else "  soup: not yet (written when every ingredient's final step is committed)",
+        width,
     )
     return out

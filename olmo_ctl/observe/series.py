@@ -4,8 +4,8 @@ Event files are ordered by attempt, start time and segment (`file_order_key`; co
 `events.out.tfevents.<time>.<host>.a<attempt>.s<segment>`, see docs/CONTRACTS.md; other names by their
 start time). When a step appears again (replayed after a resume) the later record wins and, if its
 value differs, the pair is kept as a `Mismatch` (except for tags that measure time or speed, which a
-replay legitimately changes: `VOLATILE_TAG_PREFIXES`). `TagSeries` applies these rules incrementally,
-chunk by chunk, as the reader decodes new bytes.
+replay legitimately changes: `core.contracts.VOLATILE_TAG_PREFIXES`). `TagSeries` applies these
+rules incrementally, chunk by chunk, as the reader decodes new bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from olmo_ctl.core.contracts import parse_segment_name
+from olmo_ctl.core.contracts import VOLATILE_TAG_PREFIXES, parse_segment_name
 
 
 class _Grow:
@@ -86,18 +86,6 @@ def _dedup_last(s, w, v, a):
     dropped = order[~last]
     repl = keep[np.searchsorted(ss[last], s[dropped])] if dropped.size else dropped
     return keep, dropped, repl
-
-
-# Tags that measure time or speed: a replayed step legitimately logs another value for them.
-VOLATILE_TAG_PREFIXES = (
-    "throughput/device/",
-    "perf/step_time",
-    "checkpoint/",
-    "timing/",
-    "time/",
-    "system/",
-    "hosts/",
-)
 
 
 def is_volatile(tag: str) -> bool:

@@ -234,9 +234,11 @@ def verify(
 
         E.check_tasks(chosen_tasks, tokenizer)
     if not chosen_tasks and not lm_cfg.enabled:
+        from olmo_ctl.checkpoints.evaluate import what_to_evaluate
+
         raise BadInput(
             "the run evaluates nothing to compare: its recipe has no eval.downstream tasks and no eval.lm",
-            "--tasks LABEL,... (e.g. --tasks olmo3) or --lm MIX|LABEL=PATH,...",
+            what_to_evaluate(recipe),
         )
     if remote is not None and missing:
         for key, report in remote(missing).items():  # kept as this machine's evaluations are

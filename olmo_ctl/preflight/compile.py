@@ -138,6 +138,9 @@ class PreflightResult:
     # micro-batch (instances per forward pass over the slice, `core.batching.eval_micro_batch`).
     eval_peak_bytes_per_device: int | None = None
     eval_micro_batch: int | None = None
+    # What was compiled: a digest of the lowered train and eval steps (`program_digest`). A result of
+    # another trainer version stands for this one's when this one lowers to the same program.
+    program: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -243,13 +246,14 @@ def plan_for(recipe: Recipe, device: Device, per_device_batch: int | None = None
 # ----------------------------------------------------------------------------- compile
 
 
-def topology_devices(device: Device, slices: int = 1, libtpu_args: str = ""):
+def topology_devices(device: Device, slices: int = 1, libtpu_args: str = "", *, any_flags: bool = False):
     """The slice's JAX devices from libtpu's topology description (no TPU attached); with `slices` > 1
     those of N such slices, each device carrying its `slice_index` (libtpu's `num_slices`).
 
     The first call in a process starts libtpu with `libtpu_args` (the pods' LIBTPU_INIT_ARGS; this
     environment's when empty), which it keeps for the life of the process: a later call with other
-    flags is refused (`compiles_in_this_process` says when a compile must run in a process of its own).
+    flags is refused (`compiles_in_this_process` says when a compile must run in a process of its own),
+    unless `any_flags` (the devices are only lowered for, never compiled for: `program_digest`).
     """
     global _LIBTPU_STARTED_WITH
     device.check_launchable("preflight's compile")
@@ -268,7 +272,7 @@ def topology_devices(device: Device, slices: int = 1, libtpu_args: str = ""):
     # exclusive access to a TPU, and two preflights (or a test run) may compile at the same time.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     start = libtpu_start_args(libtpu_args)
-    if not compiles_in_this_process(libtpu_args):
+    if not any_flags and not compiles_in_this_process(libtpu_args):
         raise RuntimeError(
             f"libtpu in this process started with other flags than {device.name}'s pods get"
             " (`run_preflight` compiles such a slice in a process of its own)"
@@ -277,8 +281,9 @@ def topology_devices(device: Device, slices: int = 1, libtpu_args: str = ""):
     try:
         with _environ("LIBTPU_INIT_ARGS", start):  # read by libtpu when this starts it, and never again
             topo = topologies.get_topology_desc(platform="tpu", topology_name=device.topology_name, **kw)
-    finally:  # started, even when it refused the topology
-        _LIBTPU_STARTED_WITH = start
+    finally:  # started, even when it refused the topology (with the flags of the first call)
+        if _LIBTPU_STARTED_WITH is None:
+            _LIBTPU_STARTED_WITH = start
     devs = list(topo.devices)
     if len(devs) != device.devices * slices:
         raise RuntimeError(
@@ -586,6 +591,92 @@ def _heartbeat(log: Callable[[str], None] | None, every_s: float):
         t.join()
 
 
+def program_digest(
+    recipe: Recipe, device: Device, plan: Plan, libtpu_args: str = "", *, any_flags: bool = False
+) -> str:
+    """`sha256:HEX` of the train and eval steps as `compile_step` and `compile_eval_step` lower them for
+    the slice (StableHLO text, without source locations; the Pallas kernels' own locations without this
+    installation's path prefix: `_installed_anywhere`). What the compiler is given: with the same
+    compiler versions and flags (the rest of a result's key) the same digest compiles to the same
+    figures, so an edit of the trainer that changes no program (a comment, a docstring, a function
+    moved) keeps a compiled result valid. Lowering takes seconds where compiling takes minutes, and
+    reads none of libtpu's flags: `any_flags` lowers in a process whose libtpu started with others."""
+    import hashlib
+
+    import jax
+
+    from olmo_ctl.trainer import attention as attn_lib
+    from olmo_ctl.trainer import sharding
+    from olmo_ctl.trainer.step import abstract_eval_batch, jit_eval_step, make_train_step
+
+    devs = topology_devices(device, plan.slices, libtpu_args, any_flags=any_flags)
+    kind, replicas = mesh_layout(recipe, device.devices)
+    mesh = sharding.make_mesh(
+        devs, kind, replicas, activate=False, slices=plan.slices, seq_shards=plan.seq_shards
+    )
+    state, state_shard, batch = abstract_inputs(recipe, mesh, plan.grad_accum)
+    step = jax.jit(make_train_step(recipe), donate_argnums=(0,), out_shardings=(state_shard, None))
+    h = hashlib.sha256()
+    with jax.set_mesh(mesh), attn_lib.compile_target("tpu", device.generation):
+        h.update(_installed_anywhere(step.lower(state, batch).as_text()).encode())
+        if recipe.eval.batches > 0:
+            h.update(b"\0eval\0")
+            params = state["params"]
+            h.update(
+                _installed_anywhere(
+                    jit_eval_step(recipe).lower(params, abstract_eval_batch(recipe, plan, mesh)).as_text()
+                ).encode()
+            )
+    return f"sha256:{h.hexdigest()}"
+
+
+_KERNEL_BODY = re.compile(r"\\22([A-Za-z0-9+/]{64,}={0,2})\\22")
+
+
+def _installed_anywhere(text: str) -> str:
+    """The lowered program's text as any installation lowers it. A Pallas kernel (splash attention) is
+    carried as Mosaic bytecode (base64, in its custom call's config) with debug locations that name the
+    kernel's Python source by its installed path (`.../site-packages/jax/...`): each kernel body is
+    replaced by the digest of its module printed without debug information."""
+    import base64
+    import hashlib
+
+    from jax._src.interpreters import mlir  # the context JAX lowers in, with Mosaic's TPU dialect
+    from jax._src.lib import tpu
+    from jaxlib.mlir import ir
+
+    def strip(m: re.Match) -> str:
+        try:
+            body = base64.b64decode(m.group(1), validate=True)
+            with mlir.make_ir_context() as ctx, ir.Location.unknown():
+                tpu.register_dialect(ctx)  # its memory spaces; the versioned ops read unregistered
+                ctx.allow_unregistered_dialects = True
+                asm = ir.Module.parse(body).operation.get_asm(enable_debug_info=False)
+        except Exception:  # noqa: BLE001 - not a kernel's module: kept as it is
+            return m.group(0)
+        return "\\22kernel sha256:" + hashlib.sha256(str(asm).encode()).hexdigest() + "\\22"
+
+    return _KERNEL_BODY.sub(strip, text)
+
+
+def _same_program(reuse: dict | None, digest: str, version: str) -> PreflightResult | None:
+    """`reuse` (a result compiled by another trainer version) as this version's result when it was
+    compiled from the program `digest`; else None."""
+    names = {f.name for f in dataclasses.fields(PreflightResult)}
+    if not isinstance(reuse, dict) or reuse.get("program") != digest or not set(reuse) <= names:
+        return None
+    try:
+        result = PreflightResult(**reuse)
+    except TypeError:  # an entry from an older layout
+        return None
+    note = f"compiled by trainer {result.trainer_version}: this trainer lowers to the same program"
+    return dataclasses.replace(
+        result,
+        trainer_version=version,
+        notes=[n for n in result.notes if not n.startswith("compiled by")] + [note],
+    )
+
+
 def _case(
     recipe: Recipe,
     device: Device,
@@ -647,8 +738,13 @@ def run_preflight(
     slices: int = 1,
     log: Callable[[str], None] | None = None,
     announce: bool = True,
+    reuse: dict | None = None,
 ) -> PreflightResult:
     """Compile the train step of `recipe` for `slices` x `device` and report memory, FLOPs and compile time.
+
+    A result shipped by another trainer version (or `reuse`, one compiled before) answers without a
+    compile when this trainer lowers the steps to the same program (`program_digest`, seconds); it is
+    then stored in the cache under this trainer version.
 
     With `log`, a compile (not a cache hit) says what it compiles, why (no shipped result covers it)
     and how long that takes when it starts (unless `announce` is False: the caller said it), that it
@@ -683,15 +779,42 @@ def run_preflight(
                     return _with_hbm(PreflightResult(**hit), hbm)
                 except TypeError:  # an entry from an older layout: compile again
                     pass
+        other = load_shipped(skey)
+        if reuse is None and other is not None and other.get("program"):
+            reuse = other  # another trainer version's: it stands if this one lowers the same program
 
     m = recipe.model
     what = device.name if plan.slices == 1 else f"{plan.slices} x {device.name}"
+    compiling = (
+        f"preflight: compiling the train step of {recipe.name} for {what} ({device.topology}), "
+        f"remat {m.remat}, micro-batch {plan.per_device_batch} x {plan.grad_accum}; "
+    )
     if log is not None and announce:
         log(
-            f"preflight: compiling the train step of {recipe.name} for {what} ({device.topology}), "
-            f"remat {m.remat}, micro-batch {plan.per_device_batch} x {plan.grad_accum}; "
-            + _why_compiling(recipe, skey, version, looked=use_cache)
+            f"preflight: the result of {recipe.name} on {what} was compiled by trainer"
+            f" {reuse.get('trainer_version')}: lowering this trainer's step to compare (seconds)"
+            if reuse is not None
+            else compiling + _why_compiling(recipe, skey, version, looked=use_cache)
         )
+    from olmo_ctl.trainer.quiet import cpu_only_while
+
+    program = None
+    if reuse is not None:  # lowering needs no flags of libtpu's: any process may compare
+        with cpu_only_while(), _no_persistent_compilation_cache():
+            program = program_digest(recipe, device, plan, " ".join(flags), any_flags=True)
+        same = _same_program(reuse, program, version)
+        if same is not None:
+            if log is not None:
+                log("preflight: the same program: its figures stand, nothing to compile")
+            same = dataclasses.replace(same, cached=True, shipped=True)
+            store_cached(key, same.to_dict())
+            return _with_hbm(same, hbm)
+        if log is not None:
+            log(
+                compiling
+                + f"this trainer's step lowers to another program than trainer {reuse.get('trainer_version')}'s; "
+                + _why_compiling(recipe, skey, version, looked=False)
+            )
     if not compiles_in_this_process(" ".join(flags)):
         alone = compile_in_own_process(
             asked,
@@ -707,7 +830,9 @@ def run_preflight(
         return _with_hbm(alone, hbm)  # (cached by the process that compiled it)
 
     formula = formula_flops_per_step(recipe)
-    from olmo_ctl.trainer.quiet import cpu_only_while
+    if program is None:
+        with cpu_only_while(), _no_persistent_compilation_cache():
+            program = program_digest(recipe, device, plan, " ".join(flags))
 
     # JAX on the CPU, libtpu only for the topology: no TPU runtime noise (trainer/quiet.py).
     with (
@@ -827,6 +952,7 @@ def run_preflight(
         trainer_version=version,
         error=None if compiled is not None else (error or "").strip().splitlines()[0][:500],
         notes=notes,
+        program=program,
     )
     store_cached(key, result.to_dict())
     return _with_hbm(result, hbm)
@@ -996,6 +1122,7 @@ def compile_in_own_process(
     settings: Settings | None = None,
     slices: int = 1,
     log: Callable[[str], None] | None = None,
+    reuse: dict | None = None,
 ) -> PreflightResult:
     """`run_preflight(..., use_cache=False)` in a fresh Python process (`python -m
     olmo_ctl.preflight.compile`), whose libtpu starts with this slice's flags whatever this process
@@ -1014,6 +1141,7 @@ def compile_in_own_process(
         hbm_bytes=hbm_bytes,
         settings=settings,
         slices=slices,
+        reuse=reuse,
     )
     answer: dict | None = None
     with tempfile.TemporaryFile() as call, tempfile.TemporaryFile() as stderr:

@@ -198,9 +198,11 @@ def control(
     world: SandboxWorld, token: str, method: str, headers: Mapping[str, str], body: bytes
 ) -> tuple[int, dict]:
     """The sandbox's control path: (HTTP code, JSON answer) for `POST CONTROL_PATH`."""
+    import hmac
     import json
 
-    if headers.get("Authorization", "") != f"Bearer {token}":
+    auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
+    if not hmac.compare_digest(auth.encode("utf-8", "replace"), f"Bearer {token}".encode()):
         return 401, {"message": "the sandbox's control path needs the token of its kubeconfig"}
     if method != "POST":
         return 405, {"message": f"{method} is not allowed; POST a fault"}
@@ -220,6 +222,7 @@ def send(kubeconfig: str | Any, raw: Mapping[str, Any], timeout_s: float = 30.0)
     """Ask the sandbox whose kubeconfig this is to apply a fault; returns its one-line answer.
     Bad input (the sandbox's or ours) is `BadInput`; no sandbox serving there is `Unreachable`."""
     import json
+    import ssl
     import urllib.error
     import urllib.request
     from pathlib import Path
@@ -228,6 +231,7 @@ def send(kubeconfig: str | Any, raw: Mapping[str, Any], timeout_s: float = 30.0)
 
     from olmo_ctl.core.errors import Unreachable
     from olmo_ctl.sandbox.kubeconfig import CONTEXT
+    from olmo_ctl.sandbox.tls import client_context
 
     path = Path(kubeconfig)
     try:
@@ -255,17 +259,40 @@ def send(kubeconfig: str | Any, raw: Mapping[str, Any], timeout_s: float = 30.0)
         method="POST",
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {user['user']['token']}"},
     )
+    ca = cluster["cluster"].get("certificate-authority-data")
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        context = client_context(ca) if ca else None  # the sandbox's own certificate
+    except (ValueError, ssl.SSLError) as e:
+        raise BadInput(f"--kubeconfig `{path}`: its certificate-authority-data cannot be read: {e}") from None
+    server = cluster["cluster"]["server"]
+    not_this = (
+        "use the kubeconfig the running sandbox wrote: each sandbox draws its own token and certificate"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s, context=context) as r:
             return str(json.loads(r.read()).get("applied", ""))
     except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise BadInput(
+                f"the sandbox at {server} refused the token of `{path}` (401 Unauthorized)", not_this
+            ) from None
         try:
             msg = json.loads(e.read()).get("message") or str(e)
         except ValueError:
             msg = str(e)
         raise BadInput(msg) from None
-    except (urllib.error.URLError, OSError) as e:
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, ssl.SSLCertVerificationError):  # another sandbox now serves there
+            raise BadInput(
+                f"the server at {server} is not the sandbox that wrote `{path}` (its certificate differs)",
+                not_this,
+            ) from None
         raise Unreachable(
-            f"no sandbox serves at {cluster['cluster']['server']} ({getattr(e, 'reason', e)})",
+            f"no sandbox serves at {server} ({e.reason})",
+            "start it with `olmo-ctl sandbox --kubeconfig FILE ...`",
+        ) from None
+    except OSError as e:
+        raise Unreachable(
+            f"no sandbox serves at {server} ({e})",
             "start it with `olmo-ctl sandbox --kubeconfig FILE ...`",
         ) from None

@@ -15,6 +15,13 @@ v0.17.1, GKE's networking.gke.io Network and GKENetworkParamSet) deciding what a
 columns a real server prints; `srv.forbid(verb, resource, group)` makes RBAC say no (403, and in
 SelfSubjectAccessReview). See `kube_views`.
 
+Who may ask: `srv.token = "..."` makes every request need `Authorization: Bearer <token>` (401
+Unauthorized without it, as kube-apiserver answers a request it cannot authenticate); the Host header
+must name the server as its clients reach it (`127.0.0.1:PORT`, `localhost:PORT`, `[::1]:PORT`; any
+other is 421, so a web page's DNS rebinding reaches nothing); a POST or PUT body is JSON or YAML (no
+Content-Type means JSON, as kube-apiserver takes it) and a PATCH body one of the patch types: anything
+else, `text/plain` or a form's type (what a web page can send without a CORS preflight), is 415.
+
 Verbs: POST (create; no Content-Type required, as `CustomObjectsApi` sends none; `generateName`),
 GET (read; list with `labelSelector` =, ==, !=, in, notin, exists, !exists and `fieldSelector` on
 any dotted path such as metadata.name, status.phase, involvedObject.name; `watch=true` streams
@@ -48,6 +55,8 @@ create (an admission webhook), learn of every write, and say when a deleting pod
         srv.outage("refuse", for_s=600)                 # a control-plane outage: connections refused for 600 s;
         srv.outage("unavailable", 600)                  #   every request answers 503 (Retry-After: 5);
         srv.outage("hang", 600); srv.end_outage()       #   requests accepted and never answered; over now
+        srv.token = secrets.token_urlsafe(24)  # from now on every request needs it (Bearer)
+        srv.tls = ssl_context              # set before start(): served over HTTPS (srv.url https://...)
         srv.requests                   # [(method, path, query dict, content type)] in arrival order
         srv.received                   # [(method, path, JSON body)] of each POST/PUT/PATCH/DELETE, as sent
 """
@@ -57,10 +66,13 @@ from __future__ import annotations
 import builtins
 import copy
 import functools
+import hmac
 import json
 import re
 import secrets
 import socket
+import ssl
+import sys
 import threading
 import time
 import uuid
@@ -71,6 +83,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from olmo_ctl.sandbox import kube_shapes as shapes
 from olmo_ctl.sandbox import kube_views as views
 from olmo_ctl.sandbox.kube_common import (
     ADMISSIONCHECK_CRD,
@@ -83,6 +96,7 @@ from olmo_ctl.sandbox.kube_common import (
     WORKLOAD_CRD,
     WPC_CRD,
     ApiError,
+    _python_patterns,
     crd_versions,
 )
 
@@ -111,26 +125,37 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 
 
+def meta_type_errors(md: dict) -> list[str]:
+    """ObjectMeta fields of the wrong type (what kube-apiserver could not even decode)."""
+    out = []
+    for key in ("name", "generateName", "namespace", "resourceVersion", "uid"):
+        if md.get(key) is not None and not isinstance(md[key], str):
+            out.append(f"metadata.{key}: Invalid value: must be a string")
+    for key in ("labels", "annotations"):
+        v = md.get(key)
+        if v is not None and not (isinstance(v, dict) and all(isinstance(k, str) for k in v)):
+            out.append(f"metadata.{key}: Invalid value: must be a map of strings")
+    fins = md.get("finalizers")
+    if fins is not None and not (isinstance(fins, list) and all(isinstance(f, str) for f in fins)):
+        out.append("metadata.finalizers: Invalid value: must be a list of strings")
+    refs = md.get("ownerReferences")
+    if refs is not None and not isinstance(refs, list):
+        out.append("metadata.ownerReferences: Invalid value: must be a list")
+    for i, ref in enumerate(refs if isinstance(refs, list) else []):
+        if not isinstance(ref, dict):
+            out.append(f"metadata.ownerReferences[{i}]: Invalid value: must be an object")
+            continue
+        for key in ("apiVersion", "kind", "name", "uid"):
+            if not isinstance(ref.get(key), str) or not ref[key]:
+                out.append(f"metadata.ownerReferences[{i}].{key}: Invalid value: must not be empty")
+    return out
+
+
 def now_iso(offset_s: float = 0.0) -> str:
     return datetime.fromtimestamp(time.time() + offset_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # ---------------------------------------------------------------- schemas
-
-
-def _python_patterns(node: Any) -> Any:
-    """The schema's `pattern`s as Python's `re` reads them: RE2 (the API server's) takes a flag group
-    after `^` (`^(?i)[a-z]...`, Kueue's AdmissionCheck), Python only at the start (`(?i)^[a-z]...`)."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k == "pattern" and isinstance(v, str):
-                node[k] = re.sub(r"^\^\((\?[a-z]+)\)", r"(\1)^", v)
-            else:
-                _python_patterns(v)
-    elif isinstance(node, list):
-        for v in node:
-            _python_patterns(v)
-    return node
 
 
 @functools.cache
@@ -632,6 +657,74 @@ class Store:
 # Paths no Kubernetes API has: a server's own control requests (`ApiServer.control`).
 CONTROL_PREFIX = "/olmo-ctl/"
 
+# The bodies kube-apiserver decodes, by verb (k8s.io/apiserver handlers: NegotiateInputSerializer for
+# create and update, the patch types for PATCH). No Content-Type on a POST or PUT is its first
+# serializer's, JSON. Protobuf is decoded only where this server speaks it (SelfSubjectAccessReview).
+JSON, YAML, PROTOBUF = "application/json", "application/yaml", "application/vnd.kubernetes.protobuf"
+BODY_MEDIA_TYPES = (JSON, YAML, PROTOBUF)
+PATCH_MEDIA_TYPES = (
+    "application/json-patch+json",
+    "application/merge-patch+json",
+    "application/strategic-merge-patch+json",
+    "application/apply-patch+yaml",
+)
+
+
+def media_type(ctype: str) -> str:
+    """`application/json; charset=utf-8` -> `application/json`."""
+    return ctype.split(";")[0].strip().lower()
+
+
+def unsupported_media_type(accepted: tuple[str, ...]) -> ApiError:
+    return ApiError(
+        415,
+        "UnsupportedMediaType",
+        "the body of the request was in an unknown format - accepted media types include: "
+        + ", ".join(accepted),
+    )
+
+
+def local_hosts(port: int) -> frozenset[str]:
+    """The Host headers of a request addressed to this machine's server on `port`."""
+    return frozenset({f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"})
+
+
+def refusal(method: str, headers: Any, port: int, token: str | None) -> ApiError | None:
+    """Why a request is refused before anything reads it, or None: a Host that is not this server's
+    (421), no or another bearer token when the server has one (401), a body of a type no API server
+    decodes (415)."""
+    host = (headers.get("Host") or "").strip()
+    if host.lower() not in local_hosts(port):
+        return ApiError(
+            421,
+            "MisdirectedRequest",
+            f"the request's Host {host or '(none)'!r} is not this server's address "
+            f"(127.0.0.1:{port}, localhost:{port} or [::1]:{port})",
+        )
+    if token is not None:
+        scheme, _, given = (headers.get("Authorization") or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode("utf-8", "replace"), token.encode()
+        ):
+            return ApiError(401, "Unauthorized", "Unauthorized")
+    mt = media_type(headers.get("Content-Type") or "")
+    if method == "PATCH" and mt not in PATCH_MEDIA_TYPES:
+        return unsupported_media_type(PATCH_MEDIA_TYPES)
+    if method in ("POST", "PUT") and mt and mt not in BODY_MEDIA_TYPES:
+        return unsupported_media_type(BODY_MEDIA_TYPES)
+    return None
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that goes away or never speaks TLS (plain HTTP to an HTTPS port, a port scan) is
+        not the server's error; anything else is, loudly."""
+        if isinstance(sys.exc_info()[1], ssl.SSLError | ConnectionError | TimeoutError):
+            return
+        super().handle_error(request, client_address)
+
 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "olmo-ctl-kube-test/1"
@@ -664,6 +757,10 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._body()
         ctype = self.headers.get("Content-Type", "")
         accept = self.headers.get("Accept", "")
+        refused = refusal(method, self.headers, srv.port, srv.token)
+        if refused is not None:  # before anything else: no control path, fault or object for it
+            self._send(refused.code, refused.status(), refused.headers)
+            return
         if srv.control is not None and parts.path.startswith(CONTROL_PREFIX):
             # Served by whoever set `control` (the sandbox: its faults), before any injected fault.
             code, answer = srv.control(method, parts.path, dict(self.headers.items()), body)
@@ -947,7 +1044,7 @@ class Api:
                 except (ValueError, IndexError, UnicodeDecodeError) as e:
                     raise ApiError(400, "BadRequest", f"cannot decode the protobuf body: {e}") from None
             else:
-                review = self._json(body)
+                review = self._decode(body, ctype)
             return 201, views.access_review(review, self.allowed), {}, False
         with self.store.lock:
             self.hooks.tick()
@@ -979,7 +1076,7 @@ class Api:
                 return 200, self.out(res, version, obj), {}, False
             try:
                 if method == "POST" and name is None:
-                    obj, warnings = self.create(res, version, ns, self._json(body), query)
+                    obj, warnings = self.create(res, version, ns, self._decode(body, ctype), query)
                     return 201, self.out(res, version, obj), self._warn(warnings), False
                 if method == "DELETE" and name is None:
                     return 200, self.delete_collection(res, version, ns, query, body), {}, False
@@ -991,7 +1088,9 @@ class Api:
                     obj = self.patch(res, version, ns, name, sub, body, ctype)
                     return 200, self.out(res, version, obj), {}, False
                 if method == "PUT":
-                    obj, warnings = self.replace(res, version, ns, name, sub, self._json(body), query)
+                    obj, warnings = self.replace(
+                        res, version, ns, name, sub, self._decode(body, ctype), query
+                    )
                     return 200, self.out(res, version, obj), self._warn(warnings), False
             finally:
                 self.hooks.written()
@@ -1021,6 +1120,22 @@ class Api:
             return json.loads(body or b"null")
         except ValueError as e:
             raise ApiError(400, "BadRequest", f"the request body is not valid JSON: {e}") from None
+
+    @classmethod
+    def _decode(cls, body: bytes, ctype: str) -> Any:
+        """A POST or PUT body as its Content-Type says (none: JSON, as kube-apiserver reads it)."""
+        mt = media_type(ctype)
+        if mt == YAML:
+            import yaml
+
+            try:
+                return yaml.safe_load(body or b"null")
+            except yaml.YAMLError as e:
+                why = " ".join(str(e).split())
+                raise ApiError(400, "BadRequest", f"the request body is not valid YAML: {why}") from None
+        if mt == PROTOBUF:  # accepted at the door, decoded only for SelfSubjectAccessReview
+            raise unsupported_media_type((JSON, YAML))
+        return cls._json(body)
 
     @staticmethod
     def out(res: Resource, version: str, obj: dict) -> dict:
@@ -1099,7 +1214,9 @@ class Api:
                 422, "Invalid", f'{res.kind}.{res.group} "{name_hint}" is invalid: metadata: Required value'
             )
         name = md.get("name") or name_hint
-        errors: list[str] = []
+        errors: list[str] = meta_type_errors(md)
+        if errors:
+            raise self._invalid(res, name, errors)
         warnings: list[str] = []
         mode = query.get("fieldValidation", "Warn")
         unknown = [f"metadata.{k}" for k in md if k not in OBJECT_META_FIELDS]
@@ -1159,18 +1276,34 @@ class Api:
                     f"apiVersion/kind: Invalid value: expected {res.api_version(version)} {res.kind}"
                 )
         if errors:
-            raise ApiError(
-                422,
-                "Invalid",
-                f'{res.kind}.{res.group or "core"} "{name}" is invalid: ' + "; ".join(errors),
-                {
-                    "name": name,
-                    "group": res.group,
-                    "kind": res.kind,
-                    "causes": [{"message": e} for e in errors],
-                },
-            )
+            raise self._invalid(res, name, errors)
         return warnings
+
+    @staticmethod
+    def _invalid(res: Resource, name: Any, errors: builtins.list[str]) -> ApiError:
+        return ApiError(
+            422,
+            "Invalid",
+            f'{res.kind}.{res.group or "core"} "{name}" is invalid: ' + "; ".join(errors),
+            {
+                "name": name,
+                "group": res.group,
+                "kind": res.kind,
+                "causes": [{"message": e} for e in errors],
+            },
+        )
+
+    def check_shape(self, res: Resource, obj: dict, before: dict | None = None) -> None:
+        """What kube-apiserver defaults and requires of the object as it will be stored, beyond its
+        metadata and schema (`kube_shapes`): 422 Invalid for what the controllers could not read."""
+        if res.kind == "Pod":
+            shapes.default_pod_status(obj, before)
+        elif before is not None and res.has_status and not res.crd and obj.get("status") is None:
+            if before.get("status") is not None:  # a write without the status leaves it as it was
+                obj["status"] = copy.deepcopy(before["status"])
+        errors = shapes.shape_errors(res.kind, obj)
+        if errors:
+            raise self._invalid(res, obj["metadata"].get("name"), errors)
 
     # -- verbs
     def create(
@@ -1205,6 +1338,7 @@ class Api:
             md.pop(k, None)
         if res.has_status and res.crd:
             obj.pop("status", None)  # the status subresource: ignored on create
+        self.check_shape(res, obj)
         obj["apiVersion"], obj["kind"] = res.api_version(version), res.kind
         self.hooks.admit(res, obj)
         self.store.put(res, obj)
@@ -1234,7 +1368,14 @@ class Api:
         cur = self.store.get(res, ns, name)
         if cur is None:
             raise not_found(res, name)
-        ct = ctype.split(";")[0].strip()
+        ct = media_type(ctype)
+        if ct == "application/apply-patch+yaml":
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                "server-side apply is not served here: apply without --server-side "
+                "(accepted patch types: application/json-patch+json, application/merge-patch+json)",
+            )
         doc = self._json(body)
         if ct in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
             if ct.startswith("application/strategic") and res.crd:
@@ -1277,6 +1418,7 @@ class Api:
                 merged["metadata"]["generation"] = int(md.get("generation") or 1) + 1
         if merged.get("status") is None:
             merged.pop("status", None)
+        self.check_shape(res, merged, cur)
         for k in ("deletionTimestamp", "deletionGracePeriodSeconds"):  # only a deletion sets these
             if md.get(k) is None:
                 merged["metadata"].pop(k, None)
@@ -1380,11 +1522,16 @@ class ApiServer:
         port: int = 0,
         hooks: Hooks | None = None,
         clock: Callable[[], float] = time.time,
+        token: str | None = None,
     ):
         self.store = Store(clock=clock)
         self.api = Api(self.store, hooks)
         self.namespace = namespace
         self._port = port
+        # The bearer token every request must carry (None: none asked for, a test's own server).
+        self.token = token
+        # Serve HTTPS with this context (None: HTTP). A kubeconfig's token is sent only over TLS.
+        self.tls: ssl.SSLContext | None = None
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._faults: list[Fault] = []
@@ -1417,9 +1564,10 @@ class ApiServer:
 
     # -- lifecycle
     def start(self) -> ApiServer:
-        httpd = ThreadingHTTPServer(("127.0.0.1", self._port), _Handler)
-        httpd.daemon_threads = True
+        httpd = _Server(("127.0.0.1", self._port), _Handler)
         httpd.kube = self  # type: ignore[attr-defined]
+        if self.tls is not None:  # the handshake happens in the request's thread, at its first read
+            httpd.socket = self.tls.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
         self._port = httpd.server_address[1]
         self._httpd = httpd
         self._thread = threading.Thread(
@@ -1459,7 +1607,7 @@ class ApiServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._port}"
+        return f"{'https' if self.tls is not None else 'http'}://127.0.0.1:{self._port}"
 
     # -- faults
     def fail_next(

@@ -7,7 +7,9 @@ their schemas, and
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
+from typing import Any
 
 CRD_DIR = Path(__file__).resolve().parent / "crds"
 JOBSET_CRD = "jobset.x-k8s.io_jobsets.v0.10.1.yaml"
@@ -57,3 +59,18 @@ class ApiError(Exception):
             "details": self.details,
             "code": self.code,
         }
+
+
+def _python_patterns(node: Any) -> Any:
+    """The schema's `pattern`s as Python's `re` reads them: RE2 (the API server's) takes a flag group
+    after `^` (`^(?i)[a-z]...`, Kueue's AdmissionCheck), Python only at the start (`(?i)^[a-z]...`)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "pattern" and isinstance(v, str):
+                node[k] = re.sub(r"^\^\((\?[a-z]+)\)", r"(\1)^", v)
+            else:
+                _python_patterns(v)
+    elif isinstance(node, list):
+        for v in node:
+            _python_patterns(v)
+    return node

@@ -31,6 +31,7 @@ ProcessRunner` runs each pod as a local process (`olmo-ctl sandbox` by default).
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import secrets
@@ -524,7 +525,16 @@ class SandboxWorld(ScriptedWorld):
 
 class Sandbox:
     """The sandbox cluster. `with Sandbox(slices={"tpu7x-128": 2}) as sb:` serves it on 127.0.0.1;
-    `sb.write_kubeconfig(path)` points a kubeconfig's current context at it."""
+    `sb.write_kubeconfig(path)` points a kubeconfig's current context at it.
+
+    Each sandbox draws a bearer token (`sb.token`, the kubeconfig user's `token`). Its control path
+    (`sandbox fault`) always asks for it; with `require_token=True` (what `olmo-ctl sandbox` serves)
+    so does every request to its API, as a real API server asks for credentials: whoever can reach
+    127.0.0.1 but cannot read the kubeconfig (another local user, a web page) gets 401. Such a sandbox
+    serves HTTPS (`sandbox.tls`: clients send a kubeconfig's token only over TLS), its certificate in
+    the kubeconfig. Without it, the API of an in-process sandbox answers anyone on this machine over
+    HTTP for as long as it lives (a test's).
+    """
 
     def __init__(
         self,
@@ -534,6 +544,7 @@ class Sandbox:
         priority_classes: dict[str, int] | None = None,
         port: int = 0,
         runner: PodRunner | None = None,
+        require_token: bool = False,
     ):
         self.server = KubeServer(namespace=namespace, port=port, queues=())
         world = SandboxWorld(self.server.store, namespace, runner=runner)
@@ -541,8 +552,18 @@ class Sandbox:
         self.server.world = self.server.cluster.world = world
         self.server.api.hooks = world
         self.world = world
-        # The bearer token of this sandbox's kubeconfig: its control path (`sandbox fault`) asks for it.
-        self.token = secrets.token_urlsafe(24)
+        # The bearer token of this sandbox's kubeconfig: its control path (`sandbox fault`) asks for it,
+        # and with require_token every request to its API.
+        self.token = secrets.token_urlsafe(32)
+        self.server.token = self.token if require_token else None
+        # kubectl sends a kubeconfig's token only over TLS: a sandbox that asks for it serves HTTPS with a
+        # certificate of its own, which its kubeconfig names as the cluster's authority.
+        self.certificate: bytes | None = None
+        if require_token:
+            from olmo_ctl.sandbox import tls
+
+            self.certificate, key = tls.self_signed()
+            self.server.tls = tls.server_context(self.certificate, key)
         self.server.control = self._control
         world.api_server = self.server
         self.namespace, self.queue = namespace, queue
@@ -721,11 +742,14 @@ class Sandbox:
         return self.server.url
 
     def kubeconfig(self) -> dict:
+        cluster: dict[str, str] = {"server": self.url}
+        if self.certificate is not None:
+            cluster["certificate-authority-data"] = base64.b64encode(self.certificate).decode()
         return {
             "apiVersion": "v1",
             "kind": "Config",
             "preferences": {},
-            "clusters": [{"name": CONTEXT, "cluster": {"server": self.url}}],
+            "clusters": [{"name": CONTEXT, "cluster": cluster}],
             "users": [{"name": CONTEXT, "user": {"token": self.token}}],
             "contexts": [
                 {

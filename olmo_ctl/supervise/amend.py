@@ -57,6 +57,8 @@ def amend_run(
     timeout_s: float = 3600.0,
     log: Callable[[str], None] = lambda _: None,
 ) -> AmendResult:
+    if restart:  # who drives the run is read below: an unreadable lease.json is bad input before any write
+        rundir.read_lease()
     rec = rundir.amend(sets, restart=restart)  # BadInput, nothing written, for a change the run cannot take
     final = int(rundir.recipe(pending=True).train.max_steps)
     handle, _ = live_attempt(rundir, backend)

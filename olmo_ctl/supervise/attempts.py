@@ -142,6 +142,7 @@ def submit_next(
         n = rundir.reserve_attempt(fence, n)
     request = dataclasses.replace(request, attempt=n)
     committed = rundir.committed_step() if committed_step is None else committed_step
+    rundir.check_not_from_scratch(committed)
     rendered = backend.render(request)
     if show is not None:
         show(backend.printable(rendered))
@@ -257,9 +258,14 @@ def check_run(rundir: RunDir, recipe, device: str | None, *, fingerprint: bool =
     data fingerprint of a new run (None without `fingerprint`: only the arguments are checked)."""
     if not rundir.exists():
         if recipe is None:
+            from olmo_ctl.rundir import did_you_mean, near_runs
+
+            near = near_runs(rundir.path.rsplit("/", 1)[0], rundir.name)
             raise BadInput(
                 f"run `{rundir.name}` does not exist at {rundir.path}",
-                "create it: pass --recipe or --stage (and --device)",
+                did_you_mean(near)
+                + ("or " if near else "")
+                + "create it: pass --recipe or --stage (and --device)",
             )
         if device is None:
             raise BadInput(

@@ -2,7 +2,8 @@
 between two) as a job of its own on a slice.
 
 An eval job is an attempt of a run of its own, `eval-<digest>`, whose run directory is the job's output
-directory (`--out`, default `<run root>/eval-jobs/eval-<digest>`). It renders from the launch templates
+directory (`--out`, default `<run root>/eval-jobs/eval-<digest>`), never a run's (`check_out`: its journal
+would number the job's attempts as the run's, and the run would go on on the job's device). It renders from the launch templates
 like any attempt (the same image, the trainer's entry point with `--eval SPEC`, its own JobSet, queued
 by Kueue) and is sent through the backend's one submit path. The trainer evaluates SPEC on the slice's
 devices, one process per host, each reading only its devices' shards of the checkpoint, and process 0
@@ -33,7 +34,7 @@ from olmo_ctl.core.config import Settings
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import EXIT_GAVE_UP, EXIT_RUN_FAILED, EXIT_TIMEOUT, BadInput, OlmoCtlError
 from olmo_ctl.core.recipe import Recipe
-from olmo_ctl.rundir import RunDir
+from olmo_ctl.rundir import EVAL_JOB_REASON, RunDir
 from olmo_ctl.storage import is_gcs, join, store_for
 from olmo_ctl.supervise.attempts import prepare, submit_next
 from olmo_ctl.supervise.policy import RetryPolicy
@@ -108,6 +109,23 @@ def check_paths(recipe: Recipe, out: str) -> None:
         )
 
 
+def check_out(out: str) -> None:
+    """The job's output directory is its own: BadInput for one that holds a run (run.yaml, a journal
+    that is not an eval job's, checkpoints, ingredients.yaml). An eval job journals its attempts there
+    (`submitted`), and a run reads its attempts, and the device of its next one, from its journal."""
+    rd = RunDir(out)
+    found = (["run.yaml"] if rd.exists() else []) + [t for t in rd.traces() if t != "an eval job's journal"]
+    if not any(t.startswith("checkpoints") for t in found) and rd.committed_steps():
+        found.append("checkpoints")
+    if found:
+        raise BadInput(
+            f"--out {out} is a run directory (it holds {', '.join(found)}): an eval job journals its "
+            "attempts in its output directory, where the run would take them for its own",
+            "give the job a directory of its own, e.g. --out gs://BUCKET/evals/NAME, or leave --out out "
+            f"(<run root>/{JOBS_DIR}/<job>)",
+        )
+
+
 def result_path(out: str) -> str:
     return join(out, RESULT_FILE)
 
@@ -171,6 +189,7 @@ def run_job(
     kept = kept_result(job.out, job.spec)
     if kept is not None:
         return kept, True
+    check_out(job.out)  # whoever made the job: never into a run's directory
     backend.checks(job.attempt(backend, 0))
     rd = RunDir(job.out, job.name)
     # The supervisor's retry rule: the backend's base backoff (or `backoff_s`), doubling per failure.
@@ -189,7 +208,7 @@ def run_job(
                 rd,
                 backend,
                 job.attempt(backend, _next_attempt(rd)),
-                "eval job",
+                EVAL_JOB_REASON,
                 committed_step=0,
                 numbered=True,
             )
@@ -316,6 +335,7 @@ def resolve(spec: EvalSpec, device: Device, settings: Settings, out: str | None 
     name = job_name(spec, device.name, out, settings.run_root)
     job = EvalJob(name, spec, recipe, device, out_dir(name, out, settings.run_root), settings)
     check_paths(recipe, job.out)
+    check_out(job.out)
     return job
 
 

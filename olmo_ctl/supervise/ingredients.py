@@ -8,6 +8,8 @@ src/scripts/official/OLMo2/README.md; the OLMo 3 32B release did the same with t
   <run-root>/NAME/ingredients.yaml   the run of ingredients: its recipe (with the list), its start,
                                      its device, and the run name of each ingredient
   <run-root>/NAME/journal.jsonl      what happened to it as a whole (`ingredient_done`, `souped`)
+  <run-root>/NAME/lease.json         which supervisor drives the whole (`RunDir`'s lease, held for the
+                                     whole flow: a second supervisor of it exits 2 naming the first)
   <run-root>/NAME/soup/              the soup of the ingredients' final checkpoints (`surgery soup`'s
                                      output, with soup.json)
   <run-root>/NAME-i1/ ... NAME-iN/   each ingredient: an ordinary run (run.yaml, attempts, checkpoints),
@@ -30,7 +32,9 @@ from olmo_ctl import storage
 from olmo_ctl.core.errors import EXIT_INTERRUPTED, BadInput, Interrupted, OlmoCtlError
 from olmo_ctl.core.names import MAX_RUN_NAME, validate_run_name
 from olmo_ctl.core.recipe import Recipe
-from olmo_ctl.rundir import Composite, RunDir, ingredient_run
+from olmo_ctl.rundir import Composite, Lease, LeaseLost, RunDir, ingredient_run
+
+DEFAULT_LEASE_TTL_S = 300.0  # as a run's supervisor's: max(300 s, 6 x --poll)
 
 
 def check_new(run_root: str, name: str, recipe: Recipe) -> None:
@@ -68,8 +72,67 @@ def seed_start(rundir: RunDir, start_from: str, log: Callable[[str], None]) -> N
     log(f"{rundir.name}: starts from {start_from} (step {res['source_step']}, Adam moments kept)")
 
 
-def soup_of(composite: Composite, log: Callable[[str], None]) -> dict:
-    """The soup of every ingredient's final checkpoint in NAME/soup (once: a whole one is kept)."""
+class FlowLease:
+    """The lease of a run of ingredients (NAME/lease.json: `RunDir.acquire_lease` on its directory, as a
+    run's supervisor holds its run's), held for the whole flow: a second supervisor of the same run of
+    ingredients gets `LeaseHeld` (exit 2, naming this one) before it writes anything. A thread renews it
+    every `ttl_s / 5` while the ingredients' own supervisors (each holding its run's lease) run; what the
+    flow writes in NAME/ is written only while the lease is still its own (LeaseLost, exit 3, else)."""
+
+    def __init__(self, rd: RunDir, ttl_s: float, log: Callable[[str], None]):
+        self.rd, self.ttl_s, self.log = rd, ttl_s, log
+        self.lease: Lease | None = None
+        self.lost: LeaseLost | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> FlowLease:
+        self.lease = self.rd.acquire_lease(ttl_s=self.ttl_s, say=self.log)
+        self._thread = threading.Thread(target=self._renew, name=f"{self.rd.name}-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def _renew(self) -> None:
+        every = max(0.5, min(60.0, self.ttl_s / 5))
+        while not self._done.wait(every):
+            try:
+                self.check()
+            except LeaseLost as e:
+                self.lost = e
+                return
+            except (OlmoCtlError, OSError):
+                continue  # storage unreachable for a while: the next beat tries again
+
+    def check(self) -> None:
+        """Renew the lease now; LeaseLost when another supervisor took the run of ingredients over."""
+        with self._lock:
+            if self.lost is not None:
+                raise self.lost
+            assert self.lease is not None
+            self.rd.heartbeat(self.lease)
+
+    def append(self, event: str, **kw) -> None:
+        """A journal line in NAME/journal.jsonl, written while the lease is ours."""
+        with self._lock:
+            if self.lost is not None:
+                raise self.lost
+            self.rd.append(event, fence=self.lease, **kw)
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60.0)
+        with self._lock:
+            if self.lost is None and self.lease is not None:
+                self.rd.release_lease(self.lease)
+
+
+def soup_of(
+    composite: Composite, log: Callable[[str], None], append: Callable[..., None] | None = None
+) -> dict:
+    """The soup of every ingredient's final checkpoint in NAME/soup (once: a whole one is kept).
+    `append`: how NAME/journal.jsonl is written (the flow's lease's `append`; default: unfenced)."""
     done = composite.souped()
     if done is not None:
         return done
@@ -89,7 +152,9 @@ def soup_of(composite: Composite, log: Callable[[str], None]) -> dict:
 
     log(f"souping {len(sources)} ingredients into {composite.soup_path}")
     res = soup(sources, composite.soup_path)
-    composite.dir.append("souped", reason=f"mean of {len(sources)} ingredients", out=composite.soup_path)
+    (append or composite.dir.append)(
+        "souped", reason=f"mean of {len(sources)} ingredients", out=composite.soup_path
+    )
     return composite.souped() or res
 
 
@@ -116,6 +181,7 @@ def supervise(
     log: Callable[[str], None],
     concurrent: int | None = None,
     hint: str | None = None,
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
 ) -> int:
     """Every ingredient to its final step, one after another (or `concurrent` at a time), then the
     soup: 0 when the soup is written; else the exit code of the ingredient's supervision that ended
@@ -127,9 +193,46 @@ def supervise(
     as `resume-until-done` supervises one run (a new ingredient on the device the run of ingredients was
     created with; one that exists on its own) and, run beside others, ends as on Ctrl-C once `cancel`
     is set. `concurrent`: how many at once (None: what the run of ingredients was created with, else 1).
-    `hint`: the command that continues the whole, for the line a Ctrl-C leaves."""
+    `hint`: the command that continues the whole, for the line a Ctrl-C leaves. The whole is driven
+    under the run of ingredients' lease (`FlowLease`, expiring `lease_ttl_s` after its last renewal),
+    taken once the arguments are checked and before anything is written: a second supervisor of it
+    exits 2 (`LeaseHeld`) naming this one."""
     if concurrent is not None and concurrent < 1:
         raise BadInput(f"--concurrent {concurrent} must be at least 1")
+    asked = (recipe, device, slices, start_from)
+    try:
+        _recipe, _start, _device, _slices, new = _resolve(composite, *asked)  # bad input: nothing written
+    except BadInput:
+        if not composite.exists():
+            raise
+        # Created meanwhile by another supervisor (its ingredients are then "taken"): go on as with an
+        # existing one, whose lease says who drives it.
+        _recipe, _start, _device, _slices, new = _resolve(composite, *asked)
+    with FlowLease(composite.dir, lease_ttl_s, log) as lease:
+        if new and composite.exists():  # created meanwhile by a supervisor that has ended since
+            composite._spec = None
+            _recipe, _start, _device, _slices, new = _resolve(composite, *asked)
+        if new:
+            composite.create(_recipe, _start, _device, _slices, concurrent=concurrent)
+            log(
+                f"run of ingredients `{composite.name}`: {len(_recipe.ingredients)} runs "
+                + ", ".join(ingredient_run(composite.name, k) for k in range(len(_recipe.ingredients)))
+                + f", then their soup in {composite.soup_path}"
+            )
+        return _flow(
+            composite, _recipe, _device, _slices, _start, supervise_one, log, concurrent, hint, lease
+        )
+
+
+def _resolve(
+    composite: Composite,
+    recipe: Recipe | None,
+    device: str | None,
+    slices: int | None,
+    start_from: str | None,
+) -> tuple[Recipe, str | None, str | None, int | None, bool]:
+    """(recipe, start, device, slices, new) of the run of ingredients: an existing one's own (what the
+    command line gives must agree), or a new one's from the command line, checked; writes nothing."""
     if composite.exists():
         have = composite.recipe()
         if recipe is not None and recipe.fingerprint() != have.fingerprint():
@@ -138,7 +241,6 @@ def supervise(
                 f"continue it with `olmo-ctl resume-until-done {composite.name}`, or choose another run name",
             )
         spec = composite.spec()
-        recipe = have
         start_from = spec.get("start_from") if start_from is None else start_from
         if device is None:
             device, slices = spec.get("device"), spec.get("slices")
@@ -148,22 +250,32 @@ def supervise(
                 f" {spec.get('start_from')}",
                 "drop --start-from to go on",
             )
-    else:
-        if recipe is None:
-            raise BadInput(f"run `{composite.name}` does not exist", "pass --recipe/--stage and --device")
-        if device is None:
-            raise BadInput(f"a new run of ingredients needs --device (run `{composite.name}`)")
-        check_new(composite.run_root, composite.name, recipe)
-        if start_from is not None:
-            from olmo_ctl.checkpoints.surgery import check_committed
+        return have, start_from, device, slices, False
+    if recipe is None:
+        raise BadInput(f"run `{composite.name}` does not exist", "pass --recipe/--stage and --device")
+    if device is None:
+        raise BadInput(f"a new run of ingredients needs --device (run `{composite.name}`)")
+    check_new(composite.run_root, composite.name, recipe)
+    if start_from is not None:
+        from olmo_ctl.checkpoints.surgery import check_committed
 
-            check_committed(start_from)  # a committed training checkpoint, or bad input now
-        composite.create(recipe, start_from, device, slices, concurrent=concurrent)
-        log(
-            f"run of ingredients `{composite.name}`: {len(recipe.ingredients)} runs "
-            + ", ".join(ingredient_run(composite.name, k) for k in range(len(recipe.ingredients)))
-            + f", then their soup in {composite.soup_path}"
-        )
+        check_committed(start_from)  # a committed training checkpoint, or bad input now
+    return recipe, start_from, device, slices, True
+
+
+def _flow(
+    composite: Composite,
+    recipe: Recipe,
+    device: str | None,
+    slices: int | None,
+    start_from: str | None,
+    supervise_one: SuperviseOne,
+    log: Callable[[str], None],
+    concurrent: int | None,
+    hint: str | None,
+    lease: FlowLease,
+) -> int:
+    """`supervise` once the run of ingredients exists and its lease is held."""
     if composite.dir.pending_stop() is not None:  # this supervisor was started to go on
         composite.dir.clear_stop()
     width = concurrent if concurrent is not None else int(composite.spec().get("concurrent") or 1)
@@ -175,6 +287,7 @@ def supervise(
     n = len(recipe.ingredients)
 
     def start(k: int) -> tuple[str, Recipe | None, str | None, int | None]:
+        lease.check()  # still ours before an ingredient is seeded or started
         rd = composite.runs()[k]
         new = not rd.exists()
         if start_from is not None:
@@ -185,7 +298,7 @@ def supervise(
 
     def stopped_between(before: str) -> int:
         composite.dir.clear_stop()
-        composite.dir.append("stopped", reason="stopped on request (olmo-ctl stop)")
+        lease.append("stopped", reason="stopped on request (olmo-ctl stop)")
         log(f"run of ingredients `{composite.name}` stopped before {before}")
         return EXIT_INTERRUPTED
 
@@ -198,14 +311,15 @@ def supervise(
             if rc != 0:
                 if composite.dir.pending_stop() is not None:
                     composite.dir.clear_stop()
-                    composite.dir.append("stopped", reason=f"stopped on request (olmo-ctl stop) in {rd.name}")
+                    lease.append("stopped", reason=f"stopped on request (olmo-ctl stop) in {rd.name}")
                 return rc
-            composite.dir.append("ingredient_done", reason=rd.name, committed_step=rd.committed_step())
+            lease.append("ingredient_done", reason=rd.name, committed_step=rd.committed_step())
     else:
-        rc = _side_by_side(composite, todo, width, start, supervise_one, log, stopped_between, hint)
+        rc = _side_by_side(composite, todo, width, start, supervise_one, log, stopped_between, hint, lease)
         if rc != 0:
             return rc
-    res = soup_of(composite, log)
+    lease.check()
+    res = soup_of(composite, log, lease.append)
     log(
         f"run of ingredients `{composite.name}` is done: soup of {len(res.get('sources', []))} in {composite.soup_path}"
     )
@@ -221,6 +335,7 @@ def _side_by_side(
     log: Callable[[str], None],
     stopped_between: Callable[[str], int],
     hint: str | None,
+    lease: FlowLease,
 ) -> int:
     """`width` ingredients supervised at once, each in its own thread as one run is supervised; the
     next one starts when one finishes. An ingredient that ends otherwise (gave up, a user error, a
@@ -263,7 +378,7 @@ def _side_by_side(
                 k = running.pop(f)
                 rc = f.result()
                 if rc == 0:
-                    composite.dir.append(
+                    lease.append(
                         "ingredient_done", reason=runs[k].name, committed_step=runs[k].committed_step()
                     )
                     continue
@@ -298,7 +413,7 @@ def _side_by_side(
     if first_failure is not None:
         if composite.dir.pending_stop() is not None:
             composite.dir.clear_stop()
-            composite.dir.append("stopped", reason="stopped on request (olmo-ctl stop)")
+            lease.append("stopped", reason="stopped on request (olmo-ctl stop)")
         return first_failure
     return 0
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from olmo_ctl.backends.base import Attempt, Backend, State, Target
 from olmo_ctl.backends.jobset import dump_yaml
-from olmo_ctl.core.batching import Plan, make_plan
+from olmo_ctl.core.batching import Plan, make_plan, read_launch_record
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import EXIT_TIMEOUT, BadInput, OlmoCtlError
 from olmo_ctl.rundir import LeaseHeld, _holder_process_dead, utc_now_iso
@@ -132,7 +132,7 @@ def plan_resize(
             "a resize stays on the run's backend (GKE: TPU slices and GPU nodes, either way; local <-> local)",
         )
     old = make_plan(recipe, old_device, old_slices)
-    new = make_plan(recipe, new_device, new_slices)
+    new = make_plan(recipe, new_device, new_slices, keep_batch=True)  # amend refuses another batch
     # make_plan holds these by construction; a resize that changed them would silently change the run.
     for f in ("global_batch", "seq_len", "tokens_per_step", "max_steps"):
         if getattr(old, f) != getattr(new, f):
@@ -143,11 +143,33 @@ def plan_resize(
 def _request_text(request: Any) -> str:
     if request is None:
         return ""
-    return dump_yaml(Backend.printable(request))
+    return dump_yaml(_summarized(Backend.printable(request)))
+
+
+def _summarized(x: Any) -> Any:
+    """A rendered request with each `--plan` launch record (a line of JSON hundreds of characters
+    long, whose values the plan lines above the diff give) shown as a short summary."""
+    if isinstance(x, dict):
+        return {k: _summarized(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [
+            _plan_summary(v) if i and x[i - 1] == "--plan" and isinstance(v, str) else _summarized(v)
+            for i, v in enumerate(x)
+        ]
+    return x
+
+
+def _plan_summary(record: str) -> str:
+    try:
+        target, plan = read_launch_record(record)
+    except BadInput:
+        return record
+    return f"<plan: {target.on}, per-device batch {plan.per_device_batch} x {plan.grad_accum}>"
 
 
 def request_diff(old: Any, new: Any, old_name: str, new_name: str) -> str:
-    """A unified diff of two rendered requests (a JobSet's YAML, or a local command line and env)."""
+    """A unified diff of two rendered requests (a JobSet's YAML, or a local command line and env),
+    each `--plan` record summarized."""
     a, b = _request_text(old).splitlines(), _request_text(new).splitlines()
     return "\n".join(difflib.unified_diff(a, b, fromfile=old_name, tofile=new_name, lineterm="", n=2))
 

@@ -39,7 +39,20 @@ from typing import Any
 from olmo_ctl.backends.base import State, Target
 from olmo_ctl.core import faults as fault_knobs
 from olmo_ctl.core.batching import make_plan
-from olmo_ctl.core.contracts import log_progress
+from olmo_ctl.core.contracts import (
+    CE_LOSS_TAG,
+    GRAD_NORM_TAG,
+    LR_TAG,
+    PPL_TAG,
+    STEP_SKIPPED_TAG,
+    STEP_TIME_TAG,
+    TOTAL_TOKENS_PARITY_TAG,
+    TOTAL_TOKENS_TAG,
+    TPS_TAG,
+    Z_LOSS_TAG,
+    log_progress,
+    primary_loss_tag,
+)
 from olmo_ctl.core.errors import EXIT_OK, EXIT_RUN_FAILED, EXIT_TIMEOUT, BadInput
 from olmo_ctl.core.names import SMOKE_TWIN, smoke_run_name
 from olmo_ctl.core.recipe import load_recipe
@@ -58,19 +71,19 @@ FAULTS = {
 BROKEN_LR = "1e-9"
 # The event tags every step must carry (docs/CONTRACTS.md), and those checked per step.
 STEP_TAGS = (
-    "train/CE loss",
-    "train/PPL",
-    "train/Z loss",
-    "optim/total grad norm",
-    "optim/LR (group 0)",
-    "optim/step skipped",
-    "throughput/total tokens",
-    "perf/total_tokens",
-    "throughput/device/TPS",
-    "perf/step_time_s",
+    CE_LOSS_TAG,
+    PPL_TAG,
+    Z_LOSS_TAG,
+    GRAD_NORM_TAG,
+    LR_TAG,
+    STEP_SKIPPED_TAG,
+    TOTAL_TOKENS_TAG,
+    TOTAL_TOKENS_PARITY_TAG,
+    TPS_TAG,
+    STEP_TIME_TAG,
 )
-EXACT_TAGS = ("train/CE loss", "train/Z loss", "optim/total grad norm", "optim/LR (group 0)")
-LOSS_TAG = "train/CE loss"
+EXACT_TAGS = (CE_LOSS_TAG, Z_LOSS_TAG, GRAD_NORM_TAG, LR_TAG)
+LOSS_TAG = primary_loss_tag()  # the smoke recipe trains the `lm` objective
 LOSS_WINDOW = 3  # steps averaged at each end for `loss_fell`
 MIN_LOSS_DROP = 0.05  # relative: the last steps' mean CE must be below 95% of the first steps'
 
@@ -433,7 +446,7 @@ def _check_events(reader, final_step: int, tokens_per_step: int) -> CheckResult:
                 f"`{tag}`: steps {steps[:3]}...{steps[-3:]}, "
                 f"missing {missing}, unexpected {extra} (want 1..{final_step})",
             )
-    tok = _by_step(reader.series("throughput/total tokens"))
+    tok = _by_step(reader.series(TOTAL_TOKENS_TAG))
     bad = [s for s in want if tok[s] != s * tokens_per_step]
     if bad:
         s = bad[0]

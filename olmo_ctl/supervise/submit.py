@@ -4,10 +4,12 @@ submit, resume-until-done, resize and smoke all go through it, so every check th
 they make:
 
   prepare_run    the run's site settings, its backend (by name from the registry), the run
-                 directory, the target (device and slice count) of its next attempt, and that attempt
-                 from `attempts.prepare` (its one plan, the backend's `validate` refusals). Reads the
-                 run directory, writes nothing.
-  dry_run        the same for `submit --dry-run`, from the command line alone (no storage read)
+                 directory (a new run only where no run was: `RunDir.check_new`), the target (device
+                 and slice count) of its next attempt, and that attempt from `attempts.prepare` (its
+                 one plan, the backend's `validate` refusals). Reads the run directory, writes nothing.
+  dry_run        the same for `submit --dry-run`: the attempt `submit_run` would send, with its
+                 refusals and its attempt number; from the command line alone only where the run
+                 root cannot be read (placeholders, no access from this machine), and then it says so
   check_attempt  the backend's `checks` (the Kueue objects the attempt names) and the preflight
                  compile (TPU slices, where libtpu is installed); writes nothing
   create_run     run.yaml for a new run: after the checks, so a refused run leaves nothing behind
@@ -18,14 +20,16 @@ Each returns values; the caller prints (the CLI says what to do next).
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from olmo_ctl.backends import existing_runs, make_backend, placeholders
 from olmo_ctl.backends.base import Attempt, Backend, Handle, Target
 from olmo_ctl.core.config import Settings
-from olmo_ctl.core.errors import BadInput
+from olmo_ctl.core.errors import BadInput, OlmoCtlError
 from olmo_ctl.core.mixes import data_root_note
 from olmo_ctl.core.names import validate_run_name
 from olmo_ctl.supervise.attempts import (
@@ -89,17 +93,15 @@ def prepare_run(
     from olmo_ctl.rundir import RunDir
 
     if placeholders(settings):
-        # No run root set: a run of this machine's (`make demo`'s, under `runs/`) continues with its own
-        # backend and settings; anything else still needs them set.
-        mine = existing_runs(settings)
-        here = RunDir.of(mine.run_root, validate_run_name(run))
-        if mine is not settings and here.exists() and not placeholders(run_settings(mine, here)):
-            settings = run_settings(mine, here)
+        # No run root set (or one on this machine): a run of this machine's (`make demo`'s, under
+        # `runs/`) continues with its own backend and settings; anything else still needs them set.
+        mine = _local_runs(settings)
+        if mine is not None:
+            here = RunDir.of(mine.run_root, validate_run_name(run))
+            if here.exists() and not placeholders(run_settings(mine, here)):
+                settings = run_settings(mine, here)
     if placeholders(settings):  # before the placeholder run root is read
-        raise BadInput(
-            f"site settings still hold placeholders ({', '.join(placeholders(settings))})",
-            "see `olmo-ctl config show`; `submit --dry-run` works without them",
-        )
+        _refuse_placeholders(settings, run, recipe, device, slices, backend)
     asked, first = settings, backend
     if device is not None:
         # A device this command's backend refuses on the command line alone (one it cannot run, a run
@@ -117,6 +119,7 @@ def prepare_run(
     new = not rundir.exists()
     committed = None
     if new:
+        rundir.check_new()  # run.yaml gone where its journal and checkpoints remain: not a new run
         check_run(rundir, recipe, None if device is None else device.name, fingerprint=False)
         assert device is not None  # check_run refuses a new run without one
         target = Target.of(device, slices)
@@ -141,24 +144,167 @@ def prepare_run(
     return Prepared(rundir, backend, request, settings, new, fingerprint, committed, backend.notes(request))
 
 
+def _local_runs(settings: Settings) -> Settings | None:
+    """`settings` for finding a run of this machine (`backends.existing_runs`: no run root set, this
+    machine's `runs/`), or with a run root on this machine; None where the run root is a placeholder
+    or on GCS (not read before the site settings are whole)."""
+    from olmo_ctl import storage
+
+    mine = existing_runs(settings)
+    if mine is not settings or (
+        "run_root" not in placeholders(settings) and not storage.is_gcs(settings.run_root)
+    ):
+        return mine
+    return None
+
+
+def _refuse_placeholders(
+    settings: Settings,
+    run: str,
+    recipe: Recipe | None,
+    device: Device | None,
+    slices: int | None,
+    backend: Backend | None,
+) -> NoReturn:
+    """Site settings that still hold placeholders cannot make this run; the most specific reason is
+    said first, since setting the site would not help: a device the settings' backend cannot run (a
+    local cpu-N under the default GKE backend: add --backend local), a run to continue that is not
+    under this machine's run root (with the names close to it), else the placeholders."""
+    from olmo_ctl.rundir import did_you_mean, near_runs
+
+    if device is not None:
+        be = backend or make_backend(settings)
+        be.validate_target(
+            Target.of(device, slices), settings, f"{settings.run_root.rstrip('/')}/{run}", render_only=True
+        )
+    mine = _local_runs(settings)
+    if recipe is None and mine is not None:  # a run to continue, looked for on this machine: not there
+        root = mine.run_root
+        rel = os.path.relpath(root)
+        shown = root if rel.startswith("..") else f"./{rel}"
+        why = ", where this machine's runs are while no run root is set" if mine is not settings else ""
+        near = near_runs(root, run)
+        raise BadInput(
+            f"no run `{run}` under {shown}{why}",
+            did_you_mean(near)
+            + ("or " if near else "")
+            + "pass --run-root for a run elsewhere, or --recipe/--stage and --device to create one",
+        )
+    raise BadInput(
+        f"site settings still hold placeholders ({', '.join(placeholders(settings))})",
+        "see `olmo-ctl config show`; `submit --dry-run` works without them",
+    )
+
+
+def refuse_ingredients(prep: Prepared) -> None:
+    """`submit` sends an attempt of a run of one recipe: a run of ingredients' name is refused."""
+    from olmo_ctl.rundir import Composite
+
+    name = prep.rundir.name
+    if Composite(prep.settings.run_root, name).exists():
+        raise BadInput(
+            f"`{name}` is a run of ingredients: `resume-until-done` runs it",
+            "submit one of its ingredients' runs (NAME-i1, ...), or choose another run name",
+        )
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What `submit --dry-run` shows: the attempt the same `submit` would send (None: the run is
+    complete, a submit sends nothing), and the lines for the terminal."""
+
+    backend: Backend
+    request: Attempt | None
+    notes: list[str]
+    prepared: Prepared | None = None  # None: rendered from the command line alone
+
+
 def dry_run(
     settings: Settings,
     run: str,
-    recipe: Recipe,
-    target: Target,
+    recipe: Recipe | None,
+    device: Device | None,
+    slices: int | None = None,
     attempt: int | None = None,
     extra_args: tuple[str, ...] = (),
-) -> tuple[Backend, Attempt, list[str]]:
-    """What `submit --dry-run` renders: attempt `attempt` (1) of `run` from the command line alone,
-    placeholders allowed; (backend, request, notes)."""
+) -> DryRun:
+    """`submit --dry-run`: what the same `submit` would do, writing nothing. Where the run root can be
+    read, the run is prepared as `submit_run` prepares it (`prepare_run`: every refusal of the run
+    directory and the recipe, with the same line and exit code; an existing run's own recipe, device and
+    slices), a run of ingredients is refused, a complete run sends nothing, a live supervisor's lease is
+    refused, and the attempt number is the one `submit_next` would take (the journal's next, above any
+    the run's lease reserved). The cluster is not asked (its Kueue objects, a live attempt) and nothing
+    is compiled. Where the run root cannot be read (site settings with placeholders, or storage that
+    refuses this machine), attempt 1 (or `attempt`) of a new run from the command line alone, and a
+    note says why."""
+    from olmo_ctl.rundir import LeaseHeld, RunDir
+
+    validate_run_name(run)
+    why = None
+    if placeholders(settings):
+        mine = _local_runs(settings)  # a run of this machine's continues with its own settings
+        here = None if mine is None else RunDir.of(mine.run_root, run)
+        if (
+            mine is None
+            or here is None
+            or not os.path.isdir(here.path)
+            or not here.exists()
+            or placeholders(run_settings(mine, here))
+        ):
+            return _from_command_line(settings, run, recipe, device, slices, attempt, extra_args)
+    else:
+        try:
+            RunDir.of(settings.run_root, run).exists()
+        except BadInput:
+            raise
+        except OlmoCtlError as e:  # no credentials, storage unreachable: what this machine cannot read
+            why = (
+                f"the run root {settings.run_root} could not be read ({e.one_line()}): shown as a new run's "
+                "attempt; `submit` reads the run directory first"
+            )
+    if why is not None:
+        shown = _from_command_line(settings, run, recipe, device, slices, attempt, extra_args)
+        return dataclasses.replace(shown, notes=[why, *shown.notes])
+    prep = prepare_run(
+        settings, run, recipe=recipe, device=device, slices=slices, attempt=attempt, extra_args=extra_args
+    )
+    refuse_ingredients(prep)
+    data = data_root_note(prep.request.recipe.data.root)
+    notes = prep.notes + ([data] if data else [])
+    if prep.complete:
+        return DryRun(prep.backend, None, notes, prep)
+    n = prep.request.attempt
+    if not prep.new_run:
+        held = prep.rundir.live_lease()
+        if held is not None:
+            raise LeaseHeld(prep.rundir.name, held)
+        n = max(n, int((prep.rundir.read_lease() or {}).get("reserved_attempt", 0)) + 1)
+    return DryRun(prep.backend, dataclasses.replace(prep.request, attempt=n), notes, prep)
+
+
+def _from_command_line(
+    settings: Settings,
+    run: str,
+    recipe: Recipe | None,
+    device: Device | None,
+    slices: int | None,
+    attempt: int | None,
+    extra_args: tuple[str, ...],
+) -> DryRun:
+    """Attempt `attempt` (1) of a new run `run`, from the command line alone, placeholders allowed."""
+    if recipe is None:
+        raise BadInput("no recipe given", "pass --stage 1|2|3 or --recipe FILE|NAME")
+    if device is None:
+        raise BadInput("--dry-run renders a new run's attempt: it needs --device", "e.g. --device tpu7x-128")
     backend = make_backend(settings)
     run_dir = f"{settings.run_root.rstrip('/')}/{run}"
     n = 1 if attempt is None else attempt
+    target = Target.of(device, slices)
     request = prepare(
         backend, run, run_dir, n, target, recipe, settings=settings, extra_args=extra_args, render_only=True
     )
     data = data_root_note(recipe.data.root)  # what a submit would read, said before it is read
-    return backend, request, backend.notes(request, render_only=True) + ([data] if data else [])
+    return DryRun(backend, request, backend.notes(request, render_only=True) + ([data] if data else []))
 
 
 def check_attempt(

@@ -62,6 +62,7 @@ from typing import NoReturn, cast
 
 from olmo_ctl.backends.base import AttemptStatus, Backend, Handle, State, Target
 from olmo_ctl.backends.kube import ApiUnreachable
+from olmo_ctl.core.contracts import primary_loss_tag
 from olmo_ctl.core.devices import Device
 from olmo_ctl.core.errors import (
     EXIT_BAD_INPUT,
@@ -100,12 +101,19 @@ from olmo_ctl.supervise.policy import (
 )
 
 API_BACKOFF_CAP_S = 300.0  # the longest pause between calls while the Kubernetes API is unreachable
-PROGRESS_EVERY_S = 60.0  # off a terminal: a progress line at most this often, and only when the step moved
+# Off a terminal: a progress line only when the step moved, at most every PROGRESS_EVERY_S for the first
+# PROGRESS_FAST_FOR_S after the first one (a short run, a demo: its steps seen as they go), then at
+# most every PROGRESS_LATER_EVERY_S (a days-long run's log stays readable).
+PROGRESS_EVERY_S = 10.0
+PROGRESS_FAST_FOR_S = 600.0
+PROGRESS_LATER_EVERY_S = 60.0
 
 
 class Printer:
     """One timestamped line per state change; on a TTY a progress bar with step and ETA, elsewhere (a
-    pipe, a `nohup` log) a progress line when the step moved, at most every `progress_every_s`."""
+    pipe, a `nohup` log) a progress line when the step moved, at most every `progress_every_s` for
+    `PROGRESS_FAST_FOR_S`, then at most every `PROGRESS_LATER_EVERY_S` (or `progress_every_s`, if
+    longer)."""
 
     def __init__(
         self,
@@ -121,6 +129,7 @@ class Printer:
         self.progress_every_s = progress_every_s
         self._bar = False
         self._last_progress: tuple[float, int] | None = None  # (when, step) of the last progress line
+        self._first_progress: float | None = None  # when the first progress line was printed
 
     def line(self, text: str) -> None:
         if self._bar:
@@ -147,10 +156,14 @@ class Printer:
         eta = "?" if eta_s is None else _fmt_s(eta_s)
         if not self.tty:
             now = self.clock()
-            last = self._last_progress
-            if last is not None and (step == last[1] or now - last[0] < self.progress_every_s):
+            last, first = self._last_progress, self._first_progress
+            every = self.progress_every_s
+            if first is not None and now - first >= PROGRESS_FAST_FOR_S:
+                every = max(every, PROGRESS_LATER_EVERY_S)
+            if last is not None and (step == last[1] or now - last[0] < every):
                 return
             self._last_progress = (now, step)
+            self._first_progress = now if first is None else first
             self.line(f"step {step}/{final} ({100 * min(step, final) / final:.1f}%), ETA {eta}")
             return
         width = 30
@@ -679,13 +692,13 @@ class Supervisor:
         return EXIT_OK
 
     def _last_loss(self) -> str | None:
-        """The final `train/CE loss`: from the trainer's last step line, else from the run's events."""
+        """The final training loss: from the trainer's last step line, else from the run's events."""
         if self.handle is not None:
             seen = self.backend.progress(self.handle)
             if seen.loss is not None:
                 return seen.loss
         try:
-            s = read_scalars(self.rd.p("tensorboard")).series("train/CE loss")
+            s = read_scalars(self.rd.p("tensorboard")).series(primary_loss_tag())
             return f"{float(s.values[-1]):.4f}" if s is not None and len(s) else None
         except (OlmoCtlError, OSError, ValueError):
             return None  # the loss is a courtesy; the run is done either way

@@ -5,9 +5,9 @@ and count, skip-step window, step counter) plus a JSON `meta` item (data-loader 
 fingerprint, seed). The next step to run after restoring `<N>` is step N+1.
 
 Each checkpoint is an Orbax `Composite(state=StandardSave, meta=JsonSave)` written by a
-`CheckpointManager`; only committed steps count (Orbax finalises a step by renaming its tmp
-directory locally, and by a commit marker on gs://), so a kill during a write never yields a step
-that a restart would restore. Saves may be asynchronous: `wait()` before the process exits.
+`CheckpointManager`; only committed steps count: a step directory that holds Orbax's commit marker
+(`rundir.committed_steps_in`, the one rule everywhere), so neither a kill during a write nor a step
+directory copied by hand and cut off midway yields a step that a restart would restore. Saves may be asynchronous: `wait()` before the process exits.
 
 Upload throttling (`upload_hosts` K > 0, OLMo-core's `throttle_uploads`): the hosts write their
 array shards in rounds of K by process index, each round after the previous one has finished writing
@@ -23,9 +23,11 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from olmo_ctl import storage
+from olmo_ctl.core.errors import OlmoCtlError
 from olmo_ctl.storage import is_gcs, join
 
 
@@ -64,8 +66,10 @@ class Checkpointer:
     """The run's CheckpointManager with the two items every checkpoint holds.
 
     Tiered (`permanent_every` > 0, the recipe's `checkpoint.interval` when it also has an
-    `ephemeral_interval`): a checkpoint whose step is a multiple of `permanent_every` is permanent
-    (the newest `keep` of them stay; 0 keeps all), any other is ephemeral. Orbax then deletes nothing
+    `ephemeral_interval`): a checkpoint whose step is a multiple of `permanent_every` when it is saved
+    is permanent (the newest `keep` of them stay; 0 keeps all), any other is ephemeral. The class is
+    fixed at the save (`meta["permanent"]`), so an amended interval never turns a permanent
+    checkpoint into an ephemeral one (`saved_permanent`). Orbax then deletes nothing
     itself: `prune` deletes what a newer committed checkpoint makes redundant (every ephemeral one but
     the newest checkpoint, and the permanent ones beyond `keep`), and runs only when no save is in
     flight (before the next save starts, and at close), so a checkpoint is deleted only after a later
@@ -80,10 +84,17 @@ class Checkpointer:
         read_only: bool = False,
         permanent_every: int = 0,
         upload_hosts: int = 0,
+        past_intervals: tuple[int, ...] = (),
     ):
         ocp = _ocp()
         self.directory = _path(directory)
         self.keep, self.permanent_every, self._read_only = keep, permanent_every, read_only
+        # The permanent intervals the run had before (an amended `checkpoint.interval`): a checkpoint
+        # saved before its class was recorded is permanent when it is a multiple of any of them.
+        self.past_intervals = tuple(i for i in past_intervals if i and i > 0)
+        self._permanent: dict[int, bool] = {}  # step -> its class as saved (read once per process)
+        if not read_only:
+            self.set_aside_uncommitted()
         # Throttled only when it holds some host back: one process, or K >= hosts, is Orbax's own handler.
         self._rounds = None if read_only else UploadRounds.for_world(upload_hosts)
         writes_async = async_save and not read_only
@@ -141,9 +152,57 @@ class Checkpointer:
         """The run's manager as its recipe's `checkpoint` section says (tiered when it has ephemeral
         ones, throttled when it has `upload_hosts`)."""
         c = recipe.checkpoint
-        return cls.for_run(
-            run_dir, c.keep, c.async_save, c.interval if c.ephemeral_interval else 0, c.upload_hosts
+        return cls(
+            checkpoints_dir(run_dir),
+            c.keep,
+            c.async_save,
+            permanent_every=c.interval if c.ephemeral_interval else 0,
+            upload_hosts=c.upload_hosts,
+            past_intervals=past_intervals(run_dir),
         )
+
+    def set_aside_uncommitted(self) -> list[str]:
+        """Move each local step directory without a commit marker (`rundir.uncommitted_step_dirs`: a
+        copy cut off midway) out of the checkpoints, to `checkpoints.uncommitted/<N>-<time>` beside
+        them: it is never restored, and Orbax would refuse to save that step again. Nothing is deleted.
+        Every process may call it; the one whose rename wins moves it. The new paths."""
+        from olmo_ctl.rundir import uncommitted_step_dirs
+
+        moved = []
+        for step in uncommitted_step_dirs(self.directory):
+            aside = self.directory.rstrip("/") + ".uncommitted"
+            dst = os.path.join(aside, f"{step}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+            try:
+                os.makedirs(aside, exist_ok=True)
+                os.rename(os.path.join(self.directory, str(step)), dst)
+            except FileNotFoundError:  # another process of this attempt moved it first
+                continue
+            except OSError as e:
+                raise OlmoCtlError(
+                    f"checkpoint step directory `{os.path.join(self.directory, str(step))}` has no commit"
+                    f" marker and could not be moved aside ({e})",
+                    "move it out of the checkpoints directory by hand; it is not a committed checkpoint",
+                    exit_code=3,
+                ) from None
+            print(
+                f"warning: `{os.path.join(self.directory, str(step))}` has no commit marker (a copy cut off"
+                f" midway?): not a checkpoint; moved to `{dst}`",
+                flush=True,
+            )
+            moved.append(dst)
+        if moved and hasattr(self, "_mngr"):
+            self._mngr.reload()
+        return moved
+
+    def saved_permanent(self, step: int) -> bool:
+        """Whether committed checkpoint `step` is permanent (`rundir.saved_permanent`: the class it was
+        saved with), read once per process."""
+        from olmo_ctl.rundir import saved_permanent
+
+        if step not in self._permanent:
+            intervals = (self.permanent_every, *self.past_intervals)
+            self._permanent[step] = saved_permanent(self.directory, step, intervals)
+        return self._permanent[step]
 
     def prune(self, at_step: int) -> list[int]:
         """Delete the committed checkpoints a newer committed one made redundant (tiered only:
@@ -151,7 +210,9 @@ class Checkpointer:
         is collective), with no save in flight; `at_step` is the step about to be saved (or the last)."""
         from olmo_ctl.trainer import injected
 
-        doomed = redundant_steps(list(self._mngr.all_steps()), self.permanent_every, self.keep)
+        doomed = redundant_steps(
+            self.committed_steps(), self.permanent_every, self.keep, self.saved_permanent
+        )
         for i, step in enumerate(doomed):
             injected.kill_in_prune(at_step, i)  # tests only: a kill before the i-th deletion
             self._mngr.delete(step)
@@ -160,8 +221,11 @@ class Checkpointer:
         return doomed
 
     def committed_steps(self) -> list[int]:
+        """The committed steps (`rundir.committed_steps_in`: the one rule everywhere)."""
+        from olmo_ctl.rundir import committed_steps_in
+
         self._mngr.reload()
-        return sorted(self._mngr.all_steps())
+        return committed_steps_in(self.directory)
 
     def latest_step(self) -> int | None:
         steps = self.committed_steps()
@@ -175,6 +239,9 @@ class Checkpointer:
         if self.permanent_every:
             self._mngr.wait_until_finished()  # the previous save committed (save() would wait too) ...
             self.prune(step)  # ... so what it made redundant goes, before this one starts
+            # The class is fixed now: a later `checkpoint.interval` never reclassifies it.
+            meta = {**meta, "permanent": step % self.permanent_every == 0}
+            self._permanent[step] = meta["permanent"]
         if self._rounds is not None:
             self._rounds.step = step  # read by the array handler within save(), on this thread
         self._mngr.save(
@@ -213,8 +280,10 @@ class Checkpointer:
 
     def close(self) -> None:
         self._mngr.wait_until_finished()
-        if self.permanent_every and not self._read_only and self._mngr.all_steps():
-            self.prune(max(self._mngr.all_steps()))
+        if self.permanent_every and not self._read_only:
+            steps = self.committed_steps()
+            if steps:
+                self.prune(steps[-1])
         self._mngr.close()
 
 
@@ -384,16 +453,31 @@ def _throttled_state_handler(rounds: UploadRounds):
     return handler
 
 
-def redundant_steps(steps: list[int], permanent_every: int, keep: int) -> list[int]:
-    """Of the committed `steps`, those a tiered run deletes: every one but the newest that is not a
-    multiple of `permanent_every` (ephemeral), and the permanent ones older than the newest `keep` of
-    them (0 keeps all). The newest checkpoint is never one of them. Nothing when not tiered."""
+def redundant_steps(
+    steps: list[int], permanent_every: int, keep: int, is_permanent: Callable[[int], bool] | None = None
+) -> list[int]:
+    """Of the committed `steps`, those a tiered run deletes: every one but the newest that is not
+    permanent (ephemeral), and the permanent ones older than the newest `keep` of them (0 keeps all).
+    A step is permanent as `is_permanent` says (the class it was saved with: `saved_permanent`), else
+    when it is a multiple of `permanent_every`. The newest checkpoint is never one of them. Nothing
+    when not tiered."""
     if not permanent_every or not steps:
         return []
     steps = sorted(steps)
-    permanent = [s for s in steps if s % permanent_every == 0]
+    permanent = [s for s in steps if (is_permanent(s) if is_permanent else s % permanent_every == 0)]
     kept = set(permanent[-keep:] if keep else permanent) | {steps[-1]}
     return [s for s in steps if s not in kept]
+
+
+def past_intervals(run_dir: str) -> tuple[int, ...]:
+    """Every `checkpoint.interval` the run at `run_dir` had (`rundir.checkpoint_intervals` of its
+    run.yaml); () where there is none to read (a trainer run on a bare directory)."""
+    from olmo_ctl.rundir import RunDir, checkpoint_intervals
+
+    try:
+        return checkpoint_intervals(RunDir(run_dir).read_run())
+    except OlmoCtlError:
+        return ()
 
 
 def _tree_map_meta(fn, tree):

@@ -40,15 +40,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from olmo_ctl.core.contracts import DOWNSTREAM_PREFIX
 from olmo_ctl.core.errors import BadInput
 from olmo_ctl.core.recipe import tokenizer_spec
+from olmo_ctl.core.text import closest
 from olmo_ctl.data.tokenizer import BYTES_TOKENIZER as BYTES_TOKENIZER
 from olmo_ctl.data.tokenizer import bytes_tokenizer_json as bytes_tokenizer_json
 from olmo_ctl.data.tokenizer import tokenizer_path
 from olmo_ctl.trainer.evaluator import Evaluation, Evaluator
 from olmo_ctl.trainer.lm_eval import IGNORE_INDEX
 
-DOWNSTREAM_PREFIX = "eval/downstream/"
 ROW_MULTIPLE = 128  # ai2-olmo-eval's collate_fn pads a batch to its longest query rounded up to this
 LOG_2_OF_E = 1.44269504089  # olmo_eval.metrics
 
@@ -155,11 +156,16 @@ def check_tasks(labels) -> None:
     known = set(known_tasks())
     for label in labels:
         if label not in known:
-            close = [k for k in sorted(known) if k.startswith(label.split("_")[0])][:4]
+            meant = closest(str(label), known, cutoff=0.8)
+            close = [k for k in sorted(known) if k.startswith(str(label).split("_")[0])][:4]
             raise BadInput(
                 f"unknown downstream task {label!r}",
-                f"ai2-olmo-eval's labels, e.g. {', '.join(close or sorted(known)[:4])}"
-                " (`olmo-ctl eval --list-tasks` prints them all)",
+                (
+                    f"did you mean `{meant}`?"
+                    if meant
+                    else f"ai2-olmo-eval's labels, e.g. {', '.join(close or sorted(known)[:4])}"
+                )
+                + " (`olmo-ctl eval --list-tasks` prints them all)",
             )
 
 

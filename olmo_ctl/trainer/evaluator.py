@@ -19,6 +19,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from olmo_ctl.core.contracts import EVAL_LOSS_TAG
+
 
 @dataclass(frozen=True)
 class Evaluation:
@@ -64,7 +66,7 @@ class HeldOutLoss(Evaluator):
         ce = sum(float(c) for cs, _ in host for c in cs)
         n = sum(float(k) for _, ks in host for k in ks)
         loss = ce / max(n, 1.0)
-        return Evaluation({"eval/lm_loss": loss}, f"lm_loss {loss:.4f}")
+        return Evaluation({EVAL_LOSS_TAG: loss}, f"lm_loss {loss:.4f}")
 
 
 def _eval_batches(s) -> list[dict[str, Any]]:

@@ -41,7 +41,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from olmo_ctl.core import faults, stragglers
-from olmo_ctl.core.contracts import EXIT_SIGTERM, STOP_BUDGET_ENV, step_line
+from olmo_ctl.core.contracts import (
+    DATA_WAIT_TAG,
+    EXIT_SIGTERM,
+    GRAD_NORM_TAG,
+    LR_GROUP1_TAG,
+    LR_TAG,
+    MFU_AVG_TAG,
+    MFU_TAG,
+    PPL_TAG,
+    SAVE_DURATION_TAG,
+    STEP_SKIPPED_PARITY_TAG,
+    STEP_SKIPPED_TAG,
+    STEP_TIME_TAG,
+    STOP_BUDGET_ENV,
+    TFLOPS_TAG,
+    TOTAL_TOKENS_PARITY_TAG,
+    TOTAL_TOKENS_TAG,
+    TPS_AVG_TAG,
+    TPS_TAG,
+    Z_LOSS_TAG,
+    host_tag,
+    primary_loss_tag,
+    step_line,
+)
 from olmo_ctl.trainer import injected
 from olmo_ctl.trainer.evaluator import Evaluator
 from olmo_ctl.trainer.exits import TrainingFailed
@@ -358,7 +381,7 @@ class CheckpointHook(Hook):
             if final:
                 loop.ckpt.wait()
         if loop.s.proc == 0:
-            loop.events.scalars(loop.step, {"checkpoint/save_duration_s": secs})
+            loop.events.scalars(loop.step, {SAVE_DURATION_TAG: secs})
         upload_events(loop)
 
     @staticmethod
@@ -402,7 +425,11 @@ class StragglerHook(Hook):
         values = {}
         for h, (st, dw, comp) in enumerate(rows):
             values.update(
-                {f"hosts/{h}/step_time_s": st, f"hosts/{h}/data_wait_s": dw, f"hosts/{h}/compute_s": comp}
+                {
+                    host_tag(h, "step_time_s"): st,
+                    host_tag(h, "data_wait_s"): dw,
+                    host_tag(h, "compute_s"): comp,
+                }
             )
             self.host_windows.setdefault(h, []).append({"data_wait_s": dw, "compute_s": comp})
             del self.host_windows[h][: -stragglers.RECENT]
@@ -445,23 +472,23 @@ class MetricsHook(Hook):
         tps_avg = tokens_per_step * w.steps_run / max(w.elapsed_s, 1e-9) / self.plan.devices
         mfu_avg = flops.mfu(flops.tflops_per_device(tps_avg, self.fpt), self.device)
         values = {
-            "train/CE loss": ce,
-            "train/PPL": math.exp(min(ce, 80.0)),
-            "train/Z loss": float(m["z"]),
-            "optim/total grad norm": grad_norm,
-            "optim/LR (group 0)": lr,
-            "optim/LR (group 1)": lr,
-            "optim/step skipped": float(m["skipped"]),
-            "optim/step_skipped": float(m["skipped"]),
-            "throughput/total tokens": float(step * tokens_per_step),
-            "perf/total_tokens": float(step * tokens_per_step),
-            "throughput/device/TPS": tps,
-            "throughput/device/TPS (actual avg)": tps_avg,
-            "throughput/device/TFLOPS": tflops,
-            "throughput/device/MFU": mfu,
-            "throughput/device/MFU (actual avg)": mfu_avg,
-            "throughput/device/data loading (s)": load_s,
-            "perf/step_time_s": w.step_time_s,
+            primary_loss_tag(): ce,
+            PPL_TAG: math.exp(min(ce, 80.0)),
+            Z_LOSS_TAG: float(m["z"]),
+            GRAD_NORM_TAG: grad_norm,
+            LR_TAG: lr,
+            LR_GROUP1_TAG: lr,
+            STEP_SKIPPED_TAG: float(m["skipped"]),
+            STEP_SKIPPED_PARITY_TAG: float(m["skipped"]),
+            TOTAL_TOKENS_TAG: float(step * tokens_per_step),
+            TOTAL_TOKENS_PARITY_TAG: float(step * tokens_per_step),
+            TPS_TAG: tps,
+            TPS_AVG_TAG: tps_avg,
+            TFLOPS_TAG: tflops,
+            MFU_TAG: mfu,
+            MFU_AVG_TAG: mfu_avg,
+            DATA_WAIT_TAG: load_s,
+            STEP_TIME_TAG: w.step_time_s,
         }
         loop.events.scalars(step, values, w.wall)
         print(

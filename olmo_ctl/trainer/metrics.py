@@ -21,36 +21,15 @@ import os
 import socket
 import time
 
-from olmo_ctl.core.contracts import segment_name
+from olmo_ctl.core.contracts import (
+    DATA_SETUP_TAG,
+    RESTORE_DURATION_TAG,
+    SINCE_START_TAG,
+    segment_name,
+)
 from olmo_ctl.storage import join, store_for
 
 _IMPORTED_AT = time.time()
-
-# The OLMo-core tag names plus the TPU case study's parity tags (docs/CONTRACTS.md).
-TAGS = (
-    "train/CE loss",
-    "train/PPL",
-    "train/Z loss",
-    "optim/total grad norm",
-    "optim/LR (group 0)",
-    "optim/LR (group 1)",
-    "optim/step skipped",
-    "optim/step_skipped",
-    "throughput/total tokens",
-    "perf/total_tokens",
-    "throughput/device/TPS",
-    "throughput/device/TPS (actual avg)",
-    "throughput/device/TFLOPS",
-    "throughput/device/MFU",
-    "throughput/device/MFU (actual avg)",
-    "throughput/device/data loading (s)",
-    "perf/step_time_s",
-    "checkpoint/save_duration_s",
-    "checkpoint/restore_duration_s",
-    "timing/data_setup_s",
-    "timing/since_start_s",
-    "eval/lm_loss",
-)
 
 
 def _process_started_at() -> float:
@@ -102,12 +81,12 @@ class EventLog:
         """The parts of this trainer start, at the step it restored (observe/goodput.py reads them): the
         data set-up and the restore as [start, end] wall times, and the seconds since the process
         started, at the restore's end."""
-        self.scalars(step, {"timing/data_setup_s": data_setup[1] - data_setup[0]}, data_setup[1])
+        self.scalars(step, {DATA_SETUP_TAG: data_setup[1] - data_setup[0]}, data_setup[1])
         self.scalars(
             step,
             {
-                "checkpoint/restore_duration_s": restore[1] - restore[0],
-                "timing/since_start_s": restore[1] - _process_started_at(),
+                RESTORE_DURATION_TAG: restore[1] - restore[0],
+                SINCE_START_TAG: restore[1] - _process_started_at(),
             },
             restore[1],
         )

@@ -1,5 +1,6 @@
-"""JAX for commands that compute on this machine's CPU (convert, parity, surgery, preflight, eval): no
-TPU runtime noise; `cpu_devices(n)`, N host CPU devices in this process.
+"""JAX for commands that compute on this machine's CPU (convert, parity, surgery, preflight, eval, and
+the warm-Adam starts and the soup `resume-until-done` writes for a run of ingredients, in its own
+process: `cpu_only_while`): no TPU runtime noise; `cpu_devices(n)`, N host CPU devices in this process.
 
 Where libtpu is installed (the `tpu` extra, which preflight needs), JAX's first use probes for a TPU
 and libtpu logs, on a machine without one, lines that read like failures: `E0000 ... INVALID_ARGUMENT:

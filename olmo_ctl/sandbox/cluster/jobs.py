@@ -306,14 +306,19 @@ def new_pod(w: World, job: dict, index: int) -> dict:
             "ownerReferences": [owner_ref(job, "batch/v1", "Job")],
         },
         "spec": spec,
-        "status": {
-            "phase": "Pending",
-            "conditions": [],
-            "containerStatuses": [_waiting(c, "ContainerCreating") for c in spec.get("containers") or []],
-            **(
-                {"initContainerStatuses": [_waiting(c, "PodInitializing") for c in sidecars(spec)]}
-                if sidecars(spec)
-                else {}
-            ),
-        },
+        "status": pending_status(spec),
+    }
+
+
+def pending_status(spec: dict) -> dict:
+    """A new pod's status until the kubelet starts it: Pending, each container waiting."""
+    return {
+        "phase": "Pending",
+        "conditions": [],
+        "containerStatuses": [_waiting(c, "ContainerCreating") for c in spec.get("containers") or []],
+        **(
+            {"initContainerStatuses": [_waiting(c, "PodInitializing") for c in sidecars(spec)]}
+            if sidecars(spec)
+            else {}
+        ),
     }

@@ -169,13 +169,16 @@ class World(Hooks):
             obj["metadata"].setdefault("uid", str(uuid.uuid4()))
             obj["metadata"].setdefault("creationTimestamp", self.now())
             obj["metadata"].setdefault("generation", 1)
+        # An object keeps the served version it was written in (a Workload applied as v1beta2)
+        version = (obj.get("apiVersion") or "").rpartition("/")[2]
+        version = version if version in res.versions else res.versions[0]
         if res.crd:
             errs = schema_errors(
-                {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}, res.crd, res.versions[0]
+                {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}, res.crd, version
             )
             if errs:
                 raise AssertionError(f"the test cluster wrote an invalid {kind}: {errs}")
-        obj["apiVersion"], obj["kind"] = res.api_version(), res.kind
+        obj["apiVersion"], obj["kind"] = res.api_version(version), res.kind
         return self.store.put(res, obj)
 
     @staticmethod
@@ -234,9 +237,13 @@ class World(Hooks):
         self.reconcile()
 
     def admit(self, res, obj: dict) -> None:
-        """Kueue's JobSet webhook: a JobSet with a queue label is created suspended."""
+        """Kueue's JobSet webhook: a JobSet with a queue label is created suspended. A pod created
+        through the API (not by a Job) starts with the status a Job's pod starts with: Pending, each
+        container waiting, as the kubelet reports it until it starts them."""
         if res.kind == "JobSet" and QUEUE_LABEL in labels(obj):
             obj.setdefault("spec", {})["suspend"] = True
+        if res.kind == "Pod":
+            obj["status"] = {**jobctl.pending_status(obj["spec"]), **obj["status"]}
 
     def written(self) -> None:
         self.reconcile()
