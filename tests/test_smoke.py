@@ -246,13 +246,15 @@ class _Kubelet:
 
 @pytest.mark.chaos
 @pytest.mark.gcs
-def test_gke_smoke_on_v5p_8_against_the_test_cluster_and_gcs(tmp_path, srv, gcs):
+def test_gke_smoke_on_v5p_8_against_the_test_cluster_and_gcs(tmp_path, srv, gcs, monkeypatch):
     """The GKE path as the TPU workflow runs it: JobSets through the Kubernetes API, progress from the pod
-    log, the stop by JobSet deletion (the trainer gets SIGTERM), checkpoints and events on gs://."""
+    log, the stop by JobSet deletion (the trainer gets SIGTERM), checkpoints and events on gs://; a wait
+    says what it waits for (every PROGRESS_S, made short here)."""
     from olmo_ctl.backends.gke import GKEBackend
     from olmo_ctl.backends.kube import KubeRetryPolicy
     from olmo_ctl.core.config import Settings
     from olmo_ctl.core.devices import Target
+    from olmo_ctl.supervise import smoke
     from olmo_ctl.supervise.smoke import SmokeConfig, run_smoke
 
     bucket = gcs.bucket
@@ -264,9 +266,15 @@ def test_gke_smoke_on_v5p_8_against_the_test_cluster_and_gcs(tmp_path, srv, gcs)
             base_s=0.01, max_s=0.05, budget_s=5.0, connect_timeout_s=1.0, read_timeout_s=5.0
         )
         be = GKEBackend(host=srv.url, settings=settings, retry=fast)
-        report = run_smoke(be, root, SmokeConfig(Target.parse("v5p-8"), poll_s=0.2), timeout_s=400, log=print)
+        monkeypatch.setattr(smoke, "PROGRESS_S", 0.5)
+        said: list[str] = []
+        report = run_smoke(
+            be, root, SmokeConfig(Target.parse("v5p-8"), poll_s=0.2), timeout_s=400, log=said.append
+        )
     finally:
         kubelet.close()
+    print("\n".join(said))
+    assert any(": waiting for step " in line and line.endswith(" s)") for line in said), said
     print("\n".join(report.summary_lines()))
     assert report.exit_code == 0, report.summary_lines()
     assert report.facts["per_device_batch"] == 2 and report.facts["global_batch"] == 8

@@ -246,6 +246,9 @@ class _Outcome:
         return f"{self.state}{code} ({self.reason}){': ' + last.strip() if last else ''}"
 
 
+PROGRESS_S = 10.0  # a wait longer than this says, this often, that it still waits and for what
+
+
 def last_logged_step(lines: list[str]) -> int | None:
     return log_progress(lines).max_step
 
@@ -272,6 +275,14 @@ class _Driver:
         self.poll_s = poll_s
         self.log = log
         self.live: list = []  # handles that may still run (stopped on timeout)
+        self._said = time.monotonic()  # when the last line was logged (a wait says it still waits)
+
+    def _still(self, what: str, since: float) -> None:
+        """A line every PROGRESS_S of a wait (a pod's image pull and start take a minute or two on GKE)."""
+        now = time.monotonic()
+        if now - self._said >= PROGRESS_S:
+            self._said = now
+            self.log(f"{what} ({now - since:.0f} s)")
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -324,12 +335,16 @@ class _Driver:
 
     def wait_for_step(self, handle, step: int) -> tuple[bool, int | None]:
         """Poll the attempt's log until it logs `step` (True) or ends first (False)."""
+        since = self._said = time.monotonic()
         while True:
             last = last_logged_step(self.backend.logs(handle, 200))
             if last is not None and last >= step:
                 return True, last
-            if self.backend.status(handle).state.terminal:
+            st = self.backend.status(handle)
+            if st.state.terminal:
                 return False, last_logged_step(self.backend.logs(handle, 200))
+            at = "no step logged yet" if last is None else f"step {last} logged"
+            self._still(f"{handle.name}: waiting for step {step}: {st.state.value}, {at}", since)
             self._tick()
 
     def stop(self, handle) -> None:
@@ -344,10 +359,12 @@ class _Driver:
             raise SmokeTimeout()
 
     def wait_end(self, handle, rundir) -> _Outcome:
+        since = self._said = time.monotonic()
         while True:
             st = self.backend.status(handle)
             if st.state.terminal:
                 break
+            self._still(f"{handle.name}: waiting for the attempt to end: {st.state.value}", since)
             self._tick()
         if handle in self.live:
             self.live.remove(handle)
