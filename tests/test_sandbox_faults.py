@@ -485,3 +485,31 @@ def test_with_pods_as_processes_a_host_event_kills_them_and_a_silent_kubelet_let
         assert any(f"SIGTERM to pid {pid}" in ln or f"SIGKILL to pid {pid}" in ln for ln in runner.lines), (
             runner.lines
         )
+
+
+def test_a_shell_whose_sandbox_stopped_is_told_at_once(tmp_path):
+    """The environment file names the serving process (OLMO_CTL_SANDBOX_PID, as the docs use it); once
+    the sandbox has stopped, a command in a shell that sourced it says so at once (exit 2), where its
+    API and emulator would be waited on; `config show` still shows the settings."""
+    import os
+    import time
+
+    from helpers.cli import clean_env
+
+    from olmo_ctl.sandbox.sandbox import env_file_for, parse_exports
+
+    kc = tmp_path / "sb.kubeconfig"
+    p = start_subprocess(kc, "--slices", "v5p-8=1", "--no-run-pods")
+    try:
+        exports = parse_exports(env_file_for(kc).read_text())
+    finally:
+        stop_subprocess(p)
+    assert exports["OLMO_CTL_SANDBOX_PID"] == str(p.pid)
+    env = {**clean_env(tmp_path / "xdg"), **exports}
+    t0 = time.monotonic()
+    r = invoke("runs", env=env)
+    assert r.returncode == 2 and time.monotonic() - t0 < 5, r.stderr
+    assert f"(OLMO_CTL_SANDBOX_PID={p.pid}) has stopped" in r.stderr and "unset KUBECONFIG" in r.stderr
+    assert invoke("config", "show", env=env).returncode == 0
+    env["OLMO_CTL_SANDBOX_PID"] = str(os.getpid())  # a sandbox still serving: nothing said
+    assert "has stopped" not in invoke("runs", env=env).stderr

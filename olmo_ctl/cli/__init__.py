@@ -78,10 +78,45 @@ def usage_line(message: str) -> str:
 UNCAUGHT_INTERRUPT = "olmo-ctl stopped before the command finished"
 
 
+# The commands that work without the cluster and storage a shell's environment names.
+NEEDS_NO_CLUSTER = frozenset({"sandbox", "config", "devices", "recipes", "plan", "--help", "-h", "--version"})
+
+
+def sandbox_gone() -> OlmoCtlError | None:
+    """Bad input when this shell's environment is a sandbox's (`. sandbox.kubeconfig.env` sets
+    OLMO_CTL_SANDBOX_PID) and that sandbox has stopped: said at once, where its API and storage would
+    be waited on for minutes before "unreachable"."""
+    import os
+
+    from olmo_ctl.core.errors import BadInput
+
+    pid = os.environ.get("OLMO_CTL_SANDBOX_PID", "").strip()
+    if not pid.isdigit():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        pass
+    except OSError:  # another user's process of that number: the sandbox is there
+        return None
+    else:
+        return None
+    from olmo_ctl.sandbox.gcs_emulator import ENV_KEYS
+
+    names = " ".join(["KUBECONFIG", *ENV_KEYS])
+    return BadInput(
+        f"the sandbox this shell's environment points at (OLMO_CTL_SANDBOX_PID={pid}) has stopped",
+        f"start it again (`olmo-ctl sandbox ...`), or unset its environment: unset {names}"
+        " $(env | grep -o '^OLMO_CTL_[A-Z_]*')",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     load_commands(args)
     try:
+        if args and args[0] not in NEEDS_NO_CLUSTER and (gone := sandbox_gone()) is not None:
+            raise gone
         rv = app(args=args, prog_name="olmo-ctl", standalone_mode=False)
     except Interrupted as e:  # Ctrl-C: one line saying what was left, from whoever caught it
         sys.stderr.write(f"interrupted: {e.one_line() or UNCAUGHT_INTERRUPT}\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -337,7 +338,10 @@ def _serve(
         sb.start()
         try:
             sb.write_kubeconfig(kubeconfig)
-            exports = export_lines(gke_mode_env(kubeconfig, namespace, queue, gcs_url, gcs_bucket))
+            env = gke_mode_env(kubeconfig, namespace, queue, gcs_url, gcs_bucket)
+            # the serving process: `kill $OLMO_CTL_SANDBOX_PID` stops it, and a command in a shell that
+            # sourced this file says at once when it has stopped (cli.sandbox_gone)
+            exports = export_lines({**env, SANDBOX_PID_ENV: str(os.getpid())})
             write_atomic(env_file, exports)
         except OSError as e:
             raise BadInput(f"cannot write --kubeconfig `{kubeconfig}`: {e.strerror}") from None
@@ -424,8 +428,7 @@ def _detach(kubeconfig: Path, args: list[str]) -> None:
                 exit_code=3,
             )
         time.sleep(0.05)
-    sys.stdout.write(_read(env_file))
-    sys.stdout.write(f"export {SANDBOX_PID_ENV}={p.pid}\n")
+    sys.stdout.write(_read(env_file))  # its OLMO_CTL_SANDBOX_PID is the detached sandbox's
     sys.stdout.write(f"# olmo-ctl sandbox: pid {p.pid}; stop it with: kill {p.pid}; its log: {log_file}\n")
     sys.stdout.flush()
     sys.stderr.write(f"sandbox serving in the background (pid {p.pid}; stop it with: kill {p.pid})\n")
